@@ -1,0 +1,79 @@
+"""flowlock: a workflow (state-machine) engine whose every transition is atomic and applied
+exactly once, with pluggable concurrency control (optimistic, pessimistic).
+
+The public API is what ``__all__`` lists; everything else is internal.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from flowlock.definition import Step, Transition, Workflow
+from flowlock.engine import Engine
+from flowlock.errors import (
+    ConcurrencyError,
+    ConflictRetriesExhausted,
+    DefinitionError,
+    EngineClosed,
+    FlowlockError,
+    GuardRejected,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockError,
+    LockTimeout,
+    MigrationError,
+    PayloadTooLarge,
+    StoreBusy,
+    StoreError,
+    TransitionNotAllowed,
+    TransitionRefused,
+    UnknownEvent,
+    UnknownWorkflow,
+    VersionMismatch,
+)
+from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.strategies.base import Strategy
+from flowlock.strategies.optimistic import Optimistic
+from flowlock.strategies.pessimistic import Pessimistic
+
+try:
+    __version__ = version("flowlock")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ConcurrencyError",
+    "ConflictRetriesExhausted",
+    "DefinitionError",
+    "Engine",
+    "EngineClosed",
+    "FlowlockError",
+    "GuardRejected",
+    "HistoryEntry",
+    "Instance",
+    "InstanceExists",
+    "InstanceNotFound",
+    "InvalidInput",
+    "LockBusy",
+    "LockError",
+    "LockTimeout",
+    "MigrationError",
+    "Optimistic",
+    "Outcome",
+    "PayloadTooLarge",
+    "Pessimistic",
+    "Step",
+    "StoreBusy",
+    "StoreError",
+    "Strategy",
+    "Transition",
+    "TransitionNotAllowed",
+    "TransitionRefused",
+    "UnknownEvent",
+    "UnknownWorkflow",
+    "VersionMismatch",
+    "Workflow",
+    "__version__",
+]

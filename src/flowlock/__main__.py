@@ -1,0 +1,3 @@
+from flowlock.cli import main
+
+main()

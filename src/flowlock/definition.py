@@ -1,0 +1,200 @@
+"""Workflow definitions: states, transitions, guards and effects. Pure values, no I/O.
+
+A definition is validated when it is built, so a workflow that registers is one that can run:
+every state named exists, names are unique, the initial state exists and every state is reachable.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+from flowlock.errors import DefinitionError
+
+if TYPE_CHECKING:
+    from flowlock.models import Instance
+
+__all__ = [
+    "STRATEGIES",
+    "Effect",
+    "Guard",
+    "Step",
+    "StrategyName",
+    "Transition",
+    "Workflow",
+]
+
+StrategyName: TypeAlias = Literal["optimistic", "pessimistic"]
+STRATEGIES: tuple[str, ...] = ("optimistic", "pessimistic")
+
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What an effect may return instead of plain data: new data and, optionally, which of the
+    transition's declared targets to move to (a countersign stays in ``pending`` until quorum)."""
+
+    data: Mapping[str, Any]
+    target: str | None = None
+
+
+Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
+"""``guard(instance, payload, actor)``: True lets the transition run; False, or raising
+:class:`flowlock.GuardRejected` with a reason, refuses it. Pure: it may run more than once."""
+
+Effect: TypeAlias = Callable[
+    ["Instance", Mapping[str, Any], "str | None"], "Mapping[str, Any] | Step"
+]
+"""``effect(instance, payload, actor)``: returns the instance's new data (or a :class:`Step`).
+Must be pure and must not mutate its arguments: the optimistic strategy may run it again."""
+
+
+def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else tuple(value)
+    if not items:
+        raise DefinitionError(f"transition {transition!r} needs at least one {what}")
+    return items
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Transition:
+    """An event that moves an instance from one of ``source`` to ``target``.
+
+    ``target`` may list several states; the first is the default and an effect returning
+    ``Step(target=...)`` picks another of them.
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    guard: Guard | None
+    effect: Effect | None
+    strategy: StrategyName | None
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        source: str | Sequence[str],
+        target: str | Sequence[str],
+        guard: Guard | None = None,
+        effect: Effect | None = None,
+        strategy: StrategyName | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise DefinitionError(
+                f"transition name {name!r} must start with a letter and use only letters, digits, "
+                "'_', '.', '-' (at most 100 characters)"
+            )
+        if strategy is not None and strategy not in STRATEGIES:
+            raise DefinitionError(
+                f"transition {name!r}: unknown strategy {strategy!r}; use one of {STRATEGIES}"
+            )
+        if guard is not None and not callable(guard):
+            raise DefinitionError(f"transition {name!r}: guard must be callable")
+        if effect is not None and not callable(effect):
+            raise DefinitionError(f"transition {name!r}: effect must be callable")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "sources", _names(source, "source", name))
+        object.__setattr__(self, "targets", _names(target, "target", name))
+        object.__setattr__(self, "guard", guard)
+        object.__setattr__(self, "effect", effect)
+        object.__setattr__(self, "strategy", strategy)
+
+    @property
+    def target(self) -> str:
+        """The default target state."""
+        return self.targets[0]
+
+
+@dataclass(frozen=True, slots=True, init=False, eq=False)
+class Workflow:
+    """A named state machine. Validated at construction; raises :class:`DefinitionError`
+    listing every problem found."""
+
+    name: str
+    states: tuple[str, ...]
+    initial: str
+    transitions: Mapping[str, Transition]
+    strategy: StrategyName | None
+    _allowed: Mapping[str, tuple[str, ...]] = field(repr=False, compare=False)
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        states: Iterable[str],
+        initial: str,
+        transitions: Iterable[Transition],
+        strategy: StrategyName | None = None,
+    ) -> None:
+        problems: list[str] = []
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            problems.append(
+                f"workflow name {name!r} must start with a letter and use only letters, digits, "
+                "'_', '.', '-' (at most 100 characters)"
+            )
+        state_list = list(states)
+        state_set = set(state_list)
+        for s in state_list:
+            if not isinstance(s, str) or not _NAME.fullmatch(s):
+                problems.append(f"state name {s!r} is not a valid name")
+        if len(state_set) != len(state_list):
+            dups = sorted({s for s in state_list if state_list.count(s) > 1})
+            problems.append(f"duplicate states: {', '.join(dups)}")
+        if not state_list:
+            problems.append("a workflow needs at least one state")
+        if not initial:
+            problems.append("no initial state given")
+        elif initial not in state_set:
+            problems.append(f"initial state {initial!r} is not one of the states")
+        if strategy is not None and strategy not in STRATEGIES:
+            problems.append(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
+
+        by_name: dict[str, Transition] = {}
+        for t in transitions:
+            if not isinstance(t, Transition):
+                problems.append(f"{t!r} is not a Transition")
+                continue
+            if t.name in by_name:
+                problems.append(f"duplicate transition name {t.name!r}")
+            by_name[t.name] = t
+            for s in (*t.sources, *t.targets):
+                if s not in state_set:
+                    problems.append(f"transition {t.name!r} names unknown state {s!r}")
+
+        if initial in state_set and not problems:
+            reached = {initial}
+            frontier = [initial]
+            while frontier:
+                here = frontier.pop()
+                for t in by_name.values():
+                    if here in t.sources:
+                        for nxt in t.targets:
+                            if nxt not in reached:
+                                reached.add(nxt)
+                                frontier.append(nxt)
+            unreachable = [s for s in state_list if s not in reached]
+            if unreachable:
+                problems.append(f"states unreachable from {initial!r}: {', '.join(unreachable)}")
+        if problems:
+            raise DefinitionError(problems=problems)
+
+        allowed = {s: tuple(t.name for t in by_name.values() if s in t.sources) for s in state_list}
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "states", tuple(state_list))
+        object.__setattr__(self, "initial", initial)
+        object.__setattr__(self, "transitions", dict(by_name))
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "_allowed", allowed)
+
+    def allowed(self, state: str) -> tuple[str, ...]:
+        """The events that may fire from ``state``."""
+        return self._allowed.get(state, ())
+
+    def is_final(self, state: str) -> bool:
+        """A state no event leaves."""
+        return not self._allowed.get(state)

@@ -1,0 +1,75 @@
+"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome.
+
+They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)``), never mutated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+__all__ = ["HistoryEntry", "Instance", "Outcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One workflow instance as stored: its state, its data and its version.
+
+    ``version`` starts at 1 on creation and grows by exactly one per applied transition.
+    ``last_event`` is the event of the last applied transition (None until the first).
+    """
+
+    id: str
+    workflow: str
+    state: str
+    version: int
+    data: Mapping[str, Any]
+    last_event: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def evolve(self, **changes: Any) -> Instance:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    """One applied transition: the instance moved from ``from_state`` to ``to_state`` and
+    reached ``version``; ``data`` is the instance's data after it."""
+
+    instance_id: str
+    version: int
+    event: str
+    from_state: str
+    to_state: str
+    actor: str | None
+    request_id: str | None
+    strategy: str
+    data: Mapping[str, Any]
+    at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The answer to ``engine.fire``.
+
+    - ``applied``: this call applied the transition (exactly one call per transition does).
+    - ``idempotent``: nothing was applied because the same request (same ``request_id``, or the
+      same event that was last applied, for the two-admins case) was applied before; ``instance``
+      is then the instance as that first application left it (``request_id``) or as it is now.
+    - ``attempts``: how many times the step ran (optimistic retries count).
+    - ``strategy``: the concurrency strategy that ran; ``elapsed``: seconds spent in ``fire``.
+    """
+
+    applied: bool
+    idempotent: bool
+    instance: Instance
+    attempts: int
+    strategy: str
+    elapsed: float
+    event: str
+    request_id: str | None = None

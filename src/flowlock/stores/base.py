@@ -1,0 +1,91 @@
+"""The narrow port every store implements (memory, SQLite, PostgreSQL).
+
+Strategies see only this Protocol. Two ways to apply a transition:
+
+- ``read`` then ``commit``: an unlocked read and a version compare-and-swap that appends the
+  history row in the same transaction (the optimistic path, and the distributed one under a lease);
+- ``apply_locked``: read under a row lock, run a pure ``plan`` on what was read, write, commit
+  (the pessimistic path). ``plan`` is synchronous and pure so a store may run it on its own thread.
+
+Every write is a compare-and-swap on ``version``; a stale write changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from flowlock.models import HistoryEntry, Instance
+
+__all__ = ["LockedResult", "Plan", "RowLock", "Snapshot", "Store"]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The instance as read, and the history entry that already carries the caller's
+    ``request_id`` (None when the request is new or no request id was given)."""
+
+    instance: Instance
+    prior: HistoryEntry | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowLock:
+    """How to wait for the instance's row lock: at most ``timeout`` seconds, or not at all
+    (``nowait``, which raises :class:`flowlock.LockBusy` at once)."""
+
+    timeout: float = 5.0
+    nowait: bool = False
+
+
+Plan = Callable[[Snapshot], HistoryEntry | None]
+"""Given what was read under the lock, the history entry to append (version = read version + 1),
+or None to write nothing. May raise a :class:`flowlock.FlowlockError`; the store rolls back."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockedResult:
+    """What ``apply_locked`` saw and, when ``plan`` asked for a write, the committed instance."""
+
+    snapshot: Snapshot
+    committed: Instance | None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Persistence for instances and their history."""
+
+    async def open(self) -> None:
+        """Connect (and migrate, when configured to). Idempotent."""
+
+    async def aclose(self) -> None:
+        """Release every connection. Idempotent."""
+
+    async def migrate(self) -> list[str]:
+        """Apply pending schema migrations; returns the names applied now."""
+
+    async def create(self, instance: Instance) -> Instance:
+        """Insert a new instance at version 1. Raises InstanceExists."""
+
+    async def get(self, instance_id: str) -> Instance:
+        """The instance as committed. Raises InstanceNotFound."""
+
+    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+        """An unlocked, consistent read of the instance and the entry for ``request_id``."""
+
+    async def commit(self, entry: HistoryEntry) -> Instance | None:
+        """Compare-and-swap: move the instance to ``entry`` if it is still at
+        ``entry.version - 1`` and ``entry.request_id`` is new, appending ``entry`` in the same
+        transaction. Returns the committed instance, or None when another writer got there first
+        (version moved, or the same request id was applied meanwhile)."""
+
+    async def apply_locked(
+        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+    ) -> LockedResult:
+        """Lock the instance's row (bounded by ``lock``), read it, run ``plan``, write what it
+        returns with a version compare-and-swap, commit. Raises LockTimeout / LockBusy,
+        InstanceNotFound, or whatever ``plan`` raised (after rolling back)."""
+
+    async def history(self, instance_id: str) -> list[HistoryEntry]:
+        """Every applied transition of the instance, oldest first."""

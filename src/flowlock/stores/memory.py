@@ -1,0 +1,165 @@
+"""An in-process store for unit tests and examples. Same contract as the SQL stores.
+
+Data is round-tripped through JSON on every write and read, as a database would, so a test on the
+memory store catches non-JSON data and aliasing bugs the SQL stores would catch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
+from flowlock.models import HistoryEntry, Instance
+from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+
+__all__ = ["MemoryStore"]
+
+
+def _copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(json.dumps(data))
+    return out
+
+
+class MemoryStore:
+    """Instances and history in dicts; row locks are one asyncio.Lock per instance."""
+
+    def __init__(self) -> None:
+        self._instances: dict[str, Instance] = {}
+        self._history: dict[str, list[HistoryEntry]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._open = False
+
+    async def open(self) -> None:
+        self._open = True
+
+    async def aclose(self) -> None:
+        self._open = False
+
+    async def migrate(self) -> list[str]:
+        return []
+
+    def _check(self) -> None:
+        if not self._open:
+            raise EngineClosed("the memory store is closed; open it first")
+
+    def _load(self, instance_id: str) -> Instance:
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise InstanceNotFound(instance_id)
+        return inst.evolve(data=_copy(inst.data))
+
+    async def create(self, instance: Instance) -> Instance:
+        self._check()
+        if instance.id in self._instances:
+            raise InstanceExists(instance.id)
+        now = datetime.now(UTC)
+        stored = instance.evolve(
+            version=1, data=_copy(instance.data), created_at=now, updated_at=now
+        )
+        self._instances[instance.id] = stored
+        self._history[instance.id] = []
+        return stored.evolve(data=_copy(stored.data))
+
+    async def get(self, instance_id: str) -> Instance:
+        self._check()
+        return self._load(instance_id)
+
+    def _snapshot(self, instance_id: str, request_id: str | None) -> Snapshot:
+        inst = self._load(instance_id)
+        prior = None
+        if request_id is not None:
+            for entry in self._history[instance_id]:
+                if entry.request_id == request_id:
+                    prior = entry
+                    break
+        return Snapshot(inst, prior)
+
+    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+        self._check()
+        snap = self._snapshot(instance_id, request_id)
+        # A real database round trip yields to the loop; so does this, so that concurrency
+        # tests on the memory store interleave readers and writers as they would in production.
+        await asyncio.sleep(0)
+        return snap
+
+    def _write(self, entry: HistoryEntry) -> Instance | None:
+        current = self._instances.get(entry.instance_id)
+        if current is None:
+            raise InstanceNotFound(entry.instance_id)
+        if current.version != entry.version - 1:
+            return None
+        history = self._history[entry.instance_id]
+        if entry.request_id is not None and any(h.request_id == entry.request_id for h in history):
+            return None
+        now = datetime.now(UTC)
+        data = _copy(entry.data)
+        history.append(_replace_entry(entry, data, now))
+        new = current.evolve(
+            state=entry.to_state,
+            version=entry.version,
+            data=data,
+            last_event=entry.event,
+            updated_at=now,
+        )
+        self._instances[entry.instance_id] = new
+        return new.evolve(data=_copy(data))
+
+    async def commit(self, entry: HistoryEntry) -> Instance | None:
+        self._check()
+        await asyncio.sleep(0)
+        return self._write(entry)
+
+    async def apply_locked(
+        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+    ) -> LockedResult:
+        self._check()
+        if instance_id not in self._instances:
+            raise InstanceNotFound(instance_id)
+        row_lock = self._locks.setdefault(instance_id, asyncio.Lock())
+        if lock.nowait and row_lock.locked():
+            raise LockBusy(instance_id)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(row_lock.acquire(), lock.timeout)
+        except TimeoutError:
+            raise LockTimeout(instance_id, time.monotonic() - started) from None
+        try:
+            snap = self._snapshot(instance_id, request_id)
+            entry = plan(snap)
+            committed = None
+            if entry is not None:
+                await asyncio.sleep(0)
+                committed = self._write(entry)
+                if committed is None:  # pragma: no cover - impossible under the row lock
+                    raise AssertionError("memory store: write under the row lock lost its CAS")
+            return LockedResult(snap, committed)
+        finally:
+            row_lock.release()
+
+    async def history(self, instance_id: str) -> list[HistoryEntry]:
+        self._check()
+        if instance_id not in self._instances:
+            raise InstanceNotFound(instance_id)
+        return [_replace_entry(h, _copy(h.data), h.at) for h in self._history[instance_id]]
+
+
+def _replace_entry(
+    entry: HistoryEntry, data: Mapping[str, Any], at: datetime | None
+) -> HistoryEntry:
+    return HistoryEntry(
+        instance_id=entry.instance_id,
+        version=entry.version,
+        event=entry.event,
+        from_state=entry.from_state,
+        to_state=entry.to_state,
+        actor=entry.actor,
+        request_id=entry.request_id,
+        strategy=entry.strategy,
+        data=data,
+        at=at,
+    )

@@ -1,0 +1,427 @@
+"""PostgreSQL store on asyncpg.
+
+- One pool; every hot statement is a fixed SQL text, so asyncpg prepares it once per connection and
+  reuses it from its statement cache.
+- ``jsonb`` is decoded to dicts and encoded from mappings by a codec set on each new connection.
+- The optimistic write is ONE statement: a CTE that compare-and-swaps the instance and appends the
+  history row, atomic on its own (no explicit transaction, one round trip).
+- The pessimistic path is one transaction: ``SET LOCAL lock_timeout`` in the same round trip as
+  ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
+  timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
+  own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
+- Driver errors are translated here, and only here (:func:`_translate`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from flowlock.errors import (
+    EngineClosed,
+    FlowlockError,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockTimeout,
+    MigrationError,
+    StoreBusy,
+    StoreError,
+)
+from flowlock.models import HistoryEntry, Instance
+from flowlock.stores import migrations
+from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+
+__all__ = ["PostgresStore"]
+
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# Any fixed 64-bit number; two processes migrating at once serialise on it.
+_MIGRATION_LOCK = 0x666C6F776C6F636B  # "flowlock"
+
+_INSTANCE_COLS = "id, workflow, state, version, data, last_event, created_at, updated_at"
+_HISTORY_COLS = (
+    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at"
+)
+
+_READ = f"""
+SELECT {_INSTANCE_COLS} FROM flowlock_instances WHERE id = $1
+"""
+# The unlocked read with the request-id lookup in the same snapshot: one round trip.
+_READ_WITH_REQUEST = """
+SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
+       h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
+       h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
+       h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at
+FROM flowlock_instances i
+LEFT JOIN flowlock_history h ON h.instance_id = i.id AND h.request_id = $2
+WHERE i.id = $1
+"""
+_LOCK = f"""
+SELECT {_INSTANCE_COLS}, current_setting('lock_timeout') AS lock_timeout
+FROM flowlock_instances WHERE id = $1 FOR UPDATE
+"""
+_LOCK_NOWAIT = _LOCK.rstrip() + " NOWAIT\n"
+_PRIOR = f"""
+SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 AND request_id = $2
+"""
+# 为什么 one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
+# the version in the WHERE clause is the compare-and-swap; no row back means another writer won.
+_CAS_TAIL = """
+    UPDATE flowlock_instances
+       SET state = $3, version = $2 + 1, data = $4, last_event = $5, updated_at = now()
+     WHERE id = $1 AND version = $2{claimed}
+ RETURNING id, workflow, state, version, data, last_event, created_at, updated_at
+), logged AS (
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
+                                  actor, request_id, strategy, data, at)
+    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at FROM moved
+)
+SELECT * FROM moved
+"""
+# Under the pessimistic row lock nobody else can hold the row: a plain CAS.
+_CAS_LOCKED = "WITH moved AS (" + _CAS_TAIL.format(claimed="")
+# Optimistic: a row another writer holds locked is about to change version, so waiting in
+# PostgreSQL's lock queue only to fail the version check is wasted time (100 callers would drain
+# that queue one by one). SKIP LOCKED answers "lost" at once; the caller backs off and re-reads.
+_CAS = (
+    "WITH claimed AS (\n"
+    "    SELECT id FROM flowlock_instances WHERE id = $1 AND version = $2 FOR UPDATE SKIP LOCKED\n"
+    "), moved AS (" + _CAS_TAIL.format(claimed=" AND id IN (SELECT id FROM claimed)")
+)
+_CREATE = f"""
+INSERT INTO flowlock_instances (id, workflow, state, version, data)
+VALUES ($1, $2, $3, 1, $4)
+ON CONFLICT (id) DO NOTHING
+RETURNING {_INSTANCE_COLS}
+"""
+_HISTORY = f"""
+SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
+"""
+
+
+_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "min": 60_000.0, "h": 3_600_000.0, "d": 86_400_000.0}
+
+
+def _millis(setting: str) -> float:
+    """A PostgreSQL time setting ('200ms', '5s', '1min', '0') in milliseconds."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", setting.strip())
+    if m is None:
+        return -1.0
+    return float(m.group(1)) * _UNITS.get(m.group(2) or "ms", -1.0)
+
+
+def _instance(row: asyncpg.Record) -> Instance:
+    return Instance(
+        id=row["id"],
+        workflow=row["workflow"],
+        state=row["state"],
+        version=row["version"],
+        data=row["data"],
+        last_event=row["last_event"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _entry(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
+    return HistoryEntry(
+        instance_id=row[prefix + "instance_id"],
+        version=row[prefix + "version"],
+        event=row[prefix + "event"],
+        from_state=row[prefix + "from_state"],
+        to_state=row[prefix + "to_state"],
+        actor=row[prefix + "actor"],
+        request_id=row[prefix + "request_id"],
+        strategy=row[prefix + "strategy"],
+        data=row[prefix + "data"],
+        at=row[prefix + "at"],
+    )
+
+
+def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
+    return (
+        entry.instance_id,
+        entry.version - 1,
+        entry.to_state,
+        entry.data,
+        entry.event,
+        entry.from_state,
+        entry.actor,
+        entry.request_id,
+        entry.strategy,
+    )
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec(
+        "jsonb",
+        encoder=lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False),
+        decoder=json.loads,
+        schema="pg_catalog",
+    )
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool reset hook: nothing to undo. flowlock changes session state only with SET LOCAL and
+    transaction-level advisory locks, which end with their transaction, and asyncpg still rolls
+    back any open transaction before calling this. The default reset (``RESET ALL; UNLISTEN *;
+    ...``) would cost one extra round trip on every release."""
+
+
+class PostgresStore:
+    """Instances and history in PostgreSQL.
+
+    ``dsn``: a ``postgresql://`` URL. ``pool_size``: connections at most (pessimistic callers hold
+    one each while they wait for a row lock). ``acquire_timeout``: seconds to wait for a free
+    connection before StoreBusy. ``schema``: put the tables in this schema (created if missing)
+    instead of the connection's default. ``auto_migrate``: migrate on open.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        pool_size: int = 20,
+        min_size: int = 1,
+        acquire_timeout: float = 10.0,
+        schema: str | None = None,
+        auto_migrate: bool = True,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if schema is not None and not _SCHEMA.fullmatch(schema):
+            raise InvalidInput(
+                f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
+            )
+        if pool_size < 1:
+            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+        self.dsn = dsn
+        self.schema = schema
+        self.pool_size = pool_size
+        self._min_size = min(min_size, pool_size)
+        self._acquire_timeout = acquire_timeout
+        self._connect_timeout = connect_timeout
+        self._auto_migrate = auto_migrate
+        self._pool: asyncpg.Pool | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._pool is not None:
+            return
+        settings = {"application_name": "flowlock"}
+        if self.schema is not None:
+            settings["search_path"] = self.schema
+        try:
+            if self.schema is not None:
+                # The pool's search_path names the schema, so it must exist before the pool does.
+                conn = await asyncpg.connect(self.dsn, timeout=self._connect_timeout)
+                try:
+                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+                except asyncpg.UniqueViolationError:
+                    pass  # created by a concurrent opener
+                finally:
+                    await conn.close()
+            self._pool = await asyncpg.create_pool(
+                self.dsn,
+                min_size=self._min_size,
+                max_size=self.pool_size,
+                init=_init_connection,
+                reset=_keep_session,
+                server_settings=settings,
+                timeout=self._connect_timeout,
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise StoreError(
+                f"cannot connect to PostgreSQL at {self.dsn.split('@')[-1]!r}: {exc}; "
+                "check the URL and that the server is running"
+            ) from exc
+        if self._auto_migrate:
+            try:
+                await self.migrate()
+            except BaseException:
+                await self.aclose()
+                raise
+
+    async def aclose(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise EngineClosed("the PostgreSQL store is closed; open it first")
+        return self._pool
+
+    @asynccontextmanager
+    async def _conn(self, key: str = "") -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        pool = self.pool
+        try:
+            conn = await pool.acquire(timeout=self._acquire_timeout)
+        except TimeoutError:
+            raise StoreBusy(self._acquire_timeout, self.pool_size) from None
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise _translate(exc, key) from exc
+        try:
+            yield conn
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            raise _translate(exc, key) from exc
+        finally:
+            await pool.release(conn)
+
+    async def migrate(self) -> list[str]:
+        applied: list[str] = []
+        try:
+            async with self._conn() as conn, conn.transaction():
+                await conn.execute("SET LOCAL lock_timeout = '60s'")
+                # 为什么 a transaction-level advisory lock: two processes starting at once must not
+                # both run 001; the second waits here, then sees 001 recorded and skips it.
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+                await conn.execute(
+                    "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
+                    " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+                done = {
+                    r["name"]
+                    for r in await conn.fetch("SELECT name FROM flowlock_schema_migrations")
+                }
+                for m in migrations.load("postgres"):
+                    if m.name in done:
+                        continue
+                    await conn.execute(m.sql)
+                    await conn.execute(
+                        "INSERT INTO flowlock_schema_migrations (name) VALUES ($1)", m.name
+                    )
+                    applied.append(m.name)
+        except FlowlockError as exc:
+            if isinstance(exc, EngineClosed):
+                raise
+            raise MigrationError(f"migrating the flowlock schema failed: {exc}") from exc
+        return applied
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def create(self, instance: Instance) -> Instance:
+        async with self._conn(instance.id) as conn:
+            row = await conn.fetchrow(
+                _CREATE, instance.id, instance.workflow, instance.state, instance.data
+            )
+        if row is None:
+            raise InstanceExists(instance.id)
+        return _instance(row)
+
+    async def get(self, instance_id: str) -> Instance:
+        async with self._conn(instance_id) as conn:
+            row = await conn.fetchrow(_READ, instance_id)
+        if row is None:
+            raise InstanceNotFound(instance_id)
+        return _instance(row)
+
+    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+        async with self._conn(instance_id) as conn:
+            if request_id is None:
+                row = await conn.fetchrow(_READ, instance_id)
+            else:
+                row = await conn.fetchrow(_READ_WITH_REQUEST, instance_id, request_id)
+        if row is None:
+            raise InstanceNotFound(instance_id)
+        prior = (
+            _entry(row, "h_") if request_id is not None and row["h_version"] is not None else None
+        )
+        return Snapshot(_instance(row), prior)
+
+    async def commit(self, entry: HistoryEntry) -> Instance | None:
+        try:
+            async with self._conn(entry.instance_id) as conn:
+                row = await conn.fetchrow(_CAS, *_cas_args(entry))
+        except _DuplicateRequest:
+            # The same request id was applied by a concurrent caller; the statement rolled back
+            # whole. Report a lost race: the next read finds that entry and answers idempotently.
+            return None
+        return None if row is None else _instance(row)
+
+    async def apply_locked(
+        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+    ) -> LockedResult:
+        started = time.monotonic()
+        try:
+            async with self._conn(instance_id) as conn, conn.transaction():
+                if lock.nowait:
+                    row = await conn.fetchrow(_LOCK_NOWAIT, instance_id)
+                else:
+                    wanted = f"{max(1, round(lock.timeout * 1000))}ms"
+                    await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'")
+                    row = await conn.fetchrow(_LOCK, instance_id)
+                    if row is not None and _millis(row["lock_timeout"]) != _millis(wanted):
+                        raise StoreError(
+                            f"lock_timeout is {row['lock_timeout']!r} inside the transaction, not "
+                            f"{wanted!r}; a pooler or a server setting overrode it, refusing to "
+                            "wait unbounded"
+                        )
+                if row is None:
+                    raise InstanceNotFound(instance_id)
+                prior = None
+                if request_id is not None:
+                    found = await conn.fetchrow(_PRIOR, instance_id, request_id)
+                    prior = None if found is None else _entry(found)
+                snap = Snapshot(_instance(row), prior)
+                entry = plan(snap)
+                committed = None
+                if entry is not None:
+                    moved = await conn.fetchrow(_CAS_LOCKED, *_cas_args(entry))
+                    if moved is None:
+                        raise StoreError(
+                            f"instance {instance_id!r} changed while its row lock was held; "
+                            "something bypassed flowlock's locking. Nothing was written"
+                        )
+                    committed = _instance(moved)
+        except _LockNotAvailable:
+            if lock.nowait:
+                raise LockBusy(instance_id) from None
+            raise LockTimeout(instance_id, time.monotonic() - started) from None
+        return LockedResult(snap, committed)
+
+    async def history(self, instance_id: str) -> list[HistoryEntry]:
+        async with self._conn(instance_id) as conn:
+            rows = await conn.fetch(_HISTORY, instance_id)
+            if not rows and await conn.fetchrow(_READ, instance_id) is None:
+                raise InstanceNotFound(instance_id)
+        return [_entry(r) for r in rows]
+
+
+class _DuplicateRequest(StoreError):
+    """The (instance, request_id) unique constraint fired."""
+
+
+class _LockNotAvailable(StoreError):
+    """SQLSTATE 55P03: lock_timeout expired or NOWAIT found the row locked."""
+
+
+def _translate(exc: BaseException, key: str) -> FlowlockError:
+    """The one place asyncpg errors become flowlock errors."""
+    if isinstance(exc, asyncpg.LockNotAvailableError):
+        return _LockNotAvailable(str(exc))
+    if isinstance(exc, asyncpg.UniqueViolationError):
+        if exc.constraint_name == "flowlock_history_request_uniq":
+            return _DuplicateRequest(str(exc))
+        return StoreError(f"unexpected unique violation for {key!r}: {exc}")
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return MigrationError(
+            f"flowlock tables are missing ({exc}); run `flowlock db migrate` or open the "
+            "engine with auto_migrate=True"
+        )
+    if isinstance(exc, asyncpg.QueryCanceledError):
+        return StoreError(f"statement cancelled for {key!r} (statement_timeout?): {exc}")
+    if isinstance(exc, asyncpg.InterfaceError | OSError | asyncpg.PostgresConnectionError):
+        return StoreError(
+            f"lost the connection to PostgreSQL while working on {key!r}: {exc}; "
+            "the transaction was rolled back, nothing was written"
+        )
+    return StoreError(f"PostgreSQL error for {key!r}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,42 @@
+"""The port every concurrency strategy implements.
+
+A strategy decides how the pure step (``decide``) meets the store: read-then-compare-and-swap with
+retries (optimistic), under a row lock (pessimistic), and later under a lease or an escalation
+policy. It sees only the Store Protocol, never a concrete backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from flowlock.models import HistoryEntry, Instance
+from flowlock.step import Call, Idempotent
+from flowlock.stores.base import Snapshot, Store
+
+__all__ = ["Decide", "Strategy", "StrategyResult"]
+
+Decide = Callable[[Snapshot], HistoryEntry | Idempotent]
+"""The pure step bound to one call: what was read -> what to write (or the idempotent answer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyResult:
+    """The instance to report, whether this call applied the transition, and how many attempts."""
+
+    instance: Instance
+    applied: bool
+    attempts: int
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A concurrency policy. ``name`` is what history rows and outcomes record."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        """Apply ``call`` exactly once or answer it idempotently, or raise a FlowlockError."""
+        ...

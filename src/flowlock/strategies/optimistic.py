@@ -1,0 +1,62 @@
+"""Optimistic concurrency: read without a lock, run the step, compare-and-swap the version.
+
+On a lost compare-and-swap the step runs again on a fresh read, at most ``max_attempts`` times,
+sleeping between attempts for an exponential backoff with full jitter: a random delay in
+``[0, min(cap, base * 2**(attempt-1))]``. 为什么 full jitter: callers that collided once must not
+collide again in lockstep; spreading them uniformly is what drains a hot spot fastest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from flowlock.errors import ConflictRetriesExhausted, InvalidInput
+from flowlock.step import Call, Idempotent
+from flowlock.stores.base import Store
+from flowlock.strategies.base import Decide, StrategyResult
+
+__all__ = ["Optimistic"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Optimistic:
+    """Version compare-and-swap with bounded, jittered retries.
+
+    ``rng`` and ``sleep`` are injected so tests can make the backoff deterministic.
+    """
+
+    max_attempts: int = 3
+    backoff_base: float = 0.005
+    backoff_cap: float = 0.2
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+    sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise InvalidInput(f"max_attempts must be at least 1, not {self.max_attempts}")
+        if self.backoff_base < 0 or self.backoff_cap < 0:
+            raise InvalidInput("backoff_base and backoff_cap must not be negative")
+
+    @property
+    def name(self) -> str:
+        return "optimistic"
+
+    def backoff(self, attempt: int) -> float:
+        """The delay after losing attempt number ``attempt`` (1-based): full jitter."""
+        return self.rng.uniform(0.0, min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1)))
+
+    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        for attempt in range(1, self.max_attempts + 1):
+            snap = await store.read(call.instance_id, call.request_id)
+            planned = decide(snap)
+            if isinstance(planned, Idempotent):
+                return StrategyResult(planned.instance, applied=False, attempts=attempt)
+            committed = await store.commit(planned)
+            if committed is not None:
+                return StrategyResult(committed, applied=True, attempts=attempt)
+            if attempt < self.max_attempts:
+                await self.sleep(self.backoff(attempt))
+        raise ConflictRetriesExhausted(call.instance_id, call.event, self.max_attempts)
