@@ -1,0 +1,104 @@
+"""The seed article's cases as flowlock workflows. The benchmark and the tests share them.
+
+- ``approval``: pending -> approved | rejected (the two-admins incident).
+- ``countersign(quorum)``: every approver signs once; the instance moves to approved when
+  ``quorum`` distinct approvers have signed.
+- ``inventory``: ``reserve`` takes one unit of stock and refuses at zero (never oversell);
+  ``restock`` adds units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flowlock.definition import Step, Transition, Workflow
+from flowlock.errors import GuardRejected
+from flowlock.models import Instance
+
+__all__ = ["approval", "countersign", "inventory"]
+
+
+def approval(name: str = "approval") -> Workflow:
+    """A request that one of several administrators approves or rejects."""
+    return Workflow(
+        name,
+        states=["pending", "approved", "rejected"],
+        initial="pending",
+        transitions=[
+            Transition("approve", source="pending", target="approved"),
+            Transition("reject", source="pending", target="rejected"),
+        ],
+    )
+
+
+def countersign(quorum: int, name: str = "countersign") -> Workflow:
+    """A document that needs ``quorum`` distinct signatures. ``sign`` records the actor once
+    (a second signature by the same actor is refused) and moves to ``approved`` at quorum."""
+    if quorum < 1:
+        raise ValueError("quorum must be at least 1")
+
+    def not_signed_yet(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> bool:
+        if actor is None:
+            raise GuardRejected("a signature needs an actor")
+        if actor in inst.data.get("signers", []):
+            raise GuardRejected(f"{actor} has already signed")
+        return True
+
+    def record(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> Step:
+        signers = [*inst.data.get("signers", []), actor]
+        target = "approved" if len(signers) >= quorum else "pending"
+        return Step(data={**inst.data, "signers": signers}, target=target)
+
+    return Workflow(
+        name,
+        states=["pending", "approved"],
+        initial="pending",
+        transitions=[
+            Transition(
+                "sign",
+                source="pending",
+                target=("pending", "approved"),
+                guard=not_signed_yet,
+                effect=record,
+            )
+        ],
+    )
+
+
+def inventory(name: str = "inventory") -> Workflow:
+    """A stock count. ``reserve`` (payload ``{"qty": n}``, default 1) refuses when there is not
+    enough stock; ``restock`` adds ``qty``. Data: ``{"stock": int, "reserved": int}``."""
+
+    def qty(payload: Mapping[str, Any]) -> int:
+        n = payload.get("qty", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise GuardRejected(f"qty must be a positive integer, not {n!r}")
+        return n
+
+    def in_stock(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> bool:
+        want, have = qty(payload), int(inst.data.get("stock", 0))
+        if want > have:
+            raise GuardRejected(f"out of stock: {have} left, {want} requested")
+        return True
+
+    def take(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> dict[str, Any]:
+        n = qty(payload)
+        return {
+            **inst.data,
+            "stock": int(inst.data.get("stock", 0)) - n,
+            "reserved": int(inst.data.get("reserved", 0)) + n,
+        }
+
+    def add(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> dict[str, Any]:
+        return {**inst.data, "stock": int(inst.data.get("stock", 0)) + qty(payload)}
+
+    return Workflow(
+        name,
+        states=["open"],
+        initial="open",
+        transitions=[
+            Transition("reserve", source="open", target="open", guard=in_stock, effect=take),
+            Transition("restock", source="open", target="open", effect=add),
+        ],
+    )
