@@ -1,0 +1,818 @@
+"""The SQLite store: stdlib :mod:`sqlite3`, one dedicated thread per connection, WAL.
+
+Each connection lives on its own single-thread executor and every public operation is one
+synchronous function submitted to that thread which runs a whole transaction (``BEGIN`` ..
+``COMMIT``). A transaction therefore never spans an ``await``: a cancelled caller cannot leave a
+connection half-way through a transaction, and the connection is only ever touched by the thread
+that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Final, TypeVar
+
+from flowlock.errors import (
+    EngineClosed,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockTimeout,
+    MigrationError,
+    StoreBusy,
+    StoreError,
+)
+from flowlock.models import HistoryEntry, Instance
+from flowlock.stores import migrations
+from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+
+__all__ = ["SqliteStore"]
+
+T = TypeVar("T")
+A = TypeVar("A")
+
+_URL_PREFIX: Final = "sqlite:///"
+_URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
+
+_INSTANCE_COLUMNS: Final = "id, workflow, state, version, data, last_event, created_at, updated_at"
+_HISTORY_COLUMNS: Final = (
+    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at"
+)
+_SELECT_INSTANCE: Final = f"SELECT {_INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
+_SELECT_PRIOR: Final = (
+    f"SELECT {_HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id = ?"
+)
+_CAS_UPDATE: Final = (
+    "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
+    "updated_at = ? WHERE id = ? AND version = ?"
+)
+_INSERT_HISTORY: Final = (
+    f"INSERT INTO flowlock_history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_MIGRATIONS_TABLE: Final = (
+    "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
+    "name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"
+)
+
+
+class SqliteStore:
+    """Instances and history in one SQLite database file.
+
+    Connections: a small pool (``pool_size``, default 4) of connections, each on its own thread,
+    so reads run while a write is in progress (WAL mode lets readers and one writer overlap).
+    ``:memory:`` uses a single connection, since each connection to ``:memory:`` would otherwise
+    see its own empty database.
+
+    Locking — read this before choosing the pessimistic strategy on SQLite: SQLite has no row
+    locks. ``apply_locked`` takes the *database-wide* write lock (``BEGIN IMMEDIATE``), so on
+    SQLite the pessimistic path serialises every writer of the database, not just writers of one
+    instance; ``RowLock(nowait=True)`` fails with :class:`~flowlock.LockBusy` whenever *any*
+    instance is being written. ``commit`` (the optimistic path) takes the same lock only for the
+    few statements of its compare-and-swap. Within one store, writers queue on an
+    :class:`asyncio.Lock` before touching SQLite, so they wait in FIFO order on the event loop
+    instead of polling SQLite's busy handler; across processes (or across store objects on the
+    same file) the wait is SQLite's busy timeout.
+
+    Bounds: ``busy_timeout`` (seconds) is the longest any write waits for the write lock, queueing
+    in this process included; ``RowLock.timeout`` can only shorten it for one ``apply_locked``.
+    ``acquire_timeout`` bounds the wait for a free connection (:class:`~flowlock.StoreBusy`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        busy_timeout: float = 5.0,
+        auto_migrate: bool = True,
+        pool_size: int = 4,
+        acquire_timeout: float = 30.0,
+    ) -> None:
+        try:
+            self.path: str = os.fspath(path)
+        except TypeError:
+            raise InvalidInput(
+                f"path must be a str or os.PathLike[str], not {type(path).__name__}"
+            ) from None
+        if not isinstance(self.path, str):
+            raise InvalidInput("path must be a text path (str), not bytes")
+        if busy_timeout < 0:
+            raise InvalidInput(f"busy_timeout must be >= 0 seconds, not {busy_timeout}")
+        if pool_size < 1:
+            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+        if acquire_timeout <= 0:
+            raise InvalidInput(f"acquire_timeout must be > 0 seconds, not {acquire_timeout}")
+        self.busy_timeout = float(busy_timeout)
+        self.auto_migrate = auto_migrate
+        self.acquire_timeout = float(acquire_timeout)
+        # Every connection to ":memory:" (or "", a private temporary file) is its own database.
+        self.pool_size = 1 if self.path in (":memory:", "") else pool_size
+        self._pool: _Pool | None = None
+        self._lifecycle = asyncio.Lock()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        busy_timeout: float = 5.0,
+        auto_migrate: bool = True,
+        pool_size: int = 4,
+        acquire_timeout: float = 30.0,
+    ) -> SqliteStore:
+        """A store for ``sqlite:///relative/path.db``, ``sqlite:////abs/path.db`` or
+        ``sqlite:///:memory:``. Nothing is opened until :meth:`open`."""
+        if not isinstance(url, str) or not url.startswith(_URL_PREFIX):
+            raise InvalidInput(f"unsupported SQLite url {url!r}: expected {_URL_FORMS}")
+        path = url[len(_URL_PREFIX) :]
+        if not path or "?" in path or "#" in path:
+            raise InvalidInput(
+                f"unsupported SQLite url {url!r}: expected {_URL_FORMS} "
+                "(a file path after 'sqlite:///', without query string or fragment)"
+            )
+        return cls(
+            path,
+            busy_timeout=busy_timeout,
+            auto_migrate=auto_migrate,
+            pool_size=pool_size,
+            acquire_timeout=acquire_timeout,
+        )
+
+    def __repr__(self) -> str:
+        state = "open" if self._pool is not None else "closed"
+        return f"SqliteStore({self.path!r}, pool_size={self.pool_size}, {state})"
+
+    async def __aenter__(self) -> SqliteStore:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the connections (and migrate, when ``auto_migrate``). Idempotent."""
+        async with self._lifecycle:
+            if self._pool is not None:
+                return
+            workers: list[_Worker] = []
+            try:
+                for _ in range(self.pool_size):
+                    workers.append(await self._start_worker())
+                pool = _Pool(workers)
+                if self.auto_migrate:
+                    await self._migrate(pool)
+            except BaseException:
+                await _stop_workers(workers)
+                raise
+            self._pool = pool
+
+    async def aclose(self) -> None:
+        """Close every connection and stop its thread, after any transaction in flight on it
+        has finished. Idempotent."""
+        async with self._lifecycle:
+            pool, self._pool = self._pool, None
+            if pool is None:
+                return
+            pool.close()
+            await _stop_workers(pool.workers)
+
+    async def _start_worker(self) -> _Worker:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowlock-sqlite")
+        try:
+            conn = await asyncio.wrap_future(executor.submit(self._connect))
+        except BaseException as exc:
+            executor.shutdown(wait=False)
+            if isinstance(exc, sqlite3.Error):
+                hint = (
+                    "another process kept the database locked for longer than busy_timeout; "
+                    "retry, or raise busy_timeout"
+                    if _is_busy(exc)
+                    else "check that the directory exists and is writable by this process"
+                )
+                raise StoreError(
+                    f"could not open the SQLite database {self.path!r}: {exc}; {hint}"
+                ) from exc
+            raise
+        return _Worker(executor, conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {_ms(self.busy_timeout)}")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA journal_mode = WAL").fetchall()
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _live(self) -> _Pool:
+        pool = self._pool
+        if pool is None:
+            raise EngineClosed(
+                f"the SQLite store {self.path!r} is closed; call `await store.open()` "
+                "(or use `async with store:`) before using it"
+            )
+        return pool
+
+    # -- migrations ------------------------------------------------------------------------------
+
+    async def migrate(self) -> list[str]:
+        """Apply the SQLite migrations not yet recorded in ``flowlock_schema_migrations``, all in
+        one ``BEGIN IMMEDIATE`` transaction (so concurrent starters do not race); returns the
+        names applied now."""
+        return await self._migrate(self._live())
+
+    async def _migrate(self, pool: _Pool) -> list[str]:
+        try:
+            pending = migrations.load("sqlite")
+        except OSError as exc:
+            raise MigrationError(
+                f"could not read the packaged SQLite migrations: {exc}; reinstall flowlock"
+            ) from exc
+        started = time.monotonic()
+        try:
+            await pool.acquire_write(self.busy_timeout)
+        except TimeoutError:
+            raise MigrationError(
+                f"timed out after {time.monotonic() - started:.1f} s waiting for this store's "
+                "other writers before migrating; retry, or raise busy_timeout"
+            ) from None
+        busy_ms = _ms(self.busy_timeout - (time.monotonic() - started))
+        try:
+            return await self._submit(
+                pool, _bounded(busy_ms, self.busy_timeout, _migrate_txn, pending), write=True
+            )
+        except sqlite3.Error as exc:
+            if _is_busy(exc):
+                raise MigrationError(
+                    f"another connection held the write lock of {self.path!r} for more than "
+                    f"{self.busy_timeout:.1f} s (busy_timeout), so the schema could not be "
+                    "migrated; nothing was applied. Retry, or raise busy_timeout"
+                ) from exc
+            raise MigrationError(
+                f"migrating the SQLite database {self.path!r} failed: {exc}; every migration of "
+                "this run was rolled back. Fix the cause (file permissions, disk space, or a "
+                "schema edited by hand) and run migrate again"
+            ) from exc
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    async def get(self, instance_id: str) -> Instance:
+        """The instance as committed. Raises InstanceNotFound."""
+        return await self._read(_get_txn, instance_id, what="get")
+
+    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+        """A consistent read (one snapshot) of the instance and the history entry that carries
+        ``request_id``."""
+        return await self._read(_read_txn, instance_id, request_id, what="read")
+
+    async def history(self, instance_id: str) -> list[HistoryEntry]:
+        """Every applied transition of the instance, oldest first. Raises InstanceNotFound."""
+        return await self._read(_history_txn, instance_id, what="history")
+
+    async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T:
+        pool = self._live()
+        try:
+            return await self._submit(pool, lambda conn: txn(conn, *args), write=False)
+        except sqlite3.Error as exc:
+            raise self._error(exc, what) from exc
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    async def create(self, instance: Instance) -> Instance:
+        """Insert ``instance`` at version 1, created and updated now. Raises InstanceExists."""
+        data = _dump(instance.data, f"data of instance {instance.id!r}")
+        return await self._write(
+            instance.id,
+            lambda conn: _create_txn(conn, instance, data),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="create",
+        )
+
+    async def commit(self, entry: HistoryEntry) -> Instance | None:
+        """Compare-and-swap the instance from ``entry.version - 1`` to ``entry`` and append
+        ``entry``, in one transaction. None when the version moved or ``entry.request_id`` was
+        applied meanwhile (nothing written)."""
+        data = _dump(entry.data, f"data of the history entry for {entry.instance_id!r}")
+        return await self._write(
+            entry.instance_id,
+            lambda conn: _commit_txn(conn, entry, data),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="commit",
+        )
+
+    async def apply_locked(
+        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+    ) -> LockedResult:
+        """Under SQLite's database-wide write lock: read, run ``plan`` on the connection's
+        thread, write what it returns, commit. Raises LockBusy (``lock.nowait``), LockTimeout
+        (after ``min(lock.timeout, busy_timeout)``), InstanceNotFound, or what ``plan`` raised."""
+        return await self._write(
+            instance_id,
+            lambda conn: _locked_txn(conn, instance_id, request_id, plan),
+            bound=min(lock.timeout, self.busy_timeout),
+            nowait=lock.nowait,
+            what="apply_locked",
+        )
+
+    async def _write(
+        self,
+        key: str,
+        txn: Callable[[sqlite3.Connection], T],
+        *,
+        bound: float,
+        nowait: bool,
+        what: str,
+    ) -> T:
+        pool = self._live()
+        started = time.monotonic()
+        try:
+            await pool.acquire_write(0.0 if nowait else bound)
+        except TimeoutError:
+            if nowait:
+                raise LockBusy(key) from None
+            raise LockTimeout(key, time.monotonic() - started) from None
+        # One bound covers the wait in this process and the wait on SQLite's busy handler.
+        busy_ms = 0 if nowait else _ms(bound - (time.monotonic() - started))
+        try:
+            return await self._submit(
+                pool, _bounded(busy_ms, self.busy_timeout, _immediate, txn), write=True
+            )
+        except sqlite3.Error as exc:
+            if _is_busy(exc):
+                if nowait:
+                    raise LockBusy(key) from exc
+                raise LockTimeout(key, time.monotonic() - started) from exc
+            raise self._error(exc, what) from exc
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    async def _submit(
+        self, pool: _Pool, fn: Callable[[sqlite3.Connection], T], *, write: bool
+    ) -> T:
+        """Run ``fn`` on a free connection's thread. With ``write``, the caller holds
+        ``pool.write_lock`` and ownership of it passes to this call."""
+        try:
+            worker = await pool.acquire(self.acquire_timeout, self.path)
+        except BaseException:
+            if write:
+                pool.write_lock.release()
+            raise
+        loop = asyncio.get_running_loop()
+
+        def release(_: Future[T]) -> None:
+            # Released when the thread is done, not when the awaiting task is: if the caller is
+            # cancelled mid-transaction, the next writer must not start polling SQLite's busy
+            # handler against a transaction of this very store that is still running.
+            # RuntimeError: the loop closed under a running transaction; nobody is left to wake.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(pool.release, worker, write)
+
+        try:
+            cfut = worker.executor.submit(fn, worker.conn)
+        except BaseException:  # pragma: no cover - guarded by pool.acquire's closed check
+            pool.release(worker, write)
+            raise
+        cfut.add_done_callback(release)
+        return await asyncio.wrap_future(cfut)
+
+    def _error(self, exc: sqlite3.Error, what: str) -> StoreError:
+        text = str(exc)
+        if "no such table" in text:
+            hint = (
+                "the flowlock schema is missing: run `await store.migrate()` or open the store "
+                "with auto_migrate=True"
+            )
+        elif _is_busy(exc):
+            hint = (
+                f"another connection held the database for longer than busy_timeout="
+                f"{self.busy_timeout:.1f} s; retry, or raise busy_timeout"
+            )
+        elif "readonly" in text or "read-only" in text:
+            hint = "the database file (or its directory, for the WAL files) is not writable"
+        else:
+            hint = "check the database file and retry"
+        name = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+        return StoreError(
+            f"SQLite {what} on {self.path!r} failed ({name}: {text}); the transaction was "
+            f"rolled back. {hint[0].upper()}{hint[1:]}"
+        )
+
+
+# -- pool --------------------------------------------------------------------------------------
+
+
+class _Worker:
+    __slots__ = ("conn", "executor")
+
+    def __init__(self, executor: ThreadPoolExecutor, conn: sqlite3.Connection) -> None:
+        self.executor = executor
+        self.conn = conn
+
+
+class _Pool:
+    """The connections of one open/close cycle, the idle ones, and this store's writer queue."""
+
+    def __init__(self, workers: list[_Worker]) -> None:
+        self.workers = workers
+        self.idle: asyncio.Queue[_Worker | None] = asyncio.Queue()
+        for worker in workers:
+            self.idle.put_nowait(worker)
+        self.write_lock = asyncio.Lock()
+        self.closed = False
+
+    async def acquire_write(self, within: float) -> None:
+        """Raises TimeoutError when this store's other writers held on for ``within`` s."""
+        # asyncio.timeout, not wait_for: a free lock is taken without yielding, so a bound of 0
+        # still succeeds when nobody holds it (wait_for(..., 0) would always time out).
+        async with asyncio.timeout(max(within, 0.0)):
+            await self.write_lock.acquire()
+
+    async def acquire(self, within: float, path: str) -> _Worker:
+        started = time.monotonic()
+        if not self.closed:
+            try:
+                async with asyncio.timeout(within):
+                    worker = await self.idle.get()
+            except TimeoutError:
+                raise StoreBusy(time.monotonic() - started, len(self.workers)) from None
+            if worker is not None and not self.closed:
+                return worker
+            # Hand the wake-up on, so every task queued for a connection learns of the close.
+            self.idle.put_nowait(worker)
+        raise EngineClosed(
+            f"the SQLite store {path!r} was closed while this operation waited for a connection"
+        )
+
+    def release(self, worker: _Worker, write: bool) -> None:
+        self.idle.put_nowait(worker)
+        if write:
+            self.write_lock.release()
+
+    def close(self) -> None:
+        self.closed = True
+        self.idle.put_nowait(None)
+
+
+async def _stop_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        # Queued behind any transaction still running on that thread, so it finishes first.
+        try:
+            with contextlib.suppress(sqlite3.Error):  # close() only fails on a misused connection
+                await asyncio.wrap_future(worker.executor.submit(worker.conn.close))
+        finally:
+            worker.executor.shutdown(wait=True)
+
+
+# -- transactions (each runs entirely on the connection's thread) ------------------------------
+
+
+def _bounded(
+    busy_ms: int,
+    default: float,
+    txn: Callable[[sqlite3.Connection, A], T],
+    arg: A,
+) -> Callable[[sqlite3.Connection], T]:
+    """``txn`` with the connection's busy timeout set to ``busy_ms`` for its duration only."""
+    default_ms = _ms(default)
+
+    def run(conn: sqlite3.Connection) -> T:
+        if busy_ms == default_ms:
+            return txn(conn, arg)
+        conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+        try:
+            return txn(conn, arg)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {default_ms}")
+
+    return run
+
+
+def _immediate(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+    """``body`` in a ``BEGIN IMMEDIATE`` transaction: committed when it returns, rolled back when
+    it raises (including :class:`_Discard`, which makes the transaction return its value)."""
+    _begin(conn, "BEGIN IMMEDIATE")
+    try:
+        result = body(conn)
+    except _Discard as discard:
+        _rollback(conn)
+        value: T = discard.value
+        return value
+    except BaseException:
+        _rollback(conn)
+        raise
+    try:
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+    return result
+
+
+def _deferred(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+    # Both selects of a read must see one snapshot; a deferred transaction takes no write lock.
+    _begin(conn, "BEGIN DEFERRED")
+    try:
+        result = body(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+    return result
+
+
+class _Discard(Exception):
+    """Roll the transaction back and return ``value`` (a lost compare-and-swap, or a plan that
+    asked for no write)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+def _begin(conn: sqlite3.Connection, statement: str) -> None:
+    if conn.in_transaction:
+        # Only after a failed ROLLBACK; a stale transaction would make BEGIN fail forever.
+        conn.execute("ROLLBACK")
+    conn.execute(statement)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        # A failure here means SQLite already rolled back (some errors end the transaction
+        # themselves); the original exception is the one worth reporting.
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
+def _get_txn(conn: sqlite3.Connection, instance_id: str) -> Instance:
+    row = conn.execute(_SELECT_INSTANCE, (instance_id,)).fetchone()
+    if row is None:
+        raise InstanceNotFound(instance_id)
+    return _instance(row)
+
+
+def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: str | None) -> Snapshot:
+    instance = _get_txn(conn, instance_id)
+    prior = None
+    if request_id is not None:
+        row = conn.execute(_SELECT_PRIOR, (instance_id, request_id)).fetchone()
+        prior = None if row is None else _entry(row)
+    return Snapshot(instance, prior)
+
+
+def _read_txn(conn: sqlite3.Connection, instance_id: str, request_id: str | None) -> Snapshot:
+    return _deferred(conn, lambda c: _snapshot(c, instance_id, request_id))
+
+
+def _history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntry]:
+    def body(c: sqlite3.Connection) -> list[HistoryEntry]:
+        if not c.execute(
+            "SELECT 1 FROM flowlock_instances WHERE id = ?", (instance_id,)
+        ).fetchone():
+            raise InstanceNotFound(instance_id)
+        rows = c.execute(
+            f"SELECT {_HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? "
+            "ORDER BY version",
+            (instance_id,),
+        ).fetchall()
+        return [_entry(row) for row in rows]
+
+    return _deferred(conn, body)
+
+
+def _create_txn(conn: sqlite3.Connection, instance: Instance, data: str) -> Instance:
+    now = _now()
+    cur = conn.execute(
+        f"INSERT INTO flowlock_instances ({_INSTANCE_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?, ?) "
+        "ON CONFLICT (id) DO NOTHING",
+        (instance.id, instance.workflow, instance.state, data, instance.last_event, now, now),
+    )
+    if cur.rowcount == 0:
+        raise InstanceExists(instance.id)
+    return _get_txn(conn, instance.id)
+
+
+def _write_entry(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> Instance | None:
+    """The compare-and-swap and the history row; None (with nothing to keep) when it lost."""
+    now = _now()
+    cur = conn.execute(
+        _CAS_UPDATE,
+        (
+            entry.to_state,
+            entry.version,
+            data,
+            entry.event,
+            now,
+            entry.instance_id,
+            entry.version - 1,
+        ),
+    )
+    if cur.rowcount == 0:
+        _get_txn(conn, entry.instance_id)  # InstanceNotFound rather than a silent conflict
+        return None
+    try:
+        conn.execute(
+            _INSERT_HISTORY,
+            (
+                entry.instance_id,
+                entry.version,
+                entry.event,
+                entry.from_state,
+                entry.to_state,
+                entry.actor,
+                entry.request_id,
+                entry.strategy,
+                data,
+                now,
+            ),
+        )
+    except sqlite3.IntegrityError:
+        if (
+            entry.request_id is not None
+            and conn.execute(
+                "SELECT 1 FROM flowlock_history WHERE instance_id = ? AND request_id = ?",
+                (entry.instance_id, entry.request_id),
+            ).fetchone()
+        ):
+            return None
+        raise
+    return _get_txn(conn, entry.instance_id)
+
+
+def _commit_txn(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> Instance | None:
+    committed = _write_entry(conn, entry, data)
+    if committed is None:
+        raise _Discard(None)  # a lost compare-and-swap writes nothing
+    return committed
+
+
+def _locked_txn(
+    conn: sqlite3.Connection, instance_id: str, request_id: str | None, plan: Plan
+) -> LockedResult:
+    snapshot = _snapshot(conn, instance_id, request_id)
+    entry = plan(snapshot)
+    if entry is None:
+        raise _Discard(LockedResult(snapshot, None))
+    if entry.instance_id != instance_id:
+        raise InvalidInput(
+            f"plan returned an entry for instance {entry.instance_id!r} while "
+            f"{instance_id!r} was locked; nothing was written"
+        )
+    data = _dump(entry.data, f"data of the history entry for {instance_id!r}")
+    committed = _write_entry(conn, entry, data)
+    if committed is None:
+        raise InvalidInput(
+            f"plan returned version {entry.version} (request_id {entry.request_id!r}) for "
+            f"instance {instance_id!r}, which was at version {snapshot.instance.version} under "
+            "the lock: the entry must be at read version + 1 with a request_id not yet "
+            "applied; nothing was written"
+        )
+    return LockedResult(snapshot, committed)
+
+
+def _migrate_txn(conn: sqlite3.Connection, pending: list[migrations.Migration]) -> list[str]:
+    def body(c: sqlite3.Connection) -> list[str]:
+        c.execute(_MIGRATIONS_TABLE)
+        done = {row[0] for row in c.execute("SELECT name FROM flowlock_schema_migrations")}
+        applied: list[str] = []
+        for migration in pending:
+            if migration.name in done:
+                continue
+            for statement in _statements(migration.sql):
+                c.execute(statement)
+            c.execute(
+                "INSERT INTO flowlock_schema_migrations (name, applied_at) VALUES (?, ?)",
+                (migration.name, _now()),
+            )
+            applied.append(migration.name)
+        return applied
+
+    return _immediate(conn, body)
+
+
+def _statements(script: str) -> list[str]:
+    """``script`` split into single statements. ``executescript`` cannot be used: it commits
+    the open transaction first, and the migrations must all run inside one."""
+    statements: list[str] = []
+    buffer = ""
+    for piece in script.split(";"):
+        buffer += piece + ";"
+        # complete_statement knows about string literals, comments and trigger bodies, so a
+        # ";" inside one of those does not end the statement.
+        if sqlite3.complete_statement(buffer):
+            if _has_code(buffer):
+                statements.append(buffer)
+            buffer = ""
+    if _has_code(buffer):
+        statements.append(buffer)  # unterminated: let SQLite say what is wrong with it
+    return statements
+
+
+def _has_code(statement: str) -> bool:
+    lines = (line.split("--", 1)[0].strip(" \t;") for line in statement.splitlines())
+    return any(lines)
+
+
+# -- encoding ----------------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+def _now() -> str:
+    return _ts(datetime.now(UTC))
+
+
+def _ts(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _parse_ts(text: str) -> datetime:
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
+def _dump(data: Mapping[str, Any], what: str) -> str:
+    try:
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(
+            f"{what} cannot be stored as JSON ({exc}); use only dicts, lists, strings, finite "
+            "numbers, booleans and None"
+        ) from exc
+
+
+def _load(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise StoreError(
+            f"the stored data of {where} is not valid JSON ({exc}); the row was edited outside "
+            "flowlock: repair it by hand"
+        ) from exc
+    if not isinstance(data, dict):
+        raise StoreError(
+            f"the stored data of {where} is a JSON {type(data).__name__}, not an object; the row "
+            "was edited outside flowlock: repair it by hand"
+        )
+    return data
+
+
+def _instance(row: tuple[Any, ...]) -> Instance:
+    return Instance(
+        id=row[0],
+        workflow=row[1],
+        state=row[2],
+        version=row[3],
+        data=_load(row[4], f"instance {row[0]!r}"),
+        last_event=row[5],
+        created_at=_parse_ts(row[6]),
+        updated_at=_parse_ts(row[7]),
+    )
+
+
+def _entry(row: tuple[Any, ...]) -> HistoryEntry:
+    return HistoryEntry(
+        instance_id=row[0],
+        version=row[1],
+        event=row[2],
+        from_state=row[3],
+        to_state=row[4],
+        actor=row[5],
+        request_id=row[6],
+        strategy=row[7],
+        data=_load(row[8], f"history entry {row[0]!r} v{row[1]}"),
+        at=_parse_ts(row[9]),
+    )
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    # The primary result code is the low byte; BUSY_SNAPSHOT, BUSY_RECOVERY etc. share it.
+    code = getattr(exc, "sqlite_errorcode", None)  # absent on errors raised by the module itself
+    if isinstance(code, int) and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return True
+    return "database is locked" in str(exc)

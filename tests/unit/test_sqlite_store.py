@@ -1,0 +1,539 @@
+"""SQLite-specific tests for flowlock.stores.sqlite.SqliteStore (the shared contract suite
+covers what every store must do; these cover threads, WAL, busy timeouts and migrations)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowlock.errors import (
+    EngineClosed,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockTimeout,
+    MigrationError,
+    StoreError,
+)
+from flowlock.models import HistoryEntry, Instance
+from flowlock.stores import migrations
+from flowlock.stores.base import RowLock, Snapshot, Store
+from flowlock.stores.sqlite import SqliteStore
+
+
+def new_instance(instance_id: str = "i-1", **data: Any) -> Instance:
+    return Instance(id=instance_id, workflow="order", state="new", version=0, data=data)
+
+
+def step(
+    inst: Instance,
+    *,
+    to_state: str | None = None,
+    request_id: str | None = None,
+    data: dict[str, Any] | None = None,
+    version: int | None = None,
+) -> HistoryEntry:
+    return HistoryEntry(
+        instance_id=inst.id,
+        version=inst.version + 1 if version is None else version,
+        event="go",
+        from_state=inst.state,
+        to_state=to_state or inst.state,
+        actor="tester",
+        request_id=request_id,
+        strategy="optimistic",
+        data=dict(inst.data) if data is None else data,
+    )
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "flowlock.db"
+
+
+@pytest.fixture
+async def store(db_path: Path) -> AsyncIterator[SqliteStore]:
+    s = SqliteStore(db_path)
+    await s.open()
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+def write_lock_holder(db_path: Path, store: SqliteStore) -> Iterator[sqlite3.Connection]:
+    """A plain sqlite3 connection holding the database's write lock (BEGIN IMMEDIATE)."""
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    yield conn
+    conn.execute("ROLLBACK")
+    conn.close()
+
+
+def raw_rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+async def test_satisfies_store_protocol(store: SqliteStore) -> None:
+    """SqliteStore is a Store."""
+    assert isinstance(store, Store)
+
+
+async def test_connection_pragmas(db_path: Path, store: SqliteStore) -> None:
+    """The database file is in WAL mode after open."""
+    assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+
+
+async def test_create_and_get(store: SqliteStore) -> None:
+    """create stores version 1 with aware UTC timestamps; get returns the same."""
+    created = await store.create(new_instance(n=1, text="é"))
+    assert created.version == 1
+    assert created.data == {"n": 1, "text": "é"}
+    assert created.created_at is not None
+    assert created.created_at.tzinfo is not None
+    assert created.created_at.utcoffset() == UTC.utcoffset(None)
+    assert created.created_at == created.updated_at
+    assert await store.get("i-1") == created
+
+
+async def test_data_is_compact_json_text(db_path: Path, store: SqliteStore) -> None:
+    """data is stored as compact, non-ASCII-escaped JSON text."""
+    await store.create(new_instance(a=[1, 2], t="é"))
+    assert raw_rows(db_path, "SELECT data FROM flowlock_instances") == [('{"a":[1,2],"t":"é"}',)]
+
+
+async def test_create_existing_raises(store: SqliteStore) -> None:
+    """A second create with the same id raises InstanceExists."""
+    await store.create(new_instance())
+    with pytest.raises(InstanceExists):
+        await store.create(new_instance())
+
+
+async def test_create_non_json_data_raises_invalid_input(store: SqliteStore) -> None:
+    """Data that is not JSON is refused before anything is written."""
+    with pytest.raises(InvalidInput):
+        await store.create(new_instance(bad={1, 2}))
+    with pytest.raises(InstanceNotFound):
+        await store.get("i-1")
+
+
+async def test_missing_instance_raises_not_found(store: SqliteStore) -> None:
+    """get, read, history and apply_locked raise InstanceNotFound for an unknown id."""
+    with pytest.raises(InstanceNotFound):
+        await store.get("nope")
+    with pytest.raises(InstanceNotFound):
+        await store.read("nope", None)
+    with pytest.raises(InstanceNotFound):
+        await store.history("nope")
+    with pytest.raises(InstanceNotFound):
+        await store.apply_locked("nope", None, lambda snap: None, RowLock())
+
+
+async def test_commit_cas_success(store: SqliteStore) -> None:
+    """commit moves the instance to the entry and appends it to history."""
+    inst = await store.create(new_instance(n=0))
+    committed = await store.commit(step(inst, to_state="paid", request_id="r1", data={"n": 1}))
+    assert committed is not None
+    assert (committed.version, committed.state, committed.last_event) == (2, "paid", "go")
+    assert committed.data == {"n": 1}
+    assert committed.created_at == inst.created_at
+    assert await store.get(inst.id) == committed
+    [entry] = await store.history(inst.id)
+    assert (entry.version, entry.request_id, entry.to_state) == (2, "r1", "paid")
+    assert entry.at == committed.updated_at
+
+
+async def test_commit_stale_version_returns_none(store: SqliteStore) -> None:
+    """A commit from a stale version returns None and writes nothing."""
+    inst = await store.create(new_instance(n=0))
+    assert await store.commit(step(inst, data={"n": 1})) is not None
+    assert await store.commit(step(inst, data={"n": 99}, request_id="late")) is None
+    current = await store.get(inst.id)
+    assert (current.version, current.data) == (2, {"n": 1})
+    assert [e.version for e in await store.history(inst.id)] == [2]
+
+
+async def test_commit_duplicate_request_id_returns_none(store: SqliteStore) -> None:
+    """A commit whose request_id was already applied returns None and writes nothing."""
+    inst = await store.create(new_instance(n=0))
+    first = await store.commit(step(inst, request_id="r1", data={"n": 1}))
+    assert first is not None
+    assert await store.commit(step(first, request_id="r1", data={"n": 2})) is None
+    current = await store.get(inst.id)
+    assert (current.version, current.data) == (2, {"n": 1})
+    assert len(await store.history(inst.id)) == 1
+
+
+async def test_commit_unknown_instance_raises(store: SqliteStore) -> None:
+    """A commit for an instance that does not exist raises InstanceNotFound."""
+    ghost = new_instance("ghost").evolve(version=1)
+    with pytest.raises(InstanceNotFound):
+        await store.commit(step(ghost))
+
+
+async def test_read_returns_prior_entry_for_request_id(store: SqliteStore) -> None:
+    """read returns the history entry of an applied request_id, None for a new one."""
+    inst = await store.create(new_instance())
+    committed = await store.commit(step(inst, request_id="r1"))
+    snap = await store.read(inst.id, "r1")
+    assert snap.instance == committed
+    assert snap.prior is not None
+    assert snap.prior.request_id == "r1"
+    assert (await store.read(inst.id, "r2")).prior is None
+    assert (await store.read(inst.id, None)).prior is None
+
+
+async def test_apply_locked_writes_plan_entry(store: SqliteStore) -> None:
+    """apply_locked runs the plan on what it read and commits the entry it returns."""
+    inst = await store.create(new_instance(n=0))
+    seen: list[Snapshot] = []
+
+    def plan(snap: Snapshot) -> HistoryEntry:
+        seen.append(snap)
+        return step(snap.instance, to_state="paid", request_id="r1", data={"n": 1})
+
+    result = await store.apply_locked(inst.id, "r1", plan, RowLock())
+    assert seen == [result.snapshot]
+    assert result.snapshot.instance == inst
+    assert result.snapshot.prior is None
+    assert result.committed is not None
+    assert result.committed.version == 2
+    assert await store.get(inst.id) == result.committed
+    again = await store.apply_locked(inst.id, "r1", lambda snap: None, RowLock())
+    assert again.committed is None
+    assert again.snapshot.prior is not None
+    assert again.snapshot.prior.version == 2
+
+
+async def test_apply_locked_plan_raising_rolls_back(store: SqliteStore) -> None:
+    """When the plan raises, nothing is written and the exception propagates."""
+    inst = await store.create(new_instance(n=0))
+
+    def plan(snap: Snapshot) -> HistoryEntry:
+        raise RuntimeError("guard blew up")
+
+    with pytest.raises(RuntimeError, match="guard blew up"):
+        await store.apply_locked(inst.id, None, plan, RowLock())
+    assert await store.get(inst.id) == inst
+    assert await store.history(inst.id) == []
+    # The connection is usable afterwards: the transaction did not stay open.
+    ok = await store.apply_locked(inst.id, None, lambda s: step(s.instance), RowLock())
+    assert ok.committed is not None
+    assert ok.committed.version == 2
+
+
+async def test_apply_locked_bad_plan_entry_rolls_back(store: SqliteStore) -> None:
+    """A plan returning the wrong version is refused as InvalidInput and nothing is written."""
+    inst = await store.create(new_instance())
+    with pytest.raises(InvalidInput, match="version 7"):
+        await store.apply_locked(inst.id, None, lambda s: step(s.instance, version=7), RowLock())
+    assert await store.history(inst.id) == []
+
+
+async def test_apply_locked_nowait_raises_lock_busy(
+    store: SqliteStore, write_lock_holder: sqlite3.Connection
+) -> None:
+    """With the write lock held by another connection, nowait raises LockBusy at once."""
+    started = time.monotonic()
+    with pytest.raises(LockBusy):
+        await store.apply_locked("i-1", None, lambda s: None, RowLock(nowait=True))
+    assert time.monotonic() - started < 0.5
+
+
+async def test_apply_locked_timeout_raises_lock_timeout(
+    store: SqliteStore, write_lock_holder: sqlite3.Connection
+) -> None:
+    """With the write lock held by another connection, LockTimeout comes after about the bound."""
+    bound = 0.5
+    started = time.monotonic()
+    with pytest.raises(LockTimeout) as caught:
+        await store.apply_locked("i-1", None, lambda s: None, RowLock(timeout=bound))
+    elapsed = time.monotonic() - started
+    assert 0.8 * bound <= elapsed < 5 * bound
+    assert caught.value.waited >= 0.8 * bound
+
+
+async def test_busy_timeout_restored_after_bounded_transaction(
+    db_path: Path, store: SqliteStore
+) -> None:
+    """After a nowait failure the connection waits for the full busy_timeout again."""
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LockBusy):
+            await store.apply_locked("i-1", None, lambda s: None, RowLock(nowait=True))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    await store.create(new_instance())
+
+    def busy_timeout(conn: sqlite3.Connection) -> int:
+        value: int = conn.execute("PRAGMA busy_timeout").fetchone()[0]
+        return value
+
+    pool = store._pool
+    assert pool is not None
+    for worker in pool.workers:
+        got = await asyncio.wrap_future(worker.executor.submit(busy_timeout, worker.conn))
+        assert got == 5000
+
+
+async def test_commit_waits_for_external_writer(db_path: Path, store: SqliteStore) -> None:
+    """A commit waits on the busy timeout for a writer in another connection, then succeeds."""
+    inst = await store.create(new_instance())
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, holder.execute, "ROLLBACK")
+    try:
+        committed = await store.commit(step(inst))
+    finally:
+        holder.close()
+    assert committed is not None
+    assert committed.version == 2
+
+
+async def test_readers_not_blocked_by_external_writer(
+    store: SqliteStore, write_lock_holder: sqlite3.Connection
+) -> None:
+    """WAL: reads succeed while another connection holds the write lock."""
+    with pytest.raises(InstanceNotFound):
+        await asyncio.wait_for(store.get("i-1"), 1.0)
+
+
+async def test_migrate_is_idempotent(db_path: Path) -> None:
+    """migrate applies every migration once and records it; a second run applies nothing."""
+    store = SqliteStore(db_path, auto_migrate=False)
+    await store.open()
+    try:
+        names = [m.name for m in migrations.load("sqlite")]
+        assert await store.migrate() == names
+        assert await store.migrate() == []
+    finally:
+        await store.aclose()
+    recorded = raw_rows(db_path, "SELECT name FROM flowlock_schema_migrations ORDER BY name")
+    assert [r[0] for r in recorded] == names
+    async with SqliteStore(db_path) as reopened:
+        assert await reopened.migrate() == []
+
+
+async def test_concurrent_migrations_both_succeed(db_path: Path) -> None:
+    """Two stores migrating one fresh file at once: one applies, the other finds it done."""
+    a = SqliteStore(db_path, auto_migrate=False)
+    b = SqliteStore(db_path, auto_migrate=False)
+    await asyncio.gather(a.open(), b.open())
+    try:
+        results = await asyncio.gather(a.migrate(), b.migrate())
+        assert sorted(results) == [[], [m.name for m in migrations.load("sqlite")]]
+    finally:
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_concurrent_auto_migrating_opens(db_path: Path) -> None:
+    """Two auto-migrating stores opening one fresh file at once both become usable."""
+    a = SqliteStore(db_path)
+    b = SqliteStore(db_path)
+    await asyncio.gather(a.open(), b.open())
+    try:
+        await a.create(new_instance())
+        assert (await b.get("i-1")).version == 1
+    finally:
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_failing_migration_rolls_back_everything(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration that fails raises MigrationError and leaves no migration applied."""
+    broken = [*migrations.load("sqlite"), migrations.Migration("999_broken", "CREATE TABLE (;")]
+    monkeypatch.setattr(migrations, "load", lambda dialect: broken)
+    store = SqliteStore(db_path)
+    with pytest.raises(MigrationError):
+        await store.open()
+    with pytest.raises(EngineClosed):
+        await store.get("i-1")
+    tables = raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'table'")
+    assert ("flowlock_instances",) not in tables
+    assert ("flowlock_schema_migrations",) not in tables
+
+
+async def test_unmigrated_database_raises_store_error(db_path: Path) -> None:
+    """Without the schema, operations raise StoreError saying to migrate."""
+    async with SqliteStore(db_path, auto_migrate=False) as store:
+        with pytest.raises(StoreError, match="migrate") as caught:
+            await store.get("i-1")
+    assert isinstance(caught.value.__cause__, sqlite3.Error)
+
+
+async def test_closed_store_raises_engine_closed(db_path: Path) -> None:
+    """Every operation before open or after aclose raises EngineClosed; open/aclose idempotent."""
+    store = SqliteStore(db_path)
+    with pytest.raises(EngineClosed):
+        await store.get("i-1")
+    await store.open()
+    await store.open()
+    inst = await store.create(new_instance())
+    await store.aclose()
+    await store.aclose()
+    calls = [
+        store.get("i-1"),
+        store.read("i-1", None),
+        store.history("i-1"),
+        store.create(new_instance("i-2")),
+        store.commit(step(inst)),
+        store.apply_locked("i-1", None, lambda s: None, RowLock()),
+        store.migrate(),
+    ]
+    for call in calls:
+        with pytest.raises(EngineClosed):
+            await call
+    await store.open()  # reopening works and sees the committed data
+    try:
+        assert await store.get("i-1") == inst
+    finally:
+        await store.aclose()
+
+
+async def test_aclose_waits_for_operations_in_flight(store: SqliteStore) -> None:
+    """aclose lets a running transaction finish; queued operations then see EngineClosed."""
+    inst = await store.create(new_instance())
+    release = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_plan(snap: Snapshot) -> HistoryEntry:
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(5)
+        return step(snap.instance)
+
+    locked = asyncio.create_task(store.apply_locked(inst.id, None, slow_plan, RowLock()))
+    await asyncio.sleep(0.05)
+    queued = asyncio.create_task(store.commit(step(inst, request_id="queued")))
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(store.aclose())
+    await asyncio.sleep(0.05)
+    release.set()
+    result = await locked
+    assert result.committed is not None
+    with pytest.raises(EngineClosed):
+        await queued
+    await closing
+
+
+def test_from_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_url accepts relative, absolute and :memory: forms and rejects the rest."""
+    monkeypatch.chdir(tmp_path)
+    assert SqliteStore.from_url("sqlite:///data/x.db").path == "data/x.db"
+    assert SqliteStore.from_url(f"sqlite:///{tmp_path}/x.db").path == f"{tmp_path}/x.db"
+    assert SqliteStore.from_url("sqlite:////abs/x.db").path == "/abs/x.db"
+    memory = SqliteStore.from_url("sqlite:///:memory:")
+    assert (memory.path, memory.pool_size) == (":memory:", 1)
+    assert SqliteStore.from_url("sqlite:///x.db", busy_timeout=1.5).busy_timeout == 1.5
+    for bad in (
+        "postgresql://localhost/db",
+        "sqlite://host/x.db",
+        "sqlite:x.db",
+        "sqlite:///",
+        "sqlite:///x.db?mode=ro",
+        "memory://",
+    ):
+        with pytest.raises(InvalidInput, match=r"sqlite:///relative/path\.db"):
+            SqliteStore.from_url(bad)
+
+
+async def test_from_url_relative_path_opens_in_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative url resolves against the working directory."""
+    monkeypatch.chdir(tmp_path)
+    async with SqliteStore.from_url("sqlite:///rel.db") as store:
+        await store.create(new_instance())
+    assert (tmp_path / "rel.db").exists()
+
+
+def test_constructor_rejects_bad_arguments() -> None:
+    """Negative timeouts and empty pools are refused with InvalidInput."""
+    with pytest.raises(InvalidInput):
+        SqliteStore("x.db", busy_timeout=-1)
+    with pytest.raises(InvalidInput):
+        SqliteStore("x.db", pool_size=0)
+    with pytest.raises(InvalidInput):
+        SqliteStore("x.db", acquire_timeout=0)
+
+
+async def test_unopenable_path_raises_store_error(tmp_path: Path) -> None:
+    """A path in a missing directory raises StoreError, not sqlite3.OperationalError."""
+    store = SqliteStore(tmp_path / "missing" / "x.db")
+    with pytest.raises(StoreError, match="directory"):
+        await store.open()
+    with pytest.raises(EngineClosed):
+        await store.get("i-1")
+
+
+async def test_memory_database_works() -> None:
+    """:memory: uses one connection, so every operation sees the same database."""
+    async with SqliteStore(":memory:", pool_size=8) as store:
+        assert store.pool_size == 1
+        inst = await store.create(new_instance(n=0))
+        committed = await store.commit(step(inst, data={"n": 1}))
+        assert committed is not None
+        result = await store.apply_locked(
+            inst.id, None, lambda s: step(s.instance, data={"n": 2}), RowLock()
+        )
+        assert result.committed is not None
+        assert result.committed.version == 3
+        assert [e.version for e in await store.history(inst.id)] == [2, 3]
+
+
+async def test_concurrent_increments_across_two_stores(db_path: Path) -> None:
+    """20 tasks on two stores of one file, read→commit retrying: no update lost, none doubled."""
+    a = SqliteStore(db_path)
+    b = SqliteStore(db_path)
+    await a.open()
+    await b.open()
+    tasks, per_task = 20, 5
+    try:
+        await a.create(new_instance(n=0))
+
+        async def worker(index: int) -> None:
+            s = a if index % 2 else b
+            for i in range(per_task):
+                while True:
+                    snap = await s.read("i-1", None)
+                    n = snap.instance.data["n"]
+                    entry = step(snap.instance, request_id=f"{index}-{i}", data={"n": n + 1})
+                    if await s.commit(entry) is not None:
+                        break
+
+        await asyncio.gather(*(worker(i) for i in range(tasks)))
+        total = tasks * per_task
+        final = await b.get("i-1")
+        assert final.version == 1 + total
+        assert final.data == {"n": total}
+        history = await a.history("i-1")
+        assert [e.version for e in history] == list(range(2, total + 2))
+        assert [e.data["n"] for e in history] == list(range(1, total + 1))
+        assert len({e.request_id for e in history}) == total
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_driver_errors_never_escape(db_path: Path, store: SqliteStore) -> None:
+    """A corrupt row surfaces as StoreError, not a json or sqlite3 exception."""
+    await store.create(new_instance())
+    conn = sqlite3.connect(db_path)
+    with conn:
+        conn.execute("UPDATE flowlock_instances SET data = 'not json'")
+    conn.close()
+    with pytest.raises(StoreError, match="not valid JSON"):
+        await store.get("i-1")
