@@ -46,14 +46,16 @@ async def verify(engine: flowlock.Engine, iid: str, applied: int, **kw: Any) -> 
 async def test_storm_exactly_one_applied_per_round(
     pg_engine_factory: EngineFactory, strategy: str
 ) -> None:
-    """100 callers fire one approve at once, 5 rounds: 1 applied, 99 idempotent, no double advance."""
+    """100 callers fire one approve at once, 5 rounds: 1 applied, 99 idempotent, no double."""
     engine = await pg_engine_factory(pool_size=100)
     for round_no in range(5):
         iid = f"storm-{round_no}"
         await engine.create("approval", instance_id=iid)
         outs = await at_once(
             [
-                lambda i=i: engine.fire(iid, "approve", actor=f"admin-{i}", strategy=strategy)
+                lambda i=i, iid=iid: engine.fire(
+                    iid, "approve", actor=f"admin-{i}", strategy=strategy
+                )
                 for i in range(100)
             ]
         )
