@@ -32,8 +32,7 @@ def store_from_url(
     if scheme == "sqlite":
         from flowlock.stores.sqlite import SqliteStore
 
-        store = SqliteStore.from_url(url)
-        return SqliteStore(store.path, auto_migrate=auto_migrate)
+        return SqliteStore.from_url(url, auto_migrate=auto_migrate)
     if scheme == "memory":
         return MemoryStore()
     raise InvalidInput(
