@@ -1,0 +1,334 @@
+"""``flowlock``: the command line (typer + rich).
+
+The CLI is the one place in flowlock that reads the environment; every variable it reads is named
+in ``flowlock --help``:
+
+- ``FLOWLOCK_DATABASE_URL``: the PostgreSQL URL for ``db migrate`` and ``bench`` when
+  ``--database-url`` is not given.
+
+Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
+arguments; 3 ``bench`` ran but a checker verdict failed; 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+import flowlock
+from flowlock.engine import Engine
+from flowlock.errors import FlowlockError
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_VERDICT_FAILED", "app", "main"]
+
+ENV_DATABASE_URL = "FLOWLOCK_DATABASE_URL"
+EXIT_ERROR = 1
+EXIT_VERDICT_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+_EPILOG = (
+    "**Environment variables** (the CLI is the only part of flowlock that reads them): "
+    f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
+    "*db migrate* and *bench* when --database-url is not given.\n\n"
+    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench verdict failed, "
+    "130 interrupted."
+)
+
+app = typer.Typer(
+    name="flowlock",
+    help="flowlock: a workflow engine whose every transition is atomic and applied exactly once.",
+    epilog=_EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    # Locals of a failing frame could hold a database URL with its password.
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+db_app = typer.Typer(
+    help="Database schema commands.",
+    no_args_is_help=True,
+    epilog=_EPILOG,
+    rich_markup_mode="markdown",
+)
+app.add_typer(db_app, name="db")
+
+
+# -- output helpers -------------------------------------------------------------------------
+
+
+def _stderr() -> Console:
+    # Made per use, not at import: test runners swap sys.stderr after import.
+    return Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    """One red line (any further lines of the message, such as a server log tail, dimmed
+    below it) and exit with ``code``."""
+    first, _, rest = message.strip().partition("\n")
+    console = _stderr()
+    console.print(Text(f"error: {first}", style="bold red"))
+    if rest.strip():
+        console.print(Text(rest, style="dim"))
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _errors_as_exit() -> Iterator[None]:
+    """FlowlockError -> one red line and exit 1; Ctrl-C -> exit 130. No traceback for either."""
+    try:
+        yield
+    except FlowlockError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _stderr().print(Text("interrupted", style="yellow"))
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _redact(url: str) -> str:
+    from flowlock.bench.runner import redact
+
+    return redact(url)
+
+
+# -- root -----------------------------------------------------------------------------------
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"flowlock {flowlock.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            help="Print the version and exit.",
+            callback=_show_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """flowlock: a workflow (state-machine) engine whose every transition is atomic and applied
+    exactly once, with pluggable concurrency control (optimistic, pessimistic)."""
+
+
+# -- db -------------------------------------------------------------------------------------
+
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar=ENV_DATABASE_URL,
+        help="PostgreSQL URL, e.g. postgresql://user@host:5432/db.",
+        show_default=False,
+    ),
+]
+
+
+async def _migrate(url: str, schema: str | None) -> list[str]:
+    # auto_migrate=False so migrate() below is the one call that applies, and reports, them.
+    async with Engine.connect(url, auto_migrate=False, pool_size=1, schema=schema) as engine:
+        return await engine.store.migrate()
+
+
+@db_app.command("migrate")
+def db_migrate(
+    database_url: DatabaseUrl = None,
+    schema: Annotated[
+        str | None,
+        typer.Option("--schema", help="Put flowlock's tables in this schema (created if missing)."),
+    ] = None,
+) -> None:
+    """Create or update flowlock's tables (idempotent; safe to run from several machines)."""
+    if not database_url:
+        raise typer.BadParameter(
+            f"give --database-url or set {ENV_DATABASE_URL}", param_hint="'--database-url'"
+        )
+    with _errors_as_exit():
+        applied = asyncio.run(_migrate(database_url, schema))
+    where = _redact(database_url).split("@")[-1] + (f" (schema {schema})" if schema else "")
+    console = Console()
+    if applied:
+        console.print(f"applied {len(applied)} migration(s) to {where}:")
+        for name in applied:
+            console.print(f"  {name}")
+    else:
+        console.print(f"{where} is up to date; no migration to apply")
+
+
+# -- bench ----------------------------------------------------------------------------------
+
+
+def _known(kind: str, names: list[str] | None, known: list[str]) -> list[str] | None:
+    for name in names or []:
+        if name not in known:
+            raise typer.BadParameter(f"unknown {kind} {name!r}; choose from {', '.join(known)}")
+    return names
+
+
+def _check_scenarios(names: list[str] | None) -> list[str] | None:
+    from flowlock.bench import SCENARIOS
+
+    return _known("scenario", names, list(SCENARIOS))
+
+
+def _check_strategies(names: list[str] | None) -> list[str] | None:
+    from flowlock.bench import STRATEGIES
+
+    return _known("strategy", names, list(STRATEGIES))
+
+
+def _check_json_path(path: Path | None) -> Path | None:
+    # Checked before the run, so a typo does not cost the whole benchmark.
+    if path is not None:
+        if path.is_dir():
+            raise typer.BadParameter(f"{path} is a directory")
+        if not path.parent.is_dir():
+            raise typer.BadParameter(f"directory {path.parent} does not exist")
+    return path
+
+
+@app.command()
+def bench(
+    scenario: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--scenario",
+            "-s",
+            help="Scenario to run (repeatable): storm, countersign. Default: all.",
+            callback=_check_scenarios,
+            show_default=False,
+        ),
+    ] = None,
+    strategy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--strategy",
+            "-t",
+            help="Strategy to run (repeatable): optimistic, pessimistic. Default: both.",
+            callback=_check_strategies,
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int, typer.Option("--workers", "-w", min=1, help="Concurrent callers per round.")
+    ] = 100,
+    rounds: Annotated[
+        int | None,
+        typer.Option(
+            "--rounds",
+            "-r",
+            min=1,
+            help="Timed rounds per scenario. Default: storm 10, countersign 3 (2 with --quick).",
+            show_default=False,
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed",
+            help="Seed for the retry jitter, to repeat a run. Default: random (reported).",
+            show_default=False,
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="2 rounds per scenario: a run well under 30 s.")
+    ] = False,
+    pool_size: Annotated[
+        int | None,
+        typer.Option(
+            "--pool-size",
+            min=1,
+            help="Database connections in the engine's pool. Default: --workers (one per "
+            "caller, like the seed's experiment), lowered if the server cannot take that many.",
+            show_default=False,
+        ),
+    ] = None,
+    json_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--json",
+            help="Also write the results as JSON (the shape in DESIGN.md) to this file.",
+            callback=_check_json_path,
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar=ENV_DATABASE_URL,
+            help="Run against this PostgreSQL server, in a scratch schema flowlock_bench_<hex> "
+            "dropped at the end. Default: start an embedded PostgreSQL for the run.",
+            show_default=False,
+        ),
+    ] = None,
+    embedded: Annotated[
+        bool,
+        typer.Option(
+            "--embedded",
+            help=f"Use an embedded PostgreSQL even if {ENV_DATABASE_URL} is set.",
+        ),
+    ] = False,
+) -> None:
+    """Reproduce the seed article's experiment: many callers fire at one instance at once.
+
+    Prints one row per scenario x strategy (latency, success %, throughput, peak connections,
+    double-advanced rounds) and the checker's exactly-once verdict, with the seed's published
+    figures beside the storm results. Exits 3 if any verdict fails.
+    """
+    from flowlock.bench import BenchConfig
+    from flowlock.bench.report import RichProgress, failures, render, write_json
+    from flowlock.bench.runner import run
+
+    config = BenchConfig(
+        scenarios=tuple(scenario) if scenario else None,
+        strategies=tuple(strategy) if strategy else None,
+        workers=workers,
+        rounds=rounds,
+        quick=quick,
+        seed=seed,
+        pool_size=pool_size,
+        database_url=None if embedded else database_url,
+    )
+    with _errors_as_exit():
+        config.validate()  # before starting anything: a bad URL must not cost a server start
+        with RichProgress(_stderr()) as progress:
+            report = run(config, progress)
+
+    out = Console()
+    if not out.is_terminal:
+        # Piped or redirected: rich would assume 80 columns and fold the table; use room.
+        out = Console(width=160)
+    render(report, out)
+    if json_file is not None:
+        try:
+            write_json(report, json_file)
+        except OSError as exc:
+            _fail(f"cannot write {json_file}: {exc.strerror or exc}")
+        _stderr().print(Text(f"wrote {json_file}", style="dim"))
+    if not report.ok:
+        lines = failures(report)
+        _fail(
+            "checker verdict FAILED: the history is not exactly-once\n" + "\n".join(lines),
+            EXIT_VERDICT_FAILED,
+        )
+
+
+def main() -> None:
+    """Console-script entry point (``flowlock``)."""
+    app(prog_name="flowlock")
