@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from flowlock import examples
 from flowlock.definition import Step, Transition, Workflow
 from flowlock.engine import Engine
 from flowlock.errors import (
@@ -76,4 +77,5 @@ __all__ = [
     "VersionMismatch",
     "Workflow",
     "__version__",
+    "examples",
 ]

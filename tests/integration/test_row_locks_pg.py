@@ -42,7 +42,8 @@ async def _assert_clean(engine: flowlock.Engine) -> None:
     assert isinstance(store, PostgresStore)
     async with store.pool.acquire() as conn:
         assert not conn.is_in_transaction()
-        assert await conn.fetchval("SHOW lock_timeout") == "0"
+        # Back to the session's bound (the store's lock_timeout), not the call's SET LOCAL.
+        assert await conn.fetchval("SHOW lock_timeout") == "5s"
         assert (
             await conn.fetchval(
                 "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() "
@@ -105,17 +106,21 @@ async def test_after_the_holder_commits_the_waiter_proceeds(
     await _assert_clean(one_conn_engine)
 
 
-async def test_optimistic_does_not_queue_behind_a_held_row(
-    one_conn_engine: flowlock.Engine, holder: asyncpg.Connection
+async def test_optimistic_write_waits_at_most_lock_timeout(
+    one_conn_engine: flowlock.Engine, holder: asyncpg.Connection, pg_url: str, pg_schema: str
 ) -> None:
-    """An optimistic write never waits on a held row lock: it loses its CAS and backs off,
-    ending in ConflictRetriesExhausted with nothing written."""
-    started = time.monotonic()
-    with pytest.raises(flowlock.ConflictRetriesExhausted):
-        await one_conn_engine.fire("req", "approve")
-    assert time.monotonic() - started < 2.0
-    assert (await one_conn_engine.get("req")).version == 1
-    await _assert_clean(one_conn_engine)
+    """An optimistic write behind a held row lock waits at most the store's lock_timeout,
+    then raises LockTimeout with nothing written and the connection clean."""
+    store = PostgresStore(pg_url, schema=pg_schema, pool_size=1, lock_timeout=0.2)
+    async with flowlock.Engine(store) as eng:
+        await eng.register(examples.approval())
+        started = time.monotonic()
+        with pytest.raises(flowlock.LockTimeout):
+            await eng.fire("req", "approve")
+        assert 0.18 <= time.monotonic() - started < 2.0
+        assert (await eng.get("req")).version == 1
+        async with store.pool.acquire() as conn:
+            assert not conn.is_in_transaction()
 
 
 async def test_pool_exhaustion_is_store_busy(pg_url: str, pg_schema: str) -> None:
