@@ -347,10 +347,7 @@ class PostgresStore:
                 row = await conn.fetchrow(_READ_WITH_REQUEST, instance_id, request_id)
         if row is None:
             raise InstanceNotFound(instance_id)
-        prior = (
-            _entry(row, "h_") if request_id is not None and row["h_version"] is not None else None
-        )
-        return Snapshot(_instance(row), prior)
+        return _snapshot(row) if request_id is not None else Snapshot(_instance(row))
 
     async def commit(self, entry: HistoryEntry) -> Instance | None:
         started = time.monotonic()
