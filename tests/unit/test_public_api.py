@@ -1,0 +1,83 @@
+"""The public surface: what ``flowlock`` exports, its types, and the layering of its modules.
+
+mypy checks this file too (``.ci/run``), so the ``assert_type`` lines are type tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import assert_type
+
+import flowlock
+from flowlock.stores import MemoryStore
+
+SRC = Path(flowlock.__file__).parent
+
+PUBLIC = {
+    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Engine", "EngineClosed",
+    "FlowlockError", "GuardRejected", "HistoryEntry", "Instance", "InstanceExists",
+    "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockTimeout", "MigrationError",
+    "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError",
+    "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
+    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
+}  # fmt: skip
+
+
+def test_all_is_the_curated_public_api() -> None:
+    """__all__ lists exactly the public names, and each of them exists."""
+    assert set(flowlock.__all__) == PUBLIC
+    for name in flowlock.__all__:
+        assert hasattr(flowlock, name), name
+
+
+def test_every_error_is_a_flowlock_error() -> None:
+    """Every exception class exported derives from FlowlockError (one hierarchy to catch)."""
+    for name in flowlock.__all__:
+        obj = getattr(flowlock, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert issubclass(obj, flowlock.FlowlockError), name
+            assert (obj.__doc__ or "").strip(), f"{name} needs a docstring (its default message)"
+
+
+async def test_public_types() -> None:
+    """The engine's methods return the documented types (checked by mypy and at run time)."""
+    async with flowlock.Engine(MemoryStore()) as engine:
+        assert_type(engine, flowlock.Engine)
+        await engine.register(flowlock.examples.approval())
+        inst = await engine.create("approval", instance_id="i")
+        assert_type(inst, flowlock.Instance)
+        out = await engine.fire("i", "approve")
+        assert_type(out, flowlock.Outcome)
+        assert_type(out.applied, bool)
+        assert_type(out.attempts, int)
+        history = await engine.history("i")
+        assert_type(history, list[flowlock.HistoryEntry])
+        assert isinstance(history[0], flowlock.HistoryEntry)
+
+
+def _flowlock_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flowlock"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("flowlock"))
+    return found
+
+
+def test_layering() -> None:
+    """Arrows point one way: definitions and models know no backend; strategies see only the
+    store Protocol; only engine, CLI and bench compose concrete backends."""
+    for module in ("definition.py", "models.py", "errors.py", "step.py", "checker.py"):
+        imports = _flowlock_imports(SRC / module)
+        assert not {m for m in imports if m.startswith(("flowlock.stores.", "flowlock.engine"))
+                    and m != "flowlock.stores.base"}, (module, imports)  # fmt: skip
+    for path in (SRC / "strategies").glob("*.py"):
+        concrete = {
+            m for m in _flowlock_imports(path)
+            if m.startswith("flowlock.stores.") and m != "flowlock.stores.base"
+        }  # fmt: skip
+        assert not concrete, (path.name, concrete)
+    assert _flowlock_imports(SRC / "errors.py") == set()
