@@ -21,7 +21,10 @@ Each class's docstring is its default message; instances carry the facts a calle
     │   ├── ConflictRetriesExhausted optimistic compare-and-swap lost max_attempts times
     │   └── LockError
     │       ├── LockTimeout          waited the whole bound for a lock
-    │       └── LockBusy             NOWAIT and the lock was held
+    │       ├── LockBusy             NOWAIT and the lock was held
+    │       ├── LockNotOwned         release / extend of a lease that is no longer yours
+    │       ├── LockLost             the lease expired or could not be renewed before commit
+    │       └── LockUnavailable      the lock backend (Redis, PostgreSQL) could not be reached
     ├── StoreError                   the database failed or answered something unexpected
     │   ├── StoreBusy                no database connection came free within the bound
     │   └── MigrationError
@@ -218,6 +221,42 @@ class LockBusy(LockError):
         super().__init__(
             f"lock on {key!r} is held by another caller and nowait was requested; "
             "nothing was written. Retry later or allow a wait"
+        )
+
+
+class LockNotOwned(LockError):
+    """The lease is no longer held by this owner (it expired, and maybe someone else holds it)."""
+
+    def __init__(self, key: str, action: str) -> None:
+        self.key = key
+        self.action = action
+        super().__init__(
+            f"cannot {action} the lock on {key!r}: this lease no longer owns it (it expired, and "
+            "another owner may hold it now); nothing of the other owner's was touched"
+        )
+
+
+class LockLost(LockError):
+    """The lease was lost before the critical section committed; nothing was written."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(
+            f"lost the lock on {key!r} before commit ({reason}); nothing was written. "
+            "Retry; if steps run long, raise the lease ttl"
+        )
+
+
+class LockUnavailable(LockError):
+    """The lock backend could not be reached; nothing was written."""
+
+    def __init__(self, backend: str, detail: str) -> None:
+        self.backend = backend
+        self.detail = detail
+        super().__init__(
+            f"the {backend} lock backend is unreachable ({detail}); nothing was written. "
+            "Check the server and retry"
         )
 
 

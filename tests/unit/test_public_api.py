@@ -17,7 +17,7 @@ SRC = Path(flowlock.__file__).parent
 PUBLIC = {
     "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Engine", "EngineClosed",
     "FlowlockError", "GuardRejected", "HistoryEntry", "Instance", "InstanceExists",
-    "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockTimeout", "MigrationError",
+    "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError",
     "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError",
     "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
     "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",

@@ -1,0 +1,264 @@
+"""The lock-backend port, the Lease value, and the one watchdog every backend shares.
+
+A backend implements a handful of primitives (``_acquire``, ``release``, ``extend``, ``owned``,
+``locked``); :class:`LeaseContext` turns them into::
+
+    lease = await backend.acquire("key", ttl=5, wait=1)          # just take it
+    async with backend.acquire("key", ttl=5, wait=1) as held:     # take it, renew it, release it
+        ...
+        held.check()            # raises LockLost if the lease was lost: call it before committing
+        fence = held.lease.fencing
+
+The owner token belongs to the :class:`Lease` value returned by one acquisition, never to the
+backend object or to thread-local state, so any number of tasks can share one backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Protocol, runtime_checkable
+
+from flowlock.errors import FlowlockError, InvalidInput, LockLost, LockNotOwned
+
+__all__ = ["Held", "Lease", "LeaseContext", "LockBackend", "check_lock_args"]
+
+log = logging.getLogger("flowlock")
+
+MAX_TTL = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One acquisition of a lock.
+
+    ``token`` is the owner's 128-bit random token (hex); ``fencing`` a number strictly greater
+    than every fencing number handed out before for ``key``, to pass to anything outside the lock
+    that must refuse a stale holder; ``expires_at`` is a deadline on the local monotonic clock,
+    computed from before the request was sent, so it never overestimates the lease.
+    """
+
+    key: str
+    token: str
+    fencing: int
+    ttl: float
+    expires_at: float
+    backend: str
+
+    def remaining(self, now: float | None = None) -> float:
+        """Seconds left before the lease may have expired (local clock, conservative)."""
+        return self.expires_at - (time.monotonic() if now is None else now)
+
+    def renewed(self, expires_at: float, ttl: float | None = None) -> Lease:
+        """The same lease with a later deadline."""
+        return replace(self, expires_at=expires_at, ttl=self.ttl if ttl is None else ttl)
+
+
+def check_lock_args(key: object, ttl: float, wait: float | None) -> None:
+    """Refuse nonsense before any I/O: every lock has a TTL and every wait a bound."""
+    if not isinstance(key, str) or not key:
+        raise InvalidInput(f"lock key must be a non-empty string, not {key!r}")
+    if len(key) > 512:
+        raise InvalidInput(f"lock key is {len(key)} characters long; the limit is 512")
+    if not 0 < ttl <= MAX_TTL:
+        raise InvalidInput(f"ttl must be between 0 and {MAX_TTL:.0f} seconds, not {ttl!r}")
+    if wait is not None and not 0 <= wait <= MAX_TTL:
+        raise InvalidInput(f"wait must be between 0 and {MAX_TTL:.0f} seconds, not {wait!r}")
+
+
+@runtime_checkable
+class LockBackend(Protocol):
+    """A lease-lock backend (Redis, PostgreSQL advisory locks, memory)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
+        """Take the lock on ``key`` for ``ttl`` seconds, waiting at most ``wait`` seconds
+        (0: try once). Await it for a Lease, or ``async with`` it for a renewed, released Held.
+        Raises LockTimeout (waited ``wait``), LockBusy (``wait=0``), LockUnavailable."""
+        ...
+
+    async def release(self, lease: Lease) -> None:
+        """Release ``lease``. Raises LockNotOwned when it is no longer the owner (the key, if
+        someone else holds it now, is left alone)."""
+        ...
+
+    async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
+        """Push the lease's expiry to ``ttl`` (default: its own ttl) from now. Raises
+        LockNotOwned when it is no longer the owner."""
+        ...
+
+    async def owned(self, lease: Lease) -> bool:
+        """Whether ``lease`` still holds its key."""
+        ...
+
+    async def locked(self, key: str) -> bool:
+        """Whether anyone holds ``key``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections. Idempotent."""
+        ...
+
+
+class _Acquirer(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease: ...
+
+    async def release(self, lease: Lease) -> None: ...
+
+    async def extend(self, lease: Lease, ttl: float | None = None) -> Lease: ...
+
+
+class LeaseContext:
+    """What ``backend.acquire(...)`` returns: awaitable (a Lease) and an async context manager
+    (a :class:`Held` whose lease a watchdog renews every ``ttl / 3``, released on exit)."""
+
+    def __init__(
+        self,
+        backend: _Acquirer,
+        key: str,
+        *,
+        ttl: float,
+        wait: float,
+        renew: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_lock_args(key, ttl, wait)
+        self._backend = backend
+        self._key = key
+        self._ttl = ttl
+        self._wait = wait
+        self._renew = renew
+        self._clock = clock
+        self._held: Held | None = None
+
+    def __await__(self) -> Generator[object, None, Lease]:
+        return self._backend._acquire(self._key, self._ttl, self._wait).__await__()
+
+    async def __aenter__(self) -> Held:
+        lease = await self._backend._acquire(self._key, self._ttl, self._wait)
+        self._held = Held(self._backend, lease, renew=self._renew, clock=self._clock)
+        return self._held
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            await held.close(raise_errors=exc is None)
+
+
+class Held:
+    """A lease being held: renewed in the background, checked before commit, released once.
+
+    A renewal that fails is never swallowed: :meth:`check` raises LockLost from then on, and the
+    loss is logged once at WARNING. A backend that is unreachable during renewal is retried until
+    the lease's local deadline; only then is the lease counted as lost.
+    """
+
+    def __init__(
+        self,
+        backend: _Acquirer,
+        lease: Lease,
+        *,
+        renew: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._lease = lease
+        self._clock = clock
+        self._lost: str | None = None
+        self._released = False
+        self._watchdog: asyncio.Task[None] | None = None
+        if renew:
+            self._watchdog = asyncio.create_task(
+                self._renew_forever(), name=f"flowlock-renew:{lease.key}"
+            )
+
+    @property
+    def lease(self) -> Lease:
+        """The current lease (its deadline moves with each renewal)."""
+        return self._lease
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was lost, or None while it is held."""
+        if self._lost is None and self._lease.remaining(self._clock()) <= 0:
+            return "its ttl ran out on the local clock before a renewal succeeded"
+        return self._lost
+
+    def check(self) -> None:
+        """Raise LockLost if the lease is lost or past its local deadline. Call before commit."""
+        reason = self.lost
+        if reason is not None:
+            raise LockLost(self._lease.key, reason)
+
+    async def _renew_forever(self) -> None:
+        lease = self._lease
+        while True:
+            await asyncio.sleep(lease.ttl / 3)
+            try:
+                lease = self._lease = await self._backend.extend(lease)
+            except LockNotOwned:
+                self._mark_lost("a renewal found another owner (the lease had expired)")
+                return
+            except FlowlockError as exc:
+                if lease.remaining(self._clock()) <= 0:
+                    self._mark_lost(f"renewals failed until the ttl ran out: {exc}")
+                    return
+                log.warning(
+                    "flowlock: renewing the lease on %r failed, retrying: %s", lease.key, exc
+                )
+                await asyncio.sleep(min(lease.ttl / 10, max(lease.remaining(self._clock()), 0)))
+
+    def _mark_lost(self, reason: str) -> None:
+        if self._lost is None:
+            self._lost = reason
+            log.warning("flowlock: lost the lease on %r: %s", self._lease.key, reason)
+
+    async def close(self, *, raise_errors: bool = True) -> None:
+        """Stop renewing and release the lease (once). Safe under cancellation: the release runs
+        to completion in its own task even if the caller is cancelled meanwhile, and it releases
+        only this lease's token, never another owner's."""
+        if self._released:
+            return
+        self._released = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        release = asyncio.ensure_future(self._backend.release(self._lease))
+        try:
+            await asyncio.shield(release)
+        except asyncio.CancelledError:
+            # The caller was cancelled mid-release: let the release finish on its own (bounded by
+            # the backend's own timeouts) rather than leave the key behind until its ttl ends.
+            release.add_done_callback(_log_release_failure)
+            raise
+        except LockNotOwned:
+            if self._lost is None:
+                self._mark_lost("the lease expired before release")
+            if raise_errors:
+                raise
+        except FlowlockError as exc:
+            log.warning("flowlock: releasing the lease on %r failed: %s", self._lease.key, exc)
+            if raise_errors:
+                raise
+
+
+def _log_release_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning(
+            "flowlock: a release finished after its caller was cancelled and failed: %s",
+            task.exception(),
+        )
