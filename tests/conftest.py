@@ -77,7 +77,9 @@ async def engine(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
     """An open engine on each store backend, with the seed's workflows registered."""
     from flowlock import examples
 
-    async with flowlock.Engine(store_factory()) as eng:
+    from flowlock.locks import MemoryLocks
+
+    async with flowlock.Engine(store_factory(), locks=MemoryLocks()) as eng:
         for wf in (examples.approval(), examples.countersign(3), examples.inventory(), cyclic()):
             await eng.register(wf)
         yield eng

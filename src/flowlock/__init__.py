@@ -39,6 +39,7 @@ from flowlock.errors import (
 )
 from flowlock.models import HistoryEntry, Instance, Outcome
 from flowlock.strategies.base import Strategy
+from flowlock.strategies.distributed import Distributed, fencing_token
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
@@ -51,6 +52,7 @@ __all__ = [
     "ConcurrencyError",
     "ConflictRetriesExhausted",
     "DefinitionError",
+    "Distributed",
     "Engine",
     "EngineClosed",
     "FlowlockError",
@@ -84,4 +86,5 @@ __all__ = [
     "Workflow",
     "__version__",
     "examples",
+    "fencing_token",
 ]

@@ -23,10 +23,12 @@ from flowlock.errors import (
     PayloadTooLarge,
     UnknownWorkflow,
 )
+from flowlock.locks.base import LockBackend
 from flowlock.models import HistoryEntry, Instance, Outcome
 from flowlock.step import Call, Idempotent, decide
 from flowlock.stores.base import Snapshot, Store
 from flowlock.strategies.base import Strategy
+from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
@@ -60,7 +62,10 @@ class Engine:
     Options (keyword-only): ``strategy`` is the default strategy ("optimistic" unless a workflow or
     transition says otherwise); ``max_attempts``, ``backoff_base`` and ``backoff_cap`` (seconds)
     configure optimistic retries; ``lock_timeout`` (seconds) bounds pessimistic row-lock waits;
-    ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON.
+    ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``locks`` (a
+    :class:`flowlock.locks.LockBackend`: Redis, PostgreSQL advisory, memory) enables the
+    "distributed" strategy, with leases of ``lease_ttl`` seconds waited for at most ``lease_wait``;
+    the engine opens and closes it with the store.
     """
 
     def __init__(
@@ -73,6 +78,9 @@ class Engine:
         backoff_cap: float = 0.2,
         lock_timeout: float = 5.0,
         max_payload_bytes: int = 64 * 1024,
+        locks: LockBackend | None = None,
+        lease_ttl: float = 10.0,
+        lease_wait: float = 5.0,
         strategies: Mapping[str, Strategy] | None = None,
     ) -> None:
         if max_payload_bytes < 2:
@@ -84,6 +92,11 @@ class Engine:
             ),
             "pessimistic": Pessimistic(lock_timeout=lock_timeout),
         }
+        self._locks = locks
+        if locks is not None:
+            self._strategies["distributed"] = Distributed(
+                locks=locks, ttl=lease_ttl, wait=lease_wait, max_attempts=max_attempts
+            )
         if strategies:
             self._strategies.update(strategies)
         if strategy not in self._strategies:
@@ -104,20 +117,29 @@ class Engine:
         cls,
         database_url: str,
         *,
+        redis_url: str | None = None,
+        locks: str | None = None,
         auto_migrate: bool = True,
         pool_size: int = 20,
         schema: str | None = None,
+        namespace: str = "default",
         **options: Any,
     ) -> Engine:
         """An engine over the database at ``database_url``: ``postgresql://...`` (asyncpg pool of
         ``pool_size``, tables in ``schema`` if given) or ``sqlite:///path``. Open it with
-        ``async with``. Migrations run on open unless ``auto_migrate=False``."""
+        ``async with``. Migrations run on open unless ``auto_migrate=False``.
+
+        The "distributed" strategy leases from Redis when ``redis_url`` (``redis://`` or
+        ``unix://``) is given, else from PostgreSQL advisory locks on a PostgreSQL database;
+        ``locks="redis" | "advisory"`` chooses explicitly. ``namespace`` separates lock keys of
+        unrelated deployments sharing one Redis or database."""
         from flowlock.stores import store_from_url
 
         store = store_from_url(
             database_url, auto_migrate=auto_migrate, pool_size=pool_size, schema=schema
         )
-        return cls(store, **options)
+        backend = _lock_backend(store, database_url, redis_url, locks, schema, namespace)
+        return cls(store, locks=backend, **options)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -131,17 +153,32 @@ class Engine:
         return not self._open
 
     async def open(self) -> Self:
-        """Open the store (connect, migrate). Idempotent."""
+        """Open the store (connect, migrate) and the lock backend. Idempotent."""
         if not self._open:
             await self._store.open()
+            if self._locks is not None:
+                try:
+                    await self._locks.open()
+                except BaseException:
+                    await self._store.aclose()
+                    raise
             self._open = True
         return self
 
     async def aclose(self) -> None:
-        """Close the store and release every connection. Idempotent."""
+        """Close the lock backend and the store, releasing every connection. Idempotent."""
         if self._open:
             self._open = False
-            await self._store.aclose()
+            try:
+                if self._locks is not None:
+                    await self._locks.aclose()
+            finally:
+                await self._store.aclose()
+
+    @property
+    def locks(self) -> LockBackend | None:
+        """The lock backend of the "distributed" strategy, if one is configured."""
+        return self._locks
 
     async def __aenter__(self) -> Self:
         return await self.open()
@@ -167,9 +204,9 @@ class Engine:
             raise InvalidInput(
                 f"register() takes a flowlock.Workflow, not {type(workflow).__name__}"
             )
-        for t in workflow.transitions.values():
-            if t.strategy is not None and t.strategy not in self._strategies:
-                raise InvalidInput(f"transition {t.name!r} names unknown strategy {t.strategy!r}")
+        for name in (workflow.strategy, *(t.strategy for t in workflow.transitions.values())):
+            if name is not None and name not in self._strategies:
+                raise InvalidInput(_unknown_strategy(name, self._strategies))
         self._workflows[workflow.name] = workflow
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
@@ -319,9 +356,7 @@ class Engine:
             if isinstance(requested, str):
                 found = self._strategies.get(requested)
                 if found is None:
-                    raise InvalidInput(
-                        f"unknown strategy {requested!r}; use one of {sorted(self._strategies)}"
-                    )
+                    raise InvalidInput(_unknown_strategy(requested, self._strategies))
                 return found
             if isinstance(requested, Strategy):
                 return requested
@@ -337,3 +372,50 @@ class Engine:
         t = wf.transitions.get(event)
         picked = (t.strategy if t is not None else None) or wf.strategy or self._default
         return self._strategies[picked]
+
+
+def _unknown_strategy(name: str, known: Mapping[str, Strategy]) -> str:
+    hint = ""
+    if name == "distributed":
+        hint = (
+            "; the distributed strategy needs a lock backend: Engine.connect(..., redis_url=...) "
+            "or a PostgreSQL database (advisory locks), or Engine(store, locks=...)"
+        )
+    return f"unknown strategy {name!r}; this engine has {sorted(known)}{hint}"
+
+
+def _lock_backend(
+    store: Store,
+    database_url: str,
+    redis_url: str | None,
+    kind: str | None,
+    schema: str | None,
+    namespace: str,
+) -> LockBackend | None:
+    """The lock backend Engine.connect composes (only engine, CLI and service compose backends)."""
+    if kind is None:
+        if redis_url is not None:
+            kind = "redis"
+        elif database_url.partition("://")[0].lower() in ("postgresql", "postgres"):
+            kind = "advisory"
+        elif database_url.partition("://")[0].lower() == "memory":
+            kind = "memory"
+        else:
+            return None
+    if kind == "redis":
+        if redis_url is None:
+            raise InvalidInput('locks="redis" needs redis_url="redis://host:6379/0"')
+        from flowlock.locks.redis import RedisLocks
+
+        return RedisLocks(redis_url, namespace=namespace, fence_floor=store.fencing_floor)
+    if kind == "advisory":
+        if database_url.partition("://")[0].lower() not in ("postgresql", "postgres"):
+            raise InvalidInput('locks="advisory" needs a postgresql:// database_url')
+        from flowlock.locks.advisory import AdvisoryLocks
+
+        return AdvisoryLocks(database_url, namespace=namespace, schema=schema)
+    if kind == "memory":
+        from flowlock.locks.memory import MemoryLocks
+
+        return MemoryLocks()
+    raise InvalidInput(f'locks must be "redis", "advisory" or "memory", not {kind!r}')

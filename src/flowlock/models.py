@@ -39,7 +39,8 @@ class Instance:
 @dataclass(frozen=True, slots=True)
 class HistoryEntry:
     """One applied transition: the instance moved from ``from_state`` to ``to_state`` and
-    reached ``version``; ``data`` is the instance's data after it."""
+    reached ``version``; ``data`` is the instance's data after it. ``fencing_token`` is the
+    lease's fencing token when the distributed strategy wrote it (None otherwise)."""
 
     instance_id: str
     version: int
@@ -51,6 +52,7 @@ class HistoryEntry:
     strategy: str
     data: Mapping[str, Any]
     at: datetime | None = None
+    fencing_token: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

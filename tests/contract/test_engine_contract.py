@@ -14,7 +14,7 @@ import flowlock
 from flowlock.checker import check
 from flowlock.models import HistoryEntry
 
-STRATEGIES = ["optimistic", "pessimistic"]
+STRATEGIES = ["optimistic", "pessimistic", "distributed"]
 
 
 @pytest.fixture(params=STRATEGIES)

@@ -15,12 +15,12 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Engine", "EngineClosed",
+    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine", "EngineClosed",
     "FlowlockError", "GuardRejected", "HistoryEntry", "Instance", "InstanceExists",
     "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError",
     "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError",
     "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
-    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
+    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples", "fencing_token",
 }  # fmt: skip
 
 

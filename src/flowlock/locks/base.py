@@ -101,6 +101,10 @@ class LockBackend(Protocol):
         """Whether anyone holds ``key``."""
         ...
 
+    async def open(self) -> None:
+        """Connect. Idempotent."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections. Idempotent."""
         ...

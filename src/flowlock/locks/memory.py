@@ -98,5 +98,8 @@ class MemoryLocks:
     async def locked(self, key: str) -> bool:
         return self._live(key) is not None
 
+    async def open(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None

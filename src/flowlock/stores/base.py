@@ -7,7 +7,8 @@ Strategies see only this Protocol. Two ways to apply a transition:
 - ``apply_locked``: read under a row lock, run a pure ``plan`` on what was read, write, commit
   (the pessimistic path). ``plan`` is synchronous and pure so a store may run it on its own thread.
 
-Every write is a compare-and-swap on ``version``; a stale write changes nothing.
+Every write is a compare-and-swap on ``version``, and, when the entry carries a lease's fencing
+token, on that token too (lower than the last one written: refused); a stale write changes nothing.
 """
 
 from __future__ import annotations
@@ -89,3 +90,7 @@ class Store(Protocol):
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
+
+    async def fencing_floor(self, instance_id: str) -> int:
+        """The highest fencing token written for the instance (0 if none): a lock backend that
+        lost its own counter (a Redis restart) floors new tokens on it."""

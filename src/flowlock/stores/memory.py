@@ -7,6 +7,7 @@ memory store catches non-JSON data and aliasing bugs the SQL stores would catch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ class MemoryStore:
         self._instances: dict[str, Instance] = {}
         self._history: dict[str, list[HistoryEntry]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._fences: dict[str, int] = {}
         self._open = False
 
     async def open(self) -> None:
@@ -93,12 +95,17 @@ class MemoryStore:
             raise InstanceNotFound(entry.instance_id)
         if current.version != entry.version - 1:
             return None
+        last_fence = self._fences.get(entry.instance_id, 0)
+        if entry.fencing_token is not None and entry.fencing_token < last_fence:
+            return None
         history = self._history[entry.instance_id]
         if entry.request_id is not None and any(h.request_id == entry.request_id for h in history):
             return None
         now = datetime.now(UTC)
         data = _copy(entry.data)
-        history.append(_replace_entry(entry, data, now))
+        history.append(dataclasses.replace(entry, data=data, at=now))
+        if entry.fencing_token is not None:
+            self._fences[entry.instance_id] = entry.fencing_token
         new = current.evolve(
             state=entry.to_state,
             version=entry.version,
@@ -145,21 +152,8 @@ class MemoryStore:
         self._check()
         if instance_id not in self._instances:
             raise InstanceNotFound(instance_id)
-        return [_replace_entry(h, _copy(h.data), h.at) for h in self._history[instance_id]]
+        return [dataclasses.replace(h, data=_copy(h.data)) for h in self._history[instance_id]]
 
-
-def _replace_entry(
-    entry: HistoryEntry, data: Mapping[str, Any], at: datetime | None
-) -> HistoryEntry:
-    return HistoryEntry(
-        instance_id=entry.instance_id,
-        version=entry.version,
-        event=entry.event,
-        from_state=entry.from_state,
-        to_state=entry.to_state,
-        actor=entry.actor,
-        request_id=entry.request_id,
-        strategy=entry.strategy,
-        data=data,
-        at=at,
-    )
+    async def fencing_floor(self, instance_id: str) -> int:
+        self._check()
+        return self._fences.get(instance_id, 0)

@@ -47,7 +47,8 @@ _MIGRATION_LOCK = 0x666C6F776C6F636B  # "flowlock"
 
 _INSTANCE_COLS = "id, workflow, state, version, data, last_event, created_at, updated_at"
 _HISTORY_COLS = (
-    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at"
+    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
+    "fencing_token"
 )
 
 _READ = f"""
@@ -58,7 +59,8 @@ _READ_WITH_REQUEST = """
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
-       h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at
+       h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
+       h.fencing_token AS h_fencing_token
 FROM flowlock_instances i
 LEFT JOIN flowlock_history h ON h.instance_id = i.id AND h.request_id = $2
 WHERE i.id = $1
@@ -78,18 +80,21 @@ SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 AND request_
 # once the winner is durable: its re-read then sees the winner's row, never a stale one.
 # (Measured: returning the winner's row from this statement instead, through a VOLATILE function
 # with a fresh snapshot, was slower at p99 than the re-read.)
+# A lease's fencing token ($10) lower than the last one written is refused like a stale version.
 # $1 id, $2 version read, $3 new state, $4 new data, $5 event, $6 from state, $7 actor,
-# $8 request id, $9 strategy.
+# $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy).
 _CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
-       SET state = $3, version = $2 + 1, data = $4, last_event = $5, updated_at = now()
+       SET state = $3, version = $2 + 1, data = $4, last_event = $5, updated_at = now(),
+           fencing_token = coalesce($10, fencing_token)
      WHERE id = $1 AND version = $2
+       AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
  RETURNING {_INSTANCE_COLS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
-                                  actor, request_id, strategy, data, at)
-    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at FROM moved
+                                  actor, request_id, strategy, data, at, fencing_token)
+    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10 FROM moved
 )
 SELECT * FROM moved
 """
@@ -140,6 +145,7 @@ def _entry(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
         strategy=row[prefix + "strategy"],
         data=row[prefix + "data"],
         at=row[prefix + "at"],
+        fencing_token=row[prefix + "fencing_token"],
     )
 
 
@@ -159,6 +165,7 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.actor,
         entry.request_id,
         entry.strategy,
+        entry.fencing_token,
     )
 
 
@@ -426,6 +433,14 @@ class PostgresStore:
                 "something bypassed flowlock's locking. Nothing was written"
             )
         return snap, _instance(moved)
+
+    async def fencing_floor(self, instance_id: str) -> int:
+        async with self._conn(instance_id) as conn:
+            token = await conn.fetchval(
+                "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = $1",
+                instance_id,
+            )
+        return int(token or 0)
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         async with self._conn(instance_id) as conn:

@@ -46,18 +46,21 @@ _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or 
 
 _INSTANCE_COLUMNS: Final = "id, workflow, state, version, data, last_event, created_at, updated_at"
 _HISTORY_COLUMNS: Final = (
-    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at"
+    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
+    "fencing_token"
 )
 _SELECT_INSTANCE: Final = f"SELECT {_INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
 _SELECT_PRIOR: Final = (
     f"SELECT {_HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id = ?"
 )
+# A fencing token lower than the last one written is refused like a stale version.
 _CAS_UPDATE: Final = (
     "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
-    "updated_at = ? WHERE id = ? AND version = ?"
+    "updated_at = ?, fencing_token = coalesce(?, fencing_token) WHERE id = ? AND version = ? "
+    "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?)"
 )
 _INSERT_HISTORY: Final = (
-    f"INSERT INTO flowlock_history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT INTO flowlock_history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _MIGRATIONS_TABLE: Final = (
     "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
@@ -287,6 +290,10 @@ class SqliteStore:
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first. Raises InstanceNotFound."""
         return await self._read(_history_txn, instance_id, what="history")
+
+    async def fencing_floor(self, instance_id: str) -> int:
+        """The highest fencing token written for the instance (0 if none)."""
+        return await self._read(_fence_txn, instance_id, what="fencing_floor")
 
     async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T:
         pool = self._live()
@@ -585,6 +592,16 @@ def _read_txn(conn: sqlite3.Connection, instance_id: str, request_id: str | None
     return _deferred(conn, lambda c: _snapshot(c, instance_id, request_id))
 
 
+def _fence_txn(conn: sqlite3.Connection, instance_id: str) -> int:
+    def body(c: sqlite3.Connection) -> int:
+        row = c.execute(
+            "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = ?", (instance_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    return _deferred(conn, body)
+
+
 def _history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntry]:
     def body(c: sqlite3.Connection) -> list[HistoryEntry]:
         if not c.execute(
@@ -624,8 +641,11 @@ def _write_entry(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> In
             data,
             entry.event,
             now,
+            entry.fencing_token,
             entry.instance_id,
             entry.version - 1,
+            entry.fencing_token,
+            entry.fencing_token,
         ),
     )
     if cur.rowcount == 0:
@@ -645,6 +665,7 @@ def _write_entry(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> In
                 entry.strategy,
                 data,
                 now,
+                entry.fencing_token,
             ),
         )
     except sqlite3.IntegrityError:
@@ -807,6 +828,7 @@ def _entry(row: tuple[Any, ...]) -> HistoryEntry:
         strategy=row[7],
         data=_load(row[8], f"history entry {row[0]!r} v{row[1]}"),
         at=_parse_ts(row[9]),
+        fencing_token=row[10],
     )
 
 

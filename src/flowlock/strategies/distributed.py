@@ -1,0 +1,116 @@
+"""Distributed concurrency: a lease per instance (Redis or PostgreSQL advisory locks), then read,
+step, and a version compare-and-swap that also carries the lease's fencing token.
+
+The lease cuts wasted work across processes and machines; it does not carry correctness alone.
+A holder paused past its ttl, or a lease lost in a Redis failover, can still reach the database:
+its write then fails the version check or the fencing check (a token lower than the last one
+written is refused), so two holders can never both write. The step reads the fencing token with
+:func:`flowlock.fencing_token` to hand it to side effects outside the database.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+
+from flowlock.errors import ConflictRetriesExhausted, InvalidInput, LockError, LockLost
+from flowlock.locks.base import Held, LockBackend, check_lock_args
+from flowlock.step import Call, Idempotent
+from flowlock.stores.base import Store
+from flowlock.strategies.base import Decide, StrategyResult
+
+__all__ = ["Distributed", "fencing_token"]
+
+log = logging.getLogger("flowlock")
+
+_FENCING: ContextVar[int | None] = ContextVar("flowlock_fencing_token", default=None)
+
+
+def fencing_token() -> int | None:
+    """The fencing token of the lease the current step runs under (distributed strategy), or
+    None. Pass it to anything outside the database that must refuse a stale holder."""
+    return _FENCING.get()
+
+
+@contextmanager
+def _fenced(token: int) -> Iterator[None]:
+    reset = _FENCING.set(token)
+    try:
+        yield
+    finally:
+        _FENCING.reset(reset)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Distributed:
+    """A lease on the instance's key from ``locks`` for ``ttl`` seconds (renewed every ttl/3
+    while the step runs), waiting at most ``wait`` seconds for it (LockTimeout after).
+
+    Under the lease a lost compare-and-swap can only come from a writer that bypassed the lock
+    (an optimistic caller on the same instance); it is retried on a fresh read, at most
+    ``max_attempts`` times, within the same lease.
+    """
+
+    locks: LockBackend
+    ttl: float = 10.0
+    wait: float = 5.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        check_lock_args("instance", self.ttl, self.wait)
+        if self.max_attempts < 1:
+            raise InvalidInput(f"max_attempts must be at least 1, not {self.max_attempts}")
+
+    @property
+    def name(self) -> str:
+        return "distributed"
+
+    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        lease = await self.locks.acquire(call.instance_id, ttl=self.ttl, wait=self.wait)
+        held = Held(self.locks, lease)
+        try:
+            result = await self._under_lease(held, store, call, decide)
+        except BaseException:
+            await held.close(raise_errors=False)
+            raise
+        try:
+            await held.close()
+        except LockError as exc:
+            # The transition is committed (and fenced); a release that fails only leaves the key
+            # to expire at its ttl. Report it, do not turn a success into an error.
+            log.warning(
+                "flowlock: %s applied on %r but releasing its lease failed (%s); the key "
+                "expires within %.1f s",
+                call.event,
+                call.instance_id,
+                exc,
+                self.ttl,
+            )
+        return result
+
+    async def _under_lease(
+        self, held: Held, store: Store, call: Call, decide: Decide
+    ) -> StrategyResult:
+        fence = held.lease.fencing
+        for attempt in range(1, self.max_attempts + 1):
+            snap = await store.read(call.instance_id, call.request_id)
+            with _fenced(fence):
+                planned = decide(snap)
+            if isinstance(planned, Idempotent):
+                return StrategyResult(planned.instance, applied=False, attempts=attempt)
+            # 为什么 check here: the watchdog may have lost the lease while we read and stepped;
+            # a lost lease must not write (the fencing check would refuse it anyway once a
+            # newer holder has written, but not before).
+            held.check()
+            committed = await store.commit(replace(planned, fencing_token=fence))
+            if committed is not None:
+                return StrategyResult(committed, applied=True, attempts=attempt)
+            held.check()
+            if await store.fencing_floor(call.instance_id) > fence:
+                raise LockLost(
+                    call.instance_id, f"a newer lease (fencing token above {fence}) has written"
+                )
+        raise ConflictRetriesExhausted(call.instance_id, call.event, self.max_attempts)
