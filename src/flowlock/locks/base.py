@@ -110,15 +110,18 @@ class LockBackend(Protocol):
         ...
 
 
-class _Acquirer(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease: ...
+class _Renewer(Protocol):
+    """What a Held lease needs of its backend."""
 
     async def release(self, lease: Lease) -> None: ...
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease: ...
+
+
+class _Acquirer(_Renewer, Protocol):
+    """What a LeaseContext needs of its backend."""
+
+    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease: ...
 
 
 class LeaseContext:
@@ -173,7 +176,7 @@ class Held:
 
     def __init__(
         self,
-        backend: _Acquirer,
+        backend: _Renewer,
         lease: Lease,
         *,
         renew: bool = True,
