@@ -26,8 +26,8 @@ __all__ = [
     "Workflow",
 ]
 
-StrategyName: TypeAlias = Literal["optimistic", "pessimistic", "distributed"]
-STRATEGIES: tuple[str, ...] = ("optimistic", "pessimistic", "distributed")
+StrategyName: TypeAlias = Literal["optimistic", "pessimistic", "distributed", "adaptive"]
+STRATEGIES: tuple[str, ...] = ("optimistic", "pessimistic", "distributed", "adaptive")
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 

@@ -8,7 +8,9 @@ of engines in any number of processes can share one database.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -18,21 +20,32 @@ from typing import Any, Self
 
 from flowlock.definition import Workflow
 from flowlock.errors import (
+    ConflictRetriesExhausted,
     EngineClosed,
+    FlowlockError,
+    InstanceNotFound,
     InvalidInput,
+    LockError,
+    LockLost,
     PayloadTooLarge,
+    TransitionRefused,
     UnknownWorkflow,
 )
 from flowlock.locks.base import LockBackend
+from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.monitor import ConflictMonitor, EscalationBoard
 from flowlock.step import Call, Idempotent, decide
 from flowlock.stores.base import Snapshot, Store
-from flowlock.strategies.base import Strategy
+from flowlock.strategies.adaptive import Adaptive
+from flowlock.strategies.base import Strategy, StrategyResult
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
 __all__ = ["Engine"]
+
+log = logging.getLogger("flowlock")
 
 MAX_ID_LENGTH = 200
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -65,7 +78,12 @@ class Engine:
     ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``locks`` (a
     :class:`flowlock.locks.LockBackend`: Redis, PostgreSQL advisory, memory) enables the
     "distributed" strategy, with leases of ``lease_ttl`` seconds waited for at most ``lease_wait``;
-    the engine opens and closes it with the store.
+    the engine opens and closes it with the store. ``monitor`` (a
+    :class:`flowlock.monitor.ConflictMonitor`) configures the "adaptive" strategy: its threshold,
+    window, cool-down and what it escalates to ("pessimistic" by default, or "distributed");
+    escalations are shared with other engines through the store (PostgreSQL) every
+    ``escalation_sync`` seconds. ``metrics`` (a :class:`flowlock.metrics.Metrics`) records
+    Prometheus metrics on its registry; without it nothing is recorded.
     """
 
     def __init__(
@@ -81,6 +99,9 @@ class Engine:
         locks: LockBackend | None = None,
         lease_ttl: float = 10.0,
         lease_wait: float = 5.0,
+        monitor: ConflictMonitor | None = None,
+        escalation_sync: float = 0.5,
+        metrics: Metrics | None = None,
         strategies: Mapping[str, Strategy] | None = None,
     ) -> None:
         if max_payload_bytes < 2:
@@ -99,6 +120,24 @@ class Engine:
             )
         if strategies:
             self._strategies.update(strategies)
+        self._monitor = monitor if monitor is not None else ConflictMonitor()
+        escalated = self._strategies.get(self._monitor.escalate_to)
+        if escalated is None or self._monitor.escalate_to in ("optimistic", "adaptive"):
+            raise InvalidInput(
+                f"the adaptive strategy escalates to {self._monitor.escalate_to!r}, which this "
+                f"engine does not have as a locking strategy; use 'pessimistic' or configure "
+                "locks=... for 'distributed'"
+            )
+        optimistic = self._strategies["optimistic"]
+        if isinstance(optimistic, Optimistic):
+            self._strategies.setdefault(
+                "adaptive",
+                Adaptive(optimistic=optimistic, escalated=escalated, monitor=self._monitor),
+            )
+        self._escalation_sync = escalation_sync
+        self._board: EscalationBoard | None = store if isinstance(store, EscalationBoard) else None
+        self._sync_task: asyncio.Task[None] | None = None
+        self._metrics = metrics
         if strategy not in self._strategies:
             raise InvalidInput(
                 f"unknown default strategy {strategy!r}; use one of {sorted(self._strategies)}"
@@ -130,8 +169,8 @@ class Engine:
         ``async with``. Migrations run on open unless ``auto_migrate=False``.
 
         The "distributed" strategy leases from Redis when ``redis_url`` (``redis://`` or
-        ``unix://``) is given, else from PostgreSQL advisory locks on a PostgreSQL database;
-        ``locks="redis" | "advisory"`` chooses explicitly. ``namespace`` separates lock keys of
+        ``unix://``) is given, or from PostgreSQL advisory locks with ``locks="advisory"`` (no
+        Redis needed); without either it is not available. ``namespace`` separates lock keys of
         unrelated deployments sharing one Redis or database."""
         from flowlock.stores import store_from_url
 
@@ -163,17 +202,59 @@ class Engine:
                     await self._store.aclose()
                     raise
             self._open = True
+            if self._board is not None and "adaptive" in self._strategies:
+                self._sync_task = asyncio.create_task(
+                    self._sync_escalations(), name="flowlock-sync"
+                )
         return self
 
     async def aclose(self) -> None:
         """Close the lock backend and the store, releasing every connection. Idempotent."""
         if self._open:
             self._open = False
+            if self._sync_task is not None:
+                self._sync_task.cancel()
+                await asyncio.gather(self._sync_task, return_exceptions=True)
+                self._sync_task = None
             try:
                 if self._locks is not None:
                     await self._locks.aclose()
             finally:
                 await self._store.aclose()
+
+    @property
+    def monitor(self) -> ConflictMonitor:
+        """The adaptive strategy's conflict monitor (escalated keys, counts)."""
+        return self._monitor
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._metrics
+
+    async def _sync_escalations(self) -> None:
+        """Share escalations with the other engines on this database, about every
+        ``escalation_sync`` seconds: publish ours, adopt theirs. Bounded; failures are logged and
+        retried on the next tick (the local monitor keeps working without the board)."""
+        board, monitor = self._board, self._monitor
+        assert board is not None
+        seen_up, seen_down = 0, 0
+        while True:
+            await asyncio.sleep(self._escalation_sync)
+            try:
+                async with asyncio.timeout(max(1.0, 4 * self._escalation_sync)):
+                    for escalation in monitor.take_pending():
+                        await board.publish(escalation)
+                    shared = await board.active(time.time())
+                monitor.adopt({e.key: e for e in shared})
+            except (FlowlockError, TimeoutError) as exc:
+                log.warning("flowlock: sharing escalations failed, retrying: %s", exc)
+            if self._metrics is not None:
+                self._metrics.escalated_keys.set(monitor.active_count)
+                self._metrics.escalations.labels(monitor.escalate_to).inc(
+                    monitor.escalations - seen_up
+                )
+                self._metrics.deescalations.inc(monitor.deescalations - seen_down)
+            seen_up, seen_down = monitor.escalations, monitor.deescalations
 
     @property
     def locks(self) -> LockBackend | None:
@@ -316,21 +397,36 @@ class Engine:
             strategy=chosen.name,
         )
         workflows = self._workflows
+        seen: list[str] = []
 
         def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
+            if not seen:
+                seen.append(snap.instance.workflow)
             return decide(workflows, snap, call)
 
-        result = await chosen.run(self._store, call, bound)
-        return Outcome(
+        metrics = self._metrics
+        if metrics is None:
+            result = await chosen.run(self._store, call, bound)
+        else:
+            try:
+                result = await chosen.run(self._store, call, bound)
+            except FlowlockError as exc:
+                _record_failure(metrics, seen, event, chosen.name, exc, started)
+                raise
+        outcome = Outcome(
             applied=result.applied,
             idempotent=not result.applied,
             instance=result.instance,
             attempts=result.attempts,
-            strategy=chosen.name,
+            strategy=result.strategy or chosen.name,
             elapsed=time.perf_counter() - started,
             event=event,
             request_id=request_id,
+            reason=result.reason,
         )
+        if metrics is not None:
+            _record(metrics, outcome, result)
+        return outcome
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -379,7 +475,7 @@ def _unknown_strategy(name: str, known: Mapping[str, Strategy]) -> str:
     if name == "distributed":
         hint = (
             "; the distributed strategy needs a lock backend: Engine.connect(..., redis_url=...) "
-            "or a PostgreSQL database (advisory locks), or Engine(store, locks=...)"
+            'or Engine.connect(..., locks="advisory") on PostgreSQL, or Engine(store, locks=...)'
         )
     return f"unknown strategy {name!r}; this engine has {sorted(known)}{hint}"
 
@@ -394,14 +490,9 @@ def _lock_backend(
 ) -> LockBackend | None:
     """The lock backend Engine.connect composes (only engine, CLI and service compose backends)."""
     if kind is None:
-        if redis_url is not None:
-            kind = "redis"
-        elif database_url.partition("://")[0].lower() in ("postgresql", "postgres"):
-            kind = "advisory"
-        elif database_url.partition("://")[0].lower() == "memory":
-            kind = "memory"
-        else:
+        if redis_url is None:
             return None
+        kind = "redis"
     if kind == "redis":
         if redis_url is None:
             raise InvalidInput('locks="redis" needs redis_url="redis://host:6379/0"')
@@ -419,3 +510,38 @@ def _lock_backend(
 
         return MemoryLocks()
     raise InvalidInput(f'locks must be "redis", "advisory" or "memory", not {kind!r}')
+
+
+def _record(metrics: Metrics, outcome: Outcome, result: StrategyResult) -> None:
+    workflow, strategy = outcome.instance.workflow, outcome.strategy
+    label = "applied" if outcome.applied else "idempotent"
+    metrics.transitions.labels(workflow, outcome.event, strategy, label).inc()
+    metrics.attempts.labels(strategy).observe(outcome.attempts)
+    metrics.duration.labels(workflow, strategy).observe(outcome.elapsed)
+    if outcome.attempts > 1 and strategy == "optimistic":
+        metrics.conflicts.labels(workflow, strategy).inc(outcome.attempts - 1)
+    if result.lock_wait is not None:
+        metrics.lock_wait.labels(strategy).observe(result.lock_wait)
+    if result.lock_hold is not None:
+        metrics.lock_hold.labels(strategy).observe(result.lock_hold)
+
+
+def _record_failure(
+    metrics: Metrics, seen: list[str], event: str, strategy: str, exc: FlowlockError, started: float
+) -> None:
+    workflow = seen[0] if seen else ""
+    if isinstance(exc, TransitionRefused):
+        label = "refused"
+    elif isinstance(exc, ConflictRetriesExhausted):
+        label = "conflict"
+        metrics.conflicts.labels(workflow, strategy).inc(exc.attempts)
+    elif isinstance(exc, LockError):
+        label = "lock_error"
+        if isinstance(exc, LockLost):
+            metrics.leases_lost.labels(strategy).inc()
+    elif isinstance(exc, InvalidInput | InstanceNotFound):
+        label = "invalid"
+    else:
+        label = "error"
+    metrics.transitions.labels(workflow, event, strategy, label).inc()
+    metrics.duration.labels(workflow, strategy).observe(time.perf_counter() - started)

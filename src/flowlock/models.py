@@ -64,7 +64,9 @@ class Outcome:
       same event that was last applied, for the two-admins case) was applied before; ``instance``
       is then the instance as that first application left it (``request_id``) or as it is now.
     - ``attempts``: how many times the step ran (optimistic retries count).
-    - ``strategy``: the concurrency strategy that ran; ``elapsed``: seconds spent in ``fire``.
+    - ``strategy``: the concurrency strategy that ran (for "adaptive", the one it ran as);
+      ``reason``: why, when the engine decided (adaptive: escalated or not, and the figures).
+    - ``elapsed``: seconds spent in ``fire``.
     """
 
     applied: bool
@@ -75,3 +77,4 @@ class Outcome:
     elapsed: float
     event: str
     request_id: str | None = None
+    reason: str | None = None

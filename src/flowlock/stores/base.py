@@ -47,10 +47,13 @@ or None to write nothing. May raise a :class:`flowlock.FlowlockError`; the store
 
 @dataclass(frozen=True, slots=True)
 class LockedResult:
-    """What ``apply_locked`` saw and, when ``plan`` asked for a write, the committed instance."""
+    """What ``apply_locked`` saw and, when ``plan`` asked for a write, the committed instance;
+    how long it waited for the lock and held it (seconds), when the store measures them."""
 
     snapshot: Snapshot
     committed: Instance | None
+    waited: float | None = None
+    held: float | None = None
 
 
 @runtime_checkable

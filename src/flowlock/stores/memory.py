@@ -16,6 +16,7 @@ from typing import Any
 
 from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
 from flowlock.models import HistoryEntry, Instance
+from flowlock.monitor import Escalation, MemoryBoard
 from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
 
 __all__ = ["MemoryStore"]
@@ -34,6 +35,7 @@ class MemoryStore:
         self._history: dict[str, list[HistoryEntry]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._fences: dict[str, int] = {}
+        self._board = MemoryBoard()
         self._open = False
 
     async def open(self) -> None:
@@ -135,6 +137,7 @@ class MemoryStore:
             await asyncio.wait_for(row_lock.acquire(), lock.timeout)
         except TimeoutError:
             raise LockTimeout(instance_id, time.monotonic() - started) from None
+        locked_at = time.monotonic()
         try:
             snap = self._snapshot(instance_id, request_id)
             entry = plan(snap)
@@ -144,7 +147,7 @@ class MemoryStore:
                 committed = self._write(entry)
                 if committed is None:  # pragma: no cover - impossible under the row lock
                     raise AssertionError("memory store: write under the row lock lost its CAS")
-            return LockedResult(snap, committed)
+            return LockedResult(snap, committed, locked_at - started, time.monotonic() - locked_at)
         finally:
             row_lock.release()
 
@@ -153,6 +156,16 @@ class MemoryStore:
         if instance_id not in self._instances:
             raise InstanceNotFound(instance_id)
         return [dataclasses.replace(h, data=_copy(h.data)) for h in self._history[instance_id]]
+
+    # -- the adaptive strategy's escalation board: engines sharing this store share it --------
+
+    async def publish(self, escalation: Escalation) -> None:
+        self._check()
+        await self._board.publish(escalation)
+
+    async def active(self, now: float) -> list[Escalation]:
+        self._check()
+        return await self._board.active(now)
 
     async def fencing_floor(self, instance_id: str) -> int:
         self._check()

@@ -36,6 +36,7 @@ from flowlock.errors import (
     StoreError,
 )
 from flowlock.models import HistoryEntry, Instance
+from flowlock.monitor import Escalation
 from flowlock.stores import migrations
 from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
 
@@ -97,6 +98,21 @@ WITH moved AS (
     SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10 FROM moved
 )
 SELECT * FROM moved
+"""
+# An escalation only ever grows longer; rows long past are pruned by the writers.
+_PUBLISH = """
+WITH pruned AS (
+    DELETE FROM flowlock_escalations WHERE until < now() - interval '1 hour'
+)
+INSERT INTO flowlock_escalations (key, strategy, until, reason)
+VALUES ($1, $2, to_timestamp($3), $4)
+ON CONFLICT (key) DO UPDATE
+   SET until = greatest(flowlock_escalations.until, excluded.until),
+       strategy = excluded.strategy, reason = excluded.reason
+"""
+_ACTIVE = """
+SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
+  FROM flowlock_escalations WHERE until > to_timestamp($1)
 """
 _CREATE = f"""
 INSERT INTO flowlock_instances (id, workflow, state, version, data)
@@ -381,10 +397,11 @@ class PostgresStore:
             async with self._conn(instance_id) as conn:
                 await conn.execute(begin)
                 try:
-                    snap, committed = await self._locked_step(
+                    snap, committed, locked_at = await self._locked_step(
                         conn, instance_id, request_id, plan, lock, wanted
                     )
                     await conn.execute("COMMIT")
+                    released_at = time.monotonic()
                 except BaseException:
                     if not conn.is_closed() and conn.is_in_transaction():
                         await conn.execute("ROLLBACK")
@@ -393,7 +410,7 @@ class PostgresStore:
             if lock.nowait:
                 raise LockBusy(instance_id) from None
             raise LockTimeout(instance_id, time.monotonic() - started) from None
-        return LockedResult(snap, committed)
+        return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
 
     async def _locked_step(
         self,
@@ -403,7 +420,7 @@ class PostgresStore:
         plan: Plan,
         lock: RowLock,
         wanted: str,
-    ) -> tuple[Snapshot, Instance | None]:
+    ) -> tuple[Snapshot, Instance | None, float]:
         if lock.nowait:
             row = await conn.fetchrow(_LOCK_NOWAIT, instance_id)
         else:
@@ -414,6 +431,7 @@ class PostgresStore:
                     f"{wanted!r}; a pooler or a server setting overrode it, refusing to "
                     "wait unbounded"
                 )
+        locked_at = time.monotonic()
         if row is None:
             raise InstanceNotFound(instance_id)
         prior = None
@@ -425,14 +443,26 @@ class PostgresStore:
         snap = Snapshot(_instance(row), prior)
         entry = plan(snap)
         if entry is None:
-            return snap, None
+            return snap, None, locked_at
         moved = await conn.fetchrow(_CAS, *_cas_args(entry))
         if moved is None:
             raise StoreError(
                 f"instance {instance_id!r} changed while its row lock was held; "
                 "something bypassed flowlock's locking. Nothing was written"
             )
-        return snap, _instance(moved)
+        return snap, _instance(moved), locked_at
+
+    # -- the adaptive strategy's escalation board (flowlock.monitor.EscalationBoard) -----------
+
+    async def publish(self, escalation: Escalation) -> None:
+        async with self._conn(escalation.key) as conn:
+            await conn.execute(_PUBLISH, escalation.key, escalation.strategy,
+                               escalation.until, escalation.reason)  # fmt: skip
+
+    async def active(self, now: float) -> list[Escalation]:
+        async with self._conn() as conn:
+            rows = await conn.fetch(_ACTIVE, now)
+        return [Escalation(r["key"], r["strategy"], r["until"], r["reason"]) for r in rows]
 
     async def fencing_floor(self, instance_id: str) -> int:
         async with self._conn(instance_id) as conn:

@@ -23,11 +23,17 @@ Decide = Callable[[Snapshot], HistoryEntry | Idempotent]
 
 @dataclass(frozen=True, slots=True)
 class StrategyResult:
-    """The instance to report, whether this call applied the transition, and how many attempts."""
+    """The instance to report, whether this call applied the transition, how many attempts;
+    which strategy actually ran and why, when that is not simply the one chosen (adaptive); and
+    how long the call waited for and held a lock, when it took one (seconds)."""
 
     instance: Instance
     applied: bool
     attempts: int
+    strategy: str | None = None
+    reason: str | None = None
+    lock_wait: float | None = None
+    lock_hold: float | None = None
 
 
 @runtime_checkable

@@ -11,6 +11,7 @@ written is refused), so two holders can never both write. The step reads the fen
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -69,13 +70,16 @@ class Distributed:
         return "distributed"
 
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        asked = time.monotonic()
         lease = await self.locks.acquire(call.instance_id, ttl=self.ttl, wait=self.wait)
+        got = time.monotonic()
         held = Held(self.locks, lease)
         try:
             result = await self._under_lease(held, store, call, decide)
         except BaseException:
             await held.close(raise_errors=False)
             raise
+        result = replace(result, lock_wait=got - asked, lock_hold=time.monotonic() - got)
         try:
             await held.close()
         except LockError as exc:

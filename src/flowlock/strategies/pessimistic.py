@@ -49,8 +49,13 @@ class Pessimistic:
 
         lock = RowLock(timeout=self.lock_timeout, nowait=self.nowait)
         result = await store.apply_locked(call.instance_id, call.request_id, plan, lock)
-        if result.committed is not None:
-            return StrategyResult(result.committed, applied=True, attempts=1)
-        if answer is None:  # pragma: no cover - a store that skipped plan() broke its contract
+        instance = result.committed or answer
+        if instance is None:  # pragma: no cover - a store that skipped plan() broke its contract
             raise StoreError("store returned from apply_locked without running the plan")
-        return StrategyResult(answer, applied=False, attempts=1)
+        return StrategyResult(
+            instance,
+            applied=result.committed is not None,
+            attempts=1,
+            lock_wait=result.waited,
+            lock_hold=result.held,
+        )

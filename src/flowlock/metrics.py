@@ -1,0 +1,69 @@
+"""Prometheus metrics on an injected registry (nothing is registered globally by default).
+
+Names follow Prometheus conventions: base units (seconds), ``_total`` for counters, and no
+instance id as a label (it would make one time series per instance). Labels are bounded by the
+definitions: workflow, event, strategy, outcome.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["OUTCOMES", "Metrics"]
+
+OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
+"""The ``outcome`` label: applied / idempotent (the two successes), refused (a business rule or
+a state that does not allow the event), conflict (optimistic retries exhausted), lock_error
+(timeout, busy, lost, backend down), invalid (bad input, unknown instance), error (the rest)."""
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """The collectors of one engine. ``registry`` defaults to a private CollectorRegistry; pass
+    ``prometheus_client.REGISTRY`` to expose them on the process's default endpoint."""
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, prefix: str = "flowlock"
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, prefix
+        self.transitions = Counter(
+            f"{p}_transitions", "fire() calls by how they ended.",
+            ["workflow", "event", "strategy", "outcome"], registry=r,
+        )  # fmt: skip
+        self.conflicts = Counter(
+            f"{p}_conflicts", "Lost version compare-and-swaps (each one cost a retry).",
+            ["workflow", "strategy"], registry=r,
+        )  # fmt: skip
+        self.attempts = Histogram(
+            f"{p}_attempts", "Attempts (step runs) per fire() call.",
+            ["strategy"], buckets=(1, 2, 3, 5, 10, 20, 50), registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            f"{p}_transition_duration_seconds", "Time spent in fire().",
+            ["workflow", "strategy"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.lock_wait = Histogram(
+            f"{p}_lock_wait_seconds", "Time waiting for a row lock or a lease.",
+            ["strategy"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.lock_hold = Histogram(
+            f"{p}_lock_hold_seconds", "Time a row lock or a lease was held.",
+            ["strategy"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.escalations = Counter(
+            f"{p}_escalations", "Instances escalated by the adaptive strategy.",
+            ["to"], registry=r,
+        )  # fmt: skip
+        self.deescalations = Counter(
+            f"{p}_deescalations", "Escalated instances that stepped back down to optimistic.",
+            registry=r,
+        )  # fmt: skip
+        self.escalated_keys = Gauge(
+            f"{p}_escalated_keys", "Instances currently escalated (in this engine).", registry=r
+        )
+        self.leases_lost = Counter(
+            f"{p}_leases_lost", "Leases lost before commit (the write was refused).",
+            ["strategy"], registry=r,
+        )  # fmt: skip

@@ -1,0 +1,97 @@
+"""Adaptive concurrency: optimistic by default, escalated per instance when it runs hot.
+
+Each call asks the :class:`flowlock.monitor.ConflictMonitor` whether its instance is escalated. A
+calm instance runs the optimistic loop, every compare-and-swap attempt reported to the monitor;
+when the monitor escalates the instance (conflict rate over the threshold), a call that is
+mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead of
+exhausting its attempts. Escalated instances run under that strategy until they calm down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flowlock.errors import ConflictRetriesExhausted
+from flowlock.models import HistoryEntry
+from flowlock.monitor import ConflictMonitor
+from flowlock.step import Call, Idempotent
+from flowlock.stores.base import Snapshot, Store
+from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock.strategies.optimistic import Optimistic
+
+__all__ = ["Adaptive"]
+
+
+def _as(decide: Decide, name: str) -> Decide:
+    """``decide`` whose history entries record ``name`` as the strategy that wrote them."""
+
+    def stamped(snap: Snapshot) -> HistoryEntry | Idempotent:
+        planned = decide(snap)
+        if isinstance(planned, HistoryEntry):
+            return dataclasses.replace(planned, strategy=name)
+        return planned
+
+    return stamped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Adaptive:
+    """Optimistic until the monitor escalates an instance, then ``escalated``."""
+
+    optimistic: Optimistic
+    escalated: Strategy
+    monitor: ConflictMonitor
+
+    @property
+    def name(self) -> str:
+        return "adaptive"
+
+    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        key = call.instance_id
+        monitor = self.monitor
+        crowded = monitor.enter(key)
+        try:
+            escalation = monitor.escalated(key)
+            if escalation is not None:
+                if crowded:
+                    monitor.contended(key)
+                return await self._escalated(store, call, decide, 0, escalation.reason)
+            return await self._optimistic(store, call, decide)
+        finally:
+            monitor.leave(key)
+
+    async def _escalated(
+        self, store: Store, call: Call, decide: Decide, spent: int, why: str
+    ) -> StrategyResult:
+        inner = self.escalated
+        result = await inner.run(store, call, _as(decide, inner.name))
+        return dataclasses.replace(
+            result,
+            attempts=result.attempts + spent,
+            strategy=result.strategy or inner.name,
+            reason=f"adaptive: escalated to {inner.name}: {why}",
+        )
+
+    async def _optimistic(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        opt, monitor, key = self.optimistic, self.monitor, call.instance_id
+        decide = _as(decide, opt.name)
+        calm = "adaptive: optimistic (instance not escalated)"
+        snap = await store.read(key, call.request_id)
+        for attempt in range(1, opt.max_attempts + 1):
+            planned = decide(snap)
+            if isinstance(planned, Idempotent):
+                return StrategyResult(planned.instance, False, attempt, opt.name, calm)
+            committed = await store.commit(planned)
+            monitor.record(key, conflict=committed is None)
+            if committed is not None:
+                return StrategyResult(committed, True, attempt, opt.name, calm)
+            escalation = monitor.escalated(key)
+            if escalation is not None:
+                # Escalated while this call was retrying: finish under the lock rather than
+                # spend the remaining attempts losing the same race.
+                return await self._escalated(store, call, decide, attempt, escalation.reason)
+            if attempt < opt.max_attempts:
+                await opt.sleep(opt.backoff(attempt))
+                snap = await store.read(key, call.request_id)
+        raise ConflictRetriesExhausted(key, call.event, opt.max_attempts)

@@ -1,0 +1,146 @@
+"""The conflict monitor: windows, thresholds, hysteresis, bounded memory, sharing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import flowlock
+from flowlock.monitor import ConflictMonitor, Escalation, MemoryBoard
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def monitor(clock: Clock, **kw: float) -> ConflictMonitor:
+    return ConflictMonitor(clock=clock, wall=clock, **kw)  # type: ignore[arg-type]
+
+
+def test_quiet_keys_are_not_tracked() -> None:
+    """Attempts without a conflict on an untracked key cost nothing and track nothing."""
+    m = monitor(Clock())
+    for i in range(10_000):
+        assert m.record(f"k{i}", conflict=False) is None
+    assert m.rate("k1") == (0, 0)
+    assert not m._windows
+
+
+def test_one_conflict_does_not_escalate() -> None:
+    """Below min_samples a single conflict (100 % of one attempt) does not flip the key."""
+    m = monitor(Clock())
+    assert m.record("k", conflict=True) is None
+    assert m.escalated("k") is None
+
+
+def test_escalates_past_the_threshold_with_enough_samples() -> None:
+    """A key whose conflict rate is clearly over 5 % escalates once min_samples are seen."""
+    m = monitor(Clock(), min_samples=20)
+    m.record("k", conflict=True)  # makes the key hot; not counted
+    for i in range(19):
+        assert m.record("k", conflict=i % 2 == 0) is None
+    escalation = m.record("k", conflict=False)  # 10 conflicts / 20 attempts
+    assert isinstance(escalation, Escalation)
+    assert escalation.strategy == "pessimistic"
+    assert "50.0%" in escalation.reason and "20 attempts" in escalation.reason
+    assert m.escalated("k") == escalation
+    assert m.escalations == 1
+
+
+def test_a_storm_escalates_within_min_samples() -> None:
+    """A storm (every attempt a conflict) escalates after exactly min_samples attempts."""
+    m = monitor(Clock(), min_samples=20)
+    results = [m.record("k", conflict=True) for _ in range(21)]
+    assert results[:20] == [None] * 20 and results[20] is not None
+
+
+def test_borderline_rates_need_more_evidence() -> None:
+    """2 conflicts in 20 attempts (10 %) is not yet enough evidence to escalate."""
+    m = monitor(Clock(), min_samples=20)
+    m.record("k", conflict=True)
+    for i in range(20):
+        assert m.record("k", conflict=i in (3, 11)) is None
+
+
+def test_steady_three_percent_never_flaps() -> None:
+    """A steady 3 % conflict rate over a long run never escalates."""
+    clock = Clock()
+    m = monitor(clock)
+    rng = random.Random(3)
+    conflicts = 0
+    for _ in range(20_000):
+        clock.now += 0.001
+        conflict = rng.random() < 0.03
+        conflicts += conflict
+        assert m.record("k", conflict=conflict) is None
+    assert m.escalations == 0
+    assert 500 < conflicts < 700
+
+
+def test_steps_down_after_calm_cooldown_and_contention_extends_it() -> None:
+    """An escalated key stays escalated while contended and steps down after a calm cooldown."""
+    clock = Clock()
+    m = monitor(clock, cooldown=5.0, min_samples=2)
+    m.record("k", conflict=True)
+    m.record("k", conflict=True)
+    assert m.record("k", conflict=True) is not None
+    clock.now += 4.0
+    m.contended("k")  # still busy: the step-down moves to now + 5
+    clock.now += 4.0
+    assert m.escalated("k") is not None
+    clock.now += 1.5
+    assert m.escalated("k") is None
+    assert m.deescalations == 1
+    # A fresh window afterwards: one conflict does not re-escalate at once.
+    assert m.record("k", conflict=True) is None
+
+
+def test_window_forgets_old_conflicts() -> None:
+    """Conflicts older than window_seconds no longer count."""
+    clock = Clock()
+    m = monitor(clock, window_seconds=1.0, min_samples=5)
+    for _ in range(5):
+        m.record("k", conflict=True)
+    clock.now += 2.0
+    for _ in range(10):
+        assert m.record("k", conflict=False) is None
+    assert m.rate("k") == (0, 10)
+
+
+def test_memory_is_bounded() -> None:
+    """Only max_keys hot keys are tracked; the least recently used are evicted."""
+    m = monitor(Clock(), max_keys=100)
+    for i in range(1000):
+        m.record(f"k{i}", conflict=True)
+    m.record("k999", conflict=True)
+    assert len(m._windows) == 100
+    assert m.rate("k999") == (1, 1) and m.rate("k0") == (0, 0)
+
+
+async def test_escalations_are_shared_through_a_board() -> None:
+    """An escalation published by one monitor is adopted by another."""
+    clock = Clock()
+    a, b = monitor(clock, min_samples=2), monitor(clock, min_samples=2)
+    board = MemoryBoard()
+    for _ in range(3):
+        a.record("k", conflict=True)
+    for e in a.take_pending():
+        await board.publish(e)
+    b.adopt({e.key: e for e in await board.active(clock.now)})
+    adopted = b.escalated("k")
+    assert adopted is not None and adopted.strategy == "pessimistic"
+    clock.now += 10
+    assert b.escalated("k") is None
+
+
+def test_bad_settings_are_refused() -> None:
+    """Nonsense thresholds and windows are InvalidInput."""
+    with pytest.raises(flowlock.InvalidInput):
+        ConflictMonitor(threshold=5)
+    with pytest.raises(flowlock.InvalidInput):
+        ConflictMonitor(min_samples=50, window=10)
