@@ -29,6 +29,42 @@ __all__ = [
 StrategyName: TypeAlias = Literal["optimistic", "pessimistic", "distributed", "adaptive"]
 STRATEGIES: tuple[str, ...] = ("optimistic", "pessimistic", "distributed", "adaptive")
 
+POLICIES: Mapping[str, str] = {
+    "approval": "optimistic",
+    "ticket": "optimistic",
+    "inventory": "pessimistic",
+    "allocation": "pessimistic",
+    "cross-service": "distributed",
+    "scheduled-job": "distributed",
+    "adaptive": "adaptive",
+}
+"""The seed article's decision guide as presets: ``policy=`` on a Workflow or Transition picks
+its strategy. Approvals and tickets rarely conflict (optimistic); stock and allocation must
+apply every step on hot rows (pessimistic); work coordinated across services needs a lease
+(distributed); a scheduled job runs once per tick (distributed here, and
+:class:`flowlock.runner.RunOnce` for the job itself); "adaptive" starts optimistic and escalates
+hot instances."""
+
+
+def _resolve(
+    strategy: str | None, policy: str | None, owner: str, problems: list[str]
+) -> str | None:
+    if strategy is not None and strategy not in STRATEGIES:
+        problems.append(f"{owner}: unknown strategy {strategy!r}; use one of {STRATEGIES}")
+    if policy is None:
+        return strategy
+    preset = POLICIES.get(policy)
+    if preset is None:
+        problems.append(f"{owner}: unknown policy {policy!r}; use one of {tuple(POLICIES)}")
+        return strategy
+    if strategy is not None and strategy != preset:
+        problems.append(
+            f"{owner}: policy {policy!r} means strategy {preset!r}, but strategy={strategy!r} "
+            "was also given; give one of them"
+        )
+    return preset
+
+
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 
 
@@ -73,6 +109,7 @@ class Transition:
     guard: Guard | None
     effect: Effect | None
     strategy: StrategyName | None
+    policy: str | None
 
     def __init__(
         self,
@@ -83,16 +120,17 @@ class Transition:
         guard: Guard | None = None,
         effect: Effect | None = None,
         strategy: StrategyName | None = None,
+        policy: str | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
                 f"transition name {name!r} must start with a letter and use only letters, digits, "
                 "'_', '.', '-' (at most 100 characters)"
             )
-        if strategy is not None and strategy not in STRATEGIES:
-            raise DefinitionError(
-                f"transition {name!r}: unknown strategy {strategy!r}; use one of {STRATEGIES}"
-            )
+        problems: list[str] = []
+        resolved = _resolve(strategy, policy, f"transition {name!r}", problems)
+        if problems:
+            raise DefinitionError(problems=problems)
         if guard is not None and not callable(guard):
             raise DefinitionError(f"transition {name!r}: guard must be callable")
         if effect is not None and not callable(effect):
@@ -102,7 +140,8 @@ class Transition:
         object.__setattr__(self, "targets", _names(target, "target", name))
         object.__setattr__(self, "guard", guard)
         object.__setattr__(self, "effect", effect)
-        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "strategy", resolved)
+        object.__setattr__(self, "policy", policy)
 
     @property
     def target(self) -> str:
@@ -120,6 +159,7 @@ class Workflow:
     initial: str
     transitions: Mapping[str, Transition]
     strategy: StrategyName | None
+    policy: str | None
     _allowed: Mapping[str, tuple[str, ...]] = field(repr=False, compare=False)
 
     def __init__(
@@ -130,6 +170,7 @@ class Workflow:
         initial: str,
         transitions: Iterable[Transition],
         strategy: StrategyName | None = None,
+        policy: str | None = None,
     ) -> None:
         problems: list[str] = []
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -151,8 +192,7 @@ class Workflow:
             problems.append("no initial state given")
         elif initial not in state_set:
             problems.append(f"initial state {initial!r} is not one of the states")
-        if strategy is not None and strategy not in STRATEGIES:
-            problems.append(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
+        resolved = _resolve(strategy, policy, f"workflow {name!r}", problems)
 
         by_name: dict[str, Transition] = {}
         for t in transitions:
@@ -188,12 +228,29 @@ class Workflow:
         object.__setattr__(self, "states", tuple(state_list))
         object.__setattr__(self, "initial", initial)
         object.__setattr__(self, "transitions", dict(by_name))
-        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "strategy", resolved)
+        object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "_allowed", allowed)
 
     def allowed(self, state: str) -> tuple[str, ...]:
         """The events that may fire from ``state``."""
         return self._allowed.get(state, ())
+
+    def safety_warnings(self, default_strategy: str) -> list[str]:
+        """Why this workflow may be unsafe under load with ``default_strategy``: transitions
+        that must apply every call (they keep the state and change data, like a stock count or a
+        signature list) left to plain optimistic retries, which run out under contention."""
+        warnings = []
+        for t in self.transitions.values():
+            strategy = t.strategy or self.strategy or default_strategy
+            must_apply = t.effect is not None and set(t.sources) & set(t.targets)
+            if must_apply and strategy == "optimistic":
+                warnings.append(
+                    f"workflow {self.name!r}: {t.name!r} changes data without leaving its state "
+                    "(every call must apply), but runs optimistic: under contention callers run "
+                    "out of retries. Set policy='inventory' (pessimistic) or policy='adaptive'"
+                )
+        return warnings
 
     def is_final(self, state: str) -> bool:
         """A state no event leaves."""

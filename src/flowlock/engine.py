@@ -288,6 +288,8 @@ class Engine:
         for name in (workflow.strategy, *(t.strategy for t in workflow.transitions.values())):
             if name is not None and name not in self._strategies:
                 raise InvalidInput(_unknown_strategy(name, self._strategies))
+        for warning in workflow.safety_warnings(self._default):
+            log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())

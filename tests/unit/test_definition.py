@@ -108,3 +108,65 @@ def test_unknown_strategy_is_refused() -> None:
         Transition("x", source="a", target="a", strategy="yolo")  # type: ignore[arg-type]
     with pytest.raises(DefinitionError, match="unknown strategy"):
         Workflow("w", states=["a"], initial="a", transitions=[], strategy="yolo")  # type: ignore[arg-type]
+
+
+def test_policy_presets_follow_the_seed_decision_guide() -> None:
+    """policy= picks the strategy: approval/ticket optimistic, inventory/allocation
+    pessimistic, cross-service/scheduled-job distributed, adaptive adaptive."""
+    expected = {
+        "approval": "optimistic",
+        "ticket": "optimistic",
+        "inventory": "pessimistic",
+        "allocation": "pessimistic",
+        "cross-service": "distributed",
+        "scheduled-job": "distributed",
+        "adaptive": "adaptive",
+    }
+    for policy, strategy in expected.items():
+        assert Transition("x", source="a", target="a", policy=policy).strategy == strategy
+        wf = Workflow("w", states=["a"], initial="a", transitions=[], policy=policy)
+        assert (wf.strategy, wf.policy) == (strategy, policy)
+
+
+def test_unknown_or_contradictory_policy_is_refused() -> None:
+    """An unknown policy, or a policy and a different strategy together, is a DefinitionError."""
+    with pytest.raises(DefinitionError, match="unknown policy"):
+        Transition("x", source="a", target="a", policy="yolo")
+    with pytest.raises(DefinitionError, match="give one of them"):
+        Workflow(
+            "w",
+            states=["a"],
+            initial="a",
+            transitions=[],
+            policy="inventory",
+            strategy="optimistic",
+        )
+
+
+def test_must_apply_transitions_under_plain_optimistic_are_flagged() -> None:
+    """A data-changing self-loop left to plain optimistic is flagged; a preset clears it."""
+    assert examples.inventory().safety_warnings("optimistic")
+    assert "policy='inventory'" in examples.countersign(3).safety_warnings("optimistic")[0]
+    assert examples.inventory().safety_warnings("pessimistic") == []
+    assert examples.approval().safety_warnings("optimistic") == []
+    safe = Workflow(
+        "stock",
+        states=["open"],
+        initial="open",
+        policy="inventory",
+        transitions=[Transition("take", source="open", target="open", effect=lambda i, p, a: {})],
+    )
+    assert safe.safety_warnings("optimistic") == []
+
+
+async def test_register_logs_the_safety_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The engine logs the startup check's warning when a risky workflow is registered."""
+    import logging
+
+    import flowlock
+    from flowlock.stores import MemoryStore
+
+    async with flowlock.Engine(MemoryStore()) as engine:
+        with caplog.at_level(logging.WARNING, logger="flowlock"):
+            await engine.register(examples.inventory())
+    assert any("run out of retries" in r.message for r in caplog.records)
