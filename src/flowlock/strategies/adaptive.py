@@ -82,16 +82,20 @@ class Adaptive:
             planned = decide(snap)
             if isinstance(planned, Idempotent):
                 return StrategyResult(planned.instance, False, attempt, opt.name, calm)
+            escalation = monitor.escalated(key) if attempt > 1 else None
+            if escalation is not None:
+                # Escalated while this call was retrying, and the fresh read says it still has
+                # to write: finish under the lock rather than keep losing the same race. (A
+                # call with nothing left to write was answered just above, without the lock.)
+                return await self._escalated(store, call, decide, attempt - 1, escalation.reason)
             committed = await store.commit(planned)
             monitor.record(key, conflict=committed is None)
             if committed is not None:
                 return StrategyResult(committed, True, attempt, opt.name, calm)
-            escalation = monitor.escalated(key)
-            if escalation is not None:
-                # Escalated while this call was retrying: finish under the lock rather than
-                # spend the remaining attempts losing the same race.
-                return await self._escalated(store, call, decide, attempt, escalation.reason)
             if attempt < opt.max_attempts:
                 await opt.sleep(opt.backoff(attempt))
                 snap = await store.read(key, call.request_id)
+        escalation = monitor.escalated(key)
+        if escalation is not None:
+            return await self._escalated(store, call, decide, opt.max_attempts, escalation.reason)
         raise ConflictRetriesExhausted(key, call.event, opt.max_attempts)
