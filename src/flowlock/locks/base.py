@@ -64,6 +64,11 @@ def check_lock_args(key: object, ttl: float, wait: float | None) -> None:
         raise InvalidInput(f"lock key must be a non-empty string, not {key!r}")
     if len(key) > 512:
         raise InvalidInput(f"lock key is {len(key)} characters long; the limit is 512")
+    # A str or bool ttl would otherwise reach the comparisons below (TypeError) or the server.
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise InvalidInput(f"ttl must be a number of seconds, not {ttl!r}")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)):
+        raise InvalidInput(f"wait must be a number of seconds, not {wait!r}")
     if not 0 < ttl <= MAX_TTL:
         raise InvalidInput(f"ttl must be between 0 and {MAX_TTL:.0f} seconds, not {ttl!r}")
     if wait is not None and not 0 <= wait <= MAX_TTL:
@@ -213,8 +218,13 @@ class Held:
 
     async def _renew_forever(self) -> None:
         lease = self._lease
-        while True:
+        # Stopped by cancellation, and also by _released: a backend whose driver swallows a
+        # cancellation (Python 3.11's asyncio.wait_for does when it lands as the awaited call
+        # completes) must not leave this loop renewing a released lease forever.
+        while not self._released:
             await asyncio.sleep(lease.ttl / 3)
+            if self._released:
+                return
             try:
                 lease = self._lease = await self._backend.extend(lease)
             except LockNotOwned:
@@ -241,10 +251,10 @@ class Held:
         if self._released:
             return
         self._released = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
-        release = asyncio.ensure_future(self._backend.release(self._lease))
+        # Stopping the watchdog and releasing run as one task, shielded from the caller: a
+        # cancellation that lands while the watchdog winds down (an extend in flight) must not
+        # skip the release and leave the key behind until its ttl ends.
+        release = _keep(asyncio.ensure_future(self._stop_and_release()))
         try:
             await asyncio.shield(release)
         except asyncio.CancelledError:
@@ -261,6 +271,23 @@ class Held:
             log.warning("flowlock: releasing the lease on %r failed: %s", self._lease.key, exc)
             if raise_errors:
                 raise
+
+    async def _stop_and_release(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        await self._backend.release(self._lease)
+
+
+# The loop keeps only weak references to tasks: a release left to finish after its caller was
+# cancelled must be held somewhere until it is done, or it could be collected half-way.
+_running: set[asyncio.Future[None]] = set()
+
+
+def _keep(task: asyncio.Future[None]) -> asyncio.Future[None]:
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task
 
 
 def _log_release_failure(task: asyncio.Future[None]) -> None:
