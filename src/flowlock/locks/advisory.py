@@ -1,0 +1,624 @@
+"""Lease locks on PostgreSQL advisory locks: no Redis needed.
+
+How a lease works
+-----------------
+A lease is one open transaction on a connection of its own, from acquire to release::
+
+    BEGIN;
+    SET LOCAL lock_timeout = '<wait>ms';                         -- the wait bound, on the server
+    SET LOCAL idle_in_transaction_session_timeout = '<ttl>ms';   -- the ttl, on the server
+    SELECT pg_advisory_xact_lock(<64-bit id of schema/namespace/key>);
+    ...                                 -- extend: one trivial statement, restarting the idle timer
+    COMMIT;                             -- release: ends the transaction, and with it the lock
+
+- Transaction-level advisory locks only. Session-level locks (``pg_advisory_lock``) outlive the
+  transaction and stay with the server connection, so behind a transaction-pooling proxy
+  (PgBouncer ``pool_mode=transaction``) they would be left on a connection that the proxy then
+  hands to someone else, and an unlock may run on a connection that never held the lock. A
+  transaction-level lock ends with its transaction, wherever the connection goes next. (A lease's
+  transaction stays open for the whole lease, so through such a proxy each lease still pins one
+  server connection; that is the price of the design, not a leak.)
+- The ttl is enforced by the server: a holder that stalls, is paused, or loses its network sends
+  nothing on the lease's connection, PostgreSQL ends that session after ``ttl`` of idleness, and
+  the lock is gone with it. A holder that dies outright loses the lock sooner, as soon as the
+  server sees its socket close. ``Lease.expires_at`` stays conservative: it is counted on the local
+  clock from before the statement that (re)started the server's idle timer.
+- Waiting is done by PostgreSQL's lock queue (no polling); ``wait=0`` uses
+  ``pg_try_advisory_xact_lock`` and fails with LockBusy at once.
+- The lease's transaction never writes and, in READ COMMITTED, holds no snapshot between
+  statements, so it gets no transaction id and does not hold back VACUUM while it is open.
+
+Fencing tokens
+--------------
+``flowlock_fences`` keeps the highest token handed out per (namespace, key). The increment is
+committed on a second connection while the lock is held, and the token is handed out only after
+the lease's own connection has answered once more (proof the lock was held during the whole
+increment); see :meth:`AdvisoryLocks._next_fence` for why it must not live in the lease's
+transaction.
+
+Connections
+-----------
+Each lease, and each acquire waiting for a lock, holds one connection of a pool of ``pool_size``.
+Fencing increments and the read-only queries (``owned``, ``locked``, ``fence_floor``) use a small
+second pool, so a holder can always record its token even when waiters fill the first pool. An
+acquire that finds no free lease connection within ``wait + pool_timeout`` seconds raises
+StoreBusy (a capacity problem, not a busy key: LockBusy / LockTimeout would wrongly say the key is
+held). At most ``pool_size + side pool`` connections are open (side pool: a quarter of
+``pool_size``, at least 2, at most 8).
+
+The lock's identity is (schema, namespace, key), the same three that name its fencing row: two
+deployments in different schemas never block each other, and ``schema=None`` resolves to the
+connection's ``current_schema()`` so it names the same lock as an explicit ``schema="public"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import asyncpg
+
+from flowlock.errors import (
+    EngineClosed,
+    FlowlockError,
+    InvalidInput,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockNotOwned,
+    LockTimeout,
+    LockUnavailable,
+    MigrationError,
+    StoreBusy,
+    StoreError,
+)
+from flowlock.locks.base import Lease, LeaseContext, check_lock_args
+from flowlock.stores.postgres import PostgresStore
+
+__all__ = ["AdvisoryLocks", "advisory_lock_id"]
+
+_NAME = "advisory"
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # as the store's: it reaches search_path
+
+# $1 namespace, $2 key. Autocommit on the side pool: durable once it returns.
+_NEXT_FENCE = """
+INSERT INTO flowlock_fences AS f (namespace, key, token) VALUES ($1, $2, 1)
+ON CONFLICT (namespace, key) DO UPDATE SET token = f.token + 1
+RETURNING token
+"""
+_FENCE_FLOOR = "SELECT token FROM flowlock_fences WHERE namespace = $1 AND key = $2"
+# A bigint advisory lock shows in pg_locks as classid = high 32 bits, objid = low 32 bits,
+# objsubid = 1 (the two-int4 form uses objsubid = 2). $1 classid, $2 objid.
+_LOCKED = """
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+     WHERE locktype = 'advisory' AND granted
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1
+)
+"""
+# $1 the lease's server pid, $2 classid, $3 objid.
+_HELD_BY = """
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+     WHERE locktype = 'advisory' AND granted AND pid = $1
+       AND classid = $2::bigint::oid AND objid = $3::bigint::oid AND objsubid = 1
+)
+"""
+
+
+def advisory_lock_id(scope: str, namespace: str, key: str) -> int:
+    """The advisory lock number of ``key``: the first 8 bytes of a BLAKE2b digest of
+    (scope, namespace, key), as a signed bigint. Stable across processes, versions and
+    platforms (it is part of the on-server protocol: changing it would let an old and a new
+    client hold "the same" lock at once)."""
+    digest = hashlib.blake2b(
+        "\x1f".join((scope, namespace, key)).encode("utf-8"), digest_size=8, person=b"flowlock"
+    ).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def _ms(seconds: float) -> int:
+    # Rounded up: the server's bound is never shorter than the one the caller asked for.
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _oids(lock: int) -> tuple[int, int]:
+    unsigned = lock & 0xFFFF_FFFF_FFFF_FFFF
+    return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+def _begin(lock: int, ttl: float, wait_left: float | None) -> str:
+    """The first round trip of a lease, as one simple-protocol query. Only numbers are
+    interpolated (the key reaches the server as a hash), so there is nothing to inject."""
+    idle = f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'"
+    if wait_left is None:
+        # 为什么 a DO block: it raises SQLSTATE 55P03 when the lock is taken, so "busy" comes back
+        # as an error in this same round trip (a simple query returns no rows to asyncpg).
+        return (
+            f"BEGIN; {idle}; DO $$BEGIN IF NOT pg_try_advisory_xact_lock('{lock}'::bigint) THEN "
+            "RAISE EXCEPTION USING ERRCODE = 'lock_not_available', "
+            "MESSAGE = 'flowlock: advisory lock is held'; END IF; END$$"
+        )
+    return (
+        f"BEGIN; SET LOCAL lock_timeout = '{_ms(wait_left)}ms'; {idle}; "
+        f"SELECT pg_advisory_xact_lock('{lock}'::bigint)"
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    """A lease's connection. ``guard`` keeps extend / release / owned from overlapping on it."""
+
+    conn: asyncpg.pool.PoolConnectionProxy
+    key: str
+    lock: int
+    pid: int
+    guard: asyncio.Lock
+    done: bool = False
+
+
+class AdvisoryLocks:
+    """Lease locks held as PostgreSQL transaction-level advisory locks.
+
+    ``dsn``: a ``postgresql://`` URL. ``namespace``: a prefix separating lock families (and their
+    fencing counters) that share a database. ``schema``: where ``flowlock_fences`` lives (the
+    same schema as the flowlock store). ``pool_size``: leases and waiting acquires at most, each
+    holding a connection. ``auto_migrate``: apply flowlock's migrations on open (the same ones,
+    and the same runner, as :class:`~flowlock.stores.postgres.PostgresStore`). ``pool_timeout``:
+    seconds beyond ``wait`` an acquire may wait for a free connection before StoreBusy.
+    ``io_timeout``: seconds any short round trip (release, extend, fencing) may take before the
+    server counts as unreachable. ``clock`` and ``token`` are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        namespace: str = "default",
+        schema: str | None = None,
+        pool_size: int = 20,
+        auto_migrate: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        token: Callable[[], str] = lambda: secrets.token_hex(16),
+        pool_timeout: float = 2.0,
+        io_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        application_name: str = "flowlock-advisory",
+    ) -> None:
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidInput(f"namespace must be a non-empty string, not {namespace!r}")
+        if pool_size < 1:
+            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+        if pool_timeout < 0 or io_timeout <= 0 or connect_timeout <= 0:
+            raise InvalidInput("pool_timeout must be >= 0, io_timeout and connect_timeout > 0")
+        if schema is not None and not _SCHEMA.fullmatch(schema):
+            raise InvalidInput(
+                f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
+            )
+        self.dsn = dsn
+        self.namespace = namespace
+        self.schema = schema
+        self.pool_size = pool_size
+        self.side_pool_size = max(2, min(8, pool_size // 4))
+        self._auto_migrate = auto_migrate
+        self._clock = clock
+        self._token = token
+        self._pool_timeout = pool_timeout
+        self._io_timeout = io_timeout
+        self._connect_timeout = connect_timeout
+        self.application_name = application_name
+        self._leases: asyncpg.Pool | None = None
+        self._side: asyncpg.Pool | None = None
+        self._scope: str | None = schema
+        self._slots: dict[str, _Slot] = {}
+        self._pending: set[asyncpg.pool.PoolConnectionProxy] = set()
+        self._opening = asyncio.Lock()
+
+    @property
+    def name(self) -> str:
+        return _NAME
+
+    def __repr__(self) -> str:
+        state = "open" if self._leases is not None else "closed"
+        return (
+            f"<AdvisoryLocks {self.dsn.split('@')[-1]!r} namespace={self.namespace!r} "
+            f"schema={self.schema!r} {state}, {len(self._slots)} held>"
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Migrate (if ``auto_migrate``) and open the pools. Idempotent."""
+        async with self._opening:
+            if self._leases is not None:
+                return
+            if self._auto_migrate:
+                await self._migrate()
+            settings = {"application_name": self.application_name}
+            if self.schema is not None:
+                settings["search_path"] = self.schema
+            pools: list[asyncpg.Pool] = []
+            try:
+                with _edge():
+                    for size, extra in (
+                        (self.pool_size, {}),
+                        # The only lock the side pool ever waits for is a fencing row, and only
+                        # behind a stale holder's increment: a short, bounded wait.
+                        (self.side_pool_size, {"lock_timeout": f"{_ms(self._io_timeout)}ms"}),
+                    ):
+                        pools.append(
+                            await asyncpg.create_pool(
+                                self.dsn,
+                                min_size=1,
+                                max_size=size,
+                                reset=_keep_session,
+                                server_settings={**settings, **extra},
+                                timeout=self._connect_timeout,
+                            )
+                        )
+                    if self._scope is None:
+                        found = await pools[1].fetchval("SELECT current_schema()")
+                        self._scope = found if isinstance(found, str) else ""
+            except BaseException:
+                for pool in pools:
+                    pool.terminate()
+                raise
+            self._leases, self._side = pools
+
+    async def _migrate(self) -> None:
+        store = PostgresStore(
+            self.dsn,
+            schema=self.schema,
+            pool_size=1,
+            auto_migrate=False,
+            connect_timeout=self._connect_timeout,
+            application_name=self.application_name,
+        )
+        try:
+            await store.open()
+        except MigrationError:
+            raise
+        except StoreError as exc:
+            raise LockUnavailable(_NAME, str(exc)) from exc
+        try:
+            await store.migrate()
+        finally:
+            await store.aclose()
+
+    async def aclose(self) -> None:
+        """Close the pools. Leases still held are ended on the server (their locks freed at
+        once); acquires still waiting fail. Idempotent."""
+        leases, side = self._leases, self._side
+        self._leases = self._side = None
+        slots = list(self._slots.values())
+        self._slots.clear()
+        for slot in slots:
+            slot.done = True
+            _terminate(slot.conn)
+        # Acquires still waiting for a lock: end their sessions too, or closing the pool would
+        # wait for them until their lock_timeout.
+        for conn in list(self._pending):
+            _terminate(conn)
+        for pool in (leases, side):
+            if pool is None:
+                continue
+            try:
+                await asyncio.wait_for(pool.close(), self._io_timeout)
+            except (TimeoutError, asyncpg.InterfaceError, OSError):
+                pool.terminate()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _pools(self) -> tuple[asyncpg.Pool, asyncpg.Pool]:
+        if self._leases is None or self._side is None:
+            raise EngineClosed("the advisory lock backend is closed; open it first")
+        return self._leases, self._side
+
+    def lock_id(self, key: str) -> int:
+        """The advisory lock number of ``key`` (as seen in ``pg_locks``)."""
+        check_lock_args(key, 1.0, None)
+        if self._scope is None:
+            raise EngineClosed("the advisory lock backend resolves its schema on open")
+        return advisory_lock_id(self._scope, self.namespace, key)
+
+    # -- the LockBackend port --------------------------------------------------------------
+
+    def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
+        return LeaseContext(self, key, ttl=ttl, wait=wait, clock=self._clock)
+
+    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease:
+        leases, _ = self._pools()
+        lock = self.lock_id(key)
+        started = self._clock()
+        conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
+        self._pending.add(conn)
+        try:
+            return await self._take(conn, key, lock, ttl, wait, started)
+        except BaseException as exc:
+            # Shielded: a caller cancelled twice must still not leave the lock or the
+            # connection behind. Mid-statement (cancelled, timed out) the connection's state is
+            # unknown, so it is closed rather than rolled back.
+            clean = isinstance(exc, FlowlockError) and not isinstance(exc, _Gone)
+            await asyncio.shield(self._finish(leases, conn, clean=clean))
+            raise
+        finally:
+            self._pending.discard(conn)
+
+    async def _take(
+        self,
+        conn: asyncpg.pool.PoolConnectionProxy,
+        key: str,
+        lock: int,
+        ttl: float,
+        wait: float,
+        started: float,
+    ) -> Lease:
+        left = wait - (self._clock() - started)
+        try:
+            with _edge():
+                # The server's lock_timeout ends the wait; the client timeout only backs it up.
+                await conn.execute(
+                    _begin(lock, ttl, left if wait > 0 else None),
+                    timeout=max(left, 0) + self._io_timeout,
+                )
+        except _Busy as exc:
+            if wait <= 0:
+                raise LockBusy(key) from exc
+            raise LockTimeout(key, self._clock() - started) from exc
+        fence = await self._next_fence(key)
+        sent = self._clock()
+        try:
+            with _edge():
+                # Proof that the lock was still ours when the increment committed (the session
+                # is alive now, and the lock lives as long as the session); also restarts the
+                # server's idle timer, from which expires_at is counted.
+                await conn.execute("SELECT 1", timeout=self._io_timeout)
+        except _Gone as exc:
+            raise LockLost(
+                key,
+                f"its session ended before the fencing token was handed out ({exc.detail}); "
+                "raise the ttl",
+            ) from exc
+        if self._leases is None:
+            raise EngineClosed("the advisory lock backend was closed while acquiring")
+        token = self._token()
+        self._slots[token] = _Slot(conn, key, lock, conn.get_server_pid(), asyncio.Lock())
+        return Lease(key, token, fence, ttl, sent + ttl, _NAME)
+
+    async def _next_fence(self, key: str) -> int:
+        """Increment and commit ``key``'s fencing counter, on the side pool, while the lock is
+        held (so increments are serialized in lock order).
+
+        为什么 not in the lease's own transaction: that transaction commits only at release, so a
+        holder that died (or whose ttl ran out) would take its increment with it in the rollback,
+        and the next holder would be handed the dead holder's number again. That is not safe:
+        the point of a fencing token is to be passed to things *outside* this transaction (a
+        storage service, an API, a job-runs table written on another connection), which may
+        already have accepted writes carrying it; a second holder with an equal token would pass
+        their ``token >= highest seen`` checks, and a ``>`` check would lock the rightful new
+        holder out instead. Committed first, every token handed out is strictly greater than
+        every token handed out before, dead holders' included, and survives a server restart.
+        """
+        _, side = self._pools()
+        conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
+        try:
+            with _edge():
+                token = await conn.fetchval(
+                    _NEXT_FENCE, self.namespace, key, timeout=self._io_timeout
+                )
+        finally:
+            await side.release(conn)
+        if not isinstance(token, int):
+            raise StoreError(f"the fencing counter of {key!r} answered {token!r}")
+        return token
+
+    async def release(self, lease: Lease) -> None:
+        slot = self._slots.pop(lease.token, None)
+        if slot is None or slot.key != lease.key:
+            raise LockNotOwned(lease.key, "release")
+        leases, _ = self._pools()
+        async with slot.guard:
+            if slot.done:
+                raise LockNotOwned(lease.key, "release")
+            clean = False
+            try:
+                with _edge():
+                    # Ends the transaction and frees the lock. (If an earlier statement was
+                    # cancelled the transaction is aborted and this rolls back: same effect.)
+                    await slot.conn.execute("COMMIT", timeout=self._io_timeout)
+                clean = True
+            except _Gone as exc:
+                # The server ended the session (ttl passed, terminated): the lock went with it,
+                # and may be someone else's now.
+                raise LockNotOwned(lease.key, "release") from exc
+            finally:
+                slot.done = True
+                await asyncio.shield(self._finish(leases, slot.conn, clean=clean))
+
+    async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
+        ttl = lease.ttl if ttl is None else ttl
+        check_lock_args(lease.key, ttl, None)
+        slot = self._slots.get(lease.token)
+        if slot is None or slot.key != lease.key:
+            raise LockNotOwned(lease.key, "extend")
+        leases, _ = self._pools()
+        async with slot.guard:
+            if slot.done:
+                raise LockNotOwned(lease.key, "extend")
+            sent = self._clock()
+            try:
+                with _edge():
+                    # Any statement restarts the idle timer; this one also sets a new ttl.
+                    await slot.conn.execute(
+                        f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'",
+                        timeout=self._io_timeout,
+                    )
+            except asyncio.CancelledError:
+                # The lease is still held (Held cancels its watchdog this way just before it
+                # releases): keep it. If the server did cancel the statement, the transaction
+                # is aborted but still holds the lock; release rolls it back all the same.
+                raise
+            except Exception as exc:
+                # The session ended, did not answer in time, or its transaction was aborted:
+                # this lease can no longer be kept alive. End it now rather than leave a lock
+                # that nobody renews.
+                self._slots.pop(lease.token, None)
+                slot.done = True
+                await asyncio.shield(self._finish(leases, slot.conn, clean=False))
+                if isinstance(exc, FlowlockError):
+                    raise LockNotOwned(lease.key, "extend") from exc
+                raise
+        return lease.renewed(sent + ttl, ttl)
+
+    async def owned(self, lease: Lease) -> bool:
+        slot = self._slots.get(lease.token)
+        if slot is None or slot.done or slot.key != lease.key:
+            return False
+        classid, objid = _oids(slot.lock)
+        # Asked on the side pool, not on the lease's connection: any statement there would
+        # restart the idle timer, and a question must not extend the lease.
+        held = await self._query(_HELD_BY, slot.pid, classid, objid)
+        return held is True and not slot.done
+
+    async def locked(self, key: str) -> bool:
+        classid, objid = _oids(self.lock_id(key))
+        return await self._query(_LOCKED, classid, objid) is True
+
+    async def fence_floor(self, key: str) -> int:
+        """The highest fencing token ever handed out for ``key`` (0 if none): a floor for
+        another backend's tokens (the Redis backend's, after Redis lost its data)."""
+        check_lock_args(key, 1.0, None)
+        found = await self._query(_FENCE_FLOOR, self.namespace, key)
+        return found if isinstance(found, int) else 0
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _query(self, sql: str, *args: object) -> object:
+        _, side = self._pools()
+        conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
+        try:
+            with _edge():
+                return await conn.fetchval(sql, *args, timeout=self._io_timeout)
+        finally:
+            await side.release(conn)
+
+    async def _checkout(
+        self, pool: asyncpg.Pool, bound: float, size: int
+    ) -> asyncpg.pool.PoolConnectionProxy:
+        started = self._clock()
+        try:
+            with _edge():
+                return await pool.acquire(timeout=bound)
+        except _Gone as exc:
+            if not isinstance(exc.__cause__, TimeoutError):
+                raise
+            if pool.get_size() >= pool.get_max_size() and pool.get_idle_size() == 0:
+                raise StoreBusy(self._clock() - started, size) from None
+            # Room in the pool, yet no connection in time: the server did not answer.
+            raise LockUnavailable(
+                _NAME, f"no connection could be opened within {bound:.1f} s"
+            ) from exc
+
+    async def _finish(
+        self, pool: asyncpg.Pool, conn: asyncpg.pool.PoolConnectionProxy, *, clean: bool
+    ) -> None:
+        """Give a lease connection back to its pool with no transaction open."""
+        if clean:
+            try:
+                if conn.is_in_transaction():
+                    await conn.execute("ROLLBACK", timeout=self._io_timeout)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+                clean = False
+        if not clean:
+            # Closing the session frees whatever it held; the pool opens a fresh one later.
+            _terminate(conn)
+        await pool.release(conn)
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool reset hook: nothing to undo. Leases change session state only with SET LOCAL and
+    transaction-level locks, both gone at COMMIT, and a connection is given back only with its
+    transaction ended (or closed). The default reset would cost a round trip per release."""
+
+
+def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
+    # InterfaceError: already closed by the server, and handed back to the pool by asyncpg.
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
+# -- the one place asyncpg errors become flowlock errors ---------------------------------------
+
+
+class _Busy(LockError):
+    """SQLSTATE 55P03 (lock_timeout, or the try-lock found the lock taken) or 57014."""
+
+
+class _Gone(LockUnavailable):
+    """The session is gone or did not answer: the server ended it (idle-in-transaction timeout,
+    terminated, restarted), the network failed, or a round trip outlived ``io_timeout``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(_NAME, detail)
+
+
+_SESSION_GONE = (
+    asyncpg.IdleInTransactionSessionTimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.InFailedSQLTransactionError,
+    asyncpg.InterfaceError,
+    OSError,
+    TimeoutError,
+)
+
+
+def _translate(exc: BaseException) -> FlowlockError:
+    if isinstance(exc, asyncpg.LockNotAvailableError | asyncpg.QueryCanceledError):
+        return _Busy(str(exc))
+    if isinstance(exc, _SESSION_GONE):
+        detail = str(exc) or type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            detail = "no answer in time"
+        return _Gone(detail)
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return MigrationError(
+            f"flowlock_fences is missing ({exc}); run `flowlock db migrate` or open the "
+            "advisory lock backend with auto_migrate=True"
+        )
+    if isinstance(
+        exc, asyncpg.InvalidAuthorizationSpecificationError | asyncpg.InvalidPasswordError
+    ):
+        return LockUnavailable(_NAME, f"PostgreSQL refused the login: {exc}")
+    return StoreError(f"PostgreSQL error in the advisory lock backend: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _edge() -> Iterator[None]:
+    try:
+        yield
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+        raise _translate(exc) from exc
