@@ -1,0 +1,371 @@
+"""Run-once jobs: many processes fire the same job for the same tick; it runs to completion once.
+
+The seed's "scheduled-job de-duplication": every instance of a service has the same cron
+schedule, so at each tick they all try to run the job. With :class:`RunOnce`::
+
+    async with RunOnce(locks, database_url) as runner:          # locks: any LockBackend
+        result = await runner.run("nightly-report", "2024-05-01", build_report)
+        result.status    # "ran" | "took_over" | "done_elsewhere" | "running_elsewhere"
+
+Two layers, because a lease alone is not enough:
+
+1. A lease on the key ``flowlock-job:<job>:<tick>`` (``ttl`` seconds, renewed by the Held
+   watchdog while the job runs) keeps the other runners from even starting: with ``wait=0``
+   they skip at once (``running_elsewhere``).
+2. ``flowlock_job_runs`` in PostgreSQL decides. A runner holding the lease claims the tick with
+   its fencing token; a ``done`` row is never run again, and a ``running`` row is taken over only
+   with a higher fencing token, i.e. by a later holder of the lease after the previous holder
+   lost it (crashed, or stalled past its ttl). Completion is fenced too
+   (``... WHERE fencing = mine``): a runner that lost its lease and was taken over cannot
+   record its result; it gets LockLost instead of a false success.
+
+So a tick is recorded ``done`` once, even when a lease expires under a paused runner. What
+layer 2 cannot undo is that the paused runner's ``fn`` may still be executing when the next one
+starts: side effects outside PostgreSQL must be fenced with ``ctx.fencing`` (refuse a token
+lower than the last one seen) or be idempotent. The lock backend must be shared by every runner
+(Redis, PostgreSQL advisory locks; memory locks only within one process), and its fencing tokens
+must keep increasing; if they ever went backwards a crashed runner's tick would stay
+``running`` and be skipped (never run twice), and a warning is logged.
+
+A ``fn`` that raises leaves the tick ``failed`` (with the error): the next ``run`` of that tick
+runs it again. RunOnce neither opens nor closes the lock backend it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, Literal, Self, TypeVar
+
+import asyncpg
+
+from flowlock.errors import (
+    FlowlockError,
+    InvalidInput,
+    LockBusy,
+    LockLost,
+    LockNotOwned,
+    LockTimeout,
+    MigrationError,
+    StoreBusy,
+    StoreError,
+)
+from flowlock.locks.base import Held, Lease, LockBackend, check_lock_args
+from flowlock.stores.postgres import PostgresStore
+
+__all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]
+
+log = logging.getLogger("flowlock")
+
+T = TypeVar("T")
+
+RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
+
+_ROW = "SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2"
+# $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted; an existing
+# one is claimed only if it is not done and its owner's token is lower than ours (that owner
+# lost the lease we now hold). No row back: not ours to run. `prev` reports what was there.
+_CLAIM = """
+WITH prev AS (
+    SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2
+)
+INSERT INTO flowlock_job_runs AS r (job, tick, state, fencing, owner)
+VALUES ($1, $2, 'running', $3, $4)
+ON CONFLICT (job, tick) DO UPDATE
+   SET state = 'running', fencing = EXCLUDED.fencing, owner = EXCLUDED.owner,
+       attempts = r.attempts + 1, error = NULL, started_at = now(), finished_at = NULL
+ WHERE r.state IN ('running', 'failed') AND r.fencing < EXCLUDED.fencing
+RETURNING r.attempts, (SELECT state FROM prev) AS prev_state,
+          (SELECT fencing FROM prev) AS prev_fencing, (SELECT owner FROM prev) AS prev_owner
+"""
+# $1 job, $2 tick, $3 this runner's fencing token: only the current owner finishes the tick.
+_DONE = """
+UPDATE flowlock_job_runs SET state = 'done', finished_at = now()
+ WHERE job = $1 AND tick = $2 AND fencing = $3 AND state = 'running'
+RETURNING fencing
+"""
+# $1 job, $2 tick, $3 fencing token, $4 the error.
+_FAILED = """
+UPDATE flowlock_job_runs SET state = 'failed', finished_at = now(), error = $4
+ WHERE job = $1 AND tick = $2 AND fencing = $3 AND state = 'running'
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult(Generic[T]):
+    """What one ``RunOnce.run`` call did.
+
+    ``status``: ``ran`` (this call ran the job), ``took_over`` (it ran the job after the
+    runner that had claimed the tick lost its lease), ``done_elsewhere`` (the tick was already
+    done), ``running_elsewhere`` (another runner holds the tick now). ``fencing``: this call's
+    fencing token when it held the lease. ``value``: what ``fn`` returned, when it ran here.
+    ``previous_fencing`` / ``previous_owner``: the runner this call took over from, or the one
+    that finished the tick. ``attempt``: 1 for a first run, more after take-overs and failures.
+    """
+
+    job: str
+    tick: str
+    status: RunStatus
+    fencing: int | None = None
+    value: T | None = None
+    previous_fencing: int | None = None
+    previous_owner: str | None = None
+    attempt: int = 0
+
+    @property
+    def ran(self) -> bool:
+        """Whether this call ran the job (``ran`` or ``took_over``)."""
+        return self.status in ("ran", "took_over")
+
+    @property
+    def skipped(self) -> bool:
+        """Whether this call left the tick to another runner (done, or running there)."""
+        return not self.ran
+
+
+class JobContext:
+    """What ``fn`` gets: the job, the tick, the fencing token for its side effects, and
+    :meth:`check` to call before anything that must not happen after the lease was lost."""
+
+    __slots__ = ("_held", "attempt", "job", "tick")
+
+    def __init__(self, job: str, tick: str, held: Held, attempt: int) -> None:
+        self.job = job
+        self.tick = tick
+        self.attempt = attempt
+        self._held = held
+
+    @property
+    def lease(self) -> Lease:
+        """The lease (its deadline moves as the watchdog renews it)."""
+        return self._held.lease
+
+    @property
+    def fencing(self) -> int:
+        """This run's fencing token: pass it to anything outside PostgreSQL that must refuse a
+        runner whose lease was taken over (refuse tokens lower than the highest seen)."""
+        return self._held.lease.fencing
+
+    def check(self) -> None:
+        """Raise LockLost if the lease was lost (a renewal failed, or its ttl ran out)."""
+        self._held.check()
+
+
+class RunOnce:
+    """Runs each (job, tick) to completion once across every process that shares ``locks``
+    and the PostgreSQL database at ``dsn``.
+
+    ``ttl``: the lease, renewed every ``ttl / 3`` while ``fn`` runs; a runner that dies is taken
+    over once its lease is gone (at the latest ``ttl`` later). ``wait``: how long a runner waits
+    for another runner's lease before it reports ``running_elsewhere`` (0: not at all; a waiter
+    that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
+    ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
+    how this runner is named in the table (default: host, pid and a random suffix).
+    """
+
+    def __init__(
+        self,
+        locks: LockBackend,
+        dsn: str,
+        *,
+        schema: str | None = None,
+        ttl: float = 30.0,
+        wait: float = 0.0,
+        pool_size: int = 4,
+        acquire_timeout: float = 10.0,
+        owner: str | None = None,
+        auto_migrate: bool = True,
+    ) -> None:
+        check_lock_args("job", ttl, wait)
+        self.locks = locks
+        self.ttl = ttl
+        self.wait = wait
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._acquire_timeout = acquire_timeout
+        self._store = PostgresStore(
+            dsn,
+            schema=schema,
+            pool_size=pool_size,
+            acquire_timeout=acquire_timeout,
+            auto_migrate=auto_migrate,
+            application_name="flowlock-runner",
+        )
+
+    async def open(self) -> None:
+        """Connect (and migrate). Idempotent. The lock backend is opened by its owner."""
+        await self._store.open()
+
+    async def aclose(self) -> None:
+        """Release the database connections. Idempotent."""
+        await self._store.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def run(
+        self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]
+    ) -> RunResult[T]:
+        """Run ``fn`` for (``job``, ``tick``) unless it is done or running elsewhere.
+
+        Raises LockLost if this runner lost its lease and another runner took the tick over
+        before ``fn`` finished (``fn``'s result is then not recorded); whatever ``fn`` raises
+        (the tick is left ``failed``, to be run again by the next ``run``); LockUnavailable /
+        StoreError when the lock backend or the database cannot be reached.
+        """
+        if not isinstance(job, str) or not job:
+            raise InvalidInput(f"job must be a non-empty string, not {job!r}")
+        if isinstance(tick, bool) or not isinstance(tick, str | int) or tick == "":
+            raise InvalidInput(f"tick must be a non-empty string or an int, not {tick!r}")
+        tick = str(tick)
+        # Cheap first: most runners of a tick that already ran stop here, without the lock.
+        row = await self._row(job, tick)
+        if row is not None and row["state"] == "done":
+            return _skipped(job, tick, "done_elsewhere", None, row)
+        lease = self.locks.acquire(_key(job, tick), ttl=self.ttl, wait=self.wait)
+        try:
+            held = await lease.__aenter__()
+        except (LockBusy, LockTimeout):
+            return RunResult(job, tick, "running_elsewhere")
+        try:
+            result = await self._claim_and_run(held, job, tick, fn)
+        except BaseException as exc:
+            await lease.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        try:
+            await lease.__aexit__(None, None, None)
+        except LockNotOwned:
+            # The lease ran out just before its release: nothing changes, the outcome was
+            # already decided by the fenced write in flowlock_job_runs.
+            log.info("flowlock: job %r tick %r: the lease had expired at release", job, tick)
+        return result
+
+    async def _claim_and_run(
+        self, held: Held, job: str, tick: str, fn: Callable[[JobContext], Awaitable[T]]
+    ) -> RunResult[T]:
+        fencing = held.lease.fencing
+        async with self._conn() as conn:
+            claim = await conn.fetchrow(_CLAIM, job, tick, fencing, self.owner)
+        if claim is None:
+            row = await self._row(job, tick)
+            if row is not None and row["state"] == "done":
+                return _skipped(job, tick, "done_elsewhere", fencing, row)
+            # We hold the lease, yet the tick is claimed with a token >= ours: the backend's
+            # tokens went backwards (a Redis that lost its data, memory locks shared across
+            # processes). Never run twice: leave the tick alone.
+            log.warning(
+                "flowlock: job %r tick %r is claimed with fencing token %s, not below this "
+                "runner's %s, although this runner holds the lease: the lock backend's fencing "
+                "tokens went backwards; skipping the tick",
+                job,
+                tick,
+                None if row is None else row["fencing"],
+                fencing,
+            )
+            return _skipped(job, tick, "running_elsewhere", fencing, row)
+        took_over = claim["prev_state"] == "running"
+        if took_over:
+            log.warning(
+                "flowlock: job %r tick %r: taking over from %s (fencing token %s), whose lease "
+                "was lost",
+                job,
+                tick,
+                claim["prev_owner"],
+                claim["prev_fencing"],
+            )
+        try:
+            value = await fn(JobContext(job, tick, held, claim["attempts"]))
+        except BaseException as exc:
+            await asyncio.shield(self._failed(job, tick, fencing, exc))
+            raise
+        async with self._conn() as conn:
+            done = await conn.fetchval(_DONE, job, tick, fencing)
+        if done is None:
+            row = await self._row(job, tick)
+            by = "" if row is None else f" by {row['owner']} (fencing token {row['fencing']})"
+            raise LockLost(
+                _key(job, tick),
+                f"the tick was taken over{by} while this run (fencing token {fencing}) was "
+                "still going; its result was not recorded",
+            )
+        return RunResult(
+            job,
+            tick,
+            "took_over" if took_over else "ran",
+            fencing,
+            value,
+            previous_fencing=claim["prev_fencing"],
+            previous_owner=claim["prev_owner"],
+            attempt=claim["attempts"],
+        )
+
+    async def _failed(self, job: str, tick: str, fencing: int, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        try:
+            async with self._conn() as conn:
+                await conn.execute(_FAILED, job, tick, fencing, error)
+        except FlowlockError as failure:
+            # The run's own error matters more; the tick stays 'running' and is taken over.
+            log.warning(
+                "flowlock: job %r tick %r: recording the failure failed: %s", job, tick, failure
+            )
+
+    async def _row(self, job: str, tick: str) -> asyncpg.Record | None:
+        async with self._conn() as conn:
+            row: asyncpg.Record | None = await conn.fetchrow(_ROW, job, tick)
+        return row
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection; the one place the runner's asyncpg errors are translated."""
+        pool = self._store.pool
+        try:
+            conn = await pool.acquire(timeout=self._acquire_timeout)
+        except TimeoutError:
+            raise StoreBusy(self._acquire_timeout, self._store.pool_size) from None
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise _translate(exc) from exc
+        try:
+            yield conn
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            raise _translate(exc) from exc
+        finally:
+            await pool.release(conn)
+
+
+def _key(job: str, tick: str) -> str:
+    return f"flowlock-job:{job}:{tick}"
+
+
+def _skipped(
+    job: str, tick: str, status: RunStatus, fencing: int | None, row: asyncpg.Record | None
+) -> RunResult[T]:
+    if row is None:
+        return RunResult(job, tick, status, fencing)
+    return RunResult(
+        job, tick, status, fencing, previous_fencing=row["fencing"], previous_owner=row["owner"]
+    )
+
+
+def _translate(exc: BaseException) -> FlowlockError:
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return MigrationError(
+            f"flowlock_job_runs is missing ({exc}); run `flowlock db migrate` or open the "
+            "runner with auto_migrate=True"
+        )
+    return StoreError(f"recording a job run failed: {type(exc).__name__}: {exc}")

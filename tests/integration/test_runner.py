@@ -1,0 +1,540 @@
+"""RunOnce: every (job, tick) runs to completion exactly once, however many runners fire it, in
+one process (memory locks, advisory locks) and across OS processes (advisory locks, Redis),
+including when a runner is killed or stalled mid-job.
+
+Run as a script (``python test_runner.py CONFIG_JSON``) this file is the worker process of the
+multi-process tests: it fires ticks and prints one JSON line per event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+import flowlock
+from flowlock.locks import LockBackend, MemoryLocks
+from flowlock.runner import JobContext, RunOnce, RunResult
+
+pytestmark = pytest.mark.postgres
+
+THIS = Path(__file__)
+PROCESSES = 8
+TICKS = 20
+
+_SIDE = """
+CREATE TABLE IF NOT EXISTS job_side (
+    job text NOT NULL, tick text NOT NULL, fencing bigint NOT NULL, pid int NOT NULL,
+    phase text NOT NULL
+)
+"""
+# An "end" row is written only while this run still owns the tick: a fenced side effect.
+_END = """
+INSERT INTO job_side (job, tick, fencing, pid, phase)
+SELECT $1, $2, $3, $4, 'end'
+ WHERE EXISTS (SELECT 1 FROM flowlock_job_runs
+                WHERE job = $1 AND tick = $2 AND fencing = $3 AND state = 'running')
+"""
+
+
+def job_fn(
+    conn: asyncpg.Connection | asyncpg.Pool, seconds: float, *, announce: bool = False
+) -> Callable[[JobContext], Awaitable[int]]:
+    """The job: log its start (unfenced), optionally announce it on stdout, work, log its end
+    (fenced)."""
+
+    async def fn(ctx: JobContext) -> int:
+        await conn.execute(
+            "INSERT INTO job_side VALUES ($1, $2, $3, $4, 'start')",
+            ctx.job,
+            ctx.tick,
+            ctx.fencing,
+            os.getpid(),
+        )
+        if announce:
+            print(json.dumps({"event": "start", "tick": ctx.tick, "fencing": ctx.fencing}))
+            sys.stdout.flush()
+        await asyncio.sleep(seconds)
+        await conn.execute(_END, ctx.job, ctx.tick, ctx.fencing, os.getpid())
+        return ctx.fencing
+
+    return fn
+
+
+async def open_locks(kind: str, where: dict[str, str]) -> LockBackend:
+    """An open lock backend of ``kind`` on the test's servers and namespace."""
+    backend: LockBackend
+    if kind == "advisory":
+        from flowlock.locks.advisory import AdvisoryLocks
+
+        backend = AdvisoryLocks(
+            where["pg_url"], schema=where["schema"], namespace=where["namespace"], pool_size=2
+        )
+    elif kind == "redis":
+        from flowlock.locks.redis import RedisLocks
+
+        backend = RedisLocks(where["redis_url"], namespace=where["namespace"])
+    else:
+        backend = MemoryLocks()
+    await backend.open()
+    return backend
+
+
+# -- the worker process ----------------------------------------------------------------------
+
+
+async def worker(cfg: dict[str, Any]) -> None:
+    """Fire each tick of ``cfg["ticks"]`` at its time; print one JSON line per result."""
+    locks = await open_locks(cfg["kind"], cfg["where"])
+    try:
+        runner = RunOnce(
+            locks,
+            cfg["where"]["pg_url"],
+            schema=cfg["where"]["schema"],
+            ttl=cfg["ttl"],
+            wait=cfg["wait"],
+            pool_size=2,
+            owner=f"proc-{cfg['proc']}",
+        )
+        async with runner:
+            side = await asyncpg.connect(
+                cfg["where"]["pg_url"], server_settings={"search_path": cfg["where"]["schema"]}
+            )
+            fn = job_fn(side, cfg["job_seconds"], announce=cfg.get("announce", False))
+            try:
+                for i, tick in enumerate(cfg["ticks"]):
+                    at = cfg["start_at"] + i * cfg["interval"] + random.uniform(0, cfg["jitter"])
+                    await asyncio.sleep(max(0.0, at - time.time()))
+                    line: dict[str, Any] = {"proc": cfg["proc"], "tick": str(tick)}
+                    try:
+                        result = await runner.run(cfg["job"], tick, fn)
+                    except flowlock.FlowlockError as exc:
+                        line["error"] = type(exc).__name__
+                    else:
+                        line |= {
+                            "status": result.status,
+                            "fencing": result.fencing,
+                            "previous": result.previous_fencing,
+                        }
+                    print(json.dumps(line))
+                    sys.stdout.flush()
+            finally:
+                await side.close()
+    finally:
+        await locks.aclose()
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def side(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Pool]:
+    """A pool on the test's schema, with the job's side-effect table created."""
+    conn = await asyncpg.connect(pg_url)
+    try:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{pg_schema}"')
+    finally:
+        await conn.close()
+    pool = await asyncpg.create_pool(
+        pg_url, min_size=1, max_size=4, server_settings={"search_path": pg_schema}
+    )
+    await pool.execute(_SIDE)
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("advisory"),
+        pytest.param("redis", marks=pytest.mark.redis),
+    ]
+)
+def shared(
+    request: pytest.FixtureRequest, pg_url: str, pg_schema: str
+) -> tuple[str, dict[str, str]]:
+    """A lock backend that several processes can share, and where its servers are."""
+    kind: str = request.param
+    where = {"pg_url": pg_url, "schema": pg_schema, "namespace": f"t_{uuid.uuid4().hex[:8]}"}
+    if kind == "redis":
+        pytest.importorskip("flowlock.locks.redis")
+        where["redis_url"] = request.getfixturevalue("redis_url")
+        where["namespace"] = request.getfixturevalue("redis_namespace")
+    return kind, where
+
+
+@pytest.fixture(params=["memory", "advisory"])
+def local(
+    request: pytest.FixtureRequest, pg_url: str, pg_schema: str
+) -> tuple[str, dict[str, str]]:
+    """A lock backend for runners inside this process."""
+    return request.param, {
+        "pg_url": pg_url,
+        "schema": pg_schema,
+        "namespace": f"t_{uuid.uuid4().hex[:8]}",
+    }
+
+
+async def side_rows(pool: asyncpg.Pool) -> list[asyncpg.Record]:
+    return await pool.fetch("SELECT job, tick, fencing, pid, phase FROM job_side")
+
+
+async def run_rows(pool: asyncpg.Pool) -> dict[str, asyncpg.Record]:
+    rows = await pool.fetch("SELECT * FROM flowlock_job_runs")
+    return {r["tick"]: r for r in rows}
+
+
+def spawn(cfg: dict[str, Any]) -> Awaitable[asyncio.subprocess.Process]:
+    return asyncio.create_subprocess_exec(
+        sys.executable,
+        str(THIS),
+        json.dumps(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def worker_cfg(kind: str, where: dict[str, str], **cfg: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "kind": kind,
+        "where": where,
+        "job": "report",
+        "proc": 0,
+        "ttl": 1.0,
+        "wait": 0.0,
+        "interval": 0.0,
+        "jitter": 0.0,
+        "job_seconds": 0.01,
+        "start_at": time.time(),
+    }
+    return base | cfg
+
+
+async def read_until_start(proc: asyncio.subprocess.Process) -> dict[str, Any]:
+    assert proc.stdout is not None
+    while True:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
+        if not line:
+            assert proc.stderr is not None
+            err = await proc.stderr.read()
+            raise AssertionError(f"the worker ended before starting the job: {err.decode()}")
+        event: dict[str, Any] = json.loads(line)
+        if event.get("event") == "start":
+            return event
+
+
+# -- in one process ---------------------------------------------------------------------------
+
+
+async def test_each_tick_runs_once_in_process(
+    local: tuple[str, dict[str, str]], side: asyncpg.Pool
+) -> None:
+    """8 runners x 20 ticks fired at once in one process: 20 runs, one per tick, none twice."""
+    kind, where = local
+    shared_memory = MemoryLocks() if kind == "memory" else None
+    backends = [shared_memory or await open_locks(kind, where) for _ in range(PROCESSES)]
+    runners = [
+        RunOnce(b, where["pg_url"], schema=where["schema"], pool_size=2, owner=f"r{i}")
+        for i, b in enumerate(backends)
+    ]
+    try:
+        for r in runners:
+            await r.open()
+        fn = job_fn(side, 0.01)
+
+        async def fire(runner: RunOnce, tick: int) -> RunResult[int]:
+            await asyncio.sleep(random.uniform(0, 0.01))
+            return await runner.run("report", tick, fn)
+
+        results = []
+        for tick in range(TICKS):
+            results += await asyncio.gather(*[fire(r, tick) for r in runners])
+    finally:
+        for r in runners:
+            await r.aclose()
+        for b in set(backends):
+            await b.aclose()
+    assert sum(r.ran for r in results) == TICKS
+    for name in map(str, range(TICKS)):
+        assert [r.status for r in results if r.tick == name].count("ran") == 1, name
+    rows = await side_rows(side)
+    assert sorted(r["tick"] for r in rows if r["phase"] == "start") == sorted(
+        map(str, range(TICKS))
+    )
+    assert len([r for r in rows if r["phase"] == "end"]) == TICKS
+    runs = await run_rows(side)
+    assert {r["state"] for r in runs.values()} == {"done"} and len(runs) == TICKS
+
+
+async def test_done_tick_never_runs_again(pg_url: str, pg_schema: str) -> None:
+    """A tick recorded done is skipped by every later run, with who finished it."""
+    calls = 0
+
+    async def fn(ctx: JobContext) -> str:
+        nonlocal calls
+        calls += 1
+        return f"{ctx.job}@{ctx.tick}"
+
+    locks = MemoryLocks()
+    async with RunOnce(locks, pg_url, schema=pg_schema, owner="me") as runner:
+        first = await runner.run("j", 7, fn)
+        second = await runner.run("j", "7", fn)
+    assert (first.status, first.value, first.fencing, first.attempt) == ("ran", "j@7", 1, 1)
+    assert first.ran and not first.skipped
+    assert second.status == "done_elsewhere" and second.skipped
+    assert (second.previous_fencing, second.previous_owner) == (1, "me")
+    assert calls == 1
+
+
+async def test_waiting_runner_finds_the_tick_done(pg_url: str, pg_schema: str) -> None:
+    """A runner that waits for the lease while another runs the job then reports done."""
+    locks = MemoryLocks()
+    started = asyncio.Event()
+
+    async def slow(ctx: JobContext) -> None:
+        started.set()
+        await asyncio.sleep(0.3)
+
+    async with (
+        RunOnce(locks, pg_url, schema=pg_schema) as a,
+        RunOnce(locks, pg_url, schema=pg_schema, wait=5) as b,
+        RunOnce(locks, pg_url, schema=pg_schema, wait=0) as c,
+    ):
+        first = asyncio.ensure_future(a.run("j", 1, slow))
+        await started.wait()
+        busy = await c.run("j", 1, slow)
+        waited = await b.run("j", 1, slow)
+        assert (await first).status == "ran"
+    assert busy.status == "running_elsewhere" and busy.fencing is None
+    assert waited.status == "done_elsewhere"
+
+
+async def test_failed_tick_runs_again(pg_url: str, pg_schema: str, side: asyncpg.Pool) -> None:
+    """fn raising leaves the tick 'failed' with its error; the next run runs it again."""
+    locks = MemoryLocks()
+
+    async def boom(ctx: JobContext) -> None:
+        raise RuntimeError("disk full")
+
+    async def ok(ctx: JobContext) -> int:
+        return ctx.attempt
+
+    async with RunOnce(locks, pg_url, schema=pg_schema) as runner:
+        with pytest.raises(RuntimeError, match="disk full"):
+            await runner.run("j", 1, boom)
+        row = (await run_rows(side))["1"]
+        assert (row["state"], row["error"]) == ("failed", "RuntimeError: disk full")
+        again = await runner.run("j", 1, ok)
+    assert (again.status, again.value, again.previous_fencing) == ("ran", 2, 1)
+    assert (await run_rows(side))["1"]["state"] == "done"
+
+
+async def test_stale_runner_cannot_record_after_a_takeover(pg_url: str, pg_schema: str) -> None:
+    """A runner whose lease expired and was taken over gets LockLost, not a false success."""
+    now = [1000.0]
+    locks = MemoryLocks(clock=lambda: now[0])
+    release_a = asyncio.Event()
+
+    async def a_fn(ctx: JobContext) -> str:
+        await release_a.wait()
+        return "a"
+
+    async def b_fn(ctx: JobContext) -> str:
+        return "b"
+
+    async with (
+        RunOnce(locks, pg_url, schema=pg_schema, ttl=30, owner="a") as a,
+        RunOnce(locks, pg_url, schema=pg_schema, ttl=30, owner="b") as b,
+    ):
+        stale = asyncio.ensure_future(a.run("j", 1, a_fn))
+        await asyncio.sleep(0.2)
+        now[0] += 31  # a's lease runs out (a is "paused")
+        took = await b.run("j", 1, b_fn)
+        release_a.set()
+        with pytest.raises(flowlock.LockLost, match="taken over by b"):
+            await stale
+    assert (took.status, took.value, took.previous_owner) == ("took_over", "b", "a")
+    assert took.fencing is not None and took.previous_fencing is not None
+    assert took.fencing > took.previous_fencing
+
+
+async def test_long_job_keeps_its_lease(
+    local: tuple[str, dict[str, str]], side: asyncpg.Pool
+) -> None:
+    """A job running 3x the ttl keeps its lease (renewed); others skip it all along."""
+    kind, where = local
+    locks = await open_locks(kind, where)
+    try:
+        async with (
+            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=0.4) as a,
+            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=0.4) as b,
+        ):
+            started = asyncio.Event()
+
+            async def long(ctx: JobContext) -> int:
+                started.set()
+                for _ in range(12):
+                    await asyncio.sleep(0.1)
+                    ctx.check()
+                return ctx.fencing
+
+            job = asyncio.ensure_future(a.run("j", 1, long))
+            await started.wait()
+            others = []
+            while not job.done():
+                others.append(await b.run("j", 1, long))
+                await asyncio.sleep(0.1)
+            result = await job
+    finally:
+        await locks.aclose()
+    assert result.status == "ran"
+    assert others and all(o.status == "running_elsewhere" for o in others[:-1])
+    assert others[-1].status in ("running_elsewhere", "done_elsewhere")
+    assert (await run_rows(side))["1"]["fencing"] == result.fencing
+
+
+def test_bad_arguments_are_refused(pg_url: str) -> None:
+    """ttl and wait are checked up front, like any lease's."""
+    with pytest.raises(flowlock.InvalidInput):
+        RunOnce(MemoryLocks(), pg_url, ttl=0)
+    with pytest.raises(flowlock.InvalidInput):
+        RunOnce(MemoryLocks(), pg_url, wait=-1)
+
+
+async def test_bad_job_or_tick_is_refused(pg_url: str, pg_schema: str) -> None:
+    """An empty job or tick, or a bool tick, is InvalidInput before any I/O."""
+
+    async def fn(ctx: JobContext) -> None:
+        return None
+
+    async with RunOnce(MemoryLocks(), pg_url, schema=pg_schema) as runner:
+        for job, tick in (("", 1), ("j", ""), ("j", True)):
+            with pytest.raises(flowlock.InvalidInput):
+                await runner.run(job, tick, fn)
+
+
+# -- across processes -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_each_tick_runs_once_across_processes(
+    shared: tuple[str, dict[str, str]], side: asyncpg.Pool
+) -> None:
+    """8 OS processes x 20 ticks, some waiting for the lease: 20 runs in all, none twice."""
+    kind, where = shared
+    start_at = time.time() + 5.0
+    procs = [
+        await spawn(
+            worker_cfg(
+                kind,
+                where,
+                proc=p,
+                ticks=list(range(TICKS)),
+                start_at=start_at,
+                interval=0.1,
+                jitter=0.02,
+                wait=0.0 if p % 2 == 0 else 1.0,
+            )
+        )
+        for p in range(PROCESSES)
+    ]
+    lines: list[dict[str, Any]] = []
+    for proc in procs:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        lines += [json.loads(line) for line in out.decode().splitlines()]
+    assert len(lines) == PROCESSES * TICKS
+    assert [x for x in lines if "error" in x] == []
+    ran = [x for x in lines if x["status"] in ("ran", "took_over")]
+    assert sorted(int(x["tick"]) for x in ran) == list(range(TICKS))
+    assert {x["status"] for x in lines} <= {"ran", "done_elsewhere", "running_elsewhere"}
+    rows = await side_rows(side)
+    assert sorted(int(r["tick"]) for r in rows if r["phase"] == "start") == list(range(TICKS))
+    assert sorted(int(r["tick"]) for r in rows if r["phase"] == "end") == list(range(TICKS))
+    runs = await run_rows(side)
+    assert len(runs) == TICKS and {r["state"] for r in runs.values()} == {"done"}
+    assert {r["fencing"] for r in runs.values()} == {x["fencing"] for x in ran}
+
+
+@pytest.mark.slow
+async def test_killed_runner_is_taken_over(
+    shared: tuple[str, dict[str, str]], side: asyncpg.Pool
+) -> None:
+    """SIGKILL a runner mid-job: another takes the tick over with a higher fencing token and
+    runs it to completion once."""
+    kind, where = shared
+    victim = await spawn(worker_cfg(kind, where, ticks=["t"], job_seconds=60, announce=True))
+    try:
+        started = await read_until_start(victim)
+    finally:
+        victim.kill()
+        await victim.wait()
+    locks = await open_locks(kind, where)
+    try:
+        async with RunOnce(
+            locks, where["pg_url"], schema=where["schema"], ttl=1.0, wait=10, owner="heir"
+        ) as runner:
+            result = await runner.run("report", "t", job_fn(side, 0.01))
+    finally:
+        await locks.aclose()
+    assert result.status == "took_over"
+    assert result.previous_fencing == started["fencing"]
+    assert result.fencing is not None and result.fencing > started["fencing"]
+    row = (await run_rows(side))["t"]
+    assert (row["state"], row["fencing"], row["owner"]) == ("done", result.fencing, "heir")
+    rows = await side_rows(side)
+    assert sorted(r["fencing"] for r in rows if r["phase"] == "start") == [
+        started["fencing"],
+        result.fencing,
+    ]
+    assert [r["fencing"] for r in rows if r["phase"] == "end"] == [result.fencing]
+
+
+@pytest.mark.slow
+async def test_stalled_runner_is_taken_over_and_cannot_finish(
+    shared: tuple[str, dict[str, str]], side: asyncpg.Pool
+) -> None:
+    """SIGSTOP a runner mid-job past its ttl: another takes over and finishes; the stalled one,
+    resumed, gets LockLost and its fenced side effect is refused."""
+    kind, where = shared
+    victim = await spawn(worker_cfg(kind, where, ticks=["t"], job_seconds=2.5, announce=True))
+    try:
+        started = await read_until_start(victim)
+        victim.send_signal(signal.SIGSTOP)
+        locks = await open_locks(kind, where)
+        try:
+            async with RunOnce(
+                locks, where["pg_url"], schema=where["schema"], ttl=1.0, wait=10, owner="heir"
+            ) as runner:
+                begun = time.monotonic()
+                result = await runner.run("report", "t", job_fn(side, 0.01))
+                waited = time.monotonic() - begun
+        finally:
+            await locks.aclose()
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    out, err = await asyncio.wait_for(victim.communicate(), timeout=30)
+    assert victim.returncode == 0, err.decode()[-3000:]
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert lines[-1] == {"proc": 0, "tick": "t", "error": "LockLost"}
+    assert waited >= 0.5  # taken over only once the stalled runner's lease ran out
+    assert result.status == "took_over"
+    assert result.fencing is not None and result.fencing > started["fencing"]
+    row = (await run_rows(side))["t"]
+    assert (row["state"], row["fencing"]) == ("done", result.fencing)
+    assert [r["fencing"] for r in await side_rows(side) if r["phase"] == "end"] == [result.fencing]
+
+
+if __name__ == "__main__":
+    asyncio.run(worker(json.loads(sys.argv[1])))
