@@ -135,6 +135,7 @@ class ConflictMonitor:
         # key -> (escalation, local monotonic deadline)
         self._escalated: dict[str, tuple[Escalation, float]] = {}
         self._pending: list[Escalation] = []
+        self._stepped_down: dict[str, float] = {}
         self.escalations = 0
         self.deescalations = 0
 
@@ -148,6 +149,9 @@ class ConflictMonitor:
         escalation, deadline = found
         if self._clock() >= deadline:
             del self._escalated[key]
+            # The board still holds this escalation until its own (wall-clock) deadline; do not
+            # adopt it back from there as if another engine had decided it.
+            self._stepped_down[key] = escalation.until
             self.deescalations += 1
             log.info(
                 "flowlock: %r steps back down to optimistic: no contention for %.1f s",
@@ -202,10 +206,9 @@ class ConflictMonitor:
         """Contention seen on an escalated key: push its step-down back by ``cooldown``."""
         found = self._escalated.get(key)
         if found is not None:
-            escalation, _ = found
-            self._escalated[key] = (escalation, self._clock() + self.cooldown)
-            refreshed = Escalation(key, escalation.strategy, self._wall() + self.cooldown,
-                                   escalation.reason)  # fmt: skip
+            until = self._wall() + self.cooldown
+            refreshed = Escalation(key, found[0].strategy, until, found[0].reason)
+            self._escalated[key] = (refreshed, self._clock() + self.cooldown)
             self._pending.append(refreshed)
 
     def rate(self, key: str) -> tuple[int, int]:
@@ -239,7 +242,10 @@ class ConflictMonitor:
     def adopt(self, shared: Mapping[str, Escalation]) -> None:
         """Take escalations decided elsewhere (from the board)."""
         wall, mono = self._wall(), self._clock()
+        self._stepped_down = {k: u for k, u in self._stepped_down.items() if u > wall}
         for key, escalation in shared.items():
+            if escalation.until <= self._stepped_down.get(key, 0.0):
+                continue
             deadline = mono + max(0.0, escalation.until - wall)
             mine = self._escalated.get(key)
             if mine is None:

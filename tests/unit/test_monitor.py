@@ -144,3 +144,18 @@ def test_bad_settings_are_refused() -> None:
         ConflictMonitor(threshold=5)
     with pytest.raises(flowlock.InvalidInput):
         ConflictMonitor(min_samples=50, window=10)
+
+
+async def test_a_stepped_down_key_is_not_readopted_from_the_board() -> None:
+    """After stepping down, the board's copy of the same escalation does not bring it back."""
+    clock = Clock()
+    m = monitor(clock, min_samples=2, cooldown=1.0)
+    board = MemoryBoard()
+    for _ in range(3):
+        m.record("k", conflict=True)
+    for e in m.take_pending():
+        await board.publish(Escalation(e.key, e.strategy, e.until + 0.01, e.reason))
+    clock.now += 1.005  # local deadline passed; the board's copy is 10 ms longer
+    assert m.escalated("k") is None
+    m.adopt({e.key: e for e in await board.active(clock.now)})
+    assert m.escalated("k") is None and m.escalations == 1
