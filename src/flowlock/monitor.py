@@ -242,7 +242,7 @@ class ConflictMonitor:
     def adopt(self, shared: Mapping[str, Escalation]) -> None:
         """Take escalations decided elsewhere (from the board)."""
         wall, mono = self._wall(), self._clock()
-        self._stepped_down = {k: u for k, u in self._stepped_down.items() if u > wall}
+        self._stepped_down = {k: u for k, u in self._stepped_down.items() if u > wall - 60}
         for key, escalation in shared.items():
             if escalation.until <= self._stepped_down.get(key, 0.0):
                 continue
