@@ -705,3 +705,22 @@ async def test_redis_from_client_leaves_the_client_open(
         assert await client.ping()
     finally:
         await client.aclose()
+
+
+@pytest_redis
+async def test_redis_a_burst_beyond_max_connections_queues(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """More concurrent callers than connections queue for one instead of failing, and a crowd of
+    waiters on one key each gets it in turn."""
+    async with RedisLocks(redis_url, namespace=redis_namespace, max_connections=4) as locks:
+
+        async def once(key: str) -> int:
+            lease = await locks.acquire(key, ttl=5, wait=10)
+            await locks.release(lease)
+            return lease.fencing
+
+        spread = await asyncio.gather(*(once(f"k{i}") for i in range(200)))
+        assert spread == [1] * 200
+        crowd = await asyncio.gather(*(once("hot") for _ in range(100)))
+        assert sorted(crowd) == list(range(1, 101))

@@ -144,7 +144,7 @@ return 0
 
 _SCHEMES = ("redis", "rediss", "unix")
 # A waiter woken by a release retries after a random delay up to this (seconds).
-_WAKE_JITTER = 0.005
+_WAKE_JITTER = 0.002
 # The shortest bound for one call while acquiring, however little of the wait is left: an
 # attempt at the deadline still deserves a round trip before it counts as unreachable.
 _MIN_CALL = 0.1
@@ -188,7 +188,8 @@ class RedisLocks:
     ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_floor(key)`` returns the
     highest fencing token recorded outside Redis for ``key``; with it, tokens stay increasing
     when Redis loses its data (each loss jumps them by ``fence_gap``). ``socket_timeout`` bounds
-    every call to Redis. ``token``, ``rng`` and ``clock`` are injectable for tests.
+    every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
+    one, within their bound). ``token``, ``rng`` and ``clock`` are injectable for tests.
     """
 
     def __init__(
@@ -199,6 +200,7 @@ class RedisLocks:
         fence_floor: Callable[[str], Awaitable[int]] | None = None,
         fence_gap: int = 1_000_000,
         socket_timeout: float = 2.0,
+        max_connections: int = 100,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -207,7 +209,15 @@ class RedisLocks:
             raise InvalidInput(
                 f"the Redis URL must start with redis://, rediss:// or unix://, not {url!r}"
             )
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise InvalidInput(f"max_connections must be an integer, not {max_connections!r}")
+        if max_connections < 2:
+            raise InvalidInput(
+                f"max_connections must be at least 2 (one is the pub/sub listener's), "
+                f"not {max_connections}"
+            )
         self._url: str | None = url
+        self._max_connections = max_connections
         self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
         self._client: aioredis.Redis | None = None
         self._owns_client = True
@@ -231,6 +241,7 @@ class RedisLocks:
         a task cancellation; every call is bounded here anyway)."""
         self = cls.__new__(cls)
         self._url = None
+        self._max_connections = 0
         self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
         self._client = client
         self._owns_client = False
@@ -313,8 +324,12 @@ class RedisLocks:
             return
         if self._client is None:
             assert self._url is not None
-            self._client = aioredis.from_url(
+            # A blocking pool: a burst of callers beyond max_connections queues for a
+            # connection (within each call's bound) instead of failing at once.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 self._url,
+                max_connections=self._max_connections,
+                timeout=None,
                 # No socket_timeout in redis-py: with one, it bounds each write with
                 # asyncio.wait_for, which on Python 3.11 swallows a cancellation that lands as
                 # the write completes (the caller's task then runs on as if never cancelled; a
@@ -326,6 +341,7 @@ class RedisLocks:
                 decode_responses=True,
                 **_no_maintenance_probe(),
             )
+            self._client = aioredis.Redis.from_pool(pool)
         client = self._client
         self._scripts = (
             client.register_script(_ACQUIRE),
@@ -549,7 +565,9 @@ class RedisLocks:
         assert self._scripts is not None
         release_script = self._scripts[1]
         try:
-            await self._call("release", release_script(keys=[lock_key], args=[token]), 1.0)
+            await self._call(
+                "release", release_script(keys=[lock_key], args=[token]), self._socket_timeout
+            )
         except LockUnavailable as exc:
             log.debug("flowlock: could not clear an abandoned acquire on %r: %s", lock_key, exc)
 
