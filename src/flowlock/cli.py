@@ -5,6 +5,7 @@ in ``flowlock --help``:
 
 - ``FLOWLOCK_DATABASE_URL``: the PostgreSQL URL for ``db migrate`` and ``bench`` when
   ``--database-url`` is not given.
+- ``FLOWLOCK_REDIS_URL``: the Redis URL for ``bench`` when ``--redis-url`` is not given.
 
 Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
 arguments; 3 ``bench`` ran but a checker verdict failed; 130 interrupted (Ctrl-C).
@@ -13,7 +14,7 @@ arguments; 3 ``bench`` ran but a checker verdict failed; 130 interrupted (Ctrl-C
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -29,6 +30,7 @@ from flowlock.errors import FlowlockError
 __all__ = ["EXIT_INTERRUPTED", "EXIT_VERDICT_FAILED", "app", "main"]
 
 ENV_DATABASE_URL = "FLOWLOCK_DATABASE_URL"
+ENV_REDIS_URL = "FLOWLOCK_REDIS_URL"
 EXIT_ERROR = 1
 EXIT_VERDICT_FAILED = 3
 EXIT_INTERRUPTED = 130
@@ -36,7 +38,9 @@ EXIT_INTERRUPTED = 130
 _EPILOG = (
     "**Environment variables** (the CLI is the only part of flowlock that reads them): "
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
-    "*db migrate* and *bench* when --database-url is not given.\n\n"
+    "*db migrate* and *bench* when --database-url is not given. "
+    f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
+    "is not given.\n\n"
     "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench verdict failed, "
     "130 interrupted."
 )
@@ -186,12 +190,12 @@ def _check_scenarios(names: list[str] | None) -> list[str] | None:
 
 
 def _check_strategies(names: list[str] | None) -> list[str] | None:
-    from flowlock.bench import STRATEGIES
+    from flowlock.bench import ALIASES, STRATEGIES
 
-    return _known("strategy", names, list(STRATEGIES))
+    return _known("strategy", names, [*STRATEGIES, *ALIASES])
 
 
-def _check_json_path(path: Path | None) -> Path | None:
+def _check_out_path(path: Path | None) -> Path | None:
     # Checked before the run, so a typo does not cost the whole benchmark.
     if path is not None:
         if path.is_dir():
@@ -201,6 +205,26 @@ def _check_json_path(path: Path | None) -> Path | None:
     return path
 
 
+def _names(registry: Iterable[str]) -> str:
+    return ", ".join(registry)
+
+
+def _scenario_help() -> str:
+    from flowlock.bench import SCENARIOS
+
+    return f"Scenario to run (repeatable): {_names(SCENARIOS)}. Default: all."
+
+
+def _strategy_help() -> str:
+    from flowlock.bench import ALIASES, STRATEGIES
+
+    return (
+        f"Strategy to run (repeatable): {_names(STRATEGIES)}; 'distributed' means "
+        f"{' and '.join(ALIASES['distributed'])}. 'raw' is the floor: bare asyncpg, no engine. "
+        "Default: all."
+    )
+
+
 @app.command()
 def bench(
     scenario: Annotated[
@@ -208,7 +232,7 @@ def bench(
         typer.Option(
             "--scenario",
             "-s",
-            help="Scenario to run (repeatable): storm, countersign. Default: all.",
+            help=_scenario_help(),
             callback=_check_scenarios,
             show_default=False,
         ),
@@ -218,13 +242,19 @@ def bench(
         typer.Option(
             "--strategy",
             "-t",
-            help="Strategy to run (repeatable): optimistic, pessimistic. Default: both.",
+            help=_strategy_help(),
             callback=_check_strategies,
             show_default=False,
         ),
     ] = None,
     workers: Annotated[
-        int, typer.Option("--workers", "-w", min=1, help="Concurrent callers per round.")
+        int,
+        typer.Option(
+            "--workers",
+            "-w",
+            min=1,
+            help="Concurrent callers per round (across all processes in cluster/singleton).",
+        ),
     ] = 100,
     rounds: Annotated[
         int | None,
@@ -232,7 +262,30 @@ def bench(
             "--rounds",
             "-r",
             min=1,
-            help="Timed rounds per scenario. Default: storm 10, countersign 3 (2 with --quick).",
+            help="Timed rounds per scenario. Default: each scenario's own (storm 10, "
+            "countersign 3, inventory 5, hot/spread/cluster 1, singleton 10 ticks; fewer "
+            "with --quick).",
+            show_default=False,
+        ),
+    ] = None,
+    ops: Annotated[
+        int | None,
+        typer.Option(
+            "--ops",
+            min=1,
+            help="Calls each caller makes one after another per round in hot, spread and "
+            "cluster. Default: 20 (3 with --quick).",
+            show_default=False,
+        ),
+    ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes",
+            "-p",
+            min=1,
+            help="OS processes the cluster and singleton scenarios run their callers in. "
+            "Default: 4.",
             show_default=False,
         ),
     ] = None,
@@ -240,19 +293,21 @@ def bench(
         int | None,
         typer.Option(
             "--seed",
-            help="Seed for the retry jitter, to repeat a run. Default: random (reported).",
+            help="Seed for the retry jitter and the spread's choices, to repeat a run. "
+            "Default: random (reported).",
             show_default=False,
         ),
     ] = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="2 rounds per scenario: a run well under 30 s.")
+        bool,
+        typer.Option("--quick", help="Fewer rounds and calls: the whole run in under 30 s (CI)."),
     ] = False,
     pool_size: Annotated[
         int | None,
         typer.Option(
             "--pool-size",
             min=1,
-            help="Database connections in the engine's pool. Default: --workers (one per "
+            help="Database connections per session pool. Default: --workers (one per "
             "caller, like the seed's experiment), lowered if the server cannot take that many.",
             show_default=False,
         ),
@@ -261,8 +316,19 @@ def bench(
         Path | None,
         typer.Option(
             "--json",
-            help="Also write the results as JSON (the shape in DESIGN.md) to this file.",
-            callback=_check_json_path,
+            help="Also write every figure as JSON (the shape in DESIGN.md) to this file.",
+            callback=_check_out_path,
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
+    plot_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw latency percentiles, success % and throughput per strategy and "
+            "scenario as a PNG (needs matplotlib, part of the 'embedded' extra).",
+            callback=_check_out_path,
             dir_okay=False,
             show_default=False,
         ),
@@ -272,8 +338,18 @@ def bench(
         typer.Option(
             "--database-url",
             envvar=ENV_DATABASE_URL,
-            help="Run against this PostgreSQL server, in a scratch schema flowlock_bench_<hex> "
+            help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and random hex) "
             "dropped at the end. Default: start an embedded PostgreSQL for the run.",
+            show_default=False,
+        ),
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            envvar=ENV_REDIS_URL,
+            help="Run distributed-redis against this Redis, under a scratch key namespace "
+            "deleted at the end. Default: start an embedded Redis for the run.",
             show_default=False,
         ),
     ] = None,
@@ -281,18 +357,22 @@ def bench(
         bool,
         typer.Option(
             "--embedded",
-            help=f"Use an embedded PostgreSQL even if {ENV_DATABASE_URL} is set.",
+            help=f"Use an embedded PostgreSQL and Redis even if {ENV_DATABASE_URL} or "
+            f"{ENV_REDIS_URL} is set.",
         ),
     ] = False,
 ) -> None:
-    """Reproduce the seed article's experiment: many callers fire at one instance at once.
+    """Reproduce the seed article's experiment and every scenario, against a floor.
 
-    Prints one row per scenario x strategy (latency, success %, throughput, peak connections,
-    double-advanced rounds) and the checker's exactly-once verdict, with the seed's published
-    figures beside the storm results. Exits 3 if any verdict fails.
+    Runs each scenario (storm, countersign, inventory, hot, spread, cluster, singleton) with each
+    strategy, plus 'raw' (bare asyncpg, measured in the same run), on an embedded PostgreSQL and
+    Redis it starts and removes (or your servers). Prints one row per scenario x strategy
+    (latency, success %, attempts, throughput, peak connections, lock wait) with the checker's
+    exactly-once verdict, the seed's published figures beside storm, and the aims against the
+    floor. Exits 3 if any verdict fails.
     """
     from flowlock.bench import BenchConfig
-    from flowlock.bench.report import RichProgress, failures, render, write_json
+    from flowlock.bench.report import RichProgress, check_plot_support, failures, render, write_json
     from flowlock.bench.runner import run
 
     config = BenchConfig(
@@ -300,13 +380,18 @@ def bench(
         strategies=tuple(strategy) if strategy else None,
         workers=workers,
         rounds=rounds,
+        ops=ops,
+        processes=processes,
         quick=quick,
         seed=seed,
         pool_size=pool_size,
         database_url=None if embedded else database_url,
+        redis_url=None if embedded else redis_url,
     )
     with _errors_as_exit():
         config.validate()  # before starting anything: a bad URL must not cost a server start
+        if plot_file is not None:
+            check_plot_support()
         with RichProgress(_stderr()) as progress:
             report = run(config, progress)
 
@@ -321,6 +406,14 @@ def bench(
         except OSError as exc:
             _fail(f"cannot write {json_file}: {exc.strerror or exc}")
         _stderr().print(Text(f"wrote {json_file}", style="dim"))
+    if plot_file is not None:
+        from flowlock.bench.report import plot
+
+        try:
+            plot(report, plot_file)
+        except OSError as exc:
+            _fail(f"cannot write {plot_file}: {exc.strerror or exc}")
+        _stderr().print(Text(f"wrote {plot_file}", style="dim"))
     if not report.ok:
         lines = failures(report)
         _fail(

