@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import pytest
 from redis.crc import key_slot
 
@@ -105,8 +106,23 @@ async def harness(backend_setup: tuple[str, dict[str, str]]) -> AsyncIterator[Ha
             where["dsn"], namespace=f"t_{uuid.uuid4().hex[:8]}", schema=where["schema"]
         )
         await locks.open()
+
+        async def advisory_steal(key: str) -> None:
+            # The server ends the holder's session, which drops its transaction-level lock.
+            lock_id = locks.lock_id(key)
+            conn = await asyncpg.connect(where["dsn"])
+            try:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1",
+                    (lock_id >> 32) & 0xFFFFFFFF,
+                    lock_id & 0xFFFFFFFF,
+                )
+            finally:
+                await conn.close()
+
         try:
-            yield Harness(locks, kind)
+            yield Harness(locks, kind, None, advisory_steal)
         finally:
             await locks.aclose()
 
