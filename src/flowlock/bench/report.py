@@ -307,7 +307,7 @@ def results_table(report: BenchReport) -> Table:
     """One row per (scenario, strategy): latency, success, throughput, connections, lock wait,
     verdict."""
     table = Table(title=_title(report), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("scenario")
+    table.add_column("scenario", no_wrap=True)
     table.add_column("strategy", no_wrap=True)
     for name in ("calls", "avg ms", "p50 ms", "p99 ms", "max ms", "success %", "att/call"):
         table.add_column(name, justify="right")
