@@ -15,12 +15,14 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine", "EngineClosed",
-    "FlowlockError", "GuardRejected", "HistoryEntry", "Instance", "InstanceExists",
-    "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError",
-    "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError",
-    "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
-    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples", "fencing_token",
+    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine",
+    "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
+    "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
+    "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
+    "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
+    "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
+    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
+    "fencing_token",
 }  # fmt: skip
 
 
