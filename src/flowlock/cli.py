@@ -274,7 +274,7 @@ def bench(
             "--ops",
             min=1,
             help="Calls each caller makes one after another per round in hot, spread and "
-            "cluster. Default: 20 (3 with --quick).",
+            "cluster. Default: hot 20, spread 60, cluster 40 (3 with --quick).",
             show_default=False,
         ),
     ] = None,
@@ -338,8 +338,8 @@ def bench(
         typer.Option(
             "--database-url",
             envvar=ENV_DATABASE_URL,
-            help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and random hex) "
-            "dropped at the end. Default: start an embedded PostgreSQL for the run.",
+            help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and "
+            "random hex) dropped at the end. Default: start an embedded PostgreSQL for the run.",
             show_default=False,
         ),
     ] = None,

@@ -319,7 +319,7 @@ def results_table(report: BenchReport) -> Table:
         if last is not None and r.scenario != last:
             table.add_section()
         last = r.scenario
-        success = Text(_num(r.success_pct), style="" if r.success_pct >= 99.95 else "yellow")
+        success = Text(_pct(r.success_pct), style="" if r.success_pct >= 100 else "yellow")
         table.add_row(
             r.scenario,
             Text(r.strategy, style="dim" if r.strategy == FLOOR else ""),
@@ -387,6 +387,11 @@ def seed_table(report: BenchReport) -> Table | None:
     return table
 
 
+def _pct(value: float) -> str:
+    """A success rate that never reads 100.0 unless it is 100."""
+    return f"{value:.2f}" if 99.9 < value < 100 else f"{value:.1f}"
+
+
 def _pick(found: list[Aim], scenario: str, what: str) -> Aim | None:
     return next((a for a in found if a.scenario == scenario and a.what == what), None)
 
@@ -422,7 +427,9 @@ def aims_table(report: BenchReport) -> Table | None:
     for strategy in dict.fromkeys(a.strategy for a in checked):
         mine = [a for a in checked if a.strategy == strategy]
         short = [
-            f"{a.scenario} {a.measured or 0:.1f}" for a in mine if a.what == "success" and not a.ok
+            f"{a.scenario} {_pct(a.measured or 0.0)}"
+            for a in mine
+            if a.what == "success" and not a.ok
         ]
         bad = sum(int(a.measured or 0) for a in mine if a.what == "violations")
         cells = [

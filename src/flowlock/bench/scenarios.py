@@ -677,6 +677,8 @@ class Spread(_Steps):
     name = "spread"
     summary = "N callers x M steps over 10 N instances (low conflict)"
     floor: Floor = "cas"
+    # Thousands of calls a second: enough of them for a throughput that holds still.
+    default_ops = 60
 
     def instances(self, params: Params) -> int:
         return 10 * params.workers
@@ -690,6 +692,7 @@ class Cluster(_Steps):
     summary = "P OS processes x N/P callers x M steps over N shared instances"
     multiprocess = True
     floor: Floor = "cas"
+    default_ops = 40
 
     def instances(self, params: Params) -> int:
         return params.workers
