@@ -740,3 +740,40 @@ async def test_redis_a_burst_beyond_max_connections_queues(
         assert spread == [1] * 200
         crowd = await asyncio.gather(*(once("hot") for _ in range(100)))
         assert sorted(crowd) == list(range(1, 101))
+
+
+# --- watching without taking -----------------------------------------------------------------
+
+
+async def test_wait_released_on_a_free_key_returns_at_once(harness: Harness) -> None:
+    """wait_released on a free key is True at once and takes nothing."""
+    locks = harness.locks
+    started = time.monotonic()
+    assert await locks.wait_released("k", 2.0) is True
+    assert time.monotonic() - started < 1.0
+    assert not await locks.locked("k")
+
+
+async def test_wait_released_wakes_every_watcher_on_release(harness: Harness) -> None:
+    """Twenty watchers of a held key all return True soon after the release, none holds it."""
+    locks = harness.locks
+    lease = await locks.acquire("k", ttl=10)
+    watchers = [asyncio.create_task(locks.wait_released("k", 5.0)) for _ in range(20)]
+    await asyncio.sleep(0.2)
+    assert not any(w.done() for w in watchers)
+    released = time.monotonic()
+    await locks.release(lease)
+    assert await asyncio.gather(*watchers) == [True] * 20
+    assert time.monotonic() - released < 2.0
+    assert not await locks.locked("k")
+
+
+async def test_wait_released_times_out_while_held(harness: Harness) -> None:
+    """While the holder keeps the key, wait_released is False after about its bound."""
+    locks = harness.locks
+    lease = await locks.acquire("k", ttl=10)
+    started = time.monotonic()
+    assert await locks.wait_released("k", 0.3) is False
+    assert 0.25 <= time.monotonic() - started < 2.0
+    assert await locks.owned(lease)
+    await locks.release(lease)

@@ -504,6 +504,26 @@ class AdvisoryLocks:
         classid, objid = _oids(self.lock_id(key))
         return await self._query(_LOCKED, classid, objid) is True
 
+    async def wait_released(self, key: str, wait: float) -> bool:
+        """Wait in PostgreSQL's own lock queue (woken by the holder's commit, no polling) until
+        the key is free, then let go at once: the lock is held only for that instant, and no
+        fencing token is spent."""
+        check_lock_args(key, 1.0, wait)
+        leases, _ = self._pools()
+        lock = self.lock_id(key)
+        conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
+        try:
+            with _edge():
+                await conn.execute(
+                    _begin(lock, max(wait, 1.0), wait if wait > 0 else None),
+                    timeout=wait + self._io_timeout,
+                )
+        except _Busy:
+            return False
+        finally:
+            await asyncio.shield(self._finish(leases, conn, clean=True))
+        return True
+
     async def fence_floor(self, key: str) -> int:
         """The highest fencing token ever handed out for ``key`` (0 if none): a floor for
         another backend's tokens (the Redis backend's, after Redis lost its data)."""

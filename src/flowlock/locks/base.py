@@ -102,6 +102,12 @@ class LockBackend(Protocol):
         """Whether ``lease`` still holds its key."""
         ...
 
+    async def wait_released(self, key: str, wait: float) -> bool:
+        """Wait, without taking the lock, until ``key`` is free (its holder released it or its
+        lease expired): True then, False when ``wait`` seconds pass first. Every watcher is
+        woken by a release; none of them competes for the lock."""
+        ...
+
     async def locked(self, key: str) -> bool:
         """Whether anyone holds ``key``."""
         ...

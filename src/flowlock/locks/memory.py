@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flowlock.errors import LockBusy, LockNotOwned, LockTimeout
-from flowlock.locks.base import Lease, LeaseContext
+from flowlock.locks.base import Lease, LeaseContext, check_lock_args
 
 __all__ = ["MemoryLocks"]
 
@@ -90,6 +90,21 @@ class MemoryLocks:
             raise LockNotOwned(lease.key, "extend")
         holder.deadline = sent + ttl
         return lease.renewed(sent + ttl, ttl)
+
+    async def wait_released(self, key: str, wait: float) -> bool:
+        check_lock_args(key, 1.0, wait)
+        started = self._clock()
+        async with self._changed:
+            while True:
+                holder = self._live(key)
+                if holder is None:
+                    return True
+                now = self._clock()
+                left = started + wait - now
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, holder.deadline - now))
 
     async def owned(self, lease: Lease) -> bool:
         holder = self._live(lease.key)

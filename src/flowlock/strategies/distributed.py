@@ -17,7 +17,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-from flowlock.errors import ConflictRetriesExhausted, InvalidInput, LockError, LockLost
+from flowlock.errors import (
+    ConflictRetriesExhausted,
+    InvalidInput,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockTimeout,
+)
 from flowlock.locks.base import Held, LockBackend, check_lock_args
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
@@ -71,7 +78,25 @@ class Distributed:
 
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
         asked = time.monotonic()
-        lease = await self.locks.acquire(call.instance_id, ttl=self.ttl, wait=self.wait)
+        key = call.instance_id
+        try:
+            lease = await self.locks.acquire(key, ttl=self.ttl, wait=0.0)
+        except LockBusy:
+            # 为什么 wait for the release before queueing: the holder may be doing this very
+            # transition (the two-admins storm). Once it releases, a fresh read answers every
+            # such caller at once, without each of them taking the lease in turn.
+            if self.wait <= 0:
+                raise
+            released = await self.locks.wait_released(key, self.wait)
+            if released:
+                planned = decide(await store.read(key, call.request_id))
+                if isinstance(planned, Idempotent):
+                    waited = time.monotonic() - asked
+                    return StrategyResult(planned.instance, False, 1, lock_wait=waited)
+            left = asked + self.wait - time.monotonic()
+            if left <= 0:
+                raise LockTimeout(key, time.monotonic() - asked) from None
+            lease = await self.locks.acquire(key, ttl=self.ttl, wait=left)
         got = time.monotonic()
         held = Held(self.locks, lease)
         try:
