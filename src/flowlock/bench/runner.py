@@ -735,6 +735,13 @@ class TimedLocks:
     async def locked(self, key: str) -> bool:
         return await self.inner.locked(key)
 
+    async def wait_released(self, key: str, wait: float) -> bool:
+        started = time.perf_counter()
+        try:
+            return await self.inner.wait_released(key, wait)
+        finally:
+            self.waited += time.perf_counter() - started
+
     async def open(self) -> None:
         await self.inner.open()
 
