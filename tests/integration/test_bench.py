@@ -166,10 +166,11 @@ async def test_quick_run_on_the_running_services(pg_url: str, redis_url: str) ->
         assert by_pair["cluster", strategy].processes == 4
     for strategy in ("raw", "pessimistic", "distributed-advisory"):
         # The locking strategies apply every signature and sell exactly the stock.
-        assert by_pair["countersign", strategy].applied_per_round == (WORKERS,)
-        assert by_pair["inventory", strategy].applied_per_round == (WORKERS // 2,)
-        assert by_pair["inventory", strategy].refused == WORKERS // 2
-        assert by_pair["hot", strategy].success_pct == 100.0
+        signed, sold = by_pair["countersign", strategy], by_pair["inventory", strategy]
+        assert signed.applied_per_round == (WORKERS,), (strategy, signed.errors)
+        assert sold.applied_per_round == (WORKERS // 2,), (strategy, sold.errors)
+        assert sold.refused == WORKERS // 2
+        assert by_pair["hot", strategy].success_pct == 100.0, by_pair["hot", strategy].errors
     # Optimistic callers that lose three compare-and-swaps fail: counted as failures, never as
     # success, and none of their writes may appear (the verdicts above are all true).
     racy = by_pair["hot", "optimistic"]
@@ -543,3 +544,21 @@ def test_every_registered_strategy_has_a_floor_to_compare_with() -> None:
         "distributed-redis",
         "distributed-advisory",
     )
+
+
+def test_plot_without_matplotlib_fails_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--plot without matplotlib installed: one clear error line, exit 1, nothing started."""
+    from flowlock.bench import report
+
+    monkeypatch.setattr(report.importlib.util, "find_spec", lambda name, *a: None)
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run must not start")
+
+    monkeypatch.setattr("flowlock.bench.runner.run", never)
+    result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 1, result.output
+    assert "matplotlib" in result.stderr
+    assert "flowlock[embedded]" in result.stderr
