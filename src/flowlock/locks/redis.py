@@ -26,24 +26,40 @@ Acquiring
 
 Waiting
     One pub/sub connection per backend holds a pattern subscription on the namespace's
-    channels; the release script publishes on the lock key's channel, and the listener wakes
-    the local waiters of that key. A waiter registers itself before each attempt, so a release
-    that lands between the attempt and the wait is not missed. A holder that crashes publishes
-    nothing: the waiter also wakes when the holder's PTTL (returned by the failed attempt) runs
-    out. Every wait ends at ``wait`` seconds with LockTimeout (``wait=0``: LockBusy at once), and
-    a retry after a wake is delayed by a small random jitter so that a release does not send
-    every waiter at Redis in the same millisecond. There is no sleep loop and no FIFO order.
+    channels; the release script publishes on the lock key's channel. The local waiters of a key
+    form a queue in the order they arrived, and a release wakes only the oldest of them, which
+    retries at once: one acquire attempt per lease in this process instead of one per waiter.
+    (Every other process that waits on the key gets the message too and wakes its own oldest.)
+    A waiter joins the queue before its first attempt and stays in it until it is done, so a
+    release that lands between an attempt and the wait is not missed: it wakes the oldest
+    waiter, and a waiter whose attempt was in flight when woken retries at once. A woken waiter
+    that does not end up with the lease (it timed out, was cancelled, gave up on an error) hands
+    the wake to the next waiter; one whose retry lost to another process keeps its place at the
+    head and waits for that holder's release. A holder that crashes publishes nothing: the
+    holder's PTTL (returned by a failed attempt) arms one timer per key, a little after the
+    expiry (a random 0-2 ms, so that the processes waiting on the key do not all retry in the
+    same millisecond), which wakes the oldest waiter like a release. Every wait ends at ``wait``
+    seconds with LockTimeout (``wait=0``: LockBusy at once). There is no sleep loop; new callers
+    try once before they queue, so the order is FIFO among the waiters of one process, not
+    strict across callers or processes.
+
+Watching
+    ``wait_released(key, wait)`` waits for a key to be free without taking it: every watcher of
+    the key is woken by its release (they do not compete, and do not take the waiters' wake),
+    and by the holder's expiry. The watcher registers before it looks at the key, so a release
+    between the look and the wait is not missed.
 
 Fencing and Redis data loss
     The fencing counter is a plain Redis key, so a Redis that restarts empty (no persistence, a
     failover to a replica that had not seen the INCR, an eviction under ``maxmemory``) loses it.
     When the counter is missing the acquire script says so instead of starting again at 1, and
     the client asks ``fence_floor(key)`` (the engine passes a function returning the highest
-    fencing token PostgreSQL has recorded for that key) and retries with that floor plus
-    ``fence_gap``; the script then does ``SET fence floor NX`` before the INCR. The gap is
-    there because a token can be issued and never written anywhere (the holder crashed, or has
-    not committed yet, or is still running and will commit): the floor alone would hand the
-    same numbers out again, and a stale holder carrying one of them could pass a fencing check.
+    fencing token PostgreSQL has recorded for that key; the concurrent acquirers of one key in
+    this process share one call) and retries with that floor plus ``fence_gap``; the script
+    then does ``SET fence floor NX`` before the INCR. The gap is there because a token can be
+    issued and never written anywhere (the holder crashed, or has not committed yet, or is still
+    running and will commit): the floor alone would hand the same numbers out again, and a stale
+    holder carrying one of them could pass a fencing check.
     Jumping ``fence_gap`` (default one million) past the floor puts new tokens above every token
     issued since the last one that was recorded, as long as fewer than ``fence_gap`` were issued
     in between. Without ``fence_floor``, tokens restart at 1 after a Redis data loss: they are
@@ -143,7 +159,9 @@ return 0
 """
 
 _SCHEMES = ("redis", "rediss", "unix")
-# A waiter woken by a release retries after a random delay up to this (seconds).
+# The holder's-expiry timer fires a random delay up to this (seconds) after the PTTL ran out: a
+# margin for the server's expiry, and the processes waiting on one key do not all retry in the
+# same millisecond. (A waiter woken by a release retries at once: only one per process is.)
 _WAKE_JITTER = 0.002
 # The shortest bound for one call while acquiring, however little of the wait is left: an
 # attempt at the deadline still deserves a round trip before it counts as unreachable.
@@ -155,6 +173,58 @@ _LISTEN_TICK = 1.0
 _PING_AFTER = 5.0
 _RECONNECT_MIN = 0.05
 _RECONNECT_MAX = 2.0
+
+
+class _Waiter:
+    """One acquire waiting in a key's local queue. ``woken``: it was handed a release (or the
+    holder's expiry) and has not yet either lost a retry to another holder or taken the lease;
+    if it leaves the queue meanwhile, the wake goes to the next waiter."""
+
+    __slots__ = ("event", "woken")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.woken = False
+
+
+class _Watcher:
+    """One ``wait_released`` call. ``released``: a release of the key was announced."""
+
+    __slots__ = ("event", "released")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.released = False
+
+
+class _Queue:
+    """The local waiters (oldest first) and watchers of one lock key, and the timer that wakes
+    the oldest waiter when the holder's lease runs out."""
+
+    __slots__ = ("timer", "timer_at", "waiters", "watchers")
+
+    def __init__(self) -> None:
+        self.waiters: dict[_Waiter, None] = {}  # insertion-ordered: a FIFO with O(1) removal
+        self.watchers: set[_Watcher] = set()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+
+    def wake_oldest(self) -> None:
+        for waiter in self.waiters:
+            waiter.woken = True
+            waiter.event.set()
+            return
+
+    def announce_release(self) -> None:
+        for watcher in self.watchers:
+            watcher.released = True
+            watcher.event.set()
+        self.wake_oldest()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer, self.timer_at = None, math.inf
 
 
 def _no_maintenance_probe() -> dict[str, Any]:
@@ -278,7 +348,8 @@ class RedisLocks:
         self._open = False
         self._listener: asyncio.Task[None] | None = None
         self._listening = False
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._queues: dict[str, _Queue] = {}  # by lock key (= release channel)
+        self._floors: dict[str, asyncio.Task[int]] = {}  # fence_floor calls in flight, by key
         self._background: set[asyncio.Task[Any]] = set()
         self._scripts: tuple[Any, Any, Any] | None = None
 
@@ -411,14 +482,19 @@ class RedisLocks:
         started = self._clock()
         deadline = started + wait
         floor = "" if self._fence_floor is not None else "0"
-        wake = asyncio.Event()
-        # Registered before the first attempt and kept until the end: a release published after
-        # an attempt was sent sets the event, however soon, and the wait below returns at once.
-        self._waiters.setdefault(lock_key, set()).add(wake)
+        # Queued before the first attempt and kept until the end (wait=0 never waits): a release
+        # published after an attempt was sent wakes the oldest waiter, however soon, and that
+        # waiter retries at once instead of waiting.
+        queue: _Queue | None = None
+        waiter = _Waiter()
+        if wait > 0:
+            queue = self._queue(lock_key)
+            queue.waiters[waiter] = None
+        lease: Lease | None = None
         try:
             while True:
                 self._require_open()
-                wake.clear()
+                waiter.event.clear()
                 sent = self._clock()
                 bound = (
                     self._socket_timeout
@@ -439,27 +515,33 @@ class RedisLocks:
                     raise
                 status, value = int(reply[0]), int(reply[1])
                 if status == 1:
-                    return Lease(key, token, value, ttl, sent + ttl, self.name)
+                    lease = Lease(key, token, value, ttl, sent + ttl, self.name)
+                    return lease
                 if status == -1:
                     floor = str(await self._floor(key, deadline))
                     continue
                 now = self._clock()
-                if wait <= 0:
+                if queue is None:
                     raise LockBusy(key)
+                if value >= 0:
+                    self._arm(lock_key, queue, value)
                 left = deadline - now
                 if left <= 0:
                     raise LockTimeout(key, now - started)
-                # Woken by a release (pub/sub), or when the holder's ttl runs out (a holder that
-                # crashed never publishes), or at our own deadline.
-                expiry = left if value < 0 else value / 1000 + self._jitter()
-                if await self._wait_for(wake, min(left, expiry)):
-                    await asyncio.sleep(min(self._jitter(), max(deadline - self._clock(), 0.0)))
+                if waiter.event.is_set():
+                    continue  # woken while the attempt was in flight: the key may be free now
+                # Someone holds the key: their release (or expiry) wakes the oldest waiter. One
+                # that was woken and lost its retry to another holder keeps its place.
+                waiter.woken = False
+                await self._wait_for(waiter.event, left)
         finally:
-            waiters = self._waiters.get(lock_key)
-            if waiters is not None:
-                waiters.discard(wake)
-                if not waiters:
-                    del self._waiters[lock_key]
+            if queue is not None:
+                del queue.waiters[waiter]
+                if lease is None and (waiter.woken or waiter.event.is_set()):
+                    # Handed the key's wake and leaving without the lease (timed out, cancelled,
+                    # failed, closed): the next waiter takes it, or it sleeps while the key is free.
+                    queue.wake_oldest()
+                self._unqueue(lock_key, queue)
 
     async def release(self, lease: Lease) -> None:
         self._check_lease(lease)
@@ -500,6 +582,44 @@ class RedisLocks:
         if int(extended) != 1:
             raise LockNotOwned(lease.key, "extend")
         return lease.renewed(sent + ttl, ttl)
+
+    async def wait_released(self, key: str, wait: float) -> bool:
+        """Wait, without taking the lock, until ``key`` is free: True as soon as it is seen free
+        or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher
+        is woken by a release (none competes for the lock or takes a waiter's wake). Raises
+        LockUnavailable when Redis cannot be asked whether the key is held."""
+        check_lock_args(key, 1.0, wait)
+        client = self._require_open()
+        lock_key = self.redis_key(key)
+        deadline = self._clock() + wait
+        watcher = _Watcher()
+        # Registered before the key is looked at: a release between the look and the wait sets
+        # the event, and the wait returns at once.
+        queue = self._queue(lock_key)
+        queue.watchers.add(watcher)
+        try:
+            while True:
+                self._require_open()
+                watcher.event.clear()
+                bound = min(self._socket_timeout, max(deadline - self._clock(), _MIN_CALL))
+                pttl = int(await self._call("wait_released", client.pttl(lock_key), bound))
+                if watcher.released or pttl == -2:
+                    return True
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                # Woken by a release, or at the holder's expiry (then look again: it may have
+                # been extended), or by a new subscription (releases may have been missed), or
+                # at our own bound.
+                expiry = math.inf if pttl < 0 else pttl / 1000 + self._jitter()
+                woken = await self._wait_for(watcher.event, min(left, expiry))
+                if watcher.released:
+                    return True
+                if not woken and left <= expiry:
+                    return False
+        finally:
+            queue.watchers.discard(watcher)
+            self._unqueue(lock_key, queue)
 
     async def owned(self, lease: Lease) -> bool:
         self._check_lease(lease)
@@ -589,20 +709,60 @@ class RedisLocks:
 
     # --- pub/sub ---------------------------------------------------------------------------
 
-    def _wake(self, channel: str) -> None:
-        for event in self._waiters.get(channel, ()):
-            event.set()
+    def _queue(self, lock_key: str) -> _Queue:
+        queue = self._queues.get(lock_key)
+        if queue is None:
+            queue = self._queues[lock_key] = _Queue()
+        return queue
+
+    def _unqueue(self, lock_key: str, queue: _Queue) -> None:
+        if not queue.waiters:
+            queue.disarm()
+            if not queue.watchers and self._queues.get(lock_key) is queue:
+                del self._queues[lock_key]
+
+    def _arm(self, lock_key: str, queue: _Queue, pttl_ms: int) -> None:
+        """Wake the oldest waiter of ``lock_key`` when the holder's lease (``pttl_ms`` left, as
+        a failed attempt saw it) runs out, unless an earlier wake-up is already set: one that
+        comes too early (the holder extended) costs one attempt, which sets the next."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + pttl_ms / 1000 + self._jitter()
+        if at < queue.timer_at:
+            queue.disarm()
+            queue.timer = loop.call_at(at, self._expired, queue)
+            queue.timer_at = at
+
+    @staticmethod
+    def _expired(queue: _Queue) -> None:
+        queue.timer, queue.timer_at = None, math.inf
+        queue.wake_oldest()
+
+    def _released(self, channel: str) -> None:
+        queue = self._queues.get(channel)
+        if queue is not None:
+            queue.announce_release()
+
+    def _missed(self) -> None:
+        """A new subscription: releases may have been missed while there was none. The oldest
+        waiter of each key retries, and every watcher looks again."""
+        for queue in self._queues.values():
+            queue.wake_oldest()
+            for watcher in queue.watchers:
+                watcher.event.set()
 
     def _wake_all(self) -> None:
-        for events in self._waiters.values():
-            for event in events:
-                event.set()
+        """The backend closed: every waiter and watcher finds out at once."""
+        for queue in self._queues.values():
+            for waiter in queue.waiters:
+                waiter.event.set()
+            for watcher in queue.watchers:
+                watcher.event.set()
 
     async def _listen(self, first_try: asyncio.Event) -> None:
         """Keep one pattern subscription on this namespace's channels and wake the local
-        waiters of each key released. Reconnects with backoff for as long as the backend is
-        open; on each new subscription wakes every waiter, since releases may have been missed
-        while it was down."""
+        waiters and watchers of each key released. Reconnects with backoff for as long as the
+        backend is open; on each new subscription wakes the oldest waiter of each key and every
+        watcher, since releases may have been missed while it was down."""
         delay = _RECONNECT_MIN
         failing = False
         while True:
@@ -618,7 +778,7 @@ class RedisLocks:
                             break
                 self._listening = True
                 first_try.set()
-                self._wake_all()
+                self._missed()
                 if failing:
                     log.warning("flowlock: the Redis pub/sub subscription is back")
                 failing = False
@@ -652,7 +812,7 @@ class RedisLocks:
                 if message["type"] == "pmessage":
                     channel = _text(message["channel"])
                     if channel is not None:
-                        self._wake(channel)
+                        self._released(channel)
             elif pinged is not None:
                 if now - pinged > self._socket_timeout:
                     raise TimeoutError("no answer to PING on the pub/sub connection")
