@@ -657,9 +657,31 @@ class RedisLocks:
 
     async def _floor(self, key: str, deadline: float) -> int:
         """The floor for a fencing counter Redis does not have: the highest token recorded
-        outside Redis, plus the gap for tokens issued but never recorded."""
-        assert self._fence_floor is not None
+        outside Redis, plus the gap for tokens issued but never recorded. The acquirers of one
+        key in this process share one ``fence_floor`` call (bounded by the first one's wait);
+        its answer or its error goes to each of them."""
         bound = max(deadline - self._clock(), self._socket_timeout)
+        flight = self._floors.get(key)
+        if flight is None:
+            flight = self._spawn(self._fetch_floor(key, bound))
+            flight.add_done_callback(_retrieve)
+            flight.add_done_callback(lambda done: self._landed(key, done))
+            self._floors[key] = flight
+        try:
+            # Shielded: a sharer that is cancelled or gives up leaves the call to the others.
+            async with asyncio.timeout(bound):
+                return await asyncio.shield(flight)
+        except TimeoutError as exc:
+            raise LockUnavailable(
+                self.name, f"fence_floor({key!r}) did not answer within {bound:.1f} s"
+            ) from exc
+
+    def _landed(self, key: str, flight: asyncio.Task[int]) -> None:
+        if self._floors.get(key) is flight:
+            del self._floors[key]
+
+    async def _fetch_floor(self, key: str, bound: float) -> int:
+        assert self._fence_floor is not None
         try:
             async with asyncio.timeout(bound):
                 highest = await self._fence_floor(key)
@@ -819,6 +841,13 @@ class RedisLocks:
             elif now - last_heard >= _PING_AFTER:
                 await pubsub.ping()
                 pinged = now
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # A shared call whose every sharer gave up: its error is nobody's to raise (no "never
+    # retrieved" warning).
+    if not task.cancelled():
+        task.exception()
 
 
 def _log_late_failure(task: asyncio.Future[Any]) -> None:
