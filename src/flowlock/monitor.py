@@ -250,7 +250,8 @@ class ConflictMonitor:
             mine = self._escalated.get(key)
             if mine is None:
                 self.escalations += 1
-                log.warning(
+                # INFO, not WARNING: the engine that decided it logged the warning once.
+                log.info(
                     "flowlock: escalating %r to %s (decided by another engine: %s)",
                     key,
                     escalation.strategy,

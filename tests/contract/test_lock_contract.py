@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -627,30 +626,6 @@ async def test_redis_fence_floor_is_not_asked_while_the_key_is_held(
         with pytest.raises(InvalidInput):
             await locks.acquire("k", ttl=5)
         assert not await locks.locked("k")
-
-
-@pytest_redis
-async def test_redis_wake_retries_are_jittered_by_the_injected_rng(
-    redis_url: str, redis_namespace: str
-) -> None:
-    """The delay after a wake comes from the injected random source."""
-
-    class Recording(random.Random):
-        calls = 0
-
-        def uniform(self, a: float, b: float) -> float:
-            Recording.calls += 1
-            return b
-
-    async with RedisLocks(redis_url, namespace=redis_namespace, rng=Recording(1)) as locks:
-        lease = await locks.acquire("k", ttl=30)
-        waiter = asyncio.create_task(take(locks, "k", ttl=5, wait=5))
-        await asyncio.sleep(0.1)
-        before = Recording.calls
-        await locks.release(lease)
-        second = await waiter
-        assert Recording.calls > before
-        await locks.release(second)
 
 
 @pytest_redis

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -133,3 +134,17 @@ async def test_pool_exhaustion_is_store_busy(pg_url: str, pg_schema: str) -> Non
             with pytest.raises(flowlock.StoreBusy):
                 await eng.fire("req", "approve")
         assert (await eng.fire("req", "approve")).applied
+
+
+async def test_cancelled_lock_wait_leaves_the_pool_clean(
+    one_conn_engine: flowlock.Engine, holder: asyncpg.Connection
+) -> None:
+    """A pessimistic call cancelled while it waits for the row lock writes nothing, and the
+    pool's connection is usable right after (the lock is released by its holder)."""
+    task = asyncio.create_task(one_conn_engine.fire("req", "approve", strategy="pessimistic"))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await holder.execute("SELECT 1")
+    assert (await one_conn_engine.get("req")).version == 1

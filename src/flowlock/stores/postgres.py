@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -402,6 +403,12 @@ class PostgresStore:
                     )
                     await conn.execute("COMMIT")
                     released_at = time.monotonic()
+                except asyncio.CancelledError:
+                    # Cancelled mid-statement (waiting for the row lock, say): the connection is
+                    # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
+                    # the lock wait on the server; the pool opens a fresh connection later.
+                    conn.terminate()
+                    raise
                 except BaseException:
                     if not conn.is_closed() and conn.is_in_transaction():
                         await conn.execute("ROLLBACK")
