@@ -49,6 +49,7 @@ from flowlock.definition import Transition, Workflow
 from flowlock.engine import Engine
 from flowlock.errors import InstanceNotFound
 from flowlock.models import HistoryEntry, Instance
+from flowlock.stores.postgres import entry_from_row, instance_from_row
 
 __all__ = [
     "SCENARIOS",
@@ -292,10 +293,12 @@ class Scenario:
         """Every instance of the round as stored, and its history: two statements for the whole
         round (a thousand instances read one by one would take longer than the round)."""
         ids = list(plan.instances)
-        finals = {row["id"]: _instance(row) for row in await session.pool.fetch(_FINALS, ids)}
+        finals = {
+            row["id"]: instance_from_row(row) for row in await session.pool.fetch(_FINALS, ids)
+        }
         histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
         for row in await session.pool.fetch(_HISTORIES, ids):
-            histories[row["instance_id"]].append(_entry(row))
+            histories[row["instance_id"]].append(entry_from_row(row))
         missing = [i for i in ids if i not in finals]
         if missing:
             raise InstanceNotFound(missing[0])
@@ -325,35 +328,6 @@ SELECT instance_id, version, event, from_state, to_state, actor, request_id, str
        fencing_token
   FROM flowlock_history WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
 """
-
-
-def _instance(row: asyncpg.Record) -> Instance:
-    return Instance(
-        id=row["id"],
-        workflow=row["workflow"],
-        state=row["state"],
-        version=row["version"],
-        data=row["data"],
-        last_event=row["last_event"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
-
-
-def _entry(row: asyncpg.Record) -> HistoryEntry:
-    return HistoryEntry(
-        instance_id=row["instance_id"],
-        version=row["version"],
-        event=row["event"],
-        from_state=row["from_state"],
-        to_state=row["to_state"],
-        actor=row["actor"],
-        request_id=row["request_id"],
-        strategy=row["strategy"],
-        data=row["data"],
-        at=row["at"],
-        fencing_token=row["fencing_token"],
-    )
 
 
 def _results_for(record: RoundRecord, iid: str, kind: Kind) -> list[CallResult]:

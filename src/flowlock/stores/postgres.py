@@ -41,7 +41,7 @@ from flowlock.monitor import Escalation
 from flowlock.stores import migrations
 from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresStore", "entry_from_row", "instance_from_row"]
 
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # Any fixed 64-bit number; two processes migrating at once serialise on it.
@@ -137,7 +137,8 @@ def _millis(setting: str) -> float:
     return float(m.group(1)) * _UNITS.get(m.group(2) or "ms", -1.0)
 
 
-def _instance(row: asyncpg.Record) -> Instance:
+def instance_from_row(row: asyncpg.Record) -> Instance:
+    """An Instance from a row holding the instance columns."""
     return Instance(
         id=row["id"],
         workflow=row["workflow"],
@@ -150,7 +151,8 @@ def _instance(row: asyncpg.Record) -> Instance:
     )
 
 
-def _entry(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
+def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
+    """A HistoryEntry from a row holding the history columns (named ``prefix`` + column)."""
     return HistoryEntry(
         instance_id=row[prefix + "instance_id"],
         version=row[prefix + "version"],
@@ -168,7 +170,9 @@ def _entry(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
 
 def _snapshot(row: asyncpg.Record) -> Snapshot:
     """A row of _READ_WITH_REQUEST: the instance and the prior entry for the request id."""
-    return Snapshot(_instance(row), None if row["h_version"] is None else _entry(row, "h_"))
+    return Snapshot(
+        instance_from_row(row), None if row["h_version"] is None else entry_from_row(row, "h_")
+    )
 
 
 def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
@@ -354,14 +358,14 @@ class PostgresStore:
             )
         if row is None:
             raise InstanceExists(instance.id)
-        return _instance(row)
+        return instance_from_row(row)
 
     async def get(self, instance_id: str) -> Instance:
         async with self._conn(instance_id) as conn:
             row = await conn.fetchrow(_READ, instance_id)
         if row is None:
             raise InstanceNotFound(instance_id)
-        return _instance(row)
+        return instance_from_row(row)
 
     async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
         async with self._conn(instance_id) as conn:
@@ -371,7 +375,7 @@ class PostgresStore:
                 row = await conn.fetchrow(_READ_WITH_REQUEST, instance_id, request_id)
         if row is None:
             raise InstanceNotFound(instance_id)
-        return _snapshot(row) if request_id is not None else Snapshot(_instance(row))
+        return _snapshot(row) if request_id is not None else Snapshot(instance_from_row(row))
 
     async def commit(self, entry: HistoryEntry) -> Instance | None:
         started = time.monotonic()
@@ -384,7 +388,7 @@ class PostgresStore:
             return None
         except _LockNotAvailable:
             raise LockTimeout(entry.instance_id, time.monotonic() - started) from None
-        return None if row is None else _instance(row)
+        return None if row is None else instance_from_row(row)
 
     async def apply_locked(
         self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
@@ -446,8 +450,8 @@ class PostgresStore:
             # Its own statement, so its snapshot is taken after the lock was granted and sees
             # a duplicate request committed while this call waited.
             found = await conn.fetchrow(_PRIOR, instance_id, request_id)
-            prior = None if found is None else _entry(found)
-        snap = Snapshot(_instance(row), prior)
+            prior = None if found is None else entry_from_row(found)
+        snap = Snapshot(instance_from_row(row), prior)
         entry = plan(snap)
         if entry is None:
             return snap, None, locked_at
@@ -457,7 +461,7 @@ class PostgresStore:
                 f"instance {instance_id!r} changed while its row lock was held; "
                 "something bypassed flowlock's locking. Nothing was written"
             )
-        return snap, _instance(moved), locked_at
+        return snap, instance_from_row(moved), locked_at
 
     # -- the adaptive strategy's escalation board (flowlock.monitor.EscalationBoard) -----------
 
@@ -484,7 +488,7 @@ class PostgresStore:
             rows = await conn.fetch(_HISTORY, instance_id)
             if not rows and await conn.fetchrow(_READ, instance_id) is None:
                 raise InstanceNotFound(instance_id)
-        return [_entry(r) for r in rows]
+        return [entry_from_row(r) for r in rows]
 
 
 class _DuplicateRequest(StoreError):
