@@ -41,11 +41,11 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Generic, Literal, Self, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import asyncpg
 
+from flowlock._lifecycle import AsyncResource
 from flowlock.errors import (
     FlowlockError,
     InvalidInput,
@@ -158,7 +158,7 @@ class JobContext:
         self._held.check()
 
 
-class RunOnce:
+class RunOnce(AsyncResource):
     """Runs each (job, tick) to completion once across every process that shares ``locks``
     and the PostgreSQL database at ``dsn``.
 
@@ -205,18 +205,6 @@ class RunOnce:
     async def aclose(self) -> None:
         """Release the database connections. Idempotent."""
         await self._store.aclose()
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]

@@ -62,11 +62,10 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
 
 import asyncpg
 
+from flowlock._lifecycle import AsyncResource
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -167,7 +166,7 @@ class _Slot:
     done: bool = False
 
 
-class AdvisoryLocks:
+class AdvisoryLocks(AsyncResource):
     """Lease locks held as PostgreSQL transaction-level advisory locks.
 
     ``dsn``: a ``postgresql://`` URL. ``namespace``: a prefix separating lock families (and their
@@ -316,18 +315,6 @@ class AdvisoryLocks:
                 await asyncio.wait_for(pool.close(), self._io_timeout)
             except (TimeoutError, asyncpg.InterfaceError, OSError):
                 pool.terminate()
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _pools(self) -> tuple[asyncpg.Pool, asyncpg.Pool]:
         if self._leases is None or self._side is None:

@@ -89,8 +89,7 @@ import random
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
@@ -99,6 +98,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from flowlock._lifecycle import AsyncResource
 from flowlock.errors import (
     EngineClosed,
     InvalidInput,
@@ -252,7 +252,7 @@ def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-class RedisLocks:
+class RedisLocks(AsyncResource):
     """Lease locks in Redis (see the module docs for the protocol).
 
     ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_floor(key)`` returns the
@@ -446,18 +446,6 @@ class RedisLocks:
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _require_open(self) -> aioredis.Redis:
         if not self._open or self._client is None:

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any, Final, TypeVar
 
+from flowlock._lifecycle import AsyncResource
 from flowlock.errors import (
     EngineClosed,
     InstanceExists,
@@ -68,7 +68,7 @@ _MIGRATIONS_TABLE: Final = (
 )
 
 
-class SqliteStore:
+class SqliteStore(AsyncResource):
     """Instances and history in one SQLite database file.
 
     Connections: a small pool (``pool_size``, default 4) of connections, each on its own thread,
@@ -153,18 +153,6 @@ class SqliteStore:
     def __repr__(self) -> str:
         state = "open" if self._pool is not None else "closed"
         return f"SqliteStore({self.path!r}, pool_size={self.pool_size}, {state})"
-
-    async def __aenter__(self) -> SqliteStore:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
