@@ -6,7 +6,7 @@ key is tracked from its first conflict; the least recently used are evicted past
 a sliding window of its last ``window`` optimistic attempts no older than ``window_seconds``,
 with running sums so recording is O(1). A key escalates when, with at least ``min_samples``
 attempts in its window, the conflict rate is above ``threshold`` with confidence: the lower Wilson
-bound of the rate (``z`` = 3, about 99.9 % one-sided) exceeds it. 为什么 a bound and not the
+bound of the rate (``z`` = 3, about 99.9 % one-sided) exceeds it. Why a bound and not the
 raw rate: at a steady 3 % conflict rate a 20-attempt window holds 2 or more conflicts (10 %)
 about one time in eight, so a raw-rate rule flaps; the bound needs more evidence from a small
 window and little from a storm (19 conflicts in 20 attempts escalates at once).

@@ -65,7 +65,7 @@ def decide(
     """
     inst = snap.instance
     if snap.prior is not None:
-        # 为什么 first: a repeated request answers what the first one did, even if the
+        # Why first: a repeated request answers what the first one did, even if the
         # workflow has moved (or cycled) since; request_id is the caller's idempotency key.
         return Idempotent(_from_entry(inst, snap.prior))
     if call.expected_version is not None and call.expected_version != inst.version:

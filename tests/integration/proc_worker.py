@@ -15,7 +15,7 @@ from flowlock.stores.postgres import PostgresStore
 
 
 async def main(cfg: dict[str, Any]) -> None:
-    # 为什么 a pool smaller than the callers: 4 processes must fit a stock max_connections=100
+    # Why a pool smaller than the callers: 4 processes must fit a stock max_connections=100
     # server; callers queue for a connection (bounded by acquire_timeout), as in production.
     store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=cfg.get("pool_size", 10))
     async with flowlock.Engine(store, max_attempts=cfg.get("max_attempts", 3)) as engine:

@@ -543,7 +543,7 @@ async def _server(config: BenchConfig, progress: Progress) -> AsyncIterator[_Ser
     progress.status("starting an embedded PostgreSQL")
     wanted = 3 * (config.pool_size or config.workers) + 50
     pg = EmbeddedPostgres(max_connections=max(_EMBEDDED_MAX_CONNECTIONS, wanted))
-    # 为什么 try/finally around async with: __aexit__ stops the server on errors and on the
+    # Why try/finally around async with: __aexit__ stops the server on errors and on the
     # cancellation Ctrl-C causes; the extra stop() covers a cancel that lands in __aenter__
     # after the server came up (stop() is idempotent).
     try:

@@ -365,7 +365,7 @@ class Storm(Scenario):
         applied = record.applied_by_instance()
         for iid in record.plan.instances:
             rows = len(record.histories.get(iid, ()))
-            # 为什么 both counts: the seed's bug showed up as several callers told "applied"
+            # Why both counts: the seed's bug showed up as several callers told "applied"
             # (and several history rows); either alone is a double advance.
             if applied[iid] > 1 or rows > 1:
                 double = True

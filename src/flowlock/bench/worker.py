@@ -123,7 +123,7 @@ async def _serve() -> None:
     try:
         while line := await reader.readline():
             request = asyncio.create_task(worker.handle(json.loads(line)))
-            # 为什么 watch stdin while a request runs: the runner closes the pipe to stop us
+            # Why watch stdin while a request runs: the runner closes the pipe to stop us
             # (an error elsewhere, Ctrl-C); a round of many calls must not run to its end first.
             eof = asyncio.create_task(_at_eof(reader))
             await asyncio.wait({request, eof}, return_when=asyncio.FIRST_COMPLETED)

@@ -141,7 +141,7 @@ def _begin(lock: int, ttl: float, wait_left: float | None) -> str:
     interpolated (the key reaches the server as a hash), so there is nothing to inject."""
     idle = f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'"
     if wait_left is None:
-        # 为什么 a DO block: it raises SQLSTATE 55P03 when the lock is taken, so "busy" comes back
+        # Why a DO block: it raises SQLSTATE 55P03 when the lock is taken, so "busy" comes back
         # as an error in this same round trip (a simple query returns no rows to asyncpg).
         return (
             f"BEGIN; {idle}; DO $$BEGIN IF NOT pg_try_advisory_xact_lock('{lock}'::bigint) THEN "
@@ -396,7 +396,7 @@ class AdvisoryLocks(AsyncResource):
         """Increment and commit ``key``'s fencing counter, on the side pool, while the lock is
         held (so increments are serialized in lock order).
 
-        为什么 not in the lease's own transaction: that transaction commits only at release, so a
+        Why not in the lease's own transaction: that transaction commits only at release, so a
         holder that died (or whose ttl ran out) would take its increment with it in the rollback,
         and the next holder would be handed the dead holder's number again. That is not safe:
         the point of a fencing token is to be passed to things *outside* this transaction (a

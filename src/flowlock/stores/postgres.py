@@ -75,7 +75,7 @@ _LOCK_NOWAIT = _LOCK.rstrip() + " NOWAIT\n"
 _PRIOR = f"""
 SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 AND request_id = $2
 """
-# 为什么 one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
+# Why one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
 # the version in the WHERE clause is the compare-and-swap; no row back means another writer won.
 # A writer that finds the row locked waits for its holder (at most the session's lock_timeout)
 # and re-checks the version against what the holder committed, so a loser learns it lost only
@@ -324,7 +324,7 @@ class PostgresStore:
         try:
             async with self._conn() as conn, conn.transaction():
                 await conn.execute("SET LOCAL lock_timeout = '60s'")
-                # 为什么 a transaction-level advisory lock: two processes starting at once must not
+                # Why a transaction-level advisory lock: two processes starting at once must not
                 # both run 001; the second waits here, then sees 001 recorded and skips it.
                 await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
                 await conn.execute(
@@ -395,7 +395,7 @@ class PostgresStore:
     ) -> LockedResult:
         started = time.monotonic()
         wanted = f"{max(1, round(lock.timeout * 1000))}ms"
-        # 为什么 BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
+        # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
         # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
         begin = "BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'"
         try:

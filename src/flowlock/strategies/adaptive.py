@@ -101,7 +101,7 @@ class Adaptive:
             if escalation is not None
             else f"this call lost its compare-and-swap {opt.max_attempts} times"
         )
-        # 为什么 not ConflictRetriesExhausted: a warm instance (conflicts spread over processes,
+        # Why not ConflictRetriesExhausted: a warm instance (conflicts spread over processes,
         # too few in any one window to escalate it) still must not fail a call for losing
         # races; the lock makes this one call certain.
         return await self._escalated(store, call, decide, opt.max_attempts, why)

@@ -82,7 +82,7 @@ class Distributed:
         try:
             lease = await self.locks.acquire(key, ttl=self.ttl, wait=0.0)
         except LockBusy:
-            # 为什么 wait for the release before queueing: the holder may be doing this very
+            # Why wait for the release before queueing: the holder may be doing this very
             # transition (the two-admins storm). Once it releases, a fresh read answers every
             # such caller at once, without each of them taking the lease in turn.
             if self.wait <= 0:
@@ -130,7 +130,7 @@ class Distributed:
                 planned = decide(snap)
             if isinstance(planned, Idempotent):
                 return StrategyResult(planned.instance, applied=False, attempts=attempt)
-            # 为什么 check here: the watchdog may have lost the lease while we read and stepped;
+            # Why check here: the watchdog may have lost the lease while we read and stepped;
             # a lost lease must not write (the fencing check would refuse it anyway once a
             # newer holder has written, but not before).
             held.check()

@@ -2,7 +2,7 @@
 
 On a lost compare-and-swap the step runs again on a fresh read, at most ``max_attempts`` times,
 sleeping between attempts for an exponential backoff with full jitter: a random delay in
-``[0, min(cap, base * 2**(attempt-1))]``. 为什么 full jitter: callers that collided once must not
+``[0, min(cap, base * 2**(attempt-1))]``. Why full jitter: callers that collided once must not
 collide again in lockstep; spreading them uniformly is what drains a hot spot fastest.
 """
 
