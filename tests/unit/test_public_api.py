@@ -16,6 +16,7 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine",
+    "EmbeddedServerError",
     "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",

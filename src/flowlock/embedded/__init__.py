@@ -1,0 +1,30 @@
+"""Throwaway PostgreSQL and Redis servers, for tests and benchmarks.
+
+::
+
+    from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
+
+    with EmbeddedPostgres(max_connections=300) as pg:
+        conn = await asyncpg.connect(pg.url)
+
+    async with EmbeddedRedis() as server:  # start and stop run in a worker thread
+        locks = RedisLocks(server.url)
+
+Each server runs as a child process in a temporary directory of its own, on a free 127.0.0.1
+port, and ``stop()`` (also at interpreter exit) leaves no process and no directory behind. Any
+failure to start or stop one, or a question to one that is not running, raises
+:class:`flowlock.EmbeddedServerError` with what the server said; bad arguments raise
+:class:`flowlock.InvalidInput`.
+
+Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, ``/proc``),
+:mod:`~flowlock.embedded.base` (the lifecycle both servers share),
+:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`.
+"""
+
+from __future__ import annotations
+
+from flowlock.embedded.postgres import EmbeddedPostgres, available
+from flowlock.embedded.redis import EmbeddedRedis
+from flowlock.errors import EmbeddedServerError
+
+__all__ = ["EmbeddedPostgres", "EmbeddedRedis", "EmbeddedServerError", "available"]

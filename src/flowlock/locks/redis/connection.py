@@ -1,0 +1,79 @@
+"""The redis-py client a backend opens, and the one place driver errors are translated.
+
+Failures
+    Every call to Redis is bounded: by ``socket_timeout``, and while acquiring also by what is
+    left of ``wait``. A Redis that refuses, times out or answers an error raises LockUnavailable
+    (nothing acquired; at release the key simply expires at its ttl). redis-py's automatic
+    retries are off: a retried compare-and-delete whose first try had landed would report
+    LockNotOwned for a lease that was in fact released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from flowlock.errors import LockUnavailable
+
+__all__ = ["BACKEND", "bounded", "connect", "text"]
+
+T = TypeVar("T")
+
+BACKEND = "redis"  # the backend's name, in leases and in LockUnavailable
+
+
+def _no_maintenance_probe() -> dict[str, Any]:
+    # redis-py >= 7 probes every new connection for maintenance notifications ("auto"): one
+    # more round trip per connect, answered with an error by servers that lack them.
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py < 7
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+def connect(url: str, *, max_connections: int, connect_timeout: float) -> aioredis.Redis:
+    """A client on a bounded, blocking pool: a burst of callers beyond ``max_connections``
+    queues for a connection (within each call's bound) instead of failing at once. Nothing is
+    sent until the first command."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        # No socket_timeout in redis-py: with one, it bounds each write with asyncio.wait_for,
+        # which on Python 3.11 swallows a cancellation that lands as the write completes (the
+        # caller's task then runs on as if never cancelled; a lease watchdog would renew
+        # forever). Every call is bounded by bounded() instead, with asyncio.timeout; the
+        # connect keeps its own bound.
+        socket_timeout=None,
+        socket_connect_timeout=connect_timeout,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+        **_no_maintenance_probe(),
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
+async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
+    """Await one Redis call for at most ``seconds``; every driver failure becomes
+    LockUnavailable saying ``what`` was being done."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await call
+    except TimeoutError as exc:
+        raise LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s") from exc
+    except (RedisError, OSError) as exc:
+        raise LockUnavailable(BACKEND, f"{what}: {exc}") from exc
+
+
+def text(value: object) -> str | None:
+    """A reply as a string (a client from ``from_client`` may not decode its replies)."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return None if value is None else str(value)

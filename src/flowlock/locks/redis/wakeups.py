@@ -1,0 +1,382 @@
+"""Who is woken when a lock key is released or its holder's lease runs out: the FIFO queues of
+local waiters and the watchers of each key, and the reconnecting pub/sub listener that hears the
+releases.
+
+Waiting
+    One pub/sub connection per backend holds a pattern subscription on the namespace's
+    channels; the release script publishes on the lock key's channel. The local waiters of a key
+    form a queue in the order they arrived, and a release wakes only the oldest of them, which
+    retries at once: one acquire attempt per lease in this process instead of one per waiter.
+    (Every other process that waits on the key gets the message too and wakes its own oldest.)
+    A waiter joins the queue before its first attempt and stays in it until it is done, so a
+    release that lands between an attempt and the wait is not missed: it wakes the oldest
+    waiter, and a waiter whose attempt was in flight when woken retries at once. A woken waiter
+    that does not end up with the lease (it timed out, was cancelled, gave up on an error) hands
+    the wake to the next waiter; one whose retry lost to another process keeps its place at the
+    head and waits for that holder's release. A holder that crashes publishes nothing: the
+    holder's PTTL (returned by a failed attempt) arms one timer per key, a little after the
+    expiry (a random 0-2 ms, so that the processes waiting on the key do not all retry in the
+    same millisecond), which wakes the oldest waiter like a release. There is no sleep loop;
+    new callers try once before they queue, so the order is FIFO among the waiters of one
+    process, not strict across callers or processes.
+
+Watching
+    ``wait_released(key, wait)`` waits for a key to be free without taking it: every watcher of
+    the key is woken by its release (they do not compete, and do not take the waiters' wake),
+    and by the holder's expiry. The watcher registers before it looks at the key, so a release
+    between the look and the wait is not missed.
+
+The listener
+    It reconnects with backoff for as long as the backend is open, PINGs a connection that has
+    been quiet for a while (a half-open TCP connection never errors), and on each new
+    subscription wakes the oldest waiter of each key and every watcher, since releases may have
+    been missed while it was down. While it is down waiters still wake at the holder's expiry
+    and at their own bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+
+from flowlock.locks.redis.connection import text
+
+__all__ = ["Listener", "Place", "Wakeups", "Watch", "wait_for"]
+
+log = logging.getLogger("flowlock")
+
+# The holder's-expiry timer fires a random delay up to this (seconds) after the PTTL ran out: a
+# margin for the server's expiry, and the processes waiting on one key do not all retry in the
+# same millisecond. (A waiter woken by a release retries at once: only one per process is.)
+WAKE_JITTER = 0.002
+# The pub/sub listener: how often it looks up from a quiet connection, when it PINGs a quiet
+# connection to find out it is dead, and the bounds of its reconnect backoff.
+_LISTEN_TICK = 1.0
+_PING_AFTER = 5.0
+_RECONNECT_MIN = 0.05
+_RECONNECT_MAX = 2.0
+
+
+async def wait_for(event: asyncio.Event, seconds: float) -> bool:
+    """Whether ``event`` was set within ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+class _Waiter:
+    """One acquire waiting in a key's local queue. ``woken``: it was handed a release (or the
+    holder's expiry) and has not yet either lost a retry to another holder or taken the lease;
+    if it leaves the queue meanwhile, the wake goes to the next waiter."""
+
+    __slots__ = ("event", "woken")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.woken = False
+
+
+class _Watcher:
+    """One ``wait_released`` call. ``released``: a release of the key was announced."""
+
+    __slots__ = ("event", "released")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.released = False
+
+
+class _Queue:
+    """The local waiters (oldest first) and watchers of one lock key, and the timer that wakes
+    the oldest waiter when the holder's lease runs out."""
+
+    __slots__ = ("timer", "timer_at", "waiters", "watchers")
+
+    def __init__(self) -> None:
+        self.waiters: dict[_Waiter, None] = {}  # insertion-ordered: a FIFO with O(1) removal
+        self.watchers: set[_Watcher] = set()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
+
+    def wake_oldest(self) -> None:
+        for waiter in self.waiters:
+            waiter.woken = True
+            waiter.event.set()
+            return
+
+    def announce_release(self) -> None:
+        for watcher in self.watchers:
+            watcher.released = True
+            watcher.event.set()
+        self.wake_oldest()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer, self.timer_at = None, math.inf
+
+    def expired(self) -> None:
+        self.timer, self.timer_at = None, math.inf
+        self.wake_oldest()
+
+
+class Wakeups:
+    """The queues of every lock key this backend's callers wait on or watch, by lock key (which
+    is also the key's release channel). A key's queue exists while someone waits or watches."""
+
+    __slots__ = ("_queues", "_rng")
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._queues: dict[str, _Queue] = {}
+
+    def jitter(self) -> float:
+        """A random delay up to :data:`WAKE_JITTER` seconds after a holder's expiry."""
+        return self._rng.uniform(0.0, WAKE_JITTER)
+
+    def join(self, lock_key: str) -> Place:
+        """A place at the back of ``lock_key``'s queue of waiters; leave it with
+        :meth:`Place.leave` however the wait ends."""
+        queue = self._queue(lock_key)
+        waiter = _Waiter()
+        queue.waiters[waiter] = None
+        return Place(self, lock_key, queue, waiter)
+
+    @contextlib.contextmanager
+    def watch(self, lock_key: str) -> Iterator[Watch]:
+        """Watch ``lock_key``'s releases for the duration of the ``with`` block."""
+        queue = self._queue(lock_key)
+        watcher = _Watcher()
+        queue.watchers.add(watcher)
+        try:
+            yield Watch(watcher)
+        finally:
+            queue.watchers.discard(watcher)
+            self._unqueue(lock_key, queue)
+
+    # --- what the listener and the backend report ----------------------------------------------
+
+    def released(self, channel: str) -> None:
+        """A release was announced on ``channel``: every watcher and the oldest waiter wake."""
+        queue = self._queues.get(channel)
+        if queue is not None:
+            queue.announce_release()
+
+    def missed(self) -> None:
+        """A new subscription: releases may have been missed while there was none. The oldest
+        waiter of each key retries, and every watcher looks again."""
+        for queue in self._queues.values():
+            queue.wake_oldest()
+            for watcher in queue.watchers:
+                watcher.event.set()
+
+    def wake_all(self) -> None:
+        """The backend closed: every waiter and watcher finds out at once."""
+        for queue in self._queues.values():
+            for waiter in queue.waiters:
+                waiter.event.set()
+            for watcher in queue.watchers:
+                watcher.event.set()
+
+    # --- queues --------------------------------------------------------------------------------
+
+    def _queue(self, lock_key: str) -> _Queue:
+        queue = self._queues.get(lock_key)
+        if queue is None:
+            queue = self._queues[lock_key] = _Queue()
+        return queue
+
+    def _unqueue(self, lock_key: str, queue: _Queue) -> None:
+        if not queue.waiters:
+            queue.disarm()
+            if not queue.watchers and self._queues.get(lock_key) is queue:
+                del self._queues[lock_key]
+
+    def _arm(self, queue: _Queue, pttl_ms: int) -> None:
+        """Wake the oldest waiter of ``queue`` when the holder's lease (``pttl_ms`` left, as a
+        failed attempt saw it) runs out, unless an earlier wake-up is already set: one that
+        comes too early (the holder extended) costs one attempt, which sets the next."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + pttl_ms / 1000 + self.jitter()
+        if at < queue.timer_at:
+            queue.disarm()
+            queue.timer = loop.call_at(at, queue.expired)
+            queue.timer_at = at
+
+
+class Place:
+    """One acquire's place in its key's queue of waiters, from before its first attempt to the
+    end of the acquire (so a release during an attempt is not missed)."""
+
+    __slots__ = ("_lock_key", "_queue", "_waiter", "_wakeups")
+
+    def __init__(self, wakeups: Wakeups, lock_key: str, queue: _Queue, waiter: _Waiter) -> None:
+        self._wakeups = wakeups
+        self._lock_key = lock_key
+        self._queue = queue
+        self._waiter = waiter
+
+    def attempting(self) -> None:
+        """An attempt is about to be sent: a wake from now on means "try again"."""
+        self._waiter.event.clear()
+
+    def held(self, pttl_ms: int) -> None:
+        """The attempt found the key held with ``pttl_ms`` left (-1: no expiry): make sure the
+        oldest waiter wakes at the holder's expiry."""
+        if pttl_ms >= 0:
+            self._wakeups._arm(self._queue, pttl_ms)
+
+    @property
+    def woken(self) -> bool:
+        """Whether this waiter was woken since its attempt was sent (the key may be free)."""
+        return self._waiter.event.is_set()
+
+    async def wait(self, seconds: float) -> None:
+        """Wait for a wake, at most ``seconds``. A waiter that was woken and lost its retry to
+        another holder keeps its place at the head: the next release is its wake."""
+        self._waiter.woken = False
+        await wait_for(self._waiter.event, seconds)
+
+    def leave(self, *, with_lease: bool) -> None:
+        """Leave the queue. Handed the key's wake and leaving without the lease (timed out,
+        cancelled, failed, closed): the next waiter takes the wake, or it would sleep while the
+        key is free."""
+        waiter = self._waiter
+        del self._queue.waiters[waiter]
+        if not with_lease and (waiter.woken or waiter.event.is_set()):
+            self._queue.wake_oldest()
+        self._wakeups._unqueue(self._lock_key, self._queue)
+
+
+class Watch:
+    """One ``wait_released`` call's view of its key."""
+
+    __slots__ = ("_watcher",)
+
+    def __init__(self, watcher: _Watcher) -> None:
+        self._watcher = watcher
+
+    @property
+    def released(self) -> bool:
+        """Whether a release of the key was announced since the watch began."""
+        return self._watcher.released
+
+    def looking(self) -> None:
+        """The key is about to be looked at: a wake from now on means "look again"."""
+        self._watcher.event.clear()
+
+    async def wait(self, seconds: float) -> bool:
+        """Whether something woke the watch (a release, a new subscription, the backend
+        closing) within ``seconds``."""
+        return await wait_for(self._watcher.event, seconds)
+
+
+class Listener:
+    """The one pattern subscription on a namespace's channels, kept up by a task from
+    :meth:`start` to :meth:`stop`; each release heard wakes that key's queue in ``wakeups``."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        pattern: str,
+        wakeups: Wakeups,
+        *,
+        bound: float,
+        rng: random.Random,
+    ) -> None:
+        self._client = client
+        self._pattern = pattern
+        self._wakeups = wakeups
+        self._bound = bound  # for the subscribe and for an answer to PING
+        self._rng = rng
+        self._task: asyncio.Task[None] | None = None
+        self.listening = False
+
+    async def start(self, *, name: str, wait: float) -> None:
+        """Start listening, and wait up to ``wait`` seconds for the first subscription (or the
+        first failure), so that waiters are woken from the start when Redis is up."""
+        first_try = asyncio.Event()
+        self._task = asyncio.create_task(self._run(first_try), name=name)
+        try:
+            async with asyncio.timeout(wait):
+                await first_try.wait()
+        except TimeoutError:
+            log.warning("flowlock: the Redis pub/sub subscription is not up yet; retrying")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self, first_try: asyncio.Event) -> None:
+        """Subscribe, pump messages, and on any failure log it and reconnect with backoff;
+        never die silently."""
+        delay = _RECONNECT_MIN
+        failing = False
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await self._subscribe(pubsub)
+                self.listening = True
+                first_try.set()
+                self._wakeups.missed()
+                if failing:
+                    log.warning("flowlock: the Redis pub/sub subscription is back")
+                failing = False
+                delay = _RECONNECT_MIN
+                await self._pump(pubsub)
+            except Exception as exc:  # any failure: log it, reconnect, never die silently
+                if not failing:
+                    log.warning(
+                        "flowlock: the Redis pub/sub subscription failed (%s); waiters fall back "
+                        "to the holder's expiry until it is back",
+                        exc,
+                    )
+                failing = True
+            finally:
+                self.listening = False
+                first_try.set()
+                await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+            await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            delay = min(delay * 2, _RECONNECT_MAX)
+
+    async def _subscribe(self, pubsub: PubSub) -> None:
+        """PSUBSCRIBE and wait for the server's confirmation, within the bound."""
+        async with asyncio.timeout(self._bound):
+            await pubsub.psubscribe(self._pattern)
+            while True:
+                message = await pubsub.get_message(timeout=self._bound)
+                if message is not None and message["type"] == "psubscribe":
+                    return
+
+    async def _pump(self, pubsub: PubSub) -> None:
+        # Housekeeping time, not a lease deadline: the loop's own clock, not the injected one.
+        clock = asyncio.get_running_loop().time
+        last_heard = clock()
+        pinged: float | None = None
+        while True:
+            message = await pubsub.get_message(timeout=_LISTEN_TICK)
+            now = clock()
+            if message is not None:
+                last_heard, pinged = now, None
+                if message["type"] == "pmessage":
+                    channel = text(message["channel"])
+                    if channel is not None:
+                        self._wakeups.released(channel)
+            elif pinged is not None:
+                if now - pinged > self._bound:
+                    raise TimeoutError("no answer to PING on the pub/sub connection")
+            elif now - last_heard >= _PING_AFTER:
+                await pubsub.ping()
+                pinged = now

@@ -1,0 +1,146 @@
+"""The Redis lock backend's parts on their own, without a Redis: key naming, the FIFO wake-ups
+and watchers of one key, and the single-flight fence floor."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from flowlock.errors import InvalidInput, LockUnavailable
+from flowlock.locks.redis.fence import FenceFloors
+from flowlock.locks.redis.keys import Keyspace
+from flowlock.locks.redis.wakeups import Wakeups
+
+
+def test_keys_are_escaped_and_share_a_hash_tag() -> None:
+    """Separators and glob characters are percent-encoded; lock and fence share one {tag}."""
+    keys = Keyspace("ns:1")
+    assert keys.lock("a:b") == "flowlock:ns%3A1:{a%3Ab}"
+    assert keys.fence("a:b") == "flowlock:ns%3A1:{a%3Ab}:fence"
+    assert keys.lock("{x}*") == "flowlock:ns%3A1:{%7Bx%7D%2A}"
+    assert keys.pattern() == "flowlock:ns%3A1:*"
+
+
+async def test_a_release_wakes_the_oldest_waiter_and_every_watcher() -> None:
+    """One release: the oldest waiter of the key and all its watchers wake, nobody else."""
+    wakeups = Wakeups(random.Random(0))
+    first, second = wakeups.join("k"), wakeups.join("k")
+    other = wakeups.join("other")
+    with wakeups.watch("k") as watch_a, wakeups.watch("k") as watch_b:
+        wakeups.released("k")
+        assert first.woken
+        assert not second.woken
+        assert not other.woken
+        assert watch_a.released
+        assert watch_b.released
+    for place in (first, second, other):
+        place.leave(with_lease=False)
+
+
+async def test_a_woken_waiter_leaving_without_the_lease_passes_the_wake_on() -> None:
+    """The woken head leaves without the lease: the next waiter is woken. Leaving with the
+    lease keeps the wake (the next release is the next waiter's)."""
+    wakeups = Wakeups(random.Random(0))
+    first, second, third = wakeups.join("k"), wakeups.join("k"), wakeups.join("k")
+    wakeups.released("k")
+    first.leave(with_lease=False)
+    assert second.woken
+    assert not third.woken
+    second.attempting()
+    second.leave(with_lease=True)
+    assert not third.woken
+    third.leave(with_lease=False)
+
+
+async def test_a_head_that_lost_its_retry_keeps_its_place() -> None:
+    """A woken waiter whose retry lost to another holder waits again at the head: the next
+    release wakes it, not the one behind it."""
+    wakeups = Wakeups(random.Random(0))
+    head, behind = wakeups.join("k"), wakeups.join("k")
+    wakeups.released("k")
+    head.attempting()
+    waiting = asyncio.create_task(head.wait(5))
+    await asyncio.sleep(0)
+    wakeups.released("k")
+    await asyncio.wait_for(waiting, 1)
+    assert head.woken
+    assert not behind.woken
+    head.leave(with_lease=True)
+    behind.leave(with_lease=False)
+
+
+async def test_the_holders_expiry_wakes_the_oldest_waiter() -> None:
+    """A failed attempt that saw the holder's PTTL arms a timer that wakes the oldest waiter
+    just after it (no release needed); -1 (no expiry) arms nothing."""
+    wakeups = Wakeups(random.Random(0))
+    place = wakeups.join("k")
+    place.attempting()
+    place.held(-1)
+    place.held(20)
+    await asyncio.wait_for(place.wait(5), 1)
+    assert place.woken
+    place.leave(with_lease=True)
+
+
+async def test_a_new_subscription_and_a_close_wake_everyone_who_must_look_again() -> None:
+    """missed(): the oldest waiter per key retries and every watcher looks again (not a
+    release); wake_all(): every waiter and watcher finds out the backend closed."""
+    wakeups = Wakeups(random.Random(0))
+    first, second = wakeups.join("k"), wakeups.join("k")
+    with wakeups.watch("k") as watch:
+        wakeups.missed()
+        assert first.woken
+        assert not second.woken
+        assert await watch.wait(0)
+        assert not watch.released
+        wakeups.wake_all()
+        assert second.woken
+    first.leave(with_lease=True)
+    second.leave(with_lease=True)
+
+
+def _spawn(work: Coroutine[Any, Any, int]) -> asyncio.Task[int]:
+    return asyncio.create_task(work)
+
+
+async def test_concurrent_floors_for_one_key_share_one_call() -> None:
+    """Ten acquirers of one key at once: one fence_floor call, each gets floor + gap, and no
+    call is left in flight."""
+    asked: list[str] = []
+
+    async def fence_floor(key: str) -> int:
+        asked.append(key)
+        await asyncio.sleep(0.01)
+        return 7
+
+    floors = FenceFloors(fence_floor, gap=100, spawn=_spawn)
+    assert floors.unknown == ""
+    got = await asyncio.gather(*(floors.floor("k", 5) for _ in range(10)))
+    assert got == [107] * 10
+    assert asked == ["k"]
+    assert floors.in_flight == {}
+
+
+async def test_a_bad_or_slow_floor_is_an_error_for_every_sharer() -> None:
+    """A negative floor is InvalidInput; a floor that does not come within the bound is
+    LockUnavailable; without fence_floor the script is told to restart at 1."""
+
+    async def negative(key: str) -> int:
+        return -1
+
+    async def never(key: str) -> int:
+        await asyncio.sleep(10)
+        return 0
+
+    with pytest.raises(InvalidInput):
+        await FenceFloors(negative, gap=1, spawn=_spawn).floor("k", 1)
+    slow = FenceFloors(never, gap=1, spawn=_spawn)
+    results = await asyncio.gather(
+        slow.floor("k", 0.05), slow.floor("k", 0.05), return_exceptions=True
+    )
+    assert all(isinstance(r, LockUnavailable) for r in results)
+    assert FenceFloors(None, gap=1, spawn=_spawn).unknown == "0"
