@@ -33,13 +33,13 @@ from flowlock.errors import (
 )
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome
-from flowlock.monitor import ConflictMonitor, EscalationBoard
+from flowlock.models import HistoryEntry, Instance, Outcome, Snapshot
 from flowlock.step import Call, Idempotent, decide
-from flowlock.stores.base import Snapshot, Store
+from flowlock.stores.base import EscalationBoard, Store
 from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy, StrategyResult
 from flowlock.strategies.distributed import Distributed
+from flowlock.strategies.monitor import ConflictMonitor
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
@@ -79,9 +79,9 @@ class Engine:
     :class:`flowlock.locks.LockBackend`: Redis, PostgreSQL advisory, memory) enables the
     "distributed" strategy, with leases of ``lease_ttl`` seconds waited for at most ``lease_wait``;
     the engine opens and closes it with the store. ``monitor`` (a
-    :class:`flowlock.monitor.ConflictMonitor`) configures the "adaptive" strategy: its threshold,
-    window, cool-down and what it escalates to ("pessimistic" by default, or "distributed");
-    escalations are shared with other engines through the store (PostgreSQL) every
+    :class:`flowlock.strategies.monitor.ConflictMonitor`) configures the "adaptive" strategy: its
+    threshold, window, cool-down and what it escalates to ("pessimistic" by default, or
+    "distributed"); escalations are shared with other engines through the store (PostgreSQL) every
     ``escalation_sync`` seconds. ``metrics`` (a :class:`flowlock.metrics.Metrics`) records
     Prometheus metrics on its registry; without it nothing is recorded.
     """

@@ -19,8 +19,7 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
-from flowlock.models import HistoryEntry, Instance
-from flowlock.stores.base import Snapshot
+from flowlock.models import HistoryEntry, Instance, Snapshot
 
 __all__ = ["Call", "Idempotent", "decide"]
 

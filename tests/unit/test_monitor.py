@@ -7,7 +7,9 @@ import random
 import pytest
 
 import flowlock
-from flowlock.monitor import ConflictMonitor, Escalation, MemoryBoard
+from flowlock.models import Escalation
+from flowlock.stores.memory import MemoryBoard
+from flowlock.strategies.monitor import ConflictMonitor
 
 
 class Clock:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from flowlock.errors import InvalidInput
-from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot, Store
-from flowlock.stores.memory import MemoryStore
+from flowlock.stores.base import EscalationBoard, LockedResult, Plan, RowLock, Store
+from flowlock.stores.memory import MemoryBoard, MemoryStore
 
 __all__ = [
+    "EscalationBoard",
     "LockedResult",
+    "MemoryBoard",
     "MemoryStore",
     "Plan",
     "RowLock",
-    "Snapshot",
     "Store",
     "store_from_url",
 ]

@@ -16,8 +16,8 @@ contention seen on it (a conflict, or a call that found another call on the same
 every contended call pushes that moment back. So a key under steady pressure never flaps, and a
 key steps back down once its storm is over.
 
-Escalations are shared through an :class:`EscalationBoard` (PostgreSQL in production), which every
-engine re-reads about once a second, so a fleet escalates together.
+Escalations are shared through an :class:`~flowlock.stores.base.EscalationBoard` (PostgreSQL in
+production), which every engine re-reads about once a second, so a fleet escalates together.
 """
 
 from __future__ import annotations
@@ -28,52 +28,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from flowlock.errors import InvalidInput
+from flowlock.models import Escalation
 
-__all__ = ["ConflictMonitor", "Escalation", "EscalationBoard", "MemoryBoard"]
+__all__ = ["ConflictMonitor"]
 
 log = logging.getLogger("flowlock")
-
-
-@dataclass(frozen=True, slots=True)
-class Escalation:
-    """Key ``key`` runs under ``strategy`` until ``until`` (wall-clock epoch seconds) because of
-    ``reason``."""
-
-    key: str
-    strategy: str
-    until: float
-    reason: str
-
-
-@runtime_checkable
-class EscalationBoard(Protocol):
-    """Where engines share escalations (so a fleet escalates together)."""
-
-    async def publish(self, escalation: Escalation) -> None:
-        """Record (or extend) an escalation."""
-        ...
-
-    async def active(self, now: float) -> list[Escalation]:
-        """Every escalation whose ``until`` is after ``now``."""
-        ...
-
-
-class MemoryBoard:
-    """An in-process board (one engine, or tests)."""
-
-    def __init__(self) -> None:
-        self._rows: dict[str, Escalation] = {}
-
-    async def publish(self, escalation: Escalation) -> None:
-        old = self._rows.get(escalation.key)
-        if old is None or old.until < escalation.until:
-            self._rows[escalation.key] = escalation
-
-    async def active(self, now: float) -> list[Escalation]:
-        return [e for e in self._rows.values() if e.until > now]
 
 
 @dataclass(slots=True)
