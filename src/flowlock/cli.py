@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.text import Text
 
 import flowlock
-from flowlock.engine import Engine
+from flowlock.connect import connect
 from flowlock.errors import FlowlockError
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_VERDICT_FAILED", "app", "main"]
@@ -144,7 +144,7 @@ DatabaseUrl = Annotated[
 
 async def _migrate(url: str, schema: str | None) -> list[str]:
     # auto_migrate=False so migrate() below is the one call that applies, and reports, them.
-    async with Engine.connect(url, auto_migrate=False, pool_size=1, schema=schema) as engine:
+    async with connect(url, auto_migrate=False, pool_size=1, schema=schema) as engine:
         return await engine.store.migrate()
 
 

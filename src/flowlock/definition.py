@@ -180,44 +180,11 @@ class Workflow:
             )
         state_list = list(states)
         state_set = set(state_list)
-        for s in state_list:
-            if not isinstance(s, str) or not _NAME.fullmatch(s):
-                problems.append(f"state name {s!r} is not a valid name")
-        if len(state_set) != len(state_list):
-            dups = sorted({s for s in state_list if state_list.count(s) > 1})
-            problems.append(f"duplicate states: {', '.join(dups)}")
-        if not state_list:
-            problems.append("a workflow needs at least one state")
-        if not initial:
-            problems.append("no initial state given")
-        elif initial not in state_set:
-            problems.append(f"initial state {initial!r} is not one of the states")
+        problems += _state_problems(state_list, initial)
         resolved = _resolve(strategy, policy, f"workflow {name!r}", problems)
-
-        by_name: dict[str, Transition] = {}
-        for t in transitions:
-            if not isinstance(t, Transition):
-                problems.append(f"{t!r} is not a Transition")
-                continue
-            if t.name in by_name:
-                problems.append(f"duplicate transition name {t.name!r}")
-            by_name[t.name] = t
-            for s in (*t.sources, *t.targets):
-                if s not in state_set:
-                    problems.append(f"transition {t.name!r} names unknown state {s!r}")
-
+        by_name = _index_transitions(transitions, state_set, problems)
         if initial in state_set and not problems:
-            reached = {initial}
-            frontier = [initial]
-            while frontier:
-                here = frontier.pop()
-                for t in by_name.values():
-                    if here in t.sources:
-                        for nxt in t.targets:
-                            if nxt not in reached:
-                                reached.add(nxt)
-                                frontier.append(nxt)
-            unreachable = [s for s in state_list if s not in reached]
+            unreachable = _unreachable(initial, state_list, by_name.values())
             if unreachable:
                 problems.append(f"states unreachable from {initial!r}: {', '.join(unreachable)}")
         if problems:
@@ -255,3 +222,58 @@ class Workflow:
     def is_final(self, state: str) -> bool:
         """A state no event leaves."""
         return not self._allowed.get(state)
+
+
+def _state_problems(state_list: list[str], initial: str) -> list[str]:
+    """What is wrong with a workflow's states and its initial state, in the order reported."""
+    problems: list[str] = []
+    state_set = set(state_list)
+    for s in state_list:
+        if not isinstance(s, str) or not _NAME.fullmatch(s):
+            problems.append(f"state name {s!r} is not a valid name")
+    if len(state_set) != len(state_list):
+        dups = sorted({s for s in state_list if state_list.count(s) > 1})
+        problems.append(f"duplicate states: {', '.join(dups)}")
+    if not state_list:
+        problems.append("a workflow needs at least one state")
+    if not initial:
+        problems.append("no initial state given")
+    elif initial not in state_set:
+        problems.append(f"initial state {initial!r} is not one of the states")
+    return problems
+
+
+def _index_transitions(
+    transitions: Iterable[Transition], state_set: set[str], problems: list[str]
+) -> dict[str, Transition]:
+    """The transitions by name; non-transitions, duplicate names and unknown states are added
+    to ``problems``."""
+    by_name: dict[str, Transition] = {}
+    for t in transitions:
+        if not isinstance(t, Transition):
+            problems.append(f"{t!r} is not a Transition")
+            continue
+        if t.name in by_name:
+            problems.append(f"duplicate transition name {t.name!r}")
+        by_name[t.name] = t
+        for s in (*t.sources, *t.targets):
+            if s not in state_set:
+                problems.append(f"transition {t.name!r} names unknown state {s!r}")
+    return by_name
+
+
+def _unreachable(
+    initial: str, state_list: list[str], transitions: Iterable[Transition]
+) -> list[str]:
+    """The states no sequence of transitions reaches from ``initial``, in declaration order."""
+    edges = list(transitions)
+    reached = {initial}
+    frontier = [initial]
+    while frontier:
+        here = frontier.pop()
+        for t in edges:
+            if here in t.sources:
+                fresh = [nxt for nxt in t.targets if nxt not in reached]
+                reached.update(fresh)
+                frontier.extend(fresh)
+    return [s for s in state_list if s not in reached]

@@ -4,46 +4,45 @@ It validates every input before any I/O, picks the concurrency strategy for the 
 step to the call and hands both to the strategy. It keeps no state about instances between calls
 (only a bounded cache of which workflow an instance belongs to, which never changes), so any number
 of engines in any number of processes can share one database.
+
+What it does not do lives beside it: building stores and lock backends from URLs
+(:mod:`flowlock.connect`), recording metrics (:mod:`flowlock.metrics`), and sharing the adaptive
+strategy's escalations (:class:`flowlock.strategies.monitor.EscalationSync`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self, TypeAlias
 
 from flowlock.definition import Workflow
 from flowlock.errors import (
-    ConflictRetriesExhausted,
     EngineClosed,
     FlowlockError,
-    InstanceNotFound,
     InvalidInput,
-    LockError,
-    LockLost,
     PayloadTooLarge,
-    TransitionRefused,
     UnknownWorkflow,
 )
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome
-from flowlock.monitor import ConflictMonitor, EscalationBoard
+from flowlock.models import HistoryEntry, Instance, Outcome, Snapshot
 from flowlock.step import Call, Idempotent, decide
-from flowlock.stores.base import Snapshot, Store
+from flowlock.stores.base import EscalationBoard, Store
 from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy, StrategyResult
 from flowlock.strategies.distributed import Distributed
+from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
 
-__all__ = ["Engine"]
+__all__ = ["DEFAULT_MAX_PAYLOAD", "DEFAULT_SYNC", "Engine", "LockKind", "StrategyConfig"]
 
 log = logging.getLogger("flowlock")
 
@@ -51,6 +50,19 @@ MAX_ID_LENGTH = 200
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
+
+DEFAULT_MAX_PAYLOAD = 64 * 1024
+"""Bytes a payload (or initial data) may take encoded as JSON, unless ``max_payload_bytes``."""
+DEFAULT_SYNC = 0.5
+"""Seconds between two escalation-sync rounds, unless ``escalation_sync``."""
+
+StrategyConfig: TypeAlias = Sequence[Strategy] | Mapping[str, Strategy]
+"""``strategies=``: Strategy objects, each under its ``.name`` (a sequence), or under the names
+given (a mapping, to register one under another name too, e.g. two distributed strategies on
+two lock backends, fired by name)."""
+
+LockKind: TypeAlias = Literal["redis", "advisory", "memory"]
+"""``Engine.connect(..., locks=...)``: which lock backend the "distributed" strategy leases from."""
 
 
 def _check_text(value: object, what: str) -> str:
@@ -65,25 +77,64 @@ def _check_text(value: object, what: str) -> str:
     return value
 
 
+def _check_fire_args(
+    instance_id: str,
+    event: str,
+    actor: str | None,
+    request_id: str | None,
+    expected_version: int | None,
+) -> None:
+    """Every argument of ``fire`` but the payload, checked before anything is read."""
+    _check_text(instance_id, "instance_id")
+    if not isinstance(event, str) or not _EVENT.fullmatch(event):
+        raise InvalidInput(
+            f"event {event!r} is not a valid event name (a letter, then letters, digits, "
+            "'_', '.', '-'; at most 100 characters)"
+        )
+    if actor is not None:
+        _check_text(actor, "actor")
+    if request_id is not None:
+        _check_text(request_id, "request_id")
+    if expected_version is not None and (
+        isinstance(expected_version, bool)
+        or not isinstance(expected_version, int)
+        or expected_version < 1
+    ):
+        raise InvalidInput(f"expected_version must be a positive integer, not {expected_version!r}")
+
+
 class Engine:
     """A workflow engine over one store.
 
-    Use ``async with Engine.connect(database_url) as engine`` (PostgreSQL or SQLite), or
-    ``Engine(store)`` with any :class:`flowlock.stores.base.Store`, opened with ``async with`` or
-    ``await engine.open()`` and closed with ``await engine.aclose()``.
+    Use ``async with Engine.connect(database_url) as engine`` (PostgreSQL or SQLite; see
+    :func:`flowlock.connect.connect`), or ``Engine(store)`` with any
+    :class:`flowlock.stores.base.Store`, opened with ``async with`` or ``await engine.open()`` and
+    closed with ``await engine.aclose()``.
 
-    Options (keyword-only): ``strategy`` is the default strategy ("optimistic" unless a workflow or
-    transition says otherwise); ``max_attempts``, ``backoff_base`` and ``backoff_cap`` (seconds)
-    configure optimistic retries; ``lock_timeout`` (seconds) bounds pessimistic row-lock waits;
-    ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``locks`` (a
-    :class:`flowlock.locks.LockBackend`: Redis, PostgreSQL advisory, memory) enables the
-    "distributed" strategy, with leases of ``lease_ttl`` seconds waited for at most ``lease_wait``;
-    the engine opens and closes it with the store. ``monitor`` (a
-    :class:`flowlock.monitor.ConflictMonitor`) configures the "adaptive" strategy: its threshold,
-    window, cool-down and what it escalates to ("pessimistic" by default, or "distributed");
-    escalations are shared with other engines through the store (PostgreSQL) every
-    ``escalation_sync`` seconds. ``metrics`` (a :class:`flowlock.metrics.Metrics`) records
-    Prometheus metrics on its registry; without it nothing is recorded.
+    Strategies are configured one way, as objects; the built-in ones have presets by name:
+
+    - ``strategies``: Strategy objects, e.g. ``[Optimistic(max_attempts=5),
+      Pessimistic(lock_timeout=1.0), Distributed(ttl=30)]``, each available under its ``.name``;
+      or a mapping ``{name: strategy}`` to register one under another name as well. Built-in
+      names not given get the preset: ``Optimistic()``, ``Pessimistic()``,
+      ``Distributed(locks=locks)`` when the engine has a lock backend, and ``Adaptive`` built from
+      the engine's optimistic strategy, ``monitor`` and the strategy the monitor escalates to.
+    - ``strategy``: the name of the default strategy ("optimistic" unless a workflow or
+      transition says otherwise). A call may name another, or pass a Strategy object.
+    - ``locks``: the lock backend (:class:`flowlock.locks.LockBackend`: Redis, PostgreSQL
+      advisory, memory) of the "distributed" strategy. A ``Distributed`` given without ``locks``
+      (in ``strategies`` or to ``fire``) is bound to it; a ``Distributed`` with a backend of its
+      own may come instead of ``locks``. The engine opens and closes every backend of the
+      Distributed strategies it holds, with the store.
+    - ``monitor`` (a :class:`flowlock.strategies.monitor.ConflictMonitor`): the "adaptive"
+      strategy's threshold, window, cool-down and what it escalates to ("pessimistic" by
+      default, or "distributed"). When the store is an
+      :class:`flowlock.stores.base.EscalationBoard` (memory, PostgreSQL), escalations are shared
+      with the other engines on it every ``escalation_sync`` seconds.
+
+    ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``metrics`` (a
+    :class:`flowlock.metrics.Metrics`) records Prometheus metrics on its registry; without it
+    nothing is recorded. A misconfiguration raises InvalidInput saying what to pass instead.
     """
 
     def __init__(
@@ -91,58 +142,31 @@ class Engine:
         store: Store,
         *,
         strategy: str = "optimistic",
-        max_attempts: int = 3,
-        backoff_base: float = 0.005,
-        backoff_cap: float = 0.2,
-        lock_timeout: float = 5.0,
-        max_payload_bytes: int = 64 * 1024,
+        strategies: StrategyConfig | None = None,
         locks: LockBackend | None = None,
-        lease_ttl: float = 10.0,
-        lease_wait: float = 5.0,
         monitor: ConflictMonitor | None = None,
-        escalation_sync: float = 0.5,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
         metrics: Metrics | None = None,
-        strategies: Mapping[str, Strategy] | None = None,
+        escalation_sync: float = DEFAULT_SYNC,
     ) -> None:
         if max_payload_bytes < 2:
             raise InvalidInput("max_payload_bytes must be at least 2 (the empty object '{}')")
         self._store = store
-        self._strategies: dict[str, Strategy] = {
-            "optimistic": Optimistic(
-                max_attempts=max_attempts, backoff_base=backoff_base, backoff_cap=backoff_cap
-            ),
-            "pessimistic": Pessimistic(lock_timeout=lock_timeout),
-        }
-        self._locks = locks
-        if locks is not None:
-            self._strategies["distributed"] = Distributed(
-                locks=locks, ttl=lease_ttl, wait=lease_wait, max_attempts=max_attempts
-            )
-        if strategies:
-            self._strategies.update(strategies)
-        self._monitor = monitor if monitor is not None else ConflictMonitor()
-        escalated = self._strategies.get(self._monitor.escalate_to)
-        if escalated is None or self._monitor.escalate_to in ("optimistic", "adaptive"):
-            raise InvalidInput(
-                f"the adaptive strategy escalates to {self._monitor.escalate_to!r}, which this "
-                f"engine does not have as a locking strategy; use 'pessimistic' or configure "
-                "locks=... for 'distributed'"
-            )
-        optimistic = self._strategies["optimistic"]
-        if isinstance(optimistic, Optimistic):
-            self._strategies.setdefault(
-                "adaptive",
-                Adaptive(optimistic=optimistic, escalated=escalated, monitor=self._monitor),
-            )
-        self._escalation_sync = escalation_sync
-        self._board: EscalationBoard | None = store if isinstance(store, EscalationBoard) else None
-        self._sync_task: asyncio.Task[None] | None = None
-        self._metrics = metrics
-        if strategy not in self._strategies:
-            raise InvalidInput(
-                f"unknown default strategy {strategy!r}; use one of {sorted(self._strategies)}"
-            )
+        table = _strategy_table(strategies, locks)
+        self._locks = locks if locks is not None else _lease_backend(table.get("distributed"))
+        self._backends = _backends(table, locks)
+        self._monitor = _add_adaptive(table, monitor)
+        self._strategies = table
+        if strategy not in table:
+            raise InvalidInput(f"unknown default strategy {strategy!r}; use one of {sorted(table)}")
         self._default = strategy
+        self._sync: EscalationSync | None = None
+        if isinstance(store, EscalationBoard) and "adaptive" in table:
+            record = metrics.record_escalations if metrics is not None else None
+            self._sync = EscalationSync(
+                store, self._monitor, interval=escalation_sync, record=record
+            )
+        self._metrics = metrics
         self._max_payload = max_payload_bytes
         self._workflows: dict[str, Workflow] = {}
         # Which workflow an instance belongs to never changes; caching it lets a per-workflow or
@@ -157,28 +181,38 @@ class Engine:
         database_url: str,
         *,
         redis_url: str | None = None,
-        locks: str | None = None,
+        locks: LockKind | None = None,
         auto_migrate: bool = True,
         pool_size: int = 20,
         schema: str | None = None,
         namespace: str = "default",
-        **options: Any,
+        strategy: str = "optimistic",
+        strategies: StrategyConfig | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
+        monitor: ConflictMonitor | None = None,
+        metrics: Metrics | None = None,
+        escalation_sync: float = DEFAULT_SYNC,
     ) -> Engine:
-        """An engine over the database at ``database_url``: ``postgresql://...`` (asyncpg pool of
-        ``pool_size``, tables in ``schema`` if given) or ``sqlite:///path``. Open it with
-        ``async with``. Migrations run on open unless ``auto_migrate=False``.
+        """An engine over the database at ``database_url``; the same as
+        :func:`flowlock.connect.connect`, which documents every argument."""
+        # Imported here, not at the top: connect imports this module (it builds Engines).
+        from flowlock.connect import connect
 
-        The "distributed" strategy leases from Redis when ``redis_url`` (``redis://`` or
-        ``unix://``) is given, or from PostgreSQL advisory locks with ``locks="advisory"`` (no
-        Redis needed); without either it is not available. ``namespace`` separates lock keys of
-        unrelated deployments sharing one Redis or database."""
-        from flowlock.stores import store_from_url
-
-        store = store_from_url(
-            database_url, auto_migrate=auto_migrate, pool_size=pool_size, schema=schema
+        return connect(
+            database_url,
+            redis_url=redis_url,
+            locks=locks,
+            auto_migrate=auto_migrate,
+            pool_size=pool_size,
+            schema=schema,
+            namespace=namespace,
+            strategy=strategy,
+            strategies=strategies,
+            max_payload_bytes=max_payload_bytes,
+            monitor=monitor,
+            metrics=metrics,
+            escalation_sync=escalation_sync,
         )
-        backend = _lock_backend(store, database_url, redis_url, locks, schema, namespace)
-        return cls(store, locks=backend, **options)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -192,35 +226,37 @@ class Engine:
         return not self._open
 
     async def open(self) -> Self:
-        """Open the store (connect, migrate) and the lock backend. Idempotent."""
+        """Open the store (connect, migrate) and the lock backends. Idempotent."""
         if not self._open:
             await self._store.open()
-            if self._locks is not None:
-                try:
-                    await self._locks.open()
-                except BaseException:
-                    await self._store.aclose()
-                    raise
+            opened: list[LockBackend] = []
+            try:
+                for backend in self._backends:
+                    await backend.open()
+                    opened.append(backend)
+            except BaseException:
+                await self._close(opened)
+                raise
             self._open = True
-            if self._board is not None and "adaptive" in self._strategies:
-                self._sync_task = asyncio.create_task(
-                    self._sync_escalations(), name="flowlock-sync"
-                )
+            if self._sync is not None:
+                self._sync.start()
         return self
 
     async def aclose(self) -> None:
-        """Close the lock backend and the store, releasing every connection. Idempotent."""
+        """Close the lock backends and the store, releasing every connection. Idempotent."""
         if self._open:
             self._open = False
-            if self._sync_task is not None:
-                self._sync_task.cancel()
-                await asyncio.gather(self._sync_task, return_exceptions=True)
-                self._sync_task = None
-            try:
-                if self._locks is not None:
-                    await self._locks.aclose()
-            finally:
-                await self._store.aclose()
+            if self._sync is not None:
+                await self._sync.stop()
+            await self._close(self._backends)
+
+    async def _close(self, backends: Sequence[LockBackend]) -> None:
+        """Close ``backends`` (last opened first), then the store. A failure does not stop the
+        others from closing; it is raised once they all have run."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self._store.aclose)
+            for backend in backends:
+                stack.push_async_callback(backend.aclose)
 
     @property
     def monitor(self) -> ConflictMonitor:
@@ -231,35 +267,15 @@ class Engine:
     def metrics(self) -> Metrics | None:
         return self._metrics
 
-    async def _sync_escalations(self) -> None:
-        """Share escalations with the other engines on this database, about every
-        ``escalation_sync`` seconds: publish ours, adopt theirs. Bounded; failures are logged and
-        retried on the next tick (the local monitor keeps working without the board)."""
-        board, monitor = self._board, self._monitor
-        assert board is not None
-        seen_up, seen_down = 0, 0
-        while True:
-            await asyncio.sleep(self._escalation_sync)
-            try:
-                async with asyncio.timeout(max(1.0, 4 * self._escalation_sync)):
-                    for escalation in monitor.take_pending():
-                        await board.publish(escalation)
-                    shared = await board.active(time.time())
-                monitor.adopt({e.key: e for e in shared})
-            except (FlowlockError, TimeoutError) as exc:
-                log.warning("flowlock: sharing escalations failed, retrying: %s", exc)
-            if self._metrics is not None:
-                self._metrics.escalated_keys.set(monitor.active_count)
-                self._metrics.escalations.labels(monitor.escalate_to).inc(
-                    monitor.escalations - seen_up
-                )
-                self._metrics.deescalations.inc(monitor.deescalations - seen_down)
-            seen_up, seen_down = monitor.escalations, monitor.deescalations
-
     @property
     def locks(self) -> LockBackend | None:
         """The lock backend of the "distributed" strategy, if one is configured."""
         return self._locks
+
+    @property
+    def strategies(self) -> Mapping[str, Strategy]:
+        """The strategies this engine runs, by name (the ones given and the presets)."""
+        return dict(self._strategies)
 
     async def __aenter__(self) -> Self:
         return await self.open()
@@ -368,27 +384,9 @@ class Engine:
         """
         started = time.perf_counter()
         self._check_open()
-        _check_text(instance_id, "instance_id")
-        if not isinstance(event, str) or not _EVENT.fullmatch(event):
-            raise InvalidInput(
-                f"event {event!r} is not a valid event name (a letter, then letters, digits, "
-                "'_', '.', '-'; at most 100 characters)"
-            )
-        if actor is not None:
-            _check_text(actor, "actor")
-        if request_id is not None:
-            _check_text(request_id, "request_id")
-        if expected_version is not None and (
-            isinstance(expected_version, bool)
-            or not isinstance(expected_version, int)
-            or expected_version < 1
-        ):
-            raise InvalidInput(
-                f"expected_version must be a positive integer, not {expected_version!r}"
-            )
+        _check_fire_args(instance_id, event, actor, request_id, expected_version)
         body = self._check_data(payload, "payload")
         chosen = await self._strategy_for(instance_id, event, strategy)
-
         call = Call(
             instance_id=instance_id,
             event=event,
@@ -398,23 +396,7 @@ class Engine:
             expected_version=expected_version,
             strategy=chosen.name,
         )
-        workflows = self._workflows
-        seen: list[str] = []
-
-        def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
-            if not seen:
-                seen.append(snap.instance.workflow)
-            return decide(workflows, snap, call)
-
-        metrics = self._metrics
-        if metrics is None:
-            result = await chosen.run(self._store, call, bound)
-        else:
-            try:
-                result = await chosen.run(self._store, call, bound)
-            except FlowlockError as exc:
-                _record_failure(metrics, seen, event, chosen.name, exc, started)
-                raise
+        result = await self._run(chosen, call, started)
         outcome = Outcome(
             applied=result.applied,
             idempotent=not result.applied,
@@ -426,9 +408,37 @@ class Engine:
             request_id=request_id,
             reason=result.reason,
         )
-        if metrics is not None:
-            _record(metrics, outcome, result)
+        if self._metrics is not None:
+            self._metrics.record_outcome(
+                outcome, lock_wait=result.lock_wait, lock_hold=result.lock_hold
+            )
         return outcome
+
+    async def _run(self, chosen: Strategy, call: Call, started: float) -> StrategyResult:
+        """``call`` under ``chosen``, the pure step bound to the registered workflows; a failure
+        is recorded (with the workflow, once the step has read the instance) and re-raised."""
+        workflows = self._workflows
+        seen: list[str] = []
+
+        def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
+            if not seen:
+                seen.append(snap.instance.workflow)
+            return decide(workflows, snap, call)
+
+        metrics = self._metrics
+        if metrics is None:
+            return await chosen.run(self._store, call, bound)
+        try:
+            return await chosen.run(self._store, call, bound)
+        except FlowlockError as exc:
+            metrics.record_failure(
+                exc,
+                workflow=seen[0] if seen else "",
+                event=call.event,
+                strategy=chosen.name,
+                elapsed=time.perf_counter() - started,
+            )
+            raise
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -451,14 +461,7 @@ class Engine:
         self, instance_id: str, event: str, requested: str | Strategy | None
     ) -> Strategy:
         if requested is not None:
-            if isinstance(requested, str):
-                found = self._strategies.get(requested)
-                if found is None:
-                    raise InvalidInput(_unknown_strategy(requested, self._strategies))
-                return found
-            if isinstance(requested, Strategy):
-                return requested
-            raise InvalidInput(f"strategy must be a name or a Strategy, not {requested!r}")
+            return self._requested(requested)
         if not self._per_definition_strategy:
             return self._strategies[self._default]
         name = self._instance_workflow.get(instance_id)
@@ -471,79 +474,120 @@ class Engine:
         picked = (t.strategy if t is not None else None) or wf.strategy or self._default
         return self._strategies[picked]
 
+    def _requested(self, requested: str | Strategy) -> Strategy:
+        """The strategy a call asked for, by name or as an object (a Distributed without a
+        backend is bound to the engine's)."""
+        if isinstance(requested, str):
+            found = self._strategies.get(requested)
+            if found is None:
+                raise InvalidInput(_unknown_strategy(requested, self._strategies))
+            return found
+        if isinstance(requested, Distributed):
+            return requested.bound(self._locks)
+        if isinstance(requested, Strategy):
+            return requested
+        raise InvalidInput(f"strategy must be a name or a Strategy, not {requested!r}")
+
+
+# -- composing the strategy table -----------------------------------------------------------
+
+
+def _given(strategies: StrategyConfig | None) -> dict[str, Strategy]:
+    """``strategies=`` as a table by name, every entry checked to be a Strategy object."""
+    if strategies is None:
+        return {}
+    if isinstance(strategies, str) or not isinstance(strategies, Sequence | Mapping):
+        raise InvalidInput(
+            "strategies takes Strategy objects, e.g. strategies=[flowlock.Optimistic("
+            f"max_attempts=5)], not {strategies!r}; choose the default by name with strategy=..."
+        )
+    pairs = (
+        list(strategies.items())
+        if isinstance(strategies, Mapping)
+        else [(getattr(s, "name", None), s) for s in strategies]
+    )
+    table: dict[str, Strategy] = {}
+    for name, given in pairs:
+        if not isinstance(given, Strategy) or not isinstance(name, str):
+            raise InvalidInput(
+                f"strategies takes Strategy objects such as flowlock.Optimistic(max_attempts=5) "
+                f"or flowlock.Pessimistic(lock_timeout=1.0), not {given!r}; name the default "
+                "with strategy='pessimistic'"
+            )
+        if name in table:
+            raise InvalidInput(f"two strategies named {name!r} in strategies=; give one")
+        table[name] = given
+    return table
+
+
+def _strategy_table(
+    strategies: StrategyConfig | None, locks: LockBackend | None
+) -> dict[str, Strategy]:
+    """The strategies given (a Distributed without a backend bound to ``locks``), then the
+    built-in presets for the names not given. "adaptive" is added by :func:`_add_adaptive`."""
+    table = {
+        name: s.bound(locks) if isinstance(s, Distributed) else s
+        for name, s in _given(strategies).items()
+    }
+    own = _lease_backend(table.get("distributed"))
+    if locks is not None and own is not None and own is not locks:
+        raise InvalidInput(
+            "locks=... and the Distributed strategy's own locks=... are two different lock "
+            "backends; give the backend once (a Distributed() without locks= uses the engine's)"
+        )
+    table.setdefault("optimistic", Optimistic())
+    table.setdefault("pessimistic", Pessimistic())
+    if locks is not None:
+        table.setdefault("distributed", Distributed(locks=locks))
+    return table
+
+
+def _lease_backend(strategy: Strategy | None) -> LockBackend | None:
+    return strategy.locks if isinstance(strategy, Distributed) else None
+
+
+def _backends(table: Mapping[str, Strategy], locks: LockBackend | None) -> list[LockBackend]:
+    """The lock backends the engine opens and closes: ``locks`` and those of the Distributed
+    strategies it holds, each once."""
+    found = [locks, *(_lease_backend(s) for s in table.values())]
+    unique: list[LockBackend] = []
+    for backend in found:
+        if backend is not None and all(backend is not u for u in unique):
+            unique.append(backend)
+    return unique
+
+
+def _add_adaptive(table: dict[str, Strategy], monitor: ConflictMonitor | None) -> ConflictMonitor:
+    """Add the "adaptive" preset to ``table`` unless one was given; returns the monitor whose
+    escalations the engine shares (the given Adaptive's own, when one was given)."""
+    given = table.get("adaptive")
+    if isinstance(given, Adaptive):
+        if monitor is not None and monitor is not given.monitor:
+            raise InvalidInput(
+                "monitor=... and the Adaptive strategy's monitor are two different monitors; "
+                "give one (the Adaptive you pass carries its own)"
+            )
+        monitor = given.monitor
+    monitor = monitor if monitor is not None else ConflictMonitor()
+    to = monitor.escalate_to
+    escalated = table.get(to)
+    if escalated is None or to in ("optimistic", "adaptive"):
+        raise InvalidInput(
+            f"the adaptive strategy escalates to {to!r}, which this engine does not have as a "
+            "locking strategy; use 'pessimistic' or configure locks=... for 'distributed'"
+        )
+    optimistic = table["optimistic"]
+    if given is None and isinstance(optimistic, Optimistic):
+        table["adaptive"] = Adaptive(optimistic=optimistic, escalated=escalated, monitor=monitor)
+    return monitor
+
 
 def _unknown_strategy(name: str, known: Mapping[str, Strategy]) -> str:
     hint = ""
     if name == "distributed":
         hint = (
             "; the distributed strategy needs a lock backend: Engine.connect(..., redis_url=...) "
-            'or Engine.connect(..., locks="advisory") on PostgreSQL, or Engine(store, locks=...)'
+            'or Engine.connect(..., locks="advisory") on PostgreSQL, or Engine(store, locks=...) '
+            "or strategies=[flowlock.Distributed(locks=...)]"
         )
     return f"unknown strategy {name!r}; this engine has {sorted(known)}{hint}"
-
-
-def _lock_backend(
-    store: Store,
-    database_url: str,
-    redis_url: str | None,
-    kind: str | None,
-    schema: str | None,
-    namespace: str,
-) -> LockBackend | None:
-    """The lock backend Engine.connect composes (only engine, CLI and service compose backends)."""
-    if kind is None:
-        if redis_url is None:
-            return None
-        kind = "redis"
-    if kind == "redis":
-        if redis_url is None:
-            raise InvalidInput('locks="redis" needs redis_url="redis://host:6379/0"')
-        from flowlock.locks.redis import RedisLocks
-
-        return RedisLocks(redis_url, namespace=namespace, fence_floor=store.fencing_floor)
-    if kind == "advisory":
-        if database_url.partition("://")[0].lower() not in ("postgresql", "postgres"):
-            raise InvalidInput('locks="advisory" needs a postgresql:// database_url')
-        from flowlock.locks.advisory import AdvisoryLocks
-
-        return AdvisoryLocks(database_url, namespace=namespace, schema=schema)
-    if kind == "memory":
-        from flowlock.locks.memory import MemoryLocks
-
-        return MemoryLocks()
-    raise InvalidInput(f'locks must be "redis", "advisory" or "memory", not {kind!r}')
-
-
-def _record(metrics: Metrics, outcome: Outcome, result: StrategyResult) -> None:
-    workflow, strategy = outcome.instance.workflow, outcome.strategy
-    label = "applied" if outcome.applied else "idempotent"
-    metrics.transitions.labels(workflow, outcome.event, strategy, label).inc()
-    metrics.attempts.labels(strategy).observe(outcome.attempts)
-    metrics.duration.labels(workflow, strategy).observe(outcome.elapsed)
-    if outcome.attempts > 1 and strategy == "optimistic":
-        metrics.conflicts.labels(workflow, strategy).inc(outcome.attempts - 1)
-    if result.lock_wait is not None:
-        metrics.lock_wait.labels(strategy).observe(result.lock_wait)
-    if result.lock_hold is not None:
-        metrics.lock_hold.labels(strategy).observe(result.lock_hold)
-
-
-def _record_failure(
-    metrics: Metrics, seen: list[str], event: str, strategy: str, exc: FlowlockError, started: float
-) -> None:
-    workflow = seen[0] if seen else ""
-    if isinstance(exc, TransitionRefused):
-        label = "refused"
-    elif isinstance(exc, ConflictRetriesExhausted):
-        label = "conflict"
-        metrics.conflicts.labels(workflow, strategy).inc(exc.attempts)
-    elif isinstance(exc, LockError):
-        label = "lock_error"
-        if isinstance(exc, LockLost):
-            metrics.leases_lost.labels(strategy).inc()
-    elif isinstance(exc, InvalidInput | InstanceNotFound):
-        label = "invalid"
-    else:
-        label = "error"
-    metrics.transitions.labels(workflow, event, strategy, label).inc()
-    metrics.duration.labels(workflow, strategy).observe(time.perf_counter() - started)

@@ -3,18 +3,47 @@
 Names follow Prometheus conventions: base units (seconds), ``_total`` for counters, and no
 instance id as a label (it would make one time series per instance). Labels are bounded by the
 definitions: workflow, event, strategy, outcome.
+
+The engine records through the ``record_*`` methods: one per ``fire`` that returned
+(:meth:`Metrics.record_outcome`), one per ``fire`` that raised (:meth:`Metrics.record_failure`),
+and one per escalation-sync tick (:meth:`Metrics.record_escalations`).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["OUTCOMES", "Metrics"]
+from flowlock.errors import (
+    ConflictRetriesExhausted,
+    FlowlockError,
+    InstanceNotFound,
+    InvalidInput,
+    LockError,
+    LockLost,
+    TransitionRefused,
+)
+from flowlock.models import Outcome
+
+__all__ = ["OUTCOMES", "Metrics", "failure_outcome"]
 
 OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
 """The ``outcome`` label: applied / idempotent (the two successes), refused (a business rule or
 a state that does not allow the event), conflict (optimistic retries exhausted), lock_error
 (timeout, busy, lost, backend down), invalid (bad input, unknown instance), error (the rest)."""
+
+
+def failure_outcome(exc: FlowlockError) -> str:
+    """The ``outcome`` label of a ``fire`` call that raised ``exc``."""
+    if isinstance(exc, TransitionRefused):
+        return "refused"
+    if isinstance(exc, ConflictRetriesExhausted):
+        return "conflict"
+    if isinstance(exc, LockError):
+        return "lock_error"
+    if isinstance(exc, InvalidInput | InstanceNotFound):
+        return "invalid"
+    return "error"
+
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -67,3 +96,40 @@ class Metrics:
             f"{p}_leases_lost", "Leases lost before commit (the write was refused).",
             ["strategy"], registry=r,
         )  # fmt: skip
+
+    def record_outcome(
+        self, outcome: Outcome, *, lock_wait: float | None = None, lock_hold: float | None = None
+    ) -> None:
+        """A ``fire`` call that returned ``outcome``; ``lock_wait`` and ``lock_hold`` (seconds)
+        when its strategy took a lock."""
+        workflow, strategy = outcome.instance.workflow, outcome.strategy
+        label = "applied" if outcome.applied else "idempotent"
+        self.transitions.labels(workflow, outcome.event, strategy, label).inc()
+        self.attempts.labels(strategy).observe(outcome.attempts)
+        self.duration.labels(workflow, strategy).observe(outcome.elapsed)
+        if outcome.attempts > 1 and strategy == "optimistic":
+            self.conflicts.labels(workflow, strategy).inc(outcome.attempts - 1)
+        if lock_wait is not None:
+            self.lock_wait.labels(strategy).observe(lock_wait)
+        if lock_hold is not None:
+            self.lock_hold.labels(strategy).observe(lock_hold)
+
+    def record_failure(
+        self, exc: FlowlockError, *, workflow: str, event: str, strategy: str, elapsed: float
+    ) -> None:
+        """A ``fire`` call that raised ``exc`` after ``elapsed`` seconds. ``workflow`` is ""
+        when the call failed before reading its instance."""
+        label = failure_outcome(exc)
+        if isinstance(exc, ConflictRetriesExhausted):
+            self.conflicts.labels(workflow, strategy).inc(exc.attempts)
+        elif isinstance(exc, LockLost):
+            self.leases_lost.labels(strategy).inc()
+        self.transitions.labels(workflow, event, strategy, label).inc()
+        self.duration.labels(workflow, strategy).observe(elapsed)
+
+    def record_escalations(self, *, active: int, escalated: int, deescalated: int, to: str) -> None:
+        """One escalation-sync tick: ``active`` keys are escalated now; ``escalated`` (to
+        strategy ``to``) and ``deescalated`` are the changes since the previous tick."""
+        self.escalated_keys.set(active)
+        self.escalations.labels(to).inc(escalated)
+        self.deescalations.inc(deescalated)

@@ -1,4 +1,5 @@
-"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome.
+"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome, and the values
+the layers hand each other: Snapshot (what a store read) and Escalation (an adaptive decision).
 
 They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)``), never mutated.
 """
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["HistoryEntry", "Instance", "Outcome"]
+__all__ = ["Escalation", "HistoryEntry", "Instance", "Outcome", "Snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,26 @@ class HistoryEntry:
     data: Mapping[str, Any]
     at: datetime | None = None
     fencing_token: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The instance as read, and the history entry that already carries the caller's
+    ``request_id`` (None when the request is new or no request id was given)."""
+
+    instance: Instance
+    prior: HistoryEntry | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Escalation:
+    """Key ``key`` runs under ``strategy`` until ``until`` (wall-clock epoch seconds) because of
+    ``reason``."""
+
+    key: str
+    strategy: str
+    until: float
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowlock.definition import Step, Workflow
+from flowlock.definition import Step, Transition, Workflow
 from flowlock.errors import (
     DefinitionError,
     GuardRejected,
@@ -19,8 +19,7 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
-from flowlock.models import HistoryEntry, Instance
-from flowlock.stores.base import Snapshot
+from flowlock.models import HistoryEntry, Instance, Snapshot
 
 __all__ = ["Call", "Idempotent", "decide"]
 
@@ -56,6 +55,53 @@ def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
     )
 
 
+def _check_guard(transition: Transition, inst: Instance, call: Call) -> None:
+    """Raise GuardRejected (bound to the instance) unless the transition's guard lets it run."""
+    if transition.guard is None:
+        return
+    try:
+        ok = transition.guard(inst, call.payload, call.actor)
+    except GuardRejected as exc:
+        raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
+    if not ok:
+        raise GuardRejected(
+            f"guard of {call.event!r} returned {ok!r}",
+            instance_id=inst.id,
+            event=call.event,
+            state=inst.state,
+            version=inst.version,
+        )
+
+
+def _apply_effect(
+    transition: Transition, inst: Instance, call: Call
+) -> tuple[str, Mapping[str, Any]]:
+    """The target state and the new data: the transition's default target and the instance's
+    data, or what its effect returned (checked: a mapping, or a Step to a declared target)."""
+    if transition.effect is None:
+        return transition.target, inst.data
+    try:
+        result = transition.effect(inst, call.payload, call.actor)
+    except GuardRejected as exc:
+        raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
+    target = transition.target
+    if isinstance(result, Step):
+        if result.target is not None:
+            if result.target not in transition.targets:
+                raise DefinitionError(
+                    f"effect of {call.event!r} chose target {result.target!r}, which is not "
+                    f"one of the transition's targets {transition.targets}"
+                )
+            target = result.target
+        result = result.data
+    if not isinstance(result, Mapping):
+        raise DefinitionError(
+            f"effect of {call.event!r} returned {type(result).__name__}; "
+            "it must return a mapping (the new data) or flowlock.Step"
+        )
+    return target, result
+
+
 def decide(
     workflows: Mapping[str, Workflow], snap: Snapshot, call: Call
 ) -> HistoryEntry | Idempotent:
@@ -86,42 +132,8 @@ def decide(
             inst.id, call.event, inst.state, wf.allowed(inst.state), inst.version
         )
 
-    if transition.guard is not None:
-        try:
-            ok = transition.guard(inst, call.payload, call.actor)
-        except GuardRejected as exc:
-            raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
-        if not ok:
-            raise GuardRejected(
-                f"guard of {call.event!r} returned {ok!r}",
-                instance_id=inst.id,
-                event=call.event,
-                state=inst.state,
-                version=inst.version,
-            )
-
-    target = transition.target
-    data: Mapping[str, Any] = inst.data
-    if transition.effect is not None:
-        try:
-            result = transition.effect(inst, call.payload, call.actor)
-        except GuardRejected as exc:
-            raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
-        if isinstance(result, Step):
-            if result.target is not None:
-                if result.target not in transition.targets:
-                    raise DefinitionError(
-                        f"effect of {call.event!r} chose target {result.target!r}, which is not "
-                        f"one of the transition's targets {transition.targets}"
-                    )
-                target = result.target
-            result = result.data
-        if not isinstance(result, Mapping):
-            raise DefinitionError(
-                f"effect of {call.event!r} returned {type(result).__name__}; "
-                "it must return a mapping (the new data) or flowlock.Step"
-            )
-        data = result
+    _check_guard(transition, inst, call)
+    target, data = _apply_effect(transition, inst, call)
 
     return HistoryEntry(
         instance_id=inst.id,

@@ -18,7 +18,9 @@ async def main(cfg: dict[str, Any]) -> None:
     # Why a pool smaller than the callers: 4 processes must fit a stock max_connections=100
     # server; callers queue for a connection (bounded by acquire_timeout), as in production.
     store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=cfg.get("pool_size", 10))
-    async with flowlock.Engine(store, max_attempts=cfg.get("max_attempts", 3)) as engine:
+    async with flowlock.Engine(
+        store, strategies=[flowlock.Optimistic(max_attempts=cfg.get("max_attempts", 3))]
+    ) as engine:
         for wf in (examples.approval(), examples.countersign(cfg["quorum"]), examples.inventory()):
             await engine.register(wf)
         # Warm the pool so that every process is ready before the common start time.

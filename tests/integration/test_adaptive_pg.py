@@ -18,8 +18,8 @@ import flowlock
 from flowlock import examples
 from flowlock.checker import check
 from flowlock.metrics import Metrics
-from flowlock.monitor import ConflictMonitor
 from flowlock.stores.postgres import PostgresStore
+from flowlock.strategies.monitor import ConflictMonitor
 
 pytestmark = pytest.mark.postgres
 

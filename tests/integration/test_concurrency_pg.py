@@ -109,7 +109,9 @@ async def test_inventory_never_oversells(pg_engine_factory: EngineFactory, strat
     """100 reserves on stock 50: exactly 50 applied, 50 refused as out of stock, stock never < 0."""
     # Optimistic must apply every reserve that stock allows, so give it room to retry: the
     # inventory preset is pessimistic; this shows optimistic stays correct when it is used anyway.
-    engine = await pg_engine_factory(pool_size=100, max_attempts=200, backoff_cap=0.05)
+    engine = await pg_engine_factory(
+        pool_size=100, strategies=[flowlock.Optimistic(max_attempts=200, backoff_cap=0.05)]
+    )
     await engine.create("inventory", instance_id="sku", data={"stock": 50})
     outs = await at_once(
         [lambda: engine.fire("sku", "reserve", strategy=strategy) for _ in range(100)]
@@ -147,7 +149,9 @@ async def test_duplicate_request_ids_under_concurrency(
 
 async def test_mixed_strategies_on_one_instance(pg_engine_factory: EngineFactory) -> None:
     """Optimistic and pessimistic callers on the same instance still apply each step once."""
-    engine = await pg_engine_factory(pool_size=60, max_attempts=100, backoff_cap=0.05)
+    engine = await pg_engine_factory(
+        pool_size=60, strategies=[flowlock.Optimistic(max_attempts=100, backoff_cap=0.05)]
+    )
     await engine.create("inventory", instance_id="sku", data={"stock": 1000})
     outs = await at_once(
         [

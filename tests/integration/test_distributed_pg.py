@@ -82,7 +82,7 @@ def _tokens_increase(history: list[flowlock.HistoryEntry]) -> None:
 
 async def test_storm_is_exactly_once(factory: Factory) -> None:
     """100 callers approve one instance under leases, 3 rounds: 1 applied, 99 idempotent."""
-    engine = await factory(lease_wait=10.0)
+    engine = await factory(strategies=[flowlock.Distributed(wait=10.0)])
     for round_no in range(3):
         iid = f"storm-{round_no}"
         await engine.create("approval", instance_id=iid)
@@ -99,7 +99,7 @@ async def test_storm_is_exactly_once(factory: Factory) -> None:
 
 async def test_countersign_every_signature_once(factory: Factory) -> None:
     """100 signers under leases: all 100 recorded once, approved once, tokens increasing."""
-    engine = await factory(lease_wait=20.0)
+    engine = await factory(strategies=[flowlock.Distributed(wait=20.0)])
     await engine.create("countersign", instance_id="doc")
     outs = await _at_once(
         [
@@ -143,7 +143,8 @@ PAUSABLE = textwrap.dedent(
             locks = AdvisoryLocks(url, namespace=namespace, schema=schema)
         if skip_check == "1":
             Held.check = lambda self: None  # a careless holder: only the database can stop it
-        async with flowlock.Engine(store, locks=locks, lease_ttl=1.0) as engine:
+        leases = [flowlock.Distributed(ttl=1.0)]
+        async with flowlock.Engine(store, locks=locks, strategies=leases) as engine:
             await engine.register(flowlock.Workflow("stock", states=["open"], initial="open",
                 transitions=[flowlock.Transition("take", source="open", target="open",
                                                  effect=slow_effect)]))
@@ -168,7 +169,7 @@ async def test_paused_holder_cannot_write_after_losing_its_lease(
     resumes and is refused: by its own lease check, or (a careless holder that skips the check)
     by the version and fencing checks in the database. One write per token, tokens increasing."""
     kind = request.node.callspec.params["factory"]
-    engine = await factory(pool_size=5, lease_wait=5.0)
+    engine = await factory(pool_size=5, strategies=[flowlock.Distributed(wait=5.0)])
 
     def take(inst: Any, payload: Any, actor: str | None) -> dict[str, Any]:
         return {**inst.data, "stock": inst.data["stock"] - 1, "by": actor}
@@ -262,7 +263,9 @@ async def test_unreachable_redis_is_a_typed_error_within_the_bound(
 
     store = PostgresStore(pg_url, schema=pg_schema, pool_size=2)
     locks = RedisLocks("redis://127.0.0.1:1/0", socket_timeout=0.5)
-    async with flowlock.Engine(store, locks=locks, lease_wait=1.0) as engine:
+    async with flowlock.Engine(
+        store, locks=locks, strategies=[flowlock.Distributed(wait=1.0)]
+    ) as engine:
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="req")
         started = time.monotonic()

@@ -21,7 +21,9 @@ from flowlock.stores import MemoryStore
 @pytest.fixture
 async def setup() -> AsyncIterator[tuple[flowlock.Engine, MemoryStore, MemoryLocks]]:
     store, locks = MemoryStore(), MemoryLocks()
-    async with flowlock.Engine(store, locks=locks, lease_ttl=0.3, lease_wait=0.2) as eng:
+    async with flowlock.Engine(
+        store, locks=locks, strategies=[flowlock.Distributed(ttl=0.3, wait=0.2)]
+    ) as eng:
         await eng.register(examples.approval())
         await eng.register(examples.inventory())
         await eng.create("approval", instance_id="r")
@@ -70,7 +72,8 @@ async def test_storm_under_leases_is_exactly_once(
 ) -> None:
     """100 concurrent distributed approvals: one applied, 99 idempotent, tokens increasing."""
     eng, _, _ = setup
-    strategy = flowlock.Distributed(locks=eng.locks, ttl=1.0, wait=5.0)  # type: ignore[arg-type]
+    # A Distributed given per call without a backend leases from the engine's.
+    strategy = flowlock.Distributed(ttl=1.0, wait=5.0)
     outs = await asyncio.gather(*[eng.fire("r", "approve", strategy=strategy) for _ in range(100)])
     assert sum(o.applied for o in outs) == 1
     assert check(await eng.get("r"), await eng.history("r"), expected_applied=1).ok

@@ -173,7 +173,7 @@ async def test_optimistic_exhausts_after_max_attempts() -> None:
     strategy = flowlock.Optimistic(
         max_attempts=4, backoff_base=0.01, backoff_cap=0.025, rng=random.Random(7), sleep=fake_sleep
     )
-    async with flowlock.Engine(store, strategies={"optimistic": strategy}) as eng:
+    async with flowlock.Engine(store, strategies=[strategy]) as eng:
         await eng.register(examples.approval())
         await eng.create("approval", instance_id="r")
         store.commit = always_lose  # type: ignore[method-assign]

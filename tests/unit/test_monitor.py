@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 
 import flowlock
-from flowlock.monitor import ConflictMonitor, Escalation, MemoryBoard
+from flowlock.models import Escalation
+from flowlock.stores.memory import MemoryBoard
+from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 
 
 class Clock:
@@ -161,3 +165,58 @@ def test_a_stepped_down_key_is_not_readopted_from_the_board() -> None:
     newer = Escalation("k", "pessimistic", clock.now + 5, "another engine")
     m.adopt({"k": newer})
     assert m.escalated("k") == newer
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.ticks: list[dict[str, Any]] = []
+
+    def __call__(self, *, active: int, escalated: int, deescalated: int, to: str) -> None:
+        self.ticks.append(
+            {"active": active, "escalated": escalated, "deescalated": deescalated, "to": to}
+        )
+
+
+async def test_escalation_sync_publishes_adopts_and_records_changes() -> None:
+    """One sync tick publishes this engine's escalations, the other's tick adopts them; the
+    recorder is told the counts and only the changes since its previous tick."""
+    board = MemoryBoard()
+    a, b = ConflictMonitor(min_samples=2), ConflictMonitor(min_samples=2)
+    seen_a, seen_b = Recorder(), Recorder()
+    sync_a = EscalationSync(board, a, interval=0.5, record=seen_a)
+    sync_b = EscalationSync(board, b, interval=0.5, record=seen_b)
+    for _ in range(3):
+        a.record("k", conflict=True)
+    await sync_a.tick()
+    await sync_b.tick()
+    assert b.escalated("k") is not None
+    await sync_a.tick()
+    one = {"active": 1, "escalated": 1, "deescalated": 0, "to": "pessimistic"}
+    assert seen_a.ticks == [one, {**one, "escalated": 0}]
+    assert seen_b.ticks == [one]
+
+
+async def test_escalation_sync_keeps_going_when_the_board_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A board that fails is logged and retried on the next tick; the monitor keeps working."""
+
+    class Broken(MemoryBoard):
+        async def active(self, now: float) -> list[Escalation]:
+            raise flowlock.StoreError("board down")
+
+    sync = EscalationSync(Broken(), ConflictMonitor(), interval=0.01)
+    sync.start()
+    sync.start()  # idempotent
+    assert sync.running
+    await asyncio.sleep(0.05)
+    await sync.stop()
+    await sync.stop()  # idempotent
+    assert not sync.running
+    assert any("sharing escalations failed" in r.message for r in caplog.records)
+
+
+def test_escalation_sync_needs_a_positive_interval() -> None:
+    """A zero or negative interval would spin; it is InvalidInput naming escalation_sync."""
+    with pytest.raises(flowlock.InvalidInput, match="escalation_sync"):
+        EscalationSync(MemoryBoard(), ConflictMonitor(), interval=0)

@@ -70,17 +70,26 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
+CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py")
+ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
+PORTS = ("flowlock.stores.base", "flowlock.locks.base")
+
+
+def _importing(path: Path, prefixes: tuple[str, ...]) -> set[str]:
+    return {m for m in _flowlock_imports(path) if m.startswith(prefixes)}
+
+
 def test_layering() -> None:
-    """Arrows point one way: definitions and models know no backend; strategies see only the
-    store Protocol; only engine, CLI and bench compose concrete backends."""
-    for module in ("definition.py", "models.py", "errors.py", "step.py", "checker.py"):
-        imports = _flowlock_imports(SRC / module)
-        assert not {m for m in imports if m.startswith(("flowlock.stores.", "flowlock.engine"))
-                    and m != "flowlock.stores.base"}, (module, imports)  # fmt: skip
+    """Arrows point one way: definitions, models and the step know no store, strategy or engine;
+    strategies see only the store and lock ports; stores know no strategy, monitor or engine;
+    only connect (and the CLI and bench through it) composes concrete backends."""
+    for module in CORE:
+        assert not _importing(SRC / module, ADAPTERS_AND_UP), module
     for path in (SRC / "strategies").glob("*.py"):
-        concrete = {
-            m for m in _flowlock_imports(path)
-            if m.startswith("flowlock.stores.") and m != "flowlock.stores.base"
-        }  # fmt: skip
+        concrete = _importing(path, ("flowlock.stores.", "flowlock.locks.")) - set(PORTS)
         assert not concrete, (path.name, concrete)
+    for path in (SRC / "stores").glob("*.py"):
+        upward = _importing(path, ("flowlock.strategies", "flowlock.engine", "flowlock.connect"))
+        assert not upward, (path.name, upward)
+    assert not (SRC / "monitor.py").exists()
     assert _flowlock_imports(SRC / "errors.py") == set()

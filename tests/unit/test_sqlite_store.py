@@ -23,9 +23,9 @@ from flowlock.errors import (
     MigrationError,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores import migrations
-from flowlock.stores.base import RowLock, Snapshot, Store
+from flowlock.stores.base import RowLock, Store
 from flowlock.stores.sqlite import SqliteStore
 
 

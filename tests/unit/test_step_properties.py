@@ -8,9 +8,8 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent, decide
-from flowlock.stores.base import Snapshot
 
 TICKET = flowlock.Workflow(
     "ticket",

@@ -1,4 +1,5 @@
-"""The narrow port every store implements (memory, SQLite, PostgreSQL).
+"""The narrow ports every store implements: :class:`Store` (memory, SQLite, PostgreSQL) and, for
+the stores that can share the adaptive strategy's escalations, :class:`EscalationBoard`.
 
 Strategies see only this Protocol. Two ways to apply a transition:
 
@@ -17,18 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
 
-__all__ = ["LockedResult", "Plan", "RowLock", "Snapshot", "Store"]
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The instance as read, and the history entry that already carries the caller's
-    ``request_id`` (None when the request is new or no request id was given)."""
-
-    instance: Instance
-    prior: HistoryEntry | None = None
+__all__ = ["EscalationBoard", "LockedResult", "Plan", "RowLock", "Store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +89,17 @@ class Store(Protocol):
     async def fencing_floor(self, instance_id: str) -> int:
         """The highest fencing token written for the instance (0 if none): a lock backend that
         lost its own counter (a Redis restart) floors new tokens on it."""
+
+
+@runtime_checkable
+class EscalationBoard(Protocol):
+    """Where engines share the adaptive strategy's escalations (so a fleet escalates together).
+    The memory and PostgreSQL stores are boards; the engine syncs with its store when it is one."""
+
+    async def publish(self, escalation: Escalation) -> None:
+        """Record (or extend) an escalation."""
+        ...
+
+    async def active(self, now: float) -> list[Escalation]:
+        """Every escalation whose ``until`` is after ``now``."""
+        ...

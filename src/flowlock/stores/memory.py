@@ -15,16 +15,30 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
-from flowlock.models import HistoryEntry, Instance
-from flowlock.monitor import Escalation, MemoryBoard
-from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.stores.base import LockedResult, Plan, RowLock
 
-__all__ = ["MemoryStore"]
+__all__ = ["MemoryBoard", "MemoryStore"]
 
 
 def _copy(data: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(json.dumps(data))
     return out
+
+
+class MemoryBoard:
+    """An in-process :class:`~flowlock.stores.base.EscalationBoard` (one engine, or tests)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, Escalation] = {}
+
+    async def publish(self, escalation: Escalation) -> None:
+        old = self._rows.get(escalation.key)
+        if old is None or old.until < escalation.until:
+            self._rows[escalation.key] = escalation
+
+    async def active(self, now: float) -> list[Escalation]:
+        return [e for e in self._rows.values() if e.until > now]
 
 
 class MemoryStore:

@@ -36,10 +36,9 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance
-from flowlock.monitor import Escalation
+from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
 from flowlock.stores import migrations
-from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+from flowlock.stores.base import LockedResult, Plan, RowLock
 
 __all__ = ["PostgresStore", "entry_from_row", "instance_from_row"]
 

@@ -32,9 +32,9 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores import migrations
-from flowlock.stores.base import LockedResult, Plan, RowLock, Snapshot
+from flowlock.stores.base import LockedResult, Plan, RowLock
 
 __all__ = ["SqliteStore"]
 

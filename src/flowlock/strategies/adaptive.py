@@ -1,9 +1,9 @@
 """Adaptive concurrency: optimistic by default, escalated per instance when it runs hot.
 
-Each call asks the :class:`flowlock.monitor.ConflictMonitor` whether its instance is escalated. A
-calm instance runs the optimistic loop, every compare-and-swap attempt reported to the monitor;
-when the monitor escalates the instance (conflict rate over the threshold), a call that is
-mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead of
+Each call asks the :class:`flowlock.strategies.monitor.ConflictMonitor` whether its instance is
+escalated. A calm instance runs the optimistic loop, every compare-and-swap attempt reported to
+the monitor; when the monitor escalates the instance (conflict rate over the threshold), a call
+that is mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead of
 exhausting its attempts, and so does a call that used up its optimistic attempts on an instance
 not (yet) escalated. Escalated instances run under that strategy until they calm down.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flowlock.models import HistoryEntry
-from flowlock.monitor import ConflictMonitor
+from flowlock.models import HistoryEntry, Snapshot
 from flowlock.step import Call, Idempotent
-from flowlock.stores.base import Snapshot, Store
+from flowlock.stores.base import Store
 from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock.strategies.monitor import ConflictMonitor
 from flowlock.strategies.optimistic import Optimistic
 
 __all__ = ["Adaptive"]

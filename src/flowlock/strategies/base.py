@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent
-from flowlock.stores.base import Snapshot, Store
+from flowlock.stores.base import Store
 
 __all__ = ["Decide", "Strategy", "StrategyResult"]
 

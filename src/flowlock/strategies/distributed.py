@@ -34,6 +34,12 @@ __all__ = ["Distributed", "fencing_token"]
 
 log = logging.getLogger("flowlock")
 
+UNBOUND = (
+    "this Distributed strategy has no lock backend: give it one with Distributed(locks=...), or "
+    "give the engine one (Engine(store, locks=...), Engine.connect(..., redis_url=...) or "
+    'Engine.connect(..., locks="advisory") on PostgreSQL) and it binds Distributed() to it'
+)
+
 _FENCING: ContextVar[int | None] = ContextVar("flowlock_fencing_token", default=None)
 
 
@@ -57,12 +63,16 @@ class Distributed:
     """A lease on the instance's key from ``locks`` for ``ttl`` seconds (renewed every ttl/3
     while the step runs), waiting at most ``wait`` seconds for it (LockTimeout after).
 
+    ``locks`` may be left out when the strategy is given to an engine: the engine binds it to
+    its own lock backend (``Engine(store, locks=...)``, or the one ``Engine.connect`` builds), so
+    ``Distributed(ttl=30)`` is enough. Run unbound, it raises InvalidInput.
+
     Under the lease a lost compare-and-swap can only come from a writer that bypassed the lock
     (an optimistic caller on the same instance); it is retried on a fresh read, at most
     ``max_attempts`` times, within the same lease.
     """
 
-    locks: LockBackend
+    locks: LockBackend | None = None
     ttl: float = 10.0
     wait: float = 5.0
     max_attempts: int = 3
@@ -76,18 +86,30 @@ class Distributed:
     def name(self) -> str:
         return "distributed"
 
+    def bound(self, locks: LockBackend | None) -> Distributed:
+        """This strategy, leasing from ``locks`` unless it already has a backend of its own.
+        Raises InvalidInput when neither is there."""
+        if self.locks is not None:
+            return self
+        if locks is None:
+            raise InvalidInput(UNBOUND)
+        return replace(self, locks=locks)
+
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
         asked = time.monotonic()
         key = call.instance_id
+        locks = self.locks
+        if locks is None:
+            raise InvalidInput(UNBOUND)
         try:
-            lease = await self.locks.acquire(key, ttl=self.ttl, wait=0.0)
+            lease = await locks.acquire(key, ttl=self.ttl, wait=0.0)
         except LockBusy:
             # Why wait for the release before queueing: the holder may be doing this very
             # transition (the two-admins storm). Once it releases, a fresh read answers every
             # such caller at once, without each of them taking the lease in turn.
             if self.wait <= 0:
                 raise
-            released = await self.locks.wait_released(key, self.wait)
+            released = await locks.wait_released(key, self.wait)
             if released:
                 planned = decide(await store.read(key, call.request_id))
                 if isinstance(planned, Idempotent):
@@ -96,9 +118,9 @@ class Distributed:
             left = asked + self.wait - time.monotonic()
             if left <= 0:
                 raise LockTimeout(key, time.monotonic() - asked) from None
-            lease = await self.locks.acquire(key, ttl=self.ttl, wait=left)
+            lease = await locks.acquire(key, ttl=self.ttl, wait=left)
         got = time.monotonic()
-        held = Held(self.locks, lease)
+        held = Held(locks, lease)
         try:
             result = await self._under_lease(held, store, call, decide)
         except BaseException:

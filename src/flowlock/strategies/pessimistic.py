@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowlock.errors import InvalidInput, StoreError
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent
-from flowlock.stores.base import RowLock, Snapshot, Store
+from flowlock.stores.base import RowLock, Store
 from flowlock.strategies.base import Decide, StrategyResult
 
 __all__ = ["Pessimistic"]

@@ -16,64 +16,29 @@ contention seen on it (a conflict, or a call that found another call on the same
 every contended call pushes that moment back. So a key under steady pressure never flaps, and a
 key steps back down once its storm is over.
 
-Escalations are shared through an :class:`EscalationBoard` (PostgreSQL in production), which every
-engine re-reads about once a second, so a fleet escalates together.
+Escalations are shared through an :class:`~flowlock.stores.base.EscalationBoard` (PostgreSQL in
+production): an :class:`EscalationSync` per engine publishes the monitor's decisions there and
+adopts the others' about twice a second, so a fleet escalates together.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
-from flowlock.errors import InvalidInput
+from flowlock.errors import FlowlockError, InvalidInput
+from flowlock.models import Escalation
+from flowlock.stores.base import EscalationBoard
 
-__all__ = ["ConflictMonitor", "Escalation", "EscalationBoard", "MemoryBoard"]
+__all__ = ["ConflictMonitor", "EscalationRecorder", "EscalationSync"]
 
 log = logging.getLogger("flowlock")
-
-
-@dataclass(frozen=True, slots=True)
-class Escalation:
-    """Key ``key`` runs under ``strategy`` until ``until`` (wall-clock epoch seconds) because of
-    ``reason``."""
-
-    key: str
-    strategy: str
-    until: float
-    reason: str
-
-
-@runtime_checkable
-class EscalationBoard(Protocol):
-    """Where engines share escalations (so a fleet escalates together)."""
-
-    async def publish(self, escalation: Escalation) -> None:
-        """Record (or extend) an escalation."""
-        ...
-
-    async def active(self, now: float) -> list[Escalation]:
-        """Every escalation whose ``until`` is after ``now``."""
-        ...
-
-
-class MemoryBoard:
-    """An in-process board (one engine, or tests)."""
-
-    def __init__(self) -> None:
-        self._rows: dict[str, Escalation] = {}
-
-    async def publish(self, escalation: Escalation) -> None:
-        old = self._rows.get(escalation.key)
-        if old is None or old.until < escalation.until:
-            self._rows[escalation.key] = escalation
-
-    async def active(self, now: float) -> list[Escalation]:
-        return [e for e in self._rows.values() if e.until > now]
 
 
 @dataclass(slots=True)
@@ -260,6 +225,82 @@ class ConflictMonitor:
                 self._escalated[key] = (escalation, deadline)
             elif mine[1] < deadline:
                 self._escalated[key] = (mine[0], deadline)
+
+
+class EscalationRecorder(Protocol):
+    """Told after every sync tick how many keys are escalated and what changed since the last
+    tick (:meth:`flowlock.metrics.Metrics.record_escalations` is one)."""
+
+    def __call__(self, *, active: int, escalated: int, deescalated: int, to: str) -> None: ...
+
+
+class EscalationSync:
+    """Shares ``monitor``'s escalations with the other engines on ``board``, every ``interval``
+    seconds between :meth:`start` and :meth:`stop`: publish ours, adopt theirs. Each round is
+    bounded; a failed one is logged and retried on the next tick (the local monitor keeps
+    working without the board). ``record``, when given, is told the counts after every tick.
+    """
+
+    def __init__(
+        self,
+        board: EscalationBoard,
+        monitor: ConflictMonitor,
+        *,
+        interval: float = 0.5,
+        record: EscalationRecorder | None = None,
+    ) -> None:
+        if not interval > 0:
+            raise InvalidInput(
+                f"escalation_sync must be a positive number of seconds, not {interval}"
+            )
+        self.board = board
+        self.monitor = monitor
+        self.interval = interval
+        self._record = record
+        self._seen = (monitor.escalations, monitor.deescalations)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    def start(self) -> None:
+        """Start syncing in the background (on the running loop). Idempotent."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="flowlock-sync")
+
+    async def stop(self) -> None:
+        """Stop syncing and wait for the loop to end. Idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.tick()
+
+    async def tick(self) -> None:
+        """One round: publish the escalations decided here, adopt the board's, record."""
+        board, monitor = self.board, self.monitor
+        try:
+            async with asyncio.timeout(max(1.0, 4 * self.interval)):
+                for escalation in monitor.take_pending():
+                    await board.publish(escalation)
+                shared = await board.active(time.time())
+            monitor.adopt({e.key: e for e in shared})
+        except (FlowlockError, TimeoutError) as exc:
+            log.warning("flowlock: sharing escalations failed, retrying: %s", exc)
+        up, down = monitor.escalations, monitor.deescalations
+        if self._record is not None:
+            self._record(
+                active=monitor.active_count,
+                escalated=up - self._seen[0],
+                deescalated=down - self._seen[1],
+                to=monitor.escalate_to,
+            )
+        self._seen = (up, down)
 
 
 def _wilson_lower(conflicts: int, attempts: int, z: float) -> float:
