@@ -25,8 +25,8 @@ import asyncpg
 import pytest
 
 import flowlock
-from flowlock.locks import LockBackend, MemoryLocks
 from flowlock.jobs import JobContext, RunOnce, RunResult
+from flowlock.locks import LockBackend, MemoryLocks
 
 pytestmark = pytest.mark.postgres
 
