@@ -31,6 +31,7 @@ from flowlock.errors import FlowlockError, LockUnavailable, MigrationError, Stor
 
 __all__ = [
     "DRIVER_ERRORS",
+    "REQUEST_CONSTRAINT",
     "RULES",
     "Context",
     "Rule",
@@ -242,7 +243,7 @@ def translate(exc: BaseException, *, context: Context) -> FlowlockError:
             found = rule.factory(exc, context)
             if found is not None:
                 return found
-    return _catch_all(exc, context)
+    return _catch_all(exc, context)  # not reached: the table's last rule answers everything
 
 
 @contextlib.contextmanager
