@@ -42,7 +42,7 @@ POLICIES: Mapping[str, str] = {
 its strategy. Approvals and tickets rarely conflict (optimistic); stock and allocation must
 apply every step on hot rows (pessimistic); work coordinated across services needs a lease
 (distributed); a scheduled job runs once per tick (distributed here, and
-:class:`flowlock.runner.RunOnce` for the job itself); "adaptive" starts optimistic and escalates
+:class:`flowlock.jobs.RunOnce` for the job itself); "adaptive" starts optimistic and escalates
 hot instances."""
 
 

@@ -57,15 +57,17 @@ import asyncio
 import contextlib
 import hashlib
 import math
-import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
 
 from flowlock._lifecycle import AsyncResource
+from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, wrap_errors
+from flowlock._pg.migrations import migrate_database
+from flowlock._pg.pool import check_pool_size, check_schema, create_pool
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -81,12 +83,10 @@ from flowlock.errors import (
     StoreError,
 )
 from flowlock.locks.base import Lease, LeaseContext, check_lock_args
-from flowlock.stores.postgres import PostgresStore
 
 __all__ = ["AdvisoryLocks", "advisory_lock_id"]
 
 _NAME = "advisory"
-_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # as the store's: it reaches search_path
 
 # $1 namespace, $2 key. Autocommit on the side pool: durable once it returns.
 _NEXT_FENCE = """
@@ -196,14 +196,10 @@ class AdvisoryLocks(AsyncResource):
     ) -> None:
         if not isinstance(namespace, str) or not namespace:
             raise InvalidInput(f"namespace must be a non-empty string, not {namespace!r}")
-        if pool_size < 1:
-            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+        check_pool_size(pool_size)
         if pool_timeout < 0 or io_timeout <= 0 or connect_timeout <= 0:
             raise InvalidInput("pool_timeout must be >= 0, io_timeout and connect_timeout > 0")
-        if schema is not None and not _SCHEMA.fullmatch(schema):
-            raise InvalidInput(
-                f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
-            )
+        check_schema(schema)
         self.dsn = dsn
         self.namespace = namespace
         self.schema = schema
@@ -243,26 +239,26 @@ class AdvisoryLocks(AsyncResource):
                 return
             if self._auto_migrate:
                 await self._migrate()
-            settings = {"application_name": self.application_name}
-            if self.schema is not None:
-                settings["search_path"] = self.schema
             pools: list[asyncpg.Pool] = []
             try:
-                with _edge():
+                with wrap_errors(_ERRORS):
                     for size, extra in (
                         (self.pool_size, {}),
                         # The only lock the side pool ever waits for is a fencing row, and only
                         # behind a stale holder's increment: a short, bounded wait.
                         (self.side_pool_size, {"lock_timeout": f"{_ms(self._io_timeout)}ms"}),
                     ):
+                        # No jsonb codec: no lease statement reads or writes jsonb.
                         pools.append(
-                            await asyncpg.create_pool(
+                            await create_pool(
                                 self.dsn,
                                 min_size=1,
                                 max_size=size,
-                                reset=_keep_session,
-                                server_settings={**settings, **extra},
-                                timeout=self._connect_timeout,
+                                schema=self.schema,
+                                application_name=self.application_name,
+                                server_settings=extra,
+                                connect_timeout=self._connect_timeout,
+                                jsonb=False,
                             )
                         )
                     if self._scope is None:
@@ -275,24 +271,19 @@ class AdvisoryLocks(AsyncResource):
             self._leases, self._side = pools
 
     async def _migrate(self) -> None:
-        store = PostgresStore(
-            self.dsn,
-            schema=self.schema,
-            pool_size=1,
-            auto_migrate=False,
-            connect_timeout=self._connect_timeout,
-            application_name=self.application_name,
-        )
+        # The same runner, on a connection of its own: the pools are not open yet.
         try:
-            await store.open()
+            await migrate_database(
+                self.dsn,
+                schema=self.schema,
+                application_name=self.application_name,
+                connect_timeout=self._connect_timeout,
+            )
         except MigrationError:
             raise
         except StoreError as exc:
+            # Not a migration failure: the server could not be reached.
             raise LockUnavailable(_NAME, str(exc)) from exc
-        try:
-            await store.migrate()
-        finally:
-            await store.aclose()
 
     async def aclose(self) -> None:
         """Close the pools. Leases still held are ended on the server (their locks freed at
@@ -345,7 +336,7 @@ class AdvisoryLocks(AsyncResource):
             # Shielded: a caller cancelled twice must still not leave the lock or the
             # connection behind. Mid-statement (cancelled, timed out) the connection's state is
             # unknown, so it is closed rather than rolled back.
-            clean = isinstance(exc, FlowlockError) and not isinstance(exc, _Gone)
+            clean = isinstance(exc, FlowlockError) and not isinstance(exc, SessionGone)
             await asyncio.shield(self._finish(leases, conn, clean=clean))
             raise
         finally:
@@ -362,7 +353,7 @@ class AdvisoryLocks(AsyncResource):
     ) -> Lease:
         left = wait - (self._clock() - started)
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 # The server's lock_timeout ends the wait; the client timeout only backs it up.
                 await conn.execute(
                     _begin(lock, ttl, left if wait > 0 else None),
@@ -375,12 +366,12 @@ class AdvisoryLocks(AsyncResource):
         fence = await self._next_fence(key)
         sent = self._clock()
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 # Proof that the lock was still ours when the increment committed (the session
                 # is alive now, and the lock lives as long as the session); also restarts the
                 # server's idle timer, from which expires_at is counted.
                 await conn.execute("SELECT 1", timeout=self._io_timeout)
-        except _Gone as exc:
+        except SessionGone as exc:
             raise LockLost(
                 key,
                 f"its session ended before the fencing token was handed out ({exc.detail}); "
@@ -409,7 +400,7 @@ class AdvisoryLocks(AsyncResource):
         _, side = self._pools()
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 token = await conn.fetchval(
                     _NEXT_FENCE, self.namespace, key, timeout=self._io_timeout
                 )
@@ -429,12 +420,12 @@ class AdvisoryLocks(AsyncResource):
                 raise LockNotOwned(lease.key, "release")
             clean = False
             try:
-                with _edge():
+                with wrap_errors(_ERRORS):
                     # Ends the transaction and frees the lock. (If an earlier statement was
                     # cancelled the transaction is aborted and this rolls back: same effect.)
                     await slot.conn.execute("COMMIT", timeout=self._io_timeout)
                 clean = True
-            except _Gone as exc:
+            except SessionGone as exc:
                 # The server ended the session (ttl passed, terminated): the lock went with it,
                 # and may be someone else's now.
                 raise LockNotOwned(lease.key, "release") from exc
@@ -454,7 +445,7 @@ class AdvisoryLocks(AsyncResource):
                 raise LockNotOwned(lease.key, "extend")
             sent = self._clock()
             try:
-                with _edge():
+                with wrap_errors(_ERRORS):
                     # Any statement restarts the idle timer; this one also sets a new ttl.
                     await slot.conn.execute(
                         f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'",
@@ -500,7 +491,7 @@ class AdvisoryLocks(AsyncResource):
         lock = self.lock_id(key)
         conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 await conn.execute(
                     _begin(lock, max(wait, 1.0), wait if wait > 0 else None),
                     timeout=wait + self._io_timeout,
@@ -524,7 +515,7 @@ class AdvisoryLocks(AsyncResource):
         _, side = self._pools()
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 return await conn.fetchval(sql, *args, timeout=self._io_timeout)
         finally:
             await side.release(conn)
@@ -534,9 +525,9 @@ class AdvisoryLocks(AsyncResource):
     ) -> asyncpg.pool.PoolConnectionProxy:
         started = self._clock()
         try:
-            with _edge():
+            with wrap_errors(_ERRORS):
                 return await pool.acquire(timeout=bound)
-        except _Gone as exc:
+        except SessionGone as exc:
             if not isinstance(exc.__cause__, TimeoutError):
                 raise
             if pool.get_size() >= pool.get_max_size() and pool.get_idle_size() == 0:
@@ -554,18 +545,12 @@ class AdvisoryLocks(AsyncResource):
             try:
                 if conn.is_in_transaction():
                     await conn.execute("ROLLBACK", timeout=self._io_timeout)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+            except DRIVER_ERRORS:
                 clean = False
         if not clean:
             # Closing the session frees whatever it held; the pool opens a fresh one later.
             _terminate(conn)
         await pool.release(conn)
-
-
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """Pool reset hook: nothing to undo. Leases change session state only with SET LOCAL and
-    transaction-level locks, both gone at COMMIT, and a connection is given back only with its
-    transaction ended (or closed). The default reset would cost a round trip per release."""
 
 
 def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
@@ -574,58 +559,21 @@ def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
         conn.terminate()
 
 
-# -- the one place asyncpg errors become flowlock errors ---------------------------------------
+# -- what driver errors mean here (translated by flowlock._pg.errors) -------------------------
 
 
 class _Busy(LockError):
     """SQLSTATE 55P03 (lock_timeout, or the try-lock found the lock taken) or 57014."""
 
 
-class _Gone(LockUnavailable):
-    """The session is gone or did not answer: the server ended it (idle-in-transaction timeout,
-    terminated, restarted), the network failed, or a round trip outlived ``io_timeout``."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(_NAME, detail)
-
-
-_SESSION_GONE = (
-    asyncpg.IdleInTransactionSessionTimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.AdminShutdownError,
-    asyncpg.CrashShutdownError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.TooManyConnectionsError,
-    asyncpg.InFailedSQLTransactionError,
-    asyncpg.InterfaceError,
-    OSError,
-    TimeoutError,
+# A session that is gone or did not answer is a SessionGone of this backend: the server ended it
+# (idle-in-transaction timeout, terminated, restarted), the network failed, or a round trip
+# outlived ``io_timeout``.
+_ERRORS = Context(
+    what="PostgreSQL error in the advisory lock backend",
+    tables="flowlock_fences is",
+    opener="the advisory lock backend",
+    busy=lambda exc: _Busy(str(exc)),
+    cancel_is_busy=True,
+    lock_backend=_NAME,
 )
-
-
-def _translate(exc: BaseException) -> FlowlockError:
-    if isinstance(exc, asyncpg.LockNotAvailableError | asyncpg.QueryCanceledError):
-        return _Busy(str(exc))
-    if isinstance(exc, _SESSION_GONE):
-        detail = str(exc) or type(exc).__name__
-        if isinstance(exc, TimeoutError):
-            detail = "no answer in time"
-        return _Gone(detail)
-    if isinstance(exc, asyncpg.UndefinedTableError):
-        return MigrationError(
-            f"flowlock_fences is missing ({exc}); run `flowlock db migrate` or open the "
-            "advisory lock backend with auto_migrate=True"
-        )
-    if isinstance(
-        exc, asyncpg.InvalidAuthorizationSpecificationError | asyncpg.InvalidPasswordError
-    ):
-        return LockUnavailable(_NAME, f"PostgreSQL refused the login: {exc}")
-    return StoreError(f"PostgreSQL error in the advisory lock backend: {type(exc).__name__}: {exc}")
-
-
-@contextlib.contextmanager
-def _edge() -> Iterator[None]:
-    try:
-        yield
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
-        raise _translate(exc) from exc

@@ -1,7 +1,9 @@
 """Versioned SQL migrations shipped inside the package (``stores/sql/<dialect>/NNN_name.sql``).
 
-Each store applies the ones not yet recorded in ``flowlock_schema_migrations``, in name order,
-under its own cross-process lock (an advisory lock on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite).
+The ones not yet recorded in ``flowlock_schema_migrations`` are applied in name order under a
+cross-process lock: on PostgreSQL by :mod:`flowlock._pg.migrations` (an advisory lock; shared by
+the store, the advisory locks and the run-once jobs), on SQLite by the store (``BEGIN
+IMMEDIATE``).
 """
 
 from __future__ import annotations

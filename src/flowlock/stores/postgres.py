@@ -9,51 +9,43 @@
   ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
-- Driver errors are translated here, and only here (:func:`_translate`).
+- Driver errors are translated at this adapter's edge (:meth:`PostgresStore._conn`) by the one
+  translation of :mod:`flowlock._pg.errors`; this module only says what a lock that is not
+  available and a duplicate request id mean to each call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
 
+from flowlock._pg import migrations
+from flowlock._pg.errors import Context, wrap_connect
+from flowlock._pg.pool import check_pool_size, check_schema, connection, create_pool
+from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
     InstanceExists,
     InstanceNotFound,
-    InvalidInput,
     LockBusy,
     LockTimeout,
-    MigrationError,
-    StoreBusy,
     StoreError,
 )
 from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
-from flowlock.stores import migrations
 from flowlock.stores.base import LockedResult, Plan, RowLock
 
-__all__ = ["PostgresStore", "entry_from_row", "instance_from_row"]
+__all__ = ["PostgresStore"]
 
-_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-# Any fixed 64-bit number; two processes migrating at once serialise on it.
-_MIGRATION_LOCK = 0x666C6F776C6F636B  # "flowlock"
-
-_INSTANCE_COLS = "id, workflow, state, version, data, last_event, created_at, updated_at"
-_HISTORY_COLS = (
-    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
-    "fencing_token"
-)
 
 _READ = f"""
-SELECT {_INSTANCE_COLS} FROM flowlock_instances WHERE id = $1
+SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = $1
 """
 # The unlocked read with the request-id lookup in the same snapshot: one round trip.
 _READ_WITH_REQUEST = """
@@ -67,12 +59,12 @@ LEFT JOIN flowlock_history h ON h.instance_id = i.id AND h.request_id = $2
 WHERE i.id = $1
 """
 _LOCK = f"""
-SELECT {_INSTANCE_COLS}, current_setting('lock_timeout') AS lock_timeout
+SELECT {INSTANCE_COLUMNS}, current_setting('lock_timeout') AS lock_timeout
 FROM flowlock_instances WHERE id = $1 FOR UPDATE
 """
 _LOCK_NOWAIT = _LOCK.rstrip() + " NOWAIT\n"
 _PRIOR = f"""
-SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 AND request_id = $2
+SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND request_id = $2
 """
 # Why one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
 # the version in the WHERE clause is the compare-and-swap; no row back means another writer won.
@@ -91,7 +83,7 @@ WITH moved AS (
            fencing_token = coalesce($10, fencing_token)
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
- RETURNING {_INSTANCE_COLS}
+ RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
                                   actor, request_id, strategy, data, at, fencing_token)
@@ -118,10 +110,10 @@ _CREATE = f"""
 INSERT INTO flowlock_instances (id, workflow, state, version, data)
 VALUES ($1, $2, $3, 1, $4)
 ON CONFLICT (id) DO NOTHING
-RETURNING {_INSTANCE_COLS}
+RETURNING {INSTANCE_COLUMNS}
 """
 _HISTORY = f"""
-SELECT {_HISTORY_COLS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
+SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
 """
 
 
@@ -134,37 +126,6 @@ def _millis(setting: str) -> float:
     if m is None:
         return -1.0
     return float(m.group(1)) * _UNITS.get(m.group(2) or "ms", -1.0)
-
-
-def instance_from_row(row: asyncpg.Record) -> Instance:
-    """An Instance from a row holding the instance columns."""
-    return Instance(
-        id=row["id"],
-        workflow=row["workflow"],
-        state=row["state"],
-        version=row["version"],
-        data=row["data"],
-        last_event=row["last_event"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
-
-
-def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
-    """A HistoryEntry from a row holding the history columns (named ``prefix`` + column)."""
-    return HistoryEntry(
-        instance_id=row[prefix + "instance_id"],
-        version=row[prefix + "version"],
-        event=row[prefix + "event"],
-        from_state=row[prefix + "from_state"],
-        to_state=row[prefix + "to_state"],
-        actor=row[prefix + "actor"],
-        request_id=row[prefix + "request_id"],
-        strategy=row[prefix + "strategy"],
-        data=row[prefix + "data"],
-        at=row[prefix + "at"],
-        fencing_token=row[prefix + "fencing_token"],
-    )
 
 
 def _snapshot(row: asyncpg.Record) -> Snapshot:
@@ -187,22 +148,6 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.strategy,
         entry.fencing_token,
     )
-
-
-async def _init_connection(conn: asyncpg.Connection) -> None:
-    await conn.set_type_codec(
-        "jsonb",
-        encoder=lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False),
-        decoder=json.loads,
-        schema="pg_catalog",
-    )
-
-
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """Pool reset hook: nothing to undo. flowlock changes session state only with SET LOCAL and
-    transaction-level advisory locks, which end with their transaction, and asyncpg still rolls
-    back any open transaction before calling this. The default reset (``RESET ALL; UNLISTEN *;
-    ...``) would cost one extra round trip on every release."""
 
 
 class PostgresStore:
@@ -230,12 +175,8 @@ class PostgresStore:
         lock_timeout: float = 5.0,
         application_name: str = "flowlock",
     ) -> None:
-        if schema is not None and not _SCHEMA.fullmatch(schema):
-            raise InvalidInput(
-                f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
-            )
-        if pool_size < 1:
-            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+        check_schema(schema)
+        check_pool_size(pool_size)
         self.dsn = dsn
         self.schema = schema
         self.pool_size = pool_size
@@ -254,36 +195,17 @@ class PostgresStore:
             return
         # Every statement outside a pessimistic transaction (the optimistic compare-and-swap
         # above all) waits at most lock_timeout for a row lock: no wait in flowlock is unbounded.
-        settings = {
-            "application_name": self.application_name,
-            "lock_timeout": f"{max(1, round(self.lock_timeout * 1000))}ms",
-        }
-        if self.schema is not None:
-            settings["search_path"] = self.schema
-        try:
-            if self.schema is not None:
-                # The pool's search_path names the schema, so it must exist before the pool does.
-                conn = await asyncpg.connect(self.dsn, timeout=self._connect_timeout)
-                try:
-                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-                except asyncpg.UniqueViolationError:
-                    pass  # created by a concurrent opener
-                finally:
-                    await conn.close()
-            self._pool = await asyncpg.create_pool(
+        with wrap_connect(self.dsn):
+            self._pool = await create_pool(
                 self.dsn,
                 min_size=self._min_size,
                 max_size=self.pool_size,
-                init=_init_connection,
-                reset=_keep_session,
-                server_settings=settings,
-                timeout=self._connect_timeout,
+                schema=self.schema,
+                create_schema=True,
+                application_name=self.application_name,
+                server_settings={"lock_timeout": f"{max(1, round(self.lock_timeout * 1000))}ms"},
+                connect_timeout=self._connect_timeout,
             )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise StoreError(
-                f"cannot connect to PostgreSQL at {self.dsn.split('@')[-1]!r}: {exc}; "
-                "check the URL and that the server is running"
-            ) from exc
         if self._auto_migrate:
             try:
                 await self.migrate()
@@ -303,50 +225,26 @@ class PostgresStore:
         return self._pool
 
     @asynccontextmanager
-    async def _conn(self, key: str = "") -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        pool = self.pool
-        try:
-            conn = await pool.acquire(timeout=self._acquire_timeout)
-        except TimeoutError:
-            raise StoreBusy(self._acquire_timeout, self.pool_size) from None
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            raise _translate(exc, key) from exc
-        try:
+    async def _conn(
+        self, key: str = "", *, busy: Callable[[BaseException], FlowlockError] | None = None
+    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection, whose driver errors become flowlock errors about ``key``.
+        ``busy``: what a lock that is not available (SQLSTATE 55P03) means to this call; by
+        default a StoreError."""
+        async with connection(
+            self.pool,
+            acquire_timeout=self._acquire_timeout,
+            size=self.pool_size,
+            context=_errors(key, busy),
+        ) as conn:
             yield conn
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-            raise _translate(exc, key) from exc
-        finally:
-            await pool.release(conn)
 
     async def migrate(self) -> list[str]:
-        applied: list[str] = []
-        try:
-            async with self._conn() as conn, conn.transaction():
-                await conn.execute("SET LOCAL lock_timeout = '60s'")
-                # Why a transaction-level advisory lock: two processes starting at once must not
-                # both run 001; the second waits here, then sees 001 recorded and skips it.
-                await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
-                await conn.execute(
-                    "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
-                    " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-                )
-                done = {
-                    r["name"]
-                    for r in await conn.fetch("SELECT name FROM flowlock_schema_migrations")
-                }
-                for m in migrations.load("postgres"):
-                    if m.name in done:
-                        continue
-                    await conn.execute(m.sql)
-                    await conn.execute(
-                        "INSERT INTO flowlock_schema_migrations (name) VALUES ($1)", m.name
-                    )
-                    applied.append(m.name)
-        except FlowlockError as exc:
-            if isinstance(exc, EngineClosed):
-                raise
-            raise MigrationError(f"migrating the flowlock schema failed: {exc}") from exc
-        return applied
+        """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).
+        MigrationError if that fails, EngineClosed if the store is not open."""
+        return await migrations.migrate(
+            self.pool, acquire_timeout=self._acquire_timeout, pool_size=self.pool_size
+        )
 
     # -- operations ------------------------------------------------------------------------
 
@@ -377,16 +275,17 @@ class PostgresStore:
         return _snapshot(row) if request_id is not None else Snapshot(instance_from_row(row))
 
     async def commit(self, entry: HistoryEntry) -> Instance | None:
+        key = entry.instance_id
         started = time.monotonic()
         try:
-            async with self._conn(entry.instance_id) as conn:
+            async with self._conn(
+                key, busy=lambda _: LockTimeout(key, time.monotonic() - started)
+            ) as conn:
                 row = await conn.fetchrow(_CAS, *_cas_args(entry))
         except _DuplicateRequest:
             # The same request id was applied by a concurrent caller; the statement rolled back
             # whole. Report a lost race: the next read finds that entry and answers idempotently.
             return None
-        except _LockNotAvailable:
-            raise LockTimeout(entry.instance_id, time.monotonic() - started) from None
         return None if row is None else instance_from_row(row)
 
     async def apply_locked(
@@ -397,29 +296,30 @@ class PostgresStore:
         # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
         # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
         begin = "BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'"
-        try:
-            async with self._conn(instance_id) as conn:
-                await conn.execute(begin)
-                try:
-                    snap, committed, locked_at = await self._locked_step(
-                        conn, instance_id, request_id, plan, lock, wanted
-                    )
-                    await conn.execute("COMMIT")
-                    released_at = time.monotonic()
-                except asyncio.CancelledError:
-                    # Cancelled mid-statement (waiting for the row lock, say): the connection is
-                    # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
-                    # the lock wait on the server; the pool opens a fresh connection later.
-                    conn.terminate()
-                    raise
-                except BaseException:
-                    if not conn.is_closed() and conn.is_in_transaction():
-                        await conn.execute("ROLLBACK")
-                    raise
-        except _LockNotAvailable:
+
+        def busy(_: BaseException) -> FlowlockError:
             if lock.nowait:
-                raise LockBusy(instance_id) from None
-            raise LockTimeout(instance_id, time.monotonic() - started) from None
+                return LockBusy(instance_id)
+            return LockTimeout(instance_id, time.monotonic() - started)
+
+        async with self._conn(instance_id, busy=busy) as conn:
+            await conn.execute(begin)
+            try:
+                snap, committed, locked_at = await self._locked_step(
+                    conn, instance_id, request_id, plan, lock, wanted
+                )
+                await conn.execute("COMMIT")
+                released_at = time.monotonic()
+            except asyncio.CancelledError:
+                # Cancelled mid-statement (waiting for the row lock, say): the connection is
+                # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
+                # the lock wait on the server; the pool opens a fresh connection later.
+                conn.terminate()
+                raise
+            except BaseException:
+                if not conn.is_closed() and conn.is_in_transaction():
+                    await conn.execute("ROLLBACK")
+                raise
         return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
 
     async def _locked_step(
@@ -462,7 +362,7 @@ class PostgresStore:
             )
         return snap, instance_from_row(moved), locked_at
 
-    # -- the adaptive strategy's escalation board (flowlock.monitor.EscalationBoard) -----------
+    # -- the adaptive strategy's escalation board (flowlock.stores.base.EscalationBoard) -----
 
     async def publish(self, escalation: Escalation) -> None:
         async with self._conn(escalation.key) as conn:
@@ -490,32 +390,27 @@ class PostgresStore:
         return [entry_from_row(r) for r in rows]
 
 
+def _errors(key: str, busy: Callable[[BaseException], FlowlockError] | None = None) -> Context:
+    """What the driver errors of a statement about ``key`` mean to the store."""
+    return Context(
+        what=f"PostgreSQL error for {key!r}",
+        tables="flowlock tables are",
+        opener="the engine",
+        key=key,
+        busy=busy or _unavailable,
+        duplicate=_DuplicateRequest.of,
+    )
+
+
+def _unavailable(exc: BaseException) -> FlowlockError:
+    # SQLSTATE 55P03 outside commit and apply_locked (an INSERT waiting behind a concurrent
+    # one, say): the lock_timeout of the session ran out.
+    return StoreError(str(exc))
+
+
 class _DuplicateRequest(StoreError):
-    """The (instance, request_id) unique constraint fired."""
+    """The (instance, request_id) unique constraint fired (a signal commit() catches)."""
 
-
-class _LockNotAvailable(StoreError):
-    """SQLSTATE 55P03: lock_timeout expired or NOWAIT found the row locked."""
-
-
-def _translate(exc: BaseException, key: str) -> FlowlockError:
-    """The one place asyncpg errors become flowlock errors."""
-    if isinstance(exc, asyncpg.LockNotAvailableError):
-        return _LockNotAvailable(str(exc))
-    if isinstance(exc, asyncpg.UniqueViolationError):
-        if exc.constraint_name == "flowlock_history_request_uniq":
-            return _DuplicateRequest(str(exc))
-        return StoreError(f"unexpected unique violation for {key!r}: {exc}")
-    if isinstance(exc, asyncpg.UndefinedTableError):
-        return MigrationError(
-            f"flowlock tables are missing ({exc}); run `flowlock db migrate` or open the "
-            "engine with auto_migrate=True"
-        )
-    if isinstance(exc, asyncpg.QueryCanceledError):
-        return StoreError(f"statement cancelled for {key!r} (statement_timeout?): {exc}")
-    if isinstance(exc, asyncpg.InterfaceError | OSError | asyncpg.PostgresConnectionError):
-        return StoreError(
-            f"lost the connection to PostgreSQL while working on {key!r}: {exc}; "
-            "the transaction was rolled back, nothing was written"
-        )
-    return StoreError(f"PostgreSQL error for {key!r}: {type(exc).__name__}: {exc}")
+    @classmethod
+    def of(cls, exc: BaseException) -> FlowlockError:
+        return cls(str(exc))

@@ -2,7 +2,7 @@
 one process (memory locks, advisory locks) and across OS processes (advisory locks, Redis),
 including when a runner is killed or stalled mid-job.
 
-Run as a script (``python test_runner.py CONFIG_JSON``) this file is the worker process of the
+Run as a script (``python test_jobs.py CONFIG_JSON``) this file is the worker process of the
 multi-process tests: it fires ticks and prints one JSON line per event.
 """
 
@@ -25,8 +25,8 @@ import asyncpg
 import pytest
 
 import flowlock
+from flowlock.jobs import JobContext, RunOnce, RunResult
 from flowlock.locks import LockBackend, MemoryLocks
-from flowlock.runner import JobContext, RunOnce, RunResult
 
 pytestmark = pytest.mark.postgres
 

@@ -1,0 +1,155 @@
+"""The one pool factory of the PostgreSQL adapters, and the pooled connection they work on.
+
+:func:`create_pool` sets, in one place, what every flowlock connection needs: the schema
+(created if asked, and put on ``search_path``), the ``application_name`` it shows in
+``pg_stat_activity``, the ``jsonb`` codec, and no reset on release (see :func:`_keep_session`).
+Each caller still passes what is its own: sizes, timeouts, extra server settings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from flowlock._pg.errors import DRIVER_ERRORS, Context, translate, wrap_errors
+from flowlock.errors import InvalidInput, StoreBusy
+
+__all__ = [
+    "InitHook",
+    "SetupHook",
+    "check_pool_size",
+    "check_schema",
+    "connection",
+    "create_pool",
+    "ensure_schema",
+]
+
+# Run on each new connection (init) and on each acquire (setup), as asyncpg calls them.
+InitHook = Callable[[asyncpg.Connection], Coroutine[Any, Any, None]]
+SetupHook = Callable[[asyncpg.pool.PoolConnectionProxy], Coroutine[Any, Any, None]]
+
+# The schema reaches search_path and a CREATE SCHEMA statement: an identifier, never SQL text.
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def check_schema(schema: str | None) -> None:
+    """Refuse a schema name that is not a plain lower-case SQL identifier."""
+    if schema is not None and not _SCHEMA.fullmatch(schema):
+        raise InvalidInput(
+            f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
+        )
+
+
+def check_pool_size(pool_size: int) -> None:
+    if pool_size < 1:
+        raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+
+
+async def _jsonb(conn: asyncpg.Connection) -> None:
+    """``jsonb`` columns as dicts (and lists...) both ways, encoded compactly."""
+    await conn.set_type_codec(
+        "jsonb",
+        encoder=lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False),
+        decoder=json.loads,
+        schema="pg_catalog",
+    )
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool reset hook: nothing to undo. flowlock changes session state only with SET LOCAL and
+    transaction-level advisory locks, which end with their transaction, and asyncpg still rolls
+    back any open transaction before calling this. The default reset (``RESET ALL; UNLISTEN *;
+    ...``) would cost one extra round trip on every release."""
+
+
+def _init_hook(jsonb: bool, init: InitHook | None) -> InitHook | None:
+    if not jsonb:
+        return init
+    if init is None:
+        return _jsonb
+
+    async def both(conn: asyncpg.Connection) -> None:
+        await _jsonb(conn)
+        await init(conn)
+
+    return both
+
+
+async def ensure_schema(dsn: str, schema: str, *, connect_timeout: float) -> None:
+    """Create ``schema`` if it is missing, on a connection of its own (a pool's search_path names
+    the schema, so it must exist before the pool's connections do)."""
+    check_schema(schema)
+    conn = await asyncpg.connect(dsn, timeout=connect_timeout)
+    try:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    except asyncpg.UniqueViolationError:
+        pass  # created by a concurrent opener
+    finally:
+        await conn.close()
+
+
+async def create_pool(
+    dsn: str,
+    *,
+    max_size: int,
+    application_name: str,
+    connect_timeout: float,
+    min_size: int = 1,
+    schema: str | None = None,
+    create_schema: bool = False,
+    server_settings: Mapping[str, str] | None = None,
+    jsonb: bool = True,
+    reset: bool = False,
+    init: InitHook | None = None,
+    setup: SetupHook | None = None,
+) -> asyncpg.Pool:
+    """A pool of at most ``max_size`` connections to ``dsn`` (``min_size`` opened up front).
+
+    ``schema``: put on ``search_path`` (and created first if ``create_schema``). ``jsonb``: decode
+    and encode ``jsonb`` as Python values. ``reset``: run asyncpg's default reset on every release
+    (off: flowlock's session state is transaction-scoped, see :func:`_keep_session`).
+    ``server_settings``: more settings for every connection (``lock_timeout``...). ``init`` runs on
+    each new connection (after the codec), ``setup`` on each acquire. Driver errors are raised as
+    they are: the caller says what a failure to connect means to it.
+    """
+    check_schema(schema)
+    if schema is not None and create_schema:
+        await ensure_schema(dsn, schema, connect_timeout=connect_timeout)
+    settings = {"application_name": application_name, **(server_settings or {})}
+    if schema is not None:
+        settings["search_path"] = schema
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=min(min_size, max_size),
+        max_size=max_size,
+        init=_init_hook(jsonb, init),
+        setup=setup,
+        reset=None if reset else _keep_session,
+        server_settings=settings,
+        timeout=connect_timeout,
+    )
+
+
+@asynccontextmanager
+async def connection(
+    pool: asyncpg.Pool, *, acquire_timeout: float, size: int, context: Context
+) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+    """A connection of ``pool`` (of ``size`` at most), given back on the way out; driver errors
+    raised inside become flowlock errors of ``context``. No connection free within
+    ``acquire_timeout`` seconds: StoreBusy."""
+    try:
+        conn = await pool.acquire(timeout=acquire_timeout)
+    except TimeoutError:
+        raise StoreBusy(acquire_timeout, size) from None
+    except DRIVER_ERRORS as exc:
+        raise translate(exc, context=context) from exc
+    try:
+        with wrap_errors(context):
+            yield conn
+    finally:
+        await pool.release(conn)

@@ -1,0 +1,82 @@
+"""Rows of flowlock's tables as models, and the bulk reads of whole sets of instances.
+
+The column lists are the ones the mappers read; statements that feed a mapper select them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import asyncpg
+
+from flowlock.models import HistoryEntry, Instance
+
+__all__ = [
+    "HISTORY_COLUMNS",
+    "INSTANCE_COLUMNS",
+    "entry_from_row",
+    "instance_from_row",
+    "read_history",
+    "read_instances",
+]
+
+INSTANCE_COLUMNS = "id, workflow, state, version, data, last_event, created_at, updated_at"
+HISTORY_COLUMNS = (
+    "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
+    "fencing_token"
+)
+
+# Anything that runs a query: a pool, a connection, a pooled connection.
+Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+_INSTANCES = f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ANY($1::text[])"
+_HISTORIES = f"""
+SELECT {HISTORY_COLUMNS}
+  FROM flowlock_history WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
+"""
+
+
+def instance_from_row(row: asyncpg.Record) -> Instance:
+    """An Instance from a row holding the instance columns."""
+    return Instance(
+        id=row["id"],
+        workflow=row["workflow"],
+        state=row["state"],
+        version=row["version"],
+        data=row["data"],
+        last_event=row["last_event"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
+    """A HistoryEntry from a row holding the history columns (named ``prefix`` + column)."""
+    return HistoryEntry(
+        instance_id=row[prefix + "instance_id"],
+        version=row[prefix + "version"],
+        event=row[prefix + "event"],
+        from_state=row[prefix + "from_state"],
+        to_state=row[prefix + "to_state"],
+        actor=row[prefix + "actor"],
+        request_id=row[prefix + "request_id"],
+        strategy=row[prefix + "strategy"],
+        data=row[prefix + "data"],
+        at=row[prefix + "at"],
+        fencing_token=row[prefix + "fencing_token"],
+    )
+
+
+async def read_instances(db: Queryable, ids: Sequence[str]) -> dict[str, Instance]:
+    """The instances of ``ids`` that exist, by id: one statement however many ids (``db`` must
+    decode ``jsonb``, as the pools of :func:`flowlock._pg.pool.create_pool` do)."""
+    return {row["id"]: instance_from_row(row) for row in await db.fetch(_INSTANCES, list(ids))}
+
+
+async def read_history(db: Queryable, ids: Sequence[str]) -> dict[str, list[HistoryEntry]]:
+    """The history of every id in ``ids``, oldest first (an empty list for an id with none): one
+    statement however many ids."""
+    histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
+    for row in await db.fetch(_HISTORIES, list(ids)):
+        histories.setdefault(row["instance_id"], []).append(entry_from_row(row))
+    return histories
