@@ -528,7 +528,8 @@ async def test_redis_key_layout_escapes_and_shares_a_slot(redis_locks: RedisLock
     lease = await redis_locks.acquire("a:b", ttl=5)
     client = redis_locks.client
     assert await client.get(redis_locks.redis_key("a:b")) == lease.token
-    assert int(await client.get(redis_locks.fence_key("a:b"))) == lease.fencing
+    fence = await client.get(redis_locks.fence_key("a:b"))
+    assert fence is not None and int(fence) == lease.fencing
     assert key_slot(redis_locks.redis_key("a:b").encode()) == key_slot(
         redis_locks.fence_key("a:b").encode()
     )
@@ -668,12 +669,13 @@ async def test_redis_lifecycle_and_misuse(redis_url: str, redis_namespace: str) 
     await locks.open()  # reopens
     assert not await locks.locked("k")
     await locks.aclose()
-    for bad in (
+    bads: tuple[Callable[[], object], ...] = (
         lambda: RedisLocks("http://localhost:6379"),
         lambda: RedisLocks(redis_url, namespace=""),
         lambda: RedisLocks(redis_url, fence_gap=-1),
         lambda: RedisLocks(redis_url, socket_timeout=0),
-    ):
+    )
+    for bad in bads:
         with pytest.raises(InvalidInput):
             bad()
 

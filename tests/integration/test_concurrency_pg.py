@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import pytest
@@ -53,9 +54,7 @@ async def test_storm_exactly_one_applied_per_round(
         await engine.create("approval", instance_id=iid)
         outs = await at_once(
             [
-                lambda i=i, iid=iid: engine.fire(
-                    iid, "approve", actor=f"admin-{i}", strategy=strategy
-                )
+                partial(engine.fire, iid, "approve", actor=f"admin-{i}", strategy=strategy)
                 for i in range(100)
             ]
         )
@@ -79,7 +78,7 @@ async def test_countersign_every_signature_once(
     await engine.create("countersign", instance_id="doc")
     outs = await at_once(
         [
-            lambda i=i: engine.fire("doc", "sign", actor=f"signer-{i}", strategy=strategy)
+            partial(engine.fire, "doc", "sign", actor=f"signer-{i}", strategy=strategy)
             for i in range(100)
         ]
     )
@@ -155,9 +154,7 @@ async def test_mixed_strategies_on_one_instance(pg_engine_factory: EngineFactory
     await engine.create("inventory", instance_id="sku", data={"stock": 1000})
     outs = await at_once(
         [
-            lambda i=i: engine.fire(
-                "sku", "reserve", strategy=STRATEGIES[i % 2], request_id=f"r{i}"
-            )
+            partial(engine.fire, "sku", "reserve", strategy=STRATEGIES[i % 2], request_id=f"r{i}")
             for i in range(60)
         ]
     )

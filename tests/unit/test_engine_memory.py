@@ -92,9 +92,9 @@ async def test_payload_size_limit(mem: flowlock.Engine) -> None:
 async def test_bad_actor_and_request_id(mem: flowlock.Engine, field: str) -> None:
     """actor and request_id follow the id rules."""
     with pytest.raises(flowlock.InvalidInput):
-        await mem.fire("r", "approve", **{field: "a\x00b"})
+        await mem.fire("r", "approve", **{field: "a\x00b"})  # type: ignore[arg-type]
     with pytest.raises(flowlock.InvalidInput):
-        await mem.fire("r", "approve", **{field: ""})
+        await mem.fire("r", "approve", **{field: ""})  # type: ignore[arg-type]
     await _unchanged(mem)
 
 
