@@ -97,7 +97,7 @@ def _errors_as_exit() -> Iterator[None]:
 
 
 def _redact(url: str) -> str:
-    from flowlock.bench.runner import redact
+    from flowlock.bench.config import redact
 
     return redact(url)
 
