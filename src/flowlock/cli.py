@@ -328,7 +328,7 @@ PlotOption = Annotated[
     typer.Option(
         "--plot",
         help="Also draw latency percentiles, success % and throughput per strategy and "
-        "scenario as a PNG (needs matplotlib, part of the 'embedded' extra).",
+        "scenario as a PNG (needs matplotlib, part of the 'bench' extra).",
         callback=_check_out_path,
         dir_okay=False,
         show_default=False,

@@ -24,7 +24,7 @@ _SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#8c564b")
 
 
 class PlotUnavailable(FlowlockError):
-    """--plot needs matplotlib: pip install 'flowlock[embedded]' (or pip install matplotlib)."""
+    """--plot needs matplotlib: pip install 'flowlock[bench]' (or pip install matplotlib)."""
 
 
 def check_plot_support() -> None:
