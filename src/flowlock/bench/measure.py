@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 
@@ -23,7 +23,15 @@ from flowlock.bench.scenarios import Scenario, Session
 from flowlock.bench.servers import DRIVER_ERRORS, connect, store_error
 from flowlock.errors import TransitionRefused
 
-__all__ = ["SAMPLE_INTERVAL", "Armed", "Gate", "Sampler", "peak_overlap", "timed_call"]
+__all__ = [
+    "SAMPLE_INTERVAL",
+    "Armed",
+    "Gate",
+    "Sampler",
+    "peak_overlap",
+    "sampled",
+    "timed_call",
+]
 
 SAMPLE_INTERVAL = 0.004
 """Seconds between two pg_stat_activity samples while calls run (peak connections, lock wait):
@@ -188,6 +196,21 @@ class Sampler:
             else:
                 last = time.perf_counter()
             await asyncio.sleep(SAMPLE_INTERVAL if recording else _IDLE_INTERVAL)
+
+
+@contextlib.asynccontextmanager
+async def sampled(sampler: Sampler | None) -> AsyncIterator[None]:
+    """Record with ``sampler`` while the block runs the round's calls, then let it add what
+    its samples were too coarse to see; nothing without a sampler (the warm-up round)."""
+    if sampler is None:
+        yield
+        return
+    sampler.start()
+    try:
+        yield
+    finally:
+        sampler.stop()
+    await sampler.settle()
 
 
 # -- the start gate and the timed calls ----------------------------------------------------------

@@ -438,6 +438,7 @@ class BenchReport:
         return all(r.verdict.ok for r in self.results)
 
 
+# Violation kinds, the most serious first: what a reader of a failed run should see first.
 _SEVERITY = (DOUBLE_APPLY, LOST_UPDATE, OVERSELL, VERSION_GAP, BROKEN_CHAIN, FINAL_MISMATCH)
 
 

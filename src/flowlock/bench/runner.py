@@ -39,7 +39,7 @@ import flowlock
 from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target, redact
 from flowlock.bench.host import cores, loop_factory, loop_name
 from flowlock.bench.logs import collect_logs
-from flowlock.bench.measure import Armed, Sampler
+from flowlock.bench.measure import Armed, Sampler, sampled
 from flowlock.bench.procs import Arm, ArmedReply, Close, Closed, Done, Go, Open, Opened, WorkerPool
 from flowlock.bench.progress import NullProgress, Progress
 from flowlock.bench.registry import STRATEGIES, StrategySpec, expand
@@ -102,15 +102,8 @@ async def _round_in_process(
         await armed.cancel()
         raise
     leased = session.lease_wait
-    if sampler is not None:
-        sampler.start()
-    try:
+    async with sampled(sampler):
         results, wall = await armed.go()
-    finally:
-        if sampler is not None:
-            sampler.stop()
-    if sampler is not None:
-        await sampler.settle()
     return results, wall, session.lease_wait - leased
 
 
@@ -120,16 +113,9 @@ async def _round_in_processes(
     lanes = plan.callers()
     parts = [lanes[p :: workers.count] for p in range(workers.count)]
     await workers.ask([Arm(tuple(part)) for part in parts], ArmedReply)
-    if sampler is not None:
-        sampler.start()
-    try:
+    async with sampled(sampler):
         await workers.send_all(Go())
         replies = await workers.receive(Done)
-    finally:
-        if sampler is not None:
-            sampler.stop()
-    if sampler is not None:
-        await sampler.settle()
     results = [r for reply in replies for r in reply.results]
     wall = max(reply.wall for reply in replies)
     lease = sum(reply.lease_wait for reply in replies)
@@ -320,9 +306,12 @@ def _args(
 
 
 async def _run_pairs(
-    run: _Run, redis: RedisServer | None, skipped: list[str]
-) -> list[ScenarioResult]:
+    run: _Run, redis: RedisServer | None
+) -> tuple[list[ScenarioResult], list[str]]:
+    """Every (scenario, strategy) pair in order; the pairs that need Redis are skipped (and
+    named) when there is none."""
     results: list[ScenarioResult] = []
+    skipped: list[str] = []
     for scenario_name in run.config.scenario_names():
         for strategy_name in run.config.strategy_names():
             spec = STRATEGIES[strategy_name]
@@ -330,7 +319,7 @@ async def _run_pairs(
                 skipped.append(f"{scenario_name}/{strategy_name}")
                 continue
             results.append(await _run_pair(run, SCENARIOS[scenario_name], spec))
-    return results
+    return results, skipped
 
 
 async def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
@@ -341,7 +330,6 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
     tag = secrets.token_hex(4)
     schema = f"flowlock_bench_{secrets.token_hex(6)}"
     started = time.perf_counter()
-    skipped: list[str] = []
     needs_redis = any(STRATEGIES[n].locks == "redis" for n in config.strategy_names())
     async with contextlib.AsyncExitStack() as stack:
         logged = stack.enter_context(collect_logs())
@@ -363,7 +351,8 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
 
         shown.status(f"creating flowlock's tables in the scratch schema {schema}")
         await prepare_schema(server.url, schema, [SCENARIOS[n] for n in config.scenario_names()])
-        results = await _run_pairs(_Run(config, target, seed, shown, workers), redis, skipped)
+        shared = _Run(config, target, seed, shown, workers)
+        results, skipped = await _run_pairs(shared, redis)
     return BenchReport(
         flowlock_version=flowlock.__version__,
         postgres_version=server.version,
