@@ -14,10 +14,10 @@ arguments; 3 ``bench`` ran but a checker verdict failed; 130 interrupted (Ctrl-C
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -26,6 +26,9 @@ from rich.text import Text
 import flowlock
 from flowlock.connect import connect
 from flowlock.errors import FlowlockError
+
+if TYPE_CHECKING:
+    from flowlock.bench import BenchConfig, BenchReport
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_VERDICT_FAILED", "app", "main"]
 
@@ -97,7 +100,7 @@ def _errors_as_exit() -> Iterator[None]:
 
 
 def _redact(url: str) -> str:
-    from flowlock.bench.runner import redact
+    from flowlock.bench.config import redact
 
     return redact(url)
 
@@ -225,142 +228,207 @@ def _strategy_help() -> str:
     )
 
 
+# The bench command's options, one alias each: the command itself stays a short function.
+ScenarioOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--scenario",
+        "-s",
+        help=_scenario_help(),
+        callback=_check_scenarios,
+        show_default=False,
+    ),
+]
+StrategyOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--strategy",
+        "-t",
+        help=_strategy_help(),
+        callback=_check_strategies,
+        show_default=False,
+    ),
+]
+WorkersOption = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        "-w",
+        min=1,
+        help="Concurrent callers per round (across all processes in cluster/singleton).",
+    ),
+]
+RoundsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--rounds",
+        "-r",
+        min=1,
+        help="Timed rounds per scenario. Default: each scenario's own (storm 10, "
+        "countersign 3, inventory 5, hot/spread/cluster 1, singleton 10 ticks; fewer "
+        "with --quick).",
+        show_default=False,
+    ),
+]
+OpsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--ops",
+        min=1,
+        help="Calls each caller makes one after another per round in hot, spread and "
+        "cluster. Default: hot 20, spread 60, cluster 40 (3 with --quick).",
+        show_default=False,
+    ),
+]
+ProcessesOption = Annotated[
+    int | None,
+    typer.Option(
+        "--processes",
+        "-p",
+        min=1,
+        help="OS processes the cluster and singleton scenarios run their callers in. Default: 4.",
+        show_default=False,
+    ),
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option(
+        "--seed",
+        help="Seed for the retry jitter and the spread's choices, to repeat a run. "
+        "Default: random (reported).",
+        show_default=False,
+    ),
+]
+QuickOption = Annotated[
+    bool,
+    typer.Option("--quick", help="Fewer rounds and calls: the whole run in under 30 s (CI)."),
+]
+PoolSizeOption = Annotated[
+    int | None,
+    typer.Option(
+        "--pool-size",
+        min=1,
+        help="Database connections per session pool. Default: --workers (one per "
+        "caller, like the seed's experiment), lowered if the server cannot take that many.",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--json",
+        help="Also write every figure as JSON (the shape in DESIGN.md) to this file.",
+        callback=_check_out_path,
+        dir_okay=False,
+        show_default=False,
+    ),
+]
+PlotOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        help="Also draw latency percentiles, success % and throughput per strategy and "
+        "scenario as a PNG (needs matplotlib, part of the 'bench' extra).",
+        callback=_check_out_path,
+        dir_okay=False,
+        show_default=False,
+    ),
+]
+BenchDatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar=ENV_DATABASE_URL,
+        help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and "
+        "random hex) dropped at the end. Default: start an embedded PostgreSQL for the run.",
+        show_default=False,
+    ),
+]
+BenchRedisUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        envvar=ENV_REDIS_URL,
+        help="Run distributed-redis against this Redis, under a scratch key namespace "
+        "deleted at the end. Default: start an embedded Redis for the run.",
+        show_default=False,
+    ),
+]
+EmbeddedOption = Annotated[
+    bool,
+    typer.Option(
+        "--embedded",
+        help=f"Use an embedded PostgreSQL and Redis even if {ENV_DATABASE_URL} or "
+        f"{ENV_REDIS_URL} is set.",
+    ),
+]
+
+
+def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
+    """Validate ``config`` (and the plot support) before starting anything, then run it with
+    a progress display on stderr; flowlock errors and Ctrl-C become exits."""
+    from flowlock.bench import runner
+    from flowlock.bench.report import RichProgress, check_plot_support
+
+    with _errors_as_exit():
+        config.validate()  # before starting anything: a bad URL must not cost a server start
+        if plot:
+            check_plot_support()
+        with RichProgress(_stderr()) as progress:
+            report = runner.run(config, progress)
+    return report
+
+
+def _stdout() -> Console:
+    out = Console()
+    if not out.is_terminal:
+        # Piped or redirected: rich would assume 80 columns and fold the table; use room.
+        out = Console(width=160)
+    return out
+
+
+def _write(path: Path | None, write: Callable[[Path], None]) -> None:
+    """``write(path)`` unless no path was given; an OS error is one red line and exit 1."""
+    if path is None:
+        return
+    try:
+        write(path)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}")
+    _stderr().print(Text(f"wrote {path}", style="dim"))
+
+
+def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -> None:
+    """The tables on stdout, the JSON and the chart where asked; exit 3 on a failed verdict."""
+    from flowlock.bench.report import failures, plot, render, write_json
+
+    render(report, _stdout())
+    _write(json_file, lambda path: write_json(report, path))
+    _write(plot_file, lambda path: plot(report, path))
+    if not report.ok:
+        _fail(
+            "checker verdict FAILED: the history is not exactly-once\n"
+            + "\n".join(failures(report)),
+            EXIT_VERDICT_FAILED,
+        )
+
+
 @app.command()
 def bench(
-    scenario: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--scenario",
-            "-s",
-            help=_scenario_help(),
-            callback=_check_scenarios,
-            show_default=False,
-        ),
-    ] = None,
-    strategy: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--strategy",
-            "-t",
-            help=_strategy_help(),
-            callback=_check_strategies,
-            show_default=False,
-        ),
-    ] = None,
-    workers: Annotated[
-        int,
-        typer.Option(
-            "--workers",
-            "-w",
-            min=1,
-            help="Concurrent callers per round (across all processes in cluster/singleton).",
-        ),
-    ] = 100,
-    rounds: Annotated[
-        int | None,
-        typer.Option(
-            "--rounds",
-            "-r",
-            min=1,
-            help="Timed rounds per scenario. Default: each scenario's own (storm 10, "
-            "countersign 3, inventory 5, hot/spread/cluster 1, singleton 10 ticks; fewer "
-            "with --quick).",
-            show_default=False,
-        ),
-    ] = None,
-    ops: Annotated[
-        int | None,
-        typer.Option(
-            "--ops",
-            min=1,
-            help="Calls each caller makes one after another per round in hot, spread and "
-            "cluster. Default: hot 20, spread 60, cluster 40 (3 with --quick).",
-            show_default=False,
-        ),
-    ] = None,
-    processes: Annotated[
-        int | None,
-        typer.Option(
-            "--processes",
-            "-p",
-            min=1,
-            help="OS processes the cluster and singleton scenarios run their callers in. "
-            "Default: 4.",
-            show_default=False,
-        ),
-    ] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            "--seed",
-            help="Seed for the retry jitter and the spread's choices, to repeat a run. "
-            "Default: random (reported).",
-            show_default=False,
-        ),
-    ] = None,
-    quick: Annotated[
-        bool,
-        typer.Option("--quick", help="Fewer rounds and calls: the whole run in under 30 s (CI)."),
-    ] = False,
-    pool_size: Annotated[
-        int | None,
-        typer.Option(
-            "--pool-size",
-            min=1,
-            help="Database connections per session pool. Default: --workers (one per "
-            "caller, like the seed's experiment), lowered if the server cannot take that many.",
-            show_default=False,
-        ),
-    ] = None,
-    json_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--json",
-            help="Also write every figure as JSON (the shape in DESIGN.md) to this file.",
-            callback=_check_out_path,
-            dir_okay=False,
-            show_default=False,
-        ),
-    ] = None,
-    plot_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            help="Also draw latency percentiles, success % and throughput per strategy and "
-            "scenario as a PNG (needs matplotlib, part of the 'embedded' extra).",
-            callback=_check_out_path,
-            dir_okay=False,
-            show_default=False,
-        ),
-    ] = None,
-    database_url: Annotated[
-        str | None,
-        typer.Option(
-            "--database-url",
-            envvar=ENV_DATABASE_URL,
-            help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and "
-            "random hex) dropped at the end. Default: start an embedded PostgreSQL for the run.",
-            show_default=False,
-        ),
-    ] = None,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(
-            "--redis-url",
-            envvar=ENV_REDIS_URL,
-            help="Run distributed-redis against this Redis, under a scratch key namespace "
-            "deleted at the end. Default: start an embedded Redis for the run.",
-            show_default=False,
-        ),
-    ] = None,
-    embedded: Annotated[
-        bool,
-        typer.Option(
-            "--embedded",
-            help=f"Use an embedded PostgreSQL and Redis even if {ENV_DATABASE_URL} or "
-            f"{ENV_REDIS_URL} is set.",
-        ),
-    ] = False,
+    scenario: ScenarioOption = None,
+    strategy: StrategyOption = None,
+    workers: WorkersOption = 100,
+    rounds: RoundsOption = None,
+    ops: OpsOption = None,
+    processes: ProcessesOption = None,
+    seed: SeedOption = None,
+    quick: QuickOption = False,
+    pool_size: PoolSizeOption = None,
+    json_file: JsonOption = None,
+    plot_file: PlotOption = None,
+    database_url: BenchDatabaseUrl = None,
+    redis_url: BenchRedisUrl = None,
+    embedded: EmbeddedOption = False,
 ) -> None:
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
@@ -372,8 +440,6 @@ def bench(
     floor. Exits 3 if any verdict fails.
     """
     from flowlock.bench import BenchConfig
-    from flowlock.bench.report import RichProgress, check_plot_support, failures, render, write_json
-    from flowlock.bench.runner import run
 
     config = BenchConfig(
         scenarios=tuple(scenario) if scenario else None,
@@ -388,38 +454,7 @@ def bench(
         database_url=None if embedded else database_url,
         redis_url=None if embedded else redis_url,
     )
-    with _errors_as_exit():
-        config.validate()  # before starting anything: a bad URL must not cost a server start
-        if plot_file is not None:
-            check_plot_support()
-        with RichProgress(_stderr()) as progress:
-            report = run(config, progress)
-
-    out = Console()
-    if not out.is_terminal:
-        # Piped or redirected: rich would assume 80 columns and fold the table; use room.
-        out = Console(width=160)
-    render(report, out)
-    if json_file is not None:
-        try:
-            write_json(report, json_file)
-        except OSError as exc:
-            _fail(f"cannot write {json_file}: {exc.strerror or exc}")
-        _stderr().print(Text(f"wrote {json_file}", style="dim"))
-    if plot_file is not None:
-        from flowlock.bench.report import plot
-
-        try:
-            plot(report, plot_file)
-        except OSError as exc:
-            _fail(f"cannot write {plot_file}: {exc.strerror or exc}")
-        _stderr().print(Text(f"wrote {plot_file}", style="dim"))
-    if not report.ok:
-        lines = failures(report)
-        _fail(
-            "checker verdict FAILED: the history is not exactly-once\n" + "\n".join(lines),
-            EXIT_VERDICT_FAILED,
-        )
+    _show(_run_bench(config, plot_file is not None), json_file, plot_file)
 
 
 def main() -> None:

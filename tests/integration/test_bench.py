@@ -550,7 +550,7 @@ def test_plot_without_matplotlib_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--plot without matplotlib installed: one clear error line, exit 1, nothing started."""
-    from flowlock.bench import report
+    import flowlock.bench.report.chart as report
 
     monkeypatch.setattr(report.importlib.util, "find_spec", lambda name, *a: None)
 
@@ -561,4 +561,4 @@ def test_plot_without_matplotlib_fails_before_the_run(
     result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(tmp_path / "x.png")])
     assert result.exit_code == 1, result.output
     assert "matplotlib" in result.stderr
-    assert "flowlock[embedded]" in result.stderr
+    assert "flowlock[bench]" in result.stderr

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 import flowlock
+from flowlock.bench import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.bench import runner as bench_runner
-from flowlock.bench.runner import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.errors import StoreError

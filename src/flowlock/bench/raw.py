@@ -29,7 +29,8 @@ from typing import Any
 
 import asyncpg
 
-from flowlock.bench.scenarios import CallSpec, Fired, Floor
+from flowlock.bench.results import CallSpec
+from flowlock.bench.scenarios.base import Fired, Floor
 from flowlock.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.errors import ConflictRetriesExhausted, InstanceNotFound, InvalidInput

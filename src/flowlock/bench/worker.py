@@ -1,17 +1,17 @@
 """A benchmark worker process: ``python -m flowlock.bench.worker``.
 
 The runner starts ``--processes`` of these for the multi-process scenarios (``cluster``,
-``singleton``) and drives them with one JSON object per line on stdin; each request gets one
-JSON line back on stdout (``{"op": "error", "message": ...}`` when it failed):
+``singleton``) and drives them with one request per line on stdin; each request gets one reply
+line on stdout (:class:`~flowlock.bench.procs.Failed` when it failed). The messages are the
+dataclasses of :mod:`flowlock.bench.procs`:
 
-- ``{"op": "open", "target": {...}, "pool_size": n, "scenario": s, "strategy": t, "params":
-  {...}, "seed": "..."}``: open a fresh session for the strategy (its own pool, engine and lock
-  backend, exactly as the runner opens one in-process) -> ``{"op": "opened"}``;
-- ``{"op": "arm", "lanes": [[call, ...], ...]}``: create one task per lane, parked on a gate
-  -> ``{"op": "armed"}`` once all of them wait;
-- ``{"op": "go"}``: release them -> ``{"op": "done", "results": [...], "wall": s,
-  "lease_wait": s}``; latencies are measured here, from this process's release;
-- ``{"op": "close"}``: close the session -> ``{"op": "closed"}``.
+- :class:`~flowlock.bench.procs.Open`: open a fresh session for the strategy (its own pool,
+  engine and lock backend, exactly as the runner opens one in-process) -> ``Opened``;
+- :class:`~flowlock.bench.procs.Arm`: create one task per lane, parked on a gate -> ``ArmedReply``
+  once all of them wait;
+- :class:`~flowlock.bench.procs.Go`: release them -> ``Done`` with every result, the wall time and
+  the lease wait; latencies are measured here, from this process's release;
+- :class:`~flowlock.bench.procs.Close`: close the session -> ``Closed``.
 
 End of input (the runner closed the pipe, or died) closes everything and exits. The worker runs
 in its own session (the runner starts it so), so a Ctrl-C in the terminal reaches only the
@@ -25,24 +25,32 @@ import contextlib
 import json
 import random
 import sys
-from collections.abc import Mapping
-from typing import Any
 
-from flowlock.bench.runner import (
-    STRATEGIES,
-    Armed,
-    BenchSession,
-    Target,
-    loop_factory,
-    open_session,
+from flowlock.bench.host import loop_factory
+from flowlock.bench.measure import Armed
+from flowlock.bench.procs import (
+    Arm,
+    ArmedReply,
+    Close,
+    Closed,
+    Done,
+    Failed,
+    Go,
+    Open,
+    Opened,
+    Reply,
+    Request,
+    request_from_dict,
 )
-from flowlock.bench.scenarios import SCENARIOS, CallSpec, Params, Scenario
+from flowlock.bench.registry import STRATEGIES
+from flowlock.bench.scenarios import SCENARIOS, Scenario
+from flowlock.bench.session import BenchSession, open_session
 
 __all__ = ["main"]
 
 
-def _reply(message: Mapping[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
+def _reply(message: Reply) -> None:
+    sys.stdout.write(json.dumps(message.to_dict()) + "\n")
     sys.stdout.flush()
 
 
@@ -53,52 +61,53 @@ class _Worker:
         self._scenario: Scenario | None = None
         self._armed: Armed | None = None
 
-    async def handle(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "open":
-            await self.close()
-            scenario = SCENARIOS[msg["scenario"]]
-            params = Params(**msg["params"])
-            stack = contextlib.AsyncExitStack()
-            try:
-                self._session = await stack.enter_async_context(
-                    open_session(
-                        STRATEGIES[msg["strategy"]],
-                        Target.from_json(msg["target"]),
-                        scenario,
-                        params,
-                        random.Random(msg["seed"]),
-                        pool_size=int(msg["pool_size"]),
-                    )
+    async def handle(self, request: Request) -> Reply:
+        match request:
+            case Open():
+                return await self._open(request)
+            case Arm():
+                return await self._arm(request)
+            case Go():
+                return await self._go()
+            case Close():
+                await self.close()
+                return Closed()
+
+    async def _open(self, request: Open) -> Opened:
+        await self.close()
+        scenario = SCENARIOS[request.scenario]
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._session = await stack.enter_async_context(
+                open_session(
+                    STRATEGIES[request.strategy],
+                    request.target,
+                    scenario,
+                    request.params,
+                    random.Random(request.seed),
+                    pool_size=request.pool_size,
                 )
-            except BaseException:
-                await stack.aclose()
-                raise
-            self._stack, self._scenario = stack, scenario
-            return {"op": "opened"}
-        if op == "arm":
-            if self._session is None or self._scenario is None:
-                raise RuntimeError("arm before open")
-            lanes = [[CallSpec.from_json(c) for c in lane] for lane in msg["lanes"]]
-            self._armed = Armed(self._scenario, self._session, lanes)
-            await self._armed.ready()
-            return {"op": "armed"}
-        if op == "go":
-            if self._armed is None or self._session is None:
-                raise RuntimeError("go before arm")
-            armed, self._armed = self._armed, None
-            leased = self._session.lease_wait
-            results, wall = await armed.go()
-            return {
-                "op": "done",
-                "results": [r.to_json() for r in results],
-                "wall": wall,
-                "lease_wait": self._session.lease_wait - leased,
-            }
-        if op == "close":
-            await self.close()
-            return {"op": "closed"}
-        raise RuntimeError(f"unknown request {op!r}")
+            )
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack, self._scenario = stack, scenario
+        return Opened()
+
+    async def _arm(self, request: Arm) -> ArmedReply:
+        if self._session is None or self._scenario is None:
+            raise RuntimeError("arm before open")
+        self._armed = Armed(self._scenario, self._session, request.lanes)
+        await self._armed.ready()
+        return ArmedReply()
+
+    async def _go(self) -> Done:
+        if self._armed is None or self._session is None:
+            raise RuntimeError("go before arm")
+        armed, self._armed = self._armed, None
+        leased = self._session.lease_wait
+        results, wall = await armed.go()
+        return Done(tuple(results), wall, self._session.lease_wait - leased)
 
     async def close(self) -> None:
         armed, self._armed = self._armed, None
@@ -117,12 +126,16 @@ async def _lines() -> asyncio.StreamReader:
     return reader
 
 
+async def _answer(worker: _Worker, line: bytes) -> Reply:
+    return await worker.handle(request_from_dict(json.loads(line)))
+
+
 async def _serve() -> None:
     worker = _Worker()
     reader = await _lines()
     try:
         while line := await reader.readline():
-            request = asyncio.create_task(worker.handle(json.loads(line)))
+            request = asyncio.create_task(_answer(worker, line))
             # Why watch stdin while a request runs: the runner closes the pipe to stop us
             # (an error elsewhere, Ctrl-C); a round of many calls must not run to its end first.
             eof = asyncio.create_task(_at_eof(reader))
@@ -136,7 +149,7 @@ async def _serve() -> None:
             try:
                 answer = request.result()
             except Exception as exc:
-                answer = {"op": "error", "message": f"{type(exc).__name__}: {exc}"}
+                answer = Failed(f"{type(exc).__name__}: {exc}")
             _reply(answer)
     finally:
         await worker.close()

@@ -1,0 +1,184 @@
+"""What to run (:class:`BenchConfig`, typed and validated without I/O) and where one process's
+sessions connect (:class:`Target`), with the sizing constants both depend on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, expand
+from flowlock.bench.results import Params
+from flowlock.bench.scenarios import SCENARIOS, Scenario
+from flowlock.errors import InvalidInput
+
+__all__ = [
+    "ADMIN_POOL",
+    "ADVISORY_POOL",
+    "DEFAULT_PROCESSES",
+    "BenchConfig",
+    "Target",
+    "redact",
+]
+
+DEFAULT_PROCESSES = 4
+"""OS processes of the multi-process scenarios when ``processes`` is not given."""
+
+ADVISORY_POOL = 20
+"""Lease connections of an advisory-lock backend, per process (its library default)."""
+
+ADMIN_POOL = 10
+"""The parent's pool while worker processes do the calls."""
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for reports and messages."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.rpartition("@")
+        user = netloc[0].partition(":")[0]
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+    except ValueError:
+        return "<unparseable url>"
+
+
+_POSTGRES_SCHEMES = ("postgresql", "postgres")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _scheme(url: str) -> str:
+    return url.partition("://")[0].lower()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """What to run. ``None`` means "the default": every scenario, every strategy, each
+    scenario's own number of rounds and calls per caller (fewer under ``quick``), 4 processes
+    for the multi-process scenarios, a pool of ``workers`` connections (one per caller, like the
+    seed's experiment; lowered to what the server can take), an embedded PostgreSQL and an
+    embedded Redis, and a random seed (reported, so the run can be repeated)."""
+
+    scenarios: tuple[str, ...] | None = None
+    strategies: tuple[str, ...] | None = None
+    workers: int = 100
+    rounds: int | None = None
+    ops: int | None = None
+    processes: int | None = None
+    quick: bool = False
+    seed: int | None = None
+    pool_size: int | None = None
+    database_url: str | None = None
+    redis_url: str | None = None
+    warmup: bool = True
+    """Run one untimed round per pair first (not under ``quick``, whose pools are only filled
+    before the first round)."""
+
+    def validate(self) -> None:
+        """Raise InvalidInput for anything that cannot run; does no I/O."""
+        self._check_names()
+        self._check_counts()
+        self._check_urls()
+
+    def _check_names(self) -> None:
+        for name in self.scenario_names():
+            if name not in SCENARIOS:
+                raise InvalidInput(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+        for name in self.strategy_names():
+            if name not in STRATEGIES:
+                known = [*STRATEGIES, *ALIASES]
+                raise InvalidInput(f"unknown strategy {name!r}; choose from {', '.join(known)}")
+        if not self.scenario_names() or not self.strategy_names():
+            raise InvalidInput("choose at least one scenario and one strategy")
+
+    def _check_counts(self) -> None:
+        for what in ("workers", "rounds", "ops", "processes", "pool_size"):
+            value = getattr(self, what)
+            if value is not None and value < 1:
+                raise InvalidInput(f"{what} must be at least 1, not {value}")
+
+    def _check_urls(self) -> None:
+        if self.database_url is not None:
+            scheme = _scheme(self.database_url)
+            if scheme == "sqlite":
+                raise InvalidInput(
+                    "the benchmark needs PostgreSQL (it measures row locks and connections); "
+                    "give a postgresql:// URL, or no URL to use an embedded server"
+                )
+            if scheme not in _POSTGRES_SCHEMES:
+                raise InvalidInput(
+                    f"unsupported database url {redact(self.database_url)!r}: "
+                    "use postgresql://user@host/db"
+                )
+        if self.redis_url is not None and _scheme(self.redis_url) not in _REDIS_SCHEMES:
+            raise InvalidInput(
+                f"unsupported redis url {redact(self.redis_url)!r}: use redis://host:6379/0"
+            )
+
+    def scenario_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.scenarios)) if self.scenarios else tuple(SCENARIOS)
+
+    def strategy_names(self) -> tuple[str, ...]:
+        return expand(self.strategies) if self.strategies else DEFAULT_STRATEGIES
+
+    def rounds_for(self, scenario: Scenario) -> int:
+        return self.rounds if self.rounds is not None else scenario.rounds(self.quick)
+
+    def ops_for(self, scenario: Scenario) -> int:
+        if not scenario.uses_ops:
+            return 1
+        return self.ops if self.ops is not None else scenario.ops(self.quick)
+
+    def warms_up(self) -> bool:
+        return self.warmup and not self.quick
+
+    def process_count(self) -> int:
+        return min(self.workers, self.processes or DEFAULT_PROCESSES)
+
+    def params_for(self, scenario: Scenario) -> Params:
+        return Params(
+            workers=self.workers,
+            ops=self.ops_for(scenario),
+            processes=self.process_count() if scenario.multiprocess else 1,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one process's sessions connect: the database and schema, the Redis URL and key
+    namespace, the run's tag (it names every connection of the run in pg_stat_activity), and
+    the pool size of each session."""
+
+    url: str
+    schema: str
+    namespace: str
+    tag: str
+    pool_size: int
+    redis_url: str | None = None
+
+    @property
+    def application_name(self) -> str:
+        return f"flowlock-{self.tag}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "schema": self.schema,
+            "namespace": self.namespace,
+            "tag": self.tag,
+            "pool_size": self.pool_size,
+            "redis_url": self.redis_url,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Target:
+        return cls(
+            doc["url"],
+            doc["schema"],
+            doc["namespace"],
+            doc["tag"],
+            int(doc["pool_size"]),
+            doc["redis_url"],
+        )

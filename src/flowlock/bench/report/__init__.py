@@ -1,0 +1,59 @@
+"""Rendering a :class:`~flowlock.bench.results.BenchReport`: rich tables (:mod:`.tables`), the JSON
+document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progress display
+(:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
+Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results`.
+"""
+
+from __future__ import annotations
+
+from flowlock.bench.report.aims import (
+    AIM_P99,
+    AIM_THROUGHPUT,
+    FLOOR,
+    FLOOR_METHOD,
+    Aim,
+    aims,
+    floors,
+    vs_floor,
+)
+from flowlock.bench.report.chart import PlotUnavailable, check_plot_support, plot
+from flowlock.bench.report.json import result_to_json, to_json, write_json
+from flowlock.bench.report.progress import RichProgress
+from flowlock.bench.report.tables import (
+    SEED_COUNTERPART,
+    SEED_MEASURED,
+    SEED_PUBLISHED,
+    SeedFigures,
+    aims_table,
+    render,
+    results_table,
+    seed_table,
+)
+from flowlock.bench.results import failures
+
+__all__ = [
+    "AIM_P99",
+    "AIM_THROUGHPUT",
+    "FLOOR",
+    "FLOOR_METHOD",
+    "SEED_COUNTERPART",
+    "SEED_MEASURED",
+    "SEED_PUBLISHED",
+    "Aim",
+    "PlotUnavailable",
+    "RichProgress",
+    "SeedFigures",
+    "aims",
+    "aims_table",
+    "check_plot_support",
+    "failures",
+    "floors",
+    "plot",
+    "render",
+    "result_to_json",
+    "results_table",
+    "seed_table",
+    "to_json",
+    "vs_floor",
+    "write_json",
+]

@@ -1,0 +1,102 @@
+"""The ``--json`` document: DESIGN.md's shape (``flowlock bench --json FILE``), whose keys keep
+their names and units (latencies in ms, rates per second, success in %), then extra keys after
+them. docs/benchmarks.md describes each figure."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flowlock.bench.report.aims import FLOOR, FLOOR_METHOD, aims, floors, vs_floor
+from flowlock.bench.results import BenchReport, ScenarioResult
+
+__all__ = ["result_to_json", "to_json", "write_json"]
+
+
+def _ms(value: float) -> float:
+    return round(value, 3)
+
+
+def _rounded(ratios: Mapping[str, float | None]) -> dict[str, float | None]:
+    return {k: None if v is None else round(v, 3) for k, v in ratios.items()}
+
+
+def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) -> dict[str, Any]:
+    """One result in DESIGN.md's shape, then the extra fields."""
+    return {
+        "scenario": result.scenario,
+        "strategy": result.strategy,
+        "workers": result.workers,
+        "calls": result.calls,
+        "avg_ms": _ms(result.avg_ms),
+        "p50_ms": _ms(result.p50_ms),
+        "p99_ms": _ms(result.p99_ms),
+        "max_ms": _ms(result.max_ms),
+        "success_pct": round(result.success_pct, 3),
+        "attempts_per_call": round(result.attempts_per_call, 4),
+        "calls_per_s": round(result.calls_per_s, 1),
+        "applied_per_s": round(result.applied_per_s, 1),
+        "peak_connections": result.peak_connections,
+        "verdict": result.verdict.to_dict(),
+        # extras
+        "lock_wait_ms": _ms(result.lock_wait_ms),
+        "row_lock_wait_s": round(result.row_lock_wait_s, 4),
+        "lease_wait_s": round(result.lease_wait_s, 4),
+        "rounds": result.rounds,
+        "ops": result.ops,
+        "processes": result.processes,
+        "loop": result.loop,
+        "double_advanced_rounds": result.double_advanced_rounds,
+        "errors": dict(result.errors),
+        "applied": result.applied,
+        "idempotent": result.idempotent,
+        "refused": result.refused,
+        "failed": result.failed,
+        "applied_per_round": list(result.applied_per_round),
+        "peak_active_connections": result.peak_active_connections,
+        "open_connections": result.open_connections,
+        "wall_s": round(result.wall_s, 4),
+        "floor": result.floor,
+        "vs_floor": _rounded(vs_floor(result, floor)),
+    }
+
+
+def to_json(report: BenchReport) -> dict[str, Any]:
+    """The whole report as the JSON document ``flowlock bench --json`` writes."""
+    base = floors(report)
+    return {
+        "flowlock_version": report.flowlock_version,
+        "postgres_version": report.postgres_version,
+        "redis_version": report.redis_version,
+        "cores": report.cores,
+        "args": dict(report.args),
+        "results": [result_to_json(r, base.get(r.scenario)) for r in report.results],
+        # extras
+        "loop": report.loop,
+        "database": report.database,
+        "redis": report.redis,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "duration_s": round(report.duration_s, 3),
+        "floors": {
+            s: {
+                "strategy": FLOOR,
+                "method": r.floor,
+                "description": FLOOR_METHOD.get(r.floor or ""),
+            }
+            for s, r in base.items()
+        },
+        "aims": [a.to_dict() for a in aims(report)],
+        "skipped": list(report.skipped),
+        "log": list(report.log),
+        "notes": list(report.notes),
+        "ok": report.ok,
+    }
+
+
+def write_json(report: BenchReport, path: Path) -> None:
+    """Write :func:`to_json` to ``path`` (UTF-8, indented, trailing newline)."""
+    path.write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,462 @@
+"""What the benchmark measures and concludes, as plain values: calls, rounds, one result per
+(scenario, strategy) pair and the whole run, and the pure arithmetic between them (percentiles,
+summaries, verdicts).
+
+Nothing here does I/O or needs a server: the runner hands over what it recorded (every call's
+result, each round's read-back, the connection sampler's figures) and :func:`summarise` turns it
+into a :class:`ScenarioResult`. The report package reads only these dataclasses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+from flowlock.checker import (
+    BROKEN_CHAIN,
+    DOUBLE_APPLY,
+    FINAL_MISMATCH,
+    LOST_UPDATE,
+    OVERSELL,
+    VERSION_GAP,
+    Invariant,
+    Verdict,
+    Violation,
+    check,
+)
+from flowlock.models import HistoryEntry, Instance
+
+__all__ = [
+    "BenchReport",
+    "CallResult",
+    "CallSpec",
+    "ConnectionStats",
+    "Judged",
+    "Judgement",
+    "Kind",
+    "Latencies",
+    "Params",
+    "RoundPlan",
+    "RoundRecord",
+    "ScenarioResult",
+    "Timed",
+    "failures",
+    "percentile",
+    "summarise",
+    "verdict_of",
+]
+
+Kind = Literal["applied", "idempotent", "refused", "failed"]
+"""How one call ended: it applied the transition (or ran the job), was answered idempotently
+(already done), was refused by the workflow (a business rule: TransitionRefused), or failed
+(lost to concurrency, a lock timeout, a store error...)."""
+
+
+# -- what a round is made of ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The knobs of one run that a scenario sees."""
+
+    workers: int = 100
+    """Concurrent callers (across all processes, for the multi-process scenarios)."""
+    ops: int = 1
+    """Calls each caller makes one after another in a round (the sustained-load scenarios)."""
+    processes: int = 1
+    """OS processes the multi-process scenarios spread their callers over."""
+    warmup: bool = False
+    """The untimed warm-up round: it only has to fill the pools, so it may do less."""
+
+    def evolve(self, **changes: Any) -> Params:
+        """A copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """One call a caller makes when the round is released (an ``engine.fire``, or for
+    ``singleton`` one run of the job: ``instance_id`` is then the job and ``payload`` the tick)."""
+
+    instance_id: str
+    event: str
+    actor: str | None = None
+    payload: Mapping[str, Any] | None = None
+    request_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """For the worker processes' pipe."""
+        return {
+            "instance_id": self.instance_id,
+            "event": self.event,
+            "actor": self.actor,
+            "payload": None if self.payload is None else dict(self.payload),
+            "request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CallSpec:
+        return cls(
+            doc["instance_id"], doc["event"], doc["actor"], doc["payload"], doc["request_id"]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """The instances a round created (with the state they were created in) and its callers.
+
+    ``calls``: one call per caller, all released at once (storm, countersign...). ``lanes``: per
+    caller, a sequence fired one after another (hot, spread...). A plan uses one or the other.
+    """
+
+    instances: Mapping[str, str]
+    """instance id -> initial state"""
+    calls: tuple[CallSpec, ...] = ()
+    lanes: tuple[tuple[CallSpec, ...], ...] = ()
+
+    def callers(self) -> tuple[tuple[CallSpec, ...], ...]:
+        """Every caller's calls, in order."""
+        return self.lanes if self.lanes else tuple((c,) for c in self.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """What one call came to. ``latency`` is seconds from the moment the caller could start it
+    (the round's release for its first call, the previous call's end after that) to its end."""
+
+    call: CallSpec
+    kind: Kind
+    latency: float
+    attempts: int
+    error: str | None = None
+    """The exception's class name for refused and failed calls."""
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "call": self.call.to_json(),
+            "kind": self.kind,
+            "latency": self.latency,
+            "attempts": self.attempts,
+            "error": self.error,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CallResult:
+        return cls(
+            CallSpec.from_json(doc["call"]),
+            doc["kind"],
+            float(doc["latency"]),
+            int(doc["attempts"]),
+            doc["error"],
+            doc["message"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A finished round: its plan, every call's result, and what the store holds afterwards."""
+
+    plan: RoundPlan
+    results: tuple[CallResult, ...]
+    finals: Mapping[str, Instance]
+    histories: Mapping[str, Sequence[HistoryEntry]]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else a scenario's readback collected (singleton: the job's runs)."""
+
+    def applied_by_instance(self) -> Counter[str]:
+        """How many calls answered applied, per instance id."""
+        return Counter(r.call.instance_id for r in self.results if r.kind == "applied")
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """A scenario's verdict on one round, beyond the generic history check."""
+
+    double_advanced: bool
+    violations: tuple[Violation, ...] = field(default=())
+
+
+class Judged(Protocol):
+    """What :func:`summarise` needs from a scenario: its name and the rules a round is judged by
+    (:class:`flowlock.bench.scenarios.Scenario` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def floor(self) -> str: ...
+
+    @property
+    def invariant_kind(self) -> str: ...
+
+    def checked(self) -> bool: ...
+
+    def invariant(self, params: Params) -> Invariant | None: ...
+
+    def judge(self, record: RoundRecord, params: Params) -> Judgement: ...
+
+
+# -- what the runner measured ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Timed:
+    """What the timed rounds of one pair recorded: every round, the summed wall time from each
+    round's release to its last answer, and the summed lease wait (seconds)."""
+
+    records: list[RoundRecord] = field(default_factory=list)
+    wall: float = 0.0
+    lease_wait: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStats:
+    """What the connection sampler saw while the calls ran: the peak number of the run's
+    connections in use, active and open, and the seconds its store connections spent waiting
+    for a lock (count x interval, summed)."""
+
+    peak: int = 0
+    peak_active: int = 0
+    peak_open: int = 0
+    lock_wait: float = 0.0
+
+
+def percentile(ordered: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0 for an empty one)."""
+    if not ordered:
+        return 0.0
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class Latencies:
+    """Per-call latency in milliseconds: mean, nearest-rank p50 and p99, and the maximum."""
+
+    avg_ms: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, seconds: Iterable[float]) -> Latencies:
+        """The summary of these latencies (seconds); all zero for none."""
+        ordered = sorted(s * 1000 for s in seconds)
+        if not ordered:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        return cls(
+            sum(ordered) / len(ordered),
+            percentile(ordered, 50),
+            percentile(ordered, 99),
+            ordered[-1],
+        )
+
+
+# -- the verdict ---------------------------------------------------------------------------------
+
+
+def _history_violations(
+    scenario: Judged, record: RoundRecord, invariant: Invariant | None
+) -> list[Violation]:
+    """The generic exactly-once check of every instance of one round."""
+    found: list[Violation] = []
+    applied = record.applied_by_instance()
+    for iid, initial in record.plan.instances.items():
+        found.extend(
+            check(
+                record.finals[iid],
+                record.histories[iid],
+                initial_state=initial,
+                expected_applied=applied[iid],
+                invariant=invariant,
+                invariant_kind=scenario.invariant_kind,
+            ).violations
+        )
+    return found
+
+
+def verdict_of(
+    scenario: Judged,
+    records: Sequence[RoundRecord],
+    judgements: Sequence[Judgement],
+    params: Params,
+) -> Verdict:
+    """Every round's generic exactly-once check (when the scenario is history-checked), plus
+    the scenario's own judgement of it, as one verdict, round by round."""
+    found: list[Violation] = []
+    invariant = scenario.invariant(params)
+    for record, judgement in zip(records, judgements, strict=True):
+        if scenario.checked():
+            found.extend(_history_violations(scenario, record, invariant))
+        found.extend(judgement.violations)
+    return Verdict.of(found)
+
+
+# -- one pair, the whole run ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioResult:
+    """The measurements and the verdict of one (scenario, strategy) pair's timed rounds.
+
+    Latencies in milliseconds; ``success_pct`` counts calls that applied, were answered
+    idempotently, or were refused by a business rule (not lock or conflict failures).
+    ``peak_connections``: the run's database connections in use (not idle) at the busiest
+    sample; ``open_connections``: all of them, idle ones included. ``lock_wait_ms``: time spent
+    waiting for a lock per call (row locks sampled on the server, leases timed in the client).
+    """
+
+    scenario: str
+    strategy: str
+    workers: int
+    rounds: int
+    calls: int
+    avg_ms: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    success_pct: float
+    attempts_per_call: float
+    calls_per_s: float
+    applied_per_s: float
+    peak_connections: int
+    peak_active_connections: int
+    double_advanced_rounds: int
+    applied: int
+    idempotent: int
+    refused: int
+    failed: int
+    applied_per_round: tuple[int, ...]
+    errors: Mapping[str, int]
+    wall_s: float
+    loop: str
+    verdict: Verdict
+    ops: int = 1
+    processes: int = 1
+    lock_wait_ms: float = 0.0
+    row_lock_wait_s: float = 0.0
+    lease_wait_s: float = 0.0
+    open_connections: int = 0
+    floor: str | None = None
+    """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
+
+
+def _per(amount: float, count: float) -> float:
+    """``amount / count``, 0 when there is nothing to divide by."""
+    return amount / count if count > 0 else 0.0
+
+
+def summarise(
+    scenario: Judged,
+    strategy: str,
+    params: Params,
+    timed: Timed,
+    conns: ConnectionStats,
+    *,
+    loop: str,
+    floor: bool = False,
+) -> ScenarioResult:
+    """One pair's result from its timed rounds and the sampler's figures: latency, outcomes,
+    throughput per second of round wall time, connections, lock wait per call, and the verdict.
+    ``floor``: the pair is the raw floor, so the result names how it did the calls."""
+    records, wall = timed.records, timed.wall
+    results = [r for record in records for r in record.results]
+    judgements = [scenario.judge(record, params) for record in records]
+    errors = Counter(r.error for r in results if r.kind == "failed" and r.error)
+    kinds: Counter[Kind] = Counter(r.kind for r in results)
+    latency = Latencies.of(r.latency for r in results)
+    calls = len(results)
+    ok = kinds["applied"] + kinds["idempotent"] + kinds["refused"]
+    waited = conns.lock_wait + timed.lease_wait
+    return ScenarioResult(
+        scenario=scenario.name,
+        strategy=strategy,
+        workers=params.workers,
+        rounds=len(records),
+        calls=calls,
+        avg_ms=latency.avg_ms,
+        p50_ms=latency.p50_ms,
+        p99_ms=latency.p99_ms,
+        max_ms=latency.max_ms,
+        success_pct=_per(100.0 * ok, calls),
+        attempts_per_call=_per(sum(r.attempts for r in results), calls),
+        calls_per_s=_per(calls, wall),
+        applied_per_s=_per(kinds["applied"], wall),
+        peak_connections=conns.peak,
+        peak_active_connections=conns.peak_active,
+        double_advanced_rounds=sum(1 for j in judgements if j.double_advanced),
+        applied=kinds["applied"],
+        idempotent=kinds["idempotent"],
+        refused=kinds["refused"],
+        failed=kinds["failed"],
+        applied_per_round=tuple(sum(rec.applied_by_instance().values()) for rec in records),
+        errors=dict(errors.most_common()),
+        wall_s=wall,
+        loop=loop,
+        verdict=verdict_of(scenario, records, judgements, params),
+        ops=params.ops,
+        processes=params.processes,
+        lock_wait_ms=_per(1000 * waited, calls),
+        row_lock_wait_s=conns.lock_wait,
+        lease_wait_s=timed.lease_wait,
+        open_connections=conns.peak_open,
+        floor=scenario.floor if floor else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    """A whole run: the environment, the arguments, and one result per pair."""
+
+    flowlock_version: str
+    postgres_version: str
+    redis_version: str | None
+    cores: int
+    args: Mapping[str, Any]
+    results: tuple[ScenarioResult, ...]
+    loop: str
+    database: str
+    """``"embedded"`` or ``"external"``."""
+    pool_size: int
+    duration_s: float
+    notes: tuple[str, ...] = ()
+    redis: str = "none"
+    """``"embedded"``, ``"external"``, or ``"none"`` (no strategy needed Redis, or none found)."""
+    skipped: tuple[str, ...] = ()
+    """``scenario/strategy`` pairs that could not run (see ``notes``)."""
+    log: tuple[str, ...] = ()
+    """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
+
+    @property
+    def ok(self) -> bool:
+        """Every pair's checker verdict is ok."""
+        return all(r.verdict.ok for r in self.results)
+
+
+# Violation kinds, the most serious first: what a reader of a failed run should see first.
+_SEVERITY = (DOUBLE_APPLY, LOST_UPDATE, OVERSELL, VERSION_GAP, BROKEN_CHAIN, FINAL_MISMATCH)
+
+
+def failures(report: BenchReport, limit: int = 5) -> list[str]:
+    """One line per failed verdict with its violations counted by kind (double applies first),
+    then up to ``limit`` of them, the most serious kinds first."""
+    lines: list[str] = []
+    for r in report.results:
+        if r.verdict.ok:
+            continue
+        found = sorted(
+            r.verdict.violations,
+            key=lambda v: _SEVERITY.index(v.kind) if v.kind in _SEVERITY else len(_SEVERITY),
+        )
+        kinds = Counter(v.kind for v in found)
+        counted = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        lines.append(f"{r.scenario}/{r.strategy}: {len(found)} violation(s): {counted}")
+        lines.extend(f"  - {v}" for v in found[:limit])
+        if len(found) > limit:
+            lines.append(f"  ... and {len(found) - limit} more")
+    return lines

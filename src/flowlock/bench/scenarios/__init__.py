@@ -1,0 +1,64 @@
+"""The benchmark's scenarios: what the callers of one round fire, and what "correct" means.
+
+One module per family (:mod:`.storm`, :mod:`.countersign`, :mod:`.inventory`, :mod:`.steps` for
+hot, spread and cluster, :mod:`.singleton`) on the base class in :mod:`.base`, which also
+describes a scenario's hooks and the raw floor each one is measured against.
+
+Scenarios register themselves in :data:`SCENARIOS` by name, in the order ``flowlock bench``
+runs them; a new one subclasses :class:`Scenario` and calls :func:`register_scenario`.
+"""
+
+from __future__ import annotations
+
+from flowlock.bench.results import (
+    CallResult,
+    CallSpec,
+    Judgement,
+    Kind,
+    Params,
+    RoundPlan,
+    RoundRecord,
+)
+from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session
+from flowlock.bench.scenarios.countersign import Countersign
+from flowlock.bench.scenarios.inventory import Inventory
+from flowlock.bench.scenarios.singleton import Singleton
+from flowlock.bench.scenarios.steps import Cluster, Hot, Spread, counter
+from flowlock.bench.scenarios.storm import Storm
+
+__all__ = [
+    "SCENARIOS",
+    "CallResult",
+    "CallSpec",
+    "Cluster",
+    "Countersign",
+    "Fired",
+    "Floor",
+    "Hot",
+    "Inventory",
+    "Judgement",
+    "Kind",
+    "Params",
+    "RoundPlan",
+    "RoundRecord",
+    "Scenario",
+    "Session",
+    "Singleton",
+    "Spread",
+    "Storm",
+    "counter",
+    "register_scenario",
+]
+
+SCENARIOS: dict[str, Scenario] = {}
+"""Every known scenario by name, in the order ``flowlock bench`` runs them by default."""
+
+
+def register_scenario(scenario: Scenario) -> Scenario:
+    """Add ``scenario`` to :data:`SCENARIOS` (replacing one of the same name)."""
+    SCENARIOS[scenario.name] = scenario
+    return scenario
+
+
+for _scenario in (Storm(), Countersign(), Inventory(), Hot(), Spread(), Cluster(), Singleton()):
+    register_scenario(_scenario)
