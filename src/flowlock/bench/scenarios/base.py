@@ -44,6 +44,7 @@ from typing import Any, Literal, Protocol
 
 import asyncpg
 
+from flowlock._pg.rows import read_history, read_instances
 from flowlock.bench.results import (
     CallResult,
     CallSpec,
@@ -58,10 +59,6 @@ from flowlock.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.errors import InstanceNotFound
 from flowlock.models import HistoryEntry, Instance
-
-# The one import of the store's row mappers in the bench (they are moving to a shared
-# PostgreSQL layer; switching the bench over is this line).
-from flowlock.stores.postgres import entry_from_row, instance_from_row
 
 __all__ = ["Fired", "Floor", "Scenario", "Session", "actors_match", "results_for"]
 
@@ -155,12 +152,8 @@ class Scenario:
         """Every instance of the round as stored, and its history: two statements for the whole
         round (a thousand instances read one by one would take longer than the round)."""
         ids = list(plan.instances)
-        finals = {
-            row["id"]: instance_from_row(row) for row in await session.pool.fetch(_FINALS, ids)
-        }
-        histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
-        for row in await session.pool.fetch(_HISTORIES, ids):
-            histories[row["instance_id"]].append(entry_from_row(row))
+        finals = await read_instances(session.pool, ids)
+        histories = await read_history(session.pool, ids)
         missing = [i for i in ids if i not in finals]
         if missing:
             raise InstanceNotFound(missing[0])
@@ -179,17 +172,6 @@ class Scenario:
 
     def ops(self, quick: bool) -> int:
         return self.quick_ops if quick else self.default_ops
-
-
-_FINALS = """
-SELECT id, workflow, state, version, data, last_event, created_at, updated_at
-  FROM flowlock_instances WHERE id = ANY($1::text[])
-"""
-_HISTORIES = """
-SELECT instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at,
-       fencing_token
-  FROM flowlock_history WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
-"""
 
 
 def results_for(record: RoundRecord, iid: str, kind: Kind) -> list[CallResult]:

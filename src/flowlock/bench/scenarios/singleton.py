@@ -28,7 +28,7 @@ class Singleton(Scenario):
     job ran exactly once per tick, by the one caller that was told it ran it.
 
     The job records each run in ``flowlock_bench_runs`` (no unique constraint, so a double run
-    is visible). The distributed strategies use :class:`flowlock.runner.RunOnce`; the others
+    is visible). The distributed strategies use :class:`flowlock.jobs.RunOnce`; the others
     claim the tick through the engine (``approve`` on a per-tick instance: applied = run it);
     raw inserts the (job, tick) claim row."""
 
