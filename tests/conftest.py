@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,25 @@ import flowlock
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
+
+_SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history"},
+                    "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
+# Backend parameters of parametrized fixtures, and the server each one needs.
+_SERVER_PARAMS = {"postgres": "postgres", "advisory": "postgres", "redis": "redis"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test that needs PostgreSQL or Redis, from the fixtures it uses (the
+    parametrized ``store_factory`` and lock backends included), so ``-m "not postgres"`` really
+    leaves out every test that would start or reach the server."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        params = set(map(str, callspec.params.values())) if callspec is not None else set()
+        needed = {_SERVER_PARAMS[p] for p in params if p in _SERVER_PARAMS}
+        needed |= {marker for marker, fixtures in _SERVER_FIXTURES.items() if names & fixtures}
+        for marker in sorted(needed):
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -151,3 +171,64 @@ def cyclic() -> flowlock.Workflow:
             flowlock.Transition("reopen", source="closed", target="open"),
         ],
     )
+
+
+@dataclass(frozen=True)
+class SqlHistory:
+    """This test's history as PostgreSQL holds it, counted with the test's own SQL (not through
+    flowlock's code): rows per instance, rows per (instance, request id), the highest version per
+    instance and the instances' current versions."""
+
+    rows: dict[str, int]
+    per_request: dict[tuple[str, str], int]
+    top_version: dict[str, int]
+    versions: dict[str, int]
+
+    def assert_matches(self, histories: Mapping[str, Sequence[flowlock.HistoryEntry]]) -> None:
+        """The engine's histories agree with the table row for row: the same number of rows per
+        instance, no request id recorded twice on one instance, and each instance's version one
+        above its history length (version 1 at creation, +1 per applied transition)."""
+        for iid, entries in histories.items():
+            assert self.rows.get(iid, 0) == len(entries), (iid, self.rows.get(iid), len(entries))
+            assert self.versions[iid] == len(entries) + 1, (iid, self.versions[iid], len(entries))
+            if entries:
+                assert self.top_version[iid] == len(entries) + 1, iid
+        twice = {key: n for key, n in self.per_request.items() if n > 1}
+        assert not twice, twice
+
+
+async def count_history(url: str, schema: str | None) -> SqlHistory:
+    """Counts flowlock's history rows in ``schema`` with plain SQL on a connection of its own."""
+    conn = await asyncpg.connect(url)
+    try:
+        if schema is not None:
+            await conn.execute(f'SET search_path TO "{schema}"')
+        rows = await conn.fetch(
+            "SELECT instance_id, count(*) AS n, max(version) AS top"
+            " FROM flowlock_history GROUP BY instance_id"
+        )
+        requests = await conn.fetch(
+            "SELECT instance_id, request_id, count(*) AS n FROM flowlock_history"
+            " WHERE request_id IS NOT NULL GROUP BY instance_id, request_id"
+        )
+        versions = await conn.fetch("SELECT id, version FROM flowlock_instances")
+    finally:
+        await conn.close()
+    return SqlHistory(
+        rows={r["instance_id"]: r["n"] for r in rows},
+        per_request={(r["instance_id"], r["request_id"]): r["n"] for r in requests},
+        top_version={r["instance_id"]: r["top"] for r in rows},
+        versions={r["id"]: r["version"] for r in versions},
+    )
+
+
+@pytest.fixture
+def sql_history(pg_url: str, pg_schema: str) -> Callable[..., Awaitable[SqlHistory]]:
+    """``await sql_history()`` counts this test's history rows (in its schema, or the one
+    given) with the test's own SQL; ``.assert_matches(histories)`` holds the engine's histories
+    to it. Run it after every concurrency test, beside the checker."""
+
+    async def counted(schema: str | None = None) -> SqlHistory:
+        return await count_history(pg_url, schema or pg_schema)
+
+    return counted
