@@ -8,6 +8,7 @@
 - the metrics ``flowlock_conflicts_total``, ``flowlock_lock_hold_seconds``,
   ``flowlock_escalations_total``, ``flowlock_deescalations_total`` and
   ``flowlock_leases_lost_total``, each compared before and after a scenario that causes it;
+- adaptive escalating to pessimistic or distributed, and stepping back down;
 - the escalation, step-down and lost-lease log lines on the ``flowlock`` logger;
 - a distributed transition that takes longer than its lease's ttl, kept alive by renewal.
 
@@ -461,7 +462,7 @@ async def test_a_request_id_is_unique_per_instance(
 async def test_conflicts_total_counts_every_lost_compare_and_swap() -> None:
     """flowlock_conflicts_total{workflow,strategy} grows by one for a call that lost one
     compare-and-swap and then applied (attempts 2), and by two for a call that lost both of
-    its two attempts (ConflictRetriesExhausted)."""
+    its two attempts (ConflictRetriesExhausted); no series carries the instance id."""
     metrics = Metrics()
     labels = {"workflow": "inventory", "strategy": "optimistic"}
     retrying = flowlock.Optimistic(max_attempts=2, backoff_cap=0.0)
@@ -477,6 +478,9 @@ async def test_conflicts_total_counts_every_lost_compare_and_swap() -> None:
             await engine.fire("sku-1", "reserve")
         assert sample(metrics, "flowlock_conflicts_total", labels) == before + 3
         final, history = await engine.get("sku-1"), await engine.history("sku-1")
+        series = [one for family in metrics.registry.collect() for one in family.samples]
+    # No instance id as a label: one time series per instance would grow without bound.
+    assert series and not [x for x in series if "sku-1" in x.labels.values()]
     # Three rival restocks and one reserve: stock 5 + 3 - 1.
     assert [h.event for h in history] == ["restock", "reserve", "restock", "restock"]
     assert final.data == {"stock": 7, "reserved": 1}
@@ -515,49 +519,57 @@ async def test_lock_hold_seconds_records_how_long_the_lease_was_held() -> None:
         assert sample(metrics, "flowlock_lock_hold_seconds_count", dist) == count + 1
 
 
+@pytest.mark.parametrize("escalate_to", ["pessimistic", "distributed"])
 async def test_escalation_and_step_down_are_counted_and_logged(
-    caplog: pytest.LogCaptureFixture,
+    escalate_to: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Adaptive on an instance whose every compare-and-swap loses: after five conflicts in its
-    window it escalates to pessimistic (one WARNING naming the instance, the strategy and the
-    rate; flowlock_escalations_total{to="pessimistic"} +1); once calm for the cool-down (an
-    injected clock) it steps back down (one INFO line; flowlock_deescalations_total +1)."""
+    """Adaptive on an instance whose every optimistic compare-and-swap loses: after five
+    conflicts in its window it escalates to the monitor's strategy, pessimistic or distributed
+    (one WARNING naming the instance, the strategy and the rate; the call says why; the
+    escalated writes are recorded under that strategy; flowlock_escalations_total{to} +1);
+    once calm for the cool-down (an injected clock) it steps back down to optimistic (one INFO
+    line; flowlock_deescalations_total +1)."""
     caplog.set_level(logging.INFO, logger="flowlock")
     now = [1000.0]
-    monitor = ConflictMonitor(min_samples=5, cooldown=5.0, clock=lambda: now[0])
-    metrics = Metrics()
+    monitor = ConflictMonitor(
+        min_samples=5, cooldown=5.0, escalate_to=escalate_to, clock=lambda: now[0]
+    )
+    metrics, to = Metrics(), {"to": escalate_to}
     fast = flowlock.Optimistic(backoff_cap=0.0)
     options = {"monitor": monitor, "metrics": metrics, "strategies": [fast]}
-    async with contended(**options, escalation_sync=0.05) as (engine, store):
+    async with contended(**options, locks=MemoryLocks(), escalation_sync=0.05) as (
+        engine,
+        store,
+    ):
         await engine.create("inventory", instance_id="hot-1", data={"stock": 10})
         caplog.clear()  # register()'s own warning (a must-apply transition) is not under test
-        up = sample(metrics, "flowlock_escalations_total", {"to": "pessimistic"})
+        up = sample(metrics, "flowlock_escalations_total", to)
         down = sample(metrics, "flowlock_deescalations_total")
 
-        # Call 1 loses its three attempts (the first conflict opens the key's window) and
-        # finishes locked; call 2 loses three more: five conflicts in the window, escalated.
-        store.rivals = 6
+        # Call 1 loses its three optimistic attempts (the first conflict opens the key's
+        # window) and finishes locked; call 2 loses three more: five conflicts in the window.
         for _ in range(2):
+            store.rivals = 3
             done = await engine.fire("hot-1", "reserve", strategy="adaptive")
-            assert done.applied and done.strategy == "pessimistic"
+            assert done.applied and done.strategy == escalate_to
+            assert store.rivals == 0
         assert done.reason == (
-            "adaptive: escalated to pessimistic: conflict rate 100.0% over the last 5 "
+            f"adaptive: escalated to {escalate_to}: conflict rate 100.0% over the last 5 "
             "attempts exceeds 5%"
         )
-        assert store.rivals == 0
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert [(r.name, r.getMessage()) for r in warnings] == [
             (
                 "flowlock",
-                "flowlock: escalating 'hot-1' to pessimistic: conflict rate 100.0% over the "
+                f"flowlock: escalating 'hot-1' to {escalate_to}: conflict rate 100.0% over the "
                 "last 5 attempts exceeds 5%",
             )
         ]
         await wait_until(
-            lambda: sample(metrics, "flowlock_escalations_total", {"to": "pessimistic"}) > up,
+            lambda: sample(metrics, "flowlock_escalations_total", to) > up,
             "the escalation recorded by the sync",
         )
-        assert sample(metrics, "flowlock_escalations_total", {"to": "pessimistic"}) == up + 1
+        assert sample(metrics, "flowlock_escalations_total", to) == up + 1
         assert sample(metrics, "flowlock_escalated_keys") == 1
 
         now[0] += 5.0  # calm for the whole cool-down
@@ -575,7 +587,8 @@ async def test_escalation_and_step_down_are_counted_and_logged(
         final, history = await engine.get("hot-1"), await engine.history("hot-1")
     steps = [r.getMessage() for r in caplog.records if "steps back down" in r.getMessage()]
     assert steps == ["flowlock: 'hot-1' steps back down to optimistic: no contention for 5.0 s"]
-    assert [h.event for h in history].count("reserve") == 3
+    reserves = [h.strategy for h in history if h.event == "reserve"]
+    assert reserves == [escalate_to, escalate_to, "optimistic"]
     assert [h.event for h in history].count("restock") == 6
     assert final.data == {"stock": 13, "reserved": 3}
     assert check(final, history)
