@@ -1,7 +1,9 @@
-"""The README stays true: its example runs, and its two commands are the ones CI runs."""
+"""The README stays true: its example runs, its two commands are the ones CI runs, CI runs every
+check it names, and CONTRIBUTING.md maps each of its promises to tests that exist."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -45,3 +47,67 @@ def test_ci_runs_the_readme_test_command(path: str) -> None:
     head = README.split("## Example")[0]
     test_command = re.findall(r"```bash\n(.*?)\n```", head, re.S)[1]
     assert test_command in (ROOT / path).read_text(encoding="utf-8")
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of the same or a higher level."""
+    level = heading.split(" ")[0]
+    start = text.index(heading + "\n") + len(heading) + 1
+    end = re.compile(rf"^#{{1,{len(level)}}} ", re.M).search(text, start)
+    return text[start : end.start() if end else len(text)]
+
+
+def _defined_tests(path: Path) -> set[str]:
+    """The test functions ``path`` defines, as ``name`` or ``Class::name``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            found |= {
+                f"{node.name}::{item.name}"
+                for item in node.body
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+    return {name for name in found if name.rpartition("::")[2].startswith("test_")}
+
+
+def test_every_promise_names_tests_that_exist() -> None:
+    """CONTRIBUTING.md's table of README promises: every row names at least one test, every
+    test it names exists (file and function), and every metric the README lists has a row."""
+    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    table = _section(contributing, "## README promises and their tests")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = rows[1:]  # the header
+    assert len(rows) >= 40, len(rows)
+    missing: list[str] = []
+    for row in rows:
+        refs = re.findall(r"`(tests/[\w/]+\.py)::([\w:]+)`", row)
+        assert refs, f"no test named for: {row}"
+        for file, name in refs:
+            path = ROOT / file
+            if not path.is_file() or name not in _defined_tests(path):
+                missing.append(f"{file}::{name}")
+    assert not missing, missing
+    promises = " ".join(row.split(" | ")[0] for row in rows)
+    metrics = set(re.findall(r"`(flowlock_\w+)", _section(README, "### Observability")))
+    assert len(metrics) == 10, metrics
+    assert not {m for m in metrics if f"`{m}`" not in promises}
+
+
+def test_ci_runs_every_check_the_readme_names() -> None:
+    """The checks the README's Development section names (ruff check, ruff format --check,
+    mypy, lint-imports, a coverage floor) are each run by .ci/run."""
+    development = _section(README, "## Development")
+    ci = (ROOT / ".ci/run").read_text(encoding="utf-8")
+    checks = {
+        "`ruff check`": ".venv/bin/ruff check src tests",
+        "`ruff format --check`": ".venv/bin/ruff format --check src tests",
+        "`mypy`": ".venv/bin/mypy",
+        "`lint-imports`": ".venv/bin/lint-imports",
+        "coverage floor": "--cov-fail-under=",
+    }
+    for named, command in checks.items():
+        assert named in development, named
+        assert command in ci, command
