@@ -301,7 +301,10 @@ SeedOption = Annotated[
 ]
 QuickOption = Annotated[
     bool,
-    typer.Option("--quick", help="Fewer rounds and calls: the whole run in under 30 s (CI)."),
+    typer.Option(
+        "--quick",
+        help="Fewer rounds and calls: the same matrix in 25-40 s on 2 cores (CI runs it).",
+    ),
 ]
 PoolSizeOption = Annotated[
     int | None,
