@@ -24,10 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import flowlock
-from flowlock import examples
-from flowlock.stores.postgres import PostgresStore
-
 GATE_TIMEOUT = 60.0  # seconds a worker waits for the go signal, the parent for every "ready"
 _POLL = 0.002  # how often a waiting worker looks for the go file: the spread of the start
 
@@ -130,6 +126,11 @@ class Gate:
 
 
 async def main(cfg: dict[str, Any]) -> None:
+    # Imported here: the gate above is imported by workers that need nothing else.
+    import flowlock
+    from flowlock import examples
+    from flowlock.stores.postgres import PostgresStore
+
     # Why a pool smaller than the callers: 4 processes must fit a stock max_connections=100
     # server; callers queue for a connection (bounded by acquire_timeout), as in production.
     store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=cfg.get("pool_size", 10))
