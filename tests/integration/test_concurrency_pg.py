@@ -1,6 +1,8 @@
 """Real concurrency against real PostgreSQL: the seed's storm, countersign and inventory.
 
-Every test ends by running the exactly-once checker over the recorded history.
+Every test ends by running the exactly-once checker over the recorded history and counting the
+history rows with its own SQL (``sql_history``), so the checker does not see the history only
+through the code under test.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.postgres
 STRATEGIES = ["optimistic", "pessimistic"]
 T = TypeVar("T")
 EngineFactory = Callable[..., Awaitable[flowlock.Engine]]
+SqlHistory = Callable[..., Awaitable[Any]]
 
 
 async def at_once(calls: list[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
@@ -36,16 +39,19 @@ async def at_once(calls: list[Callable[[], Awaitable[T]]]) -> list[T | BaseExcep
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def verify(engine: flowlock.Engine, iid: str, applied: int, **kw: Any) -> None:
-    verdict = check(
-        await engine.get(iid), await engine.history(iid), expected_applied=applied, **kw
-    )
+async def verify(
+    engine: flowlock.Engine, sql_history: SqlHistory, iid: str, applied: int, **kw: Any
+) -> None:
+    """The checker over the engine's history of ``iid``, and the history rows counted with SQL."""
+    history = await engine.history(iid)
+    verdict = check(await engine.get(iid), history, expected_applied=applied, **kw)
     assert verdict.ok, verdict.violations
+    (await sql_history()).assert_matches({iid: history})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_storm_exactly_one_applied_per_round(
-    pg_engine_factory: EngineFactory, strategy: str
+    pg_engine_factory: EngineFactory, sql_history: SqlHistory, strategy: str
 ) -> None:
     """100 callers fire one approve at once, 5 rounds: 1 applied, 99 idempotent, no double."""
     engine = await pg_engine_factory(pool_size=100)
@@ -64,13 +70,13 @@ async def test_storm_exactly_one_applied_per_round(
         assert sum(o.applied for o in good) == 1
         assert sum(o.idempotent for o in good) == 99
         assert {o.instance.state for o in good} == {"approved"}
-        await verify(engine, iid, 1, initial_state="pending")
+        await verify(engine, sql_history, iid, 1, initial_state="pending")
         assert (await engine.get(iid)).version == 2
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_countersign_every_signature_once(
-    pg_engine_factory: EngineFactory, strategy: str
+    pg_engine_factory: EngineFactory, sql_history: SqlHistory, strategy: str
 ) -> None:
     """100 signers at once: each applied signature recorded once, advance once at quorum;
     an optimistic caller that runs out of attempts is told so (nothing lost silently)."""
@@ -100,11 +106,13 @@ async def test_countersign_every_signature_once(
     assert len(signers) == len(set(signers)) == len(applied)
     assert [h.to_state for h in history].count("approved") == (1 if len(applied) == 100 else 0)
     assert final.state == ("approved" if len(applied) == 100 else "pending")
-    await verify(engine, "doc", len(applied), initial_state="pending")
+    await verify(engine, sql_history, "doc", len(applied), initial_state="pending")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-async def test_inventory_never_oversells(pg_engine_factory: EngineFactory, strategy: str) -> None:
+async def test_inventory_never_oversells(
+    pg_engine_factory: EngineFactory, sql_history: SqlHistory, strategy: str
+) -> None:
     """100 reserves on stock 50: exactly 50 applied, 50 refused as out of stock, stock never < 0."""
     # Optimistic must apply every reserve that stock allows, so give it room to retry: the
     # inventory preset is pessimistic; this shows optimistic stays correct when it is used anyway.
@@ -126,12 +134,12 @@ async def test_inventory_never_oversells(pg_engine_factory: EngineFactory, strat
     def stock_never_negative(data: Any) -> str | None:
         return None if data["stock"] >= 0 else f"stock below zero: {data['stock']}"
 
-    await verify(engine, "sku", 50, invariant=stock_never_negative)
+    await verify(engine, sql_history, "sku", 50, invariant=stock_never_negative)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_duplicate_request_ids_under_concurrency(
-    pg_engine_factory: EngineFactory, strategy: str
+    pg_engine_factory: EngineFactory, sql_history: SqlHistory, strategy: str
 ) -> None:
     """5 concurrent duplicates of one request id: applied once, identical outcomes."""
     engine = await pg_engine_factory(pool_size=10)
@@ -143,10 +151,12 @@ async def test_duplicate_request_ids_under_concurrency(
     good = [o for o in outs if isinstance(o, flowlock.Outcome)]
     assert sum(o.applied for o in good) == 1
     assert len({(o.instance.state, o.instance.version, o.request_id) for o in good}) == 1
-    await verify(engine, "t", 1, initial_state="open")
+    await verify(engine, sql_history, "t", 1, initial_state="open")
 
 
-async def test_mixed_strategies_on_one_instance(pg_engine_factory: EngineFactory) -> None:
+async def test_mixed_strategies_on_one_instance(
+    pg_engine_factory: EngineFactory, sql_history: SqlHistory
+) -> None:
     """Optimistic and pessimistic callers on the same instance still apply each step once."""
     engine = await pg_engine_factory(
         pool_size=60, strategies=[flowlock.Optimistic(max_attempts=100, backoff_cap=0.05)]
@@ -159,5 +169,7 @@ async def test_mixed_strategies_on_one_instance(pg_engine_factory: EngineFactory
         ]
     )
     assert all(isinstance(o, flowlock.Outcome) and o.applied for o in outs), outs[:3]
+    good = [o for o in outs if isinstance(o, flowlock.Outcome)]
+    assert {o.strategy for o in good} == set(STRATEGIES)
     assert (await engine.get("sku")).data["stock"] == 940
-    await verify(engine, "sku", 60)
+    await verify(engine, sql_history, "sku", 60)

@@ -3,7 +3,10 @@ one process (memory locks, advisory locks) and across OS processes (advisory loc
 including when a runner is killed or stalled mid-job.
 
 Run as a script (``python test_jobs.py CONFIG_JSON``) this file is the worker process of the
-multi-process tests: it fires ticks and prints one JSON line per event.
+multi-process tests: it fires ticks and prints one JSON line per event. Workers that must run at
+once start through the shared gate of ``proc_worker`` and record their contended phase, which
+the test holds to have overlapped. Nothing here waits a fixed time for something to happen: the
+tests wait for the event itself (a line from the worker, a lease no longer held, a file).
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from proc_worker import Gate, ready_and_wait, record_phase
 
 import flowlock
 from flowlock.jobs import JobContext, RunOnce, RunResult
 from flowlock.locks import LockBackend, MemoryLocks
+from flowlock.locks.base import LeaseContext
 
 pytestmark = pytest.mark.postgres
 
@@ -49,11 +55,37 @@ SELECT $1, $2, $3, $4, 'end'
 """
 
 
+async def wait_for_file(path: str | Path, within: float = 60.0) -> None:
+    """Return once ``path`` exists; TimeoutError after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not Path(path).exists():  # noqa: ASYNC240 (a stat of a local file, not I/O to wait on)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {within} s")
+        await asyncio.sleep(0.01)
+
+
+async def wait_until(
+    condition: Callable[[], Awaitable[bool]], within: float = 30.0, what: str = "the condition"
+) -> float:
+    """Poll ``condition`` until it is true; the seconds that took. AssertionError after
+    ``within`` seconds."""
+    started = time.monotonic()
+    while not await condition():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"{what} did not hold within {within} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
 def job_fn(
-    conn: asyncpg.Connection | asyncpg.Pool, seconds: float, *, announce: bool = False
+    conn: asyncpg.Connection | asyncpg.Pool,
+    seconds: float,
+    *,
+    announce: bool = False,
+    hold: str | None = None,
 ) -> Callable[[JobContext], Awaitable[int]]:
-    """The job: log its start (unfenced), optionally announce it on stdout, work, log its end
-    (fenced)."""
+    """The job: log its start (unfenced), optionally announce it on stdout, work (``seconds``,
+    or until the file ``hold`` exists), log its end (fenced)."""
 
     async def fn(ctx: JobContext) -> int:
         await conn.execute(
@@ -66,7 +98,10 @@ def job_fn(
         if announce:
             print(json.dumps({"event": "start", "tick": ctx.tick, "fencing": ctx.fencing}))
             sys.stdout.flush()
-        await asyncio.sleep(seconds)
+        if hold is None:
+            await asyncio.sleep(seconds)
+        else:
+            await wait_for_file(hold)
         await conn.execute(_END, ctx.job, ctx.tick, ctx.fencing, os.getpid())
         return ctx.fencing
 
@@ -96,7 +131,9 @@ async def open_locks(kind: str, where: dict[str, str]) -> LockBackend:
 
 
 async def worker(cfg: dict[str, Any]) -> None:
-    """Fire each tick of ``cfg["ticks"]`` at its time; print one JSON line per result."""
+    """Fire each tick of ``cfg["ticks"]``; print one JSON line per result. With a ``gate``:
+    say ready, wait for the go signal, fire tick i at ``go + i * interval`` (plus jitter) on the
+    machine's monotonic clock, and record the phase from the first tick to the last."""
     locks = await open_locks(cfg["kind"], cfg["where"])
     try:
         runner = RunOnce(
@@ -112,11 +149,21 @@ async def worker(cfg: dict[str, Any]) -> None:
             side = await asyncpg.connect(
                 cfg["where"]["pg_url"], server_settings={"search_path": cfg["where"]["schema"]}
             )
-            fn = job_fn(side, cfg["job_seconds"], announce=cfg.get("announce", False))
+            fn = job_fn(
+                side,
+                cfg["job_seconds"],
+                announce=cfg.get("announce", False),
+                hold=cfg.get("hold"),
+            )
+            gate = cfg.get("gate")
+            origin = time.monotonic()
+            if gate is not None:
+                origin = await ready_and_wait(gate, cfg["proc"])
+            start = time.monotonic()
             try:
                 for i, tick in enumerate(cfg["ticks"]):
-                    at = cfg["start_at"] + i * cfg["interval"] + random.uniform(0, cfg["jitter"])
-                    await asyncio.sleep(max(0.0, at - time.time()))
+                    at = origin + i * cfg["interval"] + random.uniform(0, cfg["jitter"])
+                    await asyncio.sleep(max(0.0, at - time.monotonic()))
                     line: dict[str, Any] = {"proc": cfg["proc"], "tick": str(tick)}
                     try:
                         result = await runner.run(cfg["job"], tick, fn)
@@ -130,6 +177,8 @@ async def worker(cfg: dict[str, Any]) -> None:
                         }
                     print(json.dumps(line))
                     sys.stdout.flush()
+                if gate is not None:
+                    record_phase(gate, cfg["proc"], start, time.monotonic())
             finally:
                 await side.close()
     finally:
@@ -211,12 +260,11 @@ def worker_cfg(kind: str, where: dict[str, str], **cfg: Any) -> dict[str, Any]:
         "where": where,
         "job": "report",
         "proc": 0,
-        "ttl": 1.0,
+        "ttl": 10.0,
         "wait": 0.0,
         "interval": 0.0,
         "jitter": 0.0,
         "job_seconds": 0.01,
-        "start_at": time.time(),
     }
     return base | cfg
 
@@ -297,27 +345,55 @@ async def test_done_tick_never_runs_again(pg_url: str, pg_schema: str) -> None:
     assert calls == 1
 
 
-async def test_waiting_runner_finds_the_tick_done(pg_url: str, pg_schema: str) -> None:
-    """A runner that waits for the lease while another runs the job then reports done."""
-    locks = MemoryLocks()
-    started = asyncio.Event()
+class WaitSeen(MemoryLocks):
+    """Memory locks that set ``waiting`` when a caller asks to wait for a lease (it is then
+    queued behind the holder by the time anyone else runs: asking and queueing happen in one
+    step of its task)."""
 
-    async def slow(ctx: JobContext) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+
+    def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
+        if wait > 0:
+            self.waiting.set()
+        return super().acquire(key, ttl=ttl, wait=wait)
+
+
+async def test_waiting_runner_finds_the_tick_done(pg_url: str, pg_schema: str) -> None:
+    """While one runner runs the job, a runner that does not wait skips it; a runner that waits
+    for the lease meanwhile gets it after the job finished and reports done, without running."""
+    locks = WaitSeen()
+    started, finish = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def slow(ctx: JobContext) -> int:
+        nonlocal calls
+        calls += 1
         started.set()
-        await asyncio.sleep(0.3)
+        await finish.wait()
+        return ctx.fencing
 
     async with (
         RunOnce(locks, pg_url, schema=pg_schema) as a,
-        RunOnce(locks, pg_url, schema=pg_schema, wait=5) as b,
+        RunOnce(locks, pg_url, schema=pg_schema, wait=30) as b,
         RunOnce(locks, pg_url, schema=pg_schema, wait=0) as c,
     ):
         first = asyncio.ensure_future(a.run("j", 1, slow))
         await started.wait()
         busy = await c.run("j", 1, slow)
-        waited = await b.run("j", 1, slow)
-        assert (await first).status == "ran"
+        waiting = asyncio.ensure_future(b.run("j", 1, slow))
+        await asyncio.wait_for(locks.waiting.wait(), 30)
+        assert not waiting.done()
+        finish.set()
+        ran, waited = await first, await waiting
+    assert ran.status == "ran" and calls == 1
     assert busy.status == "running_elsewhere" and busy.fencing is None
     assert waited.status == "done_elsewhere"
+    # It held the lease (a token after the runner's) and found the tick done by that runner.
+    assert ran.fencing is not None and waited.fencing is not None
+    assert waited.fencing > ran.fencing
+    assert waited.previous_fencing == ran.fencing
 
 
 async def test_failed_tick_runs_again(pg_url: str, pg_schema: str, side: asyncpg.Pool) -> None:
@@ -346,7 +422,10 @@ async def test_stale_runner_cannot_record_after_a_takeover(pg_url: str, pg_schem
     locks = MemoryLocks(clock=lambda: now[0])
     release_a = asyncio.Event()
 
+    a_started = asyncio.Event()
+
     async def a_fn(ctx: JobContext) -> str:
+        a_started.set()
         await release_a.wait()
         return "a"
 
@@ -358,7 +437,7 @@ async def test_stale_runner_cannot_record_after_a_takeover(pg_url: str, pg_schem
         RunOnce(locks, pg_url, schema=pg_schema, ttl=30, owner="b") as b,
     ):
         stale = asyncio.ensure_future(a.run("j", 1, a_fn))
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(a_started.wait(), 30)
         now[0] += 31  # a's lease runs out (a is "paused")
         took = await b.run("j", 1, b_fn)
         release_a.set()
@@ -369,25 +448,30 @@ async def test_stale_runner_cannot_record_after_a_takeover(pg_url: str, pg_schem
     assert took.fencing > took.previous_fencing
 
 
+@pytest.mark.slow
 async def test_long_job_keeps_its_lease(
     local: tuple[str, dict[str, str]], side: asyncpg.Pool
 ) -> None:
     """A job running 3x the ttl keeps its lease (renewed); others skip it all along."""
     kind, where = local
+    ttl = 2.0
     locks = await open_locks(kind, where)
     try:
         async with (
-            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=0.4) as a,
-            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=0.4) as b,
+            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=ttl) as a,
+            RunOnce(locks, where["pg_url"], schema=where["schema"], ttl=ttl) as b,
         ):
             started = asyncio.Event()
+            deadlines: set[float] = set()
 
-            async def long(ctx: JobContext) -> int:
+            async def long(ctx: JobContext) -> float:
                 started.set()
-                for _ in range(12):
+                begun = time.monotonic()
+                while time.monotonic() - begun < 3 * ttl:
                     await asyncio.sleep(0.1)
                     ctx.check()
-                return ctx.fencing
+                    deadlines.add(ctx.lease.expires_at)
+                return time.monotonic() - begun
 
             job = asyncio.ensure_future(a.run("j", 1, long))
             await started.wait()
@@ -399,7 +483,12 @@ async def test_long_job_keeps_its_lease(
     finally:
         await locks.aclose()
     assert result.status == "ran"
+    assert result.value is not None and result.value >= 3 * ttl
+    # Renewed: the lease's deadline moved at least twice (every ttl / 3 while the job ran).
+    assert len(deadlines) >= 3, deadlines
     assert others and all(o.status == "running_elsewhere" for o in others[:-1])
+    # The probe in flight when the job finished finds it still running or already done: the
+    # loop stops at the job's end, which may fall on either side of that last probe.
     assert others[-1].status in ("running_elsewhere", "done_elsewhere")
     assert (await run_rows(side))["1"]["fencing"] == result.fencing
 
@@ -427,38 +516,63 @@ async def test_bad_job_or_tick_is_refused(pg_url: str, pg_schema: str) -> None:
 # -- across processes -------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-async def test_each_tick_runs_once_across_processes(
-    shared: tuple[str, dict[str, str]], side: asyncpg.Pool
-) -> None:
-    """8 OS processes x 20 ticks, some waiting for the lease: 20 runs in all, none twice."""
-    kind, where = shared
-    start_at = time.time() + 5.0
-    procs = [
-        await spawn(
-            worker_cfg(
-                kind,
-                where,
-                proc=p,
-                ticks=list(range(TICKS)),
-                start_at=start_at,
-                interval=0.1,
-                jitter=0.02,
-                wait=0.0 if p % 2 == 0 else 1.0,
-            )
-        )
-        for p in range(PROCESSES)
-    ]
+async def communicate_all(
+    procs: list[asyncio.subprocess.Process], within: float = 90
+) -> list[dict[str, Any]]:
+    """Every worker's JSON lines, once each has exited 0 (their stderr otherwise)."""
     lines: list[dict[str, Any]] = []
     for proc in procs:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=within)
         assert proc.returncode == 0, err.decode()[-3000:]
         lines += [json.loads(line) for line in out.decode().splitlines()]
+    return lines
+
+
+async def kill_all(procs: list[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.slow
+async def test_each_tick_runs_once_across_processes(
+    shared: tuple[str, dict[str, str]], side: asyncpg.Pool, tmp_path: Path
+) -> None:
+    """8 OS processes x 20 ticks at once, some waiting for the lease: 20 runs in all, none
+    twice; the runners that do not wait skip a tick running elsewhere, the waiters never give
+    up."""
+    kind, where = shared
+    gate = Gate(tmp_path / "gate", PROCESSES)
+    waits = [0.0 if p % 2 == 0 else 30.0 for p in range(PROCESSES)]
+    procs = []
+    try:
+        for p in range(PROCESSES):
+            procs.append(
+                await spawn(
+                    worker_cfg(
+                        kind, where, proc=p, ticks=list(range(TICKS)), gate=str(gate),
+                        interval=0.1, jitter=0.02, wait=waits[p],
+                    )
+                )
+            )  # fmt: skip
+        await gate.open_when_ready(procs)
+        lines = await communicate_all(procs)
+    finally:
+        await kill_all(procs)
+    gate.assert_overlapped()
     assert len(lines) == PROCESSES * TICKS
     assert [x for x in lines if "error" in x] == []
-    ran = [x for x in lines if x["status"] in ("ran", "took_over")]
+    statuses = Counter(x["status"] for x in lines)
+    # No take-over: no runner lost its lease (the ttl, 10 s, is far above a 10 ms job).
+    assert statuses["took_over"] == 0, statuses
+    # 20 runs in all, one per tick: none twice, none missing.
+    ran = [x for x in lines if x["status"] == "ran"]
     assert sorted(int(x["tick"]) for x in ran) == list(range(TICKS))
-    assert {x["status"] for x in lines} <= {"ran", "done_elsewhere", "running_elsewhere"}
+    # The ticks were contended: runners that do not wait found a tick's lease held ...
+    assert any(x["status"] == "running_elsewhere" for x in lines if waits[x["proc"]] == 0)
+    # ... and the waiters waited it out instead: they ran the tick or found it done.
+    assert {x["status"] for x in lines if waits[x["proc"]] > 0} <= {"ran", "done_elsewhere"}
     rows = await side_rows(side)
     assert sorted(int(r["tick"]) for r in rows if r["phase"] == "start") == list(range(TICKS))
     assert sorted(int(r["tick"]) for r in rows if r["phase"] == "end") == list(range(TICKS))
@@ -474,7 +588,9 @@ async def test_killed_runner_is_taken_over(
     """SIGKILL a runner mid-job: another takes the tick over with a higher fencing token and
     runs it to completion once."""
     kind, where = shared
-    victim = await spawn(worker_cfg(kind, where, ticks=["t"], job_seconds=60, announce=True))
+    victim = await spawn(
+        worker_cfg(kind, where, ticks=["t"], ttl=3.0, job_seconds=600, announce=True)
+    )
     try:
         started = await read_until_start(victim)
     finally:
@@ -483,7 +599,7 @@ async def test_killed_runner_is_taken_over(
     locks = await open_locks(kind, where)
     try:
         async with RunOnce(
-            locks, where["pg_url"], schema=where["schema"], ttl=1.0, wait=10, owner="heir"
+            locks, where["pg_url"], schema=where["schema"], ttl=10, wait=60, owner="heir"
         ) as runner:
             result = await runner.run("report", "t", job_fn(side, 0.01))
     finally:
@@ -503,37 +619,57 @@ async def test_killed_runner_is_taken_over(
 
 @pytest.mark.slow
 async def test_stalled_runner_is_taken_over_and_cannot_finish(
-    shared: tuple[str, dict[str, str]], side: asyncpg.Pool
+    shared: tuple[str, dict[str, str]], side: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    """SIGSTOP a runner mid-job past its ttl: another takes over and finishes; the stalled one,
-    resumed, gets LockLost and its fenced side effect is refused."""
+    """SIGSTOP a runner mid-job: while its lease lives, another runner skips the tick; once the
+    lease has run out, another takes over and finishes; the stalled one, resumed, gets LockLost
+    and its fenced side effect is refused."""
     kind, where = shared
-    victim = await spawn(worker_cfg(kind, where, ticks=["t"], job_seconds=2.5, announce=True))
+    hold = tmp_path / "let-the-victim-finish"
+    # The victim's job runs until `hold` exists, so it is mid-job whenever it is stopped.
+    victim = await spawn(
+        worker_cfg(kind, where, ticks=["t"], ttl=4.0, hold=str(hold), announce=True)
+    )
+    locks = await open_locks(kind, where)
     try:
         started = await read_until_start(victim)
         victim.send_signal(signal.SIGSTOP)
-        locks = await open_locks(kind, where)
         try:
+            # The lease lives on for up to its ttl (renewed every ttl / 3 until the stop).
             async with RunOnce(
-                locks, where["pg_url"], schema=where["schema"], ttl=1.0, wait=10, owner="heir"
+                locks, where["pg_url"], schema=where["schema"], ttl=10, wait=0, owner="probe"
+            ) as prober:
+                probe = await prober.run("report", "t", job_fn(side, 0.01))
+            key = "flowlock-job:report:t"  # RunOnce's lease key for (job, tick)
+            await wait_until(
+                lambda: _not(locks.locked(key)), what="the stalled runner's lease running out"
+            )
+            async with RunOnce(
+                locks, where["pg_url"], schema=where["schema"], ttl=10, wait=10, owner="heir"
             ) as runner:
-                begun = time.monotonic()
                 result = await runner.run("report", "t", job_fn(side, 0.01))
-                waited = time.monotonic() - begun
         finally:
-            await locks.aclose()
+            hold.touch()
+            victim.send_signal(signal.SIGCONT)
+        lines = await communicate_all([victim], within=60)
     finally:
-        victim.send_signal(signal.SIGCONT)
-    out, err = await asyncio.wait_for(victim.communicate(), timeout=30)
-    assert victim.returncode == 0, err.decode()[-3000:]
-    lines = [json.loads(line) for line in out.decode().splitlines()]
+        await locks.aclose()
+        await kill_all([victim])
     assert lines[-1] == {"proc": 0, "tick": "t", "error": "LockLost"}
-    assert waited >= 0.5  # taken over only once the stalled runner's lease ran out
+    assert probe.status == "running_elsewhere"  # not taken over while the lease lived
     assert result.status == "took_over"
+    assert result.previous_fencing == started["fencing"]
     assert result.fencing is not None and result.fencing > started["fencing"]
     row = (await run_rows(side))["t"]
-    assert (row["state"], row["fencing"]) == ("done", result.fencing)
-    assert [r["fencing"] for r in await side_rows(side) if r["phase"] == "end"] == [result.fencing]
+    assert (row["state"], row["fencing"], row["owner"]) == ("done", result.fencing, "heir")
+    side_effects = await side_rows(side)
+    starts = sorted(r["fencing"] for r in side_effects if r["phase"] == "start")
+    assert starts == [started["fencing"], result.fencing]
+    assert [r["fencing"] for r in side_effects if r["phase"] == "end"] == [result.fencing]
+
+
+async def _not(check: Awaitable[bool]) -> bool:
+    return not await check
 
 
 if __name__ == "__main__":
