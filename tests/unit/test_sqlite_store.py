@@ -340,6 +340,51 @@ async def test_concurrent_migrations_both_succeed(db_path: Path) -> None:
         await asyncio.gather(a.aclose(), b.aclose())
 
 
+async def test_open_of_a_fresh_file_waits_for_its_writer(db_path: Path) -> None:
+    """Opening a fresh file whose write lock another connection holds waits for that writer
+    (within busy_timeout) instead of failing at once, then opens in WAL mode and works."""
+    # Why this is the race of two stores opening one new file together: switching the file to
+    # WAL upgrades a read lock to a write lock, and SQLite refuses that upgrade at once when
+    # another connection writes (its busy handler is not called), so the store must retry.
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    store = SqliteStore(db_path, busy_timeout=30)
+    opening = asyncio.create_task(store.open())
+    try:
+        done, _ = await asyncio.wait({opening}, timeout=1.0)
+        assert not done, opening.exception()  # still waiting for the holder, not failed
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    await asyncio.wait_for(opening, 30)
+    try:
+        assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+        assert (await store.create(new_instance())).version == 1
+    finally:
+        await store.aclose()
+
+
+async def test_open_gives_up_after_busy_timeout(db_path: Path) -> None:
+    """A writer that keeps a fresh file locked makes open raise StoreError after busy_timeout
+    (not before, not much later); the store stays closed."""
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    bound = 2.0
+    store = SqliteStore(db_path, busy_timeout=bound)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreError, match="longer than busy_timeout") as caught:
+            await store.open()
+        took = time.monotonic() - started
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert bound <= took < bound + 5
+    assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+    with pytest.raises(EngineClosed):
+        await store.get("i-1")
+
+
 async def test_concurrent_auto_migrating_opens(db_path: Path) -> None:
     """Two auto-migrating stores opening one fresh file at once both become usable."""
     a = SqliteStore(db_path)
