@@ -1,0 +1,239 @@
+"""One store-level contract for every store (memory, SQLite, PostgreSQL; the ``store_factory``
+fixture is parametrised): the fencing clause of the compare-and-swap, a closed store, and a store
+closed while calls are in flight.
+
+What a write left behind is counted without the store's code where the store has a database
+(plain ``sqlite3`` for SQLite, plain SQL for PostgreSQL); the memory store's dicts are its
+database and are read directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from flowlock.errors import EngineClosed, InstanceNotFound
+from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.stores import MemoryStore, Store
+from flowlock.stores.base import EscalationBoard, RowLock
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
+
+StoreFactory = Callable[..., Store]
+OnDisk = Callable[[Store, str], Awaitable[tuple[int, int]]]
+
+# Every wait in these tests is bounded by this (seconds): generous, so a loaded machine only
+# makes a test slower, while a hang still fails it.
+BOUND = 60.0
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest, store_factory: StoreFactory) -> str:
+    """The store backend this test runs on: "memory", "sqlite" or "postgres"."""
+    kind: str = request.node.callspec.params["store_factory"]
+    return kind
+
+
+@pytest.fixture
+def on_disk(request: pytest.FixtureRequest, backend: str) -> OnDisk:
+    """``await on_disk(store, iid)``: (history rows, version) of the instance as the database
+    holds them, counted without the store's code."""
+    if backend == "postgres":
+        sql_history = request.getfixturevalue("sql_history")
+
+        async def pg(store: Store, iid: str) -> tuple[int, int]:
+            counted = await sql_history()
+            return counted.rows.get(iid, 0), counted.versions[iid]
+
+        return pg
+    if backend == "sqlite":
+
+        async def lite(store: Store, iid: str) -> tuple[int, int]:
+            assert isinstance(store, SqliteStore)
+            conn = sqlite3.connect(store.path)
+            try:
+                [(rows,)] = conn.execute(
+                    "SELECT count(*) FROM flowlock_history WHERE instance_id = ?", (iid,)
+                ).fetchall()
+                [(version,)] = conn.execute(
+                    "SELECT version FROM flowlock_instances WHERE id = ?", (iid,)
+                ).fetchall()
+            finally:
+                conn.close()
+            return int(rows), int(version)
+
+        return lite
+
+    async def memory(store: Store, iid: str) -> tuple[int, int]:
+        assert isinstance(store, MemoryStore)
+        return len(store._history[iid]), store._instances[iid].version
+
+    return memory
+
+
+def new(iid: str = "i") -> Instance:
+    return Instance(id=iid, workflow="w", state="a", version=1, data={"n": 0})
+
+
+def entry(
+    inst: Instance, *, token: int | None = None, request_id: str | None = None
+) -> HistoryEntry:
+    """The next transition of ``inst`` (at its version + 1), carrying ``token``."""
+    return HistoryEntry(
+        instance_id=inst.id,
+        version=inst.version + 1,
+        event="go",
+        from_state=inst.state,
+        to_state="b" if inst.state == "a" else "a",
+        actor="tester",
+        request_id=request_id,
+        strategy="distributed" if token is not None else "optimistic",
+        data={"n": int(inst.data["n"]) + 1},
+        fencing_token=token,
+    )
+
+
+@asynccontextmanager
+async def opened(*stores: Store) -> AsyncIterator[None]:
+    for store in stores:
+        await store.open()
+    try:
+        yield
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` until it holds; fail after BOUND seconds."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def closing_began(store: Store) -> bool:
+    """Whether ``aclose`` has begun on ``store`` (it refuses new calls from then on)."""
+    if isinstance(store, MemoryStore):
+        return not store._open
+    assert isinstance(store, SqliteStore | PostgresStore)
+    return store._pool is None
+
+
+# -- fencing -----------------------------------------------------------------------------------
+
+
+async def test_a_lower_fencing_token_is_refused_by_the_fencing_clause(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """A commit at the current version with a new request id, refused only because its fencing
+    token is lower than the last one written, returns None and writes nothing; the same entry
+    with the last token, then a higher one, is accepted and raises the floor; a write without a
+    token is not fenced and leaves the floor where it was."""
+    holder, zombie = store_factory(), store_factory()  # two processes on one database
+    async with opened(holder, zombie):
+        created = await holder.create(new())
+        first = await holder.commit(entry(created, token=5, request_id="r5"))
+        assert first is not None and first.version == 2
+        assert await zombie.fencing_floor("i") == 5
+        before = await zombie.history("i")
+
+        # Version current, request id new: only the fencing clause can refuse this one.
+        stale = entry(first, token=4, request_id="stale")
+        assert await zombie.commit(stale) is None
+        assert await zombie.get("i") == first
+        assert await zombie.history("i") == before
+        assert await zombie.fencing_floor("i") == 5
+        assert await on_disk(zombie, "i") == (1, 2)
+
+        # The very same entry with only the token changed goes through: nothing of the refused
+        # write was kept (its request id is still new).
+        equal = await zombie.commit(dataclasses.replace(stale, fencing_token=5))
+        assert equal is not None and equal.version == 3
+        higher = await zombie.commit(entry(equal, token=9, request_id="r9"))
+        assert higher is not None and higher.version == 4
+        assert await holder.fencing_floor("i") == 9
+        assert await holder.commit(entry(higher, token=5, request_id="late")) is None
+        unfenced = await holder.commit(entry(higher, request_id="plain"))
+        assert unfenced is not None and unfenced.version == 5
+        assert await holder.fencing_floor("i") == 9
+
+        history = await holder.history("i")
+        assert [(h.version, h.request_id, h.fencing_token) for h in history] == [
+            (2, "r5", 5),
+            (3, "stale", 5),
+            (4, "r9", 9),
+            (5, "plain", None),
+        ]
+        assert await on_disk(holder, "i") == (4, 5)
+
+
+# -- a closed store ------------------------------------------------------------------------------
+
+
+Call = Callable[[], Coroutine[Any, Any, Any]]
+
+
+def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
+    """Each operation of the Store port (and of the escalation board, for the stores that are
+    one), as a call to make."""
+
+    def plan(snap: Snapshot) -> HistoryEntry:
+        return entry(snap.instance, request_id="locked")
+
+    calls: dict[str, Call] = {
+        "migrate": store.migrate,
+        "create": lambda: store.create(new("other")),
+        "get": lambda: store.get(inst.id),
+        "read": lambda: store.read(inst.id, "r"),
+        "commit": lambda: store.commit(entry(inst, request_id="closed")),
+        "apply_locked": lambda: store.apply_locked(inst.id, None, plan, RowLock(timeout=5)),
+        "history": lambda: store.history(inst.id),
+        "fencing_floor": lambda: store.fencing_floor(inst.id),
+    }
+    if isinstance(store, EscalationBoard):
+        board = store
+        calls["publish"] = lambda: board.publish(Escalation(inst.id, "pessimistic", 1e12, "x"))
+        calls["active"] = lambda: board.active(0.0)
+    return calls
+
+
+async def test_a_closed_store_refuses_every_operation(
+    backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """Before open and after aclose every operation (the escalation board's too) raises
+    EngineClosed and writes nothing; aclose is idempotent; reopened, the store has what was
+    committed before it closed."""
+    store = store_factory()
+    refused: dict[str, list[str]] = {"before open": [], "after close": []}
+    for name, call in every_operation(store, new().evolve(version=1)).items():
+        with pytest.raises(EngineClosed):
+            await call()
+        refused["before open"].append(name)
+
+    await store.open()
+    committed = await store.commit(entry(await store.create(new()), request_id="kept"))
+    assert committed is not None
+    await store.aclose()
+    await store.aclose()
+    for name, call in every_operation(store, committed).items():
+        with pytest.raises(EngineClosed):
+            await call()
+        refused["after close"].append(name)
+    expected = {"migrate", "create", "get", "read", "commit", "apply_locked", "history"}
+    expected |= {"fencing_floor"} | ({"publish", "active"} if backend != "sqlite" else set())
+    assert set(refused["before open"]) == set(refused["after close"]) == expected
+
+    async with opened(store):
+        assert await store.get("i") == committed
+        assert [h.request_id for h in await store.history("i")] == ["kept"]
+        with pytest.raises(InstanceNotFound):  # the create refused while closed left nothing
+            await store.get("other")
+        assert await on_disk(store, "i") == (1, 2)
