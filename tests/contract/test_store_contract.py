@@ -13,16 +13,18 @@ import asyncio
 import dataclasses
 import sqlite3
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 import pytest
 
 from flowlock.errors import EngineClosed, InstanceNotFound
 from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
 from flowlock.stores import MemoryStore, Store
-from flowlock.stores.base import EscalationBoard, RowLock
+from flowlock.stores.base import EscalationBoard, LockedResult, RowLock
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
 
@@ -237,3 +239,190 @@ async def test_a_closed_store_refuses_every_operation(
         with pytest.raises(InstanceNotFound):  # the create refused while closed left nothing
             await store.get("other")
         assert await on_disk(store, "i") == (1, 2)
+
+
+# -- closing while calls are in flight -----------------------------------------------------------
+
+
+async def test_closing_while_a_pessimistic_call_holds_the_row_lock(
+    backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """aclose while a pessimistic call holds the instance's lock (one connection in the pool,
+    and a pessimistic call and a read queued behind the holder): the holder commits whole and
+    close waits for it; a call made once close began raises EngineClosed; the queued calls end
+    with EngineClosed on the SQL stores, never a driver error, while the memory store (which has
+    no connections to wait for) lets them finish; no transition is half applied; nothing
+    hangs."""
+    # One connection (SQLite: and a writer queue bounded by busy_timeout, not 5 s).
+    store = (
+        store_factory(pool_size=1, busy_timeout=BOUND)
+        if backend == "sqlite"
+        else (store_factory(pool_size=1))
+    )
+    await store.open()
+    closed = False
+    try:
+        await store.create(new())
+        loop = asyncio.get_running_loop()
+        tasks: dict[str, asyncio.Task[Any]] = {}
+
+        def queued_plan(snap: Snapshot) -> HistoryEntry:
+            return entry(snap.instance, request_id="queued")
+
+        def start_queued_call_and_close() -> None:
+            # In this order: the queued call is waiting (for the lock or a connection) before
+            # close begins.
+            tasks["queued"] = loop.create_task(
+                store.apply_locked("i", "queued", queued_plan, RowLock(timeout=BOUND))
+            )
+            tasks["queued read"] = loop.create_task(store.read("i", None))
+            tasks["close"] = loop.create_task(store.aclose())
+
+        async def start_and_wait() -> None:
+            start_queued_call_and_close()
+            await wait_until(lambda: closing_began(store))
+
+        def holder_plan(snap: Snapshot) -> HistoryEntry:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                # SQLite runs the plan on its connection's thread, the write lock held: wait
+                # there until close has begun.
+                asyncio.run_coroutine_threadsafe(start_and_wait(), loop).result(BOUND)
+            else:
+                # The memory and PostgreSQL stores run it on the event loop, the row lock held:
+                # the two tasks run as soon as the holder next awaits, before it commits.
+                start_queued_call_and_close()
+            return entry(snap.instance, request_id="holder")
+
+        async with asyncio.timeout(BOUND):
+            held = await store.apply_locked("i", "holder", holder_plan, RowLock(timeout=BOUND))
+            assert closing_began(store)  # close began before the holder returned
+            with pytest.raises(EngineClosed):
+                await store.get("i")
+            await tasks["close"]
+            closed = True
+            queued = await asyncio.gather(
+                tasks["queued"], tasks["queued read"], return_exceptions=True
+            )
+        assert held.committed is not None and held.committed.version == 2
+        if backend == "memory":
+            finished, read = queued
+            assert isinstance(finished, LockedResult)
+            assert finished.committed is not None and finished.committed.version == 3
+            assert isinstance(read, Snapshot)
+            assert await on_disk(store, "i") == (2, 3)
+        else:
+            assert [type(outcome) for outcome in queued] == [EngineClosed, EngineClosed], queued
+            assert await on_disk(store, "i") == (1, 2)
+    finally:
+        if not closed:
+            await store.aclose()
+
+
+@asynccontextmanager
+async def writer_elsewhere(
+    backend: str, store: Store, pg_url: str | None
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Another connection holding the instance "i" for writing (the row lock on PostgreSQL,
+    the database's write lock on SQLite); yields the coroutine function that lets it go."""
+    if isinstance(store, PostgresStore):
+        assert pg_url is not None
+        conn = await asyncpg.connect(pg_url)
+        await conn.execute(f'SET search_path TO "{store.schema}"')
+        await conn.execute("BEGIN")
+        await conn.execute("SELECT 1 FROM flowlock_instances WHERE id = 'i' FOR UPDATE")
+
+        async def release_pg() -> None:
+            await conn.execute("ROLLBACK")
+
+        try:
+            yield release_pg
+        finally:
+            await conn.close()
+    else:
+        assert isinstance(store, SqliteStore)
+        lite = sqlite3.connect(store.path, isolation_level=None)
+        lite.execute("BEGIN IMMEDIATE")
+
+        async def release_sqlite() -> None:
+            if lite.in_transaction:
+                lite.execute("ROLLBACK")
+
+        try:
+            yield release_sqlite
+        finally:
+            await release_sqlite()
+            lite.close()
+
+
+async def waiting_on_a_lock(store: Store, pg_url: str | None) -> bool:
+    """Whether ``store``'s commit is waiting for the other writer's lock (in the database)."""
+    if isinstance(store, PostgresStore):
+        assert pg_url is not None
+        conn = await asyncpg.connect(pg_url)
+        try:
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                store.application_name,
+            )
+        finally:
+            await conn.close()
+        return bool(waiting)
+    assert isinstance(store, SqliteStore)
+    pool = store._pool
+    # The commit holds the store's writer queue and its only connection, on which SQLite's busy
+    # handler waits for the other writer.
+    return pool is not None and pool.write_lock.locked() and pool.idle.empty()
+
+
+async def test_closing_while_an_optimistic_commit_is_in_flight(
+    request: pytest.FixtureRequest, backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """aclose while a commit's compare-and-swap is in flight (on the SQL stores, waiting for
+    another connection's lock): the commit finishes and its row is written whole, close waits
+    for it, a call made once close began raises EngineClosed; nothing hangs."""
+    pg_url: str | None = request.getfixturevalue("pg_url") if backend == "postgres" else None
+    if backend == "postgres":
+        app = f"flowlock-close-{uuid.uuid4().hex[:8]}"
+        store = store_factory(pool_size=1, lock_timeout=BOUND, application_name=app)
+    elif backend == "sqlite":
+        store = store_factory(pool_size=1, busy_timeout=BOUND)
+    else:
+        store = store_factory()
+    await store.open()
+    closed = False
+    try:
+        created = await store.create(new())
+        async with asyncio.timeout(BOUND):
+            if backend == "memory":
+                # Its commit yields once (as a database round trip would) before it writes:
+                # close begins right there.
+                commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                await asyncio.sleep(0)  # the commit checked that the store is open, and yielded
+                assert not commit.done()
+                await store.aclose()  # closes at once, without yielding to the commit
+                assert closing_began(store) and not commit.done()
+                closing = asyncio.create_task(store.aclose())  # idempotent; awaited below
+            else:
+                async with writer_elsewhere(backend, store, pg_url) as let_go:
+                    commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                    deadline = time.monotonic() + BOUND
+                    while not await waiting_on_a_lock(store, pg_url):
+                        assert time.monotonic() < deadline, "the commit never waited"
+                        await asyncio.sleep(0.01)
+                    closing = asyncio.create_task(store.aclose())
+                    await wait_until(lambda: closing_began(store))
+                    assert not commit.done() and not closing.done()
+                    await let_go()
+            with pytest.raises(EngineClosed):
+                await store.get("i")
+            committed = await commit
+            await closing
+            closed = True
+        assert committed is not None and committed.version == 2
+        assert await on_disk(store, "i") == (1, 2)
+    finally:
+        if not closed:
+            await store.aclose()
