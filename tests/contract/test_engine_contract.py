@@ -1,26 +1,75 @@
-"""One contract for every store (memory, SQLite, PostgreSQL) and both strategies.
+"""One contract for every store (memory, SQLite, PostgreSQL) and every strategy.
 
 Each test runs once per store backend (the ``engine`` fixture is parametrised) and, where the
-strategy matters, once per strategy.
+strategy matters, once per strategy: optimistic, pessimistic, distributed (on the memory lock
+backend) and adaptive (optimistic while an instance is calm, escalated when it runs hot).
+After every concurrency test the checker reads the histories, and on PostgreSQL and SQLite the
+history rows are also counted with the test's own SQL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
 import flowlock
 from flowlock.checker import check
 from flowlock.models import HistoryEntry
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
 
-STRATEGIES = ["optimistic", "pessimistic", "distributed"]
+STRATEGIES = ["optimistic", "pessimistic", "distributed", "adaptive"]
 
 
 @pytest.fixture(params=STRATEGIES)
 def strategy(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     return name
+
+
+def ran(strategy: str) -> str:
+    """The strategy a call on a calm instance runs under: adaptive runs it optimistic."""
+    return "optimistic" if strategy == "adaptive" else strategy
+
+
+Recount = Callable[[flowlock.Engine, Sequence[str]], Awaitable[None]]
+
+
+@pytest.fixture
+def recount(request: pytest.FixtureRequest) -> Recount:
+    """``await recount(engine, ids)``: the engine's histories of ``ids`` agree with the history
+    rows counted by the test's own SQL (PostgreSQL, SQLite): rows per instance, no request id
+    twice, version = rows + 1. The memory store has no database to count; it is skipped."""
+
+    async def run(engine: flowlock.Engine, ids: Sequence[str]) -> None:
+        histories = {iid: await engine.history(iid) for iid in ids}
+        store = engine.store
+        if isinstance(store, PostgresStore):
+            counted = await request.getfixturevalue("sql_history")()
+            counted.assert_matches(histories)
+        elif isinstance(store, SqliteStore):
+            conn = sqlite3.connect(store.path)
+            try:
+                for iid, entries in histories.items():
+                    [(rows, requests, twice)] = conn.execute(
+                        "SELECT count(*), count(request_id), count(*) - count(DISTINCT"
+                        " coalesce(request_id, 'none:' || version)) FROM flowlock_history"
+                        " WHERE instance_id = ?",
+                        (iid,),
+                    ).fetchall()
+                    [(version,)] = conn.execute(
+                        "SELECT version FROM flowlock_instances WHERE id = ?", (iid,)
+                    ).fetchall()
+                    assert (rows, twice, version) == (len(entries), 0, len(entries) + 1), iid
+                    assert requests == sum(e.request_id is not None for e in entries), iid
+            finally:
+                conn.close()
+
+    return run
 
 
 async def test_create_and_get(engine: flowlock.Engine) -> None:
@@ -58,7 +107,13 @@ async def test_fire_applies_once_and_records_history(
     await engine.create("approval", instance_id="r", data={"amount": 5})
     out = await engine.fire("r", "approve", actor="alice", strategy=strategy)
     assert out.applied and not out.idempotent
-    assert (out.instance.state, out.instance.version, out.strategy) == ("approved", 2, strategy)
+    assert (out.instance.state, out.instance.version, out.strategy) == (
+        "approved",
+        2,
+        ran(strategy),
+    )
+    if strategy == "adaptive":
+        assert out.reason == "adaptive: optimistic (instance not escalated)"
     assert out.attempts == 1
     assert out.elapsed > 0
     [entry] = await engine.history("r")
@@ -69,7 +124,7 @@ async def test_fire_applies_once_and_records_history(
         "approved",
         "alice",
     )
-    assert entry.strategy == strategy
+    assert entry.strategy == ran(strategy)
     assert check(await engine.get("r"), [entry], initial_state="pending", expected_applied=1)
 
 
@@ -182,8 +237,11 @@ async def test_countersign_quorum(engine: flowlock.Engine, strategy: str) -> Non
     assert [h.to_state for h in history] == ["pending", "pending", "approved"]
 
 
-async def test_concurrent_duplicates_of_one_request(engine: flowlock.Engine, strategy: str) -> None:
-    """Five concurrent calls with one request id: applied once, identical outcomes."""
+async def test_concurrent_duplicates_of_one_request(
+    engine: flowlock.Engine, strategy: str, recount: Recount
+) -> None:
+    """Five concurrent calls with one request id: applied once, identical outcomes, one history
+    row (checker, and the rows counted by SQL)."""
     await engine.create("approval", instance_id="r")
     outs = await asyncio.gather(
         *[
@@ -193,7 +251,44 @@ async def test_concurrent_duplicates_of_one_request(engine: flowlock.Engine, str
     )
     assert sum(o.applied for o in outs) == 1
     assert {(o.instance.state, o.instance.version) for o in outs} == {("approved", 2)}
-    assert len(await engine.history("r")) == 1
+    history = await engine.history("r")
+    assert [h.request_id for h in history] == ["once"]
+    verdict = check(await engine.get("r"), history, initial_state="pending", expected_applied=1)
+    assert verdict.ok, verdict.violations
+    await recount(engine, ["r"])
+
+
+async def test_concurrent_different_requests_lose_no_update(
+    engine: flowlock.Engine, strategy: str, recount: Recount
+) -> None:
+    """Ten concurrent reservations on one stock: every call that answers applied is one history
+    row and one unit of stock, none is lost or doubled; every locking strategy (and adaptive,
+    which finishes a call that lost its races under the lock) applies them all, while plain
+    optimistic may give up on some with ConflictRetriesExhausted, which wrote nothing."""
+    await engine.create("inventory", instance_id="sku", data={"stock": 100})
+    outs = await asyncio.gather(
+        *[
+            engine.fire("sku", "reserve", actor=f"u{i}", request_id=f"q{i}", strategy=strategy)
+            for i in range(10)
+        ],
+        return_exceptions=True,
+    )
+    kinds = Counter(type(o).__name__ for o in outs)
+    applied = [o for o in outs if isinstance(o, flowlock.Outcome)]
+    assert all(o.applied for o in applied)
+    if strategy == "optimistic":
+        assert set(kinds) <= {"Outcome", "ConflictRetriesExhausted"}, outs
+    else:
+        assert kinds == {"Outcome": 10}, outs
+    final = await engine.get("sku")
+    assert dict(final.data) == {"stock": 100 - len(applied), "reserved": len(applied)}
+    history = await engine.history("sku")
+    assert sorted(h.request_id or "" for h in history) == sorted(
+        o.request_id or "" for o in applied
+    )
+    verdict = check(final, history, initial_state="open", expected_applied=len(applied))
+    assert verdict.ok, verdict.violations
+    await recount(engine, ["sku"])
 
 
 async def test_sql_text_is_data(engine: flowlock.Engine, strategy: str) -> None:

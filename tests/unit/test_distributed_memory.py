@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -17,12 +19,16 @@ from flowlock.locks import MemoryLocks
 from flowlock.models import Instance
 from flowlock.stores import MemoryStore
 
+# Leases of 30 s: a scheduling stall on a loaded machine cannot make one expire mid-call. The
+# wait for a held lease is short, since one test waits it out.
+TTL, WAIT = 30.0, 1.0
+
 
 @pytest.fixture
 async def setup() -> AsyncIterator[tuple[flowlock.Engine, MemoryStore, MemoryLocks]]:
     store, locks = MemoryStore(), MemoryLocks()
     async with flowlock.Engine(
-        store, locks=locks, strategies=[flowlock.Distributed(ttl=0.3, wait=0.2)]
+        store, locks=locks, strategies=[flowlock.Distributed(ttl=TTL, wait=WAIT)]
     ) as eng:
         await eng.register(examples.approval())
         await eng.register(examples.inventory())
@@ -67,25 +73,79 @@ async def test_step_sees_the_fencing_token(
     assert flowlock.fencing_token() is None
 
 
+def record_leases(locks: MemoryLocks) -> list[flowlock.locks.Lease]:
+    """Every lease ``locks`` hands out from now on, in the order they were handed out."""
+    taken: list[flowlock.locks.Lease] = []
+    acquire = locks._acquire
+
+    async def recording(key: str, ttl: float, wait: float) -> flowlock.locks.Lease:
+        lease = await acquire(key, ttl, wait)
+        taken.append(lease)
+        return lease
+
+    locks._acquire = recording  # type: ignore[method-assign]
+    return taken
+
+
 async def test_storm_under_leases_is_exactly_once(
     setup: tuple[flowlock.Engine, MemoryStore, MemoryLocks],
 ) -> None:
-    """100 concurrent distributed approvals: one applied, 99 idempotent, tokens increasing."""
-    eng, _, _ = setup
+    """100 concurrent distributed approvals: one applied, 99 idempotent, one history row that
+    carries the token of a lease taken during the storm, tokens increasing from lease to
+    lease."""
+    eng, _, locks = setup
+    taken = record_leases(locks)
     # A Distributed given per call without a backend leases from the engine's.
-    strategy = flowlock.Distributed(ttl=1.0, wait=5.0)
+    strategy = flowlock.Distributed(ttl=TTL, wait=30.0)
     outs = await asyncio.gather(*[eng.fire("r", "approve", strategy=strategy) for _ in range(100)])
     assert sum(o.applied for o in outs) == 1
-    assert check(await eng.get("r"), await eng.history("r"), expected_applied=1).ok
+    assert sum(o.idempotent for o in outs) == 99
+    assert {(o.instance.state, o.instance.version) for o in outs} == {("approved", 2)}
+    tokens = [lease.fencing for lease in taken]
+    assert tokens and all(a < b for a, b in itertools.pairwise(tokens)), tokens
+    [row] = await eng.history("r")
+    assert row.fencing_token in tokens
+    verdict = check(await eng.get("r"), [row], expected_applied=1)
+    assert verdict.ok, verdict.violations
+
+
+async def test_tokens_increase_along_the_history(
+    setup: tuple[flowlock.Engine, MemoryStore, MemoryLocks],
+) -> None:
+    """Twenty concurrent distributed reservations each take a lease and write once: the history
+    rows carry strictly increasing fencing tokens, the tokens of the leases handed out."""
+    eng, store, locks = setup
+    taken = record_leases(locks)
+    await eng.create("inventory", instance_id="s", data={"stock": 20})
+    strategy = flowlock.Distributed(ttl=TTL, wait=30.0)
+    outs = await asyncio.gather(
+        *[eng.fire("s", "reserve", request_id=f"q{i}", strategy=strategy) for i in range(20)]
+    )
+    assert all(o.applied for o in outs)
+    history = await eng.history("s")
+    tokens = [h.fencing_token for h in history if h.fencing_token is not None]
+    assert len(tokens) == len(history) == 20
+    assert tokens == [lease.fencing for lease in taken]
+    assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+    assert await store.fencing_floor("s") == tokens[-1]
+    final = await eng.get("s")
+    assert dict(final.data) == {"stock": 0, "reserved": 20}
+    verdict = check(final, history, initial_state="open", expected_applied=20)
+    assert verdict.ok, verdict.violations
 
 
 async def test_held_lock_times_out(setup: tuple[flowlock.Engine, MemoryStore, MemoryLocks]) -> None:
-    """A lease held elsewhere makes the call wait lease_wait, then LockTimeout, nothing written."""
+    """A lease held elsewhere makes the call wait the strategy's wait (not less), then
+    LockTimeout, nothing written."""
     eng, _, locks = setup
-    lease = await locks.acquire("r", ttl=5)
+    lease = await locks.acquire("r", ttl=TTL)
+    started = time.monotonic()
     with pytest.raises(flowlock.LockTimeout):
         await eng.fire("r", "approve", strategy="distributed")
+    took = time.monotonic() - started
+    assert WAIT <= took < WAIT + 5
     assert (await eng.get("r")).version == 1
+    assert await eng.history("r") == []
     await locks.release(lease)
 
 
@@ -120,6 +180,9 @@ async def test_lost_lease_does_not_write(
 ) -> None:
     """A step that outlives its lease (renewal impossible) raises LockLost and writes nothing."""
     eng, _, locks = setup
+    # A short lease here, and a read that sleeps past it: the lease is over when the step
+    # would commit, however the machine schedules the two (the sleep is at least the ttl).
+    short = flowlock.Distributed(ttl=0.3, wait=WAIT)
 
     # Make renewal impossible: another owner takes the key as soon as it expires.
     real_extend = locks.extend
@@ -137,7 +200,7 @@ async def test_lost_lease_does_not_write(
     eng.store.read = slow_read  # type: ignore[method-assign]
     try:
         with pytest.raises(flowlock.LockLost):
-            await eng.fire("r", "approve", strategy="distributed")
+            await eng.fire("r", "approve", strategy=short)
     finally:
         locks.extend = real_extend  # type: ignore[method-assign]
         eng.store.read = original_read  # type: ignore[method-assign]

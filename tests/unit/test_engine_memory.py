@@ -234,3 +234,106 @@ async def test_pessimistic_memory_lock_timeout() -> None:
         finally:
             lock.release()
         assert (await eng.get("r")).version == 1
+
+
+def _faulty() -> flowlock.Workflow:
+    """A workflow whose transitions exercise the step's error branches."""
+
+    def falsy(value: Any) -> Any:
+        def guard(inst: Any, payload: Any, actor: Any) -> Any:
+            return value
+
+        return guard
+
+    def elsewhere(inst: Any, payload: Any, actor: Any) -> flowlock.Step:
+        return flowlock.Step(data={"moved": True}, target="archived")  # not a target of "go"
+
+    def not_a_mapping(inst: Any, payload: Any, actor: Any) -> Any:
+        return [("moved", True)]
+
+    def not_a_mapping_in_a_step(inst: Any, payload: Any, actor: Any) -> flowlock.Step:
+        return flowlock.Step(data="moved", target="done")  # type: ignore[arg-type]
+
+    return flowlock.Workflow(
+        "faulty",
+        states=["start", "done", "archived"],
+        initial="start",
+        transitions=[
+            flowlock.Transition("refuse_false", source="start", target="done", guard=falsy(False)),
+            flowlock.Transition("refuse_none", source="start", target="done", guard=falsy(None)),
+            flowlock.Transition("refuse_zero", source="start", target="done", guard=falsy(0)),
+            flowlock.Transition("refuse_empty", source="start", target="done", guard=falsy("")),
+            flowlock.Transition("go", source="start", target="done", effect=elsewhere),
+            flowlock.Transition("listed", source="start", target="done", effect=not_a_mapping),
+            flowlock.Transition(
+                "stepped", source="start", target="done", effect=not_a_mapping_in_a_step
+            ),
+            flowlock.Transition("archive", source="done", target="archived"),
+        ],
+    )
+
+
+@pytest.fixture(params=["optimistic", "pessimistic", "distributed", "adaptive"])
+async def faulty(request: pytest.FixtureRequest) -> AsyncIterator[tuple[flowlock.Engine, str]]:
+    """An engine with the faulty workflow and one instance "f" of it, and a strategy to fire
+    with (distributed on the memory lock backend)."""
+    from flowlock.locks import MemoryLocks
+
+    async with flowlock.Engine(MemoryStore(), locks=MemoryLocks()) as eng:
+        await eng.register(_faulty())
+        await eng.create("faulty", instance_id="f", data={"n": 1})
+        yield eng, request.param
+
+
+async def _untouched(eng: flowlock.Engine) -> None:
+    inst = await eng.get("f")
+    assert (inst.state, inst.version, dict(inst.data), inst.last_event) == (
+        "start",
+        1,
+        {"n": 1},
+        None,
+    )
+    assert await eng.history("f") == []
+
+
+@pytest.mark.parametrize(
+    ("event", "value"),
+    [("refuse_false", False), ("refuse_none", None), ("refuse_zero", 0), ("refuse_empty", "")],
+)
+async def test_a_falsy_guard_refuses(
+    faulty: tuple[flowlock.Engine, str], event: str, value: object
+) -> None:
+    """A guard returning a falsy value (not only False) raises GuardRejected naming the event
+    and the value, with the instance's facts, and nothing is written."""
+    eng, strategy = faulty
+    with pytest.raises(flowlock.GuardRejected) as refused:
+        await eng.fire("f", event, strategy=strategy)
+    assert refused.value.reason == f"guard of {event!r} returned {value!r}"
+    assert (refused.value.instance_id, refused.value.event) == ("f", event)
+    assert (refused.value.state, refused.value.version) == ("start", 1)
+    await _untouched(eng)
+
+
+async def test_an_effect_choosing_a_target_outside_the_transition_is_refused(
+    faulty: tuple[flowlock.Engine, str],
+) -> None:
+    """An effect whose Step names a state that is not one of the transition's targets raises
+    DefinitionError naming it and the real targets, and nothing is written."""
+    eng, strategy = faulty
+    with pytest.raises(flowlock.DefinitionError) as refused:
+        await eng.fire("f", "go", strategy=strategy)
+    message = str(refused.value)
+    assert "'archived'" in message and "('done',)" in message
+    await _untouched(eng)
+
+
+@pytest.mark.parametrize(("event", "kind"), [("listed", "list"), ("stepped", "str")])
+async def test_an_effect_returning_a_non_mapping_is_refused(
+    faulty: tuple[flowlock.Engine, str], event: str, kind: str
+) -> None:
+    """An effect returning something other than a mapping (directly, or as a Step's data)
+    raises DefinitionError saying what it returned, and nothing is written."""
+    eng, strategy = faulty
+    with pytest.raises(flowlock.DefinitionError, match=f"returned {kind};"):
+        await eng.fire("f", event, strategy=strategy)
+    await _untouched(eng)

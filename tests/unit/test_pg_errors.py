@@ -314,6 +314,9 @@ class _Pool:
     async def release(self, conn: object) -> None:
         self.released.append(conn)
 
+    def is_closing(self) -> bool:
+        return False
+
 
 async def test_connection_translates_and_gives_back() -> None:
     """No free connection in time is StoreBusy; an error at acquire or inside is translated,

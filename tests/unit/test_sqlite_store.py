@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from flowlock.errors import (
     LockBusy,
     LockTimeout,
     MigrationError,
+    StoreBusy,
     StoreError,
 )
 from flowlock.models import HistoryEntry, Instance, Snapshot
@@ -244,24 +245,26 @@ async def test_apply_locked_bad_plan_entry_rolls_back(store: SqliteStore) -> Non
 async def test_apply_locked_nowait_raises_lock_busy(
     store: SqliteStore, write_lock_holder: sqlite3.Connection
 ) -> None:
-    """With the write lock held by another connection, nowait raises LockBusy at once."""
+    """With the write lock held by another connection, nowait raises LockBusy without waiting
+    for it (the busy timeout is 5 s; the bound below leaves a loaded machine room)."""
     started = time.monotonic()
     with pytest.raises(LockBusy):
         await store.apply_locked("i-1", None, lambda s: None, RowLock(nowait=True))
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < store.busy_timeout
 
 
 async def test_apply_locked_timeout_raises_lock_timeout(
     store: SqliteStore, write_lock_holder: sqlite3.Connection
 ) -> None:
-    """With the write lock held by another connection, LockTimeout comes after about the bound."""
-    bound = 0.5
+    """With the write lock held by another connection, LockTimeout comes after the bound (not
+    before; SQLite counts its busy timeout in whole milliseconds)."""
+    bound = 1.0
     started = time.monotonic()
     with pytest.raises(LockTimeout) as caught:
         await store.apply_locked("i-1", None, lambda s: None, RowLock(timeout=bound))
-    elapsed = time.monotonic() - started
-    assert 0.8 * bound <= elapsed < 5 * bound
-    assert caught.value.waited >= 0.8 * bound
+    took = time.monotonic() - started
+    assert bound - 0.001 <= took < bound + 5
+    assert bound - 0.001 <= caught.value.waited <= took
 
 
 async def test_busy_timeout_restored_after_bounded_transaction(
@@ -289,27 +292,101 @@ async def test_busy_timeout_restored_after_bounded_transaction(
         assert got == 5000
 
 
-async def test_commit_waits_for_external_writer(db_path: Path, store: SqliteStore) -> None:
-    """A commit waits on the busy timeout for a writer in another connection, then succeeds."""
-    inst = await store.create(new_instance())
-    holder = sqlite3.connect(db_path, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")
-    loop = asyncio.get_running_loop()
-    loop.call_later(0.2, holder.execute, "ROLLBACK")
-    try:
-        committed = await store.commit(step(inst))
-    finally:
-        holder.close()
+async def wait_until(condition: Callable[[], bool], within: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def writing(store: SqliteStore) -> bool:
+    """Whether one of ``store``'s writes is running on a connection (its writer queue taken
+    and a connection out of the pool)."""
+    pool = store._pool
+    return pool is not None and pool.write_lock.locked() and pool.idle.qsize() < len(pool.workers)
+
+
+async def test_commit_waits_for_external_writer(db_path: Path) -> None:
+    """A commit waits (on the busy timeout) for a writer in another connection, still waiting
+    while that writer holds on, then succeeds once it lets go."""
+    async with SqliteStore(db_path, busy_timeout=30) as store:
+        inst = await store.create(new_instance())
+        holder = sqlite3.connect(db_path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            commit = asyncio.create_task(store.commit(step(inst)))
+            await wait_until(lambda: writing(store))
+            done, _ = await asyncio.wait({commit}, timeout=0.5)
+            assert not done  # waiting for the holder, not failed
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        committed = await asyncio.wait_for(commit, 30)
     assert committed is not None
     assert committed.version == 2
+
+
+async def test_commit_gives_up_after_busy_timeout(db_path: Path) -> None:
+    """A commit whose database another connection keeps write-locked raises LockTimeout after
+    busy_timeout (not before, not much later) and writes nothing."""
+    bound = 1.0
+    async with SqliteStore(db_path, busy_timeout=bound) as store:
+        inst = await store.create(new_instance())
+        holder = sqlite3.connect(db_path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        try:
+            with pytest.raises(LockTimeout) as caught:
+                await store.commit(step(inst, request_id="late"))
+            took = time.monotonic() - started
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert bound - 0.001 <= took < bound + 5
+        assert caught.value.key == inst.id
+        assert await store.get(inst.id) == inst
+    assert raw_rows(db_path, "SELECT count(*) FROM flowlock_history") == [(0,)]
+
+
+async def test_acquire_timeout_bounds_the_wait_for_a_connection(db_path: Path) -> None:
+    """With the store's only connection taken by a write that waits for another connection's
+    write lock, a read waits acquire_timeout for a connection (not less, not much more), then
+    raises StoreBusy; the waiting write still lands whole once the other writer lets go, and
+    nothing else is written."""
+    bound = 2.0
+    store = SqliteStore(db_path, pool_size=1, acquire_timeout=bound, busy_timeout=60)
+    async with store:
+        inst = await store.create(new_instance())
+        holder = sqlite3.connect(db_path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            commit = asyncio.create_task(store.commit(step(inst, request_id="waiting")))
+            await wait_until(lambda: writing(store))
+            started = time.monotonic()
+            with pytest.raises(StoreBusy) as caught:
+                await store.get(inst.id)
+            took = time.monotonic() - started
+            assert not commit.done()
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert bound <= took < bound + 5
+        assert (caught.value.size, caught.value.waited >= bound) == (1, True)
+        committed = await asyncio.wait_for(commit, 60)
+        assert committed is not None and committed.version == 2
+    assert raw_rows(db_path, "SELECT request_id FROM flowlock_history") == [("waiting",)]
+    assert raw_rows(db_path, "SELECT version FROM flowlock_instances") == [(2,)]
 
 
 async def test_readers_not_blocked_by_external_writer(
     store: SqliteStore, write_lock_holder: sqlite3.Connection
 ) -> None:
-    """WAL: reads succeed while another connection holds the write lock."""
+    """WAL: reads succeed while another connection holds the write lock (a read waiting for
+    it would fail with a busy StoreError after busy_timeout, not InstanceNotFound)."""
     with pytest.raises(InstanceNotFound):
-        await asyncio.wait_for(store.get("i-1"), 1.0)
+        await asyncio.wait_for(store.get("i-1"), 30)
+    assert write_lock_holder.in_transaction
 
 
 async def test_migrate_is_idempotent(db_path: Path) -> None:
@@ -338,6 +415,51 @@ async def test_concurrent_migrations_both_succeed(db_path: Path) -> None:
         assert sorted(results) == [[], [m.name for m in migrations.load("sqlite")]]
     finally:
         await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_open_of_a_fresh_file_waits_for_its_writer(db_path: Path) -> None:
+    """Opening a fresh file whose write lock another connection holds waits for that writer
+    (within busy_timeout) instead of failing at once, then opens in WAL mode and works."""
+    # Why this is the race of two stores opening one new file together: switching the file to
+    # WAL upgrades a read lock to a write lock, and SQLite refuses that upgrade at once when
+    # another connection writes (its busy handler is not called), so the store must retry.
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    store = SqliteStore(db_path, busy_timeout=30)
+    opening = asyncio.create_task(store.open())
+    try:
+        done, _ = await asyncio.wait({opening}, timeout=1.0)
+        assert not done, opening.exception()  # still waiting for the holder, not failed
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    await asyncio.wait_for(opening, 30)
+    try:
+        assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+        assert (await store.create(new_instance())).version == 1
+    finally:
+        await store.aclose()
+
+
+async def test_open_gives_up_after_busy_timeout(db_path: Path) -> None:
+    """A writer that keeps a fresh file locked makes open raise StoreError after busy_timeout
+    (not before, not much later); the store stays closed."""
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    bound = 1.0
+    store = SqliteStore(db_path, busy_timeout=bound)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StoreError, match="longer than busy_timeout") as caught:
+            await store.open()
+        took = time.monotonic() - started
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert bound <= took < bound + 5
+    assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+    with pytest.raises(EngineClosed):
+        await store.get("i-1")
 
 
 async def test_concurrent_auto_migrating_opens(db_path: Path) -> None:
@@ -405,28 +527,37 @@ async def test_closed_store_raises_engine_closed(db_path: Path) -> None:
         await store.aclose()
 
 
-async def test_aclose_waits_for_operations_in_flight(store: SqliteStore) -> None:
-    """aclose lets a running transaction finish; queued operations then see EngineClosed."""
+async def test_aclose_waits_for_operations_in_flight(db_path: Path) -> None:
+    """aclose lets a running transaction finish; an operation queued behind it then sees
+    EngineClosed; nothing but the running transaction is written."""
+    store = SqliteStore(db_path, busy_timeout=60)
+    await store.open()
     inst = await store.create(new_instance())
-    release = asyncio.Event()
+    running, release = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def slow_plan(snap: Snapshot) -> HistoryEntry:
-        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(5)
+        # On the connection's thread, inside the transaction: tell the test, wait for it.
+        loop.call_soon_threadsafe(running.set)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(60)
         return step(snap.instance)
 
-    locked = asyncio.create_task(store.apply_locked(inst.id, None, slow_plan, RowLock()))
-    await asyncio.sleep(0.05)
-    queued = asyncio.create_task(store.commit(step(inst, request_id="queued")))
-    await asyncio.sleep(0)
-    closing = asyncio.create_task(store.aclose())
-    await asyncio.sleep(0.05)
-    release.set()
-    result = await locked
-    assert result.committed is not None
-    with pytest.raises(EngineClosed):
-        await queued
-    await closing
+    async with asyncio.timeout(60):
+        locked = asyncio.create_task(store.apply_locked(inst.id, None, slow_plan, RowLock()))
+        await running.wait()
+        queued = asyncio.create_task(store.commit(step(inst, request_id="queued")))
+        await asyncio.sleep(0)  # one step: the queued commit now waits for the writer queue
+        assert not queued.done()
+        closing = asyncio.create_task(store.aclose())
+        await wait_until(lambda: store._pool is None)  # close has begun
+        assert not locked.done() and not closing.done()
+        release.set()
+        result = await locked
+        assert result.committed is not None and result.committed.version == 2
+        with pytest.raises(EngineClosed):
+            await queued
+        await closing
+    assert raw_rows(db_path, "SELECT version, request_id FROM flowlock_history") == [(2, None)]
 
 
 def test_from_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

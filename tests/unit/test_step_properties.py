@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,19 +45,26 @@ def _apply(inst: Instance, entry: HistoryEntry) -> Instance:
 @settings(max_examples=200)
 @given(st.lists(st.sampled_from(["close", "reopen"]), max_size=40))
 def test_any_event_sequence_yields_a_valid_history(events: list[str]) -> None:
-    """Whatever events arrive, applying decide's entries gives a history the checker accepts."""
+    """Whatever events arrive, applying decide's entries gives a history the checker accepts;
+    each event is applied when its source is the current state, answered idempotent when the
+    same event brought the instance where it is, and refused with TransitionNotAllowed only
+    otherwise (a reopen before anything was closed)."""
     inst = Instance(id="t", workflow="ticket", state="open", version=1, data={})
     history: list[HistoryEntry] = []
     for event in events:
-        try:
-            result = decide(WORKFLOWS, Snapshot(inst), _call("t", event))
-        except flowlock.TransitionNotAllowed as exc:
-            assert exc.state == inst.state
+        source = "open" if event == "close" else "closed"
+        if inst.state != source and inst.last_event != event:
+            with pytest.raises(flowlock.TransitionNotAllowed) as refused:
+                decide(WORKFLOWS, Snapshot(inst), _call("t", event))
+            assert (refused.value.state, refused.value.allowed) == (inst.state, ("close",))
+            assert event == "reopen" and inst.last_event is None
             continue
-        if isinstance(result, Idempotent):
-            # Only the two-admins case: the same event brought it here last time.
-            assert inst.last_event == event
+        result = decide(WORKFLOWS, Snapshot(inst), _call("t", event))
+        if inst.state != source:
+            # The two-admins case: the same event brought it here last time.
+            assert isinstance(result, Idempotent) and result.instance == inst
             continue
+        assert isinstance(result, HistoryEntry)
         assert result.version == inst.version + 1
         history.append(result)
         inst = _apply(inst, result)
@@ -83,15 +91,26 @@ def test_inventory_never_oversells(stock: int, wants: list[int]) -> None:
 
 @given(st.lists(st.sampled_from([f"u{i}" for i in range(8)]), max_size=30))
 def test_countersign_records_each_signer_once(signers: list[str]) -> None:
-    """Each actor's signature is recorded at most once; the state is approved iff quorum."""
+    """Each actor's signature is recorded at most once: while pending, a second signature by
+    the same actor raises GuardRejected and a new one is applied (moving to approved at
+    quorum); once approved, any signature is answered idempotent (the same event brought it
+    there), never refused."""
     inst = Instance(id="d", workflow="countersign", state="pending", version=1, data={})
     for actor in signers:
-        try:
-            result = decide(WORKFLOWS, Snapshot(inst), _call("d", "sign", actor))
-        except (flowlock.GuardRejected, flowlock.TransitionNotAllowed):
+        signed = list(inst.data.get("signers", []))
+        if inst.state == "pending" and actor in signed:
+            with pytest.raises(flowlock.GuardRejected) as refused:
+                decide(WORKFLOWS, Snapshot(inst), _call("d", "sign", actor))
+            assert refused.value.reason == f"{actor} has already signed"
+            assert (refused.value.instance_id, refused.value.version) == ("d", inst.version)
             continue
-        if isinstance(result, Idempotent):
+        result = decide(WORKFLOWS, Snapshot(inst), _call("d", "sign", actor))
+        if inst.state == "approved":
+            assert isinstance(result, Idempotent) and result.instance == inst
             continue
+        assert isinstance(result, HistoryEntry)
+        assert result.data["signers"] == [*signed, actor]
+        assert result.to_state == ("approved" if len(signed) + 1 >= 5 else "pending")
         inst = _apply(inst, result)
     recorded = list(inst.data.get("signers", []))
     assert len(recorded) == len(set(recorded))

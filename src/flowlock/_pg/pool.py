@@ -8,6 +8,7 @@ Each caller still passes what is its own: sizes, timeouts, extra server settings
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
@@ -17,7 +18,7 @@ from typing import Any
 import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context, translate, wrap_errors
-from flowlock.errors import InvalidInput, StoreBusy
+from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
 
 __all__ = [
     "InitHook",
@@ -141,15 +142,34 @@ async def connection(
 ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
     """A connection of ``pool`` (of ``size`` at most), given back on the way out; driver errors
     raised inside become flowlock errors of ``context``. No connection free within
-    ``acquire_timeout`` seconds: StoreBusy."""
+    ``acquire_timeout`` seconds: StoreBusy. The pool closed while this call waited for a
+    connection: EngineClosed, and nothing is sent on the connection it may have been handed (a
+    closing pool closes that connection under it, and asyncpg then fails with errors of its own,
+    InternalClientError among them, that no edge translates)."""
     try:
         conn = await pool.acquire(timeout=acquire_timeout)
     except TimeoutError:
         raise StoreBusy(acquire_timeout, size) from None
     except DRIVER_ERRORS as exc:
+        if pool.is_closing():
+            raise _closed_while_waiting(context) from exc
         raise translate(exc, context=context) from exc
+    if pool.is_closing():
+        # The pool is closing this connection (or has closed it): giving it back cannot fail
+        # in any way that matters to the caller.
+        with contextlib.suppress(*DRIVER_ERRORS, asyncpg.InternalClientError):
+            await pool.release(conn)
+        raise _closed_while_waiting(context)
     try:
         with wrap_errors(context):
             yield conn
     finally:
         await pool.release(conn)
+
+
+def _closed_while_waiting(context: Context) -> EngineClosed:
+    about = "" if context.key is None else f" on {context.key!r}"
+    return EngineClosed(
+        f"the PostgreSQL pool was closed while this call{about} waited for a connection; "
+        "nothing was sent, nothing was written"
+    )

@@ -59,6 +59,7 @@ class MemoryStore:
         self._open = False
 
     async def migrate(self) -> list[str]:
+        self._check()  # closed like the SQL stores: EngineClosed, not a silent no-op
         return []
 
     def _check(self) -> None:

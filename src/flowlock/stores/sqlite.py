@@ -207,12 +207,31 @@ class SqliteStore(AsyncResource):
         try:
             conn.execute(f"PRAGMA busy_timeout = {_ms(self.busy_timeout)}")
             conn.execute("PRAGMA foreign_keys = ON")
-            conn.execute("PRAGMA journal_mode = WAL").fetchall()
+            self._use_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        """Switch the file to WAL, retrying within ``busy_timeout``. Why retry here: switching a
+        fresh file reads its header and then upgrades to a write lock, and SQLite answers a
+        lock upgrade that finds another writer with SQLITE_BUSY at once, without calling the
+        busy handler (waiting could deadlock), so two stores opening one new file together
+        would fail on the spot instead of waiting for each other."""
+        deadline = time.monotonic() + self.busy_timeout
+        pause = 0.001
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL").fetchall()
+                return
+            except sqlite3.OperationalError as exc:
+                left = deadline - time.monotonic()
+                if not _is_busy(exc) or left <= 0:
+                    raise
+            time.sleep(min(pause, left))  # on the connection's own thread, not the loop's
+            pause = min(2 * pause, 0.05)
 
     def _live(self) -> _Pool:
         pool = self._pool

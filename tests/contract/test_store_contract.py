@@ -1,0 +1,428 @@
+"""One store-level contract for every store (memory, SQLite, PostgreSQL; the ``store_factory``
+fixture is parametrised): the fencing clause of the compare-and-swap, a closed store, and a store
+closed while calls are in flight.
+
+What a write left behind is counted without the store's code where the store has a database
+(plain ``sqlite3`` for SQLite, plain SQL for PostgreSQL); the memory store's dicts are its
+database and are read directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import pytest
+
+from flowlock.errors import EngineClosed, InstanceNotFound
+from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.stores import MemoryStore, Store
+from flowlock.stores.base import EscalationBoard, LockedResult, RowLock
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
+
+StoreFactory = Callable[..., Store]
+OnDisk = Callable[[Store, str], Awaitable[tuple[int, int]]]
+
+# Every wait in these tests is bounded by this (seconds): generous, so a loaded machine only
+# makes a test slower, while a hang still fails it.
+BOUND = 60.0
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest, store_factory: StoreFactory) -> str:
+    """The store backend this test runs on: "memory", "sqlite" or "postgres"."""
+    kind: str = request.node.callspec.params["store_factory"]
+    return kind
+
+
+@pytest.fixture
+def on_disk(request: pytest.FixtureRequest, backend: str) -> OnDisk:
+    """``await on_disk(store, iid)``: (history rows, version) of the instance as the database
+    holds them, counted without the store's code."""
+    if backend == "postgres":
+        sql_history = request.getfixturevalue("sql_history")
+
+        async def pg(store: Store, iid: str) -> tuple[int, int]:
+            counted = await sql_history()
+            return counted.rows.get(iid, 0), counted.versions[iid]
+
+        return pg
+    if backend == "sqlite":
+
+        async def lite(store: Store, iid: str) -> tuple[int, int]:
+            assert isinstance(store, SqliteStore)
+            conn = sqlite3.connect(store.path)
+            try:
+                [(rows,)] = conn.execute(
+                    "SELECT count(*) FROM flowlock_history WHERE instance_id = ?", (iid,)
+                ).fetchall()
+                [(version,)] = conn.execute(
+                    "SELECT version FROM flowlock_instances WHERE id = ?", (iid,)
+                ).fetchall()
+            finally:
+                conn.close()
+            return int(rows), int(version)
+
+        return lite
+
+    async def memory(store: Store, iid: str) -> tuple[int, int]:
+        assert isinstance(store, MemoryStore)
+        return len(store._history[iid]), store._instances[iid].version
+
+    return memory
+
+
+def new(iid: str = "i") -> Instance:
+    return Instance(id=iid, workflow="w", state="a", version=1, data={"n": 0})
+
+
+def entry(
+    inst: Instance, *, token: int | None = None, request_id: str | None = None
+) -> HistoryEntry:
+    """The next transition of ``inst`` (at its version + 1), carrying ``token``."""
+    return HistoryEntry(
+        instance_id=inst.id,
+        version=inst.version + 1,
+        event="go",
+        from_state=inst.state,
+        to_state="b" if inst.state == "a" else "a",
+        actor="tester",
+        request_id=request_id,
+        strategy="distributed" if token is not None else "optimistic",
+        data={"n": int(inst.data["n"]) + 1},
+        fencing_token=token,
+    )
+
+
+@asynccontextmanager
+async def opened(*stores: Store) -> AsyncIterator[None]:
+    for store in stores:
+        await store.open()
+    try:
+        yield
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` until it holds; fail after BOUND seconds."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def closing_began(store: Store) -> bool:
+    """Whether ``aclose`` has begun on ``store`` (it refuses new calls from then on)."""
+    if isinstance(store, MemoryStore):
+        return not store._open
+    assert isinstance(store, SqliteStore | PostgresStore)
+    return store._pool is None
+
+
+# -- fencing -----------------------------------------------------------------------------------
+
+
+async def test_a_lower_fencing_token_is_refused_by_the_fencing_clause(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """A commit at the current version with a new request id, refused only because its fencing
+    token is lower than the last one written, returns None and writes nothing; the same entry
+    with the last token, then a higher one, is accepted and raises the floor; a write without a
+    token is not fenced and leaves the floor where it was."""
+    holder, zombie = store_factory(), store_factory()  # two processes on one database
+    async with opened(holder, zombie):
+        created = await holder.create(new())
+        first = await holder.commit(entry(created, token=5, request_id="r5"))
+        assert first is not None and first.version == 2
+        assert await zombie.fencing_floor("i") == 5
+        before = await zombie.history("i")
+
+        # Version current, request id new: only the fencing clause can refuse this one.
+        stale = entry(first, token=4, request_id="stale")
+        assert await zombie.commit(stale) is None
+        assert await zombie.get("i") == first
+        assert await zombie.history("i") == before
+        assert await zombie.fencing_floor("i") == 5
+        assert await on_disk(zombie, "i") == (1, 2)
+
+        # The very same entry with only the token changed goes through: nothing of the refused
+        # write was kept (its request id is still new).
+        equal = await zombie.commit(dataclasses.replace(stale, fencing_token=5))
+        assert equal is not None and equal.version == 3
+        higher = await zombie.commit(entry(equal, token=9, request_id="r9"))
+        assert higher is not None and higher.version == 4
+        assert await holder.fencing_floor("i") == 9
+        assert await holder.commit(entry(higher, token=5, request_id="late")) is None
+        unfenced = await holder.commit(entry(higher, request_id="plain"))
+        assert unfenced is not None and unfenced.version == 5
+        assert await holder.fencing_floor("i") == 9
+
+        history = await holder.history("i")
+        assert [(h.version, h.request_id, h.fencing_token) for h in history] == [
+            (2, "r5", 5),
+            (3, "stale", 5),
+            (4, "r9", 9),
+            (5, "plain", None),
+        ]
+        assert await on_disk(holder, "i") == (4, 5)
+
+
+# -- a closed store ------------------------------------------------------------------------------
+
+
+Call = Callable[[], Coroutine[Any, Any, Any]]
+
+
+def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
+    """Each operation of the Store port (and of the escalation board, for the stores that are
+    one), as a call to make."""
+
+    def plan(snap: Snapshot) -> HistoryEntry:
+        return entry(snap.instance, request_id="locked")
+
+    calls: dict[str, Call] = {
+        "migrate": store.migrate,
+        "create": lambda: store.create(new("other")),
+        "get": lambda: store.get(inst.id),
+        "read": lambda: store.read(inst.id, "r"),
+        "commit": lambda: store.commit(entry(inst, request_id="closed")),
+        "apply_locked": lambda: store.apply_locked(inst.id, None, plan, RowLock(timeout=5)),
+        "history": lambda: store.history(inst.id),
+        "fencing_floor": lambda: store.fencing_floor(inst.id),
+    }
+    if isinstance(store, EscalationBoard):
+        board = store
+        calls["publish"] = lambda: board.publish(Escalation(inst.id, "pessimistic", 1e12, "x"))
+        calls["active"] = lambda: board.active(0.0)
+    return calls
+
+
+async def test_a_closed_store_refuses_every_operation(
+    backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """Before open and after aclose every operation (the escalation board's too) raises
+    EngineClosed and writes nothing; aclose is idempotent; reopened, the store has what was
+    committed before it closed."""
+    store = store_factory()
+    refused: dict[str, list[str]] = {"before open": [], "after close": []}
+    for name, call in every_operation(store, new().evolve(version=1)).items():
+        with pytest.raises(EngineClosed):
+            await call()
+        refused["before open"].append(name)
+
+    await store.open()
+    committed = await store.commit(entry(await store.create(new()), request_id="kept"))
+    assert committed is not None
+    await store.aclose()
+    await store.aclose()
+    for name, call in every_operation(store, committed).items():
+        with pytest.raises(EngineClosed):
+            await call()
+        refused["after close"].append(name)
+    expected = {"migrate", "create", "get", "read", "commit", "apply_locked", "history"}
+    expected |= {"fencing_floor"} | ({"publish", "active"} if backend != "sqlite" else set())
+    assert set(refused["before open"]) == set(refused["after close"]) == expected
+
+    async with opened(store):
+        assert await store.get("i") == committed
+        assert [h.request_id for h in await store.history("i")] == ["kept"]
+        with pytest.raises(InstanceNotFound):  # the create refused while closed left nothing
+            await store.get("other")
+        assert await on_disk(store, "i") == (1, 2)
+
+
+# -- closing while calls are in flight -----------------------------------------------------------
+
+
+async def test_closing_while_a_pessimistic_call_holds_the_row_lock(
+    backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """aclose while a pessimistic call holds the instance's lock (one connection in the pool,
+    and a pessimistic call and a read queued behind the holder): the holder commits whole and
+    close waits for it; a call made once close began raises EngineClosed; the queued calls end
+    with EngineClosed on the SQL stores, never a driver error, while the memory store (which has
+    no connections to wait for) lets them finish; no transition is half applied; nothing
+    hangs."""
+    # One connection (SQLite: and a writer queue bounded by busy_timeout, not 5 s).
+    store = (
+        store_factory(pool_size=1, busy_timeout=BOUND)
+        if backend == "sqlite"
+        else (store_factory(pool_size=1))
+    )
+    await store.open()
+    closed = False
+    try:
+        await store.create(new())
+        loop = asyncio.get_running_loop()
+        tasks: dict[str, asyncio.Task[Any]] = {}
+
+        def queued_plan(snap: Snapshot) -> HistoryEntry:
+            return entry(snap.instance, request_id="queued")
+
+        def start_queued_call_and_close() -> None:
+            # In this order: the queued call is waiting (for the lock or a connection) before
+            # close begins.
+            tasks["queued"] = loop.create_task(
+                store.apply_locked("i", "queued", queued_plan, RowLock(timeout=BOUND))
+            )
+            tasks["queued read"] = loop.create_task(store.read("i", None))
+            tasks["close"] = loop.create_task(store.aclose())
+
+        async def start_and_wait() -> None:
+            start_queued_call_and_close()
+            await wait_until(lambda: closing_began(store))
+
+        def holder_plan(snap: Snapshot) -> HistoryEntry:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                # SQLite runs the plan on its connection's thread, the write lock held: wait
+                # there until close has begun.
+                asyncio.run_coroutine_threadsafe(start_and_wait(), loop).result(BOUND)
+            else:
+                # The memory and PostgreSQL stores run it on the event loop, the row lock held:
+                # the two tasks run as soon as the holder next awaits, before it commits.
+                start_queued_call_and_close()
+            return entry(snap.instance, request_id="holder")
+
+        async with asyncio.timeout(BOUND):
+            held = await store.apply_locked("i", "holder", holder_plan, RowLock(timeout=BOUND))
+            assert closing_began(store)  # close began before the holder returned
+            with pytest.raises(EngineClosed):
+                await store.get("i")
+            await tasks["close"]
+            closed = True
+            queued = await asyncio.gather(
+                tasks["queued"], tasks["queued read"], return_exceptions=True
+            )
+        assert held.committed is not None and held.committed.version == 2
+        if backend == "memory":
+            finished, read = queued
+            assert isinstance(finished, LockedResult)
+            assert finished.committed is not None and finished.committed.version == 3
+            assert isinstance(read, Snapshot)
+            assert await on_disk(store, "i") == (2, 3)
+        else:
+            assert [type(outcome) for outcome in queued] == [EngineClosed, EngineClosed], queued
+            assert await on_disk(store, "i") == (1, 2)
+    finally:
+        if not closed:
+            await store.aclose()
+
+
+@asynccontextmanager
+async def writer_elsewhere(
+    backend: str, store: Store, pg_url: str | None
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Another connection holding the instance "i" for writing (the row lock on PostgreSQL,
+    the database's write lock on SQLite); yields the coroutine function that lets it go."""
+    if isinstance(store, PostgresStore):
+        assert pg_url is not None
+        conn = await asyncpg.connect(pg_url)
+        await conn.execute(f'SET search_path TO "{store.schema}"')
+        await conn.execute("BEGIN")
+        await conn.execute("SELECT 1 FROM flowlock_instances WHERE id = 'i' FOR UPDATE")
+
+        async def release_pg() -> None:
+            await conn.execute("ROLLBACK")
+
+        try:
+            yield release_pg
+        finally:
+            await conn.close()
+    else:
+        assert isinstance(store, SqliteStore)
+        lite = sqlite3.connect(store.path, isolation_level=None)
+        lite.execute("BEGIN IMMEDIATE")
+
+        async def release_sqlite() -> None:
+            if lite.in_transaction:
+                lite.execute("ROLLBACK")
+
+        try:
+            yield release_sqlite
+        finally:
+            await release_sqlite()
+            lite.close()
+
+
+async def waiting_on_a_lock(store: Store, pg_url: str | None) -> bool:
+    """Whether ``store``'s commit is waiting for the other writer's lock (in the database)."""
+    if isinstance(store, PostgresStore):
+        assert pg_url is not None
+        conn = await asyncpg.connect(pg_url)
+        try:
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                store.application_name,
+            )
+        finally:
+            await conn.close()
+        return bool(waiting)
+    assert isinstance(store, SqliteStore)
+    pool = store._pool
+    # The commit holds the store's writer queue and its only connection, on which SQLite's busy
+    # handler waits for the other writer.
+    return pool is not None and pool.write_lock.locked() and pool.idle.empty()
+
+
+async def test_closing_while_an_optimistic_commit_is_in_flight(
+    request: pytest.FixtureRequest, backend: str, store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """aclose while a commit's compare-and-swap is in flight (on the SQL stores, waiting for
+    another connection's lock): the commit finishes and its row is written whole, close waits
+    for it, a call made once close began raises EngineClosed; nothing hangs."""
+    pg_url: str | None = request.getfixturevalue("pg_url") if backend == "postgres" else None
+    if backend == "postgres":
+        app = f"flowlock-close-{uuid.uuid4().hex[:8]}"
+        store = store_factory(pool_size=1, lock_timeout=BOUND, application_name=app)
+    elif backend == "sqlite":
+        store = store_factory(pool_size=1, busy_timeout=BOUND)
+    else:
+        store = store_factory()
+    await store.open()
+    closed = False
+    try:
+        created = await store.create(new())
+        async with asyncio.timeout(BOUND):
+            if backend == "memory":
+                # Its commit yields once (as a database round trip would) before it writes:
+                # close begins right there.
+                commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                await asyncio.sleep(0)  # the commit checked that the store is open, and yielded
+                assert not commit.done()
+                await store.aclose()  # closes at once, without yielding to the commit
+                assert closing_began(store) and not commit.done()
+                closing = asyncio.create_task(store.aclose())  # idempotent; awaited below
+            else:
+                async with writer_elsewhere(backend, store, pg_url) as let_go:
+                    commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                    deadline = time.monotonic() + BOUND
+                    while not await waiting_on_a_lock(store, pg_url):
+                        assert time.monotonic() < deadline, "the commit never waited"
+                        await asyncio.sleep(0.01)
+                    closing = asyncio.create_task(store.aclose())
+                    await wait_until(lambda: closing_began(store))
+                    assert not commit.done() and not closing.done()
+                    await let_go()
+            with pytest.raises(EngineClosed):
+                await store.get("i")
+            committed = await commit
+            await closing
+            closed = True
+        assert committed is not None and committed.version == 2
+        assert await on_disk(store, "i") == (1, 2)
+    finally:
+        if not closed:
+            await store.aclose()
