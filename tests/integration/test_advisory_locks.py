@@ -15,6 +15,7 @@ import pytest
 import flowlock
 from flowlock.locks import LockBackend
 from flowlock.locks.advisory import AdvisoryLocks, advisory_lock_id
+from lock_probes import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -128,6 +129,33 @@ async def test_extend_sets_a_new_server_ttl(locks: AdvisoryLocks) -> None:
     await asyncio.sleep(0.8)
     assert await locks.owned(longer)
     await locks.release(longer)
+
+
+@pytest.mark.parametrize("call", ["extend", "release"])
+async def test_a_lease_whose_session_the_server_ended_is_not_owned(
+    pg_url: str, locks: AdvisoryLocks, call: str
+) -> None:
+    """extend and release of a lease whose session the server has ended (terminated here; a ttl
+    running out sends the same kind of FATAL message) raise LockNotOwned, never a driver error:
+    also when they are sent while asyncpg is still reading that message, before it has seen the
+    connection close (a third of the tries or so, here)."""
+    probe = await asyncpg.connect(pg_url)
+    try:
+        for round_ in range(20):
+            key = f"k{round_}"
+            lease = await locks.acquire(key, ttl=30)
+            pid = await holder_pid(pg_url, locks, key)
+            assert await probe.fetchval("SELECT pg_terminate_backend($1)", pid)
+
+            async def gone(key: str = key) -> bool:
+                return not await locks.locked(key)
+
+            await wait_until(gone, what="the end of the lease's session")
+            ending = locks.extend(lease) if call == "extend" else locks.release(lease)
+            with pytest.raises(flowlock.LockNotOwned):
+                await ending
+    finally:
+        await probe.close()
 
 
 async def test_fencing_is_durable_across_backend_restarts(make: Factory) -> None:
