@@ -74,8 +74,10 @@ class Sleepers:
 
 
 class Attempts:
-    """Wraps a backend's acquire script: counts the calls, and lets a test act before one
-    (``before[n]`` runs just before call ``n``; it may raise, as a failing call would)."""
+    """Wraps a backend's acquire script: counts the calls and keeps their replies (status,
+    fencing token or the holder's PTTL), and lets a test act around them: ``before[n]`` runs
+    just before call ``n`` (it may raise, as a failing call would), ``after`` gets each reply
+    as it comes back."""
 
     def __init__(self, locks: RedisLocks) -> None:
         assert locks._scripts is not None
@@ -83,6 +85,7 @@ class Attempts:
         self.calls = 0
         self.replies: list[tuple[int, int]] = []
         self.before: dict[int, Callable[[], Awaitable[None]]] = {}
+        self.after: Callable[[tuple[int, int]], None] | None = None
         # The wrapper stands in for the acquire script: it is called the same way.
         locks._scripts = (cast(AsyncScript, self), *locks._scripts[1:])
 
@@ -93,6 +96,8 @@ class Attempts:
             await hook()
         reply = await self._script(*args, **kwargs)
         self.replies.append((int(reply[0]), int(reply[1])))
+        if self.after is not None:
+            self.after(self.replies[-1])
         return reply
 
 
