@@ -971,7 +971,7 @@ async def test_redis_a_burst_beyond_max_connections_queues(
     async with RedisLocks(redis_url, namespace=redis_namespace, max_connections=4) as locks:
 
         async def once(key: str) -> int:
-            lease = await locks.acquire(key, ttl=5, wait=10)
+            lease = await locks.acquire(key, ttl=HELD, wait=HELD)
             await locks.release(lease)
             return lease.fencing
 
