@@ -2,6 +2,12 @@
 
 Fifty processes share one Redis (the session's); the faults (restart empty, kill, an address
 nobody answers on, a SIGSTOPped holder) each get a throwaway EmbeddedRedis or socket of their own.
+
+The processes start each round on one "go" once all of them are ready, and record their phases
+on the monotonic clock (one clock for every process on the machine), so the test can show they
+contended at once. Bounds that are the promise are asserted ``bound <= took < bound + 5``;
+holders that must not end live 30 s, and a holder meant to lose its key loses it at the PTTL the
+server reported, not at a guessed time.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ import pytest
 import redis
 
 from flowlock.embedded import EmbeddedRedis
-from flowlock.errors import LockNotOwned, LockTimeout, LockUnavailable
+from flowlock.errors import LockBusy, LockNotOwned, LockUnavailable
+from flowlock.locks.base import Lease
 from flowlock.locks.redis import RedisLocks
+from lock_probes import Sleepers, wait_until
 
 pytestmark = [pytest.mark.redis]
 
 PROCESSES = 50
 CRITICAL_SECTION = 0.005
+HELD = 30.0  # holders and bounds that must not end during a test
+LATE = 5.0  # how far past a bound an answer may come on a loaded machine
+MS = 0.01  # Redis counts ttls in whole milliseconds on its own clock
 
 # One worker process: opens a backend, says "ready", then runs one round per "go" line on stdin
 # and prints one JSON line per round.
@@ -41,6 +52,8 @@ from flowlock.errors import LockBusy, LockLost, LockNotOwned
 from flowlock.locks.redis import RedisLocks
 
 url, namespace, rounds, arg = sys.argv[1], sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])
+crowd = int(sys.argv[5])
+started_key = f"flowlock:{namespace}:started"  # how many processes are contending
 
 def say(**fields):
     print(json.dumps(fields), flush=True)
@@ -59,12 +72,21 @@ async def main():
                 else:
                     say(won=True, fencing=lease.fencing)
             elif kind == "mutex":
-                lease = await locks.acquire("mutex", ttl=10, wait=30)
-                enter = time.time()
+                start = time.monotonic()
+                await locks.client.incr(started_key)
+                lease = await locks.acquire("mutex", ttl=30, wait=120)
+                enter = time.monotonic()
+                # No holder leaves before every process is contending: the phases overlap by
+                # construction, and the test checks that they did.
+                while int(await locks.client.get(started_key)) < crowd:
+                    if time.monotonic() > enter + 60:
+                        raise SystemExit("the other processes never started")
+                    await asyncio.sleep(0.005)
                 time.sleep(arg)  # a critical section that holds the process, not just the task
-                leave = time.time()
+                leave = time.monotonic()
                 await locks.release(lease)
-                say(enter=enter, leave=leave, fencing=lease.fencing)
+                say(start=start, enter=enter, leave=leave, end=time.monotonic(),
+                    fencing=lease.fencing)
             elif kind == "hold":
                 try:
                     async with locks.acquire("held", ttl=arg) as held:
@@ -84,9 +106,11 @@ asyncio.run(main())
 """
 
 
-def _spawn(url: str, namespace: str, rounds: str, arg: float = 0.0) -> subprocess.Popen[str]:
+def _spawn(
+    url: str, namespace: str, rounds: str, arg: float = 0.0, crowd: int = 1
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", WORKER, url, namespace, rounds, str(arg)],
+        [sys.executable, "-c", WORKER, url, namespace, rounds, str(arg), str(crowd)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -133,10 +157,14 @@ def _delete_namespace(url: str, namespace: str) -> None:
 
 @pytest.fixture(scope="module")
 def fifty(redis_url: str) -> Iterator[dict[str, list[dict[str, Any]]]]:
-    """Fifty processes, released together: first a non-blocking race for one key, then each
-    takes a mutex once for a short critical section. Their reports, per round."""
+    """Fifty processes, each round started by one "go" once all are ready: first a non-blocking
+    race for one key, then each takes a mutex once for a short critical section. Their reports,
+    per round."""
     namespace = f"t_{uuid.uuid4().hex[:12]}"
-    procs = [_spawn(redis_url, namespace, "race,mutex", CRITICAL_SECTION) for _ in range(PROCESSES)]
+    procs = [
+        _spawn(redis_url, namespace, "race,mutex", CRITICAL_SECTION, PROCESSES)
+        for _ in range(PROCESSES)
+    ]
     try:
         for proc in procs:
             assert _line(proc) == {"ready": True}
@@ -158,10 +186,12 @@ def fifty(redis_url: str) -> Iterator[dict[str, list[dict[str, Any]]]]:
 def test_fifty_processes_never_share_the_critical_section(
     fifty: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """Fifty processes taking one key: no two critical sections overlap in time, and fencing
-    tokens rise in the order the sections ran."""
+    """Fifty processes contending for one key at once (every one had started before any one
+    finished): no two critical sections overlap in time, and fencing tokens rise in the order
+    the sections ran."""
     sections = sorted(fifty["mutex"], key=lambda r: r["enter"])
     assert len(sections) == PROCESSES
+    assert max(r["start"] for r in sections) < min(r["end"] for r in sections)
     for before, after in itertools.pairwise(sections):
         assert before["leave"] <= after["enter"], (before, after)
     fences = [r["fencing"] for r in sections]
@@ -172,7 +202,10 @@ def test_fifty_processes_never_share_the_critical_section(
 def test_exactly_one_of_many_nonblocking_acquirers_wins(
     fifty: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """Fifty processes trying one free key at once with wait=0: exactly one gets it."""
+    """Fifty processes, ready and released by one "go", each try one free key with wait=0:
+    exactly one gets it (fencing token 1), every other one is refused with LockBusy (the
+    winner never releases, so this holds however their attempts interleave)."""
+    assert len(fifty["race"]) == PROCESSES
     winners = [r for r in fifty["race"] if r["won"]]
     assert len(winners) == 1
     assert winners[0]["fencing"] == 1
@@ -188,13 +221,10 @@ def server() -> Iterator[EmbeddedRedis]:
         yield embedded
 
 
-async def _listening(locks: RedisLocks, within: float = 5.0) -> bool:
-    """Whether the backend's pub/sub subscription is (back) up within ``within`` seconds."""
-    for _ in range(int(within / 0.02)):
-        if locks.listening:
-            return True
-        await asyncio.sleep(0.02)
-    return locks.listening
+async def _listening(locks: RedisLocks) -> bool:
+    """Until the backend's pub/sub subscription is (back) up; then True."""
+    await wait_until(lambda: locks.listening, what="the pub/sub subscription")
+    return True
 
 
 @pytest.mark.slow
@@ -249,20 +279,20 @@ async def test_without_fence_floor_tokens_restart_after_data_loss(server: Embedd
 
 @pytest.mark.slow
 async def test_a_closed_port_is_lock_unavailable_within_the_wait() -> None:
-    """Redis refusing connections: acquire raises LockUnavailable well within its wait bound,
-    and open/aclose neither fail nor hang."""
+    """Redis refusing connections: acquire raises LockUnavailable at once, without waiting out
+    its wait bound (30 s), and open/aclose neither fail nor hang."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.monotonic()
     async with RedisLocks(f"redis://127.0.0.1:{port}/0", socket_timeout=1.0) as locks:
         assert not locks.listening
-        for wait in (0.0, 1.0):
+        for wait in (0.0, HELD):
             began = time.monotonic()
             with pytest.raises(LockUnavailable):
-                await locks.acquire("k", ttl=5, wait=wait)
-            assert time.monotonic() - began < max(wait, 0.5)
-    assert time.monotonic() - started < 3.0
+                await locks.acquire("k", ttl=HELD, wait=wait)
+            assert time.monotonic() - began < LATE
+    assert time.monotonic() - started < 3 * LATE
 
 
 @pytest.fixture
@@ -276,8 +306,9 @@ def silent_port() -> Iterator[int]:
 
 @pytest.mark.slow
 async def test_a_silent_redis_is_lock_unavailable_at_the_bound(silent_port: int) -> None:
-    """Redis accepting but never answering: acquire gives up with LockUnavailable at its wait
-    (wait=0: at socket_timeout), never hanging."""
+    """Redis accepting but never answering: acquire gives up with LockUnavailable at the
+    shorter of its wait and socket_timeout (wait=0: at socket_timeout), not before, never
+    hanging."""
     socket_timeout = 0.4
     async with RedisLocks(
         f"redis://127.0.0.1:{silent_port}/0", socket_timeout=socket_timeout
@@ -285,72 +316,77 @@ async def test_a_silent_redis_is_lock_unavailable_at_the_bound(silent_port: int)
         for wait, bound in ((0.0, socket_timeout), (0.3, 0.3), (5.0, socket_timeout)):
             began = time.monotonic()
             with pytest.raises(LockUnavailable):
-                await locks.acquire("k", ttl=5, wait=wait)
+                await locks.acquire("k", ttl=HELD, wait=wait)
             elapsed = time.monotonic() - began
-            assert 0.8 * bound <= elapsed < bound + 0.3, (wait, elapsed)
+            assert bound <= elapsed < bound + LATE, (wait, elapsed)
 
 
 @pytest.mark.slow
 async def test_redis_killed_while_held(
-    server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+    server: EmbeddedRedis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Redis killed under a held lease: release raises LockUnavailable at once (no hang), an
-    async-with exit reports it too, and once Redis is back the backend works again."""
+    """Redis killed under a held lease: release raises LockUnavailable (no hang), an async-with
+    exit reports it too, and once Redis is back the backend works again, waiters woken by
+    pub/sub (the holder's ttl and the waiter's bound are 30 s away)."""
+    sleepers = Sleepers(monkeypatch)
     async with RedisLocks(server.url, socket_timeout=1.0) as locks:
-        lease = await locks.acquire("k", ttl=5)
-        context = locks.acquire("ctx", ttl=5)
+        lease = await locks.acquire("k", ttl=HELD)
+        context = locks.acquire("ctx", ttl=HELD)
         await context.__aenter__()
         await asyncio.to_thread(server.kill)
 
         began = time.monotonic()
         with pytest.raises(LockUnavailable):
             await locks.release(lease)
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < LATE
         with caplog.at_level(logging.WARNING, "flowlock"), pytest.raises(LockUnavailable):
             await context.__aexit__(None, None, None)
         assert "releasing the lease on 'ctx' failed" in caplog.text
         with pytest.raises(LockUnavailable):
-            await locks.acquire("k", ttl=5, wait=0.5)
+            await locks.acquire("k", ttl=HELD, wait=0.5)
 
         await asyncio.to_thread(server.restart, flush=True)
         assert await _listening(locks)
-        lease = await locks.acquire("k", ttl=5)
-        waiter = asyncio.create_task(_take(locks, "k", wait=5))
-        await asyncio.sleep(0.1)
-        released = time.monotonic()
+        lease = await locks.acquire("k", ttl=HELD)
+        waiter = asyncio.create_task(_take(locks, "k", wait=HELD))
+        await sleepers.settled(1, waiter)
         await locks.release(lease)
-        second = await waiter
-        assert time.monotonic() - released < 0.25  # woken by pub/sub again, not by a timeout
+        second = await asyncio.wait_for(waiter, LATE)  # woken by pub/sub again
         await locks.release(second)
 
 
-async def _take(locks: RedisLocks, key: str, *, wait: float) -> Any:
-    return await locks.acquire(key, ttl=5, wait=wait)
+async def _take(locks: RedisLocks, key: str, *, wait: float) -> Lease:
+    return await locks.acquire(key, ttl=HELD, wait=wait)
 
 
 @pytest.mark.slow
 async def test_a_stopped_holder_loses_the_key_to_another_process(
     redis_url: str, redis_namespace: str
 ) -> None:
-    """A holder SIGSTOPped past its ttl: another process takes the key (with a higher fencing
+    """A holder SIGSTOPped past its ttl: the key stays its own until the PTTL the server
+    reported at the stop runs out, then another process takes it (with a higher fencing
     token); the holder, resumed, finds the lease lost and its release leaves the key alone."""
-    ttl = 0.5
+    ttl = 3.0  # renewed every second: a stall of up to 2 s before the stop loses nothing
     proc = _spawn(redis_url, redis_namespace, "hold", ttl)
     try:
         assert await asyncio.to_thread(_line, proc) == {"ready": True}
         _go([proc])
         held = (await asyncio.to_thread(_line, proc))["held"]
         os.kill(proc.pid, signal.SIGSTOP)
-        stopped = time.monotonic()
         async with RedisLocks(redis_url, namespace=redis_namespace) as locks:
             try:
-                with pytest.raises(LockTimeout):
-                    await locks.acquire("held", ttl=5, wait=0.1)  # still its key for now
-                lease = await locks.acquire("held", ttl=5, wait=5)
+                stopped = time.monotonic()
+                pttl = int(await locks.client.pttl(locks.redis_key("held")))
+                assert 0 < pttl <= ttl * 1000
+                with pytest.raises(LockBusy):
+                    await locks.acquire("held", ttl=HELD)  # still its key for now
+                lease = await locks.acquire("held", ttl=HELD, wait=ttl + LATE)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
+            # (A renewal the holder had sent just before the stop may land after the PTTL was
+            # read: then the key lives up to a ttl longer, still well within the bound.)
             took = time.monotonic() - stopped
-            assert ttl * 0.8 <= took < ttl + 1.0
+            assert pttl / 1000 - MS <= took < pttl / 1000 + LATE, (took, pttl)
             assert lease.fencing > held
             lost = await asyncio.to_thread(_line, proc)
             assert "lost" in lost
@@ -376,13 +412,17 @@ async def unix_locks(server: EmbeddedRedis) -> AsyncIterator[RedisLocks]:
         yield locks
 
 
-async def test_unix_socket_urls_work(unix_locks: RedisLocks) -> None:
-    """A unix:// URL reaches Redis; waiters are woken over it as over TCP."""
-    lease = await unix_locks.acquire("k", ttl=5)
-    waiter = asyncio.create_task(_take(unix_locks, "k", wait=5))
-    await asyncio.sleep(0.05)
+async def test_unix_socket_urls_work(
+    unix_locks: RedisLocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unix:// URL reaches Redis; waiters are woken over it as over TCP (the holder's ttl and
+    the waiter's bound are 30 s away)."""
+    sleepers = Sleepers(monkeypatch)
+    lease = await unix_locks.acquire("k", ttl=HELD)
+    waiter = asyncio.create_task(_take(unix_locks, "k", wait=HELD))
+    await sleepers.settled(1, waiter)
     await unix_locks.release(lease)
-    await unix_locks.release(await waiter)
+    await unix_locks.release(await asyncio.wait_for(waiter, LATE))
     assert unix_locks.listening
 
 

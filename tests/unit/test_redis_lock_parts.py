@@ -63,10 +63,11 @@ async def test_a_head_that_lost_its_retry_keeps_its_place() -> None:
     head, behind = wakeups.join("k"), wakeups.join("k")
     wakeups.released("k")
     head.attempting()
-    waiting = asyncio.create_task(head.wait(5))
-    await asyncio.sleep(0)
+    waiting = asyncio.create_task(head.wait(30))
+    await asyncio.sleep(0)  # one step: the task is now asleep in head.wait
+    assert not head.woken
     wakeups.released("k")
-    await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(waiting, 10)
     assert head.woken
     assert not behind.woken
     head.leave(with_lease=True)
@@ -75,14 +76,19 @@ async def test_a_head_that_lost_its_retry_keeps_its_place() -> None:
 
 async def test_the_holders_expiry_wakes_the_oldest_waiter() -> None:
     """A failed attempt that saw the holder's PTTL arms a timer that wakes the oldest waiter
-    just after it (no release needed); -1 (no expiry) arms nothing."""
+    after it, not before (no release needed, and long before the waiter's own 30 s bound);
+    -1 (no expiry) arms nothing."""
     wakeups = Wakeups(random.Random(0))
     place = wakeups.join("k")
     place.attempting()
+    loop = asyncio.get_running_loop()
     place.held(-1)
-    place.held(20)
-    await asyncio.wait_for(place.wait(5), 1)
+    assert not place.woken
+    armed = loop.time()
+    place.held(200)
+    await asyncio.wait_for(place.wait(30), 10)
     assert place.woken
+    assert loop.time() - armed >= 0.2
     place.leave(with_lease=True)
 
 
@@ -111,16 +117,20 @@ async def test_concurrent_floors_for_one_key_share_one_call() -> None:
     """Ten acquirers of one key at once: one fence_floor call, each gets floor + gap, and no
     call is left in flight."""
     asked: list[str] = []
+    answer = asyncio.Event()
 
     async def fence_floor(key: str) -> int:
         asked.append(key)
-        await asyncio.sleep(0.01)
+        await answer.wait()
         return 7
 
     floors = FenceFloors(fence_floor, gap=100, spawn=_spawn)
     assert floors.unknown == ""
-    got = await asyncio.gather(*(floors.floor("k", 5) for _ in range(10)))
-    assert got == [107] * 10
+    sharers = [asyncio.create_task(floors.floor("k", 30)) for _ in range(10)]
+    await asyncio.sleep(0)  # one step: each of the ten has asked (none awaits before asking)
+    assert list(floors.in_flight) == ["k"]
+    answer.set()
+    assert await asyncio.gather(*sharers) == [107] * 10
     assert asked == ["k"]
     assert floors.in_flight == {}
 

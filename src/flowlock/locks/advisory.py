@@ -425,7 +425,7 @@ class AdvisoryLocks(AsyncResource):
                     # cancelled the transaction is aborted and this rolls back: same effect.)
                     await slot.conn.execute("COMMIT", timeout=self._io_timeout)
                 clean = True
-            except SessionGone as exc:
+            except _GONE as exc:
                 # The server ended the session (ttl passed, terminated): the lock went with it,
                 # and may be someone else's now.
                 raise LockNotOwned(lease.key, "release") from exc
@@ -463,7 +463,7 @@ class AdvisoryLocks(AsyncResource):
                 self._slots.pop(lease.token, None)
                 slot.done = True
                 await asyncio.shield(self._finish(leases, slot.conn, clean=False))
-                if isinstance(exc, FlowlockError):
+                if isinstance(exc, FlowlockError | asyncpg.InternalClientError):
                     raise LockNotOwned(lease.key, "extend") from exc
                 raise
         return lease.renewed(sent + ttl, ttl)
@@ -565,6 +565,12 @@ def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
 class _Busy(LockError):
     """SQLSTATE 55P03 (lock_timeout, or the try-lock found the lock taken) or 57014."""
 
+
+# A lease's session that the server has just ended (its ttl passed, it was terminated) shows as
+# either error: SessionGone once asyncpg has seen the connection close, or InternalClientError
+# ("another operation is in progress") when the statement is sent while asyncpg is still reading
+# the server's FATAL message, before the close. The session is gone, and its lock, either way.
+_GONE = (SessionGone, asyncpg.InternalClientError)
 
 # A session that is gone or did not answer is a SessionGone of this backend: the server ended it
 # (idle-in-transaction timeout, terminated, restarted), the network failed, or a round trip
