@@ -550,6 +550,8 @@ async def test_keys_with_separators_do_not_collide(harness: Harness) -> None:
 # --- the context manager and its watchdog -----------------------------------------------------
 
 
+# Slow: it holds a real lease for 2.25 times a ttl of seconds, on each backend.
+@pytest.mark.slow
 async def test_context_manager_renews_every_third_of_its_ttl(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -160,6 +160,7 @@ async def test_a_waiter_waits_in_postgresqls_lock_queue(
     await b.release(lease)
 
 
+@pytest.mark.slow  # holds a lease past twice a ttl of seconds
 async def test_renewed_lease_outlives_its_ttl(make: Factory, probe: asyncpg.Connection) -> None:
     """A held lease renewed by the watchdog is kept past twice its ttl by the same session,
     and another backend (as another process would be) is refused it all along."""
