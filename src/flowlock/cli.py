@@ -320,7 +320,7 @@ JsonOption = Annotated[
     Path | None,
     typer.Option(
         "--json",
-        help="Also write every figure as JSON (the shape in DESIGN.md) to this file.",
+        help="Also write every figure as JSON (the shape in docs/benchmarks.md) to this file.",
         callback=_check_out_path,
         dir_okay=False,
         show_default=False,

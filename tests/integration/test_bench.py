@@ -109,7 +109,7 @@ async def _schema_exists(url: str, schema: str) -> bool:
 
 
 def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequence[str]) -> None:
-    """DESIGN.md's JSON document, with its extras, every verdict true."""
+    """The documented JSON document, with its extras, every verdict true."""
     assert doc.keys() >= TOP_KEYS | {"duration_s", "aims", "floors", "notes", "ok"}
     assert isinstance(doc["postgres_version"], str) and doc["postgres_version"][0].isdigit()
     if any(s == "distributed-redis" for s in strategies):

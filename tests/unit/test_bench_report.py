@@ -27,7 +27,7 @@ from flowlock.bench.report import (
 from flowlock.bench.results import BenchReport, ScenarioResult
 from flowlock.checker import DOUBLE_APPLY, Verdict, Violation
 
-# The documented contract (docs/benchmarks.md, DESIGN.md): these keys first, in this order.
+# The documented contract (docs/benchmarks.md): these keys first, in this order.
 TOP_KEYS = ["flowlock_version", "postgres_version", "redis_version", "cores", "args", "results"]
 RESULT_KEYS = [
     "scenario",

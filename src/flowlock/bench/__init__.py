@@ -1,5 +1,5 @@
 """The benchmark that reproduces, and checks, the seed article's experiment, and every scenario
-of DESIGN.md, against a floor measured in the same run.
+of docs/benchmarks.md, against a floor measured in the same run.
 
 - :mod:`~flowlock.bench.config`: what to run (:class:`BenchConfig`, validated without I/O);
 - :mod:`~flowlock.bench.registry`: the strategies it can run, by name;

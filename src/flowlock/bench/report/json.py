@@ -1,4 +1,4 @@
-"""The ``--json`` document: DESIGN.md's shape (``flowlock bench --json FILE``), whose keys keep
+"""The ``--json`` document: the documented shape (docs/benchmarks.md) (``flowlock bench --json FILE``), whose keys keep
 their names and units (latencies in ms, rates per second, success in %), then extra keys after
 them. docs/benchmarks.md describes each figure."""
 
@@ -25,7 +25,7 @@ def _rounded(ratios: Mapping[str, float | None]) -> dict[str, float | None]:
 
 
 def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) -> dict[str, Any]:
-    """One result in DESIGN.md's shape, then the extra fields."""
+    """One result in the documented shape (docs/benchmarks.md), then the extra fields."""
     return {
         "scenario": result.scenario,
         "strategy": result.strategy,

@@ -50,14 +50,14 @@ SEED_PUBLISHED: Mapping[str, SeedFigures] = {
     "pessimistic": SeedFigures(35, 120, 99.9),
     "distributed": SeedFigures(18, 55, None),
 }
-"""What the seed article says its load test measured (seed/NOTES.md)."""
+"""What the seed article says its load test measured (its published table)."""
 
 SEED_MEASURED: Mapping[str, str] = {
     "optimistic": "p99 174 ms",
     "pessimistic": "7/10 rounds double-advanced, 94 % failed",
     "distributed": "14 % success",
 }
-"""What the seed's own code does when run (PostgreSQL 18 + Redis 6.2, seed/NOTES.md)."""
+"""What the seed's own code did when the flowlock developers ran it (PostgreSQL 18 + Redis 6.2)."""
 
 
 SEED_COUNTERPART: Mapping[str, str] = {
@@ -133,7 +133,7 @@ def seed_table(report: BenchReport) -> Table | None:
         title="storm: flowlock vs the seed article (100 threads, one instance)",
         title_justify="left",
         caption="seed avg/p99/success: the article's published table; seed code, measured: "
-        "the article's own code run on PostgreSQL 18 + Redis 6.2 (seed/NOTES.md)",
+        "the article's own code, run by the flowlock developers on PostgreSQL 18 + Redis 6.2",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
