@@ -1,5 +1,5 @@
-"""The ``--json`` document: the documented shape (docs/benchmarks.md) (``flowlock bench --json FILE``), whose keys keep
-their names and units (latencies in ms, rates per second, success in %), then extra keys after
+"""The ``--json`` document of ``flowlock bench --json FILE``, in the shape docs/benchmarks.md
+documents, whose keys keep their names and units (latencies in ms, rates per second, success in %), then extra keys after
 them. docs/benchmarks.md describes each figure."""
 
 from __future__ import annotations
