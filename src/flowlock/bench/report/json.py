@@ -1,6 +1,6 @@
 """The ``--json`` document of ``flowlock bench --json FILE``, in the shape docs/benchmarks.md
-documents, whose keys keep their names and units (latencies in ms, rates per second, success in %), then extra keys after
-them. docs/benchmarks.md describes each figure."""
+documents: its keys keep their names and units (latencies in ms, rates per second, success in %),
+and extra keys follow them. docs/benchmarks.md describes each figure."""
 
 from __future__ import annotations
 
