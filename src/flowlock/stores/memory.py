@@ -42,9 +42,14 @@ class MemoryBoard:
 
 
 class MemoryStore:
-    """Instances and history in dicts; row locks are one asyncio.Lock per instance."""
+    """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
-    def __init__(self) -> None:
+    As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
+    holder, at most ``lock_timeout`` seconds (then LockTimeout), and then compares against what
+    the holder committed."""
+
+    def __init__(self, *, lock_timeout: float = 5.0) -> None:
+        self._lock_timeout = lock_timeout
         self._instances: dict[str, Instance] = {}
         self._history: dict[str, list[HistoryEntry]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -136,7 +141,20 @@ class MemoryStore:
     async def commit(self, entry: HistoryEntry) -> Instance | None:
         self._check()
         await asyncio.sleep(0)
-        return self._write(entry)
+        row_lock = self._locks.get(entry.instance_id)
+        if row_lock is None or not row_lock.locked():
+            return self._write(entry)  # no await between the check and the write
+        # Why wait: a pessimistic holder reads, steps and writes under the row lock; a write
+        # slipped in between would make its compare-and-swap fail (PostgreSQL's UPDATE waits too).
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(row_lock.acquire(), self._lock_timeout)
+        except TimeoutError:
+            raise LockTimeout(entry.instance_id, time.monotonic() - started) from None
+        try:
+            return self._write(entry)
+        finally:
+            row_lock.release()
 
     async def apply_locked(
         self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
