@@ -508,7 +508,10 @@ def test_ctrl_c_stops_and_removes_the_embedded_servers(server_tmp: Path) -> None
             pytest.fail("the run did not get going within 60 s")
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the bench did not exit within 60 s of Ctrl-C\n{_where(proc.pid)}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -517,6 +520,26 @@ def test_ctrl_c_stops_and_removes_the_embedded_servers(server_tmp: Path) -> None
     assert "interrupted" in err
     assert _leftovers(server_tmp) == []
     assert not [p for p in workers if p.exists() and _state(p) not in "ZX"]
+
+
+def _where(pid: int) -> str:
+    """What a stuck process tree is doing: its processes, and the Python stacks of the bench
+    when py-spy is installed (the reason a hang failed, rather than only that it did)."""
+    columns = "pid,ppid,stat,pcpu,etime,args"
+    tree = subprocess.run(
+        ["ps", "-o", columns, "-p", str(pid), "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
+    busiest = subprocess.run(
+        ["ps", "-eo", columns, "--sort=-pcpu"], capture_output=True, text=True
+    ).stdout.splitlines()[:12]
+    tree += f"\nload {os.getloadavg()}; busiest processes:\n" + "\n".join(busiest)
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return tree
+    stacks = subprocess.run(
+        [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+    )
+    return f"{tree}\n{stacks.stdout}{stacks.stderr}"
 
 
 def _bench_workers(root: Path) -> list[Path]:
