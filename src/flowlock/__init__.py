@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from flowlock import examples
+# The submodules a user reaches as attributes (``flowlock.checker.check(...)``) without
+# importing them one by one.
+from flowlock import checker, examples, jobs, runner
 from flowlock.definition import Step, Transition, Workflow
 from flowlock.engine import Engine
 from flowlock.errors import (
@@ -38,6 +40,7 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.jobs import RunOnce
 from flowlock.models import HistoryEntry, Instance, Outcome
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed, fencing_token
@@ -75,6 +78,7 @@ __all__ = [
     "Outcome",
     "PayloadTooLarge",
     "Pessimistic",
+    "RunOnce",
     "Step",
     "StoreBusy",
     "StoreError",
@@ -87,6 +91,9 @@ __all__ = [
     "VersionMismatch",
     "Workflow",
     "__version__",
+    "checker",
     "examples",
     "fencing_token",
+    "jobs",
+    "runner",
 ]

@@ -1,10 +1,13 @@
 """The seed article's cases as flowlock workflows. The benchmark and the tests share them.
 
-- ``approval``: pending -> approved | rejected (the two-admins incident).
+Each carries the strategy that fits it (``strategy=`` overrides it; None leaves the engine's
+default):
+
+- ``approval``: pending -> approved | rejected (the two-admins incident); optimistic.
 - ``countersign(quorum)``: every approver signs once; the instance moves to approved when
-  ``quorum`` distinct approvers have signed.
+  ``quorum`` distinct approvers have signed; pessimistic.
 - ``inventory``: ``reserve`` takes one unit of stock and refuses at zero (never oversell);
-  ``restock`` adds units.
+  ``restock`` adds units; pessimistic.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flowlock.definition import Step, Transition, Workflow
+from flowlock.definition import Step, StrategyName, Transition, Workflow
 from flowlock.errors import GuardRejected
 from flowlock.models import Instance
 
 __all__ = ["approval", "countersign", "inventory"]
 
 
-def approval(name: str = "approval") -> Workflow:
-    """A request that one of several administrators approves or rejects."""
+def approval(name: str = "approval", *, strategy: StrategyName | None = "optimistic") -> Workflow:
+    """A request that one of several administrators approves or rejects. Optimistic by default:
+    approvals rarely conflict, and when they do the loser's retry finds the request decided."""
     return Workflow(
         name,
+        strategy=strategy,
         states=["pending", "approved", "rejected"],
         initial="pending",
         transitions=[
@@ -32,9 +37,13 @@ def approval(name: str = "approval") -> Workflow:
     )
 
 
-def countersign(quorum: int, name: str = "countersign") -> Workflow:
+def countersign(
+    quorum: int, name: str = "countersign", *, strategy: StrategyName | None = "pessimistic"
+) -> Workflow:
     """A document that needs ``quorum`` distinct signatures. ``sign`` records the actor once
-    (a second signature by the same actor is refused) and moves to ``approved`` at quorum."""
+    (a second signature by the same actor is refused) and moves to ``approved`` at quorum.
+    Pessimistic by default: every signer of a busy document must get through, and optimistic
+    retries would give up under a crowd of signers (``ConflictRetriesExhausted``)."""
     if quorum < 1:
         raise ValueError("quorum must be at least 1")
 
@@ -52,6 +61,7 @@ def countersign(quorum: int, name: str = "countersign") -> Workflow:
 
     return Workflow(
         name,
+        strategy=strategy,
         states=["pending", "approved"],
         initial="pending",
         transitions=[
@@ -66,9 +76,13 @@ def countersign(quorum: int, name: str = "countersign") -> Workflow:
     )
 
 
-def inventory(name: str = "inventory") -> Workflow:
+def inventory(
+    name: str = "inventory", *, strategy: StrategyName | None = "pessimistic"
+) -> Workflow:
     """A stock count. ``reserve`` (payload ``{"qty": n}``, default 1) refuses when there is not
-    enough stock; ``restock`` adds ``qty``. Data: ``{"stock": int, "reserved": int}``."""
+    enough stock; ``restock`` adds ``qty``. Data: ``{"stock": int, "reserved": int}``.
+    Pessimistic by default: on a hot stock row optimistic retries run out and leave units
+    unsold (100 buyers for 50 units sold only 24 with 76 ``ConflictRetriesExhausted``)."""
 
     def qty(payload: Mapping[str, Any]) -> int:
         n = payload.get("qty", 1)
@@ -95,6 +109,7 @@ def inventory(name: str = "inventory") -> Workflow:
 
     return Workflow(
         name,
+        strategy=strategy,
         states=["open"],
         initial="open",
         transitions=[

@@ -16,20 +16,23 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
-def test_readme_example_runs(tmp_path: Path) -> None:
-    """The first python block of the README runs as written and prints the refusal."""
+def test_readme_example_runs_and_runs_again(tmp_path: Path) -> None:
+    """The first python block of the README runs as written, prints the refusal, and runs again
+    in the same directory (it leaves nothing behind that a second run trips over)."""
     code = re.search(r"```python\n(.*?)```", README, re.S)
     assert code is not None
-    done = subprocess.run(
-        [sys.executable, "-c", code.group(1)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "approved ()"
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code.group(1)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONWARNINGS": "error"},
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "approved ()"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_readme_starts_with_the_two_commands() -> None:

@@ -191,8 +191,8 @@ async def test_the_readme_example_runs_on_a_postgresql_url(fresh_db: str, tmp_pa
     code = re.search(r"```python\n(.*?)```", README, re.S)
     assert code is not None
     example = code.group(1)
-    assert '"sqlite:///flowlock-demo.db"' in example
-    example = example.replace('"sqlite:///flowlock-demo.db"', repr(fresh_db))
+    assert 'f"sqlite:///{directory}/demo.db"' in example
+    example = example.replace('f"sqlite:///{directory}/demo.db"', repr(fresh_db))
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",

@@ -355,9 +355,9 @@ async def test_metrics_match_the_calls_made(pg_url: str, pg_schema: str) -> None
         await engine.create("inventory", instance_id="sku", data={"stock": 2})
         await engine.create("approval", instance_id="req")
         await engine.fire("sku", "reserve", strategy="pessimistic")
-        await engine.fire("sku", "reserve")
+        await engine.fire("sku", "reserve", strategy="optimistic")
         with pytest.raises(flowlock.GuardRejected):
-            await engine.fire("sku", "reserve")
+            await engine.fire("sku", "reserve", strategy="optimistic")
         await engine.fire("req", "approve")
         await engine.fire("req", "approve")  # idempotent
         text = generate_latest(registry).decode()

@@ -144,10 +144,15 @@ def test_unknown_or_contradictory_policy_is_refused() -> None:
 
 
 def test_must_apply_transitions_under_plain_optimistic_are_flagged() -> None:
-    """A data-changing self-loop left to plain optimistic is flagged; a preset clears it."""
-    assert examples.inventory().safety_warnings("optimistic")
-    assert "policy='inventory'" in examples.countersign(3).safety_warnings("optimistic")[0]
-    assert examples.inventory().safety_warnings("pessimistic") == []
+    """A data-changing self-loop left to plain optimistic is flagged; a preset clears it (the
+    examples carry one, so only with ``strategy=None`` are they left to the default)."""
+    assert examples.inventory(strategy=None).safety_warnings("optimistic")
+    assert (
+        "policy='inventory'"
+        in examples.countersign(3, strategy=None).safety_warnings("optimistic")[0]
+    )
+    assert examples.inventory(strategy=None).safety_warnings("pessimistic") == []
+    assert examples.inventory().safety_warnings("optimistic") == []
     assert examples.approval().safety_warnings("optimistic") == []
     safe = Workflow(
         "stock",
@@ -168,5 +173,5 @@ async def test_register_logs_the_safety_warning(caplog: pytest.LogCaptureFixture
 
     async with flowlock.Engine(MemoryStore()) as engine:
         with caplog.at_level(logging.WARNING, logger="flowlock"):
-            await engine.register(examples.inventory())
+            await engine.register(examples.inventory(strategy=None))
     assert any("run out of retries" in r.message for r in caplog.records)

@@ -20,10 +20,10 @@ PUBLIC = {
     "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
-    "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
+    "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StoreBusy", "StoreError", "Strategy",
     "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
     "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
-    "fencing_token",
+    "checker", "fencing_token", "jobs", "runner",
 }  # fmt: skip
 
 
