@@ -114,3 +114,21 @@ def test_ci_runs_every_check_the_readme_names() -> None:
     for named, command in checks.items():
         assert named in development, named
         assert command in ci, command
+
+
+def test_the_repository_is_self_contained() -> None:
+    """The README, the docs, the changelog and every string in the package (the bench's output
+    and ``--help`` included) stand on their own: none points at design notes, seed files or a
+    folder outside the repository that a user does not have."""
+    outside = re.compile(
+        r"\.\./shared|DESIGN\.md|NOTES\.md|STYLE\.md|\bseed/|design notes", re.IGNORECASE
+    )
+    texts = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md"]
+    texts += sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "src").rglob("*.py"))
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in texts
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert found == []
