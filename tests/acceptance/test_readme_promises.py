@@ -470,12 +470,13 @@ async def test_conflicts_total_counts_every_lost_compare_and_swap() -> None:
         await engine.create("inventory", instance_id="sku-1", data={"stock": 5})
         before = sample(metrics, "flowlock_conflicts_total", labels)
         store.rivals = 1
-        won = await engine.fire("sku-1", "reserve")
+        # Named: the inventory example's own strategy is pessimistic.
+        won = await engine.fire("sku-1", "reserve", strategy="optimistic")
         assert (won.applied, won.attempts) == (True, 2)
         assert sample(metrics, "flowlock_conflicts_total", labels) == before + 1
         store.rivals = 2
         with pytest.raises(flowlock.ConflictRetriesExhausted):
-            await engine.fire("sku-1", "reserve")
+            await engine.fire("sku-1", "reserve", strategy="optimistic")
         assert sample(metrics, "flowlock_conflicts_total", labels) == before + 3
         final, history = await engine.get("sku-1"), await engine.history("sku-1")
         series = [one for family in metrics.registry.collect() for one in family.samples]

@@ -276,7 +276,10 @@ async def read_until_start(proc: asyncio.subprocess.Process) -> dict[str, Any]:
         if not line:
             assert proc.stderr is not None
             err = await proc.stderr.read()
-            raise AssertionError(f"the worker ended before starting the job: {err.decode()}")
+            code = await asyncio.wait_for(proc.wait(), timeout=30)
+            raise AssertionError(
+                f"the worker ended (exit code {code}) before starting the job: {err.decode()}"
+            )
         event: dict[str, Any] = json.loads(line)
         if event.get("event") == "start":
             return event
