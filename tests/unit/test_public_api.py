@@ -17,10 +17,11 @@ SRC = Path(flowlock.__file__).parent
 PUBLIC = {
     "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine",
     "EmbeddedServerError",
-    "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
+    "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
+    "Instance",
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
-    "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
+    "PayloadTooLarge", "Pessimistic", "Step", "StepFailed", "StoreBusy", "StoreError", "Strategy",
     "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
     "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
     "fencing_token",
@@ -70,7 +71,7 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
-CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py")
+CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "jsondata.py")
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
 
