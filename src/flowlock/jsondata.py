@@ -35,7 +35,7 @@ DEFAULT_MAX_PAYLOAD = 64 * 1024
 MAX_DEPTH = 64
 """How deeply objects and arrays may nest (the top-level object is depth 1)."""
 
-_HINT = "use only objects with string keys, arrays, strings, finite numbers, true, false and null"
+_HINT = "Use only objects with string keys, arrays, strings, finite numbers, true, false and null"
 
 
 def encode(value: Any) -> str:
