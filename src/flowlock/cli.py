@@ -8,7 +8,8 @@ in ``flowlock --help``:
 - ``FLOWLOCK_REDIS_URL``: the Redis URL for ``bench`` when ``--redis-url`` is not given.
 
 Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
-arguments; 3 ``bench`` ran but a checker verdict failed; 130 interrupted (Ctrl-C).
+arguments (a ``diagram`` reference that names no workflow included); 3 ``bench`` ran but a checker
+verdict failed; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -174,6 +175,36 @@ def db_migrate(
             console.print(f"  {name}")
     else:
         console.print(f"{where} is up to date; no migration to apply")
+
+
+# -- diagram --------------------------------------------------------------------------------
+
+
+@app.command()
+def diagram(
+    reference: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODULE:ATTR",
+            help="Where the workflow is: a module and an attribute holding a Workflow, a list of "
+            "them, or a function returning one or a list (e.g. myapp.flows:approval).",
+            show_default=False,
+        ),
+    ],
+) -> None:
+    """Print a workflow as a Mermaid stateDiagram-v2 (states, events, guarded transitions).
+
+    Paste the output into any Markdown that renders Mermaid, or the Mermaid live editor. The
+    current directory is importable, so run it from your project's root."""
+    from flowlock._diagram import BadReference, load_workflows, render
+
+    try:
+        workflows = load_workflows(reference)
+    except BadReference as exc:
+        raise typer.BadParameter(str(exc), param_hint="'MODULE:ATTR'") from None
+    except FlowlockError as exc:
+        _fail(str(exc))
+    typer.echo(render(workflows), nl=False)
 
 
 # -- bench ----------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ every state named exists, names are unique, the initial state exists and every s
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STRATEGIES",
+    "SYNC_STEPS",
     "Effect",
     "Guard",
     "Step",
@@ -79,13 +82,57 @@ class Step:
 
 Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
 """``guard(instance, payload, actor)``: True lets the transition run; False, or raising
-:class:`flowlock.GuardRejected` with a reason, refuses it. Pure: it may run more than once."""
+:class:`flowlock.GuardRejected` with a reason, refuses it. Pure and synchronous: it may run more
+than once, under a row lock (an ``async def`` guard is refused with DefinitionError). Any other
+exception it raises reaches the caller as :class:`flowlock.StepFailed`, nothing written."""
 
 Effect: TypeAlias = Callable[
     ["Instance", Mapping[str, Any], "str | None"], "Mapping[str, Any] | Step"
 ]
-"""``effect(instance, payload, actor)``: returns the instance's new data (or a :class:`Step`).
-Must be pure and must not mutate its arguments: the optimistic strategy may run it again."""
+"""``effect(instance, payload, actor)``: returns the instance's new data (or a :class:`Step`),
+JSON within the engine's ``max_payload_bytes`` (else InvalidInput / PayloadTooLarge). Must be
+pure, synchronous and must not mutate its arguments: the optimistic strategy may run it again.
+An exception it raises (other than GuardRejected or InvalidInput) becomes StepFailed."""
+
+
+SYNC_STEPS = (
+    "guards and effects must be synchronous, pure functions of (instance, payload, actor): "
+    "flowlock may run them again on a retry and runs them under a row lock, so they must not do "
+    "I/O or await anything. Read what they need before fire() and pass it in the payload; do "
+    "side effects after fire() returns"
+)
+"""Why a step may not be ``async def`` (the message of the DefinitionError that refuses one)."""
+
+
+def _is_async(fn: object) -> bool:
+    """Whether calling ``fn`` gives an awaitable instead of running it: an ``async def``
+    function or method, a ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        return True
+    if inspect.isroutine(fn) or isinstance(fn, type):
+        return False
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 - the class's, not the instance's
+    return call is not None and (
+        inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+    )
+
+
+def _check_step(fn: object, step: str, transition: str) -> None:
+    if fn is None:
+        return
+    if not callable(fn):
+        raise DefinitionError(f"transition {transition!r}: {step} must be callable")
+    if _is_async(fn):
+        raise DefinitionError(
+            f"transition {transition!r}: the {step} {_label(fn)} is async; {SYNC_STEPS}"
+        )
+
+
+def _label(fn: object) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return repr(name)
 
 
 def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str, ...]:
@@ -131,10 +178,8 @@ class Transition:
         resolved = _resolve(strategy, policy, f"transition {name!r}", problems)
         if problems:
             raise DefinitionError(problems=problems)
-        if guard is not None and not callable(guard):
-            raise DefinitionError(f"transition {name!r}: guard must be callable")
-        if effect is not None and not callable(effect):
-            raise DefinitionError(f"transition {name!r}: effect must be callable")
+        _check_step(guard, "guard", name)
+        _check_step(effect, "effect", name)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "sources", _names(source, "source", name))
         object.__setattr__(self, "targets", _names(target, "target", name))
@@ -222,6 +267,51 @@ class Workflow:
     def is_final(self, state: str) -> bool:
         """A state no event leaves."""
         return not self._allowed.get(state)
+
+    def to_mermaid(self) -> str:
+        """The workflow as a Mermaid ``stateDiagram-v2``: ``[*] --> initial``, one edge per
+        (source, target) of each transition labelled with its event (``event [guarded]`` when it
+        has a guard), and ``final --> [*]`` for every final state (one no event leaves).
+
+        States whose names Mermaid would misread (a ``-`` or ``.`` in them, or a keyword such as
+        ``end``) are declared as ``state "in-review" as s1`` and drawn under their own name.
+        ``flowlock diagram module:attr`` prints it from the command line."""
+        ids = _mermaid_ids(self.states)
+        lines = ["stateDiagram-v2"]
+        lines += [f'    state "{s}" as {ids[s]}' for s in self.states if ids[s] != s]
+        lines.append(f"    [*] --> {ids[self.initial]}")
+        for t in self.transitions.values():
+            label = f"{t.name} [guarded]" if t.guard is not None else t.name
+            for source in t.sources:
+                lines += [f"    {ids[source]} --> {ids[target]}: {label}" for target in t.targets]
+        lines += [f"    {ids[s]} --> [*]" for s in self.states if self.is_final(s)]
+        return "\n".join(lines) + "\n"
+
+
+_MERMAID_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+# Words Mermaid's state-diagram grammar reads as syntax, not as a state's id.
+_MERMAID_WORDS = frozenset(
+    {"as", "class", "classdef", "click", "direction", "end", "hide", "left", "note", "of",
+     "right", "state", "style"}
+)  # fmt: skip
+
+
+def _mermaid_ids(states: Iterable[str]) -> dict[str, str]:
+    """A Mermaid id for each state: its own name when Mermaid reads it as one, else a fresh
+    ``s<n>`` that is no state's name."""
+    names = list(states)
+    taken = set(names)
+    ids: dict[str, str] = {}
+    for n, state in enumerate(names):
+        if _MERMAID_ID.fullmatch(state) and state.lower() not in _MERMAID_WORDS:
+            ids[state] = state
+            continue
+        alias = f"s{n}"
+        while alias in taken:
+            alias += "_"
+        taken.add(alias)
+        ids[state] = alias
+    return ids
 
 
 def _state_problems(state_list: list[str], initial: str) -> list[str]:

@@ -13,7 +13,6 @@ strategy's escalations (:class:`flowlock.strategies.monitor.EscalationSync`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import time
@@ -27,9 +26,9 @@ from flowlock.errors import (
     EngineClosed,
     FlowlockError,
     InvalidInput,
-    PayloadTooLarge,
     UnknownWorkflow,
 )
+from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome, Snapshot
@@ -51,8 +50,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
 
-DEFAULT_MAX_PAYLOAD = 64 * 1024
-"""Bytes a payload (or initial data) may take encoded as JSON, unless ``max_payload_bytes``."""
 DEFAULT_SYNC = 0.5
 """Seconds between two escalation-sync rounds, unless ``escalation_sync``."""
 
@@ -320,21 +317,10 @@ class Engine:
     # -- instances -------------------------------------------------------------------------
 
     def _check_data(self, data: object, what: str) -> Mapping[str, Any]:
-        if data is None:
-            return {}
-        if not isinstance(data, Mapping):
-            raise InvalidInput(
-                f"{what} must be a JSON object (a mapping), not {type(data).__name__}"
-            )
-        if not data:
-            return data
-        try:
-            size = len(json.dumps(data, separators=(",", ":")).encode())
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from exc
-        if size > self._max_payload:
-            raise PayloadTooLarge(size, self._max_payload)
-        return data
+        """``data`` as plain JSON within ``max_payload_bytes``, or InvalidInput (see
+        :func:`flowlock.jsondata.check_object`, the check the step also runs on what effects
+        return)."""
+        return check_object(data, what, self._max_payload)
 
     async def create(
         self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
@@ -381,6 +367,15 @@ class Engine:
         Returns an Outcome (``applied`` or ``idempotent``). Raises TransitionNotAllowed,
         GuardRejected, VersionMismatch, ConflictRetriesExhausted, LockTimeout / LockBusy,
         InstanceNotFound, or InvalidInput for bad arguments (before anything is read).
+
+        ``payload`` (a JSON object) is passed to the guard and effect and kept in the history
+        row (``HistoryEntry.payload``). ``request_id`` is the call's idempotency key: a retry
+        with the same event and payload answers the first outcome (``idempotent=True``); the
+        same key with another event or payload raises IdempotencyKeyReused. Only applied calls
+        are remembered: a refused one (TransitionNotAllowed, GuardRejected, StepFailed...) wrote
+        nothing, so a retry under the same key may apply once the state allows it. A guard or
+        effect that raises is reported as StepFailed, data an effect returns that is not JSON
+        or too large as InvalidInput; either way nothing is written.
         """
         started = time.perf_counter()
         self._check_open()
@@ -418,12 +413,13 @@ class Engine:
         """``call`` under ``chosen``, the pure step bound to the registered workflows; a failure
         is recorded (with the workflow, once the step has read the instance) and re-raised."""
         workflows = self._workflows
+        limit = self._max_payload
         seen: list[str] = []
 
         def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
             if not seen:
                 seen.append(snap.instance.workflow)
-            return decide(workflows, snap, call)
+            return decide(workflows, snap, call, max_payload_bytes=limit)
 
         metrics = self._metrics
         if metrics is None:

@@ -10,13 +10,15 @@ Each class's docstring is its default message; instances carry the facts a calle
     ├── InvalidInput                 bad argument; nothing was read or written
     │   ├── PayloadTooLarge
     │   ├── UnknownWorkflow
-    │   └── UnknownEvent
+    │   ├── UnknownEvent
+    │   └── IdempotencyKeyReused     a request_id sent again with another event or payload
     ├── InstanceNotFound
     ├── InstanceExists
     ├── TransitionRefused            the instance is fine, the event does not apply
     │   ├── TransitionNotAllowed     not allowed from the current state
     │   └── GuardRejected            a guard said no (business rule: "out of stock")
     ├── VersionMismatch              expected_version / If-Match is stale
+    ├── StepFailed                   a guard or effect raised an exception of its own
     ├── ConcurrencyError             lost to other callers; safe to retry later
     │   ├── ConflictRetriesExhausted optimistic compare-and-swap lost max_attempts times
     │   └── LockError
@@ -36,7 +38,8 @@ Driver errors never escape: stores translate them at their edge with ``raise ...
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class FlowlockError(Exception):
@@ -61,14 +64,18 @@ class InvalidInput(FlowlockError, ValueError):
 
 
 class PayloadTooLarge(InvalidInput):
-    """The payload is larger than the engine's max_payload_bytes; send less or raise the limit."""
+    """The payload is larger than the engine's max_payload_bytes; send less or raise the limit.
 
-    def __init__(self, size: int, limit: int) -> None:
+    ``what`` names the value measured: "payload", "data", or the data an effect returned."""
+
+    def __init__(self, size: int, limit: int, what: str = "payload") -> None:
         self.size = size
         self.limit = limit
+        self.what = what
         super().__init__(
-            f"payload is {size} bytes encoded as JSON, over the limit of {limit} bytes; "
-            "send less data or raise Engine(max_payload_bytes=...)"
+            f"{what} is {size} bytes encoded as JSON, over the limit of {limit} bytes; "
+            "nothing was written. Send (or keep) less data, or raise "
+            "Engine(max_payload_bytes=...)"
         )
 
 
@@ -94,6 +101,47 @@ class UnknownEvent(InvalidInput):
         self.known = tuple(known)
         super().__init__(
             f"workflow {workflow!r} has no event {event!r}; its events are: {', '.join(self.known)}"
+        )
+
+
+class IdempotencyKeyReused(InvalidInput):
+    """A request_id was sent again with another event or another payload than the call that
+    first used it; nothing was written.
+
+    An idempotency key names one request: a retry must repeat it exactly (as Stripe answers "keys
+    can only be used with the same parameters they were first used with"). Retrying this call
+    cannot succeed; send the new request under a new request_id. ``original_event`` and
+    ``original_payload`` are what the key was first used with; ``event`` and ``payload`` this
+    call's; ``mismatch`` says which differs ("event" or "payload")."""
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        instance_id: str,
+        original_event: str,
+        event: str,
+        original_payload: Mapping[str, Any],
+        payload: Mapping[str, Any],
+        version: int,
+    ) -> None:
+        self.request_id = request_id
+        self.instance_id = instance_id
+        self.original_event = original_event
+        self.event = event
+        self.original_payload = original_payload
+        self.payload = payload
+        self.version = version
+        self.mismatch = "event" if original_event != event else "payload"
+        if self.mismatch == "event":
+            differs = f"event {original_event!r}, not {event!r}"
+        else:
+            differs = f"event {original_event!r} with another payload"
+        super().__init__(
+            f"request_id {request_id!r} on instance {instance_id!r} was first used for "
+            f"{differs} (applied at version {version}); nothing was written. A request_id may "
+            "only be retried with the same event and payload: send a new request under a new "
+            "request_id"
         )
 
 
@@ -177,6 +225,40 @@ class VersionMismatch(FlowlockError):
         super().__init__(
             f"instance {instance_id!r} is at version {current} (state {state!r}), "
             f"not the expected version {expected}; re-read it and decide again"
+        )
+
+
+class StepFailed(FlowlockError):
+    """A guard or effect raised an exception (a bug in the step, or a step that did I/O);
+    nothing was written. The exception the step raised is ``__cause__``.
+
+    ``step`` is "guard" or "effect"; ``workflow``, ``event``, ``instance_id``, ``state`` and
+    ``version`` say where it ran. Steps must be pure functions of (instance, payload, actor): they
+    may run again on a retry and run under a row lock. A step refuses a call by raising
+    GuardRejected (or InvalidInput for a bad payload); anything else it raises ends up here."""
+
+    def __init__(
+        self,
+        *,
+        workflow: str,
+        event: str,
+        instance_id: str,
+        step: str,
+        state: str,
+        version: int,
+        error: BaseException,
+    ) -> None:
+        self.workflow = workflow
+        self.event = event
+        self.instance_id = instance_id
+        self.step = step
+        self.state = state
+        self.version = version
+        super().__init__(
+            f"the {step} of event {event!r} (workflow {workflow!r}) raised "
+            f"{type(error).__name__}: {error} on instance {instance_id!r} in state {state!r} "
+            f"(version {version}); nothing was written. Fix the {step}; to refuse a call on "
+            "purpose it should raise flowlock.GuardRejected"
         )
 
 

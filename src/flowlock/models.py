@@ -41,7 +41,10 @@ class Instance:
 class HistoryEntry:
     """One applied transition: the instance moved from ``from_state`` to ``to_state`` and
     reached ``version``; ``data`` is the instance's data after it. ``fencing_token`` is the
-    lease's fencing token when the distributed strategy wrote it (None otherwise)."""
+    lease's fencing token when the distributed strategy wrote it (None otherwise). ``payload``
+    is the payload of the call that applied it (an approver's comment, say), kept whether or not
+    an effect copied it into ``data``; a retry of the same ``request_id`` must carry the same
+    one."""
 
     instance_id: str
     version: int
@@ -54,6 +57,7 @@ class HistoryEntry:
     data: Mapping[str, Any]
     at: datetime | None = None
     fencing_token: int | None = None
+    payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,19 +6,24 @@ again after a conflict, the pessimistic one runs it under a row lock, and hypoth
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowlock.definition import Step, Transition, Workflow
+from flowlock.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.errors import (
     DefinitionError,
     GuardRejected,
+    IdempotencyKeyReused,
+    InvalidInput,
+    StepFailed,
     TransitionNotAllowed,
     UnknownEvent,
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
 from flowlock.models import HistoryEntry, Instance, Snapshot
 
 __all__ = ["Call", "Idempotent", "decide"]
@@ -55,14 +60,51 @@ def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
     )
 
 
-def _check_guard(transition: Transition, inst: Instance, call: Call) -> None:
+def _run_step(
+    fn: Callable[[Instance, Mapping[str, Any], str | None], Any],
+    step: str,
+    workflow: str,
+    inst: Instance,
+    call: Call,
+) -> Any:
+    """``fn(instance, payload, actor)`` for the guard or effect ``step``: its result, or the
+    typed error for what it did wrong. GuardRejected is bound to the instance, InvalidInput (a
+    step saying the payload is bad) passes as it is; any other exception becomes StepFailed with
+    it as the cause. An awaitable result (an async step that slipped past the definition's check,
+    such as a sync wrapper returning a coroutine) is closed unrun and refused."""
+    try:
+        result = fn(inst, call.payload, call.actor)
+    except GuardRejected as exc:
+        raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
+    except InvalidInput:
+        raise
+    except Exception as exc:
+        raise StepFailed(
+            workflow=workflow,
+            event=call.event,
+            instance_id=inst.id,
+            step=step,
+            state=inst.state,
+            version=inst.version,
+            error=exc,
+        ) from exc
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if callable(close):
+            close()  # never awaited on purpose: no "coroutine was never awaited" warning
+        raise DefinitionError(
+            f"the {step} of event {call.event!r} (workflow {workflow!r}) returned "
+            f"{type(result).__name__}, an awaitable, on instance {inst.id!r}; nothing was "
+            f"written. {SYNC_STEPS}"
+        )
+    return result
+
+
+def _check_guard(transition: Transition, workflow: str, inst: Instance, call: Call) -> None:
     """Raise GuardRejected (bound to the instance) unless the transition's guard lets it run."""
     if transition.guard is None:
         return
-    try:
-        ok = transition.guard(inst, call.payload, call.actor)
-    except GuardRejected as exc:
-        raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
+    ok = _run_step(transition.guard, "guard", workflow, inst, call)
     if not ok:
         raise GuardRejected(
             f"guard of {call.event!r} returned {ok!r}",
@@ -74,16 +116,14 @@ def _check_guard(transition: Transition, inst: Instance, call: Call) -> None:
 
 
 def _apply_effect(
-    transition: Transition, inst: Instance, call: Call
+    transition: Transition, workflow: str, inst: Instance, call: Call, limit: int
 ) -> tuple[str, Mapping[str, Any]]:
     """The target state and the new data: the transition's default target and the instance's
-    data, or what its effect returned (checked: a mapping, or a Step to a declared target)."""
+    data, or what its effect returned (checked: a mapping of JSON data within ``limit`` bytes,
+    or a Step to a declared target)."""
     if transition.effect is None:
         return transition.target, inst.data
-    try:
-        result = transition.effect(inst, call.payload, call.actor)
-    except GuardRejected as exc:
-        raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
+    result = _run_step(transition.effect, "effect", workflow, inst, call)
     target = transition.target
     if isinstance(result, Step):
         if result.target is not None:
@@ -99,21 +139,50 @@ def _apply_effect(
             f"effect of {call.event!r} returned {type(result).__name__}; "
             "it must return a mapping (the new data) or flowlock.Step"
         )
-    return target, result
+    # Checked here, in the pure step, so every strategy and every store refuses the same data
+    # before anything is written (and a store never answers bad data with a StoreError).
+    what = f"the data the effect of {call.event!r} returned for instance {inst.id!r}"
+    return target, check_object(result, what, limit)
+
+
+def _repeated(inst: Instance, prior: HistoryEntry, call: Call) -> Idempotent:
+    """The first outcome of a repeated request, if the call repeats it exactly; a request_id
+    reused for another event or payload raises IdempotencyKeyReused."""
+    if prior.event != call.event or not same_json(prior.payload, call.payload):
+        raise IdempotencyKeyReused(
+            prior.request_id or "",
+            instance_id=inst.id,
+            original_event=prior.event,
+            event=call.event,
+            original_payload=prior.payload,
+            payload=call.payload,
+            version=prior.version,
+        )
+    return Idempotent(_from_entry(inst, prior))
 
 
 def decide(
-    workflows: Mapping[str, Workflow], snap: Snapshot, call: Call
+    workflows: Mapping[str, Workflow],
+    snap: Snapshot,
+    call: Call,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> HistoryEntry | Idempotent:
     """The history entry to append for ``call`` on ``snap``, or the idempotent answer.
 
-    Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed, GuardRejected.
+    Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed, GuardRejected,
+    IdempotencyKeyReused, StepFailed (a guard or effect raised), InvalidInput (an effect returned
+    data that is not JSON or is over ``max_payload_bytes``), DefinitionError (an effect returned
+    something else than data, or a step returned an awaitable).
+
+    A refused call (not allowed, guard refused, step failed) leaves no trace: its request_id is
+    not remembered, so a retry under the same request_id may apply once the state allows it.
     """
     inst = snap.instance
     if snap.prior is not None:
         # Why first: a repeated request answers what the first one did, even if the
         # workflow has moved (or cycled) since; request_id is the caller's idempotency key.
-        return Idempotent(_from_entry(inst, snap.prior))
+        return _repeated(inst, snap.prior, call)
     if call.expected_version is not None and call.expected_version != inst.version:
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
     wf = workflows.get(inst.workflow)
@@ -132,8 +201,8 @@ def decide(
             inst.id, call.event, inst.state, wf.allowed(inst.state), inst.version
         )
 
-    _check_guard(transition, inst, call)
-    target, data = _apply_effect(transition, inst, call)
+    _check_guard(transition, wf.name, inst, call)
+    target, data = _apply_effect(transition, wf.name, inst, call, max_payload_bytes)
 
     return HistoryEntry(
         instance_id=inst.id,
@@ -145,4 +214,5 @@ def decide(
         request_id=call.request_id,
         strategy=call.strategy,
         data=data,
+        payload=call.payload,
     )

@@ -15,15 +15,15 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine",
-    "EmbeddedServerError",
-    "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
-    "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
-    "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
-    "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StoreBusy", "StoreError", "Strategy",
-    "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
-    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
-    "checker", "fencing_token", "jobs", "runner",
+    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed",
+    "EmbeddedServerError", "Engine", "EngineClosed", "FlowlockError", "GuardRejected",
+    "HistoryEntry", "IdempotencyKeyReused", "Instance", "InstanceExists", "InstanceNotFound",
+    "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned", "LockTimeout",
+    "LockUnavailable", "MigrationError", "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic",
+    "RunOnce", "Step", "StepFailed", "StoreBusy", "StoreError", "Strategy", "Transition",
+    "TransitionNotAllowed", "TransitionRefused", "UnknownEvent", "UnknownWorkflow",
+    "VersionMismatch", "Workflow", "__version__", "checker", "examples", "fencing_token", "jobs",
+    "runner",
 }  # fmt: skip
 
 
@@ -70,7 +70,7 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
-CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py")
+CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "jsondata.py")
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
 

@@ -23,7 +23,7 @@ __all__ = [
 INSTANCE_COLUMNS = "id, workflow, state, version, data, last_event, created_at, updated_at"
 HISTORY_COLUMNS = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
-    "fencing_token"
+    "fencing_token, payload"
 )
 
 # Anything that runs a query: a pool, a connection, a pooled connection.
@@ -64,6 +64,7 @@ def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
         data=row[prefix + "data"],
         at=row[prefix + "at"],
         fencing_token=row[prefix + "fencing_token"],
+        payload=row[prefix + "payload"],
     )
 
 

@@ -125,7 +125,7 @@ class MemoryStore:
             return None
         now = datetime.now(UTC)
         data = _copy(entry.data)
-        history.append(dataclasses.replace(entry, data=data, at=now))
+        history.append(dataclasses.replace(entry, data=data, payload=_copy(entry.payload), at=now))
         if entry.fencing_token is not None:
             self._fences[entry.instance_id] = entry.fencing_token
         new = current.evolve(
@@ -188,7 +188,10 @@ class MemoryStore:
         self._check()
         if instance_id not in self._instances:
             raise InstanceNotFound(instance_id)
-        return [dataclasses.replace(h, data=_copy(h.data)) for h in self._history[instance_id]]
+        return [
+            dataclasses.replace(h, data=_copy(h.data), payload=_copy(h.payload))
+            for h in self._history[instance_id]
+        ]
 
     # -- the adaptive strategy's escalation board: engines sharing this store share it --------
 

@@ -53,7 +53,7 @@ SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at,
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
-       h.fencing_token AS h_fencing_token
+       h.fencing_token AS h_fencing_token, h.payload AS h_payload
 FROM flowlock_instances i
 LEFT JOIN flowlock_history h ON h.instance_id = i.id AND h.request_id = $2
 WHERE i.id = $1
@@ -75,7 +75,8 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND reques
 # with a fresh snapshot, was slower at p99 than the re-read.)
 # A lease's fencing token ($10) lower than the last one written is refused like a stale version.
 # $1 id, $2 version read, $3 new state, $4 new data, $5 event, $6 from state, $7 actor,
-# $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy).
+# $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy),
+# $11 the call's payload.
 _CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
@@ -86,8 +87,8 @@ WITH moved AS (
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
-                                  actor, request_id, strategy, data, at, fencing_token)
-    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10 FROM moved
+                                  actor, request_id, strategy, data, at, fencing_token, payload)
+    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11 FROM moved
 )
 SELECT * FROM moved
 """
@@ -147,6 +148,7 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.request_id,
         entry.strategy,
         entry.fencing_token,
+        entry.payload,
     )
 
 

@@ -47,7 +47,7 @@ _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or 
 _INSTANCE_COLUMNS: Final = "id, workflow, state, version, data, last_event, created_at, updated_at"
 _HISTORY_COLUMNS: Final = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
-    "fencing_token"
+    "fencing_token, payload"
 )
 _SELECT_INSTANCE: Final = f"SELECT {_INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
 _SELECT_PRIOR: Final = (
@@ -60,7 +60,7 @@ _CAS_UPDATE: Final = (
     "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?)"
 )
 _INSERT_HISTORY: Final = (
-    f"INSERT INTO flowlock_history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT INTO flowlock_history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _MIGRATIONS_TABLE: Final = (
     "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
@@ -673,6 +673,7 @@ def _write_entry(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> In
                 data,
                 now,
                 entry.fencing_token,
+                _dump(entry.payload, f"payload of the history entry for {entry.instance_id!r}"),
             ),
         )
     except sqlite3.IntegrityError:
@@ -836,6 +837,7 @@ def _entry(row: tuple[Any, ...]) -> HistoryEntry:
         data=_load(row[8], f"history entry {row[0]!r} v{row[1]}"),
         at=_parse_ts(row[9]),
         fencing_token=row[10],
+        payload=_load(row[11], f"payload of history entry {row[0]!r} v{row[1]}"),
     )
 
 
