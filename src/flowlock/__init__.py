@@ -14,6 +14,7 @@ from flowlock.engine import Engine
 from flowlock.errors import (
     ConcurrencyError,
     ConflictRetriesExhausted,
+    ConnectionLost,
     DefinitionError,
     EmbeddedServerError,
     EngineClosed,
@@ -29,6 +30,7 @@ from flowlock.errors import (
     LockTimeout,
     LockUnavailable,
     MigrationError,
+    OutcomeUnknown,
     PayloadTooLarge,
     StoreBusy,
     StoreError,
@@ -52,6 +54,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 __all__ = [
     "ConcurrencyError",
     "ConflictRetriesExhausted",
+    "ConnectionLost",
     "DefinitionError",
     "Distributed",
     "EmbeddedServerError",
@@ -73,6 +76,7 @@ __all__ = [
     "MigrationError",
     "Optimistic",
     "Outcome",
+    "OutcomeUnknown",
     "PayloadTooLarge",
     "Pessimistic",
     "Step",

@@ -15,11 +15,13 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed", "Engine",
+    "ConcurrencyError", "ConflictRetriesExhausted", "ConnectionLost", "DefinitionError",
+    "Distributed", "Engine",
     "EmbeddedServerError",
     "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
+    "OutcomeUnknown",
     "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
     "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
     "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
