@@ -338,7 +338,7 @@ class AdvisoryLocks(AsyncResource):
             # Shielded: a caller cancelled twice must still not leave the lock or the
             # connection behind. Mid-statement (cancelled, timed out) the connection's state is
             # unknown, so it is closed rather than rolled back; so is a broken one.
-            clean = isinstance(exc, FlowlockError) and not isinstance(exc, SessionGone)
+            clean = isinstance(exc, FlowlockError) and not broken(exc)
             await asyncio.shield(self._finish(leases, conn, clean=clean, error=exc))
             raise
         finally:
