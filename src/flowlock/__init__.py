@@ -16,6 +16,7 @@ from flowlock.engine import Engine
 from flowlock.errors import (
     ConcurrencyError,
     ConflictRetriesExhausted,
+    ConnectionLost,
     DefinitionError,
     EmbeddedServerError,
     EngineClosed,
@@ -32,6 +33,7 @@ from flowlock.errors import (
     LockTimeout,
     LockUnavailable,
     MigrationError,
+    OutcomeUnknown,
     PayloadTooLarge,
     StepFailed,
     StoreBusy,
@@ -57,6 +59,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 __all__ = [
     "ConcurrencyError",
     "ConflictRetriesExhausted",
+    "ConnectionLost",
     "DefinitionError",
     "Distributed",
     "EmbeddedServerError",
@@ -79,6 +82,7 @@ __all__ = [
     "MigrationError",
     "Optimistic",
     "Outcome",
+    "OutcomeUnknown",
     "PayloadTooLarge",
     "Pessimistic",
     "RunOnce",

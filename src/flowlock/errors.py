@@ -29,11 +29,17 @@ Each class's docstring is its default message; instances carry the facts a calle
     │       └── LockUnavailable      the lock backend (Redis, PostgreSQL) could not be reached
     ├── StoreError                   the database failed or answered something unexpected
     │   ├── StoreBusy                no database connection came free within the bound
+    │   ├── ConnectionLost           the connection died before the write: nothing written, retry
+    │   ├── OutcomeUnknown           the connection died after the write was sent: maybe written
     │   └── MigrationError
     ├── EngineClosed                 the engine (or store) is not open
     └── EmbeddedServerError          an embedded PostgreSQL or Redis did not start or stop
 
-Driver errors never escape: stores translate them at their edge with ``raise ... from exc``.
+Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
+translated where each driver is called, one place per driver (``flowlock._pg.errors`` and
+``flowlock.locks.redis.connection``), with ``raise ... from exc`` so ``__cause__`` keeps the
+original. A connection that failed that way is closed and dropped from its pool, so the next call
+gets a fresh one.
 """
 
 from __future__ import annotations
@@ -356,6 +362,39 @@ class StoreBusy(StoreError):
         super().__init__(
             f"no database connection came free within {waited:.1f} s (pool of {size}); "
             "nothing was written. Raise pool_size or acquire_timeout, or lower concurrency"
+        )
+
+
+class ConnectionLost(StoreError):
+    """The connection to the database was lost before the call's write was sent or committed;
+    the transaction was rolled back and nothing was written. Retry: the broken connection was
+    dropped and the next call gets a fresh one."""
+
+    def __init__(self, key: str | None, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        about = "" if key is None else f" while working on {key!r}"
+        super().__init__(
+            f"lost the connection to PostgreSQL{about}: {detail}; the transaction was rolled "
+            "back, nothing was written. Retry: the broken connection was dropped and the next "
+            "call gets a fresh one"
+        )
+
+
+class OutcomeUnknown(StoreError):
+    """The connection was lost after a write (a COMMIT, a one-statement compare-and-swap) was
+    sent and before its answer came: the write may or may not have been committed. Retry with
+    the same ``request_id``: if it was committed the retry answers ``idempotent=True``."""
+
+    def __init__(self, key: str | None, detail: str) -> None:
+        self.key = key
+        self.detail = detail
+        about = "" if key is None else f" for {key!r}"
+        super().__init__(
+            f"lost the connection to PostgreSQL after the write{about} was sent and before its "
+            f"answer came ({detail}): it may or may not have been committed. Retry with the "
+            "same request_id (a committed write then answers idempotent=True), or read the "
+            "instance before deciding again; the broken connection was dropped"
         )
 
 

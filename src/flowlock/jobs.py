@@ -40,7 +40,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 import asyncpg
@@ -48,7 +48,7 @@ import asyncpg
 from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
-from flowlock._pg.pool import check_pool_size, check_schema, connection, create_pool
+from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -231,7 +231,7 @@ class RunOnce(AsyncResource):
         """Release the database connections. Idempotent."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            await pool.close()
+            await close_pool(pool)
 
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]
@@ -274,7 +274,7 @@ class RunOnce(AsyncResource):
         self, held: Held, job: str, tick: str, fn: Callable[[JobContext], Awaitable[T]]
     ) -> RunResult[T]:
         fencing = held.lease.fencing
-        async with self._conn() as conn:
+        async with self._conn(writes=True) as conn:
             claim = await conn.fetchrow(_CLAIM, job, tick, fencing, self.owner)
         if claim is None:
             row = await self._row(job, tick)
@@ -308,7 +308,7 @@ class RunOnce(AsyncResource):
         except BaseException as exc:
             await asyncio.shield(self._failed(job, tick, fencing, exc))
             raise
-        async with self._conn() as conn:
+        async with self._conn(writes=True) as conn:
             done = await conn.fetchval(_DONE, job, tick, fencing)
         if done is None:
             row = await self._row(job, tick)
@@ -332,7 +332,7 @@ class RunOnce(AsyncResource):
     async def _failed(self, job: str, tick: str, fencing: int, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"[:2000]
         try:
-            async with self._conn() as conn:
+            async with self._conn(writes=True) as conn:
                 await conn.execute(_FAILED, job, tick, fencing, error)
         except FlowlockError as failure:
             # The run's own error matters more; the tick stays 'running' and is taken over.
@@ -346,12 +346,18 @@ class RunOnce(AsyncResource):
         return row
 
     @asynccontextmanager
-    async def _conn(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection, whose driver errors become flowlock errors."""
+    async def _conn(
+        self, *, writes: bool = False
+    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection, whose driver errors become flowlock errors. ``writes``: the block
+        runs one autocommit write, so a session lost meanwhile is OutcomeUnknown."""
         if self._pool is None:
             raise EngineClosed("the PostgreSQL store is closed; open it first")
         async with connection(
-            self._pool, acquire_timeout=self._acquire_timeout, size=self._pool_size, context=_ERRORS
+            self._pool,
+            acquire_timeout=self._acquire_timeout,
+            size=self._pool_size,
+            context=replace(_ERRORS, in_doubt=writes),
         ) as conn:
             yield conn
 

@@ -1,12 +1,14 @@
 """flowlock._pg.errors, the one translation of driver errors for every PostgreSQL adapter: each
-asyncpg exception class / SQLSTATE becomes the flowlock error (type and message) that adapter
-raised before the translation was shared, the most specific rule wins, and ``__cause__`` keeps
-the driver's error. No server needed."""
+asyncpg exception class / SQLSTATE becomes the flowlock error (type and message) of that adapter,
+the most specific rule wins, and ``__cause__`` keeps the driver's error; a session lost under a
+write in flight is OutcomeUnknown; a broken connection is terminated, not given back. No server
+needed (the same on a real server: tests/integration/test_connection_loss_pg.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -14,22 +16,28 @@ import pytest
 
 from flowlock._pg import migrations
 from flowlock._pg.errors import (
+    DRIVER_ERRORS,
     RULES,
     Context,
     Rule,
     SessionGone,
+    broken,
     check_order,
+    in_doubt,
+    server_gone,
     translate,
     wrap_connect,
     wrap_errors,
 )
-from flowlock._pg.pool import connection
+from flowlock._pg.pool import connection, give_back
 from flowlock.errors import (
+    ConnectionLost,
     FlowlockError,
     LockBusy,
     LockTimeout,
     LockUnavailable,
     MigrationError,
+    OutcomeUnknown,
     StoreBusy,
     StoreError,
 )
@@ -54,10 +62,11 @@ def gone(detail: str) -> str:
 
 
 def lost(exc: BaseException) -> str:
-    return (
-        f"lost the connection to PostgreSQL while working on 'k': {exc}; "
-        "the transaction was rolled back, nothing was written"
-    )
+    return str(ConnectionLost("k", f"{type(exc).__name__}: {exc}" if str(exc) else "TimeoutError"))
+
+
+def jobs_lost(exc: BaseException) -> str:
+    return str(ConnectionLost(None, f"{type(exc).__name__}: {exc}" if str(exc) else "TimeoutError"))
 
 
 def missing(tables: str, opener: str, exc: BaseException) -> str:
@@ -92,26 +101,37 @@ UNIQUE = pg("23505", 'duplicate key value violates unique constraint "x_pkey"', 
 NO_TABLE = pg("42P01", 'relation "flowlock_fences" does not exist')
 BAD_PASSWORD = pg("28P01", 'password authentication failed for user "x"')
 NO_ROLE = pg("28000", 'role "x" does not exist')
-SESSION_ENDED = [
+# The server ends the session: the store lost it (ConnectionLost).
+SERVER_ENDED = [
     pg("25P03", "terminating connection due to idle-in-transaction timeout"),
-    pg("25P02", "current transaction is aborted"),
     pg("57P01", "terminating connection due to administrator command"),
     pg("57P02", "terminating connection because of crash of another server process"),
     pg("57P03", "the database system is starting up"),
+]
+# Ends a lock backend's session, means nothing particular to the store.
+SESSION_ENDED = [
+    pg("25P02", "current transaction is aborted"),
     pg("53300", "sorry, too many clients already"),
 ]
+# asyncpg read the server's FATAL message while the connection sat idle; the next statement:
+STATE = asyncpg.InternalClientError(
+    "cannot switch to state 15; another operation (2) is in progress"
+)
 CONNECTION = [
     asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
     asyncpg.PostgresConnectionError("connection failure"),
     pg("08001", "could not connect"),
     asyncpg.InterfaceError("connection is closed"),
+    STATE,
+    asyncpg.exceptions.ProtocolError("unexpected message"),
     ConnectionRefusedError(111, "Connect call failed"),
+    ConnectionError("unexpected connection_lost() call"),
     OSError("network is unreachable"),
 ]
 OTHER = [
     pg("22012", "division by zero"),
     pg("42601", 'syntax error at or near "SELEC"'),
-    asyncpg.InternalClientError("unexpected state"),
+    asyncpg.exceptions._base.DataError("invalid input for query argument $1: 'x'"),
 ]
 
 
@@ -163,6 +183,15 @@ def cases() -> list[Any]:
         *[
             (
                 exc,
+                (ConnectionLost, lost),
+                (SessionGone, lambda e: gone(str(e))),
+                (ConnectionLost, jobs_lost),
+            )
+            for exc in SERVER_ENDED
+        ],
+        *[
+            (
+                exc,
                 (StoreError, store_other),
                 (SessionGone, lambda e: gone(str(e))),
                 (StoreError, jobs_other),
@@ -172,17 +201,17 @@ def cases() -> list[Any]:
         *[
             (
                 exc,
-                (StoreError, lost),
+                (ConnectionLost, lost),
                 (SessionGone, lambda e: gone(str(e))),
-                (StoreError, jobs_other),
+                (ConnectionLost, jobs_lost),
             )
             for exc in CONNECTION
         ],
         (
             TimeoutError(),
-            (StoreError, lost),
+            (ConnectionLost, lost),
             (SessionGone, lambda e: gone("no answer in time")),
-            (StoreError, jobs_other),
+            (ConnectionLost, jobs_lost),
         ),
         *[
             (exc, (StoreError, store_other), (StoreError, advisory_other), (StoreError, jobs_other))
@@ -238,10 +267,10 @@ def test_most_specific_match_wins() -> None:
 
 
 def test_a_rule_without_meaning_for_the_caller_passes_to_the_next() -> None:
-    """The store has no "no answer" of its own: its TimeoutError goes on to the OSError rule.
-    The jobs have no meaning for a lost connection: it goes on to the catch-all."""
-    assert str(translate(TimeoutError("t"), context=STORE)).startswith("lost the connection")
-    assert str(translate(OSError("x"), context=JOBS)) == "recording a job run failed: OSError: x"
+    """A lock that is not available means nothing particular to the jobs: it goes on to the
+    catch-all. A session the server ended (25P02) is a lock backend's concern only."""
+    assert str(translate(LOCK_TIMEOUT, context=JOBS)) == jobs_other(LOCK_TIMEOUT)
+    assert str(translate(SESSION_ENDED[0], context=STORE)) == store_other(SESSION_ENDED[0])
 
 
 def test_a_sqlstate_rule_matches_by_code() -> None:
@@ -277,11 +306,9 @@ def test_wrap_errors_raises_from_the_driver_error(exc: BaseException) -> None:
     assert type(caught.value) is type(translate(exc, context=ADVISORY))
 
 
-@pytest.mark.parametrize(
-    "exc", [ValueError("x"), asyncio.CancelledError(), asyncpg.InternalClientError("x")]
-)
+@pytest.mark.parametrize("exc", [ValueError("x"), asyncio.CancelledError(), RuntimeError("x")])
 def test_wrap_errors_lets_other_errors_through(exc: BaseException) -> None:
-    """Only driver errors are translated (InternalClientError was caught by no edge before)."""
+    """Only driver errors are translated."""
     with pytest.raises(type(exc)) as caught, wrap_errors(STORE):
         raise exc
     assert caught.value is exc
@@ -299,20 +326,134 @@ def test_wrap_connect_says_what_to_check() -> None:
     assert caught.value.__cause__ is exc
 
 
+def test_every_asyncpg_error_is_a_driver_error() -> None:
+    """What the edges catch covers every exception asyncpg raises (InternalClientError too, how
+    asyncpg reports a statement on a connection whose session the server has just ended), and
+    ConnectionError, which asyncpg raises from a lost socket."""
+    for exc in (STATE, asyncpg.exceptions.ProtocolError("x"), ConnectionError("x"), *CONNECTION):
+        assert isinstance(exc, DRIVER_ERRORS), exc
+    with pytest.raises(ConnectionLost) as caught, wrap_errors(STORE):
+        raise STATE
+    assert caught.value.__cause__ is STATE
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        # Sent (or maybe sent) before the session was lost: the write may have committed.
+        (CONNECTION[0], OutcomeUnknown),
+        (pg("57P01", "terminating connection due to administrator command"), OutcomeUnknown),
+        (TimeoutError(), OutcomeUnknown),
+        (OSError("reset"), OutcomeUnknown),
+        (asyncpg.exceptions.ProtocolError("unexpected message"), OutcomeUnknown),
+        # Refused by asyncpg before anything was sent: nothing was written.
+        (asyncpg.InterfaceError("connection is closed"), ConnectionLost),
+        (STATE, ConnectionLost),
+        # Not a lost session at all: what it always is.
+        (LOCK_TIMEOUT, StoreError),
+        (DUPLICATE, _DuplicateRequest),
+    ],
+)
+def test_a_session_lost_under_a_write_in_flight_is_outcome_unknown(
+    exc: BaseException, kind: type[FlowlockError]
+) -> None:
+    """Inside in_doubt (a COMMIT, an autocommit write) a session lost after the statement may
+    have reached the server is OutcomeUnknown, which tells to retry with the same request id;
+    one asyncpg refused to send is ConnectionLost."""
+    with pytest.raises(FlowlockError) as caught, in_doubt(STORE):
+        raise exc
+    assert type(caught.value) is kind, caught.value
+    assert caught.value.__cause__ is exc
+    if kind is OutcomeUnknown:
+        assert "same request_id" in str(caught.value)
+        assert "may or may not have been committed" in str(caught.value)
+    # The same error outside a write in flight, and a lock backend's, are never in doubt.
+    assert type(translate(exc, context=STORE)) is not OutcomeUnknown
+    assert type(translate(exc, context=replace(ADVISORY, in_doubt=True))) is not OutcomeUnknown
+
+
+def test_broken_says_which_connections_are_of_no_more_use() -> None:
+    """A lost session, a FATAL message, an asyncpg state error or a timeout leaves its connection
+    unusable (also when it is the cause of a flowlock error); a server's answer to one statement
+    in a session that goes on, a bad argument, or a non-driver error does not."""
+    unusable: list[BaseException] = [
+        *SERVER_ENDED,
+        *CONNECTION,
+        TimeoutError(),
+        pg("53300", "too many clients"),
+    ]
+    usable: list[BaseException] = [
+        LOCK_TIMEOUT,
+        CANCELLED,
+        DUPLICATE,
+        UNIQUE,
+        NO_TABLE,
+        pg("25P02", "current transaction is aborted"),
+        *OTHER,
+        ValueError("x"),
+        asyncio.CancelledError(),
+    ]
+    for exc in unusable:
+        assert broken(exc), exc
+        assert broken(_from(exc)), exc
+    for exc in usable:
+        assert not broken(exc), exc
+        assert not broken(_from(exc))
+    # The server ending sessions (or the network failing) dooms the pool's other connections
+    # too; one round trip timing out or a session's own idle timeout does not.
+    gone_everywhere: list[BaseException] = [*SERVER_ENDED[1:], *CONNECTION]
+    for exc in gone_everywhere:
+        assert server_gone(exc) and server_gone(_from(exc)), exc
+    for exc in [TimeoutError(), SERVER_ENDED[0], *usable]:
+        assert not server_gone(exc), exc
+
+
+def _from(exc: BaseException) -> FlowlockError:
+    """A flowlock error raised from ``exc``, as wrap_errors raises it."""
+    try:
+        with wrap_errors(STORE):
+            raise exc
+    except FlowlockError as translated:
+        return translated
+    except BaseException:
+        wrapped = StoreError("not a driver error")
+        wrapped.__cause__ = exc
+        return wrapped
+    raise AssertionError("not reached")
+
+
+class _Conn:
+    """Just enough of a pooled connection: counts terminate()."""
+
+    def __init__(self) -> None:
+        self.terminated = 0
+
+    def terminate(self) -> None:
+        self.terminated += 1
+
+
 class _Pool:
     """Just enough of an asyncpg pool for :func:`connection`."""
 
-    def __init__(self, fail: BaseException | None) -> None:
+    def __init__(self, fail: BaseException | None, release_fails: bool = False) -> None:
         self.fail = fail
+        self.conn = _Conn()
         self.released: list[object] = []
+        self.expired = 0
+        self.release_fails = release_fails
 
     async def acquire(self, timeout: float) -> object:  # noqa: ASYNC109 (asyncpg's signature)
         if self.fail is not None:
             raise self.fail
-        return "conn"
+        return self.conn
 
     async def release(self, conn: object) -> None:
         self.released.append(conn)
+        if self.release_fails:
+            raise asyncpg.InternalClientError("cannot switch to state 15")
+
+    async def expire_connections(self) -> None:
+        self.expired += 1
 
     def is_closing(self) -> bool:
         return False
@@ -327,9 +468,43 @@ async def test_connection_translates_and_gives_back() -> None:
     with pytest.raises(MigrationError):
         async with connection(_Pool(NO_TABLE), acquire_timeout=0.1, size=3, context=JOBS):  # type: ignore[arg-type]
             pass
+    # Acquiring sends nothing: a session lost then is never in doubt.
+    with pytest.raises(ConnectionLost):
+        async with connection(
+            _Pool(CONNECTION[0]),  # type: ignore[arg-type]
+            acquire_timeout=0.1,
+            size=3,
+            context=replace(STORE, in_doubt=True),
+        ):
+            pass
     pool = _Pool(None)
-    with pytest.raises(StoreError, match="lost the connection") as caught:
+    with pytest.raises(ConnectionLost, match="lost the connection") as caught:
         async with connection(pool, acquire_timeout=0.1, size=3, context=STORE):  # type: ignore[arg-type]
             raise asyncpg.InterfaceError("connection is closed")
     assert isinstance(caught.value.__cause__, asyncpg.InterfaceError)
-    assert pool.released == ["conn"]
+    assert pool.released == [pool.conn]
+
+
+async def test_a_broken_connection_is_terminated_and_the_pool_renewed() -> None:
+    """A connection whose session the server ended is terminated (its pool opens a fresh one)
+    and the pool's other connections are expired; after an ordinary server error, or a timeout,
+    the pool is left alone; a failure to give a connection back raises nothing."""
+    cases: list[tuple[BaseException, type[BaseException], int, int]] = [
+        (STATE, ConnectionLost, 1, 1),
+        (pg("57P01", "terminating connection"), ConnectionLost, 1, 1),
+        (TimeoutError(), ConnectionLost, 1, 0),
+        (LOCK_TIMEOUT, StoreError, 0, 0),
+        (ValueError("a bug"), ValueError, 0, 0),
+    ]
+    for exc, raised, terminated, expired in cases:
+        pool = _Pool(None)
+        with pytest.raises(raised):
+            async with connection(pool, acquire_timeout=0.1, size=3, context=STORE):  # type: ignore[arg-type]
+                raise exc
+        assert (pool.conn.terminated, pool.expired) == (terminated, expired), exc
+        assert pool.released == [pool.conn]
+    pool = _Pool(None, release_fails=True)
+    async with connection(pool, acquire_timeout=0.1, size=3, context=STORE):  # type: ignore[arg-type]
+        pass  # the call succeeded: a failed reset on the way back must not turn it into an error
+    assert pool.conn.terminated == 1
+    await give_back(pool, pool.conn)  # type: ignore[arg-type]

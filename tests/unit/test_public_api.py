@@ -15,15 +15,15 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "ConcurrencyError", "ConflictRetriesExhausted", "DefinitionError", "Distributed",
-    "EmbeddedServerError", "Engine", "EngineClosed", "FlowlockError", "GuardRejected",
-    "HistoryEntry", "IdempotencyKeyReused", "Instance", "InstanceExists", "InstanceNotFound",
-    "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned", "LockTimeout",
-    "LockUnavailable", "MigrationError", "Optimistic", "Outcome", "PayloadTooLarge", "Pessimistic",
-    "RunOnce", "Step", "StepFailed", "StoreBusy", "StoreError", "Strategy", "Transition",
-    "TransitionNotAllowed", "TransitionRefused", "UnknownEvent", "UnknownWorkflow",
-    "VersionMismatch", "Workflow", "__version__", "checker", "examples", "fencing_token", "jobs",
-    "runner",
+    "ConcurrencyError", "ConflictRetriesExhausted", "ConnectionLost", "DefinitionError",
+    "Distributed", "EmbeddedServerError", "Engine", "EngineClosed", "FlowlockError",
+    "GuardRejected", "HistoryEntry", "IdempotencyKeyReused", "Instance", "InstanceExists",
+    "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned",
+    "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome", "OutcomeUnknown",
+    "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StepFailed", "StoreBusy", "StoreError",
+    "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
+    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker", "examples",
+    "fencing_token", "jobs", "runner",
 }  # fmt: skip
 
 

@@ -17,17 +17,38 @@ down to the catch-all StoreError. So a TimeoutError is "no answer in time" to a 
 being an OSError, "lost the connection" to the store.
 
 The flowlock error is raised ``from`` the driver's, so ``__cause__`` keeps the original.
+
+A session that ended
+--------------------
+When the server ends a session (``pg_terminate_backend``, a restart, a failover) or the network
+fails, asyncpg reports it in several ways, depending on when it noticed: the server's FATAL
+message (SQLSTATE 57P01...), ``ConnectionDoesNotExistError``, an ``OSError``, ``InterfaceError``
+("connection is closed") or, when the FATAL message came in while the connection sat idle in its
+pool, ``InternalClientError`` ("cannot switch to state 15; another operation is in progress").
+To the store every one of them is :class:`~flowlock.errors.ConnectionLost` (nothing was written,
+retry), except where a write may already have reached the server (``Context.in_doubt``: a
+COMMIT, a one-statement compare-and-swap): then it is :class:`~flowlock.errors.OutcomeUnknown`,
+unless asyncpg refused to send the statement at all. :func:`broken` says which errors leave their
+connection unusable (the pool helpers then terminate it, so the pool opens a fresh one) and
+:func:`server_gone` which ones say that the pool's other connections are likely dead too.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import asyncpg
 
-from flowlock.errors import FlowlockError, LockUnavailable, MigrationError, StoreError
+from flowlock.errors import (
+    ConnectionLost,
+    FlowlockError,
+    LockUnavailable,
+    MigrationError,
+    OutcomeUnknown,
+    StoreError,
+)
 
 __all__ = [
     "DRIVER_ERRORS",
@@ -36,19 +57,25 @@ __all__ = [
     "Context",
     "Rule",
     "SessionGone",
+    "broken",
     "cannot_connect",
     "check_order",
+    "in_doubt",
+    "server_gone",
     "translate",
     "wrap_connect",
     "wrap_errors",
 ]
 
-# What an adapter's edge catches. TimeoutError is an OSError already; named for the reader.
-# (asyncpg.InternalClientError is none of these and is not caught: no edge caught it before.)
+# What an adapter's edge catches. TimeoutError and ConnectionError are OSErrors already; named
+# for the reader. InternalClientError is how asyncpg reports a statement sent on a connection
+# whose session the server has just ended (see "A session that ended" above).
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
     OSError,
+    ConnectionError,
     TimeoutError,
 )
 
@@ -82,6 +109,9 @@ class Context:
     - ``lock_backend``: a lock backend's name. Its session ending, its connection failing and a
       refused login are then LockUnavailable of that backend (:class:`SessionGone` for the first
       two), not StoreError.
+    - ``in_doubt``: a write may be on its way to the server (a COMMIT, an autocommit write): a
+      session lost now is OutcomeUnknown instead of ConnectionLost. Set it with :func:`in_doubt`
+      around that statement only.
     """
 
     what: str
@@ -92,6 +122,7 @@ class Context:
     cancel_is_busy: bool = False
     duplicate: Callable[[BaseException], FlowlockError] | None = None
     lock_backend: str | None = None
+    in_doubt: bool = False
 
 
 Factory = Callable[[BaseException, Context], FlowlockError | None]
@@ -183,20 +214,42 @@ def _session_ended(exc: BaseException, ctx: Context) -> FlowlockError | None:
     return SessionGone(ctx.lock_backend, str(exc) or type(exc).__name__)
 
 
+def _server_ended(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    # The server ended the session (57P01 terminated, 57P02 crash, 57P03 starting or stopping,
+    # 25P03 idle in transaction too long): the session and its transaction are gone.
+    found = _session_ended(exc, ctx)
+    return found if found is not None else _lost(exc, ctx)
+
+
 def _no_answer(exc: BaseException, ctx: Context) -> FlowlockError | None:
     if ctx.lock_backend is None:
-        return None
+        return _lost(exc, ctx)
     return SessionGone(ctx.lock_backend, "no answer in time")
 
 
 def _connection_lost(exc: BaseException, ctx: Context) -> FlowlockError | None:
     if ctx.lock_backend is not None:
         return SessionGone(ctx.lock_backend, str(exc) or type(exc).__name__)
-    if ctx.key is None:
-        return None
-    return StoreError(
-        f"lost the connection to PostgreSQL while working on {ctx.key!r}: {exc}; "
-        "the transaction was rolled back, nothing was written"
+    return _lost(exc, ctx)
+
+
+def _lost(exc: BaseException, ctx: Context) -> FlowlockError:
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if ctx.in_doubt and _maybe_sent(exc):
+        return OutcomeUnknown(ctx.key, detail)
+    return ConnectionLost(ctx.key, detail)
+
+
+def _maybe_sent(exc: BaseException) -> bool:
+    """Whether the statement that failed with ``exc`` may have reached the server. asyncpg
+    refuses, before writing anything, a statement on a connection it knows to be closed or busy
+    (InterfaceError) or whose session's FATAL message it has already read (InternalClientError
+    "cannot switch to state"); any other loss may have come after the server got it."""
+    if isinstance(exc, asyncpg.InterfaceError):
+        return False
+    return not (
+        isinstance(exc, asyncpg.InternalClientError)
+        and str(exc).startswith("cannot switch to state")
     )
 
 
@@ -213,16 +266,19 @@ RULES: tuple[Rule, ...] = (
     Rule(asyncpg.QueryCanceledError, _statement_cancelled),
     Rule(asyncpg.UndefinedTableError, _missing_table),
     Rule(asyncpg.InvalidAuthorizationSpecificationError, _login_refused),  # and 28P01 password
-    Rule("25P03", _session_ended),  # idle_in_transaction_session_timeout
+    Rule("25P03", _server_ended),  # idle_in_transaction_session_timeout
     Rule("25P02", _session_ended),  # in_failed_sql_transaction: an earlier statement broke it
-    Rule("57P01", _session_ended),  # admin_shutdown (pg_terminate_backend, a fast shutdown)
-    Rule("57P02", _session_ended),  # crash_shutdown
-    Rule("57P03", _session_ended),  # cannot_connect_now (starting up, shutting down)
+    Rule("57P01", _server_ended),  # admin_shutdown (pg_terminate_backend, a fast shutdown)
+    Rule("57P02", _server_ended),  # crash_shutdown
+    Rule("57P03", _server_ended),  # cannot_connect_now (starting up, shutting down)
     Rule("53300", _session_ended),  # too_many_connections
     Rule(TimeoutError, _no_answer),
     Rule(asyncpg.PostgresConnectionError, _connection_lost),  # 08xxx: connection_does_not_exist..
-    Rule(asyncpg.InterfaceError, _connection_lost),  # "connection is closed", bad arguments too
-    Rule(OSError, _connection_lost),
+    # An argument asyncpg could not encode: refused before anything was sent.
+    Rule(asyncpg.exceptions._base.DataError, _catch_all),
+    Rule(asyncpg.InterfaceError, _connection_lost),  # "connection is closed", "another operation.."
+    Rule(asyncpg.InternalClientError, _connection_lost),  # a FATAL read while idle, see above
+    Rule(OSError, _connection_lost),  # ConnectionResetError, "unexpected connection_lost() call"
     Rule(BaseException, _catch_all),
 )
 
@@ -253,6 +309,57 @@ def wrap_errors(context: Context) -> Iterator[None]:
         yield
     except DRIVER_ERRORS as exc:
         raise translate(exc, context=context) from exc
+
+
+def in_doubt(context: Context) -> contextlib.AbstractContextManager[None]:
+    """:func:`wrap_errors` for a statement that may commit a write (a COMMIT, an autocommit
+    INSERT or UPDATE): a session lost while it is in flight leaves its outcome unknown."""
+    return wrap_errors(replace(context, in_doubt=True))
+
+
+# SQLSTATEs with which the server ends the session (FATAL): its connection is of no more use.
+_ENDED = frozenset({"57P01", "57P02", "57P03", "25P03", "53300"})
+# ... and those of them that say the server is ending every session, not just this one.
+_ENDED_ALL = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _driver_error(exc: BaseException) -> BaseException | None:
+    """``exc`` if it is a driver error, else the driver error it was translated from."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain of causes is short; never loop on a cycle
+        if seen is None:
+            return None
+        if isinstance(seen, DRIVER_ERRORS):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def broken(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the driver error a flowlock error was raised from) leaves its
+    connection unusable, so it must be terminated rather than given back to its pool: any driver
+    error but a server's answer to one statement in a session that goes on (a unique violation,
+    a lock timeout, a cancelled statement...)."""
+    err = _driver_error(exc)
+    if err is None or isinstance(err, ValueError):  # asyncpg's DataError: a bad argument
+        return False
+    if isinstance(err, asyncpg.PostgresError):
+        code = str(getattr(err, "sqlstate", "") or "")
+        return code in _ENDED or code.startswith("08")
+    return True
+
+
+def server_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the server ended the session or the network failed (not just
+    that one round trip outlived its timeout): the pool's other connections, to the same server
+    through the same network, are then likely dead too."""
+    err = _driver_error(exc)
+    if err is None or isinstance(err, TimeoutError | ValueError):
+        return False
+    if isinstance(err, asyncpg.PostgresError):
+        code = str(getattr(err, "sqlstate", "") or "")
+        return code in _ENDED_ALL or code.startswith("08")
+    return True
 
 
 def cannot_connect(exc: BaseException, dsn: str) -> StoreError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncpg
 
 from flowlock._pg.errors import Context, wrap_connect
-from flowlock._pg.pool import connection, create_pool
+from flowlock._pg.pool import close_pool, connection, create_pool
 from flowlock.errors import FlowlockError, MigrationError, StoreError
 from flowlock.stores.migrations import load
 
@@ -85,4 +85,4 @@ async def migrate_database(
     try:
         return await migrate(pool, acquire_timeout=connect_timeout, pool_size=1)
     finally:
-        await pool.close()
+        await close_pool(pool)

@@ -8,16 +8,18 @@ Each caller still passes what is its own: sizes, timeouts, extra server settings
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
 
-from flowlock._pg.errors import DRIVER_ERRORS, Context, translate, wrap_errors
+from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, server_gone, translate, wrap_errors
 from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
 
 __all__ = [
@@ -25,9 +27,12 @@ __all__ = [
     "SetupHook",
     "check_pool_size",
     "check_schema",
+    "close_pool",
     "connection",
     "create_pool",
     "ensure_schema",
+    "give_back",
+    "terminate",
 ]
 
 # Run on each new connection (init) and on each acquire (setup), as asyncpg calls them.
@@ -140,12 +145,13 @@ async def create_pool(
 async def connection(
     pool: asyncpg.Pool, *, acquire_timeout: float, size: int, context: Context
 ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-    """A connection of ``pool`` (of ``size`` at most), given back on the way out; driver errors
+    """A connection of ``pool`` (of ``size`` at most), given back on the way out (see
+    :func:`give_back`: a connection broken inside is terminated, not given back); driver errors
     raised inside become flowlock errors of ``context``. No connection free within
     ``acquire_timeout`` seconds: StoreBusy. The pool closed while this call waited for a
     connection: EngineClosed, and nothing is sent on the connection it may have been handed (a
     closing pool closes that connection under it, and asyncpg then fails with errors of its own,
-    InternalClientError among them, that no edge translates)."""
+    InternalClientError among them)."""
     try:
         conn = await pool.acquire(timeout=acquire_timeout)
     except TimeoutError:
@@ -153,18 +159,70 @@ async def connection(
     except DRIVER_ERRORS as exc:
         if pool.is_closing():
             raise _closed_while_waiting(context) from exc
-        raise translate(exc, context=context) from exc
+        # Nothing was sent yet: whatever the block would write, its outcome is not in doubt.
+        raise translate(exc, context=replace(context, in_doubt=False)) from exc
     if pool.is_closing():
         # The pool is closing this connection (or has closed it): giving it back cannot fail
         # in any way that matters to the caller.
-        with contextlib.suppress(*DRIVER_ERRORS, asyncpg.InternalClientError):
-            await pool.release(conn)
+        await give_back(pool, conn)
         raise _closed_while_waiting(context)
+    failure: BaseException | None = None
     try:
         with wrap_errors(context):
             yield conn
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
+        await give_back(pool, conn, failure)
+
+
+def terminate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
+    """Close ``conn`` at once, without a word to the server: a pooled connection's pool then
+    opens a fresh one on its next acquire. The server ends the session (and rolls back its
+    transaction, and frees its locks) when it sees the socket close."""
+    # InterfaceError: already closed by the server, and handed back to the pool by asyncpg.
+    with contextlib.suppress(*DRIVER_ERRORS):
+        conn.terminate()
+
+
+async def give_back(
+    pool: asyncpg.Pool,
+    conn: asyncpg.pool.PoolConnectionProxy,
+    error: BaseException | None = None,
+) -> None:
+    """Give ``conn`` back to ``pool`` after a call that raised ``error`` (None: it succeeded);
+    never raises a driver error.
+
+    Why terminate: a connection whose session ended, or that asyncpg has seen fail mid-protocol,
+    would fail the next call that acquires it, and the next, with errors such as "cannot switch
+    to state 15; another operation is in progress" (:func:`~flowlock._pg.errors.broken` says
+    which). And when the error says that the server ended the session or that the network
+    failed (:func:`~flowlock._pg.errors.server_gone`: a restart, a failover,
+    ``pg_terminate_backend``), the pool's other connections are likely dead too: they are
+    replaced as they are next acquired or given back, so the calls after this one recover at
+    once instead of each finding a dead connection of its own. Giving a connection back can
+    fail too (asyncpg's reset runs a ROLLBACK on it); asyncpg has terminated it then, and the
+    call's own outcome stands."""
+    if error is not None and broken(error):
+        terminate(conn)
+        if server_gone(error):
+            await pool.expire_connections()
+    try:
         await pool.release(conn)
+    except DRIVER_ERRORS:
+        terminate(conn)
+
+
+async def close_pool(pool: asyncpg.Pool, *, bound: float | None = None) -> None:
+    """Close ``pool`` gracefully, waiting for connections in use to come back (at most ``bound``
+    seconds); terminate it when that fails or takes longer (a connection broken under it cannot
+    say goodbye). Never raises a driver error."""
+    try:
+        async with asyncio.timeout(bound):
+            await pool.close()
+    except DRIVER_ERRORS:
+        pool.terminate()
 
 
 def _closed_while_waiting(context: Context) -> EngineClosed:

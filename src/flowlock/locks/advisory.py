@@ -54,7 +54,6 @@ connection's ``current_schema()`` so it names the same lock as an explicit ``sch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import math
 import secrets
@@ -65,9 +64,16 @@ from dataclasses import dataclass
 import asyncpg
 
 from flowlock._lifecycle import AsyncResource
-from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, wrap_errors
+from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, broken, wrap_errors
 from flowlock._pg.migrations import migrate_database
-from flowlock._pg.pool import check_pool_size, check_schema, create_pool
+from flowlock._pg.pool import (
+    check_pool_size,
+    check_schema,
+    close_pool,
+    create_pool,
+    give_back,
+    terminate,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -294,18 +300,14 @@ class AdvisoryLocks(AsyncResource):
         self._slots.clear()
         for slot in slots:
             slot.done = True
-            _terminate(slot.conn)
+            terminate(slot.conn)
         # Acquires still waiting for a lock: end their sessions too, or closing the pool would
         # wait for them until their lock_timeout.
         for conn in list(self._pending):
-            _terminate(conn)
+            terminate(conn)
         for pool in (leases, side):
-            if pool is None:
-                continue
-            try:
-                await asyncio.wait_for(pool.close(), self._io_timeout)
-            except (TimeoutError, asyncpg.InterfaceError, OSError):
-                pool.terminate()
+            if pool is not None:
+                await close_pool(pool, bound=self._io_timeout)
 
     def _pools(self) -> tuple[asyncpg.Pool, asyncpg.Pool]:
         if self._leases is None or self._side is None:
@@ -335,9 +337,9 @@ class AdvisoryLocks(AsyncResource):
         except BaseException as exc:
             # Shielded: a caller cancelled twice must still not leave the lock or the
             # connection behind. Mid-statement (cancelled, timed out) the connection's state is
-            # unknown, so it is closed rather than rolled back.
-            clean = isinstance(exc, FlowlockError) and not isinstance(exc, SessionGone)
-            await asyncio.shield(self._finish(leases, conn, clean=clean))
+            # unknown, so it is closed rather than rolled back; so is a broken one.
+            clean = isinstance(exc, FlowlockError) and not broken(exc)
+            await asyncio.shield(self._finish(leases, conn, clean=clean, error=exc))
             raise
         finally:
             self._pending.discard(conn)
@@ -399,13 +401,17 @@ class AdvisoryLocks(AsyncResource):
         """
         _, side = self._pools()
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
+        failure: BaseException | None = None
         try:
             with wrap_errors(_ERRORS):
                 token = await conn.fetchval(
                     _NEXT_FENCE, self.namespace, key, timeout=self._io_timeout
                 )
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            await side.release(conn)
+            await give_back(side, conn, failure)
         if not isinstance(token, int):
             raise StoreError(f"the fencing counter of {key!r} answered {token!r}")
         return token
@@ -418,20 +424,26 @@ class AdvisoryLocks(AsyncResource):
         async with slot.guard:
             if slot.done:
                 raise LockNotOwned(lease.key, "release")
-            clean = False
+            failure: BaseException | None = None
             try:
                 with wrap_errors(_ERRORS):
                     # Ends the transaction and frees the lock. (If an earlier statement was
                     # cancelled the transaction is aborted and this rolls back: same effect.)
                     await slot.conn.execute("COMMIT", timeout=self._io_timeout)
-                clean = True
-            except _GONE as exc:
-                # The server ended the session (ttl passed, terminated): the lock went with it,
-                # and may be someone else's now.
+            except SessionGone as exc:
+                # The server ended the session (ttl passed, terminated), or asyncpg found it
+                # ended when it tried to send the COMMIT: the lock went with it, and may be
+                # someone else's now.
+                failure = exc
                 raise LockNotOwned(lease.key, "release") from exc
+            except BaseException as exc:
+                failure = exc
+                raise
             finally:
                 slot.done = True
-                await asyncio.shield(self._finish(leases, slot.conn, clean=clean))
+                await asyncio.shield(
+                    self._finish(leases, slot.conn, clean=failure is None, error=failure)
+                )
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
         ttl = lease.ttl if ttl is None else ttl
@@ -457,13 +469,13 @@ class AdvisoryLocks(AsyncResource):
                 # is aborted but still holds the lock; release rolls it back all the same.
                 raise
             except Exception as exc:
-                # The session ended, did not answer in time, or its transaction was aborted:
-                # this lease can no longer be kept alive. End it now rather than leave a lock
-                # that nobody renews.
+                # The session ended, did not answer in time, or its transaction was aborted
+                # (every driver error is a flowlock error by now): this lease can no longer be
+                # kept alive. End it now rather than leave a lock that nobody renews.
                 self._slots.pop(lease.token, None)
                 slot.done = True
-                await asyncio.shield(self._finish(leases, slot.conn, clean=False))
-                if isinstance(exc, FlowlockError | asyncpg.InternalClientError):
+                await asyncio.shield(self._finish(leases, slot.conn, clean=False, error=exc))
+                if isinstance(exc, FlowlockError):
                     raise LockNotOwned(lease.key, "extend") from exc
                 raise
         return lease.renewed(sent + ttl, ttl)
@@ -490,6 +502,7 @@ class AdvisoryLocks(AsyncResource):
         leases, _ = self._pools()
         lock = self.lock_id(key)
         conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
+        failure: BaseException | None = None
         try:
             with wrap_errors(_ERRORS):
                 await conn.execute(
@@ -498,8 +511,15 @@ class AdvisoryLocks(AsyncResource):
                 )
         except _Busy:
             return False
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            await asyncio.shield(self._finish(leases, conn, clean=True))
+            await asyncio.shield(
+                self._finish(
+                    leases, conn, clean=failure is None or not broken(failure), error=failure
+                )
+            )
         return True
 
     async def fence_floor(self, key: str) -> int:
@@ -514,11 +534,15 @@ class AdvisoryLocks(AsyncResource):
     async def _query(self, sql: str, *args: object) -> object:
         _, side = self._pools()
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
+        failure: BaseException | None = None
         try:
             with wrap_errors(_ERRORS):
                 return await conn.fetchval(sql, *args, timeout=self._io_timeout)
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            await side.release(conn)
+            await give_back(side, conn, failure)
 
     async def _checkout(
         self, pool: asyncpg.Pool, bound: float, size: int
@@ -538,9 +562,15 @@ class AdvisoryLocks(AsyncResource):
             ) from exc
 
     async def _finish(
-        self, pool: asyncpg.Pool, conn: asyncpg.pool.PoolConnectionProxy, *, clean: bool
+        self,
+        pool: asyncpg.Pool,
+        conn: asyncpg.pool.PoolConnectionProxy,
+        *,
+        clean: bool,
+        error: BaseException | None = None,
     ) -> None:
-        """Give a lease connection back to its pool with no transaction open."""
+        """Give a lease connection back to its pool with no transaction open (``error``: what
+        the call raised, for :func:`~flowlock._pg.pool.give_back`)."""
         if clean:
             try:
                 if conn.is_in_transaction():
@@ -549,14 +579,8 @@ class AdvisoryLocks(AsyncResource):
                 clean = False
         if not clean:
             # Closing the session frees whatever it held; the pool opens a fresh one later.
-            _terminate(conn)
-        await pool.release(conn)
-
-
-def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
-    # InterfaceError: already closed by the server, and handed back to the pool by asyncpg.
-    with contextlib.suppress(asyncpg.InterfaceError):
-        conn.terminate()
+            terminate(conn)
+        await give_back(pool, conn, error)
 
 
 # -- what driver errors mean here (translated by flowlock._pg.errors) -------------------------
@@ -565,12 +589,6 @@ def _terminate(conn: asyncpg.pool.PoolConnectionProxy) -> None:
 class _Busy(LockError):
     """SQLSTATE 55P03 (lock_timeout, or the try-lock found the lock taken) or 57014."""
 
-
-# A lease's session that the server has just ended (its ttl passed, it was terminated) shows as
-# either error: SessionGone once asyncpg has seen the connection close, or InternalClientError
-# ("another operation is in progress") when the statement is sent while asyncpg is still reading
-# the server's FATAL message, before the close. The session is gone, and its lock, either way.
-_GONE = (SessionGone, asyncpg.InternalClientError)
 
 # A session that is gone or did not answer is a SessionGone of this backend: the server ended it
 # (idle-in-transaction timeout, terminated, restarted), the network failed, or a round trip

@@ -182,7 +182,9 @@ class Held:
 
     A renewal that fails is never swallowed: :meth:`check` raises LockLost from then on, and the
     loss is logged once at WARNING. A backend that is unreachable during renewal is retried until
-    the lease's local deadline; only then is the lease counted as lost.
+    the lease's local deadline; only then is the lease counted as lost. Any exception from
+    ``extend`` counts as a failed renewal, a flowlock error or not: the watchdog never ends
+    without either releasing the lease or marking it lost.
     """
 
     def __init__(
@@ -236,12 +238,20 @@ class Held:
             except LockNotOwned:
                 self._mark_lost("a renewal found another owner (the lease had expired)")
                 return
-            except FlowlockError as exc:
+            except Exception as exc:
+                # Why every Exception and not only flowlock's: an error a backend failed to
+                # translate must not end the renewals silently, leaving a lease that nobody
+                # renews and nobody has marked lost. (CancelledError, how close() stops this
+                # loop, is not an Exception.)
+                reason = _describe(exc)
                 if lease.remaining(self._clock()) <= 0:
-                    self._mark_lost(f"renewals failed until the ttl ran out: {exc}")
+                    self._mark_lost(f"renewals failed until the ttl ran out: {reason}")
                     return
                 log.warning(
-                    "flowlock: renewing the lease on %r failed, retrying: %s", lease.key, exc
+                    "flowlock: renewing the lease on %r failed, retrying: %s",
+                    lease.key,
+                    reason,
+                    exc_info=not isinstance(exc, FlowlockError),
                 )
                 await asyncio.sleep(min(lease.ttl / 10, max(lease.remaining(self._clock()), 0)))
 
@@ -283,6 +293,12 @@ class Held:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
         await self._backend.release(self._lease)
+
+
+def _describe(exc: BaseException) -> str:
+    """A flowlock error's message; anything else with its type, which says more than its
+    message alone."""
+    return str(exc) if isinstance(exc, FlowlockError) else f"{type(exc).__name__}: {exc}"
 
 
 # The loop keeps only weak references to tasks: a release left to finish after its caller was

@@ -11,7 +11,9 @@
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
 - Driver errors are translated at this adapter's edge (:meth:`PostgresStore._conn`) by the one
   translation of :mod:`flowlock._pg.errors`; this module only says what a lock that is not
-  available and a duplicate request id mean to each call.
+  available and a duplicate request id mean to each call, and which statements may commit a
+  write (a session lost while one is in flight is OutcomeUnknown, elsewhere ConnectionLost). A
+  connection that failed that way is terminated, not given back to the pool.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
 
 from flowlock._pg import migrations
-from flowlock._pg.errors import Context, wrap_connect
-from flowlock._pg.pool import check_pool_size, check_schema, connection, create_pool
+from flowlock._pg.errors import Context, broken, in_doubt, wrap_connect
+from flowlock._pg.pool import (
+    check_pool_size,
+    check_schema,
+    close_pool,
+    connection,
+    create_pool,
+    terminate,
+)
 from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
 from flowlock.errors import (
     EngineClosed,
@@ -218,7 +228,7 @@ class PostgresStore:
     async def aclose(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
-            await pool.close()
+            await close_pool(pool)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -228,16 +238,22 @@ class PostgresStore:
 
     @asynccontextmanager
     async def _conn(
-        self, key: str = "", *, busy: Callable[[BaseException], FlowlockError] | None = None
+        self,
+        key: str = "",
+        *,
+        busy: Callable[[BaseException], FlowlockError] | None = None,
+        writes: bool = False,
     ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
         """A pooled connection, whose driver errors become flowlock errors about ``key``.
         ``busy``: what a lock that is not available (SQLSTATE 55P03) means to this call; by
-        default a StoreError."""
+        default a StoreError. ``writes``: the block runs one autocommit write, so a session lost
+        while it is in flight leaves its outcome unknown (OutcomeUnknown)."""
+        context = _errors(key, busy)
         async with connection(
             self.pool,
             acquire_timeout=self._acquire_timeout,
             size=self.pool_size,
-            context=_errors(key, busy),
+            context=replace(context, in_doubt=writes),
         ) as conn:
             yield conn
 
@@ -251,7 +267,7 @@ class PostgresStore:
     # -- operations ------------------------------------------------------------------------
 
     async def create(self, instance: Instance) -> Instance:
-        async with self._conn(instance.id) as conn:
+        async with self._conn(instance.id, writes=True) as conn:
             row = await conn.fetchrow(
                 _CREATE, instance.id, instance.workflow, instance.state, instance.data
             )
@@ -281,7 +297,7 @@ class PostgresStore:
         started = time.monotonic()
         try:
             async with self._conn(
-                key, busy=lambda _: LockTimeout(key, time.monotonic() - started)
+                key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
             ) as conn:
                 row = await conn.fetchrow(_CAS, *_cas_args(entry))
         except _DuplicateRequest:
@@ -310,7 +326,9 @@ class PostgresStore:
                 snap, committed, locked_at = await self._locked_step(
                     conn, instance_id, request_id, plan, lock, wanted
                 )
-                await conn.execute("COMMIT")
+                # A session lost once COMMIT is on its way may have committed: OutcomeUnknown.
+                with in_doubt(_errors(instance_id, busy)):
+                    await conn.execute("COMMIT")
                 released_at = time.monotonic()
             except asyncio.CancelledError:
                 # Cancelled mid-statement (waiting for the row lock, say): the connection is
@@ -318,8 +336,12 @@ class PostgresStore:
                 # the lock wait on the server; the pool opens a fresh connection later.
                 conn.terminate()
                 raise
-            except BaseException:
-                if not conn.is_closed() and conn.is_in_transaction():
+            except BaseException as exc:
+                if broken(exc):
+                    # The session is gone (or asyncpg lost track of it): a ROLLBACK would fail
+                    # and hide this error; the server rolls back when the socket closes.
+                    terminate(conn)
+                elif not conn.is_closed() and conn.is_in_transaction():
                     await conn.execute("ROLLBACK")
                 raise
         return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
@@ -367,7 +389,7 @@ class PostgresStore:
     # -- the adaptive strategy's escalation board (flowlock.stores.base.EscalationBoard) -----
 
     async def publish(self, escalation: Escalation) -> None:
-        async with self._conn(escalation.key) as conn:
+        async with self._conn(escalation.key, writes=True) as conn:
             await conn.execute(_PUBLISH, escalation.key, escalation.strategy,
                                escalation.until, escalation.reason)  # fmt: skip
 

@@ -42,7 +42,7 @@ from flowlock.errors import (
 )
 from flowlock.locks.base import Lease, LeaseContext, check_lock_args
 from flowlock.locks.redis import scripts
-from flowlock.locks.redis.connection import BACKEND, bounded, connect, text
+from flowlock.locks.redis.connection import BACKEND, bounded, close, connect, text
 from flowlock.locks.redis.fence import FenceFloors
 from flowlock.locks.redis.keys import Keyspace
 from flowlock.locks.redis.wakeups import Listener, Wakeups
@@ -242,7 +242,7 @@ class RedisLocks(AsyncResource):
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await close(client, self._socket_timeout)
 
     def _require_open(self) -> aioredis.Redis:
         if not self._open or self._client is None:

@@ -6,11 +6,20 @@ Failures
     (nothing acquired; at release the key simply expires at its ttl). redis-py's automatic
     retries are off: a retried compare-and-delete whose first try had landed would report
     LockNotOwned for a lease that was in fact released.
+
+    :func:`translate` is the one place a driver error becomes a flowlock error, and
+    :data:`DRIVER_ERRORS` what it takes: every redis-py error (``ConnectionError`` of a
+    connection killed with ``CLIENT KILL`` or reset, ``TimeoutError``, ``ResponseError``,
+    ``BusyLoadingError``...) and the OS's (a reset socket; the call's own bound). Every call to
+    Redis goes through :func:`bounded`, which uses it; closing the client goes through
+    :func:`close`. redis-py disconnects a connection that failed before it goes back to the
+    pool, so the next call opens a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -21,11 +30,17 @@ from redis.exceptions import RedisError
 
 from flowlock.errors import LockUnavailable
 
-__all__ = ["BACKEND", "bounded", "connect", "text"]
+__all__ = ["BACKEND", "DRIVER_ERRORS", "bounded", "close", "connect", "text", "translate"]
 
 T = TypeVar("T")
 
+log = logging.getLogger("flowlock")
+
 BACKEND = "redis"  # the backend's name, in leases and in LockUnavailable
+
+# What the edge catches: redis-py's errors and the OS's (TimeoutError, the bound of bounded(),
+# and ConnectionError are OSErrors).
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
 
 
 def _no_maintenance_probe() -> dict[str, Any]:
@@ -60,16 +75,31 @@ def connect(url: str, *, max_connections: int, connect_timeout: float) -> aiored
     return aioredis.Redis.from_pool(pool)
 
 
+def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
+    """The flowlock error for driver error ``exc`` raised while doing ``what`` (bounded by
+    ``seconds``): nothing was acquired, extended or released by that call."""
+    if isinstance(exc, TimeoutError):
+        return LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s")
+    return LockUnavailable(BACKEND, f"{what}: {type(exc).__name__}: {exc}")
+
+
 async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
     """Await one Redis call for at most ``seconds``; every driver failure becomes
-    LockUnavailable saying ``what`` was being done."""
+    LockUnavailable saying ``what`` was being done (:func:`translate`)."""
     try:
         async with asyncio.timeout(seconds):
             return await call
-    except TimeoutError as exc:
-        raise LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s") from exc
-    except (RedisError, OSError) as exc:
-        raise LockUnavailable(BACKEND, f"{what}: {exc}") from exc
+    except DRIVER_ERRORS as exc:
+        raise translate(what, exc, seconds) from exc
+
+
+async def close(client: aioredis.Redis, seconds: float) -> None:
+    """Close ``client`` and its connections; a failure to say goodbye on a connection that is
+    already broken is nothing the caller can act on, so it is logged, not raised."""
+    try:
+        await bounded("close", client.aclose(), seconds)
+    except LockUnavailable as exc:
+        log.debug("flowlock: closing the Redis client: %s", exc)
 
 
 def text(value: object) -> str | None:

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
-from flowlock.locks.redis.connection import text
+from flowlock.locks.redis.connection import DRIVER_ERRORS, text
 
 __all__ = ["Listener", "Place", "Wakeups", "Watch", "wait_for"]
 
@@ -347,7 +347,10 @@ class Listener:
             finally:
                 self.listening = False
                 first_try.set()
-                await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+                # A connection killed under it may fail to say goodbye: that must not end the
+                # listener (a failure here would escape the loop).
+                with contextlib.suppress(*DRIVER_ERRORS):
+                    await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay * (0.5 + self._rng.random()))
             delay = min(delay * 2, _RECONNECT_MAX)
 
