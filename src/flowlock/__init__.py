@@ -38,7 +38,7 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
-from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed, fencing_token
 from flowlock.strategies.optimistic import Optimistic
@@ -73,6 +73,7 @@ __all__ = [
     "MigrationError",
     "Optimistic",
     "Outcome",
+    "Page",
     "PayloadTooLarge",
     "Pessimistic",
     "Step",

@@ -20,6 +20,7 @@ PUBLIC = {
     "EngineClosed", "FlowlockError", "GuardRejected", "HistoryEntry", "Instance",
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
+    "Page",
     "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
     "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
     "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
@@ -70,7 +71,7 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
-CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py")
+CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "query.py")
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
 
