@@ -267,9 +267,12 @@ async def test_a_page_is_a_read_only_sequence(engine: flowlock.Engine) -> None:
     assert len(empty) == 0 and not empty and empty.next_cursor is None
 
 
-async def test_a_cursor_is_stable_and_portable(engine: flowlock.Engine) -> None:
+async def test_a_cursor_is_stable_and_portable(
+    engine: flowlock.Engine, store_factory: StoreFactory
+) -> None:
     """A cursor names a position, not a result set: reading the same page twice gives the same
-    page, and the cursor still works after instances were added before and after it."""
+    page, the cursor still works after instances were added before and after it, and another
+    engine on the same database (another process, after a restart) continues from it."""
     await populate(engine)
     first = await engine.list("approval", "pending", limit=4)
     cursor = first.next_cursor
@@ -280,6 +283,8 @@ async def test_a_cursor_is_stable_and_portable(engine: flowlock.Engine) -> None:
     await engine.create("approval", instance_id="req-005a")  # after it: seen in its place
     again = await engine.list("approval", "pending", limit=4, after=cursor)
     assert [i.id for i in again] == ["req-005", "req-005a", "req-007", "req-009"]
+    async with flowlock.Engine(store_factory()) as other:  # nothing registered: still a query
+        assert await other.list("approval", "pending", limit=4, after=cursor) == again
 
 
 async def test_an_unregistered_workflow_is_a_query(engine: flowlock.Engine) -> None:
