@@ -225,3 +225,29 @@ async def test_sweeping_pending_approvals_while_other_admins_approve(
     )
     assert verdict.ok, verdict.violations
     (await sql_history()).assert_matches(histories)
+
+
+async def test_the_store_writes_only_well_formed_names_into_a_statement(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Called directly (not through the engine, which checks names first), the PostgreSQL store
+    refuses a workflow or state name that is not of a Workflow's shape with InvalidInput
+    instead of writing it into the statement; nothing is read or changed."""
+    store = PostgresStore(pg_url, schema=pg_schema)
+    await store.open()
+    try:
+        await store.create(flowlock.Instance(id="i", workflow="w", state="s", version=1, data={}))
+        for query in [
+            InstanceQuery(workflow="w' OR '1'='1"),
+            InstanceQuery(states=("s", "x'); DELETE FROM flowlock_instances; --")),
+            InstanceQuery(workflow=""),
+        ]:
+            with pytest.raises(flowlock.InvalidInput):
+                await store.list_instances(query, after=None, limit=10)
+            with pytest.raises(flowlock.InvalidInput):
+                await store.count_instances(query)
+        assert [i.id for i in await store.list_instances(InstanceQuery(), after=None, limit=9)] == [
+            "i"
+        ]
+    finally:
+        await store.aclose()
