@@ -45,7 +45,7 @@ from flowlock.errors import (
     VersionMismatch,
 )
 from flowlock.jobs import RunOnce
-from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed, fencing_token
 from flowlock.strategies.optimistic import Optimistic
@@ -83,6 +83,7 @@ __all__ = [
     "Optimistic",
     "Outcome",
     "OutcomeUnknown",
+    "Page",
     "PayloadTooLarge",
     "Pessimistic",
     "RunOnce",

@@ -1,4 +1,4 @@
-"""The Engine: register workflows, create instances, fire events, read history.
+"""The Engine: register workflows, create instances, fire events, read history, query instances.
 
 It validates every input before any I/O, picks the concurrency strategy for the call, binds the pure
 step to the call and hands both to the strategy. It keeps no state about instances between calls
@@ -17,7 +17,8 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal, Self, TypeAlias
 
@@ -31,7 +32,8 @@ from flowlock.errors import (
 from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome, Snapshot
+from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
+from flowlock.query import DEFAULT_LIMIT, check_limit, cursor_after, decode_cursor, instance_query
 from flowlock.step import Call, Idempotent, decide
 from flowlock.stores.base import EscalationBoard, Store
 from flowlock.strategies.adaptive import Adaptive
@@ -350,6 +352,66 @@ class Engine:
         self._check_open()
         _check_text(instance_id, "instance_id")
         return await self._store.history(instance_id)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    async def list(
+        self,
+        workflow: str | None = None,
+        state: str | Collection[str] | None = None,
+        updated_before: datetime | None = None,
+        updated_after: datetime | None = None,
+        limit: int = DEFAULT_LIMIT,
+        after: str | None = None,
+    ) -> Page:
+        """One page of the instances that match every filter given, in id order.
+
+        - ``workflow``: of this workflow (a name nobody registered is a valid query; it finds
+          what the database holds under that name);
+        - ``state``: in this state, or in any of a list of states;
+        - ``updated_before`` / ``updated_after``: last changed strictly before / after this
+          moment (timezone-aware datetimes);
+        - ``limit``: at most this many instances (1 to 1000);
+        - ``after``: the ``next_cursor`` of the previous page (None: the first page).
+
+        Returns a :class:`flowlock.Page`: a sequence of Instances plus ``next_cursor`` (None on
+        the last page). Instances come in id order (code point order, the same on every store).
+        Pages are a keyset over the id, which never changes: a walk over them returns each
+        instance at most once and ends, also while other callers fire transitions; an instance
+        that matches throughout the walk is returned exactly once, one that changes meanwhile
+        may be returned (as it was when its page was read) or not. Each page is one consistent
+        read; there is no snapshot across pages.
+
+        Raises InvalidInput (before anything is read) for a bad filter, a naive datetime,
+        ``updated_after`` not before ``updated_before``, a limit out of range or a string that is
+        not a cursor.
+        """
+        self._check_open()
+        query = instance_query(workflow, state, updated_before, updated_after)
+        size = check_limit(limit)
+        start = decode_cursor(after)
+        # One row more than the page: whether it exists says if there is a next page, so the
+        # last page says so itself instead of costing the caller an empty read.
+        found = await self._store.list_instances(query, after=start, limit=size + 1)
+        shown = tuple(found[:size])
+        for inst in shown:
+            self._remember(inst)
+        more = len(found) > size
+        return Page(shown, cursor_after(shown[-1].id) if more else None)
+
+    async def count(
+        self,
+        workflow: str | None = None,
+        state: str | Collection[str] | None = None,
+        updated_before: datetime | None = None,
+        updated_after: datetime | None = None,
+    ) -> int:
+        """How many instances match the filters; the same filters as :meth:`list`, checked the
+        same way. One consistent read (under concurrent writes it may differ from what a walk
+        over the pages, read later, finds)."""
+        self._check_open()
+        query = instance_query(workflow, state, updated_before, updated_after)
+        return await self._store.count_instances(query)
 
     async def fire(
         self,

@@ -1,5 +1,6 @@
-"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome, and the values
-the layers hand each other: Snapshot (what a store read) and Escalation (an adaptive decision).
+"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome, Page (one page
+of a query), and the values the layers hand each other: Snapshot (what a store read), Escalation
+(an adaptive decision) and InstanceQuery (which instances a query asks a store for).
 
 They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)``), never mutated.
 """
@@ -7,12 +8,12 @@ They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, overload
 
-__all__ = ["Escalation", "HistoryEntry", "Instance", "Outcome", "Snapshot"]
+__all__ = ["Escalation", "HistoryEntry", "Instance", "InstanceQuery", "Outcome", "Page", "Snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +104,65 @@ class Outcome:
     event: str
     request_id: str | None = None
     reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceQuery:
+    """Which instances a query wants: every filter given must hold (None: no filter).
+
+    - ``workflow``: the instance's workflow name;
+    - ``states``: the instance's state is one of these;
+    - ``updated_before`` / ``updated_after``: its ``updated_at`` is strictly before / after
+      (timezone-aware datetimes).
+
+    Built and checked by the engine (:meth:`flowlock.Engine.list`); stores only apply it.
+    """
+
+    workflow: str | None = None
+    states: tuple[str, ...] | None = None
+    updated_before: datetime | None = None
+    updated_after: datetime | None = None
+
+    def matches(self, instance: Instance) -> bool:
+        """Whether ``instance`` passes every filter (what the SQL stores' WHERE clauses say)."""
+        if self.workflow is not None and instance.workflow != self.workflow:
+            return False
+        if self.states is not None and instance.state not in self.states:
+            return False
+        updated = instance.updated_at
+        if self.updated_before is not None and not (
+            updated is not None and updated < self.updated_before
+        ):
+            return False
+        return self.updated_after is None or (updated is not None and updated > self.updated_after)
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Sequence[Instance]):
+    """One page of :meth:`flowlock.Engine.list`: the instances (in id order) and where the next
+    page starts.
+
+    A Page is a read-only sequence: iterate it, ``len(page)``, ``page[0]``, ``page[-1]``,
+    ``list(page)``. ``next_cursor`` is None on the last page; otherwise pass it as
+    ``engine.list(..., after=page.next_cursor)`` to get the next one. A cursor is an opaque
+    string that names a position in id order (not a server-side result set): it never expires
+    and works from any engine on the same database.
+    """
+
+    instances: tuple[Instance, ...]
+    next_cursor: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(self.instances)
+
+    @overload
+    def __getitem__(self, index: int) -> Instance: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Instance]: ...
+
+    def __getitem__(self, index: int | slice) -> Instance | Sequence[Instance]:
+        return self.instances[index]

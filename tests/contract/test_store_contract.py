@@ -22,7 +22,7 @@ import asyncpg
 import pytest
 
 from flowlock.errors import EngineClosed, InstanceNotFound
-from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.base import EscalationBoard, LockedResult, RowLock
 from flowlock.stores.postgres import PostgresStore
@@ -199,6 +199,8 @@ def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
         "apply_locked": lambda: store.apply_locked(inst.id, None, plan, RowLock(timeout=5)),
         "history": lambda: store.history(inst.id),
         "fencing_floor": lambda: store.fencing_floor(inst.id),
+        "list_instances": lambda: store.list_instances(InstanceQuery(), after=None, limit=10),
+        "count_instances": lambda: store.count_instances(InstanceQuery()),
     }
     if isinstance(store, EscalationBoard):
         board = store
@@ -230,7 +232,8 @@ async def test_a_closed_store_refuses_every_operation(
             await call()
         refused["after close"].append(name)
     expected = {"migrate", "create", "get", "read", "commit", "apply_locked", "history"}
-    expected |= {"fencing_floor"} | ({"publish", "active"} if backend != "sqlite" else set())
+    expected |= {"fencing_floor", "list_instances", "count_instances"}
+    expected |= {"publish", "active"} if backend != "sqlite" else set()
     assert set(refused["before open"]) == set(refused["after close"]) == expected
 
     async with opened(store):

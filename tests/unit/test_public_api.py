@@ -20,10 +20,10 @@ PUBLIC = {
     "GuardRejected", "HistoryEntry", "IdempotencyKeyReused", "Instance", "InstanceExists",
     "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned",
     "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome", "OutcomeUnknown",
-    "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StepFailed", "StoreBusy", "StoreError",
-    "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
-    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker", "examples",
-    "fencing_token", "jobs", "runner",
+    "Page", "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StepFailed", "StoreBusy",
+    "StoreError", "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused",
+    "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker",
+    "examples", "fencing_token", "jobs", "runner",
 }  # fmt: skip
 
 
@@ -70,7 +70,11 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
+<<<<<<< HEAD
 CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "jsondata.py")
+=======
+CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "query.py")
+>>>>>>> queries
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
 

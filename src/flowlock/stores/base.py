@@ -10,6 +10,9 @@ Strategies see only this Protocol. Two ways to apply a transition:
 
 Every write is a compare-and-swap on ``version``, and, when the entry carries a lease's fencing
 token, on that token too (lower than the last one written: refused); a stale write changes nothing.
+
+Queries (``list_instances``, ``count_instances``) read instances by an
+:class:`~flowlock.models.InstanceQuery`; a page is a keyset on the id, in code point order.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 
 __all__ = ["EscalationBoard", "LockedResult", "Plan", "RowLock", "Store"]
 
@@ -89,6 +92,16 @@ class Store(Protocol):
     async def fencing_floor(self, instance_id: str) -> int:
         """The highest fencing token written for the instance (0 if none): a lock backend that
         lost its own counter (a Redis restart) floors new tokens on it."""
+
+    async def list_instances(
+        self, query: InstanceQuery, *, after: str | None, limit: int
+    ) -> list[Instance]:
+        """At most ``limit`` instances matching ``query`` whose id comes after ``after`` (None:
+        from the first), ordered by id in code point order (byte order of the UTF-8, whatever the
+        database's collation). One consistent read."""
+
+    async def count_instances(self, query: InstanceQuery) -> int:
+        """How many instances match ``query``. One consistent read."""
 
 
 @runtime_checkable

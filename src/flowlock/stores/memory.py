@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import json
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
-from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import LockedResult, Plan, RowLock
 
 __all__ = ["MemoryBoard", "MemoryStore"]
@@ -192,6 +193,27 @@ class MemoryStore:
             dataclasses.replace(h, data=_copy(h.data), payload=_copy(h.payload))
             for h in self._history[instance_id]
         ]
+
+    # -- queries ------------------------------------------------------------------------------
+
+    async def list_instances(
+        self, query: InstanceQuery, *, after: str | None, limit: int
+    ) -> list[Instance]:
+        self._check()
+        await asyncio.sleep(0)  # a round trip yields to the loop; so does this (see read)
+        start = after or ""
+        # No await from here to the return: the page is one consistent read, as on the SQL stores.
+        found = heapq.nsmallest(
+            limit,
+            (i for i in self._instances.values() if i.id > start and query.matches(i)),
+            key=lambda i: i.id,
+        )
+        return [i.evolve(data=_copy(i.data)) for i in found]
+
+    async def count_instances(self, query: InstanceQuery) -> int:
+        self._check()
+        await asyncio.sleep(0)
+        return sum(1 for i in self._instances.values() if query.matches(i))
 
     # -- the adaptive strategy's escalation board: engines sharing this store share it --------
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,14 +45,15 @@ from flowlock.errors import (
     FlowlockError,
     InstanceExists,
     InstanceNotFound,
+    InvalidInput,
     LockBusy,
     LockTimeout,
     StoreError,
 )
-from flowlock.models import Escalation, HistoryEntry, Instance, Snapshot
+from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import LockedResult, Plan, RowLock
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresStore", "count_statement", "list_statement"]
 
 
 _READ = f"""
@@ -126,6 +128,78 @@ RETURNING {INSTANCE_COLUMNS}
 _HISTORY = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
 """
+
+
+# Workflow and state names are written into a query's text as literals, not passed as
+# parameters: asyncpg keeps its statements prepared, and after a few runs PostgreSQL may plan one
+# once for any value, estimating "state = $n" as an average state. For a rare state (the pending
+# few among millions approved) that plan walks the whole id index instead of the state's own
+# range. With the names in the text every (workflow, state) gets its own plan. Only names of the
+# shape a Workflow accepts are written, so no quoting can be escaped.
+_NAME_LITERAL = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+
+
+def _literal(name: str) -> str:
+    if not _NAME_LITERAL.fullmatch(name):
+        raise InvalidInput(f"{name!r} is not a workflow or state name; nothing was read")
+    return f"'{name}'"
+
+
+def _where(query: InstanceQuery, args: list[object]) -> list[str]:
+    """``query`` as WHERE conditions; the arguments of the timestamps are appended to ``args``
+    (numbered on from what ``args`` already holds)."""
+    conditions: list[str] = []
+    if query.workflow is not None:
+        conditions.append(f"workflow = {_literal(query.workflow)}")
+    if query.states is not None:
+        # "= 'x'" for one state, not "IN (...)": the planner sees from an equality that the
+        # (workflow, state, id) index range is already in id order.
+        names = ", ".join(_literal(state) for state in query.states)
+        conditions.append(f"state = {names}" if len(query.states) == 1 else f"state IN ({names})")
+    if query.updated_before is not None:
+        args.append(query.updated_before)
+        conditions.append(f"updated_at < ${len(args)}")
+    if query.updated_after is not None:
+        args.append(query.updated_after)
+        conditions.append(f"updated_at > ${len(args)}")
+    return conditions
+
+
+# COLLATE "C": code point order, the order of the other stores and of the indexes of
+# 006_queries.sql. $1 is the cursor ('' is below every id, since ids are never empty: the first
+# page), $2 the limit.
+_PAGE = 'id COLLATE "C" > $1 ORDER BY id COLLATE "C" LIMIT $2'
+
+
+def list_statement(
+    query: InstanceQuery, *, after: str | None, limit: int
+) -> tuple[str, list[object]]:
+    """The SELECT of :meth:`PostgresStore.list_instances` and its arguments."""
+    args: list[object] = [after or "", limit]
+    states = query.states or ()
+    if query.workflow is None or len(states) < 2:
+        conditions = " AND ".join([*_where(query, args), ""])
+        return f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE {conditions}{_PAGE}", args
+    # Several states of one workflow: one branch per state, each an index range of
+    # (workflow, state, id) already in id order, merged (Merge Append) so that a page reads
+    # about as many rows as it returns. One "state = ANY(...)" would have to read every row
+    # of those states, or walk the whole id index, to find the first ones in id order.
+    branches = [
+        f"(SELECT {INSTANCE_COLUMNS} FROM flowlock_instances "
+        f"WHERE {' AND '.join(_where(dataclasses.replace(query, states=(state,)), args))} "
+        f"AND {_PAGE})"
+        for state in states
+    ]
+    merged = " UNION ALL ".join(branches)
+    return f'SELECT * FROM ({merged}) AS page ORDER BY id COLLATE "C" LIMIT $2', args
+
+
+def count_statement(query: InstanceQuery) -> tuple[str, list[object]]:
+    """The SELECT of :meth:`PostgresStore.count_instances` and its arguments."""
+    args: list[object] = []
+    conditions = _where(query, args)
+    where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+    return f"SELECT count(*) FROM flowlock_instances{where}", args
 
 
 _UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "min": 60_000.0, "h": 3_600_000.0, "d": 86_400_000.0}
@@ -405,6 +479,20 @@ class PostgresStore:
                 instance_id,
             )
         return int(token or 0)
+
+    async def list_instances(
+        self, query: InstanceQuery, *, after: str | None, limit: int
+    ) -> list[Instance]:
+        sql, args = list_statement(query, after=after, limit=limit)
+        async with self._conn() as conn:
+            rows = await conn.fetch(sql, *args)
+        return [instance_from_row(r) for r in rows]
+
+    async def count_instances(self, query: InstanceQuery) -> int:
+        sql, args = count_statement(query)
+        async with self._conn() as conn:
+            count = await conn.fetchval(sql, *args)
+        return int(count)
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         async with self._conn(instance_id) as conn:

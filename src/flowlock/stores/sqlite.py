@@ -32,11 +32,11 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import migrations
 from flowlock.stores.base import LockedResult, Plan, RowLock
 
-__all__ = ["SqliteStore"]
+__all__ = ["SqliteStore", "count_statement", "list_statement"]
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -301,6 +301,16 @@ class SqliteStore(AsyncResource):
     async def fencing_floor(self, instance_id: str) -> int:
         """The highest fencing token written for the instance (0 if none)."""
         return await self._read(_fence_txn, instance_id, what="fencing_floor")
+
+    async def list_instances(
+        self, query: InstanceQuery, *, after: str | None, limit: int
+    ) -> list[Instance]:
+        """At most ``limit`` instances matching ``query`` with an id after ``after``, by id."""
+        return await self._read(_list_txn, query, after, limit, what="list")
+
+    async def count_instances(self, query: InstanceQuery) -> int:
+        """How many instances match ``query``."""
+        return await self._read(_count_txn, query, what="count")
 
     async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T:
         pool = self._live()
@@ -623,6 +633,58 @@ def _history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntr
         return [_entry(row) for row in rows]
 
     return _deferred(conn, body)
+
+
+def _where(query: InstanceQuery) -> tuple[str, list[Any]]:
+    """``query`` as a WHERE clause and its arguments. Timestamps are stored as ISO-8601 UTC text
+    of one fixed shape (:func:`_ts`), so comparing the text compares the moments."""
+    clauses = ["1 = 1"]
+    args: list[Any] = []
+    if query.workflow is not None:
+        clauses.append("workflow = ?")
+        args.append(query.workflow)
+    if query.states is not None:
+        clauses.append(f"state IN ({', '.join('?' * len(query.states))})")
+        args.extend(query.states)
+    if query.updated_before is not None:
+        clauses.append("updated_at < ?")
+        args.append(_ts(query.updated_before))
+    if query.updated_after is not None:
+        clauses.append("updated_at > ?")
+        args.append(_ts(query.updated_after))
+    return " AND ".join(clauses), args
+
+
+def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tuple[str, list[Any]]:
+    """The SELECT of :meth:`SqliteStore.list_instances` and its arguments."""
+    # Why plain "id > ?" and ORDER BY id: TEXT compares with the BINARY collation, byte by
+    # byte of the UTF-8, which is code point order (the order the other stores use); the
+    # primary key and the (workflow, state, id) index of 003_queries are in that order.
+    where, args = _where(query)
+    sql = (
+        f"SELECT {_INSTANCE_COLUMNS} FROM flowlock_instances WHERE {where} AND id > ? "
+        "ORDER BY id LIMIT ?"
+    )
+    return sql, [*args, after or "", limit]
+
+
+def count_statement(query: InstanceQuery) -> tuple[str, list[Any]]:
+    """The SELECT of :meth:`SqliteStore.count_instances` and its arguments."""
+    where, args = _where(query)
+    return f"SELECT count(*) FROM flowlock_instances WHERE {where}", args
+
+
+def _list_txn(
+    conn: sqlite3.Connection, query: InstanceQuery, after: str | None, limit: int
+) -> list[Instance]:
+    sql, args = list_statement(query, after=after, limit=limit)
+    return [_instance(row) for row in conn.execute(sql, args).fetchall()]
+
+
+def _count_txn(conn: sqlite3.Connection, query: InstanceQuery) -> int:
+    sql, args = count_statement(query)
+    [(count,)] = conn.execute(sql, args).fetchall()
+    return int(count)
 
 
 def _create_txn(conn: sqlite3.Connection, instance: Instance, data: str) -> Instance:
