@@ -21,9 +21,9 @@ PUBLIC = {
     "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost",
     "LockNotOwned", "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome",
     "PayloadTooLarge", "Pessimistic", "Step", "StoreBusy", "StoreError", "Strategy",
-    "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent",
-    "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
-    "fencing_token",
+    "SyncCallInEventLoop", "Transition", "TransitionNotAllowed", "TransitionRefused",
+    "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "examples",
+    "fencing_token", "sync",
 }  # fmt: skip
 
 
