@@ -209,7 +209,6 @@ def post(url: str, body: Mapping[str, Any], key: str | None = None) -> tuple[int
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-@pytest.mark.slow
 def test_flask_app_on_a_threaded_wsgi_server(
     pg_url: str, pg_schema: str, sql_history: SqlHistory, tmp_path: Path
 ) -> None:
@@ -361,11 +360,24 @@ def test_close_is_idempotent_joins_the_thread_and_later_calls_raise_engine_close
     assert flowlock_threads() == threads
 
 
-def test_first_call_opens_the_engine_and_waits_for_the_calls_in_flight(
+def test_the_exit_hook_closes_every_engine_left_running(pg_url: str, pg_schema: str) -> None:
+    """The hook run at exit closes an opened engine and one that only registered, and joins
+    their threads (test_an_engine_left_open_is_closed_at_exit shows it runs at exit)."""
+    threads = flowlock_threads()
+    opened = sync_engine(pg_url, pg_schema).open()
+    registered = sync_engine(pg_url, pg_schema)
+    assert flowlock_threads() == threads + 2
+    flowlock.sync._close_all()
+    assert opened.closed and registered.closed and flowlock_threads() == threads
+    with pytest.raises(flowlock.EngineClosed):
+        opened.get("a")
+
+
+def test_the_first_call_opens_the_engine_once_for_every_thread(
     pg_url: str, pg_schema: str, sql_history: SqlHistory
 ) -> None:
     """An engine never opened explicitly opens on the first call, once, however many threads
-    make it at once; close() lets the calls already running finish."""
+    make it at once."""
     engine = sync_engine(pg_url, pg_schema, pool_size=THREADS + 5)
     try:
 
@@ -459,6 +471,9 @@ def test_constructor_takes_a_store_or_an_unopened_async_engine(pg_url: str, pg_s
         engine.register(flowlock.examples.approval())
         engine.create("approval", instance_id="a")
         assert engine.fire("a", "approve").strategy == "pessimistic"
+        assert list(engine.workflows) == ["approval"]
+        assert {"optimistic", "pessimistic", "adaptive"} <= set(engine.strategies)
+        assert engine.monitor.escalate_to == "pessimistic" and engine.metrics is None
     wrapped = flowlock.Engine(PostgresStore(pg_url, schema=pg_schema))
     with flowlock.sync.Engine(wrapped) as engine:
         engine.register(flowlock.examples.approval())
