@@ -26,7 +26,6 @@ import flowlock
 engine = flowlock.sync.Engine.connect(
     os.environ["FLOWLOCK_TEST_DATABASE_URL"],
     schema=os.environ["FLOWLOCK_SYNC_APP_SCHEMA"],
-    pool_size=40,
 )
 engine.register(flowlock.examples.approval())
 engine.register(flowlock.examples.inventory())

@@ -1,8 +1,9 @@
 """``flowlock.sync.Engine``, the blocking engine for threaded code, against real PostgreSQL.
 
-Threads of one process share one engine (32 threads released together by a barrier); a real
-WSGI server in its own process serves many concurrent HTTP clients from one engine; each ends with
-the checker over the history and the history rows counted with the test's own SQL. Then: the same
+Threads of one process share one engine (32 threads released together by a barrier, more than
+the pool's 20 connections, so calls also queue for a connection); a real WSGI server in its own
+process serves many concurrent HTTP clients from one engine; each ends with the checker over the
+history and the history rows counted with the test's own SQL. Then: the same
 error classes and messages as the async engine, EngineClosed after close, a typed error instead
 of a deadlock inside an event loop, signature parity, interrupts, the exit hook and forks.
 """
@@ -99,7 +100,7 @@ def test_threads_share_one_engine_two_admins(
     """32 threads approve the same request at once, 5 rounds: 1 applied and 31 idempotent per
     round, no error, one history row each."""
     rounds = 5
-    with sync_engine(pg_url, pg_schema, pool_size=THREADS + 5) as engine:
+    with sync_engine(pg_url, pg_schema) as engine:
         for r in range(rounds):
             engine.create("approval", instance_id=f"req-{r}")
 
@@ -127,7 +128,7 @@ def test_threads_share_one_engine_inventory(
     """32 threads x 4 reservations on a stock of 50, pessimistic: exactly 50 applied, 78 refused
     as out of stock (GuardRejected), the stock never below 0, each request id once."""
     calls = 4
-    with sync_engine(pg_url, pg_schema, pool_size=THREADS + 5) as engine:
+    with sync_engine(pg_url, pg_schema) as engine:
         engine.create("inventory", instance_id="sku", data={"stock": 50, "reserved": 0})
 
         def buyer(n: int, barrier: threading.Barrier) -> list[Any]:
@@ -378,7 +379,7 @@ def test_the_first_call_opens_the_engine_once_for_every_thread(
 ) -> None:
     """An engine never opened explicitly opens on the first call, once, however many threads
     make it at once."""
-    engine = sync_engine(pg_url, pg_schema, pool_size=THREADS + 5)
+    engine = sync_engine(pg_url, pg_schema)
     try:
 
         def first(n: int, barrier: threading.Barrier) -> list[Any]:
