@@ -1,5 +1,6 @@
 """flowlock: a workflow (state-machine) engine whose every transition is atomic and applied
 exactly once, with pluggable concurrency control (optimistic, pessimistic).
+``flowlock.Engine`` is async; ``flowlock.sync.Engine`` is its blocking twin for threaded code.
 
 The public API is what ``__all__`` lists; everything else is internal.
 """
@@ -38,6 +39,7 @@ from flowlock.errors import (
     StepFailed,
     StoreBusy,
     StoreError,
+    SyncCallInEventLoop,
     TransitionNotAllowed,
     TransitionRefused,
     UnknownEvent,
@@ -50,6 +52,10 @@ from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed, fencing_token
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
+
+# After the engine and the errors: the blocking twin of Engine, flowlock.sync.Engine. Importing it
+# starts no thread (an engine starts its own on its first call).
+from flowlock import sync  # isort: skip
 
 try:
     __version__ = version("flowlock")
@@ -92,6 +98,7 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "Strategy",
+    "SyncCallInEventLoop",
     "Transition",
     "TransitionNotAllowed",
     "TransitionRefused",
@@ -105,4 +112,5 @@ __all__ = [
     "fencing_token",
     "jobs",
     "runner",
+    "sync",
 ]

@@ -33,6 +33,7 @@ Each class's docstring is its default message; instances carry the facts a calle
     │   ├── OutcomeUnknown           the connection died after the write was sent: maybe written
     │   └── MigrationError
     ├── EngineClosed                 the engine (or store) is not open
+    ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
     └── EmbeddedServerError          an embedded PostgreSQL or Redis did not start or stop
 
 Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
@@ -404,6 +405,22 @@ class MigrationError(StoreError):
 
 class EngineClosed(FlowlockError):
     """The engine is closed; open it with `async with Engine.connect(...)` before use."""
+
+
+class SyncCallInEventLoop(FlowlockError, RuntimeError):
+    """A flowlock.sync.Engine was called from a thread running an event loop; nothing was done.
+    Blocking there would stall that loop (or deadlock the engine's own); in async code use
+    flowlock.Engine and await it."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        super().__init__(
+            f"flowlock.sync.Engine.{method}() was called from a thread that is running an event "
+            "loop; nothing was done. Blocking here would stall that loop (or deadlock the "
+            "engine's own). In async code use flowlock.Engine and await its methods; from async "
+            "code that must call a blocking function, run it in a worker thread "
+            "(asyncio.to_thread)"
+        )
 
 
 class EmbeddedServerError(FlowlockError):

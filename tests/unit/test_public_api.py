@@ -21,9 +21,9 @@ PUBLIC = {
     "InstanceNotFound", "InvalidInput", "LockBusy", "LockError", "LockLost", "LockNotOwned",
     "LockTimeout", "LockUnavailable", "MigrationError", "Optimistic", "Outcome", "OutcomeUnknown",
     "Page", "PayloadTooLarge", "Pessimistic", "RunOnce", "Step", "StepFailed", "StoreBusy",
-    "StoreError", "Strategy", "Transition", "TransitionNotAllowed", "TransitionRefused",
-    "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker",
-    "examples", "fencing_token", "jobs", "runner",
+    "StoreError", "Strategy", "SyncCallInEventLoop", "Transition", "TransitionNotAllowed",
+    "TransitionRefused", "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow",
+    "__version__", "checker", "examples", "fencing_token", "jobs", "runner", "sync",
 }  # fmt: skip
 
 

@@ -1,0 +1,541 @@
+"""A blocking twin of :class:`flowlock.Engine` for threaded code: Django, Flask, scripts.
+
+``flowlock.sync.Engine`` has the async engine's names, arguments, return values and errors
+(the very same :class:`~flowlock.models.Outcome`, :class:`~flowlock.models.Instance`,
+:class:`~flowlock.models.HistoryEntry` objects and exception classes), without ``await``::
+
+    with flowlock.sync.Engine.connect("postgresql://app@db/app") as engine:
+        engine.register(flowlock.examples.approval())
+        engine.create("approval", instance_id="req-1")
+        outcome = engine.fire("req-1", "approve", actor="alice")
+
+How it works: each engine owns one private event loop, run by a daemon thread, and one async
+:class:`flowlock.Engine` that lives on that loop only. Every call hands its coroutine to that loop
+(:func:`asyncio.run_coroutine_threadsafe`) and blocks the calling thread until it has finished,
+so any number of threads (a WSGI server's) may share one engine: the asyncpg pool, the lock
+backends and the adaptive strategy's monitor are only ever touched from the engine's own loop.
+An async engine shared by threads that each run their own loop is what fails with "attached to a
+different loop" or "Event loop is closed"; this is the fix for that.
+
+- **Opening**: the first call that reads or writes opens the engine (connects, migrates);
+  ``open()`` or ``with`` opens it up front, to fail at start-up rather than on the first request.
+  Nothing starts a thread before the first call. Unlike ``flowlock.Engine``, an engine that was
+  never opened is not "closed": it opens itself.
+- **Bounds**: a call waits exactly as long as the async call it runs, whose every wait is bounded
+  (``lock_timeout``, ``max_attempts``, ``acquire_timeout``, the lease's ``wait``...). No extra
+  timeout is laid on top: one that fired while a commit was under way would leave the caller not
+  knowing whether it happened. The waiting thread checks every second that the engine's thread is
+  still alive, so a wait never outlives it.
+- **Interrupts**: a ``KeyboardInterrupt`` (or any exception a signal handler raises) in the
+  waiting thread does not cancel the running call. The call finishes on the engine's thread
+  (bounded, as above; the wait is logged), and then the interrupt is raised with a note saying
+  what the call did (``applied=True`` ..., or the error it raised). A second interrupt stops the
+  waiting: the call still runs to its end, whole or not at all, and ``close()`` waits for it;
+  read the instance to see what it did.
+- **Inside an event loop**: a call from a thread that is running an event loop (async code, or
+  a guard running on the engine's own loop) raises :class:`flowlock.errors.SyncCallInEventLoop`
+  at once instead of blocking or deadlocking that loop; use ``flowlock.Engine`` there.
+- **Closing**: ``close()`` (or leaving ``with``) refuses new calls (they raise
+  :class:`flowlock.errors.EngineClosed`), waits for the calls in flight, closes the async engine,
+  stops the loop and joins its thread. It is idempotent, and final: build a new engine to start
+  again. An engine left open is closed when the interpreter exits, before its thread pools stop.
+- **Forks** (gunicorn ``--preload``, uWSGI without ``lazy-apps``): an engine used only to
+  ``register`` before the fork works in every child (each child starts its own thread and opens
+  its own connections on its first call). An engine that had opened its connections before the
+  fork raises ``EngineClosed`` in the child, saying so, and leaves the parent's connections alone.
+
+Two constructors: ``Engine.connect(database_url, ...)`` (the same keywords as
+:meth:`flowlock.Engine.connect`), and ``Engine(store, ...)`` (the same arguments as
+``flowlock.Engine(store, ...)``); ``Engine(async_engine)`` also takes a ``flowlock.Engine`` that
+has not been opened yet (it must not have been opened on another loop) and owns it from then on.
+
+A method the async engine gains gets its blocking twin in two lines: the signature, and
+``return self._run(self._engine.method(...))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before ours: see _register_hooks
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from flowlock.definition import Workflow
+from flowlock.engine import DEFAULT_MAX_PAYLOAD, DEFAULT_SYNC, LockKind, StrategyConfig
+from flowlock.engine import Engine as AsyncEngine
+from flowlock.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
+from flowlock.locks.base import LockBackend
+from flowlock.metrics import Metrics
+from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.stores.base import Store
+from flowlock.strategies.base import Strategy
+from flowlock.strategies.monitor import ConflictMonitor
+
+__all__ = ["Engine"]
+
+T = TypeVar("T")
+log = logging.getLogger("flowlock")
+
+_ALIVE_CHECK = 1.0
+"""Seconds between two checks, while a call waits, that the engine's thread is still running."""
+_JOIN_TIMEOUT = 30.0
+"""Seconds ``close()`` waits for the thread to end once its loop has stopped."""
+
+
+class _LoopThread:
+    """One private event loop, run forever by a daemon thread, until :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._serve, name="flowlock-sync", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        """What ``asyncio.run`` does on its way out: cancel the tasks left (background ones, such
+        as a lease's renewal), let them end, then close the loop."""
+        loop = self.loop
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            # At interpreter exit no thread may start; the pool's threads end with the process.
+            with contextlib.suppress(RuntimeError):
+                loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(_JOIN_TIMEOUT)
+        if self.thread.is_alive():
+            log.warning(
+                "flowlock: the sync engine's thread did not end within %.0f s of its loop "
+                "stopping; it is a daemon thread and ends with the process",
+                _JOIN_TIMEOUT,
+            )
+
+
+# Engines whose thread is running: closed at exit, and told when the process forks. A strong
+# reference on purpose: an engine dropped without close() still holds a thread and connections.
+_running: set[Engine] = set()
+# The parent's loops and threads as a forked child inherited them: kept, never used or closed
+# (closing them would close the parent's connections), so that nothing tries to at exit either.
+_orphans: list[_LoopThread] = []
+
+
+class Engine:
+    """A blocking :class:`flowlock.Engine`, safe to share between threads (see the module doc).
+
+    ``Engine.connect(database_url, ...)`` takes the async ``Engine.connect``'s keywords;
+    ``Engine(store, ...)`` the async ``Engine(store, ...)``'s arguments, or a ``flowlock.Engine``
+    not opened yet in place of the store (configured already: give no other argument then).
+    """
+
+    def __init__(
+        self,
+        store: Store | AsyncEngine,
+        *,
+        strategy: str = "optimistic",
+        strategies: StrategyConfig | None = None,
+        locks: LockBackend | None = None,
+        monitor: ConflictMonitor | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
+        metrics: Metrics | None = None,
+        escalation_sync: float = DEFAULT_SYNC,
+    ) -> None:
+        if isinstance(store, AsyncEngine):
+            configured = (strategy, strategies, locks, monitor, max_payload_bytes)
+            defaults = ("optimistic", None, None, None, DEFAULT_MAX_PAYLOAD)
+            if configured != defaults or metrics is not None or escalation_sync != DEFAULT_SYNC:
+                raise InvalidInput(
+                    "flowlock.sync.Engine(engine) wraps a flowlock.Engine as it is configured; "
+                    "pass the options to flowlock.Engine(store, ...) instead, or pass the store"
+                )
+            if not store.closed:
+                raise InvalidInput(
+                    "flowlock.sync.Engine(engine) needs a flowlock.Engine that is not open yet: "
+                    "its connections would belong to another event loop. Pass it before "
+                    "opening it, or pass its store"
+                )
+            self._engine = store
+        else:
+            self._engine = AsyncEngine(
+                store,
+                strategy=strategy,
+                strategies=strategies,
+                locks=locks,
+                monitor=monitor,
+                max_payload_bytes=max_payload_bytes,
+                metrics=metrics,
+                escalation_sync=escalation_sync,
+            )
+        self._lock = threading.Lock()
+        self._runner: _LoopThread | None = None
+        self._opened = False  # the async engine was opened on self._runner's loop
+        self._closed = False
+        self._forked: str | None = None  # why this process may not use the engine, after a fork
+        self._calls: set[asyncio.Future[Any]] = set()  # in flight; touched on the loop only
+
+    @classmethod
+    def connect(
+        cls,
+        database_url: str,
+        *,
+        redis_url: str | None = None,
+        locks: LockKind | None = None,
+        auto_migrate: bool = True,
+        pool_size: int = 20,
+        schema: str | None = None,
+        namespace: str = "default",
+        strategy: str = "optimistic",
+        strategies: StrategyConfig | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
+        monitor: ConflictMonitor | None = None,
+        metrics: Metrics | None = None,
+        escalation_sync: float = DEFAULT_SYNC,
+    ) -> Engine:
+        """An engine over the database at ``database_url``: the same keywords as
+        :meth:`flowlock.Engine.connect` (see :func:`flowlock.connect.connect`). Nothing is
+        connected until ``open()``, ``with`` or the first call."""
+        # Imported here, as flowlock.Engine.connect does: a SQLite user never imports asyncpg.
+        from flowlock.connect import connect
+
+        return cls(
+            connect(
+                database_url,
+                redis_url=redis_url,
+                locks=locks,
+                auto_migrate=auto_migrate,
+                pool_size=pool_size,
+                schema=schema,
+                namespace=namespace,
+                strategy=strategy,
+                strategies=strategies,
+                max_payload_bytes=max_payload_bytes,
+                monitor=monitor,
+                metrics=metrics,
+                escalation_sync=escalation_sync,
+            )
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self) -> Self:
+        """Open the store (connect, migrate) and the lock backends now rather than on the first
+        call. Idempotent; EngineClosed after ``close()``."""
+        _refuse_in_event_loop("open")
+        with self._lock:
+            self._start(opens=True)
+        return self
+
+    def close(self) -> None:
+        """Refuse new calls, wait for those in flight, close the store and the lock backends,
+        stop the loop and join its thread. Idempotent."""
+        _refuse_in_event_loop("close")
+        with self._lock:
+            self._closed = True
+            runner = self._runner
+            if runner is None:
+                return
+            future = runner.submit(self._shutdown())
+            try:
+                _settle(future, runner)
+            finally:
+                # Interrupted twice: leave the loop to the exit hook rather than cut a call short.
+                if future.done():
+                    self._runner = None
+                    _running.discard(self)
+                    runner.stop()
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called (or the process forked after the engine opened). An engine not
+        opened yet is not closed: its first call opens it."""
+        return self._closed or self._forked is not None
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- what the async engine exposes -----------------------------------------------------
+
+    @property
+    def workflows(self) -> Mapping[str, Workflow]:
+        """The registered workflows by name."""
+        return self._engine.workflows
+
+    @property
+    def strategies(self) -> Mapping[str, Strategy]:
+        """The strategies this engine runs, by name (the ones given and the presets)."""
+        return self._engine.strategies
+
+    @property
+    def monitor(self) -> ConflictMonitor:
+        """The adaptive strategy's conflict monitor (escalated keys, counts)."""
+        return self._engine.monitor
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._engine.metrics
+
+    # -- the calls -------------------------------------------------------------------------
+
+    def register(self, workflow: Workflow) -> None:
+        """Make ``workflow`` available to ``create`` and ``fire`` (see flowlock.Engine.register).
+        Connects nothing: safe to call at import time, before a server forks its workers."""
+        return self._run(self._engine.register(workflow), opens=False)
+
+    def create(
+        self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
+    ) -> Instance:
+        """A new instance of ``workflow`` in its initial state at version 1.
+        Raises InstanceExists when the id is taken."""
+        return self._run(self._engine.create(workflow, instance_id=instance_id, data=data))
+
+    def get(self, instance_id: str) -> Instance:
+        """The instance as last committed. Raises InstanceNotFound."""
+        return self._run(self._engine.get(instance_id))
+
+    def history(self, instance_id: str) -> list[HistoryEntry]:
+        """Every applied transition of the instance, oldest first."""
+        return self._run(self._engine.history(instance_id))
+
+    def fire(
+        self,
+        instance_id: str,
+        event: str,
+        *,
+        actor: str | None = None,
+        request_id: str | None = None,
+        expected_version: int | None = None,
+        payload: Mapping[str, Any] | None = None,
+        strategy: str | Strategy | None = None,
+    ) -> Outcome:
+        """Fire ``event`` at the instance; the transition is applied at most once. The same
+        Outcome and errors as :meth:`flowlock.Engine.fire`."""
+        return self._run(
+            self._engine.fire(
+                instance_id,
+                event,
+                actor=actor,
+                request_id=request_id,
+                expected_version=expected_version,
+                payload=payload,
+                strategy=strategy,
+            )
+        )
+
+    # -- running a coroutine on the engine's loop -----------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T], *, opens: bool = True) -> T:
+        """Run ``coro`` (a call of the async engine) on the engine's loop and wait for it.
+        ``opens``: open the engine first if it is not open yet."""
+        handed = False
+        try:
+            _refuse_in_event_loop(getattr(coro, "__name__", "call"))
+            with self._lock:
+                runner = self._start(opens=opens)
+                handed = True
+                future = runner.submit(self._tracked(coro))
+        except BaseException:
+            # Never ran: closed, so it is not reported as never awaited. One handed to the loop
+            # is never closed from here: that would cut it short on the loop's thread.
+            if not handed:
+                coro.close()
+            raise
+        return _settle(future, runner)
+
+    def _start(self, *, opens: bool) -> _LoopThread:
+        """The running loop thread (started if need be), with the engine opened on it if
+        ``opens``. Called with ``self._lock`` held."""
+        if self._forked is not None:
+            raise EngineClosed(self._forked)
+        if self._closed:
+            raise EngineClosed(
+                "this flowlock.sync.Engine is closed; build a new one "
+                "(flowlock.sync.Engine.connect(...)) to go on"
+            )
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = _LoopThread()
+            _running.add(self)
+        if opens and not self._opened:
+            _settle(runner.submit(self._engine.open()), runner)
+            self._opened = True
+        return runner
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, counted among the calls in flight that ``close()`` waits for."""
+        task = asyncio.current_task()
+        assert task is not None  # a coroutine run by run_coroutine_threadsafe runs in a task
+        self._calls.add(task)
+        try:
+            return await coro
+        finally:
+            self._calls.discard(task)
+
+    async def _shutdown(self) -> None:
+        """Wait for the calls in flight (every one is bounded), then close the async engine.
+        Calls submitted before close() began have started by now: the loop runs callbacks in
+        the order they were scheduled."""
+        if self._calls:
+            await asyncio.wait(set(self._calls))
+        await self._engine.aclose()
+
+    def _after_fork_in_child(self) -> None:
+        """This process is a fork: the loop thread is not running here, and the connections,
+        if any, belong to the parent."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        self._calls = set()
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        # Marked closed, not closed: close() would unregister the parent's sockets from the
+        # epoll instance both processes share, and the parent's loop would stop hearing them.
+        # A loop marked closed is left alone by every clean-up path (asyncpg's finaliser, a
+        # transport's), which then only close this process's copies of the file descriptors.
+        runner.loop._closed = True  # type: ignore[attr-defined]
+        _orphans.append(runner)
+        if self._opened and not self._closed:
+            self._forked = (
+                f"this flowlock.sync.Engine opened its connections in process {runner.pid}, "
+                f"which then forked this process ({os.getpid()}); they belong to the parent. "
+                "Let each worker open its own: do not call it before the fork (register() is "
+                "fine, the first other call opens it), or build it in the worker"
+            )
+
+
+# -- waiting -----------------------------------------------------------------------------------
+
+
+def _refuse_in_event_loop(method: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise SyncCallInEventLoop(method)
+
+
+def _wait_done(future: concurrent.futures.Future[Any], runner: _LoopThread) -> None:
+    """Until ``future`` is done, or the loop thread that should finish it has ended."""
+    while not future.done() and runner.thread.is_alive():
+        concurrent.futures.wait([future], timeout=_ALIVE_CHECK)
+
+
+def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
+    """The result of ``future``; an interrupt in the meantime waits for it, then is raised."""
+    try:
+        _wait_done(future, runner)
+    except BaseException as interrupt:
+        _after_interrupt(future, runner, interrupt)
+        raise
+    if not future.done():
+        raise EngineClosed(
+            "the flowlock.sync.Engine's event loop thread ended while a call was running; "
+            "build a new engine, and read the instance to see what the call did"
+        )
+    return future.result()
+
+
+def _after_interrupt(
+    future: concurrent.futures.Future[Any], runner: _LoopThread, interrupt: BaseException
+) -> None:
+    """Let the interrupted call finish before ``interrupt`` is raised, and say what it did."""
+    if not future.done():
+        try:
+            log.warning(
+                "flowlock: %s while a call is running: waiting for the call to finish (it is "
+                "bounded) before raising it; interrupt again to stop waiting",
+                type(interrupt).__name__,
+            )
+            _wait_done(future, runner)
+        except BaseException as again:
+            again.add_note(
+                "flowlock: the interrupted call was still running; it runs to its end on the "
+                "engine's thread, whole or not at all. Read the instance to see what it did"
+            )
+            raise
+    interrupt.add_note(f"flowlock: the interrupted call ran to its end first: {_did(future)}")
+
+
+def _did(future: concurrent.futures.Future[Any]) -> str:
+    if not future.done():
+        return "its thread ended before it did; read the instance to see what it did"
+    error = future.exception()
+    if error is not None:
+        return f"it raised {type(error).__name__}: {error}"
+    result = future.result()
+    if isinstance(result, Outcome):
+        return (
+            f"{result.event!r} {'applied' if result.applied else 'idempotent'}, instance "
+            f"{result.instance.id!r} now in state {result.instance.state!r} at version "
+            f"{result.instance.version}"
+        )
+    text = repr(result)
+    return f"it returned {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+# -- process hooks -----------------------------------------------------------------------------
+
+
+def _close_all() -> None:
+    """Close every engine left open, at interpreter exit."""
+    for engine in list(_running):
+        try:
+            engine.close()
+        except Exception:
+            log.exception("flowlock: closing a sync engine left open at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_running):
+        engine._after_fork_in_child()
+    _running.clear()
+
+
+def _register_hooks(
+    at_exit: Callable[[Callable[[], None]], object] | None,
+) -> None:
+    """Close engines left open at exit: before the interpreter joins its thread pools (the
+    threading module's exit hooks, when this Python has them), else with :mod:`atexit`. Those
+    hooks run last registered first, and concurrent.futures.thread registered its own when this
+    module imported it, so an engine is closed while SQLite's connection threads can still close
+    their connections; :mod:`atexit` hooks only run after those threads have stopped."""
+    import atexit
+
+    if at_exit is not None:
+        at_exit(_close_all)
+    else:  # pragma: no cover - CPython has had threading._register_atexit since 3.9
+        atexit.register(_close_all)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_register_hooks(getattr(threading, "_register_atexit", None))
