@@ -70,11 +70,15 @@ def _flowlock_imports(path: Path) -> set[str]:
     return found
 
 
-<<<<<<< HEAD
-CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "jsondata.py")
-=======
-CORE = ("definition.py", "models.py", "errors.py", "step.py", "checker.py", "query.py")
->>>>>>> queries
+CORE = (
+    "definition.py",
+    "models.py",
+    "errors.py",
+    "step.py",
+    "checker.py",
+    "jsondata.py",
+    "query.py",
+)
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
 
