@@ -255,7 +255,9 @@ def build_store(
     if scheme == "sqlite":
         from flowlock.stores.sqlite import SqliteStore
 
-        bounds.refuse(("min_size", "connect_timeout", "application_name"), "SQLite")
+        bounds.refuse(
+            ("min_size", "connect_timeout", "application_name"), "SQLite (PostgreSQL only)"
+        )
         return SqliteStore.from_url(database_url, auto_migrate=auto_migrate, **bounds.sqlite())
     if scheme == "memory":
         from flowlock.stores.memory import MemoryStore
@@ -335,8 +337,8 @@ class _Bounds:
         given = self.given(names)
         if given:
             raise InvalidInput(
-                f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} a PostgreSQL pool "
-                f"flowlock builds, and mean{'s' if len(given) == 1 else ''} nothing to {what}"
+                f"{', '.join(given)} {'means' if len(given) == 1 else 'mean'} nothing to {what}; "
+                "leave it out"
             )
 
     def sqlite(self) -> dict[str, Any]:
@@ -358,7 +360,7 @@ def _on_pool(
     auto_migrate: bool,
 ) -> PostgresStore:
     """The PostgreSQL store on the application's own ``pool``."""
-    bounds.refuse(_POOL_KEYWORDS, "pool= (your pool is built already)")
+    bounds.refuse(_POOL_KEYWORDS, "pool= (flowlock does not build your pool)")
     if database_url is not None and (
         not isinstance(database_url, str) or _scheme(database_url) not in _POSTGRES
     ):

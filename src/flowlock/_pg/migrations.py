@@ -124,9 +124,10 @@ def script(*, after: str | None = None, schema: str | None = None) -> str:
                 f"no PostgreSQL migration named {after!r}; the migrations are {', '.join(names)}"
             )
         migrations = migrations[names.index(after) + 1 :]
-    listed = ", ".join(m.name for m in migrations) or "none"
+    listed = [f"--   {m.name}" for m in migrations] or ["--   (none left to apply)"]
     lines = [
-        f"-- flowlock's PostgreSQL schema migrations, oldest first: {listed}.",
+        "-- flowlock's PostgreSQL schema migrations, oldest first:",
+        *listed,
         "-- Run it once, in one transaction. Each migration is recorded in",
         "-- flowlock_schema_migrations, so Engine.connect (auto_migrate=True) and",
         "-- `flowlock db migrate` find nothing left to apply.",
