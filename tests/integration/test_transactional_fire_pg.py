@@ -501,3 +501,20 @@ async def test_memory_store_is_not_transactional() -> None:
 
     assert not isinstance(MemoryStore(), TransactionalStore)
     assert isinstance(PostgresStore("postgresql://x@127.0.0.1:1/x"), TransactionalStore)
+
+
+async def test_a_connection_of_a_pool_works_too(
+    engine: flowlock.Engine, pg_url: str, pg_schema: str
+) -> None:
+    """A pooled connection (here one of flowlock's own pool, which decodes jsonb itself) joins
+    the same way; a released one is refused."""
+    store = engine.store
+    assert isinstance(store, PostgresStore)
+    async with store.pool.acquire() as conn, conn.transaction():
+        out = await engine.fire("stock", "reserve", payload={"qty": 2}, connection=conn)
+        await conn.execute(f'INSERT INTO "{pg_schema}".orders (id) VALUES ($1)', "o-1")
+    assert out.applied and out.instance.data == {"stock": 8, "reserved": 2}
+    assert await _orders(pg_url, pg_schema) == 1
+    with pytest.raises(flowlock.InvalidInput, match="not usable"):
+        await engine.fire("stock", "reserve", connection=conn)
+    assert (await engine.get("stock")).version == 2
