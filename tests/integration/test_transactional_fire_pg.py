@@ -208,11 +208,13 @@ async def test_optimistic_lost_race_raises_once_and_does_not_retry(
     a, b = await app_conns(), await app_conns()
     b_pid = b.get_server_pid()
     async with a.transaction():
-        assert (await engine.fire("stock", "reserve", connection=a)).applied
+        assert (await engine.fire("stock", "reserve", strategy="optimistic", connection=a)).applied
         tx = b.transaction()
         await tx.start()
         await b.execute(f'INSERT INTO "{pg_schema}".orders (id) VALUES ($1)', "b")
-        racing = asyncio.create_task(engine.fire("stock", "reserve", connection=b))
+        racing = asyncio.create_task(
+            engine.fire("stock", "reserve", strategy="optimistic", connection=b)
+        )
         await wait_until(lambda: _waiting_for_a_lock(pg_url, b_pid), what="B waiting on A")
     with pytest.raises(flowlock.ConflictRetriesExhausted) as lost:
         await racing
@@ -518,3 +520,67 @@ async def test_a_connection_of_a_pool_works_too(
     with pytest.raises(flowlock.InvalidInput, match="not usable"):
         await engine.fire("stock", "reserve", connection=conn)
     assert (await engine.get("stock")).version == 2
+
+
+async def test_repeatable_read_sees_a_concurrent_change_as_a_store_error(
+    engine: flowlock.Engine,
+    app_conns: Callable[[], Awaitable[asyncpg.Connection]],
+    pg_url: str,
+    pg_schema: str,
+) -> None:
+    """A caller at REPEATABLE READ whose snapshot predates another commit on the instance gets
+    PostgreSQL's serialization failure as StoreError, nothing of flowlock's written; its
+    transaction is still usable and commits its own row."""
+    conn = await app_conns()
+    async with conn.transaction(isolation="repeatable_read"):
+        await conn.execute(f'INSERT INTO "{pg_schema}".orders (id) VALUES ($1)', "o-1")
+        assert (await engine.fire("stock", "reserve")).applied  # committed after the snapshot
+        with pytest.raises(flowlock.StoreError, match="SerializationError"):
+            await engine.fire("stock", "reserve", connection=conn)
+    assert await _orders(pg_url, pg_schema) == 1
+    assert await _instance(pg_url, pg_schema, "stock") == (2, 1)
+
+
+async def test_a_per_workflow_strategy_is_found_through_the_callers_transaction(
+    engine: flowlock.Engine,
+    app_conns: Callable[[], Awaitable[asyncpg.Connection]],
+    pg_url: str,
+    pg_schema: str,
+) -> None:
+    """A workflow with its own strategy: an instance created in the caller's transaction is read
+    through that transaction to pick the strategy (it is invisible to the pool), and the fire
+    runs under the workflow's strategy."""
+    locked = flowlock.Workflow(
+        "locked",
+        states=["open", "done"],
+        initial="open",
+        policy="inventory",
+        transitions=[flowlock.Transition("finish", source="open", target="done")],
+    )
+    await engine.register(locked)
+    conn = await app_conns()
+    async with conn.transaction():
+        await engine.create("locked", instance_id="l-1", connection=conn)
+        out = await engine.fire("l-1", "finish", connection=conn)
+    assert out.applied and out.strategy == "pessimistic"
+    assert await _instance(pg_url, pg_schema, "l-1") == (2, 1)
+
+
+async def test_a_create_behind_an_uncommitted_one_of_the_same_id_times_out(
+    app_conns: Callable[[], Awaitable[asyncpg.Connection]], pg_url: str, pg_schema: str
+) -> None:
+    """An instance created in an open caller transaction: creating the same id elsewhere waits
+    the store's lock_timeout, then raises LockTimeout; after the caller commits, InstanceExists."""
+    store = PostgresStore(pg_url, schema=pg_schema, pool_size=2, lock_timeout=0.3)
+    async with flowlock.Engine(store) as eng:
+        await eng.register(examples.approval())
+        conn = await app_conns()
+        async with conn.transaction():
+            await eng.create("approval", instance_id="a", connection=conn)
+            started = time.monotonic()
+            with pytest.raises(flowlock.LockTimeout):
+                await eng.create("approval", instance_id="a")
+            assert 0.3 <= time.monotonic() - started < 0.3 + SLACK
+        with pytest.raises(flowlock.InstanceExists):
+            await eng.create("approval", instance_id="a")
+        assert await _instance(pg_url, pg_schema, "a") == (1, 0)
