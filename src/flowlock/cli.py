@@ -177,6 +177,35 @@ def db_migrate(
         console.print(f"{where} is up to date; no migration to apply")
 
 
+@db_app.command("sql")
+def db_sql(
+    schema: Annotated[
+        str | None,
+        typer.Option("--schema", help="Migrate into this schema (created if missing)."),
+    ] = None,
+    after: Annotated[
+        str | None,
+        typer.Option(
+            "--after",
+            help="Only the migrations after this one (e.g. 005_job_runs): what a database "
+            "already at it still needs.",
+        ),
+    ] = None,
+) -> None:
+    """Print flowlock's PostgreSQL migrations as one SQL script (no database needed), for teams
+    that run their own migrations (Alembic, Django...). Run it once, in one transaction. It also
+    records each migration in flowlock_schema_migrations, so flowlock then finds nothing to
+    apply."""
+    from flowlock._pg.migrations import script
+    from flowlock.errors import InvalidInput
+
+    try:
+        text = script(after=after, schema=schema)
+    except InvalidInput as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(text, nl=False)
+
+
 # -- diagram --------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ strategy's escalations (:class:`flowlock.strategies.monitor.EscalationSync`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Literal, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
 from flowlock.definition import Workflow
 from flowlock.errors import (
@@ -35,15 +36,26 @@ from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
 from flowlock.query import DEFAULT_LIMIT, check_limit, cursor_after, decode_cursor, instance_query
 from flowlock.step import Call, Idempotent, decide
-from flowlock.stores.base import EscalationBoard, Store
+from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
 from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy, StrategyResult
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
+from flowlock.strategies.transaction import in_transaction
 
-__all__ = ["DEFAULT_MAX_PAYLOAD", "DEFAULT_SYNC", "Engine", "LockKind", "StrategyConfig"]
+if TYPE_CHECKING:  # the types of pool= and connection=; asyncpg is imported by the store only
+    import asyncpg
+
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD",
+    "DEFAULT_SYNC",
+    "Connection",
+    "Engine",
+    "LockKind",
+    "StrategyConfig",
+]
 
 log = logging.getLogger("flowlock")
 
@@ -62,6 +74,10 @@ two lock backends, fired by name)."""
 
 LockKind: TypeAlias = Literal["redis", "advisory", "memory"]
 """``Engine.connect(..., locks=...)``: which lock backend the "distributed" strategy leases from."""
+
+Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
+"""``fire(..., connection=...)`` / ``create(..., connection=...)``: an asyncpg connection inside a
+transaction the caller opened."""
 
 
 def _check_text(value: object, what: str) -> str:
@@ -177,12 +193,20 @@ class Engine:
     @classmethod
     def connect(
         cls,
-        database_url: str,
+        database_url: str | None = None,
         *,
+        pool: asyncpg.Pool | None = None,
         redis_url: str | None = None,
         locks: LockKind | None = None,
         auto_migrate: bool = True,
-        pool_size: int = 20,
+        pool_size: int | None = None,
+        max_size: int | None = None,
+        min_size: int | None = None,
+        acquire_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        lock_timeout: float | None = None,
+        lease_wait: float | None = None,
+        application_name: str | None = None,
         schema: str | None = None,
         namespace: str = "default",
         strategy: str = "optimistic",
@@ -199,10 +223,18 @@ class Engine:
 
         return connect(
             database_url,
+            pool=pool,
             redis_url=redis_url,
             locks=locks,
             auto_migrate=auto_migrate,
             pool_size=pool_size,
+            max_size=max_size,
+            min_size=min_size,
+            acquire_timeout=acquire_timeout,
+            connect_timeout=connect_timeout,
+            lock_timeout=lock_timeout,
+            lease_wait=lease_wait,
+            application_name=application_name,
             schema=schema,
             namespace=namespace,
             strategy=strategy,
@@ -325,19 +357,31 @@ class Engine:
         return check_object(data, what, self._max_payload)
 
     async def create(
-        self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
+        self,
+        workflow: str,
+        *,
+        instance_id: str,
+        data: Mapping[str, Any] | None = None,
+        connection: Connection | None = None,
     ) -> Instance:
         """A new instance of ``workflow`` in its initial state at version 1.
-        Raises InstanceExists when the id is taken."""
+        Raises InstanceExists when the id is taken.
+
+        ``connection``: an asyncpg connection inside a transaction you opened (PostgreSQL
+        only): the instance is inserted in that transaction, so it exists once you commit and
+        not at all if you roll back (see :meth:`fire`)."""
         self._check_open()
         _check_text(instance_id, "instance_id")
         wf = self._workflow(workflow)
         body = self._check_data(data, "data")
-        inst = await self._store.create(
-            Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
-        )
-        self._remember(inst)
-        return inst
+        new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
+        if connection is None:
+            inst = await self._store.create(new)
+            self._remember(inst)
+            return inst
+        # Not remembered: the caller may roll back, and the id be created again elsewhere.
+        async with self._transactional().in_transaction(connection) as store:
+            return await store.create(new)
 
     async def get(self, instance_id: str) -> Instance:
         """The instance as last committed. Raises InstanceNotFound."""
@@ -423,6 +467,7 @@ class Engine:
         expected_version: int | None = None,
         payload: Mapping[str, Any] | None = None,
         strategy: str | Strategy | None = None,
+        connection: Connection | None = None,
     ) -> Outcome:
         """Fire ``event`` at the instance; the transition is applied at most once.
 
@@ -438,12 +483,22 @@ class Engine:
         nothing, so a retry under the same key may apply once the state allows it. A guard or
         effect that raises is reported as StepFailed, data an effect returns that is not JSON
         or too large as InvalidInput; either way nothing is written.
+
+        ``connection``: an asyncpg connection inside a transaction you opened (PostgreSQL
+        only). The transition is written in that transaction (in a savepoint, with flowlock's
+        lock_timeout set for it and your own put back after), so it commits or rolls back with
+        your own rows; flowlock never commits it. Inside it, optimistic makes ONE
+        compare-and-swap (a lost race raises ConflictRetriesExhausted with ``attempts=1``, unless
+        the winner already applied this request: idempotent), pessimistic holds the row lock
+        until you commit, adaptive runs its current choice, and distributed is refused
+        (InvalidInput). A failure undoes flowlock's part only; your transaction stays usable.
+        InvalidInput, before anything is read, when the store is not PostgreSQL or the
+        connection is not in an open transaction.
         """
         started = time.perf_counter()
         self._check_open()
         _check_fire_args(instance_id, event, actor, request_id, expected_version)
         body = self._check_data(payload, "payload")
-        chosen = await self._strategy_for(instance_id, event, strategy)
         call = Call(
             instance_id=instance_id,
             event=event,
@@ -451,15 +506,22 @@ class Engine:
             actor=actor,
             request_id=request_id,
             expected_version=expected_version,
-            strategy=chosen.name,
+            strategy="",
         )
-        result = await self._run(chosen, call, started)
+        if connection is None:
+            name, result = await self._apply(self._store, call, strategy, started)
+        else:
+            joinable = self._transactional()
+            if strategy is not None:
+                in_transaction(self._requested(strategy))  # refused before anything is read
+            async with joinable.in_transaction(connection) as store:
+                name, result = await self._apply(store, call, strategy, started, joined=True)
         outcome = Outcome(
             applied=result.applied,
             idempotent=not result.applied,
             instance=result.instance,
             attempts=result.attempts,
-            strategy=result.strategy or chosen.name,
+            strategy=result.strategy or name,
             elapsed=time.perf_counter() - started,
             event=event,
             request_id=request_id,
@@ -471,9 +533,29 @@ class Engine:
             )
         return outcome
 
-    async def _run(self, chosen: Strategy, call: Call, started: float) -> StrategyResult:
-        """``call`` under ``chosen``, the pure step bound to the registered workflows; a failure
-        is recorded (with the workflow, once the step has read the instance) and re-raised."""
+    async def _apply(
+        self,
+        store: Store,
+        call: Call,
+        requested: str | Strategy | None,
+        started: float,
+        *,
+        joined: bool = False,
+    ) -> tuple[str, StrategyResult]:
+        """Choose the strategy (the form it takes inside a caller's transaction when ``joined``)
+        and run ``call`` under it on ``store``; the strategy's name and what it did."""
+        chosen = await self._strategy_for(call.instance_id, call.event, requested, store)
+        if joined:
+            chosen = in_transaction(chosen)
+        call = dataclasses.replace(call, strategy=chosen.name)
+        return chosen.name, await self._run(chosen, call, started, store)
+
+    async def _run(
+        self, chosen: Strategy, call: Call, started: float, store: Store
+    ) -> StrategyResult:
+        """``call`` under ``chosen`` on ``store``, the pure step bound to the registered
+        workflows; a failure is recorded (with the workflow, once the step has read the
+        instance) and re-raised."""
         workflows = self._workflows
         limit = self._max_payload
         seen: list[str] = []
@@ -485,9 +567,9 @@ class Engine:
 
         metrics = self._metrics
         if metrics is None:
-            return await chosen.run(self._store, call, bound)
+            return await chosen.run(store, call, bound)
         try:
-            return await chosen.run(self._store, call, bound)
+            return await chosen.run(store, call, bound)
         except FlowlockError as exc:
             metrics.record_failure(
                 exc,
@@ -515,8 +597,19 @@ class Engine:
         if len(cache) > _WORKFLOW_CACHE_SIZE:
             cache.popitem(last=False)
 
+    def _transactional(self) -> TransactionalStore:
+        """The store, when it can join a caller's transaction (``connection=``)."""
+        store = self._store
+        if not isinstance(store, TransactionalStore):
+            raise InvalidInput(
+                "connection= runs flowlock inside a transaction you opened on PostgreSQL; this "
+                f"engine's store ({type(store).__name__}) cannot join one. Use an engine on a "
+                "postgresql:// database, or call without connection=. Nothing was read or written"
+            )
+        return store
+
     async def _strategy_for(
-        self, instance_id: str, event: str, requested: str | Strategy | None
+        self, instance_id: str, event: str, requested: str | Strategy | None, store: Store
     ) -> Strategy:
         if requested is not None:
             return self._requested(requested)
@@ -524,7 +617,10 @@ class Engine:
             return self._strategies[self._default]
         name = self._instance_workflow.get(instance_id)
         if name is None:
-            name = (await self.get(instance_id)).workflow
+            inst = await store.get(instance_id)
+            if store is self._store:  # what a caller's transaction reads may yet roll back
+                self._remember(inst)
+            name = inst.workflow
         wf = self._workflows.get(name)
         if wf is None:
             return self._strategies[self._default]

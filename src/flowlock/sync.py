@@ -64,7 +64,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from flowlock.definition import Workflow
 from flowlock.engine import DEFAULT_MAX_PAYLOAD, DEFAULT_SYNC, LockKind, StrategyConfig
@@ -76,6 +76,9 @@ from flowlock.models import HistoryEntry, Instance, Outcome
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor
+
+if TYPE_CHECKING:  # the type of connect's pool=, as flowlock.Engine.connect names it
+    import asyncpg
 
 __all__ = ["Engine"]
 
@@ -199,12 +202,20 @@ class Engine:
     @classmethod
     def connect(
         cls,
-        database_url: str,
+        database_url: str | None = None,
         *,
+        pool: asyncpg.Pool | None = None,
         redis_url: str | None = None,
         locks: LockKind | None = None,
         auto_migrate: bool = True,
-        pool_size: int = 20,
+        pool_size: int | None = None,
+        max_size: int | None = None,
+        min_size: int | None = None,
+        acquire_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        lock_timeout: float | None = None,
+        lease_wait: float | None = None,
+        application_name: str | None = None,
         schema: str | None = None,
         namespace: str = "default",
         strategy: str = "optimistic",
@@ -216,7 +227,19 @@ class Engine:
     ) -> Engine:
         """An engine over the database at ``database_url``: the same keywords as
         :meth:`flowlock.Engine.connect` (see :func:`flowlock.connect.connect`). Nothing is
-        connected until ``open()``, ``with`` or the first call."""
+        connected until ``open()``, ``with`` or the first call.
+
+        ``pool`` is refused (InvalidInput): an asyncpg pool belongs to the event loop it was
+        created on, and this engine runs every call on a private loop of its own; give the
+        database URL and the pool's bounds (``max_size``, ``acquire_timeout``...) instead. The
+        parameter is there so that this signature stays the async engine's."""
+        if pool is not None:
+            raise InvalidInput(
+                "flowlock.sync.Engine.connect cannot use an application's asyncpg pool (pool=): "
+                "a pool belongs to the event loop that created it, and the sync engine runs on a "
+                "private loop of its own. Pass the database URL (and max_size, min_size, "
+                "acquire_timeout...) instead"
+            )
         # Imported here, as flowlock.Engine.connect does: a SQLite user never imports asyncpg.
         from flowlock.connect import connect
 
@@ -227,6 +250,13 @@ class Engine:
                 locks=locks,
                 auto_migrate=auto_migrate,
                 pool_size=pool_size,
+                max_size=max_size,
+                min_size=min_size,
+                acquire_timeout=acquire_timeout,
+                connect_timeout=connect_timeout,
+                lock_timeout=lock_timeout,
+                lease_wait=lease_wait,
+                application_name=application_name,
                 schema=schema,
                 namespace=namespace,
                 strategy=strategy,

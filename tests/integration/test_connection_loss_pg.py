@@ -237,6 +237,35 @@ async def test_every_session_ended_then_twenty_calls_raise_typed_errors_and_reco
     await verify(engine, sql_history, {"doc": set(actors)})
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_sessions_of_an_applications_pool_ended_then_calls_are_typed_and_recover(
+    sql_history: SqlHistory, pg_url: str, pg_schema: str, app: str, strategy: str
+) -> None:
+    """The same on an application's own pool (pool=, each call in a transaction of flowlock's):
+    the call on a dead connection raises ConnectionLost, never an asyncpg error; the connection
+    is terminated rather than given back, the pool's others are replaced, and the calls after
+    succeed on the same, still open, pool."""
+    pool = await asyncpg.create_pool(
+        pg_url, min_size=5, max_size=5, server_settings={"application_name": app}
+    )
+    try:
+        async with flowlock.Engine.connect(pool=pool, schema=pg_schema) as engine:
+            await engine.register(examples.countersign(QUORUM))
+            await engine.create("countersign", instance_id="doc")
+            assert terminate_unnoticed(pg_url, app=app) == 5
+            actors = [f"signer-{i}" for i in range(10)]
+            outcomes = [await sign(engine, "doc", actor, strategy) for actor in actors]
+            assert isinstance(outcomes[0], flowlock.ConnectionLost), outcomes[0]
+            assert_typed(outcomes[0], LOST)
+            assert all(isinstance(o, flowlock.Outcome) and o.applied for o in outcomes[1:])
+            again = await sign(engine, "doc", actors[0], strategy)
+            assert isinstance(again, flowlock.Outcome) and again.applied
+            await verify(engine, sql_history, {"doc": set(actors)})
+        assert not pool.is_closing()
+    finally:
+        await pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_sessions_ended_while_calls_are_in_flight(

@@ -29,11 +29,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 import flowlock
 from conftest import SqlHistory as Counted
 from flowlock.checker import OVERSELL, check
+from flowlock.errors import InvalidInput
 from flowlock.models import HistoryEntry
 from flowlock.stores.postgres import PostgresStore
 from flowlock.sync import Engine as SyncEngine
@@ -458,10 +460,24 @@ def test_signatures_match_the_async_engine() -> None:
             twin = getattr(SyncEngine, name, None)
             assert twin is not None, f"flowlock.sync.Engine has no {name}()"
             assert not inspect.iscoroutinefunction(twin)
-            assert params(twin) == params(member), name
+            # connection= (fire, create) has no blocking twin: an asyncpg connection belongs to
+            # the caller's event loop, and the sync engine runs every call on a loop of its own.
+            theirs = [p for p in params(member) if p[0] != "connection"]
+            assert params(twin) == theirs, name
     for prop in ("workflows", "strategies", "monitor", "metrics", "closed"):
         assert isinstance(inspect.getattr_static(SyncEngine, prop), property), prop
     assert isinstance(flowlock.sync.Engine.connect("memory://"), SyncEngine)
+
+
+async def test_connect_refuses_an_application_pool(pg_url: str) -> None:
+    """pool= is in connect's signature (it is the async engine's) but refused: an asyncpg pool
+    belongs to the loop that created it, not to the sync engine's own."""
+    pool = await asyncpg.create_pool(pg_url, min_size=0, max_size=1)
+    try:
+        with pytest.raises(InvalidInput, match="event loop"):
+            flowlock.sync.Engine.connect(pool=pool)
+    finally:
+        await pool.close()
 
 
 def test_constructor_takes_a_store_or_an_unopened_async_engine(pg_url: str, pg_schema: str) -> None:

@@ -3,7 +3,9 @@ name order, each recorded in ``flowlock_schema_migrations``, all in one transact
 transaction-level advisory lock.
 
 Functions over a connection or a pool, so that every PostgreSQL adapter (the store, the advisory
-locks, the run-once jobs) migrates the same way without building another adapter to do it.
+locks, the run-once jobs) migrates the same way without building another adapter to do it; and
+:func:`script`, the same migrations as one SQL script for teams that run their own migrations
+(``flowlock db sql``).
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ from __future__ import annotations
 import asyncpg
 
 from flowlock._pg.errors import Context, wrap_connect
-from flowlock._pg.pool import close_pool, connection, create_pool
-from flowlock.errors import FlowlockError, MigrationError, StoreError
+from flowlock._pg.pool import check_schema, close_pool, connection, create_pool
+from flowlock.errors import FlowlockError, InvalidInput, MigrationError, StoreError
 from flowlock.stores.migrations import load
 
-__all__ = ["MIGRATION_LOCK", "apply", "migrate", "migrate_database"]
+__all__ = ["MIGRATION_LOCK", "RECORDS_TABLE", "apply", "migrate", "migrate_database", "script"]
 
 # Any fixed 64-bit number; two processes migrating at once serialise on it.
 MIGRATION_LOCK = 0x666C6F776C6F636B  # "flowlock"
+
+RECORDS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
+    " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+)
+"""Where the applied migrations are recorded, by name."""
 
 # A migration's statements are store statements about no instance in particular: worded as the
 # store words them, for the key ''.
@@ -31,19 +39,26 @@ _CONTEXT = Context(
 )
 
 
-async def apply(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> list[str]:
+async def apply(
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, *, schema: str | None = None
+) -> list[str]:
     """Apply the migrations not yet recorded, on ``conn``, in one transaction. Returns the names
-    applied (none when the schema is up to date). Driver errors are raised as they are."""
+    applied (none when the schema is up to date). Driver errors are raised as they are.
+
+    ``schema``: create it if missing and put it on this transaction's ``search_path`` (for a
+    connection flowlock did not open, whose own ``search_path`` it leaves alone); without it the
+    tables go where the connection's ``search_path`` says."""
+    check_schema(schema)
     applied: list[str] = []
     async with conn.transaction():
         await conn.execute("SET LOCAL lock_timeout = '60s'")
         # Why a transaction-level advisory lock: two processes starting at once must not both
         # run 001; the second waits here, then sees 001 recorded and skips it.
         await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
-            " name text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
+        if schema is not None:
+            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            await conn.execute(f'SET LOCAL search_path = "{schema}"')
+        await conn.execute(RECORDS_TABLE)
         done = {r["name"] for r in await conn.fetch("SELECT name FROM flowlock_schema_migrations")}
         for m in load("postgres"):
             if m.name in done:
@@ -54,14 +69,16 @@ async def apply(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> 
     return applied
 
 
-async def migrate(pool: asyncpg.Pool, *, acquire_timeout: float, pool_size: int) -> list[str]:
-    """:func:`apply` on a connection of ``pool``; any failure is a MigrationError (from the
-    flowlock error it was translated to)."""
+async def migrate(
+    pool: asyncpg.Pool, *, acquire_timeout: float, pool_size: int, schema: str | None = None
+) -> list[str]:
+    """:func:`apply` (into ``schema``, see there) on a connection of ``pool``; any failure is a
+    MigrationError (from the flowlock error it was translated to)."""
     try:
         async with connection(
             pool, acquire_timeout=acquire_timeout, size=pool_size, context=_CONTEXT
         ) as conn:
-            return await apply(conn)
+            return await apply(conn, schema=schema)
     except FlowlockError as exc:
         raise MigrationError(f"migrating the flowlock schema failed: {exc}") from exc
 
@@ -86,3 +103,54 @@ async def migrate_database(
         return await migrate(pool, acquire_timeout=connect_timeout, pool_size=1)
     finally:
         await close_pool(pool)
+
+
+def script(*, after: str | None = None, schema: str | None = None) -> str:
+    """The PostgreSQL migrations as one SQL script, oldest first, each under a comment naming it
+    and followed by the INSERT that records it in ``flowlock_schema_migrations``, as
+    :func:`apply` does: a database migrated with the script is one flowlock finds up to date.
+
+    ``after``: only the migrations after this one (those a database at ``after`` still needs).
+    ``schema``: create it if missing and migrate into it (``SET search_path`` for the script,
+    ``RESET`` at its end). Run the script once, in one transaction (``psql --single-transaction``,
+    or inside a migration of Alembic, Django...): it takes flowlock's migration lock, so an
+    engine opening at the same moment waits for it instead of migrating too."""
+    check_schema(schema)
+    migrations = load("postgres")
+    names = [m.name for m in migrations]
+    if after is not None:
+        if after not in names:
+            raise InvalidInput(
+                f"no PostgreSQL migration named {after!r}; the migrations are {', '.join(names)}"
+            )
+        migrations = migrations[names.index(after) + 1 :]
+    listed = [f"--   {m.name}" for m in migrations] or ["--   (none left to apply)"]
+    lines = [
+        "-- flowlock's PostgreSQL schema migrations, oldest first:",
+        *listed,
+        "-- Run it once, in one transaction. Each migration is recorded in",
+        "-- flowlock_schema_migrations, so Engine.connect (auto_migrate=True) and",
+        "-- `flowlock db migrate` find nothing left to apply.",
+        "",
+    ]
+    if schema is not None:
+        lines += [f'CREATE SCHEMA IF NOT EXISTS "{schema}";', f'SET search_path TO "{schema}";']
+    lines += [
+        "-- flowlock's migration lock: an engine migrating at the same moment waits for this one.",
+        f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK});",
+        f"{RECORDS_TABLE};",
+    ]
+    for m in migrations:
+        sql = m.sql.strip()
+        # A file whose last statement has no ';' (or ends in a comment) must not run into the
+        # INSERT below it.
+        lines += [
+            "",
+            f"-- migration {m.name}",
+            sql if sql.endswith(";") else sql + "\n;",
+            f"INSERT INTO flowlock_schema_migrations (name) VALUES ('{m.name}')"
+            " ON CONFLICT (name) DO NOTHING;",
+        ]
+    if schema is not None:
+        lines += ["", "RESET search_path;"]
+    return "\n".join(lines) + "\n"

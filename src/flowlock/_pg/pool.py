@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, server_gone, translate, wrap_errors
+from flowlock._settings import check_application_name, check_seconds, check_size
 from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
 
 __all__ = [
@@ -52,8 +53,7 @@ def check_schema(schema: str | None) -> None:
 
 
 def check_pool_size(pool_size: int) -> None:
-    if pool_size < 1:
-        raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
+    check_size("pool_size", pool_size)
 
 
 async def _jsonb(conn: asyncpg.Connection) -> None:
@@ -121,9 +121,14 @@ async def create_pool(
     (off: flowlock's session state is transaction-scoped, see :func:`_keep_session`).
     ``server_settings``: more settings for every connection (``lock_timeout``...). ``init`` runs on
     each new connection (after the codec), ``setup`` on each acquire. Driver errors are raised as
-    they are: the caller says what a failure to connect means to it.
+    they are: the caller says what a failure to connect means to it. Sizes, the timeout and the
+    name are checked first (InvalidInput, before any connection is tried).
     """
     check_schema(schema)
+    check_size("max_size", max_size)
+    check_size("min_size", min_size, least=0)
+    check_seconds("connect_timeout", connect_timeout)
+    check_application_name(application_name)
     if schema is not None and create_schema:
         await ensure_schema(dsn, schema, connect_timeout=connect_timeout)
     settings = {"application_name": application_name, **(server_settings or {})}

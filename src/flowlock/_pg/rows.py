@@ -1,11 +1,16 @@
 """Rows of flowlock's tables as models, and the bulk reads of whole sets of instances.
 
-The column lists are the ones the mappers read; statements that feed a mapper select them.
+The column lists are the ones the mappers read; statements that feed a mapper select them. The
+``data`` columns are read whether the connection decodes ``jsonb`` (the pools of
+:func:`flowlock._pg.pool.create_pool` do) or hands it over as text (an application's own pool or
+connection, which flowlock must not change): both always hold a JSON object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import asyncpg
 
@@ -16,6 +21,7 @@ __all__ = [
     "INSTANCE_COLUMNS",
     "entry_from_row",
     "instance_from_row",
+    "json_object",
     "read_history",
     "read_instances",
 ]
@@ -36,6 +42,11 @@ SELECT {HISTORY_COLUMNS}
 """
 
 
+def json_object(value: Any) -> Mapping[str, Any]:
+    """A ``data`` column's value as a mapping: decoded already, or JSON text."""
+    return json.loads(value) if isinstance(value, str) else value  # type: ignore[no-any-return]
+
+
 def instance_from_row(row: asyncpg.Record) -> Instance:
     """An Instance from a row holding the instance columns."""
     return Instance(
@@ -43,7 +54,7 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
         workflow=row["workflow"],
         state=row["state"],
         version=row["version"],
-        data=row["data"],
+        data=json_object(row["data"]),
         last_event=row["last_event"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
@@ -61,16 +72,15 @@ def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
         actor=row[prefix + "actor"],
         request_id=row[prefix + "request_id"],
         strategy=row[prefix + "strategy"],
-        data=row[prefix + "data"],
+        data=json_object(row[prefix + "data"]),
         at=row[prefix + "at"],
         fencing_token=row[prefix + "fencing_token"],
-        payload=row[prefix + "payload"],
+        payload=json_object(row[prefix + "payload"]),
     )
 
 
 async def read_instances(db: Queryable, ids: Sequence[str]) -> dict[str, Instance]:
-    """The instances of ``ids`` that exist, by id: one statement however many ids (``db`` must
-    decode ``jsonb``, as the pools of :func:`flowlock._pg.pool.create_pool` do)."""
+    """The instances of ``ids`` that exist, by id: one statement however many ids."""
     return {row["id"]: instance_from_row(row) for row in await db.fetch(_INSTANCES, list(ids))}
 
 

@@ -13,17 +13,21 @@ token, on that token too (lower than the last one written: refused); a stale wri
 
 Queries (``list_instances``, ``count_instances``) read instances by an
 :class:`~flowlock.models.InstanceQuery`; a page is a keyset on the id, in code point order.
+
+A store that can also run inside a transaction its caller opened (PostgreSQL) is a
+:class:`TransactionalStore`: it hands out a Store bound to the caller's connection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 
-__all__ = ["EscalationBoard", "LockedResult", "Plan", "RowLock", "Store"]
+__all__ = ["EscalationBoard", "LockedResult", "Plan", "RowLock", "Store", "TransactionalStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,4 +119,17 @@ class EscalationBoard(Protocol):
 
     async def active(self, now: float) -> list[Escalation]:
         """Every escalation whose ``until`` is after ``now``."""
+        ...
+
+
+@runtime_checkable
+class TransactionalStore(Protocol):
+    """A store whose statements can run inside a transaction the caller opened, on the caller's
+    connection, so the caller's own writes and a transition commit or roll back together."""
+
+    def in_transaction(self, connection: object) -> AbstractAsyncContextManager[Store]:
+        """This store on ``connection`` for the length of the ``async with``: nothing is
+        committed (the caller commits or rolls back), and an error inside undoes the store's part
+        only, leaving the caller's transaction usable. InvalidInput when ``connection`` is not a
+        connection of this store's kind inside an open transaction."""
         ...

@@ -9,37 +9,54 @@
   ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
-- Driver errors are translated at this adapter's edge (:meth:`PostgresStore._conn`) by the one
+- ``jsonb`` goes in as JSON text cast in the statement (``$4::text::jsonb``) and is read back
+  whether the connection decodes it or not, so the same statements run on flowlock's own pool, on
+  an application's pool (``pool=``) and on a caller's connection, whose codecs flowlock leaves
+  alone.
+- Where the statements run (:class:`_Session`): flowlock's own pool, each call on a connection of
+  its own (the fast path above); an application's pool, each call that can wait for a lock (or
+  needs ``schema``) in a transaction of its own with flowlock's ``lock_timeout`` and
+  ``search_path`` set LOCAL, so nothing of the application's connections changes; or a caller's
+  open transaction (:meth:`PostgresStore.in_transaction`), inside a savepoint whose settings are
+  put back afterwards.
+- Driver errors are translated at this adapter's edge (:meth:`_Session.conn`) by the one
   translation of :mod:`flowlock._pg.errors`; this module only says what a lock that is not
   available and a duplicate request id mean to each call, and which statements may commit a
   write (a session lost while one is in flight is OutcomeUnknown, elsewhere ConnectionLost). A
-  connection that failed that way is terminated, not given back to the pool.
+  connection of a pool (flowlock's or the application's) that failed that way is terminated, not
+  rolled back on nor given back as it is; a caller's connection is left to the caller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
 from flowlock._pg import migrations
-from flowlock._pg.errors import Context, broken, in_doubt, wrap_connect
-from flowlock._pg.pool import (
-    check_pool_size,
-    check_schema,
-    close_pool,
-    connection,
-    create_pool,
-    terminate,
-)
+from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, in_doubt, wrap_connect, wrap_errors
+from flowlock._pg.pool import check_schema, close_pool, connection, create_pool, terminate
 from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
+from flowlock._settings import (
+    DEFAULT_ACQUIRE_TIMEOUT,
+    DEFAULT_APPLICATION_NAME,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_MAX_SIZE,
+    DEFAULT_MIN_SIZE,
+    check_application_name,
+    check_seconds,
+    check_size,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -51,7 +68,7 @@ from flowlock.errors import (
     StoreError,
 )
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
-from flowlock.stores.base import LockedResult, Plan, RowLock
+from flowlock.stores.base import LockedResult, Plan, RowLock, Store
 
 __all__ = ["PostgresStore", "count_statement", "list_statement"]
 
@@ -86,21 +103,22 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND reques
 # (Measured: returning the winner's row from this statement instead, through a VOLATILE function
 # with a fresh snapshot, was slower at p99 than the re-read.)
 # A lease's fencing token ($10) lower than the last one written is refused like a stale version.
-# $1 id, $2 version read, $3 new state, $4 new data, $5 event, $6 from state, $7 actor,
+# $1 id, $2 version read, $3 new state, $4 new data (JSON text), $5 event, $6 from state, $7 actor,
 # $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy),
-# $11 the call's payload.
+# $11 the call's payload (JSON text).
 _CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
-       SET state = $3, version = $2 + 1, data = $4, last_event = $5, updated_at = now(),
-           fencing_token = coalesce($10, fencing_token)
+       SET state = $3, version = $2 + 1, data = $4::text::jsonb, last_event = $5,
+           updated_at = now(), fencing_token = coalesce($10, fencing_token)
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
                                   actor, request_id, strategy, data, at, fencing_token, payload)
-    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11 FROM moved
+    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11::text::jsonb
+      FROM moved
 )
 SELECT * FROM moved
 """
@@ -121,13 +139,27 @@ SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
 """
 _CREATE = f"""
 INSERT INTO flowlock_instances (id, workflow, state, version, data)
-VALUES ($1, $2, $3, 1, $4)
+VALUES ($1, $2, $3, 1, $4::text::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """
 _HISTORY = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
 """
+_FENCING_FLOOR = "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = $1"
+# flowlock's part of a caller's transaction: the caller's settings, read before the savepoint,
+# are put back after it (a released savepoint keeps SET LOCAL's effect to the end of the
+# transaction; a rolled-back one undoes it).
+_SAVEPOINT = "flowlock"
+_CALLERS_SETTINGS = (
+    "SELECT current_setting('search_path') AS search_path, "
+    "current_setting('lock_timeout') AS lock_timeout"
+)
+_RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout', $2, true)"
+
+Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+Busy = Callable[[BaseException], FlowlockError]
+T = TypeVar("T")
 
 
 # Workflow and state names are written into a query's text as literals, not passed as
@@ -213,6 +245,15 @@ def _millis(setting: str) -> float:
     return float(m.group(1)) * _UNITS.get(m.group(2) or "ms", -1.0)
 
 
+def _pg_interval(seconds: float) -> str:
+    """Seconds as a PostgreSQL setting, in whole milliseconds (at least 1: '0' means no bound)."""
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def _json(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
 def _snapshot(row: asyncpg.Record) -> Snapshot:
     """A row of _READ_WITH_REQUEST: the instance and the prior entry for the request id."""
     return Snapshot(
@@ -225,139 +266,85 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.instance_id,
         entry.version - 1,
         entry.to_state,
-        entry.data,
+        _json(entry.data),
         entry.event,
         entry.from_state,
         entry.actor,
         entry.request_id,
         entry.strategy,
         entry.fencing_token,
-        entry.payload,
+        _json(entry.payload),
     )
 
 
-class PostgresStore:
-    """Instances and history in PostgreSQL.
+class _Session:
+    """Where the statements of one call run: a connection of the store's pool per call, or the
+    one connection ``joined``, inside a transaction that someone else ends (the caller's, or the
+    one :meth:`PostgresStore._app_transaction` opened around the call)."""
 
-    ``dsn``: a ``postgresql://`` URL. ``pool_size``: connections at most (pessimistic callers hold
-    one each while they wait for a row lock). ``acquire_timeout``: seconds to wait for a free
-    connection before StoreBusy. ``schema``: put the tables in this schema (created if missing)
-    instead of the connection's default. ``auto_migrate``: migrate on open. ``lock_timeout``:
-    seconds any statement outside a pessimistic transaction may wait for a row lock (the
-    optimistic compare-and-swap waits for a concurrent writer to commit) before LockTimeout.
-    ``application_name``: how the connections show in ``pg_stat_activity``.
-    """
-
-    def __init__(
-        self,
-        dsn: str,
-        *,
-        pool_size: int = 20,
-        min_size: int = 1,
-        acquire_timeout: float = 10.0,
-        schema: str | None = None,
-        auto_migrate: bool = True,
-        connect_timeout: float = 10.0,
-        lock_timeout: float = 5.0,
-        application_name: str = "flowlock",
-    ) -> None:
-        check_schema(schema)
-        check_pool_size(pool_size)
-        self.dsn = dsn
-        self.schema = schema
-        self.pool_size = pool_size
-        self._min_size = min(min_size, pool_size)
-        self._acquire_timeout = acquire_timeout
-        self._connect_timeout = connect_timeout
-        self._auto_migrate = auto_migrate
-        self.lock_timeout = lock_timeout
-        self.application_name = application_name
-        self._pool: asyncpg.Pool | None = None
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    async def open(self) -> None:
-        if self._pool is not None:
-            return
-        # Every statement outside a pessimistic transaction (the optimistic compare-and-swap
-        # above all) waits at most lock_timeout for a row lock: no wait in flowlock is unbounded.
-        with wrap_connect(self.dsn):
-            self._pool = await create_pool(
-                self.dsn,
-                min_size=self._min_size,
-                max_size=self.pool_size,
-                schema=self.schema,
-                create_schema=True,
-                application_name=self.application_name,
-                server_settings={"lock_timeout": f"{max(1, round(self.lock_timeout * 1000))}ms"},
-                connect_timeout=self._connect_timeout,
-            )
-        if self._auto_migrate:
-            try:
-                await self.migrate()
-            except BaseException:
-                await self.aclose()
-                raise
-
-    async def aclose(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await close_pool(pool)
+    def __init__(self, store: PostgresStore, joined: Conn | None = None) -> None:
+        self._store = store
+        self._joined = joined
 
     @property
-    def pool(self) -> asyncpg.Pool:
-        if self._pool is None:
-            raise EngineClosed("the PostgreSQL store is closed; open it first")
-        return self._pool
+    def joined(self) -> bool:
+        return self._joined is not None
 
-    @asynccontextmanager
-    async def _conn(
-        self,
-        key: str = "",
-        *,
-        busy: Callable[[BaseException], FlowlockError] | None = None,
-        writes: bool = False,
-    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection, whose driver errors become flowlock errors about ``key``.
-        ``busy``: what a lock that is not available (SQLSTATE 55P03) means to this call; by
-        default a StoreError. ``writes``: the block runs one autocommit write, so a session lost
-        while it is in flight leaves its outcome unknown (OutcomeUnknown)."""
+    def conn(
+        self, key: str = "", *, busy: Busy | None = None, writes: bool = False
+    ) -> AbstractAsyncContextManager[Conn]:
+        """A connection whose driver errors become flowlock errors about ``key``. ``busy``: what
+        a lock that is not available (SQLSTATE 55P03) means to this call; by default a
+        StoreError. ``writes``: the block runs one autocommit write, so a session lost while it
+        is in flight leaves its outcome unknown (OutcomeUnknown). On a joined connection nothing
+        is autocommitted: a session lost there rolls the whole transaction back (ConnectionLost),
+        and whoever ends that transaction says whether its COMMIT is in doubt."""
         context = _errors(key, busy)
-        async with connection(
-            self.pool,
-            acquire_timeout=self._acquire_timeout,
-            size=self.pool_size,
+        if self._joined is not None:
+            return _on(self._joined, context)
+        store = self._store
+        return connection(
+            store.pool,
+            acquire_timeout=store.acquire_timeout,
+            size=store.pool_size,
             context=replace(context, in_doubt=writes),
-        ) as conn:
-            yield conn
-
-    async def migrate(self) -> list[str]:
-        """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).
-        MigrationError if that fails, EngineClosed if the store is not open."""
-        return await migrations.migrate(
-            self.pool, acquire_timeout=self._acquire_timeout, pool_size=self.pool_size
         )
 
-    # -- operations ------------------------------------------------------------------------
+
+@asynccontextmanager
+async def _on(conn: Conn, context: Context) -> AsyncIterator[Conn]:
+    with wrap_errors(context):
+        yield conn
+
+
+class _Operations:
+    """The store's statements, run where ``session`` says."""
+
+    def __init__(self, session: _Session) -> None:
+        self._s = session
 
     async def create(self, instance: Instance) -> Instance:
-        async with self._conn(instance.id, writes=True) as conn:
+        key, started = instance.id, time.monotonic()
+        # An insert of the same id by a transaction still open waits for it (lock_timeout).
+        async with self._s.conn(
+            key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
+        ) as conn:
             row = await conn.fetchrow(
-                _CREATE, instance.id, instance.workflow, instance.state, instance.data
+                _CREATE, instance.id, instance.workflow, instance.state, _json(instance.data)
             )
         if row is None:
             raise InstanceExists(instance.id)
         return instance_from_row(row)
 
     async def get(self, instance_id: str) -> Instance:
-        async with self._conn(instance_id) as conn:
+        async with self._s.conn(instance_id) as conn:
             row = await conn.fetchrow(_READ, instance_id)
         if row is None:
             raise InstanceNotFound(instance_id)
         return instance_from_row(row)
 
     async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
-        async with self._conn(instance_id) as conn:
+        async with self._s.conn(instance_id) as conn:
             if request_id is None:
                 row = await conn.fetchrow(_READ, instance_id)
             else:
@@ -369,11 +356,13 @@ class PostgresStore:
     async def commit(self, entry: HistoryEntry) -> Instance | None:
         key = entry.instance_id
         started = time.monotonic()
+        args = _cas_args(entry)
+        guarded = self._s.joined and entry.request_id is not None
         try:
-            async with self._conn(
+            async with self._s.conn(
                 key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
             ) as conn:
-                row = await conn.fetchrow(_CAS, *_cas_args(entry))
+                row = await (_guarded_cas(conn, args) if guarded else conn.fetchrow(_CAS, *args))
         except _DuplicateRequest:
             # The same request id was applied by a concurrent caller; the statement rolled back
             # whole. Report a lost race: the next read finds that entry and answers idempotently.
@@ -384,122 +373,473 @@ class PostgresStore:
         self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
     ) -> LockedResult:
         started = time.monotonic()
-        wanted = f"{max(1, round(lock.timeout * 1000))}ms"
-        # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
-        # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
-        begin = "BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'"
+        wanted = _pg_interval(lock.timeout)
 
         def busy(_: BaseException) -> FlowlockError:
             if lock.nowait:
                 return LockBusy(instance_id)
             return LockTimeout(instance_id, time.monotonic() - started)
 
-        async with self._conn(instance_id, busy=busy) as conn:
-            await conn.execute(begin)
-            try:
-                snap, committed, locked_at = await self._locked_step(
+        async with self._s.conn(instance_id, busy=busy) as conn:
+            if self._s.joined:
+                # Inside a transaction someone else ends: set the bound for the rest of it (the
+                # caller's own setting is put back by in_transaction), lock, step, write; the
+                # row lock is held until that transaction ends.
+                if not lock.nowait:
+                    await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'")
+                snap, committed, locked_at = await _locked_step(
                     conn, instance_id, request_id, plan, lock, wanted
                 )
-                # A session lost once COMMIT is on its way may have committed: OutcomeUnknown.
-                with in_doubt(_errors(instance_id, busy)):
-                    await conn.execute("COMMIT")
-                released_at = time.monotonic()
-            except asyncio.CancelledError:
-                # Cancelled mid-statement (waiting for the row lock, say): the connection is
-                # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
-                # the lock wait on the server; the pool opens a fresh connection later.
-                conn.terminate()
-                raise
-            except BaseException as exc:
-                if broken(exc):
-                    # The session is gone (or asyncpg lost track of it): a ROLLBACK would fail
-                    # and hide this error; the server rolls back when the socket closes.
-                    terminate(conn)
-                elif not conn.is_closed() and conn.is_in_transaction():
-                    await conn.execute("ROLLBACK")
-                raise
-        return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
-
-    async def _locked_step(
-        self,
-        conn: asyncpg.pool.PoolConnectionProxy,
-        instance_id: str,
-        request_id: str | None,
-        plan: Plan,
-        lock: RowLock,
-        wanted: str,
-    ) -> tuple[Snapshot, Instance | None, float]:
-        if lock.nowait:
-            row = await conn.fetchrow(_LOCK_NOWAIT, instance_id)
-        else:
-            row = await conn.fetchrow(_LOCK, instance_id)
-            if row is not None and _millis(row["lock_timeout"]) != _millis(wanted):
-                raise StoreError(
-                    f"lock_timeout is {row['lock_timeout']!r} inside the transaction, not "
-                    f"{wanted!r}; a pooler or a server setting overrode it, refusing to "
-                    "wait unbounded"
+            else:
+                snap, committed, locked_at = await _own_transaction(
+                    conn, instance_id, request_id, plan, lock, wanted, _errors(instance_id, busy)
                 )
-        locked_at = time.monotonic()
-        if row is None:
-            raise InstanceNotFound(instance_id)
-        prior = None
-        if request_id is not None:
-            # Its own statement, so its snapshot is taken after the lock was granted and sees
-            # a duplicate request committed while this call waited.
-            found = await conn.fetchrow(_PRIOR, instance_id, request_id)
-            prior = None if found is None else entry_from_row(found)
-        snap = Snapshot(instance_from_row(row), prior)
-        entry = plan(snap)
-        if entry is None:
-            return snap, None, locked_at
-        moved = await conn.fetchrow(_CAS, *_cas_args(entry))
-        if moved is None:
-            raise StoreError(
-                f"instance {instance_id!r} changed while its row lock was held; "
-                "something bypassed flowlock's locking. Nothing was written"
-            )
-        return snap, instance_from_row(moved), locked_at
+            released_at = time.monotonic()
+        return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
 
     # -- the adaptive strategy's escalation board (flowlock.stores.base.EscalationBoard) -----
 
     async def publish(self, escalation: Escalation) -> None:
-        async with self._conn(escalation.key, writes=True) as conn:
+        async with self._s.conn(escalation.key, writes=True) as conn:
             await conn.execute(_PUBLISH, escalation.key, escalation.strategy,
                                escalation.until, escalation.reason)  # fmt: skip
 
     async def active(self, now: float) -> list[Escalation]:
-        async with self._conn() as conn:
+        async with self._s.conn() as conn:
             rows = await conn.fetch(_ACTIVE, now)
         return [Escalation(r["key"], r["strategy"], r["until"], r["reason"]) for r in rows]
 
     async def fencing_floor(self, instance_id: str) -> int:
-        async with self._conn(instance_id) as conn:
-            token = await conn.fetchval(
-                "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = $1",
-                instance_id,
-            )
+        async with self._s.conn(instance_id) as conn:
+            token = await conn.fetchval(_FENCING_FLOOR, instance_id)
         return int(token or 0)
 
     async def list_instances(
         self, query: InstanceQuery, *, after: str | None, limit: int
     ) -> list[Instance]:
         sql, args = list_statement(query, after=after, limit=limit)
-        async with self._conn() as conn:
+        async with self._s.conn() as conn:
             rows = await conn.fetch(sql, *args)
         return [instance_from_row(r) for r in rows]
 
     async def count_instances(self, query: InstanceQuery) -> int:
         sql, args = count_statement(query)
-        async with self._conn() as conn:
+        async with self._s.conn() as conn:
             count = await conn.fetchval(sql, *args)
         return int(count)
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
-        async with self._conn(instance_id) as conn:
+        async with self._s.conn(instance_id) as conn:
             rows = await conn.fetch(_HISTORY, instance_id)
             if not rows and await conn.fetchrow(_READ, instance_id) is None:
                 raise InstanceNotFound(instance_id)
         return [entry_from_row(r) for r in rows]
+
+
+class _CallerTransaction(_Operations):
+    """The store inside a caller's open transaction (a :class:`flowlock.stores.base.Store` for
+    the strategies). It opens, closes, commits and migrates nothing: the caller owns the
+    connection and its transaction."""
+
+    async def open(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def migrate(self) -> list[str]:
+        raise InvalidInput("migrate through the engine's store, not inside a caller's transaction")
+
+
+async def _guarded_cas(conn: Conn, args: tuple[Any, ...]) -> asyncpg.Record | None:
+    """The compare-and-swap in a savepoint of its own. In a transaction flowlock does not end, a
+    duplicate request id must undo this statement only, leaving the transaction usable for the
+    re-read that answers the request idempotently."""
+    await conn.execute("SAVEPOINT flowlock_cas")
+    try:
+        row = await conn.fetchrow(_CAS, *args)
+    except asyncpg.UniqueViolationError:
+        await conn.execute("ROLLBACK TO SAVEPOINT flowlock_cas; RELEASE SAVEPOINT flowlock_cas")
+        raise
+    await conn.execute("RELEASE SAVEPOINT flowlock_cas")
+    return row
+
+
+async def _own_transaction(
+    conn: Conn,
+    instance_id: str,
+    request_id: str | None,
+    plan: Plan,
+    lock: RowLock,
+    wanted: str,
+    context: Context,
+) -> tuple[Snapshot, Instance | None, float]:
+    """The pessimistic path in a transaction of its own on a connection of flowlock's pool;
+    ``context``: what the driver errors of its COMMIT mean."""
+    # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
+    # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
+    await conn.execute("BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'")
+    try:
+        done = await _locked_step(conn, instance_id, request_id, plan, lock, wanted)
+        # A session lost once COMMIT is on its way may have committed: OutcomeUnknown.
+        with in_doubt(context):
+            await conn.execute("COMMIT")
+    except asyncio.CancelledError:
+        # Cancelled mid-statement (waiting for the row lock, say): the connection is
+        # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
+        # the lock wait on the server; the pool opens a fresh connection later.
+        conn.terminate()
+        raise
+    except BaseException as exc:
+        await _roll_back(conn, exc)
+        raise
+    return done
+
+
+async def _roll_back(conn: Conn, exc: BaseException) -> None:
+    """End flowlock's own transaction on a pooled connection after ``exc``."""
+    if broken(exc):
+        # The session is gone (or asyncpg lost track of it): a ROLLBACK would fail and hide
+        # this error; the server rolls back when the socket closes, and the pool opens a fresh
+        # connection in its place.
+        terminate(conn)
+    elif not conn.is_closed() and conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
+async def _locked_step(
+    conn: Conn,
+    instance_id: str,
+    request_id: str | None,
+    plan: Plan,
+    lock: RowLock,
+    wanted: str,
+) -> tuple[Snapshot, Instance | None, float]:
+    if lock.nowait:
+        row = await conn.fetchrow(_LOCK_NOWAIT, instance_id)
+    else:
+        row = await conn.fetchrow(_LOCK, instance_id)
+        if row is not None and _millis(row["lock_timeout"]) != _millis(wanted):
+            raise StoreError(
+                f"lock_timeout is {row['lock_timeout']!r} inside the transaction, not "
+                f"{wanted!r}; a pooler or a server setting overrode it, refusing to "
+                "wait unbounded"
+            )
+    locked_at = time.monotonic()
+    if row is None:
+        raise InstanceNotFound(instance_id)
+    prior = None
+    if request_id is not None:
+        # Its own statement, so its snapshot is taken after the lock was granted and sees
+        # a duplicate request committed while this call waited.
+        found = await conn.fetchrow(_PRIOR, instance_id, request_id)
+        prior = None if found is None else entry_from_row(found)
+    snap = Snapshot(instance_from_row(row), prior)
+    entry = plan(snap)
+    if entry is None:
+        return snap, None, locked_at
+    moved = await conn.fetchrow(_CAS, *_cas_args(entry))
+    if moved is None:
+        raise StoreError(
+            f"instance {instance_id!r} changed while its row lock was held; "
+            "something bypassed flowlock's locking. Nothing was written"
+        )
+    return snap, instance_from_row(moved), locked_at
+
+
+def _caller_connection(connection: object) -> Conn:
+    """``connection=`` checked: an open asyncpg connection inside an open transaction."""
+    if not isinstance(connection, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy):
+        raise InvalidInput(
+            "connection= takes an asyncpg connection (from asyncpg.connect() or pool.acquire()) "
+            f"inside an open transaction, not {type(connection).__name__}"
+        )
+    try:
+        closed = connection.is_closed()
+        in_transaction = connection.is_in_transaction()
+    except asyncpg.InterfaceError as exc:  # a pool connection already released
+        raise InvalidInput(f"the connection given as connection= is not usable: {exc}") from exc
+    if closed:
+        raise InvalidInput("the connection given as connection= is closed")
+    if not in_transaction:
+        raise InvalidInput(
+            "connection= must be inside an open transaction (async with conn.transaction(): "
+            "...): flowlock runs its statements in that transaction and never commits it; "
+            "nothing was read or written"
+        )
+    return connection
+
+
+async def _enter(conn: Conn, settings: str) -> tuple[str, str]:
+    """Read the caller's settings, open flowlock's savepoint and set flowlock's for it."""
+    try:
+        prior = await conn.fetchrow(_CALLERS_SETTINGS)
+    except asyncpg.InFailedSQLTransactionError as exc:
+        raise InvalidInput(
+            "the transaction on connection= has already failed (an earlier statement raised); "
+            "roll it back first. Nothing was read or written"
+        ) from exc
+    await conn.execute(f"SAVEPOINT {_SAVEPOINT}; {settings}")
+    assert prior is not None  # a SELECT of two settings has one row
+    return prior["search_path"], prior["lock_timeout"]
+
+
+async def _leave(conn: Conn, prior: tuple[str, str]) -> None:
+    await conn.execute(_RESTORE, *prior)
+    await conn.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+
+
+async def _undo(conn: Conn) -> None:
+    """Roll flowlock's part back, and its settings with it; the caller's transaction goes on as it
+    was before. A connection that cannot take that (closed, lost) is the caller's to deal with:
+    the error they see is the one that ended flowlock's part."""
+    if conn.is_closed():
+        return
+    with contextlib.suppress(*DRIVER_ERRORS):
+        await conn.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}")
+
+
+class PostgresStore:
+    """Instances and history in PostgreSQL.
+
+    ``dsn``: a ``postgresql://`` URL; flowlock builds its pool, of at most ``pool_size``
+    connections (pessimistic callers hold one each while they wait for a row lock), ``min_size``
+    of them opened up front, each opened within ``connect_timeout`` seconds and shown in
+    ``pg_stat_activity`` as ``application_name``. Or ``pool``: an application's own asyncpg pool
+    instead, which flowlock uses as it is (no codec, setting or search_path of its connections
+    changes) and does not close.
+
+    ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
+    the tables in this schema (created if missing) instead of the connection's default.
+    ``auto_migrate``: migrate on open. ``lock_timeout``: seconds any statement outside a
+    pessimistic transaction may wait for a row lock (the optimistic compare-and-swap waits for a
+    concurrent writer to commit) before LockTimeout.
+
+    :meth:`in_transaction` runs the store's statements inside a transaction the caller opened on
+    a connection of its own (``engine.fire(..., connection=conn)``).
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        pool: asyncpg.Pool | None = None,
+        pool_size: int = DEFAULT_MAX_SIZE,
+        min_size: int = DEFAULT_MIN_SIZE,
+        acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
+        schema: str | None = None,
+        auto_migrate: bool = True,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        application_name: str = DEFAULT_APPLICATION_NAME,
+    ) -> None:
+        check_schema(schema)
+        if (dsn is None) == (pool is None):
+            raise InvalidInput(
+                "PostgresStore takes a postgresql:// dsn or an application's asyncpg pool "
+                "(pool=...): one of the two"
+            )
+        if pool is not None and not isinstance(pool, asyncpg.Pool):
+            raise InvalidInput(f"pool= takes an asyncpg.Pool, not {type(pool).__name__}")
+        check_size("pool_size", pool_size)
+        check_size("min_size", min_size, least=0)
+        self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        self._connect_timeout = check_seconds("connect_timeout", connect_timeout)
+        self.lock_timeout = check_seconds("lock_timeout", lock_timeout)
+        self.application_name = check_application_name(application_name)
+        self.dsn = dsn
+        self.schema = schema
+        self._given = pool
+        self.pool_size = pool_size if pool is None else pool.get_max_size()
+        self._min_size = min(min_size, pool_size)
+        self._auto_migrate = auto_migrate
+        self._pool: asyncpg.Pool | None = None
+        self._ops = _Operations(_Session(self))
+        # flowlock's settings for a transaction on a connection it does not own.
+        self._settings = f"SET LOCAL lock_timeout = '{_pg_interval(self.lock_timeout)}'"
+        if schema is not None:
+            self._settings += f'; SET LOCAL search_path = "{schema}"'
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def owns_pool(self) -> bool:
+        """Whether flowlock built the pool (and closes it), or the application gave it."""
+        return self._given is None
+
+    async def open(self) -> None:
+        if self._pool is not None:
+            return
+        if self._given is not None:
+            if self._given.is_closing():
+                raise InvalidInput("the asyncpg pool given as pool= is closed")
+            self._pool = self._given
+        else:
+            self._pool = await self._create_pool(self.dsn or "")
+        if self._auto_migrate:
+            try:
+                await self.migrate()
+            except BaseException:
+                await self.aclose()
+                raise
+
+    async def _create_pool(self, dsn: str) -> asyncpg.Pool:
+        # Every statement outside a pessimistic transaction (the optimistic compare-and-swap
+        # above all) waits at most lock_timeout for a row lock: no wait in flowlock is unbounded.
+        with wrap_connect(dsn):
+            return await create_pool(
+                dsn,
+                min_size=self._min_size,
+                max_size=self.pool_size,
+                schema=self.schema,
+                create_schema=True,
+                application_name=self.application_name,
+                server_settings={"lock_timeout": _pg_interval(self.lock_timeout)},
+                connect_timeout=self._connect_timeout,
+            )
+
+    async def aclose(self) -> None:
+        """Close flowlock's pool; an application's pool (``pool=``) is left open, only no longer
+        used."""
+        pool, self._pool = self._pool, None
+        if pool is not None and self._given is None:
+            await close_pool(pool)
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise EngineClosed("the PostgreSQL store is closed; open it first")
+        return self._pool
+
+    async def migrate(self) -> list[str]:
+        """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).
+        MigrationError if that fails, EngineClosed if the store is not open."""
+        return await migrations.migrate(
+            self.pool,
+            acquire_timeout=self.acquire_timeout,
+            pool_size=self.pool_size,
+            # An application's connections keep their search_path: the schema is set for the
+            # migration's transaction only.
+            schema=self.schema if self._given is not None else None,
+        )
+
+    # -- where a call's statements run ------------------------------------------------------
+
+    async def _call(
+        self,
+        op: Callable[[_Operations], Awaitable[T]],
+        key: str = "",
+        *,
+        waits: bool = True,
+        writes: bool = False,
+    ) -> T:
+        """``op`` on flowlock's pool; on an application's pool, in a transaction of its own
+        when it may wait for a lock or needs the schema on search_path. ``key``: what the
+        errors of that transaction's own statements quote; ``writes``: ``op`` may write, so a
+        session lost while its COMMIT is in flight leaves the outcome unknown."""
+        if self._given is None or (not waits and self.schema is None):
+            return await op(self._ops)
+        async with self._app_transaction(key, writes=writes) as ops:
+            return await op(ops)
+
+    @asynccontextmanager
+    async def _app_transaction(
+        self, key: str = "", *, writes: bool = False
+    ) -> AsyncIterator[_Operations]:
+        """A connection of the application's pool in a transaction of flowlock's, with
+        flowlock's lock_timeout and schema set LOCAL: they end with it, and the connection goes
+        back to the pool as it came (or is terminated, when its session failed under it)."""
+        async with _Session(self).conn(key) as conn:
+            await conn.execute(f"BEGIN; {self._settings}")
+            try:
+                yield _Operations(_Session(self, joined=conn))
+                with in_doubt(_errors(key)) if writes else contextlib.nullcontext():
+                    await conn.execute("COMMIT")
+            except asyncio.CancelledError:
+                conn.terminate()  # it may be mid-statement: see _own_transaction
+                raise
+            except BaseException as exc:
+                await _roll_back(conn, exc)
+                raise
+
+    @asynccontextmanager
+    async def in_transaction(self, connection: object) -> AsyncIterator[Store]:
+        """This store on ``connection`` (an asyncpg connection inside a transaction the caller
+        opened and will commit or roll back), for the length of the ``async with``.
+
+        Everything runs in a savepoint with flowlock's ``lock_timeout`` and ``schema`` set for
+        it. On an error inside, flowlock's part is rolled back to the savepoint (its settings
+        with it) and the caller's transaction goes on, usable; on the way out the caller's own
+        ``search_path`` and ``lock_timeout`` are put back. Cancelled mid-statement, the
+        connection is left to the caller (roll the transaction back). InvalidInput, before any
+        statement, when ``connection`` is not an open asyncpg connection in a transaction (or in
+        one that has already failed)."""
+        conn = _caller_connection(connection)
+        context = _errors("")
+        with wrap_errors(context):
+            prior = await _enter(conn, self._settings)
+        try:
+            yield _CallerTransaction(_Session(self, joined=conn))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            # A connection whose session failed cannot take the rollback to the savepoint (it
+            # would only hide this error behind its own): the caller's transaction is lost with
+            # it, and the connection is the caller's to close or give back.
+            if not broken(exc):
+                await _undo(conn)
+            raise
+        with wrap_errors(context):
+            await _leave(conn, prior)
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def create(self, instance: Instance) -> Instance:
+        return await self._call(lambda ops: ops.create(instance), instance.id, writes=True)
+
+    async def get(self, instance_id: str) -> Instance:
+        return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)
+
+    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+        return await self._call(
+            lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
+        )
+
+    async def commit(self, entry: HistoryEntry) -> Instance | None:
+        return await self._call(lambda ops: ops.commit(entry), entry.instance_id, writes=True)
+
+    async def apply_locked(
+        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+    ) -> LockedResult:
+        return await self._call(
+            lambda ops: ops.apply_locked(instance_id, request_id, plan, lock),
+            instance_id,
+            writes=True,
+        )
+
+    async def publish(self, escalation: Escalation) -> None:
+        await self._call(lambda ops: ops.publish(escalation), escalation.key, writes=True)
+
+    async def active(self, now: float) -> list[Escalation]:
+        return await self._call(lambda ops: ops.active(now), waits=False)
+
+    async def fencing_floor(self, instance_id: str) -> int:
+        return await self._call(
+            lambda ops: ops.fencing_floor(instance_id), instance_id, waits=False
+        )
+
+    async def list_instances(
+        self, query: InstanceQuery, *, after: str | None, limit: int
+    ) -> list[Instance]:
+        return await self._call(
+            lambda ops: ops.list_instances(query, after=after, limit=limit), waits=False
+        )
+
+    async def count_instances(self, query: InstanceQuery) -> int:
+        return await self._call(lambda ops: ops.count_instances(query), waits=False)
+
+    async def history(self, instance_id: str) -> list[HistoryEntry]:
+        return await self._call(lambda ops: ops.history(instance_id), instance_id, waits=False)
 
 
 def _errors(key: str, busy: Callable[[BaseException], FlowlockError] | None = None) -> Context:
