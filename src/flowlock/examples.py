@@ -3,7 +3,8 @@
 Each carries the strategy that fits it (``strategy=`` overrides it; None leaves the engine's
 default):
 
-- ``approval``: pending -> approved | rejected (the two-admins incident); optimistic.
+- ``approval``: pending -> approved | rejected (the two-admins incident); the engine's
+  default strategy (optimistic unless the engine says otherwise): any strategy fits it.
 - ``countersign(quorum)``: every approver signs once; the instance moves to approved when
   ``quorum`` distinct approvers have signed; pessimistic.
 - ``inventory``: ``reserve`` takes one unit of stock and refuses at zero (never oversell);
@@ -22,9 +23,10 @@ from flowlock.models import Instance
 __all__ = ["approval", "countersign", "inventory"]
 
 
-def approval(name: str = "approval", *, strategy: StrategyName | None = "optimistic") -> Workflow:
-    """A request that one of several administrators approves or rejects. Optimistic by default:
-    approvals rarely conflict, and when they do the loser's retry finds the request decided."""
+def approval(name: str = "approval", *, strategy: StrategyName | None = None) -> Workflow:
+    """A request that one of several administrators approves or rejects. It keeps the engine's
+    default strategy: approvals rarely conflict, a loser's retry finds the request decided, and
+    every strategy answers the two-admins race with one approval and one idempotent answer."""
     return Workflow(
         name,
         strategy=strategy,

@@ -62,7 +62,8 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -72,7 +73,8 @@ from flowlock.engine import Engine as AsyncEngine
 from flowlock.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.models import HistoryEntry, Instance, Outcome, Page
+from flowlock.query import DEFAULT_LIMIT
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor
@@ -356,6 +358,30 @@ class Engine:
     def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
         return self._run(self._engine.history(instance_id))
+
+    def list(
+        self,
+        workflow: str | None = None,
+        state: str | Collection[str] | None = None,
+        updated_before: datetime | None = None,
+        updated_after: datetime | None = None,
+        limit: int = DEFAULT_LIMIT,
+        after: str | None = None,
+    ) -> Page:
+        """One page of the matching instances in id order; see :meth:`flowlock.Engine.list`."""
+        return self._run(
+            self._engine.list(workflow, state, updated_before, updated_after, limit, after)
+        )
+
+    def count(
+        self,
+        workflow: str | None = None,
+        state: str | Collection[str] | None = None,
+        updated_before: datetime | None = None,
+        updated_after: datetime | None = None,
+    ) -> int:
+        """How many instances match; see :meth:`flowlock.Engine.count`."""
+        return self._run(self._engine.count(workflow, state, updated_before, updated_after))
 
     def fire(
         self,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -390,14 +391,17 @@ def _leftovers(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def server_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def server_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A temporary directory where embedded servers put their files, in this process (tempfile)
-    and in child processes (TMPDIR)."""
-    root = tmp_path / "servers"
-    root.mkdir()
+    and in child processes (TMPDIR). Not under pytest's own temporary directory: the embedded
+    PostgreSQL runs as an unprivileged user that must traverse every parent, and another pytest
+    session starting meanwhile (a second suite beside this one) resets pytest's base directory
+    to 0700, which made initdb fail half-way with "Permission denied"."""
+    root = Path(tempfile.mkdtemp(prefix="flowlock-test-servers-"))
     monkeypatch.setenv("TMPDIR", str(root))
     monkeypatch.setattr(tempfile, "tempdir", str(root))
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _embedded_env(root: Path) -> dict[str, str]:

@@ -401,7 +401,7 @@ async def test_a_call_inside_a_running_event_loop_raises_instead_of_blocking(
 ) -> None:
     """Called from async code, each method raises SyncCallInEventLoop at once (nothing started,
     no thread); a guard calling the engine from the engine's own loop gets it too, instead of a
-    deadlock, and the fire that ran the guard raises it."""
+    deadlock, and the fire that ran the guard raises StepFailed caused by it."""
     threads = flowlock_threads()
     engine = flowlock.sync.Engine.connect(pg_url, schema=pg_schema)
     for call in (
@@ -431,8 +431,10 @@ async def test_a_call_inside_a_running_event_loop_raises_instead_of_blocking(
         with engine:
             engine.register(looping)
             engine.create("loop", instance_id="l")
-            with pytest.raises(flowlock.SyncCallInEventLoop, match=r"Engine\.get\(\)"):
+            # A guard's own error is reported as StepFailed, the engine's refusal its cause.
+            with pytest.raises(flowlock.StepFailed, match=r"Engine\.get\(\)") as failed:
                 engine.fire("l", "go")
+            assert isinstance(failed.value.__cause__, flowlock.SyncCallInEventLoop)
             assert engine.get("l").version == 1
 
     await asyncio.to_thread(from_a_thread)
@@ -689,3 +691,19 @@ def test_no_thread_on_import() -> None:
         timeout=60,
     )
     assert done.stdout.strip() == "1", done.stderr
+
+
+def test_list_and_count_page_the_pending_approvals(pg_url: str, pg_schema: str) -> None:
+    """The blocking twins of Engine.list and Engine.count: the same filters, pages and cursor."""
+    with sync_engine(pg_url, pg_schema) as engine:
+        for n in range(5):
+            engine.create("approval", instance_id=f"req-{n}")
+        engine.fire("req-2", "approve")
+        assert engine.count(workflow="approval", state="pending") == 4
+        first = engine.list(workflow="approval", state="pending", limit=3)
+        assert [i.id for i in first] == ["req-0", "req-1", "req-3"]
+        assert first.next_cursor is not None
+        rest = engine.list(workflow="approval", state="pending", limit=3, after=first.next_cursor)
+        assert [i.id for i in rest] == ["req-4"] and rest.next_cursor is None
+        with pytest.raises(flowlock.InvalidInput):
+            engine.list(limit=0)
