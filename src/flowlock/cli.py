@@ -168,7 +168,8 @@ def db_migrate(
     with _errors_as_exit():
         applied = asyncio.run(_migrate(database_url, schema))
     where = _redact(database_url).split("@")[-1] + (f" (schema {schema})" if schema else "")
-    console = Console()
+    # soft_wrap: a long URL or schema name is never broken across lines (it is copied, grepped).
+    console = Console(soft_wrap=True)
     if applied:
         console.print(f"applied {len(applied)} migration(s) to {where}:")
         for name in applied:
