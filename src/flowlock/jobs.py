@@ -59,7 +59,7 @@ from flowlock.errors import (
     LockTimeout,
 )
 from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
-from flowlock.locks.base import Held, Lease, LockBackend, check_lock_key, check_ttl, check_wait
+from flowlock.locks.base import Held, Lease, LockBackend, check_ttl, check_wait
 
 __all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]
 
@@ -75,7 +75,9 @@ RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 _APPLICATION_NAME = "flowlock-runner"
 _LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
 _CONNECT_TIMEOUT = 10.0
-_MAX_NAME = 200  # characters of a job, a tick or an owner
+# Characters of a job, a tick or an owner; the lease key of a job and a tick stays well within
+# a lock key's 512.
+_MAX_NAME = 200
 
 _ROW = "SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2"
 # $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted; an existing
@@ -253,8 +255,6 @@ class RunOnce(AsyncResource):
         if isinstance(tick, bool) or not isinstance(tick, str | int):
             raise InvalidInput(f"tick must be a non-empty string or an int, not {tick!r}")
         tick = check_text("tick", str(tick), most=_MAX_NAME)
-        # The whole lease key too, before the first read: job and tick are both in it.
-        check_lock_key(_key(job, tick))
         # Cheap first: most runners of a tick that already ran stop here, without the lock.
         row = await self._row(job, tick)
         if row is not None and row["state"] == "done":
