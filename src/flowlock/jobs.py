@@ -49,6 +49,7 @@ from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
+from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -58,7 +59,6 @@ from flowlock.errors import (
     LockNotOwned,
     LockTimeout,
 )
-from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
 from flowlock.locks.base import Held, Lease, LockBackend, check_ttl, check_wait
 
 __all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]

@@ -61,7 +61,8 @@ class Metrics:
     ) -> None:
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise InvalidInput(
-                f"registry must be a prometheus_client CollectorRegistry, not {type(registry).__name__}"
+                "registry must be a prometheus_client CollectorRegistry, not "
+                f"{type(registry).__name__}"
             )
         if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
             raise InvalidInput(

@@ -143,9 +143,10 @@ async def test_bad_ids_on_postgresql_are_invalid_input_and_write_nothing(
         await engine.create("approval", instance_id="i")
         with pytest.raises(flowlock.InvalidInput, match="instance_id"):
             await engine.create("approval", instance_id=bad)
-        for name in ("actor", "request_id"):
-            with pytest.raises(flowlock.InvalidInput, match=name):
-                await engine.fire("i", "approve", **{name: bad})
+        with pytest.raises(flowlock.InvalidInput, match="actor"):
+            await engine.fire("i", "approve", actor=bad)
+        with pytest.raises(flowlock.InvalidInput, match="request_id"):
+            await engine.fire("i", "approve", request_id=bad)
         with pytest.raises(flowlock.InvalidInput, match="instance_id"):
             await engine.get(bad)
         assert await engine.count() == 1

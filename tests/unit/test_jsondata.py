@@ -129,10 +129,12 @@ _SCALARS = (
 _KEYS = st.text() | st.integers() | st.none() | st.booleans()
 _VALUES = st.recursive(
     _SCALARS,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(_KEYS, inner, max_size=4)
-    | st.frozensets(st.integers(), max_size=2),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(_KEYS, inner, max_size=4)
+        | st.frozensets(st.integers(), max_size=2)
+    ),
     max_leaves=30,
 )
 

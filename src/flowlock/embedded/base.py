@@ -18,8 +18,8 @@ from types import TracebackType
 from typing import Self
 
 from flowlock._lifecycle import AsyncResource
-from flowlock.embedded import process
 from flowlock._settings import check_seconds, check_text
+from flowlock.embedded import process
 from flowlock.errors import EmbeddedServerError, InvalidInput
 
 __all__ = ["EmbeddedServer", "check_settings"]

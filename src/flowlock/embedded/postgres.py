@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlock.embedded import process
 from flowlock._settings import MAX_CONNECTIONS, check_count, check_text
+from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_settings
-from flowlock.errors import EmbeddedServerError, InvalidInput
+from flowlock.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedPostgres", "available"]
 

@@ -66,14 +66,6 @@ import asyncpg
 from flowlock._lifecycle import AsyncResource
 from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, broken, wrap_errors
 from flowlock._pg.migrations import migrate_database
-from flowlock._settings import (
-    MAX_NAMESPACE,
-    POSTGRES_SCHEMES,
-    check_application_name,
-    check_seconds,
-    check_text,
-    check_url,
-)
 from flowlock._pg.pool import (
     check_pool_size,
     check_schema,
@@ -82,10 +74,17 @@ from flowlock._pg.pool import (
     give_back,
     terminate,
 )
+from flowlock._settings import (
+    MAX_NAMESPACE,
+    POSTGRES_SCHEMES,
+    check_application_name,
+    check_seconds,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
-    InvalidInput,
     LockBusy,
     LockError,
     LockLost,

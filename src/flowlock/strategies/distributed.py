@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
+from flowlock._settings import check_count
 from flowlock.errors import (
     ConflictRetriesExhausted,
     InvalidInput,
@@ -25,7 +26,6 @@ from flowlock.errors import (
     LockLost,
     LockTimeout,
 )
-from flowlock._settings import check_count
 from flowlock.locks.base import Held, LockBackend, check_ttl, check_wait
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store

@@ -32,7 +32,14 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from flowlock._lifecycle import AsyncResource
-from flowlock._settings import MAX_NAMESPACE, check_count, check_seconds, check_size, check_text, check_url
+from flowlock._settings import (
+    MAX_NAMESPACE,
+    check_count,
+    check_seconds,
+    check_size,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     InvalidInput,
