@@ -28,25 +28,23 @@ from flowlock.stores.postgres import PostgresStore
 BAD_KEYS = ["k\x00", "\x00", "k\ud800"]
 
 
-async def _sessions(pg_url: str, name: str) -> int:
+async def _value(pg_url: str, sql: str, arg: str) -> Any:
     conn = await asyncpg.connect(pg_url)
     try:
-        found: int = await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name
-        )
+        return await conn.fetchval(sql, arg)
     finally:
         await conn.close()
+
+
+async def _sessions(pg_url: str, name: str) -> int:
+    sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
+    found: int = await _value(pg_url, sql, name)
     return found
 
 
 async def _schema_exists(pg_url: str, schema: str) -> bool:
-    conn = await asyncpg.connect(pg_url)
-    try:
-        found: bool = await conn.fetchval(
-            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", schema
-        )
-    finally:
-        await conn.close()
+    sql = "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)"
+    found: bool = await _value(pg_url, sql, schema)
     return found
 
 
