@@ -48,6 +48,7 @@ import asyncpg
 from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
+from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
 from flowlock.errors import (
     EngineClosed,
@@ -58,7 +59,7 @@ from flowlock.errors import (
     LockNotOwned,
     LockTimeout,
 )
-from flowlock.locks.base import Held, Lease, LockBackend, check_lock_args
+from flowlock.locks.base import BorrowsFenceEpochs, Held, Lease, LockBackend, check_lock_args
 
 __all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]
 
@@ -203,6 +204,10 @@ class RunOnce(AsyncResource):
         self._acquire_timeout = acquire_timeout
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
+        self.fence_epochs = PostgresFenceEpochs(
+            self._require_pool, schema=schema, acquire_timeout=acquire_timeout, size=pool_size
+        )
+        self._give_back_epochs: Callable[[], None] | None = None
 
     async def open(self) -> None:
         """Connect (and migrate). Idempotent. The lock backend is opened by its owner."""
@@ -226,12 +231,25 @@ class RunOnce(AsyncResource):
             except BaseException:
                 await self.aclose()
                 raise
+        if isinstance(self.locks, BorrowsFenceEpochs):
+            # A Redis backend built without epochs (RedisLocks(url)): with this database's, its
+            # tokens never repeat across Redis data losses, as a takeover needs.
+            self._give_back_epochs = self.locks.borrow_fence_epochs(self.fence_epochs)
 
     async def aclose(self) -> None:
-        """Release the database connections. Idempotent."""
+        """Release the database connections (and the fencing epochs lent to the lock backend).
+        Idempotent."""
+        give_back, self._give_back_epochs = self._give_back_epochs, None
+        if give_back is not None:
+            give_back()
         pool, self._pool = self._pool, None
         if pool is not None:
             await close_pool(pool)
+
+    def _require_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise EngineClosed("the runner is closed; open it first")
+        return self._pool
 
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]
