@@ -190,9 +190,10 @@ class FenceFloors:
     async def _advance(
         self, epochs: FenceEpochs, key: str, highest: int, seen: int, bound: float
     ) -> int:
-        # Above the floor scheme's tokens (an upgrade) and above the counter seen near the end
-        # of its epoch.
-        at_least = ((highest + self._gap) >> EPOCH_BITS) + 1 if highest else 0
+        # Above the tokens the floor scheme may have handed out (an upgrade: it started counters
+        # at the floor plus the gap, also at a floor of 0), and above the counter seen at the
+        # end of its epoch.
+        at_least = ((highest + self._gap) >> EPOCH_BITS) + 1 if self._fetch is not None else 0
         at_least = max(at_least, (seen >> EPOCH_BITS) + 1 if seen else 0)
         async with epochs.advance(self._namespace, key, at_least=at_least, bound=bound) as epoch:
             if not 0 < epoch <= MAX_EPOCH:
