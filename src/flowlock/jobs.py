@@ -25,7 +25,10 @@ starts: side effects outside PostgreSQL must be fenced with ``ctx.fencing`` (ref
 lower than the last one seen) or be idempotent. The lock backend must be shared by every runner
 (Redis, PostgreSQL advisory locks; memory locks only within one process), and its fencing tokens
 must keep increasing; if they ever went backwards a crashed runner's tick would stay
-``running`` and be skipped (never run twice), and a warning is logged.
+``running`` and be skipped (never run twice), and a warning is logged. A Redis backend built
+without fencing epochs (``RedisLocks(url)``) is lent the runner's own (``RunOnce.fence_epochs``,
+in this database) while the runner is open, so its tokens keep increasing across Redis data
+losses too (see :mod:`flowlock.locks.redis.fence`).
 
 A ``fn`` that raises leaves the tick ``failed`` (with the error): the next ``run`` of that tick
 runs it again. RunOnce neither opens nor closes the lock backend it is given.
@@ -176,6 +179,8 @@ class RunOnce(AsyncResource):
     that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
     ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
     how this runner is named in the table (default: host, pid and a random suffix).
+    ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
+    can borrow them (a RedisLocks given none of its own) and taken back on close.
     """
 
     def __init__(

@@ -7,8 +7,8 @@ Acquiring
     was sent, so the local deadline never runs past the server's. A caller that finds the key
     held waits in the key's local queue (:mod:`~flowlock.locks.redis.wakeups`) until a release
     or the holder's expiry wakes it; every wait ends at ``wait`` seconds with LockTimeout
-    (``wait=0``: LockBusy at once). A missing fencing counter is floored by
-    :mod:`~flowlock.locks.redis.fence`.
+    (``wait=0``: LockBusy at once). A missing fencing counter is started by
+    :mod:`~flowlock.locks.redis.fence` (then the script runs again).
 
 Cancellation
     ``release`` runs the compare-and-delete in its own task and shields it, so a cancelled
@@ -208,8 +208,8 @@ class RedisLocks(AsyncResource):
         return self._listener is not None and self._listener.listening
 
     @property
-    def _floors(self) -> Mapping[str, asyncio.Task[int]]:
-        """The ``fence_floor`` calls in flight, by key (tests check that none is left over)."""
+    def _floors(self) -> Mapping[str, asyncio.Future[int]]:
+        """The counter starts in flight, by key (tests check that none is left over)."""
         return self._fence.in_flight
 
     def redis_key(self, key: str) -> str:

@@ -109,7 +109,7 @@ class FenceFloors:
         self._namespace = namespace
         self._epochs = epochs
         self._lent: list[FenceEpochs] = []
-        self.in_flight: dict[str, asyncio.Task[int]] = {}  # by the user's key
+        self.in_flight: dict[str, asyncio.Future[int]] = {}  # by the user's key
 
     @property
     def epochs(self) -> FenceEpochs | None:
@@ -146,10 +146,11 @@ class FenceFloors:
         in flight keeps the bound it started with)."""
         flight = self.in_flight.get(key)
         if flight is None:
-            flight = self._spawn(self._ask(key, seen, bound))
+            flight = asyncio.get_running_loop().create_future()
             flight.add_done_callback(_retrieve)
             flight.add_done_callback(lambda done: self._landed(key, done))
             self.in_flight[key] = flight
+            self._spawn(self._ask(key, seen, bound, flight)).add_done_callback(_retrieve)
         try:
             # Shielded: a sharer that is cancelled or gives up leaves the work to the others.
             async with asyncio.timeout(bound):
@@ -159,11 +160,27 @@ class FenceFloors:
                 BACKEND, f"the fencing counter of {key!r} was not started within {bound:.1f} s"
             ) from exc
 
-    def _landed(self, key: str, flight: asyncio.Task[int]) -> None:
+    def _landed(self, key: str, flight: asyncio.Future[int]) -> None:
         if self.in_flight.get(key) is flight:
             del self.in_flight[key]
 
-    async def _ask(self, key: str, seen: int, bound: float) -> int:
+    async def _ask(self, key: str, seen: int, bound: float, started: asyncio.Future[int]) -> int:
+        """Start the counter; ``started`` gets the floor as soon as the counter is started (the
+        sharers go on then, while the epoch's lock is let go), or the error."""
+        try:
+            floor = await self._work(key, seen, bound, started)
+        except BaseException as exc:
+            if not started.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    started.cancel()
+                else:
+                    started.set_exception(exc)
+            raise
+        if not started.done():
+            started.set_result(floor)
+        return floor
+
+    async def _work(self, key: str, seen: int, bound: float, started: asyncio.Future[int]) -> int:
         try:
             async with asyncio.timeout(bound):
                 highest = await self._highest(key)
@@ -172,7 +189,7 @@ class FenceFloors:
                     floor = highest + self._gap
                     await self._start(key, floor, bound)
                 else:
-                    floor = await self._advance(epochs, key, highest, seen, bound)
+                    floor = await self._advance(epochs, key, highest, seen, bound, started)
         except TimeoutError as exc:
             raise LockUnavailable(
                 BACKEND, f"the fencing counter of {key!r} was not started within {bound:.1f} s"
@@ -188,7 +205,13 @@ class FenceFloors:
         return floor
 
     async def _advance(
-        self, epochs: FenceEpochs, key: str, highest: int, seen: int, bound: float
+        self,
+        epochs: FenceEpochs,
+        key: str,
+        highest: int,
+        seen: int,
+        bound: float,
+        started: asyncio.Future[int],
     ) -> int:
         # Above the tokens the floor scheme may have handed out (an upgrade: it started counters
         # at the floor plus the gap, also at a floor of 0), and above the counter seen at the
@@ -204,6 +227,8 @@ class FenceFloors:
                 )
             floor = epoch << EPOCH_BITS
             await self._start(key, floor, bound)
+            # The counter is started: acquirers need not wait for the lock to be let go.
+            started.set_result(floor)
         if epoch > 1:
             log.warning(
                 "flowlock: the Redis fencing counter for %r was missing (Redis lost its data?) "
