@@ -17,7 +17,11 @@ Why a session-level lock, not a transaction's: the bump must be committed before
 started (a bump rolled back after the counter was started would be handed out again), and a
 transaction-level lock ends at that commit. The lock is always let go before the connection goes
 back to the pool; when that cannot be done (an error, a cancellation) the connection is
-terminated, and the server frees the lock with its session.
+terminated, and the server frees the lock with its session. So the epochs need a direct
+connection or session pooling: behind a transaction-pooling proxy (PgBouncer
+``pool_mode=transaction``) the lock could stay on a server connection the proxy hands to someone
+else (the next start of that key's counter would then wait out ``lock_timeout`` and fail with
+LockUnavailable); a warning is logged when the unlock finds the lock not held.
 """
 
 from __future__ import annotations
@@ -132,8 +136,17 @@ class PostgresFenceEpochs:
                 yield epoch
                 try:
                     async with asyncio.timeout(bound):
-                        await conn.fetchval(self._unlock, namespace, key)
-                    locked = False
+                        released = await conn.fetchval(self._unlock, namespace, key)
+                    if released:
+                        locked = False
+                    else:
+                        log.warning(
+                            "flowlock: the fencing epoch lock of %r was not held by the session "
+                            "letting go of it: is a transaction-pooling proxy (PgBouncer "
+                            "pool_mode=transaction) between flowlock and PostgreSQL? Fencing "
+                            "epochs need a direct connection or session pooling",
+                            key,
+                        )
                 except _UNLOCK_FAILURES as exc:
                     # The counter is started: the caller's work is done, and the lock goes with
                     # the session terminated below.
