@@ -33,7 +33,9 @@ Fencing epochs (``fence_epochs``: PostgreSQL, the engine's and RunOnce's default
     (``appendfsync always``), or treat such a failover as a loss (``FLUSHALL`` the new primary
     before use). And a script the client gave up on (timed out) that Redis runs later anyway,
     after that key was lost on the same server (``FLUSHALL`` or an eviction; a restart closes the
-    connection it came on), may start the counter at the epoch before the last one.
+    connection it came on), may start the counter at the epoch before the last one. The epochs'
+    lock is session-level (see :mod:`flowlock._pg.fence`): they need a direct connection to
+    PostgreSQL or session pooling, not a transaction-pooling proxy.
 
 A floor only (``fence_floor`` without epochs: the SQLite store's, or a function of the user's)
     ``fence_floor(key)`` returns the highest token recorded outside Redis for the key, and the
