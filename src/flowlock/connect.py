@@ -34,7 +34,7 @@ from flowlock.engine import (
     _given,
 )
 from flowlock.errors import InvalidInput
-from flowlock.locks.base import LockBackend
+from flowlock.locks.base import FenceEpochs, LockBackend
 from flowlock.metrics import Metrics
 from flowlock.stores.base import Store
 from flowlock.strategies.distributed import Distributed
@@ -146,6 +146,7 @@ def connect(
             namespace=namespace,
             schema=schema,
             fence_floor=store.fencing_floor,
+            fence_epochs=getattr(store, "fence_epochs", None),
             application_name=(
                 _ADVISORY_NAME if application_name is None else f"{application_name}-advisory"[:63]
             ),
@@ -418,6 +419,7 @@ def build_locks(
     namespace: str = "default",
     schema: str | None = None,
     fence_floor: Callable[[str], Awaitable[int]] | None = None,
+    fence_epochs: FenceEpochs | None = None,
     pool_size: int = 20,
     auto_migrate: bool = True,
     application_name: str = "flowlock-advisory",
@@ -425,8 +427,10 @@ def build_locks(
 ) -> LockBackend:
     """The lock backend ``kind`` names, not opened yet.
 
-    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``; ``fence_floor``
-      (the store's ``fencing_floor``) floors its fencing tokens after Redis lost its data;
+    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``;
+      ``fence_epochs`` (a PostgreSQL store's) keeps its fencing tokens strictly increasing
+      across Redis data losses, ``fence_floor`` (the store's ``fencing_floor``) keeps them above
+      the tokens the store recorded (see :mod:`flowlock.locks.redis.fence`);
       ``rng`` jitters its wake-ups (seed it for a reproducible run).
     - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on ``database_url``
       (PostgreSQL), tables in ``schema``, a pool of ``pool_size`` connections named
@@ -440,7 +444,13 @@ def build_locks(
             raise InvalidInput('locks="redis" needs redis_url="redis://host:6379/0"')
         from flowlock.locks.redis import RedisLocks
 
-        return RedisLocks(redis_url, namespace=namespace, fence_floor=fence_floor, rng=rng)
+        return RedisLocks(
+            redis_url,
+            namespace=namespace,
+            fence_floor=fence_floor,
+            fence_epochs=fence_epochs,
+            rng=rng,
+        )
     if kind == "advisory":
         if database_url is None or _scheme(database_url) not in _POSTGRES:
             raise InvalidInput('locks="advisory" needs a postgresql:// database_url')

@@ -25,7 +25,10 @@ starts: side effects outside PostgreSQL must be fenced with ``ctx.fencing`` (ref
 lower than the last one seen) or be idempotent. The lock backend must be shared by every runner
 (Redis, PostgreSQL advisory locks; memory locks only within one process), and its fencing tokens
 must keep increasing; if they ever went backwards a crashed runner's tick would stay
-``running`` and be skipped (never run twice), and a warning is logged.
+``running`` and be skipped (never run twice), and a warning is logged. A Redis backend built
+without fencing epochs (``RedisLocks(url)``) is lent the runner's own (``RunOnce.fence_epochs``,
+in this database) while the runner is open, so its tokens keep increasing across Redis data
+losses too (see :mod:`flowlock.locks.redis.fence`).
 
 A ``fn`` that raises leaves the tick ``failed`` (with the error): the next ``run`` of that tick
 runs it again. RunOnce neither opens nor closes the lock backend it is given.
@@ -48,6 +51,7 @@ import asyncpg
 from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
+from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
 from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
 from flowlock.errors import (
@@ -59,7 +63,14 @@ from flowlock.errors import (
     LockNotOwned,
     LockTimeout,
 )
-from flowlock.locks.base import Held, Lease, LockBackend, check_ttl, check_wait
+from flowlock.locks.base import (
+    BorrowsFenceEpochs,
+    Held,
+    Lease,
+    LockBackend,
+    check_ttl,
+    check_wait,
+)
 
 __all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]
 
@@ -179,6 +190,8 @@ class RunOnce(AsyncResource):
     that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
     ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
     how this runner is named in the table (default: host, pid and a random suffix).
+    ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
+    can borrow them (a RedisLocks given none of its own) and taken back on close.
     """
 
     def __init__(
@@ -211,6 +224,10 @@ class RunOnce(AsyncResource):
         self._pool_size = pool_size
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
+        self.fence_epochs = PostgresFenceEpochs(
+            self._require_pool, schema=schema, acquire_timeout=acquire_timeout, size=pool_size
+        )
+        self._give_back_epochs: Callable[[], None] | None = None
 
     async def open(self) -> None:
         """Connect (and migrate). Idempotent. The lock backend is opened by its owner."""
@@ -234,12 +251,25 @@ class RunOnce(AsyncResource):
             except BaseException:
                 await self.aclose()
                 raise
+        if isinstance(self.locks, BorrowsFenceEpochs):
+            # A Redis backend built without epochs (RedisLocks(url)): with this database's, its
+            # tokens never repeat across Redis data losses, as a takeover needs.
+            self._give_back_epochs = self.locks.borrow_fence_epochs(self.fence_epochs)
 
     async def aclose(self) -> None:
-        """Release the database connections. Idempotent."""
+        """Release the database connections (and the fencing epochs lent to the lock backend).
+        Idempotent."""
+        give_back, self._give_back_epochs = self._give_back_epochs, None
+        if give_back is not None:
+            give_back()
         pool, self._pool = self._pool, None
         if pool is not None:
             await close_pool(pool)
+
+    def _require_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise EngineClosed("the runner is closed; open it first")
+        return self._pool
 
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import asyncpg
 import pytest
 
+from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock.errors import InvalidInput, LockUnavailable
-from flowlock.locks.redis.fence import FenceFloors
+from flowlock.locks.redis.fence import EPOCH_BITS, FenceFloors
 from flowlock.locks.redis.keys import Keyspace
 from flowlock.locks.redis.wakeups import Wakeups
 
@@ -113,9 +115,23 @@ def _spawn(work: Coroutine[Any, Any, int]) -> asyncio.Task[int]:
     return asyncio.create_task(work)
 
 
+class _Started:
+    """What a FenceFloors asked its backend to start: (key, floor) per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    async def __call__(self, key: str, floor: int, bound: float) -> None:
+        self.calls.append((key, floor))
+
+
+def _floors(fetch: Callable[[str], Awaitable[int]] | None, gap: int) -> FenceFloors:
+    return FenceFloors(fetch, gap=gap, spawn=_spawn, start=_Started(), namespace="ns")
+
+
 async def test_concurrent_floors_for_one_key_share_one_call() -> None:
-    """Ten acquirers of one key at once: one fence_floor call, each gets floor + gap, and no
-    call is left in flight."""
+    """Ten acquirers of one key at once: one fence_floor call, one start of the counter at
+    floor + gap, each gets that floor, and no call is left in flight."""
     asked: list[str] = []
     answer = asyncio.Event()
 
@@ -124,14 +140,17 @@ async def test_concurrent_floors_for_one_key_share_one_call() -> None:
         await answer.wait()
         return 7
 
-    floors = FenceFloors(fence_floor, gap=100, spawn=_spawn)
+    started = _Started()
+    floors = FenceFloors(fence_floor, gap=100, spawn=_spawn, start=started, namespace="ns")
     assert floors.unknown == ""
+    assert floors.span == ""  # no epochs: no epoch boundary to report
     sharers = [asyncio.create_task(floors.floor("k", 30)) for _ in range(10)]
     await asyncio.sleep(0)  # one step: each of the ten has asked (none awaits before asking)
     assert list(floors.in_flight) == ["k"]
     answer.set()
     assert await asyncio.gather(*sharers) == [107] * 10
     assert asked == ["k"]
+    assert started.calls == [("k", 107)]
     assert floors.in_flight == {}
 
 
@@ -147,10 +166,39 @@ async def test_a_bad_or_slow_floor_is_an_error_for_every_sharer() -> None:
         return 0
 
     with pytest.raises(InvalidInput):
-        await FenceFloors(negative, gap=1, spawn=_spawn).floor("k", 1)
-    slow = FenceFloors(never, gap=1, spawn=_spawn)
+        await _floors(negative, 1).floor("k", 1)
+    slow = _floors(never, 1)
     results = await asyncio.gather(
         slow.floor("k", 0.05), slow.floor("k", 0.05), return_exceptions=True
     )
     assert all(isinstance(r, LockUnavailable) for r in results)
-    assert FenceFloors(None, gap=1, spawn=_spawn).unknown == "0"
+    assert _floors(None, 1).unknown == "0"
+
+
+async def test_lent_epochs_are_used_while_lent_and_own_ones_win() -> None:
+    """Lent epochs turn on the missing-counter report and the epoch boundary, until given back;
+    a second lender's are used once the first gave theirs back; epochs of the backend's own are
+    never replaced by lent ones."""
+    floors = _floors(None, 1)
+    first, second = (
+        PostgresFenceEpochs(_no_pool, acquire_timeout=1, size=1),
+        PostgresFenceEpochs(_no_pool, acquire_timeout=1, size=1),
+    )
+    give_first = floors.lend(first)
+    give_second = floors.lend(second)
+    assert floors.epochs is first
+    assert (floors.unknown, floors.span) == ("", str(1 << EPOCH_BITS))
+    give_first()
+    give_first()  # idempotent
+    assert floors.epochs is second
+    give_second()
+    assert floors.epochs is None
+    assert (floors.unknown, floors.span) == ("0", "")
+    own = PostgresFenceEpochs(_no_pool, acquire_timeout=1, size=1)
+    mine = FenceFloors(None, gap=1, spawn=_spawn, start=_Started(), namespace="ns", epochs=own)
+    mine.lend(first)
+    assert mine.epochs is own
+
+
+def _no_pool() -> asyncpg.Pool:
+    raise AssertionError("no pool: this test does no I/O")

@@ -68,8 +68,10 @@ async def _jsonb(conn: asyncpg.Connection) -> None:
 
 async def _keep_session(conn: asyncpg.Connection) -> None:
     """Pool reset hook: nothing to undo. flowlock changes session state only with SET LOCAL and
-    transaction-level advisory locks, which end with their transaction, and asyncpg still rolls
-    back any open transaction before calling this. The default reset (``RESET ALL; UNLISTEN *;
+    transaction-level advisory locks, which end with their transaction (asyncpg still rolls back
+    any open transaction before calling this), and with the fencing epochs' session-level lock,
+    which :mod:`flowlock._pg.fence` lets go of before giving the connection back or ends with
+    the connection. The default reset (``RESET ALL; UNLISTEN *;
     ...``) would cost one extra round trip on every release."""
 
 

@@ -189,6 +189,7 @@ def build_lock_backend(
             redis_url=target.redis_url,
             namespace=target.namespace,
             fence_floor=store.fencing_floor,
+            fence_epochs=store.fence_epochs,
             rng=random.Random(rng.random()),
         )
     if kind == "advisory":

@@ -2,7 +2,7 @@
 
 - :class:`MemoryLocks`: in-process, for tests and single-process use;
 - :class:`flowlock.locks.redis.RedisLocks`: Redis (``SET NX PX``, Lua release and extend,
-  pub/sub wake-ups, fencing floored from PostgreSQL);
+  pub/sub wake-ups, fencing epochs in PostgreSQL);
 - :class:`flowlock.locks.advisory.AdvisoryLocks`: PostgreSQL transaction-level advisory locks
   (no Redis needed).
 """

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Generator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Protocol, runtime_checkable
@@ -29,6 +30,8 @@ from flowlock.errors import FlowlockError, LockLost, LockNotOwned
 __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_TTL",
+    "BorrowsFenceEpochs",
+    "FenceEpochs",
     "Held",
     "Lease",
     "LeaseContext",
@@ -141,6 +144,32 @@ class LockBackend(Protocol):
 
     async def aclose(self) -> None:
         """Release connections. Idempotent."""
+        ...
+
+
+class FenceEpochs(Protocol):
+    """Durable fencing epochs per lock key, kept outside the lock server (PostgreSQL:
+    ``PostgresStore.fence_epochs``, ``RunOnce.fence_epochs``): what lets a lock backend whose
+    counters can be lost (Redis) start them again above every token it handed out."""
+
+    def advance(
+        self, namespace: str, key: str, *, at_least: int, bound: float
+    ) -> AbstractAsyncContextManager[int]:
+        """Bump the epoch of ``key`` in ``namespace`` (to ``at_least`` if that is higher),
+        durably, and yield it; no other ``advance`` of the key gets an epoch until the
+        ``async with`` is left, so counters started inside it are started in epoch order.
+        Waits at most ``bound`` seconds (LockUnavailable past it)."""
+        ...
+
+
+@runtime_checkable
+class BorrowsFenceEpochs(Protocol):
+    """A lock backend that can use fencing epochs it was not configured with (RedisLocks):
+    :class:`~flowlock.jobs.RunOnce` lends it its own for as long as it is open."""
+
+    def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
+        """Use ``epochs`` while the backend has none of its own; returns the call that gives
+        them back (idempotent)."""
         ...
 
 

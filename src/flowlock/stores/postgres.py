@@ -44,6 +44,7 @@ import asyncpg
 
 from flowlock._pg import migrations
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, in_doubt, wrap_connect, wrap_errors
+from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, connection, create_pool, terminate
 from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
 from flowlock._settings import (
@@ -659,6 +660,13 @@ class PostgresStore:
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
         self._ops = _Operations(_Session(self))
+        # Qualified with the schema: an application's pool does not have it on search_path.
+        self._fence_epochs = PostgresFenceEpochs(
+            lambda: self.pool,
+            schema=schema,
+            acquire_timeout=self.acquire_timeout,
+            size=self.pool_size,
+        )
         # flowlock's settings for a transaction on a connection it does not own.
         self._settings = f"SET LOCAL lock_timeout = '{_pg_interval(self.lock_timeout)}'"
         if schema is not None:
@@ -714,6 +722,13 @@ class PostgresStore:
         if self._pool is None:
             raise EngineClosed("the PostgreSQL store is closed; open it first")
         return self._pool
+
+    @property
+    def fence_epochs(self) -> PostgresFenceEpochs:
+        """The fencing epochs of Redis lock keys, in this store's ``flowlock_fence_epochs``: give
+        them to :class:`~flowlock.locks.redis.RedisLocks` (``fence_epochs=``) for tokens that
+        never repeat across Redis data losses (``Engine.connect`` does)."""
+        return self._fence_epochs
 
     async def migrate(self) -> list[str]:
         """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).

@@ -18,8 +18,9 @@ The protocol, one concern per module (each module's docstring tells its part):
 - :mod:`~flowlock.locks.redis.wakeups`: the FIFO queue of local waiters per key (a release wakes
   the oldest one only, which passes the wake on if it leaves without the lease), the watchers of
   ``wait_released``, the holder's-expiry timer, and the reconnecting pub/sub listener;
-- :mod:`~flowlock.locks.redis.fence`: the floor under a fencing counter Redis lost, one
-  ``fence_floor`` call per key shared by its concurrent acquirers;
+- :mod:`~flowlock.locks.redis.fence`: starting a fencing counter Redis does not have (a new key,
+  or Redis lost its data) above every earlier token, from the key's epoch in PostgreSQL (or a
+  ``fence_floor``), once per key for all its concurrent acquirers;
 - :mod:`~flowlock.locks.redis.connection`: the bounded connection pool (no redis-py
   ``socket_timeout``; every call bounded with ``asyncio.timeout`` instead) and the one place
   driver errors become LockUnavailable;

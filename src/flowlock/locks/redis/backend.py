@@ -7,8 +7,8 @@ Acquiring
     was sent, so the local deadline never runs past the server's. A caller that finds the key
     held waits in the key's local queue (:mod:`~flowlock.locks.redis.wakeups`) until a release
     or the holder's expiry wakes it; every wait ends at ``wait`` seconds with LockTimeout
-    (``wait=0``: LockBusy at once). A missing fencing counter is floored by
-    :mod:`~flowlock.locks.redis.fence`.
+    (``wait=0``: LockBusy at once). A missing fencing counter is started by
+    :mod:`~flowlock.locks.redis.fence` (then the script runs again).
 
 Cancellation
     ``release`` runs the compare-and-delete in its own task and shields it, so a cancelled
@@ -48,7 +48,14 @@ from flowlock.errors import (
     LockTimeout,
     LockUnavailable,
 )
-from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
+from flowlock.locks.base import (
+    FenceEpochs,
+    Lease,
+    LeaseContext,
+    check_lock_key,
+    check_ttl,
+    check_wait,
+)
 from flowlock.locks.redis import scripts
 from flowlock.locks.redis.connection import BACKEND, bounded, close, connect, text
 from flowlock.locks.redis.fence import FenceFloors
@@ -65,8 +72,11 @@ _SCHEMES = ("redis", "rediss", "unix")
 # The shortest bound for one call while acquiring, however little of the wait is left: an
 # attempt at the deadline still deserves a round trip before it counts as unreachable.
 _MIN_CALL = 0.1
-# Fencing counters are Redis integers (signed 64-bit): a gap above this could overflow them.
-_MAX_FENCE_GAP = 2**62
+# Fencing tokens stay below 2**53 (Lua numbers are doubles, and so are JSON's): a gap above
+# this would leave too few epochs above it.
+_MAX_FENCE_GAP = 2**40
+# How often one acquire starts a counter that then goes missing again before it gives up.
+_MAX_STARTS = 3
 
 
 def _millis(seconds: float) -> int:
@@ -77,9 +87,13 @@ def _millis(seconds: float) -> int:
 class RedisLocks(AsyncResource):
     """Lease locks in Redis (see :mod:`flowlock.locks.redis` for the protocol).
 
-    ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_floor(key)`` returns the
-    highest fencing token recorded outside Redis for ``key``; with it, tokens stay increasing
-    when Redis loses its data (each loss jumps them by ``fence_gap``). ``socket_timeout`` bounds
+    ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_epochs`` (a PostgreSQL
+    store's ``fence_epochs``; the engine passes it) keeps fencing tokens strictly increasing per
+    key across any number of Redis data losses; ``fence_floor(key)`` returns the highest fencing
+    token recorded outside Redis for ``key`` (with epochs, it keeps tokens from before them
+    below; alone, it floors a restarted counter at that plus ``fence_gap``, a weaker guarantee).
+    With neither, tokens only increase while Redis keeps its data. See
+    :mod:`flowlock.locks.redis.fence`. ``socket_timeout`` bounds
     every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
     one, within their bound). ``token``, ``rng`` and ``clock`` are injectable for tests.
     """
@@ -91,6 +105,7 @@ class RedisLocks(AsyncResource):
         namespace: str = "default",
         fence_floor: Callable[[str], Awaitable[int]] | None = None,
         fence_gap: int = 1_000_000,
+        fence_epochs: FenceEpochs | None = None,
         socket_timeout: float = 2.0,
         max_connections: int = 100,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
@@ -102,7 +117,9 @@ class RedisLocks(AsyncResource):
         check_size("max_connections", max_connections, least=2)
         self._url: str | None = url
         self._max_connections = max_connections
-        self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
+        self._init(
+            namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
+        )
         self._client: aioredis.Redis | None = None
         self._owns_client = True
 
@@ -114,6 +131,7 @@ class RedisLocks(AsyncResource):
         namespace: str = "default",
         fence_floor: Callable[[str], Awaitable[int]] | None = None,
         fence_gap: int = 1_000_000,
+        fence_epochs: FenceEpochs | None = None,
         socket_timeout: float = 2.0,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
         rng: random.Random | None = None,
@@ -126,7 +144,9 @@ class RedisLocks(AsyncResource):
         self = cls.__new__(cls)
         self._url = None
         self._max_connections = 0
-        self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
+        self._init(
+            namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
+        )
         self._client = client
         self._owns_client = False
         return self
@@ -136,6 +156,7 @@ class RedisLocks(AsyncResource):
         namespace: str,
         fence_floor: Callable[[str], Awaitable[int]] | None,
         fence_gap: int,
+        fence_epochs: FenceEpochs | None,
         socket_timeout: float,
         token: Callable[[], str],
         rng: random.Random | None,
@@ -144,6 +165,11 @@ class RedisLocks(AsyncResource):
         check_text("namespace", namespace, most=MAX_NAMESPACE)
         check_count("fence_gap", fence_gap, least=0, most=_MAX_FENCE_GAP)
         check_seconds("socket_timeout", socket_timeout)
+        if fence_epochs is not None and not callable(getattr(fence_epochs, "advance", None)):
+            raise InvalidInput(
+                "fence_epochs must have an advance() method (a PostgreSQL store's fence_epochs), "
+                f"not {fence_epochs!r}"
+            )
         self._keys = Keyspace(namespace)
         self._socket_timeout = float(socket_timeout)
         self._token = token
@@ -151,7 +177,14 @@ class RedisLocks(AsyncResource):
         self._clock = clock
         self._open = False
         self._background: set[asyncio.Task[Any]] = set()
-        self._fence = FenceFloors(fence_floor, gap=fence_gap, spawn=self._spawn)
+        self._fence = FenceFloors(
+            fence_floor,
+            gap=fence_gap,
+            spawn=self._spawn,
+            start=self._start_counter,
+            namespace=namespace,
+            epochs=fence_epochs,
+        )
         self._wakeups = Wakeups(self._rng)
         self._listener: Listener | None = None
         self._scripts: scripts.Scripts | None = None
@@ -178,8 +211,8 @@ class RedisLocks(AsyncResource):
         return self._listener is not None and self._listener.listening
 
     @property
-    def _floors(self) -> Mapping[str, asyncio.Task[int]]:
-        """The ``fence_floor`` calls in flight, by key (tests check that none is left over)."""
+    def _floors(self) -> Mapping[str, asyncio.Future[int]]:
+        """The counter starts in flight, by key (tests check that none is left over)."""
         return self._fence.in_flight
 
     def redis_key(self, key: str) -> str:
@@ -257,7 +290,7 @@ class RedisLocks(AsyncResource):
         token = self._token()
         started = self._clock()
         deadline = started + wait
-        floor = self._fence.unknown
+        starts = 0
         # Queued before the first attempt and kept until the end (wait=0 never waits): a release
         # published after an attempt was sent wakes the oldest waiter, however soon, and that
         # waiter retries at once instead of waiting.
@@ -274,13 +307,21 @@ class RedisLocks(AsyncResource):
                     if wait <= 0
                     else min(self._socket_timeout, max(deadline - sent, _MIN_CALL))
                 )
-                status, value = await self._attempt(key, token, ttl, floor, bound)
+                status, value = await self._attempt(key, token, ttl, bound)
                 if status == scripts.ACQUIRED:
                     lease = Lease(key, token, value, ttl, sent + ttl, self.name)
                     return lease
                 if status == scripts.NO_COUNTER:
+                    starts += 1
+                    if starts > _MAX_STARTS:
+                        raise LockUnavailable(
+                            BACKEND,
+                            f"the fencing counter of {key!r} went missing again after each of "
+                            f"{_MAX_STARTS} starts: is Redis evicting keys (maxmemory-policy) or "
+                            "being flushed?",
+                        )
                     bound = max(deadline - self._clock(), self._socket_timeout)
-                    floor = str(await self._fence.floor(key, bound))
+                    await self._fence.floor(key, bound, value)
                     continue
                 now = self._clock()
                 if place is None:
@@ -297,9 +338,7 @@ class RedisLocks(AsyncResource):
             if place is not None:
                 place.leave(with_lease=lease is not None)
 
-    async def _attempt(
-        self, key: str, token: str, ttl: float, floor: str, bound: float
-    ) -> tuple[int, int]:
+    async def _attempt(self, key: str, token: str, ttl: float, bound: float) -> tuple[int, int]:
         """One run of the acquire script: (status, fencing token or the holder's PTTL)."""
         assert self._scripts is not None
         lock_key = self.redis_key(key)
@@ -309,7 +348,8 @@ class RedisLocks(AsyncResource):
             fence_key=self.fence_key(key),
             token=token,
             ttl_ms=_millis(ttl),
-            floor=floor,
+            unknown=self._fence.unknown,
+            span=self._fence.span,
         )
         try:
             reply = await bounded("acquire", call, bound)
@@ -320,6 +360,23 @@ class RedisLocks(AsyncResource):
                 self._spawn(self._forget(lock_key, token))
             raise
         return int(reply[0]), int(reply[1])
+
+    async def _start_counter(self, key: str, floor: int, bound: float) -> None:
+        """Raise ``key``'s fencing counter to ``floor`` (it was missing, or at its epoch's end)."""
+        self._require_open()
+        assert self._scripts is not None
+        call = scripts.start(self._scripts, fence_key=self.fence_key(key), floor=floor)
+        await bounded("start the fencing counter", call, min(bound, self._socket_timeout))
+
+    def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
+        """Use ``epochs`` (RunOnce lends its own) while this backend was given none; returns
+        the call that gives them back."""
+        return self._fence.lend(epochs)
+
+    @property
+    def fence_epochs(self) -> FenceEpochs | None:
+        """The fencing epochs in use: given as ``fence_epochs``, else lent, else None."""
+        return self._fence.epochs
 
     async def release(self, lease: Lease) -> None:
         self._check_lease(lease)

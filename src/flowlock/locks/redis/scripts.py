@@ -1,4 +1,4 @@
-"""The three Lua scripts the Redis lease protocol runs, what each one's KEYS and ARGV are, and
+"""The four Lua scripts the Redis lease protocol runs, what each one's KEYS and ARGV are, and
 one typed function per script that passes them in the right order.
 
 Each script runs atomically on the server, so the read and the write in it cannot be split by
@@ -22,24 +22,32 @@ __all__ = [
     "extend",
     "register",
     "release",
+    "start",
 ]
 
 # KEYS[1] the lock key, KEYS[2] its fencing counter (same hash slot).
 # ARGV[1] the new owner's token, ARGV[2] the ttl in milliseconds,
-# ARGV[3] the floor for a missing fencing counter: "" when the client has not fetched one yet.
+# ARGV[3] "" when the backend has a floor for a missing counter (the script then reports it
+# instead of counting from 0), "0" when it has none (a missing counter restarts at 1),
+# ARGV[4] the span of one fencing epoch ("" without epochs): a counter whose next token would
+# cross into the next epoch is reported as missing too, so that a new epoch is taken for it.
 # Returns {1, fencing token} when acquired; {0, the holder's PTTL in ms (-1: no expiry)} when
-# held; {-1, 0} when the counter is missing and no floor was passed (the client fetches the
-# floor and calls again). The lock is checked first, so a held lock never costs a floor fetch.
+# held; {-1, the counter (0: missing)} when the counter must be started first (START below; then
+# call again). The lock is checked first, so a held lock never costs a floor.
+# Counters stay below 2^53: Lua numbers are doubles, exact up to there.
 ACQUIRE = """
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   return {0, pttl}
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  if ARGV[3] == '' then
+if ARGV[3] == '' then
+  local fence = redis.call('GET', KEYS[2])
+  if not fence then
     return {-1, 0}
   end
-  redis.call('SET', KEYS[2], ARGV[3], 'NX')
+  if ARGV[4] ~= '' and (tonumber(fence) + 1) % tonumber(ARGV[4]) == 0 then
+    return {-1, tonumber(fence)}
+  end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 return {1, redis.call('INCR', KEYS[2])}
@@ -71,9 +79,21 @@ end
 return 0
 """
 
-Scripts = tuple[AsyncScript, AsyncScript, AsyncScript]
-"""The scripts registered on one client: acquire, release, extend, in that order. A plain tuple,
-so that a test can wrap one of them in something that counts or delays its calls."""
+# KEYS[1] a fencing counter. ARGV[1] its floor.
+# Raises the counter to the floor when it is missing or below it (never lowers it: whatever
+# another acquirer started meanwhile stays); returns 1 if it did, 0 otherwise.
+START = """
+local fence = redis.call('GET', KEYS[1])
+if (not fence) or tonumber(fence) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+Scripts = tuple[AsyncScript, AsyncScript, AsyncScript, AsyncScript]
+"""The scripts registered on one client: acquire, release, extend, start, in that order. A plain
+tuple, so that a test can wrap one of them in something that counts or delays its calls."""
 
 
 def register(client: aioredis.Redis) -> Scripts:
@@ -83,6 +103,7 @@ def register(client: aioredis.Redis) -> Scripts:
         client.register_script(ACQUIRE),
         client.register_script(RELEASE),
         client.register_script(EXTEND),
+        client.register_script(START),
     )
 
 
@@ -93,11 +114,13 @@ def acquire(
     fence_key: str,
     token: str,
     ttl_ms: int,
-    floor: str,
+    unknown: str,
+    span: str,
 ) -> Awaitable[Any]:
     """Take the lock for ``token``: a reply ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or
-    ``[NO_COUNTER, 0]`` (fetch the floor and call again with it)."""
-    return scripts[0](keys=[lock_key, fence_key], args=[token, ttl_ms, floor])
+    ``[NO_COUNTER, counter]`` (start the counter, then call again). ``unknown`` and ``span`` are
+    ARGV[3] and ARGV[4], see :data:`ACQUIRE`."""
+    return scripts[0](keys=[lock_key, fence_key], args=[token, ttl_ms, unknown, span])
 
 
 def release(scripts: Scripts, *, lock_key: str, token: str) -> Awaitable[Any]:
@@ -108,3 +131,8 @@ def release(scripts: Scripts, *, lock_key: str, token: str) -> Awaitable[Any]:
 def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Awaitable[Any]:
     """Reset the lock's expiry to ``ttl_ms`` if ``token`` holds it: 1 if it did, else 0."""
     return scripts[2](keys=[lock_key], args=[token, ttl_ms])
+
+
+def start(scripts: Scripts, *, fence_key: str, floor: int) -> Awaitable[Any]:
+    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below: 1 if it did."""
+    return scripts[3](keys=[fence_key], args=[floor])
