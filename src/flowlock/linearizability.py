@@ -636,6 +636,11 @@ def _why_not(m: Model, o: _Op, names: _Names) -> str:
     if state is not None and o.kind == _GET and o.state != state:
         return f"it reads state {o.state!r} where the instance is in {state!r}"
     if data is not None and o.data != data:
+        if o.kind == _FIRE:
+            return (
+                f"its event has no effect, so it keeps data {names.data(data)}, but it returned "
+                f"data {names.data(o.data)}"
+            )
         return f"it reads data {names.data(o.data)} where the data is {names.data(data)}"
     return "the instance as it is then does not allow it"
 
@@ -679,7 +684,7 @@ class _Names:
 
 
 def _call_name(index: int, r: CallRecord) -> str:
-    end = "..." if r.outcome == "unknown" or r.completed_at is None else f"{r.completed_at:.6f}"
+    end = "?" if r.outcome == "unknown" or r.completed_at is None else f"{r.completed_at:.6f}"
     return f"#{index} {r.label()} [{r.invoked_at:.6f}..{end}]"
 
 
@@ -1044,7 +1049,7 @@ class _Search:
                     self.groups.append([])
                 self.groups[o.group].append(o)
         self.best: _Frame | None = None
-        self.best_placed = 0
+        self.best_depth = 0
         self.best_model: Model = start
 
     def run(self) -> bool | None:
@@ -1222,13 +1227,20 @@ class _Search:
             e = nxt[e]
 
     def _push(self, e: int, group: int, after: Model, low: int, bits: int, *, forced: bool) -> None:
-        self.frame = _Frame(self.frame, e, group, self.model, self.low, self.bits, forced)
+        op = self.definite[self.op_of[e]] if group < 0 else self.groups[group][self.used[group]]
+        depth = 1 if self.frame is None else self.frame.depth + 1
+        self.frame = _Frame(
+            self.frame, op, depth, e, group, self.model, self.low, self.bits, forced
+        )
         self.model, self.low, self.bits = after, low, bits
         if group < 0:
             self.placed += 1
             self._lift(e)
-            if self.placed > self.best_placed:
-                self.best, self.best_placed, self.best_model = self.frame, self.placed, after
+
+        if depth > self.best_depth:
+            self.best, self.best_depth, self.best_model = self.frame, depth, after
+        if depth > self.best_depth:
+            self.best, self.best_depth, self.best_model = self.frame, depth, after
         self.e, self.next_group, self.fresh = self.nxt[0], 0, True
 
     def _undo(self) -> bool:
@@ -1270,7 +1282,7 @@ class _Search:
         order: list[_Op] = []
         frame = self.best
         while frame is not None:
-            order.append(self.definite[self.op_of[frame.e]] if frame.group < 0 else _NOT_DEFINITE)
+            order.append(frame.op)
             frame = frame.parent
         order.reverse()
         return order, self.best_model
@@ -1292,6 +1304,8 @@ class _Frame:
     """One placement: the entry (or unknown group) placed and what to restore on undo."""
 
     parent: _Frame | None
+    op: _Op
+    depth: int
     e: int
     group: int
     model: Model
@@ -1300,29 +1314,25 @@ class _Frame:
     forced: bool
 
 
-_NOT_DEFINITE = _Op(-1, _FIRE_MAYBE, 0.0, _INF)
-
-
 def _explain(
     iid: str, records: Sequence[CallRecord], ops: Sequence[_Op], search: _Search, names: _Names
 ) -> LinearizabilityViolation:
     """The violation for a failed search: how far the deepest explanation got, and why none of
     the calls due next fits there."""
     order, model = search.deepest()
-    placed = [o for o in order if o.index >= 0]
-    placed_set = {o.index for o in placed}
-    maybe = sum(1 for o in order if o.index < 0)
-    left = [o for o in search.definite if o.index not in placed_set]
+    placed = {o.index for o in order if o.completed_at != _INF}
+    maybe = len(order) - len(placed)
+    left = [o for o in search.definite if o.index not in placed]
     first_end = min(o.completed_at for o in left)
     due = [o for o in left if o.invoked_at <= first_end]
     head = (
-        f"no order of its calls explains what they returned. The deepest explanation found "
+        "no order of its calls explains what they returned. The deepest explanation found "
         f"places {len(placed)} of {len(search.definite)} completed call(s)"
     )
     if maybe:
-        head += f" and {maybe} unknown call(s) as taking effect"
-    if placed:
-        tail = "; ".join(_call_name(o.index, records[o.index]) for o in placed[-3:])
+        head += f" and takes {maybe} unknown call(s) as applied"
+    if order:
+        tail = "; ".join(_placed_name(o, records) for o in order[-3:])
         head += f", ending with {tail}"
     head += f". The instance is then at {names.model(model)}, and no call due next fits: "
     reasons = [
@@ -1330,5 +1340,10 @@ def _explain(
     ]
     if len(due) > 5:
         reasons.append(f"and {len(due) - 5} more")
-    involved = tuple(o.index for o in placed[-3:]) + tuple(o.index for o in due[:5])
+    involved = tuple(o.index for o in order[-3:]) + tuple(o.index for o in due[:5])
     return LinearizabilityViolation(iid, NOT_LINEARIZABLE, head + "; ".join(reasons), involved)
+
+
+def _placed_name(o: _Op, records: Sequence[CallRecord]) -> str:
+    name = _call_name(o.index, records[o.index])
+    return name if o.completed_at != _INF else f"{name} taken as applied"
