@@ -1068,26 +1068,17 @@ class _Search:
         tail = 2 * n + 1
         op_of = [0] * (tail + 1)
         is_call = [False] * (tail + 1)
-        at = [0.0] * (tail + 1)
+        at = [_INF] * (tail + 1)
         ret_of = [0] * n
-        call_of = [0] * n
         for e, (t, is_ret, k) in enumerate(events, start=1):
             op_of[e], at[e] = k, t
             if is_ret:
                 ret_of[k] = e
             else:
                 is_call[e] = True
-                call_of[k] = e
         self.nxt = list(range(1, tail + 2))
         self.prv = [-1, *range(tail)]
-        self.op_of, self.is_call, self.at, self.ret_of, self.call_of = (
-            op_of,
-            is_call,
-            at,
-            ret_of,
-            call_of,
-        )
-        self.tail = tail
+        self.op_of, self.is_call, self.at, self.ret_of = op_of, is_call, at, ret_of
         # What version the model must be at for each call: a read its own, a fire the one
         # before its result, a create none (checked by the model).
         self.needs = [

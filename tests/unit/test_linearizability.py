@@ -278,6 +278,30 @@ def test_results_no_workflow_can_give() -> None:
     assert "version 1, not 2" in text
 
 
+def test_the_message_says_why_the_call_due_next_does_not_fit() -> None:
+    """A read of an instance known not to exist yet; an event not allowed from the state found."""
+    absent = check_linearizable([get((0, 1), 1)], initial={"i": None})
+    assert "the instance does not exist yet" in absent.violations[0].message
+    calls = [create(), fire((2, 3), 2, "approved"), fire((4, 5), 3, "rejected", "reject")]
+    refused = verdict_of(calls, workflow=APPROVAL)
+    assert refused.kinds() == {NOT_LINEARIZABLE}
+    assert "its event is not allowed from state 'approved'" in refused.violations[0].message
+
+
+def test_each_instance_gets_the_workflow_its_calls_name() -> None:
+    """Given several workflows, an instance is checked against the one its results name: an
+    unknown create puts it in that workflow's initial state."""
+    maybe = CallRecord("i", "create", None, 0.0, None, "unknown")
+    both = [TOGGLE, APPROVAL]
+    absent: dict[str, Instance | None] = {"i": None}
+    assert check_linearizable([maybe, get((1, 2), 1)], both, initial=absent).ok
+    wrong = [maybe, get((1, 2), 1, "approved")]
+    # Not known to be absent, the instance may have existed (approved) all along.
+    assert check_linearizable(wrong, both).ok
+    verdict = check_linearizable(wrong, both, initial=absent)
+    assert "it reads state 'approved' where the instance is in 'pending'" in verdict.describe()
+
+
 def test_running_out_of_steps_is_undecided_never_ok() -> None:
     """A budget too small for the history: an undecided violation that says what to do."""
     calls = [create(), *(get((1 + i, 30), 1) for i in range(10)), fire((2, 31), 2, "approved")]
