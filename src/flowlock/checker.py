@@ -30,6 +30,11 @@ What is checked, and why:
 
 Rows are taken in version order (stably, so repeats stay in the given order) for the chain, final
 and invariant checks; the order they were given in is checked separately, as ``version-gap``.
+
+The other check here works from the callers' side: a :class:`Recorder` records each call as it
+is invoked and as it completes (ok, fail or unknown), and :func:`check_linearizable` searches
+for an order of those calls that a single, sequential instance would have answered the same way
+(see :mod:`flowlock.linearizability`, where it lives; every name is exported from here).
 """
 
 from __future__ import annotations
@@ -39,6 +44,25 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from flowlock.errors import FlowlockError
+from flowlock.linearizability import (
+    DOUBLE_APPLY,
+    INVALID_RESULT,
+    LINEARIZABILITY_KINDS,
+    LOST_UPDATE,
+    NOT_LINEARIZABLE,
+    OPS,
+    OUTCOMES,
+    STALE_READ,
+    UNDECIDED,
+    CallHandle,
+    CallRecord,
+    LinearizabilityVerdict,
+    LinearizabilityViolation,
+    NotLinearizable,
+    Recorder,
+    check_linearizable,
+    outcome_of,
+)
 from flowlock.models import HistoryEntry, Instance
 
 __all__ = [
@@ -46,24 +70,38 @@ __all__ = [
     "DOUBLE_APPLY",
     "FINAL_MISMATCH",
     "FOREIGN_ENTRY",
+    "INVALID_RESULT",
     "INVARIANT",
     "KINDS",
+    "LINEARIZABILITY_KINDS",
     "LOST_UPDATE",
+    "NOT_LINEARIZABLE",
+    "OPS",
+    "OUTCOMES",
     "OVERSELL",
+    "STALE_READ",
+    "UNDECIDED",
     "VERSION_GAP",
+    "CallHandle",
+    "CallRecord",
     "CheckFailed",
     "Invariant",
+    "LinearizabilityVerdict",
+    "LinearizabilityViolation",
+    "NotLinearizable",
+    "Recorder",
     "Verdict",
     "Violation",
     "check",
+    "check_linearizable",
     "check_many",
+    "outcome_of",
 ]
 
+# DOUBLE_APPLY and LOST_UPDATE are the linearizability check's kinds too (one meaning each).
 VERSION_GAP = "version-gap"
-DOUBLE_APPLY = "double-apply"
 BROKEN_CHAIN = "broken-chain"
 FINAL_MISMATCH = "final-mismatch"
-LOST_UPDATE = "lost-update"
 FOREIGN_ENTRY = "foreign-entry"
 INVARIANT = "invariant"
 OVERSELL = "oversell"

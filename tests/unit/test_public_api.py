@@ -76,6 +76,7 @@ CORE = (
     "errors.py",
     "step.py",
     "checker.py",
+    "linearizability.py",
     "jsondata.py",
     "query.py",
 )
