@@ -245,9 +245,9 @@ class SoakConfig:
                 f"a soak runs {self.process_count()} to {MAX_SOAK_CALLERS} callers (at least "
                 f"one per process), not {self.caller_count()}"
             )
-        if not self.fault_interval >= 0.5 or self.fault_interval > self.seconds:
+        if not 0.5 <= self.fault_interval <= MAX_SOAK_SECONDS:
             raise InvalidInput(
-                f"the fault interval must be 0.5 s to the soak's {self.seconds} s, "
+                f"the fault interval must be 0.5 to {MAX_SOAK_SECONDS} s, "
                 f"not {self.fault_interval!r}"
             )
         if self.max_faults is not None and not 0 <= self.max_faults <= MAX_SOAK_FAULTS:

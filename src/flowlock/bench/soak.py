@@ -60,7 +60,7 @@ from flowlock.bench.soak_results import (
     count_outcomes,
     judge_store,
 )
-from flowlock.bench.soak_worker import HOT, WorkerSpec, spread_id
+from flowlock.bench.soak_worker import WorkerSpec, spread_id
 from flowlock.checker import CallRecord, check_linearizable
 from flowlock.connect import build_postgres_store
 from flowlock.engine import Engine
@@ -69,6 +69,7 @@ from flowlock.models import HistoryEntry, Instance
 
 __all__ = [
     "CALL_BOUND",
+    "HOT_SLOT",
     "LEASE_TTL",
     "SPREAD",
     "STORM_SLOT",
@@ -83,8 +84,10 @@ LEASE_WAIT = 2.0
 STORM_SLOT = 1.0
 """Seconds each storm instance is the target: every caller that picks the storm in that second
 fires at it."""
+HOT_SLOT = 5.0
+"""Seconds each hot counter is the target of every hot call (then the next one is)."""
 SPREAD = 64
-"""Spread counters (the hot one is a single counter)."""
+"""Spread counters, created before the load."""
 CALL_BOUND = 60.0
 """The soak's own bound on one call; flowlock's bounds end every call long before (a call that
 reaches it is counted ``hung`` and fails the verdict)."""
@@ -343,6 +346,7 @@ class _Soak:
     redis: Any | None
     started: float = 0.0
     stop_at: float = 0.0
+    peak_connections: int = 0
 
     def spec(self, name: str, slot: int) -> WorkerSpec:
         callers, processes = self.config.caller_count(), self.config.process_count()
@@ -365,6 +369,7 @@ class _Soak:
             started=self.started,
             stop_at=self.stop_at,
             storm_slot=STORM_SLOT,
+            hot_slot=HOT_SLOT,
             spread=SPREAD,
             lease_ttl=LEASE_TTL,
             lease_wait=LEASE_WAIT,
@@ -395,11 +400,11 @@ async def _servers(progress: Progress, redis_needed: bool) -> AsyncIterator[tupl
 
 
 async def _create_counters(url: str, schema: str) -> dict[str, Instance]:
-    """The hot counter and the spread counters, as created (the checker's starting points)."""
+    """The spread counters, as created (the checker's starting points)."""
     store = build_postgres_store(url, schema=schema, pool_size=4, auto_migrate=False)
     async with Engine(store, strategy="pessimistic") as engine:
         await engine.register(counter())
-        ids = [HOT, *(spread_id(k) for k in range(SPREAD))]
+        ids = [spread_id(k) for k in range(SPREAD)]
         made = [await engine.create("counter", instance_id=i, data={"n": 0}) for i in ids]
     return {inst.id: inst for inst in made}
 
@@ -452,24 +457,24 @@ def _row_is_counted(entry: HistoryEntry) -> str | None:
     return None
 
 
-def _expected(
-    records: list[CallRecord], kinds: list[OutcomeKind], counters: Mapping[str, Instance]
-) -> dict[str, Expected]:
+def _expected(records: list[CallRecord], kinds: list[OutcomeKind]) -> dict[str, Expected]:
+    """What the calls said about each instance they touched: storm approvals are created
+    pending and decided at most once; counters (hot and spread) start open."""
     applied: Counter[str] = Counter()
     unknown: Counter[str] = Counter()
-    storms: set[str] = set()
     for record, kind in zip(records, kinds, strict=True):
-        if record.instance_id not in counters:
-            storms.add(record.instance_id)
         if record.op != "fire":
             continue
         if kind == "applied":
             applied[record.instance_id] += 1
         elif record.outcome == "unknown":
             unknown[record.instance_id] += 1
-    expected = {iid: Expected("open", applied[iid], unknown[iid]) for iid in counters}
-    for iid in storms:
-        expected[iid] = Expected("pending", applied[iid], unknown[iid], at_most_one=True)
+    expected: dict[str, Expected] = {}
+    for iid in {r.instance_id for r in records}:
+        storm = iid.startswith("storm-")
+        expected[iid] = Expected(
+            "pending" if storm else "open", applied[iid], unknown[iid], at_most_one=storm
+        )
     return expected
 
 
@@ -523,15 +528,35 @@ async def _load(run: _Soak, fleet: _Fleet, progress: Progress) -> tuple[list[Any
         + (f" with faults every ~{config.fault_interval:g} s" if config.faults else "")
         + f" (seed {run.seed})"
     )
+    sampler = asyncio.create_task(_sample_connections(run))
     try:
         if config.faults:
             await injector.run(run.stop_at)
         await asyncio.sleep(max(0.0, run.stop_at - time.monotonic()))
     finally:
         await injector.cancel()
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
     progress.status("stopping the worker processes")
     await fleet.stop()
     return list(injector.faults), time.monotonic() - run.started
+
+
+async def _sample_connections(run: _Soak) -> None:
+    """The peak of the run's database sessions, looked at twice a second (through restarts:
+    a failed look is skipped)."""
+    while True:
+        await asyncio.sleep(0.5)
+        with contextlib.suppress(FlowlockError, *DRIVER_ERRORS):
+            conn = await connect(run.target.url)
+            try:
+                now = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                    f"%-{run.target.tag}",
+                )
+            finally:
+                await conn.close()
+            run.peak_connections = max(run.peak_connections, int(now))
 
 
 def _args(run: _Soak) -> dict[str, Any]:
@@ -547,6 +572,7 @@ def _args(run: _Soak) -> dict[str, Any]:
         "max_faults": config.fault_cap(),
         "lease_ttl_s": LEASE_TTL,
         "storm_slot_s": STORM_SLOT,
+        "hot_slot_s": HOT_SLOT,
         "spread": SPREAD,
         "call_bound_s": CALL_BOUND,
         "schema": run.target.schema,
@@ -584,7 +610,7 @@ async def run_soak(config: SoakConfig, progress: Progress | None = None) -> Soak
             pg.url, schema, f"flowlock_soak_{tag}", tag, 4, None if redis is None else redis.url
         )
         run = _Soak(config, seed, target, strategies, pg, redis)
-        shown.status(f"creating flowlock's tables and {SPREAD + 1} counters in {schema}")
+        shown.status(f"creating flowlock's tables and {SPREAD} counters in {schema}")
         await prepare_schema(pg.url, schema, [])
         counters = await _create_counters(pg.url, schema)
         fleet = _Fleet(run)
@@ -608,7 +634,7 @@ async def run_soak(config: SoakConfig, progress: Progress | None = None) -> Soak
         exactly_once = judge_store(
             finals,
             histories,
-            _expected(tally.records, tally.kinds, counters),
+            _expected(tally.records, tally.kinds),
             rules={"counter": _row_is_counted},
         )
         pg_version, redis_version = pg.version, None if redis is None else redis.version
@@ -629,6 +655,7 @@ async def run_soak(config: SoakConfig, progress: Progress | None = None) -> Soak
         linearizability={**lin.to_dict(), "describe": lin.describe()},
         exactly_once=exactly_once,
         workers_started=fleet.started,
+        peak_connections=run.peak_connections,
         crashes=tuple(fleet.crashes),
         escapes=tuple(tally.escaped[:20]),
         instances=len(finals),

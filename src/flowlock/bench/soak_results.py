@@ -297,6 +297,8 @@ class SoakReport:
     linearizability: Mapping[str, Any]
     exactly_once: Verdict
     workers_started: int = 0
+    peak_connections: int = 0
+    """The most database sessions the workers held at once (sampled twice a second)."""
     crashes: tuple[str, ...] = ()
     """Worker processes that ended on their own (not killed by a fault), with their last words."""
     error_samples: Mapping[str, str] = field(default_factory=dict)

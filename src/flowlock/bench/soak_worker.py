@@ -7,9 +7,13 @@ locks), then runs ``tasks`` callers until its stdin closes or the spec's stop ti
 caller loops over a mix of calls, each with a strategy picked at random:
 
 - storm: every caller of every process fires ``approve`` (now and then ``reject``) at the
-  approval of the current time slot, which the first of them to try creates;
-- hot: ``step`` on the one shared counter; spread: ``step`` on one of many counters;
-- get: reads one of them.
+  approval of the current time slot (a second), which the first of them to try creates;
+- hot: ``step`` on the counter of the current hot slot (a few seconds), which every caller
+  steps and the first to try creates; spread: ``step`` on one of many counters;
+- get: reads the hot counter or a spread one.
+
+Why slots: the linearizability checker searches the orders of one instance's calls, and a
+minute of every caller on one counter is more than its search budget can settle.
 
 A distributed strategy always takes its lease from the same backend for a given instance (Redis
 for some instances, advisory locks for the others), as an application would.
@@ -48,10 +52,8 @@ from flowlock.models import Instance, Outcome
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
 
-__all__ = ["HOT", "WorkerSpec", "main", "spread_id", "storm_id"]
+__all__ = ["WorkerSpec", "hot_id", "main", "spread_id", "storm_id"]
 
-HOT = "hot"
-"""The one counter every hot call steps."""
 _STORM_SHARE, _HOT_SHARE, _SPREAD_SHARE = 0.35, 0.2, 0.35  # the rest: gets
 _REJECT_SHARE = 0.15  # of storm fires: an approve and a reject race, exactly one decides
 _OPEN_RETRY = 0.5  # between attempts to open while the servers are being restarted
@@ -64,6 +66,10 @@ def storm_id(slot: int) -> str:
     return f"storm-{slot}"
 
 
+def hot_id(slot: int) -> str:
+    return f"hot-{slot}"
+
+
 def spread_id(k: int) -> str:
     return f"spread-{k}"
 
@@ -72,7 +78,8 @@ def spread_id(k: int) -> str:
 class WorkerSpec:
     """What one worker process runs: its name, where it connects, the strategies, callers,
     seed, and the run's clock (``started`` and ``stop_at`` on the machine's monotonic clock,
-    which every process shares); the storm's slot length, how many spread counters there are,
+    which every process shares); the storm's and the hot counter's slot lengths, how many spread
+    counters there are,
     the lease ttl and wait of the distributed strategies, and the bound on one call."""
 
     name: str
@@ -83,6 +90,7 @@ class WorkerSpec:
     started: float
     stop_at: float
     storm_slot: float
+    hot_slot: float
     spread: int
     lease_ttl: float
     lease_wait: float
@@ -155,36 +163,47 @@ class _Caller:
         self.rng = random.Random(f"{spec.seed}/t{index}")
         self.stop = stop
         self.numbers = itertools.count()
-        self.tried_slot = -1
+        self.tried_storm = self.tried_hot = -1
 
     async def run(self) -> None:
         while not self.stop.is_set() and time.monotonic() < self.spec.stop_at:
             await self.one()
 
+    def _slot(self, length: float) -> int:
+        return int((time.monotonic() - self.spec.started) / length)
+
     async def one(self) -> None:
         pick = self.rng.random()
         if pick < _STORM_SHARE:
-            slot = int((time.monotonic() - self.spec.started) / self.spec.storm_slot)
+            slot = self._slot(self.spec.storm_slot)
             iid = storm_id(slot)
-            if slot != self.tried_slot:
-                self.tried_slot = slot
-                await self.call(iid, "create", None, self._create(iid, slot))
+            if slot != self.tried_storm:
+                self.tried_storm = slot
+                await self.call(iid, "create", None, self._create(iid, "approval", {"slot": slot}))
                 return
             event = "reject" if self.rng.random() < _REJECT_SHARE else "approve"
             await self.call(iid, "fire", event, self._fire(iid, event))
         elif pick < _STORM_SHARE + _HOT_SHARE:
-            await self.call(HOT, "fire", "step", self._fire(HOT, "step"))
+            slot = self._slot(self.spec.hot_slot)
+            iid = hot_id(slot)
+            if slot != self.tried_hot:
+                self.tried_hot = slot
+                await self.call(iid, "create", None, self._create(iid, "counter", {"n": 0}))
+                return
+            await self.call(iid, "fire", "step", self._fire(iid, "step"))
         elif pick < _STORM_SHARE + _HOT_SHARE + _SPREAD_SHARE:
             iid = spread_id(self.rng.randrange(self.spec.spread))
             await self.call(iid, "fire", "step", self._fire(iid, "step"))
         else:
-            iid = (
-                HOT if self.rng.random() < 0.5 else spread_id(self.rng.randrange(self.spec.spread))
-            )
+            iid = spread_id(self.rng.randrange(self.spec.spread))
+            if self.rng.random() < 0.5:
+                iid = hot_id(self._slot(self.spec.hot_slot))
             await self.call(iid, "get", None, lambda: self.engine.get(iid))
 
-    def _create(self, iid: str, slot: int) -> Callable[[], Awaitable[Instance]]:
-        return lambda: self.engine.create("approval", instance_id=iid, data={"slot": slot})
+    def _create(
+        self, iid: str, workflow: str, data: Mapping[str, Any]
+    ) -> Callable[[], Awaitable[Instance]]:
+        return lambda: self.engine.create(workflow, instance_id=iid, data=data)
 
     def _strategy(self, iid: str) -> str:
         """A strategy at random; a distributed one on the lock backend that guards ``iid``."""

@@ -55,7 +55,11 @@ def soak_table(report: SoakReport) -> Table:
     if report.faults_failed:
         faults += f" ({report.faults_failed} could not be done)"
     table.add_row("faults", faults)
-    table.add_row("workers", f"{report.workers_started} started, {len(report.crashes)} crashed")
+    table.add_row(
+        "workers",
+        f"{report.workers_started} started, {len(report.crashes)} crashed; at most "
+        f"{report.peak_connections} database sessions",
+    )
     table.add_row("leases lost", str(report.leases_lost))
     leaks = report.leaks
     table.add_row(
@@ -117,6 +121,7 @@ def soak_to_json(report: SoakReport) -> dict[str, Any]:
         "faults_failed": report.faults_failed,
         "fault_log": [f.to_dict() for f in report.faults],
         "workers_started": report.workers_started,
+        "peak_connections": report.peak_connections,
         "crashes": list(report.crashes),
         "leases_lost": report.leases_lost,
         "leaks": report.leaks.to_dict(),
