@@ -1,6 +1,12 @@
-"""The checks of the bounds and names an engine is configured with (``Engine.connect``'s keywords,
-the stores' and the pool factory's arguments), in one place, so every entry point refuses the same
-nonsense with the same message before any I/O.
+"""The checks of every number and name flowlock is given (``Engine.connect``'s keywords, the
+constructors of stores, lock backends, strategies and runners, the ids and keys of each call), in
+one place, so every entry point refuses the same nonsense with the same message before any I/O.
+
+- Numbers: an int or a float, never a bool (``True`` is not a count of seconds); finite (NaN
+  compares false with everything, so it slips past a plain ``< 0`` check); within a range, whose
+  ceiling catches a unit mistake (milliseconds given as seconds) before a server does.
+- Text: a str, not empty, without NUL (PostgreSQL's ``text`` cannot hold it) or lone surrogates
+  (no store can encode them as UTF-8), within a length.
 
 No driver is imported here: a SQLite-only user's ``Engine.connect`` checks its arguments too.
 """
@@ -8,6 +14,8 @@ No driver is imported here: a SQLite-only user's ``Engine.connect`` checks its a
 from __future__ import annotations
 
 import math
+import operator
+import re
 
 from flowlock.errors import InvalidInput
 
@@ -18,10 +26,17 @@ __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_MAX_SIZE",
     "DEFAULT_MIN_SIZE",
+    "MAX_CONNECTIONS",
+    "MAX_NAMESPACE",
     "MAX_SECONDS",
+    "POSTGRES_SCHEMES",
     "check_application_name",
+    "check_count",
+    "check_number",
     "check_seconds",
     "check_size",
+    "check_text",
+    "check_url",
 ]
 
 DEFAULT_MAX_SIZE = 20
@@ -40,10 +55,19 @@ DEFAULT_APPLICATION_NAME = "flowlock"
 
 MAX_SECONDS = 3600.0
 """No bound of flowlock's is meant to be longer than an hour; a longer one is a unit mistake."""
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+"""The schemes of a PostgreSQL URL."""
+MAX_NAMESPACE = 200
+"""The longest namespace of a lock backend, in characters."""
+MAX_CONNECTIONS = 262_143
+"""The most connections a pool may be asked for: PostgreSQL's own ceiling on max_connections."""
 
 # PostgreSQL keeps NAMEDATALEN - 1 = 63 bytes of an application_name and turns anything but
 # printable ASCII into '?' or escapes: refuse both rather than show something else than was given.
 _NAME_BYTES = 63
+_URL_LENGTH = 4096
+_NUL = re.compile("\x00")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_seconds(
@@ -62,13 +86,82 @@ def check_seconds(
     return seconds
 
 
-def check_size(name: str, value: object, *, least: int = 1) -> int:
-    """``value`` as a count of connections: an int (not a bool) of at least ``least``."""
+def check_count(name: str, value: object, *, least: int = 1, most: int, unit: str = "") -> int:
+    """``value`` as a whole number (an int, not a bool) from ``least`` to ``most``; ``unit``
+    says what it counts, in the message."""
+    what = f" of {unit}" if unit else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInput(f"{name} must be a whole number of connections, not {value!r}")
-    if value < least:
-        raise InvalidInput(f"{name} must be at least {least}, not {value}")
+        raise InvalidInput(f"{name} must be a whole number{what}, not {value!r}")
+    if not least <= value <= most:
+        raise InvalidInput(f"{name} must be from {least} to {most}, not {value}")
     return value
+
+
+def check_size(name: str, value: object, *, least: int = 1) -> int:
+    """``value`` as a count of connections: an int (not a bool) from ``least`` to
+    :data:`MAX_CONNECTIONS`."""
+    return check_count(name, value, least=least, most=MAX_CONNECTIONS, unit="connections")
+
+
+def check_number(
+    name: str, value: object, *, above: float | None = None, least: float | None = None,
+    below: float | None = None, most: float | None = None,
+) -> float:  # fmt: skip
+    """``value`` as a finite number (an int or a float, not a bool) within the bounds given:
+    ``above`` / ``below`` exclusive, ``least`` / ``most`` inclusive."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(f"{name} must be a number, not {value!r}")
+    number = float(value)
+    ok = math.isfinite(number)
+    wanted = ["a finite number"]
+    for bound, words, holds in (
+        (above, "more than", operator.gt),
+        (least, "at least", operator.ge),
+        (below, "less than", operator.lt),
+        (most, "at most", operator.le),
+    ):
+        if bound is not None:
+            wanted.append(f"{words} {bound:g}")
+            ok = ok and holds(number, bound)
+    if not ok:
+        raise InvalidInput(f"{name} must be {', '.join(wanted)}; not {value!r}")
+    return number
+
+
+def check_text(name: str, value: object, *, most: int, allow_control: bool = False) -> str:
+    """``value`` as a non-empty str of at most ``most`` characters that every store can hold:
+    no NUL (PostgreSQL's ``text`` refuses it), no lone surrogate (not encodable as UTF-8), and
+    no control character at all unless ``allow_control``."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{name} must be a string, not {type(value).__name__}")
+    if not value:
+        raise InvalidInput(f"{name} must not be empty")
+    if len(value) > most:
+        raise InvalidInput(f"{name} is {len(value)} characters long; the limit is {most}")
+    bad = _NUL if allow_control else _CONTROL
+    if bad.search(value):
+        kind = "a NUL" if allow_control else "a NUL or control"
+        raise InvalidInput(f"{name} {value!r} contains {kind} character; no store can hold it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(
+            f"{name} {value!r} holds a lone surrogate, which is not valid Unicode text "
+            "(it cannot be encoded as UTF-8)"
+        ) from None
+    return value
+
+
+def check_url(name: str, value: object, schemes: tuple[str, ...]) -> str:
+    """``value`` as a URL of one of ``schemes`` (``"postgresql"``...), without NUL or lone
+    surrogates. The message shows the scheme only: a URL may carry a password."""
+    text = check_text(name, value, most=_URL_LENGTH, allow_control=True)
+    scheme = text.partition("://")[0].lower() if "://" in text else ""
+    if scheme not in schemes:
+        expected = " or ".join(f"{s}://" for s in schemes)
+        given = f"it starts with {scheme}://" if scheme else "it has no scheme"
+        raise InvalidInput(f"{name} must start with {expected} ({given})")
+    return text
 
 
 def check_application_name(value: object) -> str:

@@ -20,6 +20,7 @@ from flowlock._settings import (
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
+    POSTGRES_SCHEMES,
     check_application_name,
     check_seconds,
     check_size,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # imported when built, so a SQLite-only user never imports as
 
 __all__ = ["build_locks", "build_postgres_store", "build_store", "connect"]
 
-_POSTGRES = ("postgresql", "postgres")
+_POSTGRES = POSTGRES_SCHEMES
 
 
 def _scheme(url: str) -> str:

@@ -23,6 +23,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
+from flowlock._settings import check_count, check_seconds, check_text
 from flowlock.definition import Workflow
 from flowlock.errors import (
     EngineClosed,
@@ -30,7 +31,7 @@ from flowlock.errors import (
     InvalidInput,
     UnknownWorkflow,
 )
-from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object
+from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
@@ -60,7 +61,6 @@ __all__ = [
 log = logging.getLogger("flowlock")
 
 MAX_ID_LENGTH = 200
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
 
@@ -81,15 +81,7 @@ transaction the caller opened."""
 
 
 def _check_text(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
-    if not value:
-        raise InvalidInput(f"{what} must not be empty")
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidInput(f"{what} is {len(value)} characters long; the limit is {MAX_ID_LENGTH}")
-    if _CONTROL.search(value):
-        raise InvalidInput(f"{what} {value!r} contains a NUL or control character")
-    return value
+    return check_text(what, value, most=MAX_ID_LENGTH)
 
 
 def _check_fire_args(
@@ -164,8 +156,9 @@ class Engine:
         metrics: Metrics | None = None,
         escalation_sync: float = DEFAULT_SYNC,
     ) -> None:
-        if max_payload_bytes < 2:
-            raise InvalidInput("max_payload_bytes must be at least 2 (the empty object '{}')")
+        # At least 2: the empty object '{}'.
+        check_count("max_payload_bytes", max_payload_bytes, least=2, most=MAX_PAYLOAD, unit="bytes")
+        check_seconds("escalation_sync", escalation_sync)
         self._store = store
         table = _strategy_table(strategies, locks)
         self._locks = locks if locks is not None else _lease_backend(table.get("distributed"))

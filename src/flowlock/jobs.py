@@ -49,6 +49,7 @@ from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
+from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -58,7 +59,7 @@ from flowlock.errors import (
     LockNotOwned,
     LockTimeout,
 )
-from flowlock.locks.base import Held, Lease, LockBackend, check_lock_args
+from flowlock.locks.base import Held, Lease, LockBackend, check_ttl, check_wait
 
 __all__ = ["JobContext", "RunOnce", "RunResult", "RunStatus"]
 
@@ -74,6 +75,9 @@ RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 _APPLICATION_NAME = "flowlock-runner"
 _LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
 _CONNECT_TIMEOUT = 10.0
+# Characters of a job, a tick or an owner; the lease key of a job and a tick stays well within
+# a lock key's 512.
+_MAX_NAME = 200
 
 _ROW = "SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2"
 # $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted; an existing
@@ -190,17 +194,21 @@ class RunOnce(AsyncResource):
         owner: str | None = None,
         auto_migrate: bool = True,
     ) -> None:
-        check_lock_args("job", ttl, wait)
+        if not isinstance(locks, LockBackend):
+            raise InvalidInput(f"locks must be a lock backend, not {type(locks).__name__}")
+        check_url("dsn", dsn, POSTGRES_SCHEMES)
+        self.ttl = check_ttl(ttl)
+        self.wait = check_wait(wait)
         check_schema(schema)
         check_pool_size(pool_size)
+        self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        if owner is not None:
+            check_text("owner", owner, most=_MAX_NAME)
         self.locks = locks
-        self.ttl = ttl
-        self.wait = wait
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._dsn = dsn
         self._schema = schema
         self._pool_size = pool_size
-        self._acquire_timeout = acquire_timeout
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
 
@@ -243,11 +251,10 @@ class RunOnce(AsyncResource):
         (the tick is left ``failed``, to be run again by the next ``run``); LockUnavailable /
         StoreError when the lock backend or the database cannot be reached.
         """
-        if not isinstance(job, str) or not job:
-            raise InvalidInput(f"job must be a non-empty string, not {job!r}")
-        if isinstance(tick, bool) or not isinstance(tick, str | int) or tick == "":
+        check_text("job", job, most=_MAX_NAME)
+        if isinstance(tick, bool) or not isinstance(tick, str | int):
             raise InvalidInput(f"tick must be a non-empty string or an int, not {tick!r}")
-        tick = str(tick)
+        tick = check_text("tick", str(tick), most=_MAX_NAME)
         # Cheap first: most runners of a tick that already ran stop here, without the lock.
         row = await self._row(job, tick)
         if row is not None and row["state"] == "done":

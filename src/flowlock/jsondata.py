@@ -9,7 +9,8 @@ says "retry later" about input no retry can fix). Refused:
 
 - anything that is not JSON: a datetime, bytes, a set, an object; a key that is not a string
   (JSON would turn ``{1: "a"}`` into ``{"1": "a"}`` behind the caller's back);
-- NaN and Infinity, anywhere (JSON has neither; PostgreSQL's ``jsonb`` refuses them);
+- NaN and Infinity, anywhere (JSON has neither; PostgreSQL's ``jsonb`` refuses them), and
+  integers of :data:`MAX_INT_BITS` bits or more (no double holds them);
 - the NUL character, in keys and values (PostgreSQL's ``jsonb`` and ``text`` refuse it), and
   strings that are not valid Unicode (a lone surrogate cannot be encoded as UTF-8);
 - nesting deeper than :data:`MAX_DEPTH` (checked without recursion, so a 10,000-deep dict is a
@@ -27,10 +28,26 @@ from typing import Any
 
 from flowlock.errors import InvalidInput, PayloadTooLarge
 
-__all__ = ["DEFAULT_MAX_PAYLOAD", "MAX_DEPTH", "check_object", "encode", "same_json"]
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD",
+    "MAX_DEPTH",
+    "MAX_INT_BITS",
+    "MAX_PAYLOAD",
+    "check_object",
+    "encode",
+    "same_json",
+]
 
 DEFAULT_MAX_PAYLOAD = 64 * 1024
 """Bytes a payload (or data) may take encoded as JSON, unless ``max_payload_bytes``."""
+
+MAX_PAYLOAD = 256 * 1024 * 1024 - 1
+"""The largest ``max_payload_bytes``: PostgreSQL's ``jsonb`` holds at most this many bytes."""
+
+MAX_INT_BITS = 1024
+"""Integers must be smaller in magnitude than ``2 ** MAX_INT_BITS`` (about 1.8e308): the numbers a
+JSON decoder that reads numbers as doubles can hold, and every float PostgreSQL's ``jsonb`` gives
+back as an integer fits. (Python itself refuses to print an integer of more than 4300 digits.)"""
 
 MAX_DEPTH = 64
 """How deeply objects and arrays may nest (the top-level object is depth 1)."""
@@ -114,6 +131,11 @@ def _value(
             raise _refuse(what, (*path, key), "the string contains a NUL character (\\x00)")
         return str(item)
     if isinstance(item, int):
+        if item.bit_length() > MAX_INT_BITS:
+            raise _refuse(
+                what, (*path, key), f"an integer of {item.bit_length()} bits is not a JSON number "
+                f"every reader can hold (the limit is 2**{MAX_INT_BITS}, about 1.8e308)",
+            )  # fmt: skip
         return int(item)
     if isinstance(item, float):
         if not math.isfinite(item):

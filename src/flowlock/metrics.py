@@ -11,6 +11,8 @@ and one per escalation-sync tick (:meth:`Metrics.record_escalations`).
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flowlock.errors import (
@@ -25,6 +27,8 @@ from flowlock.errors import (
 from flowlock.models import Outcome
 
 __all__ = ["OUTCOMES", "Metrics", "failure_outcome"]
+
+_PREFIX = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,99}")
 
 OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
 """The ``outcome`` label: applied / idempotent (the two successes), refused (a business rule or
@@ -55,8 +59,26 @@ class Metrics:
     def __init__(
         self, registry: CollectorRegistry | None = None, *, prefix: str = "flowlock"
     ) -> None:
+        if registry is not None and not isinstance(registry, CollectorRegistry):
+            raise InvalidInput(
+                "registry must be a prometheus_client CollectorRegistry, not "
+                f"{type(registry).__name__}"
+            )
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            raise InvalidInput(
+                f"prefix {prefix!r} is not a Prometheus metric name: a letter, '_' or ':', then "
+                "letters, digits, '_' or ':' (at most 100 characters)"
+            )
         self.registry = registry if registry is not None else CollectorRegistry()
-        r, p = self.registry, prefix
+        try:
+            self._register(self.registry, prefix)
+        except ValueError as exc:  # prometheus_client: a name already taken in the registry
+            raise InvalidInput(
+                f"the registry already has flowlock metrics named {prefix}_*: {exc}; give each "
+                "engine its own registry or prefix"
+            ) from None
+
+    def _register(self, r: CollectorRegistry, p: str) -> None:
         self.transitions = Counter(
             f"{p}_transitions", "fire() calls by how they ended.",
             ["workflow", "event", "strategy", "outcome"], registry=r,

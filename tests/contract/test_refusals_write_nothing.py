@@ -49,6 +49,7 @@ EMITTED: dict[str, Any] = {
     "int key": {1: "one"},
     "too deep": deep(10_000),
     "2 MB": {"blob": "x" * 2_000_000},
+    "integer beyond a double": {"x": -(2**1100)},
 }
 
 
@@ -101,6 +102,8 @@ GIVEN: dict[str, Any] = {
     "object": {"x": object()},
     "int key": {1: "one"},
     "lone surrogate": {"x": "\udc80"},
+    "lone surrogate key": {"\udc80": 1},
+    "integer beyond a double": {"x": [2**1100]},
     "10,000 deep": deep(10_000),
     "oversized": {"blob": "x" * 70_000},
 }

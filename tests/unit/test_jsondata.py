@@ -3,6 +3,7 @@ is, and the payload comparison of idempotency keys (same_json). Pure functions, 
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -10,9 +11,11 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flowlock
-from flowlock.jsondata import MAX_DEPTH, check_object, same_json
+from flowlock.jsondata import MAX_DEPTH, MAX_INT_BITS, check_object, encode, same_json
 
 
 def deep(levels: int) -> dict[str, Any]:
@@ -35,6 +38,9 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "bytes": ({"blob": b"x"}, "bytes is not JSON"),
     "an int key": ({1: "a"}, "not a string"),
     "a lone surrogate": ({"x": "\ud800"}, "surrogate"),
+    "a lone surrogate in a key": ({"\udc80": 1}, "surrogate"),
+    "an integer no double holds": ({"n": [2**MAX_INT_BITS]}, f"2**{MAX_INT_BITS}"),
+    "a negative one": ({"n": -(2**MAX_INT_BITS)}, "['n']"),
     "10,000 levels deep": (deep(10_000), f"deeper than {MAX_DEPTH}"),
     "a cycle": (None, f"deeper than {MAX_DEPTH}"),
 }
@@ -92,3 +98,78 @@ def test_same_json_compares_values_not_spelling() -> None:
     assert not same_json({"n": 1}, {"n": "1"})
     assert not same_json({"n": [1, 2]}, {"n": [2, 1]})
     assert not same_json({}, {"comment": "ok"})
+
+
+def test_integers_up_to_a_doubles_range_are_kept() -> None:
+    """Every float's integer value is accepted (PostgreSQL's jsonb gives 1e308 back as an int,
+    and data read back must pass the check again when an effect keeps it)."""
+    top = int(sys.float_info.max)
+    assert check_object({"n": top, "m": -top}, "data", 10**4) == {"n": top, "m": -top}
+
+
+def test_thousands_of_digits_are_invalid_input_not_value_error() -> None:
+    """Python refuses to print an int of more than 4300 digits (a raw ValueError from
+    json.dumps); the check refuses it first."""
+    with pytest.raises(flowlock.InvalidInput, match="integer"):
+        check_object({"n": 10**5000}, "data", 10**6)
+
+
+# Anything a caller might pass: JSON and not JSON, any characters (NUL, surrogates), any ints
+# and floats (NaN, infinities, beyond a double), keys of other types, nesting.
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**1000, max_value=2**1100)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+    | st.binary(max_size=4)
+    | st.datetimes()
+)
+_KEYS = st.text() | st.integers() | st.none() | st.booleans()
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(_KEYS, inner, max_size=4)
+        | st.frozensets(st.integers(), max_size=2)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_KEYS, _VALUES, max_size=5) | _VALUES)
+def test_what_is_accepted_round_trips_and_what_is_not_is_invalid_input(value: object) -> None:
+    """Anything check_object accepts comes back unchanged from JSON text a store can keep
+    (UTF-8, no NaN, no NUL); anything it refuses raises InvalidInput, never another error."""
+    try:
+        plain = check_object(value, "data", 10**6)
+    except flowlock.InvalidInput:
+        return
+    text = encode(plain)
+    text.encode("utf-8")  # storable: valid UTF-8
+    back = json.loads(text, parse_constant=_no_constant)
+    assert back == plain and same_json(back, plain)
+    assert not any("\x00" in s for s in _strings(back))  # PostgreSQL's jsonb refuses NUL
+
+
+def _no_constant(name: str) -> object:
+    raise AssertionError(f"{name} in the stored JSON")
+
+
+def _strings(value: object) -> list[str]:
+    """Every string in ``value``, keys included."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            found.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found

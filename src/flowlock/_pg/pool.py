@@ -46,7 +46,7 @@ _SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 def check_schema(schema: str | None) -> None:
     """Refuse a schema name that is not a plain lower-case SQL identifier."""
-    if schema is not None and not _SCHEMA.fullmatch(schema):
+    if schema is not None and (not isinstance(schema, str) or not _SCHEMA.fullmatch(schema)):
         raise InvalidInput(
             f"schema {schema!r} must be a lower-case SQL identifier (letters, digits, '_')"
         )

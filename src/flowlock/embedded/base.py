@@ -9,19 +9,42 @@ import asyncio
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from flowlock._lifecycle import AsyncResource
+from flowlock._settings import check_seconds, check_text
 from flowlock.embedded import process
 from flowlock.errors import EmbeddedServerError, InvalidInput
 
-__all__ = ["EmbeddedServer"]
+__all__ = ["EmbeddedServer", "check_settings"]
+
+# A server setting's name: what postgresql.conf and redis-server's --options take.
+_SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
+
+
+def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
+    """``settings`` as a plain dict of setting names to values, each value one line of text (a
+    newline would start another setting in postgresql.conf)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise InvalidInput(f"settings must be a mapping of names to values, not {settings!r}")
+    for name, value in settings.items():
+        if not isinstance(name, str) or not _SETTING.fullmatch(name):
+            raise InvalidInput(f"settings: {name!r} is not a server setting's name")
+        if not isinstance(value, str):
+            raise InvalidInput(f"settings[{name!r}] must be a string, not {value!r}")
+        if value:  # an empty value is a setting too (redis-server --save "")
+            check_text(f"settings[{name!r}]", value, most=1000)
+    return dict(settings)
 
 
 class EmbeddedServer(AsyncResource):
@@ -41,10 +64,8 @@ class EmbeddedServer(AsyncResource):
     _advice = "read the server output above, or point flowlock at a server of your own"
 
     def __init__(self, *, start_timeout: float, stop_timeout: float) -> None:
-        if start_timeout <= 0 or stop_timeout <= 0:
-            raise InvalidInput("start_timeout and stop_timeout must be positive")
-        self._start_timeout = start_timeout
-        self._stop_timeout = stop_timeout
+        self._start_timeout = check_seconds("start_timeout", start_timeout)
+        self._stop_timeout = check_seconds("stop_timeout", stop_timeout)
         # Re-entrant so a signal handler that calls stop() on the thread already inside
         # start()/stop() proceeds instead of deadlocking on itself.
         self._lock = threading.RLock()

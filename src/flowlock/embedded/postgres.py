@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowlock._settings import MAX_CONNECTIONS, check_count, check_text
 from flowlock.embedded import process
-from flowlock.embedded.base import EmbeddedServer
-from flowlock.errors import EmbeddedServerError, InvalidInput
+from flowlock.embedded.base import EmbeddedServer, check_settings
+from flowlock.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedPostgres", "available"]
 
@@ -236,13 +237,12 @@ class EmbeddedPostgres(EmbeddedServer):
         override the defaults chosen here. ``start_timeout`` bounds the whole of ``start()``
         (initdb included); ``stop_timeout`` bounds the graceful part of ``stop()``.
         """
-        if max_connections < 4:
-            # superuser_reserved_connections (3) must stay below max_connections.
-            raise InvalidInput(f"max_connections must be at least 4, not {max_connections}")
+        # At least 4: superuser_reserved_connections (3) must stay below max_connections.
+        check_count("max_connections", max_connections, least=4, most=MAX_CONNECTIONS)
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
         self._max_connections = max_connections
-        self._shared_buffers = shared_buffers
-        self._settings = dict(settings or {})
+        self._shared_buffers = check_text("shared_buffers", shared_buffers, most=100)
+        self._settings = check_settings(settings)
         self._bin: Path | None = None
         self._run_as = _RunAs()
         self._port: int | None = None

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from flowlock.embedded import process
-from flowlock.embedded.base import EmbeddedServer
+from flowlock.embedded.base import EmbeddedServer, check_settings
 from flowlock.errors import EmbeddedServerError, InvalidInput
 
 __all__ = ["EmbeddedRedis"]
@@ -93,7 +93,7 @@ class EmbeddedRedis(EmbeddedServer):
         options for redis-server (``{"maxmemory": "64mb"}``)."""
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
         self._executable = None if executable is None else str(executable)
-        self._settings = dict(settings or {})
+        self._settings = check_settings(settings)
         self._proc: subprocess.Popen[bytes] | None = None
         self._port: int | None = None
         self._exe: str | None = None

@@ -74,10 +74,17 @@ from flowlock._pg.pool import (
     give_back,
     terminate,
 )
+from flowlock._settings import (
+    MAX_NAMESPACE,
+    POSTGRES_SCHEMES,
+    check_application_name,
+    check_seconds,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
-    InvalidInput,
     LockBusy,
     LockError,
     LockLost,
@@ -88,7 +95,7 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.locks.base import Lease, LeaseContext, check_lock_args
+from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
 __all__ = ["AdvisoryLocks", "advisory_lock_id"]
 
@@ -200,11 +207,15 @@ class AdvisoryLocks(AsyncResource):
         connect_timeout: float = 10.0,
         application_name: str = "flowlock-advisory",
     ) -> None:
-        if not isinstance(namespace, str) or not namespace:
-            raise InvalidInput(f"namespace must be a non-empty string, not {namespace!r}")
+        # Every argument before any connection: NaN or a negative timeout would otherwise reach
+        # a server setting ('1ms', silently) or asyncpg (a raw ValueError at open()).
+        check_url("dsn", dsn, POSTGRES_SCHEMES)
+        check_text("namespace", namespace, most=MAX_NAMESPACE)
         check_pool_size(pool_size)
-        if pool_timeout < 0 or io_timeout <= 0 or connect_timeout <= 0:
-            raise InvalidInput("pool_timeout must be >= 0, io_timeout and connect_timeout > 0")
+        pool_timeout = check_seconds("pool_timeout", pool_timeout, zero=True)
+        io_timeout = check_seconds("io_timeout", io_timeout)
+        connect_timeout = check_seconds("connect_timeout", connect_timeout)
+        check_application_name(application_name)
         check_schema(schema)
         self.dsn = dsn
         self.namespace = namespace
@@ -316,7 +327,7 @@ class AdvisoryLocks(AsyncResource):
 
     def lock_id(self, key: str) -> int:
         """The advisory lock number of ``key`` (as seen in ``pg_locks``)."""
-        check_lock_args(key, 1.0, None)
+        check_lock_key(key)
         if self._scope is None:
             raise EngineClosed("the advisory lock backend resolves its schema on open")
         return advisory_lock_id(self._scope, self.namespace, key)
@@ -446,8 +457,7 @@ class AdvisoryLocks(AsyncResource):
                 )
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
-        ttl = lease.ttl if ttl is None else ttl
-        check_lock_args(lease.key, ttl, None)
+        ttl = lease.ttl if ttl is None else check_ttl(ttl)
         slot = self._slots.get(lease.token)
         if slot is None or slot.key != lease.key:
             raise LockNotOwned(lease.key, "extend")
@@ -498,7 +508,8 @@ class AdvisoryLocks(AsyncResource):
         """Wait in PostgreSQL's own lock queue (woken by the holder's commit, no polling) until
         the key is free, then let go at once: the lock is held only for that instant, and no
         fencing token is spent."""
-        check_lock_args(key, 1.0, wait)
+        check_lock_key(key)
+        check_wait(wait)
         leases, _ = self._pools()
         lock = self.lock_id(key)
         conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
@@ -525,7 +536,7 @@ class AdvisoryLocks(AsyncResource):
     async def fence_floor(self, key: str) -> int:
         """The highest fencing token ever handed out for ``key`` (0 if none): a floor for
         another backend's tokens (the Redis backend's, after Redis lost its data)."""
-        check_lock_args(key, 1.0, None)
+        check_lock_key(key)
         found = await self._query(_FENCE_FLOOR, self.namespace, key)
         return found if isinstance(found, int) else 0
 

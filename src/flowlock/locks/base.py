@@ -23,13 +23,28 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
-from flowlock.errors import FlowlockError, InvalidInput, LockLost, LockNotOwned
+from flowlock._settings import check_seconds, check_text
+from flowlock.errors import FlowlockError, LockLost, LockNotOwned
 
-__all__ = ["Held", "Lease", "LeaseContext", "LockBackend", "check_lock_args"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "MAX_TTL",
+    "Held",
+    "Lease",
+    "LeaseContext",
+    "LockBackend",
+    "check_lock_args",
+    "check_lock_key",
+    "check_ttl",
+    "check_wait",
+]
 
 log = logging.getLogger("flowlock")
 
 MAX_TTL = 3600.0
+"""The longest ``ttl`` and ``wait`` of a lease, in seconds."""
+MAX_KEY_LENGTH = 512
+"""The longest lock key, in characters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,21 +73,29 @@ class Lease:
         return replace(self, expires_at=expires_at, ttl=self.ttl if ttl is None else ttl)
 
 
-def check_lock_args(key: object, ttl: float, wait: float | None) -> None:
-    """Refuse nonsense before any I/O: every lock has a TTL and every wait a bound."""
-    if not isinstance(key, str) or not key:
-        raise InvalidInput(f"lock key must be a non-empty string, not {key!r}")
-    if len(key) > 512:
-        raise InvalidInput(f"lock key is {len(key)} characters long; the limit is 512")
-    # A str or bool ttl would otherwise reach the comparisons below (TypeError) or the server.
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise InvalidInput(f"ttl must be a number of seconds, not {ttl!r}")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)):
-        raise InvalidInput(f"wait must be a number of seconds, not {wait!r}")
-    if not 0 < ttl <= MAX_TTL:
-        raise InvalidInput(f"ttl must be between 0 and {MAX_TTL:.0f} seconds, not {ttl!r}")
-    if wait is not None and not 0 <= wait <= MAX_TTL:
-        raise InvalidInput(f"wait must be between 0 and {MAX_TTL:.0f} seconds, not {wait!r}")
+def check_lock_key(key: object) -> str:
+    """A lock key every backend can hold: a non-empty str of at most :data:`MAX_KEY_LENGTH`
+    characters, without NUL (the advisory backend's fencing row is PostgreSQL ``text``) or lone
+    surrogates. The same keys on every backend, so that code moved from one to another keeps
+    working."""
+    return check_text("lock key", key, most=MAX_KEY_LENGTH, allow_control=True)
+
+
+def check_ttl(ttl: object) -> float:
+    """A lease's ttl: more than 0 and at most :data:`MAX_TTL` seconds (every lock has a TTL)."""
+    return check_seconds("ttl", ttl, most=MAX_TTL)
+
+
+def check_wait(wait: object) -> float:
+    """A wait for a lock: 0 (try once) to :data:`MAX_TTL` seconds (every wait has a bound)."""
+    return check_seconds("wait", wait, zero=True, most=MAX_TTL)
+
+
+def check_lock_args(key: object, ttl: object, wait: object) -> None:
+    """Refuse nonsense before any I/O: a key every backend holds, a TTL, a bounded wait."""
+    check_lock_key(key)
+    check_ttl(ttl)
+    check_wait(wait)
 
 
 @runtime_checkable

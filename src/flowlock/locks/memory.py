@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flowlock.errors import LockBusy, LockNotOwned, LockTimeout
-from flowlock.locks.base import Lease, LeaseContext, check_lock_args
+from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
 __all__ = ["MemoryLocks"]
 
@@ -83,7 +83,7 @@ class MemoryLocks:
             self._changed.notify_all()
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
-        ttl = lease.ttl if ttl is None else ttl
+        ttl = lease.ttl if ttl is None else check_ttl(ttl)
         sent = self._clock()
         holder = self._live(lease.key)
         if holder is None or holder.token != lease.token:
@@ -92,7 +92,8 @@ class MemoryLocks:
         return lease.renewed(sent + ttl, ttl)
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        check_lock_args(key, 1.0, wait)
+        check_lock_key(key)
+        check_wait(wait)
         started = self._clock()
         async with self._changed:
             while True:
@@ -111,6 +112,7 @@ class MemoryLocks:
         return holder is not None and holder.token == lease.token
 
     async def locked(self, key: str) -> bool:
+        check_lock_key(key)
         return self._live(key) is not None
 
     async def open(self) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from flowlock._settings import check_seconds
 from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import LockedResult, Plan, RowLock
@@ -50,7 +51,7 @@ class MemoryStore:
     the holder committed."""
 
     def __init__(self, *, lock_timeout: float = 5.0) -> None:
-        self._lock_timeout = lock_timeout
+        self._lock_timeout = check_seconds("lock_timeout", lock_timeout)
         self._instances: dict[str, Instance] = {}
         self._history: dict[str, list[HistoryEntry]] = {}
         self._locks: dict[str, asyncio.Lock] = {}

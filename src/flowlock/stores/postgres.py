@@ -53,9 +53,11 @@ from flowlock._settings import (
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
+    POSTGRES_SCHEMES,
     check_application_name,
     check_seconds,
     check_size,
+    check_url,
 )
 from flowlock.errors import (
     EngineClosed,
@@ -641,6 +643,8 @@ class PostgresStore:
             )
         if pool is not None and not isinstance(pool, asyncpg.Pool):
             raise InvalidInput(f"pool= takes an asyncpg.Pool, not {type(pool).__name__}")
+        if dsn is not None:
+            check_url("dsn", dsn, POSTGRES_SCHEMES)
         check_size("pool_size", pool_size)
         check_size("min_size", min_size, least=0)
         self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 from flowlock._lifecycle import AsyncResource
+from flowlock._settings import check_count, check_seconds
 from flowlock.errors import (
     EngineClosed,
     InstanceExists,
@@ -41,6 +42,7 @@ __all__ = ["SqliteStore", "count_statement", "list_statement"]
 T = TypeVar("T")
 A = TypeVar("A")
 
+_MAX_POOL: Final = 1000
 _URL_PREFIX: Final = "sqlite:///"
 _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
 
@@ -108,15 +110,13 @@ class SqliteStore(AsyncResource):
             ) from None
         if not isinstance(self.path, str):
             raise InvalidInput("path must be a text path (str), not bytes")
-        if busy_timeout < 0:
-            raise InvalidInput(f"busy_timeout must be >= 0 seconds, not {busy_timeout}")
-        if pool_size < 1:
-            raise InvalidInput(f"pool_size must be at least 1, not {pool_size}")
-        if acquire_timeout <= 0:
-            raise InvalidInput(f"acquire_timeout must be > 0 seconds, not {acquire_timeout}")
-        self.busy_timeout = float(busy_timeout)
+        if "\x00" in self.path:
+            raise InvalidInput(f"path {self.path!r} contains a NUL character; no file has one")
+        self.busy_timeout = check_seconds("busy_timeout", busy_timeout, zero=True)
+        # Each connection has a thread of its own: a pool is a handful, never thousands.
+        check_count("pool_size", pool_size, most=_MAX_POOL, unit="connections")
         self.auto_migrate = auto_migrate
-        self.acquire_timeout = float(acquire_timeout)
+        self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
         # Every connection to ":memory:" (or "", a private temporary file) is its own database.
         self.pool_size = 1 if self.path in (":memory:", "") else pool_size
         self._pool: _Pool | None = None

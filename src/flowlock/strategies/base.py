@@ -15,7 +15,10 @@ from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
 
-__all__ = ["Decide", "Strategy", "StrategyResult"]
+__all__ = ["MAX_ATTEMPTS", "Decide", "Strategy", "StrategyResult"]
+
+MAX_ATTEMPTS = 1000
+"""The most attempts a strategy may make for one call (``max_attempts``: a retry loop ends)."""
 
 Decide = Callable[[Snapshot], HistoryEntry | Idempotent]
 """The pure step bound to one call: what was read -> what to write (or the idempotent answer)."""

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
+from flowlock._settings import check_count
 from flowlock.errors import (
     ConflictRetriesExhausted,
     InvalidInput,
@@ -25,10 +26,10 @@ from flowlock.errors import (
     LockLost,
     LockTimeout,
 )
-from flowlock.locks.base import Held, LockBackend, check_lock_args
+from flowlock.locks.base import Held, LockBackend, check_ttl, check_wait
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, StrategyResult
+from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult
 
 __all__ = ["Distributed", "fencing_token"]
 
@@ -78,9 +79,9 @@ class Distributed:
     max_attempts: int = 3
 
     def __post_init__(self) -> None:
-        check_lock_args("instance", self.ttl, self.wait)
-        if self.max_attempts < 1:
-            raise InvalidInput(f"max_attempts must be at least 1, not {self.max_attempts}")
+        check_ttl(self.ttl)
+        check_wait(self.wait)
+        check_count("max_attempts", self.max_attempts, most=MAX_ATTEMPTS, unit="attempts")
 
     @property
     def name(self) -> str:

@@ -32,13 +32,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flowlock.errors import FlowlockError, InvalidInput
+from flowlock._settings import check_count, check_number, check_seconds, check_text
+from flowlock.errors import FlowlockError
 from flowlock.models import Escalation
 from flowlock.stores.base import EscalationBoard
 
 __all__ = ["ConflictMonitor", "EscalationRecorder", "EscalationSync"]
 
 log = logging.getLogger("flowlock")
+
+# Ceilings that catch a mistake, far above any useful setting: a window is a few hundred
+# attempts, the keys tracked a bounded share of memory, z a number of standard deviations.
+_MAX_WINDOW = 1_000_000
+_MAX_KEYS = 100_000_000
+_MAX_Z = 100.0
 
 
 @dataclass(slots=True)
@@ -79,12 +86,14 @@ class ConflictMonitor:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        if not 0 < threshold < 1:
-            raise InvalidInput(f"threshold must be a rate between 0 and 1, not {threshold}")
-        if min_samples < 1 or window < min_samples:
-            raise InvalidInput("need 1 <= min_samples <= window")
-        if cooldown <= 0 or window_seconds <= 0:
-            raise InvalidInput("cooldown and window_seconds must be positive")
+        check_number("threshold", threshold, above=0, below=1)
+        check_count("window", window, most=_MAX_WINDOW, unit="attempts")
+        check_count("min_samples", min_samples, most=window, unit="attempts")
+        check_seconds("window_seconds", window_seconds)
+        check_seconds("cooldown", cooldown)
+        check_count("max_keys", max_keys, most=_MAX_KEYS, unit="instances")
+        check_number("z", z, least=0, most=_MAX_Z)
+        check_text("escalate_to", escalate_to, most=100)
         self.threshold = threshold
         self.min_samples = min_samples
         self.window = window
@@ -249,10 +258,7 @@ class EscalationSync:
         interval: float = 0.5,
         record: EscalationRecorder | None = None,
     ) -> None:
-        if not interval > 0:
-            raise InvalidInput(
-                f"escalation_sync must be a positive number of seconds, not {interval}"
-            )
+        check_seconds("escalation_sync", interval)
         self.board = board
         self.monitor = monitor
         self.interval = interval

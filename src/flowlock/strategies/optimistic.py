@@ -13,10 +13,11 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from flowlock.errors import ConflictRetriesExhausted, InvalidInput
+from flowlock._settings import check_count, check_seconds
+from flowlock.errors import ConflictRetriesExhausted
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, StrategyResult
+from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult
 
 __all__ = ["Optimistic"]
 
@@ -35,10 +36,9 @@ class Optimistic:
     sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise InvalidInput(f"max_attempts must be at least 1, not {self.max_attempts}")
-        if self.backoff_base < 0 or self.backoff_cap < 0:
-            raise InvalidInput("backoff_base and backoff_cap must not be negative")
+        check_count("max_attempts", self.max_attempts, most=MAX_ATTEMPTS, unit="attempts")
+        check_seconds("backoff_base", self.backoff_base, zero=True)
+        check_seconds("backoff_cap", self.backoff_cap, zero=True)
 
     @property
     def name(self) -> str:

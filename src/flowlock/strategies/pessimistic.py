@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flowlock._settings import check_seconds
 from flowlock.errors import InvalidInput, StoreError
 from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent
@@ -27,10 +28,10 @@ class Pessimistic:
     nowait: bool = False
 
     def __post_init__(self) -> None:
-        if not self.nowait and not 0 < self.lock_timeout <= 3600:
-            raise InvalidInput(
-                f"lock_timeout must be between 0 and 3600 seconds, not {self.lock_timeout}"
-            )
+        # Checked with nowait too: a NaN left in an object is a NaN used later.
+        check_seconds("lock_timeout", self.lock_timeout)
+        if not isinstance(self.nowait, bool):
+            raise InvalidInput(f"nowait must be True or False, not {self.nowait!r}")
 
     @property
     def name(self) -> str:

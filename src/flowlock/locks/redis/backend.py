@@ -32,6 +32,14 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from flowlock._lifecycle import AsyncResource
+from flowlock._settings import (
+    MAX_NAMESPACE,
+    check_count,
+    check_seconds,
+    check_size,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     InvalidInput,
@@ -40,7 +48,7 @@ from flowlock.errors import (
     LockTimeout,
     LockUnavailable,
 )
-from flowlock.locks.base import Lease, LeaseContext, check_lock_args
+from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 from flowlock.locks.redis import scripts
 from flowlock.locks.redis.connection import BACKEND, bounded, close, connect, text
 from flowlock.locks.redis.fence import FenceFloors
@@ -57,6 +65,8 @@ _SCHEMES = ("redis", "rediss", "unix")
 # The shortest bound for one call while acquiring, however little of the wait is left: an
 # attempt at the deadline still deserves a round trip before it counts as unreachable.
 _MIN_CALL = 0.1
+# Fencing counters are Redis integers (signed 64-bit): a gap above this could overflow them.
+_MAX_FENCE_GAP = 2**62
 
 
 def _millis(seconds: float) -> int:
@@ -87,17 +97,9 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(url, str) or url.partition("://")[0].lower() not in _SCHEMES:
-            raise InvalidInput(
-                f"the Redis URL must start with redis://, rediss:// or unix://, not {url!r}"
-            )
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
-            raise InvalidInput(f"max_connections must be an integer, not {max_connections!r}")
-        if max_connections < 2:
-            raise InvalidInput(
-                f"max_connections must be at least 2 (one is the pub/sub listener's), "
-                f"not {max_connections}"
-            )
+        check_url("the Redis URL", url, _SCHEMES)
+        # At least 2: one is the pub/sub listener's.
+        check_size("max_connections", max_connections, least=2)
         self._url: str | None = url
         self._max_connections = max_connections
         self._init(namespace, fence_floor, fence_gap, socket_timeout, token, rng, clock)
@@ -139,16 +141,9 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None,
         clock: Callable[[], float],
     ) -> None:
-        if not isinstance(namespace, str) or not namespace:
-            raise InvalidInput(f"namespace must be a non-empty string, not {namespace!r}")
-        if isinstance(fence_gap, bool) or not isinstance(fence_gap, int) or fence_gap < 0:
-            raise InvalidInput(f"fence_gap must be a non-negative integer, not {fence_gap!r}")
-        if (
-            isinstance(socket_timeout, bool)
-            or not isinstance(socket_timeout, int | float)
-            or not 0 < socket_timeout < math.inf
-        ):
-            raise InvalidInput(f"socket_timeout must be a positive number, not {socket_timeout!r}")
+        check_text("namespace", namespace, most=MAX_NAMESPACE)
+        check_count("fence_gap", fence_gap, least=0, most=_MAX_FENCE_GAP)
+        check_seconds("socket_timeout", socket_timeout)
         self._keys = Keyspace(namespace)
         self._socket_timeout = float(socket_timeout)
         self._token = token
@@ -347,8 +342,7 @@ class RedisLocks(AsyncResource):
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
         self._check_lease(lease)
-        ttl = lease.ttl if ttl is None else ttl
-        check_lock_args(lease.key, ttl, None)
+        ttl = lease.ttl if ttl is None else check_ttl(ttl)
         self._require_open()
         assert self._scripts is not None
         sent = self._clock()
@@ -368,7 +362,8 @@ class RedisLocks(AsyncResource):
         or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher
         is woken by a release (none competes for the lock or takes a waiter's wake). Raises
         LockUnavailable when Redis cannot be asked whether the key is held."""
-        check_lock_args(key, 1.0, wait)
+        check_lock_key(key)
+        check_wait(wait)
         client = self._require_open()
         lock_key = self.redis_key(key)
         deadline = self._clock() + wait
@@ -403,7 +398,7 @@ class RedisLocks(AsyncResource):
         return text(value) == lease.token
 
     async def locked(self, key: str) -> bool:
-        check_lock_args(key, 1.0, None)
+        check_lock_key(key)
         client = self._require_open()
         lock_key = self.redis_key(key)
         count = await bounded("locked", client.exists(lock_key), self._socket_timeout)
