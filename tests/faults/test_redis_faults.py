@@ -448,6 +448,8 @@ def test_embedded_redis_lifecycle() -> None:
         assert not server.running
         with pytest.raises(InvalidInput, match="running server"):
             server.restart(keep_data=True)
+        with pytest.raises(InvalidInput, match="keep_data=True or False"):
+            server.restart(keep_data="yes")  # type: ignore[arg-type]
         server.restart()
         assert client.ping()
         assert client.get("y") is None

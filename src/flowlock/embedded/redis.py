@@ -178,6 +178,10 @@ class EmbeddedRedis(EmbeddedServer):
 
         ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``); it still works
         and warns with a DeprecationWarning."""
+        if not isinstance(keep_data, bool) or not isinstance(flush, bool | None):
+            raise InvalidInput(
+                f"restart() takes keep_data=True or False, not {keep_data!r} (flush={flush!r})"
+            )
         if flush is not None:
             warnings.warn(
                 "EmbeddedRedis.restart(flush=...) is deprecated: use keep_data=not flush "
