@@ -3,9 +3,11 @@ store, the report's verdict and rendering, the fault schedule, and the config's 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import random
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from flowlock.bench.config import MAX_SOAK_CALLERS, SoakConfig
-from flowlock.bench.faults import Schedule
+from flowlock.bench.faults import FaultInjector, Schedule
 from flowlock.bench.report import render_soak, soak_to_json, write_soak_json
 from flowlock.bench.soak_results import (
     FAULT_KINDS,
@@ -281,3 +283,65 @@ def test_the_soak_config_refuses_what_cannot_run() -> None:
         SoakConfig(seconds=60, faults=True, database_url="postgresql://x@y/z").validate()
     assert SoakConfig(seconds=60, fault_interval=3.0).fault_cap() == 41
     assert SoakConfig(seconds=3600, fault_interval=0.5).fault_cap() == 2000
+
+
+class _Recording:
+    """Targets that only note what they were asked (the kill fails: nothing to kill)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.paused_for: list[float] = []
+
+    async def kill_worker(self, rng: random.Random) -> str:
+        self.asked.append("kill-worker")
+        raise InvalidInput("no worker process is running")
+
+    async def pause_worker(self, rng: random.Random, seconds: float) -> str:
+        self.asked.append("pause-worker")
+        self.paused_for.append(seconds)
+        await asyncio.sleep(seconds)
+        return f"w0 for {seconds:.1f} s"
+
+    async def terminate_backends(self, rng: random.Random) -> str:
+        self.asked.append("terminate-backend")
+        return "1 of 4 session(s)"
+
+    async def restart_postgres(self) -> str:
+        self.asked.append("restart-postgres")
+        return "PostgreSQL"
+
+    async def restart_redis(self) -> str:
+        self.asked.append("restart-redis")
+        return "Redis (empty)"
+
+
+async def test_the_injector_records_each_fault_and_ends_before_the_stop() -> None:
+    """Faults every ~0.5 s until a second before the stop, each recorded (a failed one with
+    ok=False and why), pauses awaited before run() returns, and never more than max_faults."""
+    targets = _Recording()
+    started = time.monotonic()
+    injector = FaultInjector(
+        targets,
+        Schedule(random.Random(3), interval=0.5, lease_ttl=0.2),
+        started=started,
+        max_faults=8,
+    )
+    await injector.run(started + 4.0)
+    assert time.monotonic() - started < 4.0 + 1.0
+    assert 1 <= len(injector.faults) <= 8
+    assert [f.kind for f in injector.faults if f.kind != "pause-worker"] == [
+        k for k in targets.asked if k != "pause-worker"
+    ]
+    for fault in injector.faults:
+        assert fault.ok == (fault.kind != "kill-worker")
+        if not fault.ok:
+            assert "no worker process" in fault.detail
+    assert all(0.02 <= s <= 0.4 for s in targets.paused_for)
+    capped = FaultInjector(
+        _Recording(),
+        Schedule(random.Random(3), interval=0.5, lease_ttl=0.2),
+        started=started,
+        max_faults=0,
+    )
+    await capped.run(time.monotonic() + 3.0)
+    assert capped.faults == []
