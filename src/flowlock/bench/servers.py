@@ -30,6 +30,7 @@ __all__ = [
     "RedisServer",
     "connect",
     "connections_needed",
+    "count_redis_lock_keys",
     "delete_redis_keys",
     "demand",
     "drop_schema",
@@ -280,5 +281,25 @@ async def delete_redis_keys(url: str, namespace: str) -> None:
             await client.delete(*batch)
     except (RedisError, OSError) as exc:
         raise StoreError(f"cannot delete the run's Redis keys ({pattern}): {exc}") from exc
+    finally:
+        await client.aclose()
+
+
+async def count_redis_lock_keys(url: str, namespace: str) -> int:
+    """The lock keys (not the fencing counters) under the run's namespace in Redis."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from flowlock.locks.redis import RedisLocks
+
+    pattern = RedisLocks(url, namespace=namespace).key_pattern()
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        found = 0
+        async for key in client.scan_iter(match=pattern, count=1000):
+            found += not bytes(key).endswith(b":fence")
+        return found
+    except (RedisError, OSError) as exc:
+        raise StoreError(f"cannot count the run's Redis lock keys ({pattern}): {exc}") from exc
     finally:
         await client.aclose()

@@ -11,7 +11,10 @@
         locks = RedisLocks(server.url)
 
 Each server runs as a child process in a temporary directory of its own, on a free 127.0.0.1
-port, and ``stop()`` (also at interpreter exit) leaves no process and no directory behind. Any
+port, and ``stop()`` (also at interpreter exit) leaves no process and no directory behind.
+For fault tests both can be restarted on the same URL (``EmbeddedPostgres.restart()`` keeps the
+data, ``EmbeddedRedis.restart()`` comes back empty unless ``keep_data=True``) and frozen with
+``pause()`` (SIGSTOP; the whole PostgreSQL process tree) until ``resume()``. Any
 failure to start or stop one, or a question to one that is not running, raises
 :class:`flowlock.EmbeddedServerError` with what the server said; bad arguments raise
 :class:`flowlock.InvalidInput`.

@@ -1,6 +1,7 @@
 """What every embedded server shares: one temporary directory per start, idempotent and
-thread-safe ``start()``/``stop()``, ``with`` and ``async with`` (the async forms run in a worker
-thread), a stop after a cancelled async start, a stop at interpreter exit, and the errors."""
+thread-safe ``start()``/``stop()``, ``pause()``/``resume()``, ``with`` and ``async with`` (the
+async forms run in a worker thread), a stop after a cancelled async start, a stop at interpreter
+exit, and the errors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -69,6 +71,8 @@ class EmbeddedServer(AsyncResource):
         self._lock = threading.RLock()
         self._root: Path | None = None
         self._owner_pid: int | None = None
+        # The processes pause() stopped, continued by resume(), stop() and restart().
+        self._stopped_pids: set[int] = set()
 
     # --- for subclasses ----------------------------------------------------------------------
 
@@ -94,6 +98,11 @@ class EmbeddedServer(AsyncResource):
     def _log_tail(self) -> str:
         """The tail of the server's log, quoted in failures ("" when there is none)."""
         return ""
+
+    def _pause_targets(self) -> list[int]:
+        """The processes :meth:`pause` stops, the one that starts new ones first (so none is
+        forked between the look and the signal); empty when the server is not running."""
+        raise NotImplementedError
 
     def _failure(
         self, problem: str, output: str = "", *, advice: str | None = None
@@ -151,12 +160,54 @@ class EmbeddedServer(AsyncResource):
         with self._lock:
             self._teardown()
 
+    # --- pause / resume ----------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` stopped the server and nothing has continued it since."""
+        return bool(self._stopped_pids)
+
+    def pause(self) -> None:
+        """Freeze the server with SIGSTOP, as a hung machine would: connections stay open and
+        nothing is answered until :meth:`resume`. A no-op when already paused;
+        EmbeddedServerError when the server is not running. ``stop()`` and ``restart()``
+        resume it first, so a paused server is never left behind stopped."""
+        with self._lock:
+            if self._stopped_pids:
+                return
+            if self._root is None or not self.running:
+                raise self._not_running()
+            stopped: set[int] = set()
+            # Signalled one after another, looked up again after each round: a process forked
+            # before its parent was stopped is found and stopped on the next pass.
+            for _ in range(3):
+                fresh = [pid for pid in self._pause_targets() if pid not in stopped]
+                if not fresh:
+                    break
+                process.signal_all(fresh, signal.SIGSTOP)
+                stopped.update(fresh)
+            self._stopped_pids = stopped
+
+    def resume(self) -> None:
+        """Continue a server :meth:`pause` froze (SIGCONT). A no-op when it is not paused;
+        EmbeddedServerError when it was never started or has been stopped."""
+        with self._lock:
+            if self._root is None:
+                raise self._not_running()
+            self._continue()
+
+    def _continue(self) -> None:
+        stopped, self._stopped_pids = self._stopped_pids, set()
+        process.signal_all(stopped, signal.SIGCONT)
+
     def _teardown(self) -> None:
         """Stop whatever part of the server exists and delete the directory, also when
         interrupted (the interruption is re-raised afterwards)."""
         root = self._root
         if root is None:
             return
+        # A stopped process would sit out a graceful shutdown until its bound runs out.
+        self._continue()
         problems: list[str] = []
         try:
             problems += self._halt(root)

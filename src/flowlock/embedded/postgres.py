@@ -42,6 +42,8 @@ _KILL_WAIT = 5.0
 # The free port can be taken by another process before postgres binds it; a couple of retries
 # make that race harmless.
 _PORT_ATTEMPTS = 3
+# How long a restart waits before trying its port again when something still holds it.
+_REBIND_PAUSE = 0.2
 # The socket in the temporary directory is named ".s.PGSQL.<port>" (up to 16 characters).
 _SOCKET_NAME = 16
 _ADVICE = (
@@ -354,10 +356,17 @@ class EmbeddedPostgres(EmbeddedServer):
             what="initdb",
         )
 
-    def _pg_ctl_start(self, data_dir: Path, log: Path, deadline: float) -> int:
-        """``pg_ctl start`` on a free port, which is retried when another process took it."""
-        for attempt in range(1, _PORT_ATTEMPTS + 1):
-            port = process.free_port()
+    def _pg_ctl_start(
+        self, data_dir: Path, log: Path, deadline: float, *, port: int | None = None
+    ) -> int:
+        """``pg_ctl start`` on ``port``, or on a free port, which is retried when another
+        process took it. A fixed port (a restart's) is retried until the deadline: the old
+        postmaster's socket may linger a moment, and a stranger holding it has to be waited out
+        or reported."""
+        attempt = 0
+        while True:
+            attempt += 1
+            chosen = port if port is not None else process.free_port()
             try:
                 self._run(
                     [
@@ -367,7 +376,7 @@ class EmbeddedPostgres(EmbeddedServer):
                         "-l",
                         str(log),
                         "-o",
-                        f"-p {port}",
+                        f"-p {chosen}",
                         "-w",
                         "-t",
                         str(max(1, math.ceil(deadline - time.monotonic()))),
@@ -377,11 +386,15 @@ class EmbeddedPostgres(EmbeddedServer):
                     what="pg_ctl start",
                 )
             except EmbeddedServerError:
-                if attempt < _PORT_ATTEMPTS and "could not bind" in self._log_tail():
+                if "could not bind" not in self._log_tail():
+                    raise
+                if port is None and attempt < _PORT_ATTEMPTS:
+                    continue
+                if port is not None and time.monotonic() + _REBIND_PAUSE < deadline:
+                    time.sleep(_REBIND_PAUSE)
                     continue
                 raise
-            return port
-        raise AssertionError("unreachable: the last attempt returns or raises")
+            return chosen
 
     def _server_settings(self) -> dict[str, str]:
         settings = {
@@ -401,6 +414,49 @@ class EmbeddedPostgres(EmbeddedServer):
         }
         settings.update(self._settings)
         return settings
+
+    # --- restart and pause --------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """Stop the server (``pg_ctl stop -m fast``: every session is ended) and start it again
+        on the same data directory and port, so :attr:`url` stays the same and the data is
+        kept; clients reconnect to the same URL. A paused server is resumed first. Bounded by
+        ``stop_timeout`` and ``start_timeout``; EmbeddedServerError when it is not running, or
+        when it does not come back (the server is then stopped and its directory removed)."""
+        with self._lock:
+            root, port, postmaster = self._root, self._port, self._pid
+            if root is None or port is None or postmaster is None or not self.running:
+                raise self._not_running()
+            self._continue()
+            data_dir = root / "data"
+            try:
+                if not self._graceful_stop(data_dir):
+                    # pg_ctl could not stop it in time: an immediate shutdown, as after a crash
+                    # (the data survives; the next start replays the WAL).
+                    problems = self._kill(data_dir, postmaster)
+                    if problems:
+                        raise self._failure("could not stop for a restart: " + "; ".join(problems))
+                process.wait_gone({postmaster}, _KILL_WAIT)
+                self._pid = None
+                deadline = time.monotonic() + self._start_timeout
+                self._pg_ctl_start(data_dir, root / "postgres.log", deadline, port=port)
+                self._pid = _read_postmaster_pid(data_dir)
+                if self._pid is None:
+                    raise self._failure(
+                        "pg_ctl start reported success but postmaster.pid is missing"
+                    )
+            except BaseException:
+                self._stop_quietly()
+                raise
+
+    def _pause_targets(self) -> list[int]:
+        # The whole tree, not only the postmaster: a backend already serving a connection
+        # would go on answering it, and a paused server should hang as a frozen machine does.
+        postmaster = self._pid
+        if postmaster is None or not process.alive(postmaster):
+            return []
+        tree = process.process_tree({postmaster})
+        return [postmaster, *sorted(tree - {postmaster})]
 
     # --- stop --------------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@
 
     with EmbeddedRedis() as server:
         locks = RedisLocks(server.url)
-        server.restart(flush=True)  # "Redis restarted and lost everything", same URL
+        server.restart()  # "Redis restarted and lost everything", same URL
+        server.restart(keep_data=True)  # saved first, loaded back
+        server.pause(); server.resume()  # frozen (SIGSTOP) and continued (SIGCONT)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -68,8 +71,9 @@ class EmbeddedRedis(EmbeddedServer):
     raises :class:`flowlock.EmbeddedServerError` with the tail of the server log, the process
     killed and the directory removed.
 
-    For fault tests: :meth:`restart` brings the server back on the same port (empty with
-    ``flush=True``, as after a crash without persistence) and :meth:`kill` SIGKILLs it.
+    For fault tests: :meth:`restart` brings the server back on the same port (empty by default,
+    as after a crash without persistence; with its data under ``keep_data=True``), :meth:`kill`
+    SIGKILLs it, and :meth:`pause` / :meth:`resume` freeze and continue it.
     """
 
     server = "Redis"
@@ -165,21 +169,44 @@ class EmbeddedRedis(EmbeddedServer):
 
     # --- lifecycle (start and stop are EmbeddedServer's) -------------------------------------
 
-    def restart(self, *, flush: bool = True) -> None:
-        """Stop the server and start it again on the same port (and socket). ``flush=True``:
-        it comes back empty, like a Redis without persistence after a crash; ``flush=False``:
-        its data is saved first (SAVE) and loaded back."""
+    def restart(self, *, keep_data: bool = False, flush: bool | None = None) -> None:
+        """Stop the server and start it again on the same port (and socket), so :attr:`url`
+        stays the same. By default it comes back empty, like a Redis without persistence after
+        a crash; ``keep_data=True`` saves the dataset first (SAVE) and loads it back. A paused
+        server is resumed first. EmbeddedServerError when it was never started or has been
+        stopped; a server that does not come back is stopped and its directory removed.
+
+        ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``); it still works
+        and warns with a DeprecationWarning."""
+        if not isinstance(keep_data, bool) or not isinstance(flush, bool | None):
+            raise InvalidInput(
+                f"restart() takes keep_data=True or False, not {keep_data!r} (flush={flush!r})"
+            )
+        if flush is not None:
+            warnings.warn(
+                "EmbeddedRedis.restart(flush=...) is deprecated: use keep_data=not flush "
+                "(restart() comes back empty, restart(keep_data=True) keeps the data)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if keep_data and flush:
+                raise InvalidInput("restart(keep_data=True, flush=True) contradicts itself")
+            keep_data = not flush
         with self._lock:
             if self._root is None or self._port is None:
                 raise self._not_running()
-            if not flush:
+            self._continue()
+            if keep_data:
                 if not self.running:
-                    raise InvalidInput("restart(flush=False) needs a running server to save")
+                    raise InvalidInput(
+                        "restart(keep_data=True) needs a running server to save its data; "
+                        "this one was killed: restart() brings it back empty"
+                    )
                 reply = _command(self._port, "SAVE", timeout=self._start_timeout)
                 if reply != b"+OK":
                     raise self._failure(f"SAVE answered {reply!r}")
             self._terminate()
-            if flush:
+            if not keep_data:
                 (self._root / _DUMP).unlink(missing_ok=True)
             try:
                 self._serve(self._root, time.monotonic() + self._start_timeout, port=self._port)
@@ -190,6 +217,7 @@ class EmbeddedRedis(EmbeddedServer):
     def kill(self) -> None:
         """SIGKILL the server (a crash); the directory stays, so :meth:`restart` works."""
         with self._lock:
+            self._continue()  # so the paused flag does not outlive the process
             proc = self._proc
             if proc is not None and proc.poll() is None:
                 proc.kill()
@@ -220,6 +248,11 @@ class EmbeddedRedis(EmbeddedServer):
 
     def _log_tail(self) -> str:
         return "" if self._root is None else process.log_tail(self._root / _LOG)
+
+    def _pause_targets(self) -> list[int]:
+        # One process: SIGSTOP stops all of its threads (the I/O and background ones too).
+        proc = self._proc
+        return [proc.pid] if proc is not None and proc.poll() is None else []
 
     # --- internals ---------------------------------------------------------------------------
 

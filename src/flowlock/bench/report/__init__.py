@@ -1,7 +1,9 @@
 """Rendering a :class:`~flowlock.bench.results.BenchReport`: rich tables (:mod:`.tables`), the JSON
 document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progress display
 (:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
-Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results`.
+A soak's :class:`~flowlock.bench.soak_results.SoakReport` has its table and JSON in :mod:`.soak`.
+Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` and
+:mod:`flowlock.bench.soak_results`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flowlock.bench.report.aims import (
 from flowlock.bench.report.chart import PlotUnavailable, check_plot_support, plot
 from flowlock.bench.report.json import result_to_json, to_json, write_json
 from flowlock.bench.report.progress import RichProgress
+from flowlock.bench.report.soak import render_soak, soak_table, soak_to_json, write_soak_json
 from flowlock.bench.report.tables import (
     SEED_COUNTERPART,
     SEED_MEASURED,
@@ -50,10 +53,14 @@ __all__ = [
     "floors",
     "plot",
     "render",
+    "render_soak",
     "result_to_json",
     "results_table",
     "seed_table",
+    "soak_table",
+    "soak_to_json",
     "to_json",
     "vs_floor",
     "write_json",
+    "write_soak_json",
 ]

