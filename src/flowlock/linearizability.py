@@ -67,15 +67,15 @@ from typing import Any, Literal, TypeAlias
 from flowlock.definition import Transition, Workflow
 from flowlock.errors import (
     ConcurrencyError,
-    ConnectionLost,
     DefinitionError,
     EngineClosed,
     FlowlockError,
     InstanceExists,
     InstanceNotFound,
     InvalidInput,
+    OutcomeUnknown,
     StepFailed,
-    StoreBusy,
+    StoreError,
     TransitionRefused,
     VersionMismatch,
 )
@@ -248,10 +248,10 @@ def _result_problem(r: CallRecord) -> str | None:
 
 
 # Errors that mean "refused before anything was written": the engine promises each of them
-# leaves the instance untouched; so does ConnectionLost, which the engine raises only when the
-# connection went before the write was sent or committed (it is OutcomeUnknown otherwise). Any
-# other exception (OutcomeUnknown, another StoreError, a timeout, a cancellation, a crash) may
-# have left a write behind.
+# leaves the instance untouched. Every StoreError says its transaction was rolled back
+# (ConnectionLost: the connection went before the write was sent or committed), except
+# OutcomeUnknown, raised exactly when a commit may have landed. Any other exception (a timeout,
+# a cancellation, a crash, an error that is not flowlock's) may have left a write behind.
 _NO_EFFECT: tuple[type[BaseException], ...] = (
     InvalidInput,
     InstanceNotFound,
@@ -261,9 +261,8 @@ _NO_EFFECT: tuple[type[BaseException], ...] = (
     StepFailed,
     DefinitionError,
     ConcurrencyError,
-    StoreBusy,
     EngineClosed,
-    ConnectionLost,
+    StoreError,
 )
 
 
@@ -271,9 +270,11 @@ def outcome_of(error: BaseException) -> Literal["fail", "unknown"]:
     """How a call that raised ``error`` is recorded: "fail" for a flowlock refusal made before
     anything was written (InvalidInput and its subclasses, InstanceNotFound, InstanceExists,
     TransitionRefused, VersionMismatch, StepFailed, DefinitionError, ConcurrencyError (conflicts
-    and every lock error), StoreBusy, EngineClosed, and ConnectionLost, which promises the write
-    was never sent or committed); "unknown" for anything else: OutcomeUnknown and any other
-    StoreError, timeouts, cancellation, errors not flowlock's."""
+    and every lock error), EngineClosed, and every StoreError but OutcomeUnknown: StoreBusy,
+    ConnectionLost and the rest promise their transaction was rolled back); "unknown" for
+    OutcomeUnknown, timeouts, cancellation and errors not flowlock's."""
+    if isinstance(error, OutcomeUnknown):
+        return "unknown"
     return "fail" if isinstance(error, _NO_EFFECT) else "unknown"
 
 

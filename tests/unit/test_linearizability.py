@@ -459,7 +459,7 @@ def test_a_call_is_completed_once_with_what_its_op_returns() -> None:
         (flowlock.StoreBusy(1.0, 5), "fail"),
         (flowlock.OutcomeUnknown("i", "lost"), "unknown"),
         (flowlock.ConnectionLost("i", "lost"), "fail"),
-        (flowlock.StoreError("odd"), "unknown"),
+        (flowlock.StoreError("odd"), "fail"),
         (TimeoutError(), "unknown"),
         (asyncio.CancelledError(), "unknown"),
         (KeyError("x"), "unknown"),
