@@ -53,7 +53,13 @@ from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
-from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
+from flowlock._settings import (
+    DEFAULT_COMMAND_TIMEOUT,
+    POSTGRES_SCHEMES,
+    check_seconds,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -84,7 +90,8 @@ RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 # connections keep the name "flowlock-runner" in pg_stat_activity: the bench (and perhaps the
 # user's monitoring) looks for it.
 _APPLICATION_NAME = "flowlock-runner"
-_LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
+_LOCK_WAIT = 5.0  # seconds any statement waits at most for a row lock, on the server
+_LOCK_TIMEOUT = f"{_LOCK_WAIT * 1000:.0f}ms"
 _CONNECT_TIMEOUT = 10.0
 # Characters of a job, a tick or an owner; the lease key of a job and a tick stays well within
 # a lock key's 512.
@@ -192,6 +199,10 @@ class RunOnce(AsyncResource):
     how this runner is named in the table (default: host, pid and a random suffix).
     ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
     can borrow them (a RedisLocks given none of its own) and taken back on close.
+    ``command_timeout``: seconds one round trip to PostgreSQL may take beyond the 5 s a
+    statement may wait for a row lock on the server; past it the connection is terminated and
+    the call raises ConnectionLost (OutcomeUnknown for a claim or a completion that may have
+    been written).
     """
 
     def __init__(
@@ -206,6 +217,7 @@ class RunOnce(AsyncResource):
         acquire_timeout: float = 10.0,
         owner: str | None = None,
         auto_migrate: bool = True,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     ) -> None:
         if not isinstance(locks, LockBackend):
             raise InvalidInput(f"locks must be a lock backend, not {type(locks).__name__}")
@@ -215,6 +227,7 @@ class RunOnce(AsyncResource):
         check_schema(schema)
         check_pool_size(pool_size)
         self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        self._command_timeout = check_seconds("command_timeout", command_timeout)
         if owner is not None:
             check_text("owner", owner, most=_MAX_NAME)
         self.locks = locks
@@ -242,11 +255,17 @@ class RunOnce(AsyncResource):
                 application_name=_APPLICATION_NAME,
                 server_settings={"lock_timeout": _LOCK_TIMEOUT},
                 connect_timeout=_CONNECT_TIMEOUT,
+                # Every statement here runs on this pool with no timeout= of its own: this is
+                # its bound, the lock wait the server allows and command_timeout more.
+                command_timeout=_LOCK_WAIT + self._command_timeout,
             )
         if self._auto_migrate:
             try:
                 await migrations.migrate(
-                    self._pool, acquire_timeout=self._acquire_timeout, pool_size=self._pool_size
+                    self._pool,
+                    acquire_timeout=self._acquire_timeout,
+                    pool_size=self._pool_size,
+                    command_timeout=self._command_timeout,
                 )
             except BaseException:
                 await self.aclose()
