@@ -361,3 +361,33 @@ async def test_run_once_on_a_paused_server_fails_typed_at_its_bound_and_the_tick
             await conn.close(timeout=10)
         assert [r["state"] for r in rows] == ["done"]
         assert len(runs) == (2 if after.status == "took_over" else 1)
+
+
+async def test_a_fencing_epoch_bump_on_a_paused_server_is_lock_unavailable_at_its_bound(
+    pg: EmbeddedPostgres, schema: str
+) -> None:
+    """The Redis backend's fencing epochs, in PostgreSQL: a bump on a paused server raises
+    LockUnavailable at the caller's bound, the connection (which may hold the epoch's
+    session-level lock) terminated; after resume the next bump takes the epoch after the
+    last committed one, never the same again."""
+    async with flowlock.Engine.connect(
+        pg.url, schema=schema, max_size=1, lock_timeout=LOCK, command_timeout=COMMAND
+    ) as engine:
+        store = store_of(engine)
+        epochs = store.fence_epochs
+        async with epochs.advance("ns", "k", at_least=0, bound=COMMAND) as first:
+            pass
+        before = await pid_of(store.pool)
+
+        async def bump() -> None:
+            async with epochs.advance("ns", "k", at_least=0, bound=COMMAND):
+                pass
+
+        async with paused(pg):
+            failed = await at_bound(bump(), COMMAND, flowlock.LockUnavailable)
+            assert timed_out(failed)
+            assert store.pool.get_size() == 0
+        await wait_until(lambda: gone(pg.url, before), what="the old session to end")
+        async with epochs.advance("ns", "k", at_least=0, bound=COMMAND) as after:
+            # The paused bump may have committed once the server ran again (first + 1), or not.
+            assert after in (first + 1, first + 2)
