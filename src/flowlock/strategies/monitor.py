@@ -290,8 +290,17 @@ class EscalationSync:
                     await board.publish(escalation)
                 shared = await board.active(time.time())
             monitor.adopt({e.key: e for e in shared})
-        except (FlowlockError, TimeoutError) as exc:
-            log.warning("flowlock: sharing escalations failed, retrying: %s", exc)
+        except Exception as exc:
+            # Why every Exception: this loop runs for the engine's whole life, and an error the
+            # board failed to translate must not end it (escalations would silently stop being
+            # shared). A flowlock error is an expected outage, logged in one line; anything else
+            # is a bug, logged with its traceback. (CancelledError, how stop() ends the loop, is
+            # not an Exception.)
+            log.warning(
+                "flowlock: sharing escalations failed, retrying: %s",
+                exc if isinstance(exc, FlowlockError) else f"{type(exc).__name__}: {exc}",
+                exc_info=not isinstance(exc, FlowlockError | TimeoutError),
+            )
         up, down = monitor.escalations, monitor.deescalations
         if self._record is not None:
             self._record(
