@@ -49,6 +49,7 @@ from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
+from flowlock._settings import check_application_name
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -69,8 +70,8 @@ T = TypeVar("T")
 RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 
 # The pool's options are a store's defaults, as when RunOnce borrowed a store's pool. Its
-# connections keep the name "flowlock-runner" in pg_stat_activity: the bench (and perhaps the
-# user's monitoring) looks for it.
+# connections are named "flowlock-runner" in pg_stat_activity unless told otherwise: the bench
+# (and perhaps the user's monitoring) looks for it.
 _APPLICATION_NAME = "flowlock-runner"
 _LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
 _CONNECT_TIMEOUT = 10.0
@@ -175,6 +176,7 @@ class RunOnce(AsyncResource):
     that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
     ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
     how this runner is named in the table (default: host, pid and a random suffix).
+    ``application_name``: how its connections show in ``pg_stat_activity``.
     """
 
     def __init__(
@@ -189,8 +191,10 @@ class RunOnce(AsyncResource):
         acquire_timeout: float = 10.0,
         owner: str | None = None,
         auto_migrate: bool = True,
+        application_name: str = _APPLICATION_NAME,
     ) -> None:
         check_lock_args("job", ttl, wait)
+        check_application_name(application_name)
         check_schema(schema)
         check_pool_size(pool_size)
         self.locks = locks
@@ -202,6 +206,7 @@ class RunOnce(AsyncResource):
         self._pool_size = pool_size
         self._acquire_timeout = acquire_timeout
         self._auto_migrate = auto_migrate
+        self.application_name = application_name
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:
@@ -214,7 +219,7 @@ class RunOnce(AsyncResource):
                 max_size=self._pool_size,
                 schema=self._schema,
                 create_schema=True,
-                application_name=_APPLICATION_NAME,
+                application_name=self.application_name,
                 server_settings={"lock_timeout": _LOCK_TIMEOUT},
                 connect_timeout=_CONNECT_TIMEOUT,
             )
