@@ -176,7 +176,7 @@ async def test_a_read_only_replica_is_lock_unavailable_and_its_promotion_recover
             lease = await locks.acquire("k", ttl=TTL)
             # A primary nobody answers on: the server stays a replica, read-only, and keeps
             # its data (the lease's key) while it tries to connect.
-            await admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+            await admin.replicaof("127.0.0.1", 1)
             for call in (
                 lambda: locks.acquire("other", ttl=TTL),
                 lambda: locks.extend(lease),
@@ -186,7 +186,7 @@ async def test_a_read_only_replica_is_lock_unavailable_and_its_promotion_recover
                     await call()
                 assert_typed(caught.value)
                 assert isinstance(caught.value.__cause__, ReadOnlyError), caught.value.__cause__
-            await admin.execute_command("REPLICAOF", "NO", "ONE")
+            await admin.replicaof("NO", "ONE")
             async with locks.acquire("other", ttl=TTL):
                 assert await locks.locked("other")
         finally:

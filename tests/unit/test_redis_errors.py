@@ -23,7 +23,12 @@ REDIS_ERRORS = sorted(
     ),
     key=lambda cls: cls.__name__,
 )
-OS_ERRORS = [ConnectionResetError, ConnectionRefusedError, BrokenPipeError, OSError]
+OS_ERRORS: list[type[BaseException]] = [
+    ConnectionResetError,
+    ConnectionRefusedError,
+    BrokenPipeError,
+    OSError,
+]
 
 
 def _instance(cls: type[BaseException]) -> BaseException:
