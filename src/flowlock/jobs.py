@@ -53,7 +53,13 @@ from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
-from flowlock._settings import POSTGRES_SCHEMES, check_seconds, check_text, check_url
+from flowlock._settings import (
+    POSTGRES_SCHEMES,
+    check_application_name,
+    check_seconds,
+    check_text,
+    check_url,
+)
 from flowlock.errors import (
     EngineClosed,
     FlowlockError,
@@ -81,8 +87,8 @@ T = TypeVar("T")
 RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 
 # The pool's options are a store's defaults, as when RunOnce borrowed a store's pool. Its
-# connections keep the name "flowlock-runner" in pg_stat_activity: the bench (and perhaps the
-# user's monitoring) looks for it.
+# connections are named "flowlock-runner" in pg_stat_activity unless told otherwise: the bench
+# (and perhaps the user's monitoring) looks for it.
 _APPLICATION_NAME = "flowlock-runner"
 _LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
 _CONNECT_TIMEOUT = 10.0
@@ -190,6 +196,7 @@ class RunOnce(AsyncResource):
     that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
     ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
     how this runner is named in the table (default: host, pid and a random suffix).
+    ``application_name``: how its connections show in ``pg_stat_activity``.
     ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
     can borrow them (a RedisLocks given none of its own) and taken back on close.
     """
@@ -206,12 +213,14 @@ class RunOnce(AsyncResource):
         acquire_timeout: float = 10.0,
         owner: str | None = None,
         auto_migrate: bool = True,
+        application_name: str = _APPLICATION_NAME,
     ) -> None:
         if not isinstance(locks, LockBackend):
             raise InvalidInput(f"locks must be a lock backend, not {type(locks).__name__}")
         check_url("dsn", dsn, POSTGRES_SCHEMES)
         self.ttl = check_ttl(ttl)
         self.wait = check_wait(wait)
+        check_application_name(application_name)
         check_schema(schema)
         check_pool_size(pool_size)
         self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
@@ -223,6 +232,7 @@ class RunOnce(AsyncResource):
         self._schema = schema
         self._pool_size = pool_size
         self._auto_migrate = auto_migrate
+        self.application_name = application_name
         self._pool: asyncpg.Pool | None = None
         self.fence_epochs = PostgresFenceEpochs(
             self._require_pool, schema=schema, acquire_timeout=acquire_timeout, size=pool_size
@@ -239,7 +249,7 @@ class RunOnce(AsyncResource):
                 max_size=self._pool_size,
                 schema=self._schema,
                 create_schema=True,
-                application_name=_APPLICATION_NAME,
+                application_name=self.application_name,
                 server_settings={"lock_timeout": _LOCK_TIMEOUT},
                 connect_timeout=_CONNECT_TIMEOUT,
             )
