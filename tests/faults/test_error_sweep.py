@@ -22,7 +22,7 @@ back to idle, and after ``aclose`` no session of this test is left on the server
 
 The randomness is seeded (``FLOWLOCK_SWEEP_SEED``, else a fresh seed); the seed is printed.
 
-A second test restarts a PostgreSQL of its own (``pg_ctl restart -m fast``) under the same kind
+A second test restarts a PostgreSQL of its own (``EmbeddedPostgres.restart()``) under the same kind
 of load.
 """
 
@@ -34,14 +34,12 @@ import contextlib
 import logging
 import os
 import random
-import subprocess
 import time
 import traceback
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -662,7 +660,7 @@ async def test_only_flowlock_errors_escape_while_connections_are_killed(
             return await kill_clients(redis_admin, sweep_rng, every)
 
         async def redis_restart(flush: bool) -> None:
-            await asyncio.to_thread(own_redis.restart, flush=flush)
+            await asyncio.to_thread(own_redis.restart, keep_data=not flush)
 
         def unnoticed(every: bool) -> int:
             return end_sessions_unnoticed(pg_url, app, sweep_rng.randrange(2**32), every)
@@ -694,43 +692,9 @@ async def _none_left(pg_url: str, app: str) -> bool:
 # -- a PostgreSQL restart ----------------------------------------------------------------------
 
 
-def restart_postgres(server: EmbeddedPostgres) -> None:
-    """``pg_ctl restart -m fast`` on the same port: every session ends (FATAL 57P01), the
-    server refuses connections while it is down (57P03, or connection refused), then comes
-    back with its data."""
-    data = server.data_dir
-    owner = data.stat().st_uid
-    command = [
-        str(_pg_bin() / "pg_ctl"),
-        "-D",
-        str(data),
-        "-l",
-        str(data.parent / "postgres.log"),
-        "-o",
-        f"-p {server.port}",
-        "-m",
-        "fast",
-        "-w",
-        "-t",
-        "60",
-        "restart",
-    ]
-    kwargs: dict[str, Any] = {}
-    if os.getuid() == 0 and owner != 0:
-        kwargs = {"user": owner, "group": data.stat().st_gid}
-    subprocess.run(command, check=True, capture_output=True, timeout=90, **kwargs)
-    server._pid = int((data / "postmaster.pid").read_text().split()[0])
-
-
 async def _close_quietly(conn: asyncpg.Connection) -> None:
     with contextlib.suppress(asyncpg.InterfaceError, OSError):
         await conn.close()
-
-
-def _pg_bin() -> Path:
-    from flowlock.embedded.postgres import _bin_dir
-
-    return _bin_dir()
 
 
 async def test_only_flowlock_errors_escape_while_postgresql_restarts(
@@ -755,7 +719,7 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
 
             async def pg(every: bool) -> int:
                 if rng.random() < 0.15:
-                    await asyncio.to_thread(restart_postgres, server)
+                    await asyncio.to_thread(server.restart)
                     restarts.append(time.monotonic())
                     admin_box[0] = await asyncpg.connect(url)
                     return 0
@@ -765,7 +729,7 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
                 return await kill_clients(redis_admin, rng, every)
 
             async def redis_restart(flush: bool) -> None:
-                await asyncio.to_thread(own_redis.restart, flush=flush)
+                await asyncio.to_thread(own_redis.restart, keep_data=not flush)
 
             def unnoticed(every: bool) -> int:
                 return end_sessions_unnoticed(url, app, rng.randrange(2**32), every)
