@@ -10,12 +10,16 @@ state on the server instead of guessing it from the time.
 - :func:`advisory_sessions` reads an advisory lock's holder and queue from ``pg_locks`` and
   ``pg_stat_activity``: a waiter in PostgreSQL's lock queue shows as ``granted = false``, and
   its statement's ``query_start`` stays put for as long as that one statement waits.
+- :class:`Monotonic` is an injectable monotonic clock the test moves forward, and
+  :class:`WallClock` a stand-in for ``time.time`` that jumps (by an hour, say) and records
+  which flowlock modules read it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,7 +32,15 @@ from redis.commands.core import AsyncScript
 
 from flowlock.locks.redis import RedisLocks, wakeups
 
-__all__ = ["Attempts", "Session", "Sleepers", "advisory_sessions", "wait_until"]
+__all__ = [
+    "Attempts",
+    "Monotonic",
+    "Session",
+    "Sleepers",
+    "WallClock",
+    "advisory_sessions",
+    "wait_until",
+]
 
 
 async def wait_until(
@@ -126,3 +138,33 @@ async def advisory_sessions(conn: asyncpg.Connection, lock_id: int) -> list[Sess
         unsigned & 0xFFFF_FFFF,
     )
     return [Session(r["pid"], r["granted"], r["query_start"], r["wait_event_type"]) for r in rows]
+
+
+class Monotonic:
+    """An injected monotonic clock: real monotonic time plus what the test moves it by."""
+
+    def __init__(self) -> None:
+        self.moved = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.moved
+
+
+class WallClock:
+    """A stand-in for ``time.time`` (set it with the test's monkeypatch): the real wall clock
+    shifted by ``offset``, which :meth:`jump` moves; ``readers`` names every flowlock module that
+    read it."""
+
+    def __init__(self, real: Callable[[], float]) -> None:
+        self._real = real
+        self.offset = 0.0
+        self.readers: set[str] = set()
+
+    def __call__(self) -> float:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("flowlock"):
+            self.readers.add(caller)
+        return self._real() + self.offset
+
+    def jump(self, seconds: float) -> None:
+        self.offset += seconds

@@ -56,6 +56,7 @@ from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connect
 from flowlock._settings import (
     DEFAULT_COMMAND_TIMEOUT,
     POSTGRES_SCHEMES,
+    check_application_name,
     check_seconds,
     check_text,
     check_url,
@@ -87,8 +88,8 @@ T = TypeVar("T")
 RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 
 # The pool's options are a store's defaults, as when RunOnce borrowed a store's pool. Its
-# connections keep the name "flowlock-runner" in pg_stat_activity: the bench (and perhaps the
-# user's monitoring) looks for it.
+# connections are named "flowlock-runner" in pg_stat_activity unless told otherwise: the bench
+# (and perhaps the user's monitoring) looks for it.
 _APPLICATION_NAME = "flowlock-runner"
 _LOCK_WAIT = 5.0  # seconds any statement waits at most for a row lock, on the server
 _LOCK_TIMEOUT = f"{_LOCK_WAIT * 1000:.0f}ms"
@@ -197,6 +198,7 @@ class RunOnce(AsyncResource):
     that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
     ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
     how this runner is named in the table (default: host, pid and a random suffix).
+    ``application_name``: how its connections show in ``pg_stat_activity``.
     ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
     can borrow them (a RedisLocks given none of its own) and taken back on close.
     ``command_timeout``: seconds one round trip to PostgreSQL may take beyond the 5 s a
@@ -217,6 +219,7 @@ class RunOnce(AsyncResource):
         acquire_timeout: float = 10.0,
         owner: str | None = None,
         auto_migrate: bool = True,
+        application_name: str = _APPLICATION_NAME,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     ) -> None:
         if not isinstance(locks, LockBackend):
@@ -224,6 +227,7 @@ class RunOnce(AsyncResource):
         check_url("dsn", dsn, POSTGRES_SCHEMES)
         self.ttl = check_ttl(ttl)
         self.wait = check_wait(wait)
+        check_application_name(application_name)
         check_schema(schema)
         check_pool_size(pool_size)
         self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
@@ -236,6 +240,7 @@ class RunOnce(AsyncResource):
         self._schema = schema
         self._pool_size = pool_size
         self._auto_migrate = auto_migrate
+        self.application_name = application_name
         self._pool: asyncpg.Pool | None = None
         self.fence_epochs = PostgresFenceEpochs(
             self._require_pool, schema=schema, acquire_timeout=acquire_timeout, size=pool_size
@@ -252,7 +257,7 @@ class RunOnce(AsyncResource):
                 max_size=self._pool_size,
                 schema=self._schema,
                 create_schema=True,
-                application_name=_APPLICATION_NAME,
+                application_name=self.application_name,
                 server_settings={"lock_timeout": _LOCK_TIMEOUT},
                 connect_timeout=_CONNECT_TIMEOUT,
                 # Every statement here runs on this pool with no timeout= of its own: this is

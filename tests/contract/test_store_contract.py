@@ -206,6 +206,7 @@ def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
         board = store
         calls["publish"] = lambda: board.publish(Escalation(inst.id, "pessimistic", 1e12, "x"))
         calls["active"] = lambda: board.active(0.0)
+        calls["now"] = lambda: board.now()
     return calls
 
 
@@ -233,7 +234,7 @@ async def test_a_closed_store_refuses_every_operation(
         refused["after close"].append(name)
     expected = {"migrate", "create", "get", "read", "commit", "apply_locked", "history"}
     expected |= {"fencing_floor", "list_instances", "count_instances"}
-    expected |= {"publish", "active"} if backend != "sqlite" else set()
+    expected |= {"publish", "active", "now"} if backend != "sqlite" else set()
     assert set(refused["before open"]) == set(refused["after close"]) == expected
 
     async with opened(store):

@@ -58,7 +58,7 @@ async def _token(locks: LockBackend, key: str) -> int:
 
 
 async def _empty_restart(server: EmbeddedRedis) -> None:
-    await asyncio.to_thread(server.restart, flush=True)
+    await asyncio.to_thread(server.restart)
 
 
 def _increasing(tokens: list[int]) -> None:

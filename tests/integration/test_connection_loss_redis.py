@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 
 import flowlock
+from flowlock.embedded import EmbeddedRedis
 from flowlock.locks.redis import RedisLocks
 from flowlock.locks.redis.connection import connect
 from lock_probes import wait_until
@@ -162,3 +163,31 @@ async def test_a_killed_connection_under_a_held_lease_is_typed(
         else:
             raise AssertionError(f"{call.__name__} never succeeded")
     assert not await locks.locked("k")
+
+
+async def test_a_read_only_replica_is_lock_unavailable_and_its_promotion_recovers() -> None:
+    """A Redis that turned into a read-only replica under the backend (a failover that went the
+    wrong way, a stale primary address) answers READONLY: acquire and extend raise
+    LockUnavailable from redis-py's ReadOnlyError, never the error itself; promoted back, the
+    same backend takes and releases the lock."""
+    async with EmbeddedRedis() as server, RedisLocks(server.url, namespace="ro") as locks:
+        admin = aioredis.Redis.from_url(server.url, decode_responses=True)
+        try:
+            lease = await locks.acquire("k", ttl=TTL)
+            # A primary nobody answers on: the server stays a replica, read-only, and keeps
+            # its data (the lease's key) while it tries to connect.
+            await admin.replicaof("127.0.0.1", 1)
+            for call in (
+                lambda: locks.acquire("other", ttl=TTL),
+                lambda: locks.extend(lease),
+                lambda: locks.release(lease),
+            ):
+                with pytest.raises(flowlock.LockUnavailable) as caught:
+                    await call()
+                assert_typed(caught.value)
+                assert isinstance(caught.value.__cause__, ReadOnlyError), caught.value.__cause__
+            await admin.replicaof("NO", "ONE")
+            async with locks.acquire("other", ttl=TTL):
+                assert await locks.locked("other")
+        finally:
+            await admin.aclose()

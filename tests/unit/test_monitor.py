@@ -197,22 +197,30 @@ async def test_escalation_sync_publishes_adopts_and_records_changes() -> None:
     assert seen_b.ticks == [one]
 
 
+@pytest.mark.parametrize(
+    "error",
+    [flowlock.StoreError("board down"), ConnectionResetError("board down"), KeyError("board down")],
+    ids=["typed", "os-error", "untranslated"],
+)
 async def test_escalation_sync_keeps_going_when_the_board_fails(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
     """A board that fails is logged and retried on the next tick (failed ticks keep coming,
-    the loop keeps running); the monitor keeps escalating without it; stop is idempotent."""
+    the loop keeps running), whatever it raises, a flowlock error or one a board failed to
+    translate; the monitor keeps escalating without it; stop is idempotent."""
 
     class Broken(MemoryBoard):
         async def active(self, now: float) -> list[Escalation]:
-            raise flowlock.StoreError("board down")
+            raise error
 
     monitor = ConflictMonitor(min_samples=2)
     sync = EscalationSync(Broken(), monitor, interval=0.01)
 
     def failures() -> int:
         logged = (r.message for r in caplog.records)
-        return sum("sharing escalations failed, retrying: board down" in m for m in logged)
+        return sum(
+            "sharing escalations failed, retrying:" in m and "board down" in m for m in logged
+        )
 
     sync.start()
     sync.start()  # idempotent

@@ -512,3 +512,37 @@ async def test_a_broken_connection_is_terminated_and_the_pool_renewed() -> None:
         pass  # the call succeeded: a failed reset on the way back must not turn it into an error
     assert pool.conn.terminated == 1
     await give_back(pool, pool.conn)  # type: ignore[arg-type]
+
+
+def _asyncpg_errors() -> list[type[BaseException]]:
+    """Every exception class asyncpg defines that it raises (its warnings are only ever issued
+    as warnings or log messages)."""
+    found: dict[str, type[BaseException]] = {}
+    for module in (asyncpg, asyncpg.exceptions, asyncpg.exceptions._base):
+        for cls in vars(module).values():
+            if (
+                isinstance(cls, type)
+                and issubclass(cls, Exception)
+                and not issubclass(cls, Warning)
+                and cls.__module__.startswith("asyncpg")
+            ):
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return [found[name] for name in sorted(found)]
+
+
+@pytest.mark.parametrize("cls", _asyncpg_errors(), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("context", [STORE, ADVISORY, JOBS], ids=["store", "advisory", "jobs"])
+def test_every_asyncpg_exception_class_becomes_a_flowlock_error(
+    cls: type[BaseException], context: Any
+) -> None:
+    """Each of the about 270 exception classes of asyncpg, raised inside any adapter's
+    wrap_errors, comes out as a flowlock error raised from it: none escapes untranslated."""
+    try:
+        exc = cls("boom")
+    except TypeError:  # a constructor that wants more
+        exc = cls.__new__(cls)
+        exc.args = ("boom",)
+    assert isinstance(exc, DRIVER_ERRORS), f"{cls.__name__} is not caught at the edges"
+    with pytest.raises(FlowlockError) as caught, wrap_errors(context):
+        raise exc
+    assert caught.value.__cause__ is exc

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Invariant, Verdict, Violation, check
 from flowlock.errors import (
@@ -83,32 +83,12 @@ OutcomeKind = Literal[
 - ``escaped``: an exception that is not a ``FlowlockError`` (unknown; fails the verdict).
 """
 
-OUTCOME_KINDS: tuple[OutcomeKind, ...] = (
-    "applied",
-    "idempotent",
-    "created",
-    "read",
-    "refused",
-    "conflict",
-    "lock",
-    "store",
-    "unknown",
-    "killed",
-    "other",
-    "hung",
-    "escaped",
-)
+OUTCOME_KINDS: tuple[OutcomeKind, ...] = get_args(OutcomeKind)
 
 FaultKind = Literal[
     "kill-worker", "pause-worker", "terminate-backend", "restart-postgres", "restart-redis"
 ]
-FAULT_KINDS: tuple[FaultKind, ...] = (
-    "kill-worker",
-    "pause-worker",
-    "terminate-backend",
-    "restart-postgres",
-    "restart-redis",
-)
+FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 """What the fault injector does: SIGKILL a worker process (a replacement is started), SIGSTOP one
 for a while and SIGCONT it, ``pg_terminate_backend`` on some of the workers' sessions, restart
 PostgreSQL (data kept, same URL), restart Redis empty (same URL)."""

@@ -111,14 +111,22 @@ class Store(Protocol):
 @runtime_checkable
 class EscalationBoard(Protocol):
     """Where engines share the adaptive strategy's escalations (so a fleet escalates together).
-    The memory and PostgreSQL stores are boards; the engine syncs with its store when it is one."""
+    The memory and PostgreSQL stores are boards; the engine syncs with its store when it is one.
+
+    Every ``until`` on a board is counted on the board's own clock (:meth:`now`), never on the
+    wall clock of the host that decided it: hosts whose clocks disagree, or one whose clock is
+    changed by an hour, still agree on when an escalation ends."""
 
     async def publish(self, escalation: Escalation) -> None:
         """Record (or extend) an escalation."""
         ...
 
     async def active(self, now: float) -> list[Escalation]:
-        """Every escalation whose ``until`` is after ``now``."""
+        """Every escalation whose ``until`` is after ``now`` (on the board's clock)."""
+        ...
+
+    async def now(self) -> float:
+        """The board's clock, in seconds: the time every ``until`` on it is counted in."""
         ...
 
 

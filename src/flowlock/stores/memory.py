@@ -11,7 +11,7 @@ import dataclasses
 import heapq
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,10 +29,16 @@ def _copy(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MemoryBoard:
-    """An in-process :class:`~flowlock.stores.base.EscalationBoard` (one engine, or tests)."""
+    """An in-process :class:`~flowlock.stores.base.EscalationBoard` (one engine, or tests). Its
+    clock is the process's monotonic clock (``clock``, injectable): every engine sharing it
+    runs in this process, and a change of the wall clock moves no escalation's end."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._rows: dict[str, Escalation] = {}
+        self._clock = clock
+
+    async def now(self) -> float:
+        return self._clock()
 
     async def publish(self, escalation: Escalation) -> None:
         old = self._rows.get(escalation.key)
@@ -225,6 +231,10 @@ class MemoryStore:
     async def active(self, now: float) -> list[Escalation]:
         self._check()
         return await self._board.active(now)
+
+    async def now(self) -> float:
+        self._check()
+        return await self._board.now()
 
     async def fencing_floor(self, instance_id: str) -> int:
         self._check()

@@ -148,6 +148,9 @@ _ACTIVE = """
 SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
   FROM flowlock_escalations WHERE until > to_timestamp($1)
 """
+# The board's clock is the server's: every engine reads the same one, whatever its host's says.
+# clock_timestamp(), not now(): the time of the call, also inside a longer transaction.
+_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 _CREATE = f"""
 INSERT INTO flowlock_instances (id, workflow, state, version, data)
 VALUES ($1, $2, $3, 1, $4::text::jsonb)
@@ -451,6 +454,10 @@ class _Operations:
         async with self._s.conn() as conn:
             rows = await conn.fetch(_ACTIVE, now, timeout=self._s.timeout)
         return [Escalation(r["key"], r["strategy"], r["until"], r["reason"]) for r in rows]
+
+    async def now(self) -> float:
+        async with self._s.conn() as conn:
+            return float(await conn.fetchval(_NOW, timeout=self._s.timeout))
 
     async def fencing_floor(self, instance_id: str) -> int:
         async with self._s.conn(instance_id) as conn:
@@ -905,6 +912,9 @@ class PostgresStore:
 
     async def active(self, now: float) -> list[Escalation]:
         return await self._call(lambda ops: ops.active(now), waits=False)
+
+    async def now(self) -> float:
+        return await self._call(lambda ops: ops.now(), waits=False)
 
     async def fencing_floor(self, instance_id: str) -> int:
         return await self._call(

@@ -19,6 +19,17 @@ key steps back down once its storm is over.
 Escalations are shared through an :class:`~flowlock.stores.base.EscalationBoard` (PostgreSQL in
 production): an :class:`EscalationSync` per engine publishes the monitor's decisions there and
 adopts the others' about twice a second, so a fleet escalates together.
+
+Clocks: every deadline here is on the monotonic clock. What an escalation shares with other
+engines, its end (``Escalation.until``), is counted on the board's clock (the database server's
+for PostgreSQL), which each sync reads: ``until`` is that clock's time at the sync plus what is
+left of the local monotonic deadline, and an adopted escalation's deadline is the local
+monotonic time plus what is left of its ``until``. The local wall clock is never read, so a host
+whose clock is changed by an hour neither ends an escalation early nor keeps it an hour longer,
+and hosts whose clocks disagree agree on when it ends. (A change of the database server's own
+clock moves every escalation's end by as much; an escalation only picks the strategy, every
+strategy applies each transition exactly once, so the cost is an instance escalated longer or
+shorter than its cool-down.)
 """
 
 from __future__ import annotations
@@ -68,8 +79,10 @@ class ConflictMonitor:
     """Decides, per key, whether calls should run optimistic or escalated.
 
     ``escalate_to`` is the strategy name escalated keys run under ("pessimistic", or
-    "distributed" for cross-service workflows). ``clock`` is monotonic seconds, ``wall`` epoch
-    seconds (for the shared board); both injectable for tests.
+    "distributed" for cross-service workflows). ``clock`` is monotonic seconds, the clock of
+    every deadline. ``wall`` is the clock an escalation's ``until`` is counted on when shared;
+    by default the board's own clock, as the last sync read it (see :meth:`observe_board_time`),
+    carried forward on ``clock``: the local wall clock is never read. Both injectable for tests.
     """
 
     def __init__(
@@ -84,7 +97,7 @@ class ConflictMonitor:
         escalate_to: str = "pessimistic",
         z: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] | None = None,
     ) -> None:
         check_number("threshold", threshold, above=0, below=1)
         check_count("window", window, most=_MAX_WINDOW, unit="attempts")
@@ -103,12 +116,18 @@ class ConflictMonitor:
         self.escalate_to = escalate_to
         self.z = z
         self._clock = clock
-        self._wall = wall
+        self._wall_given = wall
+        # The board's clock minus ours, as of the last sync (0 before one: nothing was shared
+        # yet, and nothing is published before a sync has read the board's clock).
+        self._board_offset = 0.0
         self._windows: OrderedDict[str, _Window] = OrderedDict()
         self._in_flight: dict[str, int] = {}
         # key -> (escalation, local monotonic deadline)
         self._escalated: dict[str, tuple[Escalation, float]] = {}
         self._pending: list[Escalation] = []
+        # key -> the ``until`` last published or adopted for it (on the board's clock), and
+        # those of keys stepped down here (not to be adopted back from the board).
+        self._shared: dict[str, float] = {}
         self._stepped_down: dict[str, float] = {}
         self.escalations = 0
         self.deescalations = 0
@@ -123,9 +142,10 @@ class ConflictMonitor:
         escalation, deadline = found
         if self._clock() >= deadline:
             del self._escalated[key]
-            # The board still holds this escalation until its own (wall-clock) deadline; do not
-            # adopt it back from there as if another engine had decided it.
-            self._stepped_down[key] = escalation.until
+            # The board still holds this escalation until its own deadline (on its clock, a
+            # round trip later than ours); do not adopt it back from there as if another engine
+            # had decided it.
+            self._stepped_down[key] = self._shared.pop(key, escalation.until)
             self.deescalations += 1
             log.info(
                 "flowlock: %r steps back down to optimistic: no contention for %.1f s",
@@ -180,7 +200,7 @@ class ConflictMonitor:
         """Contention seen on an escalated key: push its step-down back by ``cooldown``."""
         found = self._escalated.get(key)
         if found is not None:
-            until = self._wall() + self.cooldown
+            until = self.board_time() + self.cooldown
             refreshed = Escalation(key, found[0].strategy, until, found[0].reason)
             self._escalated[key] = (refreshed, self._clock() + self.cooldown)
             self._pending.append(refreshed)
@@ -191,7 +211,7 @@ class ConflictMonitor:
         return (0, 0) if win is None else (win.conflicts, win.attempts)
 
     def _escalate(self, key: str, reason: str) -> Escalation:
-        escalation = Escalation(key, self.escalate_to, self._wall() + self.cooldown, reason)
+        escalation = Escalation(key, self.escalate_to, self.board_time() + self.cooldown, reason)
         self._escalated[key] = (escalation, self._clock() + self.cooldown)
         self._windows.pop(key, None)  # a fresh window when it steps back down
         self._pending.append(escalation)
@@ -205,21 +225,41 @@ class ConflictMonitor:
     def active_count(self) -> int:
         return len(self._escalated)
 
+    def board_time(self) -> float:
+        """Now on the clock shared escalations are counted on (see the class's ``wall``)."""
+        if self._wall_given is not None:
+            return self._wall_given()
+        return self._clock() + self._board_offset
+
+    def observe_board_time(self, now: float) -> None:
+        """The board's clock reads ``now`` (just read from it): from here on, shared ``until``
+        values are counted on it, carried forward on the monotonic clock."""
+        self._board_offset = now - self._clock()
+
     def take_pending(self) -> list[Escalation]:
-        """Escalations decided (or extended) here since the last call, to publish."""
+        """Escalations decided (or extended) here since the last call, to publish: each with
+        ``until`` on the board's clock, from what is left of its local deadline now."""
         pending, self._pending = self._pending, []
+        board, mono = self.board_time(), self._clock()
         latest: dict[str, Escalation] = {}
         for e in pending:
-            latest[e.key] = e
+            found = self._escalated.get(e.key)
+            if found is not None and found[1] > mono:
+                until = board + (found[1] - mono)
+                latest[e.key] = Escalation(e.key, found[0].strategy, until, found[0].reason)
+                self._shared[e.key] = until
         return list(latest.values())
 
     def adopt(self, shared: Mapping[str, Escalation]) -> None:
         """Take escalations decided elsewhere (from the board)."""
-        wall, mono = self._wall(), self._clock()
+        wall, mono = self.board_time(), self._clock()
         self._stepped_down = {k: u for k, u in self._stepped_down.items() if u > wall - 60}
         for key, escalation in shared.items():
-            if escalation.until <= self._stepped_down.get(key, 0.0):
+            # Within a millisecond: a database keeps timestamps to the microsecond, so the
+            # board's copy of our own ``until`` may come back a hair later than we sent it.
+            if escalation.until <= self._stepped_down.get(key, -math.inf) + 1e-3:
                 continue
+            self._shared[key] = max(self._shared.get(key, -math.inf), escalation.until)
             deadline = mono + max(0.0, escalation.until - wall)
             mine = self._escalated.get(key)
             if mine is None:
@@ -292,12 +332,23 @@ class EscalationSync:
         board, monitor = self.board, self.monitor
         try:
             async with asyncio.timeout(max(1.0, 4 * self.interval)):
+                # The board's clock first: what is published and adopted is counted on it.
+                monitor.observe_board_time(await board.now())
                 for escalation in monitor.take_pending():
                     await board.publish(escalation)
-                shared = await board.active(time.time())
+                shared = await board.active(monitor.board_time())
             monitor.adopt({e.key: e for e in shared})
-        except (FlowlockError, TimeoutError) as exc:
-            log.warning("flowlock: sharing escalations failed, retrying: %s", exc)
+        except Exception as exc:
+            # Why every Exception: this loop runs for the engine's whole life, and an error the
+            # board failed to translate must not end it (escalations would silently stop being
+            # shared). A flowlock error is an expected outage, logged in one line; anything else
+            # is a bug, logged with its traceback. (CancelledError, how stop() ends the loop, is
+            # not an Exception.)
+            log.warning(
+                "flowlock: sharing escalations failed, retrying: %s",
+                exc if isinstance(exc, FlowlockError) else f"{type(exc).__name__}: {exc}",
+                exc_info=not isinstance(exc, FlowlockError | TimeoutError),
+            )
         up, down = monitor.escalations, monitor.deescalations
         if self._record is not None:
             self._record(

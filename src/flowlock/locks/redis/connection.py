@@ -8,9 +8,11 @@ Failures
     LockNotOwned for a lease that was in fact released.
 
     :func:`translate` is the one place a driver error becomes a flowlock error, and
-    :data:`DRIVER_ERRORS` what it takes: every redis-py error (``ConnectionError`` of a
-    connection killed with ``CLIENT KILL`` or reset, ``TimeoutError``, ``ResponseError``,
-    ``BusyLoadingError``...) and the OS's (a reset socket; the call's own bound). Every call to
+    :data:`DRIVER_ERRORS` what it takes: every exception class redis-py defines (``ConnectionError``
+    of a connection killed with ``CLIENT KILL`` or reset, ``TimeoutError``, ``ResponseError``,
+    ``BusyLoadingError`` from a Redis still loading its data after a restart, ``ReadOnlyError``
+    from a replica, and those that do not derive from ``RedisError``, such as the cluster
+    client's) and the OS's (a reset socket; the call's own bound). Every call to
     Redis goes through :func:`bounded`, which uses it; closing the client goes through
     :func:`close`. redis-py disconnects a connection that failed before it goes back to the
     pool, so the next call opens a fresh one.
@@ -24,6 +26,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -38,9 +41,25 @@ log = logging.getLogger("flowlock")
 
 BACKEND = "redis"  # the backend's name, in leases and in LockUnavailable
 
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    """Every exception class redis-py defines, by their roots. Most derive from RedisError, but
+    not all: the cluster client's RedisClusterException (and CrossSlotTransactionError,
+    SlotNotCoveredError...), ChildDeadlockedError (a pool used after a fork) and others stand
+    alone, and would escape a catch of RedisError alone. Read from the module, so a class a later
+    redis-py adds is caught too."""
+    found = [
+        cls
+        for cls in vars(redis.exceptions).values()
+        if isinstance(cls, type) and issubclass(cls, Exception)
+    ]
+    roots = {cls for cls in found if not any(o is not cls and issubclass(cls, o) for o in found)}
+    return (RedisError, *sorted(roots - {RedisError}, key=lambda cls: cls.__name__))
+
+
 # What the edge catches: redis-py's errors and the OS's (TimeoutError, the bound of bounded(),
 # and ConnectionError are OSErrors).
-DRIVER_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (*_redis_errors(), OSError)
 
 
 def _no_maintenance_probe() -> dict[str, Any]:
