@@ -391,3 +391,19 @@ async def test_a_fencing_epoch_bump_on_a_paused_server_is_lock_unavailable_at_it
         async with epochs.advance("ns", "k", at_least=0, bound=COMMAND) as after:
             # The paused bump may have committed once the server ran again (first + 1), or not.
             assert after in (first + 1, first + 2)
+
+
+async def test_closing_an_engine_whose_server_is_paused_is_bounded(
+    pg: EmbeddedPostgres, schema: str
+) -> None:
+    """aclose() says goodbye to each idle connection and waits for the server to hang up: on a
+    paused server that wait ends at the round trip's bound instead of never."""
+    engine = flowlock.Engine.connect(
+        pg.url, schema=schema, min_size=3, lock_timeout=LOCK, command_timeout=COMMAND
+    )
+    await engine.open()
+    async with paused(pg):
+        began = time.monotonic()
+        await engine.aclose()
+        assert time.monotonic() - began < BOUND + LATE
+    assert engine.closed
