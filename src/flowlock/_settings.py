@@ -22,6 +22,7 @@ from flowlock.errors import InvalidInput
 __all__ = [
     "DEFAULT_ACQUIRE_TIMEOUT",
     "DEFAULT_APPLICATION_NAME",
+    "DEFAULT_COMMAND_TIMEOUT",
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_MAX_SIZE",
@@ -50,6 +51,12 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_LOCK_TIMEOUT = 5.0
 """Seconds a write waits for a row lock: the pessimistic preset's bound and, on PostgreSQL and the
 memory store, an optimistic compare-and-swap's wait for a row lock's holder."""
+DEFAULT_COMMAND_TIMEOUT = 30.0
+"""Seconds one round trip to PostgreSQL may take on the client's clock beyond the lock wait the
+server bounds itself (``lock_timeout``): a statement that may wait for a lock gets that wait
+plus this; past it the connection is closed and the call raises ConnectionLost (OutcomeUnknown
+once a write may have been sent). Long enough for a slow query on a large table, short enough
+that a server that stopped answering (paused, a half-open network) fails the call."""
 DEFAULT_APPLICATION_NAME = "flowlock"
 """How a flowlock-built pool's connections show in ``pg_stat_activity``."""
 

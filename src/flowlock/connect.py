@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from flowlock._settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
+    DEFAULT_COMMAND_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_MAX_SIZE,
@@ -67,6 +68,7 @@ def connect(
     min_size: int | None = None,
     acquire_timeout: float | None = None,
     connect_timeout: float | None = None,
+    command_timeout: float | None = None,
     lock_timeout: float | None = None,
     lease_wait: float | None = None,
     application_name: str | None = None,
@@ -92,6 +94,14 @@ def connect(
     - ``acquire_timeout``: seconds a call waits for a free pool connection, then StoreBusy
       (PostgreSQL 10 s, SQLite 30 s).
     - ``connect_timeout``: seconds opening one connection may take (10 s; PostgreSQL only).
+    - ``command_timeout``: seconds one round trip to PostgreSQL may take, on the client's clock,
+      beyond the lock wait the server bounds itself (30 s; PostgreSQL only). A statement that
+      may wait for a lock gets that wait plus this: ``lock_timeout + command_timeout`` for
+      every statement of the store, the pessimistic strategy's ``lock_timeout`` plus this for
+      its FOR UPDATE, 60 s plus this for a migration's. Past it (a server paused or cut off by
+      the network) the connection is terminated and the call raises ConnectionLost, or
+      OutcomeUnknown once a write may have been sent. With ``locks="advisory"`` it is also
+      the backend's ``io_timeout`` (10 s when not given).
     - ``lock_timeout``: seconds a write waits for a row lock, then LockTimeout (5 s): the
       preset ``Pessimistic(lock_timeout=...)``'s bound and the store's bound on an optimistic
       compare-and-swap waiting for a row lock's holder (SQLite: its busy timeout).
@@ -132,6 +142,7 @@ def connect(
         min_size=min_size,
         acquire_timeout=acquire_timeout,
         connect_timeout=connect_timeout,
+        command_timeout=command_timeout,
         lock_timeout=lock_timeout,
         application_name=application_name,
     )
@@ -150,6 +161,7 @@ def connect(
             application_name=(
                 _ADVISORY_NAME if application_name is None else f"{application_name}-advisory"[:63]
             ),
+            io_timeout=command_timeout,
         )
     return Engine(
         store,
@@ -218,6 +230,7 @@ def build_store(
     min_size: int | None = None,
     acquire_timeout: float | None = None,
     connect_timeout: float | None = None,
+    command_timeout: float | None = None,
     lock_timeout: float | None = None,
     application_name: str | None = None,
 ) -> Store:
@@ -226,8 +239,8 @@ def build_store(
     application's asyncpg ``pool``. The keywords are :func:`connect`'s (None: the store's
     default); one that does not apply to the store asked for is refused. Nothing is opened yet."""
     bounds = _Bounds.checked(
-        pool_size, max_size, min_size, acquire_timeout, connect_timeout, lock_timeout,
-        application_name,
+        pool_size, max_size, min_size, acquire_timeout, connect_timeout, command_timeout,
+        lock_timeout, application_name,
     )  # fmt: skip
     if pool is not None:
         return _on_pool(pool, database_url, bounds, schema=schema, auto_migrate=auto_migrate)
@@ -252,19 +265,24 @@ def build_store(
             application_name=_or(bounds.application_name, DEFAULT_APPLICATION_NAME),
             acquire_timeout=_or(bounds.acquire_timeout, DEFAULT_ACQUIRE_TIMEOUT),
             connect_timeout=_or(bounds.connect_timeout, DEFAULT_CONNECT_TIMEOUT),
+            command_timeout=_or(bounds.command_timeout, DEFAULT_COMMAND_TIMEOUT),
             lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT),
         )
     if scheme == "sqlite":
         from flowlock.stores.sqlite import SqliteStore
 
         bounds.refuse(
-            ("min_size", "connect_timeout", "application_name"), "SQLite (PostgreSQL only)"
+            ("min_size", "connect_timeout", "command_timeout", "application_name"),
+            "SQLite (PostgreSQL only)",
         )
         return SqliteStore.from_url(database_url, auto_migrate=auto_migrate, **bounds.sqlite())
     if scheme == "memory":
         from flowlock.stores.memory import MemoryStore
 
-        bounds.refuse((*_POOL_KEYWORDS, "acquire_timeout"), "the memory store (it has no pool)")
+        bounds.refuse(
+            (*_POOL_KEYWORDS, "acquire_timeout", "command_timeout"),
+            "the memory store (it has no pool)",
+        )
         return MemoryStore(lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT))
     raise InvalidInput(
         f"unsupported database url {database_url.split('@')[-1]!r}: use "
@@ -289,6 +307,7 @@ class _Bounds:
     min_size: int | None
     acquire_timeout: float | None
     connect_timeout: float | None
+    command_timeout: float | None
     lock_timeout: float | None
     application_name: str | None
 
@@ -300,6 +319,7 @@ class _Bounds:
         min_size: int | None,
         acquire_timeout: float | None,
         connect_timeout: float | None,
+        command_timeout: float | None,
         lock_timeout: float | None,
         application_name: str | None,
     ) -> _Bounds:
@@ -321,6 +341,7 @@ class _Bounds:
         seconds = {
             "acquire_timeout": acquire_timeout,
             "connect_timeout": connect_timeout,
+            "command_timeout": command_timeout,
             "lock_timeout": lock_timeout,
         }
         for name, value in seconds.items():
@@ -328,8 +349,8 @@ class _Bounds:
                 check_seconds(name, value)
         if application_name is not None:
             check_application_name(application_name)
-        return cls(max_size, min_size, acquire_timeout, connect_timeout, lock_timeout,
-                   application_name)  # fmt: skip
+        return cls(max_size, min_size, acquire_timeout, connect_timeout, command_timeout,
+                   lock_timeout, application_name)  # fmt: skip
 
     def given(self, names: tuple[str, ...]) -> list[str]:
         return [name for name in names if getattr(self, name) is not None]
@@ -378,6 +399,7 @@ def _on_pool(
         auto_migrate=auto_migrate,
         acquire_timeout=_or(bounds.acquire_timeout, DEFAULT_ACQUIRE_TIMEOUT),
         lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT),
+        command_timeout=_or(bounds.command_timeout, DEFAULT_COMMAND_TIMEOUT),
     )
 
 
@@ -391,6 +413,7 @@ def build_postgres_store(
     application_name: str = DEFAULT_APPLICATION_NAME,
     acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
 ) -> PostgresStore:
     """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
@@ -407,6 +430,7 @@ def build_postgres_store(
         application_name=application_name,
         acquire_timeout=acquire_timeout,
         connect_timeout=connect_timeout,
+        command_timeout=command_timeout,
         lock_timeout=lock_timeout,
     )
 
@@ -424,6 +448,7 @@ def build_locks(
     auto_migrate: bool = True,
     application_name: str = "flowlock-advisory",
     rng: random.Random | None = None,
+    io_timeout: float | None = None,
 ) -> LockBackend:
     """The lock backend ``kind`` names, not opened yet.
 
@@ -434,7 +459,8 @@ def build_locks(
       ``rng`` jitters its wake-ups (seed it for a reproducible run).
     - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on ``database_url``
       (PostgreSQL), tables in ``schema``, a pool of ``pool_size`` connections named
-      ``application_name``, migrating on open unless ``auto_migrate=False``.
+      ``application_name``, migrating on open unless ``auto_migrate=False``, each round trip
+      bounded by ``io_timeout`` (None: the backend's default).
     - ``"memory"``: :class:`~flowlock.locks.memory.MemoryLocks` (one process, tests).
 
     ``namespace`` separates the lock keys of unrelated deployments sharing one server.
@@ -454,7 +480,7 @@ def build_locks(
     if kind == "advisory":
         if database_url is None or _scheme(database_url) not in _POSTGRES:
             raise InvalidInput('locks="advisory" needs a postgresql:// database_url')
-        from flowlock.locks.advisory import AdvisoryLocks
+        from flowlock.locks.advisory import DEFAULT_IO_TIMEOUT, AdvisoryLocks
 
         return AdvisoryLocks(
             database_url,
@@ -463,6 +489,7 @@ def build_locks(
             pool_size=pool_size,
             auto_migrate=auto_migrate,
             application_name=application_name,
+            io_timeout=DEFAULT_IO_TIMEOUT if io_timeout is None else io_timeout,
         )
     if kind == "memory":
         from flowlock.locks.memory import MemoryLocks

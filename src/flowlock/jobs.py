@@ -54,6 +54,7 @@ from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
 from flowlock._settings import (
+    DEFAULT_COMMAND_TIMEOUT,
     POSTGRES_SCHEMES,
     check_application_name,
     check_seconds,
@@ -90,7 +91,8 @@ RunStatus = Literal["ran", "took_over", "done_elsewhere", "running_elsewhere"]
 # connections are named "flowlock-runner" in pg_stat_activity unless told otherwise: the bench
 # (and perhaps the user's monitoring) looks for it.
 _APPLICATION_NAME = "flowlock-runner"
-_LOCK_TIMEOUT = "5000ms"  # any statement waits at most this long for a row lock
+_LOCK_WAIT = 5.0  # seconds any statement waits at most for a row lock, on the server
+_LOCK_TIMEOUT = f"{_LOCK_WAIT * 1000:.0f}ms"
 _CONNECT_TIMEOUT = 10.0
 # Characters of a job, a tick or an owner; the lease key of a job and a tick stays well within
 # a lock key's 512.
@@ -199,6 +201,10 @@ class RunOnce(AsyncResource):
     ``application_name``: how its connections show in ``pg_stat_activity``.
     ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
     can borrow them (a RedisLocks given none of its own) and taken back on close.
+    ``command_timeout``: seconds one round trip to PostgreSQL may take beyond the 5 s a
+    statement may wait for a row lock on the server; past it the connection is terminated and
+    the call raises ConnectionLost (OutcomeUnknown for a claim or a completion that may have
+    been written).
     """
 
     def __init__(
@@ -214,6 +220,7 @@ class RunOnce(AsyncResource):
         owner: str | None = None,
         auto_migrate: bool = True,
         application_name: str = _APPLICATION_NAME,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     ) -> None:
         if not isinstance(locks, LockBackend):
             raise InvalidInput(f"locks must be a lock backend, not {type(locks).__name__}")
@@ -224,6 +231,7 @@ class RunOnce(AsyncResource):
         check_schema(schema)
         check_pool_size(pool_size)
         self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        self._command_timeout = check_seconds("command_timeout", command_timeout)
         if owner is not None:
             check_text("owner", owner, most=_MAX_NAME)
         self.locks = locks
@@ -252,11 +260,17 @@ class RunOnce(AsyncResource):
                 application_name=self.application_name,
                 server_settings={"lock_timeout": _LOCK_TIMEOUT},
                 connect_timeout=_CONNECT_TIMEOUT,
+                # Every statement here runs on this pool with no timeout= of its own: this is
+                # its bound, the lock wait the server allows and command_timeout more.
+                command_timeout=_LOCK_WAIT + self._command_timeout,
             )
         if self._auto_migrate:
             try:
                 await migrations.migrate(
-                    self._pool, acquire_timeout=self._acquire_timeout, pool_size=self._pool_size
+                    self._pool,
+                    acquire_timeout=self._acquire_timeout,
+                    pool_size=self._pool_size,
+                    command_timeout=self._command_timeout,
                 )
             except BaseException:
                 await self.aclose()

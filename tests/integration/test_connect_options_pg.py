@@ -54,6 +54,7 @@ def test_the_keywords_are_in_both_signatures() -> None:
             "min_size",
             "acquire_timeout",
             "connect_timeout",
+            "command_timeout",
             "lock_timeout",
             "lease_wait",
             "application_name",
@@ -209,7 +210,9 @@ def test_a_strategy_object_that_says_otherwise_is_refused() -> None:
 BAD_SECONDS = [math.nan, math.inf, -1, 0, True, "5", 7200]
 
 
-@pytest.mark.parametrize("keyword", ["acquire_timeout", "connect_timeout", "lock_timeout"])
+@pytest.mark.parametrize(
+    "keyword", ["acquire_timeout", "connect_timeout", "command_timeout", "lock_timeout"]
+)
 @pytest.mark.parametrize("value", BAD_SECONDS)
 def test_bad_seconds_are_refused_before_any_io(keyword: str, value: Any) -> None:
     """NaN, infinity, negative, zero, a bool, a string, two hours: InvalidInput naming the
@@ -254,6 +257,10 @@ def test_keywords_that_mean_nothing_to_the_store_are_refused() -> None:
         connect("sqlite:///:memory:", application_name="app")
     with pytest.raises(flowlock.InvalidInput, match="acquire_timeout"):
         connect("memory://", acquire_timeout=1)
+    with pytest.raises(flowlock.InvalidInput, match="command_timeout"):
+        connect("sqlite:///:memory:", command_timeout=1)
+    with pytest.raises(flowlock.InvalidInput, match="command_timeout"):
+        connect("memory://", command_timeout=1)
     with pytest.raises(flowlock.InvalidInput, match="pool="):
         connect(pool=object(), max_size=3)  # type: ignore[arg-type]
     with pytest.raises(flowlock.InvalidInput, match="pool="):

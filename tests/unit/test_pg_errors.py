@@ -61,6 +61,9 @@ def gone(detail: str) -> str:
     )
 
 
+NO_ANSWER = "PostgreSQL did not answer within command_timeout"
+
+
 def lost(exc: BaseException) -> str:
     return str(ConnectionLost("k", f"{type(exc).__name__}: {exc}" if str(exc) else "TimeoutError"))
 
@@ -208,10 +211,11 @@ def cases() -> list[Any]:
             for exc in CONNECTION
         ],
         (
+            # asyncpg's command_timeout: the message says which bound ran out.
             TimeoutError(),
-            (ConnectionLost, lost),
+            (ConnectionLost, lambda e: str(ConnectionLost("k", NO_ANSWER))),
             (SessionGone, lambda e: gone("no answer in time")),
-            (ConnectionLost, jobs_lost),
+            (ConnectionLost, lambda e: str(ConnectionLost(None, NO_ANSWER))),
         ),
         *[
             (exc, (StoreError, store_other), (StoreError, advisory_other), (StoreError, jobs_other))

@@ -222,8 +222,11 @@ def _server_ended(exc: BaseException, ctx: Context) -> FlowlockError | None:
 
 
 def _no_answer(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    # A round trip that outlived its timeout (command_timeout, io_timeout): asyncpg has given up
+    # on it mid-protocol, so its connection is terminated (see broken); a write it carried may
+    # have reached the server (OutcomeUnknown where the context is in doubt).
     if ctx.lock_backend is None:
-        return _lost(exc, ctx)
+        return _lost(exc, ctx, "PostgreSQL did not answer within command_timeout")
     return SessionGone(ctx.lock_backend, "no answer in time")
 
 
@@ -233,8 +236,9 @@ def _connection_lost(exc: BaseException, ctx: Context) -> FlowlockError | None:
     return _lost(exc, ctx)
 
 
-def _lost(exc: BaseException, ctx: Context) -> FlowlockError:
-    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+def _lost(exc: BaseException, ctx: Context, detail: str | None = None) -> FlowlockError:
+    if detail is None:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if ctx.in_doubt and _maybe_sent(exc):
         return OutcomeUnknown(ctx.key, detail)
     return ConnectionLost(ctx.key, detail)

@@ -10,10 +10,13 @@ locks, the run-once jobs) migrates the same way without building another adapter
 
 from __future__ import annotations
 
+import contextlib
+
 import asyncpg
 
-from flowlock._pg.errors import Context, wrap_connect
+from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_connect
 from flowlock._pg.pool import check_schema, close_pool, connection, create_pool
+from flowlock._settings import DEFAULT_COMMAND_TIMEOUT, check_seconds
 from flowlock.errors import FlowlockError, InvalidInput, MigrationError, StoreError
 from flowlock.stores.migrations import load
 
@@ -21,6 +24,9 @@ __all__ = ["MIGRATION_LOCK", "RECORDS_TABLE", "apply", "migrate", "migrate_datab
 
 # Any fixed 64-bit number; two processes migrating at once serialise on it.
 MIGRATION_LOCK = 0x666C6F776C6F636B  # "flowlock"
+# How long a migration waits for a lock (the migration lock behind another process migrating,
+# a table lock behind the application's transactions), on the server's clock.
+_LOCK_WAIT = 60.0
 
 RECORDS_TABLE = (
     "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
@@ -40,55 +46,87 @@ _CONTEXT = Context(
 
 
 async def apply(
-    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy, *, schema: str | None = None
+    conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
+    *,
+    schema: str | None = None,
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
     """Apply the migrations not yet recorded, on ``conn``, in one transaction. Returns the names
     applied (none when the schema is up to date). Driver errors are raised as they are.
 
     ``schema``: create it if missing and put it on this transaction's ``search_path`` (for a
     connection flowlock did not open, whose own ``search_path`` it leaves alone); without it the
-    tables go where the connection's ``search_path`` says."""
+    tables go where the connection's ``search_path`` says. Each statement waits at most 60 s
+    for a lock (on the server) and ``command_timeout`` seconds more (on the client: asyncpg
+    raises TimeoutError, and the connection must then be terminated, not reused)."""
     check_schema(schema)
+    # Every statement with timeout= of its own (so no conn.transaction(), whose BEGIN and
+    # COMMIT would take the connection's default, None on an application's pool).
+    timeout = _LOCK_WAIT + check_seconds("command_timeout", command_timeout)
+
+    async def run(sql: str, *args: object) -> None:
+        await conn.execute(sql, *args, timeout=timeout)
+
     applied: list[str] = []
-    async with conn.transaction():
-        await conn.execute("SET LOCAL lock_timeout = '60s'")
+    await run(f"BEGIN; SET LOCAL lock_timeout = '{_LOCK_WAIT:g}s'")
+    try:
         # Why a transaction-level advisory lock: two processes starting at once must not both
         # run 001; the second waits here, then sees 001 recorded and skips it.
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+        await run("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
         if schema is not None:
-            await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-            await conn.execute(f'SET LOCAL search_path = "{schema}"')
-        await conn.execute(RECORDS_TABLE)
-        done = {r["name"] for r in await conn.fetch("SELECT name FROM flowlock_schema_migrations")}
+            await run(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+            await run(f'SET LOCAL search_path = "{schema}"')
+        await run(RECORDS_TABLE)
+        rows = await conn.fetch("SELECT name FROM flowlock_schema_migrations", timeout=timeout)
+        done = {r["name"] for r in rows}
         for m in load("postgres"):
             if m.name in done:
                 continue
-            await conn.execute(m.sql)
-            await conn.execute("INSERT INTO flowlock_schema_migrations (name) VALUES ($1)", m.name)
+            await run(m.sql)
+            await run("INSERT INTO flowlock_schema_migrations (name) VALUES ($1)", m.name)
             applied.append(m.name)
+        await run("COMMIT")
+    except BaseException as exc:
+        # A connection that failed mid-protocol (lost, timed out) cannot take the ROLLBACK: the
+        # server rolls back when its owner terminates it.
+        if not broken(exc) and not conn.is_closed() and conn.is_in_transaction():
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await conn.execute("ROLLBACK", timeout=timeout)
+        raise
     return applied
 
 
 async def migrate(
-    pool: asyncpg.Pool, *, acquire_timeout: float, pool_size: int, schema: str | None = None
+    pool: asyncpg.Pool,
+    *,
+    acquire_timeout: float,
+    pool_size: int,
+    schema: str | None = None,
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
-    """:func:`apply` (into ``schema``, see there) on a connection of ``pool``; any failure is a
-    MigrationError (from the flowlock error it was translated to)."""
+    """:func:`apply` (into ``schema``, each round trip bounded by ``command_timeout``: see
+    there) on a connection of ``pool``; any failure is a MigrationError (from the flowlock error
+    it was translated to), and a connection that failed mid-protocol is terminated."""
     try:
         async with connection(
             pool, acquire_timeout=acquire_timeout, size=pool_size, context=_CONTEXT
         ) as conn:
-            return await apply(conn, schema=schema)
+            return await apply(conn, schema=schema, command_timeout=command_timeout)
     except FlowlockError as exc:
         raise MigrationError(f"migrating the flowlock schema failed: {exc}") from exc
 
 
 async def migrate_database(
-    dsn: str, *, schema: str | None, application_name: str, connect_timeout: float
+    dsn: str,
+    *,
+    schema: str | None,
+    application_name: str,
+    connect_timeout: float,
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
     """Migrate the database at ``dsn`` (``schema`` created if missing) on a connection of its
     own, for adapters with no pool to spare. StoreError if it cannot connect, MigrationError if
-    migrating fails."""
+    migrating fails; each round trip bounded by ``command_timeout`` (see :func:`apply`)."""
     with wrap_connect(dsn):
         pool = await create_pool(
             dsn,
@@ -97,12 +135,15 @@ async def migrate_database(
             create_schema=True,
             application_name=application_name,
             connect_timeout=connect_timeout,
+            command_timeout=_LOCK_WAIT + command_timeout,
             jsonb=False,
         )
     try:
-        return await migrate(pool, acquire_timeout=connect_timeout, pool_size=1)
+        return await migrate(
+            pool, acquire_timeout=connect_timeout, pool_size=1, command_timeout=command_timeout
+        )
     finally:
-        await close_pool(pool)
+        await close_pool(pool, bound=connect_timeout + command_timeout)
 
 
 def script(*, after: str | None = None, schema: str | None = None) -> str:

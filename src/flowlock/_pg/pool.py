@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, server_gone, translate, wrap_errors
-from flowlock._settings import check_application_name, check_seconds, check_size
+from flowlock._settings import MAX_SECONDS, check_application_name, check_seconds, check_size
 from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
 
 __all__ = [
@@ -88,17 +88,23 @@ def _init_hook(jsonb: bool, init: InitHook | None) -> InitHook | None:
     return both
 
 
-async def ensure_schema(dsn: str, schema: str, *, connect_timeout: float) -> None:
+async def ensure_schema(
+    dsn: str, schema: str, *, connect_timeout: float, command_timeout: float
+) -> None:
     """Create ``schema`` if it is missing, on a connection of its own (a pool's search_path names
-    the schema, so it must exist before the pool's connections do)."""
+    the schema, so it must exist before the pool's connections do). Each round trip, the
+    goodbye included, takes at most ``command_timeout`` seconds."""
     check_schema(schema)
-    conn = await asyncpg.connect(dsn, timeout=connect_timeout)
+    conn = await asyncpg.connect(dsn, timeout=connect_timeout, command_timeout=command_timeout)
     try:
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
     except asyncpg.UniqueViolationError:
         pass  # created by a concurrent opener
     finally:
-        await conn.close()
+        try:
+            await conn.close(timeout=command_timeout)
+        except DRIVER_ERRORS:
+            terminate(conn)
 
 
 async def create_pool(
@@ -107,6 +113,7 @@ async def create_pool(
     max_size: int,
     application_name: str,
     connect_timeout: float,
+    command_timeout: float,
     min_size: int = 1,
     schema: str | None = None,
     create_schema: bool = False,
@@ -121,6 +128,10 @@ async def create_pool(
     ``schema``: put on ``search_path`` (and created first if ``create_schema``). ``jsonb``: decode
     and encode ``jsonb`` as Python values. ``reset``: run asyncpg's default reset on every release
     (off: flowlock's session state is transaction-scoped, see :func:`_keep_session`).
+    ``command_timeout``: seconds any round trip on these connections may take when the call
+    names no ``timeout=`` of its own (asyncpg's own statements too: the type introspection of a
+    new connection, the ROLLBACK of a release, the goodbye of a close); past it asyncpg raises
+    TimeoutError and the connection must be terminated (:func:`give_back` does).
     ``server_settings``: more settings for every connection (``lock_timeout``...). ``init`` runs on
     each new connection (after the codec), ``setup`` on each acquire. Driver errors are raised as
     they are: the caller says what a failure to connect means to it. Sizes, the timeout and the
@@ -130,9 +141,13 @@ async def create_pool(
     check_size("max_size", max_size)
     check_size("min_size", min_size, least=0)
     check_seconds("connect_timeout", connect_timeout)
+    # Not capped at MAX_SECONDS: a caller's bound is a lock wait plus a margin, each checked.
+    check_seconds("command_timeout", command_timeout, most=2 * MAX_SECONDS)
     check_application_name(application_name)
     if schema is not None and create_schema:
-        await ensure_schema(dsn, schema, connect_timeout=connect_timeout)
+        await ensure_schema(
+            dsn, schema, connect_timeout=connect_timeout, command_timeout=command_timeout
+        )
     settings = {"application_name": application_name, **(server_settings or {})}
     if schema is not None:
         settings["search_path"] = schema
@@ -145,6 +160,7 @@ async def create_pool(
         reset=None if reset else _keep_session,
         server_settings=settings,
         timeout=connect_timeout,
+        command_timeout=command_timeout,
     )
 
 

@@ -97,9 +97,11 @@ from flowlock.errors import (
 )
 from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
-__all__ = ["AdvisoryLocks", "advisory_lock_id"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks", "advisory_lock_id"]
 
 _NAME = "advisory"
+DEFAULT_IO_TIMEOUT = 10.0
+"""Seconds a round trip of the advisory backend may take (beyond a lock wait it asked for)."""
 
 # $1 namespace, $2 key. Autocommit on the side pool: durable once it returns.
 _NEXT_FENCE = """
@@ -188,8 +190,11 @@ class AdvisoryLocks(AsyncResource):
     holding a connection. ``auto_migrate``: apply flowlock's migrations on open (the same ones,
     and the same runner, as :class:`~flowlock.stores.postgres.PostgresStore`). ``pool_timeout``:
     seconds beyond ``wait`` an acquire may wait for a free connection before StoreBusy.
-    ``io_timeout``: seconds any short round trip (release, extend, fencing) may take before the
-    server counts as unreachable. ``clock`` and ``token`` are injectable for tests.
+    ``io_timeout``: seconds any round trip may take before the server counts as unreachable
+    (SessionGone, a LockUnavailable): on top of ``wait`` for an acquire's lock wait, on top of
+    the 60 s lock wait of a migration, alone for everything else (release, extend, fencing,
+    the queries); ``Engine.connect(command_timeout=...)`` sets it for the backend it builds.
+    ``clock`` and ``token`` are injectable for tests.
     """
 
     def __init__(
@@ -203,7 +208,7 @@ class AdvisoryLocks(AsyncResource):
         clock: Callable[[], float] = time.monotonic,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
         pool_timeout: float = 2.0,
-        io_timeout: float = 10.0,
+        io_timeout: float = DEFAULT_IO_TIMEOUT,
         connect_timeout: float = 10.0,
         application_name: str = "flowlock-advisory",
     ) -> None:
@@ -275,11 +280,16 @@ class AdvisoryLocks(AsyncResource):
                                 application_name=self.application_name,
                                 server_settings=extra,
                                 connect_timeout=self._connect_timeout,
+                                # asyncpg's own statements (a release's ROLLBACK, a close's
+                                # goodbye); flowlock's pass timeout= each.
+                                command_timeout=self._io_timeout,
                                 jsonb=False,
                             )
                         )
                     if self._scope is None:
-                        found = await pools[1].fetchval("SELECT current_schema()")
+                        found = await pools[1].fetchval(
+                            "SELECT current_schema()", timeout=self._io_timeout
+                        )
                         self._scope = found if isinstance(found, str) else ""
             except BaseException:
                 for pool in pools:
@@ -295,6 +305,7 @@ class AdvisoryLocks(AsyncResource):
                 schema=self.schema,
                 application_name=self.application_name,
                 connect_timeout=self._connect_timeout,
+                command_timeout=self._io_timeout,
             )
         except MigrationError:
             raise

@@ -19,6 +19,13 @@
   ``search_path`` set LOCAL, so nothing of the application's connections changes; or a caller's
   open transaction (:meth:`PostgresStore.in_transaction`), inside a savepoint whose settings are
   put back afterwards.
+- Every round trip has a client-side bound (``command_timeout`` beyond the lock wait the server
+  bounds with ``lock_timeout``), passed as ``timeout=`` to each statement so that it holds on an
+  application's pool and a caller's connection too, and set as the ``command_timeout`` of
+  flowlock's own pool for asyncpg's own statements (introspection, the ROLLBACK of a release,
+  the goodbye of a close). A server that stops answering (paused, a half-open network) ends the
+  call with ConnectionLost, or OutcomeUnknown once a write may have been sent; the connection,
+  in an unknown protocol state, is terminated.
 - Driver errors are translated at this adapter's edge (:meth:`_Session.conn`) by the one
   translation of :mod:`flowlock._pg.errors`; this module only says what a lock that is not
   available and a duplicate request id mean to each call, and which statements may commit a
@@ -50,6 +57,7 @@ from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row,
 from flowlock._settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
+    DEFAULT_COMMAND_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_LOCK_TIMEOUT,
     DEFAULT_MAX_SIZE,
@@ -296,6 +304,16 @@ class _Session:
     def joined(self) -> bool:
         return self._joined is not None
 
+    @property
+    def timeout(self) -> float:
+        """The client-side bound of one statement: the store's ``lock_timeout`` (any statement
+        may wait that long for a lock, on the server's clock) plus its ``command_timeout``."""
+        return self._store.round_trip
+
+    @property
+    def command_timeout(self) -> float:
+        return self._store.command_timeout
+
     def conn(
         self, key: str = "", *, busy: Busy | None = None, writes: bool = False
     ) -> AbstractAsyncContextManager[Conn]:
@@ -336,7 +354,12 @@ class _Operations:
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
             row = await conn.fetchrow(
-                _CREATE, instance.id, instance.workflow, instance.state, _json(instance.data)
+                _CREATE,
+                instance.id,
+                instance.workflow,
+                instance.state,
+                _json(instance.data),
+                timeout=self._s.timeout,
             )
         if row is None:
             raise InstanceExists(instance.id)
@@ -344,7 +367,7 @@ class _Operations:
 
     async def get(self, instance_id: str) -> Instance:
         async with self._s.conn(instance_id) as conn:
-            row = await conn.fetchrow(_READ, instance_id)
+            row = await conn.fetchrow(_READ, instance_id, timeout=self._s.timeout)
         if row is None:
             raise InstanceNotFound(instance_id)
         return instance_from_row(row)
@@ -352,9 +375,11 @@ class _Operations:
     async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
         async with self._s.conn(instance_id) as conn:
             if request_id is None:
-                row = await conn.fetchrow(_READ, instance_id)
+                row = await conn.fetchrow(_READ, instance_id, timeout=self._s.timeout)
             else:
-                row = await conn.fetchrow(_READ_WITH_REQUEST, instance_id, request_id)
+                row = await conn.fetchrow(
+                    _READ_WITH_REQUEST, instance_id, request_id, timeout=self._s.timeout
+                )
         if row is None:
             raise InstanceNotFound(instance_id)
         return _snapshot(row) if request_id is not None else Snapshot(instance_from_row(row))
@@ -362,13 +387,17 @@ class _Operations:
     async def commit(self, entry: HistoryEntry) -> Instance | None:
         key = entry.instance_id
         started = time.monotonic()
-        args = _cas_args(entry)
+        args, timeout = _cas_args(entry), self._s.timeout
         guarded = self._s.joined and entry.request_id is not None
         try:
             async with self._s.conn(
                 key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
             ) as conn:
-                row = await (_guarded_cas(conn, args) if guarded else conn.fetchrow(_CAS, *args))
+                row = await (
+                    _guarded_cas(conn, args, timeout)
+                    if guarded
+                    else conn.fetchrow(_CAS, *args, timeout=timeout)
+                )
         except _DuplicateRequest:
             # The same request id was applied by a concurrent caller; the statement rolled back
             # whole. Report a lost race: the next read finds that entry and answers idempotently.
@@ -380,6 +409,9 @@ class _Operations:
     ) -> LockedResult:
         started = time.monotonic()
         wanted = _pg_interval(lock.timeout)
+        # Any statement of this transaction may wait the strategy's lock.timeout on the server
+        # (which may differ from the store's lock_timeout): the client waits that and more.
+        bound = max(self._s.timeout, lock.timeout + self._s.command_timeout)
 
         def busy(_: BaseException) -> FlowlockError:
             if lock.nowait:
@@ -392,13 +424,20 @@ class _Operations:
                 # caller's own setting is put back by in_transaction), lock, step, write; the
                 # row lock is held until that transaction ends.
                 if not lock.nowait:
-                    await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'")
+                    await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'", timeout=bound)
                 snap, committed, locked_at = await _locked_step(
-                    conn, instance_id, request_id, plan, lock, wanted
+                    conn, instance_id, request_id, plan, lock, wanted, bound
                 )
             else:
                 snap, committed, locked_at = await _own_transaction(
-                    conn, instance_id, request_id, plan, lock, wanted, _errors(instance_id, busy)
+                    conn,
+                    instance_id,
+                    request_id,
+                    plan,
+                    lock,
+                    wanted,
+                    _errors(instance_id, busy),
+                    bound,
                 )
             released_at = time.monotonic()
         return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
@@ -408,20 +447,21 @@ class _Operations:
     async def publish(self, escalation: Escalation) -> None:
         async with self._s.conn(escalation.key, writes=True) as conn:
             await conn.execute(_PUBLISH, escalation.key, escalation.strategy,
-                               escalation.until, escalation.reason)  # fmt: skip
+                               escalation.until, escalation.reason,
+                               timeout=self._s.timeout)  # fmt: skip
 
     async def active(self, now: float) -> list[Escalation]:
         async with self._s.conn() as conn:
-            rows = await conn.fetch(_ACTIVE, now)
+            rows = await conn.fetch(_ACTIVE, now, timeout=self._s.timeout)
         return [Escalation(r["key"], r["strategy"], r["until"], r["reason"]) for r in rows]
 
     async def now(self) -> float:
         async with self._s.conn() as conn:
-            return float(await conn.fetchval(_NOW))
+            return float(await conn.fetchval(_NOW, timeout=self._s.timeout))
 
     async def fencing_floor(self, instance_id: str) -> int:
         async with self._s.conn(instance_id) as conn:
-            token = await conn.fetchval(_FENCING_FLOOR, instance_id)
+            token = await conn.fetchval(_FENCING_FLOOR, instance_id, timeout=self._s.timeout)
         return int(token or 0)
 
     async def list_instances(
@@ -429,19 +469,20 @@ class _Operations:
     ) -> list[Instance]:
         sql, args = list_statement(query, after=after, limit=limit)
         async with self._s.conn() as conn:
-            rows = await conn.fetch(sql, *args)
+            rows = await conn.fetch(sql, *args, timeout=self._s.timeout)
         return [instance_from_row(r) for r in rows]
 
     async def count_instances(self, query: InstanceQuery) -> int:
         sql, args = count_statement(query)
         async with self._s.conn() as conn:
-            count = await conn.fetchval(sql, *args)
+            count = await conn.fetchval(sql, *args, timeout=self._s.timeout)
         return int(count)
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         async with self._s.conn(instance_id) as conn:
-            rows = await conn.fetch(_HISTORY, instance_id)
-            if not rows and await conn.fetchrow(_READ, instance_id) is None:
+            rows = await conn.fetch(_HISTORY, instance_id, timeout=self._s.timeout)
+            found = rows or await conn.fetchrow(_READ, instance_id, timeout=self._s.timeout)
+            if found is None:
                 raise InstanceNotFound(instance_id)
         return [entry_from_row(r) for r in rows]
 
@@ -461,17 +502,19 @@ class _CallerTransaction(_Operations):
         raise InvalidInput("migrate through the engine's store, not inside a caller's transaction")
 
 
-async def _guarded_cas(conn: Conn, args: tuple[Any, ...]) -> asyncpg.Record | None:
+async def _guarded_cas(conn: Conn, args: tuple[Any, ...], bound: float) -> asyncpg.Record | None:
     """The compare-and-swap in a savepoint of its own. In a transaction flowlock does not end, a
     duplicate request id must undo this statement only, leaving the transaction usable for the
     re-read that answers the request idempotently."""
-    await conn.execute("SAVEPOINT flowlock_cas")
+    await conn.execute("SAVEPOINT flowlock_cas", timeout=bound)
     try:
-        row = await conn.fetchrow(_CAS, *args)
+        row = await conn.fetchrow(_CAS, *args, timeout=bound)
     except asyncpg.UniqueViolationError:
-        await conn.execute("ROLLBACK TO SAVEPOINT flowlock_cas; RELEASE SAVEPOINT flowlock_cas")
+        await conn.execute(
+            "ROLLBACK TO SAVEPOINT flowlock_cas; RELEASE SAVEPOINT flowlock_cas", timeout=bound
+        )
         raise
-    await conn.execute("RELEASE SAVEPOINT flowlock_cas")
+    await conn.execute("RELEASE SAVEPOINT flowlock_cas", timeout=bound)
     return row
 
 
@@ -483,17 +526,22 @@ async def _own_transaction(
     lock: RowLock,
     wanted: str,
     context: Context,
+    bound: float,
 ) -> tuple[Snapshot, Instance | None, float]:
     """The pessimistic path in a transaction of its own on a connection of flowlock's pool;
     ``context``: what the driver errors of its COMMIT mean."""
     # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
     # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
-    await conn.execute("BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'")
+    await conn.execute(
+        "BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'",
+        timeout=bound,
+    )
     try:
-        done = await _locked_step(conn, instance_id, request_id, plan, lock, wanted)
-        # A session lost once COMMIT is on its way may have committed: OutcomeUnknown.
+        done = await _locked_step(conn, instance_id, request_id, plan, lock, wanted, bound)
+        # A session lost once COMMIT is on its way may have committed: OutcomeUnknown. So is
+        # a COMMIT that outlived its bound: the server may have committed it meanwhile.
         with in_doubt(context):
-            await conn.execute("COMMIT")
+            await conn.execute("COMMIT", timeout=bound)
     except asyncio.CancelledError:
         # Cancelled mid-statement (waiting for the row lock, say): the connection is
         # busy and cannot take a ROLLBACK. Closing it ends the transaction and frees
@@ -501,20 +549,21 @@ async def _own_transaction(
         conn.terminate()
         raise
     except BaseException as exc:
-        await _roll_back(conn, exc)
+        await _roll_back(conn, exc, bound)
         raise
     return done
 
 
-async def _roll_back(conn: Conn, exc: BaseException) -> None:
+async def _roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
     """End flowlock's own transaction on a pooled connection after ``exc``."""
     if broken(exc):
-        # The session is gone (or asyncpg lost track of it): a ROLLBACK would fail and hide
-        # this error; the server rolls back when the socket closes, and the pool opens a fresh
-        # connection in its place.
+        # The session is gone, asyncpg lost track of it, or a statement outlived its bound and
+        # asyncpg gave up on it mid-protocol: a ROLLBACK would fail (or wait on a server that
+        # does not answer) and hide this error; the server rolls back when the socket closes,
+        # and the pool opens a fresh connection in its place.
         terminate(conn)
     elif not conn.is_closed() and conn.is_in_transaction():
-        await conn.execute("ROLLBACK")
+        await conn.execute("ROLLBACK", timeout=bound)
 
 
 async def _locked_step(
@@ -524,11 +573,12 @@ async def _locked_step(
     plan: Plan,
     lock: RowLock,
     wanted: str,
+    bound: float,
 ) -> tuple[Snapshot, Instance | None, float]:
     if lock.nowait:
-        row = await conn.fetchrow(_LOCK_NOWAIT, instance_id)
+        row = await conn.fetchrow(_LOCK_NOWAIT, instance_id, timeout=bound)
     else:
-        row = await conn.fetchrow(_LOCK, instance_id)
+        row = await conn.fetchrow(_LOCK, instance_id, timeout=bound)
         if row is not None and _millis(row["lock_timeout"]) != _millis(wanted):
             raise StoreError(
                 f"lock_timeout is {row['lock_timeout']!r} inside the transaction, not "
@@ -542,13 +592,13 @@ async def _locked_step(
     if request_id is not None:
         # Its own statement, so its snapshot is taken after the lock was granted and sees
         # a duplicate request committed while this call waited.
-        found = await conn.fetchrow(_PRIOR, instance_id, request_id)
+        found = await conn.fetchrow(_PRIOR, instance_id, request_id, timeout=bound)
         prior = None if found is None else entry_from_row(found)
     snap = Snapshot(instance_from_row(row), prior)
     entry = plan(snap)
     if entry is None:
         return snap, None, locked_at
-    moved = await conn.fetchrow(_CAS, *_cas_args(entry))
+    moved = await conn.fetchrow(_CAS, *_cas_args(entry), timeout=bound)
     if moved is None:
         raise StoreError(
             f"instance {instance_id!r} changed while its row lock was held; "
@@ -580,33 +630,35 @@ def _caller_connection(connection: object) -> Conn:
     return connection
 
 
-async def _enter(conn: Conn, settings: str) -> tuple[str, str]:
+async def _enter(conn: Conn, settings: str, bound: float) -> tuple[str, str]:
     """Read the caller's settings, open flowlock's savepoint and set flowlock's for it."""
     try:
-        prior = await conn.fetchrow(_CALLERS_SETTINGS)
+        prior = await conn.fetchrow(_CALLERS_SETTINGS, timeout=bound)
     except asyncpg.InFailedSQLTransactionError as exc:
         raise InvalidInput(
             "the transaction on connection= has already failed (an earlier statement raised); "
             "roll it back first. Nothing was read or written"
         ) from exc
-    await conn.execute(f"SAVEPOINT {_SAVEPOINT}; {settings}")
+    await conn.execute(f"SAVEPOINT {_SAVEPOINT}; {settings}", timeout=bound)
     assert prior is not None  # a SELECT of two settings has one row
     return prior["search_path"], prior["lock_timeout"]
 
 
-async def _leave(conn: Conn, prior: tuple[str, str]) -> None:
-    await conn.execute(_RESTORE, *prior)
-    await conn.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+async def _leave(conn: Conn, prior: tuple[str, str], bound: float) -> None:
+    await conn.execute(_RESTORE, *prior, timeout=bound)
+    await conn.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}", timeout=bound)
 
 
-async def _undo(conn: Conn) -> None:
+async def _undo(conn: Conn, bound: float) -> None:
     """Roll flowlock's part back, and its settings with it; the caller's transaction goes on as it
     was before. A connection that cannot take that (closed, lost) is the caller's to deal with:
     the error they see is the one that ended flowlock's part."""
     if conn.is_closed():
         return
     with contextlib.suppress(*DRIVER_ERRORS):
-        await conn.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}")
+        await conn.execute(
+            f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}; RELEASE SAVEPOINT {_SAVEPOINT}", timeout=bound
+        )
 
 
 class PostgresStore:
@@ -623,7 +675,11 @@ class PostgresStore:
     the tables in this schema (created if missing) instead of the connection's default.
     ``auto_migrate``: migrate on open. ``lock_timeout``: seconds any statement outside a
     pessimistic transaction may wait for a row lock (the optimistic compare-and-swap waits for a
-    concurrent writer to commit) before LockTimeout.
+    concurrent writer to commit) before LockTimeout. ``command_timeout``: seconds one round trip
+    may take on the client's clock beyond that lock wait (a pessimistic FOR UPDATE: beyond the
+    strategy's lock_timeout); past it the connection is terminated and the call raises
+    ConnectionLost, or OutcomeUnknown when a write may have been sent. :attr:`round_trip` is
+    the resulting bound of an ordinary statement.
 
     :meth:`in_transaction` runs the store's statements inside a transaction the caller opened on
     a connection of its own (``engine.fire(..., connection=conn)``).
@@ -642,6 +698,7 @@ class PostgresStore:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         application_name: str = DEFAULT_APPLICATION_NAME,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     ) -> None:
         check_schema(schema)
         if (dsn is None) == (pool is None):
@@ -658,6 +715,10 @@ class PostgresStore:
         self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
         self._connect_timeout = check_seconds("connect_timeout", connect_timeout)
         self.lock_timeout = check_seconds("lock_timeout", lock_timeout)
+        self.command_timeout = check_seconds("command_timeout", command_timeout)
+        # Any statement may wait lock_timeout for a lock on the server (a row lock for a write,
+        # a table lock behind a migration): the client waits that long and command_timeout more.
+        self.round_trip = self.lock_timeout + self.command_timeout
         self.application_name = check_application_name(application_name)
         self.dsn = dsn
         self.schema = schema
@@ -715,6 +776,8 @@ class PostgresStore:
                 application_name=self.application_name,
                 server_settings={"lock_timeout": _pg_interval(self.lock_timeout)},
                 connect_timeout=self._connect_timeout,
+                # For asyncpg's own statements; flowlock's pass timeout=round_trip each.
+                command_timeout=self.round_trip,
             )
 
     async def aclose(self) -> None:
@@ -744,6 +807,7 @@ class PostgresStore:
             self.pool,
             acquire_timeout=self.acquire_timeout,
             pool_size=self.pool_size,
+            command_timeout=self.command_timeout,
             # An application's connections keep their search_path: the schema is set for the
             # migration's transaction only.
             schema=self.schema if self._given is not None else None,
@@ -776,16 +840,16 @@ class PostgresStore:
         flowlock's lock_timeout and schema set LOCAL: they end with it, and the connection goes
         back to the pool as it came (or is terminated, when its session failed under it)."""
         async with _Session(self).conn(key) as conn:
-            await conn.execute(f"BEGIN; {self._settings}")
+            await conn.execute(f"BEGIN; {self._settings}", timeout=self.round_trip)
             try:
                 yield _Operations(_Session(self, joined=conn))
                 with in_doubt(_errors(key)) if writes else contextlib.nullcontext():
-                    await conn.execute("COMMIT")
+                    await conn.execute("COMMIT", timeout=self.round_trip)
             except asyncio.CancelledError:
                 conn.terminate()  # it may be mid-statement: see _own_transaction
                 raise
             except BaseException as exc:
-                await _roll_back(conn, exc)
+                await _roll_back(conn, exc, self.round_trip)
                 raise
 
     @asynccontextmanager
@@ -803,7 +867,7 @@ class PostgresStore:
         conn = _caller_connection(connection)
         context = _errors("")
         with wrap_errors(context):
-            prior = await _enter(conn, self._settings)
+            prior = await _enter(conn, self._settings, self.round_trip)
         try:
             yield _CallerTransaction(_Session(self, joined=conn))
         except asyncio.CancelledError:
@@ -813,10 +877,10 @@ class PostgresStore:
             # would only hide this error behind its own): the caller's transaction is lost with
             # it, and the connection is the caller's to close or give back.
             if not broken(exc):
-                await _undo(conn)
+                await _undo(conn, self.round_trip)
             raise
         with wrap_errors(context):
-            await _leave(conn, prior)
+            await _leave(conn, prior, self.round_trip)
 
     # -- operations ------------------------------------------------------------------------
 
