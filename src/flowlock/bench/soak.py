@@ -204,7 +204,9 @@ class _Fleet:
         self._orphans(worker)
         if worker.killed:
             await self._replace(worker)
-        elif not self.stopping or code != 0:
+        elif code != 0 or (not self.stopping and time.monotonic() < self.run.stop_at):
+            # A worker also ends by itself, status 0, once the spec's stop time has come: on a
+            # busy machine that can be before the soak marks itself stopping.
             tail = " | ".join(list(worker.stderr)[-5:])
             self.crashes.append(f"{worker.name} exited with status {code}: {tail}")
 
