@@ -202,6 +202,28 @@ async def test_a_full_epoch_takes_the_next_one(redis_url: str, redis_namespace: 
         assert await _token(locks, "hot") == 2 * SPAN + 2
 
 
+async def test_a_floor_past_the_last_epoch_is_refused_before_any_bump(
+    redis_url: str, redis_namespace: str, store: PostgresStore
+) -> None:
+    """A fence floor whose next epoch would pass 2^53 is LockUnavailable before the epoch is
+    bumped: nothing is committed, so the key is not left unlockable, and another key is fine."""
+
+    async def huge(key: str) -> int:
+        return 1 << 60
+
+    async with RedisLocks(
+        redis_url, namespace=redis_namespace, fence_floor=huge, fence_epochs=store.fence_epochs
+    ) as locks:
+        with pytest.raises(LockUnavailable, match="used up"):
+            await _token(locks, "far")
+    rows = await store.pool.fetchval("SELECT count(*) FROM flowlock_fence_epochs WHERE key = 'far'")
+    assert rows == 0
+    async with RedisLocks(
+        redis_url, namespace=redis_namespace, fence_epochs=store.fence_epochs
+    ) as locks:
+        assert await _token(locks, "far") == SPAN + 1
+
+
 async def test_an_advance_holds_the_key_until_its_counter_is_started(
     store: PostgresStore,
 ) -> None:

@@ -220,13 +220,13 @@ class FenceFloors:
         # end of its epoch.
         at_least = ((highest + self._gap) >> EPOCH_BITS) + 1 if self._fetch is not None else 0
         at_least = max(at_least, (seen >> EPOCH_BITS) + 1 if seen else 0)
+        if at_least > MAX_EPOCH:
+            # Refused before the bump: an epoch past the end, once committed, would leave the
+            # key unlockable for good.
+            raise _used_up(key, at_least)
         async with epochs.advance(self._namespace, key, at_least=at_least, bound=bound) as epoch:
             if not 0 < epoch <= MAX_EPOCH:
-                raise LockUnavailable(
-                    BACKEND,
-                    f"the fencing epochs of {key!r} are used up (epoch {epoch}; tokens would "
-                    "pass 2^53): lock another key",
-                )
+                raise _used_up(key, epoch)
             floor = epoch << EPOCH_BITS
             await self._start(key, floor, bound)
             # The counter is started: acquirers need not wait for the lock to be let go.
@@ -256,3 +256,11 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     # retrieved" warning).
     if not task.cancelled():
         task.exception()
+
+
+def _used_up(key: str, epoch: int) -> LockUnavailable:
+    return LockUnavailable(
+        BACKEND,
+        f"the fencing epochs of {key!r} are used up (epoch {epoch}; tokens would pass 2^53): "
+        "lock another key",
+    )
