@@ -235,29 +235,38 @@ class _Fleet:
         if self.stopping or time.monotonic() + 2.0 >= self.run.stop_at:
             return
         try:
-            await self.start(worker.slot)
+            fresh = await self.start(worker.slot)
         except OSError as exc:
             self.crashes.append(f"could not start a replacement for {worker.name}: {exc}")
+            return
+        if self.stopping and fresh.proc.stdin is not None:
+            # stop() began while it was starting: it ends at once (stop() waits for it).
+            fresh.proc.stdin.close()
 
     async def stop(self) -> None:
         """Close every worker's stdin; each finishes its calls, closes and exits, or is killed
         (its calls in flight then count as killed) after a bound; nothing is left stopped."""
         self.stopping = True
-        for worker in self.workers:
-            if worker.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.send_signal(signal.SIGCONT)
-                if worker.proc.stdin is not None and not worker.proc.stdin.is_closing():
-                    worker.proc.stdin.close()
-        for worker in list(self.workers):
-            try:
-                await asyncio.wait_for(asyncio.shield(worker.proc.wait()), _EXIT_BOUND)
-            except TimeoutError:
-                self.crashes.append(f"{worker.name} did not exit within {_EXIT_BOUND:.0f} s")
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.kill()
-        for worker in list(self.workers):
-            await asyncio.gather(*worker.tasks, return_exceptions=True)
+        done = 0
+        # A replacement being started when stop() began is appended while this waits: take
+        # workers in rounds until no new one came.
+        while done < len(self.workers):
+            batch, done = self.workers[done:], len(self.workers)
+            for worker in batch:
+                if worker.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.send_signal(signal.SIGCONT)
+                    if worker.proc.stdin is not None and not worker.proc.stdin.is_closing():
+                        worker.proc.stdin.close()
+            for worker in batch:
+                try:
+                    await asyncio.wait_for(asyncio.shield(worker.proc.wait()), _EXIT_BOUND)
+                except TimeoutError:
+                    self.crashes.append(f"{worker.name} did not exit within {_EXIT_BOUND:.0f} s")
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.proc.kill()
+            for worker in batch:
+                await asyncio.gather(*worker.tasks, return_exceptions=True)
 
     async def kill_all(self) -> None:
         """On an error or Ctrl-C: SIGKILL whatever still runs and reap it."""
