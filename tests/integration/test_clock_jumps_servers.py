@@ -82,6 +82,7 @@ async def _free(backend: LockBackend) -> bool:
     return not await backend.locked("k")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jump", [HOUR, -HOUR], ids=["forward", "back"])
 async def test_an_escalation_shared_through_postgresql_ignores_a_host_clock_jump(
     pg_url: str, pg_schema: str, wall: WallClock, jump: float

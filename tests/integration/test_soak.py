@@ -119,6 +119,7 @@ def test_a_minute_of_soak_with_faults_is_clean(tmp_path: Path, server_tmp: Path)
     assert _leftovers(server_tmp) == []
 
 
+@pytest.mark.slow
 async def test_a_short_soak_without_faults_is_clean(server_tmp: Path) -> None:
     """Two seconds of mixed load from two processes on embedded servers: calls of every
     strategy, outcomes adding up, both verdicts clean, nothing leaked, no fault injected."""

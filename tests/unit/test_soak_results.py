@@ -315,6 +315,7 @@ class _Recording:
         return "Redis (empty)"
 
 
+@pytest.mark.slow
 async def test_the_injector_records_each_fault_and_ends_before_the_stop() -> None:
     """Faults every ~0.5 s until a second before the stop, each recorded (a failed one with
     ok=False and why), pauses awaited before run() returns, and never more than max_faults."""
