@@ -412,6 +412,7 @@ async def test_waiter_is_woken_by_the_release_not_by_polling(harness: Harness) -
     await locks.release(second)
 
 
+@pytest.mark.slow  # waits out a ttl
 async def test_a_crashed_holders_key_is_taken_when_its_ttl_ends(harness: Harness) -> None:
     """A holder that never releases loses the key at its ttl, not before, and a waiter gets it
     then."""
@@ -442,6 +443,7 @@ async def test_release_frees_only_its_own_key(harness: Harness) -> None:
     await locks.release(other)
 
 
+@pytest.mark.slow  # waits out a ttl
 async def test_an_expired_lease_can_be_neither_extended_nor_released(harness: Harness) -> None:
     """A lease whose ttl ran out cannot be extended back to life, and releasing it raises
     LockNotOwned and leaves alone the key that a new holder took."""
@@ -461,6 +463,7 @@ async def test_an_expired_lease_can_be_neither_extended_nor_released(harness: Ha
     await locks.release(fresh)
 
 
+@pytest.mark.slow  # waits out a ttl
 async def test_extend_adds_time_and_refuses_when_not_owned(harness: Harness) -> None:
     """extend pushes the deadline (the key outlives its first ttl, and the server's ttl is the
     new one); once the lease is gone, extend raises LockNotOwned."""
