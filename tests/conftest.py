@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import flowlock
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
+from lock_probes import WallClock
 
 _SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history"},
                     "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
@@ -243,3 +245,12 @@ def sql_history(pg_url: str, pg_schema: str) -> Callable[..., Awaitable[SqlHisto
         return await count_history(pg_url, schema or pg_schema)
 
     return counted
+
+
+@pytest.fixture
+def wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[WallClock]:
+    """The wall clock (``time.time``), jumpable; at the end, no flowlock module has read it."""
+    clock = WallClock(time.time)
+    monkeypatch.setattr(time, "time", clock)
+    yield clock
+    assert not clock.readers, f"flowlock read the wall clock in {sorted(clock.readers)}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -25,14 +25,6 @@ from lock_probes import Monotonic, WallClock, wait_until
 
 HOUR = 3600.0
 TTL = 1.0
-
-
-@pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> Iterator[WallClock]:
-    clock = WallClock(time.time)
-    monkeypatch.setattr(time, "time", clock)
-    yield clock
-    assert not clock.readers, f"flowlock read the wall clock in {sorted(clock.readers)}"
 
 
 @pytest.fixture(params=["redis", "advisory"])
