@@ -64,10 +64,14 @@ class HistoryEntry:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The instance as read, and the history entry that already carries the caller's
-    ``request_id`` (None when the request is new or no request id was given)."""
+    ``request_id`` (None when the request is new or no request id was given).
+
+    A read for a batch of calls asks for several request ids at once: ``priors`` holds the
+    entry of each of them that was found, by request id (``prior`` is then None)."""
 
     instance: Instance
     prior: HistoryEntry | None = None
+    priors: Mapping[str, HistoryEntry] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

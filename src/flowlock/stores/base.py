@@ -8,6 +8,12 @@ Strategies see only this Protocol. Two ways to apply a transition:
 - ``apply_locked``: read under a row lock, run a pure ``plan`` on what was read, write, commit
   (the pessimistic path). ``plan`` is synchronous and pure so a store may run it on its own thread.
 
+Both take a batch: the engine decides several calls on one instance in memory, in order, and
+writes their k history entries with ONE compare-and-swap from version v to v + k (``commit`` and
+``plan`` take one entry or a sequence of them; ``read`` and ``apply_locked`` look up one request
+id or a sequence of them). ``commit_many`` writes the batches of several instances at once (one
+round trip where the store can), each instance's compare-and-swap independent of the others.
+
 Every write is a compare-and-swap on ``version``, and, when the entry carries a lease's fencing
 token, on that token too (lower than the last one written: refused); a stale write changes nothing.
 
@@ -20,14 +26,71 @@ A store that can also run inside a transaction its caller opened (PostgreSQL) is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
+from flowlock.errors import InvalidInput
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 
-__all__ = ["EscalationBoard", "LockedResult", "Plan", "RowLock", "Store", "TransactionalStore"]
+__all__ = [
+    "Entries",
+    "EscalationBoard",
+    "LockedResult",
+    "Plan",
+    "RequestIds",
+    "RowLock",
+    "Store",
+    "TransactionalStore",
+    "entries_of",
+    "request_ids_of",
+]
+
+Entries: TypeAlias = HistoryEntry | Sequence[HistoryEntry]
+"""What a store writes for one instance: one history entry, or a batch of k of them whose versions
+follow each other (v + 1 ... v + k), applied with one compare-and-swap from v to v + k."""
+
+RequestIds: TypeAlias = str | Sequence[str] | None
+"""Which request ids a read looks up: one (its entry in ``Snapshot.prior``), several (a batch:
+the entries found in ``Snapshot.priors``), or none."""
+
+
+def entries_of(entries: Entries) -> tuple[HistoryEntry, ...]:
+    """``entries`` as a tuple, checked to be one instance's contiguous batch: at least one entry,
+    one instance id, versions that follow each other, no request id twice. A store calls it before
+    anything is written; InvalidInput says what is wrong (a strategy's bug, never a caller's)."""
+    batch = (entries,) if isinstance(entries, HistoryEntry) else tuple(entries)
+    if not batch:
+        raise InvalidInput("a commit takes at least one history entry; nothing was written")
+    first = batch[0]
+    seen: set[str] = set()
+    for i, entry in enumerate(batch):
+        if not isinstance(entry, HistoryEntry):
+            raise InvalidInput(f"a commit takes HistoryEntry values, not {type(entry).__name__}")
+        if entry.instance_id != first.instance_id or entry.version != first.version + i:
+            raise InvalidInput(
+                f"a batch writes one instance at versions {first.version} to "
+                f"{first.version + len(batch) - 1} in order; entry {i} is "
+                f"{entry.instance_id!r} at version {entry.version}. Nothing was written"
+            )
+        if entry.request_id is not None:
+            if entry.request_id in seen:
+                raise InvalidInput(
+                    f"request id {entry.request_id!r} appears twice in one batch for "
+                    f"{first.instance_id!r}; nothing was written"
+                )
+            seen.add(entry.request_id)
+    return batch
+
+
+def request_ids_of(request_id: RequestIds) -> tuple[str, ...]:
+    """The request ids a read looks up, as a tuple (none, one or several), each once."""
+    if request_id is None:
+        return ()
+    if isinstance(request_id, str):
+        return (request_id,)
+    return tuple(dict.fromkeys(request_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +102,10 @@ class RowLock:
     nowait: bool = False
 
 
-Plan = Callable[[Snapshot], HistoryEntry | None]
-"""Given what was read under the lock, the history entry to append (version = read version + 1),
-or None to write nothing. May raise a :class:`flowlock.FlowlockError`; the store rolls back."""
+Plan = Callable[[Snapshot], Entries | None]
+"""Given what was read under the lock, the history entry to append (version = read version + 1)
+or a batch of them (versions read + 1 ... read + k), or None (or an empty sequence) to write
+nothing. May raise a :class:`flowlock.FlowlockError`; the store rolls back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +138,31 @@ class Store(Protocol):
     async def get(self, instance_id: str) -> Instance:
         """The instance as committed. Raises InstanceNotFound."""
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
-        """An unlocked, consistent read of the instance and the entry for ``request_id``."""
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
+        """An unlocked, consistent read of the instance and the entry for ``request_id``
+        (``Snapshot.prior``), or, given a sequence of request ids, the entries found for them
+        (``Snapshot.priors``)."""
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
-        """Compare-and-swap: move the instance to ``entry`` if it is still at
-        ``entry.version - 1`` and ``entry.request_id`` is new, appending ``entry`` in the same
-        transaction. Returns the committed instance, or None when another writer got there first
-        (version moved, or the same request id was applied meanwhile)."""
+    async def commit(self, entry: Entries) -> Instance | None:
+        """Compare-and-swap: move the instance to the last entry if it is still at the first
+        entry's ``version - 1`` and every request id is new, appending the entries in the same
+        transaction (see :func:`entries_of` for what a batch must be). Returns the committed
+        instance (as the last entry left it), or None when another writer got there first
+        (version moved, a newer fencing token was written, or one of the request ids was applied
+        meanwhile); then nothing is written."""
+
+    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+        """``commit`` for each batch, one instance each (no instance twice), in one round trip
+        where the store can. Each compare-and-swap stands alone: one that loses (None at its
+        place in the answer) writes nothing and leaves the others to commit."""
 
     async def apply_locked(
-        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
-        """Lock the instance's row (bounded by ``lock``), read it, run ``plan``, write what it
-        returns with a version compare-and-swap, commit. Raises LockTimeout / LockBusy,
-        InstanceNotFound, or whatever ``plan`` raised (after rolling back)."""
+        """Lock the instance's row (bounded by ``lock``), read it and the entries of
+        ``request_id`` (one or several, as ``read``), run ``plan``, write what it returns (one
+        entry or a batch) with one version compare-and-swap, commit. Raises LockTimeout /
+        LockBusy, InstanceNotFound, or whatever ``plan`` raised (after rolling back)."""
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
