@@ -27,6 +27,7 @@ from flowlock._settings import (
     check_size,
 )
 from flowlock.engine import (
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_PAYLOAD,
     DEFAULT_SYNC,
     Engine,
@@ -80,6 +81,8 @@ def connect(
     monitor: ConflictMonitor | None = None,
     metrics: Metrics | None = None,
     escalation_sync: float = DEFAULT_SYNC,
+    batching: bool = True,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> Engine:
     """An engine over the database at ``database_url``: ``postgresql://...`` (an asyncpg pool,
     tables in ``schema`` if given), ``sqlite:///path`` or ``memory://``; or over an application's
@@ -126,9 +129,10 @@ def connect(
     Redis needed); without either it is not available. ``namespace`` separates lock keys of
     unrelated deployments sharing one Redis or database.
 
-    ``strategy``, ``strategies``, ``max_payload_bytes``, ``monitor``, ``metrics`` and
-    ``escalation_sync`` are the :class:`~flowlock.engine.Engine`'s; a ``Distributed()`` given
-    without ``locks=`` leases from the backend built here.
+    ``strategy``, ``strategies``, ``max_payload_bytes``, ``monitor``, ``metrics``,
+    ``escalation_sync``, ``batching`` and ``max_batch`` are the
+    :class:`~flowlock.engine.Engine`'s; a ``Distributed()`` given without ``locks=`` leases from
+    the backend built here.
     """
     if lease_wait is not None:
         check_seconds("lease_wait", lease_wait, zero=True)
@@ -172,6 +176,8 @@ def connect(
         max_payload_bytes=max_payload_bytes,
         metrics=metrics,
         escalation_sync=escalation_sync,
+        batching=batching,
+        max_batch=max_batch,
     )
 
 

@@ -23,9 +23,11 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
+from flowlock._batching import Batcher
 from flowlock._settings import check_count, check_seconds, check_text
 from flowlock.definition import Workflow
 from flowlock.errors import (
+    ConflictRetriesExhausted,
     EngineClosed,
     FlowlockError,
     InvalidInput,
@@ -36,7 +38,7 @@ from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
 from flowlock.query import DEFAULT_LIMIT, check_limit, cursor_after, decode_cursor, instance_query
-from flowlock.step import Call, Idempotent, decide
+from flowlock.step import Batched, Call, Idempotent, decide, decide_batch
 from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
 from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy, StrategyResult
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # the types of pool= and connection=; asyncpg is imported by 
     import asyncpg
 
 __all__ = [
+    "DEFAULT_MAX_BATCH",
     "DEFAULT_MAX_PAYLOAD",
     "DEFAULT_SYNC",
     "Connection",
@@ -66,6 +69,10 @@ _WORKFLOW_CACHE_SIZE = 100_000
 
 DEFAULT_SYNC = 0.5
 """Seconds between two escalation-sync rounds, unless ``escalation_sync``."""
+
+DEFAULT_MAX_BATCH = 256
+"""The most calls on one instance the engine decides and writes together, unless ``max_batch``."""
+MAX_BATCH = 10_000
 
 StrategyConfig: TypeAlias = Sequence[Strategy] | Mapping[str, Strategy]
 """``strategies=``: Strategy objects, each under its ``.name`` (a sequence), or under the names
@@ -139,6 +146,16 @@ class Engine:
       :class:`flowlock.stores.base.EscalationBoard` (memory, PostgreSQL), escalations are shared
       with the other engines on it every ``escalation_sync`` seconds.
 
+    ``batching`` (on by default): concurrent ``fire`` calls on one instance in this process,
+    under the same strategy, are applied together. A call on an idle instance runs at once;
+    calls that arrive while it is busy queue, and the next batch takes them all (at most
+    ``max_batch``): one read, each call decided in arrival order on the state the ones before it
+    left, and ONE compare-and-swap from version v to v + k writing the k history rows. Each
+    caller gets its own Outcome (``batch_size`` says how many shared its write) or its own error,
+    exactly as if the calls had run one after the other in that order. ``batching=False`` runs
+    every call in a transaction of its own. Calls with ``connection=`` and calls under a
+    strategy that is not one of flowlock's own are never batched.
+
     ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``metrics`` (a
     :class:`flowlock.metrics.Metrics`) records Prometheus metrics on its registry; without it
     nothing is recorded. A misconfiguration raises InvalidInput saying what to pass instead.
@@ -155,7 +172,12 @@ class Engine:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
         metrics: Metrics | None = None,
         escalation_sync: float = DEFAULT_SYNC,
+        batching: bool = True,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
+        if not isinstance(batching, bool):
+            raise InvalidInput(f"batching must be True or False, not {batching!r}")
+        check_count("max_batch", max_batch, most=MAX_BATCH, unit="calls")
         # At least 2: the empty object '{}'.
         check_count("max_payload_bytes", max_payload_bytes, least=2, most=MAX_PAYLOAD, unit="bytes")
         check_seconds("escalation_sync", escalation_sync)
@@ -181,6 +203,9 @@ class Engine:
         # per-transition default strategy be picked without an extra read per call.
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
         self._per_definition_strategy = False
+        self._batcher: Batcher[tuple[Call, float], Outcome] | None = (
+            Batcher(max_batch) if batching else None
+        )
         self._open = False
 
     @classmethod
@@ -209,6 +234,8 @@ class Engine:
         monitor: ConflictMonitor | None = None,
         metrics: Metrics | None = None,
         escalation_sync: float = DEFAULT_SYNC,
+        batching: bool = True,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> Engine:
         """An engine over the database at ``database_url``; the same as
         :func:`flowlock.connect.connect`, which documents every argument."""
@@ -238,6 +265,8 @@ class Engine:
             monitor=monitor,
             metrics=metrics,
             escalation_sync=escalation_sync,
+            batching=batching,
+            max_batch=max_batch,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -272,6 +301,9 @@ class Engine:
         """Close the lock backends and the store, releasing every connection. Idempotent."""
         if self._open:
             self._open = False
+            if self._batcher is not None:
+                # Batches already taken finish (each call is bounded) before the store closes.
+                await self._batcher.drain()
             if self._sync is not None:
                 await self._sync.stop()
             await self._close(self._backends)
@@ -503,24 +535,49 @@ class Engine:
             expected_version=expected_version,
             strategy="",
         )
-        if connection is None:
-            name, result = await self._apply(self._store, call, strategy, started)
-        else:
+        if connection is not None:
             joinable = self._transactional()
             if strategy is not None:
                 in_transaction(self._requested(strategy))  # refused before anything is read
             async with joinable.in_transaction(connection) as store:
-                name, result = await self._apply(store, call, strategy, started, joined=True)
+                chosen = await self._strategy_for(instance_id, event, strategy, store)
+                chosen = in_transaction(chosen)
+                call = dataclasses.replace(call, strategy=chosen.name)
+                result = await self._run(chosen, call, started, store)
+            return self._outcome(call, result, started)
+        chosen = await self._strategy_for(instance_id, event, strategy, self._store)
+        call = dataclasses.replace(call, strategy=chosen.name)
+        batcher = self._batcher
+        if batcher is None or not _batchable(chosen):
+            return self._outcome(call, await self._run(chosen, call, started, self._store), started)
+
+        async def alone(item: tuple[Call, float]) -> Outcome:
+            return self._outcome(
+                item[0], await self._run(chosen, item[0], item[1], self._store), item[1]
+            )
+
+        async def together(items: Sequence[tuple[Call, float]]) -> _Answers:
+            return await self._run_batch(chosen, items)
+
+        # Keyed by the strategy object too: calls asking for different strategies on one
+        # instance are batched apart (the lane holds the object, so its id is not reused).
+        return await batcher.submit((instance_id, id(chosen)), (call, started), alone, together)
+
+    def _outcome(
+        self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
+    ) -> Outcome:
+        """The Outcome of ``call`` from what its strategy did, recorded in the metrics."""
         outcome = Outcome(
             applied=result.applied,
             idempotent=not result.applied,
             instance=result.instance,
             attempts=result.attempts,
-            strategy=result.strategy or name,
+            strategy=result.strategy or call.strategy,
             elapsed=time.perf_counter() - started,
-            event=event,
-            request_id=request_id,
+            event=call.event,
+            request_id=call.request_id,
             reason=result.reason,
+            batch_size=batch_size,
         )
         if self._metrics is not None:
             self._metrics.record_outcome(
@@ -528,22 +585,73 @@ class Engine:
             )
         return outcome
 
-    async def _apply(
-        self,
-        store: Store,
-        call: Call,
-        requested: str | Strategy | None,
-        started: float,
-        *,
-        joined: bool = False,
-    ) -> tuple[str, StrategyResult]:
-        """Choose the strategy (the form it takes inside a caller's transaction when ``joined``)
-        and run ``call`` under it on ``store``; the strategy's name and what it did."""
-        chosen = await self._strategy_for(call.instance_id, call.event, requested, store)
-        if joined:
-            chosen = in_transaction(chosen)
-        call = dataclasses.replace(call, strategy=chosen.name)
-        return chosen.name, await self._run(chosen, call, started, store)
+    async def _run_batch(self, chosen: Strategy, items: Sequence[tuple[Call, float]]) -> _Answers:
+        """The calls of ``items`` (one instance, one strategy) as one batch under ``chosen``:
+        one read, the calls decided in order, one write; each call's Outcome or error."""
+        calls = tuple(call for call, _ in items)
+        first = calls[0]
+        batch = dataclasses.replace(first, batch=calls)
+        workflows, limit = self._workflows, self._max_payload
+        last: list[Batched] = []
+
+        def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
+            # A strategy may decide again (a lost compare-and-swap, an escalation): the answers
+            # are those of the last decision, the one that was written or had nothing to write.
+            decided = decide_batch(workflows, snap, calls, max_payload_bytes=limit)
+            last[:] = [decided]
+            return decided.entries or Idempotent(snap.instance)
+
+        try:
+            result = await chosen.run(self._store, batch, bound)
+        except FlowlockError as exc:
+            workflow = last[0].read.workflow if last else ""
+            return [
+                self._batch_failure(exc, call, started, chosen, workflow) for call, started in items
+            ]
+        decided = last[0]
+        committed = result.instance if result.applied else None
+        answers: _Answers = []
+        for (call, started), decision in zip(items, decided.decisions, strict=True):
+            if isinstance(decision, FlowlockError):
+                answers.append(
+                    self._batch_failure(decision, call, started, chosen, decided.read.workflow)
+                )
+                continue
+            if isinstance(decision, HistoryEntry):
+                assert committed is not None  # entries were planned, so the batch wrote them
+                inst = committed.evolve(
+                    state=decision.to_state,
+                    version=decision.version,
+                    data=decision.data,
+                    last_event=decision.event,
+                )
+            else:
+                inst = decision.instance
+                if committed is not None and inst.version > decided.read.version:
+                    # Answered from a state this batch wrote: it dates from the batch's commit.
+                    inst = inst.evolve(updated_at=committed.updated_at)
+            own = dataclasses.replace(
+                result, instance=inst, applied=isinstance(decision, HistoryEntry)
+            )
+            answers.append(self._outcome(call, own, started, len(calls)))
+        return answers
+
+    def _batch_failure(
+        self, exc: FlowlockError, call: Call, started: float, chosen: Strategy, workflow: str
+    ) -> FlowlockError:
+        """``exc`` as the error of ``call`` in a batch (its own event in a retries-exhausted
+        error), recorded in the metrics."""
+        if isinstance(exc, ConflictRetriesExhausted):
+            exc = ConflictRetriesExhausted(call.instance_id, call.event, exc.attempts)
+        if self._metrics is not None:
+            self._metrics.record_failure(
+                exc,
+                workflow=workflow,
+                event=call.event,
+                strategy=chosen.name,
+                elapsed=time.perf_counter() - started,
+            )
+        return exc
 
     async def _run(
         self, chosen: Strategy, call: Call, started: float, store: Store
@@ -636,6 +744,17 @@ class Engine:
         if isinstance(requested, Strategy):
             return requested
         raise InvalidInput(f"strategy must be a name or a Strategy, not {requested!r}")
+
+
+_Answers: TypeAlias = list[Outcome | BaseException]  # spelled here: Engine.list shadows list
+
+
+def _batchable(strategy: Strategy) -> bool:
+    """Whether the engine may run ``strategy`` over a batch: flowlock's own strategies hand what
+    they plan to the store as it is (a strategy of an application's may not)."""
+    if isinstance(strategy, Adaptive):
+        return _batchable(strategy.escalated)
+    return isinstance(strategy, Optimistic | Pessimistic | Distributed)
 
 
 # -- composing the strategy table -----------------------------------------------------------

@@ -97,6 +97,8 @@ class Outcome:
     - ``strategy``: the concurrency strategy that ran (for "adaptive", the one it ran as);
       ``reason``: why, when the engine decided (adaptive: escalated or not, and the figures).
     - ``elapsed``: seconds spent in ``fire``.
+    - ``batch_size``: how many calls on the instance were decided and written together with this
+      one (1: it ran alone; see ``Engine(batching=...)``).
     """
 
     applied: bool
@@ -108,6 +110,7 @@ class Outcome:
     event: str
     request_id: str | None = None
     reason: str | None = None
+    batch_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,11 @@
 
 ``decide`` is a function of (workflows, what was read, the call). The optimistic strategy may run it
 again after a conflict, the pessimistic one runs it under a row lock, and hypothesis tests it alone.
+
+``decide_batch`` is the same for a batch of calls on one instance: each call is decided, in order,
+on the state the calls before it left, exactly as if they had run one after the other. Its
+answers are only speculative until the batch's write commits; the strategies commit or retry the
+whole batch, and the engine hands each call its own answer once that is settled.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 from flowlock.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.errors import (
     DefinitionError,
+    FlowlockError,
     GuardRejected,
     IdempotencyKeyReused,
     InvalidInput,
@@ -26,12 +32,13 @@ from flowlock.errors import (
 from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
 from flowlock.models import HistoryEntry, Instance, Snapshot
 
-__all__ = ["Call", "Idempotent", "decide"]
+__all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
 
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One ``engine.fire`` call, validated."""
+    """One ``engine.fire`` call, validated; or, with ``batch``, the calls on one instance that a
+    strategy runs together (the batch's own fields then describe its first call, for messages)."""
 
     instance_id: str
     event: str
@@ -40,6 +47,14 @@ class Call:
     request_id: str | None
     expected_version: int | None
     strategy: str
+    batch: tuple[Call, ...] = ()
+
+    @property
+    def request_ids(self) -> str | tuple[str, ...] | None:
+        """What a read for this call looks up: its request id, or every request id of a batch."""
+        if not self.batch:
+            return self.request_id
+        return tuple(c.request_id for c in self.batch if c.request_id is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,3 +231,57 @@ def decide(
         data=data,
         payload=call.payload,
     )
+
+
+Decision = HistoryEntry | Idempotent | FlowlockError
+"""What one call of a batch comes to: its history entry, its idempotent answer, or its error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batched:
+    """A batch decided on one read: each call's decision in order, and the entries to write
+    (versions read + 1 ... read + k; empty when nothing is to be written)."""
+
+    read: Instance
+    decisions: tuple[Decision, ...]
+    entries: tuple[HistoryEntry, ...]
+
+
+def _after(inst: Instance, entry: HistoryEntry) -> Instance:
+    """The instance as ``entry`` leaves it, before it is committed (its time is the commit's)."""
+    return inst.evolve(
+        state=entry.to_state, version=entry.version, data=entry.data, last_event=entry.event
+    )
+
+
+def decide_batch(
+    workflows: Mapping[str, Workflow],
+    snap: Snapshot,
+    calls: tuple[Call, ...],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
+) -> Batched:
+    """Every call of ``calls`` decided in order, each on the state the ones before it left: the
+    same decisions, entries and errors as running the calls one after the other. A request id
+    applied earlier in the batch answers idempotently (or IdempotencyKeyReused) like one found in
+    the history (``snap.priors``). A call's error is its own decision; the others go on."""
+    state = snap.instance
+    applied: dict[str, HistoryEntry] = {}
+    decisions: list[Decision] = []
+    entries: list[HistoryEntry] = []
+    for call in calls:
+        rid = call.request_id
+        prior = None if rid is None else applied.get(rid) or snap.priors.get(rid)
+        try:
+            decided: Decision = decide(
+                workflows, Snapshot(state, prior), call, max_payload_bytes=max_payload_bytes
+            )
+        except FlowlockError as exc:
+            decided = exc
+        if isinstance(decided, HistoryEntry):
+            if rid is not None:
+                applied[rid] = decided
+            entries.append(decided)
+            state = _after(state, decided)
+        decisions.append(decided)
+    return Batched(snap.instance, tuple(decisions), tuple(entries))

@@ -68,7 +68,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from flowlock.definition import Workflow
-from flowlock.engine import DEFAULT_MAX_PAYLOAD, DEFAULT_SYNC, LockKind, StrategyConfig
+from flowlock.engine import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PAYLOAD,
+    DEFAULT_SYNC,
+    LockKind,
+    StrategyConfig,
+)
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
 from flowlock.locks.base import LockBackend
@@ -167,11 +173,14 @@ class Engine:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
         metrics: Metrics | None = None,
         escalation_sync: float = DEFAULT_SYNC,
+        batching: bool = True,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         if isinstance(store, AsyncEngine):
             configured = (strategy, strategies, locks, monitor, max_payload_bytes)
             defaults = ("optimistic", None, None, None, DEFAULT_MAX_PAYLOAD)
-            if configured != defaults or metrics is not None or escalation_sync != DEFAULT_SYNC:
+            tuned = (metrics, escalation_sync, batching, max_batch)
+            if configured != defaults or tuned != (None, DEFAULT_SYNC, True, DEFAULT_MAX_BATCH):
                 raise InvalidInput(
                     "flowlock.sync.Engine(engine) wraps a flowlock.Engine as it is configured; "
                     "pass the options to flowlock.Engine(store, ...) instead, or pass the store"
@@ -193,6 +202,8 @@ class Engine:
                 max_payload_bytes=max_payload_bytes,
                 metrics=metrics,
                 escalation_sync=escalation_sync,
+                batching=batching,
+                max_batch=max_batch,
             )
         self._lock = threading.Lock()
         self._runner: _LoopThread | None = None
@@ -227,6 +238,8 @@ class Engine:
         monitor: ConflictMonitor | None = None,
         metrics: Metrics | None = None,
         escalation_sync: float = DEFAULT_SYNC,
+        batching: bool = True,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> Engine:
         """An engine over the database at ``database_url``: the same keywords as
         :meth:`flowlock.Engine.connect` (see :func:`flowlock.connect.connect`). Nothing is
@@ -269,6 +282,8 @@ class Engine:
                 monitor=monitor,
                 metrics=metrics,
                 escalation_sync=escalation_sync,
+                batching=batching,
+                max_batch=max_batch,
             )
         )
 

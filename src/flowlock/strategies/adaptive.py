@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flowlock.models import HistoryEntry, Snapshot
+from flowlock.models import Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock.strategies.base import Decide, Planned, Strategy, StrategyResult, stamped, writes
 from flowlock.strategies.monitor import ConflictMonitor
 from flowlock.strategies.optimistic import Optimistic
 
@@ -26,13 +26,13 @@ __all__ = ["Adaptive"]
 def _as(decide: Decide, name: str) -> Decide:
     """``decide`` whose history entries record ``name`` as the strategy that wrote them."""
 
-    def stamped(snap: Snapshot) -> HistoryEntry | Idempotent:
+    def recorded_as(snap: Snapshot) -> Planned | Idempotent:
         planned = decide(snap)
-        if isinstance(planned, HistoryEntry):
-            return dataclasses.replace(planned, strategy=name)
-        return planned
+        if isinstance(planned, Idempotent):
+            return planned
+        return stamped(planned, strategy=name)
 
-    return stamped
+    return recorded_as
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +50,9 @@ class Adaptive:
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
         key = call.instance_id
         monitor = self.monitor
-        crowded = monitor.enter(key)
+        # A batch is several callers crowding the key in this process, as calls in flight
+        # together were before batching.
+        crowded = monitor.enter(key) or len(call.batch) > 1
         try:
             escalation = monitor.escalated(key)
             if escalation is not None:
@@ -77,7 +79,7 @@ class Adaptive:
         opt, monitor, key = self.optimistic, self.monitor, call.instance_id
         decide = _as(decide, opt.name)
         calm = "adaptive: optimistic (instance not escalated)"
-        snap = await store.read(key, call.request_id)
+        snap = await store.read(key, call.request_ids)
         for attempt in range(1, opt.max_attempts + 1):
             planned = decide(snap)
             if isinstance(planned, Idempotent):
@@ -89,12 +91,15 @@ class Adaptive:
                 # call with nothing left to write was answered just above, without the lock.)
                 return await self._escalated(store, call, decide, attempt - 1, escalation.reason)
             committed = await store.commit(planned)
-            monitor.record(key, conflict=committed is None)
+            # Counted per call: a batch that loses its compare-and-swap lost it for every call
+            # in it, and one that wins won it for each of them.
+            for _ in range(writes(planned)):
+                monitor.record(key, conflict=committed is None)
             if committed is not None:
                 return StrategyResult(committed, True, attempt, opt.name, calm)
             if attempt < opt.max_attempts:
                 await opt.sleep(opt.backoff(attempt))
-                snap = await store.read(key, call.request_id)
+                snap = await store.read(key, call.request_ids)
         escalation = monitor.escalated(key)
         why = (
             escalation.reason

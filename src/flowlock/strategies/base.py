@@ -7,21 +7,40 @@ policy. It sees only the Store Protocol, never a concrete backend.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
 
-__all__ = ["MAX_ATTEMPTS", "Decide", "Strategy", "StrategyResult"]
+__all__ = ["MAX_ATTEMPTS", "Decide", "Planned", "Strategy", "StrategyResult", "stamped", "writes"]
 
 MAX_ATTEMPTS = 1000
 """The most attempts a strategy may make for one call (``max_attempts``: a retry loop ends)."""
 
-Decide = Callable[[Snapshot], HistoryEntry | Idempotent]
-"""The pure step bound to one call: what was read -> what to write (or the idempotent answer)."""
+Planned: TypeAlias = HistoryEntry | tuple[HistoryEntry, ...]
+"""What a strategy hands the store to write: one call's entry, or a batch's entries (k >= 1)."""
+
+Decide = Callable[[Snapshot], Planned | Idempotent]
+"""The pure step bound to one call (or one batch of calls on an instance): what was read -> what
+to write, or the idempotent answer when nothing is to be written. A strategy that only passes
+what it plans to the store runs batches unchanged; one that edits the entries does it with
+:func:`stamped`, which edits every entry of a batch."""
+
+
+def stamped(planned: Planned, **changes: Any) -> Planned:
+    """``planned`` with ``changes`` made to its entry, or to every entry of a batch."""
+    if isinstance(planned, HistoryEntry):
+        return dataclasses.replace(planned, **changes)
+    return tuple(dataclasses.replace(e, **changes) for e in planned)
+
+
+def writes(planned: Planned) -> int:
+    """How many calls' transitions ``planned`` writes."""
+    return 1 if isinstance(planned, HistoryEntry) else len(planned)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from flowlock.errors import (
 from flowlock.locks.base import Held, LockBackend, check_ttl, check_wait
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult
+from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult, stamped
 
 __all__ = ["Distributed", "fencing_token"]
 
@@ -112,7 +112,7 @@ class Distributed:
                 raise
             released = await locks.wait_released(key, self.wait)
             if released:
-                planned = decide(await store.read(key, call.request_id))
+                planned = decide(await store.read(key, call.request_ids))
                 if isinstance(planned, Idempotent):
                     waited = time.monotonic() - asked
                     return StrategyResult(planned.instance, False, 1, lock_wait=waited)
@@ -148,7 +148,7 @@ class Distributed:
     ) -> StrategyResult:
         fence = held.lease.fencing
         for attempt in range(1, self.max_attempts + 1):
-            snap = await store.read(call.instance_id, call.request_id)
+            snap = await store.read(call.instance_id, call.request_ids)
             with _fenced(fence):
                 planned = decide(snap)
             if isinstance(planned, Idempotent):
@@ -157,7 +157,7 @@ class Distributed:
             # a lost lease must not write (the fencing check would refuse it anyway once a
             # newer holder has written, but not before).
             held.check()
-            committed = await store.commit(replace(planned, fencing_token=fence))
+            committed = await store.commit(stamped(planned, fencing_token=fence))
             if committed is not None:
                 return StrategyResult(committed, applied=True, attempts=attempt)
             held.check()

@@ -50,7 +50,7 @@ class Optimistic:
 
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
         for attempt in range(1, self.max_attempts + 1):
-            snap = await store.read(call.instance_id, call.request_id)
+            snap = await store.read(call.instance_id, call.request_ids)
             planned = decide(snap)
             if isinstance(planned, Idempotent):
                 return StrategyResult(planned.instance, applied=False, attempts=attempt)

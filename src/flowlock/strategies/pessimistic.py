@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from flowlock._settings import check_seconds
 from flowlock.errors import InvalidInput, StoreError
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.models import Instance, Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import RowLock, Store
-from flowlock.strategies.base import Decide, StrategyResult
+from flowlock.strategies.base import Decide, Planned, StrategyResult
 
 __all__ = ["Pessimistic"]
 
@@ -40,7 +40,7 @@ class Pessimistic:
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
         answer: Instance | None = None
 
-        def plan(snap: Snapshot) -> HistoryEntry | None:
+        def plan(snap: Snapshot) -> Planned | None:
             nonlocal answer
             planned = decide(snap)
             if isinstance(planned, Idempotent):

@@ -1,0 +1,126 @@
+"""Per-key batching of concurrent calls: what the engine uses to apply many ``fire`` calls on one
+instance with one read and one write.
+
+A call on a key nobody is working on runs at once, in its caller's task, alone: an idle engine
+adds no latency and no task. Calls that arrive while the key is busy wait in the key's queue; when
+the key frees, one driver task takes everything queued (at most ``max_batch``) and runs it as one
+batch, then the next batch, until the queue is empty. There is no timer: a batch is whatever
+arrived while the previous work was in flight.
+
+Why a driver task and not the first waiter: a caller may be cancelled at any time. A cancelled
+caller only leaves (its place in the queue, or its answer once the batch is done); the batch it
+was part of goes on for the others, and nothing waits on a task that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Generic, TypeVar
+
+__all__ = ["Batcher"]
+
+C = TypeVar("C")
+R = TypeVar("R")
+
+One = Callable[[C], Awaitable[R]]
+Many = Callable[[Sequence[C]], Awaitable[Sequence[R | BaseException]]]
+
+
+class _Waiter(Generic[C, R]):
+    __slots__ = ("call", "future")
+
+    def __init__(self, call: C, future: asyncio.Future[R]) -> None:
+        self.call = call
+        self.future = future
+
+
+class _Lane(Generic[C, R]):
+    """One key's work: whether it is busy, and the calls waiting for it."""
+
+    __slots__ = ("many", "queue")
+
+    def __init__(self, many: Many[C, R]) -> None:
+        self.many = many
+        self.queue: deque[_Waiter[C, R]] = deque()
+
+
+class Batcher(Generic[C, R]):
+    """Runs calls per key: alone when the key is idle, in batches of at most ``max_batch`` while
+    it is busy. ``submit`` answers each call with its own result or raises its own error."""
+
+    def __init__(self, max_batch: int) -> None:
+        self._max = max_batch
+        self._lanes: dict[Hashable, _Lane[C, R]] = {}
+        self._drivers: set[asyncio.Task[None]] = set()
+
+    @property
+    def busy(self) -> int:
+        """How many keys have work in flight."""
+        return len(self._lanes)
+
+    async def submit(self, key: Hashable, call: C, one: One[C, R], many: Many[C, R]) -> R:
+        """``call``'s result: ``one(call)`` when ``key`` is idle, otherwise its place in the next
+        ``many(batch)`` (whose answers come in the batch's order: a result, or an exception
+        raised to that caller alone)."""
+        lane = self._lanes.get(key)
+        if lane is not None:
+            future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+            lane.queue.append(_Waiter(call, future))
+            # Cancelling this await cancels the future: the driver skips it if it has not been
+            # taken yet, and drops its answer if it has.
+            return await future
+        lane = self._lanes[key] = _Lane(many)
+        try:
+            return await one(call)
+        finally:
+            # No await between this check and the hand-over: a call queued meanwhile is either
+            # seen here or found the lane gone and ran alone.
+            if lane.queue:
+                self._start(key, lane)
+            else:
+                del self._lanes[key]
+
+    def _start(self, key: Hashable, lane: _Lane[C, R]) -> None:
+        task = asyncio.get_running_loop().create_task(self._drive(key, lane))
+        self._drivers.add(task)
+        task.add_done_callback(self._drivers.discard)
+
+    async def _drive(self, key: Hashable, lane: _Lane[C, R]) -> None:
+        try:
+            while lane.queue:
+                taken: list[_Waiter[C, R]] = []
+                while lane.queue and len(taken) < self._max:
+                    waiter = lane.queue.popleft()
+                    if not waiter.future.done():  # its caller was cancelled while it waited
+                        taken.append(waiter)
+                if not taken:
+                    continue
+                try:
+                    answers = await lane.many([w.call for w in taken])
+                except asyncio.CancelledError:
+                    for w in taken:
+                        w.future.cancel()
+                    raise
+                except Exception as exc:  # a bug below: every call of this batch hears of it
+                    answers = [exc] * len(taken)
+                for waiter, answer in zip(taken, answers, strict=True):
+                    if waiter.future.done():
+                        continue
+                    if isinstance(answer, BaseException):
+                        waiter.future.set_exception(answer)
+                    else:
+                        waiter.future.set_result(answer)
+        finally:
+            # Reached with an empty queue (no await since the last check), or when the driver is
+            # cancelled (the engine is closing): nobody may be left waiting on a lane that is gone.
+            for waiter in lane.queue:
+                waiter.future.cancel()
+            lane.queue.clear()
+            del self._lanes[key]
+
+    async def drain(self) -> None:
+        """Wait for every batch in flight and queued to be answered."""
+        while self._drivers:
+            await asyncio.gather(*self._drivers, return_exceptions=True)
