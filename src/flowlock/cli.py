@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -419,6 +420,27 @@ BenchRedisUrl = Annotated[
         show_default=False,
     ),
 ]
+
+
+class OnOff(StrEnum):
+    """An on/off switch on the command line."""
+
+    on = "on"
+    off = "off"
+
+
+BatchingOption = Annotated[
+    OnOff,
+    typer.Option(
+        "--batching",
+        case_sensitive=False,
+        help="Whether every flowlock engine the bench builds (in this process and in the worker "
+        "processes; the soak's too) batches concurrent calls on one instance, Engine(batching=): "
+        "on (the engine's default) decides them in order on one read and writes them together; "
+        "off runs one transaction per call. The raw floor has no engine and is the same either "
+        "way. Each row reports its mean batch size (1.00 with off).",
+    ),
+]
 EmbeddedOption = Annotated[
     bool,
     typer.Option(
@@ -440,7 +462,8 @@ SoakOption = Annotated[
         "instances) from --processes worker processes (default 3, 4 callers each, or --workers "
         "in all) for SECONDS (at most 3600), every call recorded and judged: outcomes by kind, "
         "leaks, the linearizability and exactly-once verdicts. Always on an embedded PostgreSQL "
-        "and Redis of its own. Takes --strategy, --workers, --processes, --seed, --json.",
+        "and Redis of its own. Takes --strategy, --workers, --processes, --seed, --batching, "
+        "--json.",
         show_default=False,
     ),
 ]
@@ -544,6 +567,7 @@ def _soak_config(
         seed=given["seed"],
         database_url=given["database_url"],
         redis_url=given["redis_url"],
+        batching=given["batching"],
     )
     try:
         config.validate()
@@ -569,6 +593,7 @@ def bench(
     database_url: BenchDatabaseUrl = None,
     redis_url: BenchRedisUrl = None,
     embedded: EmbeddedOption = False,
+    batching: BatchingOption = OnOff.on,
     soak: SoakOption = None,
     faults: FaultsOption = False,
 ) -> None:
@@ -577,9 +602,10 @@ def bench(
     Runs each scenario (storm, countersign, inventory, hot, spread, cluster, singleton) with each
     strategy, plus 'raw' (bare asyncpg, measured in the same run), on an embedded PostgreSQL and
     Redis it starts and removes (or your servers). Prints one row per scenario x strategy
-    (latency, success %, attempts, throughput, peak connections, lock wait) with the checker's
-    exactly-once verdict, the seed's published figures beside storm, and the aims against the
-    floor. Exits 3 if any verdict fails.
+    (latency, success %, attempts, mean batch size, throughput, peak connections, lock wait)
+    with the checker's exactly-once verdict, the seed's published figures beside storm, and the
+    aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
+    any verdict fails.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
@@ -607,6 +633,7 @@ def bench(
             seed=seed,
             database_url=None if embedded else database_url,
             redis_url=None if embedded else redis_url,
+            batching=batching is OnOff.on,
         )
         _run_soak(soak_config, json_file)
         return
@@ -623,6 +650,7 @@ def bench(
         pool_size=pool_size,
         database_url=None if embedded else database_url,
         redis_url=None if embedded else redis_url,
+        batching=batching is OnOff.on,
     )
     _show(_run_bench(config, plot_file is not None), json_file, plot_file)
 

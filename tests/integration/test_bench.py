@@ -49,7 +49,7 @@ from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.examples import approval
-from flowlock.models import Instance
+from flowlock.models import HistoryEntry, Instance
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Decide, Strategy, StrategyResult
@@ -87,6 +87,7 @@ EXTRA_KEYS = {
     "open_connections",
     "floor",
     "vs_floor",
+    "mean_batch",
 }
 WORKERS = 100  # what --quick runs
 FLOORS = {
@@ -107,6 +108,20 @@ async def _schema_exists(url: str, schema: str) -> bool:
     finally:
         await conn.close()
     return found is not None
+
+
+def _check_mean_batch(result: dict[str, Any], batching: bool) -> None:
+    """A flowlock row's mean batch size: None only when no engine answered (RunOnce runs the
+    distributed strategies' singleton jobs) or no call got an Outcome; 1.0 with batching off,
+    at least 1 with it on."""
+    answered = result["applied"] + result["idempotent"]
+    if result["mean_batch"] is None:
+        runs_once = result["scenario"] == "singleton" and result["strategy"].startswith("distrib")
+        assert runs_once or answered == 0, result
+    elif batching:
+        assert result["mean_batch"] >= 1.0, result
+    else:
+        assert result["mean_batch"] == 1.0, result
 
 
 def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequence[str]) -> None:
@@ -134,11 +149,23 @@ def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequ
             assert r["floor"] == FLOORS[r["scenario"]]
             assert r["success_pct"] == 100.0, r
             assert r["vs_floor"] == {"p99": None, "applied_per_s": None}
+            assert r["mean_batch"] is None  # no engine answers the floor's calls
         else:
             assert r["floor"] is None
             assert r["vs_floor"]["p99"] > 0
+            _check_mean_batch(r, doc["args"]["batching"])
     assert doc["ok"] is True
-    assert {a["what"] for a in doc["aims"]} >= {"success", "violations", "p99_vs_floor"}
+    assert {a["what"] for a in doc["aims"]} >= {
+        "success",
+        "violations",
+        "p99_vs_floor",
+        "applied_per_s_vs_floor",
+    }
+    # Every ratio aim is judged against this run's floor, which ran every scenario.
+    assert {a["status"] for a in doc["aims"] if a["what"].endswith("_vs_floor")} <= {
+        "met",
+        "not met",
+    }
     json.dumps(doc)  # serialisable as is
 
 
@@ -154,6 +181,7 @@ async def test_quick_run_on_the_running_services(pg_url: str, redis_url: str) ->
     _check_shape(doc, ALL_SCENARIOS, DEFAULT_STRATEGIES)
     assert report.ok
     assert doc["args"]["seed"] == 7
+    assert doc["args"]["batching"] is True  # the default
     assert doc["args"]["rounds"]["storm"] == 2
     assert doc["loop"] in ("asyncio", "uvloop")
     assert report.redis == "external"
@@ -189,6 +217,39 @@ async def test_quick_run_on_the_running_services(pg_url: str, redis_url: str) ->
     finally:
         await client.aclose()
     assert not [k for k in left if doc["args"]["schema"] in str(k)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", [False, True])
+async def test_batching_reaches_every_engine(pg_url: str, batching: bool) -> None:
+    """--batching reaches the engines in this process (storm) and in the worker processes
+    (singleton: every caller of a process fires at one instance): off, every Outcome ran alone;
+    on, the callers that queued behind the first one shared a write. The floor has no engine."""
+    report = await run_bench(
+        BenchConfig(
+            database_url=pg_url,
+            scenarios=("storm", "singleton"),
+            strategies=("raw", "optimistic"),
+            workers=20,
+            processes=2,
+            rounds=1,
+            batching=batching,
+        )
+    )
+    assert report.ok, report.results
+    assert report.args["batching"] is batching
+    by_pair = {(r.scenario, r.strategy): r for r in report.results}
+    for scenario in ("storm", "singleton"):
+        assert by_pair[scenario, "raw"].mean_batch is None
+        mine = by_pair[scenario, "optimistic"]
+        # A storm's losers are answered "already done", never failed: every call has an Outcome.
+        assert mine.failed == 0, (scenario, mine.errors)
+        mean = mine.mean_batch
+        assert mean is not None
+        if batching:
+            assert mean > 1.0, (scenario, mean)
+        else:
+            assert mean == 1.0, (scenario, mean)
 
 
 # -- a strategy that skips the version check ------------------------------------------------
@@ -237,6 +298,8 @@ class SkipsVersionCheck:
         planned = decide(snap)
         if isinstance(planned, Idempotent):
             return StrategyResult(planned.instance, applied=False, attempts=1)
+        # The engine batches only its own strategies: this one always plans one call's entry.
+        assert isinstance(planned, HistoryEntry)
         await self._second_reader(call.instance_id)
         pool: asyncpg.Pool = getattr(store, "pool")  # noqa: B009 - PostgresStore only
         row = await pool.fetchrow(

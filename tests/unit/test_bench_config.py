@@ -1,14 +1,23 @@
 """The benchmark's configuration and pool sizing, without any server: validation, defaults,
-aliases, per-scenario parameters, URL redaction, and how large a pool the server can take.
+aliases, per-scenario parameters, the batching switch from the command line to the config, URL
+redaction, and how large a pool the server can take.
 """
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from flowlock.bench import ALIASES, DEFAULT_STRATEGIES, SCENARIOS, BenchConfig
-from flowlock.bench.config import Target, redact
+import pytest
+from typer.testing import CliRunner
+
+import flowlock
+from flowlock import cli as cli_module
+from flowlock.bench import ALIASES, DEFAULT_STRATEGIES, SCENARIOS, BenchConfig, BenchReport
+from flowlock.bench import runner as bench_runner
+from flowlock.bench.config import SoakConfig, Target, redact
+from flowlock.bench.progress import Progress
 from flowlock.bench.servers import connections_needed, demand, fit_pool
+from flowlock.cli import app
 from flowlock.errors import InvalidInput
 
 
@@ -23,6 +32,7 @@ from flowlock.errors import InvalidInput
         (BenchConfig(database_url="sqlite:///x.db"), "the benchmark needs PostgreSQL"),
         (BenchConfig(database_url="mysql://u:secret@h/db"), "'mysql://u:***@h/db'"),
         (BenchConfig(redis_url="http://h:6379"), "unsupported redis url 'http://h:6379'"),
+        (BenchConfig(batching="off"), "batching must be True or False, not 'off'"),  # type: ignore[arg-type]
     ],
 )
 def test_validate_refuses_what_cannot_run(config: BenchConfig, message: str) -> None:
@@ -134,3 +144,86 @@ def test_fit_pool_takes_the_largest_pool_that_fits() -> None:
     assert fit_pool(100, 500, lambda pool: pool) == 100
     assert fit_pool(100, 60, lambda pool: pool + 10) == 50
     assert fit_pool(100, 5, lambda pool: pool + 10) == 1
+
+
+# -- the batching switch ---------------------------------------------------------------------
+
+
+def test_batching_is_on_unless_turned_off() -> None:
+    """Engines batch by default, in a run and in a soak; off is a plain False, and anything but
+    a bool is refused before any I/O."""
+    assert BenchConfig().batching is True
+    assert SoakConfig(seconds=5).batching is True
+    BenchConfig(batching=False).validate()
+    SoakConfig(seconds=5, batching=False).validate()
+    with pytest.raises(InvalidInput, match="batching must be True or False, not 1"):
+        SoakConfig(seconds=5, batching=1).validate()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    """A runner whose environment names no server (so none can steer a case)."""
+    monkeypatch.delenv("FLOWLOCK_DATABASE_URL", raising=False)
+    monkeypatch.delenv("FLOWLOCK_REDIS_URL", raising=False)
+    return CliRunner()
+
+
+def _empty_report(config: BenchConfig) -> BenchReport:
+    return BenchReport(
+        flowlock_version=flowlock.__version__,
+        postgres_version="18.0",
+        redis_version=None,
+        cores=2,
+        args={"workers": config.workers, "batching": config.batching},
+        results=(),
+        loop="asyncio",
+        database="embedded",
+        pool_size=1,
+        duration_s=0.1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "batching"),
+    [([], True), (["--batching", "on"], True), (["--batching", "off"], False)],
+)
+def test_the_command_line_passes_batching_to_the_run(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, given: list[str], batching: bool
+) -> None:
+    """`--batching on|off` (default on) reaches the run's config, and the title says which."""
+    seen: list[BenchConfig] = []
+
+    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+        seen.append(config)
+        return _empty_report(config)
+
+    monkeypatch.setattr(bench_runner, "run", run)
+    result = cli.invoke(app, ["bench", "--quick", "-s", "storm", *given])
+    assert result.exit_code == 0, result.output
+    assert [c.batching for c in seen] == [batching]
+    assert f"batching {'on' if batching else 'off'}" in result.stdout
+
+
+def test_the_command_line_refuses_another_batching_value(cli: CliRunner) -> None:
+    """Only on and off (any case) are accepted: anything else is a usage error naming them, and
+    the help names the option."""
+    result = cli.invoke(app, ["bench", "--batching", "maybe"])
+    assert result.exit_code == 2
+    assert "'on'" in result.output and "'off'" in result.output
+    shown = cli.invoke(app, ["bench", "--help"])
+    assert "--batching" in shown.stdout
+
+
+def test_the_command_line_passes_batching_to_a_soak(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --soak, --batching reaches the soak's config too (its workers' engines)."""
+    seen: list[SoakConfig] = []
+
+    def soak(config: SoakConfig, json_file: Any) -> None:
+        seen.append(config)
+
+    monkeypatch.setattr(cli_module, "_run_soak", soak)
+    result = cli.invoke(app, ["bench", "--soak", "5", "--batching", "OFF"])
+    assert result.exit_code == 0, result.output
+    assert [c.batching for c in seen] == [False]

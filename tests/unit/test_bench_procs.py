@@ -47,6 +47,7 @@ def _wire(doc: dict[str, Any]) -> dict[str, Any]:
     "request_",
     [
         Open(TARGET, 7, "cluster", "optimistic", Params(workers=8, ops=3, processes=4), "7/c/o/p0"),
+        Open(TARGET, 7, "cluster", "adaptive", Params(), "7/c/a/p1", batching=False),
         Arm(((CALL,), (CALL, CallSpec("i-2", "step")))),
         Go(),
         Close(),
@@ -63,6 +64,7 @@ def test_requests_round_trip(request_: Request) -> None:
         Opened(),
         ArmedReply(),
         Done((CallResult(CALL, "failed", 0.012, 3, "LockTimeout", "waited 5 s"),), 0.5, 0.25),
+        Done((CallResult(CALL, "applied", 0.004, 1, batch_size=17),), 0.1, 0.0),
         Closed(),
         Failed("RuntimeError: arm before open"),
     ],
@@ -74,7 +76,8 @@ def test_replies_round_trip(reply: Reply) -> None:
 
 def test_open_travels_as_the_documented_keys() -> None:
     """The open request carries op, target, pool size, names, the three round parameters (not
-    the warm-up flag, which only the parent's setup reads) and the seed."""
+    the warm-up flag, which only the parent's setup reads), the seed, and whether the worker's
+    engine batches (on unless the run said off)."""
     doc = Open(TARGET, 7, "cluster", "raw", Params(8, 3, 4, warmup=True), "s").to_dict()
     assert doc == {
         "op": "open",
@@ -84,6 +87,7 @@ def test_open_travels_as_the_documented_keys() -> None:
         "strategy": "raw",
         "params": {"workers": 8, "ops": 3, "processes": 4},
         "seed": "s",
+        "batching": True,
     }
     assert Go().to_dict() == {"op": "go"}
     assert Failed("boom").to_dict() == {"op": "error", "message": "boom"}
@@ -146,7 +150,7 @@ class _FakeSession:
             raise ConflictRetriesExhausted(call.instance_id, call.event, 3)
         if call.event == "slow":
             await asyncio.sleep(0.02)
-        return Fired("idempotent" if call.event == "done" else "applied", 2)
+        return Fired("idempotent" if call.event == "done" else "applied", 2, batch_size=3)
 
     async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
         return None
@@ -168,10 +172,13 @@ async def test_armed_callers_report_each_outcome_and_time_each_lane() -> None:
     assert [r.call.event for r in results] == ["apply", "done", "refuse", "lose", "slow"]
     assert (by_event["apply"].kind, by_event["apply"].attempts) == ("applied", 2)
     assert by_event["done"].kind == "idempotent"
+    # The session's batch size travels with the answer; a raised call had no Outcome.
+    assert by_event["apply"].batch_size == by_event["done"].batch_size == 3
     refused = by_event["refuse"]
     assert (refused.kind, refused.attempts, refused.error) == ("refused", 1, "GuardRejected")
     lost = by_event["lose"]
     assert (lost.kind, lost.attempts, lost.error) == ("failed", 3, "ConflictRetriesExhausted")
+    assert refused.batch_size is None and lost.batch_size is None
     assert by_event["slow"].latency >= 0.02
     assert wall >= by_event["slow"].latency
     assert all(r.latency >= 0 for r in results)

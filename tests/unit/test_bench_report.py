@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 
 from flowlock.bench.report import (
+    AIMS,
     aims,
     aims_table,
     floors,
@@ -117,8 +118,8 @@ def _full_report() -> BenchReport:
     bad = Verdict.of([Violation(DOUBLE_APPLY, "instance 'x': twice")])
     return _report(
         _floor(),
-        _result("optimistic"),
-        _result("pessimistic", verdict=bad, double_advanced_rounds=2),
+        _result("optimistic", mean_batch=4.5),
+        _result("pessimistic", verdict=bad, double_advanced_rounds=2, mean_batch=1.0),
         _floor("hot", floor="locked"),
         _result("optimistic", scenario="hot", applied_per_s=4.0, success_pct=6.5),
     )
@@ -180,6 +181,8 @@ def test_json_units_and_rounding() -> None:
     assert doc["errors"] == {"LockTimeout": 1}
     assert doc["applied_per_round"] == [1] * 10
     assert doc["open_connections"] == 100
+    assert doc["mean_batch"] is None  # no Outcome carried a batch size
+    assert result_to_json(_result("optimistic", mean_batch=12.34567))["mean_batch"] == 12.346
 
 
 def test_json_verdict_is_ok_and_its_violations() -> None:
@@ -251,8 +254,9 @@ def test_floors_and_ratios() -> None:
 
 
 def test_aims_check_success_violations_and_ratios() -> None:
-    """Each flowlock strategy: 100 % success, no violations, storm p99 within 1.5x the floor's,
-    hot applied/s at least 0.8x; the floor itself is not judged."""
+    """Each flowlock strategy: 100 % success, no violations, and every ratio aim of the
+    scenarios it ran (storm p99 at most 0.5x the floor's; hot applied/s at least 8x and p99 at
+    most 0.25x); the floor itself is not judged."""
     found = {(a.strategy, a.scenario, a.what): a for a in aims(_full_report())}
     assert not any(strategy == "raw" for strategy, _, _ in found)
     success = found["optimistic", "storm", "success"]
@@ -260,17 +264,105 @@ def test_aims_check_success_violations_and_ratios() -> None:
     assert found["pessimistic", "storm", "violations"].measured == 1
     assert not found["pessimistic", "storm", "violations"].ok
     p99 = found["optimistic", "storm", "p99_vs_floor"]
-    assert (p99.target, p99.measured, p99.ok) == (1.5, 3.0, False)
+    assert (p99.target, p99.measured, p99.ok, p99.status) == (0.5, 3.0, False, "not met")
     hot = found["optimistic", "hot", "applied_per_s_vs_floor"]
-    assert (hot.target, hot.measured, hot.ok) == (0.8, 0.2, False)
+    assert (hot.target, hot.measured, hot.ok) == (8.0, 0.2, False)
+    assert found["optimistic", "hot", "p99_vs_floor"].target == 0.25
     assert found["optimistic", "hot", "applied_per_s_vs_floor"].to_dict() == {
         "strategy": "optimistic",
         "scenario": "hot",
         "what": "applied_per_s_vs_floor",
-        "target": 0.8,
+        "target": 8.0,
         "measured": 0.2,
         "ok": False,
+        "compare": ">=",
+        "status": "not met",
     }
+
+
+def _ratio_aims(report: BenchReport) -> dict[tuple[str, str, str], tuple[float, float, str]]:
+    """(strategy, scenario, what) -> (target, measured, status) for every ratio aim."""
+    return {
+        (a.strategy, a.scenario, a.what): (a.target, a.measured or 0.0, a.status)
+        for a in aims(report)
+        if a.what.endswith("_vs_floor")
+    }
+
+
+def test_the_aims_are_the_targets_against_the_floor() -> None:
+    """Every scenario's targets: storm p99 <= 0.5x (distributed 1x); hot applied/s >= 8x and
+    p99 <= 0.25x; countersign and inventory applied/s >= 3x; spread and cluster applied/s >= 1x
+    (distributed 0.5x). A p99 at or under its target is met, an applied/s at or over it."""
+    assert [(s.scenario, s.metric, s.target, s.distributed) for s in AIMS] == [
+        ("storm", "p99", 0.5, 1.0),
+        ("hot", "applied_per_s", 8.0, 8.0),
+        ("hot", "p99", 0.25, 0.25),
+        ("countersign", "applied_per_s", 3.0, 3.0),
+        ("inventory", "applied_per_s", 3.0, 3.0),
+        ("spread", "applied_per_s", 1.0, 0.5),
+        ("cluster", "applied_per_s", 1.0, 0.5),
+    ]
+    # Floors: p99 10 ms, 20 applied/s.
+    report = _report(
+        _floor(),
+        _result("optimistic", p99_ms=5.0),
+        _result("distributed-redis", p99_ms=9.0),
+        _result("distributed-advisory", p99_ms=11.0),
+        _floor("hot", floor="locked"),
+        _result("pessimistic", scenario="hot", applied_per_s=160.0, p99_ms=2.5),
+        _result("adaptive", scenario="hot", applied_per_s=159.0, p99_ms=2.6),
+        _floor("countersign", floor="locked"),
+        _result("pessimistic", scenario="countersign", applied_per_s=60.0),
+        _floor("inventory", floor="locked"),
+        _result("pessimistic", scenario="inventory", applied_per_s=59.0),
+        _floor("spread", floor="cas"),
+        _result("optimistic", scenario="spread", applied_per_s=20.0),
+        _result("distributed-redis", scenario="spread", applied_per_s=10.0),
+        _floor("cluster", floor="cas"),
+        _result("adaptive", scenario="cluster", applied_per_s=19.0),
+        _result("distributed-advisory", scenario="cluster", applied_per_s=9.0),
+    )
+    found = _ratio_aims(report)
+    assert found == {
+        ("optimistic", "storm", "p99_vs_floor"): (0.5, 0.5, "met"),
+        ("distributed-redis", "storm", "p99_vs_floor"): (1.0, 0.9, "met"),
+        ("distributed-advisory", "storm", "p99_vs_floor"): (1.0, 1.1, "not met"),
+        ("pessimistic", "hot", "applied_per_s_vs_floor"): (8.0, 8.0, "met"),
+        ("pessimistic", "hot", "p99_vs_floor"): (0.25, 0.25, "met"),
+        ("adaptive", "hot", "applied_per_s_vs_floor"): (8.0, 7.95, "not met"),
+        ("adaptive", "hot", "p99_vs_floor"): (0.25, pytest.approx(0.26), "not met"),
+        ("pessimistic", "countersign", "applied_per_s_vs_floor"): (3.0, 3.0, "met"),
+        ("pessimistic", "inventory", "applied_per_s_vs_floor"): (3.0, 2.95, "not met"),
+        ("optimistic", "spread", "applied_per_s_vs_floor"): (1.0, 1.0, "met"),
+        ("distributed-redis", "spread", "applied_per_s_vs_floor"): (0.5, 0.5, "met"),
+        ("adaptive", "cluster", "applied_per_s_vs_floor"): (1.0, 0.95, "not met"),
+        ("distributed-advisory", "cluster", "applied_per_s_vs_floor"): (0.5, 0.45, "not met"),
+    }
+    ok = {(a.strategy, a.scenario, a.what): a.ok for a in aims(report)}
+    assert ok["optimistic", "storm", "p99_vs_floor"] is True
+    assert ok["adaptive", "hot", "p99_vs_floor"] is False
+
+
+def test_an_aim_without_a_floor_is_reported_not_judged() -> None:
+    """A scenario run without the raw floor (or whose floor measured 0) has its aims listed
+    with no ratio, status "no floor" and not ok; scenarios without ratio aims add none."""
+    report = _report(
+        _floor(applied_per_s=0.0, p99_ms=0.0),
+        _result("optimistic"),
+        _result("pessimistic", scenario="hot"),
+        _result("pessimistic", scenario="singleton"),
+    )
+    found = {(a.strategy, a.scenario, a.what): a for a in aims(report)}
+    for key in (
+        ("optimistic", "storm", "p99_vs_floor"),
+        ("pessimistic", "hot", "p99_vs_floor"),
+        ("pessimistic", "hot", "applied_per_s_vs_floor"),
+    ):
+        aim = found[key]
+        assert (aim.measured, aim.ok, aim.status) == (None, False, "no floor"), key
+        assert aim.to_dict()["measured"] is None
+    assert {w for s, sc, w in found if sc == "singleton"} == {"success", "violations"}
+    assert to_json(report)["aims"][2]["status"] == "no floor"
 
 
 # -- tables --------------------------------------------------------------------------------------
@@ -309,8 +401,8 @@ def test_render_keeps_the_verdict_column_from_100_columns(width: int) -> None:
 
 def test_render_wide_shows_one_row_per_pair_with_its_figures() -> None:
     """At 160 columns each pair is one row: calls, latencies to 0.1 ms, success to 2 places
-    when just under 100, attempts, rates with thousands separators, connections, lock wait,
-    verdict."""
+    when just under 100, attempts, the mean batch size (— for the floor, which has no engine),
+    rates with thousands separators, connections, lock wait, verdict."""
     lines = _rendered(_full_report(), 160).splitlines()
     row = next(line for line in lines if line.split()[:2] == ["storm", "optimistic"])
     assert row.split()[2:] == [
@@ -321,16 +413,20 @@ def test_render_wide_shows_one_row_per_pair_with_its_figures() -> None:
         "31.2",
         "99.99",
         "1.23",
+        "4.50",
         "1,235",
         "12",
         "42",
         "3.5",
         "ok",
     ]
+    floor = next(line for line in lines if line.split()[:2] == ["storm", "raw"])
+    assert floor.split()[9] == "—"
     failed = next(line for line in lines if line.split()[:2] == ["storm", "pessimistic"])
     assert failed.split()[-2:] == ["FAIL", "(1)"]
     header = next(line for line in lines if "scenario" in line and "verdict" in line)
     assert header.split()[:4] == ["scenario", "strategy", "calls", "avg"]
+    assert "batch" in header.split()
 
 
 def test_render_lists_failed_calls_floors_and_the_log() -> None:
@@ -360,14 +456,56 @@ def test_seed_table_only_with_a_storm() -> None:
     assert seed_table(_report(_floor("hot", floor="locked"))) is None
 
 
-def test_aims_table_needs_a_floor() -> None:
-    """The aims table shows each strategy's ratios to the floor, and is absent without one."""
+def _aims_rows(report: BenchReport) -> tuple[list[str], dict[str, str]]:
+    """The aims table at 200 columns: its header line's words, and each row's line by its aim."""
     console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
-    table = aims_table(_full_report())
+    table = aims_table(report)
     assert table is not None
     console.print(table)
-    text = console.export_text()
-    optimistic = next(line for line in text.splitlines() if line.startswith(" optimistic"))
-    assert "3.00×" in optimistic and "0.20×" in optimistic
-    assert "storm 99.99, hot 6.5" in optimistic
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if line.startswith(" aim "))
+    labels = [
+        "below 100 % success",
+        "violations",
+        "storm p99",
+        "hot applied/s",
+        "hot p99",
+        "spread applied/s",
+    ]
+    rows = {label: line for line in lines for label in labels if line.startswith(f" {label}")}
+    return header.split(), rows
+
+
+def test_aims_table_needs_a_floor() -> None:
+    """The aims table has a row per aim (its target beside it) and a column per strategy, each
+    cell the ratio to the floor and whether it was met; it is absent without any floor."""
+    header, rows = _aims_rows(_full_report())
+    assert header == ["aim", "target", "optimistic", "pessimistic"]
+    assert rows["storm p99"].split() == [
+        "storm", "p99", "×floor", "≤", "0.5×", "3.00×", "not", "met", "3.00×", "not", "met"
+    ]  # fmt: skip
+    assert "≥ 8×" in rows["hot applied/s"] and "0.20× not met" in rows["hot applied/s"]
+    assert "≤ 0.25×" in rows["hot p99"]
+    assert "storm 99.99, hot 6.5" in rows["below 100 % success"]
+    assert rows["violations"].split()[-2:] == ["0", "1"]
     assert aims_table(_report(_result("optimistic"))) is None
+
+
+def test_aims_table_says_met_no_floor_and_the_distributed_target() -> None:
+    """A met aim reads "met"; a scenario without a floor reads "no floor"; a scenario a
+    strategy did not run reads —; the distributed target shows beside the others' only when a
+    distributed strategy is in the table."""
+    report = _report(
+        _floor(),
+        _result("optimistic", p99_ms=4.0),
+        _result("distributed-redis", p99_ms=12.0),
+        _result("optimistic", scenario="spread", applied_per_s=30.0),
+    )
+    header, rows = _aims_rows(report)
+    assert header == ["aim", "target", "optimistic", "distributed-redis"]
+    storm = ["≤", "0.5×", "(dist.", "1×)", "0.40×", "met", "1.20×", "not", "met"]
+    assert rows["storm p99"].split()[3:] == storm
+    spread = ["≥", "1×", "(dist.", "0.5×)", "no", "floor", "—"]
+    assert rows["spread applied/s"].split()[3:] == spread
+    _, alone = _aims_rows(_report(_floor(), _result("optimistic")))
+    assert "dist." not in alone["storm p99"]

@@ -23,6 +23,7 @@ from flowlock.bench.results import (
     ScenarioResult,
     Timed,
     failures,
+    mean_batch,
     percentile,
     summarise,
     verdict_of,
@@ -35,9 +36,15 @@ STORM = SCENARIOS["storm"]
 
 
 def _call(
-    actor: str, kind: Kind, ms: float, attempts: int = 1, error: str | None = None
+    actor: str,
+    kind: Kind,
+    ms: float,
+    attempts: int = 1,
+    error: str | None = None,
+    batch: int | None = None,
 ) -> CallResult:
-    return CallResult(CallSpec("s-1", "approve", actor=actor), kind, ms / 1000, attempts, error)
+    spec = CallSpec("s-1", "approve", actor=actor)
+    return CallResult(spec, kind, ms / 1000, attempts, error, batch_size=batch)
 
 
 def _approved(version: int) -> Instance:
@@ -182,6 +189,48 @@ def test_summarise_of_no_rounds_is_all_zero_and_ok() -> None:
     assert (result.calls, result.avg_ms, result.success_pct, result.calls_per_s) == (0, 0, 0, 0)
     assert result.lock_wait_ms == 0.0
     assert result.verdict == Verdict(ok=True)
+
+
+def test_mean_batch_averages_the_outcomes_only() -> None:
+    """The mean batch size counts the calls that got an Outcome (applied or idempotent, with a
+    batch size), whatever their kind; failed calls and calls no engine answered do not count."""
+    calls = [
+        _call("a", "applied", 1.0, batch=40),
+        _call("b", "idempotent", 1.0, batch=40),
+        _call("c", "idempotent", 1.0, batch=1),
+        _call("d", "failed", 1.0, error="LockTimeout"),
+        _call("e", "applied", 1.0),  # the raw floor or RunOnce: no Outcome
+    ]
+    assert mean_batch(calls) == pytest.approx(27.0)
+    assert mean_batch([_call("a", "applied", 1.0, batch=1)] * 5) == 1.0
+    assert mean_batch([_call("a", "applied", 1.0), _call("b", "failed", 1.0)]) is None
+    assert mean_batch([]) is None
+
+
+def test_summarise_reports_the_mean_batch_over_every_round() -> None:
+    """A pair's mean batch size spans all its timed rounds; a pair whose calls carried no
+    batch size (the raw floor) has none."""
+    first = _storm_round(
+        [_call("a", "applied", 1.0, batch=3), _call("b", "idempotent", 1.0, batch=3)],
+        [_row(2, "a")],
+    )
+    second = _storm_round(
+        [_call("a", "applied", 1.0, batch=1), _call("b", "idempotent", 1.0, batch=1)],
+        [_row(2, "a")],
+    )
+    timed = Timed([first, second], wall=0.5)
+    mine = summarise(STORM, "optimistic", Params(workers=2), timed, ConnectionStats(), loop="a")
+    assert mine.mean_batch == pytest.approx(2.0)
+    raw = summarise(
+        STORM, "raw", Params(workers=4), Timed([_good_round()], 0.5), ConnectionStats(), loop="a"
+    )
+    assert raw.mean_batch is None
+
+
+def test_call_results_keep_their_batch_size_through_json() -> None:
+    """A worker's call result travels as JSON: its batch size (or None) comes back as is."""
+    for call in (_call("a", "applied", 2.0, batch=12), _call("b", "failed", 2.0, error="X")):
+        assert CallResult.from_json(call.to_json()) == call
 
 
 def test_summarise_orders_errors_most_frequent_first() -> None:

@@ -79,7 +79,8 @@ class BenchConfig:
     scenario's own number of rounds and calls per caller (fewer under ``quick``), 4 processes
     for the multi-process scenarios, a pool of ``workers`` connections (one per caller, like the
     seed's experiment; lowered to what the server can take), an embedded PostgreSQL and an
-    embedded Redis, and a random seed (reported, so the run can be repeated)."""
+    embedded Redis, and a random seed (reported, so the run can be repeated). Engines batch
+    (``batching``) unless told not to."""
 
     scenarios: tuple[str, ...] | None = None
     strategies: tuple[str, ...] | None = None
@@ -95,12 +96,17 @@ class BenchConfig:
     warmup: bool = True
     """Run one untimed round per pair first (not under ``quick``, whose pools are only filled
     before the first round)."""
+    batching: bool = True
+    """Every flowlock engine the run builds batches concurrent calls on one instance
+    (``Engine(batching=...)``); the raw floor has no engine and is the same either way."""
 
     def validate(self) -> None:
         """Raise InvalidInput for anything that cannot run; does no I/O."""
         self._check_names()
         self._check_counts()
         self._check_urls()
+        if not isinstance(self.batching, bool):
+            raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
 
     def _check_names(self) -> None:
         for name in self.scenario_names():
@@ -212,7 +218,8 @@ class SoakConfig:
     PostgreSQL and Redis of its own; with ``faults``, a fault every ``fault_interval`` seconds
     (jittered), at most ``max_faults`` (default: as many as fit, capped at
     :data:`MAX_SOAK_FAULTS`). ``database_url`` / ``redis_url`` are refused: the soak restarts
-    and inspects its servers, so it never runs on anyone else's."""
+    and inspects its servers, so it never runs on anyone else's. The workers' engines batch
+    concurrent calls on one instance unless ``batching`` is False."""
 
     seconds: int
     faults: bool = False
@@ -224,9 +231,12 @@ class SoakConfig:
     max_faults: int | None = None
     database_url: str | None = None
     redis_url: str | None = None
+    batching: bool = True
 
     def validate(self) -> None:
         """Raise InvalidInput for anything that cannot run; does no I/O."""
+        if not isinstance(self.batching, bool):
+            raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
         if not 1 <= self.seconds <= MAX_SOAK_SECONDS:
             raise InvalidInput(f"--soak takes 1 to {MAX_SOAK_SECONDS} seconds, not {self.seconds}")
         if self.database_url is not None or self.redis_url is not None:

@@ -267,7 +267,13 @@ async def timed_call(
             type(exc).__name__,
             str(exc)[:500],
         )
-    return CallResult(spec, fired.kind, time.perf_counter() - started, fired.attempts)
+    return CallResult(
+        spec,
+        fired.kind,
+        time.perf_counter() - started,
+        fired.attempts,
+        batch_size=fired.batch_size,
+    )
 
 
 class Armed:

@@ -59,7 +59,8 @@ _LINE_LIMIT = 64 * 1024 * 1024  # a round's results for thousands of calls fit o
 @dataclass(frozen=True, slots=True)
 class Open:
     """Open a fresh session for ``strategy`` on ``scenario`` (its own pool of ``pool_size``,
-    engine and lock backend, exactly as the runner opens one in-process)."""
+    engine and lock backend, exactly as the runner opens one in-process; the engine batches
+    unless ``batching`` is False)."""
 
     op: ClassVar[str] = "open"
     target: Target
@@ -68,6 +69,7 @@ class Open:
     strategy: str
     params: Params
     seed: str
+    batching: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +84,7 @@ class Open:
                 "processes": self.params.processes,
             },
             "seed": self.seed,
+            "batching": self.batching,
         }
 
     @classmethod
@@ -93,6 +96,7 @@ class Open:
             strategy=doc["strategy"],
             params=Params(**doc["params"]),
             seed=doc["seed"],
+            batching=bool(doc["batching"]),
         )
 
 

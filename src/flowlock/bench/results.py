@@ -44,6 +44,7 @@ __all__ = [
     "ScenarioResult",
     "Timed",
     "failures",
+    "mean_batch",
     "percentile",
     "summarise",
     "verdict_of",
@@ -134,6 +135,10 @@ class CallResult:
     error: str | None = None
     """The exception's class name for refused and failed calls."""
     message: str | None = None
+    batch_size: int | None = None
+    """The engine's ``Outcome.batch_size``: how many calls on the instance were decided and
+    written together with this one (1: alone). None when no Outcome came back: the call failed,
+    or no engine answered it (the raw floor, a ``RunOnce`` job)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,10 +148,12 @@ class CallResult:
             "attempts": self.attempts,
             "error": self.error,
             "message": self.message,
+            "batch_size": self.batch_size,
         }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CallResult:
+        batch = doc["batch_size"]
         return cls(
             CallSpec.from_json(doc["call"]),
             doc["kind"],
@@ -154,6 +161,7 @@ class CallResult:
             int(doc["attempts"]),
             doc["error"],
             doc["message"],
+            None if batch is None else int(batch),
         )
 
 
@@ -344,11 +352,22 @@ class ScenarioResult:
     open_connections: int = 0
     floor: str | None = None
     """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
+    mean_batch: float | None = None
+    """The mean ``Outcome.batch_size`` over the calls that got an Outcome (see
+    :func:`mean_batch`); None when none did."""
 
 
 def _per(amount: float, count: float) -> float:
     """``amount / count``, 0 when there is nothing to divide by."""
     return amount / count if count > 0 else 0.0
+
+
+def mean_batch(results: Iterable[CallResult]) -> float | None:
+    """The mean ``batch_size`` of the calls an engine answered with an Outcome (1.0 when
+    batching is off, or when no two calls on an instance met); None when none did (the raw
+    floor, ``RunOnce``, or every call failed)."""
+    sizes = [r.batch_size for r in results if r.batch_size is not None]
+    return sum(sizes) / len(sizes) if sizes else None
 
 
 def summarise(
@@ -406,6 +425,7 @@ def summarise(
         lease_wait_s=timed.lease_wait,
         open_connections=conns.peak_open,
         floor=scenario.floor if floor else None,
+        mean_batch=mean_batch(results),
     )
 
 

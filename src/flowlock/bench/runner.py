@@ -156,6 +156,7 @@ class _Pair:
                 self.spec.name,
                 self.params,
                 f"{name}/p{p}",
+                batching=run.config.batching,
             )
             for p in range(workers.count)
         ]
@@ -211,6 +212,7 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
         params,
         _rng(run.seed, scenario.name, spec.name),
         pool_size=ADMIN_POOL if multi else None,
+        batching=config.batching,
     ) as session:
         pair = _Pair(run, scenario, spec, params, session)
         if multi:
@@ -298,6 +300,7 @@ def _args(
         "seed": seed,
         "pool_size": server.pool_size,
         "warmup": config.warms_up(),
+        "batching": config.batching,
         "database": "embedded" if config.database_url is None else redact(config.database_url),
         "redis": redis_shown,
         "schema": target.schema,

@@ -139,7 +139,7 @@ class _EngineSession:
             request_id=call.request_id,
             strategy=self._name,
         )
-        return Fired("applied" if out.applied else "idempotent", out.attempts)
+        return Fired("applied" if out.applied else "idempotent", out.attempts, out.batch_size)
 
     async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
         if self._run_once is None:
@@ -240,9 +240,11 @@ async def open_session(
     rng: random.Random,
     *,
     pool_size: int | None = None,
+    batching: bool = True,
 ) -> AsyncIterator[BenchSession]:
     """A fresh session for ``spec``: its own pool (``pool_size``, default the target's), engine
-    and lock backend, with the scenario's workflows registered; all closed on the way out."""
+    (batching concurrent calls on one instance unless ``batching`` is False) and lock backend,
+    with the scenario's workflows registered; all closed on the way out."""
     size = pool_size or target.pool_size
     store = _store(target, size)
     async with contextlib.AsyncExitStack() as stack:
@@ -256,7 +258,7 @@ async def open_session(
             strategies[spec.name] = spec.build(BuildContext(rng, locks))
         # Every call names its strategy; the default only decides the engine's startup safety
         # warnings, which the bench provokes on purpose (optimistic on must-apply steps).
-        engine = Engine(store, strategy="pessimistic", strategies=strategies)
+        engine = Engine(store, strategy="pessimistic", strategies=strategies, batching=batching)
         await stack.enter_async_context(engine)
         for wf in scenario.workflows(params):
             await engine.register(wf)

@@ -385,6 +385,7 @@ class _Soak:
             lease_ttl=LEASE_TTL,
             lease_wait=LEASE_WAIT,
             call_bound=CALL_BOUND,
+            batching=self.config.batching,
         )
 
 
@@ -586,6 +587,7 @@ def _args(run: _Soak) -> dict[str, Any]:
         "hot_slot_s": HOT_SLOT,
         "spread": SPREAD,
         "call_bound_s": CALL_BOUND,
+        "batching": config.batching,
         "schema": run.target.schema,
         "namespace": run.target.namespace,
     }

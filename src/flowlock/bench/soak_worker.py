@@ -80,7 +80,8 @@ class WorkerSpec:
     seed, and the run's clock (``started`` and ``stop_at`` on the machine's monotonic clock,
     which every process shares); the storm's and the hot counter's slot lengths, how many spread
     counters there are,
-    the lease ttl and wait of the distributed strategies, and the bound on one call."""
+    the lease ttl and wait of the distributed strategies, the bound on one call, and whether
+    the engine batches concurrent calls on one instance."""
 
     name: str
     target: Mapping[str, Any]
@@ -95,6 +96,7 @@ class WorkerSpec:
     lease_ttl: float
     lease_wait: float
     call_bound: float
+    batching: bool = True
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -140,7 +142,7 @@ async def _open_engine(spec: WorkerSpec, stack: contextlib.AsyncExitStack) -> En
             strategies[name] = Distributed(locks=locks, ttl=spec.lease_ttl, wait=spec.lease_wait)
         elif built.build is not None:
             strategies[name] = built.build(BuildContext(random.Random(f"{spec.seed}/{name}")))
-    engine = Engine(store, strategy="pessimistic", strategies=strategies)
+    engine = Engine(store, strategy="pessimistic", strategies=strategies, batching=spec.batching)
     await stack.enter_async_context(engine)
     await engine.register(examples.approval())
     await engine.register(counter())

@@ -86,6 +86,7 @@ class _Worker:
                     request.params,
                     random.Random(request.seed),
                     pool_size=request.pool_size,
+                    batching=request.batching,
                 )
             )
         except BaseException:

@@ -3,17 +3,17 @@ document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progr
 (:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
 A soak's :class:`~flowlock.bench.soak_results.SoakReport` has its table and JSON in :mod:`.soak`.
 Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` and
-:mod:`flowlock.bench.soak_results`.
+:mod:`flowlock.bench.soak_results` (and the strategy registry, for which strategies take a lease).
 """
 
 from __future__ import annotations
 
 from flowlock.bench.report.aims import (
-    AIM_P99,
-    AIM_THROUGHPUT,
+    AIMS,
     FLOOR,
     FLOOR_METHOD,
     Aim,
+    AimSpec,
     aims,
     floors,
     vs_floor,
@@ -35,14 +35,14 @@ from flowlock.bench.report.tables import (
 from flowlock.bench.results import failures
 
 __all__ = [
-    "AIM_P99",
-    "AIM_THROUGHPUT",
+    "AIMS",
     "FLOOR",
     "FLOOR_METHOD",
     "SEED_COUNTERPART",
     "SEED_MEASURED",
     "SEED_PUBLISHED",
     "Aim",
+    "AimSpec",
     "PlotUnavailable",
     "RichProgress",
     "SeedFigures",

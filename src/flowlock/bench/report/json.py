@@ -61,6 +61,7 @@ def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) 
         "wall_s": round(result.wall_s, 4),
         "floor": result.floor,
         "vs_floor": _rounded(vs_floor(result, floor)),
+        "mean_batch": None if result.mean_batch is None else round(result.mean_batch, 3),
     }
 
 

@@ -13,13 +13,14 @@ from rich.table import Table
 from rich.text import Text
 
 from flowlock.bench.report.aims import (
-    AIM_P99,
-    AIM_THROUGHPUT,
+    AIMS,
     FLOOR,
     FLOOR_METHOD,
     Aim,
+    AimSpec,
     aims,
     floors,
+    is_distributed,
 )
 from flowlock.bench.results import BenchReport, ScenarioResult
 
@@ -80,24 +81,33 @@ def _verdict_cell(result: ScenarioResult) -> Text:
 
 def title(report: BenchReport) -> str:
     redis = f", Redis {report.redis_version}" if report.redis_version else ""
+    batching = report.args.get("batching")
+    switch = "" if batching is None else f", batching {'on' if batching else 'off'}"
     return (
-        f"flowlock bench: {report.args.get('workers')} callers, PostgreSQL "
+        f"flowlock bench: {report.args.get('workers')} callers{switch}, PostgreSQL "
         f"{report.postgres_version} ({report.database}){redis}, {report.loop}, "
         f"{report.cores} cores"
     )
 
 
+def _batch_cell(result: ScenarioResult) -> Text:
+    if result.mean_batch is None:
+        return Text("—", style="dim")
+    return Text(_num(result.mean_batch, 2))
+
+
 def results_table(report: BenchReport) -> Table:
-    """One row per (scenario, strategy): latency, success, throughput, connections, lock wait,
-    verdict."""
+    """One row per (scenario, strategy): latency, success, attempts and mean batch size per
+    call, throughput, connections, lock wait, verdict."""
     table = Table(title=title(report), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("scenario", no_wrap=True)
     table.add_column("strategy", no_wrap=True)
     for name in ("calls", "avg ms", "p50 ms", "p99 ms", "max ms", "success %", "att/call"):
         table.add_column(name, justify="right")
+    table.add_column("batch", justify="right")
     for name in ("calls/s", "applied/s", "peak conns", "lock wait ms"):
         table.add_column(name, justify="right")
-    table.add_column("verdict")
+    table.add_column("verdict", no_wrap=True)
     last = None
     for r in report.results:
         if last is not None and r.scenario != last:
@@ -114,6 +124,7 @@ def results_table(report: BenchReport) -> Table:
             _num(r.max_ms),
             success,
             _num(r.attempts_per_call, 2),
+            _batch_cell(r),
             _num(r.calls_per_s, 0),
             _num(r.applied_per_s, 0),
             str(r.peak_connections),
@@ -181,50 +192,73 @@ def _pick(found: list[Aim], scenario: str, what: str) -> Aim | None:
 
 
 def _aim_cell(aim: Aim | None) -> Text:
-    if aim is None or aim.measured is None:
-        return Text("—", style="dim")
-    return Text(f"{aim.measured:.2f}×", style="green" if aim.ok else "bold red")
+    if aim is None:
+        return Text("—", style="dim")  # the strategy did not run that scenario
+    if aim.measured is None:
+        return Text("no floor", style="dim")
+    return Text(f"{aim.measured:.2f}× {aim.status}", style="green" if aim.ok else "bold red")
+
+
+def _aim_label(spec: AimSpec) -> str:
+    metric = "p99" if spec.metric == "p99" else "applied/s"
+    return f"{spec.scenario} {metric} ×floor"
+
+
+def _aim_target(spec: AimSpec, strategies: list[str]) -> str:
+    """The target, with the distributed strategies' own when it differs and one of them is in
+    the table."""
+    sign = "≤" if spec.compare == "<=" else "≥"
+    target = f"{sign} {spec.target:g}×"
+    if spec.distributed != spec.target and any(is_distributed(s) for s in strategies):
+        target += f" (dist. {spec.distributed:g}×)"
+    return target
 
 
 def aims_table(report: BenchReport) -> Table | None:
-    """Per flowlock strategy, the issue's aims against the floor measured in this run; None when
-    the run had no floor."""
+    """The aims against the floor measured in this run, one row per aim and one column per
+    flowlock strategy: the scenarios below 100 % success, the violations, then each ratio aim
+    of a scenario the run had, as the ratio and whether it was met; None when the run had no
+    floor."""
     checked = aims(report)
     if not floors(report) or not checked:
         return None
+    strategies = list(dict.fromkeys(a.strategy for a in checked))
+    ran = {a.scenario for a in checked}
     table = Table(
         title="aims, against the raw floor of this run",
         title_justify="left",
-        caption="success: scenarios below 100 % (failed calls: lost to contention, never "
-        "wrong); storm p99 ≤ 1.5× floor; hot and spread applied/s ≥ 0.8× floor",
+        caption="each ratio is the strategy's figure over the raw floor's in the same run; "
+        "dist.: the distributed strategies' target (they take a lease on every call); "
+        "success: the scenarios below 100 % (failed calls: lost to contention, never wrong)",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("strategy", no_wrap=True)
-    table.add_column("below 100 % success")
-    table.add_column("violations", justify="right")
-    for scenario in AIM_P99:
-        table.add_column(f"{scenario} p99 ×floor", justify="right")
-    for scenario in AIM_THROUGHPUT:
-        table.add_column(f"{scenario} applied/s ×floor", justify="right")
-    for strategy in dict.fromkeys(a.strategy for a in checked):
-        mine = [a for a in checked if a.strategy == strategy]
+    table.add_column("aim")
+    table.add_column("target")
+    for strategy in strategies:
+        # The strategy names head the columns: wrap the aims first, then shorten the names.
+        table.add_column(strategy, justify="right", min_width=min(len(strategy), 12))
+    mine = {s: [a for a in checked if a.strategy == s] for s in strategies}
+    success: list[Text] = []
+    violations: list[Text] = []
+    for strategy in strategies:
         short = [
             f"{a.scenario} {_pct(a.measured or 0.0)}"
-            for a in mine
+            for a in mine[strategy]
             if a.what == "success" and not a.ok
         ]
-        bad = sum(int(a.measured or 0) for a in mine if a.what == "violations")
-        cells = [
-            Text(", ".join(short) or "none", style="yellow" if short else "green"),
-            Text(str(bad), style="bold red" if bad else "green"),
-        ]
-        for scenario in AIM_P99:
-            cells.append(_aim_cell(_pick(mine, scenario, "p99_vs_floor")))
-        for scenario in AIM_THROUGHPUT:
-            cells.append(_aim_cell(_pick(mine, scenario, "applied_per_s_vs_floor")))
-        table.add_row(strategy, *cells)
+        bad = sum(int(a.measured or 0) for a in mine[strategy] if a.what == "violations")
+        success.append(Text(", ".join(short) or "none", style="yellow" if short else "green"))
+        violations.append(Text(str(bad), style="bold red" if bad else "green"))
+    table.add_row("below 100 % success", "none", *success)
+    table.add_row("violations", "0", *violations)
+    table.add_section()
+    for spec in AIMS:
+        if spec.scenario not in ran:
+            continue
+        cells = [_aim_cell(_pick(mine[s], spec.scenario, spec.what)) for s in strategies]
+        table.add_row(_aim_label(spec), _aim_target(spec, strategies), *cells)
     return table
 
 

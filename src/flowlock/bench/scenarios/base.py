@@ -68,10 +68,13 @@ Floor = Literal["statement", "locked", "cas", "claim"]
 
 @dataclass(frozen=True, slots=True)
 class Fired:
-    """What a session says one call came to (failures are raised instead)."""
+    """What a session says one call came to (failures are raised instead). ``batch_size``: the
+    engine's ``Outcome.batch_size``; None when no engine answered (the raw floor, a job run by
+    ``RunOnce``)."""
 
     kind: Kind
     attempts: int = 1
+    batch_size: int | None = None
 
 
 class Session(Protocol):
