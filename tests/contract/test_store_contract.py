@@ -14,14 +14,14 @@ import dataclasses
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
 import pytest
 
-from flowlock.errors import EngineClosed, InstanceNotFound
+from flowlock.errors import EngineClosed, InstanceNotFound, InvalidInput
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.base import EscalationBoard, LockedResult, RowLock
@@ -196,6 +196,8 @@ def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
         "get": lambda: store.get(inst.id),
         "read": lambda: store.read(inst.id, "r"),
         "commit": lambda: store.commit(entry(inst, request_id="closed")),
+        "commit_many": lambda: store.commit_many([entry(inst, request_id="closed")]),
+        "commit_many []": lambda: store.commit_many([]),
         "apply_locked": lambda: store.apply_locked(inst.id, None, plan, RowLock(timeout=5)),
         "history": lambda: store.history(inst.id),
         "fencing_floor": lambda: store.fencing_floor(inst.id),
@@ -232,7 +234,8 @@ async def test_a_closed_store_refuses_every_operation(
         with pytest.raises(EngineClosed):
             await call()
         refused["after close"].append(name)
-    expected = {"migrate", "create", "get", "read", "commit", "apply_locked", "history"}
+    expected = {"migrate", "create", "get", "read", "commit", "commit_many", "commit_many []"}
+    expected |= {"apply_locked", "history"}
     expected |= {"fencing_floor", "list_instances", "count_instances"}
     expected |= {"publish", "active", "now"} if backend != "sqlite" else set()
     assert set(refused["before open"]) == set(refused["after close"]) == expected
@@ -430,3 +433,298 @@ async def test_closing_while_an_optimistic_commit_is_in_flight(
     finally:
         if not closed:
             await store.aclose()
+
+
+# -- batches: k entries of one instance with one compare-and-swap ---------------------------------
+
+
+def chain(
+    inst: Instance,
+    request_ids: Sequence[str | None],
+    *,
+    token: int | None = None,
+    actor: str = "tester",
+) -> list[HistoryEntry]:
+    """len(request_ids) transitions of ``inst`` in a row (versions v + 1 ... v + k), each with
+    its own event, actor, data and payload, carrying ``token``."""
+    out: list[HistoryEntry] = []
+    state, n = inst.state, int(inst.data["n"])
+    for i, rid in enumerate(request_ids):
+        to_state = "b" if state == "a" else "a"
+        n += 1
+        out.append(
+            HistoryEntry(
+                instance_id=inst.id,
+                version=inst.version + 1 + i,
+                event=f"go{i}",
+                from_state=state,
+                to_state=to_state,
+                actor=f"{actor}{i}",
+                request_id=rid,
+                strategy="distributed" if token is not None else "optimistic",
+                data={"n": n},
+                fencing_token=token,
+                payload={"call": i},
+            )
+        )
+        state = to_state
+    return out
+
+
+def fields(entries: Sequence[HistoryEntry]) -> list[HistoryEntry]:
+    """What the history rows hold, but ``at`` (the store's clock)."""
+    return [dataclasses.replace(e, at=None) for e in entries]
+
+
+async def unchanged(
+    store: Store, on_disk: OnDisk, inst: Instance, history: Sequence[HistoryEntry]
+) -> None:
+    """The instance and its history are as they were: nothing of a refused write was kept."""
+    assert await store.get(inst.id) == inst
+    assert await store.history(inst.id) == list(history)
+    assert await on_disk(store, inst.id) == (len(history), inst.version)
+
+
+async def test_a_batch_moves_the_instance_by_k_versions_and_appends_k_rows(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """One commit of three entries from version 1: the instance is at version 4 with the last
+    entry's state, data and event; the three rows each keep their own fields (event, actor,
+    request id, data, payload, fencing token) and share one ``at``; the answer is the instance
+    as stored."""
+    store = store_factory()
+    async with opened(store):
+        created = await store.create(new())
+        batch = chain(created, ["r1", None, "r3"], token=3)
+        committed = await store.commit(batch)
+        assert committed is not None
+        assert (committed.version, committed.state, committed.last_event) == (4, "b", "go2")
+        assert committed.data == {"n": 3}
+        assert await store.get("i") == committed
+        history = await store.history("i")
+        assert fields(history) == fields(batch)
+        assert len({h.at for h in history}) == 1 and history[0].at is not None
+        assert await store.fencing_floor("i") == 3
+        assert await on_disk(store, "i") == (3, 4)
+
+        # A one-entry sequence is a batch of one; a plain entry still works as before.
+        one = await store.commit(chain(committed, ["r4"]))
+        assert one is not None and one.version == 5
+        plain = await store.commit(chain(one, ["r5"])[0])
+        assert plain is not None and plain.version == 6
+        assert await on_disk(store, "i") == (5, 6)
+
+
+async def test_a_batch_from_a_stale_version_writes_nothing(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """A batch decided on version 1 after another writer moved the instance to 2: None, and
+    none of its entries is written (its request ids stay new)."""
+    store = store_factory()
+    async with opened(store):
+        created = await store.create(new())
+        rival = await store.commit(chain(created, ["rival"]))
+        assert rival is not None
+        before = await store.history("i")
+        late = chain(created, ["a", "b", "c"])
+        assert await store.commit(late) is None
+        await unchanged(store, on_disk, rival, before)
+        snap = await store.read("i", ["a", "b", "c"])
+        assert snap.priors == {}
+        # The same calls decided again on the current version go through.
+        again = await store.commit(chain(rival, ["a", "b", "c"]))
+        assert again is not None and again.version == 5
+
+
+async def test_a_batch_with_a_lower_fencing_token_is_refused(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """A batch at the current version with new request ids whose token is below the floor: None
+    and nothing written; with the floor's token it goes through and every row keeps its
+    token."""
+    holder, zombie = store_factory(), store_factory()
+    async with opened(holder, zombie):
+        created = await holder.create(new())
+        first = await holder.commit(chain(created, ["h1", "h2"], token=7))
+        assert first is not None and first.version == 3
+        before = await zombie.history("i")
+        assert await zombie.commit(chain(first, ["z1", "z2", "z3"], token=6)) is None
+        await unchanged(zombie, on_disk, first, before)
+        assert await zombie.fencing_floor("i") == 7
+        equal = await zombie.commit(chain(first, ["z1", "z2", "z3"], token=7))
+        assert equal is not None and equal.version == 6
+        history = await holder.history("i")
+        assert [(h.version, h.fencing_token) for h in history] == [(v, 7) for v in range(2, 7)]
+
+
+async def test_a_batch_with_a_request_id_already_applied_writes_nothing(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """A batch at the current version whose middle entry carries a request id already in the
+    history: None, and neither that entry nor the others around it is written."""
+    store = store_factory()
+    async with opened(store):
+        created = await store.create(new())
+        done = await store.commit(chain(created, ["old"]))
+        assert done is not None
+        before = await store.history("i")
+        assert await store.commit(chain(done, ["new1", "old", "new2"])) is None
+        await unchanged(store, on_disk, done, before)
+        assert (await store.read("i", ["new1", "new2"])).priors == {}
+
+
+async def test_a_malformed_batch_is_invalid_input_and_writes_nothing(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """commit, commit_many and a plan of apply_locked refuse a batch that is empty (commit),
+    spans two instances, skips a version, or carries one request id twice: InvalidInput, and
+    nothing is written, not even the well-formed part."""
+    store = store_factory()
+    async with opened(store):
+        inst = await store.create(new())
+        other = await store.create(new("j"))
+        good = chain(inst, ["g1", "g2", "g3"])
+        bad: dict[str, list[HistoryEntry]] = {
+            "two instances": [good[0], chain(other, ["j1"])[0]],
+            "a version skipped": [good[0], good[2]],
+            "out of order": [good[1], good[0]],
+            "a request id twice": [good[0], dataclasses.replace(good[1], request_id="g1")],
+        }
+        with pytest.raises(InvalidInput):
+            await store.commit([])
+        for batch in bad.values():
+            with pytest.raises(InvalidInput):
+                await store.commit(batch)
+            with pytest.raises(InvalidInput):
+                await store.commit_many([chain(other, ["j1"]), batch])
+
+            def plan(snap: Snapshot, batch: list[HistoryEntry] = batch) -> list[HistoryEntry]:
+                return batch
+
+            with pytest.raises(InvalidInput):
+                await store.apply_locked("i", None, plan, RowLock(timeout=BOUND))
+            for created in (inst, other):
+                await unchanged(store, on_disk, created, [])
+        assert await store.commit(good) is not None
+
+
+async def test_read_with_several_request_ids_returns_exactly_the_found_priors(
+    store_factory: StoreFactory,
+) -> None:
+    """A read for a sequence of request ids is one snapshot: the instance and, in ``priors``,
+    the entry of each id applied on this instance (an id applied on another instance, or
+    never, is absent); ``prior`` is None. One id, or none, reads as before."""
+    store = store_factory()
+    async with opened(store):
+        inst = await store.create(new())
+        other = await store.create(new("j"))
+        committed = await store.commit(chain(inst, ["a", None, "c"]))
+        assert committed is not None
+        assert await store.commit(chain(other, ["elsewhere"])) is not None
+        history = await store.history("i")
+
+        snap = await store.read("i", ["c", "missing", "a", "elsewhere", "a"])
+        assert snap.instance == committed and snap.prior is None
+        assert snap.priors == {"a": history[0], "c": history[2]}
+        assert (await store.read("i", [])).priors == {}
+        assert (await store.read("i", ("missing",))).priors == {}
+
+        single = await store.read("i", "c")
+        assert single.prior == history[2] and single.priors == {}
+        bare = await store.read("i", None)
+        assert bare.prior is None and bare.priors == {} and bare.instance == committed
+
+
+async def test_apply_locked_writes_a_planned_batch_or_nothing(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """apply_locked reads the priors of several request ids under the lock and writes the batch
+    the plan returns with one compare-and-swap; a plan that returns an empty sequence (or None)
+    writes nothing; a planned batch that cannot apply (a request id already applied) is the
+    plan's bug: InvalidInput, nothing written."""
+    store = store_factory()
+    async with opened(store):
+        inst = await store.create(new())
+        seen: list[Snapshot] = []
+
+        def batch_plan(snap: Snapshot) -> list[HistoryEntry]:
+            seen.append(snap)
+            return chain(snap.instance, ["p1", "p2"])
+
+        result = await store.apply_locked("i", ["p1", "p2"], batch_plan, RowLock(timeout=BOUND))
+        assert seen == [result.snapshot] and result.snapshot.priors == {}
+        assert result.snapshot.instance == inst
+        assert result.committed is not None and result.committed.version == 3
+        assert await store.get("i") == result.committed
+        history = await store.history("i")
+        assert [h.request_id for h in history] == ["p1", "p2"]
+        assert await on_disk(store, "i") == (2, 3)
+
+        def nothing(snap: Snapshot) -> list[HistoryEntry]:
+            seen.append(snap)
+            return []
+
+        empty = await store.apply_locked("i", ["p2", "p3"], nothing, RowLock(timeout=BOUND))
+        assert empty.committed is None
+        assert empty.snapshot.priors == {"p2": history[1]}
+        none = await store.apply_locked("i", ["p1"], lambda s: None, RowLock(timeout=BOUND))
+        assert none.committed is None and none.snapshot.priors == {"p1": history[0]}
+        await unchanged(store, on_disk, result.committed, history)
+
+        def replays(snap: Snapshot) -> list[HistoryEntry]:
+            return chain(snap.instance, ["p3", "p1"])
+
+        with pytest.raises(InvalidInput):
+            await store.apply_locked("i", ["p3", "p1"], replays, RowLock(timeout=BOUND))
+        await unchanged(store, on_disk, result.committed, history)
+
+
+async def test_commit_many_commits_the_winners_and_writes_nothing_of_the_losers(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """commit_many with four instances: two batches at their current version commit; one from a
+    stale version and one carrying an applied request id lose (None at their places, nothing of
+    theirs written); the answers come in input order; an empty call answers []."""
+    store = store_factory()
+    async with opened(store):
+        made = {iid: await store.create(new(iid)) for iid in ("w1", "stale", "w2", "replay")}
+        moved = await store.commit(chain(made["stale"], ["moved"]))
+        applied = await store.commit(chain(made["replay"], ["once"]))
+        assert moved is not None and applied is not None
+        before = {iid: await store.history(iid) for iid in ("stale", "replay")}
+
+        answers = await store.commit_many(
+            [
+                chain(made["w1"], ["a", "b"]),
+                chain(made["stale"], ["s1", "s2"]),  # decided on version 1; it is at 2
+                chain(made["w2"], ["c"])[0],  # a plain entry is a batch of one
+                chain(applied, ["fresh", "once"]),
+            ]
+        )
+        w1, lost_stale, w2, lost_replay = answers
+        assert lost_stale is None and lost_replay is None
+        assert w1 is not None and (w1.id, w1.version, w1.data) == ("w1", 3, {"n": 2})
+        assert w2 is not None and (w2.id, w2.version) == ("w2", 2)
+        assert await store.get("w1") == w1 and await store.get("w2") == w2
+        assert [h.request_id for h in await store.history("w1")] == ["a", "b"]
+        assert await on_disk(store, "w1") == (2, 3)
+        assert await on_disk(store, "w2") == (1, 2)
+        await unchanged(store, on_disk, moved, before["stale"])
+        await unchanged(store, on_disk, applied, before["replay"])
+        assert await store.commit_many([]) == []
+
+
+async def test_commit_many_refuses_an_instance_twice(
+    store_factory: StoreFactory, on_disk: OnDisk
+) -> None:
+    """Two batches of one instance in one commit_many: InvalidInput before anything is written,
+    the other instance's well-formed batch included."""
+    store = store_factory()
+    async with opened(store):
+        inst = await store.create(new())
+        other = await store.create(new("j"))
+        first, second = chain(inst, ["x", "y"])
+        with pytest.raises(InvalidInput):
+            await store.commit_many([[first], chain(other, ["j1"]), [second]])
+        await unchanged(store, on_disk, inst, [])
+        await unchanged(store, on_disk, other, [])

@@ -837,11 +837,11 @@ async def test_concurrent_calls_on_the_memory_engine_are_linearizable() -> None:
 class SkipsTheVersionCheck(MemoryStore):
     """A broken store: a write whose version is stale is applied anyway, at that version."""
 
-    def _write(self, entry: HistoryEntry) -> Instance | None:
-        current = self._instances[entry.instance_id]
-        if current.version != entry.version - 1:
-            self._instances[entry.instance_id] = current.evolve(version=entry.version - 1)
-        return super()._write(entry)
+    def _write(self, rows: tuple[HistoryEntry, ...]) -> Instance | None:
+        current = self._instances[rows[0].instance_id]
+        if current.version != rows[0].version - 1:
+            self._instances[rows[0].instance_id] = current.evolve(version=rows[0].version - 1)
+        return super()._write(rows)
 
 
 async def test_a_store_that_skips_the_version_check_is_caught() -> None:

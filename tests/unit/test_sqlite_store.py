@@ -195,6 +195,34 @@ async def test_read_returns_prior_entry_for_request_id(store: SqliteStore) -> No
     assert (await store.read(inst.id, None)).prior is None
 
 
+async def test_read_finds_the_priors_of_many_request_ids(store: SqliteStore) -> None:
+    """A read for more request ids than one SELECT binds (1,200, looked up in chunks) is still
+    one snapshot with every one found."""
+    inst = await store.create(new_instance(n=0))
+    batch = [
+        step(inst, version=inst.version + 1 + i, request_id=f"r{i}", data={"n": i})
+        for i in range(1200)
+    ]
+    assert await store.commit(batch) is not None
+    wanted = [f"r{i}" for i in range(0, 2400, 2)]  # every other one applied
+    snap = await store.read(inst.id, wanted)
+    assert sorted(snap.priors) == sorted(f"r{i}" for i in range(0, 1200, 2))
+    assert all(snap.priors[rid].request_id == rid for rid in snap.priors)
+
+
+async def test_commit_many_on_a_missing_instance_writes_nothing(
+    db_path: Path, store: SqliteStore
+) -> None:
+    """One batch of commit_many names an instance that does not exist: InstanceNotFound, and
+    the whole transaction rolled back (the other batch, at its current version, left no row)."""
+    inst = await store.create(new_instance())
+    ghost = step(new_instance("ghost"), version=2)
+    with pytest.raises(InstanceNotFound):
+        await store.commit_many([step(inst, request_id="a"), ghost])
+    assert raw_rows(db_path, "SELECT count(*) FROM flowlock_history") == [(0,)]
+    assert raw_rows(db_path, "SELECT version FROM flowlock_instances") == [(1,)]
+
+
 async def test_apply_locked_writes_plan_entry(store: SqliteStore) -> None:
     """apply_locked runs the plan on what it read and commits the entry it returns."""
     inst = await store.create(new_instance(n=0))

@@ -11,14 +11,23 @@ import dataclasses
 import heapq
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from flowlock._settings import check_seconds
 from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
-from flowlock.stores.base import LockedResult, Plan, RowLock
+from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
+from flowlock.stores.base import (
+    Entries,
+    LockedResult,
+    Plan,
+    RequestIds,
+    RowLock,
+    entries_of,
+    request_ids_of,
+)
 
 __all__ = ["MemoryBoard", "MemoryStore"]
 
@@ -26,6 +35,16 @@ __all__ = ["MemoryBoard", "MemoryStore"]
 def _copy(data: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(json.dumps(data))
     return out
+
+
+def _copy_entry(entry: HistoryEntry) -> HistoryEntry:
+    return dataclasses.replace(entry, data=_copy(entry.data), payload=_copy(entry.payload))
+
+
+def _rows(batch: tuple[HistoryEntry, ...]) -> tuple[HistoryEntry, ...]:
+    """The history rows of a checked batch, their data and payload copied through JSON: done
+    before the compare-and-swap, so data that is not JSON raises before anything is written."""
+    return tuple(_copy_entry(entry) for entry in batch)
 
 
 class MemoryBoard:
@@ -60,6 +79,8 @@ class MemoryStore:
         self._lock_timeout = check_seconds("lock_timeout", lock_timeout)
         self._instances: dict[str, Instance] = {}
         self._history: dict[str, list[HistoryEntry]] = {}
+        # Per instance, each applied request id and the index of its history row.
+        self._applied: dict[str, dict[str, int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._fences: dict[str, int] = {}
         self._board = MemoryBoard()
@@ -95,23 +116,30 @@ class MemoryStore:
         )
         self._instances[instance.id] = stored
         self._history[instance.id] = []
+        self._applied[instance.id] = {}
         return stored.evolve(data=_copy(stored.data))
 
     async def get(self, instance_id: str) -> Instance:
         self._check()
         return self._load(instance_id)
 
-    def _snapshot(self, instance_id: str, request_id: str | None) -> Snapshot:
+    def _snapshot(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         inst = self._load(instance_id)
-        prior = None
-        if request_id is not None:
-            for entry in self._history[instance_id]:
-                if entry.request_id == request_id:
-                    prior = entry
-                    break
-        return Snapshot(inst, prior)
+        if request_id is None:
+            return Snapshot(inst)
+        history = self._history[instance_id]
+        applied = self._applied[instance_id]
+        if isinstance(request_id, str):
+            at = applied.get(request_id)
+            return Snapshot(inst, None if at is None else _copy_entry(history[at]))
+        priors = {
+            rid: _copy_entry(history[at])
+            for rid in request_ids_of(request_id)
+            if (at := applied.get(rid)) is not None
+        }
+        return Snapshot(inst, None, priors=priors)
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         self._check()
         snap = self._snapshot(instance_id, request_id)
         # A real database round trip yields to the loop; so does this, so that concurrency
@@ -119,53 +147,92 @@ class MemoryStore:
         await asyncio.sleep(0)
         return snap
 
-    def _write(self, entry: HistoryEntry) -> Instance | None:
-        current = self._instances.get(entry.instance_id)
+    def _write(self, rows: tuple[HistoryEntry, ...]) -> Instance | None:
+        """The compare-and-swap of one instance's batch (``rows`` from :func:`_rows`): None,
+        with nothing written, when it lost. Never awaits, so the check and the write are one
+        step on the event loop."""
+        first, last = rows[0], rows[-1]
+        current = self._instances.get(first.instance_id)
         if current is None:
-            raise InstanceNotFound(entry.instance_id)
-        if current.version != entry.version - 1:
+            raise InstanceNotFound(first.instance_id)
+        if current.version != first.version - 1:
             return None
-        last_fence = self._fences.get(entry.instance_id, 0)
-        if entry.fencing_token is not None and entry.fencing_token < last_fence:
+        # The batch is one writer's (one lease): its last token is the one the floor moves to.
+        last_fence = self._fences.get(first.instance_id, 0)
+        if last.fencing_token is not None and last.fencing_token < last_fence:
             return None
-        history = self._history[entry.instance_id]
-        if entry.request_id is not None and any(h.request_id == entry.request_id for h in history):
+        applied = self._applied[first.instance_id]
+        if any(row.request_id is not None and row.request_id in applied for row in rows):
             return None
         now = datetime.now(UTC)
-        data = _copy(entry.data)
-        history.append(dataclasses.replace(entry, data=data, payload=_copy(entry.payload), at=now))
-        if entry.fencing_token is not None:
-            self._fences[entry.instance_id] = entry.fencing_token
+        history = self._history[first.instance_id]
+        for row in rows:
+            if row.request_id is not None:
+                applied[row.request_id] = len(history)
+            history.append(dataclasses.replace(row, at=now))
+        if last.fencing_token is not None:
+            self._fences[first.instance_id] = last.fencing_token
         new = current.evolve(
-            state=entry.to_state,
-            version=entry.version,
-            data=data,
-            last_event=entry.event,
+            state=last.to_state,
+            version=last.version,
+            data=last.data,
+            last_event=last.event,
             updated_at=now,
         )
-        self._instances[entry.instance_id] = new
-        return new.evolve(data=_copy(data))
+        self._instances[first.instance_id] = new
+        return new.evolve(data=_copy(new.data))
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
+    async def commit(self, entry: Entries) -> Instance | None:
+        rows = _rows(entries_of(entry))
         self._check()
         await asyncio.sleep(0)
-        row_lock = self._locks.get(entry.instance_id)
+        instance_id = rows[0].instance_id
+        row_lock = self._locks.get(instance_id)
         if row_lock is None or not row_lock.locked():
-            return self._write(entry)  # no await between the check and the write
+            return self._write(rows)  # no await between the check and the write
         # Why wait: a pessimistic holder reads, steps and writes under the row lock; a write
         # slipped in between would make its compare-and-swap fail (PostgreSQL's UPDATE waits too).
         started = time.monotonic()
         try:
             await asyncio.wait_for(row_lock.acquire(), self._lock_timeout)
         except TimeoutError:
-            raise LockTimeout(entry.instance_id, time.monotonic() - started) from None
+            raise LockTimeout(instance_id, time.monotonic() - started) from None
         try:
-            return self._write(entry)
+            return self._write(rows)
         finally:
             row_lock.release()
 
+    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+        """Each batch's compare-and-swap, all in one pass on the event loop once the row locks
+        of every instance written are held (taken in id order, so two such calls never wait on
+        each other in a circle; a free lock is taken without yielding). A lost compare-and-swap
+        is None at its place and writes nothing. InstanceNotFound or LockTimeout: nothing was
+        written."""
+        prepared = [_rows(batch) for batch in distinct_batches(batches)]
+        self._check()
+        await asyncio.sleep(0)
+        for rows in prepared:
+            if rows[0].instance_id not in self._instances:
+                raise InstanceNotFound(rows[0].instance_id)
+        held: list[asyncio.Lock] = []
+        started = time.monotonic()
+        waiting_for = ""
+        try:
+            async with asyncio.timeout(self._lock_timeout):
+                for instance_id in sorted(rows[0].instance_id for rows in prepared):
+                    waiting_for = instance_id
+                    row_lock = self._locks.setdefault(instance_id, asyncio.Lock())
+                    await row_lock.acquire()
+                    held.append(row_lock)
+            return [self._write(rows) for rows in prepared]  # no await: one pass
+        except TimeoutError:
+            raise LockTimeout(waiting_for, time.monotonic() - started) from None
+        finally:
+            for row_lock in held:
+                row_lock.release()
+
     async def apply_locked(
-        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
         self._check()
         if instance_id not in self._instances:
@@ -181,13 +248,14 @@ class MemoryStore:
         locked_at = time.monotonic()
         try:
             snap = self._snapshot(instance_id, request_id)
-            entry = plan(snap)
+            planned = planned_entries(instance_id, plan(snap))
             committed = None
-            if entry is not None:
+            if planned:
+                rows = _rows(planned)
                 await asyncio.sleep(0)
-                committed = self._write(entry)
-                if committed is None:  # pragma: no cover - impossible under the row lock
-                    raise AssertionError("memory store: write under the row lock lost its CAS")
+                committed = self._write(rows)
+                if committed is None:
+                    raise refused_plan(instance_id, planned, snap)
             return LockedResult(snap, committed, locked_at - started, time.monotonic() - locked_at)
         finally:
             row_lock.release()
@@ -196,10 +264,7 @@ class MemoryStore:
         self._check()
         if instance_id not in self._instances:
             raise InstanceNotFound(instance_id)
-        return [
-            dataclasses.replace(h, data=_copy(h.data), payload=_copy(h.payload))
-            for h in self._history[instance_id]
-        ]
+        return [_copy_entry(h) for h in self._history[instance_id]]
 
     # -- queries ------------------------------------------------------------------------------
 

@@ -5,6 +5,12 @@
 - ``jsonb`` is decoded to dicts and encoded from mappings by a codec set on each new connection.
 - The optimistic write is ONE statement: a CTE that compare-and-swaps the instance and appends the
   history row, atomic on its own (no explicit transaction, one round trip).
+- A batch (k entries of one instance, decided in memory in order) is the same one-statement
+  compare-and-swap, from version v to v + k, its k history rows taken from one array per column.
+  ``commit_many`` writes the batches of several instances in one statement that first locks their
+  rows in id order (two of them never deadlock), each instance's compare-and-swap on its own; when
+  that statement fails whole (a request id applied before, a deadlock with a caller's
+  transaction), each batch is committed alone instead.
 - The pessimistic path is one transaction: ``SET LOCAL lock_timeout`` in the same round trip as
   ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
@@ -42,7 +48,7 @@ import dataclasses
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -79,7 +85,16 @@ from flowlock.errors import (
     StoreError,
 )
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
-from flowlock.stores.base import LockedResult, Plan, RowLock, Store
+from flowlock.stores.base import (
+    Entries,
+    LockedResult,
+    Plan,
+    RequestIds,
+    RowLock,
+    Store,
+    entries_of,
+    request_ids_of,
+)
 
 __all__ = ["PostgresStore", "count_statement", "list_statement"]
 
@@ -88,16 +103,21 @@ _READ = f"""
 SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = $1
 """
 # The unlocked read with the request-id lookup in the same snapshot: one round trip.
-_READ_WITH_REQUEST = """
+_READ_JOINED = """
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
        h.fencing_token AS h_fencing_token, h.payload AS h_payload
 FROM flowlock_instances i
-LEFT JOIN flowlock_history h ON h.instance_id = i.id AND h.request_id = $2
+LEFT JOIN flowlock_history h ON h.instance_id = i.id AND {match}
 WHERE i.id = $1
 """
+_READ_WITH_REQUEST = _READ_JOINED.format(match="h.request_id = $2")
+# A batch's read: the instance and the entries of any of its request ids, one row per entry found
+# (or one row with no entry), in one snapshot. The unique (instance_id, request_id) index finds
+# each of them.
+_READ_WITH_REQUESTS = _READ_JOINED.format(match="h.request_id = ANY($2::text[])")
 _LOCK = f"""
 SELECT {INSTANCE_COLUMNS}, current_setting('lock_timeout') AS lock_timeout
 FROM flowlock_instances WHERE id = $1 FOR UPDATE
@@ -105,6 +125,10 @@ FROM flowlock_instances WHERE id = $1 FOR UPDATE
 _LOCK_NOWAIT = _LOCK.rstrip() + " NOWAIT\n"
 _PRIOR = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND request_id = $2
+"""
+_PRIORS = f"""
+SELECT {HISTORY_COLUMNS} FROM flowlock_history
+ WHERE instance_id = $1 AND request_id = ANY($2::text[])
 """
 # Why one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
 # the version in the WHERE clause is the compare-and-swap; no row back means another writer won.
@@ -130,6 +154,86 @@ WITH moved AS (
                                   actor, request_id, strategy, data, at, fencing_token, payload)
     SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11::text::jsonb
       FROM moved
+)
+SELECT * FROM moved
+"""
+# A batch of k entries for one instance: the same compare-and-swap from version v to v + k, the
+# instance left as the last entry leaves it (its fencing token checked and recorded), and the k
+# history rows from one array per column, entry n (from 1) at version v + n, all stamped with the
+# instance's updated_at. Still one statement, so atomic on its own and one round trip.
+# $1 id, $2 version read, $3 last state, $4 last data (JSON text), $5 last event, $6 last fencing
+# token; then per entry: $7 events, $8 from states, $9 to states, $10 actors, $11 request ids,
+# $12 strategies, $13 data (JSON text), $14 fencing tokens, $15 payloads (JSON text).
+_CAS_BATCH = f"""
+WITH moved AS (
+    UPDATE flowlock_instances
+       SET state = $3, version = $2::bigint + cardinality($7::text[]), data = $4::text::jsonb,
+           last_event = $5, updated_at = now(), fencing_token = coalesce($6, fencing_token)
+     WHERE id = $1 AND version = $2::bigint
+       AND ($6::bigint IS NULL OR coalesce(fencing_token, 0) <= $6)
+ RETURNING {INSTANCE_COLUMNS}
+), logged AS (
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
+                                  actor, request_id, strategy, data, at, fencing_token, payload)
+    SELECT m.id, $2::bigint + e.n, e.event, e.from_state, e.to_state, e.actor, e.request_id,
+           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb
+      FROM moved m,
+           unnest($7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
+                  $13::text[], $14::bigint[], $15::text[])
+           WITH ORDINALITY AS e(event, from_state, to_state, actor, request_id, strategy, data,
+                                fencing_token, payload, n)
+)
+SELECT * FROM moved
+"""
+# The batches of several instances in one statement. Every instance's compare-and-swap stands
+# alone: one whose version moved (or whose fencing token is stale) matches no row of the UPDATE,
+# so none of its entries joins ``moved`` and nothing of it is written; the others go on.
+#
+# Deadlocks: two such statements over overlapping sets would deadlock if each locked its rows in
+# the order it happened to scan them. ``locked`` takes every row lock first, in id order (the
+# LockRows node sits above the sort), and the UPDATE only ever touches a row it joined to
+# ``locked``, i.e. one already locked: so every statement of this kind takes its locks in one
+# global order and two of them cannot wait on each other. (MATERIALIZED for the reader: a FOR
+# UPDATE CTE is never inlined anyway.)
+#
+# ``i.id = ANY($1)`` repeats what the join implies so that the planner reads the instances
+# through their primary key whatever it estimates of the CTEs.
+#
+# READ COMMITTED: the statement's snapshot may hold a row version older than the one ``locked``
+# waited for and locked. The UPDATE then finds its snapshot's version updated by a committed
+# transaction and re-evaluates its WHERE on the newest version (EvalPlanQual; the lock is ours
+# already, so no wait): the version and fencing checks are made against the latest committed
+# row, never a stale one.
+# $1 ids, $2 versions read, $3 new versions, $4 last states, $5 last data (JSON text), $6 last
+# events, $7 last fencing tokens: one element per instance. $8 instance ids, $9 versions, $10
+# events, $11 from states, $12 to states, $13 actors, $14 request ids, $15 strategies, $16 data
+# (JSON text), $17 fencing tokens, $18 payloads (JSON text): one element per entry, the batches'
+# entries one after another.
+_CAS_MANY = f"""
+WITH wanted AS (
+    SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::text[],
+                         $6::text[], $7::bigint[])
+           AS w(id, version, top, state, data, last_event, fencing_token)
+), locked AS MATERIALIZED (
+    SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
+), moved AS (
+    UPDATE flowlock_instances i
+       SET state = w.state, version = w.top, data = w.data::jsonb, last_event = w.last_event,
+           updated_at = now(), fencing_token = coalesce(w.fencing_token, i.fencing_token)
+      FROM locked l JOIN wanted w ON w.id = l.id
+     WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.version = w.version
+       AND (w.fencing_token IS NULL OR coalesce(i.fencing_token, 0) <= w.fencing_token)
+ RETURNING {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))}
+), logged AS (
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
+                                  actor, request_id, strategy, data, at, fencing_token, payload)
+    SELECT e.instance_id, e.version, e.event, e.from_state, e.to_state, e.actor, e.request_id,
+           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb
+      FROM unnest($8::text[], $9::bigint[], $10::text[], $11::text[], $12::text[], $13::text[],
+                  $14::text[], $15::text[], $16::text[], $17::bigint[], $18::text[])
+           AS e(instance_id, version, event, from_state, to_state, actor, request_id, strategy,
+                data, fencing_token, payload)
+      JOIN moved m ON m.id = e.instance_id
 )
 SELECT * FROM moved
 """
@@ -275,6 +379,16 @@ def _snapshot(row: asyncpg.Record) -> Snapshot:
     )
 
 
+def _batch_snapshot(rows: Sequence[asyncpg.Record]) -> Snapshot:
+    """The rows of _READ_WITH_REQUESTS (at least one): the instance and the entries found."""
+    priors = {
+        row["h_request_id"]: entry_from_row(row, "h_")
+        for row in rows
+        if row["h_version"] is not None
+    }
+    return Snapshot(instance_from_row(rows[0]), None, priors)
+
+
 def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
     return (
         entry.instance_id,
@@ -289,6 +403,88 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.fencing_token,
         _json(entry.payload),
     )
+
+
+Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_of
+
+
+def _cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
+    """The compare-and-swap of ``batch`` and its arguments: the one-entry statement for one
+    entry (the common case, kept as it was), the array one for several."""
+    if len(batch) == 1:
+        return _CAS, _cas_args(batch[0])
+    last = batch[-1]
+    return _CAS_BATCH, (
+        last.instance_id,
+        batch[0].version - 1,
+        last.to_state,
+        _json(last.data),
+        last.event,
+        last.fencing_token,
+        [e.event for e in batch],
+        [e.from_state for e in batch],
+        [e.to_state for e in batch],
+        [e.actor for e in batch],
+        [e.request_id for e in batch],
+        [e.strategy for e in batch],
+        [_json(e.data) for e in batch],
+        [e.fencing_token for e in batch],
+        [_json(e.payload) for e in batch],
+    )
+
+
+def _many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
+    """The arguments of _CAS_MANY: one array per instance column, then one per entry column."""
+    lasts = [batch[-1] for batch in batches]
+    entries = [e for batch in batches for e in batch]
+    return (
+        [last.instance_id for last in lasts],
+        [batch[0].version - 1 for batch in batches],
+        [last.version for last in lasts],
+        [last.to_state for last in lasts],
+        [_json(last.data) for last in lasts],
+        [last.event for last in lasts],
+        [last.fencing_token for last in lasts],
+        [e.instance_id for e in entries],
+        [e.version for e in entries],
+        [e.event for e in entries],
+        [e.from_state for e in entries],
+        [e.to_state for e in entries],
+        [e.actor for e in entries],
+        [e.request_id for e in entries],
+        [e.strategy for e in entries],
+        [_json(e.data) for e in entries],
+        [e.fencing_token for e in entries],
+        [_json(e.payload) for e in entries],
+    )
+
+
+def _batches_of(batches: Sequence[Entries]) -> tuple[Batch, ...]:
+    """``batches`` checked before anything is written: each one instance's contiguous batch
+    (:func:`entries_of`), and no instance in two of them."""
+    if isinstance(batches, HistoryEntry):
+        raise InvalidInput(
+            "commit_many takes a sequence of batches (each an entry or a sequence of entries), "
+            "not one HistoryEntry; nothing was written"
+        )
+    checked = tuple(entries_of(batch) for batch in batches)
+    seen: set[str] = set()
+    for batch in checked:
+        iid = batch[0].instance_id
+        if iid in seen:
+            raise InvalidInput(
+                f"instance {iid!r} appears in two batches of one commit_many; put its entries "
+                "in one batch. Nothing was written"
+            )
+        seen.add(iid)
+    return checked
+
+
+def _keys(batches: Sequence[Batch]) -> str:
+    """The instances of ``batches`` as the errors about all of them quote them."""
+    ids = [batch[0].instance_id for batch in batches]
+    shown = ", ".join(ids[:3])
+    return shown if len(ids) <= 3 else f"{shown} and {len(ids) - 3} more"
 
 
 class _Session:
@@ -372,7 +568,9 @@ class _Operations:
             raise InstanceNotFound(instance_id)
         return instance_from_row(row)
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
+        if request_id is not None and not isinstance(request_id, str):
+            return await self._read_batch(instance_id, request_ids_of(request_id))
         async with self._s.conn(instance_id) as conn:
             if request_id is None:
                 row = await conn.fetchrow(_READ, instance_id, timeout=self._s.timeout)
@@ -384,19 +582,38 @@ class _Operations:
             raise InstanceNotFound(instance_id)
         return _snapshot(row) if request_id is not None else Snapshot(instance_from_row(row))
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
-        key = entry.instance_id
+    async def _read_batch(self, instance_id: str, request_ids: tuple[str, ...]) -> Snapshot:
+        async with self._s.conn(instance_id) as conn:
+            if request_ids:
+                rows = await conn.fetch(
+                    _READ_WITH_REQUESTS, instance_id, list(request_ids), timeout=self._s.timeout
+                )
+            else:
+                found = await conn.fetchrow(_READ, instance_id, timeout=self._s.timeout)
+                rows = [] if found is None else [found]
+        if not rows:
+            raise InstanceNotFound(instance_id)
+        if not request_ids:
+            return Snapshot(instance_from_row(rows[0]))
+        return _batch_snapshot(rows)
+
+    async def commit(self, entries: Entries) -> Instance | None:
+        return await self.commit_batch(entries_of(entries))
+
+    async def commit_batch(self, batch: Batch) -> Instance | None:
+        """:meth:`commit` of a batch :func:`entries_of` has checked."""
+        key = batch[0].instance_id
         started = time.monotonic()
-        args, timeout = _cas_args(entry), self._s.timeout
-        guarded = self._s.joined and entry.request_id is not None
+        (sql, args), timeout = _cas_of(batch), self._s.timeout
+        guarded = self._s.joined and any(e.request_id is not None for e in batch)
         try:
             async with self._s.conn(
                 key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
             ) as conn:
                 row = await (
-                    _guarded_cas(conn, args, timeout)
+                    _guarded_cas(conn, sql, args, timeout)
                     if guarded
-                    else conn.fetchrow(_CAS, *args, timeout=timeout)
+                    else conn.fetchrow(sql, *args, timeout=timeout)
                 )
         except _DuplicateRequest:
             # The same request id was applied by a concurrent caller; the statement rolled back
@@ -404,8 +621,29 @@ class _Operations:
             return None
         return None if row is None else instance_from_row(row)
 
+    async def commit_together(self, batches: Sequence[Batch]) -> list[Instance | None]:
+        """The batches of several instances (checked by :func:`_batches_of`) in one statement,
+        each instance's compare-and-swap on its own. Raises _DuplicateRequest or _Contended when
+        the statement failed whole (nothing of it written): the caller then commits each batch
+        alone."""
+        key = _keys(batches)
+        started = time.monotonic()
+        async with self._s.conn(
+            key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
+        ) as conn:
+            try:
+                rows = await conn.fetch(_CAS_MANY, *_many_args(batches), timeout=self._s.timeout)
+            except asyncpg.TransactionRollbackError as exc:
+                # 40P01 / 40001: not between two of these statements (they lock in one order),
+                # but with a caller's transaction holding rows in another order, or on an
+                # application's connection at a stricter isolation level. The statement rolled
+                # back whole; caught before the edge, which would make it a plain StoreError.
+                raise _Contended(key, exc) from exc
+        moved = {row["id"]: instance_from_row(row) for row in rows}
+        return [moved.get(batch[0].instance_id) for batch in batches]
+
     async def apply_locked(
-        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
         started = time.monotonic()
         wanted = _pg_interval(lock.timeout)
@@ -501,14 +739,22 @@ class _CallerTransaction(_Operations):
     async def migrate(self) -> list[str]:
         raise InvalidInput("migrate through the engine's store, not inside a caller's transaction")
 
+    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+        # One by one, each in its savepoint when it carries request ids: in a transaction
+        # flowlock does not end, a failed statement must undo that batch only, and the caller
+        # already holds whatever rows it locked in whatever order.
+        return [await self.commit_batch(batch) for batch in _batches_of(batches)]
 
-async def _guarded_cas(conn: Conn, args: tuple[Any, ...], bound: float) -> asyncpg.Record | None:
-    """The compare-and-swap in a savepoint of its own. In a transaction flowlock does not end, a
-    duplicate request id must undo this statement only, leaving the transaction usable for the
-    re-read that answers the request idempotently."""
+
+async def _guarded_cas(
+    conn: Conn, sql: str, args: tuple[Any, ...], bound: float
+) -> asyncpg.Record | None:
+    """The compare-and-swap ``sql`` in a savepoint of its own. In a transaction flowlock does not
+    end, a duplicate request id must undo this statement only, leaving the transaction usable for
+    the re-read that answers the request idempotently."""
     await conn.execute("SAVEPOINT flowlock_cas", timeout=bound)
     try:
-        row = await conn.fetchrow(_CAS, *args, timeout=bound)
+        row = await conn.fetchrow(sql, *args, timeout=bound)
     except asyncpg.UniqueViolationError:
         await conn.execute(
             "ROLLBACK TO SAVEPOINT flowlock_cas; RELEASE SAVEPOINT flowlock_cas", timeout=bound
@@ -521,7 +767,7 @@ async def _guarded_cas(conn: Conn, args: tuple[Any, ...], bound: float) -> async
 async def _own_transaction(
     conn: Conn,
     instance_id: str,
-    request_id: str | None,
+    request_id: RequestIds,
     plan: Plan,
     lock: RowLock,
     wanted: str,
@@ -569,7 +815,7 @@ async def _roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
 async def _locked_step(
     conn: Conn,
     instance_id: str,
-    request_id: str | None,
+    request_id: RequestIds,
     plan: Plan,
     lock: RowLock,
     wanted: str,
@@ -588,17 +834,27 @@ async def _locked_step(
     locked_at = time.monotonic()
     if row is None:
         raise InstanceNotFound(instance_id)
-    prior = None
-    if request_id is not None:
-        # Its own statement, so its snapshot is taken after the lock was granted and sees
-        # a duplicate request committed while this call waited.
+    # The request-id lookup is its own statement, so its snapshot is taken after the lock was
+    # granted and sees a duplicate request committed while this call waited.
+    prior, priors = None, {}
+    if isinstance(request_id, str):
         found = await conn.fetchrow(_PRIOR, instance_id, request_id, timeout=bound)
         prior = None if found is None else entry_from_row(found)
-    snap = Snapshot(instance_from_row(row), prior)
-    entry = plan(snap)
-    if entry is None:
+    elif request_id is not None and (request_ids := request_ids_of(request_id)):
+        rows = await conn.fetch(_PRIORS, instance_id, list(request_ids), timeout=bound)
+        priors = {r["request_id"]: entry_from_row(r) for r in rows}
+    snap = Snapshot(instance_from_row(row), prior, priors)
+    planned = plan(snap)
+    if planned is None or (not isinstance(planned, HistoryEntry) and len(planned) == 0):
         return snap, None, locked_at
-    moved = await conn.fetchrow(_CAS, *_cas_args(entry), timeout=bound)
+    batch = entries_of(planned)
+    if batch[0].instance_id != instance_id:
+        raise InvalidInput(
+            f"the plan for {instance_id!r} returned entries of {batch[0].instance_id!r}; "
+            "nothing was written"
+        )
+    sql, args = _cas_of(batch)
+    moved = await conn.fetchrow(sql, *args, timeout=bound)
     if moved is None:
         raise StoreError(
             f"instance {instance_id!r} changed while its row lock was held; "
@@ -890,16 +1146,40 @@ class PostgresStore:
     async def get(self, instance_id: str) -> Instance:
         return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         return await self._call(
             lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
         )
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
-        return await self._call(lambda ops: ops.commit(entry), entry.instance_id, writes=True)
+    async def commit(self, entries: Entries) -> Instance | None:
+        return await self._commit(entries_of(entries))
+
+    async def _commit(self, batch: Batch) -> Instance | None:
+        key = batch[0].instance_id
+        return await self._call(lambda ops: ops.commit_batch(batch), key, writes=True)
+
+    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+        """Every batch checked first (InvalidInput, nothing written), then one statement for
+        all of them (see _CAS_MANY). When that statement fails whole, on a request id applied
+        before or a deadlock or serialization failure, each batch is committed alone, so only
+        the batch at fault answers None. A lock wait past lock_timeout is LockTimeout for all
+        of them; a connection lost while the statement was in flight, OutcomeUnknown."""
+        checked = _batches_of(batches)
+        if len(checked) < 2:
+            return [await self._commit(batch) for batch in checked]
+        try:
+            return await self._call(
+                lambda ops: ops.commit_together(checked), _keys(checked), writes=True
+            )
+        except (_DuplicateRequest, _Contended):
+            return await self._commit_each(checked)
+
+    async def _commit_each(self, batches: Sequence[Batch]) -> list[Instance | None]:
+        # One after another: each locks one row, so they cannot deadlock with anything.
+        return [await self._commit(batch) for batch in batches]
 
     async def apply_locked(
-        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
         return await self._call(
             lambda ops: ops.apply_locked(instance_id, request_id, plan, lock),
@@ -959,3 +1239,14 @@ class _DuplicateRequest(StoreError):
     @classmethod
     def of(cls, exc: BaseException) -> FlowlockError:
         return cls(str(exc))
+
+
+class _Contended(StoreError):
+    """The statement of several instances met a deadlock or a serialization failure and was
+    rolled back whole (a signal commit_many() catches)."""
+
+    def __init__(self, key: str, exc: BaseException) -> None:
+        super().__init__(
+            f"the compare-and-swaps of {key!r} were rolled back together "
+            f"({type(exc).__name__}: {exc}); nothing of them was written"
+        )

@@ -15,8 +15,9 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
@@ -35,7 +36,16 @@ from flowlock.errors import (
 )
 from flowlock.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import migrations
-from flowlock.stores.base import LockedResult, Plan, RowLock
+from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
+from flowlock.stores.base import (
+    Entries,
+    LockedResult,
+    Plan,
+    RequestIds,
+    RowLock,
+    entries_of,
+    request_ids_of,
+)
 
 __all__ = ["SqliteStore", "count_statement", "list_statement"]
 
@@ -43,6 +53,8 @@ T = TypeVar("T")
 A = TypeVar("A")
 
 _MAX_POOL: Final = 1000
+# Request ids per ``IN (...)`` list: below the 999 bound variables of SQLite builds before 3.32.
+_IDS_PER_SELECT: Final = 500
 _URL_PREFIX: Final = "sqlite:///"
 _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
 
@@ -54,6 +66,9 @@ _HISTORY_COLUMNS: Final = (
 _SELECT_INSTANCE: Final = f"SELECT {_INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
 _SELECT_PRIOR: Final = (
     f"SELECT {_HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id = ?"
+)
+_SELECT_PRIORS: Final = (
+    f"SELECT {_HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id IN "
 )
 # A fencing token lower than the last one written is refused like a stale version.
 _CAS_UPDATE: Final = (
@@ -289,9 +304,10 @@ class SqliteStore(AsyncResource):
         """The instance as committed. Raises InstanceNotFound."""
         return await self._read(_get_txn, instance_id, what="get")
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         """A consistent read (one snapshot) of the instance and the history entry that carries
-        ``request_id``."""
+        ``request_id`` (``Snapshot.prior``), or, for a sequence of request ids, the entries found
+        for them (``Snapshot.priors``)."""
         return await self._read(_read_txn, instance_id, request_id, what="read")
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
@@ -332,25 +348,42 @@ class SqliteStore(AsyncResource):
             what="create",
         )
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
-        """Compare-and-swap the instance from ``entry.version - 1`` to ``entry`` and append
-        ``entry``, in one transaction. None when the version moved or ``entry.request_id`` was
-        applied meanwhile (nothing written)."""
-        data = _dump(entry.data, f"data of the history entry for {entry.instance_id!r}")
+    async def commit(self, entry: Entries) -> Instance | None:
+        """Compare-and-swap the instance from the first entry's ``version - 1`` to the last entry
+        and append every entry, in one transaction. None when the version moved, a newer fencing
+        token was written or one of the request ids was applied meanwhile (nothing written)."""
+        batch = _encode(entries_of(entry))
         return await self._write(
-            entry.instance_id,
-            lambda conn: _commit_txn(conn, entry, data),
+            batch.instance_id,
+            lambda conn: _commit_txn(conn, batch),
             bound=self.busy_timeout,
             nowait=False,
             what="commit",
         )
 
+    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+        """Every batch's compare-and-swap in one write transaction (SQLite's one round trip):
+        one that loses is None at its place and leaves no row, the others commit. Raises
+        InstanceNotFound (nothing written) when one of the instances does not exist."""
+        encoded = [_encode(batch) for batch in distinct_batches(batches)]
+        if not encoded:
+            self._live()  # closed is closed, even for nothing to write
+            return []
+        return await self._write(
+            encoded[0].instance_id,
+            lambda conn: _commit_many_txn(conn, encoded),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="commit_many",
+        )
+
     async def apply_locked(
-        self, instance_id: str, request_id: str | None, plan: Plan, lock: RowLock
+        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
         """Under SQLite's database-wide write lock: read, run ``plan`` on the connection's
-        thread, write what it returns, commit. Raises LockBusy (``lock.nowait``), LockTimeout
-        (after ``min(lock.timeout, busy_timeout)``), InstanceNotFound, or what ``plan`` raised."""
+        thread, write what it returns (one entry or a batch), commit. Raises LockBusy
+        (``lock.nowait``), LockTimeout (after ``min(lock.timeout, busy_timeout)``),
+        InstanceNotFound, or what ``plan`` raised."""
         return await self._write(
             instance_id,
             lambda conn: _locked_txn(conn, instance_id, request_id, plan),
@@ -596,16 +629,31 @@ def _get_txn(conn: sqlite3.Connection, instance_id: str) -> Instance:
     return _instance(row)
 
 
-def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: str | None) -> Snapshot:
+def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
     instance = _get_txn(conn, instance_id)
-    prior = None
-    if request_id is not None:
+    if request_id is None:
+        return Snapshot(instance)
+    if isinstance(request_id, str):
         row = conn.execute(_SELECT_PRIOR, (instance_id, request_id)).fetchone()
-        prior = None if row is None else _entry(row)
-    return Snapshot(instance, prior)
+        return Snapshot(instance, None if row is None else _entry(row))
+    rows = _rows_of_requests(conn, instance_id, request_ids_of(request_id))
+    found = (_entry(row) for row in rows)
+    return Snapshot(instance, None, priors={e.request_id: e for e in found if e.request_id})
 
 
-def _read_txn(conn: sqlite3.Connection, instance_id: str, request_id: str | None) -> Snapshot:
+def _rows_of_requests(
+    conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """The history rows of ``instance_id`` that carry one of ``request_ids``."""
+    rows: list[tuple[Any, ...]] = []
+    for at in range(0, len(request_ids), _IDS_PER_SELECT):
+        chunk = request_ids[at : at + _IDS_PER_SELECT]
+        marks = ", ".join("?" * len(chunk))
+        rows += conn.execute(f"{_SELECT_PRIORS}({marks})", (instance_id, *chunk)).fetchall()
+    return rows
+
+
+def _read_txn(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
     return _deferred(conn, lambda c: _snapshot(c, instance_id, request_id))
 
 
@@ -699,86 +747,102 @@ def _create_txn(conn: sqlite3.Connection, instance: Instance, data: str) -> Inst
     return _get_txn(conn, instance.id)
 
 
-def _write_entry(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> Instance | None:
-    """The compare-and-swap and the history row; None (with nothing to keep) when it lost."""
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One instance's checked batch with its JSON encoded before the transaction starts, so data
+    that cannot be stored raises InvalidInput before anything is written."""
+
+    entries: tuple[HistoryEntry, ...]
+    data: tuple[str, ...]
+    payloads: tuple[str, ...]
+
+    @property
+    def instance_id(self) -> str:
+        return self.entries[0].instance_id
+
+
+def _encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
+    iid = batch[0].instance_id
+    return _Batch(
+        batch,
+        tuple(_dump(e.data, f"data of the history entry for {iid!r}") for e in batch),
+        tuple(_dump(e.payload, f"payload of the history entry for {iid!r}") for e in batch),
+    )
+
+
+def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
+    """The compare-and-swap of one instance's batch and its history rows; None when it lost,
+    and then it wrote nothing (every check comes before the first write: this transaction holds
+    the database's write lock, so nothing changes between them)."""
+    first, last = batch.entries[0], batch.entries[-1]
+    request_ids = [e.request_id for e in batch.entries if e.request_id is not None]
+    if request_ids and _rows_of_requests(conn, first.instance_id, request_ids):
+        return None  # already applied (so the instance exists)
     now = _now()
     cur = conn.execute(
         _CAS_UPDATE,
         (
-            entry.to_state,
-            entry.version,
-            data,
-            entry.event,
+            last.to_state,
+            last.version,
+            batch.data[-1],
+            last.event,
             now,
-            entry.fencing_token,
-            entry.instance_id,
-            entry.version - 1,
-            entry.fencing_token,
-            entry.fencing_token,
+            last.fencing_token,
+            first.instance_id,
+            first.version - 1,
+            last.fencing_token,
+            last.fencing_token,
         ),
     )
     if cur.rowcount == 0:
-        _get_txn(conn, entry.instance_id)  # InstanceNotFound rather than a silent conflict
+        _get_txn(conn, first.instance_id)  # InstanceNotFound rather than a silent conflict
         return None
-    try:
-        conn.execute(
-            _INSERT_HISTORY,
+    conn.executemany(
+        _INSERT_HISTORY,
+        [
             (
-                entry.instance_id,
-                entry.version,
-                entry.event,
-                entry.from_state,
-                entry.to_state,
-                entry.actor,
-                entry.request_id,
-                entry.strategy,
+                e.instance_id,
+                e.version,
+                e.event,
+                e.from_state,
+                e.to_state,
+                e.actor,
+                e.request_id,
+                e.strategy,
                 data,
                 now,
-                entry.fencing_token,
-                _dump(entry.payload, f"payload of the history entry for {entry.instance_id!r}"),
-            ),
-        )
-    except sqlite3.IntegrityError:
-        if (
-            entry.request_id is not None
-            and conn.execute(
-                "SELECT 1 FROM flowlock_history WHERE instance_id = ? AND request_id = ?",
-                (entry.instance_id, entry.request_id),
-            ).fetchone()
-        ):
-            return None
-        raise
-    return _get_txn(conn, entry.instance_id)
+                e.fencing_token,
+                payload,
+            )
+            for e, data, payload in zip(batch.entries, batch.data, batch.payloads, strict=True)
+        ],
+    )
+    return _get_txn(conn, first.instance_id)
 
 
-def _commit_txn(conn: sqlite3.Connection, entry: HistoryEntry, data: str) -> Instance | None:
-    committed = _write_entry(conn, entry, data)
+def _commit_txn(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
+    committed = _write_batch(conn, batch)
     if committed is None:
         raise _Discard(None)  # a lost compare-and-swap writes nothing
     return committed
 
 
+def _commit_many_txn(conn: sqlite3.Connection, batches: list[_Batch]) -> list[Instance | None]:
+    # A lost compare-and-swap writes nothing before it returns None (see _write_batch), so the
+    # winners commit with it; an error rolls the whole transaction back.
+    return [_write_batch(conn, batch) for batch in batches]
+
+
 def _locked_txn(
-    conn: sqlite3.Connection, instance_id: str, request_id: str | None, plan: Plan
+    conn: sqlite3.Connection, instance_id: str, request_id: RequestIds, plan: Plan
 ) -> LockedResult:
     snapshot = _snapshot(conn, instance_id, request_id)
-    entry = plan(snapshot)
-    if entry is None:
+    planned = planned_entries(instance_id, plan(snapshot))
+    if not planned:
         raise _Discard(LockedResult(snapshot, None))
-    if entry.instance_id != instance_id:
-        raise InvalidInput(
-            f"plan returned an entry for instance {entry.instance_id!r} while "
-            f"{instance_id!r} was locked; nothing was written"
-        )
-    data = _dump(entry.data, f"data of the history entry for {instance_id!r}")
-    committed = _write_entry(conn, entry, data)
+    committed = _write_batch(conn, _encode(planned))
     if committed is None:
-        raise InvalidInput(
-            f"plan returned version {entry.version} (request_id {entry.request_id!r}) for "
-            f"instance {instance_id!r}, which was at version {snapshot.instance.version} under "
-            "the lock: the entry must be at read version + 1 with a request_id not yet "
-            "applied; nothing was written"
-        )
+        raise refused_plan(instance_id, planned, snapshot)
     return LockedResult(snapshot, committed)
 
 

@@ -49,7 +49,7 @@ class Pessimistic:
             return planned
 
         lock = RowLock(timeout=self.lock_timeout, nowait=self.nowait)
-        result = await store.apply_locked(call.instance_id, call.request_id, plan, lock)
+        result = await store.apply_locked(call.instance_id, call.request_ids, plan, lock)
         instance = result.committed or answer
         if instance is None:  # pragma: no cover - a store that skipped plan() broke its contract
             raise StoreError("store returned from apply_locked without running the plan")
