@@ -214,11 +214,14 @@ async def at_once(
 # -- 100 callers in one process ------------------------------------------------------------------
 
 
+# The quick suite (-m "not slow") runs each scenario once, under optimistic or pessimistic; the
+# other parametrizations are slow.
+QUICK = {("optimistic", "storm"), ("optimistic", "countersign"), ("pessimistic", "inventory"),
+         ("pessimistic", "hot")}  # fmt: skip
+
+
 def _slow_unless(strategy: str, scenario: str) -> list[pytest.MarkDecorator]:
-    """The quick suite keeps the storm and the hot instance under optimistic and pessimistic;
-    the other parametrizations are slow."""
-    quick = strategy in ("optimistic", "pessimistic") and scenario in ("storm", "hot")
-    return [] if quick else [pytest.mark.slow]
+    return [] if (strategy, scenario) in QUICK else [pytest.mark.slow]
 
 
 ONE_PROCESS = [
@@ -521,16 +524,24 @@ async def test_sessions_ended_while_a_batch_writes(
 # -- callers cancelled around a batch ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("who", ["lone", "batch-first", "queued"])
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        "optimistic",
-        "pessimistic",
-        pytest.param("distributed", marks=[pytest.mark.redis, pytest.mark.slow]),
-        pytest.param("adaptive", marks=pytest.mark.slow),
-    ],
-)
+def _cancel_cases() -> list[Any]:
+    """Strategy x who is cancelled; the quick suite keeps optimistic, and pessimistic's "lone"
+    (its cancelled call dies in a transaction holding the row lock)."""
+    cases = []
+    for strategy in ("optimistic", "pessimistic", "distributed", "adaptive"):
+        for who in ("lone", "batch-first", "queued"):
+            marks = (
+                []
+                if strategy == "optimistic" or (strategy, who) == ("pessimistic", "lone")
+                else [pytest.mark.slow]
+            )
+            if strategy == "distributed":
+                marks.append(pytest.mark.redis)
+            cases.append(pytest.param(strategy, who, marks=marks, id=f"{strategy}-{who}"))
+    return cases
+
+
+@pytest.mark.parametrize(("strategy", "who"), _cancel_cases())
 async def test_a_cancelled_caller_leaves_the_others_to_finish(
     make_engine: EngineFactory,
     sql_history: SqlHistory,
