@@ -26,6 +26,7 @@ from typing import Any
 
 import flowlock
 from flowlock import examples
+from flowlock.engine import DEFAULT_MAX_BATCH
 
 QUORUM = 60
 STOCK = 50
@@ -71,6 +72,7 @@ def connect(
     namespace: str = "default",
     app: str | None = None,
     pool_size: int = 20,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> flowlock.Engine:
     """An engine (not yet opened) on ``schema`` with every strategy the tests run: the
     distributed one leases from Redis when ``redis_url`` is given. Its sessions show in
@@ -86,6 +88,7 @@ def connect(
         lease_wait=WAIT if redis_url is not None else None,
         strategies=[flowlock.Optimistic(max_attempts=MAX_ATTEMPTS, backoff_cap=0.05)],
         batching=batching,
+        max_batch=max_batch,
     )
 
 
