@@ -77,7 +77,8 @@ def servers(
     request: pytest.FixtureRequest, pg_url: str, pg_schema: str, strategy: str
 ) -> dict[str, str]:
     """Where this test's engines (and worker processes) find their servers: PostgreSQL on the
-    test's schema, and Redis in the test's namespace for the distributed strategy."""
+    test's schema, and Redis in the test's namespace for the distributed strategy (every test
+    of this file is parametrized by ``strategy``)."""
     where = {"url": pg_url, "schema": pg_schema}
     if strategy == "distributed":
         where["redis_url"] = request.getfixturevalue("redis_url")
