@@ -54,6 +54,7 @@ class Batcher(Generic[C, R]):
         self._max = max_batch
         self._lanes: dict[Hashable, _Lane[C, R]] = {}
         self._drivers: set[asyncio.Task[None]] = set()
+        self._idle: asyncio.Event | None = None  # made on the loop by drain()
 
     @property
     def busy(self) -> int:
@@ -80,7 +81,7 @@ class Batcher(Generic[C, R]):
             if lane.queue:
                 self._start(key, lane)
             else:
-                del self._lanes[key]
+                self._done(key)
 
     def _start(self, key: Hashable, lane: _Lane[C, R]) -> None:
         task = asyncio.get_running_loop().create_task(self._drive(key, lane))
@@ -118,9 +119,16 @@ class Batcher(Generic[C, R]):
             for waiter in lane.queue:
                 waiter.future.cancel()
             lane.queue.clear()
-            del self._lanes[key]
+            self._done(key)
+
+    def _done(self, key: Hashable) -> None:
+        del self._lanes[key]
+        if not self._lanes and self._idle is not None:
+            self._idle.set()
 
     async def drain(self) -> None:
-        """Wait for every batch in flight and queued to be answered."""
-        while self._drivers:
-            await asyncio.gather(*self._drivers, return_exceptions=True)
+        """Wait until every call in flight, alone or queued, has been answered (each is bounded
+        by its strategy's and its store's own bounds)."""
+        while self._lanes:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
