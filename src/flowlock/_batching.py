@@ -132,3 +132,73 @@ class Batcher(Generic[C, R]):
         while self._lanes:
             self._idle = asyncio.Event()
             await self._idle.wait()
+
+
+class Coalescer(Generic[C, R]):
+    """Runs calls of one kind (reads, writes) on any keys with at most ``depth`` round trips in
+    flight: a call goes at once, alone, while fewer are in flight; otherwise it queues, and the
+    next free slot takes everything queued (at most ``max_batch``) as one ``many(batch)`` round
+    trip. Why a depth and not one round trip at a time: a statement that waits (a row lock held
+    elsewhere) then holds up one slot, not every call of the process."""
+
+    def __init__(self, many: Many[C, R], *, depth: int, max_batch: int) -> None:
+        self._many = many
+        self._depth = depth
+        self._max = max_batch
+        self._in_flight = 0
+        self._queue: deque[_Waiter[C, R]] = deque()
+        self._drivers: set[asyncio.Task[None]] = set()
+
+    async def submit(self, call: C, one: One[C, R]) -> R:
+        """``call``'s result: ``one(call)`` when a slot is free, else its place in a batch."""
+        if self._in_flight < self._depth and not self._queue:
+            self._in_flight += 1
+            try:
+                return await one(call)
+            finally:
+                self._in_flight -= 1
+                self._next()
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Waiter(call, future))
+        return await future
+
+    def _next(self) -> None:
+        """Start a batch for every free slot while calls are queued."""
+        while self._queue and self._in_flight < self._depth:
+            taken: list[_Waiter[C, R]] = []
+            while self._queue and len(taken) < self._max:
+                waiter = self._queue.popleft()
+                if not waiter.future.done():
+                    taken.append(waiter)
+            if not taken:
+                continue
+            self._in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._run(taken))
+            self._drivers.add(task)
+            task.add_done_callback(self._drivers.discard)
+
+    async def _run(self, taken: list[_Waiter[C, R]]) -> None:
+        try:
+            try:
+                answers = await self._many([w.call for w in taken])
+            except asyncio.CancelledError:
+                for w in taken:
+                    w.future.cancel()
+                raise
+            except Exception as exc:  # the round trip failed whole: each call hears of it
+                answers = [exc] * len(taken)
+            for waiter, answer in zip(taken, answers, strict=True):
+                if waiter.future.done():
+                    continue
+                if isinstance(answer, BaseException):
+                    waiter.future.set_exception(answer)
+                else:
+                    waiter.future.set_result(answer)
+        finally:
+            self._in_flight -= 1
+            self._next()
+
+    async def drain(self) -> None:
+        """Wait for every queued call and batch in flight to be answered."""
+        while self._drivers:
+            await asyncio.gather(*self._drivers, return_exceptions=True)

@@ -136,6 +136,8 @@ def connect(
     """
     if lease_wait is not None:
         check_seconds("lease_wait", lease_wait, zero=True)
+    if not isinstance(batching, bool):
+        raise InvalidInput(f"batching must be True or False, not {batching!r}")
     store = build_store(
         database_url,
         pool=pool,
@@ -149,6 +151,7 @@ def connect(
         command_timeout=command_timeout,
         lock_timeout=lock_timeout,
         application_name=application_name,
+        pipeline=batching,
     )
     kind = locks if locks is not None else ("redis" if redis_url is not None else None)
     table = _with_bounds(strategies, lock_timeout, lease_wait, has_backend=kind is not None)
@@ -239,11 +242,13 @@ def build_store(
     command_timeout: float | None = None,
     lock_timeout: float | None = None,
     application_name: str | None = None,
+    pipeline: bool = True,
 ) -> Store:
     """The store for ``database_url``: ``postgresql://`` / ``postgres://`` (asyncpg),
     ``sqlite:///path``, or ``memory://`` (in-process, for tests); or the PostgreSQL store on an
     application's asyncpg ``pool``. The keywords are :func:`connect`'s (None: the store's
-    default); one that does not apply to the store asked for is refused. Nothing is opened yet."""
+    default); one that does not apply to the store asked for is refused. ``pipeline``: the
+    PostgreSQL store's (off with ``connect(batching=False)``). Nothing is opened yet."""
     bounds = _Bounds.checked(
         pool_size, max_size, min_size, acquire_timeout, connect_timeout, command_timeout,
         lock_timeout, application_name,
@@ -273,6 +278,7 @@ def build_store(
             connect_timeout=_or(bounds.connect_timeout, DEFAULT_CONNECT_TIMEOUT),
             command_timeout=_or(bounds.command_timeout, DEFAULT_COMMAND_TIMEOUT),
             lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT),
+            pipeline=pipeline,
         )
     if scheme == "sqlite":
         from flowlock.stores.sqlite import SqliteStore
@@ -421,6 +427,7 @@ def build_postgres_store(
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    pipeline: bool = True,
 ) -> PostgresStore:
     """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
     raw floor and read-backs): ``min_size`` connections opened up front, ``application_name``
@@ -438,6 +445,7 @@ def build_postgres_store(
         connect_timeout=connect_timeout,
         command_timeout=command_timeout,
         lock_timeout=lock_timeout,
+        pipeline=pipeline,
     )
 
 

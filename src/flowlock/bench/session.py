@@ -161,7 +161,7 @@ class _RawSession(RawSession):
 # -- building flowlock's backends -----------------------------------------------------------------
 
 
-def _store(target: Target, size: int) -> PostgresStore:
+def _store(target: Target, size: int, *, pipeline: bool) -> PostgresStore:
     return build_postgres_store(
         target.url,
         schema=target.schema,
@@ -171,6 +171,7 @@ def _store(target: Target, size: int) -> PostgresStore:
         min_size=size,
         auto_migrate=False,
         application_name=target.application_name,
+        pipeline=pipeline,
     )
 
 
@@ -246,7 +247,9 @@ async def open_session(
     (batching concurrent calls on one instance unless ``batching`` is False) and lock backend,
     with the scenario's workflows registered; all closed on the way out."""
     size = pool_size or target.pool_size
-    store = _store(target, size)
+    # Batching off is flowlock as it was before batching: no pipelining of reads and writes of
+    # different instances either.
+    store = _store(target, size, pipeline=batching)
     async with contextlib.AsyncExitStack() as stack:
         locks: TimedLocks | None = None
         if spec.locks is not None:

@@ -131,6 +131,7 @@ async def _open_engine(spec: WorkerSpec, stack: contextlib.AsyncExitStack) -> En
         application_name=target.application_name,
         connect_timeout=2.0,
         acquire_timeout=5.0,
+        pipeline=spec.batching,
     )
     strategies: dict[str, Strategy] = {}
     for name in spec.strategies:

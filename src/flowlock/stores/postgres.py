@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from flowlock._batching import Coalescer
 from flowlock._pg import migrations
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, in_doubt, wrap_connect, wrap_errors
 from flowlock._pg.fence import PostgresFenceEpochs
@@ -85,6 +86,7 @@ from flowlock.errors import (
     StoreError,
 )
 from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import (
     Entries,
     LockedResult,
@@ -118,6 +120,19 @@ _READ_WITH_REQUEST = _READ_JOINED.format(match="h.request_id = $2")
 # (or one row with no entry), in one snapshot. The unique (instance_id, request_id) index finds
 # each of them.
 _READ_WITH_REQUESTS = _READ_JOINED.format(match="h.request_id = ANY($2::text[])")
+# The reads of several calls (on any instances, each with its request id or NULL) in one round
+# trip, each row tagged with the place of its call; a call with no row read a missing instance.
+_READ_MANY = """
+SELECT r.n, i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at,
+       i.updated_at,
+       h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
+       h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
+       h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
+       h.fencing_token AS h_fencing_token, h.payload AS h_payload
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS r(id, request_id, n)
+JOIN flowlock_instances i ON i.id = r.id
+LEFT JOIN flowlock_history h ON h.instance_id = r.id AND h.request_id = r.request_id
+"""
 _LOCK = f"""
 SELECT {INSTANCE_COLUMNS}, current_setting('lock_timeout') AS lock_timeout
 FROM flowlock_instances WHERE id = $1 FOR UPDATE
@@ -274,6 +289,12 @@ _CALLERS_SETTINGS = (
     "current_setting('lock_timeout') AS lock_timeout"
 )
 _RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout', $2, true)"
+
+# At most this many pipelined reads (and as many writes) in flight per store; more calls queue
+# and go together in the next free one. A few, so that one statement waiting for a row lock
+# holds up the calls that share it, not every call of the process.
+_PIPELINE_DEPTH = 4
+_PIPELINE_BATCH = 500
 
 Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 Busy = Callable[[BaseException], FlowlockError]
@@ -482,7 +503,10 @@ def _batches_of(batches: Sequence[Entries]) -> tuple[Batch, ...]:
 
 def _keys(batches: Sequence[Batch]) -> str:
     """The instances of ``batches`` as the errors about all of them quote them."""
-    ids = [batch[0].instance_id for batch in batches]
+    return _keys_of([batch[0].instance_id for batch in batches])
+
+
+def _keys_of(ids: Sequence[str]) -> str:
     shown = ", ".join(ids[:3])
     return shown if len(ids) <= 3 else f"{shown} and {len(ids) - 3} more"
 
@@ -620,6 +644,28 @@ class _Operations:
             # whole. Report a lost race: the next read finds that entry and answers idempotently.
             return None
         return None if row is None else instance_from_row(row)
+
+    async def read_together(
+        self, calls: Sequence[tuple[str, str | None]]
+    ) -> list[Snapshot | FlowlockError]:
+        """The unlocked reads of several calls (instance id, request id or None) in one round
+        trip: each call's Snapshot, or InstanceNotFound, in the calls' order."""
+        key = _keys_of([instance_id for instance_id, _ in calls])
+        ids = [instance_id for instance_id, _ in calls]
+        request_ids = [request_id for _, request_id in calls]
+        async with self._s.conn(key) as conn:
+            rows = await conn.fetch(_READ_MANY, ids, request_ids, timeout=self._s.timeout)
+        found = {row["n"]: row for row in rows}
+        answers: list[Snapshot | FlowlockError] = []
+        for n, (instance_id, request_id) in enumerate(calls, start=1):
+            row = found.get(n)
+            if row is None:
+                answers.append(InstanceNotFound(instance_id))
+            elif request_id is None:
+                answers.append(Snapshot(instance_from_row(row)))
+            else:
+                answers.append(_snapshot(row))
+        return answers
 
     async def commit_together(self, batches: Sequence[Batch]) -> list[Instance | None]:
         """The batches of several instances (checked by :func:`_batches_of`) in one statement,
@@ -844,17 +890,17 @@ async def _locked_step(
         rows = await conn.fetch(_PRIORS, instance_id, list(request_ids), timeout=bound)
         priors = {r["request_id"]: entry_from_row(r) for r in rows}
     snap = Snapshot(instance_from_row(row), prior, priors)
-    planned = plan(snap)
-    if planned is None or (not isinstance(planned, HistoryEntry) and len(planned) == 0):
+    batch = planned_entries(instance_id, plan(snap))
+    if not batch:
         return snap, None, locked_at
-    batch = entries_of(planned)
-    if batch[0].instance_id != instance_id:
-        raise InvalidInput(
-            f"the plan for {instance_id!r} returned entries of {batch[0].instance_id!r}; "
-            "nothing was written"
-        )
     sql, args = _cas_of(batch)
-    moved = await conn.fetchrow(sql, *args, timeout=bound)
+    try:
+        moved = await conn.fetchrow(sql, *args, timeout=bound)
+    except asyncpg.UniqueViolationError:
+        # A request id the plan should have found applied: the plan's bug, as on every store.
+        raise refused_plan(instance_id, batch, snap) from None
+    if moved is None and batch[0].version != snap.instance.version + 1:
+        raise refused_plan(instance_id, batch, snap)
     if moved is None:
         raise StoreError(
             f"instance {instance_id!r} changed while its row lock was held; "
@@ -927,6 +973,12 @@ class PostgresStore:
     instead, which flowlock uses as it is (no codec, setting or search_path of its connections
     changes) and does not close.
 
+    ``pipeline`` (on by default, flowlock's own pool only): the unlocked reads and the
+    compare-and-swaps of calls on different instances that become ready while a few such round
+    trips are already in flight are sent together, one statement for many instances, each
+    instance's compare-and-swap still standing alone (see :meth:`commit_many`). An idle store
+    sends each at once.
+
     ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
     the tables in this schema (created if missing) instead of the connection's default.
     ``auto_migrate``: migrate on open. ``lock_timeout``: seconds any statement outside a
@@ -955,8 +1007,11 @@ class PostgresStore:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         application_name: str = DEFAULT_APPLICATION_NAME,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        pipeline: bool = True,
     ) -> None:
         check_schema(schema)
+        if not isinstance(pipeline, bool):
+            raise InvalidInput(f"pipeline must be True or False, not {pipeline!r}")
         if (dsn is None) == (pool is None):
             raise InvalidInput(
                 "PostgresStore takes a postgresql:// dsn or an application's asyncpg pool "
@@ -984,6 +1039,15 @@ class PostgresStore:
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
         self._ops = _Operations(_Session(self))
+        # Pipelining (flowlock's own pool only: an application's pool runs a call's statements
+        # in a transaction of their own): reads and compare-and-swaps of calls on different
+        # instances that are ready while others are in flight go together in one round trip.
+        self._reads: Coalescer[tuple[str, str | None], Snapshot] | None = None
+        self._writes: Coalescer[Batch, Instance | None] | None = None
+        if pipeline and pool is None:
+            depth = max(1, min(_PIPELINE_DEPTH, pool_size // 2))
+            self._reads = Coalescer(self._read_together, depth=depth, max_batch=_PIPELINE_BATCH)
+            self._writes = Coalescer(self._commit_together, depth=depth, max_batch=_PIPELINE_BATCH)
         # Qualified with the schema: an application's pool does not have it on search_path.
         self._fence_epochs = PostgresFenceEpochs(
             lambda: self.pool,
@@ -1039,6 +1103,9 @@ class PostgresStore:
     async def aclose(self) -> None:
         """Close flowlock's pool; an application's pool (``pool=``) is left open, only no longer
         used."""
+        for coalescer in (self._reads, self._writes):
+            if coalescer is not None:
+                await coalescer.drain()
         pool, self._pool = self._pool, None
         if pool is not None and self._given is None:
             await close_pool(pool)
@@ -1147,12 +1214,53 @@ class PostgresStore:
         return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        return await self._call(
-            lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
-        )
+        reads = self._reads
+        if reads is None or not (request_id is None or isinstance(request_id, str)):
+            return await self._call(
+                lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
+            )
+        return await reads.submit((instance_id, request_id), self._read_one)
+
+    async def _read_one(self, call: tuple[str, str | None]) -> Snapshot:
+        return await self._ops.read(*call)
+
+    async def _read_together(
+        self, calls: Sequence[tuple[str, str | None]]
+    ) -> list[Snapshot | FlowlockError]:
+        return await self._ops.read_together(calls)
 
     async def commit(self, entries: Entries) -> Instance | None:
-        return await self._commit(entries_of(entries))
+        batch = entries_of(entries)
+        if self._writes is None:
+            return await self._commit(batch)
+        return await self._writes.submit(batch, self._commit)
+
+    async def _commit_together(
+        self, batches: Sequence[Batch]
+    ) -> list[Instance | BaseException | None]:
+        """The compare-and-swaps of calls that queued together: one statement per round of
+        distinct instances (two batches for one instance, from two strategies or two engines,
+        cannot share a statement). A round that fails whole fails each of its calls."""
+        answers: list[Instance | BaseException | None] = [None] * len(batches)
+        pending = list(range(len(batches)))
+        while pending:
+            seen: set[str] = set()
+            now: list[int] = []
+            later: list[int] = []
+            for i in pending:
+                instance_id = batches[i][0].instance_id
+                (later if instance_id in seen else now).append(i)
+                seen.add(instance_id)
+            try:
+                done: list[Instance | BaseException | None] = list(
+                    await self.commit_many([batches[i] for i in now])
+                )
+            except FlowlockError as exc:
+                done = [exc] * len(now)
+            for i, answer in zip(now, done, strict=True):
+                answers[i] = answer
+            pending = later
+        return answers
 
     async def _commit(self, batch: Batch) -> Instance | None:
         key = batch[0].instance_id
@@ -1165,6 +1273,9 @@ class PostgresStore:
         the batch at fault answers None. A lock wait past lock_timeout is LockTimeout for all
         of them; a connection lost while the statement was in flight, OutcomeUnknown."""
         checked = _batches_of(batches)
+        if not checked:
+            self.pool  # noqa: B018 - a closed store refuses even an empty commit (EngineClosed)
+            return []
         if len(checked) < 2:
             return [await self._commit(batch) for batch in checked]
         try:
