@@ -509,3 +509,11 @@ def test_aims_table_says_met_no_floor_and_the_distributed_target() -> None:
     assert rows["spread applied/s"].split()[3:] == spread
     _, alone = _aims_rows(_report(_floor(), _result("optimistic")))
     assert "dist." not in alone["storm p99"]
+
+
+def test_the_aims_know_which_bench_strategies_take_a_lease() -> None:
+    from flowlock.bench.registry import STRATEGIES
+    from flowlock.bench.report.aims import is_distributed
+
+    for name, spec in STRATEGIES.items():
+        assert is_distributed(name) == (spec.locks is not None), name
