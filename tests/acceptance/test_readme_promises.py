@@ -225,7 +225,9 @@ async def test_pool_size_bounds_the_engines_connections_under_load(fresh_db: str
     lock fill the pool (four connections waiting on the lock) and never open a fifth; once the
     row is free all twelve apply, exactly once each."""
     pool_size, callers = 4, 12
-    async with flowlock.Engine.connect(fresh_db, pool_size=pool_size) as engine:
+    # Batching off: one transaction per call, so the twelve callers do compete for the pool
+    # (batched, the queued ones would wait in the engine and share one connection).
+    async with flowlock.Engine.connect(fresh_db, pool_size=pool_size, batching=False) as engine:
         assert isinstance(engine.store, PostgresStore)
         assert engine.store.pool.get_max_size() == pool_size
         await engine.register(examples.inventory())

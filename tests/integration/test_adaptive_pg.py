@@ -56,6 +56,10 @@ class Clock:
 
 async def _engine(pg_url: str, schema: str, **kw: Any) -> flowlock.Engine:
     store = PostgresStore(pg_url, schema=schema, pool_size=kw.pop("pool_size", 100))
+    # Batching off unless a test says otherwise: these tests drive escalation with the
+    # conflicts of concurrent callers in one process, which a batching engine does not have
+    # (it applies them together); across processes the conflicts, and escalation, remain.
+    kw.setdefault("batching", False)
     engine = await flowlock.Engine(store, **kw).open()
     for wf in (examples.countersign(100), examples.inventory(), examples.approval()):
         await engine.register(wf)
@@ -290,7 +294,7 @@ WORKER = textwrap.dedent(
     async def main(url, schema):
         store = PostgresStore(url, schema=schema, pool_size=100)
         # A long cool-down: the escalation must still stand when the other process looks.
-        async with flowlock.Engine(store, monitor=ConflictMonitor(cooldown=120)) as engine:
+        async with flowlock.Engine(store, monitor=ConflictMonitor(cooldown=120), batching=False) as engine:
             await engine.register(examples.countersign(100))
             await engine.create("countersign", instance_id="shared")
             go = asyncio.Event()

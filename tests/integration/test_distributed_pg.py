@@ -81,9 +81,11 @@ async def _at_once(calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
 
 
 def _tokens_increase(history: list[flowlock.HistoryEntry]) -> None:
+    """Every row fenced, tokens never going down. A batch writes its rows under one lease, so
+    they share its token; rows of different leases have different tokens."""
     tokens = [h.fencing_token or 0 for h in history]
     assert all(h.fencing_token is not None for h in history), history
-    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+    assert tokens == sorted(tokens), tokens
 
 
 async def test_storm_is_exactly_once(factory: Factory, sql_history: SqlHistory) -> None:

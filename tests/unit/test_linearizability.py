@@ -849,7 +849,7 @@ async def test_a_store_that_skips_the_version_check_is_caught() -> None:
     double apply (two callers told they reached the same version)."""
     rec = Recorder()
     inventory = examples.inventory(strategy="optimistic")
-    async with flowlock.Engine(SkipsTheVersionCheck()) as eng:
+    async with flowlock.Engine(SkipsTheVersionCheck(), batching=False) as eng:
         await eng.register(inventory)
         with rec.invoke("x", "create") as call:
             call.ok(await eng.create("inventory", instance_id="x", data={"stock": 100}))
