@@ -46,8 +46,9 @@ from flowlock.locks.advisory import AdvisoryLocks, advisory_lock_id
 from flowlock.locks.base import LockBackend
 from flowlock.locks.redis import RedisLocks
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.models import Instance, Snapshot
 from flowlock.stores import MemoryStore
+from flowlock.stores.base import Entries, RequestIds, entries_of
 from flowlock.stores.postgres import PostgresStore
 from flowlock.strategies.monitor import ConflictMonitor
 
@@ -105,13 +106,13 @@ class GatedStore(MemoryStore):
         gate = self._gates[call] = Gate()
         return gate
 
-    async def read(self, instance_id: str, request_id: str | None) -> Snapshot:
+    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         gate = self._gates.pop("read", None)
         if gate is not None:
             await gate.pass_through()
         return await super().read(instance_id, request_id)
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
+    async def commit(self, entry: Entries) -> Instance | None:
         gate = self._gates.pop("commit", None)
         if gate is not None:
             await gate.pass_through()
@@ -129,12 +130,13 @@ class ContendedStore(MemoryStore):
         self.rival: flowlock.Engine | None = None
         self._in_rival = False
 
-    async def commit(self, entry: HistoryEntry) -> Instance | None:
+    async def commit(self, entry: Entries) -> Instance | None:
         if self.rivals > 0 and not self._in_rival and self.rival is not None:
             self.rivals -= 1
             self._in_rival = True
             try:
-                await self.rival.fire(entry.instance_id, "restock", strategy="optimistic")
+                instance_id = entries_of(entry)[0].instance_id
+                await self.rival.fire(instance_id, "restock", strategy="optimistic")
             finally:
                 self._in_rival = False
         return await super().commit(entry)
@@ -223,10 +225,10 @@ async def test_the_readme_example_runs_on_a_postgresql_url(fresh_db: str, tmp_pa
 async def test_pool_size_bounds_the_engines_connections_under_load(fresh_db: str) -> None:
     """Engine.connect(url, pool_size=4): twelve pessimistic callers queued behind a held row
     lock fill the pool (four connections waiting on the lock) and never open a fifth; once the
-    row is free all twelve apply, exactly once each."""
+    row is free all twelve apply, exactly once each. Batching is off: with it on, calls on one
+    instance queue in the engine behind one transaction and would never ask for a second
+    connection, so nothing would press on the bound."""
     pool_size, callers = 4, 12
-    # Batching off: one transaction per call, so the twelve callers do compete for the pool
-    # (batched, the queued ones would wait in the engine and share one connection).
     async with flowlock.Engine.connect(fresh_db, pool_size=pool_size, batching=False) as engine:
         assert isinstance(engine.store, PostgresStore)
         assert engine.store.pool.get_max_size() == pool_size
