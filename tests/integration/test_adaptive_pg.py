@@ -294,7 +294,8 @@ WORKER = textwrap.dedent(
     async def main(url, schema):
         store = PostgresStore(url, schema=schema, pool_size=100)
         # A long cool-down: the escalation must still stand when the other process looks.
-        async with flowlock.Engine(store, monitor=ConflictMonitor(cooldown=120), batching=False) as engine:
+        monitor = ConflictMonitor(cooldown=120)
+        async with flowlock.Engine(store, monitor=monitor, batching=False) as engine:
             await engine.register(examples.countersign(100))
             await engine.create("countersign", instance_id="shared")
             go = asyncio.Event()

@@ -37,6 +37,7 @@ from conftest import SqlHistory as Counted
 from flowlock.checker import OVERSELL, check
 from flowlock.errors import InvalidInput
 from flowlock.models import HistoryEntry
+from flowlock.stores.base import Entries
 from flowlock.stores.postgres import PostgresStore
 from flowlock.sync import Engine as SyncEngine
 
@@ -522,7 +523,7 @@ class GatedStore(PostgresStore):
         self.waiting = threading.Event()
         self.gate = threading.Event()
 
-    async def commit(self, entry: HistoryEntry) -> flowlock.Instance | None:
+    async def commit(self, entry: Entries) -> flowlock.Instance | None:
         self.waiting.set()
         await asyncio.to_thread(self.gate.wait, 60)
         return await super().commit(entry)

@@ -309,8 +309,10 @@ async def test_each_call_of_a_batch_gets_its_own_error(gated: Any) -> None:
         "Outcome",
         "IdempotencyKeyReused",
     ]
-    assert answers[4].instance.version == 4 and answers[4].instance.data["n"] == 7
-    assert answers[6].idempotent and answers[6].instance.version == 2
+    fourth, sixth = answers[4], answers[6]
+    assert isinstance(fourth, flowlock.Outcome) and isinstance(sixth, flowlock.Outcome)
+    assert fourth.instance.version == 4 and fourth.instance.data["n"] == 7
+    assert sixth.idempotent and sixth.instance.version == 2
     assert isinstance(answers[5], flowlock.VersionMismatch) and answers[5].current == 4
     assert [h.version for h in await eng.history("c")] == [2, 3, 4]
 
@@ -451,11 +453,10 @@ async def test_retries_exhausted_names_each_callers_own_event() -> None:
     async with flowlock.Engine(store, strategies=[opt]) as eng:
         await eng.register(counter())
         await eng.create("counter", instance_id="c", data={"n": 0})
-        opt_only = {"strategy": "optimistic"}
         answers = await asyncio.gather(
-            _add(eng, "a", **opt_only),
-            eng.fire("c", "close", **opt_only),
-            _add(eng, "b", **opt_only),
+            _add(eng, "a", strategy="optimistic"),
+            eng.fire("c", "close", strategy="optimistic"),
+            _add(eng, "b", strategy="optimistic"),
             return_exceptions=True,
         )
     assert all(isinstance(a, flowlock.ConflictRetriesExhausted) for a in answers)

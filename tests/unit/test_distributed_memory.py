@@ -18,6 +18,7 @@ from flowlock.checker import check
 from flowlock.locks import MemoryLocks
 from flowlock.models import Instance
 from flowlock.stores import MemoryStore
+from flowlock.stores.base import RequestIds
 
 # Leases of 30 s: a scheduling stall on a loaded machine cannot make one expire mid-call. The
 # wait for a held lease is short, since one test waits it out.
@@ -193,7 +194,7 @@ async def test_lost_lease_does_not_write(
     locks.extend = failing_extend  # type: ignore[method-assign]
     original_read = eng.store.read
 
-    async def slow_read(instance_id: str, request_id: str | None) -> Any:
+    async def slow_read(instance_id: str, request_id: RequestIds) -> Any:
         await asyncio.sleep(0.4)  # longer than the 0.3 s ttl
         return await original_read(instance_id, request_id)
 
