@@ -15,6 +15,10 @@
   ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
+- Pipelined pessimistic calls (on different instances, queued while others are in flight) run
+  as one transaction: BEGIN, ``FOR UPDATE SKIP LOCKED`` of all their rows, one request-id lookup,
+  each plan in order, one multi-instance CAS, COMMIT. The calls it did not lock (a row held
+  elsewhere or missing, a second call on one instance) run alone afterwards, as above.
 - ``jsonb`` goes in as JSON text cast in the statement (``$4::text::jsonb``) and is read back
   whether the connection decodes it or not, so the same statements run on flowlock's own pool, on
   an application's pool (``pool=``) and on a caller's connection, whose codecs flowlock leaves
@@ -1143,8 +1147,10 @@ class PostgresStore:
     ``pipeline`` (on by default, flowlock's own pool only): the unlocked reads and the
     compare-and-swaps of calls on different instances that become ready while a few such round
     trips are already in flight are sent together, one statement for many instances, each
-    instance's compare-and-swap still standing alone (see :meth:`commit_many`). An idle store
-    sends each at once.
+    instance's compare-and-swap still standing alone (see :meth:`commit_many`); so do the
+    pessimistic calls, a group in one transaction that locks its rows with SKIP LOCKED and
+    never waits (a call whose row is held elsewhere runs alone afterwards, with its own lock
+    bound). An idle store sends each at once.
 
     ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
     the tables in this schema (created if missing) instead of the connection's default.
