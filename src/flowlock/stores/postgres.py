@@ -15,6 +15,10 @@
   ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
+- Pipelined pessimistic calls (on different instances, queued while others are in flight) run
+  as one transaction: BEGIN, ``FOR UPDATE SKIP LOCKED`` of all their rows, one request-id lookup,
+  each plan in order, one multi-instance CAS, COMMIT. The calls it did not lock (a row held
+  elsewhere or missing, a second call on one instance) run alone afterwards, as above.
 - ``jsonb`` goes in as JSON text cast in the statement (``$4::text::jsonb``) and is read back
   whether the connection decodes it or not, so the same statements run on flowlock's own pool, on
   an application's pool (``pool=``) and on a caller's connection, whose codecs flowlock leaves
@@ -144,6 +148,20 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND reques
 _PRIORS = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history
  WHERE instance_id = $1 AND request_id = ANY($2::text[])
+"""
+# A pipelined group of pessimistic calls (see PostgresStore._apply_locked_together): the rows
+# of its instances locked in one statement, skipping any row another transaction holds, so the
+# group never waits for a lock (it can neither deadlock nor make one call wait on another's
+# contended row). A skipped row's call runs alone afterwards, with its own lock bound.
+_LOCK_SKIP = f"""
+SELECT {INSTANCE_COLUMNS} FROM flowlock_instances
+ WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE SKIP LOCKED
+"""
+# The entries of the group's (instance, request id) pairs, its own statement after the locks
+# were granted (as _PRIOR): $1 instance ids, $2 request ids, one element per pair.
+_PRIORS_MANY = f"""
+SELECT {HISTORY_COLUMNS} FROM flowlock_history
+ WHERE (instance_id, request_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
 """
 # Why one statement: the UPDATE's row lock and the INSERT commit together or not at all, and
 # the version in the WHERE clause is the compare-and-swap; no row back means another writer won.
@@ -427,6 +445,16 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
 
 
 Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_of
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LockedCall:
+    """One ``apply_locked`` call, as the pessimistic pipeline queues it."""
+
+    instance_id: str
+    request_id: RequestIds
+    plan: Plan
+    lock: RowLock
 
 
 def _cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
@@ -726,6 +754,87 @@ class _Operations:
             released_at = time.monotonic()
         return LockedResult(snap, committed, locked_at - started, released_at - locked_at)
 
+    async def apply_locked_together(
+        self, calls: Sequence[_LockedCall]
+    ) -> list[LockedResult | BaseException | None]:
+        """The calls of a pessimistic group (one per instance) in ONE transaction: their rows
+        locked without waiting (SKIP LOCKED), their request ids looked up in one statement,
+        each call's plan run in order, every planned batch written by one _CAS_MANY, COMMIT.
+        Each call's answer: its LockedResult, its own error (its plan raised, or its
+        compare-and-swap matched no row under the lock: nothing of it written, the others go
+        on), or None when its row was not locked by the group (held elsewhere, or missing): the
+        caller runs it alone. An error of the transaction itself (the connection lost, COMMIT
+        in doubt: OutcomeUnknown) is the answer of every call it served, or of every call when
+        it came before the rows were locked. Raises _DuplicateRequest or _Contended when the
+        write failed whole (rolled back): the caller then runs every call alone."""
+        key = _keys_of([call.instance_id for call in calls])
+        started = time.monotonic()
+        bound = self._s.timeout
+
+        def contended(exc: BaseException) -> FlowlockError:
+            # A lock wait in the write (an INSERT behind a concurrent one of the same request
+            # id) past the session's lock_timeout: let each call wait alone, with its own bound.
+            return _Contended(key, exc)
+
+        context = _errors(key, contended)
+        answers: list[LockedResult | BaseException | None] = [None] * len(calls)
+        served: list[int] | None = None  # the calls whose rows the group locked, once known
+        try:
+            async with self._s.conn(key, busy=contended) as conn:
+                await conn.execute("BEGIN", timeout=bound)
+                try:
+                    rows = await conn.fetch(
+                        _LOCK_SKIP, [call.instance_id for call in calls], timeout=bound
+                    )
+                    locked_at = time.monotonic()
+                    locked = {row["id"]: row for row in rows}
+                    served = [i for i, call in enumerate(calls) if call.instance_id in locked]
+                    found = await _priors_of(conn, [calls[i] for i in served], bound)
+                    snaps = {
+                        i: _locked_snapshot(
+                            locked[calls[i].instance_id], calls[i].request_id, found
+                        )
+                        for i in served
+                    }
+                    planned = _plan_each(calls, snaps, answers)
+                    moved: dict[str, Instance] = {}
+                    if planned:
+                        try:
+                            written = await conn.fetch(
+                                _CAS_MANY, *_many_args(list(planned.values())), timeout=bound
+                            )
+                        except asyncpg.TransactionRollbackError as exc:
+                            raise _Contended(key, exc) from exc
+                        moved = {row["id"]: instance_from_row(row) for row in written}
+                    with in_doubt(context):
+                        await conn.execute("COMMIT", timeout=bound)
+                except asyncio.CancelledError:
+                    conn.terminate()  # it may be mid-statement: see _own_transaction
+                    raise
+                except BaseException as exc:
+                    await _roll_back(conn, exc, bound)
+                    raise
+                released_at = time.monotonic()
+        except (_DuplicateRequest, _Contended):
+            raise
+        except FlowlockError as exc:
+            for i in range(len(calls)) if served is None else served:
+                if answers[i] is None:
+                    answers[i] = exc
+            return answers
+        for i, snap in snaps.items():
+            if answers[i] is not None:
+                continue
+            iid, batch = calls[i].instance_id, planned.get(i)
+            committed = None if batch is None else moved.get(iid)
+            if batch is not None and committed is None:
+                answers[i] = _lost_under_lock(iid, batch, snap)
+            else:
+                answers[i] = LockedResult(
+                    snap, committed, locked_at - started, released_at - locked_at
+                )
+        return answers
+
     # -- the adaptive strategy's escalation board (flowlock.stores.base.EscalationBoard) -----
 
     async def publish(self, escalation: Escalation) -> None:
@@ -899,14 +1008,76 @@ async def _locked_step(
     except asyncpg.UniqueViolationError:
         # A request id the plan should have found applied: the plan's bug, as on every store.
         raise refused_plan(instance_id, batch, snap) from None
-    if moved is None and batch[0].version != snap.instance.version + 1:
-        raise refused_plan(instance_id, batch, snap)
     if moved is None:
-        raise StoreError(
-            f"instance {instance_id!r} changed while its row lock was held; "
-            "something bypassed flowlock's locking. Nothing was written"
-        )
+        raise _lost_under_lock(instance_id, batch, snap)
     return snap, instance_from_row(moved), locked_at
+
+
+def _lost_under_lock(instance_id: str, batch: Batch, snap: Snapshot) -> FlowlockError:
+    """The error of a compare-and-swap that matched no row although the row lock was held."""
+    if batch[0].version != snap.instance.version + 1:
+        return refused_plan(instance_id, batch, snap)
+    return StoreError(
+        f"instance {instance_id!r} changed while its row lock was held; "
+        "something bypassed flowlock's locking. Nothing was written"
+    )
+
+
+def _locked_snapshot(
+    row: asyncpg.Record, request_id: RequestIds, found: Mapping[tuple[str, str], HistoryEntry]
+) -> Snapshot:
+    """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entry
+    of its request id (``prior``, for one given as a str) or those found of its request ids
+    (``priors``, for a sequence); ``found``: the group's entries by (instance, request id)."""
+    instance = instance_from_row(row)
+    if isinstance(request_id, str):
+        return Snapshot(instance, found.get((instance.id, request_id)))
+    priors = {
+        rid: found[(instance.id, rid)]
+        for rid in request_ids_of(request_id)
+        if (instance.id, rid) in found
+    }
+    return Snapshot(instance, None, priors)
+
+
+def _wanted_request_ids(request_id: RequestIds) -> tuple[str, ...]:
+    return (request_id,) if isinstance(request_id, str) else request_ids_of(request_id)
+
+
+def _plan_each(
+    calls: Sequence[_LockedCall],
+    snaps: Mapping[int, Snapshot],
+    answers: list[LockedResult | BaseException | None],
+) -> dict[int, Batch]:
+    """Each locked call's plan run on its snapshot, in order: the batches to write, by call. A
+    plan that raises (or returns a malformed batch) gives its call that error in ``answers``;
+    nothing of it is written and the others go on."""
+    planned: dict[int, Batch] = {}
+    for i, snap in snaps.items():
+        call = calls[i]
+        try:
+            batch = planned_entries(call.instance_id, call.plan(snap))
+        except Exception as exc:  # the plan's own error, to its call alone
+            answers[i] = exc
+            continue
+        if batch:
+            planned[i] = batch
+    return planned
+
+
+async def _priors_of(
+    conn: Conn, calls: Sequence[_LockedCall], bound: float
+) -> dict[tuple[str, str], HistoryEntry]:
+    """The entries of the request ids of ``calls`` (locked already), by (instance, request id):
+    one statement, its snapshot taken after the locks were granted, or none when no call has a
+    request id."""
+    pairs = [(c.instance_id, rid) for c in calls for rid in _wanted_request_ids(c.request_id)]
+    if not pairs:
+        return {}
+    rows = await conn.fetch(
+        _PRIORS_MANY, [iid for iid, _ in pairs], [rid for _, rid in pairs], timeout=bound
+    )
+    return {(r["instance_id"], r["request_id"]): entry_from_row(r) for r in rows}
 
 
 def _caller_connection(connection: object) -> Conn:
@@ -976,8 +1147,10 @@ class PostgresStore:
     ``pipeline`` (on by default, flowlock's own pool only): the unlocked reads and the
     compare-and-swaps of calls on different instances that become ready while a few such round
     trips are already in flight are sent together, one statement for many instances, each
-    instance's compare-and-swap still standing alone (see :meth:`commit_many`). An idle store
-    sends each at once.
+    instance's compare-and-swap still standing alone (see :meth:`commit_many`); so do the
+    pessimistic calls, a group in one transaction that locks its rows with SKIP LOCKED and
+    never waits (a call whose row is held elsewhere runs alone afterwards, with its own lock
+    bound). An idle store sends each at once.
 
     ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
     the tables in this schema (created if missing) instead of the connection's default.
@@ -1044,10 +1217,15 @@ class PostgresStore:
         # instances that are ready while others are in flight go together in one round trip.
         self._reads: Coalescer[tuple[str, str | None], Snapshot] | None = None
         self._writes: Coalescer[Batch, Instance | None] | None = None
+        # ... and so do the pessimistic calls, each group in one transaction.
+        self._locked: Coalescer[_LockedCall, LockedResult] | None = None
         if pipeline and pool is None:
             depth = max(1, min(_PIPELINE_DEPTH, pool_size // 2))
             self._reads = Coalescer(self._read_together, depth=depth, max_batch=_PIPELINE_BATCH)
             self._writes = Coalescer(self._commit_together, depth=depth, max_batch=_PIPELINE_BATCH)
+            self._locked = Coalescer(
+                self._apply_locked_together, depth=depth, max_batch=_PIPELINE_BATCH
+            )
         # Qualified with the schema: an application's pool does not have it on search_path.
         self._fence_epochs = PostgresFenceEpochs(
             lambda: self.pool,
@@ -1103,7 +1281,7 @@ class PostgresStore:
     async def aclose(self) -> None:
         """Close flowlock's pool; an application's pool (``pool=``) is left open, only no longer
         used."""
-        for coalescer in (self._reads, self._writes):
+        for coalescer in (self._reads, self._writes, self._locked):
             if coalescer is not None:
                 await coalescer.drain()
         pool, self._pool = self._pool, None
@@ -1292,11 +1470,56 @@ class PostgresStore:
     async def apply_locked(
         self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
+        call = _LockedCall(instance_id, request_id, plan, lock)
+        if self._locked is None:
+            return await self._apply_locked_alone(call)
+        return await self._locked.submit(call, self._apply_locked_alone)
+
+    async def _apply_locked_alone(self, call: _LockedCall) -> LockedResult:
+        """A pessimistic call in a transaction of its own, waiting for its row lock as its
+        ``lock`` says."""
         return await self._call(
-            lambda ops: ops.apply_locked(instance_id, request_id, plan, lock),
-            instance_id,
+            lambda ops: ops.apply_locked(call.instance_id, call.request_id, call.plan, call.lock),
+            call.instance_id,
             writes=True,
         )
+
+    async def _apply_locked_together(
+        self, calls: Sequence[_LockedCall]
+    ) -> list[LockedResult | BaseException]:
+        """The pessimistic calls that queued together: the first call on each instance in one
+        transaction (:meth:`_Operations.apply_locked_together`); the calls it did not serve (a
+        row held elsewhere or missing, a second call on an instance, or all of them when its
+        write failed whole) alone afterwards, as today: each instance's calls one after
+        another, the instances concurrently. So only a call that ran alone ever waited for a
+        lock, with its own bound, and raises InstanceNotFound, LockTimeout or LockBusy as
+        before."""
+        answers: list[LockedResult | BaseException | None] = [None] * len(calls)
+        firsts: dict[str, int] = {}
+        for i, call in enumerate(calls):
+            firsts.setdefault(call.instance_id, i)
+        if len(firsts) > 1:
+            group = list(firsts.values())
+            try:
+                done = await self._ops.apply_locked_together([calls[i] for i in group])
+            except (_DuplicateRequest, _Contended):
+                done = [None] * len(group)
+            for i, answer in zip(group, done, strict=True):
+                answers[i] = answer
+        alone: dict[str, list[int]] = {}
+        for i, answer in enumerate(answers):
+            if answer is None:
+                alone.setdefault(calls[i].instance_id, []).append(i)
+
+        async def run(indices: list[int]) -> None:
+            for i in indices:
+                try:
+                    answers[i] = await self._apply_locked_alone(calls[i])
+                except Exception as exc:  # that call's own error, to that call alone
+                    answers[i] = exc
+
+        await asyncio.gather(*(run(indices) for indices in alone.values()))
+        return _filled(answers)
 
     async def publish(self, escalation: Escalation) -> None:
         await self._call(lambda ops: ops.publish(escalation), escalation.key, writes=True)
@@ -1324,6 +1547,18 @@ class PostgresStore:
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         return await self._call(lambda ops: ops.history(instance_id), instance_id, waits=False)
+
+
+def _filled(
+    answers: list[LockedResult | BaseException | None],
+) -> list[LockedResult | BaseException]:
+    """``answers`` once every call has one."""
+    done: list[LockedResult | BaseException] = []
+    for answer in answers:
+        if answer is None:  # pragma: no cover - every call not served by the group ran alone
+            raise StoreError("a pipelined pessimistic call was left without an answer")
+        done.append(answer)
+    return done
 
 
 def _errors(key: str, busy: Callable[[BaseException], FlowlockError] | None = None) -> Context:
