@@ -123,9 +123,36 @@ async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
 StoreFactory = Callable[..., Store]
 
 
+# The engine contract modules run each test with batching on and off (issue 11), by overriding
+# the ``batching`` fixture with BOTH_WAYS. A call on an idle instance takes the same path either
+# way (the engine runs it at once, in its caller's task, and the PostgreSQL store sends it at
+# once), so only tests that fire concurrent calls take a path of their own with batching off:
+# they run both ways in the quick suite (ON_AND_OFF on the test), while the other tests' "off"
+# variants run only with the slow tests (on PostgreSQL they would add ~25 s to the quick suite).
+BOTH_WAYS = [
+    pytest.param(True, id="batching-on"),
+    pytest.param(False, id="batching-off", marks=pytest.mark.slow),
+]
+ON_AND_OFF = pytest.mark.parametrize(
+    "batching", [pytest.param(True, id="batching-on"), pytest.param(False, id="batching-off")]
+)
+
+
+@pytest.fixture
+def batching() -> bool:
+    """Whether the ``engine`` fixture's engine batches concurrent calls on one instance, and its
+    PostgreSQL store pipelines calls on different instances (``store_factory``'s default): on,
+    as ``Engine.connect`` has it. A module that runs its tests both ways overrides this fixture
+    with ``params=[True, False]``."""
+    return True
+
+
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
-def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    """Builds stores of one backend; every store it builds shares one database."""
+def store_factory(
+    request: pytest.FixtureRequest, tmp_path: Path, batching: bool
+) -> Iterator[StoreFactory]:
+    """Builds stores of one backend; every store it builds shares one database. A PostgreSQL
+    store pipelines when ``batching`` is on, as ``Engine.connect(batching=...)`` builds it."""
     kind: str = request.param
     if kind == "postgres":
         request.getfixturevalue("pg_url")
@@ -138,16 +165,17 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
     else:
         url: str = request.getfixturevalue("pg_url")
         schema: str = request.getfixturevalue("pg_schema")
-        yield lambda **kw: PostgresStore(url, schema=schema, **kw)
+        yield lambda **kw: PostgresStore(url, schema=schema, **{"pipeline": batching, **kw})
 
 
 @pytest.fixture
-async def engine(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
-    """An open engine on each store backend, with the seed's workflows registered."""
+async def engine(store_factory: StoreFactory, batching: bool) -> AsyncIterator[flowlock.Engine]:
+    """An open engine on each store backend, with the seed's workflows registered; batching as
+    the ``batching`` fixture says."""
     from flowlock import examples
     from flowlock.locks import MemoryLocks
 
-    async with flowlock.Engine(store_factory(), locks=MemoryLocks()) as eng:
+    async with flowlock.Engine(store_factory(), locks=MemoryLocks(), batching=batching) as eng:
         for wf in (examples.approval(), examples.countersign(3), examples.inventory(), cyclic()):
             await eng.register(wf)
         yield eng

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 
 import flowlock
+from conftest import BOTH_WAYS, ON_AND_OFF
 from flowlock.checker import check
 from flowlock.models import HistoryEntry
 from flowlock.stores.postgres import PostgresStore
@@ -29,6 +30,13 @@ STRATEGIES = ["optimistic", "pessimistic", "distributed", "adaptive"]
 def strategy(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     return name
+
+
+@pytest.fixture(params=BOTH_WAYS)
+def batching(request: pytest.FixtureRequest) -> bool:
+    """Each test runs with batching on and off (see BOTH_WAYS)."""
+    on: bool = request.param
+    return on
 
 
 def ran(strategy: str) -> str:
@@ -237,6 +245,7 @@ async def test_countersign_quorum(engine: flowlock.Engine, strategy: str) -> Non
     assert [h.to_state for h in history] == ["pending", "pending", "approved"]
 
 
+@ON_AND_OFF
 async def test_concurrent_duplicates_of_one_request(
     engine: flowlock.Engine, strategy: str, recount: Recount
 ) -> None:
@@ -258,6 +267,7 @@ async def test_concurrent_duplicates_of_one_request(
     await recount(engine, ["r"])
 
 
+@ON_AND_OFF
 async def test_concurrent_different_requests_lose_no_update(
     engine: flowlock.Engine, strategy: str, recount: Recount
 ) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import flowlock
+from conftest import BOTH_WAYS, ON_AND_OFF
 from flowlock.checker import check
 from flowlock.models import HistoryEntry
 
@@ -24,6 +25,13 @@ from flowlock.models import HistoryEntry
 def strategy(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     return name
+
+
+@pytest.fixture(params=BOTH_WAYS)
+def batching(request: pytest.FixtureRequest) -> bool:
+    """Each test runs with batching on and off (see BOTH_WAYS)."""
+    on: bool = request.param
+    return on
 
 
 async def unchanged(engine: flowlock.Engine, instance_id: str) -> tuple[str, int, int]:
@@ -127,6 +135,7 @@ async def test_a_refused_call_is_not_remembered(engine: flowlock.Engine, strateg
     assert [h.request_id for h in await engine.history("sku")] == [None, "order-9"]
 
 
+@ON_AND_OFF
 async def test_concurrent_calls_reusing_one_key_apply_once(
     engine: flowlock.Engine, strategy: str
 ) -> None:

@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 
 import flowlock
+from conftest import BOTH_WAYS
 from flowlock.jsondata import MAX_DEPTH
 from flowlock.models import Instance
 from flowlock.stores.postgres import PostgresStore
@@ -29,6 +30,13 @@ from flowlock.stores.sqlite import SqliteStore
 def strategy(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     return name
+
+
+@pytest.fixture(params=BOTH_WAYS)
+def batching(request: pytest.FixtureRequest) -> bool:
+    """Each test runs with batching on and off (see BOTH_WAYS)."""
+    on: bool = request.param
+    return on
 
 
 def deep(levels: int) -> dict[str, Any]:
