@@ -117,14 +117,14 @@ class Holder:
     async def release(self) -> None:
         await self._tx.rollback()
 
-    async def blocking(self) -> int:
-        """How many sessions wait for a lock this transaction holds."""
+    async def blocking(self) -> bool:
+        """Whether a session waits for a lock this transaction holds."""
         return int(
             await self.conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
                 self.conn.get_server_pid(),
             )
-        )
+        ) > 0
 
 
 @pytest.fixture
@@ -204,7 +204,10 @@ async def test_queued_calls_commit_in_one_transaction(
     seen: dict[str, Snapshot] = {}
 
     def remember(iid: str) -> Callable[[Snapshot], None]:
-        return lambda snap: seen.setdefault(iid, snap) and None
+        def plan(snap: Snapshot) -> None:
+            seen.setdefault(iid, snap)
+
+        return plan
 
     first, tasks = await queued_behind_h(
         store,
