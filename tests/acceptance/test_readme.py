@@ -76,6 +76,7 @@ def _defined_tests(path: Path) -> set[str]:
     return {name for name in found if name.rpartition("::")[2].startswith("test_")}
 
 
+@pytest.mark.slow
 def test_every_promise_names_tests_that_exist() -> None:
     """CONTRIBUTING.md's table of README promises: every row names at least one test, every
     test it names exists (file and function), and every metric the README lists has a row."""

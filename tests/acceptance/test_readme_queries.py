@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pytest
 
 import flowlock
 from flowlock.checker import check_many
@@ -31,6 +32,7 @@ def queries_snippet() -> Callable[[flowlock.Engine], Awaitable[dict[str, Any]]]:
     return run
 
 
+@pytest.mark.slow
 async def test_the_readme_queries_example_rejects_what_waited_a_week(
     pg_engine_factory: Callable[..., Awaitable[flowlock.Engine]],
     pg_url: str,

@@ -384,6 +384,7 @@ async def test_blocking_acquire_times_out_at_its_bound(harness: Harness) -> None
     await locks.release(lease)
 
 
+@pytest.mark.slow
 async def test_waiter_is_woken_by_the_release_not_by_polling(harness: Harness) -> None:
     """A waiter queued behind a holder does not try the key again while the holder keeps it
     (2 s: a poller would have tried many times), and gets it as soon as the holder releases,
@@ -519,6 +520,7 @@ async def test_every_lease_has_a_ttl(harness: Harness) -> None:
     await locks.release(lease)
 
 
+@pytest.mark.slow
 async def test_fencing_tokens_strictly_increase_per_key(harness: Harness) -> None:
     """Each acquisition of a key gets a larger fencing token than every earlier one of it,
     whether the previous lease was released or expired, and whatever other keys do."""

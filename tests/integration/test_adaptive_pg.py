@@ -81,6 +81,7 @@ async def _sign_all(
     return await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@pytest.mark.slow
 async def test_hot_countersign_escalates_and_every_signature_lands(
     pg_url: str, pg_schema: str, sql_history: SqlHistoryFn
 ) -> None:
@@ -191,6 +192,7 @@ async def test_adaptive_escalates_to_distributed(
         await engine.aclose()
 
 
+@pytest.mark.slow
 async def test_spread_load_never_escalates(
     pg_url: str, pg_schema: str, sql_history: SqlHistoryFn
 ) -> None:

@@ -114,6 +114,7 @@ def test_lock_id_is_stable() -> None:
     assert advisory_lock_id("a", "b:c", "d") != advisory_lock_id("a", "b", "c:d")
 
 
+@pytest.mark.slow
 async def test_server_enforces_the_ttl(make: Factory, probe: asyncpg.Connection) -> None:
     """A holder that stops talking loses the lock at its ttl, not before: PostgreSQL ends its
     idle session, and a waiter in the server's lock queue (another backend, as another process
@@ -179,6 +180,7 @@ async def test_renewed_lease_outlives_its_ttl(make: Factory, probe: asyncpg.Conn
     assert not await b.locked("k")
 
 
+@pytest.mark.slow
 async def test_extend_sets_a_new_server_ttl(locks: AdvisoryLocks) -> None:
     """extend(ttl=...) sets the server's deadline too: the session outlives its first ttl and
     PostgreSQL ends it at the new one, counted from the extend."""
@@ -277,6 +279,7 @@ async def test_lock_busy_at_wait_zero(make: Factory) -> None:
     assert not await b.locked("k")
 
 
+@pytest.mark.slow
 async def test_connections_are_returned_clean(
     pg_url: str, make: Factory, probe: asyncpg.Connection
 ) -> None:

@@ -162,6 +162,7 @@ def _state(pid: int) -> str:
     return stat[stat.rfind(")") + 2]
 
 
+@pytest.mark.slow
 async def test_restart_keeps_the_url_and_the_data() -> None:
     """restart() brings PostgreSQL back on the same URL with the data kept; a client whose
     connection the restart ended reconnects to that URL and finds its rows."""
@@ -188,6 +189,7 @@ async def test_restart_keeps_the_url_and_the_data() -> None:
             assert out.applied
 
 
+@pytest.mark.slow
 async def test_pause_times_out_a_bounded_call_and_resume_recovers() -> None:
     """pause() freezes the postmaster and every backend (SIGSTOP): a client's bounded connect
     raises a typed StoreError at its bound; resume() continues them all and the same call

@@ -119,12 +119,15 @@ class Holder:
 
     async def blocking(self) -> bool:
         """Whether a session waits for a lock this transaction holds."""
-        return int(
-            await self.conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                self.conn.get_server_pid(),
+        return (
+            int(
+                await self.conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    self.conn.get_server_pid(),
+                )
             )
-        ) > 0
+            > 0
+        )
 
 
 @pytest.fixture

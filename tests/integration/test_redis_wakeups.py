@@ -106,6 +106,7 @@ async def test_a_release_costs_a_queued_waiter_one_attempt(
 
 
 @pytest.mark.parametrize("other_holder", ["releases", "expires"])
+@pytest.mark.slow
 async def test_a_waiter_whose_retry_loses_to_another_process_keeps_its_place(
     locks: RedisLocks, other: redis.asyncio.Redis, sleepers: Sleepers, other_holder: str
 ) -> None:
@@ -197,6 +198,7 @@ async def test_a_woken_waiter_that_leaves_passes_the_wake_on(
     await locks.release(got)
 
 
+@pytest.mark.slow
 async def test_the_holders_expiry_wake_is_jittered_by_the_injected_rng(
     redis_url: str, redis_namespace: str, other: redis.asyncio.Redis
 ) -> None:
@@ -276,6 +278,7 @@ async def test_wait_released_is_false_at_its_bound_while_held(locks: RedisLocks)
     await locks.release(lease)
 
 
+@pytest.mark.slow
 async def test_wait_released_wakes_at_the_holders_expiry(
     locks: RedisLocks, other: redis.asyncio.Redis
 ) -> None:
@@ -288,6 +291,7 @@ async def test_wait_released_wakes_at_the_holders_expiry(
     assert EXPIRING - MS <= took < EXPIRING + LATE, took
 
 
+@pytest.mark.slow
 async def test_wait_released_sees_an_extension_and_waits_on(
     locks: RedisLocks, other: redis.asyncio.Redis, sleepers: Sleepers
 ) -> None:

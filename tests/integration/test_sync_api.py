@@ -213,6 +213,7 @@ def post(url: str, body: Mapping[str, Any], key: str | None = None) -> tuple[int
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+@pytest.mark.slow
 def test_flask_app_on_a_threaded_wsgi_server(
     pg_url: str, pg_schema: str, sql_history: SqlHistory, tmp_path: Path
 ) -> None:

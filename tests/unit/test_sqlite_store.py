@@ -377,6 +377,7 @@ async def test_commit_gives_up_after_busy_timeout(db_path: Path) -> None:
     assert raw_rows(db_path, "SELECT count(*) FROM flowlock_history") == [(0,)]
 
 
+@pytest.mark.slow
 async def test_acquire_timeout_bounds_the_wait_for_a_connection(db_path: Path) -> None:
     """With the store's only connection taken by a write that waits for another connection's
     write lock, a read waits acquire_timeout for a connection (not less, not much more), then
