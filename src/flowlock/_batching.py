@@ -148,7 +148,6 @@ class Coalescer(Generic[C, R]):
         self._in_flight = 0
         self._queue: deque[_Waiter[C, R]] = deque()
         self._drivers: set[asyncio.Task[None]] = set()
-        self._idle: asyncio.Event | None = None  # made on the loop by drain()
 
     async def submit(self, call: C, one: One[C, R]) -> R:
         """``call``'s result: ``one(call)`` when a slot is free, else its place in a batch."""
@@ -164,12 +163,7 @@ class Coalescer(Generic[C, R]):
         return await future
 
     def _next(self) -> None:
-        """Start a batch for every free slot while calls are queued; say when all is done."""
-        self._start_batches()
-        if not self._in_flight and not self._queue and self._idle is not None:
-            self._idle.set()
-
-    def _start_batches(self) -> None:
+        """Start a batch for every free slot while calls are queued."""
         while self._queue and self._in_flight < self._depth:
             taken: list[_Waiter[C, R]] = []
             while self._queue and len(taken) < self._max:
@@ -205,8 +199,8 @@ class Coalescer(Generic[C, R]):
             self._next()
 
     async def drain(self) -> None:
-        """Wait until every call, alone or queued, has been answered (each is bounded by the
-        store's own bounds)."""
-        while self._in_flight or self._queue:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
+        """Wait for the batches already sent to be answered. Calls still queued are not waited
+        for: a store closing after this answers them EngineClosed when their turn comes, as it
+        answers any call made once closing began."""
+        while self._drivers:
+            await asyncio.gather(*self._drivers, return_exceptions=True)
