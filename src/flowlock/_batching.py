@@ -36,6 +36,38 @@ class _Waiter(Generic[C, R]):
         self.future = future
 
 
+def _take(queue: deque[_Waiter[C, R]], most: int) -> list[_Waiter[C, R]]:
+    """At most ``most`` waiters off the front of ``queue``, skipping those whose caller was
+    cancelled while it waited."""
+    taken: list[_Waiter[C, R]] = []
+    while queue and len(taken) < most:
+        waiter = queue.popleft()
+        if not waiter.future.done():
+            taken.append(waiter)
+    return taken
+
+
+async def _answer(taken: list[_Waiter[C, R]], many: Many[C, R]) -> None:
+    """Run ``many`` over the calls of ``taken`` and hand each waiter its own answer. A failure of
+    the whole (a round trip, or a bug below) is every call's answer; a cancelled run cancels
+    them (the engine or store is closing)."""
+    try:
+        answers = await many([w.call for w in taken])
+    except asyncio.CancelledError:
+        for w in taken:
+            w.future.cancel()
+        raise
+    except Exception as exc:
+        answers = [exc] * len(taken)
+    for waiter, answer in zip(taken, answers, strict=True):
+        if waiter.future.done():  # its caller was cancelled meanwhile: the answer is dropped
+            continue
+        if isinstance(answer, BaseException):
+            waiter.future.set_exception(answer)
+        else:
+            waiter.future.set_result(answer)
+
+
 class _Lane(Generic[C, R]):
     """One key's work: whether it is busy, and the calls waiting for it."""
 
@@ -91,28 +123,9 @@ class Batcher(Generic[C, R]):
     async def _drive(self, key: Hashable, lane: _Lane[C, R]) -> None:
         try:
             while lane.queue:
-                taken: list[_Waiter[C, R]] = []
-                while lane.queue and len(taken) < self._max:
-                    waiter = lane.queue.popleft()
-                    if not waiter.future.done():  # its caller was cancelled while it waited
-                        taken.append(waiter)
-                if not taken:
-                    continue
-                try:
-                    answers = await lane.many([w.call for w in taken])
-                except asyncio.CancelledError:
-                    for w in taken:
-                        w.future.cancel()
-                    raise
-                except Exception as exc:  # a bug below: every call of this batch hears of it
-                    answers = [exc] * len(taken)
-                for waiter, answer in zip(taken, answers, strict=True):
-                    if waiter.future.done():
-                        continue
-                    if isinstance(answer, BaseException):
-                        waiter.future.set_exception(answer)
-                    else:
-                        waiter.future.set_result(answer)
+                taken = _take(lane.queue, self._max)
+                if taken:
+                    await _answer(taken, lane.many)
         finally:
             # Reached with an empty queue (no await since the last check), or when the driver is
             # cancelled (the engine is closing): nobody may be left waiting on a lane that is gone.
@@ -165,11 +178,7 @@ class Coalescer(Generic[C, R]):
     def _next(self) -> None:
         """Start a batch for every free slot while calls are queued."""
         while self._queue and self._in_flight < self._depth:
-            taken: list[_Waiter[C, R]] = []
-            while self._queue and len(taken) < self._max:
-                waiter = self._queue.popleft()
-                if not waiter.future.done():
-                    taken.append(waiter)
+            taken = _take(self._queue, self._max)
             if not taken:
                 continue
             self._in_flight += 1
@@ -179,21 +188,7 @@ class Coalescer(Generic[C, R]):
 
     async def _run(self, taken: list[_Waiter[C, R]]) -> None:
         try:
-            try:
-                answers = await self._many([w.call for w in taken])
-            except asyncio.CancelledError:
-                for w in taken:
-                    w.future.cancel()
-                raise
-            except Exception as exc:  # the round trip failed whole: each call hears of it
-                answers = [exc] * len(taken)
-            for waiter, answer in zip(taken, answers, strict=True):
-                if waiter.future.done():
-                    continue
-                if isinstance(answer, BaseException):
-                    waiter.future.set_exception(answer)
-                else:
-                    waiter.future.set_result(answer)
+            await _answer(taken, self._many)
         finally:
             self._in_flight -= 1
             self._next()
