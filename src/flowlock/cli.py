@@ -3,31 +3,38 @@
 The CLI is the one place in flowlock that reads the environment; every variable it reads is named
 in ``flowlock --help``:
 
-- ``FLOWLOCK_DATABASE_URL``: the PostgreSQL URL for ``db migrate`` and ``bench`` when
-  ``--database-url`` is not given.
+- ``FLOWLOCK_DATABASE_URL``: the PostgreSQL URL for ``db migrate`` and ``bench``, and the
+  PostgreSQL or SQLite URL the inspection commands (``show``, ``history``, ``list``, ``check``)
+  read, when ``--database-url`` is not given.
 - ``FLOWLOCK_REDIS_URL``: the Redis URL for ``bench`` when ``--redis-url`` is not given.
 
 Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
 arguments (a ``diagram`` reference that names no workflow included); 3 ``bench`` ran but a checker
-verdict failed (for ``bench --soak``: any of its verdicts); 130 interrupted (Ctrl-C).
+verdict failed (for ``bench --soak``: any of its verdicts), or ``check`` found a violation in
+the database; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import json
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 import flowlock
 from flowlock.connect import connect
+from flowlock.engine import Engine
 from flowlock.errors import FlowlockError
+from flowlock.models import HistoryEntry, Instance
 
 if TYPE_CHECKING:
     from flowlock.bench import BenchConfig, BenchReport
@@ -40,15 +47,17 @@ ENV_REDIS_URL = "FLOWLOCK_REDIS_URL"
 EXIT_ERROR = 1
 EXIT_VERDICT_FAILED = 3
 EXIT_INTERRUPTED = 130
+_R = TypeVar("_R")
 
 _EPILOG = (
     "**Environment variables** (the CLI is the only part of flowlock that reads them): "
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
-    "*db migrate* and *bench* when --database-url is not given. "
+    "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
+    "*history*, *list* and *check* read, when --database-url is not given. "
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
     "is not given.\n\n"
-    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed, "
-    "130 interrupted."
+    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed "
+    "or *check* found a violation, 130 interrupted."
 )
 
 app = typer.Typer(
@@ -237,6 +246,253 @@ def diagram(
     except FlowlockError as exc:
         _fail(str(exc))
     typer.echo(render(workflows), nl=False)
+
+
+# -- inspection -----------------------------------------------------------------------------
+
+
+InspectDatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar=ENV_DATABASE_URL,
+        help="The database to read: postgresql://user@host:5432/db or sqlite:///path/to/file.db.",
+        show_default=False,
+    ),
+]
+InspectSchema = Annotated[
+    str | None,
+    typer.Option(
+        "--schema",
+        help="PostgreSQL only: the schema flowlock's tables are in (as given to db migrate).",
+        show_default=False,
+    ),
+]
+InstanceId = Annotated[
+    str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _inspect(
+    database_url: str | None, schema: str | None, read: Callable[[Engine], Awaitable[_R]]
+) -> _R:
+    """``read(engine)`` on a read-only engine over the database; a missing URL is a usage error
+    (exit 2), a flowlock error one red line (exit 1)."""
+    from flowlock._inspect import open_readonly
+
+    if not database_url:
+        raise typer.BadParameter(
+            f"give --database-url or set {ENV_DATABASE_URL}", param_hint="'--database-url'"
+        )
+
+    async def run() -> _R:
+        async with open_readonly(database_url, schema) as engine:
+            return await read(engine)
+
+    with _errors_as_exit():
+        return asyncio.run(run())
+
+
+def _json(value: object) -> None:
+    # default=str: data is JSON already; this only guards against a store handing back odd types.
+    typer.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def _cell(value: object) -> Text:
+    # Text, not markup: ids, data and actors are the user's and may hold "[...]".
+    return Text("-" if value is None else str(value))
+
+
+def _when(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat(sep=" ", timespec="seconds")
+
+
+@app.command()
+def show(
+    instance_id: InstanceId,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Print one instance: workflow, state, version, data, last event, created and updated.
+
+    Read-only. Exits 1 if no instance has that id."""
+    from flowlock._inspect import instance_dict
+
+    async def read(engine: Engine) -> Instance:
+        return await engine.get(instance_id)
+
+    inst = _inspect(database_url, schema, read)
+    if as_json:
+        _json(instance_dict(inst))
+        return
+    table = Table(show_header=False, box=None)
+    for name, value in (
+        ("id", inst.id),
+        ("workflow", inst.workflow),
+        ("state", inst.state),
+        ("version", inst.version),
+        ("last event", inst.last_event),
+        ("created", _when(inst.created_at)),
+        ("updated", _when(inst.updated_at)),
+        ("data", json.dumps(dict(inst.data), ensure_ascii=False, default=str)),
+    ):
+        table.add_row(Text(name, style="bold"), _cell(value))
+    _stdout().print(table)
+
+
+@app.command()
+def history(
+    instance_id: InstanceId,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Print an instance's applied transitions, oldest first: version, event, from -> to, actor,
+    request id, strategy, when, fencing token (--json adds each row's data and payload).
+
+    Read-only. Exits 1 if no instance has that id."""
+    from flowlock._inspect import entry_dict
+
+    async def read(engine: Engine) -> list[HistoryEntry]:
+        await engine.get(instance_id)  # an unknown id is an error, not an empty history
+        return await engine.history(instance_id)
+
+    rows = _inspect(database_url, schema, read)
+    if as_json:
+        _json([entry_dict(e) for e in rows])
+        return
+    table = Table(title=f"history of {instance_id} ({len(rows)} transition(s))")
+    for column in ("version", "event", "from -> to", "actor", "request id", "strategy", "at",
+                   "fencing token"):  # fmt: skip
+        table.add_column(column, overflow="fold")
+    for e in rows:
+        table.add_row(
+            _cell(e.version),
+            _cell(e.event),
+            _cell(f"{e.from_state} -> {e.to_state}"),
+            _cell(e.actor),
+            _cell(e.request_id),
+            _cell(e.strategy),
+            _cell(_when(e.at)),
+            _cell(e.fencing_token),
+        )
+    _stdout().print(table)
+
+
+@app.command("list")
+def list_instances(
+    workflow: Annotated[
+        str | None,
+        typer.Option(
+            "--workflow", "-w", help="Only instances of this workflow.", show_default=False
+        ),
+    ] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--state",
+            "-s",
+            help="Only instances in this state (repeatable: any of them).",
+            show_default=False,
+        ),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, help="Print at most this many instances.")
+    ] = 100,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """List instances in id order (id, workflow, state, version, last event, updated), walking
+    the pages up to --limit; says how many more match.
+
+    Read-only."""
+    from flowlock._inspect import instance_dict, walk
+
+    async def read(engine: Engine) -> tuple[list[Instance], int]:
+        return await walk(engine, workflow, state, limit)
+
+    found, total = _inspect(database_url, schema, read)
+    if as_json:
+        _json([instance_dict(inst) for inst in found])
+    else:
+        table = Table(title=f"{len(found)} of {total} instance(s)")
+        for column in ("id", "workflow", "state", "version", "last event", "updated"):
+            table.add_column(column, overflow="fold")
+        for inst in found:
+            table.add_row(
+                _cell(inst.id),
+                _cell(inst.workflow),
+                _cell(inst.state),
+                _cell(inst.version),
+                _cell(inst.last_event),
+                _cell(_when(inst.updated_at)),
+            )
+        _stdout().print(table)
+    if total > len(found):
+        _stderr().print(
+            Text(f"{total - len(found)} more match; raise --limit to see them", style="yellow")
+        )
+
+
+@app.command("check")
+def check_command(
+    instance_id: Annotated[
+        str | None,
+        typer.Option(
+            "--instance",
+            "-i",
+            help="Check only this instance (default: every instance).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Run the exactly-once checker on a live database: every instance's history (or one's)
+    must have versions 2, 3, ... with no gap or repeat, no request id applied twice, each
+    transition starting where the last ended, and the stored instance equal to what its history
+    says.
+
+    Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
+    is found (each printed), 1 on an error (an unknown --instance)."""
+    from flowlock._inspect import CheckReport, check_instances
+
+    async def read(engine: Engine) -> CheckReport:
+        return await check_instances(engine, instance_id)
+
+    report = _inspect(database_url, schema, read)
+    verdict = report.verdict
+    if as_json:
+        _json(
+            {
+                **verdict.to_dict(),
+                "instances": report.instances,
+                "rows": report.rows,
+                "unsettled": list(report.unsettled),
+            }
+        )
+    else:
+        out = _stdout()
+        for violation in verdict.violations:
+            out.print(Text(f"{violation.kind}: {violation.message}", style="red"))
+        summary = f"checked {report.instances} instance(s), {report.rows} history row(s): " + (
+            "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
+        )
+        out.print(Text(summary, style="green" if verdict.ok else "bold red"))
+    if report.unsettled:
+        _stderr().print(
+            Text(
+                f"{len(report.unsettled)} instance(s) kept changing while read; checked on the "
+                "rows older than their last read: " + ", ".join(report.unsettled),
+                style="yellow",
+            )
+        )
+    if not verdict.ok:
+        raise typer.Exit(EXIT_VERDICT_FAILED)
 
 
 # -- bench ----------------------------------------------------------------------------------

@@ -84,11 +84,18 @@ def test_help_names_the_environment_variables(cli: CliRunner) -> None:
     result = cli.invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "FLOWLOCK_DATABASE_URL" in result.stdout
-    for command in ("bench", "db"):
+    for command in ("bench", "db", "show", "history", "list", "check"):
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("command", [["bench", "--help"], ["db", "migrate", "--help"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "--help"],
+        ["db", "migrate", "--help"],
+        *([name, "--help"] for name in ("show", "history", "list", "check")),
+    ],
+)
 def test_subcommand_help_shows_the_env_var(cli: CliRunner, command: list[str]) -> None:
     """Each option read from the environment says so in its help."""
     result = cli.invoke(app, command)

@@ -1,0 +1,274 @@
+"""What the inspection commands (``flowlock show``, ``history``, ``list``, ``check``) read, and
+how they open a database without changing it.
+
+Read-only by construction: migrations never run (a database without flowlock's tables, or with
+migrations pending, is refused with a message naming ``flowlock db migrate``), a missing SQLite
+file or PostgreSQL schema is refused rather than created, and every PostgreSQL session runs with
+``default_transaction_read_only`` on, so even a bug here could not write.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+import asyncpg
+
+from flowlock._pg.errors import DRIVER_ERRORS, wrap_connect
+from flowlock._pg.pool import check_schema, close_pool
+from flowlock._settings import POSTGRES_SCHEMES
+from flowlock.checker import Verdict, Violation, check
+from flowlock.connect import connect
+from flowlock.engine import Engine
+from flowlock.errors import InvalidInput, MigrationError, StoreError
+from flowlock.models import HistoryEntry, Instance
+from flowlock.stores.migrations import load
+
+__all__ = [
+    "CheckReport",
+    "check_instances",
+    "entry_dict",
+    "instance_dict",
+    "open_readonly",
+    "walk",
+]
+
+_SQLITE_PREFIX = "sqlite:///"
+_MIGRATIONS_TABLE = "flowlock_schema_migrations"
+_MIGRATE_HINT = "run `flowlock db migrate` first (these commands never write)"
+# Reads of one instance retried while transitions land between them; see _stable_read.
+_STABLE_TRIES = 5
+_PAGE = 500
+
+
+@asynccontextmanager
+async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
+    """An open engine over ``url`` (``postgresql://`` or ``sqlite:///path``) that cannot write.
+
+    Raises InvalidInput for another kind of URL or a bad schema name, StoreError when the
+    database cannot be reached or does not exist, MigrationError when flowlock's tables are
+    missing or behind this version of flowlock."""
+    scheme = url.partition("://")[0].lower()
+    if scheme in POSTGRES_SCHEMES:
+        async with _postgres(url, schema) as engine:
+            yield engine
+    elif scheme == "sqlite":
+        if schema is not None:
+            raise InvalidInput("--schema applies to PostgreSQL only; a SQLite file has none")
+        path = _sqlite_tables(url)
+        async with connect(_SQLITE_PREFIX + path, auto_migrate=False, max_size=1) as engine:
+            yield engine
+    else:
+        raise InvalidInput(
+            f"unsupported database url {url.split('@')[-1]!r}: inspect a postgresql://user@host/db "
+            "or sqlite:///path/to/file.db database (memory:// holds nothing outside its process)"
+        )
+
+
+@asynccontextmanager
+async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
+    check_schema(schema)
+    where = url.split("@")[-1] + (f" (schema {schema})" if schema else "")
+    # A pool of our own, handed to the engine as an application's pool would be: the store then
+    # creates no schema (a CREATE SCHEMA IF NOT EXISTS needs CREATE rights a reader may lack).
+    settings = {"application_name": "flowlock-inspect", "default_transaction_read_only": "on"}
+    if schema is not None:
+        settings["search_path"] = schema
+    with wrap_connect(url):
+        pool = await asyncpg.create_pool(
+            url, min_size=1, max_size=2, server_settings=settings, timeout=10, command_timeout=30
+        )
+    try:
+        await _postgres_tables(pool, schema, where)
+        async with connect(pool=pool, schema=schema, auto_migrate=False) as engine:
+            yield engine
+    finally:
+        await close_pool(pool)
+
+
+async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:
+    """Refuse a database whose flowlock tables are missing or not up to date."""
+    try:
+        async with pool.acquire() as conn:
+            if schema is not None and not await conn.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", schema
+            ):
+                raise MigrationError(
+                    f"schema {schema!r} does not exist in {where}; check --schema, or "
+                    f"{_MIGRATE_HINT}"
+                )
+            table = f'"{schema}".{_MIGRATIONS_TABLE}' if schema else _MIGRATIONS_TABLE
+            if await conn.fetchval("SELECT to_regclass($1)::text", table) is None:
+                raise MigrationError(f"no flowlock tables in {where}; {_MIGRATE_HINT}")
+            applied = {row[0] for row in await conn.fetch(f"SELECT name FROM {table}")}
+    except DRIVER_ERRORS as exc:
+        raise StoreError(f"reading flowlock's tables in {where} failed: {exc}") from exc
+    _refuse_pending("postgres", applied, where)
+
+
+def _sqlite_tables(url: str) -> str:
+    """The file path of ``url``, once it is known to hold flowlock's tables, up to date."""
+    path = url[len(_SQLITE_PREFIX) :] if url.startswith(_SQLITE_PREFIX) else ""
+    if not path or "?" in path or "#" in path:
+        raise InvalidInput(
+            f"unsupported SQLite url {url!r}: expected sqlite:///relative/path.db or "
+            "sqlite:////absolute/path.db"
+        )
+    # sqlite3 would create a missing file: a typo must not leave an empty database behind.
+    if not os.path.isfile(path):
+        raise StoreError(
+            f"no SQLite database at {path!r}; check the path (a new database: {_MIGRATE_HINT})"
+        )
+    try:
+        ro = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True)
+        try:
+            if not ro.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                (_MIGRATIONS_TABLE,),
+            ).fetchone():
+                raise MigrationError(f"no flowlock tables in {path!r}; {_MIGRATE_HINT}")
+            applied = {row[0] for row in ro.execute(f"SELECT name FROM {_MIGRATIONS_TABLE}")}
+        finally:
+            ro.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot read the SQLite database {path!r}: {exc}") from exc
+    _refuse_pending("sqlite", applied, repr(path))
+    return path
+
+
+def _refuse_pending(dialect: str, applied: set[str], where: str) -> None:
+    pending = [m.name for m in load(dialect) if m.name not in applied]
+    if pending:
+        raise MigrationError(
+            f"{where} lacks flowlock migration(s) {', '.join(pending)}; {_MIGRATE_HINT}"
+        )
+
+
+# -- JSON shapes ------------------------------------------------------------------------------
+
+
+def _when(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
+
+
+def instance_dict(inst: Instance) -> dict[str, Any]:
+    """The instance as JSON-ready values (datetimes as ISO 8601)."""
+    return {
+        "id": inst.id,
+        "workflow": inst.workflow,
+        "state": inst.state,
+        "version": inst.version,
+        "data": dict(inst.data),
+        "last_event": inst.last_event,
+        "created_at": _when(inst.created_at),
+        "updated_at": _when(inst.updated_at),
+    }
+
+
+def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
+    """One history row as JSON-ready values (datetimes as ISO 8601)."""
+    return {
+        "instance_id": entry.instance_id,
+        "version": entry.version,
+        "event": entry.event,
+        "from_state": entry.from_state,
+        "to_state": entry.to_state,
+        "actor": entry.actor,
+        "request_id": entry.request_id,
+        "strategy": entry.strategy,
+        "at": _when(entry.at),
+        "fencing_token": entry.fencing_token,
+        "data": dict(entry.data),
+        "payload": dict(entry.payload),
+    }
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+
+async def walk(
+    engine: Engine, workflow: str | None, states: Sequence[str] | None, limit: int
+) -> tuple[list[Instance], int]:
+    """At most ``limit`` matching instances, in id order, read page by page; and how many match
+    in all (a separate read, so under concurrent writes it may differ by a few)."""
+    state = list(states) if states else None
+    total = await engine.count(workflow=workflow, state=state)
+    found: list[Instance] = []
+    cursor: str | None = None
+    while len(found) < limit:
+        page = await engine.list(
+            workflow=workflow, state=state, limit=min(_PAGE, limit - len(found)), after=cursor
+        )
+        found.extend(page)
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    return found, total
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    """What ``flowlock check`` found: the merged verdict, how many instances and history rows
+    were checked, and the ids whose reads never settled (checked on the rows older than them)."""
+
+    verdict: Verdict
+    instances: int
+    rows: int
+    unsettled: tuple[str, ...]
+
+
+async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
+    """Run the exactly-once checker over one instance (InstanceNotFound if it does not exist)
+    or over every instance, page by page."""
+    found: list[Violation] = []
+    instances = rows = 0
+    unsettled: list[str] = []
+
+    async def one(inst_id: str) -> None:
+        nonlocal instances, rows
+        inst, history, settled = await _stable_read(engine, inst_id)
+        instances += 1
+        rows += len(history)
+        if not settled:
+            unsettled.append(inst_id)
+        found.extend(check(inst, history).violations)
+
+    if instance_id is not None:
+        await one(instance_id)
+    else:
+        cursor: str | None = None
+        while True:
+            page = await engine.list(limit=_PAGE, after=cursor)
+            for inst in page:
+                await one(inst.id)
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled))
+
+
+async def _stable_read(
+    engine: Engine, instance_id: str
+) -> tuple[Instance, list[HistoryEntry], bool]:
+    """The instance and its history as of one version, on a live database.
+
+    The two are separate reads, so a transition landing between them would look like a
+    final-mismatch. Reading the instance again after the history and finding the same version
+    means no transition landed in between (each commits its row and the new version together):
+    the pair is then consistent and checked whole. An instance that keeps moving is checked on
+    the rows up to the version last read, all committed before that read (not settled)."""
+    before = await engine.get(instance_id)
+    read = (before, await engine.history(instance_id))
+    for _ in range(_STABLE_TRIES):
+        after = await engine.get(instance_id)
+        if after.version == read[0].version:
+            return after, read[1], True
+        read = (after, await engine.history(instance_id))
+    inst, history = read
+    return inst, [e for e in history if e.version <= inst.version], False
