@@ -85,6 +85,9 @@ def test_the_bench_table_at_80_and_120_columns_has_no_number_cut(width: int) -> 
     assert words.count("FAIL") == len(SCENARIOS)
     for name in STRATEGIES:
         assert name in words  # the strategy names (column heads of the aims) whole too
+    # However many tables the aims take, their title and caption are said once.
+    assert text.count("aims, against the raw floor") == 1
+    assert text.count("each ratio is the strategy's figure") == 1
 
 
 def test_the_json_keeps_every_figure_whatever_the_terminal() -> None:

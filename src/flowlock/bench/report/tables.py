@@ -356,11 +356,20 @@ def _aim_target(spec: AimSpec, strategies: list[str]) -> str:
     return target
 
 
-def aims_table(report: BenchReport, only: Sequence[str] | None = None) -> Table | None:
+def aims_table(
+    report: BenchReport,
+    only: Sequence[str] | None = None,
+    *,
+    narrow: bool = False,
+    heading: bool = True,
+    caption: bool = True,
+) -> Table | None:
     """The aims against the floor measured in this run, one row per aim and one column per
     flowlock strategy (those in ``only``, when given): the scenarios below 100 % success, the
     violations, then each ratio aim of a scenario the run had, as the ratio and whether it was
-    met; None when the run had no floor."""
+    met; None when the run had no floor. ``narrow`` wraps the aims and targets short, to leave
+    the strategies' columns room for their names; ``heading`` and ``caption`` False leave out
+    the title and the caption (a table continuing, or continued by, another)."""
     checked = aims(report)
     if not floors(report) or not checked:
         return None
@@ -369,17 +378,21 @@ def aims_table(report: BenchReport, only: Sequence[str] | None = None) -> Table 
     if only is not None:
         strategies = [s for s in strategies if s in only]
     table = Table(
-        title="aims, against the raw floor of this run",
+        title="aims, against the raw floor of this run" if heading else None,
         title_justify="left",
         caption="each ratio is the strategy's figure over the raw floor's in the same run; "
         "dist.: the distributed strategies' target (they take a lease on every call); "
-        "success: the scenarios below 100 % (failed calls: lost to contention, never wrong)",
+        "success: the scenarios below 100 % (failed calls: lost to contention, never wrong)"
+        if caption
+        else None,
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("aim")
-    table.add_column("target")
+    # Rich narrows the widest wrapping columns first (the strategies', whose success cell is
+    # long) and would cut their names; capped, the aims and targets wrap instead.
+    table.add_column("aim", max_width=16 if narrow else None)
+    table.add_column("target", max_width=12 if narrow else None)
     for strategy in strategies:
         # A name is one word: aims_layouts gives fewer strategies per table rather than cut it.
         table.add_column(strategy, justify="right")
@@ -407,17 +420,29 @@ def aims_table(report: BenchReport, only: Sequence[str] | None = None) -> Table 
 
 
 def aims_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The aims, widest first: every strategy in one table, then the strategies shared out over
-    2, 3... tables. Empty when the run had no floor."""
+    """The aims, widest first: every strategy in one table, then with the aims and targets
+    wrapped short, the strategies shared out over 1, 2, 3... tables (the title on the first,
+    the caption under the last). Empty when the run had no floor."""
+    wide = aims_table(report)
+    if wide is None:
+        return []
     strategies = list(dict.fromkeys(a.strategy for a in aims(report)))
-    layouts: list[list[RenderableType]] = []
+    layouts: list[list[RenderableType]] = [[wide]]
     for count in range(1, len(strategies) + 1):
         size = -(-len(strategies) // count)  # ceiling: as even a share as the count allows
+        starts = range(0, len(strategies), size)
         tables = [
-            aims_table(report, strategies[i : i + size]) for i in range(0, len(strategies), size)
+            aims_table(
+                report,
+                strategies[i : i + size],
+                narrow=True,
+                heading=i == 0,
+                caption=i == starts[-1],
+            )
+            for i in starts
         ]
         layouts.append([t for t in tables if t is not None])
-    return [parts for parts in layouts if parts]
+    return layouts
 
 
 def _errors(report: BenchReport) -> Text | None:
