@@ -100,12 +100,12 @@ def test_the_json_keeps_every_figure_whatever_the_terminal() -> None:
 
 def test_the_progress_shows_the_whole_run_with_an_eta() -> None:
     """On a terminal the display has a bar for the whole run with its time left, beside the
-    current pair's."""
-    console = Console(width=120, record=True, file=io.StringIO(), force_terminal=True)
+    current pair's, each whole at 80 columns with the longest pair's name."""
+    console = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)
     with RichProgress(console) as progress:
         progress.status("starting an embedded PostgreSQL")
         progress.plan(12)
-        progress.begin("storm", "optimistic", 6)
+        progress.begin("cluster", "distributed-advisory", 6)
         progress.advance()
         progress.advance()
     # The record holds every refresh, run together: the last one is the display's final state.
@@ -113,8 +113,25 @@ def test_the_progress_shows_the_whole_run_with_an_eta() -> None:
     overall = text[text.rindex(OVERALL) :].splitlines()[0]
     assert "2/12" in overall.split()
     assert "eta" in overall.split()
-    pair = text[text.rindex("storm / optimistic") :].splitlines()[0]
+    pair = text[text.rindex("cluster / distributed-advisory") :].splitlines()[0]
     assert "2/6" in pair.split()
+    assert ELLIPSIS not in overall + pair
+
+
+def test_a_long_step_wraps_rather_than_cut_the_figures() -> None:
+    """A long step's description beside the whole run's bar, at 80 columns: the figures and the
+    ETA stay whole (the description wraps)."""
+    console = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)
+    step = "creating flowlock's tables in the scratch schema flowlock_bench_0123456789ab"
+    with RichProgress(console) as progress:
+        progress.status(step)
+        progress.plan(54)
+    text = console.export_text()
+    last = text[text.rindex("creating") :]
+    assert ELLIPSIS not in last
+    overall = last[last.index(OVERALL) :].splitlines()[0].split()
+    assert "0/54" in overall
+    assert "eta" in overall
 
 
 def test_the_progress_prints_nothing_off_a_terminal() -> None:

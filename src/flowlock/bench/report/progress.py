@@ -19,6 +19,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 from rich.text import Text
 
 __all__ = ["OVERALL", "EtaColumn", "RichProgress"]
@@ -32,7 +33,7 @@ class EtaColumn(ProgressColumn):
     a count (starting a server)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(table_column=Column(no_wrap=True))
         self._remaining = TimeRemainingColumn()
 
     def render(self, task: Task) -> Text:
@@ -47,12 +48,16 @@ class RichProgress:
     Shown only on a terminal: piped or redirected, it prints nothing."""
 
     def __init__(self, console: Console) -> None:
+        # The figures never wrap; a long step ("creating flowlock's tables in the scratch
+        # schema ...") wraps instead of squeezing them into an ellipsis on a narrow terminal.
         self._progress = Progress(
             SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
+            TextColumn("{task.description}", table_column=Column(overflow="fold")),
+            # 16, not rich's 40: with the longest pair ("cluster / distributed-advisory") and
+            # the ETA, a line fits 80 columns without the bar being shrunk.
+            BarColumn(bar_width=16),
+            MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True)),
             EtaColumn(),
             console=console,
             transient=True,

@@ -145,6 +145,7 @@ def _table(
     *,
     scenario: bool,
     verdict: bool = True,
+    stacked: bool = False,
 ) -> Table:
     # One space between columns, not two: the 15 columns then fit 160 (a piped run's width)
     # with every header whole.
@@ -160,8 +161,11 @@ def _table(
     table.add_column("strategy", no_wrap=True)
     # no_wrap: rich narrows the wrapping columns first, past their longest word, so a
     # figure in one would be cut before any text is wrapped. render picks a form that fits.
+    # stacked: each header's words one under the other ("p99" over "ms"), the narrowest
+    # header a no_wrap column can have.
     for column in columns:
-        table.add_column(column.header, justify="right", no_wrap=True)
+        header = column.header.replace(" ", "\n") if stacked else column.header
+        table.add_column(header, justify="right", no_wrap=True)
     if verdict:
         # In one table per scenario "FAIL (12)" may take two lines: that is what fits 80.
         table.add_column("verdict", no_wrap=scenario)
@@ -195,28 +199,32 @@ def _by_scenario(report: BenchReport) -> dict[str, list[ScenarioResult]]:
 def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
     """The results in ever narrower forms, widest first: every figure in one table; without
     max ms, attempts per call, peak connections and lock wait (the JSON has them all); one
-    table per scenario; the same without the mean batch size (what fits 80 columns with the
-    longest strategy name); and, narrowest, each scenario's latencies and outcomes in two
-    tables."""
+    table per scenario, its headers on one line and then stacked; the same without the mean
+    batch size (what fits 80 columns with the longest strategy name); and, narrowest, each
+    scenario's latencies and outcomes in two tables."""
     essential = [c for c in _COLUMNS if c.essential]
     latency = [c for c in essential if c.header in _LATENCY]
     outcome = [c for c in essential if c.header not in _LATENCY]
-    heading = Text(title(report), style="italic")
-    grouped = _by_scenario(report)
     unbatched = [c for c in essential if c.header != "batch"]
-    per_scenario: list[RenderableType] = [heading]
-    narrower: list[RenderableType] = [heading]
+    heading = Text(title(report), style="italic")
+
+    def per_scenario(columns: Sequence[_Column], stacked: bool) -> list[RenderableType]:
+        tables = [
+            _table(name, results, columns, scenario=False, stacked=stacked)
+            for name, results in _by_scenario(report).items()
+        ]
+        return [heading, *tables]
+
     split: list[RenderableType] = [heading]
-    for name, results in grouped.items():
-        per_scenario.append(_table(name, results, essential, scenario=False))
-        narrower.append(_table(name, results, unbatched, scenario=False))
+    for name, results in _by_scenario(report).items():
         split.append(_table(f"{name}: latency", results, latency, scenario=False, verdict=False))
         split.append(_table(f"{name}: outcome", results, outcome, scenario=False))
     return [
         [results_table(report)],
         [_table(title(report), report.results, essential, scenario=True)],
-        per_scenario,
-        narrower,
+        per_scenario(essential, stacked=False),
+        per_scenario(essential, stacked=True),
+        per_scenario(unbatched, stacked=True),
         split,
     ]
 
