@@ -14,6 +14,9 @@ class Progress(Protocol):
     def status(self, message: str) -> None:
         """A step outside the measured rounds (starting a server, connecting...)."""
 
+    def plan(self, rounds: int) -> None:
+        """The whole run's rounds (warm-ups included), told once before the first pair."""
+
     def begin(self, scenario: str, strategy: str, rounds: int) -> None:
         """A pair starts; ``rounds`` counts the warm-up round too."""
 
@@ -28,6 +31,9 @@ class NullProgress:
     """Progress that shows nothing."""
 
     def status(self, message: str) -> None:
+        pass
+
+    def plan(self, rounds: int) -> None:
         pass
 
     def begin(self, scenario: str, strategy: str, rounds: int) -> None:

@@ -315,6 +315,16 @@ async def _run_pairs(
     named) when there is none."""
     results: list[ScenarioResult] = []
     skipped: list[str] = []
+    config = run.config
+    warmup = 1 if config.warms_up() else 0
+    run.progress.plan(
+        sum(
+            config.rounds_for(SCENARIOS[scenario_name]) + warmup
+            for scenario_name in config.scenario_names()
+            for strategy_name in config.strategy_names()
+            if redis is not None or STRATEGIES[strategy_name].locks != "redis"
+        )
+    )
     for scenario_name in run.config.scenario_names():
         for strategy_name in run.config.strategy_names():
             spec = STRATEGIES[strategy_name]

@@ -18,18 +18,28 @@ from flowlock.bench.report.aims import (
     floors,
     vs_floor,
 )
-from flowlock.bench.report.chart import PlotUnavailable, check_plot_support, plot
+from flowlock.bench.report.chart import (
+    PlotUnavailable,
+    chart_title,
+    check_plot_support,
+    figure,
+    plot,
+)
 from flowlock.bench.report.json import result_to_json, to_json, write_json
-from flowlock.bench.report.progress import RichProgress
+from flowlock.bench.report.progress import OVERALL, EtaColumn, RichProgress
 from flowlock.bench.report.soak import render_soak, soak_table, soak_to_json, write_soak_json
 from flowlock.bench.report.tables import (
     SEED_COUNTERPART,
     SEED_MEASURED,
     SEED_PUBLISHED,
     SeedFigures,
+    aims_layouts,
     aims_table,
+    fitting,
     render,
+    results_layouts,
     results_table,
+    seed_layouts,
     seed_table,
 )
 from flowlock.bench.results import failures
@@ -38,24 +48,32 @@ __all__ = [
     "AIMS",
     "FLOOR",
     "FLOOR_METHOD",
+    "OVERALL",
     "SEED_COUNTERPART",
     "SEED_MEASURED",
     "SEED_PUBLISHED",
     "Aim",
     "AimSpec",
+    "EtaColumn",
     "PlotUnavailable",
     "RichProgress",
     "SeedFigures",
     "aims",
+    "aims_layouts",
     "aims_table",
+    "chart_title",
     "check_plot_support",
     "failures",
+    "figure",
+    "fitting",
     "floors",
     "plot",
     "render",
     "render_soak",
     "result_to_json",
+    "results_layouts",
     "results_table",
+    "seed_layouts",
     "seed_table",
     "soak_table",
     "soak_to_json",

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flowlock.bench.report.tables import title
 from flowlock.bench.results import BenchReport
 from flowlock.errors import FlowlockError
 
-__all__ = ["PlotUnavailable", "check_plot_support", "plot"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["PlotUnavailable", "chart_title", "check_plot_support", "figure", "plot"]
 
 _COLORS = {
     "raw": "#8c8c8c",
@@ -33,10 +37,29 @@ def check_plot_support() -> None:
         raise PlotUnavailable()
 
 
+def chart_title(report: BenchReport) -> str:
+    """The run's title; a ``--quick`` run says so, since its figures are not comparable with a
+    full run's."""
+    quick = " (--quick: fewer rounds and calls)" if report.args.get("quick") else ""
+    return title(report) + quick
+
+
 def plot(report: BenchReport, path: Path) -> None:
-    """Draw the run as a PNG at ``path`` (matplotlib, Agg): per scenario, one bar per strategy
+    """Draw the run as a PNG at ``path`` (matplotlib, Agg): see :func:`figure`."""
+    fig = figure(report)  # checks for matplotlib first, and picks the Agg backend
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=80, pil_kwargs={"optimize": True})
+    finally:
+        plt.close(fig)
+
+
+def figure(report: BenchReport) -> Figure:
+    """The run drawn (matplotlib, Agg; the caller closes it): per scenario, one bar per strategy
     in three panels: latency (p50 solid, p99 light, max as a tick; log scale), success %, and
-    throughput: applied transitions and calls answered per second (log scale)."""
+    throughput: applied transitions and calls answered per second (log scale); titled with
+    :func:`chart_title`."""
     check_plot_support()
     import matplotlib
 
@@ -125,7 +148,6 @@ def plot(report: BenchReport, path: Path) -> None:
         bbox_to_anchor=(0.5, 0.955),
         fontsize=10,
     )
-    fig.suptitle(title(report), fontsize=11, y=0.99)
+    fig.suptitle(chart_title(report), fontsize=11, y=0.99)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=80, pil_kwargs={"optimize": True})
-    plt.close(fig)
+    return fig

@@ -4,11 +4,12 @@ logged and the total time (:func:`render`). Nothing here measures; it only reads
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import io
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -24,14 +25,21 @@ from flowlock.bench.report.aims import (
 )
 from flowlock.bench.results import BenchReport, ScenarioResult
 
+ELLIPSIS = "…"
+"""What rich puts where it cuts a cell too wide for its column."""
+
 __all__ = [
     "SEED_COUNTERPART",
     "SEED_MEASURED",
     "SEED_PUBLISHED",
     "SeedFigures",
+    "aims_layouts",
     "aims_table",
+    "fitting",
     "render",
+    "results_layouts",
     "results_table",
+    "seed_layouts",
     "seed_table",
     "title",
 ]
@@ -96,77 +104,188 @@ def _batch_cell(result: ScenarioResult) -> Text:
     return Text(_num(result.mean_batch, 2))
 
 
-def results_table(report: BenchReport) -> Table:
-    """One row per (scenario, strategy): latency, success, attempts and mean batch size per
-    call, throughput, connections, lock wait, verdict."""
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """One figure of the results table: its header, its cell, and whether a narrow terminal may
+    leave it out (the figures a reader checks a run by stay)."""
+
+    header: str
+    cell: Callable[[ScenarioResult], Text]
+    essential: bool = True
+
+
+def _success_cell(r: ScenarioResult) -> Text:
+    return Text(_pct(r.success_pct), style="" if r.success_pct >= 100 else "yellow")
+
+
+_COLUMNS: tuple[_Column, ...] = (
+    _Column("calls", lambda r: Text(str(r.calls))),
+    _Column("avg ms", lambda r: Text(_num(r.avg_ms))),
+    _Column("p50 ms", lambda r: Text(_num(r.p50_ms))),
+    _Column("p99 ms", lambda r: Text(_num(r.p99_ms))),
+    _Column("max ms", lambda r: Text(_num(r.max_ms)), essential=False),
+    _Column("success %", _success_cell),
+    _Column("att/call", lambda r: Text(_num(r.attempts_per_call, 2)), essential=False),
+    _Column("batch", _batch_cell),
+    _Column("calls/s", lambda r: Text(_num(r.calls_per_s, 0))),
+    _Column("applied/s", lambda r: Text(_num(r.applied_per_s, 0))),
+    _Column("peak conns", lambda r: Text(str(r.peak_connections)), essential=False),
+    _Column("lock wait ms", lambda r: Text(_num(r.lock_wait_ms)), essential=False),
+)
+"""The figures in the order of the wide table; the verdict follows them."""
+
+_LATENCY = ("calls", "avg ms", "p50 ms", "p99 ms", "max ms")
+"""Under 80 columns each scenario's figures split in two tables: these, then the rest."""
+
+
+def _table(
+    title: str | None,
+    results: Sequence[ScenarioResult],
+    columns: Sequence[_Column],
+    *,
+    scenario: bool,
+    verdict: bool = True,
+    stacked: bool = False,
+) -> Table:
     # One space between columns, not two: the 15 columns then fit 160 (a piped run's width)
     # with every header whole.
     table = Table(
-        title=title(report),
+        title=title,
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
     )
-    table.add_column("scenario", no_wrap=True)
+    if scenario:
+        table.add_column("scenario", no_wrap=True)
     table.add_column("strategy", no_wrap=True)
-    for name in ("calls", "avg ms", "p50 ms", "p99 ms", "max ms", "success %", "att/call"):
-        table.add_column(name, justify="right")
-    table.add_column("batch", justify="right")
-    for name in ("calls/s", "applied/s", "peak conns", "lock wait ms"):
-        table.add_column(name, justify="right")
-    table.add_column("verdict", no_wrap=True)
+    # no_wrap: rich narrows the wrapping columns first, past their longest word, so a
+    # figure in one would be cut before any text is wrapped. render picks a form that fits.
+    # stacked: each header's words one under the other ("p99" over "ms"), the narrowest
+    # header a no_wrap column can have.
+    for column in columns:
+        header = column.header.replace(" ", "\n") if stacked else column.header
+        table.add_column(header, justify="right", no_wrap=True)
+    if verdict:
+        # In one table per scenario "FAIL (12)" may take two lines: that is what fits 80.
+        table.add_column("verdict", no_wrap=scenario)
     last = None
-    for r in report.results:
-        if last is not None and r.scenario != last:
+    for r in results:
+        if scenario and last is not None and r.scenario != last:
             table.add_section()
         last = r.scenario
-        success = Text(_pct(r.success_pct), style="" if r.success_pct >= 100 else "yellow")
-        table.add_row(
-            r.scenario,
-            Text(r.strategy, style="dim" if r.strategy == FLOOR else ""),
-            str(r.calls),
-            _num(r.avg_ms),
-            _num(r.p50_ms),
-            _num(r.p99_ms),
-            _num(r.max_ms),
-            success,
-            _num(r.attempts_per_call, 2),
-            _batch_cell(r),
-            _num(r.calls_per_s, 0),
-            _num(r.applied_per_s, 0),
-            str(r.peak_connections),
-            _num(r.lock_wait_ms),
-            _verdict_cell(r),
-        )
+        row: list[Text | str] = [r.scenario] if scenario else []
+        row.append(Text(r.strategy, style="dim" if r.strategy == FLOOR else ""))
+        row.extend(column.cell(r) for column in columns)
+        if verdict:
+            row.append(_verdict_cell(r))
+        table.add_row(*row)
     return table
 
 
-def seed_table(report: BenchReport) -> Table | None:
-    """The ``storm`` results beside the seed article's published figures and what its own code
-    measured; None when the run had no storm."""
+def results_table(report: BenchReport) -> Table:
+    """One row per (scenario, strategy): latency, success, attempts and mean batch size per
+    call, throughput, connections, lock wait, verdict (the wide form: 160 columns)."""
+    return _table(title(report), report.results, _COLUMNS, scenario=True)
+
+
+def _by_scenario(report: BenchReport) -> dict[str, list[ScenarioResult]]:
+    grouped: dict[str, list[ScenarioResult]] = {}
+    for r in report.results:
+        grouped.setdefault(r.scenario, []).append(r)
+    return grouped
+
+
+def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
+    """The results in ever narrower forms, widest first: every figure in one table; without
+    max ms, attempts per call, peak connections and lock wait (the JSON has them all); one
+    table per scenario, its headers on one line and then stacked; the same without the mean
+    batch size (what fits 80 columns with the longest strategy name); and, narrowest, each
+    scenario's latencies and outcomes in two tables."""
+    essential = [c for c in _COLUMNS if c.essential]
+    latency = [c for c in essential if c.header in _LATENCY]
+    outcome = [c for c in essential if c.header not in _LATENCY]
+    unbatched = [c for c in essential if c.header != "batch"]
+    heading = Text(title(report), style="italic")
+
+    def per_scenario(columns: Sequence[_Column], stacked: bool) -> list[RenderableType]:
+        tables = [
+            _table(name, results, columns, scenario=False, stacked=stacked)
+            for name, results in _by_scenario(report).items()
+        ]
+        return [heading, *tables]
+
+    split: list[RenderableType] = [heading]
+    for name, results in _by_scenario(report).items():
+        split.append(_table(f"{name}: latency", results, latency, scenario=False, verdict=False))
+        split.append(_table(f"{name}: outcome", results, outcome, scenario=False))
+    return [
+        [results_table(report)],
+        [_table(title(report), report.results, essential, scenario=True)],
+        per_scenario(essential, stacked=False),
+        per_scenario(essential, stacked=True),
+        per_scenario(unbatched, stacked=True),
+        split,
+    ]
+
+
+def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
+    """Whether every table of ``parts`` prints whole at the console's width: rich cuts a cell (a
+    number, or a word of a header or a name) only with an ellipsis, never silently. Text
+    wraps, and always fits. (Rich's own measure is clamped to the width, and counts the
+    collapsed padding twice, so the tables are printed, unseen, instead.)"""
+    probe = Console(
+        width=console.options.max_width, file=io.StringIO(), record=True, color_system=None
+    )
+    for part in parts:
+        if isinstance(part, Table):
+            probe.print(part)
+    return ELLIPSIS not in probe.export_text()
+
+
+def fitting(console: Console, layouts: Sequence[Sequence[RenderableType]]) -> list[RenderableType]:
+    """The first of ``layouts`` (widest first) that fits ``console``; the last when none does."""
+    for parts in layouts:
+        if _fits(console, parts):
+            return list(parts)
+    return list(layouts[-1])
+
+
+def seed_table(
+    report: BenchReport, *, measured: bool = True, ours: bool = True, theirs: bool = True
+) -> Table | None:
+    """The ``storm`` results beside the seed article's published figures and (unless not
+    ``measured``: see :func:`seed_layouts`) what its own code measured; None when the run had
+    no storm. ``ours`` or ``theirs`` False leaves out our figures or the article's."""
     storm = [r for r in report.results if r.scenario == "storm"]
     if not storm:
         return None
+    # Split in two (ours, then theirs), the title heads the first and the caption ends the last.
     table = Table(
-        title="storm: flowlock vs the seed article (100 threads, one instance)",
+        title="storm: flowlock vs the seed article (100 threads, one instance)" if ours else None,
         title_justify="left",
         caption="seed avg/p99/success: the article's published table; seed code, measured: "
-        "the article's own code, run by the flowlock developers on PostgreSQL 18 + Redis 6.2",
+        "the article's own code, run by the flowlock developers on PostgreSQL 18 + Redis 6.2"
+        if theirs
+        else None,
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
+        collapse_padding=True,
     )
     table.add_column("strategy", no_wrap=True)
-    for name in ("avg ms", "p99 ms", "success %", "double adv."):
-        table.add_column(name, justify="right")
-    for name in ("avg ms", "p99 ms", "success %"):
-        table.add_column(f"seed {name}", justify="right")
-    table.add_column("seed code, measured", no_wrap=True)
-    for ours in storm:
-        counterpart = SEED_COUNTERPART.get(ours.strategy)
+    # no_wrap: see _table.
+    for name in ("avg ms", "p99 ms", "success %", "double adv.") if ours else ():
+        table.add_column(name, justify="right", no_wrap=True)
+    for name in ("avg ms", "p99 ms", "success %") if theirs else ():
+        table.add_column(f"seed {name}", justify="right", no_wrap=True)
+    if measured:
+        # Words, not figures: wrapping them is what lets the table fit 80 columns.
+        table.add_column("seed code, measured", min_width=12)
+    for r in storm:
+        counterpart = SEED_COUNTERPART.get(r.strategy)
         seed = SEED_PUBLISHED.get(counterpart) if counterpart else None
-        theirs = (
+        published: list[Text | str] = (
             [
                 _num(seed.avg_ms, 0),
                 _num(seed.p99_ms, 0),
@@ -175,19 +294,42 @@ def seed_table(report: BenchReport) -> Table | None:
             if seed is not None
             else ["—", "—", "—"]
         )
-        table.add_row(
-            ours.strategy,
-            _num(ours.avg_ms),
-            _num(ours.p99_ms),
-            _num(ours.success_pct),
+        figures: list[Text | str] = [
+            _num(r.avg_ms),
+            _num(r.p99_ms),
+            _num(r.success_pct),
             Text(
-                f"{ours.double_advanced_rounds}/{ours.rounds}",
-                style="bold red" if ours.double_advanced_rounds else "",
+                f"{r.double_advanced_rounds}/{r.rounds}",
+                style="bold red" if r.double_advanced_rounds else "",
             ),
-            *theirs,
-            SEED_MEASURED.get(counterpart or "", "—"),
+        ]
+        table.add_row(
+            r.strategy,
+            *(figures if ours else []),
+            *(published if theirs else []),
+            *([SEED_MEASURED.get(counterpart or "", "—")] if measured else []),
         )
     return table
+
+
+def seed_layouts(report: BenchReport) -> list[list[RenderableType]]:
+    """The seed comparison, widest first: one table; then without the column of what the seed's
+    code measured, which follows as lines; then our figures and the article's in two tables.
+    Empty when the run had no storm."""
+    wide = seed_table(report)
+    narrow = seed_table(report, measured=False)
+    if wide is None or narrow is None:
+        return []
+    strategies = [r.strategy for r in report.results if r.scenario == "storm"]
+    lines = [
+        f"{s}: {SEED_MEASURED[SEED_COUNTERPART[s]]}" for s in strategies if s in SEED_COUNTERPART
+    ]
+    text: list[RenderableType] = (
+        [Text("seed code, measured:\n  " + "\n  ".join(lines), style="dim")] if lines else []
+    )
+    split: list[RenderableType | None] = [seed_table(report, measured=False, theirs=False)]
+    split.append(seed_table(report, measured=False, ours=False))
+    return [[wide], [narrow, *text], [t for t in split if t is not None] + text]
 
 
 def _pct(value: float) -> str:
@@ -222,31 +364,46 @@ def _aim_target(spec: AimSpec, strategies: list[str]) -> str:
     return target
 
 
-def aims_table(report: BenchReport) -> Table | None:
+def aims_table(
+    report: BenchReport,
+    only: Sequence[str] | None = None,
+    *,
+    narrow: bool = False,
+    heading: bool = True,
+    caption: bool = True,
+) -> Table | None:
     """The aims against the floor measured in this run, one row per aim and one column per
-    flowlock strategy: the scenarios below 100 % success, the violations, then each ratio aim
-    of a scenario the run had, as the ratio and whether it was met; None when the run had no
-    floor."""
+    flowlock strategy (those in ``only``, when given): the scenarios below 100 % success, the
+    violations, then each ratio aim of a scenario the run had, as the ratio and whether it was
+    met; None when the run had no floor. ``narrow`` wraps the aims and targets short, to leave
+    the strategies' columns room for their names; ``heading`` and ``caption`` False leave out
+    the title and the caption (a table continuing, or continued by, another)."""
     checked = aims(report)
     if not floors(report) or not checked:
         return None
-    strategies = list(dict.fromkeys(a.strategy for a in checked))
     ran = {a.scenario for a in checked}
+    strategies = list(dict.fromkeys(a.strategy for a in checked))
+    if only is not None:
+        strategies = [s for s in strategies if s in only]
     table = Table(
-        title="aims, against the raw floor of this run",
+        title="aims, against the raw floor of this run" if heading else None,
         title_justify="left",
         caption="each ratio is the strategy's figure over the raw floor's in the same run; "
         "dist.: the distributed strategies' target (they take a lease on every call); "
-        "success: the scenarios below 100 % (failed calls: lost to contention, never wrong)",
+        "success: the scenarios below 100 % (failed calls: lost to contention, never wrong)"
+        if caption
+        else None,
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    table.add_column("aim")
-    table.add_column("target")
+    # Rich narrows the widest wrapping columns first (the strategies', whose success cell is
+    # long) and would cut their names; capped, the aims and targets wrap instead.
+    table.add_column("aim", max_width=16 if narrow else None)
+    table.add_column("target", max_width=12 if narrow else None)
     for strategy in strategies:
-        # The strategy names head the columns: wrap the aims first, then shorten the names.
-        table.add_column(strategy, justify="right", min_width=min(len(strategy), 12))
+        # A name is one word: aims_layouts gives fewer strategies per table rather than cut it.
+        table.add_column(strategy, justify="right")
     mine = {s: [a for a in checked if a.strategy == s] for s in strategies}
     success: list[Text] = []
     violations: list[Text] = []
@@ -268,6 +425,32 @@ def aims_table(report: BenchReport) -> Table | None:
         cells = [_aim_cell(_pick(mine[s], spec.scenario, spec.what)) for s in strategies]
         table.add_row(_aim_label(spec), _aim_target(spec, strategies), *cells)
     return table
+
+
+def aims_layouts(report: BenchReport) -> list[list[RenderableType]]:
+    """The aims, widest first: every strategy in one table, then with the aims and targets
+    wrapped short, the strategies shared out over 1, 2, 3... tables (the title on the first,
+    the caption under the last). Empty when the run had no floor."""
+    wide = aims_table(report)
+    if wide is None:
+        return []
+    strategies = list(dict.fromkeys(a.strategy for a in aims(report)))
+    layouts: list[list[RenderableType]] = [[wide]]
+    for count in range(1, len(strategies) + 1):
+        size = -(-len(strategies) // count)  # ceiling: as even a share as the count allows
+        starts = range(0, len(strategies), size)
+        tables = [
+            aims_table(
+                report,
+                strategies[i : i + size],
+                narrow=True,
+                heading=i == 0,
+                caption=i == starts[-1],
+            )
+            for i in starts
+        ]
+        layouts.append([t for t in tables if t is not None])
+    return layouts
 
 
 def _errors(report: BenchReport) -> Text | None:
@@ -293,9 +476,13 @@ def _floors_text(report: BenchReport) -> Text | None:
 
 def render(report: BenchReport, console: Console) -> None:
     """Print the results table, the seed comparison, the aims, errors, notes and the total time
-    to ``console``."""
-    parts: list[Table | Text] = [results_table(report)]
-    for extra in (seed_table(report), aims_table(report), _floors_text(report), _errors(report)):
+    to ``console``, each table in the widest of its forms that fits the console's width (80
+    columns: one table per scenario, with fewer figures), so that no number is ever cut."""
+    parts: list[RenderableType] = fitting(console, results_layouts(report))
+    for layouts in (seed_layouts(report), aims_layouts(report)):
+        if layouts:
+            parts.extend(fitting(console, layouts))
+    for extra in (_floors_text(report), _errors(report)):
         if extra is not None:
             parts.append(extra)
     parts.extend(Text(f"note: {n}", style="yellow") for n in report.notes)
