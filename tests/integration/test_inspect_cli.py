@@ -214,7 +214,9 @@ def test_check_is_clean_then_names_a_corrupted_history(
     verdict = _json_exit(_run(cli, db, "check", "--json"), EXIT_VERDICT_FAILED)
     assert verdict["ok"] is False
     assert verdict["instances"] == 8
-    assert {v["kind"] for v in verdict["violations"]} == {"version-gap", "final-mismatch"}
+    violations = verdict["violations"]
+    assert isinstance(violations, list)
+    assert {v["kind"] for v in violations} == {"version-gap", "final-mismatch"}
 
     one = _run(cli, db, "check", "--instance", "a1")
     assert one.exit_code == 0, one.output
