@@ -470,15 +470,23 @@ def _cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
         _json(last.data),
         last.event,
         last.fencing_token,
-        [e.event for e in batch],
-        [e.from_state for e in batch],
-        [e.to_state for e in batch],
-        [e.actor for e in batch],
-        [e.request_id for e in batch],
-        [e.strategy for e in batch],
-        [_json(e.data) for e in batch],
-        [e.fencing_token for e in batch],
-        [_json(e.payload) for e in batch],
+        *_entry_columns(batch),
+    )
+
+
+def _entry_columns(entries: Sequence[HistoryEntry]) -> tuple[list[Any], ...]:
+    """The history rows to insert, one array per column (the order _CAS_BATCH and _CAS_MANY
+    unnest them in): event, from, to, actor, request id, strategy, data, fencing, payload."""
+    return (
+        [e.event for e in entries],
+        [e.from_state for e in entries],
+        [e.to_state for e in entries],
+        [e.actor for e in entries],
+        [e.request_id for e in entries],
+        [e.strategy for e in entries],
+        [_json(e.data) for e in entries],
+        [e.fencing_token for e in entries],
+        [_json(e.payload) for e in entries],
     )
 
 
@@ -496,15 +504,7 @@ def _many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
         [last.fencing_token for last in lasts],
         [e.instance_id for e in entries],
         [e.version for e in entries],
-        [e.event for e in entries],
-        [e.from_state for e in entries],
-        [e.to_state for e in entries],
-        [e.actor for e in entries],
-        [e.request_id for e in entries],
-        [e.strategy for e in entries],
-        [_json(e.data) for e in entries],
-        [e.fencing_token for e in entries],
-        [_json(e.payload) for e in entries],
+        *_entry_columns(entries),
     )
 
 
