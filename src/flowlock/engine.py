@@ -578,6 +578,7 @@ class Engine:
             request_id=call.request_id,
             reason=result.reason,
             batch_size=batch_size,
+            replayed=result.replayed,
         )
         if self._metrics is not None:
             self._metrics.record_outcome(
@@ -631,7 +632,10 @@ class Engine:
                     # Answered from a state this batch wrote: it dates from the batch's commit.
                     inst = inst.evolve(updated_at=committed.updated_at)
             own = dataclasses.replace(
-                result, instance=inst, applied=isinstance(decision, HistoryEntry)
+                result,
+                instance=inst,
+                applied=isinstance(decision, HistoryEntry),
+                replayed=isinstance(decision, Idempotent) and decision.replayed,
             )
             answers.append(self._outcome(call, own, started, len(calls)))
         return answers
@@ -662,18 +666,22 @@ class Engine:
         workflows = self._workflows
         limit = self._max_payload
         seen: list[str] = []
+        # The last decision: a strategy may decide again, and the answer is the last one's.
+        last: list[HistoryEntry | Idempotent] = []
 
         def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
             if not seen:
                 seen.append(snap.instance.workflow)
-            return decide(workflows, snap, call, max_payload_bytes=limit)
+            decided = decide(workflows, snap, call, max_payload_bytes=limit)
+            last[:] = [decided]
+            return decided
 
         metrics = self._metrics
-        if metrics is None:
-            return await chosen.run(store, call, bound)
         try:
-            return await chosen.run(store, call, bound)
+            result = await chosen.run(store, call, bound)
         except FlowlockError as exc:
+            if metrics is None:
+                raise
             metrics.record_failure(
                 exc,
                 workflow=seen[0] if seen else "",
@@ -682,6 +690,9 @@ class Engine:
                 elapsed=time.perf_counter() - started,
             )
             raise
+        if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
+            result = dataclasses.replace(result, replayed=True)
+        return result
 
     # -- helpers ---------------------------------------------------------------------------
 

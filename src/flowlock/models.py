@@ -99,6 +99,8 @@ class Outcome:
     - ``elapsed``: seconds spent in ``fire``.
     - ``batch_size``: how many calls on the instance were decided and written together with this
       one (1: it ran alone; see ``Engine(batching=...)``).
+    - ``replayed``: idempotent because this ``request_id`` was applied before; ``instance`` is
+      then exactly what that first application answered (an HTTP service replays its response).
     """
 
     applied: bool
@@ -111,6 +113,7 @@ class Outcome:
     request_id: str | None = None
     reason: str | None = None
     batch_size: int = 1
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

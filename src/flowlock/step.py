@@ -59,9 +59,12 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Idempotent:
-    """Nothing to write: the call was answered before. ``instance`` is what to report."""
+    """Nothing to write: the call was answered before. ``instance`` is what to report;
+    ``replayed``: the call's request id was applied before, so the answer is that first
+    application's (not the two-admins rule's)."""
 
     instance: Instance
+    replayed: bool = False
 
 
 def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
@@ -173,7 +176,7 @@ def _repeated(inst: Instance, prior: HistoryEntry, call: Call) -> Idempotent:
             payload=call.payload,
             version=prior.version,
         )
-    return Idempotent(_from_entry(inst, prior))
+    return Idempotent(_from_entry(inst, prior), replayed=True)
 
 
 def decide(

@@ -174,3 +174,35 @@ def test_history_entry_keeps_its_positional_form() -> None:
     assert HistoryEntry("i", 2, "e", "a", "b", None, None, "s", {}, payload={"x": 1}).payload == {
         "x": 1
     }
+
+
+async def test_a_replay_is_marked_and_answers_the_first_outcome(
+    engine: flowlock.Engine, strategy: str
+) -> None:
+    """`Outcome.replayed` tells a retry of an applied request id (its instance is exactly the
+    first answer's, which an HTTP service sends again) from the two-admins rule's idempotent
+    answer (a new request that found its event already applied), and from a first call."""
+    await engine.create("approval", instance_id="r")
+    first = await engine.fire("r", "approve", request_id="k1", strategy=strategy)
+    again = await engine.fire("r", "approve", request_id="k1", strategy=strategy)
+    other = await engine.fire("r", "approve", request_id="k2", strategy=strategy)
+    bare = await engine.fire("r", "approve", strategy=strategy)
+    assert (first.applied, first.replayed) == (True, False)
+    assert (again.idempotent, again.replayed) == (True, True)
+    assert again.instance == first.instance
+    assert (other.idempotent, other.replayed) == (True, False)
+    assert (bare.idempotent, bare.replayed) == (True, False)
+
+
+async def test_concurrent_replays_are_marked(engine: flowlock.Engine, strategy: str) -> None:
+    """Twenty callers sharing one request id, batched or not: one applies, every other one is a
+    replay whose instance equals the applied one's."""
+    await engine.create("approval", instance_id="r")
+    outs = await asyncio.gather(
+        *(engine.fire("r", "approve", request_id="k", strategy=strategy) for _ in range(20))
+    )
+    [applied] = [o for o in outs if o.applied]
+    replays = [o for o in outs if not o.applied]
+    assert all(o.replayed for o in replays)
+    assert {o.instance.version for o in replays} == {applied.instance.version}
+    assert {(o.instance.state, o.instance.last_event) for o in replays} == {("approved", "approve")}

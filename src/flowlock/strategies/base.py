@@ -47,7 +47,9 @@ def writes(planned: Planned) -> int:
 class StrategyResult:
     """The instance to report, whether this call applied the transition, how many attempts;
     which strategy actually ran and why, when that is not simply the one chosen (adaptive); and
-    how long the call waited for and held a lock, when it took one (seconds)."""
+    how long the call waited for and held a lock, when it took one (seconds). ``replayed`` is
+    set by the engine, not the strategy: the answer repeats an earlier application of the call's
+    request id."""
 
     instance: Instance
     applied: bool
@@ -56,6 +58,7 @@ class StrategyResult:
     reason: str | None = None
     lock_wait: float | None = None
     lock_hold: float | None = None
+    replayed: bool = False
 
 
 @runtime_checkable
