@@ -865,6 +865,10 @@ class _Operations:
             rows = await conn.fetch(sql, *args, timeout=self._s.timeout)
         return [instance_from_row(r) for r in rows]
 
+    async def ping(self) -> None:
+        async with self._s.conn() as conn:
+            await conn.fetchval("SELECT 1", timeout=self._s.timeout)
+
     async def count_instances(self, query: InstanceQuery) -> int:
         sql, args = count_statement(query)
         async with self._s.conn() as conn:
@@ -1541,6 +1545,12 @@ class PostgresStore:
         return await self._call(
             lambda ops: ops.list_instances(query, after=after, limit=limit), waits=False
         )
+
+    async def ping(self) -> None:
+        """One round trip (``SELECT 1``) on a pool connection, a readiness probe: StoreBusy when
+        no connection frees within ``acquire_timeout``, ConnectionLost when PostgreSQL does not
+        answer within the store's bounds."""
+        await self._call(lambda ops: ops.ping(), waits=False)
 
     async def count_instances(self, query: InstanceQuery) -> int:
         return await self._call(lambda ops: ops.count_instances(query), waits=False)

@@ -414,6 +414,12 @@ class RedisLocks(AsyncResource):
             raise LockNotOwned(lease.key, "extend")
         return lease.renewed(sent + ttl, ttl)
 
+    async def ping(self) -> None:
+        """One PING within ``socket_timeout`` (a readiness probe); LockUnavailable when Redis
+        does not answer."""
+        client = self._require_open()
+        await bounded("ping", client.ping(), self._socket_timeout)
+
     async def wait_released(self, key: str, wait: float) -> bool:
         """Wait, without taking the lock, until ``key`` is free: True as soon as it is seen free
         or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher

@@ -1,0 +1,11 @@
+"""``flowlock serve``: the engine as an HTTP service (FastAPI on uvicorn).
+
+``create_app(settings)`` builds the app; ``ServiceSettings`` says what it runs with (flags or
+``FLOWLOCK_*`` variables). See docs/service.md.
+"""
+
+from flowlock.service.app import create_app, default_workflows
+from flowlock.service.problems import Problem
+from flowlock.service.settings import ServiceSettings
+
+__all__ = ["Problem", "ServiceSettings", "create_app", "default_workflows"]

@@ -1,0 +1,244 @@
+"""The error tree as HTTP answers: RFC 9457 ``application/problem+json``, mapped in one place.
+
+Each flowlock error has a stable ``type`` URI (``urn:flowlock:problem:<slug>``, the slug being the
+error's class name in kebab case), a status, a ``title`` (the same for every problem of a type), a
+``detail`` written for an HTTP client (never naming a Python keyword: the engine's own messages
+speak to programmers), and the error's facts as members: ``instance_id``, ``state`` and
+``version`` (the instance's current ones), ``allowed`` events, ``expected``... A client branches on
+``type`` and reads the members; ``detail`` is for people.
+
+The service's own refusals (bad JSON, a wrong content type, a missing token...) are problems too,
+built with :func:`problem`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from flowlock.errors import (
+    ConflictRetriesExhausted,
+    ConnectionLost,
+    DefinitionError,
+    EngineClosed,
+    FlowlockError,
+    GuardRejected,
+    IdempotencyKeyReused,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockTimeout,
+    LockUnavailable,
+    OutcomeUnknown,
+    PayloadTooLarge,
+    StepFailed,
+    StoreBusy,
+    StoreError,
+    TransitionNotAllowed,
+    UnknownEvent,
+    UnknownWorkflow,
+    VersionMismatch,
+)
+
+__all__ = ["PROBLEM_JSON", "TYPE_PREFIX", "Problem", "from_error", "problem", "type_uri"]
+
+PROBLEM_JSON = "application/problem+json"
+TYPE_PREFIX = "urn:flowlock:problem:"
+RETRY_AFTER = 1
+"""Seconds a 503 asks a client to wait: lock waits and pool waits are bounded well below it."""
+
+
+def type_uri(slug: str) -> str:
+    return TYPE_PREFIX + slug
+
+
+class Problem(Exception):
+    """An HTTP problem: raise it from a route, or build it from a flowlock error."""
+
+    def __init__(
+        self,
+        status: int,
+        slug: str,
+        title: str,
+        detail: str,
+        members: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(f"{status} {slug}: {detail}")
+        self.status = status
+        self.slug = slug
+        self.title = title
+        self.detail = detail
+        self.members = dict(members or {})
+        self.headers = dict(headers or {})
+
+    def body(self, instance: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": type_uri(self.slug),
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if instance is not None:
+            out["instance"] = instance
+        out.update(self.members)
+        return out
+
+    def encode(self, instance: str | None = None) -> bytes:
+        return json.dumps(self.body(instance), ensure_ascii=False, default=str).encode()
+
+
+def problem(
+    status: int,
+    slug: str,
+    title: str,
+    detail: str,
+    headers: Mapping[str, str] | None = None,
+    **members: Any,
+) -> Problem:
+    return Problem(status, slug, title, detail, members, headers)
+
+
+def _slug(exc: FlowlockError) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", type(exc).__name__).lower()
+
+
+_RETRY = {"Retry-After": str(RETRY_AFTER)}
+
+
+def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, kept together
+    """The problem ``exc`` is for an HTTP client: status, type, title, detail and facts."""
+    slug = _slug(exc)
+    if isinstance(exc, InstanceNotFound):
+        return problem(
+            404, slug, "Instance not found",
+            f"there is no instance {exc.instance_id!r}; create it first (POST /instances)",
+            instance_id=exc.instance_id,
+        )  # fmt: skip
+    if isinstance(exc, UnknownEvent):
+        return problem(
+            404, slug, "Unknown event",
+            f"workflow {exc.workflow!r} has no event {exc.event!r}; its events are "
+            f"{', '.join(exc.known) or 'none'}",
+            workflow=exc.workflow, event=exc.event, known=list(exc.known),
+        )  # fmt: skip
+    if isinstance(exc, UnknownWorkflow):
+        return problem(
+            422, slug, "Unknown workflow",
+            f"this service has no workflow {exc.name!r}; it serves "
+            f"{', '.join(exc.known) or 'none'} (GET /definitions)",
+            workflow=exc.name, known=list(exc.known),
+        )  # fmt: skip
+    if isinstance(exc, InstanceExists):
+        return problem(
+            409, slug, "Instance already exists",
+            f"an instance {exc.instance_id!r} already exists; pick another id, or GET it",
+            instance_id=exc.instance_id,
+        )  # fmt: skip
+    if isinstance(exc, TransitionNotAllowed):
+        allowed = ", ".join(exc.allowed) or "none (a final state)"
+        return problem(
+            409, slug, "Transition not allowed",
+            f"event {exc.event!r} is not allowed in state {exc.state!r}; allowed events: "
+            f"{allowed}",
+            instance_id=exc.instance_id, event=exc.event, state=exc.state,
+            version=exc.version, allowed=list(exc.allowed),
+        )  # fmt: skip
+    if isinstance(exc, VersionMismatch):
+        return problem(
+            412, slug, "Version mismatch",
+            f"If-Match asked for version {exc.expected} but instance {exc.instance_id!r} is at "
+            f"version {exc.current} (state {exc.state!r}); GET it and decide again",
+            {"ETag": etag(exc.current)},
+            instance_id=exc.instance_id, expected=exc.expected, current=exc.current,
+            version=exc.current, state=exc.state,
+        )  # fmt: skip
+    if isinstance(exc, GuardRejected):
+        return problem(
+            422, slug, "Refused by the workflow's rule",
+            f"event {exc.event!r} was refused: {exc.reason}",
+            instance_id=exc.instance_id, event=exc.event, state=exc.state,
+            version=exc.version, reason=exc.reason,
+        )  # fmt: skip
+    if isinstance(exc, IdempotencyKeyReused):
+        return problem(
+            422, slug, "Idempotency key reused",
+            f"Idempotency-Key {exc.request_id!r} was first used for event "
+            f"{exc.original_event!r} with another {exc.mismatch}; a retry must repeat the "
+            "request exactly, a new request needs a new key",
+            instance_id=exc.instance_id, request_id=exc.request_id,
+            original_event=exc.original_event, event=exc.event, mismatch=exc.mismatch,
+            version=exc.version,
+        )  # fmt: skip
+    if isinstance(exc, PayloadTooLarge):
+        return problem(
+            413, slug, "Payload too large",
+            f"the {exc.what} is {exc.size} bytes as JSON; this service accepts at most "
+            f"{exc.limit}",
+            size=exc.size, limit=exc.limit,
+        )  # fmt: skip
+    if isinstance(exc, InvalidInput):
+        return problem(422, slug, "Invalid input", str(exc))
+    if isinstance(exc, OutcomeUnknown):
+        return problem(
+            503, slug, "Outcome unknown",
+            "the database connection was lost while the transition was being committed, so it "
+            "may or may not have been applied; retry with the same Idempotency-Key to learn "
+            "which (the retry never applies it twice)",
+            _RETRY, instance_id=exc.key,
+        )  # fmt: skip
+    if isinstance(exc, ConflictRetriesExhausted):
+        return problem(
+            503, slug, "Too much contention",
+            f"event {exc.event!r} lost the race for instance {exc.instance_id!r} "
+            f"{exc.attempts} times; nothing was applied, retry later (or with strategy "
+            "'pessimistic')",
+            _RETRY, instance_id=exc.instance_id, event=exc.event, attempts=exc.attempts,
+        )  # fmt: skip
+    if isinstance(exc, LockTimeout | LockBusy):
+        waited = exc.waited if isinstance(exc, LockTimeout) else 0.0
+        return problem(
+            503, slug, "Instance busy",
+            f"another call held the lock on {exc.key!r} (waited {waited:.1f} s); nothing was "
+            "applied, retry later",
+            _RETRY, key=exc.key,
+        )  # fmt: skip
+    if isinstance(exc, LockLost):
+        return problem(
+            503, slug, "Lock lost",
+            "the lease on the instance expired before the transition was written; nothing was "
+            "applied, retry",
+            _RETRY, key=exc.key,
+        )  # fmt: skip
+    if isinstance(exc, StoreBusy | LockUnavailable | ConnectionLost | LockError | EngineClosed):
+        return problem(
+            503, slug, "Service unavailable",
+            "the service cannot reach its database or lock server right now, or is shutting "
+            "down; nothing was applied, retry later",
+            _RETRY,
+        )  # fmt: skip
+    if isinstance(exc, StoreError):
+        return problem(
+            503, slug, "Database unavailable",
+            "the database refused the call; nothing was applied, retry later", _RETRY
+        )  # fmt: skip
+    if isinstance(exc, StepFailed):
+        return problem(
+            500, slug, "Workflow step failed",
+            f"the workflow's {exc.step} for event {exc.event!r} raised an error; nothing was "
+            "applied. This is a fault of the workflow definition, not of the request",
+            instance_id=exc.instance_id, event=exc.event, state=exc.state, version=exc.version,
+        )  # fmt: skip
+    if isinstance(exc, DefinitionError):
+        return problem(500, slug, "Workflow definition error", "a workflow definition is invalid")
+    return problem(500, slug, "Internal error", "the service failed; nothing was applied")
+
+
+def etag(version: int) -> str:
+    """The ETag of an instance at ``version`` (a strong validator: the version is exact)."""
+    return f'"{version}"'

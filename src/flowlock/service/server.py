@@ -1,0 +1,108 @@
+"""``flowlock serve``: uvicorn running :func:`flowlock.service.app.app_from_env` in one or more
+worker processes, with the embedded servers of ``--dev`` around it.
+
+Settings reach the workers as ``FLOWLOCK_*`` variables (uvicorn starts each worker as a fresh
+process that imports the app factory). With several workers, Prometheus metrics go through a
+directory the workers share (``PROMETHEUS_MULTIPROC_DIR``), made for the run and removed after it,
+so ``/metrics`` answers for all of them whichever worker serves it.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish within
+``drain_timeout`` seconds (then cancels the rest), and closes each worker's engine: its pool
+connections and any lease it holds are released before the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flowlock.errors import InvalidInput
+from flowlock.service.settings import ServiceSettings
+
+__all__ = ["Listen", "serve"]
+
+_ONE_PROCESS = ("memory://", "sqlite:")
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Where and how uvicorn listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    log_level: str = "info"
+
+
+def check(settings: ServiceSettings, listen: Listen) -> None:
+    """Refuse, before anything starts, what cannot work."""
+    if listen.workers < 1 or listen.workers > 64:
+        raise InvalidInput(f"--workers must be from 1 to 64, not {listen.workers}")
+    if not 0 <= listen.port <= 65535:
+        raise InvalidInput(f"--port must be from 0 to 65535, not {listen.port}")
+    if listen.workers > 1 and settings.database_url.startswith(_ONE_PROCESS):
+        raise InvalidInput(
+            f"{settings.database_url.split(':')[0]} keeps its data in one process; with "
+            f"--workers {listen.workers} each worker would see its own. Use PostgreSQL "
+            "(--database-url postgresql://...) or --dev, or run one worker"
+        )
+
+
+@contextlib.contextmanager
+def _dev_servers(settings: ServiceSettings) -> Iterator[ServiceSettings]:
+    """An embedded PostgreSQL (and Redis, when one can be started) for ``--dev``, stopped on
+    the way out."""
+    from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
+
+    with contextlib.ExitStack() as stack:
+        pg = EmbeddedPostgres()
+        pg.start()
+        stack.callback(pg.stop)
+        redis_url = settings.redis_url
+        if redis_url is None and EmbeddedRedis.find_executable() is not None:
+            redis = EmbeddedRedis()
+            redis.start()
+            stack.callback(redis.stop)
+            redis_url = redis.url
+        yield dataclasses.replace(settings, database_url=pg.url, redis_url=redis_url)
+
+
+@contextlib.contextmanager
+def _metrics_dir(settings: ServiceSettings, workers: int) -> Iterator[ServiceSettings]:
+    if workers == 1 or settings.metrics_dir is not None:
+        yield settings
+        return
+    path = tempfile.mkdtemp(prefix="flowlock-metrics-")
+    try:
+        yield dataclasses.replace(settings, metrics_dir=path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
+    """Run the service until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    check(settings, listen)
+    with contextlib.ExitStack() as stack:
+        if dev:
+            settings = stack.enter_context(_dev_servers(settings))
+        settings = stack.enter_context(_metrics_dir(settings, listen.workers))
+        os.environ.update(settings.to_env())
+        uvicorn.run(
+            "flowlock.service.app:app_from_env",
+            factory=True,
+            host=listen.host,
+            port=listen.port,
+            workers=listen.workers,
+            log_level=listen.log_level,
+            timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
+            # The workers' clients wait on us, not the other way round: no proxy headers.
+            proxy_headers=False,
+            server_header=False,
+        )

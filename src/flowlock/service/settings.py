@@ -1,0 +1,166 @@
+"""How ``flowlock serve`` is configured: flags, or the ``FLOWLOCK_*`` variables named here.
+
+Every worker process builds its app from the environment (uvicorn starts them as fresh
+processes), so the settings travel as these variables: the command line writes them with
+:meth:`ServiceSettings.to_env`, each worker reads them back with :meth:`ServiceSettings.from_env`.
+Bad values are refused with an :class:`flowlock.InvalidInput` naming the variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flowlock._settings import check_count, check_seconds, check_text
+from flowlock.errors import InvalidInput
+
+__all__ = ["ENV", "ApiToken", "ServiceSettings", "parse_tokens"]
+
+ENV = {
+    "database_url": "FLOWLOCK_DATABASE_URL",
+    "redis_url": "FLOWLOCK_REDIS_URL",
+    "app": "FLOWLOCK_APP",
+    "api_tokens": "FLOWLOCK_API_TOKEN",
+    "require_if_match": "FLOWLOCK_REQUIRE_IF_MATCH",
+    "max_body_bytes": "FLOWLOCK_MAX_BODY_BYTES",
+    "max_json_depth": "FLOWLOCK_MAX_JSON_DEPTH",
+    "pool_size": "FLOWLOCK_POOL_SIZE",
+    "strategy": "FLOWLOCK_STRATEGY",
+    "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
+    "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
+}
+"""The variable behind each setting (also the ``envvar`` of each ``flowlock serve`` flag)."""
+
+DEFAULT_MAX_BODY = 1_048_576
+DEFAULT_MAX_DEPTH = 32
+DEFAULT_DRAIN = 10.0
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiToken:
+    """One accepted bearer token and the principal it authenticates (the actor of its calls).
+
+    Given as ``name:secret``, the principal is ``name``; a bare ``secret`` authenticates as
+    ``token-`` and the first 8 hex digits of its SHA-256 (stable, and it reveals nothing)."""
+
+    principal: str
+    secret: bytes = dataclasses.field(repr=False)
+
+
+def parse_tokens(text: str) -> tuple[ApiToken, ...]:
+    """The tokens of ``FLOWLOCK_API_TOKEN``: comma-separated ``name:secret`` or ``secret``."""
+    tokens = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, sep, secret = item.partition(":")
+        if not sep:
+            secret = item
+            name = "token-" + hashlib.sha256(item.encode()).hexdigest()[:8]
+        if not name or not secret:
+            raise InvalidInput(
+                f"{ENV['api_tokens']}: an entry is empty on one side of ':'; give "
+                "'name:secret' or 'secret', several separated by commas"
+            )
+        if len(secret) < 16:
+            raise InvalidInput(
+                f"{ENV['api_tokens']}: the token of {name!r} is {len(secret)} characters long; "
+                "use at least 16 random characters (e.g. `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'`)"
+            )
+        check_text(f"{ENV['api_tokens']} principal", name, most=200)
+        tokens.append(ApiToken(name, secret.encode()))
+    return tuple(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSettings:
+    """What one ``flowlock serve`` worker runs with.
+
+    - ``database_url``: PostgreSQL (``postgresql://``), SQLite (``sqlite:///path``, one worker) or
+      ``memory://`` (tests; one worker).
+    - ``redis_url``: Redis for the "distributed" strategy (optional).
+    - ``app``: ``module:attr`` naming the workflows to serve (a Workflow, a list of them, or a
+      function returning them); None serves flowlock's examples (approval, countersign with a
+      quorum of 3, inventory).
+    - ``api_tokens``: bearer tokens; when any is set every mutating request needs one.
+    - ``require_if_match``: a fire without ``If-Match`` is refused (428).
+    - ``max_body_bytes``: a larger request body is refused (413) before it is read.
+    - ``max_json_depth``: JSON nested deeper is refused (400).
+    - ``pool_size``: PostgreSQL connections per worker (None: the engine's default, 20).
+    - ``strategy``: the engine's default strategy.
+    - ``drain_timeout``: seconds SIGTERM waits for calls in flight before closing.
+    - ``metrics_dir``: the directory workers share their Prometheus metrics through (set by
+      ``flowlock serve`` when it runs several workers).
+    """
+
+    database_url: str = "memory://"
+    redis_url: str | None = None
+    app: str | None = None
+    api_tokens: tuple[ApiToken, ...] = ()
+    require_if_match: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    pool_size: int | None = None
+    strategy: str = "optimistic"
+    drain_timeout: float = DEFAULT_DRAIN
+    metrics_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_count("max_body_bytes", self.max_body_bytes, least=2, most=1 << 30, unit="bytes")
+        check_count("max_json_depth", self.max_json_depth, least=2, most=500, unit="levels")
+        if self.pool_size is not None:
+            check_count("pool_size", self.pool_size, least=1, most=1000, unit="connections")
+        check_seconds("drain_timeout", self.drain_timeout)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> ServiceSettings:
+        """The settings the ``FLOWLOCK_*`` variables of ``environ`` give (defaults for the rest)."""
+        got: dict[str, object] = {}
+        for field, var in ENV.items():
+            raw = environ.get(var)
+            if raw is None or (raw == "" and field != "require_if_match"):
+                continue
+            got[field] = _parse(field, var, raw)
+        return cls(**got)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as the variables :meth:`from_env` reads."""
+        env: dict[str, str] = {}
+        for field, var in ENV.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if field == "api_tokens":
+                env[var] = ",".join(f"{t.principal}:{t.secret.decode()}" for t in value)
+            elif isinstance(value, bool):
+                env[var] = "true" if value else "false"
+            else:
+                env[var] = str(value)
+        return env
+
+
+def _parse(field: str, var: str, raw: str) -> object:
+    if field == "api_tokens":
+        return parse_tokens(raw)
+    if field == "require_if_match":
+        word = raw.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise InvalidInput(f"{var}={raw!r}: use true or false")
+    if field in ("max_body_bytes", "max_json_depth", "pool_size"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidInput(f"{var}={raw!r} is not a whole number") from None
+    if field == "drain_timeout":
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInput(f"{var}={raw!r} is not a number of seconds") from None
+    return raw
