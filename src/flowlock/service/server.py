@@ -17,8 +17,9 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from flowlock.errors import InvalidInput
@@ -84,17 +85,39 @@ def _metrics_dir(settings: ServiceSettings, workers: int) -> Iterator[ServiceSet
         shutil.rmtree(path, ignore_errors=True)
 
 
+class _Stopped(Exception):
+    """SIGTERM, once uvicorn has shut down gracefully."""
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
 def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
     """Run the service until SIGTERM or Ctrl-C."""
     import uvicorn
 
     check(settings, listen)
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found, to
+    # exit the way the signal would have. Under the default handler that kills this process
+    # before the embedded servers and the metrics directory are removed; under this one it
+    # ends run() instead, and the clean-up below runs (exit status 0: a requested stop).
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        _serve(settings, listen, dev, uvicorn.run)
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(settings: ServiceSettings, listen: Listen, dev: bool, run: Callable[..., None]) -> None:
     with contextlib.ExitStack() as stack:
         if dev:
             settings = stack.enter_context(_dev_servers(settings))
         settings = stack.enter_context(_metrics_dir(settings, listen.workers))
         os.environ.update(settings.to_env())
-        uvicorn.run(
+        run(
             "flowlock.service.app:app_from_env",
             factory=True,
             host=listen.host,
