@@ -40,6 +40,7 @@ from flowlock.errors import FlowlockError, InvalidInput
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.query import decode_cursor
 from flowlock.service.bodies import CreateBody, FireBody, invalid_fields, read_json
 from flowlock.service.guard import RequestGuard
 from flowlock.service.problems import PROBLEM_JSON, Problem, etag, from_error, problem
@@ -300,6 +301,15 @@ def _idempotency_key(value: str | None) -> str | None:
         raise problem(400, "invalid-idempotency-key", "Invalid Idempotency-Key", str(exc)) from None
 
 
+def _aware(**moments: datetime | None) -> None:
+    for name, moment in moments.items():
+        if moment is not None and moment.utcoffset() is None:
+            raise problem(
+                422, "invalid-request", "Invalid request",
+                f"{name} has no time zone; give one, e.g. 2026-01-31T12:00:00Z",
+            )  # fmt: skip
+
+
 def _actor(request: Request, given: str | None) -> str | None:
     principal: str | None = getattr(request.state, "principal", None)
     return principal if principal is not None else given
@@ -309,8 +319,12 @@ def _actor(request: Request, given: str | None) -> str | None:
 
 
 def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics) -> None:
-    depth = settings.max_json_depth
+    _definition_routes(app, engine)
+    _instance_routes(app, engine, settings)
+    _health_routes(app, engine, settings, metrics)
 
+
+def _definition_routes(app: FastAPI, engine: Engine) -> None:
     def definition(name: str) -> Workflow:
         wf = engine.workflows.get(name)
         if wf is None:
@@ -339,6 +353,10 @@ def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Me
     async def get_diagram(workflow: str) -> str:
         return definition(workflow).to_mermaid()
 
+
+def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> None:
+    depth = settings.max_json_depth
+
     @app.post(
         "/instances",
         tags=["instances"],
@@ -365,6 +383,14 @@ def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Me
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
         cursor: str | None = None,
     ) -> dict[str, Any]:
+        _aware(updated_before=updated_before, updated_after=updated_after)
+        try:
+            decode_cursor(cursor)
+        except InvalidInput:
+            raise problem(
+                422, "invalid-cursor", "Invalid cursor",
+                "cursor must be the next_cursor of the previous page exactly as it was sent",
+            ) from None  # fmt: skip
         page = await engine.list(
             workflow, state, updated_before, updated_after, limit=limit, after=cursor
         )
@@ -391,6 +417,13 @@ def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Me
         expected = _if_match(if_match, settings.require_if_match)
         key = _idempotency_key(idempotency_key)
         body = await read_json(request, FireBody, depth, empty_ok=True)
+        if body.strategy is not None and body.strategy not in engine.strategies:
+            raise problem(
+                422, "unknown-strategy", "Unknown strategy",
+                f"this service runs the strategies {', '.join(sorted(engine.strategies))}, not "
+                f"{body.strategy!r} (distributed needs the service started with a Redis URL)",
+                strategy=body.strategy, known=sorted(engine.strategies),
+            )  # fmt: skip
         outcome = await engine.fire(
             instance_id,
             event,
@@ -420,6 +453,10 @@ def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Me
             "next_cursor": shown[-1].version if more else None,
         }
 
+
+def _health_routes(
+    app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics
+) -> None:
     @app.get("/livez", tags=["health"], summary="The process is up")
     async def livez() -> dict[str, str]:
         return {"status": "ok"}
