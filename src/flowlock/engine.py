@@ -6,12 +6,14 @@ step to the call and hands both to the strategy. It keeps no state about instanc
 of engines in any number of processes can share one database.
 
 What it does not do lives beside it: building stores and lock backends from URLs
-(:mod:`flowlock.connect`), recording metrics (:mod:`flowlock.metrics`), and sharing the adaptive
-strategy's escalations (:class:`flowlock.strategies.monitor.EscalationSync`).
+(:mod:`flowlock.connect`), recording metrics (:mod:`flowlock.metrics`) and OpenTelemetry spans
+(:mod:`flowlock.tracing`), and sharing the adaptive strategy's escalations
+(:class:`flowlock.strategies.monitor.EscalationSync`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +25,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
+from flowlock import tracing
 from flowlock._batching import Batcher
 from flowlock._settings import check_count, check_seconds, check_text
 from flowlock.definition import Workflow
@@ -35,7 +38,7 @@ from flowlock.errors import (
 )
 from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
 from flowlock.locks.base import LockBackend
-from flowlock.metrics import Metrics
+from flowlock.metrics import Metrics, failure_outcome
 from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
 from flowlock.query import DEFAULT_LIMIT, check_limit, cursor_after, decode_cursor, instance_query
 from flowlock.step import Batched, Call, Idempotent, decide, decide_batch
@@ -203,9 +206,7 @@ class Engine:
         # per-transition default strategy be picked without an extra read per call.
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
         self._per_definition_strategy = False
-        self._batcher: Batcher[tuple[Call, float], Outcome] | None = (
-            Batcher(max_batch) if batching else None
-        )
+        self._batcher: Batcher[_Item, Outcome] | None = Batcher(max_batch) if batching else None
         self._open = False
 
     @classmethod
@@ -523,45 +524,68 @@ class Engine:
         connection is not in an open transaction.
         """
         started = time.perf_counter()
-        self._check_open()
-        _check_fire_args(instance_id, event, actor, request_id, expected_version)
-        body = self._check_data(payload, "payload")
-        call = Call(
-            instance_id=instance_id,
-            event=event,
-            payload=body,
-            actor=actor,
-            request_id=request_id,
-            expected_version=expected_version,
-            strategy="",
-        )
-        if connection is not None:
-            joinable = self._transactional()
-            if strategy is not None:
-                in_transaction(self._requested(strategy))  # refused before anything is read
-            async with joinable.in_transaction(connection) as store:
-                chosen = await self._strategy_for(instance_id, event, strategy, store)
-                chosen = in_transaction(chosen)
-                call = dataclasses.replace(call, strategy=chosen.name)
-                result = await self._run(chosen, call, started, store)
-            return self._outcome(call, result, started)
-        chosen = await self._strategy_for(instance_id, event, strategy, self._store)
-        call = dataclasses.replace(call, strategy=chosen.name)
-        batcher = self._batcher
-        if batcher is None or not _batchable(chosen):
-            return self._outcome(call, await self._run(chosen, call, started, self._store), started)
-
-        async def alone(item: tuple[Call, float]) -> Outcome:
-            return self._outcome(
-                item[0], await self._run(chosen, item[0], item[1], self._store), item[1]
+        # Without OpenTelemetry this line is the whole cost of tracing (flowlock.tracing).
+        span = tracing.start_fire(instance_id, event) if tracing.AVAILABLE else None
+        try:
+            self._check_open()
+            _check_fire_args(instance_id, event, actor, request_id, expected_version)
+            body = self._check_data(payload, "payload")
+            call = Call(
+                instance_id=instance_id,
+                event=event,
+                payload=body,
+                actor=actor,
+                request_id=request_id,
+                expected_version=expected_version,
+                strategy="",
             )
+            if connection is not None:
+                joinable = self._transactional()
+                if strategy is not None:
+                    in_transaction(self._requested(strategy))  # refused before anything is read
+                async with joinable.in_transaction(connection) as store:
+                    chosen = await self._strategy_for(instance_id, event, strategy, store)
+                    chosen = in_transaction(chosen)
+                    if span is not None:
+                        span.chose(chosen.name)
+                    call = dataclasses.replace(call, strategy=chosen.name)
+                    result = await self._run(chosen, call, started, store, span)
+                outcome = self._outcome(call, result, started)
+            else:
+                chosen = await self._strategy_for(instance_id, event, strategy, self._store)
+                if span is not None:
+                    span.chose(chosen.name)
+                call = dataclasses.replace(call, strategy=chosen.name)
+                batcher = self._batcher
+                if batcher is None or not _batchable(chosen):
+                    result = await self._run(chosen, call, started, self._store, span)
+                    outcome = self._outcome(call, result, started)
+                else:
 
-        async def together(items: Sequence[tuple[Call, float]]) -> _Answers:
-            return await self._run_batch(chosen, items)
+                    async def alone(item: _Item) -> Outcome:
+                        call, started, span = item
+                        result = await self._run(chosen, call, started, self._store, span)
+                        return self._outcome(call, result, started)
 
-        # Keyed by the strategy object too: calls asking for different strategies on one
-        # instance are batched apart (the lane holds the object, so its id is not reused).
-        return await batcher.submit((instance_id, id(chosen)), (call, started), alone, together)
+                    async def together(items: Sequence[_Item]) -> _Answers:
+                        return await self._run_batch(chosen, items)
+
+                    # Keyed by the strategy object too: calls asking for different strategies
+                    # on one instance are batched apart (the lane holds the object, so its id
+                    # is not reused).
+                    key = (instance_id, id(chosen))
+                    outcome = await batcher.submit(key, (call, started, span), alone, together)
+        except BaseException as exc:
+            if span is not None:
+                span.failed(exc, _failure_label(exc))
+            raise
+        else:
+            if span is not None:
+                span.done(outcome)
+        finally:
+            if span is not None:
+                span.end()
+        return outcome
 
     def _outcome(
         self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
@@ -586,10 +610,10 @@ class Engine:
             )
         return outcome
 
-    async def _run_batch(self, chosen: Strategy, items: Sequence[tuple[Call, float]]) -> _Answers:
+    async def _run_batch(self, chosen: Strategy, items: Sequence[_Item]) -> _Answers:
         """The calls of ``items`` (one instance, one strategy) as one batch under ``chosen``:
         one read, the calls decided in order, one write; each call's Outcome or error."""
-        calls = tuple(call for call, _ in items)
+        calls = tuple(call for call, _, _ in items)
         first = calls[0]
         batch = dataclasses.replace(first, batch=calls)
         workflows, limit = self._workflows, self._max_payload
@@ -602,20 +626,28 @@ class Engine:
             last[:] = [decided]
             return decided.entries or Idempotent(snap.instance)
 
+        # The batch runs in the driver task, not in its callers': its lock_wait and commit spans
+        # hang under a batch span of their own, linked to every caller's fire span.
+        lead = items[0][2]
+        scope = (
+            tracing.NO_SPAN
+            if lead is None
+            else tracing.batch_span(lead, [i[2] for i in items], first.instance_id, chosen.name)
+        )
         try:
-            result = await chosen.run(self._store, batch, bound)
+            with scope:
+                result = await chosen.run(self._store, batch, bound)
         except FlowlockError as exc:
             workflow = last[0].read.workflow if last else ""
-            return [
-                self._batch_failure(exc, call, started, chosen, workflow) for call, started in items
-            ]
+            return [self._batch_failure(exc, item, chosen, workflow, len(calls)) for item in items]
         decided = last[0]
         committed = result.instance if result.applied else None
         answers: _Answers = []
-        for (call, started), decision in zip(items, decided.decisions, strict=True):
+        for item, decision in zip(items, decided.decisions, strict=True):
+            call, started, _ = item
             if isinstance(decision, FlowlockError):
                 answers.append(
-                    self._batch_failure(decision, call, started, chosen, decided.read.workflow)
+                    self._batch_failure(decision, item, chosen, decided.read.workflow, len(calls))
                 )
                 continue
             if isinstance(decision, HistoryEntry):
@@ -641,10 +673,16 @@ class Engine:
         return answers
 
     def _batch_failure(
-        self, exc: FlowlockError, call: Call, started: float, chosen: Strategy, workflow: str
+        self, exc: FlowlockError, item: _Item, chosen: Strategy, workflow: str, size: int
     ) -> FlowlockError:
-        """``exc`` as the error of ``call`` in a batch (its own event in a retries-exhausted
-        error), recorded in the metrics."""
+        """``exc`` as the error of the call of ``item`` in a batch of ``size`` calls (its own
+        event in a retries-exhausted error), recorded in the metrics and on its span (which its
+        caller ends)."""
+        call, started, span = item
+        if span is not None:
+            if workflow:
+                span.read(workflow)
+            span.batched(size)
         if isinstance(exc, ConflictRetriesExhausted):
             exc = ConflictRetriesExhausted(call.instance_id, call.event, exc.attempts)
         if self._metrics is not None:
@@ -658,11 +696,16 @@ class Engine:
         return exc
 
     async def _run(
-        self, chosen: Strategy, call: Call, started: float, store: Store
+        self,
+        chosen: Strategy,
+        call: Call,
+        started: float,
+        store: Store,
+        span: tracing.FireSpan | None,
     ) -> StrategyResult:
         """``call`` under ``chosen`` on ``store``, the pure step bound to the registered
-        workflows; a failure is recorded (with the workflow, once the step has read the
-        instance) and re-raised."""
+        workflows; a failure is recorded in the metrics and on ``span`` (with the workflow, once
+        the step has read the instance) and re-raised."""
         workflows = self._workflows
         limit = self._max_payload
         seen: list[str] = []
@@ -680,15 +723,16 @@ class Engine:
         try:
             result = await chosen.run(store, call, bound)
         except FlowlockError as exc:
-            if metrics is None:
-                raise
-            metrics.record_failure(
-                exc,
-                workflow=seen[0] if seen else "",
-                event=call.event,
-                strategy=chosen.name,
-                elapsed=time.perf_counter() - started,
-            )
+            if span is not None and seen:
+                span.read(seen[0])
+            if metrics is not None:
+                metrics.record_failure(
+                    exc,
+                    workflow=seen[0] if seen else "",
+                    event=call.event,
+                    strategy=chosen.name,
+                    elapsed=time.perf_counter() - started,
+                )
             raise
         if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
             result = dataclasses.replace(result, replayed=True)
@@ -758,6 +802,17 @@ class Engine:
 
 
 _Answers: TypeAlias = list[Outcome | BaseException]  # spelled here: Engine.list shadows list
+
+_Item: TypeAlias = tuple[Call, float, "tracing.FireSpan | None"]
+"""A call the batcher holds: the call, when it started (perf_counter), its span if traced."""
+
+
+def _failure_label(exc: BaseException) -> str:
+    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
+    error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
+    if isinstance(exc, FlowlockError):
+        return failure_outcome(exc)
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"
 
 
 def _batchable(strategy: Strategy) -> bool:

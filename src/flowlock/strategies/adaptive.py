@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flowlock import tracing
 from flowlock.models import Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
@@ -90,7 +91,9 @@ class Adaptive:
                 # to write: finish under the lock rather than keep losing the same race. (A
                 # call with nothing left to write was answered just above, without the lock.)
                 return await self._escalated(store, call, decide, attempt - 1, escalation.reason)
-            committed = await store.commit(planned)
+            with tracing.commit_span(planned, attempt) as span:
+                committed = await store.commit(planned)
+                tracing.commit_done(span, committed is not None)
             # Counted per call: a batch that loses its compare-and-swap lost it for every call
             # in it, and one that wins won it for each of them.
             for _ in range(writes(planned)):

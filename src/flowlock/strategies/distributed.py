@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
+from flowlock import tracing
 from flowlock._settings import check_count
 from flowlock.errors import (
     ConflictRetriesExhausted,
@@ -103,24 +104,32 @@ class Distributed:
         if locks is None:
             raise InvalidInput(UNBOUND)
         try:
-            lease = await locks.acquire(key, ttl=self.ttl, wait=0.0)
-        except LockBusy:
-            # Why wait for the release before queueing: the holder may be doing this very
-            # transition (the two-admins storm). Once it releases, a fresh read answers every
-            # such caller at once, without each of them taking the lease in turn.
-            if self.wait <= 0:
-                raise
-            released = await locks.wait_released(key, self.wait)
-            if released:
-                planned = decide(await store.read(key, call.request_ids))
-                if isinstance(planned, Idempotent):
-                    waited = time.monotonic() - asked
-                    return StrategyResult(planned.instance, False, 1, lock_wait=waited)
-            left = asked + self.wait - time.monotonic()
-            if left <= 0:
-                raise LockTimeout(key, time.monotonic() - asked) from None
-            lease = await locks.acquire(key, ttl=self.ttl, wait=left)
+            try:
+                lease = await locks.acquire(key, ttl=self.ttl, wait=0.0)
+            except LockBusy:
+                # Why wait for the release before queueing: the holder may be doing this very
+                # transition (the two-admins storm). Once it releases, a fresh read answers
+                # every such caller at once, without each of them taking the lease in turn.
+                if self.wait <= 0:
+                    raise
+                released = await locks.wait_released(key, self.wait)
+                if released:
+                    planned = decide(await store.read(key, call.request_ids))
+                    if isinstance(planned, Idempotent):
+                        answered = time.monotonic()
+                        tracing.lock_wait(asked, answered, lock="lease", acquired=False)
+                        return StrategyResult(
+                            planned.instance, False, 1, lock_wait=answered - asked
+                        )
+                left = asked + self.wait - time.monotonic()
+                if left <= 0:
+                    raise LockTimeout(key, time.monotonic() - asked) from None
+                lease = await locks.acquire(key, ttl=self.ttl, wait=left)
+        except LockError as exc:
+            tracing.lock_failed(asked, exc, lock="lease")
+            raise
         got = time.monotonic()
+        tracing.lock_wait(asked, got, lock="lease")
         held = Held(locks, lease)
         try:
             result = await self._under_lease(held, store, call, decide)
@@ -157,7 +166,10 @@ class Distributed:
             # a lost lease must not write (the fencing check would refuse it anyway once a
             # newer holder has written, but not before).
             held.check()
-            committed = await store.commit(stamped(planned, fencing_token=fence))
+            fenced = stamped(planned, fencing_token=fence)
+            with tracing.commit_span(fenced, attempt) as span:
+                committed = await store.commit(fenced)
+                tracing.commit_done(span, committed is not None)
             if committed is not None:
                 return StrategyResult(committed, applied=True, attempts=attempt)
             held.check()

@@ -13,6 +13,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from flowlock import tracing
 from flowlock._settings import check_count, check_seconds
 from flowlock.errors import ConflictRetriesExhausted
 from flowlock.step import Call, Idempotent
@@ -54,7 +55,9 @@ class Optimistic:
             planned = decide(snap)
             if isinstance(planned, Idempotent):
                 return StrategyResult(planned.instance, applied=False, attempts=attempt)
-            committed = await store.commit(planned)
+            with tracing.commit_span(planned, attempt) as span:
+                committed = await store.commit(planned)
+                tracing.commit_done(span, committed is not None)
             if committed is not None:
                 return StrategyResult(committed, applied=True, attempts=attempt)
             if attempt < self.max_attempts:

@@ -7,10 +7,12 @@ version compare-and-swap: the lock cuts wasted work, the version keeps a mistake
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from flowlock import tracing
 from flowlock._settings import check_seconds
-from flowlock.errors import InvalidInput, StoreError
+from flowlock.errors import InvalidInput, LockError, StoreError
 from flowlock.models import Instance, Snapshot
 from flowlock.step import Call, Idempotent
 from flowlock.stores.base import RowLock, Store
@@ -49,10 +51,26 @@ class Pessimistic:
             return planned
 
         lock = RowLock(timeout=self.lock_timeout, nowait=self.nowait)
-        result = await store.apply_locked(call.instance_id, call.request_ids, plan, lock)
+        # The wait and the write happen inside the store: traced, they are spans made after the
+        # fact from the store's own measures, counted from here. Untraced, no clock is read.
+        traced = tracing.current() is not None
+        started = time.monotonic() if traced else 0.0
+        try:
+            result = await store.apply_locked(call.instance_id, call.request_ids, plan, lock)
+        except LockError as exc:
+            if traced:
+                tracing.lock_failed(started, exc, lock="row")
+            raise
         instance = result.committed or answer
         if instance is None:  # pragma: no cover - a store that skipped plan() broke its contract
             raise StoreError("store returned from apply_locked without running the plan")
+        if traced:
+            written = (
+                0
+                if result.committed is None
+                else instance.version - result.snapshot.instance.version
+            )
+            tracing.locked(started, result.waited, result.held, written)
         return StrategyResult(
             instance,
             applied=result.committed is not None,

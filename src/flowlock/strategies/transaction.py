@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flowlock import tracing
 from flowlock.errors import (
     ConflictRetriesExhausted,
     InvalidInput,
@@ -83,7 +84,9 @@ class SingleSwap:
         planned = decide(await store.read(call.instance_id, call.request_id))
         if isinstance(planned, Idempotent):
             return StrategyResult(planned.instance, applied=False, attempts=1)
-        committed = await store.commit(planned)
+        with tracing.commit_span(planned, 1) as span:
+            committed = await store.commit(planned)
+            tracing.commit_done(span, committed is not None)
         if self.record is not None:
             self.record(committed is not None)
         if committed is not None:
