@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -353,7 +354,13 @@ def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Me
         return JSONResponse(
             _instance(inst, engine),
             status_code=201,
-            headers={"ETag": etag(inst.version), "Location": f"/instances/{inst.id}"},
+            # Percent-encoded: an id may hold any character but NUL and controls, and a header
+            # carries only latin-1 (a raw "é" would be mojibake, a raw "𓀀" a crash after the
+            # instance was created, a raw "?" or "#" another URL).
+            headers={
+                "ETag": etag(inst.version),
+                "Location": f"/instances/{quote(inst.id, safe='')}",
+            },
         )
 
     @app.get("/instances", tags=["instances"], summary="Instances matching every filter given")
