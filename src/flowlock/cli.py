@@ -1,7 +1,8 @@
 """``flowlock``: the command line (typer + rich).
 
-The CLI is the one place in flowlock that reads the environment; every variable it reads is named
-in ``flowlock --help``:
+The CLI is the one place in flowlock that reads the environment (with the service's workers,
+which read the ``FLOWLOCK_*`` settings ``flowlock serve`` passes them); every variable it reads is
+named in ``flowlock --help``:
 
 - ``FLOWLOCK_DATABASE_URL``: the PostgreSQL URL for ``db migrate`` and ``bench``, and the
   PostgreSQL or SQLite URL the inspection commands (``show``, ``history``, ``list``, ``check``)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +45,16 @@ from flowlock.query import decode_cursor
 from flowlock.service.bodies import CreateBody, FireBody, invalid_fields, read_json
 from flowlock.service.guard import RequestGuard
 from flowlock.service.problems import PROBLEM_JSON, Problem, etag, from_error, problem
+from flowlock.service.responses import (
+    DefinitionList,
+    DefinitionOut,
+    Fired,
+    HistoryPage,
+    InstanceOut,
+    InstancePage,
+    Live,
+    Ready,
+)
 from flowlock.service.settings import ServiceSettings
 
 __all__ = ["app_from_env", "create_app", "default_workflows"]
@@ -129,6 +140,60 @@ _PROBLEM_DOC: dict[str, Any] = {
         }
     }
 }
+
+
+def _header(description: str, *, required: bool = True, **schema: Any) -> dict[str, Any]:
+    return {
+        "description": description,
+        "required": required,
+        "schema": {"type": "string", **schema},
+    }
+
+
+_ETAG = _header('The instance\'s version, quoted ("3"): send it back as If-Match.')
+_CREATED_HEADERS = {
+    "ETag": _ETAG,
+    "Location": _header(
+        "The new instance's path (its id percent-encoded).", format="uri-reference"
+    ),
+}
+_FIRED_HEADERS = {
+    "ETag": _ETAG,
+    "Idempotent-Replayed": _header(
+        "true when this is a retry answered with the first response", required=False, enum=["true"]
+    ),
+    "Flowlock-Strategy": _header("The strategy that ran this call."),
+    "Flowlock-Attempts": _header("Attempts this call took.", pattern="^[0-9]+$"),
+    "Flowlock-Batch-Size": _header("Calls committed together with this one.", pattern="^[0-9]+$"),
+}
+
+
+# What _if_match and _idempotency_key accept, for the document only (each checks it itself and
+# answers 400 with its own problem): so that generated clients and tests send valid ones.
+_IF_MATCH_DOC: dict[str, Any] = {
+    "description": 'The ETag of the version the decision was made on ("3"), or *.',
+    "pattern": '^ *(\\*|(W/)?"[1-9][0-9]{0,17}"|[1-9][0-9]{0,17}) *$',
+}
+_KEY_DOC: dict[str, Any] = {
+    "description": "The request's id: a retry with the same key gets the first answer again.",
+    "minLength": 1,
+    "maxLength": MAX_ID_LENGTH,
+    "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]+$",
+}
+
+
+def _ok(
+    model: type[Any],
+    description: str,
+    status: int = 200,
+    headers: dict[str, dict[str, Any]] | None = None,
+) -> dict[int | str, dict[str, Any]]:
+    """The documented success answer of a route: its body's model and its headers. Declared with
+    ``responses=`` and ``response_model=None``: the document only, never a check on the body."""
+    doc: dict[str, Any] = {"model": model, "description": description}
+    if headers:
+        doc["headers"] = headers
+    return {status: doc}
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -336,11 +401,23 @@ def _definition_routes(app: FastAPI, engine: Engine) -> None:
             )  # fmt: skip
         return wf
 
-    @app.get("/definitions", tags=["definitions"], summary="The workflows this service runs")
+    @app.get(
+        "/definitions",
+        tags=["definitions"],
+        summary="The workflows this service runs",
+        response_model=None,
+        responses=_ok(DefinitionList, "Every served workflow"),
+    )
     async def list_definitions() -> dict[str, Any]:
         return {"items": [_definition(wf) for wf in engine.workflows.values()]}
 
-    @app.get("/definitions/{workflow}", tags=["definitions"], summary="One workflow")
+    @app.get(
+        "/definitions/{workflow}",
+        tags=["definitions"],
+        summary="One workflow",
+        response_model=None,
+        responses=_ok(DefinitionOut, "The workflow"),
+    )
     async def get_definition(workflow: str) -> dict[str, Any]:
         return _definition(definition(workflow))
 
@@ -363,6 +440,8 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         status_code=201,
         summary="Create an instance in its workflow's initial state (version 1)",
         openapi_extra=_body_doc(CreateBody, required=True),
+        response_model=None,
+        responses=_ok(InstanceOut, "Created", 201, _CREATED_HEADERS),
     )
     async def create_instance(request: Request) -> Response:
         body = await read_json(request, CreateBody, depth, empty_ok=False)
@@ -371,10 +450,22 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         return JSONResponse(
             _instance(inst, engine),
             status_code=201,
-            headers={"ETag": etag(inst.version), "Location": f"/instances/{inst.id}"},
+            # Percent-encoded: an id may hold any character but NUL and controls, and a header
+            # carries only latin-1 (a raw "é" would be mojibake, a raw "𓀀" a crash after the
+            # instance was created, a raw "?" or "#" another URL).
+            headers={
+                "ETag": etag(inst.version),
+                "Location": f"/instances/{quote(inst.id, safe='')}",
+            },
         )
 
-    @app.get("/instances", tags=["instances"], summary="Instances matching every filter given")
+    @app.get(
+        "/instances",
+        tags=["instances"],
+        summary="Instances matching every filter given",
+        response_model=None,
+        responses=_ok(InstancePage, "A page of instances"),
+    )
     async def list_instances(
         workflow: str | None = None,
         state: Annotated[list[str] | None, Query()] = None,
@@ -396,7 +487,13 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         )
         return {"items": [_instance(i, engine) for i in page], "next_cursor": page.next_cursor}
 
-    @app.get("/instances/{instance_id}", tags=["instances"], summary="One instance")
+    @app.get(
+        "/instances/{instance_id}",
+        tags=["instances"],
+        summary="One instance",
+        response_model=None,
+        responses=_ok(InstanceOut, "The instance", headers={"ETag": _ETAG}),
+    )
     async def get_instance(instance_id: str) -> Response:
         inst = await engine.get(instance_id)
         return JSONResponse(_instance(inst, engine), headers={"ETag": etag(inst.version)})
@@ -406,13 +503,19 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         tags=["instances"],
         summary="Fire an event at an instance; applied at most once",
         openapi_extra=_body_doc(FireBody, required=False),
+        response_model=None,
+        responses=_ok(
+            Fired,
+            "Applied, or nothing to do (idempotent), or a replay of the first answer",
+            headers=_FIRED_HEADERS,
+        ),
     )
     async def fire(
         instance_id: str,
         event: str,
         request: Request,
-        if_match: Annotated[str | None, Header()] = None,
-        idempotency_key: Annotated[str | None, Header()] = None,
+        if_match: Annotated[str | None, Header(json_schema_extra=_IF_MATCH_DOC)] = None,
+        idempotency_key: Annotated[str | None, Header(json_schema_extra=_KEY_DOC)] = None,
     ) -> Response:
         expected = _if_match(if_match, settings.require_if_match)
         key = _idempotency_key(idempotency_key)
@@ -439,6 +542,8 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         "/instances/{instance_id}/history",
         tags=["instances"],
         summary="Applied transitions, oldest first, a page at a time",
+        response_model=None,
+        responses=_ok(HistoryPage, "A page of history"),
     )
     async def history(
         instance_id: str,
@@ -457,18 +562,39 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
 def _health_routes(
     app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics
 ) -> None:
-    @app.get("/livez", tags=["health"], summary="The process is up")
+    @app.get(
+        "/livez",
+        tags=["health"],
+        summary="The process is up",
+        response_model=None,
+        responses=_ok(Live, "Up"),
+    )
     async def livez() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="PostgreSQL (and Redis) answer")
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="PostgreSQL (and Redis) answer",
+        response_model=None,
+        responses={
+            **_ok(Ready, "Every backend answered"),
+            **_ok(Ready, "A backend did not answer (the checks say which)", 503),
+        },
+    )
     async def readyz() -> Response:
         checks = await _readiness(engine)
         ok = all(v == "ok" for v in checks.values())
         body = {"status": "ok" if ok else "degraded", "checks": checks}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "The Prometheus text exposition format"}},
+    )
     async def prometheus() -> Response:
         return Response(_exposition(settings, metrics), media_type=CONTENT_TYPE_LATEST)
 

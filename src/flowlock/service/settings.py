@@ -127,6 +127,12 @@ class ServiceSettings:
             if raw is None or (raw == "" and field != "require_if_match"):
                 continue
             got[field] = _parse(field, var, raw)
+            try:
+                # Each value checked alone, so that a value out of range is refused naming its
+                # variable (the bounds of __post_init__ name the field).
+                cls(**{field: got[field]})  # type: ignore[arg-type]
+            except InvalidInput as exc:
+                raise InvalidInput(f"{var}={raw!r}: {exc}") from None
         return cls(**got)  # type: ignore[arg-type]
 
     def to_env(self) -> dict[str, str]:
