@@ -709,6 +709,21 @@ EmbeddedOption = Annotated[
 ]
 
 
+HttpOption = Annotated[
+    bool,
+    typer.Option(
+        "--http",
+        help="Also run each pair through the HTTP service: a `flowlock serve` started for the "
+        "run on the same database and scratch schema (one worker process, as many connections "
+        "as the in-process pool), called by --workers concurrent httpx clients from this "
+        "process, one connection each. Runs storm, hot and spread "
+        "with optimistic, pessimistic and adaptive unless --scenario/--strategy say which of "
+        "them; every pair warms up first, also with --quick. Adds a table of requests/s, p50, "
+        "p99, success % and verdict per pair beside the in-process p99 of the same run, with "
+        "the ratio, the difference and the aim: HTTP p99 <= 1.5 x in-process p99 + 5 ms. The "
+        "callers share the machine's cores with the service and PostgreSQL.",
+    ),
+]
 SoakOption = Annotated[
     int | None,
     typer.Option(
@@ -852,6 +867,7 @@ def bench(
     redis_url: BenchRedisUrl = None,
     embedded: EmbeddedOption = False,
     batching: BatchingOption = OnOff.on,
+    http: HttpOption = False,
     soak: SoakOption = None,
     faults: FaultsOption = False,
 ) -> None:
@@ -864,6 +880,9 @@ def bench(
     with the checker's exactly-once verdict, the seed's published figures beside storm, and the
     aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
     any verdict fails.
+
+    With --http each pair runs in-process and then through `flowlock serve`, and a table shows
+    the HTTP overhead: see --http, and docs/benchmarks.md.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
@@ -879,6 +898,7 @@ def bench(
             "--quick": quick,
             "--pool-size": pool_size,
             "--plot": plot_file,
+            "--http": http,
         }
         soak_config = _soak_config(
             ctx,
@@ -909,6 +929,7 @@ def bench(
         database_url=None if embedded else database_url,
         redis_url=None if embedded else redis_url,
         batching=batching is OnOff.on,
+        http=http,
     )
     _show(_run_bench(config, plot_file is not None), json_file, plot_file)
 
