@@ -991,6 +991,10 @@ def serve(
     default_strategy: Annotated[
         str, _opt("--strategy", "FLOWLOCK_STRATEGY", "The default concurrency strategy.")
     ] = "optimistic",
+    schema: Annotated[
+        str | None,
+        _opt("--schema", "FLOWLOCK_SCHEMA", "PostgreSQL schema of flowlock's tables."),
+    ] = None,
     drain_timeout: Annotated[
         float,
         _opt(
@@ -1040,6 +1044,7 @@ def serve(
             max_json_depth=max_json_depth,
             pool_size=pool_size,
             strategy=default_strategy,
+            schema=schema,
             drain_timeout=drain_timeout,
         )
         if app_ref is not None:

@@ -78,6 +78,7 @@ def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
         redis_url=settings.redis_url,
         max_size=settings.pool_size,
         strategy=settings.strategy,
+        schema=settings.schema,
         metrics=metrics,
     )
 
