@@ -28,7 +28,6 @@ import flowlock
 from flowlock import examples
 from flowlock._inspect import open_readonly
 from flowlock.checker import check
-from flowlock.embedded import process
 from flowlock.stores.postgres import PostgresStore
 
 pytestmark = pytest.mark.postgres
@@ -42,7 +41,7 @@ def multi_host(pg_url: str, *, attrs: str = "read-write", dead: bool = True) -> 
     where nothing listens (``dead``), or the same server again."""
     parts = urlsplit(pg_url)
     user, at, where = parts.netloc.rpartition("@")
-    first = f"{process.HOST}:{process.free_port()}" if dead else where
+    first = "127.0.0.1:1" if dead else where  # nothing listens on port 1: refused at once
     query = "&".join(q for q in (parts.query, f"target_session_attrs={attrs}") if q)
     return urlunsplit(parts._replace(netloc=f"{user}{at}{first},{where}", query=query))
 
