@@ -508,7 +508,10 @@ async def _load(run: _Soak, fleet: _Fleet, progress: Progress) -> tuple[list[Any
     faults injected and the seconds of load."""
     config = run.config
     run.started = time.monotonic()
-    run.stop_at = run.started + config.seconds
+    # The seconds of load count from when the workers are ready: on a loaded machine starting
+    # them can take longer than a short soak, which then measured nothing. The first workers
+    # stop when stop() closes their stdin; the stop time they are given is only a backstop.
+    run.stop_at = run.started + _READY_BOUND + config.seconds
     progress.status(f"starting {config.process_count()} worker processes")
     for slot in range(config.process_count()):
         await fleet.start(slot)
@@ -521,6 +524,8 @@ async def _load(run: _Soak, fleet: _Fleet, progress: Progress) -> tuple[list[Any
             f"the soak's worker processes were not ready within {_READY_BOUND:.0f} s: "
             + " | ".join(fleet.crashes or [w.stderr[-1] if w.stderr else w.name for w in first])
         ) from None
+    loaded = time.monotonic()
+    run.stop_at = loaded + config.seconds
     kinds: tuple[FaultKind, ...] = FAULT_KINDS
     if run.redis is None:
         kinds = tuple(k for k in kinds if k != "restart-redis")
@@ -551,7 +556,7 @@ async def _load(run: _Soak, fleet: _Fleet, progress: Progress) -> tuple[list[Any
         await asyncio.gather(sampler, return_exceptions=True)
     progress.status("stopping the worker processes")
     await fleet.stop()
-    return list(injector.faults), time.monotonic() - run.started
+    return list(injector.faults), time.monotonic() - loaded
 
 
 async def _sample_connections(run: _Soak) -> None:
