@@ -709,6 +709,36 @@ EmbeddedOption = Annotated[
 ]
 
 
+HostsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--hosts",
+        min=1,
+        max=16,
+        metavar="N",
+        help="Run every scenario's callers in the worker processes spread over N Linux network "
+        "namespaces (one machine, N 'hosts' on a bridge, each with its own address), against an "
+        "embedded PostgreSQL and Redis listening on the bridge. Default scenarios: spread and "
+        "cluster; --processes defaults to at least N. Needs root and iproute2; the namespaces "
+        "are removed at the end.",
+        show_default=False,
+    ),
+]
+NetemDelayOption = Annotated[
+    float | None,
+    typer.Option(
+        "--netem-delay",
+        min=0,
+        max=1000,
+        metavar="MS",
+        help="With --hosts: tc netem delay of each direction of each host's link, in ms (a "
+        "round trip gains twice that). Default: 1 with 2 hosts or more where the kernel has "
+        "netem (else none, noted); 0: none.",
+        show_default=False,
+    ),
+]
+
+
 SoakOption = Annotated[
     int | None,
     typer.Option(
@@ -852,6 +882,8 @@ def bench(
     redis_url: BenchRedisUrl = None,
     embedded: EmbeddedOption = False,
     batching: BatchingOption = OnOff.on,
+    hosts: HostsOption = None,
+    netem_delay: NetemDelayOption = None,
     soak: SoakOption = None,
     faults: FaultsOption = False,
 ) -> None:
@@ -864,6 +896,8 @@ def bench(
     with the checker's exactly-once verdict, the seed's published figures beside storm, and the
     aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
     any verdict fails.
+
+    With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
@@ -879,6 +913,8 @@ def bench(
             "--quick": quick,
             "--pool-size": pool_size,
             "--plot": plot_file,
+            "--hosts": hosts,
+            "--netem-delay": netem_delay is not None,
         }
         soak_config = _soak_config(
             ctx,
@@ -909,6 +945,8 @@ def bench(
         database_url=None if embedded else database_url,
         redis_url=None if embedded else redis_url,
         batching=batching is OnOff.on,
+        hosts=hosts,
+        netem_delay_ms=netem_delay,
     )
     _show(_run_bench(config, plot_file is not None), json_file, plot_file)
 

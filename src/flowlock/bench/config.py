@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from flowlock.bench.hosts import MAX_DELAY_MS, MAX_HOSTS
 from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, expand
 from flowlock.bench.results import Params
 from flowlock.bench.scenarios import SCENARIOS, Scenario
@@ -18,6 +19,7 @@ __all__ = [
     "ADMIN_POOL",
     "ADVISORY_POOL",
     "DEFAULT_PROCESSES",
+    "HOSTS_SCENARIOS",
     "MAX_SOAK_FAULTS",
     "MAX_SOAK_PROCESSES",
     "SOAK_CALLERS_PER_PROCESS",
@@ -29,7 +31,12 @@ __all__ = [
 ]
 
 DEFAULT_PROCESSES = 4
-"""OS processes of the multi-process scenarios when ``processes`` is not given."""
+"""OS processes of the multi-process scenarios when ``processes`` is not given (with ``hosts``,
+at least one per host)."""
+
+HOSTS_SCENARIOS = ("spread", "cluster")
+"""What ``--hosts`` runs when no scenario is named: the sustained must-apply load from every
+host, on many instances (spread) and on instances the hosts share (cluster)."""
 
 ADVISORY_POOL = 20
 """Lease connections of an advisory-lock backend, per process (its library default)."""
@@ -99,14 +106,47 @@ class BenchConfig:
     batching: bool = True
     """Every flowlock engine the run builds batches concurrent calls on one instance
     (``Engine(batching=...)``); the raw floor has no engine and is the same either way."""
+    hosts: int | None = None
+    """Run every scenario's callers in worker processes spread over this many Linux network
+    namespaces (:mod:`flowlock.bench.hosts`), against an embedded PostgreSQL and Redis on the
+    namespaces' bridge. Needs root and iproute2."""
+    netem_delay_ms: float | None = None
+    """With ``hosts``: the netem delay of each direction of each host's link; None: 1 ms with
+    two hosts or more where the kernel has netem, else none; 0: none."""
 
     def validate(self) -> None:
         """Raise InvalidInput for anything that cannot run; does no I/O."""
         self._check_names()
         self._check_counts()
         self._check_urls()
+        self._check_hosts()
         if not isinstance(self.batching, bool):
             raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
+
+    def _check_hosts(self) -> None:
+        if self.hosts is None:
+            if self.netem_delay_ms is not None:
+                raise InvalidInput("a netem delay needs hosts (--netem-delay needs --hosts N)")
+            return
+        if isinstance(self.hosts, bool) or not 1 <= self.hosts <= MAX_HOSTS:
+            raise InvalidInput(f"hosts must be 1 to {MAX_HOSTS}, not {self.hosts!r}")
+        delay = self.netem_delay_ms
+        if delay is not None and (isinstance(delay, bool) or not 0 <= delay <= MAX_DELAY_MS):
+            raise InvalidInput(f"the netem delay must be 0 to {MAX_DELAY_MS:g} ms, not {delay!r}")
+        if self.database_url is not None or self.redis_url is not None:
+            given = "--database-url" if self.database_url is not None else "--redis-url"
+            raise InvalidInput(
+                f"--hosts runs on an embedded PostgreSQL and Redis listening on the hosts' "
+                f"bridge (a server on 127.0.0.1 cannot be reached from a namespace), so it "
+                f"refuses {given}; drop it (or unset FLOWLOCK_DATABASE_URL / "
+                "FLOWLOCK_REDIS_URL, or add --embedded)"
+            )
+        if self.process_count() < self.hosts:
+            raise InvalidInput(
+                f"each host runs at least one worker process: {self.process_count()} "
+                f"process(es) cannot cover {self.hosts} hosts; raise --processes (and "
+                "--workers) to at least --hosts"
+            )
 
     def _check_names(self) -> None:
         for name in self.scenario_names():
@@ -144,7 +184,11 @@ class BenchConfig:
             )
 
     def scenario_names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.scenarios)) if self.scenarios else tuple(SCENARIOS)
+        if self.scenarios:
+            return tuple(dict.fromkeys(self.scenarios))
+        if self.hosts is not None:
+            return HOSTS_SCENARIOS
+        return tuple(SCENARIOS)
 
     def strategy_names(self) -> tuple[str, ...]:
         return expand(self.strategies) if self.strategies else DEFAULT_STRATEGIES
@@ -161,13 +205,19 @@ class BenchConfig:
         return self.warmup and not self.quick
 
     def process_count(self) -> int:
-        return min(self.workers, self.processes or DEFAULT_PROCESSES)
+        default = max(DEFAULT_PROCESSES, self.hosts or 0)
+        return min(self.workers, self.processes or default)
+
+    def in_processes(self, scenario: Scenario) -> bool:
+        """Whether ``scenario``'s callers run in the worker processes: the multi-process
+        scenarios always, every scenario when the run has hosts (the workers run on them)."""
+        return scenario.multiprocess or self.hosts is not None
 
     def params_for(self, scenario: Scenario) -> Params:
         return Params(
             workers=self.workers,
             ops=self.ops_for(scenario),
-            processes=self.process_count() if scenario.multiprocess else 1,
+            processes=self.process_count() if self.in_processes(scenario) else 1,
         )
 
 
