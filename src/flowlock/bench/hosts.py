@@ -541,7 +541,7 @@ class NamespacedHosts:
             except BaseException as exc:
                 # Ctrl-C mid-way: the remaining names are still removed, then it propagates.
                 interrupted = interrupted or exc
-        left = self.leftovers()
+        left = self._still_there(plan)
         self._state.plan = None
         if interrupted is not None:
             raise interrupted
@@ -550,6 +550,20 @@ class NamespacedHosts:
                 f"could not remove {', '.join(left)}",
                 advice="remove them by hand: ip netns delete NAME / ip link delete NAME",
             )
+
+    def _still_there(self, plan: HostPlan) -> list[str]:
+        """What is left of the run, looked at again for a moment: the kernel destroys a deleted
+        namespace's interfaces in the background, so a veth may outlive its namespace briefly
+        (it is deleted again meanwhile)."""
+        deadline = time.monotonic() + _KILL_WAIT
+        while True:
+            left = self.leftovers()
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
+            for argv in plan.teardown_commands():
+                if argv[-1] in left:
+                    _run(argv)
 
     def _end_processes(self, plan: HostPlan) -> None:
         """Processes still inside our namespaces are ours (workers that did not exit): TERM,
