@@ -77,12 +77,18 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
     where = url.split("@")[-1] + (f" (schema {schema})" if schema else "")
     # A pool of our own, handed to the engine as an application's pool would be: the store then
     # creates no schema (a CREATE SCHEMA IF NOT EXISTS needs CREATE rights a reader may lack).
-    settings = {"application_name": "flowlock-inspect", "default_transaction_read_only": "on"}
+    settings = {"application_name": "flowlock-inspect"}
     if schema is not None:
         settings["search_path"] = schema
     with wrap_connect(url):
         pool = await asyncpg.create_pool(
-            url, min_size=1, max_size=2, server_settings=settings, timeout=10, command_timeout=30
+            url,
+            min_size=1,
+            max_size=2,
+            server_settings=settings,
+            setup=_read_only,
+            timeout=10,
+            command_timeout=30,
         )
     try:
         await _postgres_tables(pool, schema, where)
@@ -90,6 +96,14 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
             yield engine
     finally:
         await close_pool(pool)
+
+
+async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
+    """Every transaction of ``conn`` read-only, set on each acquire. Not a startup setting: a
+    session that starts read-only is refused by a URL's ``target_session_attrs=read-write``
+    (asyncpg takes it for a standby), so a multi-host URL could never connect; and not once
+    per connection, since the pool's reset on release (``RESET ALL``) would undo it."""
+    await conn.execute("SET default_transaction_read_only = on")
 
 
 async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:

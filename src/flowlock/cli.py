@@ -720,7 +720,7 @@ HostsOption = Annotated[
         "namespaces (one machine, N 'hosts' on a bridge, each with its own address), against an "
         "embedded PostgreSQL and Redis listening on the bridge. Default scenarios: spread and "
         "cluster; --processes defaults to at least N. Needs root and iproute2; the namespaces "
-        "are removed at the end.",
+        "are removed at the end. Not with --http.",
         show_default=False,
     ),
 ]
@@ -737,8 +737,21 @@ NetemDelayOption = Annotated[
         show_default=False,
     ),
 ]
-
-
+HttpOption = Annotated[
+    bool,
+    typer.Option(
+        "--http",
+        help="Also run each pair through the HTTP service: a `flowlock serve` started for the "
+        "run on the same database and scratch schema (one worker process, as many connections "
+        "as the in-process pool), called by --workers concurrent httpx clients from this "
+        "process, one connection each. Runs storm, hot and spread "
+        "with optimistic, pessimistic and adaptive unless --scenario/--strategy say which of "
+        "them; every pair warms up first, also with --quick. Adds a table of requests/s, p50, "
+        "p99, success % and verdict per pair beside the in-process p99 of the same run, with "
+        "the ratio, the difference and the aim: HTTP p99 <= 1.5 x in-process p99 + 5 ms. The "
+        "callers share the machine's cores with the service and PostgreSQL. Not with --hosts.",
+    ),
+]
 SoakOption = Annotated[
     int | None,
     typer.Option(
@@ -884,6 +897,7 @@ def bench(
     batching: BatchingOption = OnOff.on,
     hosts: HostsOption = None,
     netem_delay: NetemDelayOption = None,
+    http: HttpOption = False,
     soak: SoakOption = None,
     faults: FaultsOption = False,
 ) -> None:
@@ -898,6 +912,9 @@ def bench(
     any verdict fails.
 
     With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.
+
+    With --http each pair runs in-process and then through `flowlock serve`, and a table shows
+    the HTTP overhead: see --http, and docs/benchmarks.md. --http and --hosts do not combine.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
@@ -915,6 +932,7 @@ def bench(
             "--plot": plot_file,
             "--hosts": hosts,
             "--netem-delay": netem_delay is not None,
+            "--http": http,
         }
         soak_config = _soak_config(
             ctx,
@@ -947,6 +965,7 @@ def bench(
         batching=batching is OnOff.on,
         hosts=hosts,
         netem_delay_ms=netem_delay,
+        http=http,
     )
     _show(_run_bench(config, plot_file is not None), json_file, plot_file)
 
@@ -1008,6 +1027,10 @@ def serve(
     default_strategy: Annotated[
         str, _opt("--strategy", "FLOWLOCK_STRATEGY", "The default concurrency strategy.")
     ] = "optimistic",
+    schema: Annotated[
+        str | None,
+        _opt("--schema", "FLOWLOCK_SCHEMA", "PostgreSQL schema of flowlock's tables."),
+    ] = None,
     drain_timeout: Annotated[
         float,
         _opt(
@@ -1057,6 +1080,7 @@ def serve(
             max_json_depth=max_json_depth,
             pool_size=pool_size,
             strategy=default_strategy,
+            schema=schema,
             drain_timeout=drain_timeout,
         )
         if app_ref is not None:

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 import pytest
@@ -35,6 +36,7 @@ from flowlock.bench import (
     STRATEGIES,
     BenchConfig,
     BuildContext,
+    NullProgress,
     Params,
     Scenario,
     StrategySpec,
@@ -250,6 +252,117 @@ async def test_batching_reaches_every_engine(pg_url: str, batching: bool) -> Non
             assert mean > 1.0, (scenario, mean)
         else:
             assert mean == 1.0, (scenario, mean)
+
+
+# -- through the service (--http) ------------------------------------------------------------
+
+
+class _ServiceWatch(NullProgress):
+    """Progress that notes, when an HTTP pair begins, every running ``flowlock serve`` of the
+    bench and the scratch schema it serves (from the database URL in its environment)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[Path, str] = {}
+
+    def begin(self, scenario: str, strategy: str, rounds: int) -> None:
+        if not strategy.endswith("(http)"):
+            return
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and "flowlock.bench.http_app" in _cmdline(proc):
+                schema = _served_schema(proc)
+                if schema is not None:
+                    self.seen[proc] = schema
+
+
+def _served_schema(proc: Path) -> str | None:
+    try:
+        env = (proc / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in env:
+        name, _, value = entry.decode(errors="replace").partition("=")
+        if name == "FLOWLOCK_DATABASE_URL":
+            return parse_qs(urlsplit(value).query).get("search_path", [None])[0]
+    return None
+
+
+@pytest.mark.slow
+async def test_http_quick_run_compares_the_service_with_in_process(pg_url: str) -> None:
+    """``--http --quick`` for storm with one strategy on the session's PostgreSQL: the JSON has
+    the pair in-process and through the service, both verdicts true, the HTTP row compared with
+    its twin and judged by the overhead aim; and afterwards the service process is gone and
+    the scratch schema dropped."""
+    watch = _ServiceWatch()
+    report = await run_bench(
+        BenchConfig(
+            database_url=pg_url,
+            http=True,
+            quick=True,
+            scenarios=("storm",),
+            strategies=("optimistic",),
+            seed=7,
+        ),
+        watch,
+    )
+    doc = to_json(report)
+    schema = doc["args"]["schema"]
+    assert report.ok, report.results
+    assert [(r["scenario"], r["strategy"], r["transport"]) for r in doc["results"]] == [
+        ("storm", "optimistic", "in-process"),
+        ("storm", "optimistic", "http"),
+    ]
+    local, remote = doc["results"]
+    for result in (local, remote):
+        assert result["verdict"] == {"ok": True, "violations": []}
+        assert result["calls"] == 2 * WORKERS  # --quick: 2 rounds of 100 callers
+        assert result["applied_per_round"] == [1, 1]  # one approval per storm, the rest idempotent
+        assert result["success_pct"] == 100.0, result["errors"]
+    assert remote["calls_per_s"] > 0 and remote["p99_ms"] > 0
+    assert remote["mean_batch"] is not None  # the service's Flowlock-Batch-Size headers
+    assert remote["peak_connections"] is None  # the service's connections are not sampled
+    overhead = remote["vs_in_process"]
+    assert overhead["in_process_p99_ms"] == local["p99_ms"]
+    assert overhead["aim_limit_ms"] == pytest.approx(1.5 * local["p99_ms"] + 5, abs=0.01)
+    aim = next(a for a in doc["aims"] if a["what"] == "http_p99_vs_in_process")
+    assert (aim["transport"], aim["status"]) == ("http", "met" if aim["ok"] else "not met")
+    assert doc["args"]["http"] is True
+    assert doc["args"]["http_service"]["workers"] == 1
+    assert doc["args"]["http_service"]["pool_size"] == doc["args"]["pool_size"]
+
+    # The service ran on the run's scratch schema while the HTTP pair ran, and is gone now.
+    ours = [proc for proc, served in watch.seen.items() if served == schema]
+    assert len(ours) == 1, watch.seen
+    assert not [proc for proc in ours if proc.exists() and _state(proc) not in "ZX"]
+    assert not await _schema_exists(pg_url, schema)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _FailsThroughHttp(_ServiceWatch):
+    """Notes the service, then fails the run as the first HTTP pair begins."""
+
+    def begin(self, scenario: str, strategy: str, rounds: int) -> None:
+        super().begin(scenario, strategy, rounds)
+        if strategy.endswith("(http)"):
+            raise _Interrupted
+
+
+@pytest.mark.slow
+async def test_an_error_mid_http_run_still_stops_the_service(pg_url: str) -> None:
+    """A run that fails while the service runs stops it and drops the schema anyway: no
+    ``flowlock serve`` outlives the bench."""
+    watch = _FailsThroughHttp()
+    config = BenchConfig(
+        database_url=pg_url, http=True, quick=True, scenarios=("storm",), strategies=("adaptive",)
+    )
+    with pytest.raises(_Interrupted):
+        await run_bench(config, watch)
+    assert watch.seen  # it ran...
+    for proc, schema in watch.seen.items():
+        assert not (proc.exists() and _state(proc) not in "ZX"), proc  # ...and is gone
+        assert not await _schema_exists(pg_url, schema)
 
 
 # -- a strategy that skips the version check ------------------------------------------------

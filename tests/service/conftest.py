@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import asyncpg
 import httpx
 import pytest
 
@@ -25,19 +24,8 @@ def client(service: Service) -> httpx.AsyncClient:
     return service.client
 
 
-def schema_url(url: str, schema: str) -> str:
-    """``url`` with every connection's ``search_path`` set to ``schema`` (asyncpg passes unknown
-    query parameters on as server settings): the service has no schema setting of its own."""
-    return f"{url}{'&' if '?' in url else '?'}search_path={schema}"
-
-
 @pytest.fixture
 async def pg_service(pg_url: str, pg_schema: str) -> AsyncIterator[Service]:
-    """The app on PostgreSQL, its tables in this test's schema."""
-    conn = await asyncpg.connect(pg_url)
-    try:
-        await conn.execute(f'CREATE SCHEMA "{pg_schema}"')
-    finally:
-        await conn.close()
-    async with served(ServiceSettings(database_url=schema_url(pg_url, pg_schema))) as running:
+    """The app on PostgreSQL, its tables in this test's schema (``--schema``, which creates it)."""
+    async with served(ServiceSettings(database_url=pg_url, schema=pg_schema)) as running:
         yield running

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
 import httpx
 
 from service.kit import Service, assert_problem, create
@@ -174,3 +175,18 @@ async def test_readyz_on_postgresql(pg_service: Service) -> None:
     ready = await pg_service.client.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"] == {"database": "ok"}
+
+
+async def test_the_schema_setting_puts_the_tables_there(
+    pg_service: Service, pg_url: str, pg_schema: str
+) -> None:
+    """``--schema`` / FLOWLOCK_SCHEMA: flowlock's tables and rows are in that schema."""
+    await create(pg_service.client, "approval", "in-schema")
+    conn = await asyncpg.connect(pg_url)
+    try:
+        found = await conn.fetchval(
+            f'SELECT count(*) FROM "{pg_schema}".flowlock_instances WHERE id = $1', "in-schema"
+        )
+    finally:
+        await conn.close()
+    assert found == 1

@@ -26,6 +26,7 @@ def test_every_setting_round_trips_through_the_environment() -> None:
         max_json_depth=8,
         pool_size=5,
         strategy="pessimistic",
+        schema="tenant_a",
         drain_timeout=2.5,
         metrics_dir="/tmp/metrics",
     )

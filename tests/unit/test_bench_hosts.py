@@ -35,7 +35,7 @@ from flowlock.bench.procs import WORKER_ARGV, Closed, WorkerPool, reply_from_dic
 from flowlock.bench.progress import Progress
 from flowlock.bench.report import render, to_json
 from flowlock.bench.report.tables import title
-from flowlock.bench.results import ConnectionStats, Params, Timed, summarise
+from flowlock.bench.results import HTTP, IN_PROCESS, ConnectionStats, Params, Timed, summarise
 from flowlock.bench.scenarios import SCENARIOS
 from flowlock.cli import app
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
@@ -213,6 +213,13 @@ def test_a_delay_out_of_range_is_refused(delay: Any) -> None:
         (BenchConfig(hosts=2, redis_url="redis://h:6379/0"), "refuses --redis-url"),
         (BenchConfig(hosts=3, processes=2), "2 process(es) cannot cover 3 hosts"),
         (BenchConfig(hosts=3, workers=2), "2 process(es) cannot cover 3 hosts"),
+        (BenchConfig(hosts=2, http=True), "--http and --hosts cannot be combined"),
+        # The combination is named first, not whatever else --hosts or --http would refuse.
+        (
+            BenchConfig(hosts=2, http=True, database_url="postgresql://u@h/db"),
+            "--http and --hosts cannot be combined",
+        ),
+        (BenchConfig(hosts=2, http=True, scenarios=("cluster",)), "cannot be combined"),
     ],
 )
 def test_hosts_config_refuses_what_cannot_run(config: BenchConfig, message: str) -> None:
@@ -286,14 +293,42 @@ def test_the_command_line_passes_hosts_and_delay_and_the_title_says_them(
         (["--hosts", "2", "--database-url", "postgresql://u@h/db"], 1, "--embedded"),
         (["--hosts", "0"], 2, "--hosts"),
         (["--hosts", "2", "--soak", "5"], 2, "--hosts"),
+        (["--hosts", "2", "--http"], 1, "--http and --hosts cannot be combined"),
+        (["--http", "--quick", "--hosts", "1", "-s", "spread"], 1, "cannot be combined"),
     ],
 )
 def test_the_command_line_refuses_hosts_it_cannot_run(
-    cli: CliRunner, args: list[str], code: int, says: str
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, says: str
 ) -> None:
+    started: list[BenchConfig] = []
+
+    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+        # Only reached if the command line let the config through: refused before any run.
+        started.append(config)
+        return _report(config, None)
+
+    monkeypatch.setattr(bench_runner, "run", run)
     result = cli.invoke(app, ["bench", *args])
     assert result.exit_code == code, result.output
     assert says in result.output
+    assert started == []
+
+
+def test_json_has_both_the_hosts_and_the_transport_fields() -> None:
+    """A result has both features' fields: ``hosts`` and ``escalations`` from --hosts,
+    ``transport`` and ``vs_in_process`` from --http, each at its neutral value when the other
+    feature made the result (an HTTP result's escalations are the service's, not counted)."""
+    common = (Params(workers=4, processes=2), Timed(), ConnectionStats())
+    on_hosts = summarise(
+        SCENARIOS["spread"], "adaptive", *common, loop="asyncio", hosts=2, escalations=(1, 1)
+    )
+    over_http = summarise(SCENARIOS["spread"], "adaptive", *common, loop="asyncio", transport=HTTP)
+    report = replace(_report(BenchConfig(), None), results=(on_hosts, over_http))
+    first, second = to_json(report)["results"]
+    assert (first["hosts"], first["escalations"]) == (2, {"escalated": 1, "adopted": 1})
+    assert (first["transport"], first["vs_in_process"]) == (IN_PROCESS, None)
+    assert (second["hosts"], second["escalations"], second["transport"]) == (0, None, HTTP)
+    assert second["vs_in_process"] is not None
 
 
 def test_the_report_shows_fleet_wide_escalations() -> None:

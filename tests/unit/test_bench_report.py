@@ -277,6 +277,7 @@ def test_aims_check_success_violations_and_ratios() -> None:
         "ok": False,
         "compare": ">=",
         "status": "not met",
+        "transport": "in-process",
     }
 
 

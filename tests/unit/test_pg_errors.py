@@ -24,6 +24,7 @@ from flowlock._pg.errors import (
     broken,
     check_order,
     in_doubt,
+    read_only,
     server_gone,
     translate,
     wrap_connect,
@@ -131,6 +132,27 @@ CONNECTION = [
     ConnectionError("unexpected connection_lost() call"),
     OSError("network is unreachable"),
 ]
+# A write refused by a server that is read-only (after a failover, a standby): never in doubt.
+READ_ONLY = pg("25006", "cannot execute UPDATE in a read-only transaction")
+READ_ONLY_DETAIL = (
+    "PostgreSQL refused the write because the server is read-only (a standby after a failover "
+    "or switch-over, or default_transaction_read_only is on). A pool's connections to that "
+    "server are replaced: with a multi-host URL and target_session_attrs=read-write the retry "
+    "connects to the primary"
+)
+# No host of a multi-host URL is a primary (a failover under way): raised while connecting.
+NO_PRIMARY = asyncpg.exceptions.TargetServerAttributeNotMatched(
+    "None of the hosts match the target attribute requirement <SessionAttribute.read_write>"
+)
+
+
+def no_primary(exc: BaseException) -> str:
+    return (
+        f"no host of the URL is a server the URL's target_session_attrs accepts ({exc}); "
+        "during a failover there is no primary for a few seconds: retry"
+    )
+
+
 OTHER = [
     pg("22012", "division by zero"),
     pg("42601", 'syntax error at or near "SELEC"'),
@@ -210,6 +232,18 @@ def cases() -> list[Any]:
             )
             for exc in CONNECTION
         ],
+        (
+            READ_ONLY,
+            (ConnectionLost, lambda e: str(ConnectionLost("k", READ_ONLY_DETAIL))),
+            (SessionGone, lambda e: gone(READ_ONLY_DETAIL)),
+            (ConnectionLost, lambda e: str(ConnectionLost(None, READ_ONLY_DETAIL))),
+        ),
+        (
+            NO_PRIMARY,
+            (ConnectionLost, lambda e: str(ConnectionLost("k", no_primary(e)))),
+            (SessionGone, lambda e: gone(no_primary(e))),
+            (ConnectionLost, lambda e: str(ConnectionLost(None, no_primary(e)))),
+        ),
         (
             # asyncpg's command_timeout: the message says which bound ran out.
             TimeoutError(),
@@ -353,6 +387,9 @@ def test_every_asyncpg_error_is_a_driver_error() -> None:
         # Refused by asyncpg before anything was sent: nothing was written.
         (asyncpg.InterfaceError("connection is closed"), ConnectionLost),
         (STATE, ConnectionLost),
+        # The server refused the write (a standby now), or nothing was sent (no primary found).
+        (READ_ONLY, ConnectionLost),
+        (NO_PRIMARY, ConnectionLost),
         # Not a lost session at all: what it always is.
         (LOCK_TIMEOUT, StoreError),
         (DUPLICATE, _DuplicateRequest),
@@ -410,6 +447,17 @@ def test_broken_says_which_connections_are_of_no_more_use() -> None:
         assert server_gone(exc) and server_gone(_from(exc)), exc
     for exc in [TimeoutError(), SERVER_ENDED[0], *usable]:
         assert not server_gone(exc), exc
+
+
+def test_read_only_says_the_server_refused_a_write_as_a_standby() -> None:
+    """25006 (a write on a standby: the old primary after a failover) is read_only, also as the
+    cause of a flowlock error; the session goes on (not broken, not gone), so a caller's own
+    transaction can still be rolled back to flowlock's savepoint. Nothing else is read_only."""
+    assert read_only(READ_ONLY) and read_only(_from(READ_ONLY))
+    assert not broken(READ_ONLY) and not server_gone(READ_ONLY)
+    for exc in [*SERVER_ENDED, *SESSION_ENDED, *CONNECTION, *OTHER, LOCK_TIMEOUT, NO_PRIMARY]:
+        assert not read_only(exc), exc
+        assert not read_only(_from(exc)), exc
 
 
 def _from(exc: BaseException) -> FlowlockError:
@@ -490,12 +538,15 @@ async def test_connection_translates_and_gives_back() -> None:
 
 
 async def test_a_broken_connection_is_terminated_and_the_pool_renewed() -> None:
-    """A connection whose session the server ended is terminated (its pool opens a fresh one)
-    and the pool's other connections are expired; after an ordinary server error, or a timeout,
-    the pool is left alone; a failure to give a connection back raises nothing."""
+    """A connection whose session the server ended, or whose server refused a write as a
+    standby, is terminated (its pool opens a fresh one) and the pool's other connections are
+    expired; after an ordinary server error the pool is left alone, after a timeout only that
+    connection is terminated; a failure to give a connection back raises nothing."""
     cases: list[tuple[BaseException, type[BaseException], int, int]] = [
         (STATE, ConnectionLost, 1, 1),
         (pg("57P01", "terminating connection"), ConnectionLost, 1, 1),
+        # A write on a standby: that connection and the pool's others reach a read-only server.
+        (READ_ONLY, ConnectionLost, 1, 1),
         (TimeoutError(), ConnectionLost, 1, 0),
         (LOCK_TIMEOUT, StoreError, 0, 0),
         (ValueError("a bug"), ValueError, 0, 0),

@@ -31,6 +31,18 @@ COMMIT, a one-statement compare-and-swap): then it is :class:`~flowlock.errors.O
 unless asyncpg refused to send the statement at all. :func:`broken` says which errors leave their
 connection unusable (the pool helpers then terminate it, so the pool opens a fresh one) and
 :func:`server_gone` which ones say that the pool's other connections are likely dead too.
+
+A server that is no longer the primary
+--------------------------------------
+After a failover or a switch-over (Patroni...) the old primary may come back as a standby, and a
+connection to it that outlived the switch answers every write with SQLSTATE 25006
+(read_only_sql_transaction). The server refused the statement, so nothing of it was written, in
+doubt or not: to the store it is ConnectionLost, safe to retry (a lock backend's SessionGone).
+:func:`read_only` names it, and the pool helpers drop that connection and the pool's others
+(all of them reach the same standby), so that the retry connects afresh and, with a multi-host
+URL and ``target_session_attrs=read-write``, finds the new primary. When no host of such a URL
+is a primary yet (a failover under way), asyncpg cannot connect at all
+(TargetServerAttributeNotMatched): ConnectionLost too, nothing was sent.
 """
 
 from __future__ import annotations
@@ -61,6 +73,7 @@ __all__ = [
     "cannot_connect",
     "check_order",
     "in_doubt",
+    "read_only",
     "server_gone",
     "translate",
     "wrap_connect",
@@ -221,6 +234,30 @@ def _server_ended(exc: BaseException, ctx: Context) -> FlowlockError | None:
     return found if found is not None else _lost(exc, ctx)
 
 
+def _read_only(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    # The server refused the write before doing anything: never in doubt, whatever was sent.
+    detail = (
+        "PostgreSQL refused the write because the server is read-only (a standby after a "
+        "failover or switch-over, or default_transaction_read_only is on). A pool's "
+        "connections to that server are replaced: with a multi-host URL and "
+        "target_session_attrs=read-write the retry connects to the primary"
+    )
+    if ctx.lock_backend is not None:
+        return SessionGone(ctx.lock_backend, detail)
+    return ConnectionLost(ctx.key, detail)
+
+
+def _no_primary(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    # Raised while connecting, before anything of the call was sent.
+    detail = (
+        f"no host of the URL is a server the URL's target_session_attrs accepts ({exc}); during "
+        "a failover there is no primary for a few seconds: retry"
+    )
+    if ctx.lock_backend is not None:
+        return SessionGone(ctx.lock_backend, detail)
+    return ConnectionLost(ctx.key, detail)
+
+
 def _no_answer(exc: BaseException, ctx: Context) -> FlowlockError | None:
     # A round trip that outlived its timeout (command_timeout, io_timeout): asyncpg has given up
     # on it mid-protocol, so its connection is terminated (see broken); a write it carried may
@@ -276,11 +313,14 @@ RULES: tuple[Rule, ...] = (
     Rule("57P02", _server_ended),  # crash_shutdown
     Rule("57P03", _server_ended),  # cannot_connect_now (starting up, shutting down)
     Rule("53300", _session_ended),  # too_many_connections
+    Rule("25006", _read_only),  # read_only_sql_transaction: a standby, after a failover
     Rule(TimeoutError, _no_answer),
     Rule(asyncpg.PostgresConnectionError, _connection_lost),  # 08xxx: connection_does_not_exist..
     # An argument asyncpg could not encode: refused before anything was sent.
     Rule(asyncpg.exceptions._base.DataError, _catch_all),
     Rule(asyncpg.InterfaceError, _connection_lost),  # "connection is closed", "another operation.."
+    # No host of a multi-host URL matched target_session_attrs (a failover under way).
+    Rule(asyncpg.exceptions.TargetServerAttributeNotMatched, _no_primary),
     Rule(asyncpg.InternalClientError, _connection_lost),  # a FATAL read while idle, see above
     Rule(OSError, _connection_lost),  # ConnectionResetError, "unexpected connection_lost() call"
     Rule(BaseException, _catch_all),
@@ -364,6 +404,15 @@ def server_gone(exc: BaseException) -> bool:
         code = str(getattr(err, "sqlstate", "") or "")
         return code in _ENDED_ALL or code.startswith("08")
     return True
+
+
+def read_only(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the server refused a write because it is read-only (SQLSTATE
+    25006): after a failover, a standby. The connection still works, but every write on it, and
+    on the pool's other connections to the same server, would fail the same way: the pool
+    helpers drop them all (see :func:`flowlock._pg.pool.give_back`)."""
+    err = _driver_error(exc)
+    return isinstance(err, asyncpg.PostgresError) and getattr(err, "sqlstate", None) == "25006"
 
 
 def cannot_connect(exc: BaseException, dsn: str) -> StoreError:

@@ -19,7 +19,15 @@ from typing import Any
 
 import asyncpg
 
-from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, server_gone, translate, wrap_errors
+from flowlock._pg.errors import (
+    DRIVER_ERRORS,
+    Context,
+    broken,
+    read_only,
+    server_gone,
+    translate,
+    wrap_errors,
+)
 from flowlock._settings import MAX_SECONDS, check_application_name, check_seconds, check_size
 from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
 
@@ -224,12 +232,16 @@ async def give_back(
     failed (:func:`~flowlock._pg.errors.server_gone`: a restart, a failover,
     ``pg_terminate_backend``), the pool's other connections are likely dead too: they are
     replaced as they are next acquired or given back, so the calls after this one recover at
-    once instead of each finding a dead connection of its own. Giving a connection back can
+    once instead of each finding a dead connection of its own. A write refused because the
+    server is read-only (:func:`~flowlock._pg.errors.read_only`: a primary demoted to a standby
+    by a failover) is the same for the pool: the session goes on, but every connection to that
+    server is useless for writing, so all of them are replaced, and a multi-host URL's
+    ``target_session_attrs=read-write`` then finds the new primary. Giving a connection back can
     fail too (asyncpg's reset runs a ROLLBACK on it); asyncpg has terminated it then, and the
     call's own outcome stands."""
-    if error is not None and broken(error):
+    if error is not None and (broken(error) or read_only(error)):
         terminate(conn)
-        if server_gone(error):
+        if server_gone(error) or read_only(error):
             await pool.expire_connections()
     try:
         await pool.release(conn)

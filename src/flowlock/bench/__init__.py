@@ -10,6 +10,9 @@ of docs/benchmarks.md, against a floor measured in the same run.
   the servers of :mod:`~flowlock.bench.servers`, in sessions of :mod:`~flowlock.bench.session`,
   in this process or in worker processes (:mod:`~flowlock.bench.procs`), measured by
   :mod:`~flowlock.bench.measure`;
+- :mod:`~flowlock.bench.http`: under ``--http``, the ``flowlock serve`` subprocess the pairs are
+  run through a second time (serving :mod:`~flowlock.bench.http_app`) and the session whose
+  calls are HTTP requests to it;
 - :mod:`~flowlock.bench.results`: what it returns, as dataclasses, and the pure arithmetic
   (percentiles, summaries, verdicts) that makes them;
 - :mod:`~flowlock.bench.report`: renders those as rich tables, the ``--json`` document and the

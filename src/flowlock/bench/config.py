@@ -20,6 +20,9 @@ __all__ = [
     "ADVISORY_POOL",
     "DEFAULT_PROCESSES",
     "HOSTS_SCENARIOS",
+    "HTTP_SCENARIOS",
+    "HTTP_STRATEGIES",
+    "HTTP_WORKERS",
     "MAX_SOAK_FAULTS",
     "MAX_SOAK_PROCESSES",
     "SOAK_CALLERS_PER_PROCESS",
@@ -28,6 +31,7 @@ __all__ = [
     "SoakConfig",
     "Target",
     "redact",
+    "service_pool",
 ]
 
 DEFAULT_PROCESSES = 4
@@ -42,7 +46,34 @@ ADVISORY_POOL = 20
 """Lease connections of an advisory-lock backend, per process (its library default)."""
 
 ADMIN_POOL = 10
-"""The parent's pool while worker processes do the calls."""
+"""The parent's pool while worker processes do the calls (and while the service does them,
+under ``--http``: this process then only sets rounds up and reads them back)."""
+
+HTTP_SCENARIOS = ("storm", "hot", "spread")
+"""What ``--http`` runs through the service: the scenarios whose every call is one plain
+``engine.fire``, on workflows :mod:`flowlock.bench.http_app` serves."""
+HTTP_STRATEGIES = ("optimistic", "pessimistic", "adaptive")
+"""The strategies ``--http`` runs when none is given, and the only ones it can: those the
+service's engine has without a lock backend of its own (``raw`` has no engine at all)."""
+HTTP_WORKERS = 1
+"""``flowlock serve --workers`` under ``--http``. One: on the 2-core development machine two
+workers measured the same within the noise (``--quick``, twice each: about 670 against 700
+requests/s, p99 about 215 ms either way), and one worker keeps every call on one engine, so
+concurrent calls on an instance batch as they do in-process (two split the storm's batches in
+half)."""
+
+_NOT_THROUGH_HTTP = {
+    "countersign": "it is not wired to the service yet (its quorum is sized to the callers)",
+    "inventory": "it is not wired to the service yet (its stock is sized to the callers)",
+    "cluster": "it runs its callers in worker processes of its own",
+    "singleton": "it runs a scheduled job, not an HTTP call",
+}
+_NO_HTTP_STRATEGY = {
+    "raw": "raw is the bare-asyncpg floor: there is no engine to put behind HTTP",
+    "distributed-redis": "the service would lease from Redis outside the run's scratch "
+    "namespace, which the bench could not clean up",
+    "distributed-advisory": "flowlock serve has no advisory-lock backend",
+}
 
 
 SOAK_PROCESSES = 3
@@ -57,6 +88,12 @@ store pool and an advisory pool of about ``callers / processes`` each, and the s
 PostgreSQL allows 100 connections."""
 MAX_SOAK_FAULTS = 2000
 """The most faults one soak injects, whatever its length and interval."""
+
+
+def service_pool(pool: int, workers: int) -> int:
+    """PostgreSQL connections per worker process of the ``--http`` service: the run's ``pool``
+    shared out, so both transports have the same connections in all."""
+    return max(1, -(-pool // workers))
 
 
 def redact(url: str) -> str:
@@ -113,15 +150,61 @@ class BenchConfig:
     netem_delay_ms: float | None = None
     """With ``hosts``: the netem delay of each direction of each host's link; None: 1 ms with
     two hosts or more where the kernel has netem, else none; 0: none."""
+    http: bool = False
+    """Run each pair twice: in this process, then through a ``flowlock serve`` subprocess
+    started for the run, by ``workers`` concurrent HTTP callers (:mod:`flowlock.bench.http`).
+    Only :data:`HTTP_SCENARIOS` and :data:`HTTP_STRATEGIES`; every pair warms up first, also
+    under ``quick``, so both transports are compared warm."""
+    http_workers: int = HTTP_WORKERS
+    """The service's worker processes under ``http``."""
 
     def validate(self) -> None:
         """Raise InvalidInput for anything that cannot run; does no I/O."""
         self._check_names()
         self._check_counts()
         self._check_urls()
+        if not isinstance(self.http, bool):
+            raise InvalidInput(f"http must be True or False, not {self.http!r}")
+        if self.http and self.hosts is not None:
+            # The two measure different things and cannot share a run: --http calls a service
+            # on this machine's loopback from the bench's own process, --hosts moves every
+            # caller into worker processes in namespaces, which cannot reach the loopback.
+            raise InvalidInput(
+                "--http and --hosts cannot be combined: --http calls a flowlock serve on "
+                "127.0.0.1 from the bench's own process, while --hosts runs every caller in "
+                "worker processes on namespaced hosts; run them as two separate benches"
+            )
         self._check_hosts()
         if not isinstance(self.batching, bool):
             raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
+        if self.http:
+            self._check_http()
+
+    def _check_http(self) -> None:
+        for name in self.scenario_names():
+            if name not in HTTP_SCENARIOS:
+                why = _NOT_THROUGH_HTTP.get(name, "it is not one of them")
+                raise InvalidInput(
+                    f"--http runs {', '.join(HTTP_SCENARIOS)} through the service; not "
+                    f"{name!r}: {why}. Drop --scenario {name}, or run it without --http"
+                )
+        for name in self.strategy_names():
+            if name not in HTTP_STRATEGIES:
+                why = _NO_HTTP_STRATEGY.get(name, f"{name!r} is not one of them")
+                raise InvalidInput(
+                    f"--http runs the strategies {', '.join(HTTP_STRATEGIES)} through the "
+                    f"service; {why}. Drop --strategy {name}, or run it without --http"
+                )
+        if not self.batching:
+            raise InvalidInput(
+                "--http compares with the service, whose engine always batches (flowlock serve "
+                "has no switch for it); drop --batching off"
+            )
+        if not 1 <= self.http_workers <= 64:
+            raise InvalidInput(
+                f"http_workers (the service's worker processes) must be 1 to 64, "
+                f"not {self.http_workers}"
+            )
 
     def _check_hosts(self) -> None:
         if self.hosts is None:
@@ -188,10 +271,14 @@ class BenchConfig:
             return tuple(dict.fromkeys(self.scenarios))
         if self.hosts is not None:
             return HOSTS_SCENARIOS
-        return tuple(SCENARIOS)
+        return HTTP_SCENARIOS if self.http else tuple(SCENARIOS)
 
     def strategy_names(self) -> tuple[str, ...]:
-        return expand(self.strategies) if self.strategies else DEFAULT_STRATEGIES
+        if self.strategies:
+            return expand(self.strategies)
+        if self.http:
+            return tuple(n for n in HTTP_STRATEGIES if n in STRATEGIES)
+        return DEFAULT_STRATEGIES
 
     def rounds_for(self, scenario: Scenario) -> int:
         return self.rounds if self.rounds is not None else scenario.rounds(self.quick)
@@ -202,7 +289,9 @@ class BenchConfig:
         return self.ops if self.ops is not None else scenario.ops(self.quick)
 
     def warms_up(self) -> bool:
-        return self.warmup and not self.quick
+        # Under --http always: the service's pool grows on demand and the client's connections
+        # open on first use, so a cold first round would measure connecting, not the transport.
+        return self.warmup and (self.http or not self.quick)
 
     def process_count(self) -> int:
         default = max(DEFAULT_PROCESSES, self.hosts or 0)

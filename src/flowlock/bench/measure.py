@@ -27,6 +27,7 @@ __all__ = [
     "SAMPLE_INTERVAL",
     "Armed",
     "Gate",
+    "RemoteFailure",
     "Sampler",
     "peak_overlap",
     "sampled",
@@ -243,6 +244,19 @@ class Gate:
         return self.released_at
 
 
+class RemoteFailure(Exception):
+    """A call that another process answered with a failure (the service's problem document,
+    under ``--http``): the flowlock error's name as that process gave it, whether the workflow
+    refused the call (a business rule, like TransitionRefused here), and the attempts it
+    reports. Recorded like the same error raised in this process."""
+
+    def __init__(self, error: str, message: str, *, refused: bool = False, attempts: int = 1):
+        super().__init__(message)
+        self.error = error
+        self.refused = refused
+        self.attempts = max(1, attempts)
+
+
 async def timed_call(
     scenario: Scenario, session: Session, spec: CallSpec, started: float
 ) -> CallResult:
@@ -253,6 +267,15 @@ async def timed_call(
     except TransitionRefused as exc:
         return CallResult(
             spec, "refused", time.perf_counter() - started, 1, type(exc).__name__, str(exc)
+        )
+    except RemoteFailure as exc:
+        return CallResult(
+            spec,
+            "refused" if exc.refused else "failed",
+            time.perf_counter() - started,
+            exc.attempts,
+            exc.error,
+            str(exc)[:500],
         )
     except Exception as exc:
         # Any failure is a measurement, not a crash of the benchmark: FlowlockErrors are the

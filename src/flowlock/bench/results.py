@@ -30,6 +30,8 @@ from flowlock.checker import (
 from flowlock.models import HistoryEntry, Instance
 
 __all__ = [
+    "HTTP",
+    "IN_PROCESS",
     "BenchReport",
     "CallResult",
     "CallSpec",
@@ -43,6 +45,7 @@ __all__ = [
     "RoundRecord",
     "ScenarioResult",
     "Timed",
+    "Transport",
     "failures",
     "mean_batch",
     "percentile",
@@ -54,6 +57,13 @@ Kind = Literal["applied", "idempotent", "refused", "failed"]
 """How one call ended: it applied the transition (or ran the job), was answered idempotently
 (already done), was refused by the workflow (a business rule: TransitionRefused), or failed
 (lost to concurrency, a lock timeout, a store error...)."""
+
+
+Transport = Literal["in-process", "http"]
+"""How a result's calls reached the engine: ``engine.fire`` in the bench's process, or HTTP
+requests to a ``flowlock serve`` subprocess (``flowlock bench --http``)."""
+IN_PROCESS: Transport = "in-process"
+HTTP: Transport = "http"
 
 
 # -- what a round is made of ---------------------------------------------------------------------
@@ -364,6 +374,15 @@ class ScenarioResult:
     adopted: int | None = None
     """Of :attr:`escalated`, those an engine took from the escalation board in PostgreSQL:
     decided by another engine, on another worker process or host."""
+    transport: Transport = IN_PROCESS
+    """How the calls were made. Over ``http`` the connections are the service's, which the
+    sampler does not see: the peak connections and the lock wait are not measured (0)."""
+
+    @property
+    def label(self) -> str:
+        """``scenario/strategy``, with `` (http)`` after a result measured through the service."""
+        suffix = " (http)" if self.transport == HTTP else ""
+        return f"{self.scenario}/{self.strategy}{suffix}"
 
 
 def _per(amount: float, count: float) -> float:
@@ -390,12 +409,13 @@ def summarise(
     floor: bool = False,
     hosts: int = 0,
     escalations: tuple[int, int] | None = None,
+    transport: Transport = IN_PROCESS,
 ) -> ScenarioResult:
     """One pair's result from its timed rounds and the sampler's figures: latency, outcomes,
     throughput per second of round wall time, connections, lock wait per call, and the verdict.
     ``floor``: the pair is the raw floor, so the result names how it did the calls. ``hosts``:
     the namespaced hosts it ran on; ``escalations``: (escalated, adopted), summed over the
-    engines (see :attr:`ScenarioResult.escalated`)."""
+    engines (see :attr:`ScenarioResult.escalated`); ``transport``: how its calls were made."""
     records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
     judgements = [scenario.judge(record, params) for record in records]
@@ -442,6 +462,7 @@ def summarise(
         hosts=hosts,
         escalated=None if escalations is None else escalations[0],
         adopted=None if escalations is None else escalations[1],
+        transport=transport,
     )
 
 
@@ -491,7 +512,7 @@ def failures(report: BenchReport, limit: int = 5) -> list[str]:
         )
         kinds = Counter(v.kind for v in found)
         counted = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-        lines.append(f"{r.scenario}/{r.strategy}: {len(found)} violation(s): {counted}")
+        lines.append(f"{r.label}: {len(found)} violation(s): {counted}")
         lines.extend(f"  - {v}" for v in found[:limit])
         if len(found) > limit:
             lines.append(f"  ... and {len(found) - limit} more")

@@ -9,7 +9,11 @@ several calls one after another, from the end of its previous call) to its compl
 caller of a stormed instance experiences (the seed's "100 threads at once"). Setup and read-back
 are not timed. The multi-process scenarios (``cluster``, ``singleton``) run their callers in
 ``--processes`` worker processes (:mod:`~flowlock.bench.procs`, started once per run) that are
-armed, then released together, and send their results back.
+armed, then released together, and send their results back. Under ``--http`` each pair runs
+twice, in this process and then through a ``flowlock serve`` subprocess started once for the run
+(:mod:`~flowlock.bench.http`): the same rounds (the same seeded choices), each call an HTTP
+request, set up and read back here; the service's connections are its own, so those rounds are
+not sampled.
 
 While the calls of a timed round run, the sampler (:mod:`~flowlock.bench.measure`) watches the
 run's connections. After each round, every instance's final state and history is read back;
@@ -40,10 +44,10 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flowlock
-from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target, redact
+from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target, redact, service_pool
 from flowlock.bench.host import cores, loop_factory, loop_name
 from flowlock.bench.hosts import NamespacedHosts
 from flowlock.bench.logs import collect_logs
@@ -63,13 +67,17 @@ from flowlock.bench.procs import (
 from flowlock.bench.progress import NullProgress, Progress
 from flowlock.bench.registry import STRATEGIES, StrategySpec, expand
 from flowlock.bench.results import (
+    HTTP,
+    IN_PROCESS,
     BenchReport,
     CallResult,
+    ConnectionStats,
     Params,
     RoundPlan,
     RoundRecord,
     ScenarioResult,
     Timed,
+    Transport,
     summarise,
 )
 from flowlock.bench.scenarios import SCENARIOS, Scenario
@@ -88,6 +96,9 @@ from flowlock.bench.servers import (
 from flowlock.bench.session import BenchSession, open_session, prepare_schema
 from flowlock.errors import InvalidInput
 
+if TYPE_CHECKING:
+    from flowlock.bench.http import Service
+
 __all__ = ["run", "run_bench"]
 
 
@@ -101,6 +112,8 @@ class _Run:
     progress: Progress
     workers: WorkerPool
     hosts: NamespacedHosts | None = None
+    service: Service | None = None
+    """The service the ``--http`` pairs call (None without ``--http``)."""
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -157,11 +170,13 @@ class _Pair:
     spec: StrategySpec
     params: Params
     session: BenchSession
+    transport: Transport = IN_PROCESS
     timed: Timed = field(default_factory=Timed)
 
     @property
     def prefix(self) -> str:
-        return f"bench-{self.run.target.tag}-{self.scenario.name}-{self.spec.name}"
+        over = "-http" if self.transport == HTTP else ""
+        return f"bench-{self.run.target.tag}-{self.scenario.name}-{self.spec.name}{over}"
 
     async def open_workers(self) -> None:
         """Start the worker processes (once per run) and open the pair's session in each."""
@@ -186,11 +201,15 @@ class _Pair:
         ]
         await workers.ask(opens, Opened)
 
-    async def one_round(self, key: str, n: int, sampler: Sampler | None) -> None:
-        """Set up, fire and (when timed, with a ``sampler``) read back and record one round."""
+    async def one_round(
+        self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
+    ) -> None:
+        """Set up, fire and (when ``timed``) read back and record one round; ``sampler`` watches
+        the connections while the calls run (None: not watched)."""
+        # The same stream for both transports: an --http pair fires the same choices.
         rng = _rng(self.run.seed, self.scenario.name, self.spec.name, n)
         # The warm-up only fills the pools and the statement caches: one call each.
-        shape = self.params if sampler is not None else self.params.evolve(ops=1, warmup=True)
+        shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
         plan = await self.scenario.setup(self.session.engine, key, shape, rng)
         if self.run.config.in_processes(self.scenario):
             results, wall, lease = await _round_in_processes(self.run.workers, plan, sampler)
@@ -198,27 +217,34 @@ class _Pair:
             results, wall, lease = await _round_in_process(
                 self.scenario, self.session, plan, sampler
             )
-        if sampler is None:
+        if not timed:
             return
         finals, histories, extra = await self.scenario.readback(self.session, plan)
         self.timed.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
         self.timed.wall += wall
         self.timed.lease_wait += lease
 
-    async def rounds(self, rounds: int) -> Sampler:
+    async def rounds(self, rounds: int) -> ConnectionStats:
         """The warm-up round (untimed, unless the config says none), then the timed rounds
-        under the connection sampler, which is returned with what it saw."""
+        under the connection sampler (none for the service's calls: its connections are not
+        the run's to see); returns what the sampler saw."""
         run = self.run
         if run.config.warms_up():
-            # Untimed: fills the pools and every connection's prepared-statement cache.
-            await self.one_round(f"{self.prefix}-warmup", 0, None)
+            # Untimed: fills the pools and every connection's prepared-statement cache (over
+            # HTTP also the client's connections and the service's pool).
+            await self.one_round(f"{self.prefix}-warmup", 0, None, timed=False)
             run.progress.advance()
+        if self.transport == HTTP:
+            for n in range(1, rounds + 1):
+                await self.one_round(f"{self.prefix}-r{n}", n, None)
+                run.progress.advance()
+            return ConnectionStats()
         target = run.target
         async with Sampler(target.url, target.tag, target.application_name) as sampler:
             for n in range(1, rounds + 1):
                 await self.one_round(f"{self.prefix}-r{n}", n, sampler)
                 run.progress.advance()
-        return sampler
+        return sampler.stats()
 
 
 async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
@@ -244,7 +270,7 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
             await pair.open_workers()
         # On an error or Ctrl-C no polite close (a worker may be mid-round): the run's exit
         # closes their stdin, and they cancel their calls and close their sessions.
-        sampler = await pair.rounds(rounds)
+        stats = await pair.rounds(rounds)
         if multi:
             closed = await run.workers.ask([Close()] * run.workers.count, Closed)
             counts = (sum(c.escalated for c in closed), sum(c.adopted for c in closed))
@@ -257,11 +283,49 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
         spec.name,
         params,
         pair.timed,
-        sampler.stats(),
+        stats,
         loop=loop_name(),
         floor=spec.floor,
         hosts=0 if run.hosts is None else run.hosts.count,
         escalations=None if spec.floor else counts,
+    )
+
+
+async def _run_http_pair(
+    run: _Run, service: Service, scenario: Scenario, spec: StrategySpec
+) -> ScenarioResult:
+    """The pair again, through the service: the same rounds, each call an HTTP request made
+    by one of ``workers`` callers, each with a client of its own; set up and read back in this
+    process on an admin session of a few connections."""
+    from flowlock.bench.http import HttpCallers, HttpSession
+
+    config = run.config
+    rounds = config.rounds_for(scenario)
+    params = config.params_for(scenario)
+    run.progress.begin(
+        scenario.name, f"{spec.name} (http)", rounds + (1 if config.warms_up() else 0)
+    )
+    async with (
+        open_session(
+            STRATEGIES["raw"],
+            run.target,
+            scenario,
+            params,
+            _rng(run.seed, scenario.name, spec.name),
+            pool_size=ADMIN_POOL,
+            batching=config.batching,
+        ) as admin,
+        HttpCallers(service.base_url, config.workers) as callers,
+    ):
+        # As every pair, with an empty escalation board: the service's adaptive engine would
+        # otherwise adopt what its in-process twin escalated a moment before.
+        await clear_escalation_board(admin.pool)
+        session = HttpSession(spec.name, admin, callers)
+        pair = _Pair(run, scenario, spec, params, session, transport=HTTP)
+        stats = await pair.rounds(rounds)
+    run.progress.end()
+    return summarise(
+        scenario, spec.name, params, pair.timed, stats, loop=loop_name(), transport=HTTP
     )
 
 
@@ -369,12 +433,25 @@ def _args(
     server: DatabaseServer,
     redis: RedisServer | None,
     target: Target,
+    service: Service | None,
 ) -> dict[str, Any]:
     """The run's arguments as the report states them (defaults resolved, URLs redacted)."""
     scenarios = config.scenario_names()
     redis_shown = None
     if redis is not None:
         redis_shown = "embedded" if config.redis_url is None else redact(config.redis_url)
+    http: dict[str, Any] = {}
+    if service is not None:
+        http = {
+            "http_service": service.to_json(),
+            "http_client": {
+                "library": "httpx",
+                "clients": "one AsyncClient per caller, one keep-alive connection each",
+                "callers": config.workers,
+                "connections": config.workers,
+                "process": "the bench's own, on the same cores as the service and PostgreSQL",
+            },
+        }
     return {
         "scenarios": list(scenarios),
         "strategies": list(config.strategy_names()),
@@ -391,7 +468,18 @@ def _args(
         "redis": redis_shown,
         "schema": target.schema,
         "namespace": target.namespace,
+        "http": config.http,
+        **http,
     }
+
+
+def _http_note(config: BenchConfig, service: Service) -> str:
+    return (
+        f"--http: {config.workers} httpx callers in the bench's process and the service's "
+        f"{service.workers} worker process(es) share this machine's {cores()} cores with "
+        "PostgreSQL, so the HTTP rows pay for the client's CPU too; on a shared machine every "
+        "figure is noisy"
+    )
 
 
 async def _run_pairs(
@@ -403,8 +491,10 @@ async def _run_pairs(
     skipped: list[str] = []
     config = run.config
     warmup = 1 if config.warms_up() else 0
+    transports = 2 if run.service is not None else 1
     run.progress.plan(
-        sum(
+        transports
+        * sum(
             config.rounds_for(SCENARIOS[scenario_name]) + warmup
             for scenario_name in config.scenario_names()
             for strategy_name in config.strategy_names()
@@ -417,7 +507,12 @@ async def _run_pairs(
             if spec.locks == "redis" and redis is None:
                 skipped.append(f"{scenario_name}/{strategy_name}")
                 continue
-            results.append(await _run_pair(run, SCENARIOS[scenario_name], spec))
+            scenario = SCENARIOS[scenario_name]
+            results.append(await _run_pair(run, scenario, spec))
+            if run.service is not None:
+                # Right after its in-process twin: on a shared machine, the nearer in time the
+                # two runs, the more alike the load the rest of the machine puts on both.
+                results.append(await _run_http_pair(run, run.service, scenario, spec))
     return results, skipped
 
 
@@ -432,6 +527,11 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
     needs_redis = any(STRATEGIES[n].locks == "redis" for n in config.strategy_names())
     hosts: NamespacedHosts | None = None
     left: dict[str, int] | None = None
+    if config.http:
+        from flowlock.bench.http import check_http_support
+
+        check_http_support()  # before any server starts
+    service: Service | None = None
     async with contextlib.AsyncExitStack() as stack:
         logged = stack.enter_context(collect_logs())
         address: str | None = None
@@ -464,13 +564,29 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
 
         shown.status(f"creating flowlock's tables in the scratch schema {schema}")
         await prepare_schema(server.url, schema, [SCENARIOS[n] for n in config.scenario_names()])
-        shared = _Run(config, target, seed, shown, workers, hosts)
+        if config.http:
+            from flowlock.bench.http import running_service
+
+            # Entered after the schema's clean-up: stopped before the schema is dropped.
+            service = await stack.enter_async_context(
+                running_service(
+                    target,
+                    workers=config.http_workers,
+                    pool_size=service_pool(server.pool_size, config.http_workers),
+                    progress=shown,
+                )
+            )
+            notes.append(_http_note(config, service))
+        shared = _Run(config, target, seed, shown, workers, hosts, service)
         results, skipped = await _run_pairs(shared, redis)
         if hosts is not None:
             shown.status("closing the workers and counting what they left on the hosts")
             await workers.aclose()
             left = await _left_on_hosts(hosts, server, redis)
-        args = {**_args(config, seed, server, redis, target), "hosts": _hosts_args(hosts, left)}
+        args = {
+            **_args(config, seed, server, redis, target, service),
+            "hosts": _hosts_args(hosts, left),
+        }
     return BenchReport(
         flowlock_version=flowlock.__version__,
         postgres_version=server.version,

@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS as PG_DRIVER_ERRORS
-from flowlock.bench.config import ADMIN_POOL, ADVISORY_POOL, BenchConfig, redact
+from flowlock.bench.config import ADMIN_POOL, ADVISORY_POOL, BenchConfig, redact, service_pool
 from flowlock.bench.progress import Progress
 from flowlock.bench.registry import STRATEGIES
 from flowlock.bench.scenarios import SCENARIOS
@@ -42,6 +42,7 @@ __all__ = [
     "probe",
     "redis_server",
     "store_error",
+    "with_service",
 ]
 
 _EMBEDDED_MAX_CONNECTIONS = 500
@@ -137,6 +138,14 @@ def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int
     return max(alone, spread)
 
 
+def with_service(alone: int, pool: int, workers: int) -> int:
+    """Connections a ``--http`` run needs at its busiest, when a run without the service needs
+    ``alone``: the service's pools (``workers`` processes sharing ``pool``) stay open all run,
+    beside each in-process pair, then beside the admin session of each HTTP pair."""
+    service = workers * service_pool(pool, workers)
+    return service + max(alone, ADMIN_POOL)
+
+
 def fit_pool(wanted: int, free: int, needed: Callable[[int], int]) -> int:
     """The largest pool up to ``wanted`` (at least 1) whose ``needed`` connections fit in
     ``free``; 1 when none does (the caller then checks ``needed(1)`` itself)."""
@@ -183,7 +192,8 @@ async def probe(server: DatabaseServer, config: BenchConfig) -> None:
     procs = config.process_count()
 
     def needed(pool: int) -> int:
-        return connections_needed(pool, advisory=advisory, multi=multi, processes=procs)
+        alone = connections_needed(pool, advisory=advisory, multi=multi, processes=procs)
+        return with_service(alone, pool, config.http_workers) if config.http else alone
 
     wanted = config.pool_size or config.workers
     pool = fit_pool(wanted, free, needed)
@@ -201,8 +211,9 @@ async def probe(server: DatabaseServer, config: BenchConfig) -> None:
                 f"({limits}), not a pool of "
                 f"{wanted} and what goes with it; lower --pool-size or raise max_connections"
             )
+        shared = " (the service's as many again, under --http)" if config.http else ""
         server.notes.append(
-            f"pool lowered from {wanted} to {pool} connections: the server allows "
+            f"pool lowered from {wanted} to {pool} connections{shared}: the server allows "
             f"max_connections={row['max_conn']} and {row['used']} are in use; "
             f"{config.workers - pool} callers wait for a pooled connection"
         )

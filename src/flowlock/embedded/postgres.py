@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -433,12 +433,16 @@ class EmbeddedPostgres(EmbeddedServer):
 
     # --- restart and pause --------------------------------------------------------------------
 
-    def restart(self) -> None:
+    def restart(self, *, while_down: Callable[[], object] | None = None) -> None:
         """Stop the server (``pg_ctl stop -m fast``: every session is ended) and start it again
         on the same data directory and port, so :attr:`url` stays the same and the data is
         kept; clients reconnect to the same URL. A paused server is resumed first. Bounded by
         ``stop_timeout`` and ``start_timeout``; EmbeddedServerError when it is not running, or
-        when it does not come back (the server is then stopped and its directory removed)."""
+        when it does not come back (the server is then stopped and its directory removed).
+
+        ``while_down`` is called once the server has stopped and before it starts again (a
+        test sees what its clients do while PostgreSQL is down); an exception it raises stops
+        the server for good and propagates."""
         with self._lock:
             root, port, postmaster = self._root, self._port, self._pid
             if root is None or port is None or postmaster is None or not self.running:
@@ -454,6 +458,8 @@ class EmbeddedPostgres(EmbeddedServer):
                         raise self._failure("could not stop for a restart: " + "; ".join(problems))
                 process.wait_gone({postmaster}, _KILL_WAIT)
                 self._pid = None
+                if while_down is not None:
+                    while_down()
                 deadline = time.monotonic() + self._start_timeout
                 self._pg_ctl_start(data_dir, root / "postgres.log", deadline, port=port)
                 self._pid = _read_postmaster_pid(data_dir)

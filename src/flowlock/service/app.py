@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Annotated, Any
@@ -78,6 +78,7 @@ def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
         redis_url=settings.redis_url,
         max_size=settings.pool_size,
         strategy=settings.strategy,
+        schema=settings.schema,
         metrics=metrics,
     )
 
@@ -92,13 +93,17 @@ def create_app(
     served = list(workflows) if workflows is not None else _served(settings.app)
     metrics = Metrics(CollectorRegistry())
     engine = _engine(settings, metrics)
+    probes = _Probes()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with engine:
             for wf in served:
                 await engine.register(wf)
-            yield
+            try:
+                yield
+            finally:
+                probes.cancel()
 
     app = FastAPI(
         title="flowlock",
@@ -111,7 +116,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     _errors(app)
-    _routes(app, engine, settings, metrics)
+    _routes(app, engine, settings, metrics, probes)
     app.add_middleware(RequestGuard, tokens=settings.api_tokens, max_body=settings.max_body_bytes)
     return app
 
@@ -383,10 +388,12 @@ def _actor(request: Request, given: str | None) -> str | None:
 # -- routes ------------------------------------------------------------------------------------
 
 
-def _routes(app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics) -> None:
+def _routes(
+    app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics, probes: _Probes
+) -> None:
     _definition_routes(app, engine)
     _instance_routes(app, engine, settings)
-    _health_routes(app, engine, settings, metrics)
+    _health_routes(app, engine, settings, metrics, probes)
 
 
 def _definition_routes(app: FastAPI, engine: Engine) -> None:
@@ -560,7 +567,7 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
 
 
 def _health_routes(
-    app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics
+    app: FastAPI, engine: Engine, settings: ServiceSettings, metrics: Metrics, probes: _Probes
 ) -> None:
     @app.get(
         "/livez",
@@ -583,7 +590,7 @@ def _health_routes(
         },
     )
     async def readyz() -> Response:
-        checks = await _readiness(engine)
+        checks = await _readiness(engine, probes)
         ok = all(v == "ok" for v in checks.values())
         body = {"status": "ok" if ok else "degraded", "checks": checks}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -608,7 +615,46 @@ def _body_doc(model: type[Any], *, required: bool) -> dict[str, Any]:
     }
 
 
-async def _readiness(engine: Engine) -> dict[str, str]:
+class _Probes:
+    """The readiness pings in flight, one per backend.
+
+    A ping is never cancelled at READY_TIMEOUT, only no longer waited for: cancelling a
+    statement on a server that does not answer holds its task while asyncpg gives the connection
+    back (up to the pool's acquire timeout, 10 s), and /readyz would answer that much later than
+    it promises. The ping goes on to its own bounds instead, and a /readyz asked meanwhile waits
+    for it again rather than sending another, so probes never pile up on a hung server."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    async def check(self, name: str, ping: Callable[[], Awaitable[None]]) -> str:
+        """What ``name``'s ping says within READY_TIMEOUT: "ok", or what went wrong."""
+        task = self._running.get(name)
+        if task is None or task.done():
+            task = self._running[name] = asyncio.ensure_future(ping())
+            task.add_done_callback(_retrieved)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), READY_TIMEOUT)
+        except TimeoutError:
+            return f"TimeoutError: no answer within {READY_TIMEOUT:g} s"
+        except (FlowlockError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"[:300]
+        return "ok"
+
+    def cancel(self) -> None:
+        """At shutdown: the engine is about to close under any ping still in flight."""
+        for task in self._running.values():
+            task.cancel()
+        self._running.clear()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    # Marks the outcome as seen: a ping nobody waited for to the end logs nothing at exit.
+    if not task.cancelled():
+        task.exception()
+
+
+async def _readiness(engine: Engine, probes: _Probes) -> dict[str, str]:
     """Each backend's answer to a ping within READY_TIMEOUT: "ok" or what went wrong."""
     targets: dict[str, Any] = {"database": engine.store}
     if engine.locks is not None:
@@ -616,16 +662,7 @@ async def _readiness(engine: Engine) -> dict[str, str]:
     checks: dict[str, str] = {}
     for name, target in targets.items():
         ping = getattr(target, "ping", None)
-        if ping is None:
-            checks[name] = "ok"
-            continue
-        try:
-            async with asyncio.timeout(READY_TIMEOUT):
-                await ping()
-        except (FlowlockError, OSError, TimeoutError) as exc:
-            checks[name] = f"{type(exc).__name__}: {exc}"[:300]
-        else:
-            checks[name] = "ok"
+        checks[name] = "ok" if ping is None else await probes.check(name, ping)
     return checks
 
 

@@ -8,18 +8,20 @@ so ``/metrics`` answers for all of them whichever worker serves it.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish within
 ``drain_timeout`` seconds (then cancels the rest), and closes each worker's engine: its pool
-connections and any lease it holds are released before the process exits.
+connections and any lease it holds are released before the process exits. The command then
+removes what it made (the metrics directory, ``--dev``'s servers) and exits with status 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flowlock.errors import InvalidInput
@@ -40,13 +42,14 @@ class Listen:
     log_level: str = "info"
 
 
-def check(settings: ServiceSettings, listen: Listen) -> None:
+def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
     """Refuse, before anything starts, what cannot work."""
     if listen.workers < 1 or listen.workers > 64:
         raise InvalidInput(f"--workers must be from 1 to 64, not {listen.workers}")
     if not 0 <= listen.port <= 65535:
         raise InvalidInput(f"--port must be from 0 to 65535, not {listen.port}")
-    if listen.workers > 1 and settings.database_url.startswith(_ONE_PROCESS):
+    # With dev, the database is the embedded PostgreSQL started below, not the URL given yet.
+    if listen.workers > 1 and not dev and settings.database_url.startswith(_ONE_PROCESS):
         raise InvalidInput(
             f"{settings.database_url.split(':')[0]} keeps its data in one process; with "
             f"--workers {listen.workers} each worker would see its own. Use PostgreSQL "
@@ -86,38 +89,58 @@ def _metrics_dir(settings: ServiceSettings, workers: int) -> Iterator[ServiceSet
 
 
 class _Stopped(Exception):
-    """SIGTERM, once uvicorn has shut down gracefully."""
+    """SIGTERM reached the command itself (not uvicorn's handler)."""
 
 
 def _stopped(signum: int, frame: object) -> None:
     raise _Stopped
 
 
-def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
-    """Run the service until SIGTERM or Ctrl-C."""
-    import uvicorn
+def _preflight(settings: ServiceSettings) -> None:
+    """Open, once and here, the engine every worker opens (connect, migrate, register the
+    workflows), then close it. A database that cannot be reached or a workflow the engine
+    refuses then fails the command with its one-line error and a non-zero status before any
+    worker starts: uvicorn's supervisor of several workers exits 0 when a worker fails to start,
+    and each worker would print the same traceback."""
+    from flowlock.service.app import create_app
 
-    check(settings, listen)
-    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found, to
-    # exit the way the signal would have. Under the default handler that kills this process
-    # before the embedded servers and the metrics directory are removed; under this one it
-    # ends run() instead, and the clean-up below runs (exit status 0: a requested stop).
+    app = create_app(settings)
+
+    async def open_and_close() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    asyncio.run(open_and_close())
+
+
+def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
+    """Run the service until SIGTERM or Ctrl-C, then clean up and return."""
+    check(settings, listen, dev=dev)
+    # With one worker, uvicorn drains on SIGTERM and then raises the signal again under the
+    # handler it found, to exit the way the signal would have: under the default one that kills
+    # this process before the clean-up below runs (--dev's PostgreSQL would be left running).
+    # Under this one it ends the run instead, and the command exits 0, a requested stop. (With
+    # several workers uvicorn's supervisor handles SIGTERM itself and returns.)
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
-        _serve(settings, listen, dev, uvicorn.run)
+        _serve(settings, listen, dev)
     except _Stopped:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _serve(settings: ServiceSettings, listen: Listen, dev: bool, run: Callable[..., None]) -> None:
+def _serve(settings: ServiceSettings, listen: Listen, dev: bool) -> None:
+    import uvicorn
+
     with contextlib.ExitStack() as stack:
         if dev:
             settings = stack.enter_context(_dev_servers(settings))
+        # Before the metrics directory is set: this process records no metrics of its own.
+        _preflight(settings)
         settings = stack.enter_context(_metrics_dir(settings, listen.workers))
         os.environ.update(settings.to_env())
-        run(
+        uvicorn.run(
             "flowlock.service.app:app_from_env",
             factory=True,
             host=listen.host,

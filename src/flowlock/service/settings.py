@@ -28,6 +28,7 @@ ENV = {
     "max_json_depth": "FLOWLOCK_MAX_JSON_DEPTH",
     "pool_size": "FLOWLOCK_POOL_SIZE",
     "strategy": "FLOWLOCK_STRATEGY",
+    "schema": "FLOWLOCK_SCHEMA",
     "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
     "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
 }
@@ -94,6 +95,7 @@ class ServiceSettings:
     - ``max_json_depth``: JSON nested deeper is refused (400).
     - ``pool_size``: PostgreSQL connections per worker (None: the engine's default, 20).
     - ``strategy``: the engine's default strategy.
+    - ``schema``: the PostgreSQL schema of flowlock's tables (None: the search path's first).
     - ``drain_timeout``: seconds SIGTERM waits for calls in flight before closing.
     - ``metrics_dir``: the directory workers share their Prometheus metrics through (set by
       ``flowlock serve`` when it runs several workers).
@@ -108,6 +110,7 @@ class ServiceSettings:
     max_json_depth: int = DEFAULT_MAX_DEPTH
     pool_size: int | None = None
     strategy: str = "optimistic"
+    schema: str | None = None
     drain_timeout: float = DEFAULT_DRAIN
     metrics_dir: str | None = None
 

@@ -8,6 +8,11 @@ most a quarter of its p99; countersign and inventory at least 3x its applied/s; 
 cluster at least its applied/s (the distributed strategies, half of it). Batching (several calls
 on one instance decided in memory and written in one transaction) is what can beat a floor that
 commits each call on its own. The aims are reported, never asserted: speed lives in the bench.
+
+Under ``--http`` each HTTP result is also compared with its in-process twin (the same scenario and
+strategy, in the same run): :class:`Overhead`, and the aim :data:`HTTP_AIM`, the HTTP p99 at most
+``1.5 x`` the in-process p99 plus 5 ms (the factor for the work the service adds per call, the
+milliseconds for the loopback round trip and the request's parsing on a busy machine).
 """
 
 from __future__ import annotations
@@ -16,20 +21,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from flowlock.bench.results import BenchReport, ScenarioResult
+from flowlock.bench.results import HTTP, IN_PROCESS, BenchReport, ScenarioResult, Transport
 
 __all__ = [
     "AIMS",
     "FLOOR",
     "FLOOR_METHOD",
+    "HTTP_AIM",
+    "HTTP_P99_FACTOR",
+    "HTTP_P99_SLACK_MS",
     "MET",
     "NOT_MET",
     "NO_FLOOR",
     "Aim",
     "AimSpec",
+    "Overhead",
     "aims",
     "floors",
+    "in_process",
     "is_distributed",
+    "overhead",
     "vs_floor",
 ]
 
@@ -94,6 +105,13 @@ FLOOR_METHOD: Mapping[str, str] = {
 """How the raw floor does a scenario's calls, in words (flowlock.bench.raw)."""
 
 
+HTTP_AIM = "http_p99_vs_in_process"
+"""The HTTP overhead aim's name in the JSON document."""
+HTTP_P99_FACTOR = 1.5
+HTTP_P99_SLACK_MS = 5.0
+"""The HTTP aim: HTTP p99 <= HTTP_P99_FACTOR x in-process p99 + HTTP_P99_SLACK_MS."""
+
+
 def is_distributed(strategy: str) -> bool:
     """Whether the bench's strategy of that name takes a lease (a lock backend) on every call:
     the bench names those "distributed-<backend>" (a test holds the registry to it). By name,
@@ -103,7 +121,59 @@ def is_distributed(strategy: str) -> bool:
 
 def floors(report: BenchReport) -> dict[str, ScenarioResult]:
     """The raw floor's result per scenario (scenarios run without it are missing)."""
-    return {r.scenario: r for r in report.results if r.strategy == FLOOR}
+    return {
+        r.scenario: r for r in report.results if r.strategy == FLOOR and r.transport == IN_PROCESS
+    }
+
+
+def in_process(report: BenchReport) -> dict[tuple[str, str], ScenarioResult]:
+    """The in-process results by (scenario, strategy): each HTTP result's twin."""
+    return {(r.scenario, r.strategy): r for r in report.results if r.transport == IN_PROCESS}
+
+
+@dataclass(frozen=True, slots=True)
+class Overhead:
+    """An HTTP result's p99 against its in-process twin's, measured in the same run."""
+
+    in_process_p99_ms: float
+    http_p99_ms: float
+
+    @property
+    def ratio(self) -> float | None:
+        """HTTP p99 over in-process p99 (None when the in-process one is 0)."""
+        return _ratio(self.http_p99_ms, self.in_process_p99_ms)
+
+    @property
+    def diff_ms(self) -> float:
+        """What HTTP adds to the p99, in ms (negative when it came out faster)."""
+        return self.http_p99_ms - self.in_process_p99_ms
+
+    @property
+    def limit_ms(self) -> float:
+        """The aim's bound on the HTTP p99: 1.5 x the in-process p99 + 5 ms."""
+        return HTTP_P99_FACTOR * self.in_process_p99_ms + HTTP_P99_SLACK_MS
+
+    @property
+    def met(self) -> bool:
+        return self.http_p99_ms <= self.limit_ms
+
+    def to_json(self) -> dict[str, Any]:
+        ratio = self.ratio
+        return {
+            "in_process_p99_ms": round(self.in_process_p99_ms, 3),
+            "p99_ratio": None if ratio is None else round(ratio, 3),
+            "p99_diff_ms": round(self.diff_ms, 3),
+            "aim_limit_ms": round(self.limit_ms, 3),
+            "aim_met": self.met,
+        }
+
+
+def overhead(result: ScenarioResult, twin: ScenarioResult | None) -> Overhead | None:
+    """``result``'s p99 against ``twin``'s: None unless ``result`` went through HTTP and its
+    in-process twin ran."""
+    if result.transport != HTTP or twin is None:
+        return None
+    return Overhead(twin.p99_ms, result.p99_ms)
 
 
 def _ratio(mine: float, floor: float) -> float | None:
@@ -135,6 +205,9 @@ class Aim:
     measured: float | None
     ok: bool
     compare: Literal["<=", ">="] = ">="
+    transport: Transport = IN_PROCESS
+    """The calls' transport: the aims of an HTTP result are its success, its violations and
+    :data:`HTTP_AIM` (``measured`` its p99 in ms, ``target`` the bound in ms)."""
 
     @property
     def status(self) -> Status:
@@ -152,6 +225,7 @@ class Aim:
             "ok": self.ok,
             "compare": self.compare,
             "status": self.status,
+            "transport": self.transport,
         }
 
 
@@ -176,19 +250,42 @@ def _ratio_aims(result: ScenarioResult, floor: ScenarioResult | None) -> list[Ai
     return found
 
 
+def _http_aim(result: ScenarioResult, twin: ScenarioResult | None) -> list[Aim]:
+    found = overhead(result, twin)
+    if found is None:
+        return []  # no in-process twin to measure the overhead against
+    return [
+        Aim(
+            result.strategy,
+            result.scenario,
+            HTTP_AIM,
+            round(found.limit_ms, 3),
+            result.p99_ms,
+            found.met,
+            "<=",
+            HTTP,
+        )
+    ]
+
+
 def aims(report: BenchReport) -> list[Aim]:
     """For every flowlock strategy (not the floor itself) on every scenario it ran: 100 %
     success and zero violations, then each of :data:`AIMS` for that scenario against the floor
-    of this run (``no floor`` when the run has none for the scenario)."""
+    of this run (``no floor`` when the run has none for the scenario); for an HTTP result,
+    instead of the floor's, :data:`HTTP_AIM` against its in-process twin."""
     found: list[Aim] = []
     base = floors(report)
+    twins = in_process(report)
     for r in report.results:
         if r.strategy == FLOOR:
             continue
-        found.append(
-            Aim(r.strategy, r.scenario, "success", 100.0, r.success_pct, r.success_pct >= 100.0)
-        )
+        how = r.transport
+        ok = r.success_pct >= 100.0
+        found.append(Aim(r.strategy, r.scenario, "success", 100.0, r.success_pct, ok, ">=", how))
         n = len(r.verdict.violations)
-        found.append(Aim(r.strategy, r.scenario, "violations", 0, n, n == 0, "<="))
-        found.extend(_ratio_aims(r, base.get(r.scenario)))
+        found.append(Aim(r.strategy, r.scenario, "violations", 0, n, n == 0, "<=", how))
+        if how == HTTP:
+            found.extend(_http_aim(r, twins.get((r.scenario, r.strategy))))
+        else:
+            found.extend(_ratio_aims(r, base.get(r.scenario)))
     return found

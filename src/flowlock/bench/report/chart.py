@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowlock.bench.report.tables import title
-from flowlock.bench.results import BenchReport
+from flowlock.bench.results import IN_PROCESS, BenchReport, ScenarioResult
 from flowlock.errors import FlowlockError
 
 if TYPE_CHECKING:
@@ -25,6 +25,11 @@ _COLORS = {
     "adaptive": "#2ca02c",
 }
 _SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#8c564b")
+
+
+def _series(result: ScenarioResult) -> str:
+    """A result's bar: its strategy, ``(http)`` after it when measured through the service."""
+    return result.strategy if result.transport == IN_PROCESS else f"{result.strategy} (http)"
 
 
 class PlotUnavailable(FlowlockError):
@@ -68,10 +73,10 @@ def figure(report: BenchReport) -> Figure:
     from matplotlib.patches import Patch
 
     scenarios = list(dict.fromkeys(r.scenario for r in report.results))
-    strategies = list(dict.fromkeys(r.strategy for r in report.results))
+    strategies = list(dict.fromkeys(_series(r) for r in report.results))
     spare = iter(_SPARE_COLORS * 4)
     colors = {s: _COLORS.get(s) or next(spare) for s in strategies}
-    by_pair = {(r.scenario, r.strategy): r for r in report.results}
+    by_pair = {(r.scenario, _series(r)): r for r in report.results}
     width = 0.84 / max(1, len(strategies))
 
     fig, (lat, ok, thr) = plt.subplots(

@@ -10,8 +10,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flowlock.bench.report.aims import FLOOR, FLOOR_METHOD, aims, floors, vs_floor
-from flowlock.bench.results import BenchReport, ScenarioResult
+from flowlock.bench.report.aims import (
+    FLOOR,
+    FLOOR_METHOD,
+    aims,
+    floors,
+    in_process,
+    overhead,
+    vs_floor,
+)
+from flowlock.bench.results import HTTP, BenchReport, ScenarioResult
 
 __all__ = ["result_to_json", "to_json", "write_json"]
 
@@ -24,8 +32,20 @@ def _rounded(ratios: Mapping[str, float | None]) -> dict[str, float | None]:
     return {k: None if v is None else round(v, 3) for k, v in ratios.items()}
 
 
-def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) -> dict[str, Any]:
-    """One result in the documented shape (docs/benchmarks.md), then the extra fields."""
+def _unsampled(result: ScenarioResult, value: float) -> float | None:
+    # The service's connections are not the run's: over HTTP nothing sampled them.
+    return None if result.transport == HTTP else value
+
+
+def result_to_json(
+    result: ScenarioResult,
+    floor: ScenarioResult | None = None,
+    twin: ScenarioResult | None = None,
+) -> dict[str, Any]:
+    """One result in the documented shape (docs/benchmarks.md), then the extra fields; ``twin``:
+    the in-process result of the same pair, for an HTTP result's ``vs_in_process``. The
+    figures of the connection sampler are null for an HTTP result (not measured)."""
+    found = overhead(result, twin)
     return {
         "scenario": result.scenario,
         "strategy": result.strategy,
@@ -39,12 +59,12 @@ def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) 
         "attempts_per_call": round(result.attempts_per_call, 4),
         "calls_per_s": round(result.calls_per_s, 1),
         "applied_per_s": round(result.applied_per_s, 1),
-        "peak_connections": result.peak_connections,
+        "peak_connections": _unsampled(result, result.peak_connections),
         "verdict": result.verdict.to_dict(),
         # extras
-        "lock_wait_ms": _ms(result.lock_wait_ms),
-        "row_lock_wait_s": round(result.row_lock_wait_s, 4),
-        "lease_wait_s": round(result.lease_wait_s, 4),
+        "lock_wait_ms": _unsampled(result, _ms(result.lock_wait_ms)),
+        "row_lock_wait_s": _unsampled(result, round(result.row_lock_wait_s, 4)),
+        "lease_wait_s": _unsampled(result, round(result.lease_wait_s, 4)),
         "rounds": result.rounds,
         "ops": result.ops,
         "processes": result.processes,
@@ -56,8 +76,8 @@ def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) 
         "refused": result.refused,
         "failed": result.failed,
         "applied_per_round": list(result.applied_per_round),
-        "peak_active_connections": result.peak_active_connections,
-        "open_connections": result.open_connections,
+        "peak_active_connections": _unsampled(result, result.peak_active_connections),
+        "open_connections": _unsampled(result, result.open_connections),
         "wall_s": round(result.wall_s, 4),
         "floor": result.floor,
         "vs_floor": _rounded(vs_floor(result, floor)),
@@ -68,19 +88,29 @@ def result_to_json(result: ScenarioResult, floor: ScenarioResult | None = None) 
             if result.escalated is None or result.adopted is None
             else {"escalated": result.escalated, "adopted": result.adopted}
         ),
+        "transport": result.transport,
+        "vs_in_process": None if found is None else found.to_json(),
     }
 
 
 def to_json(report: BenchReport) -> dict[str, Any]:
     """The whole report as the JSON document ``flowlock bench --json`` writes."""
     base = floors(report)
+    twins = in_process(report)
     return {
         "flowlock_version": report.flowlock_version,
         "postgres_version": report.postgres_version,
         "redis_version": report.redis_version,
         "cores": report.cores,
         "args": dict(report.args),
-        "results": [result_to_json(r, base.get(r.scenario)) for r in report.results],
+        "results": [
+            result_to_json(
+                r,
+                base.get(r.scenario) if r.transport != HTTP else None,
+                twins.get((r.scenario, r.strategy)),
+            )
+            for r in report.results
+        ],
         # extras
         "loop": report.loop,
         "database": report.database,

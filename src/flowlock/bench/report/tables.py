@@ -1,12 +1,13 @@
 """The run as rich tables: one row per (scenario, strategy), the storm beside the seed article's
-figures, the aims against the floor, then the floors used, failed calls, notes, what flowlock
-logged and the total time (:func:`render`). Nothing here measures; it only reads results."""
+figures, the HTTP results against their in-process twins (``--http``), the aims against the
+floor, then the floors used, failed calls, notes, what flowlock logged and the total time
+(:func:`render`). Nothing here measures; it only reads results."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -17,13 +18,18 @@ from flowlock.bench.report.aims import (
     AIMS,
     FLOOR,
     FLOOR_METHOD,
+    HTTP_P99_FACTOR,
+    HTTP_P99_SLACK_MS,
     Aim,
     AimSpec,
+    Overhead,
     aims,
     floors,
+    in_process,
     is_distributed,
+    overhead,
 )
-from flowlock.bench.results import BenchReport, ScenarioResult
+from flowlock.bench.results import HTTP, IN_PROCESS, BenchReport, ScenarioResult
 
 ELLIPSIS = "…"
 """What rich puts where it cuts a cell too wide for its column."""
@@ -36,6 +42,8 @@ __all__ = [
     "aims_layouts",
     "aims_table",
     "fitting",
+    "http_layouts",
+    "http_table",
     "render",
     "results_layouts",
     "results_table",
@@ -91,6 +99,8 @@ def title(report: BenchReport) -> str:
     redis = f", Redis {report.redis_version}" if report.redis_version else ""
     batching = report.args.get("batching")
     switch = "" if batching is None else f", batching {'on' if batching else 'off'}"
+    if report.args.get("http"):
+        switch += ", in-process"
     return (
         f"flowlock bench: {report.args.get('workers')} callers{switch}{_hosts_title(report)}, "
         f"PostgreSQL {report.postgres_version} ({report.database}){redis}, {report.loop}, "
@@ -462,10 +472,183 @@ def aims_layouts(report: BenchReport) -> list[list[RenderableType]]:
     return layouts
 
 
+# -- through the service (--http) ----------------------------------------------------------------
+
+
+def in_process_only(report: BenchReport) -> BenchReport:
+    """``report`` with its in-process results only: what the results, seed and aims tables
+    show (the HTTP results have a table of their own)."""
+    return replace(report, results=tuple(r for r in report.results if r.transport == IN_PROCESS))
+
+
+@dataclass(frozen=True, slots=True)
+class _HttpColumn:
+    header: str
+    cell: Callable[[ScenarioResult, Overhead | None], Text]
+    overhead: bool = False
+    """A column of the comparison with the in-process twin (the second table of a split)."""
+
+
+def _or_dash(found: Overhead | None, show: Callable[[Overhead], str]) -> Text:
+    return Text("—", style="dim") if found is None else Text(show(found))
+
+
+def _ratio_text(found: Overhead) -> str:
+    return "—" if found.ratio is None else f"{found.ratio:.2f}"
+
+
+def _http_aim_cell(r: ScenarioResult, found: Overhead | None) -> Text:
+    if found is None:
+        return Text("no twin", style="dim")  # the in-process result of the pair is missing
+    return Text("met" if found.met else "not met", style="green" if found.met else "bold red")
+
+
+_HTTP_COLUMNS: tuple[_HttpColumn, ...] = (
+    _HttpColumn("calls/s", lambda r, o: Text(_num(r.calls_per_s, 0))),
+    _HttpColumn("p50 ms", lambda r, o: Text(_num(r.p50_ms))),
+    _HttpColumn("p99 ms", lambda r, o: Text(_num(r.p99_ms))),
+    _HttpColumn("success %", lambda r, o: _success_cell(r)),
+    _HttpColumn("verdict", lambda r, o: _verdict_cell(r)),
+    _HttpColumn(
+        "in-proc p99 ms", lambda r, o: _or_dash(o, lambda f: _num(f.in_process_p99_ms)), True
+    ),
+    _HttpColumn("p99 ×", lambda r, o: _or_dash(o, _ratio_text), True),
+    _HttpColumn("+ms", lambda r, o: _or_dash(o, lambda f: f"{f.diff_ms:+,.1f}"), True),
+    _HttpColumn("aim", _http_aim_cell, True),
+)
+"""The HTTP table's figures: the result's own, then against its in-process twin."""
+
+
+def _http_results(report: BenchReport) -> list[ScenarioResult]:
+    return [r for r in report.results if r.transport == HTTP]
+
+
+def _http_title(report: BenchReport) -> str:
+    service = report.args.get("http_service")
+    workers = service.get("workers") if isinstance(service, Mapping) else None
+    served = f"flowlock serve, {workers} worker(s)" if workers else "flowlock serve"
+    return f"through HTTP ({served}) against in-process, same run"
+
+
+def _http_caption(report: BenchReport) -> str:
+    return (
+        f"aim: HTTP p99 ≤ {HTTP_P99_FACTOR:g} × in-process p99 + {HTTP_P99_SLACK_MS:g} ms; "
+        "p99 ×: HTTP p99 over in-process p99; +ms: their difference. "
+        f"{report.args.get('workers')} httpx callers run in the bench's process, on the same "
+        f"{report.cores} cores as the service and PostgreSQL: the HTTP figures include the "
+        "client's work, and on a shared machine every figure is noisy"
+    )
+
+
+def http_table(
+    report: BenchReport,
+    results: Sequence[ScenarioResult] | None = None,
+    *,
+    title: str | None = None,
+    scenario: bool = True,
+    stacked: bool = False,
+    columns: Sequence[_HttpColumn] = _HTTP_COLUMNS,
+    caption: bool = True,
+) -> Table | None:
+    """The HTTP results (``results``, default all of them), one row per (scenario, strategy):
+    calls/s, p50, p99, success, the verdict, then the in-process p99 of the same pair in the
+    same run, the ratio and difference of the p99s and the aim; None without HTTP results."""
+    shown = list(results) if results is not None else _http_results(report)
+    if not shown:
+        return None
+    table = Table(
+        title=_http_title(report) if title is None else title or None,
+        title_justify="left",
+        caption=_http_caption(report) if caption else None,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    if scenario:
+        table.add_column("scenario", no_wrap=True)
+    table.add_column("strategy", no_wrap=True)
+    for column in columns:
+        header = column.header.replace(" ", "\n") if stacked else column.header
+        table.add_column(header, justify="right", no_wrap=True)
+    twins = in_process(report)
+    last = None
+    for r in shown:
+        if scenario and last is not None and r.scenario != last:
+            table.add_section()
+        last = r.scenario
+        found = overhead(r, twins.get((r.scenario, r.strategy)))
+        row: list[Text | str] = [r.scenario] if scenario else []
+        row.append(r.strategy)
+        row.extend(column.cell(r, found) for column in columns)
+        table.add_row(*row)
+    return table
+
+
+def http_layouts(report: BenchReport) -> list[list[RenderableType]]:
+    """The HTTP results, widest first: one table; one per scenario; then each result's own
+    figures and its comparison with the in-process twin in two tables, headers on one line,
+    then stacked; and, narrowest, those two per scenario. The title heads the first table, the
+    caption ends the last. Empty without HTTP results."""
+    results = _http_results(report)
+    if not results:
+        return []
+    grouped: dict[str, list[ScenarioResult]] = {}
+    for r in results:
+        grouped.setdefault(r.scenario, []).append(r)
+    heading = Text(_http_title(report), style="italic")
+    caption = Text(_http_caption(report), style="dim")
+    own = [c for c in _HTTP_COLUMNS if not c.overhead]
+    against = [c for c in _HTTP_COLUMNS if c.overhead]
+
+    def form(parts: list[Table | None]) -> list[RenderableType]:
+        return [heading, *[t for t in parts if t is not None], caption]
+
+    per_scenario = form(
+        [
+            http_table(report, rs, title=name, scenario=False, caption=False)
+            for name, rs in grouped.items()
+        ]
+    )
+
+    def halves(stacked: bool) -> list[RenderableType]:
+        return form(
+            [
+                http_table(
+                    report, results, title=what, stacked=stacked, columns=columns, caption=False
+                )
+                for what, columns in (("the HTTP figures", own), ("against in-process", against))
+            ]
+        )
+
+    split = form(
+        [
+            http_table(
+                report,
+                rs,
+                title=what,
+                scenario=False,
+                stacked=True,
+                columns=columns,
+                caption=False,
+            )
+            for name, rs in grouped.items()
+            for what, columns in ((name, own), (f"{name}: against in-process", against))
+        ]
+    )
+    wide = http_table(report)
+    return [
+        [wide] if wide is not None else [],
+        per_scenario,
+        halves(stacked=False),
+        halves(stacked=True),
+        split,
+    ]
+
+
 def _errors(report: BenchReport) -> Text | None:
     lines = [
-        f"{r.scenario}/{r.strategy}: "
-        + ", ".join(f"{name} × {count}" for name, count in r.errors.items())
+        f"{r.label}: " + ", ".join(f"{name} × {count}" for name, count in r.errors.items())
         for r in report.results
         if r.errors
     ]
@@ -501,11 +684,13 @@ def _escalations_text(report: BenchReport) -> Text | None:
 
 
 def render(report: BenchReport, console: Console) -> None:
-    """Print the results table, the seed comparison, the aims, errors, notes and the total time
-    to ``console``, each table in the widest of its forms that fits the console's width (80
-    columns: one table per scenario, with fewer figures), so that no number is ever cut."""
-    parts: list[RenderableType] = fitting(console, results_layouts(report))
-    for layouts in (seed_layouts(report), aims_layouts(report)):
+    """Print the results table, the seed comparison, the HTTP results against their in-process
+    twins (``--http``), the aims, errors, notes and the total time to ``console``, each table
+    in the widest of its forms that fits the console's width (80 columns: one table per
+    scenario, with fewer figures), so that no number is ever cut."""
+    local = in_process_only(report)
+    parts: list[RenderableType] = fitting(console, results_layouts(local))
+    for layouts in (seed_layouts(local), http_layouts(report), aims_layouts(local)):
         if layouts:
             parts.extend(fitting(console, layouts))
     for extra in (_floors_text(report), _errors(report), _escalations_text(report)):
