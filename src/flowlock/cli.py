@@ -709,6 +709,34 @@ EmbeddedOption = Annotated[
 ]
 
 
+HostsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--hosts",
+        min=1,
+        max=16,
+        metavar="N",
+        help="Run every scenario's callers in the worker processes spread over N Linux network "
+        "namespaces (one machine, N 'hosts' on a bridge, each with its own address), against an "
+        "embedded PostgreSQL and Redis listening on the bridge. Default scenarios: spread and "
+        "cluster; --processes defaults to at least N. Needs root and iproute2; the namespaces "
+        "are removed at the end. Not with --http.",
+        show_default=False,
+    ),
+]
+NetemDelayOption = Annotated[
+    float | None,
+    typer.Option(
+        "--netem-delay",
+        min=0,
+        max=1000,
+        metavar="MS",
+        help="With --hosts: tc netem delay of each direction of each host's link, in ms (a "
+        "round trip gains twice that). Default: 1 with 2 hosts or more where the kernel has "
+        "netem (else none, noted); 0: none.",
+        show_default=False,
+    ),
+]
 HttpOption = Annotated[
     bool,
     typer.Option(
@@ -721,7 +749,7 @@ HttpOption = Annotated[
         "them; every pair warms up first, also with --quick. Adds a table of requests/s, p50, "
         "p99, success % and verdict per pair beside the in-process p99 of the same run, with "
         "the ratio, the difference and the aim: HTTP p99 <= 1.5 x in-process p99 + 5 ms. The "
-        "callers share the machine's cores with the service and PostgreSQL.",
+        "callers share the machine's cores with the service and PostgreSQL. Not with --hosts.",
     ),
 ]
 SoakOption = Annotated[
@@ -867,6 +895,8 @@ def bench(
     redis_url: BenchRedisUrl = None,
     embedded: EmbeddedOption = False,
     batching: BatchingOption = OnOff.on,
+    hosts: HostsOption = None,
+    netem_delay: NetemDelayOption = None,
     http: HttpOption = False,
     soak: SoakOption = None,
     faults: FaultsOption = False,
@@ -881,8 +911,10 @@ def bench(
     aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
     any verdict fails.
 
+    With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.
+
     With --http each pair runs in-process and then through `flowlock serve`, and a table shows
-    the HTTP overhead: see --http, and docs/benchmarks.md.
+    the HTTP overhead: see --http, and docs/benchmarks.md. --http and --hosts do not combine.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
     """
@@ -898,6 +930,8 @@ def bench(
             "--quick": quick,
             "--pool-size": pool_size,
             "--plot": plot_file,
+            "--hosts": hosts,
+            "--netem-delay": netem_delay is not None,
             "--http": http,
         }
         soak_config = _soak_config(
@@ -929,6 +963,8 @@ def bench(
         database_url=None if embedded else database_url,
         redis_url=None if embedded else redis_url,
         batching=batching is OnOff.on,
+        hosts=hosts,
+        netem_delay_ms=netem_delay,
         http=http,
     )
     _show(_run_bench(config, plot_file is not None), json_file, plot_file)

@@ -139,6 +139,10 @@ async def test_escalations_are_shared_through_a_board() -> None:
     b.adopt({e.key: e for e in await board.active(clock.now)})
     adopted = b.escalated("k")
     assert adopted is not None and adopted.strategy == "pessimistic"
+    # Each counts the escalation once; only b took it from another engine's decision.
+    assert (a.escalations, a.adopted, b.escalations, b.adopted) == (1, 0, 1, 1)
+    b.adopt({e.key: e for e in await board.active(clock.now)})  # seen again: not counted again
+    assert (b.escalations, b.adopted) == (1, 1)
     clock.now += 10
     assert b.escalated("k") is None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from flowlock.bench.hosts import MAX_DELAY_MS, MAX_HOSTS
 from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, expand
 from flowlock.bench.results import Params
 from flowlock.bench.scenarios import SCENARIOS, Scenario
@@ -18,6 +19,7 @@ __all__ = [
     "ADMIN_POOL",
     "ADVISORY_POOL",
     "DEFAULT_PROCESSES",
+    "HOSTS_SCENARIOS",
     "HTTP_SCENARIOS",
     "HTTP_STRATEGIES",
     "HTTP_WORKERS",
@@ -33,7 +35,12 @@ __all__ = [
 ]
 
 DEFAULT_PROCESSES = 4
-"""OS processes of the multi-process scenarios when ``processes`` is not given."""
+"""OS processes of the multi-process scenarios when ``processes`` is not given (with ``hosts``,
+at least one per host)."""
+
+HOSTS_SCENARIOS = ("spread", "cluster")
+"""What ``--hosts`` runs when no scenario is named: the sustained must-apply load from every
+host, on many instances (spread) and on instances the hosts share (cluster)."""
 
 ADVISORY_POOL = 20
 """Lease connections of an advisory-lock backend, per process (its library default)."""
@@ -136,6 +143,13 @@ class BenchConfig:
     batching: bool = True
     """Every flowlock engine the run builds batches concurrent calls on one instance
     (``Engine(batching=...)``); the raw floor has no engine and is the same either way."""
+    hosts: int | None = None
+    """Run every scenario's callers in worker processes spread over this many Linux network
+    namespaces (:mod:`flowlock.bench.hosts`), against an embedded PostgreSQL and Redis on the
+    namespaces' bridge. Needs root and iproute2."""
+    netem_delay_ms: float | None = None
+    """With ``hosts``: the netem delay of each direction of each host's link; None: 1 ms with
+    two hosts or more where the kernel has netem, else none; 0: none."""
     http: bool = False
     """Run each pair twice: in this process, then through a ``flowlock serve`` subprocess
     started for the run, by ``workers`` concurrent HTTP callers (:mod:`flowlock.bench.http`).
@@ -149,10 +163,20 @@ class BenchConfig:
         self._check_names()
         self._check_counts()
         self._check_urls()
-        if not isinstance(self.batching, bool):
-            raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
         if not isinstance(self.http, bool):
             raise InvalidInput(f"http must be True or False, not {self.http!r}")
+        if self.http and self.hosts is not None:
+            # The two measure different things and cannot share a run: --http calls a service
+            # on this machine's loopback from the bench's own process, --hosts moves every
+            # caller into worker processes in namespaces, which cannot reach the loopback.
+            raise InvalidInput(
+                "--http and --hosts cannot be combined: --http calls a flowlock serve on "
+                "127.0.0.1 from the bench's own process, while --hosts runs every caller in "
+                "worker processes on namespaced hosts; run them as two separate benches"
+            )
+        self._check_hosts()
+        if not isinstance(self.batching, bool):
+            raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
         if self.http:
             self._check_http()
 
@@ -180,6 +204,31 @@ class BenchConfig:
             raise InvalidInput(
                 f"http_workers (the service's worker processes) must be 1 to 64, "
                 f"not {self.http_workers}"
+            )
+
+    def _check_hosts(self) -> None:
+        if self.hosts is None:
+            if self.netem_delay_ms is not None:
+                raise InvalidInput("a netem delay needs hosts (--netem-delay needs --hosts N)")
+            return
+        if isinstance(self.hosts, bool) or not 1 <= self.hosts <= MAX_HOSTS:
+            raise InvalidInput(f"hosts must be 1 to {MAX_HOSTS}, not {self.hosts!r}")
+        delay = self.netem_delay_ms
+        if delay is not None and (isinstance(delay, bool) or not 0 <= delay <= MAX_DELAY_MS):
+            raise InvalidInput(f"the netem delay must be 0 to {MAX_DELAY_MS:g} ms, not {delay!r}")
+        if self.database_url is not None or self.redis_url is not None:
+            given = "--database-url" if self.database_url is not None else "--redis-url"
+            raise InvalidInput(
+                f"--hosts runs on an embedded PostgreSQL and Redis listening on the hosts' "
+                f"bridge (a server on 127.0.0.1 cannot be reached from a namespace), so it "
+                f"refuses {given}; drop it (or unset FLOWLOCK_DATABASE_URL / "
+                "FLOWLOCK_REDIS_URL, or add --embedded)"
+            )
+        if self.process_count() < self.hosts:
+            raise InvalidInput(
+                f"each host runs at least one worker process: {self.process_count()} "
+                f"process(es) cannot cover {self.hosts} hosts; raise --processes (and "
+                "--workers) to at least --hosts"
             )
 
     def _check_names(self) -> None:
@@ -220,6 +269,8 @@ class BenchConfig:
     def scenario_names(self) -> tuple[str, ...]:
         if self.scenarios:
             return tuple(dict.fromkeys(self.scenarios))
+        if self.hosts is not None:
+            return HOSTS_SCENARIOS
         return HTTP_SCENARIOS if self.http else tuple(SCENARIOS)
 
     def strategy_names(self) -> tuple[str, ...]:
@@ -243,13 +294,19 @@ class BenchConfig:
         return self.warmup and (self.http or not self.quick)
 
     def process_count(self) -> int:
-        return min(self.workers, self.processes or DEFAULT_PROCESSES)
+        default = max(DEFAULT_PROCESSES, self.hosts or 0)
+        return min(self.workers, self.processes or default)
+
+    def in_processes(self, scenario: Scenario) -> bool:
+        """Whether ``scenario``'s callers run in the worker processes: the multi-process
+        scenarios always, every scenario when the run has hosts (the workers run on them)."""
+        return scenario.multiprocess or self.hosts is not None
 
     def params_for(self, scenario: Scenario) -> Params:
         return Params(
             workers=self.workers,
             ops=self.ops_for(scenario),
-            processes=self.process_count() if scenario.multiprocess else 1,
+            processes=self.process_count() if self.in_processes(scenario) else 1,
         )
 
 

@@ -10,7 +10,7 @@ request             reply                  what the worker does
 :class:`Open`       :class:`Opened`        opens a fresh session for a (scenario, strategy)
 :class:`Arm`        :class:`ArmedReply`    creates one task per lane, parked on the start gate
 :class:`Go`         :class:`Done`          releases them; every call's result, timed there
-:class:`Close`      :class:`Closed`        closes the session
+:class:`Close`      :class:`Closed`        closes the session; its engine's escalation counts
 ==================  =====================  =====================================================
 
 A request that failed is answered :class:`Failed` (the exception, in one line).
@@ -203,14 +203,20 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
+    """The session is closed. ``escalated``: instances its engine's adaptive monitor escalated
+    while it was open, ``adopted`` of them taken from the escalation board (decided by another
+    engine: another worker, on this host or another)."""
+
     op: ClassVar[str] = "closed"
+    escalated: int = 0
+    adopted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op}
+        return {"op": self.op, "escalated": self.escalated, "adopted": self.adopted}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Closed:
-        return cls()
+        return cls(int(doc.get("escalated", 0)), int(doc.get("adopted", 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,13 +261,30 @@ def reply_from_dict(doc: Mapping[str, Any]) -> Reply:
 R = TypeVar("R", Opened, ArmedReply, Done, Closed)
 
 
+WORKER_ARGV = (sys.executable, "-m", "flowlock.bench.worker")
+"""How a worker process is started (inside a namespaced host: after ``ip netns exec NAME``)."""
+
+
 class WorkerPool:
     """``count`` worker processes (``python -m flowlock.bench.worker``) speaking JSON lines on
     their stdin/stdout; started in their own session, so a Ctrl-C reaches only this process,
-    which then closes them (EOF on stdin; killed if they do not exit)."""
+    which then closes them (EOF on stdin; killed if they do not exit).
 
-    def __init__(self, count: int) -> None:
+    ``commands``: each worker's command line, when not :data:`WORKER_ARGV` (the namespaced
+    hosts run it through ``ip netns exec``); ``labels``: where each runs, for error messages."""
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        commands: Sequence[Sequence[str]] | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> None:
         self.count = count
+        self._commands = [list(c) for c in commands] if commands else [list(WORKER_ARGV)] * count
+        self._labels = list(labels) if labels else [""] * count
+        if len(self._commands) != count or len(self._labels) != count:
+            raise ValueError(f"{count} workers need {count} commands and labels")
         self._procs: list[asyncio.subprocess.Process] = []
         self._stderr: list[deque[str]] = []
         self._drains: list[asyncio.Task[None]] = []
@@ -272,11 +295,9 @@ class WorkerPool:
 
     async def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for _ in range(self.count):
+        for argv in self._commands:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "flowlock.bench.worker",
+                *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -342,7 +363,10 @@ class WorkerPool:
 
     def _failure(self, index: int, what: str) -> FlowlockError:
         tail = "\n".join(self._stderr[index]) if index < len(self._stderr) else ""
-        return FlowlockError(f"bench worker process {index} {what}" + (f"\n{tail}" if tail else ""))
+        where = f" ({self._labels[index]})" if self._labels[index] else ""
+        return FlowlockError(
+            f"bench worker process {index}{where} {what}" + (f"\n{tail}" if tail else "")
+        )
 
     async def aclose(self) -> None:
         procs, self._procs = self._procs, []

@@ -365,6 +365,15 @@ class ScenarioResult:
     mean_batch: float | None = None
     """The mean ``Outcome.batch_size`` over the calls that got an Outcome (see
     :func:`mean_batch`); None when none did."""
+    hosts: int = 0
+    """The namespaced hosts the worker processes ran on (``--hosts``); 0: this machine's own
+    network."""
+    escalated: int | None = None
+    """Instances the engines' adaptive monitors escalated during the pair, each engine counted
+    once per instance (one engine per worker process); None when not counted (the raw floor)."""
+    adopted: int | None = None
+    """Of :attr:`escalated`, those an engine took from the escalation board in PostgreSQL:
+    decided by another engine, on another worker process or host."""
     transport: Transport = IN_PROCESS
     """How the calls were made. Over ``http`` the connections are the service's, which the
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
@@ -398,12 +407,15 @@ def summarise(
     *,
     loop: str,
     floor: bool = False,
+    hosts: int = 0,
+    escalations: tuple[int, int] | None = None,
     transport: Transport = IN_PROCESS,
 ) -> ScenarioResult:
     """One pair's result from its timed rounds and the sampler's figures: latency, outcomes,
     throughput per second of round wall time, connections, lock wait per call, and the verdict.
-    ``floor``: the pair is the raw floor, so the result names how it did the calls;
-    ``transport``: how its calls were made."""
+    ``floor``: the pair is the raw floor, so the result names how it did the calls. ``hosts``:
+    the namespaced hosts it ran on; ``escalations``: (escalated, adopted), summed over the
+    engines (see :attr:`ScenarioResult.escalated`); ``transport``: how its calls were made."""
     records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
     judgements = [scenario.judge(record, params) for record in records]
@@ -447,6 +459,9 @@ def summarise(
         open_connections=conns.peak_open,
         floor=scenario.floor if floor else None,
         mean_batch=mean_batch(results),
+        hosts=hosts,
+        escalated=None if escalations is None else escalations[0],
+        adopted=None if escalations is None else escalations[1],
         transport=transport,
     )
 

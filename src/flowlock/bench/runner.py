@@ -20,6 +20,13 @@ run's connections. After each round, every instance's final state and history is
 :func:`~flowlock.bench.results.summarise` turns the rounds into one result per pair, judged by
 :func:`flowlock.checker.check` plus the scenario's own rules.
 
+With ``hosts`` (``flowlock bench --hosts N``) every scenario's callers run in the worker
+processes, spread round robin over N Linux network namespaces joined by a bridge
+(:mod:`~flowlock.bench.hosts`), and the embedded PostgreSQL and Redis listen on the bridge's
+address: each host reaches them over its own link and address. Once the pairs are done the runner
+counts what the hosts left behind (processes in the namespaces, connections and Redis clients
+from their addresses) into the report, then removes the namespaces.
+
 The database is an embedded PostgreSQL started for the run (the default), or the caller's server;
 either way all tables live in a scratch schema ``flowlock_bench_<hex>`` dropped at the end. Redis
 (for ``distributed-redis``) is the caller's (``redis_url``; the run's keys live under a scratch
@@ -42,9 +49,21 @@ from typing import TYPE_CHECKING, Any
 import flowlock
 from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target, redact, service_pool
 from flowlock.bench.host import cores, loop_factory, loop_name
+from flowlock.bench.hosts import NamespacedHosts
 from flowlock.bench.logs import collect_logs
 from flowlock.bench.measure import Armed, Sampler, sampled
-from flowlock.bench.procs import Arm, ArmedReply, Close, Closed, Done, Go, Open, Opened, WorkerPool
+from flowlock.bench.procs import (
+    WORKER_ARGV,
+    Arm,
+    ArmedReply,
+    Close,
+    Closed,
+    Done,
+    Go,
+    Open,
+    Opened,
+    WorkerPool,
+)
 from flowlock.bench.progress import NullProgress, Progress
 from flowlock.bench.registry import STRATEGIES, StrategySpec, expand
 from flowlock.bench.results import (
@@ -65,6 +84,9 @@ from flowlock.bench.scenarios import SCENARIOS, Scenario
 from flowlock.bench.servers import (
     DatabaseServer,
     RedisServer,
+    clear_escalation_board,
+    count_connections_from,
+    count_redis_clients_from,
     delete_redis_keys,
     drop_schema,
     postgres_server,
@@ -89,6 +111,7 @@ class _Run:
     seed: int
     progress: Progress
     workers: WorkerPool
+    hosts: NamespacedHosts | None = None
     service: Service | None = None
     """The service the ``--http`` pairs call (None without ``--http``)."""
 
@@ -159,7 +182,8 @@ class _Pair:
         """Start the worker processes (once per run) and open the pair's session in each."""
         run, workers = self.run, self.run.workers
         if not workers.started:
-            run.progress.status(f"starting {workers.count} worker processes")
+            where = "" if run.hosts is None else f" on {run.hosts.count} namespaced hosts"
+            run.progress.status(f"starting {workers.count} worker processes{where}")
             await workers.start()
         per_process = math.ceil(run.target.pool_size / workers.count)
         name = f"{run.seed}/{self.scenario.name}/{self.spec.name}"
@@ -187,7 +211,7 @@ class _Pair:
         # The warm-up only fills the pools and the statement caches: one call each.
         shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
         plan = await self.scenario.setup(self.session.engine, key, shape, rng)
-        if self.scenario.multiprocess:
+        if self.run.config.in_processes(self.scenario):
             results, wall, lease = await _round_in_processes(self.run.workers, plan, sampler)
         else:
             results, wall, lease = await _round_in_process(
@@ -228,7 +252,7 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
     rounds = config.rounds_for(scenario)
     params = config.params_for(scenario)
     run.progress.begin(scenario.name, spec.name, rounds + (1 if config.warms_up() else 0))
-    multi = scenario.multiprocess
+    multi = config.in_processes(scenario)
     # Multi-process: the worker processes fire; this process only sets up and reads back, on an
     # admin session of a few connections (the raw spec: no lock backend, nothing to escalate).
     async with open_session(
@@ -241,13 +265,18 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
         batching=config.batching,
     ) as session:
         pair = _Pair(run, scenario, spec, params, session)
+        await clear_escalation_board(session.pool)
         if multi:
             await pair.open_workers()
         # On an error or Ctrl-C no polite close (a worker may be mid-round): the run's exit
         # closes their stdin, and they cancel their calls and close their sessions.
         stats = await pair.rounds(rounds)
         if multi:
-            await run.workers.ask([Close()] * run.workers.count, Closed)
+            closed = await run.workers.ask([Close()] * run.workers.count, Closed)
+            counts = (sum(c.escalated for c in closed), sum(c.adopted for c in closed))
+        else:
+            monitor = session.engine.monitor
+            counts = (monitor.escalations, monitor.adopted)
     run.progress.end()
     return summarise(
         scenario,
@@ -257,6 +286,8 @@ async def _run_pair(run: _Run, scenario: Scenario, spec: StrategySpec) -> Scenar
         stats,
         loop=loop_name(),
         floor=spec.floor,
+        hosts=0 if run.hosts is None else run.hosts.count,
+        escalations=None if spec.floor else counts,
     )
 
 
@@ -286,6 +317,9 @@ async def _run_http_pair(
         ) as admin,
         HttpCallers(service.base_url, config.workers) as callers,
     ):
+        # As every pair, with an empty escalation board: the service's adaptive engine would
+        # otherwise adopt what its in-process twin escalated a moment before.
+        await clear_escalation_board(admin.pool)
         session = HttpSession(spec.name, admin, callers)
         pair = _Pair(run, scenario, spec, params, session, transport=HTTP)
         stats = await pair.rounds(rounds)
@@ -336,6 +370,61 @@ def _clean_up_after(
             await delete_redis_keys(redis.url, target.namespace)
 
         stack.push_async_callback(forget)
+
+
+def _worker_pool(config: BenchConfig, hosts: NamespacedHosts | None) -> WorkerPool:
+    """The run's worker processes: on this machine's network, or round robin over the hosts."""
+    count = config.process_count()
+    if hosts is None:
+        return WorkerPool(count)
+    on = [hosts.plan.host_for(p) for p in range(count)]
+    return WorkerPool(
+        count,
+        commands=[h.command(WORKER_ARGV) for h in on],
+        labels=[f"host h{h.index}, {h.ip}, namespace {h.netns}" for h in on],
+    )
+
+
+_SETTLE = 5.0  # seconds for the servers to see the closed workers' sockets go
+
+
+async def _left_on_hosts(
+    hosts: NamespacedHosts, server: DatabaseServer, redis: RedisServer | None
+) -> dict[str, int]:
+    """What the hosts' worker processes left once closed: processes inside the namespaces,
+    database connections and Redis clients from the hosts' addresses (all 0 when clean). Looked
+    at again for a few seconds while any is left: a server notices a closed socket a moment
+    after the process that held it exited."""
+    addresses = [h.ip for h in hosts.hosts]
+    deadline = time.monotonic() + _SETTLE
+    while True:
+        pids = await asyncio.to_thread(hosts.pids)
+        left = {
+            "processes": sum(len(p) for p in pids.values()),
+            "connections": await count_connections_from(server.url, addresses),
+            "redis_clients": (
+                0 if redis is None else await count_redis_clients_from(redis.url, addresses)
+            ),
+        }
+        if not any(left.values()) or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.1)
+
+
+def _hosts_args(hosts: NamespacedHosts | None, left: dict[str, int] | None) -> Any:
+    if hosts is None:
+        return None
+    return {**hosts.describe(), "left": left}
+
+
+def _hosts_notes(hosts: NamespacedHosts | None, left: dict[str, int] | None) -> list[str]:
+    if hosts is None:
+        return []
+    notes = list(hosts.notes)
+    if left and any(left.values()):
+        shown = ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in left.items() if n)
+        notes.append(f"left behind by the hosts' closed workers: {shown}")
+    return notes
 
 
 def _args(
@@ -436,6 +525,8 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
     schema = f"flowlock_bench_{secrets.token_hex(6)}"
     started = time.perf_counter()
     needs_redis = any(STRATEGIES[n].locks == "redis" for n in config.strategy_names())
+    hosts: NamespacedHosts | None = None
+    left: dict[str, int] | None = None
     if config.http:
         from flowlock.bench.http import check_http_support
 
@@ -443,8 +534,20 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
     service: Service | None = None
     async with contextlib.AsyncExitStack() as stack:
         logged = stack.enter_context(collect_logs())
-        server = await stack.enter_async_context(postgres_server(config, shown))
-        redis = await stack.enter_async_context(redis_server(config, shown, needs_redis))
+        address: str | None = None
+        if config.hosts is not None:
+            shown.status(f"creating {config.hosts} namespaced hosts")
+            hosts = await stack.enter_async_context(
+                NamespacedHosts(config.hosts, delay_ms=config.netem_delay_ms)
+            )
+            address = hosts.server_address
+        trusted = () if hosts is None else (str(hosts.plan.subnet),)
+        server = await stack.enter_async_context(
+            postgres_server(config, shown, host=address, trusted=trusted)
+        )
+        redis = await stack.enter_async_context(
+            redis_server(config, shown, needs_redis, host=address)
+        )
         await probe(server, config)
         notes = _check_redis(config, redis, needs_redis)
         target = Target(
@@ -456,7 +559,7 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
             redis.url if redis else None,
         )
         _clean_up_after(stack, shown, server, redis, target)
-        workers = WorkerPool(config.process_count())
+        workers = _worker_pool(config, hosts)
         stack.push_async_callback(workers.aclose)
 
         shown.status(f"creating flowlock's tables in the scratch schema {schema}")
@@ -474,20 +577,28 @@ async def run_bench(config: BenchConfig, progress: Progress | None = None) -> Be
                 )
             )
             notes.append(_http_note(config, service))
-        shared = _Run(config, target, seed, shown, workers, service)
+        shared = _Run(config, target, seed, shown, workers, hosts, service)
         results, skipped = await _run_pairs(shared, redis)
+        if hosts is not None:
+            shown.status("closing the workers and counting what they left on the hosts")
+            await workers.aclose()
+            left = await _left_on_hosts(hosts, server, redis)
+        args = {
+            **_args(config, seed, server, redis, target, service),
+            "hosts": _hosts_args(hosts, left),
+        }
     return BenchReport(
         flowlock_version=flowlock.__version__,
         postgres_version=server.version,
         redis_version=None if redis is None else redis.version,
         cores=cores(),
-        args=_args(config, seed, server, redis, target, service),
+        args=args,
         results=tuple(results),
         loop=loop_name(),
         database=server.kind,
         pool_size=server.pool_size,
         duration_s=time.perf_counter() - started,
-        notes=tuple(server.notes + notes),
+        notes=tuple(server.notes + notes + _hosts_notes(hosts, left)),
         redis="none" if redis is None else redis.kind,
         skipped=tuple(skipped),
         log=logged.lines(),

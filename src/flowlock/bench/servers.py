@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,11 @@ __all__ = [
     "DRIVER_ERRORS",
     "DatabaseServer",
     "RedisServer",
+    "clear_escalation_board",
     "connect",
     "connections_needed",
+    "count_connections_from",
+    "count_redis_clients_from",
     "count_redis_lock_keys",
     "delete_redis_keys",
     "demand",
@@ -85,8 +88,16 @@ class DatabaseServer:
 
 
 @contextlib.asynccontextmanager
-async def postgres_server(config: BenchConfig, progress: Progress) -> AsyncIterator[DatabaseServer]:
-    """The database to run against: the caller's, or an embedded one stopped on the way out."""
+async def postgres_server(
+    config: BenchConfig,
+    progress: Progress,
+    *,
+    host: str | None = None,
+    trusted: Sequence[str] = (),
+) -> AsyncIterator[DatabaseServer]:
+    """The database to run against: the caller's, or an embedded one stopped on the way out,
+    listening on ``host`` (default 127.0.0.1) and letting in the clients of the ``trusted``
+    networks (the namespaced hosts' subnet)."""
     if config.database_url is not None:
         progress.status(f"connecting to {_where(config.database_url)}")
         yield DatabaseServer(config.database_url, "external")
@@ -95,7 +106,8 @@ async def postgres_server(config: BenchConfig, progress: Progress) -> AsyncItera
 
     progress.status("starting an embedded PostgreSQL")
     wanted = 3 * (config.pool_size or config.workers) + 50
-    pg = EmbeddedPostgres(max_connections=max(_EMBEDDED_MAX_CONNECTIONS, wanted))
+    where: dict[str, Any] = {} if host is None else {"host": host, "trusted_networks": trusted}
+    pg = EmbeddedPostgres(max_connections=max(_EMBEDDED_MAX_CONNECTIONS, wanted), **where)
     # Why try/finally around async with: __aexit__ stops the server on errors and on the
     # cancellation Ctrl-C causes; the extra stop() covers a cancel that lands in __aenter__
     # after the server came up (stop() is idempotent).
@@ -176,7 +188,7 @@ async def probe(server: DatabaseServer, config: BenchConfig) -> None:
     reserved = 0 if row["superuser"] else row["su_reserved"] + row["reserved"]
     free = row["max_conn"] - reserved - row["used"] - _CONNECTION_HEADROOM
     advisory = any(STRATEGIES[n].locks == "advisory" for n in config.strategy_names())
-    multi = any(SCENARIOS[n].multiprocess for n in config.scenario_names())
+    multi = any(config.in_processes(SCENARIOS[n]) for n in config.scenario_names())
     procs = config.process_count()
 
     def needed(pool: int) -> int:
@@ -218,6 +230,32 @@ async def drop_schema(url: str, schema: str) -> None:
         await conn.close()
 
 
+async def clear_escalation_board(pool: asyncpg.Pool) -> None:
+    """Empty the adaptive strategy's escalation board in the run's schema: each pair starts
+    without the previous pair's escalations, as it starts with fresh pools and engines (an
+    escalation lives on for its cool-down after its round, and every engine adopts every
+    active one, whatever its instance)."""
+    try:
+        await pool.execute("DELETE FROM flowlock_escalations")
+    except DRIVER_ERRORS as exc:
+        raise StoreError(f"cannot empty the escalation board: {exc}") from exc
+
+
+async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
+    """The server's client connections from any of ``addresses`` (the namespaced hosts')."""
+    conn = await connect(url)
+    try:
+        found = await conn.fetchval(
+            "SELECT count(*)::int FROM pg_stat_activity WHERE host(client_addr) = ANY($1::text[])",
+            list(addresses),
+        )
+    except DRIVER_ERRORS as exc:
+        raise store_error(exc, url, "cannot count the hosts' connections") from exc
+    finally:
+        await conn.close()
+    return int(found or 0)
+
+
 # -- Redis -------------------------------------------------------------------------------------
 
 
@@ -232,10 +270,11 @@ class RedisServer:
 
 @contextlib.asynccontextmanager
 async def redis_server(
-    config: BenchConfig, progress: Progress, needed: bool
+    config: BenchConfig, progress: Progress, needed: bool, *, host: str | None = None
 ) -> AsyncIterator[RedisServer | None]:
     """Redis for the distributed-redis strategy: the caller's, an embedded one (stopped and
-    removed on the way out), or None when no strategy needs it or none can be started."""
+    removed on the way out; listening on ``host``, default 127.0.0.1), or None when no
+    strategy needs it or none can be started."""
     if not needed:
         yield None
         return
@@ -249,7 +288,7 @@ async def redis_server(
         yield None
         return
     progress.status("starting an embedded Redis")
-    server = EmbeddedRedis()
+    server = EmbeddedRedis() if host is None else EmbeddedRedis(host=host)
     try:
         async with server:
             yield RedisServer(server.url, "embedded", server.version)
@@ -314,3 +353,19 @@ async def count_redis_lock_keys(url: str, namespace: str) -> int:
         raise StoreError(f"cannot count the run's Redis lock keys ({pattern}): {exc}") from exc
     finally:
         await client.aclose()
+
+
+async def count_redis_clients_from(url: str, addresses: Sequence[str]) -> int:
+    """Redis's client connections from any of ``addresses`` (the namespaced hosts')."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    wanted = set(addresses)
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        clients = await client.client_list()
+    except (RedisError, OSError) as exc:
+        raise StoreError(f"cannot list Redis's clients at {_where(url)!r}: {exc}") from exc
+    finally:
+        await client.aclose()
+    return sum(1 for c in clients if str(c.get("addr", "")).rpartition(":")[0] in wanted)

@@ -11,7 +11,8 @@ dataclasses of :mod:`flowlock.bench.procs`:
   once all of them wait;
 - :class:`~flowlock.bench.procs.Go`: release them -> ``Done`` with every result, the wall time and
   the lease wait; latencies are measured here, from this process's release;
-- :class:`~flowlock.bench.procs.Close`: close the session -> ``Closed``.
+- :class:`~flowlock.bench.procs.Close`: close the session -> ``Closed`` with its engine's
+  escalation counts (decided here, adopted from the board).
 
 End of input (the runner closed the pipe, or died) closes everything and exits. The worker runs
 in its own session (the runner starts it so), so a Ctrl-C in the terminal reaches only the
@@ -70,8 +71,9 @@ class _Worker:
             case Go():
                 return await self._go()
             case Close():
+                closed = self._escalations()
                 await self.close()
-                return Closed()
+                return closed
 
     async def _open(self, request: Open) -> Opened:
         await self.close()
@@ -109,6 +111,13 @@ class _Worker:
         leased = self._session.lease_wait
         results, wall = await armed.go()
         return Done(tuple(results), wall, self._session.lease_wait - leased)
+
+    def _escalations(self) -> Closed:
+        """The session's escalation counts (its engine's adaptive monitor, new per session)."""
+        if self._session is None:
+            return Closed()
+        monitor = self._session.engine.monitor
+        return Closed(monitor.escalations, monitor.adopted)
 
     async def close(self) -> None:
         armed, self._armed = self._armed, None

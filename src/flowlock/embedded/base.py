@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ipaddress
 import os
 import re
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -24,10 +25,35 @@ from flowlock._settings import check_seconds, check_text
 from flowlock.embedded import process
 from flowlock.errors import EmbeddedServerError, InvalidInput
 
-__all__ = ["EmbeddedServer", "check_settings"]
+__all__ = ["EmbeddedServer", "check_host", "check_networks", "check_settings"]
 
 # A server setting's name: what postgresql.conf and redis-server's --options take.
 _SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an IPv4 address (the one a server listens on), else InvalidInput."""
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except (ipaddress.AddressValueError, TypeError, ValueError):
+        raise InvalidInput(
+            f"host must be an IPv4 address of this machine, such as 127.0.0.1, not {host!r}"
+        ) from None
+
+
+def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
+    """``networks`` as IPv4 networks in CIDR form (``10.213.7.0/24``), else InvalidInput."""
+    if isinstance(networks, str) or not isinstance(networks, Sequence):
+        raise InvalidInput(f"networks must be a list of CIDR strings, not {networks!r}")
+    found: list[str] = []
+    for net in networks:
+        try:
+            found.append(str(ipaddress.IPv4Network(net)))
+        except (ipaddress.AddressValueError, ipaddress.NetmaskValueError, TypeError, ValueError):
+            raise InvalidInput(
+                f"{net!r} is not an IPv4 network in CIDR form, such as 10.213.7.0/24"
+            ) from None
+    return tuple(found)
 
 
 def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:

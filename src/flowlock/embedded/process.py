@@ -48,14 +48,14 @@ MAX_SOCKET_PATH = 103
 _POLL = 0.02
 
 
-def free_port() -> int:
-    """A TCP port on :data:`HOST` that was free a moment ago.
+def free_port(host: str = HOST) -> int:
+    """A TCP port on ``host`` (default :data:`HOST`) that was free a moment ago.
 
     Found by binding port 0 and closing the socket, so another process can take it before the
     server binds it: callers retry with a fresh port when the server reports it in use.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import socket
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from flowlock.embedded import process
-from flowlock.embedded.base import EmbeddedServer, check_settings
+from flowlock.embedded.base import EmbeddedServer, check_host, check_settings
 from flowlock.errors import EmbeddedServerError, InvalidInput
 
 __all__ = ["EmbeddedRedis"]
@@ -40,14 +41,14 @@ _ADVICE = (
 )
 
 
-def _command(port: int, *args: str, timeout: float) -> bytes:
-    """Send one command in RESP to 127.0.0.1:port and return the first reply line (so the
-    server can be asked without a Redis client library)."""
+def _command(host: str, port: int, *args: str, timeout: float) -> bytes:
+    """Send one command in RESP to host:port and return the first reply line (so the server
+    can be asked without a Redis client library)."""
     payload = f"*{len(args)}\r\n".encode()
     for arg in args:
         raw = arg.encode()
         payload += b"$%d\r\n%s\r\n" % (len(raw), raw)
-    with socket.create_connection((process.HOST, port), timeout=timeout) as sock:
+    with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
         sock.sendall(payload)
         reply = b""
@@ -88,10 +89,15 @@ class EmbeddedRedis(EmbeddedServer):
         start_timeout: float = 10.0,
         stop_timeout: float = 5.0,
         settings: Mapping[str, str] | None = None,
+        host: str = process.HOST,
     ) -> None:
         """Configure (but do not start) a server. ``settings`` are extra ``--name value``
-        options for redis-server (``{"maxmemory": "64mb"}``)."""
+        options for redis-server (``{"maxmemory": "64mb"}``). ``host`` is the IPv4 address it
+        listens on (127.0.0.1 unless given); on any other address protected mode is off, so
+        clients there get in without a password: give only an address nobody but your own
+        test clients can reach (the bench's namespaced hosts use one of their bridge)."""
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
+        self._host = check_host(host)
         self._executable = None if executable is None else str(executable)
         self._settings = check_settings(settings)
         self._proc: subprocess.Popen[bytes] | None = None
@@ -127,9 +133,14 @@ class EmbeddedRedis(EmbeddedServer):
         return self._port
 
     @property
+    def host(self) -> str:
+        """The TCP address the server listens on."""
+        return self._host
+
+    @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0``."""
-        return f"redis://{process.HOST}:{self.port}/0"
+        """``redis://127.0.0.1:<port>/0`` (the ``host`` given instead of 127.0.0.1)."""
+        return f"redis://{self._host}:{self.port}/0"
 
     @property
     def unix_url(self) -> str:
@@ -202,7 +213,7 @@ class EmbeddedRedis(EmbeddedServer):
                         "restart(keep_data=True) needs a running server to save its data; "
                         "this one was killed: restart() brings it back empty"
                     )
-                reply = _command(self._port, "SAVE", timeout=self._start_timeout)
+                reply = _command(self._host, self._port, "SAVE", timeout=self._start_timeout)
                 if reply != b"+OK":
                     raise self._failure(f"SAVE answered {reply!r}")
             self._terminate()
@@ -260,7 +271,7 @@ class EmbeddedRedis(EmbeddedServer):
         """Start redis-server and wait for PING; a fresh port is retried if another process
         took the one picked, a fixed one (restart) until the deadline."""
         while True:
-            chosen = port if port is not None else process.free_port()
+            chosen = port if port is not None else process.free_port(self._host)
             try:
                 proc = process.spawn(self._argv(root, chosen), cwd=root)
             except OSError as exc:
@@ -268,7 +279,7 @@ class EmbeddedRedis(EmbeddedServer):
             self._proc, self._port = proc, chosen
 
             def ping(port: int = chosen) -> bool:
-                return _command(port, "PING", timeout=_PING_TIMEOUT) == b"+PONG"
+                return _command(self._host, port, "PING", timeout=_PING_TIMEOUT) == b"+PONG"
 
             if process.wait_ready(proc, ping, deadline):
                 return
@@ -287,7 +298,7 @@ class EmbeddedRedis(EmbeddedServer):
         assert self._exe is not None
         argv = [
             self._exe,
-            "--bind", process.HOST,
+            "--bind", self._host,
             "--port", str(port),
             "--save", "",
             "--appendonly", "no",
@@ -296,6 +307,10 @@ class EmbeddedRedis(EmbeddedServer):
             "--logfile", str(root / _LOG),
             "--daemonize", "no",
         ]  # fmt: skip
+        if not ipaddress.IPv4Address(self._host).is_loopback:
+            # Protected mode refuses every client not on loopback when there is no password;
+            # the caller chose this address for clients of its own (see __init__).
+            argv += ["--protected-mode", "no"]
         sock = root / _SOCKET
         if len(str(sock)) <= process.MAX_SOCKET_PATH:
             argv += ["--unixsocket", str(sock), "--unixsocketperm", "700"]

@@ -130,6 +130,9 @@ class ConflictMonitor:
         self._shared: dict[str, float] = {}
         self._stepped_down: dict[str, float] = {}
         self.escalations = 0
+        """Keys escalated here, by this monitor or adopted from the board."""
+        self.adopted = 0
+        """Of :attr:`escalations`, those adopted from the board: decided by another engine."""
         self.deescalations = 0
 
     # -- the hot path ------------------------------------------------------------------------
@@ -264,6 +267,7 @@ class ConflictMonitor:
             mine = self._escalated.get(key)
             if mine is None:
                 self.escalations += 1
+                self.adopted += 1
                 # INFO, not WARNING: the engine that decided it logged the warning once.
                 log.info(
                     "flowlock: escalating %r to %s (decided by another engine: %s)",

@@ -82,6 +82,12 @@ def result_to_json(
         "floor": result.floor,
         "vs_floor": _rounded(vs_floor(result, floor)),
         "mean_batch": None if result.mean_batch is None else round(result.mean_batch, 3),
+        "hosts": result.hosts,
+        "escalations": (
+            None
+            if result.escalated is None or result.adopted is None
+            else {"escalated": result.escalated, "adopted": result.adopted}
+        ),
         "transport": result.transport,
         "vs_in_process": None if found is None else found.to_json(),
     }

@@ -102,10 +102,19 @@ def title(report: BenchReport) -> str:
     if report.args.get("http"):
         switch += ", in-process"
     return (
-        f"flowlock bench: {report.args.get('workers')} callers{switch}, PostgreSQL "
-        f"{report.postgres_version} ({report.database}){redis}, {report.loop}, "
+        f"flowlock bench: {report.args.get('workers')} callers{switch}{_hosts_title(report)}, "
+        f"PostgreSQL {report.postgres_version} ({report.database}){redis}, {report.loop}, "
         f"{report.cores} cores"
     )
+
+
+def _hosts_title(report: BenchReport) -> str:
+    hosts = report.args.get("hosts")
+    if not hosts:
+        return ""
+    delay = hosts.get("netem_delay_ms") or 0
+    link = f"netem {delay:g} ms each way" if delay else "no netem delay"
+    return f", {hosts.get('count')} namespaced hosts ({link})"
 
 
 def _batch_cell(result: ScenarioResult) -> Text:
@@ -657,6 +666,23 @@ def _floors_text(report: BenchReport) -> Text | None:
     return Text(text, style="dim")
 
 
+def _escalations_text(report: BenchReport) -> Text | None:
+    """The adaptive rows' escalations, when several engines shared them (worker processes, or
+    hosts): how many instances the engines escalated, and how many of those an engine adopted
+    from the board in PostgreSQL because another engine had decided it."""
+    lines = [
+        f"{r.scenario}: {r.escalated} escalations by {r.processes} engines"
+        + (f" on {r.hosts} hosts" if r.hosts else "")
+        + f", {r.adopted} adopted from another engine's decision"
+        for r in report.results
+        if r.strategy == "adaptive" and r.escalated is not None and r.processes > 1
+    ]
+    if not lines:
+        return None
+    text = "adaptive escalations, shared through PostgreSQL:\n  " + "\n  ".join(lines)
+    return Text(text, style="dim")
+
+
 def render(report: BenchReport, console: Console) -> None:
     """Print the results table, the seed comparison, the HTTP results against their in-process
     twins (``--http``), the aims, errors, notes and the total time to ``console``, each table
@@ -667,7 +693,7 @@ def render(report: BenchReport, console: Console) -> None:
     for layouts in (seed_layouts(local), http_layouts(report), aims_layouts(local)):
         if layouts:
             parts.extend(fitting(console, layouts))
-    for extra in (_floors_text(report), _errors(report)):
+    for extra in (_floors_text(report), _errors(report), _escalations_text(report)):
         if extra is not None:
             parts.append(extra)
     parts.extend(Text(f"note: {n}", style="yellow") for n in report.notes)
