@@ -21,7 +21,9 @@ failure to start or stop one, or a question to one that is not running, raises
 
 Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, ``/proc``),
 :mod:`~flowlock.embedded.base` (the lifecycle both servers share),
-:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`.
+:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`; highly available Redis
+(a Sentinel-watched primary with replicas, a Redis Cluster) for failover tests in
+:mod:`~flowlock.embedded.redis_ha`.
 """
 
 from __future__ import annotations

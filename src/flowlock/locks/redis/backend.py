@@ -29,8 +29,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-
 from flowlock._lifecycle import AsyncResource
 from flowlock._settings import (
     MAX_NAMESPACE,
@@ -38,7 +36,6 @@ from flowlock._settings import (
     check_seconds,
     check_size,
     check_text,
-    check_url,
 )
 from flowlock.errors import (
     EngineClosed,
@@ -56,8 +53,8 @@ from flowlock.locks.base import (
     check_ttl,
     check_wait,
 )
-from flowlock.locks.redis import scripts
-from flowlock.locks.redis.connection import BACKEND, bounded, close, connect, text
+from flowlock.locks.redis import scripts, urls
+from flowlock.locks.redis.connection import BACKEND, Client, Servers, bounded, close, servers, text
 from flowlock.locks.redis.fence import FenceFloors
 from flowlock.locks.redis.keys import Keyspace
 from flowlock.locks.redis.wakeups import Listener, Wakeups
@@ -68,7 +65,6 @@ log = logging.getLogger("flowlock")
 
 T = TypeVar("T")
 
-_SCHEMES = ("redis", "rediss", "unix")
 # The shortest bound for one call while acquiring, however little of the wait is left: an
 # attempt at the deadline still deserves a round trip before it counts as unreachable.
 _MIN_CALL = 0.1
@@ -87,7 +83,9 @@ def _millis(seconds: float) -> int:
 class RedisLocks(AsyncResource):
     """Lease locks in Redis (see :mod:`flowlock.locks.redis` for the protocol).
 
-    ``url`` is ``redis://``, ``rediss://`` or ``unix://``. ``fence_epochs`` (a PostgreSQL
+    ``url`` is ``redis://``, ``rediss://`` or ``unix://`` (one server), ``redis+sentinel://``
+    (a primary found through Redis Sentinel) or ``redis+cluster://`` (a Redis Cluster); see
+    :mod:`~flowlock.locks.redis.urls` for how to write them. ``fence_epochs`` (a PostgreSQL
     store's ``fence_epochs``; the engine passes it) keeps fencing tokens strictly increasing per
     key across any number of Redis data losses; ``fence_floor(key)`` returns the highest fencing
     token recorded outside Redis for ``key`` (with epochs, it keeps tokens from before them
@@ -95,7 +93,8 @@ class RedisLocks(AsyncResource):
     With neither, tokens only increase while Redis keeps its data. See
     :mod:`flowlock.locks.redis.fence`. ``socket_timeout`` bounds
     every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
-    one, within their bound). ``token``, ``rng`` and ``clock`` are injectable for tests.
+    one, within their bound; in a cluster it is per node, and a burst beyond it fails with
+    LockUnavailable instead of queueing). ``token``, ``rng`` and ``clock`` are injectable for tests.
     """
 
     def __init__(
@@ -112,21 +111,21 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        check_url("the Redis URL", url, _SCHEMES)
+        address = urls.parse(url)
         # At least 2: one is the pub/sub listener's.
         check_size("max_connections", max_connections, least=2)
-        self._url: str | None = url
+        self._address: urls.RedisAddress | None = address
         self._max_connections = max_connections
         self._init(
             namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
         )
-        self._client: aioredis.Redis | None = None
+        self._servers: Servers | None = None
         self._owns_client = True
 
     @classmethod
     def from_client(
         cls,
-        client: aioredis.Redis,
+        client: Client,
         *,
         namespace: str = "default",
         fence_floor: Callable[[str], Awaitable[int]] | None = None,
@@ -137,17 +136,19 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> RedisLocks:
-        """Locks on an existing client, which ``aclose`` leaves open. Its own timeouts and
+        """Locks on an existing client (``redis.asyncio.Redis``, also one from a Sentinel's
+        ``master_for``, or ``redis.asyncio.cluster.RedisCluster``), which ``aclose`` leaves
+        open. Its own timeouts and
         retries apply underneath ours: turn its retries off for exact release semantics, and
         leave its ``socket_timeout`` unset (on Python 3.11 redis-py's write timeout can swallow
         a task cancellation; every call is bounded here anyway)."""
         self = cls.__new__(cls)
-        self._url = None
+        self._address = None
         self._max_connections = 0
         self._init(
             namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
         )
-        self._client = client
+        self._servers = Servers(client)
         self._owns_client = False
         return self
 
@@ -200,8 +201,9 @@ class RedisLocks(AsyncResource):
         return self._keys.namespace
 
     @property
-    def client(self) -> aioredis.Redis:
-        """The redis-py client (open backends only); for tests and diagnostics."""
+    def client(self) -> Client:
+        """The redis-py client (open backends only); for tests and diagnostics. A
+        ``RedisCluster`` for a ``redis+cluster://`` URL, else a ``Redis``."""
         return self._require_open()
 
     @property
@@ -224,7 +226,8 @@ class RedisLocks(AsyncResource):
         return self._keys.fence(key)
 
     def key_pattern(self) -> str:
-        """A SCAN / PSUBSCRIBE pattern matching every key and channel of this namespace."""
+        """A SCAN / PSUBSCRIBE pattern matching every key and channel of this namespace. SCAN
+        walks one server: in a Redis Cluster, scan each primary with it."""
         return self._keys.pattern()
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -236,17 +239,17 @@ class RedisLocks(AsyncResource):
         start when Redis is up."""
         if self._open:
             return
-        if self._client is None:
-            assert self._url is not None
-            self._client = connect(
-                self._url,
+        if self._servers is None:
+            assert self._address is not None
+            self._servers = servers(
+                self._address,
                 max_connections=self._max_connections,
                 connect_timeout=self._socket_timeout,
             )
-        self._scripts = scripts.register(self._client)
+        self._scripts = scripts.register(self._servers.client)
         self._open = True
         self._listener = Listener(
-            self._client,
+            self._servers.pubsub,
             self.key_pattern(),
             self._wakeups,
             bound=self._socket_timeout,
@@ -268,17 +271,17 @@ class RedisLocks(AsyncResource):
             await listener.stop()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self._owns_client and self._client is not None:
-            client, self._client = self._client, None
-            await close(client, self._socket_timeout)
+        if self._owns_client and self._servers is not None:
+            opened, self._servers = self._servers, None
+            await close(opened, self._socket_timeout)
 
-    def _require_open(self) -> aioredis.Redis:
-        if not self._open or self._client is None:
+    def _require_open(self) -> Client:
+        if not self._open or self._servers is None:
             raise EngineClosed(
                 "the Redis lock backend is not open; call `await locks.open()` or use "
                 "`async with RedisLocks(...)` first"
             )
-        return self._client
+        return self._servers.client
 
     # --- the lock --------------------------------------------------------------------------
 
@@ -346,6 +349,7 @@ class RedisLocks(AsyncResource):
             self._scripts,
             lock_key=lock_key,
             fence_key=self.fence_key(key),
+            stamp_key=self._keys.stamp(key),
             token=token,
             ttl_ms=_millis(ttl),
             unknown=self._fence.unknown,
@@ -365,7 +369,13 @@ class RedisLocks(AsyncResource):
         """Raise ``key``'s fencing counter to ``floor`` (it was missing, or at its epoch's end)."""
         self._require_open()
         assert self._scripts is not None
-        call = scripts.start(self._scripts, fence_key=self.fence_key(key), floor=floor)
+        call = scripts.start(
+            self._scripts,
+            fence_key=self.fence_key(key),
+            stamp_key=self._keys.stamp(key),
+            floor=floor,
+            stamp=self._fence.span != "",
+        )
         await bounded("start the fencing counter", call, min(bound, self._socket_timeout))
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:

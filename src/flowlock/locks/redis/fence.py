@@ -27,13 +27,21 @@ Fencing epochs (``fence_epochs``: PostgreSQL, the engine's and RunOnce's default
     With ``fence_floor`` too, a new epoch is also above ``fence_floor(key) + fence_gap``: tokens
     handed out before the upgrade to epochs (the floor scheme below) stay below the new ones.
 
-    Not covered: Redis coming back with the counter at an older value (a restart from an old
-    snapshot, a failover to a replica that lagged behind but had the key): the counter is not
-    missing then, and repeats what it handed out since. Run Redis so that it does not go back
-    (``appendfsync always``), or treat such a failover as a loss (``FLUSHALL`` the new primary
-    before use). And a script the client gave up on (timed out) that Redis runs later anyway,
-    after that key was lost on the same server (``FLUSHALL`` or an eviction; a restart closes the
-    connection it came on), may start the counter at the epoch before the last one. The epochs'
+    Failovers: Redis replication is asynchronous, so a replica promoted by Sentinel or by a
+    Redis Cluster may hold a counter behind the tokens its dead primary handed out. The
+    counter is therefore stamped, when started, with the replication id of the server it was
+    started on (``...:fence:replid``, beside it in the same slot); a promoted replica has a new
+    replication id, so the first acquire of each key after a failover finds the stamp foreign
+    and takes a new epoch, as for a lost counter (one PostgreSQL round trip per key, once).
+    Reading the id costs the acquire script an ``INFO replication`` (a few microseconds).
+
+    Not covered: Redis coming back with the counter at an older value and the same replication
+    id (a restart from an old snapshot that kept its id): the counter is not missing then, and
+    repeats what it handed out since. Run Redis so that it does not go back (``appendfsync
+    always``), or treat such a restart as a loss (``FLUSHALL`` before use). And a script the
+    client gave up on (timed out) that Redis runs later anyway, after that key was lost on the
+    same server (``FLUSHALL`` or an eviction; a restart closes the connection it came on), may
+    start the counter at the epoch before the last one. The epochs'
     lock is session-level (see :mod:`flowlock._pg.fence`): they need a direct connection to
     PostgreSQL or session pooling, not a transaction-pooling proxy.
 

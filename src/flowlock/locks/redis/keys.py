@@ -3,8 +3,9 @@
 Everything lives under ``flowlock:<namespace>:``. The user's key (and the namespace) are
 percent-encoded, so ``:``, ``{``, ``}`` and glob characters never appear raw: ``a:b`` and
 ``a`` + ``:b`` can never meet. The lock of key ``k`` is ``flowlock:<ns>:{<k>}`` and its fencing
-counter ``flowlock:<ns>:{<k>}:fence``; the ``{...}`` hash tag keeps both in one Redis Cluster
-slot, which the acquire script needs. The lock key is also the pub/sub channel its release is
+counter ``flowlock:<ns>:{<k>}:fence`` (and, with fencing epochs, the counter's stamp
+``flowlock:<ns>:{<k>}:fence:replid``); the ``{...}`` hash tag keeps them in one Redis Cluster
+slot, which the scripts need. The lock key is also the pub/sub channel its release is
 announced on (channels and keys are separate name spaces in Redis).
 """
 
@@ -35,6 +36,11 @@ class Keyspace:
     def fence(self, key: str) -> str:
         """The Redis key of lock ``key``'s fencing counter."""
         return self.lock(key) + ":fence"
+
+    def stamp(self, key: str) -> str:
+        """The Redis key of the replication id that lock ``key``'s fencing counter was started
+        on (see :mod:`~flowlock.locks.redis.fence`)."""
+        return self.lock(key) + ":fence:replid"
 
     def pattern(self) -> str:
         """A SCAN / PSUBSCRIBE pattern matching every key and channel of this namespace."""

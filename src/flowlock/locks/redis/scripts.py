@@ -11,6 +11,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
 __all__ = [
@@ -25,17 +26,31 @@ __all__ = [
     "start",
 ]
 
-# KEYS[1] the lock key, KEYS[2] its fencing counter (same hash slot).
+# The server's replication id: a new one each time a replica is promoted (a Sentinel or Cluster
+# failover) or a primary starts without its data. A counter stamped with another id than the
+# server's own may be behind what was handed out before a failover (replication is
+# asynchronous: the primary that died may have issued tokens its replica never saw).
+REPLID = """
+local function replid()
+  return string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
+end
+"""
+
+# KEYS[1] the lock key, KEYS[2] its fencing counter, KEYS[3] the counter's stamp (the
+# replication id of the server that started it); one hash slot.
 # ARGV[1] the new owner's token, ARGV[2] the ttl in milliseconds,
 # ARGV[3] "" when the backend has a floor for a missing counter (the script then reports it
 # instead of counting from 0), "0" when it has none (a missing counter restarts at 1),
 # ARGV[4] the span of one fencing epoch ("" without epochs): a counter whose next token would
-# cross into the next epoch is reported as missing too, so that a new epoch is taken for it.
+# cross into the next epoch is reported as missing too, so that a new epoch is taken for it, and
+# so is a counter stamped by another server than this one (a failover since it was started).
 # Returns {1, fencing token} when acquired; {0, the holder's PTTL in ms (-1: no expiry)} when
 # held; {-1, the counter (0: missing)} when the counter must be started first (START below; then
 # call again). The lock is checked first, so a held lock never costs a floor.
 # Counters stay below 2^53: Lua numbers are doubles, exact up to there.
-ACQUIRE = """
+ACQUIRE = (
+    REPLID
+    + """
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   return {0, pttl}
@@ -45,13 +60,19 @@ if ARGV[3] == '' then
   if not fence then
     return {-1, 0}
   end
-  if ARGV[4] ~= '' and (tonumber(fence) + 1) % tonumber(ARGV[4]) == 0 then
-    return {-1, tonumber(fence)}
+  if ARGV[4] ~= '' then
+    if (tonumber(fence) + 1) % tonumber(ARGV[4]) == 0 then
+      return {-1, tonumber(fence)}
+    end
+    if redis.call('GET', KEYS[3]) ~= replid() then
+      return {-1, tonumber(fence)}
+    end
   end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 return {1, redis.call('INCR', KEYS[2])}
 """
+)
 # The first element of the acquire script's reply.
 ACQUIRED = 1
 HELD = 0
@@ -79,26 +100,37 @@ end
 return 0
 """
 
-# KEYS[1] a fencing counter. ARGV[1] its floor.
+# KEYS[1] a fencing counter, KEYS[2] its stamp. ARGV[1] its floor, ARGV[2] "1" to stamp it.
 # Raises the counter to the floor when it is missing or below it (never lowers it: whatever
-# another acquirer started meanwhile stays); returns 1 if it did, 0 otherwise.
-START = """
+# another acquirer started meanwhile stays), stamped with this server's replication id when
+# asked; returns 1 if it did, 0 otherwise. A counter left as it was keeps its stamp: a higher
+# counter stamped by a server before a failover may be behind what that server handed out, and
+# the next acquire takes a new epoch above it.
+START = (
+    REPLID
+    + """
 local fence = redis.call('GET', KEYS[1])
 if (not fence) or tonumber(fence) < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])
+  if ARGV[2] == '1' then
+    redis.call('SET', KEYS[2], replid())
+  end
   return 1
 end
 return 0
 """
+)
 
 Scripts = tuple[AsyncScript, AsyncScript, AsyncScript, AsyncScript]
 """The scripts registered on one client: acquire, release, extend, start, in that order. A plain
 tuple, so that a test can wrap one of them in something that counts or delays its calls."""
 
 
-def register(client: aioredis.Redis) -> Scripts:
+def register(client: aioredis.Redis | RedisCluster) -> Scripts:
     """Register the scripts on ``client``: each call sends EVALSHA, and the script text only
-    when the server does not have it (after a restart, say)."""
+    when the server does not have it (after a restart or a failover, say). In a cluster EVALSHA
+    goes to the node of its keys' slot: every script touches the keys of one lock only, which
+    share a hash tag."""
     return (
         client.register_script(ACQUIRE),
         client.register_script(RELEASE),
@@ -112,6 +144,7 @@ def acquire(
     *,
     lock_key: str,
     fence_key: str,
+    stamp_key: str,
     token: str,
     ttl_ms: int,
     unknown: str,
@@ -120,7 +153,7 @@ def acquire(
     """Take the lock for ``token``: a reply ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or
     ``[NO_COUNTER, counter]`` (start the counter, then call again). ``unknown`` and ``span`` are
     ARGV[3] and ARGV[4], see :data:`ACQUIRE`."""
-    return scripts[0](keys=[lock_key, fence_key], args=[token, ttl_ms, unknown, span])
+    return scripts[0](keys=[lock_key, fence_key, stamp_key], args=[token, ttl_ms, unknown, span])
 
 
 def release(scripts: Scripts, *, lock_key: str, token: str) -> Awaitable[Any]:
@@ -133,6 +166,9 @@ def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Await
     return scripts[2](keys=[lock_key], args=[token, ttl_ms])
 
 
-def start(scripts: Scripts, *, fence_key: str, floor: int) -> Awaitable[Any]:
-    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below: 1 if it did."""
-    return scripts[3](keys=[fence_key], args=[floor])
+def start(
+    scripts: Scripts, *, fence_key: str, stamp_key: str, floor: int, stamp: bool
+) -> Awaitable[Any]:
+    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below (stamped with the
+    server's replication id in ``stamp_key`` when ``stamp``): 1 if it did."""
+    return scripts[3](keys=[fence_key, stamp_key], args=[floor, "1" if stamp else ""])

@@ -41,9 +41,8 @@ import contextlib
 import logging
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from flowlock.locks.redis.connection import DRIVER_ERRORS, text
@@ -283,18 +282,20 @@ class Watch:
 
 class Listener:
     """The one pattern subscription on a namespace's channels, kept up by a task from
-    :meth:`start` to :meth:`stop`; each release heard wakes that key's queue in ``wakeups``."""
+    :meth:`start` to :meth:`stop`; each release heard wakes that key's queue in ``wakeups``.
+    ``pubsubs`` makes a new pub/sub for each try: after a failover, the next one reaches the
+    new primary (Sentinel) or another node (Cluster)."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        pubsubs: Callable[[], PubSub],
         pattern: str,
         wakeups: Wakeups,
         *,
         bound: float,
         rng: random.Random,
     ) -> None:
-        self._client = client
+        self._pubsubs = pubsubs  # a fresh pub/sub per try (a cluster's: on the next node)
         self._pattern = pattern
         self._wakeups = wakeups
         self._bound = bound  # for the subscribe and for an answer to PING
@@ -325,7 +326,7 @@ class Listener:
         delay = _RECONNECT_MIN
         failing = False
         while True:
-            pubsub = self._client.pubsub()
+            pubsub = self._pubsubs()
             try:
                 await self._subscribe(pubsub)
                 self.listening = True
