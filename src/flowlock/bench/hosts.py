@@ -28,7 +28,6 @@ that reason. The address plan and the command lines are pure (:func:`plan_hosts`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -45,9 +44,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
+from flowlock._lifecycle import BlockingResource
 from flowlock.errors import HostsError, HostsUnavailable, InvalidInput
 
 __all__ = [
@@ -374,7 +373,7 @@ class _State:
     killed: list[int] = field(default_factory=list)
 
 
-class NamespacedHosts:
+class NamespacedHosts(BlockingResource):
     """``count`` namespaced hosts on a bridge of their own (see the module docstring), made by
     :meth:`start` and removed by :meth:`stop`; ``with`` and ``async with`` do both.
 
@@ -383,6 +382,8 @@ class NamespacedHosts:
     :attr:`notes` says why); a number: exactly that, 0 for none, HostsUnavailable when it cannot
     be applied. ``run_id``: the id in every name (default: random).
     """
+
+    _thread_name = "flowlock-hosts-stop"
 
     def __init__(
         self, count: int, *, delay_ms: float | None = None, run_id: str | None = None
@@ -598,54 +599,3 @@ class NamespacedHosts:
                 if self.run_id in name:
                     found.append(name)
         return found
-
-    # -- with / async with -------------------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def open(self) -> None:
-        """``start()`` in a worker thread; a cancel while it runs removes the hosts once it
-        is done."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
-        try:
-            await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            starting.add_done_callback(self._stop_after_cancelled_start)
-            raise
-
-    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved, so asyncio does not log it as never retrieved
-        # A thread of its own, not the loop's executor: the loop may be shutting down, and the
-        # interpreter waits for non-daemon threads before it exits.
-        threading.Thread(target=self._stop_quietly, name="flowlock-hosts-stop").start()
-
-    def _stop_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
-
-    async def aclose(self) -> None:
-        """``stop()`` in a worker thread."""
-        await asyncio.to_thread(self.stop)
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

@@ -5,7 +5,6 @@ exit, and the errors."""
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import ipaddress
@@ -17,10 +16,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
-from flowlock._lifecycle import AsyncResource
+from flowlock._lifecycle import BlockingResource
 from flowlock._settings import check_seconds, check_text
 from flowlock.embedded import process
 from flowlock.errors import EmbeddedServerError, InvalidInput
@@ -73,7 +70,7 @@ def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
     return dict(settings)
 
 
-class EmbeddedServer(AsyncResource):
+class EmbeddedServer(BlockingResource):
     """A throwaway server process of ours in a temporary directory.
 
     ``start()`` makes the directory and calls :meth:`_launch`, removing everything again if
@@ -249,46 +246,6 @@ class EmbeddedServer(AsyncResource):
                 "did not stop cleanly: " + "; ".join(problems),
                 advice="kill the processes named above and delete the directory by hand",
             )
-
-    # --- with / async with -------------------------------------------------------------------
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def open(self) -> None:
-        """``start()`` in a worker thread, so the event loop keeps running meanwhile."""
-        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
-        try:
-            await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            # The worker thread cannot be interrupted, so start() may still bring a server up
-            # after our caller gave up; stop it as soon as start() is done, not only at exit.
-            starting.add_done_callback(self._stop_after_cancelled_start)
-            raise
-
-    async def aclose(self) -> None:
-        """``stop()`` in a worker thread."""
-        await asyncio.to_thread(self.stop)
-
-    def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved so asyncio does not log it as never retrieved
-        # A plain non-daemon thread, not the loop's executor: the loop may already be shutting
-        # down, and the interpreter still waits for non-daemon threads before it exits.
-        threading.Thread(target=self._stop_quietly, name=self._thread_name).start()
-
-    def _stop_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop()
 
     def _stop_at_exit(self) -> None:
         # A forked child inherits this atexit hook; only the process that started the server
