@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flowlock
 from flowlock._diagram import load_workflows
+from flowlock._inspect import entry_dict, instance_dict
 from flowlock._settings import check_text
 from flowlock.connect import connect
 from flowlock.definition import Workflow
@@ -40,7 +41,7 @@ from flowlock.engine import MAX_ID_LENGTH, Engine
 from flowlock.errors import FlowlockError, InvalidInput
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome
+from flowlock.models import Instance, Outcome
 from flowlock.query import decode_cursor
 from flowlock.service.bodies import CreateBody, FireBody, invalid_fields, read_json
 from flowlock.service.guard import RequestGuard
@@ -258,39 +259,9 @@ def _errors(app: FastAPI) -> None:
 # -- bodies ------------------------------------------------------------------------------------
 
 
-def _when(moment: datetime | None) -> str | None:
-    return moment.isoformat() if moment is not None else None
-
-
 def _instance(inst: Instance, engine: Engine) -> dict[str, Any]:
     wf = engine.workflows.get(inst.workflow)
-    return {
-        "id": inst.id,
-        "workflow": inst.workflow,
-        "state": inst.state,
-        "version": inst.version,
-        "data": inst.data,
-        "last_event": inst.last_event,
-        "allowed": list(wf.allowed(inst.state)) if wf is not None else [],
-        "created_at": _when(inst.created_at),
-        "updated_at": _when(inst.updated_at),
-    }
-
-
-def _entry(entry: HistoryEntry) -> dict[str, Any]:
-    return {
-        "version": entry.version,
-        "event": entry.event,
-        "from_state": entry.from_state,
-        "to_state": entry.to_state,
-        "actor": entry.actor,
-        "request_id": entry.request_id,
-        "strategy": entry.strategy,
-        "data": entry.data,
-        "payload": entry.payload,
-        "at": _when(entry.at),
-        "fencing_token": entry.fencing_token,
-    }
+    return {**instance_dict(inst), "allowed": list(wf.allowed(inst.state)) if wf else []}
 
 
 def _definition(wf: Workflow) -> dict[str, Any]:
@@ -561,7 +532,7 @@ def _instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) ->
         shown = entries[:limit]
         more = len(entries) > limit
         return {
-            "items": [_entry(e) for e in shown],
+            "items": [entry_dict(e) for e in shown],
             "next_cursor": shown[-1].version if more else None,
         }
 

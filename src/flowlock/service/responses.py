@@ -62,6 +62,7 @@ class Fired(_Out):
 
 
 class HistoryEntryOut(_Out):
+    instance_id: str
     version: int = Field(ge=2, description="The version this transition made.")
     event: str
     from_state: str
