@@ -190,3 +190,16 @@ async def test_concurrent_writes_on_a_read_only_server_all_end_typed(
         verdict = check(await engine.get(doc), history, expected_applied=4)
         assert verdict.ok, verdict.violations
     (await sql_history()).assert_matches(histories)
+
+
+async def test_ping_refuses_a_read_only_server(pg_url: str, pg_schema: str) -> None:
+    """A readiness probe on a server that answers but cannot write (a standby, or
+    default_transaction_read_only): StoreError saying so, not ok."""
+    sep = "&" if "?" in pg_url else "?"
+    url = f"{pg_url}{sep}default_transaction_read_only=on"
+    async with flowlock.Engine.connect(pg_url, schema=pg_schema) as engine:
+        await engine.store.ping()  # type: ignore[attr-defined]
+    # No schema to create and no migration: opening the pool writes nothing.
+    async with flowlock.Engine.connect(url, auto_migrate=False) as engine:
+        with pytest.raises(flowlock.StoreError, match="read-only"):
+            await engine.store.ping()  # type: ignore[attr-defined]

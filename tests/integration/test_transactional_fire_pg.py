@@ -632,3 +632,19 @@ async def test_queries_and_payloads_inside_the_callers_transaction(
     )
     assert payload == 1
     (await sql_history()).assert_matches({"q-3": await engine.history("q-3")})
+
+
+async def test_a_read_only_caller_transaction_is_refused_before_anything(
+    engine: flowlock.Engine, app_conns: Callable[[], Awaitable[asyncpg.Connection]]
+) -> None:
+    """A caller's ``transaction(readonly=True)``: InvalidInput saying so, not the
+    ConnectionLost a write refused by a demoted primary (25006) means; the caller's
+    transaction stays usable and nothing was written."""
+    conn = await app_conns()
+    async with conn.transaction(readonly=True):
+        with pytest.raises(flowlock.InvalidInput, match="read-only"):
+            await engine.fire("stock", "reserve", connection=conn)
+        with pytest.raises(flowlock.InvalidInput, match="read-only"):
+            await engine.create("approval", instance_id="ro", connection=conn)
+        assert await conn.fetchval("SELECT 1") == 1
+    assert (await engine.get("stock")).version == 1

@@ -113,6 +113,23 @@ async def test_values_the_engine_refuses_are_422(client: httpx.AsyncClient) -> N
     assert (await client.get("/instances/j")).status_code == 404
 
 
+async def test_a_lone_surrogate_echoed_in_a_problem_is_not_a_500(
+    client: httpx.AsyncClient,
+) -> None:
+    """JSON may spell a lone surrogate (\\ud800), which no store (and no UTF-8) can hold. The
+    problem quotes the value back; it is sent ASCII-escaped, so the answer is the 422, not a
+    500 from encoding it."""
+    await create(client, "inventory", "i")
+    before = await snapshot(client, "i")
+    fire = await client.post(
+        "/instances/i/events/restock", content=b'{"strategy": "\\ud800"}', headers=JSON
+    )
+    assert assert_problem(fire, 422, "unknown-strategy")["strategy"] == "\ud800"
+    made = await client.post("/instances", content=b'{"workflow": "\\ud800"}', headers=JSON)
+    assert_problem(made, 422, "unknown-workflow")
+    assert await snapshot(client, "i") == before
+
+
 async def test_an_empty_fire_body_is_an_empty_object(client: httpx.AsyncClient) -> None:
     """No body, or an empty one, fires with no actor and no payload (the one accepted
     non-object)."""

@@ -90,7 +90,8 @@ class Problem(Exception):
         return out
 
     def encode(self, instance: str | None = None) -> bytes:
-        return json.dumps(self.body(instance), ensure_ascii=False, default=str).encode()
+        # ASCII escapes: a member may echo a client's lone surrogate, which UTF-8 cannot encode.
+        return json.dumps(self.body(instance), default=str).encode()
 
 
 def problem(
@@ -187,9 +188,10 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
     if isinstance(exc, OutcomeUnknown):
         return problem(
             503, slug, "Outcome unknown",
-            "the database connection was lost while the transition was being committed, so it "
-            "may or may not have been applied; retry with the same Idempotency-Key to learn "
-            "which (the retry never applies it twice)",
+            "the database connection was lost while the write was being committed, so it may or "
+            "may not have been applied; send the same request again to learn which: an event "
+            "with the same Idempotency-Key (never applied twice), a create with the same id "
+            "(409 instance-exists then means it was created)",
             _RETRY, instance_id=exc.key,
         )  # fmt: skip
     if isinstance(exc, ConflictRetriesExhausted):

@@ -304,8 +304,10 @@ _FENCING_FLOOR = "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHER
 _SAVEPOINT = "flowlock"
 _CALLERS_SETTINGS = (
     "SELECT current_setting('search_path') AS search_path, "
-    "current_setting('lock_timeout') AS lock_timeout"
+    "current_setting('lock_timeout') AS lock_timeout, "
+    "current_setting('transaction_read_only') AS read_only"
 )
+_READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
 _RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout', $2, true)"
 
 # At most this many pipelined reads (and as many writes) in flight per store; more calls queue
@@ -867,7 +869,13 @@ class _Operations:
 
     async def ping(self) -> None:
         async with self._s.conn() as conn:
-            await conn.fetchval("SELECT 1", timeout=self._s.timeout)
+            read_only = await conn.fetchval(_READ_ONLY, timeout=self._s.timeout)
+        if read_only:
+            raise StoreError(
+                "PostgreSQL answers but is read-only (a standby, or default_transaction_read_only "
+                "on): every write would fail. Point the URL at the primary (a multi-host URL with "
+                "target_session_attrs=read-write follows it)"
+            )
 
     async def count_instances(self, query: InstanceQuery) -> int:
         sql, args = count_statement(query)
@@ -1116,8 +1124,15 @@ async def _enter(conn: Conn, settings: str, bound: float) -> tuple[str, str]:
             "the transaction on connection= has already failed (an earlier statement raised); "
             "roll it back first. Nothing was read or written"
         ) from exc
+    assert prior is not None  # a SELECT of settings has one row
+    if prior["read_only"] == "on":
+        # Refused here: the write would fail with 25006, which elsewhere means a demoted
+        # primary (ConnectionLost), not a caller's own read-only transaction.
+        raise InvalidInput(
+            "the transaction on connection= is read-only (transaction(readonly=True), or a "
+            "standby); flowlock writes in it. Nothing was read or written"
+        )
     await conn.execute(f"SAVEPOINT {_SAVEPOINT}; {settings}", timeout=bound)
-    assert prior is not None  # a SELECT of two settings has one row
     return prior["search_path"], prior["lock_timeout"]
 
 
@@ -1547,9 +1562,9 @@ class PostgresStore:
         )
 
     async def ping(self) -> None:
-        """One round trip (``SELECT 1``) on a pool connection, a readiness probe: StoreBusy when
-        no connection frees within ``acquire_timeout``, ConnectionLost when PostgreSQL does not
-        answer within the store's bounds."""
+        """One round trip on a pool connection, a readiness probe: StoreBusy when no connection
+        frees within ``acquire_timeout``, ConnectionLost when PostgreSQL does not answer within
+        the store's bounds, StoreError when it answers but is read-only (a standby)."""
         await self._call(lambda ops: ops.ping(), waits=False)
 
     async def count_instances(self, query: InstanceQuery) -> int:
