@@ -336,7 +336,8 @@ async def delete_redis_keys(url: str, namespace: str) -> None:
 
 
 async def count_redis_lock_keys(url: str, namespace: str) -> int:
-    """The lock keys (not the fencing counters) under the run's namespace in Redis."""
+    """The lock keys (not the fencing counters or their stamps) under the run's namespace in
+    Redis: a lock key ends with its hash tag's ``}`` (the user's key is escaped inside it)."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
@@ -347,7 +348,7 @@ async def count_redis_lock_keys(url: str, namespace: str) -> int:
     try:
         found = 0
         async for key in client.scan_iter(match=pattern, count=1000):
-            found += not bytes(key).endswith(b":fence")
+            found += bytes(key).endswith(b"}")
         return found
     except (RedisError, OSError) as exc:
         raise StoreError(f"cannot count the run's Redis lock keys ({pattern}): {exc}") from exc
