@@ -91,3 +91,16 @@ async def test_closing_a_broken_client_raises_nothing() -> None:
             raise redis.exceptions.ConnectionError("Connection closed by server.")
 
     await close(Broken(), 1.0)  # type: ignore[arg-type]
+
+
+def test_an_acl_refusal_names_the_commands_to_grant() -> None:
+    """A Redis user whose ACL denies @dangerous cannot run INFO, which the acquire script runs
+    to stamp the fencing counter: the error says which commands to grant."""
+    refused = redis.exceptions.ResponseError(
+        "The user executing the script can't run this command or subcommand script: c1c2"
+    )
+    message = str(translate("start the fencing counter", refused, 1.0))
+    assert "+info" in message and "INFO" in message
+    assert "+info" not in str(
+        translate("acquire", redis.exceptions.ResponseError("WRONGTYPE"), 1.0)
+    )

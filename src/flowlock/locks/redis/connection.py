@@ -288,7 +288,15 @@ def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
     ``seconds``): nothing was acquired, extended or released by that call."""
     if isinstance(exc, TimeoutError):
         return LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s")
-    return LockUnavailable(BACKEND, f"{what}: {type(exc).__name__}: {exc}")
+    advice = ""
+    if "no permissions" in str(exc).lower() or "can't run this command" in str(exc).lower():
+        # An ACL that denies @dangerous denies INFO, which the acquire script runs to stamp the
+        # fencing counter with the server's replication id.
+        advice = (
+            "; the Redis user needs EVALSHA, SET, GET, INCR, PEXPIRE, PUBLISH, INFO (the acquire "
+            "script reads the replication id) and SUBSCRIBE: grant them (e.g. +@scripting +info)"
+        )
+    return LockUnavailable(BACKEND, f"{what}: {type(exc).__name__}: {exc}{advice}")
 
 
 async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
