@@ -27,32 +27,22 @@ import flowlock
 from flowlock.bench.scenarios.steps import counter
 from flowlock.checker import check
 from flowlock.errors import FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.models import HistoryEntry, Snapshot
 from flowlock.stores.base import LockedResult, RowLock
 from flowlock.stores.postgres import PostgresStore, _Operations
 from lock_probes import wait_until
+from store_steps import SqlHistory, assert_exactly_once, created
+from store_steps import step as _step
 
 pytestmark = pytest.mark.postgres
 
-SqlHistory = Callable[..., Awaitable[Any]]
 BOUND = 60.0  # seconds any wait here may take before the test fails: generous, for a loaded box
 WAIT = RowLock(timeout=30.0)
 
 
 def step(iid: str, version: int, request_id: str | None = None) -> HistoryEntry:
-    """The entry that moves ``iid`` to ``version``: s<v-1> to s<v>, data {"n": v}."""
-    return HistoryEntry(
-        instance_id=iid,
-        version=version,
-        event=f"e{version}",
-        from_state=f"s{version - 1}",
-        to_state=f"s{version}",
-        actor="tester",
-        request_id=request_id,
-        strategy="pessimistic",
-        data={"n": version},
-        payload={"call": request_id},
-    )
+    """:func:`store_steps.step`, written by the pessimistic strategy."""
+    return _step(iid, version, request_id, strategy="pessimistic")
 
 
 def next_step(iid: str, request_id: str | None = None) -> Callable[[Snapshot], HistoryEntry]:
@@ -83,23 +73,6 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
     monkeypatch.setattr(_Operations, "apply_locked_together", spy)
     return seen
-
-
-async def created(store: PostgresStore, *ids: str) -> None:
-    for iid in ids:
-        await store.create(Instance(iid, "wf", "s1", 1, {"n": 1}))
-
-
-async def assert_exactly_once(
-    store: PostgresStore, sql_history: SqlHistory, applied: dict[str, int]
-) -> None:
-    histories = {iid: await store.history(iid) for iid in applied}
-    for iid, rows in histories.items():
-        verdict = check(
-            await store.get(iid), rows, initial_state="s1", expected_applied=applied[iid]
-        )
-        assert verdict.ok, verdict.violations
-    (await sql_history()).assert_matches(histories)
 
 
 class Holder:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,8 +35,8 @@ from flowlock.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores.base import Entries
 from flowlock.stores.memory import MemoryStore
 from flowlock.stores.postgres import PostgresStore
+from store_steps import SqlHistory, assert_exactly_once, created, step
 
-SqlHistory = Callable[..., Awaitable[Any]]
 T = TypeVar("T")
 
 BOUND = 60.0  # seconds any wait here may take before the test fails: generous, for a loaded box
@@ -90,23 +90,6 @@ def _instance_of(batch: Entries) -> str:
     return batch.instance_id if isinstance(batch, HistoryEntry) else batch[0].instance_id
 
 
-def step(iid: str, version: int, request_id: str | None = None) -> HistoryEntry:
-    """The entry that moves ``iid`` to ``version``: from state s<v-1> to s<v>, data {"n": v}, so
-    the checker can follow the chain."""
-    return HistoryEntry(
-        instance_id=iid,
-        version=version,
-        event=f"e{version}",
-        from_state=f"s{version - 1}",
-        to_state=f"s{version}",
-        actor="tester",
-        request_id=request_id,
-        strategy="optimistic",
-        data={"n": version},
-        payload={"call": request_id},
-    )
-
-
 @pytest.fixture
 async def store(pg_url: str, pg_schema: str) -> AsyncIterator[CountingStore]:
     s = CountingStore(pg_url, schema=pg_schema, pool_size=POOL)
@@ -115,25 +98,6 @@ async def store(pg_url: str, pg_schema: str) -> AsyncIterator[CountingStore]:
         yield s
     finally:
         await s.aclose()
-
-
-async def created(store: PostgresStore, ids: Iterable[str]) -> None:
-    for iid in ids:
-        await store.create(Instance(iid, "wf", "s1", 1, {"n": 1}))
-
-
-async def assert_exactly_once(
-    store: PostgresStore, sql_history: SqlHistory, applied: dict[str, int]
-) -> None:
-    """Each instance's history passes the checker with ``applied[iid]`` transitions, and the
-    table (counted with plain SQL) agrees row for row."""
-    histories = {iid: await store.history(iid) for iid in applied}
-    for iid, rows in histories.items():
-        verdict = check(
-            await store.get(iid), rows, initial_state="s1", expected_applied=applied[iid]
-        )
-        assert verdict.ok, verdict.violations
-    (await sql_history()).assert_matches(histories)
 
 
 @asynccontextmanager
@@ -194,7 +158,7 @@ async def test_concurrent_reads_each_get_their_own_snapshot(store: CountingStore
     instance only; DEPTH reads went alone and every other str/None read in one statement."""
     rng = random.Random(11)
     ids = [f"i{n:02d}" for n in range(50)]
-    await created(store, ids)
+    await created(store, *ids)
     # Instance n has n % 4 entries, its first with the request id "common" (also used on the
     # other instances: a read must find its own instance's entry only).
     entries: dict[str, dict[str, HistoryEntry]] = {}
@@ -247,7 +211,7 @@ async def test_concurrent_commits_over_distinct_instances(
     """40 compare-and-swaps from version 1 in one group, every fourth on an instance that moved
     on before: only those lose (None); the others are written, each with its own entry."""
     ids = [f"c{n:02d}" for n in range(40)]
-    await created(store, [*OPENERS, *ids])
+    await created(store, *OPENERS, *ids)
     stale = set(ids[::4])
     for iid in stale:
         assert await store.commit(step(iid, 2, f"{iid}-early")) is not None
@@ -274,7 +238,7 @@ async def test_two_batches_for_one_instance_in_a_group_go_in_rounds(
     engines would, and one at version 2): they go in three rounds in queue order; the first
     wins, the second loses, the third (decided after the first) wins; a's history is
     contiguous."""
-    await created(store, [*OPENERS, "a", "b", "c"])
+    await created(store, *OPENERS, "a", "b", "c")
     batches: list[Entries] = [
         step("a", 2, "a-first"),
         [step("b", 2, "b-1"), step("b", 3, "b-2")],
@@ -301,7 +265,7 @@ async def test_a_request_id_applied_before_fails_only_its_batch(
 ) -> None:
     """A group whose statement hits a request id applied before (b's "done"): the statement is
     rolled back whole and each batch committed alone, so only b's batch answers None."""
-    await created(store, [*OPENERS, "a", "b", "c"])
+    await created(store, *OPENERS, "a", "b", "c")
     assert await store.commit(step("b", 2, "done")) is not None
 
     results = await grouped_commits(
@@ -332,7 +296,7 @@ async def test_a_group_that_fails_whole_fails_each_call_and_the_store_goes_on(
     locker = await asyncpg.connect(pg_url)
     group = ["x", "y", "h", "z"]
     try:
-        await created(store, [*OPENERS, *group])
+        await created(store, *OPENERS, *group)
         await locker.execute(f'SET search_path = "{pg_schema}"')
         async with locker.transaction():
             await locker.execute("SELECT 1 FROM flowlock_instances WHERE id = 'h' FOR UPDATE")
@@ -371,7 +335,7 @@ async def test_closing_the_store_answers_every_queued_call(
     await store.open()
     ids = [f"q{n:02d}" for n in range(DEPTH + 30)]
     try:
-        await created(store, ids)
+        await created(store, *ids)
         async with pool_taken(store):
             writes = started(store.commit(step(iid, 2, iid)) for iid in ids)
             reads = started(store.read(iid, None) for iid in ids)
@@ -399,7 +363,7 @@ async def test_closing_the_store_lets_a_group_in_flight_finish(
     """A group already sent when the store closes is waited for: each of its calls gets its own
     result, and the rows agree."""
     ids = [f"g{n:02d}" for n in range(20)]
-    await created(store, [*OPENERS, *ids])
+    await created(store, *OPENERS, *ids)
     async with pool_taken(store):
         openers = started(store.commit(step(o, 2)) for o in OPENERS)
         queued = started(store.commit(step(iid, 2, iid)) for iid in ids)

@@ -13,43 +13,22 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import asyncpg
 import pytest
 
-from flowlock.checker import check
 from flowlock.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
 from flowlock.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import Entries, RowLock
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until
+from store_steps import SqlHistory, assert_exactly_once, created, step
 
 pytestmark = pytest.mark.postgres
 
-SqlHistory = Callable[..., Awaitable[Any]]
 BOUND = 60.0  # seconds any wait here may take before the test fails: generous, for a loaded box
-
-
-def step(
-    iid: str, version: int, request_id: str | None = None, *, token: int | None = None
-) -> HistoryEntry:
-    """The entry that moves ``iid`` to ``version``: from state s<v-1> to s<v>, data {"n": v}, so
-    the checker can follow the chain."""
-    return HistoryEntry(
-        instance_id=iid,
-        version=version,
-        event=f"e{version}",
-        from_state=f"s{version - 1}",
-        to_state=f"s{version}",
-        actor="tester",
-        request_id=request_id,
-        strategy="optimistic",
-        data={"n": version},
-        fencing_token=token,
-        payload={"call": request_id},
-    )
 
 
 def steps(iid: str, first: int, k: int, prefix: str | None = None) -> list[HistoryEntry]:
@@ -67,25 +46,6 @@ async def store(pg_url: str, pg_schema: str) -> AsyncIterator[PostgresStore]:
         yield s
     finally:
         await s.aclose()
-
-
-async def created(store: PostgresStore, *ids: str) -> None:
-    for iid in ids:
-        await store.create(Instance(iid, "wf", "s1", 1, {"n": 1}))
-
-
-async def assert_exactly_once(
-    store: PostgresStore, sql_history: SqlHistory, applied: dict[str, int]
-) -> None:
-    """Each instance's history passes the checker with ``applied[iid]`` transitions, and the
-    table (counted with plain SQL) agrees row for row."""
-    histories = {iid: await store.history(iid) for iid in applied}
-    for iid, rows in histories.items():
-        verdict = check(
-            await store.get(iid), rows, initial_state="s1", expected_applied=applied[iid]
-        )
-        assert verdict.ok, verdict.violations
-    (await sql_history()).assert_matches(histories)
 
 
 # -- commit of k entries ----------------------------------------------------------------------
