@@ -157,20 +157,22 @@ _LATENCY = ("calls", "avg ms", "p50 ms", "p99 ms", "max ms")
 """Under 80 columns each scenario's figures split in two tables: these, then the rest."""
 
 
-def _table(
+def _figures_table(
     title: str | None,
-    results: Sequence[ScenarioResult],
-    columns: Sequence[_Column],
+    headers: Sequence[str],
     *,
     scenario: bool,
-    verdict: bool = True,
-    stacked: bool = False,
+    stacked: bool,
+    caption: str | None = None,
 ) -> Table:
+    """A table of (scenario,) strategy, then one right-aligned column per figure."""
     # One space between columns, not two: the 15 columns then fit 160 (a piped run's width)
     # with every header whole.
     table = Table(
         title=title,
         title_justify="left",
+        caption=caption,
+        caption_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
@@ -182,9 +184,23 @@ def _table(
     # figure in one would be cut before any text is wrapped. render picks a form that fits.
     # stacked: each header's words one under the other ("p99" over "ms"), the narrowest
     # header a no_wrap column can have.
-    for column in columns:
-        header = column.header.replace(" ", "\n") if stacked else column.header
-        table.add_column(header, justify="right", no_wrap=True)
+    for header in headers:
+        table.add_column(
+            header.replace(" ", "\n") if stacked else header, justify="right", no_wrap=True
+        )
+    return table
+
+
+def _table(
+    title: str | None,
+    results: Sequence[ScenarioResult],
+    columns: Sequence[_Column],
+    *,
+    scenario: bool,
+    verdict: bool = True,
+    stacked: bool = False,
+) -> Table:
+    table = _figures_table(title, [c.header for c in columns], scenario=scenario, stacked=stacked)
     if verdict:
         # In one table per scenario "FAIL (12)" may take two lines: that is what fits 80.
         table.add_column("verdict", no_wrap=scenario)
@@ -556,21 +572,13 @@ def http_table(
     shown = list(results) if results is not None else _http_results(report)
     if not shown:
         return None
-    table = Table(
-        title=_http_title(report) if title is None else title or None,
-        title_justify="left",
+    table = _figures_table(
+        _http_title(report) if title is None else title or None,
+        [c.header for c in columns],
+        scenario=scenario,
+        stacked=stacked,
         caption=_http_caption(report) if caption else None,
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
     )
-    if scenario:
-        table.add_column("scenario", no_wrap=True)
-    table.add_column("strategy", no_wrap=True)
-    for column in columns:
-        header = column.header.replace(" ", "\n") if stacked else column.header
-        table.add_column(header, justify="right", no_wrap=True)
     twins = in_process(report)
     last = None
     for r in shown:
