@@ -28,11 +28,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import redis
 
+from flowlock._lifecycle import BlockingResource
 from flowlock.embedded import process
 from flowlock.embedded.redis import EmbeddedRedis
 from flowlock.errors import EmbeddedServerError
@@ -84,8 +84,10 @@ def _until(what: str, ready: object, timeout: float) -> None:
         time.sleep(_POLL)
 
 
-class _Group:
+class _Group(BlockingResource):
     """Servers started together and stopped together, whatever happened in between."""
+
+    _thread_name = "flowlock-redis-group-stop"
 
     def __init__(self, start_timeout: float) -> None:
         self._start_timeout = start_timeout
@@ -114,24 +116,14 @@ class _Group:
                     return False
         return True
 
-    def start(self) -> None:
-        raise NotImplementedError
-
     def __enter__(self) -> Self:
+        # A group that came up in part (a replica, no sentinels) is taken down whole.
         try:
             self.start()
         except BaseException:
             self.stop()
             raise
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class EmbeddedRedisSentinel(_Group):
