@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flowlock.checker import check
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.stores.postgres import PostgresStore
 
 SqlHistory = Callable[..., Awaitable[Any]]

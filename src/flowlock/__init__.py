@@ -12,9 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 # The submodules a user reaches as attributes (``flowlock.checker.check(...)``) without
 # importing them one by one.
 from flowlock import checker, examples, jobs, runner
-from flowlock.definition import Step, Transition, Workflow
-from flowlock.engine import Engine
-from flowlock.errors import (
+from flowlock.core.definition import Step, Transition, Workflow
+from flowlock.core.errors import (
     ConcurrencyError,
     ConflictRetriesExhausted,
     ConnectionLost,
@@ -46,8 +45,9 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+from flowlock.engine import Engine
 from flowlock.jobs import RunOnce
-from flowlock.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed, fencing_token
 from flowlock.strategies.optimistic import Optimistic

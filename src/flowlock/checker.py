@@ -2,10 +2,10 @@
 
 The engine promises that each transition is applied by exactly one ``fire`` call, however many
 callers race on the same instance. That promise leaves a precise trace in the store, and this
-module reads it back: given the final :class:`~flowlock.models.Instance` and its
-:class:`~flowlock.models.HistoryEntry` rows, :func:`check` reports *every* way the trace departs
-from an exactly-once history. Pure functions, no I/O: the tests, the benchmark and the fault
-suites all call it on what they read from a store.
+module reads it back: given the final :class:`~flowlock.core.models.Instance` and its
+:class:`~flowlock.core.models.HistoryEntry` rows, :func:`check` reports *every* way the
+trace departs from an exactly-once history. Pure functions, no I/O: the tests, the benchmark and
+the fault suites all call it on what they read from a store.
 
 What is checked, and why:
 
@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from flowlock.errors import FlowlockError
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.linearizability import (
     DOUBLE_APPLY,
     INVALID_RESULT,
@@ -63,7 +64,6 @@ from flowlock.linearizability import (
     check_linearizable,
     outcome_of,
 )
-from flowlock.models import HistoryEntry, Instance
 
 __all__ = [
     "BROKEN_CHAIN",

@@ -34,9 +34,9 @@ from rich.text import Text
 
 import flowlock
 from flowlock.connect import connect
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
-from flowlock.errors import FlowlockError
-from flowlock.models import HistoryEntry, Instance
 
 if TYPE_CHECKING:
     from flowlock.bench import BenchConfig, BenchReport
@@ -211,7 +211,7 @@ def db_sql(
     records each migration in flowlock_schema_migrations, so flowlock then finds nothing to
     apply."""
     from flowlock._pg.migrations import script
-    from flowlock.errors import InvalidInput
+    from flowlock.core.errors import InvalidInput
 
     try:
         text = script(after=after, schema=schema)
@@ -239,7 +239,7 @@ def diagram(
 
     Paste the output into any Markdown that renders Mermaid, or the Mermaid live editor. The
     current directory is importable, so run it from your project's root."""
-    from flowlock._diagram import BadReference, load_workflows, render
+    from flowlock.core.diagram import BadReference, load_workflows, render
 
     try:
         workflows = load_workflows(reference)
@@ -1084,7 +1084,7 @@ def serve(
             drain_timeout=drain_timeout,
         )
         if app_ref is not None:
-            from flowlock._diagram import load_workflows
+            from flowlock.core.diagram import load_workflows
 
             load_workflows(app_ref)  # a bad reference fails here, not in every worker
         run(settings, Listen(host, port, workers, log_level), dev=dev and database_url is None)

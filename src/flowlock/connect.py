@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from flowlock._settings import (
+from flowlock.core.errors import InvalidInput
+from flowlock.core.settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
     DEFAULT_COMMAND_TIMEOUT,
@@ -35,7 +36,6 @@ from flowlock.engine import (
     StrategyConfig,
     _given,
 )
-from flowlock.errors import InvalidInput
 from flowlock.locks.base import FenceEpochs, LockBackend
 from flowlock.metrics import Metrics
 from flowlock.stores.base import Store

@@ -27,21 +27,27 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
 from flowlock import tracing
 from flowlock._batching import Batcher
-from flowlock._settings import check_count, check_seconds, check_text
-from flowlock.definition import Workflow
-from flowlock.errors import (
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     EngineClosed,
     FlowlockError,
     InvalidInput,
     UnknownWorkflow,
 )
-from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Snapshot
+from flowlock.core.query import (
+    DEFAULT_LIMIT,
+    check_limit,
+    cursor_after,
+    decode_cursor,
+    instance_query,
+)
+from flowlock.core.settings import check_count, check_seconds, check_text
+from flowlock.core.step import Batched, Call, Idempotent, decide, decide_batch
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics, failure_outcome
-from flowlock.models import HistoryEntry, Instance, Outcome, Page, Snapshot
-from flowlock.query import DEFAULT_LIMIT, check_limit, cursor_after, decode_cursor, instance_query
-from flowlock.step import Batched, Call, Idempotent, decide, decide_batch
 from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
 from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy, StrategyResult
@@ -380,7 +386,7 @@ class Engine:
 
     def _check_data(self, data: object, what: str) -> Mapping[str, Any]:
         """``data`` as plain JSON within ``max_payload_bytes``, or InvalidInput (see
-        :func:`flowlock.jsondata.check_object`, the check the step also runs on what effects
+        :func:`flowlock.core.jsondata.check_object`, the check the step also runs on what effects
         return)."""
         return check_object(data, what, self._max_payload)
 

@@ -1,473 +1,71 @@
-"""Every error flowlock raises, in one hierarchy.
-
-Each class's docstring is its default message; instances carry the facts a caller needs
-(the current state, the current version, how many attempts were made...) as attributes.
-
-::
-
-    FlowlockError
-    ├── DefinitionError              a Workflow / Transition is malformed (raised at construction)
-    ├── InvalidInput                 bad argument; nothing was read or written
-    │   ├── PayloadTooLarge
-    │   ├── UnknownWorkflow
-    │   ├── UnknownEvent
-    │   └── IdempotencyKeyReused     a request_id sent again with another event or payload
-    ├── InstanceNotFound
-    ├── InstanceExists
-    ├── TransitionRefused            the instance is fine, the event does not apply
-    │   ├── TransitionNotAllowed     not allowed from the current state
-    │   └── GuardRejected            a guard said no (business rule: "out of stock")
-    ├── VersionMismatch              expected_version / If-Match is stale
-    ├── StepFailed                   a guard or effect raised an exception of its own
-    ├── ConcurrencyError             lost to other callers; safe to retry later
-    │   ├── ConflictRetriesExhausted optimistic compare-and-swap lost max_attempts times
-    │   └── LockError
-    │       ├── LockTimeout          waited the whole bound for a lock
-    │       ├── LockBusy             NOWAIT and the lock was held
-    │       ├── LockNotOwned         release / extend of a lease that is no longer yours
-    │       ├── LockLost             the lease expired or could not be renewed before commit
-    │       └── LockUnavailable      the lock backend (Redis, PostgreSQL) could not be reached
-    ├── StoreError                   the database failed or answered something unexpected
-    │   ├── StoreBusy                no database connection came free within the bound
-    │   ├── ConnectionLost           the connection died before the write: nothing written, retry
-    │   ├── OutcomeUnknown           the connection died after the write was sent: maybe written
-    │   └── MigrationError
-    ├── EngineClosed                 the engine (or store) is not open
-    ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
-    ├── EmbeddedServerError          an embedded PostgreSQL or Redis did not start or stop
-    └── HostsError                   the bench's namespaced hosts could not be made or removed
-        └── HostsUnavailable         this machine cannot make them (not root, no iproute2...)
-
-Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
-translated where each driver is called, one place per driver (``flowlock._pg.errors`` and
-``flowlock.locks.redis.connection``), with ``raise ... from exc`` so ``__cause__`` keeps the
-original. A connection that failed that way is closed and dropped from its pool, so the next call
-gets a fresh one.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-
-class FlowlockError(Exception):
-    """A flowlock operation failed."""
-
-    def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (self.__doc__ or "").strip())
-
-
-class DefinitionError(FlowlockError):
-    """The workflow definition is invalid; fix it before registering it."""
-
-    def __init__(self, message: str | None = None, *, problems: Sequence[str] = ()) -> None:
-        self.problems = tuple(problems)
-        if message is None and self.problems:
-            message = "invalid workflow definition: " + "; ".join(self.problems)
-        super().__init__(message)
-
-
-class InvalidInput(FlowlockError, ValueError):
-    """An argument is invalid; nothing was read or written. Correct the argument and call again."""
-
-
-class PayloadTooLarge(InvalidInput):
-    """The payload is larger than the engine's max_payload_bytes; send less or raise the limit.
-
-    ``what`` names the value measured: "payload", "data", or the data an effect returned."""
-
-    def __init__(self, size: int, limit: int, what: str = "payload") -> None:
-        self.size = size
-        self.limit = limit
-        self.what = what
-        super().__init__(
-            f"{what} is {size} bytes encoded as JSON, over the limit of {limit} bytes; "
-            "nothing was written. Send (or keep) less data, or raise "
-            "Engine(max_payload_bytes=...)"
-        )
-
-
-class UnknownWorkflow(InvalidInput):
-    """No workflow of that name is registered; call engine.register(workflow) first."""
-
-    def __init__(self, name: str, known: Sequence[str] = ()) -> None:
-        self.name = name
-        self.known = tuple(known)
-        super().__init__(
-            f"no workflow named {name!r} is registered "
-            f"(registered: {', '.join(self.known) or 'none'}); "
-            "call engine.register(workflow) first"
-        )
-
-
-class UnknownEvent(InvalidInput):
-    """The workflow has no transition of that name."""
-
-    def __init__(self, workflow: str, event: str, known: Sequence[str] = ()) -> None:
-        self.workflow = workflow
-        self.event = event
-        self.known = tuple(known)
-        super().__init__(
-            f"workflow {workflow!r} has no event {event!r}; its events are: {', '.join(self.known)}"
-        )
-
-
-class IdempotencyKeyReused(InvalidInput):
-    """A request_id was sent again with another event or another payload than the call that
-    first used it; nothing was written.
-
-    An idempotency key names one request: a retry must repeat it exactly (as Stripe answers "keys
-    can only be used with the same parameters they were first used with"). Retrying this call
-    cannot succeed; send the new request under a new request_id. ``original_event`` and
-    ``original_payload`` are what the key was first used with; ``event`` and ``payload`` this
-    call's; ``mismatch`` says which differs ("event" or "payload")."""
-
-    def __init__(
-        self,
-        request_id: str,
-        *,
-        instance_id: str,
-        original_event: str,
-        event: str,
-        original_payload: Mapping[str, Any],
-        payload: Mapping[str, Any],
-        version: int,
-    ) -> None:
-        self.request_id = request_id
-        self.instance_id = instance_id
-        self.original_event = original_event
-        self.event = event
-        self.original_payload = original_payload
-        self.payload = payload
-        self.version = version
-        self.mismatch = "event" if original_event != event else "payload"
-        if self.mismatch == "event":
-            differs = f"event {original_event!r}, not {event!r}"
-        else:
-            differs = f"event {original_event!r} with another payload"
-        super().__init__(
-            f"request_id {request_id!r} on instance {instance_id!r} was first used for "
-            f"{differs} (applied at version {version}); nothing was written. A request_id may "
-            "only be retried with the same event and payload: send a new request under a new "
-            "request_id"
-        )
-
-
-class InstanceNotFound(FlowlockError):
-    """No instance with that id exists; create it first."""
-
-    def __init__(self, instance_id: str) -> None:
-        self.instance_id = instance_id
-        super().__init__(f"no instance with id {instance_id!r}; create it with engine.create()")
-
-
-class InstanceExists(FlowlockError):
-    """An instance with that id already exists; pick another id or fetch it with engine.get()."""
-
-    def __init__(self, instance_id: str) -> None:
-        self.instance_id = instance_id
-        super().__init__(
-            f"an instance with id {instance_id!r} already exists; use engine.get() to read it"
-        )
-
-
-class TransitionRefused(FlowlockError):
-    """The event does not apply to the instance as it is now; nothing was written."""
-
-
-class TransitionNotAllowed(TransitionRefused):
-    """The event is not allowed from the instance's current state."""
-
-    def __init__(
-        self, instance_id: str, event: str, state: str, allowed: Sequence[str], version: int
-    ) -> None:
-        self.instance_id = instance_id
-        self.event = event
-        self.state = state
-        self.allowed = tuple(allowed)
-        self.version = version
-        super().__init__(
-            f"event {event!r} is not allowed on instance {instance_id!r} in state {state!r} "
-            f"(version {version}); "
-            f"allowed events: {', '.join(self.allowed) or 'none (final state)'}"
-        )
-
-
-class GuardRejected(TransitionRefused):
-    """A guard refused the transition (a business rule); nothing was written."""
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        instance_id: str | None = None,
-        event: str | None = None,
-        state: str | None = None,
-        version: int | None = None,
-    ) -> None:
-        self.reason = reason
-        self.instance_id = instance_id
-        self.event = event
-        self.state = state
-        self.version = version
-        where = ""
-        if instance_id is not None:
-            where = f" on instance {instance_id!r} in state {state!r} (version {version})"
-        super().__init__(f"event {event!r} refused{where}: {reason}")
-
-    def bind(self, instance_id: str, event: str, state: str, version: int) -> GuardRejected:
-        """The same rejection, with the instance facts filled in by the engine."""
-        return GuardRejected(
-            self.reason, instance_id=instance_id, event=event, state=state, version=version
-        )
-
-
-class VersionMismatch(FlowlockError):
-    """The instance is not at the expected version; re-read it and decide again."""
-
-    def __init__(self, instance_id: str, expected: int, current: int, state: str) -> None:
-        self.instance_id = instance_id
-        self.expected = expected
-        self.current = current
-        self.state = state
-        super().__init__(
-            f"instance {instance_id!r} is at version {current} (state {state!r}), "
-            f"not the expected version {expected}; re-read it and decide again"
-        )
-
-
-class StepFailed(FlowlockError):
-    """A guard or effect raised an exception (a bug in the step, or a step that did I/O);
-    nothing was written. The exception the step raised is ``__cause__``.
-
-    ``step`` is "guard" or "effect"; ``workflow``, ``event``, ``instance_id``, ``state`` and
-    ``version`` say where it ran. Steps must be pure functions of (instance, payload, actor): they
-    may run again on a retry and run under a row lock. A step refuses a call by raising
-    GuardRejected (or InvalidInput for a bad payload); anything else it raises ends up here."""
-
-    def __init__(
-        self,
-        *,
-        workflow: str,
-        event: str,
-        instance_id: str,
-        step: str,
-        state: str,
-        version: int,
-        error: BaseException,
-    ) -> None:
-        self.workflow = workflow
-        self.event = event
-        self.instance_id = instance_id
-        self.step = step
-        self.state = state
-        self.version = version
-        super().__init__(
-            f"the {step} of event {event!r} (workflow {workflow!r}) raised "
-            f"{type(error).__name__}: {error} on instance {instance_id!r} in state {state!r} "
-            f"(version {version}); nothing was written. Fix the {step}; to refuse a call on "
-            "purpose it should raise flowlock.GuardRejected"
-        )
-
-
-class ConcurrencyError(FlowlockError):
-    """Other callers won the race; nothing was written. Retrying later is safe."""
-
-
-class ConflictRetriesExhausted(ConcurrencyError):
-    """Every optimistic attempt lost its compare-and-swap to another writer."""
-
-    def __init__(self, instance_id: str, event: str, attempts: int) -> None:
-        self.instance_id = instance_id
-        self.event = event
-        self.attempts = attempts
-        super().__init__(
-            f"event {event!r} on instance {instance_id!r} lost the version compare-and-swap "
-            f"{attempts} times in a row; nothing was written. Retry later, or use the "
-            "'pessimistic' strategy for this hot instance"
-        )
-
-
-class LockError(ConcurrencyError):
-    """A lock could not be taken; nothing was written."""
-
-
-class LockTimeout(LockError):
-    """Waited the whole bound for a lock held by another caller."""
-
-    def __init__(self, key: str, waited: float) -> None:
-        self.key = key
-        self.waited = waited
-        super().__init__(
-            f"lock on {key!r} still held by another caller after {waited * 1000:.0f} ms; "
-            "nothing was written. Retry later or raise lock_timeout"
-        )
-
-
-class LockBusy(LockError):
-    """The lock was held and the call asked not to wait (NOWAIT)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        super().__init__(
-            f"lock on {key!r} is held by another caller and nowait was requested; "
-            "nothing was written. Retry later or allow a wait"
-        )
-
-
-class LockNotOwned(LockError):
-    """The lease is no longer held by this owner (it expired, and maybe someone else holds it)."""
-
-    def __init__(self, key: str, action: str) -> None:
-        self.key = key
-        self.action = action
-        super().__init__(
-            f"cannot {action} the lock on {key!r}: this lease no longer owns it (it expired, and "
-            "another owner may hold it now); nothing of the other owner's was touched"
-        )
-
-
-class LockLost(LockError):
-    """The lease was lost before the critical section committed; nothing was written."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        self.key = key
-        self.reason = reason
-        super().__init__(
-            f"lost the lock on {key!r} before commit ({reason}); nothing was written. "
-            "Retry; if steps run long, raise the lease ttl"
-        )
-
-
-class LockUnavailable(LockError):
-    """The lock backend could not be reached; nothing was written."""
-
-    def __init__(self, backend: str, detail: str) -> None:
-        self.backend = backend
-        self.detail = detail
-        super().__init__(
-            f"the {backend} lock backend is unreachable ({detail}); nothing was written. "
-            "Check the server and retry"
-        )
-
-
-class StoreError(FlowlockError):
-    """The database failed or answered something unexpected; the transaction was rolled back."""
-
-
-class StoreBusy(StoreError):
-    """No database connection came free within the bound; nothing was written."""
-
-    def __init__(self, waited: float, size: int) -> None:
-        self.waited = waited
-        self.size = size
-        super().__init__(
-            f"no database connection came free within {waited:.1f} s (pool of {size}); "
-            "nothing was written. Raise pool_size or acquire_timeout, or lower concurrency"
-        )
-
-
-class ConnectionLost(StoreError):
-    """The connection to the database was lost before the call's write was sent or committed;
-    the transaction was rolled back and nothing was written. Retry: the broken connection was
-    dropped and the next call gets a fresh one."""
-
-    def __init__(self, key: str | None, detail: str) -> None:
-        self.key = key
-        self.detail = detail
-        about = "" if key is None else f" while working on {key!r}"
-        super().__init__(
-            f"lost the connection to PostgreSQL{about}: {detail}; the transaction was rolled "
-            "back, nothing was written. Retry: the broken connection was dropped and the next "
-            "call gets a fresh one"
-        )
-
-
-class OutcomeUnknown(StoreError):
-    """The connection was lost after a write (a COMMIT, a one-statement compare-and-swap) was
-    sent and before its answer came: the write may or may not have been committed. Retry with
-    the same ``request_id``: if it was committed the retry answers ``idempotent=True``."""
-
-    def __init__(self, key: str | None, detail: str) -> None:
-        self.key = key
-        self.detail = detail
-        about = "" if key is None else f" for {key!r}"
-        super().__init__(
-            f"lost the connection to PostgreSQL after the write{about} was sent and before its "
-            f"answer came ({detail}): it may or may not have been committed. Retry with the "
-            "same request_id (a committed write then answers idempotent=True), or read the "
-            "instance before deciding again; the broken connection was dropped"
-        )
-
-
-class MigrationError(StoreError):
-    """The database schema could not be brought up to date."""
-
-
-class EngineClosed(FlowlockError):
-    """The engine is closed; open it with `async with Engine.connect(...)` before use."""
-
-
-class SyncCallInEventLoop(FlowlockError, RuntimeError):
-    """A flowlock.sync.Engine was called from a thread running an event loop; nothing was done.
-    Blocking there would stall that loop (or deadlock the engine's own); in async code use
-    flowlock.Engine and await it."""
-
-    def __init__(self, method: str) -> None:
-        self.method = method
-        super().__init__(
-            f"flowlock.sync.Engine.{method}() was called from a thread that is running an event "
-            "loop; nothing was done. Blocking here would stall that loop (or deadlock the "
-            "engine's own). In async code use flowlock.Engine and await its methods; from async "
-            "code that must call a blocking function, run it in a worker thread "
-            "(asyncio.to_thread)"
-        )
-
-
-class EmbeddedServerError(FlowlockError):
-    """An embedded server (PostgreSQL or Redis) could not be started or stopped, or is not running.
-
-    ``server`` names it ("PostgreSQL", "Redis"), ``problem`` says what went wrong in one line,
-    ``details`` holds what the server said (command output, the tail of its log), and ``advice``
-    what to do about it. The message puts the problem on its first line, so a command line
-    that prints one line per error shows that, with the details below it.
-    """
-
-    def __init__(
-        self,
-        server: str,
-        problem: str,
-        *,
-        details: str = "",
-        advice: str = "read the server output above, or point flowlock at a server of your own",
-    ) -> None:
-        self.server = server
-        self.problem = problem
-        self.details = details.strip()
-        self.advice = advice
-        parts = [f"embedded {server}: {problem}"]
-        if self.details:
-            parts.append(self.details)
-        parts.append(f"What to do: {advice}")
-        super().__init__("\n".join(parts))
-
-
-class HostsError(FlowlockError):
-    """The namespaced hosts of ``flowlock bench --hosts`` (:mod:`flowlock.bench.hosts`) could not
-    be set up or removed. ``problem`` says what went wrong, ``advice`` what to do about it."""
-
-    def __init__(self, problem: str, *, advice: str) -> None:
-        self.problem = problem
-        self.advice = advice
-        super().__init__(f"namespaced hosts: {problem}\nWhat to do: {advice}")
-
-
-class HostsUnavailable(HostsError):
-    """This machine cannot make namespaced hosts at all: not Linux, not root, no ``ip`` command,
-    no network namespaces, or (when a delay was asked for) no ``tc`` or no netem in the kernel.
-    ``reason`` is that one fact, for a test's skip message."""
-
-    def __init__(self, reason: str, *, advice: str) -> None:
-        self.reason = reason
-        super().__init__(reason, advice=advice)
+"""Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors`."""
+
+from flowlock.core.errors import (
+    ConcurrencyError,
+    ConflictRetriesExhausted,
+    ConnectionLost,
+    DefinitionError,
+    EmbeddedServerError,
+    EngineClosed,
+    FlowlockError,
+    GuardRejected,
+    HostsError,
+    HostsUnavailable,
+    IdempotencyKeyReused,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockError,
+    LockLost,
+    LockNotOwned,
+    LockTimeout,
+    LockUnavailable,
+    MigrationError,
+    OutcomeUnknown,
+    PayloadTooLarge,
+    StepFailed,
+    StoreBusy,
+    StoreError,
+    SyncCallInEventLoop,
+    TransitionNotAllowed,
+    TransitionRefused,
+    UnknownEvent,
+    UnknownWorkflow,
+    VersionMismatch,
+)
+
+__all__ = [
+    "ConcurrencyError",
+    "ConflictRetriesExhausted",
+    "ConnectionLost",
+    "DefinitionError",
+    "EmbeddedServerError",
+    "EngineClosed",
+    "FlowlockError",
+    "GuardRejected",
+    "HostsError",
+    "HostsUnavailable",
+    "IdempotencyKeyReused",
+    "InstanceExists",
+    "InstanceNotFound",
+    "InvalidInput",
+    "LockBusy",
+    "LockError",
+    "LockLost",
+    "LockNotOwned",
+    "LockTimeout",
+    "LockUnavailable",
+    "MigrationError",
+    "OutcomeUnknown",
+    "PayloadTooLarge",
+    "StepFailed",
+    "StoreBusy",
+    "StoreError",
+    "SyncCallInEventLoop",
+    "TransitionNotAllowed",
+    "TransitionRefused",
+    "UnknownEvent",
+    "UnknownWorkflow",
+    "VersionMismatch",
+]

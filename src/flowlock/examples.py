@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flowlock.definition import Step, StrategyName, Transition, Workflow
-from flowlock.errors import GuardRejected
-from flowlock.models import Instance
+from flowlock.core.definition import Step, StrategyName, Transition, Workflow
+from flowlock.core.errors import GuardRejected
+from flowlock.core.models import Instance
 
 __all__ = ["approval", "countersign", "inventory"]
 

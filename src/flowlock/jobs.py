@@ -48,20 +48,11 @@ from typing import Generic, Literal, TypeVar
 
 import asyncpg
 
-from flowlock._lifecycle import AsyncResource
 from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
-from flowlock._settings import (
-    DEFAULT_COMMAND_TIMEOUT,
-    POSTGRES_SCHEMES,
-    check_application_name,
-    check_seconds,
-    check_text,
-    check_url,
-)
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
     InvalidInput,
@@ -69,6 +60,15 @@ from flowlock.errors import (
     LockLost,
     LockNotOwned,
     LockTimeout,
+)
+from flowlock.core.lifecycle import AsyncResource
+from flowlock.core.settings import (
+    DEFAULT_COMMAND_TIMEOUT,
+    POSTGRES_SCHEMES,
+    check_application_name,
+    check_seconds,
+    check_text,
+    check_url,
 )
 from flowlock.locks.base import (
     BorrowsFenceEpochs,

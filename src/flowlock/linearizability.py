@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
-from flowlock.definition import Transition, Workflow
-from flowlock.errors import (
+from flowlock.core.definition import Transition, Workflow
+from flowlock.core.errors import (
     ConcurrencyError,
     DefinitionError,
     EngineClosed,
@@ -79,7 +79,7 @@ from flowlock.errors import (
     TransitionRefused,
     VersionMismatch,
 )
-from flowlock.models import Instance, Outcome
+from flowlock.core.models import Instance, Outcome
 
 __all__ = [
     "DOUBLE_APPLY",

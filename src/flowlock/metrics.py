@@ -15,7 +15,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     FlowlockError,
     InstanceNotFound,
@@ -24,7 +24,7 @@ from flowlock.errors import (
     LockLost,
     TransitionRefused,
 )
-from flowlock.models import Outcome
+from flowlock.core.models import Outcome
 
 __all__ = ["OUTCOMES", "Metrics", "failure_outcome"]
 

@@ -1,8 +1,8 @@
 """A blocking twin of :class:`flowlock.Engine` for threaded code: Django, Flask, scripts.
 
 ``flowlock.sync.Engine`` has the async engine's names, arguments, return values and errors
-(the very same :class:`~flowlock.models.Outcome`, :class:`~flowlock.models.Instance`,
-:class:`~flowlock.models.HistoryEntry` objects and exception classes), without ``await``::
+(the very same :class:`~flowlock.core.models.Outcome`, :class:`~flowlock.core.models.Instance`,
+:class:`~flowlock.core.models.HistoryEntry` objects and exception classes), without ``await``::
 
     with flowlock.sync.Engine.connect("postgresql://app@db/app") as engine:
         engine.register(flowlock.examples.approval())
@@ -67,7 +67,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
+from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+from flowlock.core.query import DEFAULT_LIMIT
 from flowlock.engine import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_PAYLOAD,
@@ -76,11 +79,8 @@ from flowlock.engine import (
     StrategyConfig,
 )
 from flowlock.engine import Engine as AsyncEngine
-from flowlock.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics
-from flowlock.models import HistoryEntry, Instance, Outcome, Page
-from flowlock.query import DEFAULT_LIMIT
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor

@@ -25,8 +25,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 
-from flowlock.errors import ConflictRetriesExhausted, InvalidInput
-from flowlock.models import HistoryEntry
+from flowlock.core.errors import ConflictRetriesExhausted, InvalidInput
+from flowlock.core.models import HistoryEntry
 
 try:  # the otel extra: without it every helper here is a no-op
     from opentelemetry import context as _otel_context
@@ -39,7 +39,7 @@ else:
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from flowlock.models import Outcome
+    from flowlock.core.models import Outcome
 
 __all__ = [
     "AVAILABLE",

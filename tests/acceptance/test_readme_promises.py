@@ -41,12 +41,12 @@ import redis.asyncio
 import flowlock
 from flowlock import examples
 from flowlock.checker import check, check_many
+from flowlock.core.models import Instance, Snapshot
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks, advisory_lock_id
 from flowlock.locks.base import LockBackend
 from flowlock.locks.redis import RedisLocks
 from flowlock.metrics import Metrics
-from flowlock.models import Instance, Snapshot
 from flowlock.stores import MemoryStore
 from flowlock.stores.base import Entries, RequestIds, entries_of
 from flowlock.stores.postgres import PostgresStore

@@ -19,7 +19,7 @@ import pytest
 import flowlock
 from conftest import BOTH_WAYS, ON_AND_OFF
 from flowlock.checker import check
-from flowlock.models import HistoryEntry
+from flowlock.core.models import HistoryEntry
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
 

@@ -18,7 +18,7 @@ import pytest
 import flowlock
 from conftest import BOTH_WAYS, ON_AND_OFF
 from flowlock.checker import check
-from flowlock.models import HistoryEntry
+from flowlock.core.models import HistoryEntry
 
 
 @pytest.fixture(params=["optimistic", "pessimistic", "distributed", "adaptive"])

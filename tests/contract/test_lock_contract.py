@@ -31,7 +31,7 @@ import pytest
 from redis.crc import key_slot
 
 import flowlock.locks.base
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
     LockBusy,

@@ -22,8 +22,8 @@ import pytest
 
 import flowlock
 from flowlock.checker import check_many
-from flowlock.models import HistoryEntry, Instance, InstanceQuery
-from flowlock.query import cursor_after
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery
+from flowlock.core.query import cursor_after
 from flowlock.stores import MemoryStore, Store
 
 StoreFactory = Callable[..., Store]

@@ -20,8 +20,8 @@ import pytest
 
 import flowlock
 from conftest import BOTH_WAYS
-from flowlock.jsondata import MAX_DEPTH
-from flowlock.models import Instance
+from flowlock.core.jsondata import MAX_DEPTH
+from flowlock.core.models import Instance
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
 

@@ -21,8 +21,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from flowlock.errors import EngineClosed, InstanceNotFound, InvalidInput
-from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.errors import EngineClosed, InstanceNotFound, InvalidInput
+from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.base import EscalationBoard, LockedResult, RowLock
 from flowlock.stores.postgres import PostgresStore

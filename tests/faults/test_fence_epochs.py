@@ -22,8 +22,8 @@ import pytest
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
+from flowlock.core.errors import LockUnavailable
 from flowlock.embedded import EmbeddedRedis
-from flowlock.errors import LockUnavailable
 from flowlock.jobs import JobContext, RunOnce
 from flowlock.locks.base import FenceEpochs, LockBackend
 from flowlock.locks.redis import RedisLocks

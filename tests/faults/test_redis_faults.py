@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import redis
 
+from flowlock.core.errors import InvalidInput, LockBusy, LockNotOwned, LockUnavailable
 from flowlock.embedded import EmbeddedRedis
-from flowlock.errors import InvalidInput, LockBusy, LockNotOwned, LockUnavailable
 from flowlock.locks.base import Lease
 from flowlock.locks.redis import RedisLocks
 from lock_probes import Sleepers, wait_until
@@ -48,7 +48,7 @@ MS = 0.01  # Redis counts ttls in whole milliseconds on its own clock
 # and prints one JSON line per round.
 WORKER = r"""
 import asyncio, json, sys, time
-from flowlock.errors import LockBusy, LockLost, LockNotOwned
+from flowlock.core.errors import LockBusy, LockLost, LockNotOwned
 from flowlock.locks.redis import RedisLocks
 
 url, namespace, rounds, arg = sys.argv[1], sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])

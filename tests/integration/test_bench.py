@@ -48,11 +48,11 @@ from flowlock.bench.report import to_json
 from flowlock.bench.scenarios import RoundPlan
 from flowlock.checker import BROKEN_CHAIN, DOUBLE_APPLY
 from flowlock.cli import EXIT_VERDICT_FAILED, app
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.step import Call, Idempotent
 from flowlock.engine import Engine
 from flowlock.examples import approval
-from flowlock.models import HistoryEntry, Instance
-from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Decide, Strategy, StrategyResult
 

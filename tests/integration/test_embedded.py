@@ -18,9 +18,9 @@ import asyncpg
 import pytest
 
 from flowlock import Engine, examples
+from flowlock.core.errors import EmbeddedServerError, StoreError
 from flowlock.embedded import EmbeddedPostgres, available
 from flowlock.embedded.process import process_tree
-from flowlock.errors import EmbeddedServerError, StoreError
 
 pytestmark = [
     pytest.mark.postgres,

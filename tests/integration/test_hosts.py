@@ -35,9 +35,9 @@ from flowlock.bench.hosts import NamespacedHosts, check_available
 from flowlock.bench.scenarios import counter
 from flowlock.bench.servers import count_connections_from
 from flowlock.checker import check
+from flowlock.core.errors import HostsUnavailable
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 from flowlock.engine import Engine
-from flowlock.errors import HostsUnavailable
 from flowlock.stores.postgres import PostgresStore
 
 WORKER = Path(__file__).with_name("host_worker.py")

@@ -26,8 +26,8 @@ import pytest
 import flowlock
 from flowlock.bench.scenarios.steps import counter
 from flowlock.checker import check
-from flowlock.errors import FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
-from flowlock.models import HistoryEntry, Snapshot
+from flowlock.core.errors import FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
+from flowlock.core.models import HistoryEntry, Snapshot
 from flowlock.stores.base import LockedResult, RowLock
 from flowlock.stores.postgres import PostgresStore, _Operations
 from lock_probes import wait_until

@@ -30,8 +30,14 @@ import pytest
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
-from flowlock.errors import EngineClosed, FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.errors import (
+    EngineClosed,
+    FlowlockError,
+    InstanceNotFound,
+    InvalidInput,
+    LockTimeout,
+)
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores.base import Entries
 from flowlock.stores.memory import MemoryStore
 from flowlock.stores.postgres import PostgresStore

@@ -21,7 +21,7 @@ import pytest
 
 import flowlock
 from flowlock.checker import check_many
-from flowlock.models import InstanceQuery
+from flowlock.core.models import InstanceQuery
 from flowlock.stores.postgres import PostgresStore, count_statement, list_statement
 
 ROWS = 20_000

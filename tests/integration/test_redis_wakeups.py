@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from flowlock.errors import EngineClosed, InvalidInput, LockUnavailable
+from flowlock.core.errors import EngineClosed, InvalidInput, LockUnavailable
 from flowlock.locks.base import Lease
 from flowlock.locks.redis import RedisLocks, scripts
 from flowlock.locks.redis.wakeups import WAKE_JITTER

@@ -19,8 +19,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from flowlock.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
-from flowlock.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import Entries, RowLock
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until

@@ -35,8 +35,8 @@ import pytest
 import flowlock
 from conftest import SqlHistory as Counted
 from flowlock.checker import OVERSELL, check
-from flowlock.errors import InvalidInput
-from flowlock.models import HistoryEntry
+from flowlock.core.errors import InvalidInput
+from flowlock.core.models import HistoryEntry
 from flowlock.stores.base import Entries
 from flowlock.stores.postgres import PostgresStore
 from flowlock.sync import Engine as SyncEngine

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
+from flowlock.core.models import InstanceQuery
 from flowlock.metrics import Metrics
 from flowlock.stores import MemoryStore
 from flowlock.stores.postgres import PostgresStore
@@ -598,7 +599,7 @@ async def test_queries_and_payloads_inside_the_callers_transaction(
     in its history row (read back from a connection without flowlock's jsonb codec)."""
     store = engine.store
     assert isinstance(store, PostgresStore)
-    query = flowlock.models.InstanceQuery(workflow="approval", states=("pending",))
+    query = InstanceQuery(workflow="approval", states=("pending",))
     conn = await app_conns()
     async with conn.transaction():
         for iid in ("q-2", "q-1", "q-3"):

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
 from flowlock.engine import Engine
 from flowlock.service import ServiceSettings, create_app
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from flowlock.errors import InstanceNotFound
+from flowlock.core.errors import InstanceNotFound
 from flowlock.service import ServiceSettings
 from flowlock.service.settings import parse_tokens
 from service.kit import JSON, Service, assert_problem, served, snapshot

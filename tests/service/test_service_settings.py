@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.service import ServiceSettings, create_app
 from flowlock.service.settings import ENV, ApiToken, parse_tokens
 

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.step import Call, Idempotent, decide, decide_batch
 from flowlock.locks import MemoryLocks
-from flowlock.models import HistoryEntry, Instance, Snapshot
-from flowlock.step import Call, Idempotent, decide, decide_batch
 from flowlock.stores import MemoryStore
 
 BOUND = 10.0  # seconds any wait here may take before the test calls it a hang (generous)

@@ -18,7 +18,7 @@ from flowlock.bench.config import SoakConfig, Target, redact
 from flowlock.bench.progress import Progress
 from flowlock.bench.servers import connections_needed, demand, fit_pool
 from flowlock.cli import app
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 
 
 @pytest.mark.parametrize(

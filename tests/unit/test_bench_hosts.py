@@ -38,8 +38,8 @@ from flowlock.bench.report.tables import title
 from flowlock.bench.results import HTTP, IN_PROCESS, ConnectionStats, Params, Timed, summarise
 from flowlock.bench.scenarios import SCENARIOS
 from flowlock.cli import app
+from flowlock.core.errors import FlowlockError, HostsError, HostsUnavailable, InvalidInput
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
-from flowlock.errors import FlowlockError, HostsError, HostsUnavailable, InvalidInput
 
 SUBNET = IPv4Network("10.213.7.0/24")
 

@@ -18,7 +18,6 @@ from test_bench_report import _floor, _report, _result
 from typer.testing import CliRunner
 
 import flowlock
-from flowlock._diagram import load_workflows
 from flowlock.bench import BenchConfig, BenchReport
 from flowlock.bench import runner as bench_runner
 from flowlock.bench.config import HTTP_SCENARIOS, HTTP_STRATEGIES, HTTP_WORKERS, service_pool
@@ -34,7 +33,8 @@ from flowlock.bench.scenarios import SCENARIOS, Fired
 from flowlock.bench.servers import fit_pool, with_service
 from flowlock.checker import DOUBLE_APPLY, Verdict, Violation
 from flowlock.cli import app
-from flowlock.errors import InvalidInput
+from flowlock.core.diagram import load_workflows
+from flowlock.core.errors import InvalidInput
 
 # -- the config ----------------------------------------------------------------------------------
 

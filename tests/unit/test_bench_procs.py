@@ -30,8 +30,8 @@ from flowlock.bench.procs import (
 )
 from flowlock.bench.results import CallResult, CallSpec, Params
 from flowlock.bench.scenarios import Fired, Scenario
+from flowlock.core.errors import ConflictRetriesExhausted, GuardRejected
 from flowlock.engine import Engine
-from flowlock.errors import ConflictRetriesExhausted, GuardRejected
 
 TARGET = Target("postgresql://h/db", "flowlock_bench_1", "ns", "abcd", 25, None)
 CALL = CallSpec("i-1", "step", actor="w0-0", payload={"qty": 1}, request_id="r-1")

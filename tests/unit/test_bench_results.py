@@ -30,7 +30,7 @@ from flowlock.bench.results import (
 )
 from flowlock.bench.scenarios import SCENARIOS, Scenario
 from flowlock.checker import BROKEN_CHAIN, DOUBLE_APPLY, LOST_UPDATE, Verdict, Violation
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 
 STORM = SCENARIOS["storm"]
 

@@ -26,8 +26,8 @@ from flowlock.checker import (
     check,
     check_many,
 )
-from flowlock.errors import FlowlockError
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import HistoryEntry, Instance
 
 STATES = ("new", "paid", "shipped", "done")
 

@@ -17,7 +17,7 @@ from flowlock.bench import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.bench import runner as bench_runner
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
-from flowlock.errors import StoreError
+from flowlock.core.errors import StoreError
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 import flowlock
 from flowlock import examples
-from flowlock.errors import LockBusy, LockLost, LockNotOwned
+from flowlock.core.errors import LockBusy, LockLost, LockNotOwned
 from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
 from flowlock.stores.memory import MemoryBoard

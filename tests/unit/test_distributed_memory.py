@@ -15,8 +15,8 @@ import pytest
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
+from flowlock.core.models import Instance
 from flowlock.locks import MemoryLocks
-from flowlock.models import Instance
 from flowlock.stores import MemoryStore
 from flowlock.stores.base import RequestIds
 

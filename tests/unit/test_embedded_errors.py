@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import flowlock
+from flowlock.core.errors import EmbeddedServerError, FlowlockError, InvalidInput
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
-from flowlock.errors import EmbeddedServerError, FlowlockError, InvalidInput
 
 
 def test_is_a_flowlock_error_exported_at_the_top() -> None:

@@ -1,5 +1,6 @@
-"""The one JSON check (flowlock.jsondata.check_object): what it refuses, where it says the problem
-is, and the payload comparison of idempotency keys (same_json). Pure functions, no store."""
+"""The one JSON check (flowlock.core.jsondata.check_object): what it refuses, where it says
+the problem is, and the payload comparison of idempotency keys (same_json).
+Pure functions, no store."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowlock
-from flowlock.jsondata import MAX_DEPTH, MAX_INT_BITS, check_object, encode, same_json
+from flowlock.core.jsondata import MAX_DEPTH, MAX_INT_BITS, check_object, encode, same_json
 
 
 def deep(levels: int) -> dict[str, Any]:

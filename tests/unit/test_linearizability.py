@@ -35,8 +35,8 @@ from flowlock.checker import (
     check_linearizable,
     outcome_of,
 )
-from flowlock.definition import Step, Transition, Workflow
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.definition import Step, Transition, Workflow
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.stores import MemoryStore
 
 Data = Mapping[str, Any]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import flowlock
 from flowlock import examples
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.stores import MemoryStore
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import flowlock
-from flowlock.models import Escalation
+from flowlock.core.models import Escalation
 from flowlock.stores.memory import MemoryBoard
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 

@@ -31,7 +31,7 @@ from flowlock._pg.errors import (
     wrap_errors,
 )
 from flowlock._pg.pool import connection, give_back
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConnectionLost,
     FlowlockError,
     LockBusy,

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flowlock
-from flowlock.models import InstanceQuery
-from flowlock.query import cursor_after, decode_cursor
+from flowlock.core.models import InstanceQuery
+from flowlock.core.query import cursor_after, decode_cursor
 from flowlock.stores.sqlite import SqliteStore, count_statement, list_statement
 
 # The ids the engine accepts: 1 to 200 characters, none of them a control character.

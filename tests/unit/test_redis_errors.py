@@ -10,7 +10,7 @@ import inspect
 import pytest
 import redis.exceptions
 
-from flowlock.errors import FlowlockError, LockUnavailable
+from flowlock.core.errors import FlowlockError, LockUnavailable
 from flowlock.locks.redis.connection import DRIVER_ERRORS, bounded, close, translate
 
 # Every exception class redis-py defines (a new one in a later version is swept in too), and

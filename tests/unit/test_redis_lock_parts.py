@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from flowlock._pg.fence import PostgresFenceEpochs
-from flowlock.errors import InvalidInput, LockUnavailable
+from flowlock.core.errors import InvalidInput, LockUnavailable
 from flowlock.locks.redis.fence import EPOCH_BITS, FenceFloors
 from flowlock.locks.redis.keys import Keyspace
 from flowlock.locks.redis.wakeups import Wakeups

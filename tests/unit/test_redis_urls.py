@@ -10,7 +10,7 @@ import pytest
 
 import flowlock
 from flowlock.bench.unavailability import Availability
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.locks.redis import RedisLocks
 from flowlock.locks.redis.urls import RedisAddress, parse
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import flowlock.locks.base
-from flowlock.errors import LockLost, LockNotOwned
+from flowlock.core.errors import LockLost, LockNotOwned
 from flowlock.locks import Lease, MemoryLocks
 from lock_probes import wait_until
 

@@ -30,7 +30,7 @@ from flowlock.bench.soak_results import (
     judge_store,
 )
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Verdict, Violation
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     ConnectionLost,
     GuardRejected,
@@ -46,7 +46,7 @@ from flowlock.errors import (
     StoreError,
     TransitionNotAllowed,
 )
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 
 NOW = datetime(2026, 12, 3, tzinfo=UTC)
 

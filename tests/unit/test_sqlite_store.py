@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
     InstanceNotFound,
@@ -24,7 +24,7 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores import migrations
 from flowlock.stores.base import RowLock, Store
 from flowlock.stores.sqlite import SqliteStore

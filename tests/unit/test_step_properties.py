@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock import examples
 from flowlock.checker import check
-from flowlock.models import HistoryEntry, Instance, Snapshot
-from flowlock.step import Call, Idempotent, decide
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.step import Call, Idempotent, decide
 
 TICKET = flowlock.Workflow(
     "ticket",

@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 
 import flowlock
-from flowlock.models import Instance
+from flowlock.core.models import Instance
 from flowlock.stores import MemoryStore
 
 

@@ -18,8 +18,8 @@ from opentelemetry.trace import StatusCode
 
 import flowlock
 from flowlock import examples, tracing
+from flowlock.core.models import Instance
 from flowlock.locks import MemoryLocks
-from flowlock.models import Instance
 from flowlock.stores import MemoryStore
 from span_probes import Spans, attrs, end_of, recording, span_id, start_of, within
 
@@ -150,7 +150,7 @@ async def test_a_refused_fire_is_an_error_span_with_the_exception(
     (event,) = fire.events
     assert event.name == "exception"
     assert event.attributes is not None
-    assert event.attributes["exception.type"] == "flowlock.errors.TransitionNotAllowed"
+    assert event.attributes["exception.type"] == "flowlock.core.errors.TransitionNotAllowed"
     assert spans.children(fire) == []  # nothing was written
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 import asyncpg
 
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConnectionLost,
     FlowlockError,
     LockUnavailable,

@@ -35,7 +35,7 @@ import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context
 from flowlock._pg.pool import check_schema, connection, terminate
-from flowlock.errors import LockUnavailable
+from flowlock.core.errors import LockUnavailable
 
 __all__ = ["EPOCH_LOCK_CLASS", "PostgresFenceEpochs"]
 

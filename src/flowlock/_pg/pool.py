@@ -28,8 +28,8 @@ from flowlock._pg.errors import (
     translate,
     wrap_errors,
 )
-from flowlock._settings import MAX_SECONDS, check_application_name, check_seconds, check_size
-from flowlock.errors import EngineClosed, InvalidInput, StoreBusy
+from flowlock.core.errors import EngineClosed, InvalidInput, StoreBusy
+from flowlock.core.settings import MAX_SECONDS, check_application_name, check_seconds, check_size
 
 __all__ = [
     "InitHook",

@@ -14,7 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 
 __all__ = [
     "HISTORY_COLUMNS",

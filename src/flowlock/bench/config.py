@@ -13,7 +13,7 @@ from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, exp
 from flowlock.bench.results import Params
 from flowlock.bench.scenarios import SCENARIOS, Scenario
 from flowlock.bench.soak_results import MAX_SOAK_SECONDS
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 
 __all__ = [
     "ADMIN_POOL",

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
 from flowlock.bench.soak_results import FAULT_KINDS, Fault, FaultKind
-from flowlock.errors import FlowlockError
+from flowlock.core.errors import FlowlockError
 
 __all__ = ["FaultInjector", "Schedule", "Targets"]
 

@@ -46,8 +46,8 @@ from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 from typing import Any
 
-from flowlock._lifecycle import BlockingResource
-from flowlock.errors import HostsError, HostsUnavailable, InvalidInput
+from flowlock.core.errors import HostsError, HostsUnavailable, InvalidInput
+from flowlock.core.lifecycle import BlockingResource
 
 __all__ = [
     "DEFAULT_DELAY_MS",

@@ -32,15 +32,15 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
-from flowlock import errors
 from flowlock.bench.config import Target
 from flowlock.bench.measure import RemoteFailure
 from flowlock.bench.progress import Progress
 from flowlock.bench.results import CallSpec
 from flowlock.bench.scenarios import Fired
 from flowlock.bench.session import BenchSession
+from flowlock.core import errors
+from flowlock.core.errors import EmbeddedServerError, InvalidInput
 from flowlock.engine import Engine
-from flowlock.errors import EmbeddedServerError, InvalidInput
 
 if TYPE_CHECKING:
     import httpx

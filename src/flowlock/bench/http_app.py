@@ -12,7 +12,7 @@ from __future__ import annotations
 from flowlock.bench.config import HTTP_SCENARIOS
 from flowlock.bench.results import Params
 from flowlock.bench.scenarios import SCENARIOS
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
 
 __all__ = ["workflows"]
 

@@ -21,7 +21,7 @@ import asyncpg
 from flowlock.bench.results import CallResult, CallSpec, ConnectionStats
 from flowlock.bench.scenarios import Scenario, Session
 from flowlock.bench.servers import DRIVER_ERRORS, connect, store_error
-from flowlock.errors import TransitionRefused
+from flowlock.core.errors import TransitionRefused
 
 __all__ = [
     "SAMPLE_INTERVAL",

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, TypeVar
 
 from flowlock.bench.config import Target
 from flowlock.bench.results import CallResult, CallSpec, Params
-from flowlock.errors import FlowlockError
+from flowlock.core.errors import FlowlockError
 
 __all__ = [
     "Arm",

@@ -5,8 +5,9 @@ store layer, no retry policy): it borrows the run's asyncpg pool and sends the f
 the scenario allows. It writes the same two rows flowlock writes (the instance and one history
 row, in the same statement), so the checker judges the floor exactly like every strategy, and the
 difference in the report is flowlock's own overhead. Where a step must be decided (a guard, a
-quorum, a counter), raw runs the workflow's pure step (:func:`flowlock.step.decide`: the guard and
-effect functions, microseconds), because any implementation has to run that logic somewhere.
+quorum, a counter), raw runs the workflow's pure step
+(:func:`flowlock.core.step.decide`: the guard and effect functions, microseconds),
+because any implementation has to run that logic somewhere.
 
 Which floor each scenario uses (``Scenario.floor``):
 
@@ -31,11 +32,11 @@ import asyncpg
 
 from flowlock.bench.results import CallSpec
 from flowlock.bench.scenarios.base import Fired, Floor
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import ConflictRetriesExhausted, InstanceNotFound, InvalidInput
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.step import Call, Idempotent, decide
 from flowlock.engine import Engine
-from flowlock.errors import ConflictRetriesExhausted, InstanceNotFound, InvalidInput
-from flowlock.models import HistoryEntry, Instance, Snapshot
-from flowlock.step import Call, Idempotent, decide
 
 __all__ = ["CLAIMS_TABLE", "RawSession"]
 

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.locks.base import LockBackend
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed

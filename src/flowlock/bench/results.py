@@ -27,7 +27,7 @@ from flowlock.checker import (
     Violation,
     check,
 )
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 
 __all__ = [
     "HTTP",

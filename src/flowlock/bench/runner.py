@@ -94,7 +94,7 @@ from flowlock.bench.servers import (
     redis_server,
 )
 from flowlock.bench.session import BenchSession, open_session, prepare_schema
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 
 if TYPE_CHECKING:
     from flowlock.bench.http import Service

@@ -22,7 +22,7 @@ from flowlock.bench.config import ADMIN_POOL, ADVISORY_POOL, BenchConfig, redact
 from flowlock.bench.progress import Progress
 from flowlock.bench.registry import STRATEGIES
 from flowlock.bench.scenarios import SCENARIOS
-from flowlock.errors import InvalidInput, StoreError
+from flowlock.core.errors import InvalidInput, StoreError
 
 __all__ = [
     "DRIVER_ERRORS",

@@ -23,8 +23,8 @@ from flowlock.bench.registry import LEASE_TTL, BuildContext, StrategySpec
 from flowlock.bench.results import CallSpec, Params
 from flowlock.bench.scenarios import Fired, Scenario, Session
 from flowlock.connect import build_locks, build_postgres_store
+from flowlock.core.errors import InvalidInput
 from flowlock.engine import Engine
-from flowlock.errors import InvalidInput
 from flowlock.jobs import RunOnce
 from flowlock.locks.base import Lease, LeaseContext, LockBackend
 from flowlock.strategies.base import Strategy

@@ -63,9 +63,9 @@ from flowlock.bench.soak_results import (
 from flowlock.bench.soak_worker import WorkerSpec, spread_id
 from flowlock.checker import CallRecord, check_linearizable
 from flowlock.connect import build_postgres_store
+from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
-from flowlock.errors import FlowlockError, InvalidInput, StoreError
-from flowlock.models import HistoryEntry, Instance
 
 __all__ = [
     "CALL_BOUND",

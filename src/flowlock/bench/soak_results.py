@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Invariant, Verdict, Violation, check
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConcurrencyError,
     FlowlockError,
     InstanceExists,
@@ -26,7 +26,7 @@ from flowlock.errors import (
     StoreError,
     TransitionRefused,
 )
-from flowlock.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance
 
 __all__ = [
     "FAULT_KINDS",

@@ -46,9 +46,9 @@ from flowlock.bench.session import build_lock_backend
 from flowlock.bench.soak_results import OutcomeKind, classify
 from flowlock.checker import Recorder
 from flowlock.connect import build_postgres_store
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import Instance, Outcome
 from flowlock.engine import Engine
-from flowlock.errors import FlowlockError
-from flowlock.models import Instance, Outcome
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
 

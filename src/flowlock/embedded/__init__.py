@@ -28,8 +28,8 @@ Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, `
 
 from __future__ import annotations
 
+from flowlock.core.errors import EmbeddedServerError
 from flowlock.embedded.postgres import EmbeddedPostgres, available
 from flowlock.embedded.redis import EmbeddedRedis
-from flowlock.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedPostgres", "EmbeddedRedis", "EmbeddedServerError", "available"]

@@ -17,10 +17,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from flowlock._lifecycle import BlockingResource
-from flowlock._settings import check_seconds, check_text
+from flowlock.core.errors import EmbeddedServerError, InvalidInput
+from flowlock.core.lifecycle import BlockingResource
+from flowlock.core.settings import check_seconds, check_text
 from flowlock.embedded import process
-from flowlock.errors import EmbeddedServerError, InvalidInput
 
 __all__ = ["EmbeddedServer", "check_host", "check_networks", "check_settings"]
 

@@ -22,9 +22,9 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from flowlock.core.errors import EmbeddedServerError, InvalidInput
 from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_host, check_settings
-from flowlock.errors import EmbeddedServerError, InvalidInput
 
 __all__ = ["EmbeddedRedis"]
 

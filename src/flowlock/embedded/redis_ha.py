@@ -32,10 +32,10 @@ from typing import Any, Self
 
 import redis
 
-from flowlock._lifecycle import BlockingResource
+from flowlock.core.errors import EmbeddedServerError
+from flowlock.core.lifecycle import BlockingResource
 from flowlock.embedded import process
 from flowlock.embedded.redis import EmbeddedRedis
-from flowlock.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedRedisCluster", "EmbeddedRedisSentinel", "redis_cli", "sentinel_command"]
 

@@ -63,7 +63,6 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from flowlock._lifecycle import AsyncResource
 from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, broken, wrap_errors
 from flowlock._pg.migrations import migrate_database
 from flowlock._pg.pool import (
@@ -74,15 +73,7 @@ from flowlock._pg.pool import (
     give_back,
     terminate,
 )
-from flowlock._settings import (
-    MAX_NAMESPACE,
-    POSTGRES_SCHEMES,
-    check_application_name,
-    check_seconds,
-    check_text,
-    check_url,
-)
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
     LockBusy,
@@ -94,6 +85,15 @@ from flowlock.errors import (
     MigrationError,
     StoreBusy,
     StoreError,
+)
+from flowlock.core.lifecycle import AsyncResource
+from flowlock.core.settings import (
+    MAX_NAMESPACE,
+    POSTGRES_SCHEMES,
+    check_application_name,
+    check_seconds,
+    check_text,
+    check_url,
 )
 from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 

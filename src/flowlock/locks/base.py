@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
-from flowlock._settings import check_seconds, check_text
-from flowlock.errors import FlowlockError, LockLost, LockNotOwned
+from flowlock.core.errors import FlowlockError, LockLost, LockNotOwned
+from flowlock.core.settings import check_seconds, check_text
 
 __all__ = [
     "MAX_KEY_LENGTH",

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flowlock.errors import LockBusy, LockNotOwned, LockTimeout
+from flowlock.core.errors import LockBusy, LockNotOwned, LockTimeout
 from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
 __all__ = ["MemoryLocks"]

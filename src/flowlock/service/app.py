@@ -32,17 +32,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flowlock
-from flowlock._diagram import load_workflows
 from flowlock._inspect import entry_dict, instance_dict
-from flowlock._settings import check_text
 from flowlock.connect import connect
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.diagram import load_workflows
+from flowlock.core.errors import FlowlockError, InvalidInput
+from flowlock.core.models import Instance, Outcome
+from flowlock.core.query import decode_cursor
+from flowlock.core.settings import check_text
 from flowlock.engine import MAX_ID_LENGTH, Engine
-from flowlock.errors import FlowlockError, InvalidInput
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
-from flowlock.models import Instance, Outcome
-from flowlock.query import decode_cursor
 from flowlock.service.bodies import CreateBody, FireBody, invalid_fields, read_json
 from flowlock.service.guard import RequestGuard
 from flowlock.service.problems import PROBLEM_JSON, Problem, etag, from_error, problem

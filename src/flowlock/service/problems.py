@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     ConnectionLost,
     DefinitionError,

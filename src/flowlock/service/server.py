@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.service.settings import ServiceSettings
 
 __all__ = ["Listen", "serve"]

@@ -13,8 +13,8 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from flowlock._settings import check_count, check_seconds, check_text
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
+from flowlock.core.settings import check_count, check_seconds, check_text
 
 __all__ = ["ENV", "ApiToken", "ServiceSettings", "parse_tokens"]
 

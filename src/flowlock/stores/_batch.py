@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flowlock.errors import InvalidInput
-from flowlock.models import HistoryEntry, Snapshot
+from flowlock.core.errors import InvalidInput
+from flowlock.core.models import HistoryEntry, Snapshot
 from flowlock.stores.base import Entries, entries_of
 
 __all__ = ["distinct_batches", "planned_entries", "refused_plan"]

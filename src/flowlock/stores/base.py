@@ -18,7 +18,7 @@ Every write is a compare-and-swap on ``version``, and, when the entry carries a 
 token, on that token too (lower than the last one written: refused); a stale write changes nothing.
 
 Queries (``list_instances``, ``count_instances``) read instances by an
-:class:`~flowlock.models.InstanceQuery`; a page is a keyset on the id, in code point order.
+:class:`~flowlock.core.models.InstanceQuery`; a page is a keyset on the id, in code point order.
 
 A store that can also run inside a transaction its caller opened (PostgreSQL) is a
 :class:`TransactionalStore`: it hands out a Store bound to the caller's connection.
@@ -31,8 +31,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
 
-from flowlock.errors import InvalidInput
-from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.errors import InvalidInput
+from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 
 __all__ = [
     "Entries",

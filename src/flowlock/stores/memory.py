@@ -15,9 +15,15 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from flowlock._settings import check_seconds
-from flowlock.errors import EngineClosed, InstanceExists, InstanceNotFound, LockBusy, LockTimeout
-from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.errors import (
+    EngineClosed,
+    InstanceExists,
+    InstanceNotFound,
+    LockBusy,
+    LockTimeout,
+)
+from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
 from flowlock.stores.base import (
     Entries,

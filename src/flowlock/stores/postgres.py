@@ -65,7 +65,18 @@ from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, in_doubt, wrap_c
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, connection, create_pool, terminate
 from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
-from flowlock._settings import (
+from flowlock.core.errors import (
+    EngineClosed,
+    FlowlockError,
+    InstanceExists,
+    InstanceNotFound,
+    InvalidInput,
+    LockBusy,
+    LockTimeout,
+    StoreError,
+)
+from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
     DEFAULT_COMMAND_TIMEOUT,
@@ -79,17 +90,6 @@ from flowlock._settings import (
     check_size,
     check_url,
 )
-from flowlock.errors import (
-    EngineClosed,
-    FlowlockError,
-    InstanceExists,
-    InstanceNotFound,
-    InvalidInput,
-    LockBusy,
-    LockTimeout,
-    StoreError,
-)
-from flowlock.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import (
     Entries,

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
-from flowlock._lifecycle import AsyncResource
-from flowlock._settings import check_count, check_seconds
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
     InstanceNotFound,
@@ -34,7 +32,9 @@ from flowlock.errors import (
     StoreBusy,
     StoreError,
 )
-from flowlock.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.lifecycle import AsyncResource
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores import migrations
 from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
 from flowlock.stores.base import (

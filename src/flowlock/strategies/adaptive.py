@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from flowlock import tracing
-from flowlock.models import Snapshot
-from flowlock.step import Call, Idempotent
+from flowlock.core.models import Snapshot
+from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Decide, Planned, Strategy, StrategyResult, stamped, writes
 from flowlock.strategies.monitor import ConflictMonitor

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
-from flowlock.models import HistoryEntry, Instance, Snapshot
-from flowlock.step import Call, Idempotent
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
 
 __all__ = ["MAX_ATTEMPTS", "Decide", "Planned", "Strategy", "StrategyResult", "stamped", "writes"]

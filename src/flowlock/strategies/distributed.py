@@ -18,8 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from flowlock import tracing
-from flowlock._settings import check_count
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     InvalidInput,
     LockBusy,
@@ -27,8 +26,9 @@ from flowlock.errors import (
     LockLost,
     LockTimeout,
 )
+from flowlock.core.settings import check_count
+from flowlock.core.step import Call, Idempotent
 from flowlock.locks.base import Held, LockBackend, check_ttl, check_wait
-from flowlock.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult, stamped
 

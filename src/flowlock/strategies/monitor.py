@@ -43,9 +43,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flowlock._settings import check_count, check_number, check_seconds, check_text
-from flowlock.errors import FlowlockError
-from flowlock.models import Escalation
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import Escalation
+from flowlock.core.settings import check_count, check_number, check_seconds, check_text
 from flowlock.stores.base import EscalationBoard
 
 __all__ = ["ConflictMonitor", "EscalationRecorder", "EscalationSync"]

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from flowlock import tracing
-from flowlock._settings import check_count, check_seconds
-from flowlock.errors import ConflictRetriesExhausted
-from flowlock.step import Call, Idempotent
+from flowlock.core.errors import ConflictRetriesExhausted
+from flowlock.core.settings import check_count, check_seconds
+from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult
 

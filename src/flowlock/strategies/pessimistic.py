@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 
 from flowlock import tracing
-from flowlock._settings import check_seconds
-from flowlock.errors import InvalidInput, LockError, StoreError
-from flowlock.models import Instance, Snapshot
-from flowlock.step import Call, Idempotent
+from flowlock.core.errors import InvalidInput, LockError, StoreError
+from flowlock.core.models import Instance, Snapshot
+from flowlock.core.settings import check_seconds
+from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import RowLock, Store
 from flowlock.strategies.base import Decide, Planned, StrategyResult
 

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flowlock import tracing
-from flowlock.errors import (
+from flowlock.core.errors import (
     ConflictRetriesExhausted,
     InvalidInput,
     TransitionRefused,
     VersionMismatch,
 )
-from flowlock.step import Call, Idempotent
+from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.adaptive import Adaptive, _as
 from flowlock.strategies.base import Decide, Strategy, StrategyResult

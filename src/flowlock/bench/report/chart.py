@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from flowlock.bench.report.tables import title
 from flowlock.bench.results import IN_PROCESS, BenchReport, ScenarioResult
-from flowlock.errors import FlowlockError
+from flowlock.core.errors import FlowlockError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -55,10 +55,10 @@ from flowlock.bench.results import (
     RoundRecord,
 )
 from flowlock.checker import DOUBLE_APPLY, INVARIANT, LOST_UPDATE, Invariant, Violation
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import InstanceNotFound
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
-from flowlock.errors import InstanceNotFound
-from flowlock.models import HistoryEntry, Instance
 
 __all__ = ["Fired", "Floor", "Scenario", "Session", "actors_match", "results_for"]
 

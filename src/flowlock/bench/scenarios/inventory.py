@@ -10,7 +10,7 @@ from flowlock import examples
 from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Floor, Scenario, actors_match, results_for
 from flowlock.checker import INVARIANT, OVERSELL, Invariant, Violation
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
 from flowlock.engine import Engine
 
 __all__ = ["Inventory"]

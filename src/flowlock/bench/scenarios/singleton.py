@@ -12,9 +12,9 @@ from flowlock import examples
 from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session, results_for
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Violation
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
-from flowlock.models import HistoryEntry, Instance
 
 __all__ = ["Singleton"]
 

@@ -11,9 +11,9 @@ from typing import Any
 from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Floor, Scenario, actors_match
 from flowlock.checker import LOST_UPDATE, Invariant, Violation
-from flowlock.definition import Transition, Workflow
+from flowlock.core.definition import Transition, Workflow
+from flowlock.core.models import Instance
 from flowlock.engine import Engine
-from flowlock.models import Instance
 
 __all__ = ["Cluster", "Hot", "Spread", "counter"]
 

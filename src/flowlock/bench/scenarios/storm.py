@@ -9,7 +9,7 @@ from flowlock import examples
 from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Floor, Scenario, results_for
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Violation
-from flowlock.definition import Workflow
+from flowlock.core.definition import Workflow
 from flowlock.engine import Engine
 
 __all__ = ["Storm"]

@@ -29,21 +29,21 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from flowlock._lifecycle import AsyncResource
-from flowlock._settings import (
-    MAX_NAMESPACE,
-    check_count,
-    check_seconds,
-    check_size,
-    check_text,
-)
-from flowlock.errors import (
+from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
     LockBusy,
     LockNotOwned,
     LockTimeout,
     LockUnavailable,
+)
+from flowlock.core.lifecycle import AsyncResource
+from flowlock.core.settings import (
+    MAX_NAMESPACE,
+    check_count,
+    check_seconds,
+    check_size,
+    check_text,
 )
 from flowlock.locks.base import (
     FenceEpochs,

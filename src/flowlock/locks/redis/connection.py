@@ -36,7 +36,7 @@ from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnec
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from flowlock.errors import LockUnavailable
+from flowlock.core.errors import LockUnavailable
 from flowlock.locks.redis import urls
 
 __all__ = [

@@ -64,7 +64,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from flowlock.errors import InvalidInput, LockUnavailable
+from flowlock.core.errors import InvalidInput, LockUnavailable
 from flowlock.locks.base import FenceEpochs
 from flowlock.locks.redis.connection import BACKEND
 

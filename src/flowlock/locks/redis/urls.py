@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from flowlock._settings import check_url
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
+from flowlock.core.settings import check_url
 
 __all__ = ["CLUSTER", "SCHEMES", "SENTINEL", "SINGLE", "RedisAddress", "parse"]
 

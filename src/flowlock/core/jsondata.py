@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from flowlock.errors import InvalidInput, PayloadTooLarge
+from flowlock.core.errors import InvalidInput, PayloadTooLarge
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD",

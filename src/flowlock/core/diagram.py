@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from flowlock.definition import Workflow
-from flowlock.errors import FlowlockError, InvalidInput
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import FlowlockError, InvalidInput
 
 __all__ = ["BadReference", "load_workflows", "render"]
 

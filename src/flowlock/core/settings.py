@@ -17,7 +17,7 @@ import math
 import operator
 import re
 
-from flowlock.errors import InvalidInput
+from flowlock.core.errors import InvalidInput
 
 __all__ = [
     "DEFAULT_ACQUIRE_TIMEOUT",

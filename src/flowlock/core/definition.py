@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from flowlock.errors import DefinitionError
+from flowlock.core.errors import DefinitionError
 
 if TYPE_CHECKING:
-    from flowlock.models import Instance
+    from flowlock.core.models import Instance
 
 __all__ = [
     "STRATEGIES",

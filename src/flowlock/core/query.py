@@ -22,9 +22,9 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Final
 
-from flowlock.definition import _NAME
-from flowlock.errors import InvalidInput
-from flowlock.models import InstanceQuery
+from flowlock.core.definition import _NAME
+from flowlock.core.errors import InvalidInput
+from flowlock.core.models import InstanceQuery
 
 __all__ = [
     "DEFAULT_LIMIT",

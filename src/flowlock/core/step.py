@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowlock.definition import SYNC_STEPS, Step, Transition, Workflow
-from flowlock.errors import (
+from flowlock.core.definition import SYNC_STEPS, Step, Transition, Workflow
+from flowlock.core.errors import (
     DefinitionError,
     FlowlockError,
     GuardRejected,
@@ -29,8 +29,8 @@ from flowlock.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
-from flowlock.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
-from flowlock.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
 
