@@ -23,11 +23,10 @@ import asyncpg
 from flowlock._pg.errors import DRIVER_ERRORS, wrap_connect
 from flowlock._pg.pool import check_schema, close_pool
 from flowlock.checker import Verdict, Violation, check
-from flowlock.connect import connect
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.settings import POSTGRES_SCHEMES
-from flowlock.engine import Engine
+from flowlock.engine import Engine, connect
 from flowlock.stores.migrations import load
 
 __all__ = [

@@ -33,14 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flowlock
 from flowlock._inspect import entry_dict, instance_dict
-from flowlock.connect import connect
 from flowlock.core.definition import Workflow
 from flowlock.core.diagram import load_workflows
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import Instance, Outcome
 from flowlock.core.query import decode_cursor
 from flowlock.core.settings import check_text
-from flowlock.engine import MAX_ID_LENGTH, Engine
+from flowlock.engine import MAX_ID_LENGTH, Engine, connect
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.service.bodies import CreateBody, FireBody, invalid_fields, read_json
