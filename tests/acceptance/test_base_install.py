@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import venv
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,7 +38,7 @@ asyncio.run(main(sys.argv[1]))
 
 
 @pytest.fixture(scope="module")
-def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with ``pip install <checkout>``: no extras."""
     home = tmp_path_factory.mktemp("base-venv")
     venv.create(home, with_pip=True)
@@ -52,7 +50,7 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    yield python
+    return python
 
 
 def _run(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -131,9 +129,7 @@ def test_the_cli_core_commands_run_and_the_others_name_their_extra(
     assert shown.returncode == 0, shown.stderr
     assert "approved" in shown.stdout
     for command, extra in (("serve", "service"), ("bench", "bench")):
-        done = subprocess.run(
-            [flowlock_cmd, command], capture_output=True, text=True, timeout=60
-        )
+        done = subprocess.run([flowlock_cmd, command], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0
         assert f"flowlock[{extra}]" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr

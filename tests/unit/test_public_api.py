@@ -95,8 +95,7 @@ def _flowlock_imports(path: Path) -> set[str]:
 
 CORE = (
     *(f"core/{path.name}" for path in (SRC / "core").glob("*.py")),
-    "checker.py",
-    "linearizability.py",
+    *(f"checker/{path.name}" for path in (SRC / "checker").glob("*.py")),
 )
 ADAPTERS_AND_UP = ("flowlock.stores", "flowlock.locks", "flowlock.strategies", "flowlock.engine")
 PORTS = ("flowlock.stores.base", "flowlock.locks.base")
