@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import flowlock
 from flowlock.bench import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.bench import runner as bench_runner
+from flowlock.bench.extend import Lab
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.core.errors import StoreError
@@ -162,7 +163,9 @@ def test_error_during_the_run_keeps_details_below_the_red_line(
 ) -> None:
     """A multi-line error (e.g. a server log tail) prints its first line as the error line."""
 
-    def broken(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def broken(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         raise StoreError("embedded PostgreSQL did not start\nLOG: could not bind\nFATAL: no")
 
     monkeypatch.setattr(bench_runner, "run", broken)
@@ -180,7 +183,9 @@ def test_bench_prints_table_and_writes_json(
     """A passing run prints the results and the seed comparison, writes JSON and exits 0."""
     seen: list[BenchConfig] = []
 
-    def fake(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def fake(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         seen.append(config)
         return _report(Verdict.of([]))
 
@@ -208,7 +213,7 @@ def test_failed_verdict_exits_non_zero_with_the_violations(
 ) -> None:
     """A run whose checker verdict fails says so clearly and exits 3."""
     bad = Verdict.of([Violation("double-apply", "instance 'x': 2 transitions, 1 applied")])
-    monkeypatch.setattr(bench_runner, "run", lambda config, progress=None: _report(bad))
+    monkeypatch.setattr(bench_runner, "run", lambda config, progress=None, lab=None: _report(bad))
     result = cli.invoke(app, ["bench", "--quick"])
     assert result.exit_code == EXIT_VERDICT_FAILED
     assert "verdict FAILED" in result.stderr

@@ -3,17 +3,17 @@
 It starts an embedded PostgreSQL and an embedded Redis of its own (never the caller's: with
 ``--faults`` it restarts them, and its leak checks read their whole state), creates the shared
 counters in a scratch schema, and starts the worker processes
-(:mod:`flowlock.bench.soak_worker`), which fire a mixed load with every strategy until the time
+(:mod:`flowlock_lab.soak_worker`), which fire a mixed load with every strategy until the time
 is up, each call recorded and streamed back. With faults, the injector
-(:mod:`flowlock.bench.faults`) meanwhile kills and pauses workers (a killed one is replaced),
+(:mod:`flowlock_lab.faults`) meanwhile kills and pauses workers (a killed one is replaced),
 ends their database sessions, and restarts PostgreSQL (data kept) and Redis (empty).
 
 Then the workers are stopped, and the soak checks what was left behind (Redis lock keys with no
 holder, advisory locks still held, the run's sessions still open, each after a bounded wait for
 it to go), merges every worker's calls and judges them with
 :func:`flowlock.checker.check_linearizable`, and judges the store's histories with
-:func:`flowlock.checker.check` (:func:`~flowlock.bench.soak_results.judge_store`). Everything
-is bounded: the run by ``seconds`` (at most :data:`~flowlock.bench.soak_results.MAX_SOAK_SECONDS`)
+:func:`flowlock.checker.check` (:func:`~flowlock_lab.soak_results.judge_store`). Everything
+is bounded: the run by ``seconds`` (at most :data:`~flowlock_lab.soak_results.MAX_SOAK_SECONDS`)
 plus bounded start and stop, each call, each fault and each wait.
 """
 
@@ -36,8 +36,7 @@ from typing import Any
 import flowlock
 from flowlock import examples
 from flowlock._pg.rows import read_history, read_instances
-from flowlock.bench.config import SoakConfig, Target
-from flowlock.bench.faults import FaultInjector, Schedule
+from flowlock.bench.config import Target
 from flowlock.bench.host import cores, loop_factory
 from flowlock.bench.logs import collect_logs
 from flowlock.bench.progress import NullProgress, Progress
@@ -50,7 +49,14 @@ from flowlock.bench.servers import (
     store_error,
 )
 from flowlock.bench.session import prepare_schema
-from flowlock.bench.soak_results import (
+from flowlock.checker import CallRecord, check_linearizable
+from flowlock.connect import build_postgres_store
+from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
+from flowlock.core.models import HistoryEntry, Instance
+from flowlock.engine import Engine
+from flowlock_lab.faults import FaultInjector, Schedule
+from flowlock_lab.soak_config import SoakConfig
+from flowlock_lab.soak_results import (
     FAULT_KINDS,
     Expected,
     FaultKind,
@@ -60,12 +66,7 @@ from flowlock.bench.soak_results import (
     count_outcomes,
     judge_store,
 )
-from flowlock.bench.soak_worker import WorkerSpec, spread_id
-from flowlock.checker import CallRecord, check_linearizable
-from flowlock.connect import build_postgres_store
-from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
-from flowlock.core.models import HistoryEntry, Instance
-from flowlock.engine import Engine
+from flowlock_lab.soak_worker import WorkerSpec, spread_id
 
 __all__ = [
     "CALL_BOUND",
@@ -142,7 +143,7 @@ class _Tally:
 
 class _Fleet:
     """The worker processes, their replacement when one is killed, and the faults that act on
-    them and on the servers (:class:`flowlock.bench.faults.Targets`)."""
+    them and on the servers (:class:`flowlock_lab.faults.Targets`)."""
 
     def __init__(self, run: _Soak) -> None:
         self.run = run
@@ -169,7 +170,7 @@ class _Fleet:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "flowlock.bench.soak_worker",
+            "flowlock_lab.soak_worker",
             spec.to_json(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -282,7 +283,7 @@ class _Fleet:
                 task.cancel()
             await asyncio.gather(*worker.tasks, return_exceptions=True)
 
-    # -- the faults (flowlock.bench.faults.Targets) ----------------------------------------------
+    # -- the faults (flowlock_lab.faults.Targets) ----------------------------------------------
 
     def _victim(self, rng: random.Random, *, unpaused: bool = False) -> _Worker:
         choices = [w for w in self.live() if w.ready.is_set() and not (unpaused and w.paused)]
