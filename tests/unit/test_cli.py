@@ -7,6 +7,8 @@ runs the bench with the runner replaced by a canned report.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,10 @@ from typer.testing import CliRunner
 import flowlock
 from flowlock.bench import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.bench import runner as bench_runner
-from flowlock.bench.extend import Lab
+from flowlock.bench.extend import LAB_MISSING, Lab
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
-from flowlock.core.errors import StoreError
+from flowlock.core.errors import InvalidInput, StoreError
 
 
 @pytest.fixture
@@ -218,3 +220,38 @@ def test_failed_verdict_exits_non_zero_with_the_violations(
     assert result.exit_code == EXIT_VERDICT_FAILED
     assert "verdict FAILED" in result.stderr
     assert "2 transitions, 1 applied" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--hosts", "2"], ["--http", "--quick"], ["--soak", "5"], ["--soak", "5", "--faults"]]
+)
+def test_lab_modes_without_the_lab_say_how_to_install_it(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """Without flowlock_lab, --hosts, --http and --soak exit 1 with one line naming the local
+    install of the lab, before anything starts."""
+    started: list[BenchConfig] = []
+
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
+        started.append(config)
+        return _report(Verdict.of([]))
+
+    monkeypatch.setattr(bench_runner, "run", run)
+    # None in sys.modules: every import of the lab fails as if it were not installed.
+    monkeypatch.setitem(sys.modules, "flowlock_lab", None)
+    monkeypatch.setitem(sys.modules, "flowlock_lab.cli", None)
+    result = cli.invoke(app, ["bench", *args])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: {LAB_MISSING}"]
+    assert "pip install -e ./lab" in LAB_MISSING
+    assert started == []
+
+
+async def test_a_lab_run_without_the_lab_is_refused_before_anything_starts() -> None:
+    """The runner itself refuses --hosts and --http without the lab's parts: one InvalidInput."""
+    for config in (BenchConfig(hosts=2), BenchConfig(http=True, quick=True)):
+        with pytest.raises(InvalidInput, match=re.escape(LAB_MISSING)):
+            await bench_runner.run_bench(config)
