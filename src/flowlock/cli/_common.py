@@ -99,9 +99,10 @@ def errors_as_exit() -> Iterator[None]:
 
 
 def redact(url: str) -> str:
-    from flowlock.bench.config import redact
+    """``url`` without its password. Imported here, not at the top: only bench needs bench."""
+    from flowlock.bench import config
 
-    return redact(url)
+    return config.redact(url)
 
 
 def stdout() -> Console:
