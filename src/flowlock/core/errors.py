@@ -34,9 +34,7 @@ Each class's docstring is its default message; instances carry the facts a calle
     │   └── MigrationError
     ├── EngineClosed                 the engine (or store) is not open
     ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
-    ├── ExtraNotInstalled            an optional dependency is missing: install the extra named
-    └── HostsError                   the bench's namespaced hosts could not be made or removed
-        └── HostsUnavailable         this machine cannot make them (not root, no iproute2...)
+    └── ExtraNotInstalled            an optional dependency is missing: install the extra named
 
 Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
 translated where each driver is called, one place per driver (``flowlock._pg.errors`` and
@@ -439,23 +437,3 @@ class ExtraNotInstalled(FlowlockError, ImportError):
             f"{feature} needs {module}, which is not installed: "
             f"pip install 'flowlock[{extra}]' (from a checkout: pip install '.[{extra}]')"
         )
-
-
-class HostsError(FlowlockError):
-    """The namespaced hosts of ``flowlock bench --hosts`` (:mod:`flowlock.bench.hosts`) could not
-    be set up or removed. ``problem`` says what went wrong, ``advice`` what to do about it."""
-
-    def __init__(self, problem: str, *, advice: str) -> None:
-        self.problem = problem
-        self.advice = advice
-        super().__init__(f"namespaced hosts: {problem}\nWhat to do: {advice}")
-
-
-class HostsUnavailable(HostsError):
-    """This machine cannot make namespaced hosts at all: not Linux, not root, no ``ip`` command,
-    no network namespaces, or (when a delay was asked for) no ``tc`` or no netem in the kernel.
-    ``reason`` is that one fact, for a test's skip message."""
-
-    def __init__(self, reason: str, *, advice: str) -> None:
-        self.reason = reason
-        super().__init__(reason, advice=advice)

@@ -21,9 +21,8 @@ failure to start or stop one, or a question to one that is not running, raises
 
 Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, ``/proc``),
 :mod:`~flowlock.embedded.base` (the lifecycle both servers share),
-:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`; highly available Redis
-(a Sentinel-watched primary with replicas, a Redis Cluster) for failover tests in
-:mod:`~flowlock.embedded.redis_ha`.
+:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`. Highly available Redis
+(Sentinel, Cluster) for failover tests lives in the lab (``flowlock_lab.redis_ha``).
 """
 
 from __future__ import annotations
