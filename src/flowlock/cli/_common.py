@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from flowlock.core.errors import FlowlockError
+from flowlock.core.extras import require
 
 __all__ = [
     "ENV_DATABASE_URL",
@@ -96,6 +97,13 @@ def errors_as_exit() -> Iterator[None]:
     except KeyboardInterrupt:
         stderr().print(Text("interrupted", style="yellow"))
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def need(extra: str, command: str, *modules: str) -> None:
+    """One error line naming the extra when ``command`` cannot import one of ``modules``."""
+    with errors_as_exit():
+        for module in modules:
+            require(module, extra, command)
 
 
 def redact(url: str) -> str:

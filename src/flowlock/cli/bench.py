@@ -45,6 +45,7 @@ from flowlock.cli.bench_options import (
     SoakOption,
     StrategyOption,
     WorkersOption,
+    need_bench,
 )
 from flowlock.core.errors import FlowlockError
 
@@ -182,6 +183,7 @@ def bench(
     --hosts, --http and --soak run in flowlock's lab, the lab/ directory of a flowlock checkout
     (pip install -e ./lab; the test extra installs it).
     """
+    need_bench()
     from flowlock.bench import BenchConfig
 
     if faults and soak is None:

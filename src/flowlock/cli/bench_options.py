@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flowlock.cli._common import ENV_DATABASE_URL, ENV_REDIS_URL
+from flowlock.cli._common import ENV_DATABASE_URL, ENV_REDIS_URL, need
 
 __all__ = [
     "BatchingOption",
@@ -44,12 +44,14 @@ def _known(kind: str, names: list[str] | None, known: list[str]) -> list[str] | 
 
 
 def _check_scenarios(names: list[str] | None) -> list[str] | None:
+    need_bench()
     from flowlock.bench import SCENARIOS
 
     return _known("scenario", names, list(SCENARIOS))
 
 
 def _check_strategies(names: list[str] | None) -> list[str] | None:
+    need_bench()
     from flowlock.bench import ALIASES, STRATEGIES
 
     return _known("strategy", names, [*STRATEGIES, *ALIASES])
@@ -69,15 +71,28 @@ def _names(registry: Iterable[str]) -> str:
     return ", ".join(registry)
 
 
-def _scenario_help() -> str:
-    from flowlock.bench import SCENARIOS
+def need_bench() -> None:
+    """One error line naming the bench extra when its drivers are missing."""
+    need("bench", "flowlock bench", "asyncpg", "redis")
 
+
+# The help texts name the registries' entries; without the bench extra they say what to install.
+_WITHOUT_BENCH = "Needs the bench extra: pip install 'flowlock[bench]'."
+
+
+def _scenario_help() -> str:
+    try:
+        from flowlock.bench import SCENARIOS
+    except ImportError:
+        return f"Scenario to run (repeatable). {_WITHOUT_BENCH}"
     return f"Scenario to run (repeatable): {_names(SCENARIOS)}. Default: all."
 
 
 def _strategy_help() -> str:
-    from flowlock.bench import ALIASES, STRATEGIES
-
+    try:
+        from flowlock.bench import ALIASES, STRATEGIES
+    except ImportError:
+        return f"Strategy to run (repeatable). {_WITHOUT_BENCH}"
     return (
         f"Strategy to run (repeatable): {_names(STRATEGIES)}; 'distributed' means "
         f"{' and '.join(ALIASES['distributed'])}. 'raw' is the floor: bare asyncpg, no engine. "

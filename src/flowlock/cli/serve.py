@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flowlock.cli._common import ENV_DATABASE_URL, ENV_REDIS_URL, app, errors_as_exit
+from flowlock.cli._common import ENV_DATABASE_URL, ENV_REDIS_URL, app, errors_as_exit, need
 
 __all__ = ["serve"]
 
@@ -97,6 +97,7 @@ def serve(
     the actor of its calls) or `secret`; when set, every POST needs one. SIGTERM drains the
     requests in flight (--drain-timeout) and releases connections and leases.
     """
+    need("service", "flowlock serve", "fastapi", "uvicorn")
     from flowlock.service.server import Listen
     from flowlock.service.server import serve as run
     from flowlock.service.settings import ENV, ServiceSettings
