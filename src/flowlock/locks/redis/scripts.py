@@ -1,8 +1,7 @@
-"""The four Lua scripts the Redis lease protocol runs, what each one's KEYS and ARGV are, and
-one typed function per script that passes them in the right order.
+"""The Lua scripts of the Redis lease protocol, and one typed caller per script.
 
-Each script runs atomically on the server, so the read and the write in it cannot be split by
-another client: that is what makes "delete the key only if it is still mine" safe.
+Each script runs atomically, so no client can split its read from its write. That is
+what makes "delete the key only if it is still mine" safe.
 """
 
 from __future__ import annotations
@@ -127,10 +126,12 @@ tuple, so that a test can wrap one of them in something that counts or delays it
 
 
 def register(client: aioredis.Redis | RedisCluster) -> Scripts:
-    """Register the scripts on ``client``: each call sends EVALSHA, and the script text only
-    when the server does not have it (after a restart or a failover, say). In a cluster EVALSHA
-    goes to the node of its keys' slot: every script touches the keys of one lock only, which
-    share a hash tag."""
+    """Register the scripts on ``client``.
+
+    Each call sends EVALSHA, and the script text only when the server lacks it (after a
+    restart or failover). In a cluster EVALSHA goes to its keys' slot; each script touches
+    one lock's keys, which share a hash tag.
+    """
     return (
         client.register_script(ACQUIRE),
         client.register_script(RELEASE),
@@ -150,9 +151,12 @@ def acquire(
     unknown: str,
     span: str,
 ) -> Awaitable[Any]:
-    """Take the lock for ``token``: a reply ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or
-    ``[NO_COUNTER, counter]`` (start the counter, then call again). ``unknown`` and ``span`` are
-    ARGV[3] and ARGV[4], see :data:`ACQUIRE`."""
+    """Take the lock for ``token``.
+
+    Replies ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or ``[NO_COUNTER, counter]``. On the
+    last, start the counter and call again. ``unknown`` and ``span`` are ARGV[3] and ARGV[4]
+    (see :data:`ACQUIRE`).
+    """
     return scripts[0](keys=[lock_key, fence_key, stamp_key], args=[token, ttl_ms, unknown, span])
 
 
@@ -169,6 +173,8 @@ def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Await
 def start(
     scripts: Scripts, *, fence_key: str, stamp_key: str, floor: int, stamp: bool
 ) -> Awaitable[Any]:
-    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below (stamped with the
-    server's replication id in ``stamp_key`` when ``stamp``): 1 if it did."""
+    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below. Returns 1 if it did.
+
+    With ``stamp``, also stamp ``stamp_key`` with the server's replication id.
+    """
     return scripts[3](keys=[fence_key, stamp_key], args=[floor, "1" if stamp else ""])
