@@ -73,9 +73,9 @@ _CONNECT_TIMEOUT = 10.0
 _MAX_NAME = 200
 
 _ROW = "SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2"
-# $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted; an existing
-# one is claimed only if it is not done and its owner's token is lower than ours (that owner
-# lost the lease we now hold). No row back: not ours to run. `prev` reports what was there.
+# $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted. An existing one
+# is claimed only if not done and its owner's token is lower than ours: that owner lost the lease we
+# hold. No row back: not ours to run. `prev` reports what was there.
 _CLAIM = """
 WITH prev AS (
     SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2

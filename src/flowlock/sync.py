@@ -360,10 +360,9 @@ class Engine:
         runner, self._runner = self._runner, None
         if runner is None:
             return
-        # Marked closed, not closed: close() would unregister the parent's sockets from the
-        # epoll instance both processes share, and the parent's loop would stop hearing them.
-        # A loop marked closed is left alone by every clean-up path (asyncpg's finaliser, a
-        # transport's), which then only close this process's copies of the file descriptors.
+        # Marked closed, not closed. close() would unregister the parent's sockets from the epoll
+        # instance both processes share. A loop marked closed is left alone by every clean-up path,
+        # which then only closes this process's copies of the file descriptors.
         runner.loop._closed = True  # type: ignore[attr-defined]
         _orphans.append(runner)
         if self._opened and not self._closed:

@@ -159,8 +159,8 @@ def _apply_effect(
             f"effect of {call.event!r} returned {type(result).__name__}; "
             "it must return a mapping (the new data) or flowlock.Step"
         )
-    # Checked here, in the pure step, so every strategy and every store refuses the same data
-    # before anything is written (and a store never answers bad data with a StoreError).
+    # Checked here, in the pure step, so every strategy and store refuses the same data before
+    # writing. A store never answers bad data with a StoreError.
     what = f"the data the effect of {call.event!r} returned for instance {inst.id!r}"
     return target, check_object(result, what, limit)
 

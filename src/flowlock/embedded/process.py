@@ -103,8 +103,8 @@ def run(
 
     ``options`` go to :func:`subprocess.run`. Raises OSError when it cannot be started.
     """
-    # Output goes to a file, not a pipe: a daemon the command forks (pg_ctl's postmaster) could
-    # inherit a pipe and keep it open, so reading it would block until that daemon exits.
+    # Output goes to a file, not a pipe. A daemon the command forks (pg_ctl's postmaster) could
+    # inherit a pipe, and reading it would block until that daemon exits.
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out:
         try:
             result = subprocess.run(

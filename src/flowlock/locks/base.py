@@ -297,9 +297,9 @@ class Held:
 
     async def _renew_forever(self) -> None:
         lease = self._lease
-        # Stopped by cancellation, and also by _released: a backend whose driver swallows a
-        # cancellation (Python 3.11's asyncio.wait_for does when it lands as the awaited call
-        # completes) must not leave this loop renewing a released lease forever.
+        # Stopped by cancellation, and also by _released. Some drivers swallow a cancellation
+        # (Python 3.11's asyncio.wait_for, when it lands as the call completes). This loop must not
+        # renew a released lease forever.
         while not self._released:
             await asyncio.sleep(lease.ttl / 3)
             if self._released:
@@ -310,10 +310,9 @@ class Held:
                 self._mark_lost("a renewal found another owner (the lease had expired)")
                 return
             except Exception as exc:
-                # Why every Exception and not only flowlock's: an error a backend failed to
-                # translate must not end the renewals silently, leaving a lease that nobody
-                # renews and nobody has marked lost. (CancelledError, how close() stops this
-                # loop, is not an Exception.)
+                # Why every Exception, not only flowlock's: an untranslated backend error must not
+                # end the renewals silently. That would leave a lease nobody renews and nobody
+                # marked lost. CancelledError, how close() stops this loop, is not an Exception.
                 reason = _describe(exc)
                 if lease.remaining(self._clock()) <= 0:
                     self._mark_lost(f"renewals failed until the ttl ran out: {reason}")
@@ -340,15 +339,15 @@ class Held:
         if self._released:
             return
         self._released = True
-        # Stopping the watchdog and releasing run as one task, shielded from the caller: a
-        # cancellation that lands while the watchdog winds down (an extend in flight) must not
-        # skip the release and leave the key behind until its ttl ends.
+        # Stopping the watchdog and releasing run as one task, shielded from the caller. A
+        # cancellation while the watchdog winds down must not skip the release. Otherwise the key
+        # stays held until its ttl ends.
         release = _keep(asyncio.ensure_future(self._stop_and_release()))
         try:
             await asyncio.shield(release)
         except asyncio.CancelledError:
-            # The caller was cancelled mid-release: let the release finish on its own (bounded by
-            # the backend's own timeouts) rather than leave the key behind until its ttl ends.
+            # The caller was cancelled mid-release. Let the release finish on its own, bounded by
+            # the backend's timeouts, rather than leave the key held until its ttl ends.
             release.add_done_callback(_log_release_failure)
             raise
         except LockNotOwned:
@@ -373,8 +372,8 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, FlowlockError) else f"{type(exc).__name__}: {exc}"
 
 
-# The loop keeps only weak references to tasks: a release left to finish after its caller was
-# cancelled must be held somewhere until it is done, or it could be collected half-way.
+# The loop keeps only weak references to tasks. A release left to finish after its caller was
+# cancelled must be held here, or it could be collected half-way.
 _running: set[asyncio.Future[None]] = set()
 
 

@@ -207,8 +207,8 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
             _instance(inst, engine),
             status_code=201,
             # Percent-encoded: an id may hold any character but NUL and controls, and a header
-            # carries only latin-1 (a raw "é" would be mojibake, a raw "𓀀" a crash after the
-            # instance was created, a raw "?" or "#" another URL).
+            # carries only latin-1. A raw "é" would be mojibake, a raw "𓀀" a crash after the create,
+            # a raw "?" another URL.
             headers={
                 "ETag": etag(inst.version),
                 "Location": f"/instances/{quote(inst.id, safe='')}",

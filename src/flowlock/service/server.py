@@ -108,11 +108,10 @@ def _preflight(settings: ServiceSettings) -> None:
 def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
     """Run the service until SIGTERM or Ctrl-C, then clean up and return."""
     check(settings, listen, dev=dev)
-    # With one worker, uvicorn drains on SIGTERM and then raises the signal again under the
-    # handler it found, to exit the way the signal would have: under the default one that kills
-    # this process before the clean-up below runs (--dev's PostgreSQL would be left running).
-    # Under this one it ends the run instead, and the command exits 0, a requested stop. (With
-    # several workers uvicorn's supervisor handles SIGTERM itself and returns.)
+    # With one worker, uvicorn drains on SIGTERM, then raises the signal again under the handler it
+    # found. The default handler would kill this process before the clean-up below, leaving --dev's
+    # PostgreSQL running. This handler ends the run instead, and the command exits 0. With several
+    # workers, uvicorn's supervisor handles SIGTERM itself.
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
         _serve(settings, listen, dev)

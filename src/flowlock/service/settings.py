@@ -130,8 +130,8 @@ class ServiceSettings:
                 continue
             got[field] = _parse(field, var, raw)
             try:
-                # Each value checked alone, so that a value out of range is refused naming its
-                # variable (the bounds of __post_init__ name the field).
+                # Each value is checked alone, so an out-of-range value is refused naming its
+                # variable. The bounds in __post_init__ name the field instead.
                 cls(**{field: got[field]})  # type: ignore[arg-type]
             except InvalidInput as exc:
                 raise InvalidInput(f"{var}={raw!r}: {exc}") from None

@@ -292,9 +292,8 @@ class RedisLocks(AsyncResource):
         started = self._clock()
         deadline = started + wait
         starts = 0
-        # Queued before the first attempt and kept until the end (wait=0 never waits): a release
-        # published after an attempt was sent wakes the oldest waiter, however soon, and that
-        # waiter retries at once instead of waiting.
+        # Queued before the first attempt and kept until the end; wait=0 never waits. A release
+        # published after an attempt was sent wakes the oldest waiter, which retries at once.
         place = self._wakeups.join(self.redis_key(key)) if wait > 0 else None
         lease: Lease | None = None
         try:

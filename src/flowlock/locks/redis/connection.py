@@ -187,12 +187,10 @@ def _kwargs_for(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _options(connect_timeout: float) -> dict[str, Any]:
-    # No socket_timeout in redis-py: with one, it bounds each write with asyncio.wait_for,
-    # which on Python 3.11 swallows a cancellation that lands as the write completes (the
-    # caller's task then runs on as if never cancelled; a lease watchdog would renew forever).
-    # Every call is bounded by bounded() instead, with asyncio.timeout; the connect keeps its
-    # own bound. No retries: a retried compare-and-delete whose first try had landed would
-    # report LockNotOwned for a lease that was in fact released.
+    # No socket_timeout in redis-py. With one, it bounds each write with asyncio.wait_for, which on
+    # Python 3.11 can swallow a cancellation. A lease watchdog would then renew forever. bounded()
+    # bounds every call instead; the connect keeps its own bound. No retries: a retried compare-and-
+    # delete that had landed would report LockNotOwned.
     return {
         "socket_timeout": None,
         "socket_connect_timeout": connect_timeout,

@@ -180,9 +180,8 @@ class FenceFloors:
         bound: float,
         started: asyncio.Future[int],
     ) -> int:
-        # Above the tokens the floor scheme may have handed out (an upgrade: it started counters
-        # at the floor plus the gap, also at a floor of 0), and above the counter seen at the
-        # end of its epoch.
+        # Above the tokens the floor scheme may have handed out before an upgrade to epochs. And
+        # above the counter seen at the end of its epoch.
         at_least = ((highest + self._gap) >> EPOCH_BITS) + 1 if self._fetch is not None else 0
         at_least = max(at_least, (seen >> EPOCH_BITS) + 1 if seen else 0)
         if at_least > MAX_EPOCH:

@@ -25,10 +25,9 @@ __all__ = [
     "start",
 ]
 
-# The server's replication id: a new one each time a replica is promoted (a Sentinel or Cluster
-# failover) or a primary starts without its data. A counter stamped with another id than the
-# server's own may be behind what was handed out before a failover (replication is
-# asynchronous: the primary that died may have issued tokens its replica never saw).
+# The server's replication id. It changes when a replica is promoted or a primary starts empty.
+# A counter stamped with another id may be behind: replication is asynchronous, so the dead
+# primary may have issued tokens its replica never saw.
 REPLID = """
 local function replid()
   return string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
@@ -36,16 +35,17 @@ end
 """
 
 # KEYS[1] the lock key, KEYS[2] its fencing counter, KEYS[3] the counter's stamp (the
-# replication id of the server that started it); one hash slot.
-# ARGV[1] the new owner's token, ARGV[2] the ttl in milliseconds,
-# ARGV[3] "" when the backend has a floor for a missing counter (the script then reports it
-# instead of counting from 0), "0" when it has none (a missing counter restarts at 1),
-# ARGV[4] the span of one fencing epoch ("" without epochs): a counter whose next token would
-# cross into the next epoch is reported as missing too, so that a new epoch is taken for it, and
-# so is a counter stamped by another server than this one (a failover since it was started).
-# Returns {1, fencing token} when acquired; {0, the holder's PTTL in ms (-1: no expiry)} when
-# held; {-1, the counter (0: missing)} when the counter must be started first (START below; then
-# call again). The lock is checked first, so a held lock never costs a floor.
+# replication id of the server that started it). All three share one hash slot.
+# ARGV[1] the new owner's token.
+# ARGV[2] the ttl in milliseconds.
+# ARGV[3] "" when the backend has a floor: a missing counter is reported, not counted from 0.
+#   "0" when it has none: a missing counter restarts at 1.
+# ARGV[4] the span of one fencing epoch, "" without epochs. A counter about to cross into the
+#   next epoch is reported as missing, so a new epoch is taken. So is one stamped by another
+#   server (a failover since it was started).
+# Returns {1, fencing token} when acquired, {0, the holder's PTTL in ms (-1: no expiry)} when
+# held, or {-1, the counter (0: missing)} when START must run first; then call again.
+# The lock is checked first, so a held lock never costs a floor.
 # Counters stay below 2^53: Lua numbers are doubles, exact up to there.
 ACQUIRE = (
     REPLID
@@ -100,11 +100,10 @@ return 0
 """
 
 # KEYS[1] a fencing counter, KEYS[2] its stamp. ARGV[1] its floor, ARGV[2] "1" to stamp it.
-# Raises the counter to the floor when it is missing or below it (never lowers it: whatever
-# another acquirer started meanwhile stays), stamped with this server's replication id when
-# asked; returns 1 if it did, 0 otherwise. A counter left as it was keeps its stamp: a higher
-# counter stamped by a server before a failover may be behind what that server handed out, and
-# the next acquire takes a new epoch above it.
+# Raises a missing or lower counter to the floor, stamped with this server's replication id when
+# asked. Returns 1 if it did, 0 otherwise. It never lowers a counter: another acquirer's start
+# stays. A counter left alone keeps its stamp. If that stamp is a pre-failover server's, the next
+# acquire takes a new epoch above it.
 START = (
     REPLID
     + """

@@ -25,8 +25,8 @@ log = logging.getLogger("flowlock")
 # margin for the server's expiry, and the processes waiting on one key do not all retry in the
 # same millisecond. (A waiter woken by a release retries at once: only one per process is.)
 WAKE_JITTER = 0.002
-# The pub/sub listener: how often it looks up from a quiet connection, when it PINGs a quiet
-# connection to find out it is dead, and the bounds of its reconnect backoff.
+# The pub/sub listener: how often it checks a quiet connection, when it PINGs one to find it dead,
+# and its reconnect backoff bounds.
 _LISTEN_TICK = 1.0
 _PING_AFTER = 5.0
 _RECONNECT_MIN = 0.05
