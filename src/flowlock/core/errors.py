@@ -453,10 +453,8 @@ class ExtraNotInstalled(FlowlockError, ImportError):
 
 
 class HostsError(FlowlockError):
-    """The namespaced hosts of ``flowlock bench --hosts`` could not be set up or removed.
-
-    ``problem`` says what went wrong, ``advice`` what to do about it.
-    """
+    """The namespaced hosts of ``flowlock bench --hosts`` (:mod:`flowlock.bench.hosts`) could not
+    be set up or removed. ``problem`` says what went wrong, ``advice`` what to do about it."""
 
     def __init__(self, problem: str, *, advice: str) -> None:
         self.problem = problem
@@ -465,12 +463,9 @@ class HostsError(FlowlockError):
 
 
 class HostsUnavailable(HostsError):
-    """This machine cannot make namespaced hosts at all.
-
-    The cause is one of: not Linux, not root, no ``ip`` command, no network namespaces. When a
-    delay was asked for, also no ``tc`` or no netem in the kernel. ``reason`` is that one fact,
-    for a test's skip message.
-    """
+    """This machine cannot make namespaced hosts at all: not Linux, not root, no ``ip`` command,
+    no network namespaces, or (when a delay was asked for) no ``tc`` or no netem in the kernel.
+    ``reason`` is that one fact, for a test's skip message."""
 
     def __init__(self, reason: str, *, advice: str) -> None:
         self.reason = reason
