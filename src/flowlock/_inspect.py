@@ -1,10 +1,10 @@
-"""What the inspection commands (``flowlock show``, ``history``, ``list``, ``check``) read, and
+"""What the inspection commands (`flowlock show`, `history`, `list`, `check`) read, and
 how they open a database without changing it.
 
 Read-only by construction: migrations never run (a database without flowlock's tables, or with
-migrations pending, is refused with a message naming ``flowlock db migrate``), a missing SQLite
+migrations pending, is refused with a message naming `flowlock db migrate`), a missing SQLite
 file or PostgreSQL schema is refused rather than created, and every PostgreSQL session runs with
-``default_transaction_read_only`` on, so even a bug here could not write.
+`default_transaction_read_only` on, so even a bug here could not write.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _PAGE = 500
 
 @asynccontextmanager
 async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
-    """An open engine over ``url`` (``postgresql://`` or ``sqlite:///path``) that cannot write.
+    """An open engine over `url` (`postgresql://` or `sqlite:///path`) that cannot write.
 
     Raises InvalidInput for another kind of URL or a bad schema name, StoreError when the
     database cannot be reached or does not exist, MigrationError when flowlock's tables are
@@ -102,10 +102,10 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
 
 
 async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
-    """Every transaction of ``conn`` read-only, set on each acquire. Not a startup setting: a
-    session that starts read-only is refused by a URL's ``target_session_attrs=read-write``
+    """Every transaction of `conn` read-only, set on each acquire. Not a startup setting: a
+    session that starts read-only is refused by a URL's `target_session_attrs=read-write`
     (asyncpg takes it for a standby), so a multi-host URL could never connect; and not once
-    per connection, since the pool's reset on release (``RESET ALL``) would undo it."""
+    per connection, since the pool's reset on release (`RESET ALL`) would undo it."""
     await conn.execute("SET default_transaction_read_only = on")
 
 
@@ -132,7 +132,7 @@ async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -
 
 
 def _sqlite_tables(url: str) -> str:
-    """The file path of ``url``, once it is known to hold flowlock's tables, up to date."""
+    """The file path of `url`, once it is known to hold flowlock's tables, up to date."""
     path = url[len(_SQLITE_PREFIX) :] if url.startswith(_SQLITE_PREFIX) else ""
     if not path or "?" in path or "#" in path:
         raise InvalidInput(
@@ -214,7 +214,7 @@ def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
 async def walk(
     engine: Engine, workflow: str | None, states: Sequence[str] | None, limit: int
 ) -> tuple[list[Instance], int]:
-    """At most ``limit`` matching instances, in id order, read page by page; and how many match
+    """At most `limit` matching instances, in id order, read page by page; and how many match
     in all (a separate read, so under concurrent writes it may differ by a few)."""
     state = list(states) if states else None
     total = await engine.count(workflow=workflow, state=state)
@@ -233,7 +233,7 @@ async def walk(
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
-    """What ``flowlock check`` found: the merged verdict, how many instances and history rows
+    """What `flowlock check` found: the merged verdict, how many instances and history rows
     were checked, and the ids whose reads never settled (checked on the rows older than them)."""
 
     verdict: Verdict

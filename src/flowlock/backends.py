@@ -46,7 +46,7 @@ def _scheme(url: str) -> str:
 
 
 def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, EngineOptions]:
-    """The store ``options`` describe, and the engine's own keywords.
+    """The store `options` describe, and the engine's own keywords.
 
     Every keyword is checked here, once, before anything is opened.
     """
@@ -98,7 +98,7 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
 
 
 def _engine_options(options: ConnectOptions) -> EngineOptions:
-    """The keywords of ``options`` that the engine itself takes (its lock backend apart)."""
+    """The keywords of `options` that the engine itself takes (its lock backend apart)."""
     shared = EngineOptions.__optional_keys__ - {"locks"}
     return cast(EngineOptions, {k: v for k, v in options.items() if k in shared})
 
@@ -118,11 +118,11 @@ def build_store(
     application_name: str | None = None,
     pipeline: bool = True,
 ) -> Store:
-    """The store for ``database_url``: ``postgresql://`` / ``postgres://`` (asyncpg),
-    ``sqlite:///path``, or ``memory://`` (in-process, for tests); or the PostgreSQL store on an
-    application's asyncpg ``pool``. The keywords are :func:`connect`'s (None: the store's
-    default); one that does not apply to the store asked for is refused. ``pipeline``: the
-    PostgreSQL store's (off with ``connect(batching=False)``). Nothing is opened yet."""
+    """The store for `database_url`: `postgresql://` / `postgres://` (asyncpg),
+    `sqlite:///path`, or `memory://` (in-process, for tests); or the PostgreSQL store on an
+    application's asyncpg `pool`. The keywords are [`connect`][flowlock.connect]'s (None: the
+    store's default); one that does not apply to the store asked for is refused. `pipeline`: the
+    PostgreSQL store's (off with `connect(batching=False)`). Nothing is opened yet."""
     bounds = _Bounds.checked(
         max_size, min_size, acquire_timeout, connect_timeout, command_timeout, lock_timeout,
         application_name,
@@ -187,7 +187,7 @@ def _or(value: _T | None, default: _T) -> _T:
 
 @dataclass(frozen=True, slots=True)
 class _Bounds:
-    """The store keywords of :func:`connect`, checked; None where not given."""
+    """The store keywords of [`connect`][flowlock.connect], checked; None where not given."""
 
     max_size: int | None
     min_size: int | None
@@ -233,7 +233,7 @@ class _Bounds:
         return [name for name in names if getattr(self, name) is not None]
 
     def refuse(self, names: tuple[str, ...], what: str) -> None:
-        """InvalidInput when any of ``names`` was given: it means nothing to ``what``."""
+        """InvalidInput when any of `names` was given: it means nothing to `what`."""
         given = self.given(names)
         if given:
             raise InvalidInput(
@@ -242,7 +242,7 @@ class _Bounds:
             )
 
     def sqlite(self) -> dict[str, Any]:
-        """The keywords of :meth:`SqliteStore.from_url` that were given."""
+        """The keywords of `SqliteStore.from_url` that were given."""
         named = {
             "pool_size": self.max_size,
             "acquire_timeout": self.acquire_timeout,
@@ -259,7 +259,7 @@ def _on_pool(
     schema: str | None,
     auto_migrate: bool,
 ) -> PostgresStore:
-    """The PostgreSQL store on the application's own ``pool``."""
+    """The PostgreSQL store on the application's own `pool`."""
     require("asyncpg", "postgres", "a PostgreSQL pool")
     bounds.refuse(_POOL_KEYWORDS, "pool= (flowlock does not build your pool)")
     if database_url is not None and (
@@ -296,8 +296,9 @@ def build_postgres_store(
     pipeline: bool = True,
 ) -> PostgresStore:
     """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
-    raw floor and read-backs): ``min_size`` connections opened up front, ``application_name``
-    shown in ``pg_stat_activity``; the bounds are :func:`connect`'s. Nothing is opened yet."""
+    raw floor and read-backs): `min_size` connections opened up front, `application_name`
+    shown in `pg_stat_activity`; the bounds are [`connect`][flowlock.connect]'s. Nothing is opened
+    yet."""
     require("asyncpg", "postgres", "a postgresql:// database URL")
     from flowlock.stores.postgres import PostgresStore
 
@@ -331,20 +332,20 @@ def build_locks(
     rng: random.Random | None = None,
     io_timeout: float | None = None,
 ) -> LockBackend:
-    """The lock backend ``kind`` names, not opened yet.
+    """The lock backend `kind` names, not opened yet.
 
-    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``;
-      ``fence_epochs`` (a PostgreSQL store's) keeps its fencing tokens strictly increasing
-      across Redis data losses, ``fence_floor`` (the store's ``fencing_floor``) keeps them above
-      the tokens the store recorded (see :mod:`flowlock.locks.redis.fence`);
-      ``rng`` jitters its wake-ups (seed it for a reproducible run).
-    - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on ``database_url``
-      (PostgreSQL), tables in ``schema``, a pool of ``pool_size`` connections named
-      ``application_name``, migrating on open unless ``auto_migrate=False``, each round trip
-      bounded by ``io_timeout`` (None: the backend's default).
-    - ``"memory"``: :class:`~flowlock.locks.memory.MemoryLocks` (one process, tests).
+    - `"redis"`: [`RedisLocks`][flowlock.locks.redis.RedisLocks] on `redis_url`;
+      `fence_epochs` (a PostgreSQL store's) keeps its fencing tokens strictly increasing
+      across Redis data losses, `fence_floor` (the store's `fencing_floor`) keeps them above
+      the tokens the store recorded (see `flowlock.locks.redis.fence`);
+      `rng` jitters its wake-ups (seed it for a reproducible run).
+    - `"advisory"`: [`AdvisoryLocks`][flowlock.locks.advisory.AdvisoryLocks] on `database_url`
+      (PostgreSQL), tables in `schema`, a pool of `pool_size` connections named
+      `application_name`, migrating on open unless `auto_migrate=False`, each round trip
+      bounded by `io_timeout` (None: the backend's default).
+    - `"memory"`: [`MemoryLocks`][flowlock.locks.memory.MemoryLocks] (one process, tests).
 
-    ``namespace`` separates the lock keys of unrelated deployments sharing one server.
+    `namespace` separates the lock keys of unrelated deployments sharing one server.
     """
     if kind == "redis":
         if redis_url is None:

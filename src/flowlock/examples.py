@@ -1,14 +1,14 @@
 """The seed article's cases as flowlock workflows. The benchmark and the tests share them.
 
-Each carries the strategy that fits it (``strategy=`` overrides it; None leaves the engine's
+Each carries the strategy that fits it (`strategy=` overrides it; None leaves the engine's
 default):
 
-- ``approval``: pending -> approved | rejected (the two-admins incident); the engine's
+- `approval`: pending -> approved | rejected (the two-admins incident); the engine's
   default strategy (optimistic unless the engine says otherwise): any strategy fits it.
-- ``countersign(quorum)``: every approver signs once; the instance moves to approved when
-  ``quorum`` distinct approvers have signed; pessimistic.
-- ``inventory``: ``reserve`` takes one unit of stock and refuses at zero (never oversell);
-  ``restock`` adds units; pessimistic.
+- `countersign(quorum)`: every approver signs once; the instance moves to approved when
+  `quorum` distinct approvers have signed; pessimistic.
+- `inventory`: `reserve` takes one unit of stock and refuses at zero (never oversell);
+  `restock` adds units; pessimistic.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def approval(name: str = "approval", *, strategy: StrategyName | None = None) ->
 def countersign(
     quorum: int, name: str = "countersign", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A document that needs ``quorum`` distinct signatures. ``sign`` records the actor once
-    (a second signature by the same actor is refused) and moves to ``approved`` at quorum.
+    """A document that needs `quorum` distinct signatures. `sign` records the actor once
+    (a second signature by the same actor is refused) and moves to `approved` at quorum.
     Pessimistic by default: every signer of a busy document must get through, and optimistic
-    retries would give up under a crowd of signers (``ConflictRetriesExhausted``)."""
+    retries would give up under a crowd of signers (`ConflictRetriesExhausted`)."""
     if quorum < 1:
         raise ValueError("quorum must be at least 1")
 
@@ -81,10 +81,10 @@ def countersign(
 def inventory(
     name: str = "inventory", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A stock count. ``reserve`` (payload ``{"qty": n}``, default 1) refuses when there is not
-    enough stock; ``restock`` adds ``qty``. Data: ``{"stock": int, "reserved": int}``.
+    """A stock count. `reserve` (payload `{"qty": n}`, default 1) refuses when there is not
+    enough stock; `restock` adds `qty`. Data: `{"stock": int, "reserved": int}`.
     Pessimistic by default: on a hot stock row optimistic retries run out and leave units
-    unsold (100 buyers for 50 units sold only 24 with 76 ``ConflictRetriesExhausted``)."""
+    unsold (100 buyers for 50 units sold only 24 with 76 `ConflictRetriesExhausted`)."""
 
     def qty(payload: Mapping[str, Any]) -> int:
         n = payload.get("qty", 1)

@@ -1,7 +1,7 @@
 """Run-once jobs: many processes fire the same job for the same tick; it runs to completion once.
 
 The seed's "scheduled-job de-duplication": every instance of a service has the same cron
-schedule, so at each tick they all try to run the job. With :class:`RunOnce`::
+schedule, so at each tick they all try to run the job. With [`RunOnce`][flowlock.jobs.RunOnce]:
 
     async with RunOnce(locks, database_url) as runner:          # locks: any LockBackend
         result = await runner.run("nightly-report", "2024-05-01", build_report)
@@ -9,28 +9,28 @@ schedule, so at each tick they all try to run the job. With :class:`RunOnce`::
 
 Two layers, because a lease alone is not enough:
 
-1. A lease on the key ``flowlock-job:<job>:<tick>`` (``ttl`` seconds, renewed by the Held
-   watchdog while the job runs) keeps the other runners from even starting: with ``wait=0``
-   they skip at once (``running_elsewhere``).
-2. ``flowlock_job_runs`` in PostgreSQL decides. A runner holding the lease claims the tick with
-   its fencing token; a ``done`` row is never run again, and a ``running`` row is taken over only
+1. A lease on the key `flowlock-job:<job>:<tick>` (`ttl` seconds, renewed by the Held
+   watchdog while the job runs) keeps the other runners from even starting: with `wait=0`
+   they skip at once (`running_elsewhere`).
+2. `flowlock_job_runs` in PostgreSQL decides. A runner holding the lease claims the tick with
+   its fencing token; a `done` row is never run again, and a `running` row is taken over only
    with a higher fencing token, i.e. by a later holder of the lease after the previous holder
    lost it (crashed, or stalled past its ttl). Completion is fenced too
-   (``... WHERE fencing = mine``): a runner that lost its lease and was taken over cannot
+   (`... WHERE fencing = mine`): a runner that lost its lease and was taken over cannot
    record its result; it gets LockLost instead of a false success.
 
-So a tick is recorded ``done`` once, even when a lease expires under a paused runner. What
-layer 2 cannot undo is that the paused runner's ``fn`` may still be executing when the next one
-starts: side effects outside PostgreSQL must be fenced with ``ctx.fencing`` (refuse a token
+So a tick is recorded `done` once, even when a lease expires under a paused runner. What
+layer 2 cannot undo is that the paused runner's `fn` may still be executing when the next one
+starts: side effects outside PostgreSQL must be fenced with `ctx.fencing` (refuse a token
 lower than the last one seen) or be idempotent. The lock backend must be shared by every runner
 (Redis, PostgreSQL advisory locks; memory locks only within one process), and its fencing tokens
 must keep increasing; if they ever went backwards a crashed runner's tick would stay
-``running`` and be skipped (never run twice), and a warning is logged. A Redis backend built
-without fencing epochs (``RedisLocks(url)``) is lent the runner's own (``RunOnce.fence_epochs``,
+`running` and be skipped (never run twice), and a warning is logged. A Redis backend built
+without fencing epochs (`RedisLocks(url)`) is lent the runner's own (`RunOnce.fence_epochs`,
 in this database) while the runner is open, so its tokens keep increasing across Redis data
-losses too (see :mod:`flowlock.locks.redis.fence`).
+losses too (see `flowlock.locks.redis.fence`).
 
-A ``fn`` that raises leaves the tick ``failed`` (with the error): the next ``run`` of that tick
+A `fn` that raises leaves the tick `failed` (with the error): the next `run` of that tick
 runs it again. RunOnce neither opens nor closes the lock backend it is given.
 """
 
@@ -134,14 +134,14 @@ UPDATE flowlock_job_runs SET state = 'failed', finished_at = now(), error = $4
 
 @dataclass(frozen=True, slots=True)
 class RunResult(Generic[T]):
-    """What one ``RunOnce.run`` call did.
+    """What one `RunOnce.run` call did.
 
-    ``status``: ``ran`` (this call ran the job), ``took_over`` (it ran the job after the
-    runner that had claimed the tick lost its lease), ``done_elsewhere`` (the tick was already
-    done), ``running_elsewhere`` (another runner holds the tick now). ``fencing``: this call's
-    fencing token when it held the lease. ``value``: what ``fn`` returned, when it ran here.
-    ``previous_fencing`` / ``previous_owner``: the runner this call took over from, or the one
-    that finished the tick. ``attempt``: 1 for a first run, more after take-overs and failures.
+    `status`: `ran` (this call ran the job), `took_over` (it ran the job after the
+    runner that had claimed the tick lost its lease), `done_elsewhere` (the tick was already
+    done), `running_elsewhere` (another runner holds the tick now). `fencing`: this call's
+    fencing token when it held the lease. `value`: what `fn` returned, when it ran here.
+    `previous_fencing` / `previous_owner`: the runner this call took over from, or the one
+    that finished the tick. `attempt`: 1 for a first run, more after take-overs and failures.
     """
 
     job: str
@@ -155,7 +155,7 @@ class RunResult(Generic[T]):
 
     @property
     def ran(self) -> bool:
-        """Whether this call ran the job (``ran`` or ``took_over``)."""
+        """Whether this call ran the job (`ran` or `took_over`)."""
         return self.status in ("ran", "took_over")
 
     @property
@@ -165,8 +165,9 @@ class RunResult(Generic[T]):
 
 
 class JobContext:
-    """What ``fn`` gets: the job, the tick, the fencing token for its side effects, and
-    :meth:`check` to call before anything that must not happen after the lease was lost."""
+    """What `fn` gets: the job, the tick, the fencing token for its side effects, and
+    [`check`][flowlock.jobs.JobContext.check] to call before anything that must not happen after the
+    lease was lost."""
 
     __slots__ = ("_held", "attempt", "job", "tick")
 
@@ -193,19 +194,19 @@ class JobContext:
 
 
 class RunOnce(AsyncResource):
-    """Runs each (job, tick) to completion once across every process that shares ``locks``
-    and the PostgreSQL database at ``dsn``.
+    """Runs each (job, tick) to completion once across every process that shares `locks`
+    and the PostgreSQL database at `dsn`.
 
-    ``ttl``: the lease, renewed every ``ttl / 3`` while ``fn`` runs; a runner that dies is taken
-    over once its lease is gone (at the latest ``ttl`` later). ``wait``: how long a runner waits
-    for another runner's lease before it reports ``running_elsewhere`` (0: not at all; a waiter
-    that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
-    ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
+    `ttl`: the lease, renewed every `ttl / 3` while `fn` runs; a runner that dies is taken
+    over once its lease is gone (at the latest `ttl` later). `wait`: how long a runner waits
+    for another runner's lease before it reports `running_elsewhere` (0: not at all; a waiter
+    that gets the lease after the job finished reports `done_elsewhere`). `schema`: where
+    `flowlock_job_runs` lives (migrated on open unless `auto_migrate=False`). `owner`:
     how this runner is named in the table (default: host, pid and a random suffix).
-    ``application_name``: how its connections show in ``pg_stat_activity``.
-    ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
+    `application_name`: how its connections show in `pg_stat_activity`.
+    `fence_epochs`: the fencing epochs in this database, lent on open to a lock backend that
     can borrow them (a RedisLocks given none of its own) and taken back on close.
-    ``command_timeout``: seconds one round trip to PostgreSQL may take beyond the 5 s a
+    `command_timeout`: seconds one round trip to PostgreSQL may take beyond the 5 s a
     statement may wait for a row lock on the server; past it the connection is terminated and
     the call raises ConnectionLost (OutcomeUnknown for a claim or a completion that may have
     been written).
@@ -302,11 +303,11 @@ class RunOnce(AsyncResource):
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]
     ) -> RunResult[T]:
-        """Run ``fn`` for (``job``, ``tick``) unless it is done or running elsewhere.
+        """Run `fn` for (`job`, `tick`) unless it is done or running elsewhere.
 
         Raises LockLost if this runner lost its lease and another runner took the tick over
-        before ``fn`` finished (``fn``'s result is then not recorded); whatever ``fn`` raises
-        (the tick is left ``failed``, to be run again by the next ``run``); LockUnavailable /
+        before `fn` finished (`fn`'s result is then not recorded); whatever `fn` raises
+        (the tick is left `failed`, to be run again by the next `run`); LockUnavailable /
         StoreError when the lock backend or the database cannot be reached.
         """
         check_text("job", job, most=_MAX_NAME)
@@ -414,7 +415,7 @@ class RunOnce(AsyncResource):
     async def _conn(
         self, *, writes: bool = False
     ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection, whose driver errors become flowlock errors. ``writes``: the block
+        """A pooled connection, whose driver errors become flowlock errors. `writes`: the block
         runs one autocommit write, so a session lost meanwhile is OutcomeUnknown."""
         if self._pool is None:
             raise EngineClosed("the PostgreSQL store is closed; open it first")

@@ -1,12 +1,13 @@
 """Prometheus metrics on an injected registry (nothing is registered globally by default).
 
-Names follow Prometheus conventions: base units (seconds), ``_total`` for counters, and no
+Names follow Prometheus conventions: base units (seconds), `_total` for counters, and no
 instance id as a label (it would make one time series per instance). Labels are bounded by the
 definitions: workflow, event, strategy, outcome.
 
-The engine records through the ``record_*`` methods: one per ``fire`` that returned
-(:meth:`Metrics.record_outcome`), one per ``fire`` that raised (:meth:`Metrics.record_failure`),
-and one per escalation-sync tick (:meth:`Metrics.record_escalations`).
+The engine records through the `record_*` methods: one per `fire` that returned
+([`Metrics.record_outcome`][flowlock.metrics.Metrics.record_outcome]), one per `fire` that raised
+([`Metrics.record_failure`][flowlock.metrics.Metrics.record_failure]), and one per escalation-sync
+tick ([`Metrics.record_escalations`][flowlock.metrics.Metrics.record_escalations]).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class Metrics:
-    """The collectors of one engine. ``registry`` defaults to a private CollectorRegistry; pass
-    ``prometheus_client.REGISTRY`` to expose them on the process's default endpoint."""
+    """The collectors of one engine. `registry` defaults to a private CollectorRegistry; pass
+    `prometheus_client.REGISTRY` to expose them on the process's default endpoint."""
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, prefix: str = "flowlock"
@@ -105,7 +106,7 @@ class Metrics:
     def record_outcome(
         self, outcome: Outcome, *, lock_wait: float | None = None, lock_hold: float | None = None
     ) -> None:
-        """A ``fire`` call that returned ``outcome``; ``lock_wait`` and ``lock_hold`` (seconds)
+        """A `fire` call that returned `outcome`; `lock_wait` and `lock_hold` (seconds)
         when its strategy took a lock."""
         workflow, strategy = outcome.instance.workflow, outcome.strategy
         label = "applied" if outcome.applied else "idempotent"
@@ -122,7 +123,7 @@ class Metrics:
     def record_failure(
         self, exc: FlowlockError, *, workflow: str, event: str, strategy: str, elapsed: float
     ) -> None:
-        """A ``fire`` call that raised ``exc`` after ``elapsed`` seconds. ``workflow`` is ""
+        """A `fire` call that raised `exc` after `elapsed` seconds. `workflow` is ""
         when the call failed before reading its instance."""
         label = failure_outcome(exc)
         if isinstance(exc, ConflictRetriesExhausted):
@@ -133,8 +134,8 @@ class Metrics:
         self.duration.labels(workflow, strategy).observe(elapsed)
 
     def record_escalations(self, *, active: int, escalated: int, deescalated: int, to: str) -> None:
-        """One escalation-sync tick: ``active`` keys are escalated now; ``escalated`` (to
-        strategy ``to``) and ``deescalated`` are the changes since the previous tick."""
+        """One escalation-sync tick: `active` keys are escalated now; `escalated` (to
+        strategy `to`) and `deescalated` are the changes since the previous tick."""
         self.escalated_keys.set(active)
         self.escalations.labels(to).inc(escalated)
         self.deescalations.inc(deescalated)

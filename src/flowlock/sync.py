@@ -1,4 +1,4 @@
-"""A blocking twin of ``flowlock.Engine`` for threaded code: Django, Flask, scripts.
+"""A blocking twin of `flowlock.Engine` for threaded code: Django, Flask, scripts.
 
 Each engine runs one async engine on a private event loop in a daemon thread; a call blocks
 its thread until the loop has run it. The sync API guide says how it opens, bounds its waits,
@@ -40,11 +40,11 @@ log = logging.getLogger("flowlock")
 _ALIVE_CHECK = 1.0
 """Seconds between two checks, while a call waits, that the engine's thread is still running."""
 _JOIN_TIMEOUT = 30.0
-"""Seconds ``close()`` waits for the thread to end once its loop has stopped."""
+"""Seconds `close()` waits for the thread to end once its loop has stopped."""
 
 
 class _LoopThread:
-    """One private event loop, run forever by a daemon thread, until :meth:`stop`."""
+    """One private event loop, run forever by a daemon thread, until `stop`."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -60,7 +60,7 @@ class _LoopThread:
             self._finish()
 
     def _finish(self) -> None:
-        """What ``asyncio.run`` does on its way out: cancel the tasks left (background ones, such
+        """What `asyncio.run` does on its way out: cancel the tasks left (background ones, such
         as a lease's renewal), let them end, then close the loop."""
         loop = self.loop
         try:
@@ -99,10 +99,11 @@ _orphans: list[_LoopThread] = []
 
 
 class Engine:
-    """A blocking :class:`flowlock.Engine`, safe to share between threads (see the module doc).
+    """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads (see the
+    module doc).
 
-    ``Engine.connect(database_url, ...)`` takes the async ``Engine.connect``'s keywords;
-    ``Engine(store, ...)`` the async ``Engine(store, ...)``'s arguments, or a ``flowlock.Engine``
+    `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords;
+    `Engine(store, ...)` the async `Engine(store, ...)`'s arguments, or a `flowlock.Engine`
     not opened yet in place of the store (configured already: give no other argument then).
     """
 
@@ -131,9 +132,9 @@ class Engine:
 
     @classmethod
     def connect(cls, database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
-        """An engine over the database at ``database_url``: ``flowlock.Engine.connect``'s keywords.
+        """An engine over the database at `database_url`: `flowlock.Engine.connect`'s keywords.
 
-        Nothing is connected until ``open()``, ``with`` or the first call. ``pool=`` is refused:
+        Nothing is connected until `open()`, `with` or the first call. `pool=` is refused:
         an asyncpg pool belongs to its event loop, and this engine runs on a loop of its own.
         """
         if options.get("pool") is not None:
@@ -149,7 +150,7 @@ class Engine:
 
     def open(self) -> Self:
         """Open the store (connect, migrate) and the lock backends now rather than on the first
-        call. Idempotent; EngineClosed after ``close()``."""
+        call. Idempotent; EngineClosed after `close()`."""
         _refuse_in_event_loop("open")
         with self._lock:
             self._start(opens=True)
@@ -176,7 +177,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """``close()`` was called (or the process forked after the engine opened). An engine not
+        """`close()` was called (or the process forked after the engine opened). An engine not
         opened yet is not closed: its first call opens it."""
         return self._closed or self._forked is not None
 
@@ -215,14 +216,14 @@ class Engine:
     # -- the calls -------------------------------------------------------------------------
 
     def register(self, workflow: Workflow) -> None:
-        """Make ``workflow`` available to ``create`` and ``fire`` (see flowlock.Engine.register).
+        """Make `workflow` available to `create` and `fire` (see flowlock.Engine.register).
         Connects nothing: safe to call at import time, before a server forks its workers."""
         return self._run(self._engine.register(workflow), opens=False)
 
     def create(
         self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
     ) -> Instance:
-        """A new instance of ``workflow`` in its initial state at version 1.
+        """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken."""
         return self._run(self._engine.create(workflow, instance_id=instance_id, data=data))
 
@@ -243,7 +244,8 @@ class Engine:
         limit: int = DEFAULT_LIMIT,
         after: str | None = None,
     ) -> Page:
-        """One page of the matching instances in id order; see :meth:`flowlock.Engine.list`."""
+        """One page of the matching instances in id order; see
+        [`flowlock.Engine.list`][flowlock.Engine.list]."""
         return self._run(
             self._engine.list(workflow, state, updated_before, updated_after, limit, after)
         )
@@ -255,7 +257,7 @@ class Engine:
         updated_before: datetime | None = None,
         updated_after: datetime | None = None,
     ) -> int:
-        """How many instances match; see :meth:`flowlock.Engine.count`."""
+        """How many instances match; see [`flowlock.Engine.count`][flowlock.Engine.count]."""
         return self._run(self._engine.count(workflow, state, updated_before, updated_after))
 
     def fire(
@@ -269,8 +271,8 @@ class Engine:
         payload: Mapping[str, Any] | None = None,
         strategy: str | Strategy | None = None,
     ) -> Outcome:
-        """Fire ``event`` at the instance; the transition is applied at most once. The same
-        Outcome and errors as :meth:`flowlock.Engine.fire`."""
+        """Fire `event` at the instance; the transition is applied at most once. The same
+        Outcome and errors as [`flowlock.Engine.fire`][flowlock.Engine.fire]."""
         return self._run(
             self._engine.fire(
                 instance_id,
@@ -286,8 +288,8 @@ class Engine:
     # -- running a coroutine on the engine's loop -----------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T], *, opens: bool = True) -> T:
-        """Run ``coro`` (a call of the async engine) on the engine's loop and wait for it.
-        ``opens``: open the engine first if it is not open yet."""
+        """Run `coro` (a call of the async engine) on the engine's loop and wait for it.
+        `opens`: open the engine first if it is not open yet."""
         handed = False
         try:
             _refuse_in_event_loop(getattr(coro, "__name__", "call"))
@@ -305,7 +307,7 @@ class Engine:
 
     def _start(self, *, opens: bool) -> _LoopThread:
         """The running loop thread (started if need be), with the engine opened on it if
-        ``opens``. Called with ``self._lock`` held."""
+        `opens`. Called with `self._lock` held."""
         if self._forked is not None:
             raise EngineClosed(self._forked)
         if self._closed:
@@ -323,7 +325,7 @@ class Engine:
         return runner
 
     async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro``, counted among the calls in flight that ``close()`` waits for."""
+        """`coro`, counted among the calls in flight that `close()` waits for."""
         task = asyncio.current_task()
         assert task is not None  # a coroutine run by run_coroutine_threadsafe runs in a task
         self._calls.add(task)
@@ -375,13 +377,13 @@ def _refuse_in_event_loop(method: str) -> None:
 
 
 def _wait_done(future: concurrent.futures.Future[Any], runner: _LoopThread) -> None:
-    """Until ``future`` is done, or the loop thread that should finish it has ended."""
+    """Until `future` is done, or the loop thread that should finish it has ended."""
     while not future.done() and runner.thread.is_alive():
         concurrent.futures.wait([future], timeout=_ALIVE_CHECK)
 
 
 def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
-    """The result of ``future``; an interrupt in the meantime waits for it, then is raised."""
+    """The result of `future`; an interrupt in the meantime waits for it, then is raised."""
     try:
         _wait_done(future, runner)
     except BaseException as interrupt:
@@ -398,7 +400,7 @@ def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
 def _after_interrupt(
     future: concurrent.futures.Future[Any], runner: _LoopThread, interrupt: BaseException
 ) -> None:
-    """Let the interrupted call finish before ``interrupt`` is raised, and say what it did."""
+    """Let the interrupted call finish before `interrupt` is raised, and say what it did."""
     if not future.done():
         try:
             log.warning(
@@ -455,10 +457,10 @@ def _register_hooks(
     at_exit: Callable[[Callable[[], None]], object] | None,
 ) -> None:
     """Close engines left open at exit: before the interpreter joins its thread pools (the
-    threading module's exit hooks, when this Python has them), else with :mod:`atexit`. Those
+    threading module's exit hooks, when this Python has them), else with `atexit`. Those
     hooks run last registered first, and concurrent.futures.thread registered its own when this
     module imported it, so an engine is closed while SQLite's connection threads can still close
-    their connections; :mod:`atexit` hooks only run after those threads have stopped."""
+    their connections; `atexit` hooks only run after those threads have stopped."""
     import atexit
 
     if at_exit is not None:

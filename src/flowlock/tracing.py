@@ -1,19 +1,20 @@
-"""Optional OpenTelemetry spans: ``flowlock.fire`` per call, with ``flowlock.lock_wait`` and
-``flowlock.commit`` (and ``flowlock.batch`` for a batch) beneath it. See docs/tracing.md.
+"""Optional OpenTelemetry spans: `flowlock.fire` per call, with `flowlock.lock_wait` and
+`flowlock.commit` (and `flowlock.batch` for a batch) beneath it. See docs/tracing.md.
 
-OpenTelemetry is optional (``pip install flowlock[otel]``). Without it, :data:`AVAILABLE` is
+OpenTelemetry is optional (`pip install flowlock[otel]`). Without it, `AVAILABLE` is
 False and the engine checks that flag and nothing else: no span, no context manager, no clock
 read. With the API installed but no tracer provider configured (neither a global one nor
-:func:`use_tracer_provider`), :func:`tracer` answers None and a call costs the same flag check
-plus one look at the global provider.
+[`use_tracer_provider`][flowlock.tracing.use_tracer_provider]), [`tracer`][flowlock.tracing.tracer]
+answers None and a call costs the same flag check plus one look at the global provider.
 
-Which tracer a call uses is decided once, when ``fire`` starts its span; the strategies beneath
-it ask :func:`current` (a context variable), so a strategy run outside a traced ``fire`` makes
-no spans. The helpers the strategies call return at once when there is no current tracer, and
-:func:`commit_span` then hands back one shared do-nothing context manager, allocated once.
+Which tracer a call uses is decided once, when `fire` starts its span; the strategies beneath
+it ask [`current`][flowlock.tracing.current] (a context variable), so a strategy run outside a
+traced `fire` makes no spans. The helpers the strategies call return at once when there is no
+current tracer, and [`commit_span`][flowlock.tracing.commit_span] then hands back one shared
+do-nothing context manager, allocated once.
 
 Lock waits are recorded after the fact, from the times the strategy or the store measured
-(``time.monotonic``), as spans with explicit start and end times: the wait happens inside the
+(`time.monotonic`), as spans with explicit start and end times: the wait happens inside the
 store (a row lock) or the lock backend, where no span is open around it.
 """
 
@@ -90,12 +91,12 @@ _cached: tuple[object, Tracer] | None = None  # (the provider it came from, flow
 _CURRENT: ContextVar[Tracer | None] = ContextVar("flowlock_tracer", default=None)
 
 NO_SPAN: AbstractContextManager[None] = nullcontext()
-"""What :func:`commit_span` hands out when nothing is traced: one object, reused by every call
-(a nullcontext keeps no state)."""
+"""What [`commit_span`][flowlock.tracing.commit_span] hands out when nothing is traced: one object,
+reused by every call (a nullcontext keeps no state)."""
 
 
 def use_tracer_provider(provider: TracerProvider | None) -> None:
-    """Send flowlock's spans to ``provider`` instead of the global tracer provider; None goes
+    """Send flowlock's spans to `provider` instead of the global tracer provider; None goes
     back to the global one. For tests and for applications that keep a provider of their own
     (OpenTelemetry lets the global provider be set only once per process)."""
     global _provider, _cached
@@ -132,14 +133,15 @@ def tracer() -> Tracer | None:
 
 
 def current() -> Tracer | None:
-    """The tracer of the traced ``fire`` (or batch) the caller runs under, or None."""
+    """The tracer of the traced `fire` (or batch) the caller runs under, or None."""
     return _CURRENT.get()
 
 
 class FireSpan:
-    """The ``flowlock.fire`` span of one call, current (and its tracer :func:`current`) in the
-    caller's context from :func:`start_fire` until :meth:`end`, which must run in that same
-    context (``fire``'s ``finally``)."""
+    """The `flowlock.fire` span of one call, current (and its tracer
+    [`current`][flowlock.tracing.current]) in the caller's context from
+    [`start_fire`][flowlock.tracing.start_fire] until `end`, which must run in that same context
+    (`fire`'s `finally`)."""
 
     __slots__ = ("_otel_token", "_token", "span", "tracer")
 
@@ -160,11 +162,11 @@ class FireSpan:
         self.span.set_attribute(WORKFLOW, workflow)
 
     def batched(self, size: int) -> None:
-        """The call failed in a batch of ``size`` calls."""
+        """The call failed in a batch of `size` calls."""
         self.span.set_attribute(BATCH_SIZE, size)
 
     def done(self, outcome: Outcome) -> None:
-        """The call returned ``outcome``."""
+        """The call returned `outcome`."""
         self.span.set_attributes(
             {
                 WORKFLOW: outcome.instance.workflow,
@@ -176,7 +178,7 @@ class FireSpan:
         )
 
     def failed(self, exc: BaseException, label: str) -> None:
-        """The call raised ``exc``; ``label`` is its outcome (flowlock.metrics.failure_outcome).
+        """The call raised `exc`; `label` is its outcome (flowlock.metrics.failure_outcome).
         A cancelled call is no error of its own: it gets its label and no error status."""
         span = self.span
         span.set_attribute(OUTCOME, label)
@@ -193,7 +195,7 @@ class FireSpan:
 
 
 def start_fire(instance_id: str, event: str) -> FireSpan | None:
-    """A ``flowlock.fire`` span for a call, made current; None when nothing is traced."""
+    """A `flowlock.fire` span for a call, made current; None when nothing is traced."""
     found = tracer()
     return None if found is None else FireSpan(found, instance_id, event)
 
@@ -202,10 +204,11 @@ def start_fire(instance_id: str, event: str) -> FireSpan | None:
 def batch_span(
     first: FireSpan, spans: Sequence[FireSpan | None], instance_id: str, strategy: str
 ) -> Iterator[object]:
-    """A ``flowlock.batch`` span around one batch's strategy run, in the driver task: a child
-    of the fire span of the batch's first call (``first``), linked to the fire spans of the
+    """A `flowlock.batch` span around one batch's strategy run, in the driver task: a child
+    of the fire span of the batch's first call (`first`), linked to the fire spans of the
     others. The batch's lock_wait and commit spans are its children: one set per batch, shared
-    by its calls. (The engine passes :data:`NO_SPAN` instead when the batch is not traced.)"""
+    by its calls. (The engine passes [`NO_SPAN`][flowlock.tracing.NO_SPAN] instead when the batch is
+    not traced.)"""
     links = [
         _trace.Link(s.span.get_span_context()) for s in spans if s is not None and s is not first
     ]
@@ -225,9 +228,9 @@ def batch_span(
 def commit_span(
     planned: HistoryEntry | Sequence[HistoryEntry], attempt: int
 ) -> AbstractContextManager[Span | None]:
-    """A ``flowlock.commit`` span around a store's compare-and-swap of ``planned`` (attempt
-    number ``attempt``), a child of the current span; the shared no-op when nothing is traced.
-    Say how it went with :func:`commit_done`."""
+    """A `flowlock.commit` span around a store's compare-and-swap of `planned` (attempt
+    number `attempt`), a child of the current span; the shared no-op when nothing is traced.
+    Say how it went with [`commit_done`][flowlock.tracing.commit_done]."""
     found = _CURRENT.get()
     if found is None:
         return NO_SPAN
@@ -236,15 +239,15 @@ def commit_span(
 
 
 def commit_done(span: Span | None, won: bool) -> None:
-    """Whether the compare-and-swap of :func:`commit_span`'s ``span`` won (False: another
-    writer got there first and nothing was written)."""
+    """Whether the compare-and-swap of [`commit_span`][flowlock.tracing.commit_span]'s `span` won
+    (False: another writer got there first and nothing was written)."""
     if span is not None:
         span.set_attribute(CONFLICT, not won)
 
 
 def lock_wait(start: float, end: float, *, lock: str, acquired: bool = True) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` to ``end`` (``time.monotonic`` seconds)
-    under the current span. ``lock``: "row" or "lease"; ``acquired`` False when the call was
+    """A `flowlock.lock_wait` span from `start` to `end` (`time.monotonic` seconds)
+    under the current span. `lock`: "row" or "lease"; `acquired` False when the call was
     answered once the lock was released, without taking it."""
     found = _CURRENT.get()
     if found is not None:
@@ -252,7 +255,7 @@ def lock_wait(start: float, end: float, *, lock: str, acquired: bool = True) -> 
 
 
 def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` until now that ended in ``exc`` (a timeout,
+    """A `flowlock.lock_wait` span from `start` until now that ended in `exc` (a timeout,
     a busy lock, a lock backend that is down)."""
     found = _CURRENT.get()
     if found is not None:
@@ -261,8 +264,8 @@ def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
 
 
 def locked(start: float, waited: float | None, held: float | None, entries: int) -> None:
-    """The spans of a store's locked step that began at ``start`` (monotonic): its wait for the
-    row lock (``waited`` seconds) and, when it wrote ``entries`` > 0 history rows, a commit span
+    """The spans of a store's locked step that began at `start` (monotonic): its wait for the
+    row lock (`waited` seconds) and, when it wrote `entries` > 0 history rows, a commit span
     for the time the lock was held (read, step, write and COMMIT). A store that does not measure
     the wait (None) gets one commit span for the whole call."""
     found = _CURRENT.get()
@@ -300,7 +303,7 @@ class _Clock:
         attributes: dict[str, Any],
         exc: BaseException | None = None,
     ) -> None:
-        """A span from ``start`` to ``end`` (monotonic seconds), made now, with explicit times,
+        """A span from `start` to `end` (monotonic seconds), made now, with explicit times,
         under the current span."""
         span = found.start_span(name, attributes=attributes, start_time=self.wall(start))
         if exc is not None:

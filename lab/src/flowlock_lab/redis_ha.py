@@ -1,10 +1,9 @@
 """Throwaway highly available Redis setups on 127.0.0.1, for failover tests and benchmarks:
 a primary with replicas watched by Redis Sentinel, and a Redis Cluster with a replica per
-primary. Every server is an :class:`~flowlock.embedded.EmbeddedRedis` (its own port and
-temporary directory); the sentinels are ``redis-sentinel`` (or ``redis-server --sentinel``)
+primary. Every server is an [`EmbeddedRedis`][flowlock.embedded.EmbeddedRedis] (its own port and
+temporary directory); the sentinels are `redis-sentinel` (or `redis-server --sentinel`)
 processes in a temporary directory of their own.
 
-::
 
     with EmbeddedRedisSentinel() as ha:
         locks = RedisLocks(ha.url)  # redis+sentinel://127.0.0.1:p1,...,127.0.0.1:p3/flowlock
@@ -16,7 +15,7 @@ processes in a temporary directory of their own.
         killed = cluster.kill(cluster.primaries()[0])
         cluster.wait_failover(killed)
 
-``stop()`` (and leaving the ``with``) stops every process and removes every directory, also
+`stop()` (and leaving the `with`) stops every process and removes every directory, also
 after a failed start; both are idempotent.
 """
 
@@ -44,8 +43,8 @@ _POLL = 0.05
 
 
 def sentinel_command() -> list[str] | None:
-    """How to start a sentinel here: ``redis-sentinel``, else ``redis-server`` (which runs as a
-    sentinel with ``--sentinel``); None when neither is on PATH."""
+    """How to start a sentinel here: `redis-sentinel`, else `redis-server` (which runs as a
+    sentinel with `--sentinel`); None when neither is on PATH."""
     found = shutil.which("redis-sentinel")
     if found:
         return [found]
@@ -54,12 +53,12 @@ def sentinel_command() -> list[str] | None:
 
 
 def redis_cli() -> str | None:
-    """``redis-cli`` from PATH (it creates a cluster), or None."""
+    """`redis-cli` from PATH (it creates a cluster), or None."""
     return shutil.which("redis-cli")
 
 
 def _ask(port: int, *command: str) -> Any:
-    """One admin command to the server (or sentinel) on ``port``, on a connection of its own."""
+    """One admin command to the server (or sentinel) on `port`, on a connection of its own."""
     with redis.Redis(
         host=process.HOST,
         port=port,
@@ -71,8 +70,8 @@ def _ask(port: int, *command: str) -> Any:
 
 
 def _until(what: str, ready: object, timeout: float) -> None:
-    """Poll ``ready()`` (errors count as not yet) until it is true; EmbeddedServerError after
-    ``timeout`` seconds."""
+    """Poll `ready()` (errors count as not yet) until it is true; EmbeddedServerError after
+    `timeout` seconds."""
     assert callable(ready)
     deadline = time.monotonic() + timeout
     while True:
@@ -127,8 +126,8 @@ class _Group(BlockingResource):
 
 
 class EmbeddedRedisSentinel(_Group):
-    """A primary, ``replicas`` replicas and ``sentinels`` sentinels (quorum: a majority) that
-    monitor it as ``service_name``, with a short ``down_after`` (seconds a primary may be
+    """A primary, `replicas` replicas and `sentinels` sentinels (quorum: a majority) that
+    monitor it as `service_name`, with a short `down_after` (seconds a primary may be
     silent before it is seen down) for fast failovers."""
 
     def __init__(
@@ -153,7 +152,7 @@ class EmbeddedRedisSentinel(_Group):
 
     @property
     def url(self) -> str:
-        """``redis+sentinel://127.0.0.1:<port>,.../<service_name>``."""
+        """`redis+sentinel://127.0.0.1:<port>,.../<service_name>`."""
         hosts = ",".join(f"{process.HOST}:{port}" for port in self.sentinel_ports)
         return f"redis+sentinel://{hosts}/{self.service_name}"
 
@@ -224,7 +223,7 @@ class EmbeddedRedisSentinel(_Group):
         raise EmbeddedServerError("Redis", "no sentinel answered")
 
     def server(self, port: int) -> EmbeddedRedis:
-        """The server on ``port``."""
+        """The server on `port`."""
         return next(s for s in self.servers if s.running and s.port == port)
 
     @property
@@ -240,7 +239,7 @@ class EmbeddedRedisSentinel(_Group):
         return port
 
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> EmbeddedRedis:
-        """Wait until every sentinel names a primary other than ``old_port`` and that server
+        """Wait until every sentinel names a primary other than `old_port` and that server
         says it is one; the new primary."""
 
         def done() -> bool:
@@ -267,8 +266,8 @@ class EmbeddedRedisSentinel(_Group):
 
 
 class EmbeddedRedisCluster(_Group):
-    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each, created with
-    ``redis-cli --cluster create``; ``node_timeout`` (seconds) bounds how long a silent primary
+    """A Redis Cluster of `primaries` primaries with `replicas` replicas each, created with
+    `redis-cli --cluster create`; `node_timeout` (seconds) bounds how long a silent primary
     keeps its slots before a replica takes over."""
 
     def __init__(
@@ -286,7 +285,7 @@ class EmbeddedRedisCluster(_Group):
 
     @property
     def url(self) -> str:
-        """``redis+cluster://127.0.0.1:<port>,...`` (every node)."""
+        """`redis+cluster://127.0.0.1:<port>,...` (every node)."""
         ports = [s.port for s in self.servers if s.running]
         return "redis+cluster://" + ",".join(f"{process.HOST}:{port}" for port in ports)
 
@@ -351,7 +350,7 @@ class EmbeddedRedisCluster(_Group):
         return port
 
     def wait_failover(self, killed_port: int, timeout: float = 30.0) -> None:
-        """Wait until a replica took over the slots of the node on ``killed_port`` and every
+        """Wait until a replica took over the slots of the node on `killed_port` and every
         running node reports the cluster ok."""
 
         def done() -> bool:

@@ -41,12 +41,12 @@ POLICIES: Mapping[str, str] = {
     "scheduled-job": "distributed",
     "adaptive": "adaptive",
 }
-"""The seed article's decision guide as presets: ``policy=`` on a Workflow or Transition picks
+"""The seed article's decision guide as presets: `policy=` on a Workflow or Transition picks
 its strategy. Approvals and tickets rarely conflict (optimistic); stock and allocation must
 apply every step on hot rows (pessimistic); work coordinated across services needs a lease
 (distributed); a scheduled job runs once per tick (distributed here, and
-:class:`flowlock.jobs.RunOnce` for the job itself); "adaptive" starts optimistic and escalates
-hot instances."""
+[`flowlock.jobs.RunOnce`][flowlock.jobs.RunOnce] for the job itself); "adaptive" starts optimistic
+and escalates hot instances."""
 
 
 def _resolve(
@@ -74,25 +74,27 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 @dataclass(frozen=True, slots=True)
 class Step:
     """What an effect may return instead of plain data: new data and, optionally, which of the
-    transition's declared targets to move to (a countersign stays in ``pending`` until quorum)."""
+    transition's declared targets to move to (a countersign stays in `pending` until quorum)."""
 
     data: Mapping[str, Any]
     target: str | None = None
 
 
 Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
-"""``guard(instance, payload, actor)``: True lets the transition run; False, or raising
-:class:`flowlock.GuardRejected` with a reason, refuses it. Pure and synchronous: it may run more
-than once, under a row lock (an ``async def`` guard is refused with DefinitionError). Any other
-exception it raises reaches the caller as :class:`flowlock.StepFailed`, nothing written."""
+"""`guard(instance, payload, actor)`: True lets the transition run; False, or raising
+[`flowlock.GuardRejected`][flowlock.GuardRejected] with a reason, refuses it. Pure and synchronous:
+it may run more than once, under a row lock (an `async def` guard is refused with DefinitionError).
+Any other exception it raises reaches the caller as [`flowlock.StepFailed`][flowlock.StepFailed],
+nothing written."""
 
 Effect: TypeAlias = Callable[
     ["Instance", Mapping[str, Any], "str | None"], "Mapping[str, Any] | Step"
 ]
-"""``effect(instance, payload, actor)``: returns the instance's new data (or a :class:`Step`),
-JSON within the engine's ``max_payload_bytes`` (else InvalidInput / PayloadTooLarge). Must be
-pure, synchronous and must not mutate its arguments: the optimistic strategy may run it again.
-An exception it raises (other than GuardRejected or InvalidInput) becomes StepFailed."""
+"""`effect(instance, payload, actor)`: returns the instance's new data (or a
+[`Step`][flowlock.core.definition.Step]), JSON within the engine's `max_payload_bytes` (else
+InvalidInput / PayloadTooLarge). Must be pure, synchronous and must not mutate its arguments: the
+optimistic strategy may run it again. An exception it raises (other than GuardRejected or
+InvalidInput) becomes StepFailed."""
 
 
 SYNC_STEPS = (
@@ -101,12 +103,12 @@ SYNC_STEPS = (
     "I/O or await anything. Read what they need before fire() and pass it in the payload; do "
     "side effects after fire() returns"
 )
-"""Why a step may not be ``async def`` (the message of the DefinitionError that refuses one)."""
+"""Why a step may not be `async def` (the message of the DefinitionError that refuses one)."""
 
 
 def _is_async(fn: object) -> bool:
-    """Whether calling ``fn`` gives an awaitable instead of running it: an ``async def``
-    function or method, a ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    """Whether calling `fn` gives an awaitable instead of running it: an `async def`
+    function or method, a `functools.partial` of one, or an object whose `__call__` is one."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
@@ -144,10 +146,10 @@ def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str,
 
 @dataclass(frozen=True, slots=True, init=False)
 class Transition:
-    """An event that moves an instance from one of ``source`` to ``target``.
+    """An event that moves an instance from one of `source` to `target`.
 
-    ``target`` may list several states; the first is the default and an effect returning
-    ``Step(target=...)`` picks another of them.
+    `target` may list several states; the first is the default and an effect returning
+    `Step(target=...)` picks another of them.
     """
 
     name: str
@@ -196,8 +198,8 @@ class Transition:
 
 @dataclass(frozen=True, slots=True, init=False, eq=False)
 class Workflow:
-    """A named state machine. Validated at construction; raises :class:`DefinitionError`
-    listing every problem found."""
+    """A named state machine. Validated at construction; raises
+    [`DefinitionError`][flowlock.core.definition.DefinitionError] listing every problem found."""
 
     name: str
     states: tuple[str, ...]
@@ -245,11 +247,11 @@ class Workflow:
         object.__setattr__(self, "_allowed", allowed)
 
     def allowed(self, state: str) -> tuple[str, ...]:
-        """The events that may fire from ``state``."""
+        """The events that may fire from `state`."""
         return self._allowed.get(state, ())
 
     def safety_warnings(self, default_strategy: str) -> list[str]:
-        """Why this workflow may be unsafe under load with ``default_strategy``: transitions
+        """Why this workflow may be unsafe under load with `default_strategy`: transitions
         that must apply every call (they keep the state and change data, like a stock count or a
         signature list) left to plain optimistic retries, which run out under contention."""
         warnings = []
@@ -269,13 +271,13 @@ class Workflow:
         return not self._allowed.get(state)
 
     def to_mermaid(self) -> str:
-        """The workflow as a Mermaid ``stateDiagram-v2``: ``[*] --> initial``, one edge per
-        (source, target) of each transition labelled with its event (``event [guarded]`` when it
-        has a guard), and ``final --> [*]`` for every final state (one no event leaves).
+        """The workflow as a Mermaid `stateDiagram-v2`: `[*] --> initial`, one edge per
+        (source, target) of each transition labelled with its event (`event [guarded]` when it
+        has a guard), and `final --> [*]` for every final state (one no event leaves).
 
-        States whose names Mermaid would misread (a ``-`` or ``.`` in them, or a keyword such as
-        ``end``) are declared as ``state "in-review" as s1`` and drawn under their own name.
-        ``flowlock diagram module:attr`` prints it from the command line."""
+        States whose names Mermaid would misread (a `-` or `.` in them, or a keyword such as
+        `end`) are declared as `state "in-review" as s1` and drawn under their own name.
+        `flowlock diagram module:attr` prints it from the command line."""
         ids = _mermaid_ids(self.states)
         lines = ["stateDiagram-v2"]
         lines += [f'    state "{s}" as {ids[s]}' for s in self.states if ids[s] != s]
@@ -298,7 +300,7 @@ _MERMAID_WORDS = frozenset(
 
 def _mermaid_ids(states: Iterable[str]) -> dict[str, str]:
     """A Mermaid id for each state: its own name when Mermaid reads it as one, else a fresh
-    ``s<n>`` that is no state's name."""
+    `s<n>` that is no state's name."""
     names = list(states)
     taken = set(names)
     ids: dict[str, str] = {}
@@ -337,7 +339,7 @@ def _index_transitions(
     transitions: Iterable[Transition], state_set: set[str], problems: list[str]
 ) -> dict[str, Transition]:
     """The transitions by name; non-transitions, duplicate names and unknown states are added
-    to ``problems``."""
+    to `problems`."""
     by_name: dict[str, Transition] = {}
     for t in transitions:
         if not isinstance(t, Transition):
@@ -355,7 +357,7 @@ def _index_transitions(
 def _unreachable(
     initial: str, state_list: list[str], transitions: Iterable[Transition]
 ) -> list[str]:
-    """The states no sequence of transitions reaches from ``initial``, in declaration order."""
+    """The states no sequence of transitions reaches from `initial`, in declaration order."""
     edges = list(transitions)
     reached = {initial}
     frontier = [initial]

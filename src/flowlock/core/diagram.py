@@ -1,9 +1,9 @@
-"""What ``flowlock diagram module:attr`` draws: the workflows a ``module:attr`` reference names.
+"""What `flowlock diagram module:attr` draws: the workflows a `module:attr` reference names.
 
-``attr`` (dotted for a nested attribute: ``module:Holder.workflow``) may be a Workflow, a list or
+`attr` (dotted for a nested attribute: `module:Holder.workflow`) may be a Workflow, a list or
 tuple of them, or a function (any callable) taking no argument that returns one or a list of them.
-The current directory is importable, as it is for ``python -m``, so ``flowlock diagram
-myapp.flows:approval`` works from a project's root.
+The current directory is importable, as it is for `python -m`, so `flowlock diagram
+myapp.flows:approval` works from a project's root.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class BadReference(InvalidInput):
 
 
 def load_workflows(reference: str) -> list[Workflow]:
-    """The workflows ``reference`` names. Raises BadReference for a reference that names
+    """The workflows `reference` names. Raises BadReference for a reference that names
     none; an exception raised by the module itself (or by the function called) propagates
     (a FlowlockError as it is, anything else wrapped in FlowlockError, with it as the cause)."""
     module_name, sep, attr = reference.partition(":")
@@ -56,7 +56,7 @@ def load_workflows(reference: str) -> list[Workflow]:
 
 def render(workflows: list[Workflow]) -> str:
     """Each workflow's Mermaid text; several are separated by a blank line, each headed by a
-    ``%% workflow: name`` comment."""
+    `%% workflow: name` comment."""
     if len(workflows) == 1:
         return workflows[0].to_mermaid()
     return "\n".join(f"%% workflow: {wf.name}\n{wf.to_mermaid()}" for wf in workflows)

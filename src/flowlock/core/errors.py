@@ -3,7 +3,6 @@
 Each class's docstring is its default message; instances carry the facts a caller needs
 (the current state, the current version, how many attempts were made...) as attributes.
 
-::
 
     FlowlockError
     ├── DefinitionError              a Workflow / Transition is malformed (raised at construction)
@@ -37,8 +36,8 @@ Each class's docstring is its default message; instances carry the facts a calle
     └── ExtraNotInstalled            an optional dependency is missing: install the extra named
 
 Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
-translated where each driver is called, one place per driver (``flowlock._pg.errors`` and
-``flowlock.locks.redis.connection``), with ``raise ... from exc`` so ``__cause__`` keeps the
+translated where each driver is called, one place per driver (`flowlock._pg.errors` and
+`flowlock.locks.redis.connection`), with `raise ... from exc` so `__cause__` keeps the
 original. A connection that failed that way is closed and dropped from its pool, so the next call
 gets a fresh one.
 """
@@ -73,7 +72,7 @@ class InvalidInput(FlowlockError, ValueError):
 class PayloadTooLarge(InvalidInput):
     """The payload is larger than the engine's max_payload_bytes; send less or raise the limit.
 
-    ``what`` names the value measured: "payload", "data", or the data an effect returned."""
+    `what` names the value measured: "payload", "data", or the data an effect returned."""
 
     def __init__(self, size: int, limit: int, what: str = "payload") -> None:
         self.size = size
@@ -117,9 +116,9 @@ class IdempotencyKeyReused(InvalidInput):
 
     An idempotency key names one request: a retry must repeat it exactly (as Stripe answers "keys
     can only be used with the same parameters they were first used with"). Retrying this call
-    cannot succeed; send the new request under a new request_id. ``original_event`` and
-    ``original_payload`` are what the key was first used with; ``event`` and ``payload`` this
-    call's; ``mismatch`` says which differs ("event" or "payload")."""
+    cannot succeed; send the new request under a new request_id. `original_event` and
+    `original_payload` are what the key was first used with; `event` and `payload` this
+    call's; `mismatch` says which differs ("event" or "payload")."""
 
     def __init__(
         self,
@@ -237,10 +236,10 @@ class VersionMismatch(FlowlockError):
 
 class StepFailed(FlowlockError):
     """A guard or effect raised an exception (a bug in the step, or a step that did I/O);
-    nothing was written. The exception the step raised is ``__cause__``.
+    nothing was written. The exception the step raised is `__cause__`.
 
-    ``step`` is "guard" or "effect"; ``workflow``, ``event``, ``instance_id``, ``state`` and
-    ``version`` say where it ran. Steps must be pure functions of (instance, payload, actor): they
+    `step` is "guard" or "effect"; `workflow`, `event`, `instance_id`, `state` and
+    `version` say where it ran. Steps must be pure functions of (instance, payload, actor): they
     may run again on a retry and run under a row lock. A step refuses a call by raising
     GuardRejected (or InvalidInput for a bad payload); anything else it raises ends up here."""
 
@@ -385,7 +384,7 @@ class ConnectionLost(StoreError):
 class OutcomeUnknown(StoreError):
     """The connection was lost after a write (a COMMIT, a one-statement compare-and-swap) was
     sent and before its answer came: the write may or may not have been committed. Retry with
-    the same ``request_id``: if it was committed the retry answers ``idempotent=True``."""
+    the same `request_id`: if it was committed the retry answers `idempotent=True`."""
 
     def __init__(self, key: str | None, detail: str) -> None:
         self.key = key
@@ -426,7 +425,7 @@ class SyncCallInEventLoop(FlowlockError, RuntimeError):
 class ExtraNotInstalled(FlowlockError, ImportError):
     """A feature needs an optional dependency that is not installed.
 
-    ``extra`` names the flowlock extra that brings it; ``feature`` what needed it.
+    `extra` names the flowlock extra that brings it; `feature` what needed it.
     """
 
     def __init__(self, extra: str, feature: str, module: str) -> None:

@@ -1,21 +1,22 @@
 """What flowlock accepts as JSON data: an instance's data, a call's payload, the data an effect
 returns. Pure functions, no I/O.
 
-:func:`check_object` is the one check every path that writes data goes through: the engine runs
+`check_object` is the one check every path that writes data goes through: the engine runs
 it on the data and payloads callers pass, the pure step on the data an effect returns. So every
 strategy and every store refuses the same values the same way, with InvalidInput, before anything
 is read or written; a store never sees a value it would fail on (and answer with a StoreError that
 says "retry later" about input no retry can fix). Refused:
 
 - anything that is not JSON: a datetime, bytes, a set, an object; a key that is not a string
-  (JSON would turn ``{1: "a"}`` into ``{"1": "a"}`` behind the caller's back);
-- NaN and Infinity, anywhere (JSON has neither; PostgreSQL's ``jsonb`` refuses them), and
-  integers of :data:`MAX_INT_BITS` bits or more (no double holds them);
-- the NUL character, in keys and values (PostgreSQL's ``jsonb`` and ``text`` refuse it), and
+  (JSON would turn `{1: "a"}` into `{"1": "a"}` behind the caller's back);
+- NaN and Infinity, anywhere (JSON has neither; PostgreSQL's `jsonb` refuses them), and
+  integers of `MAX_INT_BITS` bits or more (no double holds them);
+- the NUL character, in keys and values (PostgreSQL's `jsonb` and `text` refuse it), and
   strings that are not valid Unicode (a lone surrogate cannot be encoded as UTF-8);
-- nesting deeper than :data:`MAX_DEPTH` (checked without recursion, so a 10,000-deep dict is a
+- nesting deeper than `MAX_DEPTH` (checked without recursion, so a 10,000-deep dict is a
   clear error, not a RecursionError, and what is stored can be read back by any JSON decoder);
-- more than ``limit`` bytes of compact UTF-8 JSON (:class:`flowlock.PayloadTooLarge`).
+- more than `limit` bytes of compact UTF-8 JSON
+  ([`flowlock.PayloadTooLarge`][flowlock.PayloadTooLarge]).
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ __all__ = [
 ]
 
 DEFAULT_MAX_PAYLOAD = 64 * 1024
-"""Bytes a payload (or data) may take encoded as JSON, unless ``max_payload_bytes``."""
+"""Bytes a payload (or data) may take encoded as JSON, unless `max_payload_bytes`."""
 
 MAX_PAYLOAD = 256 * 1024 * 1024 - 1
-"""The largest ``max_payload_bytes``: PostgreSQL's ``jsonb`` holds at most this many bytes."""
+"""The largest `max_payload_bytes`: PostgreSQL's `jsonb` holds at most this many bytes."""
 
 MAX_INT_BITS = 1024
-"""Integers must be smaller in magnitude than ``2 ** MAX_INT_BITS`` (about 1.8e308): the numbers a
-JSON decoder that reads numbers as doubles can hold, and every float PostgreSQL's ``jsonb`` gives
+"""Integers must be smaller in magnitude than `2 ** MAX_INT_BITS` (about 1.8e308): the numbers a
+JSON decoder that reads numbers as doubles can hold, and every float PostgreSQL's `jsonb` gives
 back as an integer fits. (Python itself refuses to print an integer of more than 4300 digits.)"""
 
 MAX_DEPTH = 64
@@ -56,14 +57,14 @@ _HINT = "Use only objects with string keys, arrays, strings, finite numbers, tru
 
 
 def encode(value: Any) -> str:
-    """``value`` as compact JSON text, as the stores write it (UTF-8, no NaN)."""
+    """`value` as compact JSON text, as the stores write it (UTF-8, no NaN)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def check_object(value: object, what: str, limit: int) -> dict[str, Any]:
-    """``value`` (a mapping, or None for the empty object) as plain JSON data: a new dict of
-    dicts, lists, strings, ints, floats, bools and None. Raises InvalidInput naming ``what`` and
-    where in it the problem is, or PayloadTooLarge over ``limit`` bytes of JSON."""
+    """`value` (a mapping, or None for the empty object) as plain JSON data: a new dict of
+    dicts, lists, strings, ints, floats, bools and None. Raises InvalidInput naming `what` and
+    where in it the problem is, or PayloadTooLarge over `limit` bytes of JSON."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -92,7 +93,7 @@ def _refuse(what: str, path: tuple[str | int, ...], problem: str) -> InvalidInpu
 
 
 def _plain(root: Mapping[Any, Any], what: str) -> dict[str, Any]:
-    """A plain copy of ``root``, walked with an explicit stack (never recursion)."""
+    """A plain copy of `root`, walked with an explicit stack (never recursion)."""
     out: dict[str, Any] = {}
     # Each entry: a container to copy, the empty copy to fill, its depth and its path.
     stack: list[tuple[Any, dict[str, Any] | list[Any], int, tuple[str | int, ...]]] = [
@@ -123,7 +124,7 @@ def _value(
     depth: int,
     stack: list[tuple[Any, dict[str, Any] | list[Any], int, tuple[str | int, ...]]],
 ) -> Any:
-    """The plain copy of one member (containers are copied empty and queued on ``stack``)."""
+    """The plain copy of one member (containers are copied empty and queued on `stack`)."""
     if item is None or isinstance(item, bool):
         return item
     if isinstance(item, str):
@@ -154,8 +155,8 @@ def _value(
 
 
 def same_json(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same JSON value: key order does not matter and numbers
-    compare by value (1 == 1.0, and 1e+300 == the integer PostgreSQL's ``jsonb`` gives back for
+    """Whether `a` and `b` are the same JSON value: key order does not matter and numbers
+    compare by value (1 == 1.0, and 1e+300 == the integer PostgreSQL's `jsonb` gives back for
     it), but a number never equals a boolean or a string."""
     return bool(_canonical(a) == _canonical(b))
 

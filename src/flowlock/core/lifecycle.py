@@ -1,5 +1,5 @@
-"""``async with`` for anything with ``open()`` and ``aclose()``; ``with`` and ``async with`` for
-anything with blocking ``start()`` and ``stop()``."""
+"""`async with` for anything with `open()` and `aclose()`; `with` and `async with` for
+anything with blocking `start()` and `stop()`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["AsyncResource", "BlockingResource"]
 
 
 class AsyncResource:
-    """Mixin: ``async with x:`` opens ``x`` and closes it on the way out, error or not."""
+    """Mixin: `async with x:` opens `x` and closes it on the way out, error or not."""
 
     async def open(self) -> None:
         raise NotImplementedError
@@ -35,8 +35,8 @@ class AsyncResource:
 
 
 class BlockingResource(AsyncResource):
-    """Mixin for what ``start()`` and ``stop()`` bring up and take down, blocking (servers,
-    network namespaces): ``with`` calls them; ``async with`` (``open()``, ``aclose()``) calls them
+    """Mixin for what `start()` and `stop()` bring up and take down, blocking (servers,
+    network namespaces): `with` calls them; `async with` (`open()`, `aclose()`) calls them
     in a worker thread, so the event loop keeps running meanwhile. Both must be idempotent."""
 
     _thread_name = "flowlock-stop"
@@ -60,7 +60,7 @@ class BlockingResource(AsyncResource):
         self.stop()
 
     async def open(self) -> None:
-        """``start()`` in a worker thread."""
+        """`start()` in a worker thread."""
         starting = asyncio.ensure_future(asyncio.to_thread(self.start))
         try:
             await asyncio.shield(starting)
@@ -71,7 +71,7 @@ class BlockingResource(AsyncResource):
             raise
 
     async def aclose(self) -> None:
-        """``stop()`` in a worker thread."""
+        """`stop()` in a worker thread."""
         await asyncio.to_thread(self.stop)
 
     def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:

@@ -2,7 +2,7 @@
 of a query), and the values the layers hand each other: Snapshot (what a store read), Escalation
 (an adaptive decision) and InstanceQuery (which instances a query asks a store for).
 
-They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)``), never mutated.
+They are moved forward with `dataclasses.replace` (`instance.evolve(...)`), never mutated.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ __all__ = ["Escalation", "HistoryEntry", "Instance", "InstanceQuery", "Outcome",
 class Instance:
     """One workflow instance as stored: its state, its data and its version.
 
-    ``version`` starts at 1 on creation and grows by exactly one per applied transition.
-    ``last_event`` is the event of the last applied transition (None until the first).
+    `version` starts at 1 on creation and grows by exactly one per applied transition.
+    `last_event` is the event of the last applied transition (None until the first).
     """
 
     id: str
@@ -34,17 +34,17 @@ class Instance:
     updated_at: datetime | None = None
 
     def evolve(self, **changes: Any) -> Instance:
-        """A copy with ``changes`` applied."""
+        """A copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)
 class HistoryEntry:
-    """One applied transition: the instance moved from ``from_state`` to ``to_state`` and
-    reached ``version``; ``data`` is the instance's data after it. ``fencing_token`` is the
-    lease's fencing token when the distributed strategy wrote it (None otherwise). ``payload``
+    """One applied transition: the instance moved from `from_state` to `to_state` and
+    reached `version`; `data` is the instance's data after it. `fencing_token` is the
+    lease's fencing token when the distributed strategy wrote it (None otherwise). `payload`
     is the payload of the call that applied it (an approver's comment, say), kept whether or not
-    an effect copied it into ``data``; a retry of the same ``request_id`` must carry the same
+    an effect copied it into `data`; a retry of the same `request_id` must carry the same
     one."""
 
     instance_id: str
@@ -64,10 +64,10 @@ class HistoryEntry:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The instance as read, and the history entry that already carries the caller's
-    ``request_id`` (None when the request is new or no request id was given).
+    `request_id` (None when the request is new or no request id was given).
 
-    A read for a batch of calls asks for several request ids at once: ``priors`` holds the
-    entry of each of them that was found, by request id (``prior`` is then None)."""
+    A read for a batch of calls asks for several request ids at once: `priors` holds the
+    entry of each of them that was found, by request id (`prior` is then None)."""
 
     instance: Instance
     prior: HistoryEntry | None = None
@@ -76,8 +76,8 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Escalation:
-    """Key ``key`` runs under ``strategy`` until ``until`` (wall-clock epoch seconds) because of
-    ``reason``."""
+    """Key `key` runs under `strategy` until `until` (wall-clock epoch seconds) because of
+    `reason`."""
 
     key: str
     strategy: str
@@ -87,19 +87,19 @@ class Escalation:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The answer to ``engine.fire``.
+    """The answer to `engine.fire`.
 
-    - ``applied``: this call applied the transition (exactly one call per transition does).
-    - ``idempotent``: nothing was applied because the same request (same ``request_id``, or the
-      same event that was last applied, for the two-admins case) was applied before; ``instance``
-      is then the instance as that first application left it (``request_id``) or as it is now.
-    - ``attempts``: how many times the step ran (optimistic retries count).
-    - ``strategy``: the concurrency strategy that ran (for "adaptive", the one it ran as);
-      ``reason``: why, when the engine decided (adaptive: escalated or not, and the figures).
-    - ``elapsed``: seconds spent in ``fire``.
-    - ``batch_size``: how many calls on the instance were decided and written together with this
-      one (1: it ran alone; see ``Engine(batching=...)``).
-    - ``replayed``: idempotent because this ``request_id`` was applied before; ``instance`` is
+    - `applied`: this call applied the transition (exactly one call per transition does).
+    - `idempotent`: nothing was applied because the same request (same `request_id`, or the
+      same event that was last applied, for the two-admins case) was applied before; `instance`
+      is then the instance as that first application left it (`request_id`) or as it is now.
+    - `attempts`: how many times the step ran (optimistic retries count).
+    - `strategy`: the concurrency strategy that ran (for "adaptive", the one it ran as);
+      `reason`: why, when the engine decided (adaptive: escalated or not, and the figures).
+    - `elapsed`: seconds spent in `fire`.
+    - `batch_size`: how many calls on the instance were decided and written together with this
+      one (1: it ran alone; see `Engine(batching=...)`).
+    - `replayed`: idempotent because this `request_id` was applied before; `instance` is
       then exactly what that first application answered (an HTTP service replays its response).
     """
 
@@ -120,12 +120,13 @@ class Outcome:
 class InstanceQuery:
     """Which instances a query wants: every filter given must hold (None: no filter).
 
-    - ``workflow``: the instance's workflow name;
-    - ``states``: the instance's state is one of these;
-    - ``updated_before`` / ``updated_after``: its ``updated_at`` is strictly before / after
+    - `workflow`: the instance's workflow name;
+    - `states`: the instance's state is one of these;
+    - `updated_before` / `updated_after`: its `updated_at` is strictly before / after
       (timezone-aware datetimes).
 
-    Built and checked by the engine (:meth:`flowlock.Engine.list`); stores only apply it.
+    Built and checked by the engine ([`flowlock.Engine.list`][flowlock.Engine.list]); stores only
+    apply it.
     """
 
     workflow: str | None = None
@@ -134,7 +135,7 @@ class InstanceQuery:
     updated_after: datetime | None = None
 
     def matches(self, instance: Instance) -> bool:
-        """Whether ``instance`` passes every filter (what the SQL stores' WHERE clauses say)."""
+        """Whether `instance` passes every filter (what the SQL stores' WHERE clauses say)."""
         if self.workflow is not None and instance.workflow != self.workflow:
             return False
         if self.states is not None and instance.state not in self.states:
@@ -149,12 +150,12 @@ class InstanceQuery:
 
 @dataclass(frozen=True, slots=True)
 class Page(Sequence[Instance]):
-    """One page of :meth:`flowlock.Engine.list`: the instances (in id order) and where the next
-    page starts.
+    """One page of [`flowlock.Engine.list`][flowlock.Engine.list]: the instances (in id order) and
+    where the next page starts.
 
-    A Page is a read-only sequence: iterate it, ``len(page)``, ``page[0]``, ``page[-1]``,
-    ``list(page)``. ``next_cursor`` is None on the last page; otherwise pass it as
-    ``engine.list(..., after=page.next_cursor)`` to get the next one. A cursor is an opaque
+    A Page is a read-only sequence: iterate it, `len(page)`, `page[0]`, `page[-1]`,
+    `list(page)`. `next_cursor` is None on the last page; otherwise pass it as
+    `engine.list(..., after=page.next_cursor)` to get the next one. A cursor is an opaque
     string that names a position in id order (not a server-side result set): it never expires
     and works from any engine on the same database.
     """

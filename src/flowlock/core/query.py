@@ -1,9 +1,9 @@
-"""The arguments of ``Engine.list`` and ``Engine.count``, checked before any I/O, and the page
+"""The arguments of `Engine.list` and `Engine.count`, checked before any I/O, and the page
 cursor.
 
 Order and cursor: a query's instances come in id order, Unicode code point by code point (the
-order of Python's ``str`` comparison; every store sorts the same way, whatever the database's
-collation). A page's ``next_cursor`` encodes the id of its last instance, and the next page is the
+order of Python's `str` comparison; every store sorts the same way, whatever the database's
+collation). A page's `next_cursor` encodes the id of its last instance, and the next page is the
 instances whose id comes after it. The id never changes, so a walk over the pages is a keyset
 scan that moves strictly forward: it returns each instance at most once and ends, however the
 instances change meanwhile. What each page shows is the instances as committed when that page
@@ -37,9 +37,9 @@ __all__ = [
 ]
 
 DEFAULT_LIMIT: Final = 100
-"""Instances per page unless ``limit=``."""
+"""Instances per page unless `limit=`."""
 MAX_LIMIT: Final = 1000
-"""The largest page ``limit`` accepts."""
+"""The largest page `limit` accepts."""
 MAX_STATES: Final = 100
 """The most states one query may name."""
 
@@ -93,7 +93,7 @@ def _moment(value: object, what: str) -> datetime | None:
 def instance_query(
     workflow: object, state: object, updated_before: object, updated_after: object
 ) -> InstanceQuery:
-    """The filters of ``list`` / ``count``, checked. InvalidInput names the bad one."""
+    """The filters of `list` / `count`, checked. InvalidInput names the bad one."""
     before = _moment(updated_before, "updated_before")
     after = _moment(updated_after, "updated_after")
     if before is not None and after is not None and after >= before:
@@ -117,13 +117,13 @@ def check_limit(limit: object) -> int:
 
 
 def cursor_after(instance_id: str) -> str:
-    """The cursor of the position just after ``instance_id``."""
+    """The cursor of the position just after `instance_id`."""
     raw = base64.urlsafe_b64encode(_CURSOR_TAG + instance_id.encode("utf-8"))
     return raw.rstrip(b"=").decode("ascii")
 
 
 def decode_cursor(cursor: object) -> str | None:
-    """The id a cursor from :func:`cursor_after` names (None: start at the beginning)."""
+    """The id a cursor from `cursor_after` names (None: start at the beginning)."""
     if cursor is None:
         return None
     bad = InvalidInput(

@@ -1,9 +1,9 @@
 """The pure core: what firing an event at an instance means, with no I/O.
 
-``decide`` is a function of (workflows, what was read, the call). The optimistic strategy may run it
+`decide` is a function of (workflows, what was read, the call). The optimistic strategy may run it
 again after a conflict, the pessimistic one runs it under a row lock, and hypothesis tests it alone.
 
-``decide_batch`` is the same for a batch of calls on one instance: each call is decided, in order,
+`decide_batch` is the same for a batch of calls on one instance: each call is decided, in order,
 on the state the calls before it left, exactly as if they had run one after the other. Its
 answers are only speculative until the batch's write commits; the strategies commit or retry the
 whole batch, and the engine hands each call its own answer once that is settled.
@@ -37,7 +37,7 @@ __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One ``engine.fire`` call, validated; or, with ``batch``, the calls on one instance that a
+    """One `engine.fire` call, validated; or, with `batch`, the calls on one instance that a
     strategy runs together (the batch's own fields then describe its first call, for messages)."""
 
     instance_id: str
@@ -59,8 +59,8 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Idempotent:
-    """Nothing to write: the call was answered before. ``instance`` is what to report;
-    ``replayed``: the call's request id was applied before, so the answer is that first
+    """Nothing to write: the call was answered before. `instance` is what to report;
+    `replayed`: the call's request id was applied before, so the answer is that first
     application's (not the two-admins rule's)."""
 
     instance: Instance
@@ -68,7 +68,7 @@ class Idempotent:
 
 
 def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
-    """The instance as ``entry`` left it (to answer a repeated request with its first outcome)."""
+    """The instance as `entry` left it (to answer a repeated request with its first outcome)."""
     return current.evolve(
         state=entry.to_state,
         version=entry.version,
@@ -85,7 +85,7 @@ def _run_step(
     inst: Instance,
     call: Call,
 ) -> Any:
-    """``fn(instance, payload, actor)`` for the guard or effect ``step``: its result, or the
+    """`fn(instance, payload, actor)` for the guard or effect `step`: its result, or the
     typed error for what it did wrong. GuardRejected is bound to the instance, InvalidInput (a
     step saying the payload is bad) passes as it is; any other exception becomes StepFailed with
     it as the cause. An awaitable result (an async step that slipped past the definition's check,
@@ -137,7 +137,7 @@ def _apply_effect(
     transition: Transition, workflow: str, inst: Instance, call: Call, limit: int
 ) -> tuple[str, Mapping[str, Any]]:
     """The target state and the new data: the transition's default target and the instance's
-    data, or what its effect returned (checked: a mapping of JSON data within ``limit`` bytes,
+    data, or what its effect returned (checked: a mapping of JSON data within `limit` bytes,
     or a Step to a declared target)."""
     if transition.effect is None:
         return transition.target, inst.data
@@ -186,11 +186,11 @@ def decide(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> HistoryEntry | Idempotent:
-    """The history entry to append for ``call`` on ``snap``, or the idempotent answer.
+    """The history entry to append for `call` on `snap`, or the idempotent answer.
 
     Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed, GuardRejected,
     IdempotencyKeyReused, StepFailed (a guard or effect raised), InvalidInput (an effect returned
-    data that is not JSON or is over ``max_payload_bytes``), DefinitionError (an effect returned
+    data that is not JSON or is over `max_payload_bytes`), DefinitionError (an effect returned
     something else than data, or a step returned an awaitable).
 
     A refused call (not allowed, guard refused, step failed) leaves no trace: its request_id is
@@ -251,7 +251,7 @@ class Batched:
 
 
 def _after(inst: Instance, entry: HistoryEntry) -> Instance:
-    """The instance as ``entry`` leaves it, before it is committed (its time is the commit's)."""
+    """The instance as `entry` leaves it, before it is committed (its time is the commit's)."""
     return inst.evolve(
         state=entry.to_state, version=entry.version, data=entry.data, last_event=entry.event
     )
@@ -264,10 +264,10 @@ def decide_batch(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> Batched:
-    """Every call of ``calls`` decided in order, each on the state the ones before it left: the
+    """Every call of `calls` decided in order, each on the state the ones before it left: the
     same decisions, entries and errors as running the calls one after the other. A request id
     applied earlier in the batch answers idempotently (or IdempotencyKeyReused) like one found in
-    the history (``snap.priors``). A call's error is its own decision; the others go on."""
+    the history (`snap.priors`). A call's error is its own decision; the others go on."""
     state = snap.instance
     applied: dict[str, HistoryEntry] = {}
     decisions: list[Decision] = []

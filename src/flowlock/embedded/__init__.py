@@ -1,6 +1,5 @@
 """Throwaway PostgreSQL and Redis servers, for tests and benchmarks.
 
-::
 
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
@@ -11,18 +10,18 @@
         locks = RedisLocks(server.url)
 
 Each server runs as a child process in a temporary directory of its own, on a free 127.0.0.1
-port, and ``stop()`` (also at interpreter exit) leaves no process and no directory behind.
-For fault tests both can be restarted on the same URL (``EmbeddedPostgres.restart()`` keeps the
-data, ``EmbeddedRedis.restart()`` comes back empty unless ``keep_data=True``) and frozen with
-``pause()`` (SIGSTOP; the whole PostgreSQL process tree) until ``resume()``. Any
+port, and `stop()` (also at interpreter exit) leaves no process and no directory behind.
+For fault tests both can be restarted on the same URL (`EmbeddedPostgres.restart()` keeps the
+data, `EmbeddedRedis.restart()` comes back empty unless `keep_data=True`) and frozen with
+`pause()` (SIGSTOP; the whole PostgreSQL process tree) until `resume()`. Any
 failure to start or stop one, or a question to one that is not running, raises
-:class:`flowlock.EmbeddedServerError` with what the server said; bad arguments raise
-:class:`flowlock.InvalidInput`.
+`flowlock.EmbeddedServerError` with what the server said; bad arguments raise
+[`flowlock.InvalidInput`][flowlock.InvalidInput].
 
-Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, ``/proc``),
-:mod:`~flowlock.embedded.base` (the lifecycle both servers share),
-:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`. Highly available Redis
-(Sentinel, Cluster) for failover tests lives in the lab (``flowlock_lab.redis_ha``).
+Modules: `process` (ports, child processes, readiness, `/proc`),
+`base` (the lifecycle both servers share),
+`postgres` and `redis`. Highly available Redis
+(Sentinel, Cluster) for failover tests lives in the lab (`flowlock_lab.redis_ha`).
 """
 
 from __future__ import annotations

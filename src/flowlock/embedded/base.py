@@ -1,5 +1,5 @@
 """What every embedded server shares: one temporary directory per start, idempotent and
-thread-safe ``start()``/``stop()``, ``pause()``/``resume()``, ``with`` and ``async with`` (the
+thread-safe `start()`/`stop()`, `pause()`/`resume()`, `with` and `async with` (the
 async forms run in a worker thread), a stop after a cancelled async start, a stop at interpreter
 exit, and the errors."""
 
@@ -30,7 +30,7 @@ _SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
 
 
 def check_host(host: str) -> str:
-    """``host`` if it is an IPv4 address (the one a server listens on), else InvalidInput."""
+    """`host` if it is an IPv4 address (the one a server listens on), else InvalidInput."""
     try:
         return str(ipaddress.IPv4Address(host))
     except (ipaddress.AddressValueError, TypeError, ValueError):
@@ -40,7 +40,7 @@ def check_host(host: str) -> str:
 
 
 def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
-    """``networks`` as IPv4 networks in CIDR form (``10.213.7.0/24``), else InvalidInput."""
+    """`networks` as IPv4 networks in CIDR form (`10.213.7.0/24`), else InvalidInput."""
     if isinstance(networks, str) or not isinstance(networks, Sequence):
         raise InvalidInput(f"networks must be a list of CIDR strings, not {networks!r}")
     found: list[str] = []
@@ -55,7 +55,7 @@ def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
 
 
 def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
-    """``settings`` as a plain dict of setting names to values, each value one line of text (a
+    """`settings` as a plain dict of setting names to values, each value one line of text (a
     newline would start another setting in postgresql.conf)."""
     if settings is None:
         return {}
@@ -74,11 +74,12 @@ def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
 class EmbeddedServer(BlockingResource):
     """A throwaway server process of ours in a temporary directory.
 
-    ``start()`` makes the directory and calls :meth:`_launch`, removing everything again if
-    that fails; ``stop()`` calls :meth:`_halt` and deletes the directory. Both are idempotent,
-    thread-safe and re-entrant (a signal handler may call ``stop()`` on the thread that is
-    inside ``start()``). Subclasses name the server, say whether it is :attr:`running`, and
-    implement the two hooks; every failure they report is an :class:`EmbeddedServerError`.
+    `start()` makes the directory and calls `_launch`, removing everything again if
+    that fails; `stop()` calls `_halt` and deletes the directory. Both are idempotent,
+    thread-safe and re-entrant (a signal handler may call `stop()` on the thread that is
+    inside `start()`). Subclasses name the server, say whether it is `running`, and
+    implement the two hooks; every failure they report is an
+    [`EmbeddedServerError`][flowlock.embedded.base.EmbeddedServerError].
     """
 
     server = "server"  # as the errors name it: "PostgreSQL", "Redis"
@@ -109,8 +110,8 @@ class EmbeddedServer(BlockingResource):
         """Check what the server needs (binaries, accounts) before a directory is made."""
 
     def _launch(self, root: Path, deadline: float) -> None:
-        """Start the server in ``root`` and return once it answers, by the monotonic
-        ``deadline``; on failure raise (the caller then calls :meth:`_halt` and cleans up)."""
+        """Start the server in `root` and return once it answers, by the monotonic
+        `deadline`; on failure raise (the caller then calls `_halt` and cleans up)."""
         raise NotImplementedError
 
     def _halt(self, root: Path) -> list[str]:
@@ -124,14 +125,14 @@ class EmbeddedServer(BlockingResource):
         return ""
 
     def _pause_targets(self) -> list[int]:
-        """The processes :meth:`pause` stops, the one that starts new ones first (so none is
+        """The processes `pause` stops, the one that starts new ones first (so none is
         forked between the look and the signal); empty when the server is not running."""
         raise NotImplementedError
 
     def _failure(
         self, problem: str, output: str = "", *, advice: str | None = None
     ) -> EmbeddedServerError:
-        """The error for ``problem``, quoting ``output`` (a command's) and the log's tail."""
+        """The error for `problem`, quoting `output` (a command's) and the log's tail."""
         parts = []
         if output.strip():
             parts.append(f"--- command output ---\n{output.strip()}")
@@ -153,7 +154,7 @@ class EmbeddedServer(BlockingResource):
 
     def start(self) -> None:
         """Start the server; a no-op if it is running (one that died is cleaned up and
-        replaced). Bounded by ``start_timeout``; on failure the processes are killed, the
+        replaced). Bounded by `start_timeout`; on failure the processes are killed, the
         directory removed, and EmbeddedServerError raised with what the server said."""
         with self._lock:
             if self.running:
@@ -177,8 +178,8 @@ class EmbeddedServer(BlockingResource):
     def stop(self) -> None:
         """Stop the server, leave none of its processes behind and delete its directory.
 
-        A no-op when not started or already stopped, so it is safe from ``finally`` blocks,
-        signal handlers and ``atexit``. Raises EmbeddedServerError only in the unlikely case
+        A no-op when not started or already stopped, so it is safe from `finally` blocks,
+        signal handlers and `atexit`. Raises EmbeddedServerError only in the unlikely case
         that a server process survived SIGKILL or the directory could not be deleted.
         """
         with self._lock:
@@ -188,13 +189,13 @@ class EmbeddedServer(BlockingResource):
 
     @property
     def paused(self) -> bool:
-        """Whether :meth:`pause` stopped the server and nothing has continued it since."""
+        """Whether `pause` stopped the server and nothing has continued it since."""
         return bool(self._stopped_pids)
 
     def pause(self) -> None:
         """Freeze the server with SIGSTOP, as a hung machine would: connections stay open and
-        nothing is answered until :meth:`resume`. A no-op when already paused;
-        EmbeddedServerError when the server is not running. ``stop()`` and ``restart()``
+        nothing is answered until `resume`. A no-op when already paused;
+        EmbeddedServerError when the server is not running. `stop()` and `restart()`
         resume it first, so a paused server is never left behind stopped."""
         with self._lock:
             if self._stopped_pids:
@@ -213,7 +214,7 @@ class EmbeddedServer(BlockingResource):
             self._stopped_pids = stopped
 
     def resume(self) -> None:
-        """Continue a server :meth:`pause` froze (SIGCONT). A no-op when it is not paused;
+        """Continue a server `pause` froze (SIGCONT). A no-op when it is not paused;
         EmbeddedServerError when it was never started or has been stopped."""
         with self._lock:
             if self._root is None:

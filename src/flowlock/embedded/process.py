@@ -1,6 +1,6 @@
 """The process toolkit the embedded servers are built from: free ports, temporary directories,
 starting a child process and waiting until it answers, running a command to completion within a
-bound, finding a server's processes in ``/proc`` and killing them, and reading a log's tail.
+bound, finding a server's processes in `/proc` and killing them, and reading a log's tail.
 
 Nothing here knows PostgreSQL or Redis; every function is synchronous and bounded.
 """
@@ -49,7 +49,7 @@ _POLL = 0.02
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port on ``host`` (default :data:`HOST`) that was free a moment ago.
+    """A TCP port on `host` (default `HOST`) that was free a moment ago.
 
     Found by binding port 0 and closing the socket, so another process can take it before the
     server binds it: callers retry with a fresh port when the server reports it in use.
@@ -66,7 +66,7 @@ def make_root(prefix: str) -> Path:
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log file; "" when it does not exist (yet) or is unreadable."""
+    """The last `lines` lines of a log file; "" when it does not exist (yet) or is unreadable."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -98,8 +98,8 @@ def run(
     env: Mapping[str, str] | None = None,
     **options: Any,
 ) -> Completed:
-    """Run ``argv`` to completion within ``timeout`` seconds. ``options`` go to
-    :func:`subprocess.run` (``user=``, ``group=``...). OSError when it cannot be started."""
+    """Run `argv` to completion within `timeout` seconds. `options` go to
+    `subprocess.run` (`user=`, `group=`...). OSError when it cannot be started."""
     # Output goes to a file, not a pipe: a daemon the command forks (pg_ctl's postmaster) could
     # inherit a pipe and keep it open, so reading it would block until that daemon exits.
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out:
@@ -139,8 +139,8 @@ def spawn(argv: Sequence[str], *, cwd: Path) -> subprocess.Popen[bytes]:
 
 
 def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], deadline: float) -> bool:
-    """Whether ``ready()`` said yes before the monotonic ``deadline``. False at once when the
-    process exits, and False when it is still running, unready, at the deadline; ``ready`` may
+    """Whether `ready()` said yes before the monotonic `deadline`. False at once when the
+    process exits, and False when it is still running, unready, at the deadline; `ready` may
     raise OSError (nobody listening yet), which counts as not ready."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -153,7 +153,7 @@ def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], deadlin
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM, and SIGKILL if it has not exited within ``timeout``; the process is reaped."""
+    """SIGTERM, and SIGKILL if it has not exited within `timeout`; the process is reaped."""
     if proc.poll() is not None:
         return
     proc.terminate()
@@ -197,9 +197,9 @@ def alive(pid: int) -> bool:
 
 
 def process_tree(roots: Iterable[int], *, argument: str | None = None) -> set[int]:
-    """The live processes among ``roots``, those with ``argument`` as a whole word of their
+    """The live processes among `roots`, those with `argument` as a whole word of their
     command line (a daemon whose pid file was never written), and all of their descendants.
-    Without ``/proc`` only the live ``roots`` are found."""
+    Without `/proc` only the live `roots` are found."""
     found = {pid for pid in roots if alive(pid)}
     proc = Path("/proc")
     if not proc.is_dir():
@@ -225,7 +225,7 @@ def process_tree(roots: Iterable[int], *, argument: str | None = None) -> set[in
 
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until none of ``pids`` is alive; returns the ones still alive at the deadline."""
+    """Wait until none of `pids` is alive; returns the ones still alive at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         left = {pid for pid in pids if alive(pid)}
@@ -235,7 +235,7 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
 
 
 def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
-    """Send ``sig`` to each process; one that is gone or not ours is skipped."""
+    """Send `sig` to each process; one that is gone or not ours is skipped."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
@@ -244,9 +244,9 @@ def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
 def stop_tree(
     pids: set[int], *, leaders: set[int], first: signal.Signals, timeout: float
 ) -> set[int]:
-    """Stop a process tree: ``first`` to the ``leaders`` (or to every pid when none of them is
-    in ``pids``), which should take the rest down; SIGKILL to whatever is left after
-    ``timeout``. Returns the pids that survived even that (normally none)."""
+    """Stop a process tree: `first` to the `leaders` (or to every pid when none of them is
+    in `pids`), which should take the rest down; SIGKILL to whatever is left after
+    `timeout`. Returns the pids that survived even that (normally none)."""
     if not pids:
         return set()
     signal_all(pids & leaders or pids, first)

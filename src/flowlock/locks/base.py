@@ -1,7 +1,7 @@
 """The lock-backend port, the Lease value, and the one watchdog every backend shares.
 
-A backend implements a handful of primitives (``_acquire``, ``release``, ``extend``, ``owned``,
-``locked``); :class:`LeaseContext` turns them into::
+A backend implements a handful of primitives (`_acquire`, `release`, `extend`, `owned`,
+`locked`); [`LeaseContext`][flowlock.locks.base.LeaseContext] turns them into:
 
     lease = await backend.acquire("key", ttl=5, wait=1)          # just take it
     async with backend.acquire("key", ttl=5, wait=1) as held:     # take it, renew it, release it
@@ -9,8 +9,9 @@ A backend implements a handful of primitives (``_acquire``, ``release``, ``exten
         held.check()            # raises LockLost if the lease was lost: call it before committing
         fence = held.lease.fencing
 
-The owner token belongs to the :class:`Lease` value returned by one acquisition, never to the
-backend object or to thread-local state, so any number of tasks can share one backend.
+The owner token belongs to the [`Lease`][flowlock.locks.base.Lease] value returned by one
+acquisition, never to the backend object or to thread-local state, so any number of tasks can share
+one backend.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = [
 log = logging.getLogger("flowlock")
 
 MAX_TTL = 3600.0
-"""The longest ``ttl`` and ``wait`` of a lease, in seconds."""
+"""The longest `ttl` and `wait` of a lease, in seconds."""
 MAX_KEY_LENGTH = 512
 """The longest lock key, in characters."""
 
@@ -54,9 +55,9 @@ MAX_KEY_LENGTH = 512
 class Lease:
     """One acquisition of a lock.
 
-    ``token`` is the owner's 128-bit random token (hex); ``fencing`` a number strictly greater
-    than every fencing number handed out before for ``key``, to pass to anything outside the lock
-    that must refuse a stale holder; ``expires_at`` is a deadline on the local monotonic clock,
+    `token` is the owner's 128-bit random token (hex); `fencing` a number strictly greater
+    than every fencing number handed out before for `key`, to pass to anything outside the lock
+    that must refuse a stale holder; `expires_at` is a deadline on the local monotonic clock,
     computed from before the request was sent, so it never overestimates the lease.
     """
 
@@ -77,20 +78,22 @@ class Lease:
 
 
 def check_lock_key(key: object) -> str:
-    """A lock key every backend can hold: a non-empty str of at most :data:`MAX_KEY_LENGTH`
-    characters, without NUL (the advisory backend's fencing row is PostgreSQL ``text``) or lone
-    surrogates. The same keys on every backend, so that code moved from one to another keeps
-    working."""
+    """A lock key every backend can hold: a non-empty str of at most
+    [`MAX_KEY_LENGTH`][flowlock.locks.base.MAX_KEY_LENGTH] characters, without NUL (the advisory
+    backend's fencing row is PostgreSQL `text`) or lone surrogates. The same keys on every backend,
+    so that code moved from one to another keeps working."""
     return check_text("lock key", key, most=MAX_KEY_LENGTH, allow_control=True)
 
 
 def check_ttl(ttl: object) -> float:
-    """A lease's ttl: more than 0 and at most :data:`MAX_TTL` seconds (every lock has a TTL)."""
+    """A lease's ttl: more than 0 and at most [`MAX_TTL`][flowlock.locks.base.MAX_TTL] seconds
+    (every lock has a TTL)."""
     return check_seconds("ttl", ttl, most=MAX_TTL)
 
 
 def check_wait(wait: object) -> float:
-    """A wait for a lock: 0 (try once) to :data:`MAX_TTL` seconds (every wait has a bound)."""
+    """A wait for a lock: 0 (try once) to [`MAX_TTL`][flowlock.locks.base.MAX_TTL] seconds (every
+    wait has a bound)."""
     return check_seconds("wait", wait, zero=True, most=MAX_TTL)
 
 
@@ -109,33 +112,33 @@ class LockBackend(Protocol):
     def name(self) -> str: ...
 
     def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
-        """Take the lock on ``key`` for ``ttl`` seconds, waiting at most ``wait`` seconds
-        (0: try once). Await it for a Lease, or ``async with`` it for a renewed, released Held.
-        Raises LockTimeout (waited ``wait``), LockBusy (``wait=0``), LockUnavailable."""
+        """Take the lock on `key` for `ttl` seconds, waiting at most `wait` seconds
+        (0: try once). Await it for a Lease, or `async with` it for a renewed, released Held.
+        Raises LockTimeout (waited `wait`), LockBusy (`wait=0`), LockUnavailable."""
         ...
 
     async def release(self, lease: Lease) -> None:
-        """Release ``lease``. Raises LockNotOwned when it is no longer the owner (the key, if
+        """Release `lease`. Raises LockNotOwned when it is no longer the owner (the key, if
         someone else holds it now, is left alone)."""
         ...
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
-        """Push the lease's expiry to ``ttl`` (default: its own ttl) from now. Raises
+        """Push the lease's expiry to `ttl` (default: its own ttl) from now. Raises
         LockNotOwned when it is no longer the owner."""
         ...
 
     async def owned(self, lease: Lease) -> bool:
-        """Whether ``lease`` still holds its key."""
+        """Whether `lease` still holds its key."""
         ...
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free (its holder released it or its
-        lease expired): True then, False when ``wait`` seconds pass first. Every watcher is
+        """Wait, without taking the lock, until `key` is free (its holder released it or its
+        lease expired): True then, False when `wait` seconds pass first. Every watcher is
         woken by a release; none of them competes for the lock."""
         ...
 
     async def locked(self, key: str) -> bool:
-        """Whether anyone holds ``key``."""
+        """Whether anyone holds `key`."""
         ...
 
     async def open(self) -> None:
@@ -149,26 +152,26 @@ class LockBackend(Protocol):
 
 class FenceEpochs(Protocol):
     """Durable fencing epochs per lock key, kept outside the lock server (PostgreSQL:
-    ``PostgresStore.fence_epochs``, ``RunOnce.fence_epochs``): what lets a lock backend whose
+    `PostgresStore.fence_epochs`, `RunOnce.fence_epochs`): what lets a lock backend whose
     counters can be lost (Redis) start them again above every token it handed out."""
 
     def advance(
         self, namespace: str, key: str, *, at_least: int, bound: float
     ) -> AbstractAsyncContextManager[int]:
-        """Bump the epoch of ``key`` in ``namespace`` (to ``at_least`` if that is higher),
-        durably, and yield it; no other ``advance`` of the key gets an epoch until the
-        ``async with`` is left, so counters started inside it are started in epoch order.
-        Waits at most ``bound`` seconds (LockUnavailable past it)."""
+        """Bump the epoch of `key` in `namespace` (to `at_least` if that is higher),
+        durably, and yield it; no other `advance` of the key gets an epoch until the
+        `async with` is left, so counters started inside it are started in epoch order.
+        Waits at most `bound` seconds (LockUnavailable past it)."""
         ...
 
 
 @runtime_checkable
 class BorrowsFenceEpochs(Protocol):
     """A lock backend that can use fencing epochs it was not configured with (RedisLocks):
-    :class:`~flowlock.jobs.RunOnce` lends it its own for as long as it is open."""
+    [`RunOnce`][flowlock.jobs.RunOnce] lends it its own for as long as it is open."""
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while the backend has none of its own; returns the call that gives
+        """Use `epochs` while the backend has none of its own; returns the call that gives
         them back (idempotent)."""
         ...
 
@@ -188,8 +191,9 @@ class _Acquirer(_Renewer, Protocol):
 
 
 class LeaseContext:
-    """What ``backend.acquire(...)`` returns: awaitable (a Lease) and an async context manager
-    (a :class:`Held` whose lease a watchdog renews every ``ttl / 3``, released on exit)."""
+    """What `backend.acquire(...)` returns: awaitable (a Lease) and an async context manager
+    (a [`Held`][flowlock.locks.base.Held] whose lease a watchdog renews every `ttl / 3`, released on
+    exit)."""
 
     def __init__(
         self,
@@ -232,11 +236,11 @@ class LeaseContext:
 class Held:
     """A lease being held: renewed in the background, checked before commit, released once.
 
-    A renewal that fails is never swallowed: :meth:`check` raises LockLost from then on, and the
-    loss is logged once at WARNING. A backend that is unreachable during renewal is retried until
-    the lease's local deadline; only then is the lease counted as lost. Any exception from
-    ``extend`` counts as a failed renewal, a flowlock error or not: the watchdog never ends
-    without either releasing the lease or marking it lost.
+    A renewal that fails is never swallowed: [`check`][flowlock.locks.base.Held.check] raises
+    LockLost from then on, and the loss is logged once at WARNING. A backend that is unreachable
+    during renewal is retried until the lease's local deadline; only then is the lease counted as
+    lost. Any exception from `extend` counts as a failed renewal, a flowlock error or not: the
+    watchdog never ends without either releasing the lease or marking it lost.
     """
 
     def __init__(

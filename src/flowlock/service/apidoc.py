@@ -69,7 +69,7 @@ def ok(
     headers: dict[str, dict[str, Any]] | None = None,
 ) -> dict[int | str, dict[str, Any]]:
     """The documented success answer of a route: its body's model and its headers. Declared with
-    ``responses=`` and ``response_model=None``: the document only, never a check on the body."""
+    `responses=` and `response_model=None`: the document only, never a check on the body."""
     doc: dict[str, Any] = {"model": model, "description": description}
     if headers:
         doc["headers"] = headers

@@ -1,7 +1,7 @@
 """Request bodies: read as bytes, checked as JSON by hand, then validated by the models.
 
 Why by hand and not by FastAPI's body parameters: the checks the standard parser skips must come
-first. Python's JSON parser accepts ``NaN`` and ``Infinity`` (not JSON, and no store can compare
+first. Python's JSON parser accepts `NaN` and `Infinity` (not JSON, and no store can compare
 them), and recurses once per nesting level (10,000 brackets would exhaust the stack), so a body
 is refused for a wrong content type (415), bytes that are not UTF-8 JSON (400), a constant
 outside JSON (400), nesting deeper than the limit (400) and a value that is not an object (422),
@@ -29,7 +29,7 @@ class _Body(BaseModel):
 
 
 class CreateBody(_Body):
-    """Create an instance of ``workflow`` in its initial state at version 1."""
+    """Create an instance of `workflow` in its initial state at version 1."""
 
     workflow: str = Field(description="The workflow's name (GET /definitions).")
     id: str | None = Field(
@@ -82,7 +82,7 @@ def _finite(text: str) -> float:
 
 
 def _depth(value: object, limit: int) -> None:
-    """Refuse ``value`` when containers nest deeper than ``limit`` (walked without recursion)."""
+    """Refuse `value` when containers nest deeper than `limit` (walked without recursion)."""
     todo: list[tuple[object, int]] = [(value, 1)]
     while todo:
         item, level = todo.pop()
@@ -103,7 +103,7 @@ def _too_deep(limit: int) -> NoReturn:
 
 
 async def read_json(request: Request, model: type[_M], max_depth: int, *, empty_ok: bool) -> _M:
-    """The request's body as ``model``, or a Problem saying what is wrong with it."""
+    """The request's body as `model`, or a Problem saying what is wrong with it."""
     raw = await request.body()
     if not raw.strip():
         if empty_ok:
@@ -140,7 +140,7 @@ async def read_json(request: Request, model: type[_M], max_depth: int, *, empty_
 
 
 def invalid_fields(errors: list[Any]) -> Problem:
-    """A 422 listing each field that failed validation (``errors``: where and why)."""
+    """A 422 listing each field that failed validation (`errors`: where and why)."""
     shown = [
         {"where": ".".join(str(p) for p in e.get("loc", ())), "message": str(e.get("msg", ""))}
         for e in errors

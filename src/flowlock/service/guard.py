@@ -1,11 +1,11 @@
 """What every request meets before a route sees it (a plain ASGI middleware, so it runs before
 FastAPI reads a byte of the body):
 
-- a mutating request (POST, PUT, PATCH, DELETE) needs ``Authorization: Bearer <token>`` when
-  tokens are configured; tokens are compared in constant time (:func:`hmac.compare_digest`,
+- a mutating request (POST, PUT, PATCH, DELETE) needs `Authorization: Bearer <token>` when
+  tokens are configured; tokens are compared in constant time (`hmac.compare_digest`,
   against every configured token, so the time says nothing about which one nearly matched);
-  the principal is put in the ASGI scope for the route (``scope["state"]["principal"]``);
-- a body above ``max_body_bytes`` is refused (413): at once when ``Content-Length`` says so, and
+  the principal is put in the ASGI scope for the route (`scope["state"]["principal"]`);
+- a body above `max_body_bytes` is refused (413): at once when `Content-Length` says so, and
   while it streams in otherwise (the bytes already read are dropped);
 - the answer is an RFC 9457 problem either way, and the database is never touched.
 """
@@ -104,7 +104,7 @@ class RequestGuard:
         await self._bounded(scope, receive, send)
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, with a body that stops at ``max_body`` bytes (a chunked upload that
+        """The app, with a body that stops at `max_body` bytes (a chunked upload that
         declared no length) answered with 413 if the app had not answered yet."""
         seen = 0
         started = False

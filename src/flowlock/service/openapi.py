@@ -1,9 +1,9 @@
-"""The service's OpenAPI document, as ``docs/openapi.json`` holds it.
+"""The service's OpenAPI document, as `docs/openapi.json` holds it.
 
-``python -m flowlock.service.openapi > docs/openapi.json`` writes it again; a test fails while
-the committed file differs from what :func:`flowlock.service.create_app` describes. The document
-names the package version (``info.version``), so a release that bumps the version regenerates
-it in the same commit.
+`python -m flowlock.service.openapi > docs/openapi.json` writes it again; a test fails while
+the committed file differs from what [`flowlock.service.create_app`][flowlock.service.create_app]
+describes. The document names the package version (`info.version`), so a release that bumps the
+version regenerates it in the same commit.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""The error tree as HTTP answers: RFC 9457 ``application/problem+json``, mapped in one place.
+"""The error tree as HTTP answers: RFC 9457 `application/problem+json`, mapped in one place.
 
-Each flowlock error has a stable ``type`` URI (``urn:flowlock:problem:<slug>``, the slug being the
-error's class name in kebab case), a status, a ``title`` (the same for every problem of a type), a
-``detail`` written for an HTTP client (never naming a Python keyword: the engine's own messages
-speak to programmers), and the error's facts as members: ``instance_id``, ``state`` and
-``version`` (the instance's current ones), ``allowed`` events, ``expected``... A client branches on
-``type`` and reads the members; ``detail`` is for people.
+Each flowlock error has a stable `type` URI (`urn:flowlock:problem:<slug>`, the slug being the
+error's class name in kebab case), a status, a `title` (the same for every problem of a type), a
+`detail` written for an HTTP client (never naming a Python keyword: the engine's own messages
+speak to programmers), and the error's facts as members: `instance_id`, `state` and
+`version` (the instance's current ones), `allowed` events, `expected`... A client branches on
+`type` and reads the members; `detail` is for people.
 
 The service's own refusals (bad JSON, a wrong content type, a missing token...) are problems too,
-built with :func:`problem`.
+built with `problem`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ _RETRY = {"Retry-After": str(RETRY_AFTER)}
 
 
 def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, kept together
-    """The problem ``exc`` is for an HTTP client: status, type, title, detail and facts."""
+    """The problem `exc` is for an HTTP client: status, type, title, detail and facts."""
     slug = _slug(exc)
     if isinstance(exc, InstanceNotFound):
         return problem(
@@ -242,5 +242,5 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
 
 
 def etag(version: int) -> str:
-    """The ETag of an instance at ``version`` (a strong validator: the version is exact)."""
+    """The ETag of an instance at `version` (a strong validator: the version is exact)."""
     return f'"{version}"'

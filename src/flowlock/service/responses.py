@@ -2,7 +2,7 @@
 
 The routes build their bodies as plain dicts (app.py); these models describe them, so that a
 client generator and schemathesis see each field and its type. They are never used to build or
-validate an answer (the routes declare them with ``responses=``, not ``response_model=``), so the
+validate an answer (the routes declare them with `responses=`, not `response_model=`), so the
 document cannot change a byte that is sent. No extra field is allowed: a field added to a body
 without its model here fails the schemathesis test's response check.
 """
@@ -32,7 +32,7 @@ class _Out(BaseModel):
 
 
 class InstanceOut(_Out):
-    """An instance as it is now (its ETag is ``"<version>"``)."""
+    """An instance as it is now (its ETag is `"<version>"`)."""
 
     id: str
     workflow: str

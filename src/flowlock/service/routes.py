@@ -95,8 +95,8 @@ def _fired(outcome: Outcome, engine: Engine) -> Response:
 
 
 def _if_match(value: str | None, required: bool) -> int | None:
-    """``expected_version`` from an ``If-Match`` header: ``"7"`` (an ETag this service sent), a
-    bare ``7``, or ``*`` (any version: no check)."""
+    """`expected_version` from an `If-Match` header: `"7"` (an ETag this service sent), a
+    bare `7`, or `*` (any version: no check)."""
     if value is None:
         if required:
             raise problem(

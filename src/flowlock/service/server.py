@@ -1,15 +1,15 @@
-"""``flowlock serve``: uvicorn running :func:`flowlock.service.app.app_from_env` in one or more
-worker processes, with the embedded servers of ``--dev`` around it.
+"""`flowlock serve`: uvicorn running `flowlock.service.app.app_from_env` in one or more
+worker processes, with the embedded servers of `--dev` around it.
 
-Settings reach the workers as ``FLOWLOCK_*`` variables (uvicorn starts each worker as a fresh
+Settings reach the workers as `FLOWLOCK_*` variables (uvicorn starts each worker as a fresh
 process that imports the app factory). With several workers, Prometheus metrics go through a
-directory the workers share (``PROMETHEUS_MULTIPROC_DIR``), made for the run and removed after it,
-so ``/metrics`` answers for all of them whichever worker serves it.
+directory the workers share (`PROMETHEUS_MULTIPROC_DIR`), made for the run and removed after it,
+so `/metrics` answers for all of them whichever worker serves it.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish within
-``drain_timeout`` seconds (then cancels the rest), and closes each worker's engine: its pool
+`drain_timeout` seconds (then cancels the rest), and closes each worker's engine: its pool
 connections and any lease it holds are released before the process exits. The command then
-removes what it made (the metrics directory, ``--dev``'s servers) and exits with status 0.
+removes what it made (the metrics directory, `--dev`'s servers) and exits with status 0.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> No
 
 @contextlib.contextmanager
 def _dev_servers(settings: ServiceSettings) -> Iterator[ServiceSettings]:
-    """An embedded PostgreSQL (and Redis, when one can be started) for ``--dev``, stopped on
+    """An embedded PostgreSQL (and Redis, when one can be started) for `--dev`, stopped on
     the way out."""
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 

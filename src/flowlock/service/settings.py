@@ -1,9 +1,10 @@
-"""How ``flowlock serve`` is configured: flags, or the ``FLOWLOCK_*`` variables named here.
+"""How `flowlock serve` is configured: flags, or the `FLOWLOCK_*` variables named here.
 
 Every worker process builds its app from the environment (uvicorn starts them as fresh
 processes), so the settings travel as these variables: the command line writes them with
-:meth:`ServiceSettings.to_env`, each worker reads them back with :meth:`ServiceSettings.from_env`.
-Bad values are refused with an :class:`flowlock.InvalidInput` naming the variable.
+[`ServiceSettings.to_env`][flowlock.service.settings.ServiceSettings.to_env], each worker reads them
+back with [`ServiceSettings.from_env`][flowlock.service.settings.ServiceSettings.from_env]. Bad
+values are refused with an [`flowlock.InvalidInput`][flowlock.InvalidInput] naming the variable.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ENV = {
     "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
     "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
 }
-"""The variable behind each setting (also the ``envvar`` of each ``flowlock serve`` flag)."""
+"""The variable behind each setting (also the `envvar` of each `flowlock serve` flag)."""
 
 DEFAULT_MAX_BODY = 1_048_576
 DEFAULT_MAX_DEPTH = 32
@@ -45,15 +46,15 @@ _FALSE = {"0", "false", "no", "off", ""}
 class ApiToken:
     """One accepted bearer token and the principal it authenticates (the actor of its calls).
 
-    Given as ``name:secret``, the principal is ``name``; a bare ``secret`` authenticates as
-    ``token-`` and the first 8 hex digits of its SHA-256 (stable, and it reveals nothing)."""
+    Given as `name:secret`, the principal is `name`; a bare `secret` authenticates as
+    `token-` and the first 8 hex digits of its SHA-256 (stable, and it reveals nothing)."""
 
     principal: str
     secret: bytes = dataclasses.field(repr=False)
 
 
 def parse_tokens(text: str) -> tuple[ApiToken, ...]:
-    """The tokens of ``FLOWLOCK_API_TOKEN``: comma-separated ``name:secret`` or ``secret``."""
+    """The tokens of `FLOWLOCK_API_TOKEN`: comma-separated `name:secret` or `secret`."""
     tokens = []
     for raw in text.split(","):
         item = raw.strip()
@@ -81,24 +82,24 @@ def parse_tokens(text: str) -> tuple[ApiToken, ...]:
 
 @dataclass(frozen=True, slots=True)
 class ServiceSettings:
-    """What one ``flowlock serve`` worker runs with.
+    """What one `flowlock serve` worker runs with.
 
-    - ``database_url``: PostgreSQL (``postgresql://``), SQLite (``sqlite:///path``, one worker) or
-      ``memory://`` (tests; one worker).
-    - ``redis_url``: Redis for the "distributed" strategy (optional).
-    - ``app``: ``module:attr`` naming the workflows to serve (a Workflow, a list of them, or a
+    - `database_url`: PostgreSQL (`postgresql://`), SQLite (`sqlite:///path`, one worker) or
+      `memory://` (tests; one worker).
+    - `redis_url`: Redis for the "distributed" strategy (optional).
+    - `app`: `module:attr` naming the workflows to serve (a Workflow, a list of them, or a
       function returning them); None serves flowlock's examples (approval, countersign with a
       quorum of 3, inventory).
-    - ``api_tokens``: bearer tokens; when any is set every mutating request needs one.
-    - ``require_if_match``: a fire without ``If-Match`` is refused (428).
-    - ``max_body_bytes``: a larger request body is refused (413) before it is read.
-    - ``max_json_depth``: JSON nested deeper is refused (400).
-    - ``pool_size``: PostgreSQL connections per worker (None: the engine's default, 20).
-    - ``strategy``: the engine's default strategy.
-    - ``schema``: the PostgreSQL schema of flowlock's tables (None: the search path's first).
-    - ``drain_timeout``: seconds SIGTERM waits for calls in flight before closing.
-    - ``metrics_dir``: the directory workers share their Prometheus metrics through (set by
-      ``flowlock serve`` when it runs several workers).
+    - `api_tokens`: bearer tokens; when any is set every mutating request needs one.
+    - `require_if_match`: a fire without `If-Match` is refused (428).
+    - `max_body_bytes`: a larger request body is refused (413) before it is read.
+    - `max_json_depth`: JSON nested deeper is refused (400).
+    - `pool_size`: PostgreSQL connections per worker (None: the engine's default, 20).
+    - `strategy`: the engine's default strategy.
+    - `schema`: the PostgreSQL schema of flowlock's tables (None: the search path's first).
+    - `drain_timeout`: seconds SIGTERM waits for calls in flight before closing.
+    - `metrics_dir`: the directory workers share their Prometheus metrics through (set by
+      `flowlock serve` when it runs several workers).
     """
 
     database_url: str = "memory://"
@@ -123,7 +124,7 @@ class ServiceSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ServiceSettings:
-        """The settings the ``FLOWLOCK_*`` variables of ``environ`` give (defaults for the rest)."""
+        """The settings the `FLOWLOCK_*` variables of `environ` give (defaults for the rest)."""
         got: dict[str, object] = {}
         for field, var in ENV.items():
             raw = environ.get(var)
@@ -139,7 +140,8 @@ class ServiceSettings:
         return cls(**got)  # type: ignore[arg-type]
 
     def to_env(self) -> dict[str, str]:
-        """These settings as the variables :meth:`from_env` reads."""
+        """These settings as the variables
+        [`from_env`][flowlock.service.settings.ServiceSettings.from_env] reads."""
         env: dict[str, str] = {}
         for field, var in ENV.items():
             value = getattr(self, field)

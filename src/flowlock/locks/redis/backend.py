@@ -1,17 +1,17 @@
 """RedisLocks: the lease protocol, composed from the scripts, the wake-ups and the fence floor.
 
 Acquiring
-    One Lua script does ``SET lock token NX PX ttl`` and ``INCR fence`` atomically, or returns
+    One Lua script does `SET lock token NX PX ttl` and `INCR fence` atomically, or returns
     the holder's PTTL. The token is 128 random bits (injectable) and belongs to the Lease, never
-    to this object. ``Lease.expires_at`` counts from the monotonic time taken before the request
+    to this object. `Lease.expires_at` counts from the monotonic time taken before the request
     was sent, so the local deadline never runs past the server's. A caller that finds the key
-    held waits in the key's local queue (:mod:`~flowlock.locks.redis.wakeups`) until a release
-    or the holder's expiry wakes it; every wait ends at ``wait`` seconds with LockTimeout
-    (``wait=0``: LockBusy at once). A missing fencing counter is started by
-    :mod:`~flowlock.locks.redis.fence` (then the script runs again).
+    held waits in the key's local queue (`wakeups`) until a release
+    or the holder's expiry wakes it; every wait ends at `wait` seconds with LockTimeout
+    (`wait=0`: LockBusy at once). A missing fencing counter is started by
+    `fence` (then the script runs again).
 
 Cancellation
-    ``release`` runs the compare-and-delete in its own task and shields it, so a cancelled
+    `release` runs the compare-and-delete in its own task and shields it, so a cancelled
     release still completes (see redis-py issue 3847) and, carrying the lease's own token, can
     never free another owner's lock. An acquire cancelled (or timed out) while its request was
     in flight may have taken the key without knowing: a best-effort compare-and-delete with its
@@ -81,20 +81,20 @@ def _millis(seconds: float) -> int:
 
 
 class RedisLocks(AsyncResource):
-    """Lease locks in Redis (see :mod:`flowlock.locks.redis` for the protocol).
+    """Lease locks in Redis (see [`flowlock.locks.redis`][flowlock.locks.redis] for the protocol).
 
-    ``url`` is ``redis://``, ``rediss://`` or ``unix://`` (one server), ``redis+sentinel://``
-    (a primary found through Redis Sentinel) or ``redis+cluster://`` (a Redis Cluster); see
-    :mod:`~flowlock.locks.redis.urls` for how to write them. ``fence_epochs`` (a PostgreSQL
-    store's ``fence_epochs``; the engine passes it) keeps fencing tokens strictly increasing per
-    key across any number of Redis data losses; ``fence_floor(key)`` returns the highest fencing
-    token recorded outside Redis for ``key`` (with epochs, it keeps tokens from before them
-    below; alone, it floors a restarted counter at that plus ``fence_gap``, a weaker guarantee).
+    `url` is `redis://`, `rediss://` or `unix://` (one server), `redis+sentinel://`
+    (a primary found through Redis Sentinel) or `redis+cluster://` (a Redis Cluster); see
+    `urls` for how to write them. `fence_epochs` (a PostgreSQL
+    store's `fence_epochs`; the engine passes it) keeps fencing tokens strictly increasing per
+    key across any number of Redis data losses; `fence_floor(key)` returns the highest fencing
+    token recorded outside Redis for `key` (with epochs, it keeps tokens from before them
+    below; alone, it floors a restarted counter at that plus `fence_gap`, a weaker guarantee).
     With neither, tokens only increase while Redis keeps its data. See
-    :mod:`flowlock.locks.redis.fence`. ``socket_timeout`` bounds
-    every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
+    `flowlock.locks.redis.fence`. `socket_timeout` bounds
+    every call to Redis; `max_connections` caps the connections (callers beyond it queue for
     one, within their bound; in a cluster it is per node, and a burst beyond it fails with
-    LockUnavailable instead of queueing). ``token``, ``rng`` and ``clock`` are injectable for tests.
+    LockUnavailable instead of queueing). `token`, `rng` and `clock` are injectable for tests.
     """
 
     def __init__(
@@ -136,11 +136,11 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> RedisLocks:
-        """Locks on an existing client (``redis.asyncio.Redis``, also one from a Sentinel's
-        ``master_for``, or ``redis.asyncio.cluster.RedisCluster``), which ``aclose`` leaves
+        """Locks on an existing client (`redis.asyncio.Redis`, also one from a Sentinel's
+        `master_for`, or `redis.asyncio.cluster.RedisCluster`), which `aclose` leaves
         open. Its own timeouts and
         retries apply underneath ours: turn its retries off for exact release semantics, and
-        leave its ``socket_timeout`` unset (on Python 3.11 redis-py's write timeout can swallow
+        leave its `socket_timeout` unset (on Python 3.11 redis-py's write timeout can swallow
         a task cancellation; every call is bounded here anyway)."""
         self = cls.__new__(cls)
         self._address = None
@@ -203,7 +203,7 @@ class RedisLocks(AsyncResource):
     @property
     def client(self) -> Client:
         """The redis-py client (open backends only); for tests and diagnostics. A
-        ``RedisCluster`` for a ``redis+cluster://`` URL, else a ``Redis``."""
+        `RedisCluster` for a `redis+cluster://` URL, else a `Redis`."""
         return self._require_open()
 
     @property
@@ -218,11 +218,11 @@ class RedisLocks(AsyncResource):
         return self._fence.in_flight
 
     def redis_key(self, key: str) -> str:
-        """The Redis key (and release channel) of lock ``key``."""
+        """The Redis key (and release channel) of lock `key`."""
         return self._keys.lock(key)
 
     def fence_key(self, key: str) -> str:
-        """The Redis key of lock ``key``'s fencing counter."""
+        """The Redis key of lock `key`'s fencing counter."""
         return self._keys.fence(key)
 
     def key_pattern(self) -> str:
@@ -235,7 +235,7 @@ class RedisLocks(AsyncResource):
     async def open(self) -> None:
         """Create the client and start the pub/sub listener. Idempotent. A Redis that is down
         does not make this fail (acquire raises LockUnavailable until it is back); it waits up
-        to ``socket_timeout`` for the first subscription, so that waiters are woken from the
+        to `socket_timeout` for the first subscription, so that waiters are woken from the
         start when Redis is up."""
         if self._open:
             return
@@ -261,7 +261,7 @@ class RedisLocks(AsyncResource):
 
     async def aclose(self) -> None:
         """Stop the listener, let releases in flight finish (each is bounded), close the client
-        (unless it came from ``from_client``). Idempotent; ``open()`` may be called again."""
+        (unless it came from `from_client`). Idempotent; `open()` may be called again."""
         if not self._open:
             return
         self._open = False
@@ -366,7 +366,7 @@ class RedisLocks(AsyncResource):
         return int(reply[0]), int(reply[1])
 
     async def _start_counter(self, key: str, floor: int, bound: float) -> None:
-        """Raise ``key``'s fencing counter to ``floor`` (it was missing, or at its epoch's end)."""
+        """Raise `key`'s fencing counter to `floor` (it was missing, or at its epoch's end)."""
         self._require_open()
         assert self._scripts is not None
         call = scripts.start(
@@ -379,13 +379,13 @@ class RedisLocks(AsyncResource):
         await bounded("start the fencing counter", call, min(bound, self._socket_timeout))
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` (RunOnce lends its own) while this backend was given none; returns
+        """Use `epochs` (RunOnce lends its own) while this backend was given none; returns
         the call that gives them back."""
         return self._fence.lend(epochs)
 
     @property
     def fence_epochs(self) -> FenceEpochs | None:
-        """The fencing epochs in use: given as ``fence_epochs``, else lent, else None."""
+        """The fencing epochs in use: given as `fence_epochs`, else lent, else None."""
         return self._fence.epochs
 
     async def release(self, lease: Lease) -> None:
@@ -425,14 +425,14 @@ class RedisLocks(AsyncResource):
         return lease.renewed(sent + ttl, ttl)
 
     async def ping(self) -> None:
-        """One PING within ``socket_timeout`` (a readiness probe); LockUnavailable when Redis
+        """One PING within `socket_timeout` (a readiness probe); LockUnavailable when Redis
         does not answer."""
         client = self._require_open()
         await bounded("ping", client.ping(), self._socket_timeout)
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free: True as soon as it is seen free
-        or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher
+        """Wait, without taking the lock, until `key` is free: True as soon as it is seen free
+        or its release or expiry is seen, False when `wait` seconds pass first. Every watcher
         is woken by a release (none competes for the lock or takes a waiter's wake). Raises
         LockUnavailable when Redis cannot be asked whether the key is held."""
         check_lock_key(key)

@@ -1,20 +1,20 @@
 """The redis-py client a backend opens, and the one place driver errors are translated.
 
 Failures
-    Every call to Redis is bounded: by ``socket_timeout``, and while acquiring also by what is
-    left of ``wait``. A Redis that refuses, times out or answers an error raises LockUnavailable
+    Every call to Redis is bounded: by `socket_timeout`, and while acquiring also by what is
+    left of `wait`. A Redis that refuses, times out or answers an error raises LockUnavailable
     (nothing acquired; at release the key simply expires at its ttl). redis-py's automatic
     retries are off: a retried compare-and-delete whose first try had landed would report
     LockNotOwned for a lease that was in fact released.
 
-    :func:`translate` is the one place a driver error becomes a flowlock error, and
-    :data:`DRIVER_ERRORS` what it takes: every exception class redis-py defines (``ConnectionError``
-    of a connection killed with ``CLIENT KILL`` or reset, ``TimeoutError``, ``ResponseError``,
-    ``BusyLoadingError`` from a Redis still loading its data after a restart, ``ReadOnlyError``
-    from a replica, and those that do not derive from ``RedisError``, such as the cluster
+    `translate` is the one place a driver error becomes a flowlock error, and
+    `DRIVER_ERRORS` what it takes: every exception class redis-py defines (`ConnectionError`
+    of a connection killed with `CLIENT KILL` or reset, `TimeoutError`, `ResponseError`,
+    `BusyLoadingError` from a Redis still loading its data after a restart, `ReadOnlyError`
+    from a replica, and those that do not derive from `RedisError`, such as the cluster
     client's) and the OS's (a reset socket; the call's own bound). Every call to
-    Redis goes through :func:`bounded`, which uses it; closing the client goes through
-    :func:`close`. redis-py disconnects a connection that failed before it goes back to the
+    Redis goes through `bounded`, which uses it; closing the client goes through
+    `close`. redis-py disconnects a connection that failed before it goes back to the
     pool, so the next call opens a fresh one.
 """
 
@@ -96,7 +96,7 @@ or a Redis Cluster's."""
 
 class Servers:
     """The client a backend sends its commands on, where its pub/sub listener subscribes
-    (:meth:`pubsub`, a fresh subscription each time), and what :meth:`aclose` closes.
+    (`pubsub`, a fresh subscription each time), and what `aclose` closes.
 
     One server and Sentinel: the pub/sub connection is the client's own (with Sentinel it asks
     the sentinels for the primary each time it connects, so the listener follows a failover).
@@ -142,7 +142,7 @@ class Servers:
 
 
 def _accepted(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` that connection class ``cls`` takes (a cluster node's carry
+    """The keywords of `kwargs` that connection class `cls` takes (a cluster node's carry
     the cluster client's own too, which a plain connection refuses)."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -188,11 +188,11 @@ class _Sentinel(Sentinel):
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """A Sentinel primary's pool that queues a burst of callers for a connection, as the one
-    server's pool does, instead of failing them at ``max_connections``."""
+    server's pool does, instead of failing them at `max_connections`."""
 
 
 def _kwargs_for(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` without those a redis-py of this version does not take."""
+    """`options` without those a redis-py of this version does not take."""
     parameters = inspect.signature(cls).parameters
     return {name: value for name, value in options.items() if name in parameters}
 
@@ -214,8 +214,8 @@ def _options(connect_timeout: float) -> dict[str, Any]:
 
 
 def connect(url: str, *, max_connections: int, connect_timeout: float) -> aioredis.Redis:
-    """One server's client (``redis://``, ``rediss://``, ``unix://``) on a bounded, blocking
-    pool: a burst of callers beyond ``max_connections`` queues for a connection (within each
+    """One server's client (`redis://`, `rediss://`, `unix://`) on a bounded, blocking
+    pool: a burst of callers beyond `max_connections` queues for a connection (within each
     call's bound) instead of failing at once. Nothing is sent until the first command."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=None, **_options(connect_timeout)
@@ -224,9 +224,9 @@ def connect(url: str, *, max_connections: int, connect_timeout: float) -> aiored
 
 
 def servers(address: urls.RedisAddress, *, max_connections: int, connect_timeout: float) -> Servers:
-    """The servers ``address`` names (see :mod:`~flowlock.locks.redis.urls`): one server (as
-    :func:`connect`), a Sentinel-managed primary or a Redis Cluster. Nothing is sent until the
-    first command."""
+    """The servers `address` names (see `urls`): one server (as
+    [`connect`][flowlock.connect]), a Sentinel-managed primary or a Redis Cluster. Nothing is sent
+    until the first command."""
     if address.kind == "single":
         return Servers(
             connect(address.url, max_connections=max_connections, connect_timeout=connect_timeout)
@@ -284,8 +284,8 @@ def _sentinel(
 
 
 def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
-    """The flowlock error for driver error ``exc`` raised while doing ``what`` (bounded by
-    ``seconds``): nothing was acquired, extended or released by that call."""
+    """The flowlock error for driver error `exc` raised while doing `what` (bounded by
+    `seconds`): nothing was acquired, extended or released by that call."""
     if isinstance(exc, TimeoutError):
         return LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s")
     advice = ""
@@ -300,8 +300,8 @@ def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
 
 
 async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
-    """Await one Redis call for at most ``seconds``; every driver failure becomes
-    LockUnavailable saying ``what`` was being done (:func:`translate`)."""
+    """Await one Redis call for at most `seconds`; every driver failure becomes
+    LockUnavailable saying `what` was being done (`translate`)."""
     try:
         async with asyncio.timeout(seconds):
             return await call
@@ -310,7 +310,7 @@ async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
 
 
 async def close(servers: Servers, seconds: float) -> None:
-    """Close ``servers`` and their connections; a failure to say goodbye on a connection that is
+    """Close `servers` and their connections; a failure to say goodbye on a connection that is
     already broken is nothing the caller can act on, so it is logged, not raised."""
     try:
         await bounded("close", servers.aclose(), seconds)
@@ -319,7 +319,7 @@ async def close(servers: Servers, seconds: float) -> None:
 
 
 def text(value: object) -> str | None:
-    """A reply as a string (a client from ``from_client`` may not decode its replies)."""
+    """A reply as a string (a client from `from_client` may not decode its replies)."""
     if isinstance(value, bytes):
         return value.decode()
     return None if value is None else str(value)

@@ -1,10 +1,10 @@
 """Where a lock lives in Redis.
 
-Everything lives under ``flowlock:<namespace>:``. The user's key (and the namespace) are
-percent-encoded, so ``:``, ``{``, ``}`` and glob characters never appear raw: ``a:b`` and
-``a`` + ``:b`` can never meet. The lock of key ``k`` is ``flowlock:<ns>:{<k>}`` and its fencing
-counter ``flowlock:<ns>:{<k>}:fence`` (and, with fencing epochs, the counter's stamp
-``flowlock:<ns>:{<k>}:fence:replid``); the ``{...}`` hash tag keeps them in one Redis Cluster
+Everything lives under `flowlock:<namespace>:`. The user's key (and the namespace) are
+percent-encoded, so `:`, `{`, `}` and glob characters never appear raw: `a:b` and
+`a` + `:b` can never meet. The lock of key `k` is `flowlock:<ns>:{<k>}` and its fencing
+counter `flowlock:<ns>:{<k>}:fence` (and, with fencing epochs, the counter's stamp
+`flowlock:<ns>:{<k>}:fence:replid`); the `{...}` hash tag keeps them in one Redis Cluster
 slot, which the scripts need. The lock key is also the pub/sub channel its release is
 announced on (channels and keys are separate name spaces in Redis).
 """
@@ -30,16 +30,16 @@ class Keyspace:
         self._prefix = f"flowlock:{_escape(namespace)}:"
 
     def lock(self, key: str) -> str:
-        """The Redis key (and release channel) of lock ``key``."""
+        """The Redis key (and release channel) of lock `key`."""
         return f"{self._prefix}{{{_escape(key)}}}"
 
     def fence(self, key: str) -> str:
-        """The Redis key of lock ``key``'s fencing counter."""
+        """The Redis key of lock `key`'s fencing counter."""
         return self.lock(key) + ":fence"
 
     def stamp(self, key: str) -> str:
-        """The Redis key of the replication id that lock ``key``'s fencing counter was started
-        on (see :mod:`~flowlock.locks.redis.fence`)."""
+        """The Redis key of the replication id that lock `key`'s fencing counter was started
+        on (see `fence`)."""
         return self.lock(key) + ":fence:replid"
 
     def pattern(self) -> str:

@@ -127,7 +127,7 @@ tuple, so that a test can wrap one of them in something that counts or delays it
 
 
 def register(client: aioredis.Redis | RedisCluster) -> Scripts:
-    """Register the scripts on ``client``: each call sends EVALSHA, and the script text only
+    """Register the scripts on `client`: each call sends EVALSHA, and the script text only
     when the server does not have it (after a restart or a failover, say). In a cluster EVALSHA
     goes to the node of its keys' slot: every script touches the keys of one lock only, which
     share a hash tag."""
@@ -150,25 +150,25 @@ def acquire(
     unknown: str,
     span: str,
 ) -> Awaitable[Any]:
-    """Take the lock for ``token``: a reply ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or
-    ``[NO_COUNTER, counter]`` (start the counter, then call again). ``unknown`` and ``span`` are
-    ARGV[3] and ARGV[4], see :data:`ACQUIRE`."""
+    """Take the lock for `token`: a reply `[ACQUIRED, fencing]`, `[HELD, pttl_ms]` or
+    `[NO_COUNTER, counter]` (start the counter, then call again). `unknown` and `span` are
+    ARGV[3] and ARGV[4], see `ACQUIRE`."""
     return scripts[0](keys=[lock_key, fence_key, stamp_key], args=[token, ttl_ms, unknown, span])
 
 
 def release(scripts: Scripts, *, lock_key: str, token: str) -> Awaitable[Any]:
-    """Delete the lock if ``token`` holds it and announce the release: 1 if it did, else 0."""
+    """Delete the lock if `token` holds it and announce the release: 1 if it did, else 0."""
     return scripts[1](keys=[lock_key], args=[token])
 
 
 def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Awaitable[Any]:
-    """Reset the lock's expiry to ``ttl_ms`` if ``token`` holds it: 1 if it did, else 0."""
+    """Reset the lock's expiry to `ttl_ms` if `token` holds it: 1 if it did, else 0."""
     return scripts[2](keys=[lock_key], args=[token, ttl_ms])
 
 
 def start(
     scripts: Scripts, *, fence_key: str, stamp_key: str, floor: int, stamp: bool
 ) -> Awaitable[Any]:
-    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below (stamped with the
-    server's replication id in ``stamp_key`` when ``stamp``): 1 if it did."""
+    """Raise the counter `fence_key` to `floor` if it is missing or below (stamped with the
+    server's replication id in `stamp_key` when `stamp`): 1 if it did."""
     return scripts[3](keys=[fence_key, stamp_key], args=[floor, "1" if stamp else ""])

@@ -21,7 +21,7 @@ Waiting
     process, not strict across callers or processes.
 
 Watching
-    ``wait_released(key, wait)`` waits for a key to be free without taking it: every watcher of
+    `wait_released(key, wait)` waits for a key to be free without taking it: every watcher of
     the key is woken by its release (they do not compete, and do not take the waiters' wake),
     and by the holder's expiry. The watcher registers before it looks at the key, so a release
     between the look and the wait is not missed.
@@ -64,7 +64,7 @@ _RECONNECT_MAX = 2.0
 
 
 async def wait_for(event: asyncio.Event, seconds: float) -> bool:
-    """Whether ``event`` was set within ``seconds``."""
+    """Whether `event` was set within `seconds`."""
     try:
         async with asyncio.timeout(seconds):
             await event.wait()
@@ -74,7 +74,7 @@ async def wait_for(event: asyncio.Event, seconds: float) -> bool:
 
 
 class _Waiter:
-    """One acquire waiting in a key's local queue. ``woken``: it was handed a release (or the
+    """One acquire waiting in a key's local queue. `woken`: it was handed a release (or the
     holder's expiry) and has not yet either lost a retry to another holder or taken the lease;
     if it leaves the queue meanwhile, the wake goes to the next waiter."""
 
@@ -86,7 +86,7 @@ class _Waiter:
 
 
 class _Watcher:
-    """One ``wait_released`` call. ``released``: a release of the key was announced."""
+    """One `wait_released` call. `released`: a release of the key was announced."""
 
     __slots__ = ("event", "released")
 
@@ -140,12 +140,12 @@ class Wakeups:
         self._queues: dict[str, _Queue] = {}
 
     def jitter(self) -> float:
-        """A random delay up to :data:`WAKE_JITTER` seconds after a holder's expiry."""
+        """A random delay up to `WAKE_JITTER` seconds after a holder's expiry."""
         return self._rng.uniform(0.0, WAKE_JITTER)
 
     def join(self, lock_key: str) -> Place:
-        """A place at the back of ``lock_key``'s queue of waiters; leave it with
-        :meth:`Place.leave` however the wait ends."""
+        """A place at the back of `lock_key`'s queue of waiters; leave it with
+        `Place.leave` however the wait ends."""
         queue = self._queue(lock_key)
         waiter = _Waiter()
         queue.waiters[waiter] = None
@@ -153,7 +153,7 @@ class Wakeups:
 
     @contextlib.contextmanager
     def watch(self, lock_key: str) -> Iterator[Watch]:
-        """Watch ``lock_key``'s releases for the duration of the ``with`` block."""
+        """Watch `lock_key`'s releases for the duration of the `with` block."""
         queue = self._queue(lock_key)
         watcher = _Watcher()
         queue.watchers.add(watcher)
@@ -166,7 +166,7 @@ class Wakeups:
     # --- what the listener and the backend report ----------------------------------------------
 
     def released(self, channel: str) -> None:
-        """A release was announced on ``channel``: every watcher and the oldest waiter wake."""
+        """A release was announced on `channel`: every watcher and the oldest waiter wake."""
         queue = self._queues.get(channel)
         if queue is not None:
             queue.announce_release()
@@ -202,7 +202,7 @@ class Wakeups:
                 del self._queues[lock_key]
 
     def _arm(self, queue: _Queue, pttl_ms: int) -> None:
-        """Wake the oldest waiter of ``queue`` when the holder's lease (``pttl_ms`` left, as a
+        """Wake the oldest waiter of `queue` when the holder's lease (`pttl_ms` left, as a
         failed attempt saw it) runs out, unless an earlier wake-up is already set: one that
         comes too early (the holder extended) costs one attempt, which sets the next."""
         loop = asyncio.get_running_loop()
@@ -230,7 +230,7 @@ class Place:
         self._waiter.event.clear()
 
     def held(self, pttl_ms: int) -> None:
-        """The attempt found the key held with ``pttl_ms`` left (-1: no expiry): make sure the
+        """The attempt found the key held with `pttl_ms` left (-1: no expiry): make sure the
         oldest waiter wakes at the holder's expiry."""
         if pttl_ms >= 0:
             self._wakeups._arm(self._queue, pttl_ms)
@@ -241,7 +241,7 @@ class Place:
         return self._waiter.event.is_set()
 
     async def wait(self, seconds: float) -> None:
-        """Wait for a wake, at most ``seconds``. A waiter that was woken and lost its retry to
+        """Wait for a wake, at most `seconds`. A waiter that was woken and lost its retry to
         another holder keeps its place at the head: the next release is its wake."""
         self._waiter.woken = False
         await wait_for(self._waiter.event, seconds)
@@ -258,7 +258,7 @@ class Place:
 
 
 class Watch:
-    """One ``wait_released`` call's view of its key."""
+    """One `wait_released` call's view of its key."""
 
     __slots__ = ("_watcher",)
 
@@ -276,14 +276,14 @@ class Watch:
 
     async def wait(self, seconds: float) -> bool:
         """Whether something woke the watch (a release, a new subscription, the backend
-        closing) within ``seconds``."""
+        closing) within `seconds`."""
         return await wait_for(self._watcher.event, seconds)
 
 
 class Listener:
     """The one pattern subscription on a namespace's channels, kept up by a task from
-    :meth:`start` to :meth:`stop`; each release heard wakes that key's queue in ``wakeups``.
-    ``pubsubs`` makes a new pub/sub for each try: after a failover, the next one reaches the
+    `start` to `stop`; each release heard wakes that key's queue in `wakeups`.
+    `pubsubs` makes a new pub/sub for each try: after a failover, the next one reaches the
     new primary (Sentinel) or another node (Cluster)."""
 
     def __init__(
@@ -304,7 +304,7 @@ class Listener:
         self.listening = False
 
     async def start(self, *, name: str, wait: float) -> None:
-        """Start listening, and wait up to ``wait`` seconds for the first subscription (or the
+        """Start listening, and wait up to `wait` seconds for the first subscription (or the
         first failure), so that waiters are woken from the start when Redis is up."""
         first_try = asyncio.Event()
         self._task = asyncio.create_task(self._run(first_try), name=name)
