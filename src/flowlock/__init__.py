@@ -1,7 +1,7 @@
 """flowlock: a workflow engine whose every transition is atomic and applied exactly once.
 
-``flowlock.Engine`` is async; ``flowlock.sync.Engine`` is its blocking twin. The public API is
-what ``__all__`` lists. Names load on first use, so ``import flowlock`` loads no driver.
+`flowlock.Engine` is async; `flowlock.sync.Engine` is its blocking twin. The public API is
+what `__all__` lists. Names load on first use, so `import flowlock` loads no driver.
 """
 
 from __future__ import annotations

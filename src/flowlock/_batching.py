@@ -1,9 +1,9 @@
-"""Per-key batching of concurrent calls: what the engine uses to apply many ``fire`` calls on one
+"""Per-key batching of concurrent calls: what the engine uses to apply many `fire` calls on one
 instance with one read and one write.
 
 A call on a key nobody is working on runs at once, in its caller's task, alone: an idle engine
 adds no latency and no task. Calls that arrive while the key is busy wait in the key's queue; when
-the key frees, one driver task takes everything queued (at most ``max_batch``) and runs it as one
+the key frees, one driver task takes everything queued (at most `max_batch`) and runs it as one
 batch, then the next batch, until the queue is empty. There is no timer: a batch is whatever
 arrived while the previous work was in flight.
 
@@ -37,7 +37,7 @@ class _Waiter(Generic[C, R]):
 
 
 def _take(queue: deque[_Waiter[C, R]], most: int) -> list[_Waiter[C, R]]:
-    """At most ``most`` waiters off the front of ``queue``, skipping those whose caller was
+    """At most `most` waiters off the front of `queue`, skipping those whose caller was
     cancelled while it waited."""
     taken: list[_Waiter[C, R]] = []
     while queue and len(taken) < most:
@@ -48,7 +48,7 @@ def _take(queue: deque[_Waiter[C, R]], most: int) -> list[_Waiter[C, R]]:
 
 
 async def _answer(taken: list[_Waiter[C, R]], many: Many[C, R]) -> None:
-    """Run ``many`` over the calls of ``taken`` and hand each waiter its own answer. A failure of
+    """Run `many` over the calls of `taken` and hand each waiter its own answer. A failure of
     the whole (a round trip, or a bug below) is every call's answer; a cancelled run cancels
     them (the engine or store is closing)."""
     try:
@@ -79,8 +79,8 @@ class _Lane(Generic[C, R]):
 
 
 class Batcher(Generic[C, R]):
-    """Runs calls per key: alone when the key is idle, in batches of at most ``max_batch`` while
-    it is busy. ``submit`` answers each call with its own result or raises its own error."""
+    """Runs calls per key: alone when the key is idle, in batches of at most `max_batch` while
+    it is busy. `submit` answers each call with its own result or raises its own error."""
 
     def __init__(self, max_batch: int) -> None:
         self._max = max_batch
@@ -94,8 +94,8 @@ class Batcher(Generic[C, R]):
         return len(self._lanes)
 
     async def submit(self, key: Hashable, call: C, one: One[C, R], many: Many[C, R]) -> R:
-        """``call``'s result: ``one(call)`` when ``key`` is idle, otherwise its place in the next
-        ``many(batch)`` (whose answers come in the batch's order: a result, or an exception
+        """`call`'s result: `one(call)` when `key` is idle, otherwise its place in the next
+        `many(batch)` (whose answers come in the batch's order: a result, or an exception
         raised to that caller alone)."""
         lane = self._lanes.get(key)
         if lane is not None:
@@ -148,9 +148,9 @@ class Batcher(Generic[C, R]):
 
 
 class Coalescer(Generic[C, R]):
-    """Runs calls of one kind (reads, writes) on any keys with at most ``depth`` round trips in
+    """Runs calls of one kind (reads, writes) on any keys with at most `depth` round trips in
     flight: a call goes at once, alone, while fewer are in flight; otherwise it queues, and the
-    next free slot takes everything queued (at most ``max_batch``) as one ``many(batch)`` round
+    next free slot takes everything queued (at most `max_batch`) as one `many(batch)` round
     trip. Why a depth and not one round trip at a time: a statement that waits (a row lock held
     elsewhere) then holds up one slot, not every call of the process."""
 
@@ -163,7 +163,7 @@ class Coalescer(Generic[C, R]):
         self._drivers: set[asyncio.Task[None]] = set()
 
     async def submit(self, call: C, one: One[C, R]) -> R:
-        """``call``'s result: ``one(call)`` when a slot is free, else its place in a batch."""
+        """`call`'s result: `one(call)` when a slot is free, else its place in a batch."""
         if self._in_flight < self._depth and not self._queue:
             self._in_flight += 1
             try:

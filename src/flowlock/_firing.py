@@ -44,7 +44,7 @@ class Runner:
     def outcome(
         self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
     ) -> Outcome:
-        """The Outcome of ``call`` from what its strategy did, recorded in the metrics."""
+        """The Outcome of `call` from what its strategy did, recorded in the metrics."""
         outcome = Outcome(
             applied=result.applied,
             idempotent=not result.applied,
@@ -65,7 +65,7 @@ class Runner:
         return outcome
 
     async def run_batch(self, chosen: Strategy, store: Store, items: Sequence[Item]) -> Answers:
-        """The calls of ``items`` (one instance, one strategy) as one batch under ``chosen``:
+        """The calls of `items` (one instance, one strategy) as one batch under `chosen`:
         one read, the calls decided in order, one write; each call's Outcome or error."""
         calls = tuple(call for call, _, _ in items)
         first = calls[0]
@@ -129,7 +129,7 @@ class Runner:
     def _batch_failure(
         self, exc: FlowlockError, item: Item, chosen: Strategy, workflow: str, size: int
     ) -> FlowlockError:
-        """``exc`` as the error of the call of ``item`` in a batch of ``size`` calls (its own
+        """`exc` as the error of the call of `item` in a batch of `size` calls (its own
         event in a retries-exhausted error), recorded in the metrics and on its span (which its
         caller ends)."""
         call, started, span = item
@@ -157,8 +157,8 @@ class Runner:
         store: Store,
         span: tracing.FireSpan | None,
     ) -> StrategyResult:
-        """``call`` under ``chosen`` on ``store``, the pure step bound to the registered
-        workflows; a failure is recorded in the metrics and on ``span`` (with the workflow, once
+        """`call` under `chosen` on `store`, the pure step bound to the registered
+        workflows; a failure is recorded in the metrics and on `span` (with the workflow, once
         the step has read the instance) and re-raised."""
         workflows = self._workflows
         limit = self._max_payload
@@ -194,7 +194,7 @@ class Runner:
 
 
 def failure_label(exc: BaseException) -> str:
-    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
+    """The `flowlock.outcome` of a call that raised `exc`: the metrics' label for a flowlock
     error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
     if isinstance(exc, FlowlockError):
         return failure_outcome(exc)

@@ -69,11 +69,11 @@ _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
 
 Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
-"""An asyncpg connection inside a transaction the caller opened (``connection=``)."""
+"""An asyncpg connection inside a transaction the caller opened (`connection=`)."""
 
 
 def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
-    """An engine over the database at ``database_url``: the same as ``Engine.connect``."""
+    """An engine over the database at `database_url`: the same as `Engine.connect`."""
     return Engine.connect(database_url, **options)
 
 
@@ -88,7 +88,7 @@ def _check_fire_args(
     request_id: str | None,
     expected_version: int | None,
 ) -> None:
-    """Every argument of ``fire`` but the payload, checked before anything is read."""
+    """Every argument of `fire` but the payload, checked before anything is read."""
     _check_text(instance_id, "instance_id")
     if not isinstance(event, str) or not _EVENT.fullmatch(event):
         raise InvalidInput(
@@ -110,8 +110,8 @@ def _check_fire_args(
 class Engine:
     """A workflow engine over one store.
 
-    Build it with ``Engine.connect(database_url, ...)`` or ``Engine(store, ...)``.
-    Open it with ``async with`` (or ``await engine.open()``); ``aclose()`` closes it.
+    Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
+    Open it with `async with` (or `await engine.open()`); `aclose()` closes it.
     The keywords are [EngineOptions][flowlock.options.EngineOptions]; the guides on
     strategies and batching say what each does. A bad one raises InvalidInput.
     """
@@ -162,10 +162,10 @@ class Engine:
 
     @classmethod
     def connect(cls, database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
-        """An engine over the database at ``database_url``, not opened yet.
+        """An engine over the database at `database_url`, not opened yet.
 
-        ``postgresql://...``, ``sqlite:///path`` or ``memory://``; or ``pool=`` an asyncpg pool.
-        The keywords are :class:`flowlock.options.ConnectOptions`.
+        `postgresql://...`, `sqlite:///path` or `memory://`; or `pool=` an asyncpg pool.
+        The keywords are [`flowlock.options.ConnectOptions`][flowlock.options.ConnectOptions].
         """
         store, engine_options = compose(database_url, options)
         return cls(store, **engine_options)
@@ -210,7 +210,7 @@ class Engine:
             await self._close(self._backends)
 
     async def _close(self, backends: Sequence[LockBackend]) -> None:
-        """Close ``backends`` (last opened first), then the store. A failure does not stop the
+        """Close `backends` (last opened first), then the store. A failure does not stop the
         others from closing; it is raised once they all have run."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self._store.aclose)
@@ -254,7 +254,7 @@ class Engine:
     # -- definitions -----------------------------------------------------------------------
 
     async def register(self, workflow: Workflow) -> None:
-        """Make ``workflow`` available to ``create`` and ``fire``. Re-registering the same name
+        """Make `workflow` available to `create` and `fire`. Re-registering the same name
         replaces the definition (a deploy); instances keep their state and version."""
         if not isinstance(workflow, Workflow):
             raise InvalidInput(
@@ -279,8 +279,8 @@ class Engine:
     # -- instances -------------------------------------------------------------------------
 
     def _check_data(self, data: object, what: str) -> Mapping[str, Any]:
-        """``data`` as plain JSON within ``max_payload_bytes``, or InvalidInput (see
-        :func:`flowlock.core.jsondata.check_object`, the check the step also runs on what effects
+        """`data` as plain JSON within `max_payload_bytes`, or InvalidInput (see
+        `flowlock.core.jsondata.check_object`, the check the step also runs on what effects
         return)."""
         return check_object(data, what, self._max_payload)
 
@@ -292,12 +292,12 @@ class Engine:
         data: Mapping[str, Any] | None = None,
         connection: Connection | None = None,
     ) -> Instance:
-        """A new instance of ``workflow`` in its initial state at version 1.
+        """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken.
 
-        ``connection``: an asyncpg connection inside a transaction you opened (PostgreSQL
+        `connection`: an asyncpg connection inside a transaction you opened (PostgreSQL
         only): the instance is inserted in that transaction, so it exists once you commit and
-        not at all if you roll back (see :meth:`fire`)."""
+        not at all if you roll back (see [`fire`][flowlock.engine.Engine.fire])."""
         self._check_open()
         _check_text(instance_id, "instance_id")
         wf = self._workflow(workflow)
@@ -338,16 +338,16 @@ class Engine:
     ) -> Page:
         """One page of the instances that match every filter given, in id order.
 
-        - ``workflow``: of this workflow (a name nobody registered is a valid query; it finds
+        - `workflow`: of this workflow (a name nobody registered is a valid query; it finds
           what the database holds under that name);
-        - ``state``: in this state, or in any of a list of states;
-        - ``updated_before`` / ``updated_after``: last changed strictly before / after this
+        - `state`: in this state, or in any of a list of states;
+        - `updated_before` / `updated_after`: last changed strictly before / after this
           moment (timezone-aware datetimes);
-        - ``limit``: at most this many instances (1 to 1000);
-        - ``after``: the ``next_cursor`` of the previous page (None: the first page).
+        - `limit`: at most this many instances (1 to 1000);
+        - `after`: the `next_cursor` of the previous page (None: the first page).
 
-        Returns a :class:`flowlock.Page`: a sequence of Instances plus ``next_cursor`` (None on
-        the last page). Instances come in id order (code point order, the same on every store).
+        Returns a [`flowlock.Page`][flowlock.Page]: a sequence of Instances plus `next_cursor` (None
+        on the last page). Instances come in id order (code point order, the same on every store).
         Pages are a keyset over the id, which never changes: a walk over them returns each
         instance at most once and ends, also while other callers fire transitions; an instance
         that matches throughout the walk is returned exactly once, one that changes meanwhile
@@ -355,7 +355,7 @@ class Engine:
         read; there is no snapshot across pages.
 
         Raises InvalidInput (before anything is read) for a bad filter, a naive datetime,
-        ``updated_after`` not before ``updated_before``, a limit out of range or a string that is
+        `updated_after` not before `updated_before`, a limit out of range or a string that is
         not a cursor.
         """
         self._check_open()
@@ -378,9 +378,9 @@ class Engine:
         updated_before: datetime | None = None,
         updated_after: datetime | None = None,
     ) -> int:
-        """How many instances match the filters; the same filters as :meth:`list`, checked the
-        same way. One consistent read (under concurrent writes it may differ from what a walk
-        over the pages, read later, finds)."""
+        """How many instances match the filters; the same filters as
+        [`list`][flowlock.engine.Engine.list], checked the same way. One consistent read (under
+        concurrent writes it may differ from what a walk over the pages, read later, finds)."""
         self._check_open()
         query = instance_query(workflow, state, updated_before, updated_after)
         return await self._store.count_instances(query)
@@ -397,26 +397,26 @@ class Engine:
         strategy: str | Strategy | None = None,
         connection: Connection | None = None,
     ) -> Outcome:
-        """Fire ``event`` at the instance; the transition is applied at most once.
+        """Fire `event` at the instance; the transition is applied at most once.
 
-        Returns an Outcome (``applied`` or ``idempotent``). Raises TransitionNotAllowed,
+        Returns an Outcome (`applied` or `idempotent`). Raises TransitionNotAllowed,
         GuardRejected, VersionMismatch, ConflictRetriesExhausted, LockTimeout / LockBusy,
         InstanceNotFound, or InvalidInput for bad arguments (before anything is read).
 
-        ``payload`` (a JSON object) is passed to the guard and effect and kept in the history
-        row (``HistoryEntry.payload``). ``request_id`` is the call's idempotency key: a retry
-        with the same event and payload answers the first outcome (``idempotent=True``); the
+        `payload` (a JSON object) is passed to the guard and effect and kept in the history
+        row (`HistoryEntry.payload`). `request_id` is the call's idempotency key: a retry
+        with the same event and payload answers the first outcome (`idempotent=True`); the
         same key with another event or payload raises IdempotencyKeyReused. Only applied calls
         are remembered: a refused one (TransitionNotAllowed, GuardRejected, StepFailed...) wrote
         nothing, so a retry under the same key may apply once the state allows it. A guard or
         effect that raises is reported as StepFailed, data an effect returns that is not JSON
         or too large as InvalidInput; either way nothing is written.
 
-        ``connection``: an asyncpg connection inside a transaction you opened (PostgreSQL
+        `connection`: an asyncpg connection inside a transaction you opened (PostgreSQL
         only). The transition is written in that transaction (in a savepoint, with flowlock's
         lock_timeout set for it and your own put back after), so it commits or rolls back with
         your own rows; flowlock never commits it. Inside it, optimistic makes ONE
-        compare-and-swap (a lost race raises ConflictRetriesExhausted with ``attempts=1``, unless
+        compare-and-swap (a lost race raises ConflictRetriesExhausted with `attempts=1`, unless
         the winner already applied this request: idempotent), pessimistic holds the row lock
         until you commit, adaptive runs its current choice, and distributed is refused
         (InvalidInput). A failure undoes flowlock's part only; your transaction stays usable.
@@ -505,7 +505,7 @@ class Engine:
             cache.popitem(last=False)
 
     def _transactional(self) -> TransactionalStore:
-        """The store, when it can join a caller's transaction (``connection=``)."""
+        """The store, when it can join a caller's transaction (`connection=`)."""
         store = self._store
         if not isinstance(store, TransactionalStore):
             raise InvalidInput(

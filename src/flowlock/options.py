@@ -1,6 +1,6 @@
-"""The keywords of ``Engine()`` and ``connect()``, each defined once.
+"""The keywords of `Engine()` and `connect()`, each defined once.
 
-``Engine``, ``flowlock.sync.Engine`` and every ``connect`` take them with ``Unpack``.
+`Engine`, `flowlock.sync.Engine` and every `connect` take them with `Unpack`.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ __all__ = [
 ]
 
 DEFAULT_SYNC = 0.5
-"""Seconds between two escalation-sync rounds, unless ``escalation_sync``."""
+"""Seconds between two escalation-sync rounds, unless `escalation_sync`."""
 
 DEFAULT_MAX_BATCH = 256
-"""The most calls on one instance decided and written together, unless ``max_batch``."""
+"""The most calls on one instance decided and written together, unless `max_batch`."""
 
 MAX_BATCH = 10_000
 
 LockKind: TypeAlias = Literal["redis", "advisory", "memory"]
-"""``connect(locks=...)``: the lock backend the "distributed" strategy leases from."""
+"""`connect(locks=...)`: the lock backend the "distributed" strategy leases from."""
 
 
 class _Tuning(TypedDict, total=False):
-    """How an engine runs calls: the keywords ``Engine()`` and ``connect()`` share."""
+    """How an engine runs calls: the keywords `Engine()` and `connect()` share."""
 
     strategy: str
     """The default strategy's name ("optimistic")."""
     strategies: StrategyConfig | None
-    """Strategy objects, e.g. ``[Optimistic(max_attempts=5)]``; presets fill the other names."""
+    """Strategy objects, e.g. `[Optimistic(max_attempts=5)]`; presets fill the other names."""
     monitor: ConflictMonitor | None
     """The adaptive strategy's monitor: threshold, window, what it escalates to."""
     max_payload_bytes: int
@@ -60,22 +60,22 @@ class _Tuning(TypedDict, total=False):
 
 
 class EngineOptions(_Tuning, total=False):
-    """The keywords of ``Engine(store, ...)`` and ``flowlock.sync.Engine(store, ...)``."""
+    """The keywords of `Engine(store, ...)` and `flowlock.sync.Engine(store, ...)`."""
 
     locks: LockBackend | None
     """The lock backend of the "distributed" strategy."""
 
 
 class ConnectOptions(_Tuning, total=False):
-    """The keywords of ``connect(database_url, ...)``, ``Engine.connect`` and the sync one's.
+    """The keywords of `connect(database_url, ...)`, `Engine.connect` and the sync one's.
 
-    ``None`` means the default named. Every keyword is checked before anything opens.
+    `None` means the default named. Every keyword is checked before anything opens.
     """
 
     pool: asyncpg.Pool | None
     """An application's asyncpg pool, used as it is and never closed by flowlock."""
     redis_url: str | None
-    """Lease from Redis: ``redis://``, ``unix://``, ``redis+sentinel://``, ``redis+cluster://``."""
+    """Lease from Redis: `redis://`, `unix://`, `redis+sentinel://`, `redis+cluster://`."""
     locks: LockKind | None
     """Which lock backend the "distributed" strategy leases from ("redis" with redis_url)."""
     auto_migrate: bool
@@ -95,7 +95,7 @@ class ConnectOptions(_Tuning, total=False):
     lease_wait: float | None
     """Seconds the distributed strategy waits for a lease, then LockTimeout (5)."""
     application_name: str | None
-    """The name in ``pg_stat_activity`` ("flowlock")."""
+    """The name in `pg_stat_activity` ("flowlock")."""
     schema: str | None
     """The PostgreSQL schema of flowlock's tables (the search path's first)."""
     namespace: str
@@ -103,7 +103,7 @@ class ConnectOptions(_Tuning, total=False):
 
 
 def check_keywords(given: Mapping[str, object], allowed: type, where: str) -> None:
-    """TypeError for a keyword ``allowed`` (a TypedDict) does not name, as Python would."""
+    """TypeError for a keyword `allowed` (a TypedDict) does not name, as Python would."""
     keys: frozenset[str] = getattr(allowed, "__optional_keys__", frozenset())
     for name in given:
         if name not in keys:

@@ -1,5 +1,5 @@
 """The README stays true: its example runs, its two commands are the ones CI runs, CI runs every
-check it names, and CONTRIBUTING.md maps each of its promises to tests that exist."""
+check it names, and docs/promises.toml maps each of its promises to tests that exist."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,23 +79,24 @@ def _defined_tests(path: Path) -> set[str]:
 
 @pytest.mark.slow
 def test_every_promise_names_tests_that_exist() -> None:
-    """CONTRIBUTING.md's table of README promises: every row names at least one test, every
-    test it names exists (file and function), and every metric the README lists has a row."""
-    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
-    table = _section(contributing, "## README promises and their tests")
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    rows = rows[1:]  # the header
+    """docs/promises.toml, the README's promises (the docs site's table): every entry names at
+    least one test, every test it names exists (file and function), and every metric the
+    README lists has an entry."""
+    source = (ROOT / "docs" / "promises.toml").read_text(encoding="utf-8")
+    rows = tomllib.loads(source)["promise"]
     assert len(rows) >= 40, len(rows)
     missing: list[str] = []
     for row in rows:
-        refs = re.findall(r"`(tests/[\w/]+\.py)::([\w:]+)`", row)
-        assert refs, f"no test named for: {row}"
-        for file, name in refs:
-            path = ROOT / file
-            if not path.is_file() or name not in _defined_tests(path):
-                missing.append(f"{file}::{name}")
+        refs = [re.fullmatch(r"(tests/[\w/]+\.py)::([\w:]+)", test) for test in row["tests"]]
+        assert refs, f"no test named for: {row['text']}"
+        assert all(refs), row["tests"]
+        for ref in refs:
+            assert ref is not None
+            path = ROOT / ref[1]
+            if not path.is_file() or ref[2] not in _defined_tests(path):
+                missing.append(ref[0])
     assert not missing, missing
-    promises = " ".join(row.split(" | ")[0] for row in rows)
+    promises = " ".join(row["text"] for row in rows)
     metrics = set(re.findall(r"`(flowlock_\w+)", _section(README, "### Observability")))
     assert len(metrics) == 10, metrics
     assert not {m for m in metrics if f"`{m}`" not in promises}
@@ -102,7 +104,8 @@ def test_every_promise_names_tests_that_exist() -> None:
 
 def test_ci_runs_every_check_the_readme_names() -> None:
     """The checks the README's Development section names (ruff check, ruff format --check,
-    mypy, lint-imports, a coverage floor) are each run by .ci/run."""
+    mypy, lint-imports, mkdocs build --strict, a coverage floor) are each run by .ci/run; the
+    floor is pyproject's, which .ci/run's coverage run reads."""
     development = _section(README, "## Development")
     ci = (ROOT / ".ci/run").read_text(encoding="utf-8")
     checks = {
@@ -110,11 +113,14 @@ def test_ci_runs_every_check_the_readme_names() -> None:
         "`ruff format --check`": ".venv/bin/ruff format --check src tests",
         "`mypy`": ".venv/bin/mypy",
         "`lint-imports`": ".venv/bin/lint-imports",
-        "coverage floor": "--cov-fail-under=",
+        "`mkdocs build --strict`": ".venv/bin/mkdocs build --strict",
+        "coverage floor": "--cov=flowlock",
     }
     for named, command in checks.items():
         assert named in development, named
         assert command in ci, command
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert pyproject["tool"]["coverage"]["report"]["fail_under"] >= 89
 
 
 def test_the_repository_is_self_contained() -> None:

@@ -1,7 +1,7 @@
-"""``flowlock-lab``, and what ``flowlock bench`` forwards to the lab.
+"""`flowlock-lab`, and what `flowlock bench` forwards to the lab.
 
-``flowlock bench --soak/--faults/--hosts/--http`` import this module (the only import of the
-lab in flowlock). ``flowlock-lab soak`` runs a soak directly.
+`flowlock bench --soak/--faults/--hosts/--http` import this module (the only import of the
+lab in flowlock). `flowlock-lab soak` runs a soak directly.
 """
 
 from __future__ import annotations
@@ -138,5 +138,5 @@ def _root() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``flowlock-lab``)."""
+    """Console-script entry point (`flowlock-lab`)."""
     app(prog_name="flowlock-lab")

@@ -1,10 +1,10 @@
 """The soak's fault injector: what to break, when, and the bounded loop that does it.
 
-Every few seconds (``interval``, jittered by half either way) it picks the next fault kind from a
+Every few seconds (`interval`, jittered by half either way) it picks the next fault kind from a
 shuffled cycle of the enabled kinds, so each kind happens once in every cycle, and asks the
-soak's :class:`Targets` to do it. Pauses run in the background (the loop goes on meanwhile)
+soak's `Targets` to do it. Pauses run in the background (the loop goes on meanwhile)
 and are always ended by a SIGCONT, also when the soak stops early. All choices come from one
-seeded random source, so ``--seed`` replays the same schedule (the timing of the load around it
+seeded random source, so `--seed` replays the same schedule (the timing of the load around it
 differs from run to run).
 """
 
@@ -42,7 +42,7 @@ class Targets(Protocol):
 
 
 class Schedule:
-    """The order and timing of the faults: a shuffled cycle of ``kinds`` (each kind once per
+    """The order and timing of the faults: a shuffled cycle of `kinds` (each kind once per
     cycle), the gap before each, and how long each pause lasts (from a tenth of the lease ttl up
     to twice it, so about half the pauses outlive the worker's leases)."""
 
@@ -74,8 +74,8 @@ class Schedule:
 
 
 class FaultInjector:
-    """Injects faults from ``schedule`` into ``targets`` until ``stop_at`` (monotonic) or
-    ``max_faults``, recording each one; a fault that fails is recorded with ``ok=False`` and
+    """Injects faults from `schedule` into `targets` until `stop_at` (monotonic) or
+    `max_faults`, recording each one; a fault that fails is recorded with `ok=False` and
     what went wrong, and the loop goes on."""
 
     def __init__(
@@ -89,7 +89,7 @@ class FaultInjector:
         self._pauses: set[asyncio.Task[None]] = set()
 
     async def run(self, stop_at: float) -> None:
-        """Inject until ``stop_at`` (no new fault starts within a second of it); pauses still
+        """Inject until `stop_at` (no new fault starts within a second of it); pauses still
         running are awaited (each is bounded) before returning."""
         try:
             while len(self.faults) + len(self._pauses) < self.max_faults:

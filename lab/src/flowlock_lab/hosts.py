@@ -1,9 +1,9 @@
-"""Several hosts on one machine: Linux network namespaces on a bridge, for ``flowlock bench
---hosts N`` and the multi-host tests.
+"""Several hosts on one machine: Linux network namespaces on a bridge, for `flowlock bench
+--hosts N` and the multi-host tests.
 
-One run (its id six hex digits, say ``3fa2c1``; every name it creates carries it, so parallel
+One run (its id six hex digits, say `3fa2c1`; every name it creates carries it, so parallel
 runs never meet) makes, on a /24 of 10.213.0.0/16 that no interface or route of the machine
-uses::
+uses:
 
     root namespace                               network namespace flowlock-3fa2c1-h0
     bridge flb3fa2c1  10.213.7.1/24 ── veth flv3fa2c1h0 ══ flp3fa2c1h0  10.213.7.10/24
@@ -13,17 +13,17 @@ uses::
 The servers (the bench's embedded PostgreSQL and Redis) listen on the bridge's address, which is
 this machine's own, so the runner in the root namespace reaches them there too; each namespace
 reaches them over its own veth from its own address, as a separate machine on a LAN would. With a
-delay, ``tc netem`` holds back every packet by that much in each direction of each host's link
+delay, `tc netem` holds back every packet by that much in each direction of each host's link
 (both ends of the veth), so a round trip to the servers gains twice the delay. Worker processes
-run inside a namespace through ``ip netns exec <namespace> <python> -m ...``
-(:meth:`Host.command`).
+run inside a namespace through `ip netns exec <namespace> <python> -m ...`
+(`Host.command`).
 
-:meth:`NamespacedHosts.stop` (also on errors and Ctrl-C) ends any process still inside the
+`NamespacedHosts.stop` (also on errors and Ctrl-C) ends any process still inside the
 namespaces, deletes the namespaces (which deletes their veths), the bridge, and checks that none
-of the run's names is left. It needs root and iproute2 (``ip``, and ``tc`` for a delay); where
-they are missing :class:`~flowlock_lab.errors.HostsUnavailable` says which, so tests can skip with
-that reason. The address plan and the command lines are pure (:func:`plan_hosts`,
-:meth:`HostPlan.setup_commands`...), tested without privileges.
+of the run's names is left. It needs root and iproute2 (`ip`, and `tc` for a delay); where
+they are missing `HostsUnavailable` says which, so tests can skip with
+that reason. The address plan and the command lines are pure (`plan_hosts`,
+`HostPlan.setup_commands`...), tested without privileges.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 DEFAULT_DELAY_MS = 1.0
-"""The netem delay of ``--hosts N`` (N > 1) when none is given and the kernel has netem."""
+"""The netem delay of `--hosts N` (N > 1) when none is given and the kernel has netem."""
 SUBNET_POOL = IPv4Network("10.213.0.0/16")
 """Where a run's /24 comes from: private, and unlikely to be anyone's LAN; a /24 some interface
 or route of the machine already uses is never picked."""
@@ -90,7 +90,7 @@ def _ip_advice(what: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Host:
     """One namespaced host: its network namespace, the veth pair joining it to the bridge (the
-    root end ``veth``, the end inside the namespace ``peer``) and its address."""
+    root end `veth`, the end inside the namespace `peer`) and its address."""
 
     index: int
     netns: str
@@ -104,8 +104,8 @@ class Host:
         return str(self.address.ip)
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host's namespace (``ip netns exec`` execs it, so the
-        process started is ``argv[0]`` itself, not a wrapper)."""
+        """`argv` run inside this host's namespace (`ip netns exec` execs it, so the
+        process started is `argv[0]` itself, not a wrapper)."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
 
@@ -129,7 +129,7 @@ class HostPlan:
         return str(self.gateway.ip)
 
     def host_for(self, worker: int) -> Host:
-        """The host worker process number ``worker`` runs on: round robin, so N workers over
+        """The host worker process number `worker` runs on: round robin, so N workers over
         N hosts put one on each."""
         return self.hosts[worker % len(self.hosts)]
 
@@ -164,7 +164,7 @@ class HostPlan:
         ]
 
     def delay_commands(self, host: Host, delay_ms: float) -> list[list[str]]:
-        """netem on both ends of the host's veth: each direction is delayed by ``delay_ms``."""
+        """netem on both ends of the host's veth: each direction is delayed by `delay_ms`."""
         netem = ["root", "netem", "delay", _ms(delay_ms)]
         return [
             ["tc", "qdisc", "add", "dev", host.veth, *netem],
@@ -200,14 +200,14 @@ def _check_run_id(run_id: str) -> str:
 
 
 def check_count(count: int) -> int:
-    """``count`` if it is a number of hosts a run can make, else InvalidInput."""
+    """`count` if it is a number of hosts a run can make, else InvalidInput."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_HOSTS:
         raise InvalidInput(f"hosts must be 1 to {MAX_HOSTS}, not {count!r}")
     return count
 
 
 def check_delay(delay_ms: float) -> float:
-    """``delay_ms`` if it is a netem delay (0 for none), else InvalidInput."""
+    """`delay_ms` if it is a netem delay (0 for none), else InvalidInput."""
     if (
         isinstance(delay_ms, bool)
         or not isinstance(delay_ms, int | float)
@@ -218,7 +218,7 @@ def check_delay(delay_ms: float) -> float:
 
 
 def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
-    """The names and addresses of ``count`` hosts on ``subnet`` (a /24) for run ``run_id``."""
+    """The names and addresses of `count` hosts on `subnet` (a /24) for run `run_id`."""
     check_count(count)
     run_id = _check_run_id(run_id)
     if subnet.prefixlen != 24:
@@ -238,7 +238,7 @@ def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
 
 
 def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
-    """The IPv4 networks the machine uses, from ``ip -j -4 addr`` and ``ip -j -4 route`` (their
+    """The IPv4 networks the machine uses, from `ip -j -4 addr` and `ip -j -4 route` (their
     parsed JSON): every interface's network and every route's destination but the default."""
     found: list[IPv4Network] = []
     for link in addresses or ():
@@ -254,7 +254,7 @@ def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
 
 
 def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
-    """A /24 of :data:`SUBNET_POOL` that overlaps none of ``used``, in random order (so two
+    """A /24 of `SUBNET_POOL` that overlaps none of `used`, in random order (so two
     runs rarely try the same one first); HostsUnavailable when every one is taken."""
     taken = list(used)
     candidates = list(SUBNET_POOL.subnets(new_prefix=24))[1:-1]
@@ -269,7 +269,7 @@ def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
 
 
 def check_available(*, delay: bool = False) -> None:
-    """What can be told without changing anything: Linux, root, ``ip`` (and ``tc`` when a
+    """What can be told without changing anything: Linux, root, `ip` (and `tc` when a
     delay is wanted). HostsUnavailable naming the first fact missing."""
     if not sys.platform.startswith("linux"):
         raise HostsUnavailable(
@@ -305,7 +305,7 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _must(argv: Sequence[str]) -> str:
-    """Run ``argv``; its stdout, or HostsError (HostsUnavailable when the kernel refused the
+    """Run `argv`; its stdout, or HostsError (HostsUnavailable when the kernel refused the
     privilege) quoting what it said."""
     done = _run(argv)
     if done.returncode == 0:
@@ -372,13 +372,13 @@ class _State:
 
 
 class NamespacedHosts(BlockingResource):
-    """``count`` namespaced hosts on a bridge of their own (see the module docstring), made by
-    :meth:`start` and removed by :meth:`stop`; ``with`` and ``async with`` do both.
+    """`count` namespaced hosts on a bridge of their own (see the module docstring), made by
+    `start` and removed by `stop`; `with` and `async with` do both.
 
-    ``delay_ms``: the netem delay of each direction of each host's link. None (the default):
-    :data:`DEFAULT_DELAY_MS` when ``count`` > 1 and the kernel has netem, else none (a note in
-    :attr:`notes` says why); a number: exactly that, 0 for none, HostsUnavailable when it cannot
-    be applied. ``run_id``: the id in every name (default: random).
+    `delay_ms`: the netem delay of each direction of each host's link. None (the default):
+    `DEFAULT_DELAY_MS` when `count` > 1 and the kernel has netem, else none (a note in
+    `notes` says why); a number: exactly that, 0 for none, HostsUnavailable when it cannot
+    be applied. `run_id`: the id in every name (default: random).
     """
 
     _thread_name = "flowlock-hosts-stop"
@@ -422,7 +422,7 @@ class NamespacedHosts(BlockingResource):
 
     @property
     def killed(self) -> tuple[int, ...]:
-        """Processes :meth:`stop` found still inside a namespace and ended."""
+        """Processes `stop` found still inside a namespace and ended."""
         return tuple(self._state.killed)
 
     def describe(self) -> dict[str, Any]:

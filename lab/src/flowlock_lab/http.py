@@ -1,16 +1,16 @@
-"""Through the service (``flowlock bench --http``): a ``flowlock serve`` subprocess started for the
+"""Through the service (`flowlock bench --http`): a `flowlock serve` subprocess started for the
 run, and a session that makes each call an HTTP request to it.
 
-:func:`running_service` starts ``python -m flowlock serve`` on a free port of 127.0.0.1, on the
-run's database and scratch schema (the schema travels as the connection's ``search_path``, in the
-URL), serving :mod:`flowlock_lab.http_app`, waits (bounded) for ``/livez``, and on the way out,
+`running_service` starts `python -m flowlock serve` on a free port of 127.0.0.1, on the
+run's database and scratch schema (the schema travels as the connection's `search_path`, in the
+URL), serving `flowlock_lab.http_app`, waits (bounded) for `/livez`, and on the way out,
 also on an error or Ctrl-C, stops it with SIGTERM (SIGKILL to its process group if it has not
 exited in time). The URL goes in the environment, not on the command line: argv is visible to
 every user of the machine, and the URL may hold a password.
 
-:class:`HttpSession` is a :class:`~flowlock.bench.scenarios.Session` whose ``fire`` is ``POST
-/instances/{id}/events/{event}`` with the pair's strategy in the body, each concurrent caller on
-an :class:`httpx.AsyncClient` of its own (:class:`HttpCallers`). Setup and readback go through
+`HttpSession` is a `Session` whose `fire` is `POST
+/instances/{id}/events/{event}` with the pair's strategy in the body, each concurrent caller on
+an `httpx.AsyncClient` of its own (`HttpCallers`). Setup and readback go through
 the admin session it wraps, straight to the database, untimed, as in every pair.
 """
 
@@ -57,14 +57,14 @@ __all__ = [
 ]
 
 SERVICE_APP = "flowlock_lab.http_app:workflows"
-"""What the service serves (``--app``): the workflows of the scenarios ``--http`` runs."""
+"""What the service serves (`--app`): the workflows of the scenarios `--http` runs."""
 START_TIMEOUT = 60.0
-"""Seconds the service gets to answer ``/livez`` (imports, uvicorn, the engine's pool and
+"""Seconds the service gets to answer `/livez` (imports, uvicorn, the engine's pool and
 migration check), generous for a busy 2-core machine."""
 STOP_TIMEOUT = 15.0
-"""Seconds SIGTERM gets to stop the service (it drains for at most ``DRAIN`` of them)."""
+"""Seconds SIGTERM gets to stop the service (it drains for at most `DRAIN` of them)."""
 DRAIN = 3
-"""The service's ``--drain-timeout``: no call is in flight when the bench stops it."""
+"""The service's `--drain-timeout`: no call is in flight when the bench stops it."""
 REQUEST_TIMEOUT = 60.0
 """Seconds one request may take: far beyond the service's own bounds (5 s for a lock, 10 s for
 a pooled connection), so a timeout here means the service is stuck, not busy."""
@@ -85,7 +85,7 @@ def check_http_support() -> None:
 
 
 def service_url(url: str, schema: str) -> str:
-    """``url`` with ``schema`` as every connection's ``search_path`` (asyncpg passes unknown
+    """`url` with `schema` as every connection's `search_path` (asyncpg passes unknown
     query parameters to the server as settings): the service's tables are the run's."""
     parts = urlsplit(url)
     given = parse_qsl(parts.query, keep_blank_values=True)
@@ -139,7 +139,7 @@ def _tail(log: IO[bytes], lines: int = 30) -> str:
 
 
 def _signal_group(pid: int, sig: int) -> bool:
-    """Send ``sig`` to the service's process group (its own session, so only its processes);
+    """Send `sig` to the service's process group (its own session, so only its processes);
     False when none of them is left."""
     try:
         os.killpg(pid, sig)
@@ -195,8 +195,8 @@ async def _wait_live(proc: subprocess.Popen[bytes], base_url: str, log: IO[bytes
 async def running_service(
     target: Target, *, workers: int, pool_size: int, progress: Progress
 ) -> AsyncIterator[Service]:
-    """``flowlock serve`` on the run's database and schema, with ``workers`` worker processes
-    of ``pool_size`` connections each, until the block ends (stopped also on errors and
+    """`flowlock serve` on the run's database and schema, with `workers` worker processes
+    of `pool_size` connections each, until the block ends (stopped also on errors and
     Ctrl-C)."""
     port = _free_port()
     argv = [
@@ -250,9 +250,9 @@ def _client(base_url: str) -> httpx.AsyncClient:
 
 
 class HttpCallers:
-    """One :class:`httpx.AsyncClient` per concurrent caller, each with one keep-alive
+    """One `httpx.AsyncClient` per concurrent caller, each with one keep-alive
     connection (HTTP/1.1), no proxy from the environment, and a request timeout only a stuck
-    service reaches: what ``count`` independent clients of a service do.
+    service reaches: what `count` independent clients of a service do.
 
     Not one client shared by every caller: httpx's connection pool costs more CPU per request
     the more requests wait on it (encode/httpx#3215), and on the cores the client shares with
@@ -289,8 +289,8 @@ class HttpCallers:
 
 
 def _error_name(slug: str) -> str:
-    """The flowlock error a problem type names (``conflict-retries-exhausted`` ->
-    ``ConflictRetriesExhausted``), as the in-process rows name their errors."""
+    """The flowlock error a problem type names (`conflict-retries-exhausted` ->
+    `ConflictRetriesExhausted`), as the in-process rows name their errors."""
     return "".join(part.capitalize() for part in slug.split("-"))
 
 
@@ -301,7 +301,7 @@ def _refused(name: str) -> bool:
 
 def failure(status: int, doc: object) -> RemoteFailure:
     """What a non-200 answer means for the report: the flowlock error its problem names (or
-    ``HTTP <status>`` when the body is no problem document), refused or failed."""
+    `HTTP <status>` when the body is no problem document), refused or failed."""
     if isinstance(doc, dict) and str(doc.get("type", "")).startswith(_PROBLEM):
         name = _error_name(str(doc["type"])[len(_PROBLEM) :])
         attempts = doc.get("attempts")
@@ -320,8 +320,8 @@ def _header_int(value: str | None) -> int | None:
 
 
 class HttpSession:
-    """One strategy through the service: each ``fire`` one HTTP request; the engine and the
-    pool for setup and readback are ``admin``'s, in this process."""
+    """One strategy through the service: each `fire` one HTTP request; the engine and the
+    pool for setup and readback are `admin`'s, in this process."""
 
     def __init__(self, strategy: str, admin: BenchSession, callers: HttpCallers) -> None:
         self._strategy = strategy

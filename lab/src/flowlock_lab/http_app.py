@@ -1,5 +1,5 @@
-"""The workflows ``flowlock serve`` serves under ``flowlock bench --http``: ``--app
-flowlock_lab.http_app:workflows``.
+"""The workflows `flowlock serve` serves under `flowlock bench --http`: `--app
+flowlock_lab.http_app:workflows`.
 
 The service serves only flowlock's examples by default, and the hot and spread scenarios step the
 bench's own counter, so the service the bench starts loads this module instead: exactly the
@@ -18,7 +18,7 @@ __all__ = ["workflows"]
 
 
 def workflows() -> list[Workflow]:
-    """Every workflow the scenarios ``--http`` runs use (storm's approval, hot's and spread's
+    """Every workflow the scenarios `--http` runs use (storm's approval, hot's and spread's
     counter), each once. None depends on the number of callers."""
     found: dict[str, Workflow] = {}
     for name in HTTP_SCENARIOS:

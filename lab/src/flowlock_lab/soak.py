@@ -1,19 +1,19 @@
-"""The soak: ``flowlock bench --soak SECONDS [--faults]``. Orchestration only; it renders nothing.
+"""The soak: `flowlock bench --soak SECONDS [--faults]`. Orchestration only; it renders nothing.
 
 It starts an embedded PostgreSQL and an embedded Redis of its own (never the caller's: with
-``--faults`` it restarts them, and its leak checks read their whole state), creates the shared
+`--faults` it restarts them, and its leak checks read their whole state), creates the shared
 counters in a scratch schema, and starts the worker processes
-(:mod:`flowlock_lab.soak_worker`), which fire a mixed load with every strategy until the time
+(`flowlock_lab.soak_worker`), which fire a mixed load with every strategy until the time
 is up, each call recorded and streamed back. With faults, the injector
-(:mod:`flowlock_lab.faults`) meanwhile kills and pauses workers (a killed one is replaced),
+(`flowlock_lab.faults`) meanwhile kills and pauses workers (a killed one is replaced),
 ends their database sessions, and restarts PostgreSQL (data kept) and Redis (empty).
 
 Then the workers are stopped, and the soak checks what was left behind (Redis lock keys with no
 holder, advisory locks still held, the run's sessions still open, each after a bounded wait for
 it to go), merges every worker's calls and judges them with
-:func:`flowlock.checker.check_linearizable`, and judges the store's histories with
-:func:`flowlock.checker.check` (:func:`~flowlock_lab.soak_results.judge_store`). Everything
-is bounded: the run by ``seconds`` (at most :data:`~flowlock_lab.soak_results.MAX_SOAK_SECONDS`)
+[`flowlock.checker.check_linearizable`][flowlock.checker.check_linearizable], and judges the store's
+histories with [`flowlock.checker.check`][flowlock.checker.check] (`judge_store`). Everything
+is bounded: the run by `seconds` (at most `MAX_SOAK_SECONDS`)
 plus bounded start and stop, each call, each fault and each wait.
 """
 
@@ -112,7 +112,7 @@ async def _create_counters(url: str, schema: str) -> dict[str, Instance]:
 
 
 async def _poll(what: Any, bound: float) -> int:
-    """``await what()`` until it says 0 or ``bound`` seconds pass; its last answer."""
+    """`await what()` until it says 0 or `bound` seconds pass; its last answer."""
     deadline = time.monotonic() + bound
     while True:
         left: int = await what()

@@ -49,7 +49,7 @@ SPREAD = 64
 """Spread counters, created before the load."""
 CALL_BOUND = 60.0
 """The soak's own bound on one call; flowlock's bounds end every call long before (a call that
-reaches it is counted ``hung`` and fails the verdict)."""
+reaches it is counted `hung` and fails the verdict)."""
 READY_BOUND = 60.0
 """Seconds a worker process may take to start and open its engine."""
 _EXIT_BOUND = CALL_BOUND + 30.0  # a stopped worker finishing its calls and closing
@@ -100,7 +100,7 @@ class _Tally:
 
 class Fleet:
     """The worker processes, their replacement when one is killed, and the faults that act on
-    them and on the servers (:class:`flowlock_lab.faults.Targets`)."""
+    them and on the servers (`flowlock_lab.faults.Targets`)."""
 
     def __init__(self, run: Soak) -> None:
         self.run = run

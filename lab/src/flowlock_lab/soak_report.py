@@ -1,6 +1,6 @@
-"""The soak's report (``flowlock bench --soak``): a rich table (duration, calls, outcomes by
-kind, faults by kind, leases lost, leaks, verdicts) and the ``--json`` document. Nothing here
-runs anything; it only reads :mod:`flowlock_lab.soak_results`."""
+"""The soak's report (`flowlock bench --soak`): a rich table (duration, calls, outcomes by
+kind, faults by kind, leases lost, leaks, verdicts) and the `--json` document. Nothing here
+runs anything; it only reads `flowlock_lab.soak_results`."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def render_soak(report: SoakReport, console: Console) -> None:
 
 
 def soak_to_json(report: SoakReport) -> dict[str, Any]:
-    """The ``--json`` document of a soak (docs/benchmarks.md describes each key)."""
+    """The `--json` document of a soak (docs/benchmarks.md describes each key)."""
     return {
         "mode": "soak",
         "flowlock_version": report.flowlock_version,
@@ -137,5 +137,5 @@ def soak_to_json(report: SoakReport) -> dict[str, Any]:
 
 
 def write_soak_json(report: SoakReport, path: Path) -> None:
-    """Write :func:`soak_to_json` to ``path`` (UTF-8, indented, trailing newline)."""
+    """Write `soak_to_json` to `path` (UTF-8, indented, trailing newline)."""
     path.write_text(json.dumps(soak_to_json(report), indent=2) + "\n", encoding="utf-8")

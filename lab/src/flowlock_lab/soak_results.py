@@ -1,9 +1,9 @@
-"""What ``flowlock bench --soak`` measures and concludes, as plain values, and the pure rules
-between them: how a call's end is classified (:func:`classify`), the exactly-once judgement of
-what the store holds afterwards (:func:`judge_store`), and the run's report
-(:class:`SoakReport`).
+"""What `flowlock bench --soak` measures and concludes, as plain values, and the pure rules
+between them: how a call's end is classified (`classify`), the exactly-once judgement of
+what the store holds afterwards (`judge_store`), and the run's report
+(`SoakReport`).
 
-Nothing here does I/O or needs a server: the soak (:mod:`flowlock_lab.soak`) hands over what
+Nothing here does I/O or needs a server: the soak (`flowlock_lab.soak`) hands over what
 it recorded and read back, and the report package renders these dataclasses.
 """
 
@@ -47,11 +47,11 @@ __all__ = [
 ]
 
 MAX_SOAK_SECONDS = 3600
-"""The longest soak ``--soak`` accepts (an hour): every part of it is bounded by this."""
+"""The longest soak `--soak` accepts (an hour): every part of it is bounded by this."""
 
 Status = Literal["ok", "fail", "unknown"]
-"""What the linearizability checker is told about a call: it took effect (``ok``), it surely
-did not (``fail``: a typed refusal before any write), or it may have (``unknown``)."""
+"""What the linearizability checker is told about a call: it took effect (`ok`), it surely
+did not (`fail`: a typed refusal before any write), or it may have (`unknown`)."""
 
 OutcomeKind = Literal[
     "applied",
@@ -68,19 +68,19 @@ OutcomeKind = Literal[
     "hung",
     "escaped",
 ]
-"""How one call ended, finer than its :data:`Status`:
+"""How one call ended, finer than its `Status`:
 
-- ``applied`` / ``idempotent``: a fire answered with an outcome (ok);
-- ``created`` / ``read``: a create or a get answered (ok);
-- ``refused``: the workflow refused (``TransitionRefused``), or the instance did (not) exist (fail);
-- ``conflict``: lost to other writers (``ConflictRetriesExhausted``, fail);
-- ``lock``: a lock or lease could not be taken or was lost (``LockError``, fail);
-- ``store``: the database failed before any write (``StoreError``, ``ConnectionLost``, fail);
-- ``unknown``: ``OutcomeUnknown``, the write may have committed (unknown);
-- ``killed``: in flight in a worker process the soak killed (unknown);
-- ``other``: any other flowlock error (unknown);
-- ``hung``: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
-- ``escaped``: an exception that is not a ``FlowlockError`` (unknown; fails the verdict).
+- `applied` / `idempotent`: a fire answered with an outcome (ok);
+- `created` / `read`: a create or a get answered (ok);
+- `refused`: the workflow refused (`TransitionRefused`), or the instance did (not) exist (fail);
+- `conflict`: lost to other writers (`ConflictRetriesExhausted`, fail);
+- `lock`: a lock or lease could not be taken or was lost (`LockError`, fail);
+- `store`: the database failed before any write (`StoreError`, `ConnectionLost`, fail);
+- `unknown`: `OutcomeUnknown`, the write may have committed (unknown);
+- `killed`: in flight in a worker process the soak killed (unknown);
+- `other`: any other flowlock error (unknown);
+- `hung`: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
+- `escaped`: an exception that is not a `FlowlockError` (unknown; fails the verdict).
 """
 
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = get_args(OutcomeKind)
@@ -90,12 +90,12 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 """What the fault injector does: SIGKILL a worker process (a replacement is started), SIGSTOP one
-for a while and SIGCONT it, ``pg_terminate_backend`` on some of the workers' sessions, restart
+for a while and SIGCONT it, `pg_terminate_backend` on some of the workers' sessions, restart
 PostgreSQL (data kept, same URL), restart Redis empty (same URL)."""
 
 
 def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
-    """The kind and checker status of a call that raised ``exc``."""
+    """The kind and checker status of a call that raised `exc`."""
     if not isinstance(exc, FlowlockError):
         return "escaped", "unknown"
     if isinstance(exc, OutcomeUnknown):
@@ -113,7 +113,7 @@ def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
 
 
 def lost_leases(errors: Mapping[str, int]) -> int:
-    """Calls that lost their lease before committing (``LockLost``), from the errors by class."""
+    """Calls that lost their lease before committing (`LockLost`), from the errors by class."""
     return errors.get(LockLost.__name__, 0)
 
 
@@ -143,12 +143,12 @@ def judge_store(
     invariants: Mapping[str, Invariant] | None = None,
     rules: Mapping[str, RowRule] | None = None,
 ) -> Verdict:
-    """The exactly-once verdict on what the store holds: :func:`flowlock.checker.check` on
-    every instance (its history's versions, request ids, chain and final state, its workflow's
-    invariant), its history rows between the calls answered applied and those plus the calls
-    whose outcome is unknown, and its workflow's rule (``rules``, by workflow name) on every
-    row (a counter's value is its number of steps: none lost). An instance expected but
-    missing is a lost update."""
+    """The exactly-once verdict on what the store holds:
+    [`flowlock.checker.check`][flowlock.checker.check] on every instance (its history's versions,
+    request ids, chain and final state, its workflow's invariant), its history rows between the
+    calls answered applied and those plus the calls whose outcome is unknown, and its workflow's
+    rule (`rules`, by workflow name) on every row (a counter's value is its number of steps: none
+    lost). An instance expected but missing is a lost update."""
     found: list[Violation] = []
     for iid, exp in sorted(expected.items()):
         final = finals.get(iid)
@@ -206,7 +206,7 @@ def judge_store(
 @dataclass(frozen=True, slots=True)
 class Fault:
     """One fault injected: its kind, seconds since the load started, what it hit, and whether
-    it did what it meant to (a restart that failed, a worker already gone: ``False``)."""
+    it did what it meant to (a restart that failed, a worker already gone: `False`)."""
 
     kind: FaultKind
     at: float
@@ -254,9 +254,9 @@ class SoakReport:
     """A whole soak: the environment and arguments, every call's outcome counted by kind, the
     faults by kind (and each one), the leaks, and the verdicts.
 
-    ``linearizability``: the checker's verdict (``ok`` and its ``to_dict()``), judged over
-    every call of every worker process, merged. ``exactly_once``: :func:`judge_store` over what
-    the store holds afterwards. ``ok`` when both are clean, no call escaped or hung, no worker
+    `linearizability`: the checker's verdict (`ok` and its `to_dict()`), judged over
+    every call of every worker process, merged. `exactly_once`: `judge_store` over what
+    the store holds afterwards. `ok` when both are clean, no call escaped or hung, no worker
     crashed and nothing leaked.
     """
 
@@ -282,9 +282,9 @@ class SoakReport:
     crashes: tuple[str, ...] = ()
     """Worker processes that ended on their own (not killed by a fault), with their last words."""
     error_samples: Mapping[str, str] = field(default_factory=dict)
-    """The first message of each exception class in ``errors``."""
+    """The first message of each exception class in `errors`."""
     escapes: tuple[str, ...] = ()
-    """The first exceptions that were not a FlowlockError, as ``worker: Type: message``."""
+    """The first exceptions that were not a FlowlockError, as `worker: Type: message`."""
     instances: int = 0
     notes: tuple[str, ...] = ()
     log: tuple[str, ...] = ()
@@ -336,7 +336,7 @@ class SoakReport:
 
 
 def count_outcomes(kinds: Iterable[OutcomeKind]) -> dict[str, int]:
-    """Outcomes counted by kind, in :data:`OUTCOME_KINDS` order, kinds that never happened left
+    """Outcomes counted by kind, in `OUTCOME_KINDS` order, kinds that never happened left
     out."""
     counted = Counter(kinds)
     return {kind: counted[kind] for kind in OUTCOME_KINDS if counted[kind]}

@@ -1,7 +1,6 @@
 """How long a fault left callers without a successful call: the unavailability window of a
 failover, measured from the callers' side.
 
-::
 
     seen = Availability()
     ... every caller: began = time.monotonic(); call; seen.ok(began) when it succeeded ...
@@ -26,7 +25,7 @@ __all__ = ["Availability"]
 
 
 class Availability:
-    """When calls succeeded, and when the fault came. ``clock`` is injectable for tests."""
+    """When calls succeeded, and when the fault came. `clock` is injectable for tests."""
 
     __slots__ = ("_clock", "_fault", "_first_after", "_successes")
 
@@ -37,7 +36,7 @@ class Availability:
         self._first_after = math.inf
 
     def ok(self, began: float) -> None:
-        """A call that began at ``began`` (on the same clock) succeeded just now."""
+        """A call that began at `began` (on the same clock) succeeded just now."""
         ended = self._clock()
         self._successes += 1
         if self._fault is not None and began >= self._fault:
@@ -60,7 +59,7 @@ class Availability:
 
     def window(self) -> float:
         """Seconds from the fault to the end of the first successful call that began after it;
-        ``inf`` while there is none, 0.0 before any fault."""
+        `inf` while there is none, 0.0 before any fault."""
         if self._fault is None:
             return 0.0
         return self._first_after - self._fault

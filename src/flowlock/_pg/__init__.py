@@ -1,11 +1,11 @@
 """PostgreSQL plumbing shared by the PostgreSQL adapters (the store, the advisory locks, the
 run-once jobs) and the benchmark, so that none of them imports another:
 
-- :mod:`~flowlock._pg.pool`: the one pool factory (schema, search_path, application name, reset,
+- `pool`: the one pool factory (schema, search_path, application name, reset,
   the jsonb codec);
-- :mod:`~flowlock._pg.errors`: the one translation of driver errors into flowlock errors;
-- :mod:`~flowlock._pg.migrations`: the migration runner, under a transaction-level advisory lock;
-- :mod:`~flowlock._pg.rows`: rows to Instance / HistoryEntry, and bulk reads.
+- `errors`: the one translation of driver errors into flowlock errors;
+- `migrations`: the migration runner, under a transaction-level advisory lock;
+- `rows`: rows to Instance / HistoryEntry, and bulk reads.
 
 Private: the public API is the adapters.
 """

@@ -1,36 +1,37 @@
 """The one place asyncpg and OS errors become flowlock errors, for every PostgreSQL adapter.
 
 The store, the advisory locks, the run-once jobs and the migration runner run their driver calls
-inside :func:`wrap_errors` (or call :func:`translate`), each with a :class:`Context` saying what
+inside `wrap_errors` (or call `translate`), each with a `Context` saying what
 differs for it: the key its messages quote, what a lock that is not available means to this call
 (LockBusy, LockTimeout, a signal the caller catches), whether it is a lock backend. Everything
 else, above all which driver error means what, is decided here, once.
 
 Most specific match wins
 ------------------------
-:data:`RULES` is a table of (exception class or SQLSTATE) -> factory, ordered most specific first
+`RULES` is a table of (exception class or SQLSTATE) -> factory, ordered most specific first
 (a subclass before its base class, a rule with a constraint name before the same class without
-one; :func:`check_order` proves it). The first rule that matches the error *and* whose factory
+one; `check_order` proves it). The first rule that matches the error *and* whose factory
 gives an answer for the caller's context wins. A factory answers None when its kind of failure
 means nothing particular to this caller, and the error goes on to the next, more general rule,
 down to the catch-all StoreError. So a TimeoutError is "no answer in time" to a lock backend and,
 being an OSError, "lost the connection" to the store.
 
-The flowlock error is raised ``from`` the driver's, so ``__cause__`` keeps the original.
+The flowlock error is raised `from` the driver's, so `__cause__` keeps the original.
 
 A session that ended
 --------------------
-When the server ends a session (``pg_terminate_backend``, a restart, a failover) or the network
+When the server ends a session (`pg_terminate_backend`, a restart, a failover) or the network
 fails, asyncpg reports it in several ways, depending on when it noticed: the server's FATAL
-message (SQLSTATE 57P01...), ``ConnectionDoesNotExistError``, an ``OSError``, ``InterfaceError``
+message (SQLSTATE 57P01...), `ConnectionDoesNotExistError`, an `OSError`, `InterfaceError`
 ("connection is closed") or, when the FATAL message came in while the connection sat idle in its
-pool, ``InternalClientError`` ("cannot switch to state 15; another operation is in progress").
-To the store every one of them is :class:`~flowlock.errors.ConnectionLost` (nothing was written,
-retry), except where a write may already have reached the server (``Context.in_doubt``: a
-COMMIT, a one-statement compare-and-swap): then it is :class:`~flowlock.errors.OutcomeUnknown`,
-unless asyncpg refused to send the statement at all. :func:`broken` says which errors leave their
-connection unusable (the pool helpers then terminate it, so the pool opens a fresh one) and
-:func:`server_gone` which ones say that the pool's other connections are likely dead too.
+pool, `InternalClientError` ("cannot switch to state 15; another operation is in progress").
+To the store every one of them is [`ConnectionLost`][flowlock.errors.ConnectionLost] (nothing was
+written, retry), except where a write may already have reached the server (`Context.in_doubt`: a
+COMMIT, a one-statement compare-and-swap): then it is
+[`OutcomeUnknown`][flowlock.errors.OutcomeUnknown], unless asyncpg refused to send the statement at
+all. `broken` says which errors leave their connection unusable (the pool helpers then terminate it,
+so the pool opens a fresh one) and `server_gone` which ones say that the pool's other connections
+are likely dead too.
 
 A server that is no longer the primary
 --------------------------------------
@@ -38,9 +39,9 @@ After a failover or a switch-over (Patroni...) the old primary may come back as 
 connection to it that outlived the switch answers every write with SQLSTATE 25006
 (read_only_sql_transaction). The server refused the statement, so nothing of it was written, in
 doubt or not: to the store it is ConnectionLost, safe to retry (a lock backend's SessionGone).
-:func:`read_only` names it, and the pool helpers drop that connection and the pool's others
+`read_only` names it, and the pool helpers drop that connection and the pool's others
 (all of them reach the same standby), so that the retry connects afresh and, with a multi-host
-URL and ``target_session_attrs=read-write``, finds the new primary. When no host of such a URL
+URL and `target_session_attrs=read-write`, finds the new primary. When no host of such a URL
 is a primary yet (a failover under way), asyncpg cannot connect at all
 (TargetServerAttributeNotMatched): ConnectionLost too, nothing was sent.
 """
@@ -108,22 +109,22 @@ class SessionGone(LockUnavailable):
 class Context:
     """What one adapter's call makes of the driver errors that mean something to it.
 
-    ``what`` names the failed work in the catch-all message (``<what>: <Type>: <message>``);
-    ``tables`` and ``opener`` word the MigrationError of a missing table (``<tables> missing ...
-    open <opener> with auto_migrate=True``). The facets below are optional; an unset one passes
+    `what` names the failed work in the catch-all message (`<what>: <Type>: <message>`);
+    `tables` and `opener` word the MigrationError of a missing table (`<tables> missing ...
+    open <opener> with auto_migrate=True`). The facets below are optional; an unset one passes
     its errors on to the next, more general rule:
 
-    - ``key``: the store's. The key its messages quote; with it a unique violation, a cancelled
+    - `key`: the store's. The key its messages quote; with it a unique violation, a cancelled
       statement and a lost connection get a message of their own.
-    - ``busy``: what SQLSTATE 55P03 means here (``lock_timeout`` expired, or NOWAIT / a try-lock
+    - `busy`: what SQLSTATE 55P03 means here (`lock_timeout` expired, or NOWAIT / a try-lock
       found the lock held): LockTimeout or LockBusy, or a signal the caller catches.
-    - ``cancel_is_busy``: SQLSTATE 57014 (statement cancelled) counts as busy too.
-    - ``duplicate``: what the request-id unique constraint firing means here.
-    - ``lock_backend``: a lock backend's name. Its session ending, its connection failing and a
-      refused login are then LockUnavailable of that backend (:class:`SessionGone` for the first
+    - `cancel_is_busy`: SQLSTATE 57014 (statement cancelled) counts as busy too.
+    - `duplicate`: what the request-id unique constraint firing means here.
+    - `lock_backend`: a lock backend's name. Its session ending, its connection failing and a
+      refused login are then LockUnavailable of that backend (`SessionGone` for the first
       two), not StoreError.
-    - ``in_doubt``: a write may be on its way to the server (a COMMIT, an autocommit write): a
-      session lost now is OutcomeUnknown instead of ConnectionLost. Set it with :func:`in_doubt`
+    - `in_doubt`: a write may be on its way to the server (a COMMIT, an autocommit write): a
+      session lost now is OutcomeUnknown instead of ConnectionLost. Set it with `in_doubt`
       around that statement only.
     """
 
@@ -143,8 +144,8 @@ Factory = Callable[[BaseException, Context], FlowlockError | None]
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One row of the table: errors of class (or SQLSTATE) ``match``, and when ``constraint`` is
-    given only those naming that constraint, are made into flowlock errors by ``factory``."""
+    """One row of the table: errors of class (or SQLSTATE) `match`, and when `constraint` is
+    given only those naming that constraint, are made into flowlock errors by `factory`."""
 
     match: type[BaseException] | str
     factory: Factory
@@ -160,8 +161,8 @@ class Rule:
         )
 
     def covers(self, other: Rule) -> bool:
-        """Whether this rule matches every error that ``other`` matches (so, placed before
-        ``other``, it would hide it)."""
+        """Whether this rule matches every error that `other` matches (so, placed before
+        `other`, it would hide it)."""
         if self.constraint is not None and self.constraint != other.constraint:
             return False
         if isinstance(self.match, str):
@@ -282,7 +283,7 @@ def _lost(exc: BaseException, ctx: Context, detail: str | None = None) -> Flowlo
 
 
 def _maybe_sent(exc: BaseException) -> bool:
-    """Whether the statement that failed with ``exc`` may have reached the server. asyncpg
+    """Whether the statement that failed with `exc` may have reached the server. asyncpg
     refuses, before writing anything, a statement on a connection it knows to be closed or busy
     (InterfaceError) or whose session's FATAL message it has already read (InternalClientError
     "cannot switch to state"); any other loss may have come after the server got it."""
@@ -336,8 +337,8 @@ def check_order(rules: Sequence[Rule]) -> None:
 
 
 def translate(exc: BaseException, *, context: Context) -> FlowlockError:
-    """The flowlock error for driver error ``exc`` in ``context``: the first rule of
-    :data:`RULES` that matches and answers (the catch-all always does)."""
+    """The flowlock error for driver error `exc` in `context`: the first rule of
+    `RULES` that matches and answers (the catch-all always does)."""
     for rule in RULES:
         if rule.matches(exc):
             found = rule.factory(exc, context)
@@ -348,7 +349,7 @@ def translate(exc: BaseException, *, context: Context) -> FlowlockError:
 
 @contextlib.contextmanager
 def wrap_errors(context: Context) -> Iterator[None]:
-    """Driver errors raised inside become flowlock errors (:func:`translate`), ``from`` them."""
+    """Driver errors raised inside become flowlock errors (`translate`), `from` them."""
     try:
         yield
     except DRIVER_ERRORS as exc:
@@ -356,7 +357,7 @@ def wrap_errors(context: Context) -> Iterator[None]:
 
 
 def in_doubt(context: Context) -> contextlib.AbstractContextManager[None]:
-    """:func:`wrap_errors` for a statement that may commit a write (a COMMIT, an autocommit
+    """`wrap_errors` for a statement that may commit a write (a COMMIT, an autocommit
     INSERT or UPDATE): a session lost while it is in flight leaves its outcome unknown."""
     return wrap_errors(replace(context, in_doubt=True))
 
@@ -368,7 +369,7 @@ _ENDED_ALL = frozenset({"57P01", "57P02", "57P03"})
 
 
 def _driver_error(exc: BaseException) -> BaseException | None:
-    """``exc`` if it is a driver error, else the driver error it was translated from."""
+    """`exc` if it is a driver error, else the driver error it was translated from."""
     seen: BaseException | None = exc
     for _ in range(8):  # a chain of causes is short; never loop on a cycle
         if seen is None:
@@ -380,7 +381,7 @@ def _driver_error(exc: BaseException) -> BaseException | None:
 
 
 def broken(exc: BaseException) -> bool:
-    """Whether ``exc`` (or the driver error a flowlock error was raised from) leaves its
+    """Whether `exc` (or the driver error a flowlock error was raised from) leaves its
     connection unusable, so it must be terminated rather than given back to its pool: any driver
     error but a server's answer to one statement in a session that goes on (a unique violation,
     a lock timeout, a cancelled statement...)."""
@@ -394,7 +395,7 @@ def broken(exc: BaseException) -> bool:
 
 
 def server_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` says that the server ended the session or the network failed (not just
+    """Whether `exc` says that the server ended the session or the network failed (not just
     that one round trip outlived its timeout): the pool's other connections, to the same server
     through the same network, are then likely dead too."""
     err = _driver_error(exc)
@@ -407,16 +408,16 @@ def server_gone(exc: BaseException) -> bool:
 
 
 def read_only(exc: BaseException) -> bool:
-    """Whether ``exc`` says that the server refused a write because it is read-only (SQLSTATE
+    """Whether `exc` says that the server refused a write because it is read-only (SQLSTATE
     25006): after a failover, a standby. The connection still works, but every write on it, and
     on the pool's other connections to the same server, would fail the same way: the pool
-    helpers drop them all (see :func:`flowlock._pg.pool.give_back`)."""
+    helpers drop them all (see `flowlock._pg.pool.give_back`)."""
     err = _driver_error(exc)
     return isinstance(err, asyncpg.PostgresError) and getattr(err, "sqlstate", None) == "25006"
 
 
 def cannot_connect(exc: BaseException, dsn: str) -> StoreError:
-    """Opening connections to ``dsn`` failed, whatever the reason."""
+    """Opening connections to `dsn` failed, whatever the reason."""
     return StoreError(
         f"cannot connect to PostgreSQL at {dsn.split('@')[-1]!r}: {exc}; "
         "check the URL and that the server is running"
@@ -426,7 +427,7 @@ def cannot_connect(exc: BaseException, dsn: str) -> StoreError:
 @contextlib.contextmanager
 def wrap_connect(dsn: str) -> Iterator[None]:
     """Driver errors raised inside (opening a pool, creating the schema) become
-    :func:`cannot_connect`'s StoreError."""
+    `cannot_connect`'s StoreError."""
     try:
         yield
     except DRIVER_ERRORS as exc:

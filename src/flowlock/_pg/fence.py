@@ -1,11 +1,11 @@
 """Fencing epochs in PostgreSQL, for the Redis lock backend's counters (see
-:mod:`flowlock.locks.redis.fence` for how the epochs are used).
+`flowlock.locks.redis.fence` for how the epochs are used).
 
-:class:`PostgresFenceEpochs` keeps one row per (namespace, key) in ``flowlock_fence_epochs``.
-``advance`` does, in one autocommit statement, ``pg_advisory_lock`` on the key and then
-``INSERT ... ON CONFLICT DO UPDATE SET epoch = epoch + 1 RETURNING epoch``: the bump is committed
+`PostgresFenceEpochs` keeps one row per (namespace, key) in `flowlock_fence_epochs`.
+`advance` does, in one autocommit statement, `pg_advisory_lock` on the key and then
+`INSERT ... ON CONFLICT DO UPDATE SET epoch = epoch + 1 RETURNING epoch`: the bump is committed
 before the caller sees the epoch, and the session-level lock is held (on the same connection)
-until the caller has started its Redis counter and leaves the ``async with``.
+until the caller has started its Redis counter and leaves the `async with`.
 
 Why a lock held across the Redis call: two acquirers A and B find the counter missing; A bumps to
 5 and stalls; B bumps to 6, starts the counter at 6 * 2^32 and tokens are handed out; Redis loses
@@ -19,8 +19,8 @@ transaction-level lock ends at that commit. The lock is always let go before the
 back to the pool; when that cannot be done (an error, a cancellation) the connection is
 terminated, and the server frees the lock with its session. So the epochs need a direct
 connection or session pooling: behind a transaction-pooling proxy (PgBouncer
-``pool_mode=transaction``) the lock could stay on a server connection the proxy hands to someone
-else (the next start of that key's counter would then wait out ``lock_timeout`` and fail with
+`pool_mode=transaction`) the lock could stay on a server connection the proxy hands to someone
+else (the next start of that key's counter would then wait out `lock_timeout` and fail with
 LockUnavailable); a warning is logged when the unlock finds the lock not held.
 """
 
@@ -81,11 +81,11 @@ _ERRORS = Context(
 
 
 class PostgresFenceEpochs:
-    """The fencing epochs of Redis lock keys, in ``flowlock_fence_epochs`` of ``schema`` (the
-    connection's ``search_path`` without one), on connections of the pool ``pool()`` returns.
+    """The fencing epochs of Redis lock keys, in `flowlock_fence_epochs` of `schema` (the
+    connection's `search_path` without one), on connections of the pool `pool()` returns.
 
-    ``acquire_timeout`` bounds the wait for a connection (StoreBusy past it); ``size`` is the
-    pool's, for that message. Every other wait is bounded by the caller's ``bound``.
+    `acquire_timeout` bounds the wait for a connection (StoreBusy past it); `size` is the
+    pool's, for that message. Every other wait is bounded by the caller's `bound`.
     """
 
     __slots__ = ("_acquire_timeout", "_bump", "_pool", "_size", "_unlock")
@@ -110,10 +110,10 @@ class PostgresFenceEpochs:
     async def advance(
         self, namespace: str, key: str, *, at_least: int, bound: float
     ) -> AsyncIterator[int]:
-        """Bump the epoch of ``key`` in ``namespace`` to at least ``at_least`` (and at least one
+        """Bump the epoch of `key` in `namespace` to at least `at_least` (and at least one
         above the last), commit it, and yield it while holding the key's lock: no other
-        ``advance`` of the key gets its epoch until this one's ``async with`` is left. Waits at
-        most ``bound`` seconds for the lock and the bump (LockUnavailable past it)."""
+        `advance` of the key gets its epoch until this one's `async with` is left. Waits at
+        most `bound` seconds for the lock and the bump (LockUnavailable past it)."""
         pool = self._pool()
         async with connection(
             pool,

@@ -1,11 +1,11 @@
-"""The PostgreSQL migration runner: the versioned SQL files of ``stores/sql/postgres`` applied in
-name order, each recorded in ``flowlock_schema_migrations``, all in one transaction under a
+"""The PostgreSQL migration runner: the versioned SQL files of `stores/sql/postgres` applied in
+name order, each recorded in `flowlock_schema_migrations`, all in one transaction under a
 transaction-level advisory lock.
 
 Functions over a connection or a pool, so that every PostgreSQL adapter (the store, the advisory
 locks, the run-once jobs) migrates the same way without building another adapter to do it; and
-:func:`script`, the same migrations as one SQL script for teams that run their own migrations
-(``flowlock db sql``).
+`script`, the same migrations as one SQL script for teams that run their own migrations
+(`flowlock db sql`).
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ async def apply(
     schema: str | None = None,
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
-    """Apply the migrations not yet recorded, on ``conn``, in one transaction. Returns the names
+    """Apply the migrations not yet recorded, on `conn`, in one transaction. Returns the names
     applied (none when the schema is up to date). Driver errors are raised as they are.
 
-    ``schema``: create it if missing and put it on this transaction's ``search_path`` (for a
-    connection flowlock did not open, whose own ``search_path`` it leaves alone); without it the
-    tables go where the connection's ``search_path`` says. Each statement waits at most 60 s
-    for a lock (on the server) and ``command_timeout`` seconds more (on the client: asyncpg
+    `schema`: create it if missing and put it on this transaction's `search_path` (for a
+    connection flowlock did not open, whose own `search_path` it leaves alone); without it the
+    tables go where the connection's `search_path` says. Each statement waits at most 60 s
+    for a lock (on the server) and `command_timeout` seconds more (on the client: asyncpg
     raises TimeoutError, and the connection must then be terminated, not reused)."""
     check_schema(schema)
     # Every statement with timeout= of its own (so no conn.transaction(), whose BEGIN and
@@ -104,8 +104,8 @@ async def migrate(
     schema: str | None = None,
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
-    """:func:`apply` (into ``schema``, each round trip bounded by ``command_timeout``: see
-    there) on a connection of ``pool``; any failure is a MigrationError (from the flowlock error
+    """`apply` (into `schema`, each round trip bounded by `command_timeout`: see
+    there) on a connection of `pool`; any failure is a MigrationError (from the flowlock error
     it was translated to), and a connection that failed mid-protocol is terminated."""
     try:
         async with connection(
@@ -124,9 +124,9 @@ async def migrate_database(
     connect_timeout: float,
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
 ) -> list[str]:
-    """Migrate the database at ``dsn`` (``schema`` created if missing) on a connection of its
+    """Migrate the database at `dsn` (`schema` created if missing) on a connection of its
     own, for adapters with no pool to spare. StoreError if it cannot connect, MigrationError if
-    migrating fails; each round trip bounded by ``command_timeout`` (see :func:`apply`)."""
+    migrating fails; each round trip bounded by `command_timeout` (see `apply`)."""
     with wrap_connect(dsn):
         pool = await create_pool(
             dsn,
@@ -148,12 +148,12 @@ async def migrate_database(
 
 def script(*, after: str | None = None, schema: str | None = None) -> str:
     """The PostgreSQL migrations as one SQL script, oldest first, each under a comment naming it
-    and followed by the INSERT that records it in ``flowlock_schema_migrations``, as
-    :func:`apply` does: a database migrated with the script is one flowlock finds up to date.
+    and followed by the INSERT that records it in `flowlock_schema_migrations`, as
+    `apply` does: a database migrated with the script is one flowlock finds up to date.
 
-    ``after``: only the migrations after this one (those a database at ``after`` still needs).
-    ``schema``: create it if missing and migrate into it (``SET search_path`` for the script,
-    ``RESET`` at its end). Run the script once, in one transaction (``psql --single-transaction``,
+    `after`: only the migrations after this one (those a database at `after` still needs).
+    `schema`: create it if missing and migrate into it (`SET search_path` for the script,
+    `RESET` at its end). Run the script once, in one transaction (`psql --single-transaction`,
     or inside a migration of Alembic, Django...): it takes flowlock's migration lock, so an
     engine opening at the same moment waits for it instead of migrating too."""
     check_schema(schema)

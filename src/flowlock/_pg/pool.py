@@ -1,8 +1,8 @@
 """The one pool factory of the PostgreSQL adapters, and the pooled connection they work on.
 
-:func:`create_pool` sets, in one place, what every flowlock connection needs: the schema
-(created if asked, and put on ``search_path``), the ``application_name`` it shows in
-``pg_stat_activity``, the ``jsonb`` codec, and no reset on release (see :func:`_keep_session`).
+`create_pool` sets, in one place, what every flowlock connection needs: the schema
+(created if asked, and put on `search_path`), the `application_name` it shows in
+`pg_stat_activity`, the `jsonb` codec, and no reset on release (see `_keep_session`).
 Each caller still passes what is its own: sizes, timeouts, extra server settings.
 """
 
@@ -65,7 +65,7 @@ def check_pool_size(pool_size: int) -> None:
 
 
 async def _jsonb(conn: asyncpg.Connection) -> None:
-    """``jsonb`` columns as dicts (and lists...) both ways, encoded compactly."""
+    """`jsonb` columns as dicts (and lists...) both ways, encoded compactly."""
     await conn.set_type_codec(
         "jsonb",
         encoder=lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False),
@@ -78,9 +78,9 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """Pool reset hook: nothing to undo. flowlock changes session state only with SET LOCAL and
     transaction-level advisory locks, which end with their transaction (asyncpg still rolls back
     any open transaction before calling this), and with the fencing epochs' session-level lock,
-    which :mod:`flowlock._pg.fence` lets go of before giving the connection back or ends with
-    the connection. The default reset (``RESET ALL; UNLISTEN *;
-    ...``) would cost one extra round trip on every release."""
+    which `flowlock._pg.fence` lets go of before giving the connection back or ends with
+    the connection. The default reset (`RESET ALL; UNLISTEN *;
+    ...`) would cost one extra round trip on every release."""
 
 
 def _init_hook(jsonb: bool, init: InitHook | None) -> InitHook | None:
@@ -99,9 +99,9 @@ def _init_hook(jsonb: bool, init: InitHook | None) -> InitHook | None:
 async def ensure_schema(
     dsn: str, schema: str, *, connect_timeout: float, command_timeout: float
 ) -> None:
-    """Create ``schema`` if it is missing, on a connection of its own (a pool's search_path names
+    """Create `schema` if it is missing, on a connection of its own (a pool's search_path names
     the schema, so it must exist before the pool's connections do). Each round trip, the
-    goodbye included, takes at most ``command_timeout`` seconds."""
+    goodbye included, takes at most `command_timeout` seconds."""
     check_schema(schema)
     conn = await asyncpg.connect(dsn, timeout=connect_timeout, command_timeout=command_timeout)
     try:
@@ -131,17 +131,17 @@ async def create_pool(
     init: InitHook | None = None,
     setup: SetupHook | None = None,
 ) -> asyncpg.Pool:
-    """A pool of at most ``max_size`` connections to ``dsn`` (``min_size`` opened up front).
+    """A pool of at most `max_size` connections to `dsn` (`min_size` opened up front).
 
-    ``schema``: put on ``search_path`` (and created first if ``create_schema``). ``jsonb``: decode
-    and encode ``jsonb`` as Python values. ``reset``: run asyncpg's default reset on every release
-    (off: flowlock's session state is transaction-scoped, see :func:`_keep_session`).
-    ``command_timeout``: seconds any round trip on these connections may take when the call
-    names no ``timeout=`` of its own (asyncpg's own statements too: the type introspection of a
+    `schema`: put on `search_path` (and created first if `create_schema`). `jsonb`: decode
+    and encode `jsonb` as Python values. `reset`: run asyncpg's default reset on every release
+    (off: flowlock's session state is transaction-scoped, see `_keep_session`).
+    `command_timeout`: seconds any round trip on these connections may take when the call
+    names no `timeout=` of its own (asyncpg's own statements too: the type introspection of a
     new connection, the ROLLBACK of a release, the goodbye of a close); past it asyncpg raises
-    TimeoutError and the connection must be terminated (:func:`give_back` does).
-    ``server_settings``: more settings for every connection (``lock_timeout``...). ``init`` runs on
-    each new connection (after the codec), ``setup`` on each acquire. Driver errors are raised as
+    TimeoutError and the connection must be terminated (`give_back` does).
+    `server_settings`: more settings for every connection (`lock_timeout`...). `init` runs on
+    each new connection (after the codec), `setup` on each acquire. Driver errors are raised as
     they are: the caller says what a failure to connect means to it. Sizes, the timeout and the
     name are checked first (InvalidInput, before any connection is tried).
     """
@@ -176,10 +176,10 @@ async def create_pool(
 async def connection(
     pool: asyncpg.Pool, *, acquire_timeout: float, size: int, context: Context
 ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-    """A connection of ``pool`` (of ``size`` at most), given back on the way out (see
-    :func:`give_back`: a connection broken inside is terminated, not given back); driver errors
-    raised inside become flowlock errors of ``context``. No connection free within
-    ``acquire_timeout`` seconds: StoreBusy. The pool closed while this call waited for a
+    """A connection of `pool` (of `size` at most), given back on the way out (see
+    `give_back`: a connection broken inside is terminated, not given back); driver errors
+    raised inside become flowlock errors of `context`. No connection free within
+    `acquire_timeout` seconds: StoreBusy. The pool closed while this call waited for a
     connection: EngineClosed, and nothing is sent on the connection it may have been handed (a
     closing pool closes that connection under it, and asyncpg then fails with errors of its own,
     InternalClientError among them)."""
@@ -209,7 +209,7 @@ async def connection(
 
 
 def terminate(conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy) -> None:
-    """Close ``conn`` at once, without a word to the server: a pooled connection's pool then
+    """Close `conn` at once, without a word to the server: a pooled connection's pool then
     opens a fresh one on its next acquire. The server ends the session (and rolls back its
     transaction, and frees its locks) when it sees the socket close."""
     # InterfaceError: already closed by the server, and handed back to the pool by asyncpg.
@@ -222,21 +222,21 @@ async def give_back(
     conn: asyncpg.pool.PoolConnectionProxy,
     error: BaseException | None = None,
 ) -> None:
-    """Give ``conn`` back to ``pool`` after a call that raised ``error`` (None: it succeeded);
+    """Give `conn` back to `pool` after a call that raised `error` (None: it succeeded);
     never raises a driver error.
 
     Why terminate: a connection whose session ended, or that asyncpg has seen fail mid-protocol,
     would fail the next call that acquires it, and the next, with errors such as "cannot switch
-    to state 15; another operation is in progress" (:func:`~flowlock._pg.errors.broken` says
+    to state 15; another operation is in progress" (`broken` says
     which). And when the error says that the server ended the session or that the network
-    failed (:func:`~flowlock._pg.errors.server_gone`: a restart, a failover,
-    ``pg_terminate_backend``), the pool's other connections are likely dead too: they are
+    failed (`server_gone`: a restart, a failover,
+    `pg_terminate_backend`), the pool's other connections are likely dead too: they are
     replaced as they are next acquired or given back, so the calls after this one recover at
     once instead of each finding a dead connection of its own. A write refused because the
-    server is read-only (:func:`~flowlock._pg.errors.read_only`: a primary demoted to a standby
+    server is read-only (`read_only`: a primary demoted to a standby
     by a failover) is the same for the pool: the session goes on, but every connection to that
     server is useless for writing, so all of them are replaced, and a multi-host URL's
-    ``target_session_attrs=read-write`` then finds the new primary. Giving a connection back can
+    `target_session_attrs=read-write` then finds the new primary. Giving a connection back can
     fail too (asyncpg's reset runs a ROLLBACK on it); asyncpg has terminated it then, and the
     call's own outcome stands."""
     if error is not None and (broken(error) or read_only(error)):
@@ -250,7 +250,7 @@ async def give_back(
 
 
 async def close_pool(pool: asyncpg.Pool, *, bound: float | None = None) -> None:
-    """Close ``pool`` gracefully, waiting for connections in use to come back (at most ``bound``
+    """Close `pool` gracefully, waiting for connections in use to come back (at most `bound`
     seconds); terminate it when that fails or takes longer (a connection broken under it cannot
     say goodbye). Never raises a driver error."""
     try:

@@ -1,8 +1,8 @@
 """Rows of flowlock's tables as models, and the bulk reads of whole sets of instances.
 
 The column lists are the ones the mappers read; statements that feed a mapper select them. The
-``data`` columns are read whether the connection decodes ``jsonb`` (the pools of
-:func:`flowlock._pg.pool.create_pool` do) or hands it over as text (an application's own pool or
+`data` columns are read whether the connection decodes `jsonb` (the pools of
+`flowlock._pg.pool.create_pool` do) or hands it over as text (an application's own pool or
 connection, which flowlock must not change): both always hold a JSON object.
 """
 
@@ -43,7 +43,7 @@ SELECT {HISTORY_COLUMNS}
 
 
 def json_object(value: Any) -> Mapping[str, Any]:
-    """A ``data`` column's value as a mapping: decoded already, or JSON text."""
+    """A `data` column's value as a mapping: decoded already, or JSON text."""
     return json.loads(value) if isinstance(value, str) else value  # type: ignore[no-any-return]
 
 
@@ -62,7 +62,7 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
 
 
 def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
-    """A HistoryEntry from a row holding the history columns (named ``prefix`` + column)."""
+    """A HistoryEntry from a row holding the history columns (named `prefix` + column)."""
     return HistoryEntry(
         instance_id=row[prefix + "instance_id"],
         version=row[prefix + "version"],
@@ -80,12 +80,12 @@ def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
 
 
 async def read_instances(db: Queryable, ids: Sequence[str]) -> dict[str, Instance]:
-    """The instances of ``ids`` that exist, by id: one statement however many ids."""
+    """The instances of `ids` that exist, by id: one statement however many ids."""
     return {row["id"]: instance_from_row(row) for row in await db.fetch(_INSTANCES, list(ids))}
 
 
 async def read_history(db: Queryable, ids: Sequence[str]) -> dict[str, list[HistoryEntry]]:
-    """The history of every id in ``ids``, oldest first (an empty list for an id with none): one
+    """The history of every id in `ids`, oldest first (an empty list for an id with none): one
     statement however many ids."""
     histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
     for row in await db.fetch(_HISTORIES, list(ids)):

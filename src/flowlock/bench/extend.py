@@ -1,7 +1,7 @@
-"""What a run under ``--hosts`` or ``--http`` takes from the lab (``flowlock_lab``).
+"""What a run under `--hosts` or `--http` takes from the lab (`flowlock_lab`).
 
 flowlock's bench knows the lab only by these shapes: it never imports it. The lab
-passes an object of this shape to :func:`flowlock.bench.runner.run_bench`.
+passes an object of this shape to `flowlock.bench.runner.run_bench`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ LAB_MISSING = (
 
 
 class HostsRun(Protocol):
-    """The namespaced hosts of a ``--hosts`` run, while they exist."""
+    """The namespaced hosts of a `--hosts` run, while they exist."""
 
     @property
     def count(self) -> int: ...
@@ -45,7 +45,7 @@ class HostsRun(Protocol):
         ...
 
     def worker_pool(self, count: int) -> WorkerPool:
-        """``count`` worker processes, round robin over the hosts."""
+        """`count` worker processes, round robin over the hosts."""
         ...
 
     async def close(
@@ -55,14 +55,14 @@ class HostsRun(Protocol):
         ...
 
     def args(self) -> dict[str, Any]:
-        """The report's ``hosts`` argument."""
+        """The report's `hosts` argument."""
         ...
 
     def notes(self) -> list[str]: ...
 
 
 class ServiceRun(Protocol):
-    """The ``flowlock serve`` of an ``--http`` run, while it runs."""
+    """The `flowlock serve` of an `--http` run, while it runs."""
 
     def args(self) -> dict[str, Any]:
         """What the report states about the service and its HTTP clients."""

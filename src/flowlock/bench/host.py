@@ -18,7 +18,7 @@ def cores() -> int:
 
 
 def loop_name() -> str:
-    """``"uvloop"`` or ``"asyncio"``: the event loop running now."""
+    """`"uvloop"` or `"asyncio"`: the event loop running now."""
     module = type(asyncio.get_running_loop()).__module__
     return "uvloop" if module.startswith("uvloop") else "asyncio"
 

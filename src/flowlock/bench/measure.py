@@ -1,11 +1,11 @@
 """Measuring a round: the start gate that releases every caller at one instant, each call timed
 from that release, and the connection sampler (peak connections in use, lock wait).
 
-While the calls of a timed round run, a separate plain connection samples ``pg_stat_activity``
+While the calls of a timed round run, a separate plain connection samples `pg_stat_activity`
 every few milliseconds: the peak number of the run's connections in use (not idle), and the time
 the store's connections spend waiting for a lock (row locks; summed as count x interval). The
 lease wait of the distributed strategies is timed in the client (the whole acquire, by
-:class:`flowlock.bench.session.TimedLocks`).
+`flowlock.bench.session.TimedLocks`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def peak_overlap(intervals: Sequence[tuple[float, float]]) -> int:
 
 
 class Sampler:
-    """While recording (:meth:`start` .. :meth:`stop`): the peak of the run's connections (in
+    """While recording (`start` .. `stop`): the peak of the run's connections (in
     use, active, open) and the time its store connections spend waiting for a lock (count x
     interval, summed).
 
@@ -201,7 +201,7 @@ class Sampler:
 
 @contextlib.asynccontextmanager
 async def sampled(sampler: Sampler | None) -> AsyncIterator[None]:
-    """Record with ``sampler`` while the block runs the round's calls, then let it add what
+    """Record with `sampler` while the block runs the round's calls, then let it add what
     its samples were too coarse to see; nothing without a sampler (the warm-up round)."""
     if sampler is None:
         yield
@@ -246,7 +246,7 @@ class Gate:
 
 class RemoteFailure(Exception):
     """A call that another process answered with a failure (the service's problem document,
-    under ``--http``): the flowlock error's name as that process gave it, whether the workflow
+    under `--http`): the flowlock error's name as that process gave it, whether the workflow
     refused the call (a business rule, like TransitionRefused here), and the attempts it
     reports. Recorded like the same error raised in this process."""
 
@@ -260,7 +260,7 @@ class RemoteFailure(Exception):
 async def timed_call(
     scenario: Scenario, session: Session, spec: CallSpec, started: float
 ) -> CallResult:
-    """Make one call and say what it came to, timed from ``started`` (perf_counter seconds).
+    """Make one call and say what it came to, timed from `started` (perf_counter seconds).
     Never raises for the call's own failure: that is a measurement."""
     try:
         fired = await scenario.fire(session, spec)
@@ -300,7 +300,7 @@ async def timed_call(
 
 
 class Armed:
-    """A round's callers, created and parked on the gate: :meth:`go` releases them."""
+    """A round's callers, created and parked on the gate: `go` releases them."""
 
     def __init__(
         self, scenario: Scenario, session: Session, lanes: Sequence[Sequence[CallSpec]]

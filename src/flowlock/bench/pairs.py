@@ -51,7 +51,7 @@ class Run:
     workers: WorkerPool
     hosts: HostsRun | None = None
     service: ServiceRun | None = None
-    """The service the ``--http`` pairs call (None without ``--http``)."""
+    """The service the `--http` pairs call (None without `--http`)."""
 
 
 def seeded(seed: int, *parts: object) -> random.Random:
@@ -142,7 +142,7 @@ class Pair:
     async def one_round(
         self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
     ) -> None:
-        """Set up, fire and (when ``timed``) read back and record one round; ``sampler`` watches
+        """Set up, fire and (when `timed`) read back and record one round; `sampler` watches
         the connections while the calls run (None: not watched)."""
         # The same stream for both transports: an --http pair fires the same choices.
         rng = seeded(self.run.seed, self.scenario.name, self.spec.name, n)

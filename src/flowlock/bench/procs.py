@@ -1,19 +1,19 @@
 """Worker processes for the multi-process scenarios, and the messages between them and the runner.
 
-The runner starts ``--processes`` workers (``python -m flowlock.bench.worker``) once per run and
+The runner starts `--processes` workers (`python -m flowlock.bench.worker`) once per run and
 speaks to them in JSON lines on their stdin and stdout, one request and one reply at a time.
-Every message is a dataclass here, with an explicit ``to_dict`` / ``from_dict`` for the wire:
+Every message is a dataclass here, with an explicit `to_dict` / `from_dict` for the wire:
 
 ==================  =====================  =====================================================
 request             reply                  what the worker does
 ==================  =====================  =====================================================
-:class:`Open`       :class:`Opened`        opens a fresh session for a (scenario, strategy)
-:class:`Arm`        :class:`ArmedReply`    creates one task per lane, parked on the start gate
-:class:`Go`         :class:`Done`          releases them; every call's result, timed there
-:class:`Close`      :class:`Closed`        closes the session; its engine's escalation counts
+`Open`       `Opened`        opens a fresh session for a (scenario, strategy)
+`Arm`        `ArmedReply`    creates one task per lane, parked on the start gate
+`Go`         `Done`          releases them; every call's result, timed there
+`Close`      `Closed`        closes the session; its engine's escalation counts
 ==================  =====================  =====================================================
 
-A request that failed is answered :class:`Failed` (the exception, in one line).
+A request that failed is answered `Failed` (the exception, in one line).
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ _LINE_LIMIT = 64 * 1024 * 1024  # a round's results for thousands of calls fit o
 
 @dataclass(frozen=True, slots=True)
 class Open:
-    """Open a fresh session for ``strategy`` on ``scenario`` (its own pool of ``pool_size``,
+    """Open a fresh session for `strategy` on `scenario` (its own pool of `pool_size`,
     engine and lock backend, exactly as the runner opens one in-process; the engine batches
-    unless ``batching`` is False)."""
+    unless `batching` is False)."""
 
     op: ClassVar[str] = "open"
     target: Target
@@ -203,8 +203,8 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """The session is closed. ``escalated``: instances its engine's adaptive monitor escalated
-    while it was open, ``adopted`` of them taken from the escalation board (decided by another
+    """The session is closed. `escalated`: instances its engine's adaptive monitor escalated
+    while it was open, `adopted` of them taken from the escalation board (decided by another
     engine: another worker, on this host or another)."""
 
     op: ClassVar[str] = "closed"
@@ -241,7 +241,7 @@ _REPLIES: dict[str, type[Reply]] = {t.op: t for t in (Opened, ArmedReply, Done, 
 
 
 def request_from_dict(doc: Mapping[str, Any]) -> Request:
-    """The request ``doc`` encodes; ValueError for an unknown ``op``."""
+    """The request `doc` encodes; ValueError for an unknown `op`."""
     kind = _REQUESTS.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"unknown request {doc.get('op')!r}")
@@ -249,7 +249,7 @@ def request_from_dict(doc: Mapping[str, Any]) -> Request:
 
 
 def reply_from_dict(doc: Mapping[str, Any]) -> Reply:
-    """The reply ``doc`` encodes; ValueError for an unknown ``op``."""
+    """The reply `doc` encodes; ValueError for an unknown `op`."""
     kind = _REPLIES.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"answered {doc.get('op')!r}")
@@ -262,16 +262,16 @@ R = TypeVar("R", Opened, ArmedReply, Done, Closed)
 
 
 WORKER_ARGV = (sys.executable, "-m", "flowlock.bench.worker")
-"""How a worker process is started (inside a namespaced host: after ``ip netns exec NAME``)."""
+"""How a worker process is started (inside a namespaced host: after `ip netns exec NAME`)."""
 
 
 class WorkerPool:
-    """``count`` worker processes (``python -m flowlock.bench.worker``) speaking JSON lines on
+    """`count` worker processes (`python -m flowlock.bench.worker`) speaking JSON lines on
     their stdin/stdout; started in their own session, so a Ctrl-C reaches only this process,
     which then closes them (EOF on stdin; killed if they do not exit).
 
-    ``commands``: each worker's command line, when not :data:`WORKER_ARGV` (the namespaced
-    hosts run it through ``ip netns exec``); ``labels``: where each runs, for error messages."""
+    `commands`: each worker's command line, when not `WORKER_ARGV` (the namespaced
+    hosts run it through `ip netns exec`); `labels`: where each runs, for error messages."""
 
     def __init__(
         self,
@@ -328,7 +328,7 @@ class WorkerPool:
         await self.send([request] * self.count)
 
     async def receive(self, expect: type[R]) -> list[R]:
-        """Each worker's reply, which must be an ``expect``."""
+        """Each worker's reply, which must be an `expect`."""
         return list(await asyncio.gather(*(self._reply(i, expect) for i in range(self.count))))
 
     async def ask(self, requests: Sequence[Request], expect: type[R]) -> list[R]:

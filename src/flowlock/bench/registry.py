@@ -1,8 +1,8 @@
 """The strategies the benchmark can run, by name: a registry a test or a plugin can extend.
 
-Each :class:`StrategySpec` says how to build a fresh strategy object for one (scenario,
-strategy) pair and which lock backend it needs; ``raw`` is the floor (bare asyncpg, no engine,
-:mod:`flowlock.bench.raw`). :data:`ALIASES` are command-line names that stand for several.
+Each `StrategySpec` says how to build a fresh strategy object for one (scenario,
+strategy) pair and which lock backend it needs; `raw` is the floor (bare asyncpg, no engine,
+`flowlock.bench.raw`). `ALIASES` are command-line names that stand for several.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ LEASE_WAIT = 5.0
 @dataclass(frozen=True, slots=True)
 class BuildContext:
     """What a strategy is built from: the pair's random source (seeded per run, so jitter is
-    reproducible with ``--seed``) and, for a strategy that needs one, its lock backend."""
+    reproducible with `--seed`) and, for a strategy that needs one, its lock backend."""
 
     rng: random.Random
     locks: LockBackend | None = None
@@ -49,10 +49,10 @@ class BuildContext:
 class StrategySpec:
     """A concurrency strategy the benchmark can run.
 
-    ``build`` makes a fresh strategy object for one pair; None means "the engine's own strategy
-    of that name" (``adaptive``, which the engine composes from its optimistic strategy and its
-    conflict monitor). ``locks`` names the lock backend it needs (``"redis"`` or ``"advisory"``).
-    ``floor``: this is the raw-asyncpg floor, not a flowlock strategy (:mod:`flowlock.bench.raw`).
+    `build` makes a fresh strategy object for one pair; None means "the engine's own strategy
+    of that name" (`adaptive`, which the engine composes from its optimistic strategy and its
+    conflict monitor). `locks` names the lock backend it needs (`"redis"` or `"advisory"`).
+    `floor`: this is the raw-asyncpg floor, not a flowlock strategy (`flowlock.bench.raw`).
     """
 
     name: str
@@ -70,13 +70,13 @@ ALIASES: dict[str, tuple[str, ...]] = {"distributed": ("distributed-redis", "dis
 
 
 def register_strategy(spec: StrategySpec) -> StrategySpec:
-    """Add ``spec`` to :data:`STRATEGIES` (replacing one of the same name)."""
+    """Add `spec` to `STRATEGIES` (replacing one of the same name)."""
     STRATEGIES[spec.name] = spec
     return spec
 
 
 def expand(names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` with every alias replaced by the strategies it stands for, duplicates dropped,
+    """`names` with every alias replaced by the strategies it stands for, duplicates dropped,
     first mention first."""
     out: list[str] = []
     for name in names:
@@ -136,4 +136,4 @@ if importlib.util.find_spec("flowlock.strategies.adaptive") is not None:
     )
 
 DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
-"""What ``flowlock bench`` runs when no ``strategy`` is given: every registered strategy."""
+"""What `flowlock bench` runs when no `strategy` is given: every registered strategy."""

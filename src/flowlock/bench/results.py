@@ -3,8 +3,8 @@
 summaries, verdicts).
 
 Nothing here does I/O or needs a server: the runner hands over what it recorded (every call's
-result, each round's read-back, the connection sampler's figures) and :func:`summarise` turns it
-into a :class:`ScenarioResult`. The report package reads only these dataclasses.
+result, each round's read-back, the connection sampler's figures) and `summarise` turns it
+into a `ScenarioResult`. The report package reads only these dataclasses.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ Kind = Literal["applied", "idempotent", "refused", "failed"]
 
 
 Transport = Literal["in-process", "http"]
-"""How a result's calls reached the engine: ``engine.fire`` in the bench's process, or HTTP
-requests to a ``flowlock serve`` subprocess (``flowlock bench --http``)."""
+"""How a result's calls reached the engine: `engine.fire` in the bench's process, or HTTP
+requests to a `flowlock serve` subprocess (`flowlock bench --http`)."""
 IN_PROCESS: Transport = "in-process"
 HTTP: Transport = "http"
 
@@ -83,14 +83,14 @@ class Params:
     """The untimed warm-up round: it only has to fill the pools, so it may do less."""
 
     def evolve(self, **changes: Any) -> Params:
-        """A copy with ``changes`` applied."""
+        """A copy with `changes` applied."""
         return replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)
 class CallSpec:
-    """One call a caller makes when the round is released (an ``engine.fire``, or for
-    ``singleton`` one run of the job: ``instance_id`` is then the job and ``payload`` the tick)."""
+    """One call a caller makes when the round is released (an `engine.fire`, or for
+    `singleton` one run of the job: `instance_id` is then the job and `payload` the tick)."""
 
     instance_id: str
     event: str
@@ -119,7 +119,7 @@ class CallSpec:
 class RoundPlan:
     """The instances a round created (with the state they were created in) and its callers.
 
-    ``calls``: one call per caller, all released at once (storm, countersign...). ``lanes``: per
+    `calls`: one call per caller, all released at once (storm, countersign...). `lanes`: per
     caller, a sequence fired one after another (hot, spread...). A plan uses one or the other.
     """
 
@@ -135,7 +135,7 @@ class RoundPlan:
 
 @dataclass(frozen=True, slots=True)
 class CallResult:
-    """What one call came to. ``latency`` is seconds from the moment the caller could start it
+    """What one call came to. `latency` is seconds from the moment the caller could start it
     (the round's release for its first call, the previous call's end after that) to its end."""
 
     call: CallSpec
@@ -146,9 +146,9 @@ class CallResult:
     """The exception's class name for refused and failed calls."""
     message: str | None = None
     batch_size: int | None = None
-    """The engine's ``Outcome.batch_size``: how many calls on the instance were decided and
+    """The engine's `Outcome.batch_size`: how many calls on the instance were decided and
     written together with this one (1: alone). None when no Outcome came back: the call failed,
-    or no engine answered it (the raw floor, a ``RunOnce`` job)."""
+    or no engine answered it (the raw floor, a `RunOnce` job)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,8 +200,8 @@ class Judgement:
 
 
 class Judged(Protocol):
-    """What :func:`summarise` needs from a scenario: its name and the rules a round is judged by
-    (:class:`flowlock.bench.scenarios.Scenario` has all of it)."""
+    """What `summarise` needs from a scenario: its name and the rules a round is judged by
+    (`flowlock.bench.scenarios.Scenario` has all of it)."""
 
     @property
     def name(self) -> str: ...
@@ -322,10 +322,10 @@ def verdict_of(
 class ScenarioResult:
     """The measurements and the verdict of one (scenario, strategy) pair's timed rounds.
 
-    Latencies in milliseconds; ``success_pct`` counts calls that applied, were answered
+    Latencies in milliseconds; `success_pct` counts calls that applied, were answered
     idempotently, or were refused by a business rule (not lock or conflict failures).
-    ``peak_connections``: the run's database connections in use (not idle) at the busiest
-    sample; ``open_connections``: all of them, idle ones included. ``lock_wait_ms``: time spent
+    `peak_connections`: the run's database connections in use (not idle) at the busiest
+    sample; `open_connections`: all of them, idle ones included. `lock_wait_ms`: time spent
     waiting for a lock per call (row locks sampled on the server, leases timed in the client).
     """
 
@@ -363,37 +363,37 @@ class ScenarioResult:
     floor: str | None = None
     """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
     mean_batch: float | None = None
-    """The mean ``Outcome.batch_size`` over the calls that got an Outcome (see
-    :func:`mean_batch`); None when none did."""
+    """The mean `Outcome.batch_size` over the calls that got an Outcome (see
+    `mean_batch`); None when none did."""
     hosts: int = 0
-    """The namespaced hosts the worker processes ran on (``--hosts``); 0: this machine's own
+    """The namespaced hosts the worker processes ran on (`--hosts`); 0: this machine's own
     network."""
     escalated: int | None = None
     """Instances the engines' adaptive monitors escalated during the pair, each engine counted
     once per instance (one engine per worker process); None when not counted (the raw floor)."""
     adopted: int | None = None
-    """Of :attr:`escalated`, those an engine took from the escalation board in PostgreSQL:
+    """Of `escalated`, those an engine took from the escalation board in PostgreSQL:
     decided by another engine, on another worker process or host."""
     transport: Transport = IN_PROCESS
-    """How the calls were made. Over ``http`` the connections are the service's, which the
+    """How the calls were made. Over `http` the connections are the service's, which the
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
 
     @property
     def label(self) -> str:
-        """``scenario/strategy``, with `` (http)`` after a result measured through the service."""
+        """`scenario/strategy`, with ` (http)` after a result measured through the service."""
         suffix = " (http)" if self.transport == HTTP else ""
         return f"{self.scenario}/{self.strategy}{suffix}"
 
 
 def _per(amount: float, count: float) -> float:
-    """``amount / count``, 0 when there is nothing to divide by."""
+    """`amount / count`, 0 when there is nothing to divide by."""
     return amount / count if count > 0 else 0.0
 
 
 def mean_batch(results: Iterable[CallResult]) -> float | None:
-    """The mean ``batch_size`` of the calls an engine answered with an Outcome (1.0 when
+    """The mean `batch_size` of the calls an engine answered with an Outcome (1.0 when
     batching is off, or when no two calls on an instance met); None when none did (the raw
-    floor, ``RunOnce``, or every call failed)."""
+    floor, `RunOnce`, or every call failed)."""
     sizes = [r.batch_size for r in results if r.batch_size is not None]
     return sum(sizes) / len(sizes) if sizes else None
 
@@ -413,9 +413,9 @@ def summarise(
 ) -> ScenarioResult:
     """One pair's result from its timed rounds and the sampler's figures: latency, outcomes,
     throughput per second of round wall time, connections, lock wait per call, and the verdict.
-    ``floor``: the pair is the raw floor, so the result names how it did the calls. ``hosts``:
-    the namespaced hosts it ran on; ``escalations``: (escalated, adopted), summed over the
-    engines (see :attr:`ScenarioResult.escalated`); ``transport``: how its calls were made."""
+    `floor`: the pair is the raw floor, so the result names how it did the calls. `hosts`:
+    the namespaced hosts it ran on; `escalations`: (escalated, adopted), summed over the
+    engines (see `ScenarioResult.escalated`); `transport`: how its calls were made."""
     records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
     judgements = [scenario.judge(record, params) for record in records]
@@ -478,14 +478,14 @@ class BenchReport:
     results: tuple[ScenarioResult, ...]
     loop: str
     database: str
-    """``"embedded"`` or ``"external"``."""
+    """`"embedded"` or `"external"`."""
     pool_size: int
     duration_s: float
     notes: tuple[str, ...] = ()
     redis: str = "none"
-    """``"embedded"``, ``"external"``, or ``"none"`` (no strategy needed Redis, or none found)."""
+    """`"embedded"`, `"external"`, or `"none"` (no strategy needed Redis, or none found)."""
     skipped: tuple[str, ...] = ()
-    """``scenario/strategy`` pairs that could not run (see ``notes``)."""
+    """`scenario/strategy` pairs that could not run (see `notes`)."""
     log: tuple[str, ...] = ()
     """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
 
@@ -501,7 +501,7 @@ _SEVERITY = (DOUBLE_APPLY, LOST_UPDATE, OVERSELL, VERSION_GAP, BROKEN_CHAIN, FIN
 
 def failures(report: BenchReport, limit: int = 5) -> list[str]:
     """One line per failed verdict with its violations counted by kind (double applies first),
-    then up to ``limit`` of them, the most serious kinds first."""
+    then up to `limit` of them, the most serious kinds first."""
     lines: list[str] = []
     for r in report.results:
         if r.verdict.ok:

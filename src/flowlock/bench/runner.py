@@ -1,10 +1,10 @@
 """The benchmark runner: orchestration only. It measures, checks and returns dataclasses.
 
-Each (scenario, strategy) pair runs in :mod:`~flowlock.bench.pairs`. The servers come from
-:mod:`~flowlock.bench.servers`; the tables live in a scratch schema dropped at the end. Cleanup
-runs in ``finally`` blocks, so an error or Ctrl-C leaves no server, process, schema or key.
-Under ``--hosts`` and ``--http`` the lab supplies hosts and a service
-(:mod:`~flowlock.bench.extend`).
+Each (scenario, strategy) pair runs in `pairs`. The servers come from
+`servers`; the tables live in a scratch schema dropped at the end. Cleanup
+runs in `finally` blocks, so an error or Ctrl-C leaves no server, process, schema or key.
+Under `--hosts` and `--http` the lab supplies hosts and a service
+(`extend`).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
 
 
 def _needs_lab(config: BenchConfig, lab: Lab | None) -> Lab | None:
-    """The lab a ``--hosts`` or ``--http`` run needs (InvalidInput when it is missing);
+    """The lab a `--hosts` or `--http` run needs (InvalidInput when it is missing);
     None when the run needs none."""
     if config.hosts is None and not config.http:
         return None
@@ -168,7 +168,7 @@ async def run_bench(
     config: BenchConfig, progress: Progress | None = None, *, lab: Lab | None = None
 ) -> BenchReport:
     """Run the benchmark on the running event loop and return its report. A run with
-    ``hosts`` or ``http`` needs ``lab`` (``flowlock_lab.matrix.LAB``)."""
+    `hosts` or `http` needs `lab` (`flowlock_lab.matrix.LAB`)."""
     config.validate()
     needed = _needs_lab(config, lab)
     shown: Progress = progress or NullProgress()

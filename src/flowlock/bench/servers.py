@@ -77,7 +77,7 @@ async def connect(url: str) -> asyncpg.Connection:
 
 @dataclass(slots=True)
 class DatabaseServer:
-    """The database of a run: its URL, ``"embedded"`` or ``"external"``, and, once probed, its
+    """The database of a run: its URL, `"embedded"` or `"external"`, and, once probed, its
     version, the pool size each session gets, and notes for the report."""
 
     url: str
@@ -96,7 +96,7 @@ async def postgres_server(
     trusted: Sequence[str] = (),
 ) -> AsyncIterator[DatabaseServer]:
     """The database to run against: the caller's, or an embedded one stopped on the way out,
-    listening on ``host`` (default 127.0.0.1) and letting in the clients of the ``trusted``
+    listening on `host` (default 127.0.0.1) and letting in the clients of the `trusted`
     networks (the namespaced hosts' subnet)."""
     if config.database_url is not None:
         progress.status(f"connecting to {_where(config.database_url)}")
@@ -120,7 +120,7 @@ async def postgres_server(
 
 
 def demand(pool: int, advisory: bool) -> int:
-    """Connections one process's session may open with a pool of ``pool``."""
+    """Connections one process's session may open with a pool of `pool`."""
     if not advisory:
         return pool
     lease = min(ADVISORY_POOL, pool)
@@ -128,8 +128,8 @@ def demand(pool: int, advisory: bool) -> int:
 
 
 def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int) -> int:
-    """Connections a run with session pools of ``pool`` needs at its busiest: one session in
-    this process, or, for the multi-process scenarios, ``processes`` workers sharing the pool
+    """Connections a run with session pools of `pool` needs at its busiest: one session in
+    this process, or, for the multi-process scenarios, `processes` workers sharing the pool
     out while this process keeps a small admin pool (RunOnce adds a few per process)."""
     alone = demand(pool, advisory)
     if not multi:
@@ -139,16 +139,16 @@ def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int
 
 
 def with_service(alone: int, pool: int, workers: int) -> int:
-    """Connections a ``--http`` run needs at its busiest, when a run without the service needs
-    ``alone``: the service's pools (``workers`` processes sharing ``pool``) stay open all run,
+    """Connections a `--http` run needs at its busiest, when a run without the service needs
+    `alone`: the service's pools (`workers` processes sharing `pool`) stay open all run,
     beside each in-process pair, then beside the admin session of each HTTP pair."""
     service = workers * service_pool(pool, workers)
     return service + max(alone, ADMIN_POOL)
 
 
 def fit_pool(wanted: int, free: int, needed: Callable[[int], int]) -> int:
-    """The largest pool up to ``wanted`` (at least 1) whose ``needed`` connections fit in
-    ``free``; 1 when none does (the caller then checks ``needed(1)`` itself)."""
+    """The largest pool up to `wanted` (at least 1) whose `needed` connections fit in
+    `free`; 1 when none does (the caller then checks `needed(1)` itself)."""
     pool = wanted
     while pool > 1 and needed(pool) > free:
         pool -= 1
@@ -166,7 +166,7 @@ SELECT current_setting('max_connections')::int AS max_conn,
 
 
 async def _inspect(server: DatabaseServer) -> asyncpg.Record:
-    """Read the server version into ``server``; return its connection limits."""
+    """Read the server version into `server`; return its connection limits."""
     conn = await connect(server.url)
     try:
         # server_version, e.g. "15.20 (Debian 15.20-0+deb12u1)": asyncpg's parsed
@@ -242,7 +242,7 @@ async def clear_escalation_board(pool: asyncpg.Pool) -> None:
 
 
 async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
-    """The server's client connections from any of ``addresses`` (the namespaced hosts')."""
+    """The server's client connections from any of `addresses` (the namespaced hosts')."""
     conn = await connect(url)
     try:
         found = await conn.fetchval(
@@ -261,7 +261,7 @@ async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RedisServer:
-    """The Redis of a run: its URL, ``"embedded"`` or ``"external"``, and its version."""
+    """The Redis of a run: its URL, `"embedded"` or `"external"`, and its version."""
 
     url: str
     kind: str
@@ -273,7 +273,7 @@ async def redis_server(
     config: BenchConfig, progress: Progress, needed: bool, *, host: str | None = None
 ) -> AsyncIterator[RedisServer | None]:
     """Redis for the distributed-redis strategy: the caller's, an embedded one (stopped and
-    removed on the way out; listening on ``host``, default 127.0.0.1), or None when no
+    removed on the way out; listening on `host`, default 127.0.0.1), or None when no
     strategy needs it or none can be started."""
     if not needed:
         yield None
@@ -337,7 +337,7 @@ async def delete_redis_keys(url: str, namespace: str) -> None:
 
 async def count_redis_lock_keys(url: str, namespace: str) -> int:
     """The lock keys (not the fencing counters or their stamps) under the run's namespace in
-    Redis: a lock key ends with its hash tag's ``}`` (the user's key is escaped inside it)."""
+    Redis: a lock key ends with its hash tag's `}` (the user's key is escaped inside it)."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
@@ -357,7 +357,7 @@ async def count_redis_lock_keys(url: str, namespace: str) -> int:
 
 
 async def count_redis_clients_from(url: str, addresses: Sequence[str]) -> int:
-    """Redis's client connections from any of ``addresses`` (the namespaced hosts')."""
+    """Redis's client connections from any of `addresses` (the namespaced hosts')."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 

@@ -1,17 +1,17 @@
-"""A benchmark worker process: ``python -m flowlock.bench.worker``.
+"""A benchmark worker process: `python -m flowlock.bench.worker`.
 
-The runner starts ``--processes`` of these for the multi-process scenarios (``cluster``,
-``singleton``) and drives them with one request per line on stdin; each request gets one reply
-line on stdout (:class:`~flowlock.bench.procs.Failed` when it failed). The messages are the
-dataclasses of :mod:`flowlock.bench.procs`:
+The runner starts `--processes` of these for the multi-process scenarios (`cluster`,
+`singleton`) and drives them with one request per line on stdin; each request gets one reply
+line on stdout (`Failed` when it failed). The messages are the
+dataclasses of `flowlock.bench.procs`:
 
-- :class:`~flowlock.bench.procs.Open`: open a fresh session for the strategy (its own pool,
-  engine and lock backend, exactly as the runner opens one in-process) -> ``Opened``;
-- :class:`~flowlock.bench.procs.Arm`: create one task per lane, parked on a gate -> ``ArmedReply``
+- `Open`: open a fresh session for the strategy (its own pool,
+  engine and lock backend, exactly as the runner opens one in-process) -> `Opened`;
+- `Arm`: create one task per lane, parked on a gate -> `ArmedReply`
   once all of them wait;
-- :class:`~flowlock.bench.procs.Go`: release them -> ``Done`` with every result, the wall time and
+- `Go`: release them -> `Done` with every result, the wall time and
   the lease wait; latencies are measured here, from this process's release;
-- :class:`~flowlock.bench.procs.Close`: close the session -> ``Closed`` with its engine's
+- `Close`: close the session -> `Closed` with its engine's
   escalation counts (decided here, adopted from the board).
 
 End of input (the runner closed the pipe, or died) closes everything and exits. The worker runs

@@ -1,6 +1,6 @@
 """Judge a run: exactly-once from the store's history, linearizable from what callers saw.
 
-Pure, no I/O. ``check`` reads the history; ``Recorder`` and ``check_linearizable`` judge calls.
+Pure, no I/O. `check` reads the history; `Recorder` and `check_linearizable` judge calls.
 """
 
 from flowlock.checker.calls import OPS, OUTCOMES, CallRecord

@@ -18,13 +18,13 @@ OUTCOMES: tuple[str, ...] = ("ok", "fail", "unknown")
 class CallRecord:
     """One recorded call: what was asked, when, how it ended and what it returned.
 
-    Times are on the recorder's clock. ``completed_at`` is None for a call that never completed.
-    ``outcome`` is "ok", "fail" or "unknown". An ok call carries ``state``, ``version``,
-    ``data`` and ``workflow``. ``idempotent`` marks a fire that applied nothing.
-    ``error`` is what the call raised, as text.
+    Times are on the recorder's clock. `completed_at` is None for a call that never completed.
+    `outcome` is "ok", "fail" or "unknown". An ok call carries `state`, `version`,
+    `data` and `workflow`. `idempotent` marks a fire that applied nothing.
+    `error` is what the call raised, as text.
 
     Frozen and picklable, so worker processes can send theirs back.
-    ``to_dict`` and ``from_dict`` carry it through JSON."""
+    `to_dict` and `from_dict` carry it through JSON."""
 
     instance_id: str
     op: str
@@ -45,7 +45,7 @@ class CallRecord:
             raise InvalidInput(f"bad call record ({problem}): {self!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, ready for JSON (``data`` as a plain dict)."""
+        """Every field, ready for JSON (`data` as a plain dict)."""
         return {
             "instance_id": self.instance_id,
             "op": self.op,
@@ -63,7 +63,8 @@ class CallRecord:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> CallRecord:
-        """The record :meth:`to_dict` gave; InvalidInput for a field missing or wrong."""
+        """The record [`to_dict`][flowlock.checker.calls.CallRecord.to_dict] gave; InvalidInput for
+        a field missing or wrong."""
         try:
             return cls(**{name: raw[name] for name in _REQUIRED}, **_optional(raw))
         except KeyError as exc:

@@ -36,12 +36,12 @@ def check(
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
 ) -> Verdict:
-    """Check ``history`` against ``instance`` and report every violation found.
+    """Check `history` against `instance` and report every violation found.
 
-    ``initial_state``: the state the instance was created in (the first row must start there).
-    ``expected_applied``: how many ``fire`` calls answered ``applied=True`` for this instance.
-    ``invariant``: run on the data after every row and on the final instance; a returned string
-    is a violation of kind ``invariant_kind``.
+    `initial_state`: the state the instance was created in (the first row must start there).
+    `expected_applied`: how many `fire` calls answered `applied=True` for this instance.
+    `invariant`: run on the data after every row and on the final instance; a returned string
+    is a violation of kind `invariant_kind`.
     """
     found: list[Violation] = []
     name = f"instance {instance.id!r}"
@@ -80,9 +80,9 @@ def check_many(
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
 ) -> Verdict:
-    """Check each ``(instance, history)`` pair and merge the verdicts (messages name the id).
+    """Check each `(instance, history)` pair and merge the verdicts (messages name the id).
 
-    ``expected_applied`` is one count for all, or a count per instance id.
+    `expected_applied` is one count for all, or a count per instance id.
     Instances missing from the mapping get no count check.
     """
     found: list[Violation] = []

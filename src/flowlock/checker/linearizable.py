@@ -1,4 +1,4 @@
-"""``check_linearizable``: is what the callers saw explained by one order of their calls?"""
+"""`check_linearizable`: is what the callers saw explained by one order of their calls?"""
 
 from __future__ import annotations
 
@@ -46,15 +46,15 @@ def check_linearizable(
     initial: Mapping[str, Instance | None] | None = None,
     max_steps: int | None = None,
 ) -> LinearizabilityVerdict:
-    """Whether the recorded ``calls`` are linearizable, instance by instance.
+    """Whether the recorded `calls` are linearizable, instance by instance.
 
-    ``workflow``: one definition, or several picked by the name the calls returned.
+    `workflow`: one definition, or several picked by the name the calls returned.
     It says where an event leads; without it, fires are judged on what they returned.
-    ``initial``: instance id to the instance before the first call (None: not created).
+    `initial`: instance id to the instance before the first call (None: not created).
     By default an instance starts unknown.
-    ``max_steps``: the search budget per instance (default 500 a call, at least 100,000).
-    An instance that needs more is reported ``undecided``.
-    Every violation names its calls by their index in ``calls``.
+    `max_steps`: the search budget per instance (default 500 a call, at least 100,000).
+    An instance that needs more is reported `undecided`.
+    Every violation names its calls by their index in `calls`.
     """
     records = list(calls)
     for r in records:
@@ -104,7 +104,7 @@ def _workflow_for(
 
 
 def _start(starts: Mapping[str, Instance | None], iid: str, names: Names) -> Model:
-    """The model before the instance's first call: unknown unless ``initial`` says."""
+    """The model before the instance's first call: unknown unless `initial` says."""
     if iid not in starts:
         return UNKNOWN_START
     inst = starts[iid]
@@ -178,7 +178,7 @@ def _invalid_results(
 
 
 def _impossible(r: CallRecord, wf: Workflow | None) -> str | None:
-    """Why ``r``'s result cannot be right whatever came before it, or None."""
+    """Why `r`'s result cannot be right whatever came before it, or None."""
     assert r.version is not None
     if r.op == "create":
         if r.version != _CREATED_VERSION:

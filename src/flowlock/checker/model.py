@@ -47,7 +47,7 @@ class SearchOp:
 
 
 def step(m: Model, o: SearchOp) -> Model | None:
-    """The model after ``o`` takes effect on ``m``, or None when it cannot."""
+    """The model after `o` takes effect on `m`, or None when it cannot."""
     exists, state, version, data = m
     kind = o.kind
     if kind == GET:
@@ -92,7 +92,7 @@ def _maybe_fire(m: Model, o: SearchOp) -> Model | None:
 
 
 def why_not(m: Model, o: SearchOp, names: Names) -> str:
-    """Why ``o`` cannot take effect on ``m``, in words (for a violation's message)."""
+    """Why `o` cannot take effect on `m`, in words (for a violation's message)."""
     exists, state, version, data = m
     if o.kind in (CREATE, CREATE_MAYBE):
         return "the instance already exists"
@@ -178,7 +178,7 @@ def search_ops(
 
 
 def _search_op(i: int, r: CallRecord, wf: Workflow | None, names: Names) -> SearchOp | None:
-    """``r`` as the search sees it, or None when it has no effect to place."""
+    """`r` as the search sees it, or None when it has no effect to place."""
     if r.outcome == "fail" or r.idempotent or (r.op == "get" and r.outcome == "unknown"):
         return None
     t = wf.transitions.get(r.event or "") if wf is not None and r.op == "fire" else None

@@ -1,4 +1,4 @@
-"""Record calls as code under test makes them, for ``check_linearizable``."""
+"""Record calls as code under test makes them, for `check_linearizable`."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ _NO_EFFECT: tuple[type[BaseException], ...] = (
 
 
 def outcome_of(error: BaseException) -> Literal["fail", "unknown"]:
-    """How a call that raised ``error`` is recorded: "fail" or "unknown".
+    """How a call that raised `error` is recorded: "fail" or "unknown".
 
     "fail" is for a flowlock refusal made before anything was written.
     "unknown" is for OutcomeUnknown, timeouts, cancellation and errors not flowlock's.
@@ -62,14 +62,13 @@ def _error_text(error: BaseException | str | None) -> str | None:
 
 
 class CallHandle:
-    """One call in progress: complete it once with ``ok``, ``fail`` or ``unknown``.
+    """One call in progress: complete it once with `ok`, `fail` or `unknown`.
 
     Until then it is reported unknown: a call whose task died may still have taken effect.
     As a context manager it completes the call if the block did not.
-    An exception is recorded by ``outcome_of`` and passed on.
+    An exception is recorded by `outcome_of` and passed on.
     A block that ends normally without completing the call records it unknown.
 
-    ::
 
         with recorder.invoke(iid, "fire", event="approve") as call:
             call.ok(await engine.fire(iid, "approve"))
@@ -101,9 +100,9 @@ class CallHandle:
         return CallRecord(self.instance_id, self.op, self.event, self.invoked_at, None, "unknown")
 
     def ok(self, result: Instance | Outcome) -> CallRecord:
-        """The call returned ``result``: an Instance, or a fire's Outcome.
+        """The call returned `result`: an Instance, or a fire's Outcome.
 
-        A fire that applied may pass ``outcome.instance``.
+        A fire that applied may pass `outcome.instance`.
         A fire answered idempotent must pass its Outcome."""
         idempotent = False
         if isinstance(result, Outcome):
@@ -182,10 +181,10 @@ class CallHandle:
 
 
 class Recorder:
-    """Records calls for ``check_linearizable``: ``invoke``, then complete the handle.
+    """Records calls for `check_linearizable`: `invoke`, then complete the handle.
 
     Safe to share between tasks and threads.
-    The default clock, ``time.monotonic``, is shared by every process on a Linux host.
+    The default clock, `time.monotonic`, is shared by every process on a Linux host.
     So histories from several worker processes can be merged. Inject another for tests."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -195,7 +194,7 @@ class Recorder:
         self._lock = threading.Lock()
 
     def invoke(self, instance_id: str, op: Op, event: str | None = None) -> CallHandle:
-        """Record that a call starts now: "create", "fire" (with its ``event``) or "get"."""
+        """Record that a call starts now: "create", "fire" (with its `event`) or "get"."""
         if op not in OPS:
             raise InvalidInput(f"op must be one of {OPS}, not {op!r}")
         if op == "fire" and not isinstance(event, str):
@@ -209,7 +208,7 @@ class Recorder:
 
     @property
     def calls(self) -> list[CallRecord]:
-        """Every call so far in invoke order, then those added by ``extend``.
+        """Every call so far in invoke order, then those added by `extend`.
 
         A call not completed yet is reported unknown."""
         with self._lock:

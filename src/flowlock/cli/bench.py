@@ -1,6 +1,6 @@
-"""``flowlock bench``: the seed's benchmark matrix, and the lab's modes forwarded to it.
+"""`flowlock bench`: the seed's benchmark matrix, and the lab's modes forwarded to it.
 
-``--soak``, ``--hosts`` and ``--http`` run in flowlock's lab (``flowlock_lab``, the ``lab/``
+`--soak`, `--hosts` and `--http` run in flowlock's lab (`flowlock_lab`, the `lab/`
 distribution of a checkout). The lab is an optional import here, as an optional integration:
 without it those modes exit with one line naming how to install it.
 """
@@ -70,9 +70,9 @@ def _lab() -> ModuleType:
 
 
 def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
-    """Validate ``config`` (and the plot support) before starting anything, then run it with
-    a progress display on stderr; flowlock errors and Ctrl-C become exits. ``--hosts`` and
-    ``--http`` runs take the lab's parts."""
+    """Validate `config` (and the plot support) before starting anything, then run it with
+    a progress display on stderr; flowlock errors and Ctrl-C become exits. `--hosts` and
+    `--http` runs take the lab's parts."""
     from flowlock.bench import runner
     from flowlock.bench.report import RichProgress, check_plot_support
 
@@ -102,7 +102,7 @@ def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -
 
 
 def _run_soak(config: Any, json_file: Path | None) -> None:
-    """Run the lab's soak (``config``: its SoakConfig), print its table, write its JSON, and
+    """Run the lab's soak (`config`: its SoakConfig), print its table, write its JSON, and
     exit 3 when any verdict is not clean."""
     _lab().run_soak(config, json_file)
 

@@ -1,4 +1,4 @@
-"""The options of ``flowlock bench``, one alias each, so the command stays a short function."""
+"""The options of `flowlock bench`, one alias each, so the command stays a short function."""
 
 from __future__ import annotations
 

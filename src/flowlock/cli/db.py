@@ -1,4 +1,4 @@
-"""``flowlock db``: create or update flowlock's tables, or print them as SQL."""
+"""`flowlock db`: create or update flowlock's tables, or print them as SQL."""
 
 from __future__ import annotations
 

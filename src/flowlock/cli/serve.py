@@ -1,4 +1,4 @@
-"""``flowlock serve``: flowlock as an HTTP service."""
+"""`flowlock serve`: flowlock as an HTTP service."""
 
 from __future__ import annotations
 

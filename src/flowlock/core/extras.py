@@ -11,7 +11,7 @@ __all__ = ["require"]
 
 
 def require(module: str, extra: str, feature: str) -> ModuleType:
-    """Import ``module``, or raise ExtraNotInstalled naming the extra that brings it."""
+    """Import `module`, or raise ExtraNotInstalled naming the extra that brings it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:

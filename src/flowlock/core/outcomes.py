@@ -14,13 +14,13 @@ from flowlock.core.errors import (
 __all__ = ["OUTCOMES", "failure_outcome"]
 
 OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
-"""The ``outcome`` label: applied / idempotent (the two successes), refused (a business rule or
+"""The `outcome` label: applied / idempotent (the two successes), refused (a business rule or
 a state that does not allow the event), conflict (optimistic retries exhausted), lock_error
 (timeout, busy, lost, backend down), invalid (bad input, unknown instance), error (the rest)."""
 
 
 def failure_outcome(exc: FlowlockError) -> str:
-    """The ``outcome`` label of a ``fire`` call that raised ``exc``."""
+    """The `outcome` label of a `fire` call that raised `exc`."""
     if isinstance(exc, TransitionRefused):
         return "refused"
     if isinstance(exc, ConflictRetriesExhausted):

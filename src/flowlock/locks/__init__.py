@@ -1,7 +1,7 @@
-"""Lease locks: the port (``flowlock.locks.base``) and its backends.
+"""Lease locks: the port (`flowlock.locks.base`) and its backends.
 
-``MemoryLocks`` is in-process. ``RedisLocks`` (extra ``redis``) and ``AdvisoryLocks`` (extra
-``postgres``) load on first use, so importing this package loads no driver.
+`MemoryLocks` is in-process. `RedisLocks` (extra `redis`) and `AdvisoryLocks` (extra
+`postgres`) load on first use, so importing this package loads no driver.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class _Entry:
 
 
 class MemoryLocks:
-    """Lease locks in a dict. ``clock`` and ``token`` are injectable for tests."""
+    """Lease locks in a dict. `clock` and `token` are injectable for tests."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
-"""``flowlock serve``: the engine as an HTTP service (FastAPI on uvicorn).
+"""`flowlock serve`: the engine as an HTTP service (FastAPI on uvicorn).
 
-``create_app(settings)`` builds the app; ``ServiceSettings`` says what it runs with (flags or
-``FLOWLOCK_*`` variables). See docs/service.md.
+`create_app(settings)` builds the app; `ServiceSettings` says what it runs with (flags or
+`FLOWLOCK_*` variables). See docs/service.md.
 """
 
 from flowlock.core.extras import require

@@ -1,4 +1,4 @@
-"""``create_app(settings)`` builds the FastAPI app that ``flowlock serve`` runs.
+"""`create_app(settings)` builds the FastAPI app that `flowlock serve` runs.
 
 One engine per worker process, opened and closed by the app's lifespan. See docs/service.md.
 """
@@ -29,7 +29,7 @@ __all__ = ["app_from_env", "create_app", "default_workflows"]
 
 
 def default_workflows() -> list[Workflow]:
-    """What ``flowlock serve`` serves without ``--app``: the seed article's three cases.
+    """What `flowlock serve` serves without `--app`: the seed article's three cases.
 
     They are approval, countersign (quorum 3) and inventory."""
     return [approval(), countersign(3), inventory()]
@@ -49,9 +49,9 @@ def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
 def create_app(
     settings: ServiceSettings | None = None, *, workflows: Sequence[Workflow] | None = None
 ) -> FastAPI:
-    """The service over ``settings`` (default: an in-memory store), serving ``workflows``.
+    """The service over `settings` (default: an in-memory store), serving `workflows`.
 
-    By default it serves what ``settings.app`` names, else ``default_workflows()``.
+    By default it serves what `settings.app` names, else `default_workflows()`.
     Misconfiguration raises InvalidInput here, before anything is opened."""
     settings = settings if settings is not None else ServiceSettings()
     served = list(workflows) if workflows is not None else _served(settings.app)
@@ -88,7 +88,7 @@ def create_app(
 
 
 def app_from_env() -> FastAPI:
-    """The app the ``FLOWLOCK_*`` variables describe (uvicorn's factory in each worker)."""
+    """The app the `FLOWLOCK_*` variables describe (uvicorn's factory in each worker)."""
     return create_app(ServiceSettings.from_env(os.environ))
 
 

@@ -74,7 +74,7 @@ class Probes:
         self._running: dict[str, asyncio.Task[None]] = {}
 
     async def check(self, name: str, ping: Callable[[], Awaitable[None]]) -> str:
-        """What ``name``'s ping says within READY_TIMEOUT: "ok", or what went wrong."""
+        """What `name`'s ping says within READY_TIMEOUT: "ok", or what went wrong."""
         task = self._running.get(name)
         if task is None or task.done():
             task = self._running[name] = asyncio.ensure_future(ping())

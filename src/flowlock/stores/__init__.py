@@ -1,4 +1,5 @@
-"""Stores: where instances and their history live. See :mod:`flowlock.stores.base`.
+"""Stores: where instances and their history live. See
+[`flowlock.stores.base`][flowlock.stores.base].
 
 `flowlock.backends.build_store` builds one from a URL.
 """

@@ -1,6 +1,6 @@
 """Checks every store makes on a batch write before touching its data, so the stores refuse the
-same inputs with the same messages: several instances' batches (``commit_many``) and what a
-``plan`` returned under the row lock (``apply_locked``)."""
+same inputs with the same messages: several instances' batches (`commit_many`) and what a
+`plan` returned under the row lock (`apply_locked`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ __all__ = ["distinct_batches", "planned_entries", "refused_plan"]
 
 
 def distinct_batches(batches: Sequence[Entries]) -> list[tuple[HistoryEntry, ...]]:
-    """Each batch of ``commit_many`` checked by :func:`entries_of`, and no instance twice (two
-    batches of one instance would race each other inside one call). InvalidInput says what is
-    wrong; the store has written nothing yet."""
+    """Each batch of `commit_many` checked by [`entries_of`][flowlock.stores._batch.entries_of], and
+    no instance twice (two batches of one instance would race each other inside one call).
+    InvalidInput says what is wrong; the store has written nothing yet."""
     if isinstance(batches, HistoryEntry):
         raise InvalidInput(
             "commit_many takes a sequence of batches (one per instance), not one history "
@@ -36,8 +36,8 @@ def distinct_batches(batches: Sequence[Entries]) -> list[tuple[HistoryEntry, ...
 
 
 def planned_entries(instance_id: str, planned: Entries | None) -> tuple[HistoryEntry, ...]:
-    """What a plan returned, as a checked batch of ``instance_id`` (the instance locked), or
-    ``()`` when it asked for no write (None or an empty sequence)."""
+    """What a plan returned, as a checked batch of `instance_id` (the instance locked), or
+    `()` when it asked for no write (None or an empty sequence)."""
     if planned is None:
         return ()
     batch = (planned,) if isinstance(planned, HistoryEntry) else tuple(planned)

@@ -1,27 +1,30 @@
-"""The narrow ports every store implements: :class:`Store` (memory, SQLite, PostgreSQL) and, for
-the stores that can share the adaptive strategy's escalations, :class:`EscalationBoard`.
+"""The narrow ports every store implements: [`Store`][flowlock.stores.base.Store] (memory, SQLite,
+PostgreSQL) and, for the stores that can share the adaptive strategy's escalations,
+[`EscalationBoard`][flowlock.stores.base.EscalationBoard].
 
 Strategies see only this Protocol. Two ways to apply a transition:
 
-- ``read`` then ``commit``: an unlocked read and a version compare-and-swap that appends the
+- `read` then `commit`: an unlocked read and a version compare-and-swap that appends the
   history row in the same transaction (the optimistic path, and the distributed one under a lease);
-- ``apply_locked``: read under a row lock, run a pure ``plan`` on what was read, write, commit
-  (the pessimistic path). ``plan`` is synchronous and pure so a store may run it on its own thread.
+- `apply_locked`: read under a row lock, run a pure `plan` on what was read, write, commit
+  (the pessimistic path). `plan` is synchronous and pure so a store may run it on its own thread.
 
 Both take a batch: the engine decides several calls on one instance in memory, in order, and
-writes their k history entries with ONE compare-and-swap from version v to v + k (``commit`` and
-``plan`` take one entry or a sequence of them; ``read`` and ``apply_locked`` look up one request
-id or a sequence of them). ``commit_many`` writes the batches of several instances at once (one
+writes their k history entries with ONE compare-and-swap from version v to v + k (`commit` and
+`plan` take one entry or a sequence of them; `read` and `apply_locked` look up one request
+id or a sequence of them). `commit_many` writes the batches of several instances at once (one
 round trip where the store can), each instance's compare-and-swap independent of the others.
 
-Every write is a compare-and-swap on ``version``, and, when the entry carries a lease's fencing
+Every write is a compare-and-swap on `version`, and, when the entry carries a lease's fencing
 token, on that token too (lower than the last one written: refused); a stale write changes nothing.
 
-Queries (``list_instances``, ``count_instances``) read instances by an
-:class:`~flowlock.core.models.InstanceQuery`; a page is a keyset on the id, in code point order.
+Queries (`list_instances`, `count_instances`) read instances by an
+[`InstanceQuery`][flowlock.core.models.InstanceQuery]; a page is a keyset on the id, in code point
+order.
 
 A store that can also run inside a transaction its caller opened (PostgreSQL) is a
-:class:`TransactionalStore`: it hands out a Store bound to the caller's connection.
+[`TransactionalStore`][flowlock.stores.base.TransactionalStore]: it hands out a Store bound to the
+caller's connection.
 """
 
 from __future__ import annotations
@@ -52,12 +55,12 @@ Entries: TypeAlias = HistoryEntry | Sequence[HistoryEntry]
 follow each other (v + 1 ... v + k), applied with one compare-and-swap from v to v + k."""
 
 RequestIds: TypeAlias = str | Sequence[str] | None
-"""Which request ids a read looks up: one (its entry in ``Snapshot.prior``), several (a batch:
-the entries found in ``Snapshot.priors``), or none."""
+"""Which request ids a read looks up: one (its entry in `Snapshot.prior`), several (a batch:
+the entries found in `Snapshot.priors`), or none."""
 
 
 def entries_of(entries: Entries) -> tuple[HistoryEntry, ...]:
-    """``entries`` as a tuple, checked to be one instance's contiguous batch: at least one entry,
+    """`entries` as a tuple, checked to be one instance's contiguous batch: at least one entry,
     one instance id, versions that follow each other, no request id twice. A store calls it before
     anything is written; InvalidInput says what is wrong (a strategy's bug, never a caller's)."""
     batch = (entries,) if isinstance(entries, HistoryEntry) else tuple(entries)
@@ -95,8 +98,8 @@ def request_ids_of(request_id: RequestIds) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RowLock:
-    """How to wait for the instance's row lock: at most ``timeout`` seconds, or not at all
-    (``nowait``, which raises :class:`flowlock.LockBusy` at once)."""
+    """How to wait for the instance's row lock: at most `timeout` seconds, or not at all
+    (`nowait`, which raises [`flowlock.LockBusy`][flowlock.LockBusy] at once)."""
 
     timeout: float = 5.0
     nowait: bool = False
@@ -105,12 +108,12 @@ class RowLock:
 Plan = Callable[[Snapshot], Entries | None]
 """Given what was read under the lock, the history entry to append (version = read version + 1)
 or a batch of them (versions read + 1 ... read + k), or None (or an empty sequence) to write
-nothing. May raise a :class:`flowlock.FlowlockError`; the store rolls back."""
+nothing. May raise a [`flowlock.FlowlockError`][flowlock.FlowlockError]; the store rolls back."""
 
 
 @dataclass(frozen=True, slots=True)
 class LockedResult:
-    """What ``apply_locked`` saw and, when ``plan`` asked for a write, the committed instance;
+    """What `apply_locked` saw and, when `plan` asked for a write, the committed instance;
     how long it waited for the lock and held it (seconds), when the store measures them."""
 
     snapshot: Snapshot
@@ -139,30 +142,30 @@ class Store(Protocol):
         """The instance as committed. Raises InstanceNotFound."""
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        """An unlocked, consistent read of the instance and the entry for ``request_id``
-        (``Snapshot.prior``), or, given a sequence of request ids, the entries found for them
-        (``Snapshot.priors``)."""
+        """An unlocked, consistent read of the instance and the entry for `request_id`
+        (`Snapshot.prior`), or, given a sequence of request ids, the entries found for them
+        (`Snapshot.priors`)."""
 
     async def commit(self, entry: Entries) -> Instance | None:
         """Compare-and-swap: move the instance to the last entry if it is still at the first
-        entry's ``version - 1`` and every request id is new, appending the entries in the same
-        transaction (see :func:`entries_of` for what a batch must be). Returns the committed
-        instance (as the last entry left it), or None when another writer got there first
-        (version moved, a newer fencing token was written, or one of the request ids was applied
-        meanwhile); then nothing is written."""
+        entry's `version - 1` and every request id is new, appending the entries in the same
+        transaction (see [`entries_of`][flowlock.stores.base.entries_of] for what a batch must be).
+        Returns the committed instance (as the last entry left it), or None when another writer got
+        there first (version moved, a newer fencing token was written, or one of the request ids was
+        applied meanwhile); then nothing is written."""
 
     async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
-        """``commit`` for each batch, one instance each (no instance twice), in one round trip
+        """`commit` for each batch, one instance each (no instance twice), in one round trip
         where the store can. Each compare-and-swap stands alone: one that loses (None at its
         place in the answer) writes nothing and leaves the others to commit."""
 
     async def apply_locked(
         self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
-        """Lock the instance's row (bounded by ``lock``), read it and the entries of
-        ``request_id`` (one or several, as ``read``), run ``plan``, write what it returns (one
+        """Lock the instance's row (bounded by `lock`), read it and the entries of
+        `request_id` (one or several, as `read`), run `plan`, write what it returns (one
         entry or a batch) with one version compare-and-swap, commit. Raises LockTimeout /
-        LockBusy, InstanceNotFound, or whatever ``plan`` raised (after rolling back)."""
+        LockBusy, InstanceNotFound, or whatever `plan` raised (after rolling back)."""
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
@@ -174,12 +177,12 @@ class Store(Protocol):
     async def list_instances(
         self, query: InstanceQuery, *, after: str | None, limit: int
     ) -> list[Instance]:
-        """At most ``limit`` instances matching ``query`` whose id comes after ``after`` (None:
+        """At most `limit` instances matching `query` whose id comes after `after` (None:
         from the first), ordered by id in code point order (byte order of the UTF-8, whatever the
         database's collation). One consistent read."""
 
     async def count_instances(self, query: InstanceQuery) -> int:
-        """How many instances match ``query``. One consistent read."""
+        """How many instances match `query`. One consistent read."""
 
 
 @runtime_checkable
@@ -187,20 +190,21 @@ class EscalationBoard(Protocol):
     """Where engines share the adaptive strategy's escalations (so a fleet escalates together).
     The memory and PostgreSQL stores are boards; the engine syncs with its store when it is one.
 
-    Every ``until`` on a board is counted on the board's own clock (:meth:`now`), never on the
-    wall clock of the host that decided it: hosts whose clocks disagree, or one whose clock is
-    changed by an hour, still agree on when an escalation ends."""
+    Every `until` on a board is counted on the board's own clock
+    ([`now`][flowlock.stores.base.EscalationBoard.now]), never on the wall clock of the host that
+    decided it: hosts whose clocks disagree, or one whose clock is changed by an hour, still agree
+    on when an escalation ends."""
 
     async def publish(self, escalation: Escalation) -> None:
         """Record (or extend) an escalation."""
         ...
 
     async def active(self, now: float) -> list[Escalation]:
-        """Every escalation whose ``until`` is after ``now`` (on the board's clock)."""
+        """Every escalation whose `until` is after `now` (on the board's clock)."""
         ...
 
     async def now(self) -> float:
-        """The board's clock, in seconds: the time every ``until`` on it is counted in."""
+        """The board's clock, in seconds: the time every `until` on it is counted in."""
         ...
 
 
@@ -210,8 +214,8 @@ class TransactionalStore(Protocol):
     connection, so the caller's own writes and a transition commit or roll back together."""
 
     def in_transaction(self, connection: object) -> AbstractAsyncContextManager[Store]:
-        """This store on ``connection`` for the length of the ``async with``: nothing is
+        """This store on `connection` for the length of the `async with`: nothing is
         committed (the caller commits or rolls back), and an error inside undoes the store's part
-        only, leaving the caller's transaction usable. InvalidInput when ``connection`` is not a
+        only, leaving the caller's transaction usable. InvalidInput when `connection` is not a
         connection of this store's kind inside an open transaction."""
         ...

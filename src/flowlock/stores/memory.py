@@ -54,9 +54,9 @@ def _rows(batch: tuple[HistoryEntry, ...]) -> tuple[HistoryEntry, ...]:
 
 
 class MemoryBoard:
-    """An in-process :class:`~flowlock.stores.base.EscalationBoard` (one engine, or tests). Its
-    clock is the process's monotonic clock (``clock``, injectable): every engine sharing it
-    runs in this process, and a change of the wall clock moves no escalation's end."""
+    """An in-process [`EscalationBoard`][flowlock.stores.base.EscalationBoard] (one engine, or
+    tests). Its clock is the process's monotonic clock (`clock`, injectable): every engine sharing
+    it runs in this process, and a change of the wall clock moves no escalation's end."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._rows: dict[str, Escalation] = {}
@@ -78,7 +78,7 @@ class MemoryStore:
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
-    holder, at most ``lock_timeout`` seconds (then LockTimeout), and then compares against what
+    holder, at most `lock_timeout` seconds (then LockTimeout), and then compares against what
     the holder committed."""
 
     def __init__(self, *, lock_timeout: float = 5.0) -> None:
@@ -154,7 +154,7 @@ class MemoryStore:
         return snap
 
     def _write(self, rows: tuple[HistoryEntry, ...]) -> Instance | None:
-        """The compare-and-swap of one instance's batch (``rows`` from :func:`_rows`): None,
+        """The compare-and-swap of one instance's batch (`rows` from `_rows`): None,
         with nothing written, when it lost. Never awaits, so the check and the write are one
         step on the event loop."""
         first, last = rows[0], rows[-1]

@@ -2,42 +2,43 @@
 
 - One pool; every hot statement is a fixed SQL text, so asyncpg prepares it once per connection and
   reuses it from its statement cache.
-- ``jsonb`` is decoded to dicts and encoded from mappings by a codec set on each new connection.
+- `jsonb` is decoded to dicts and encoded from mappings by a codec set on each new connection.
 - The optimistic write is ONE statement: a CTE that compare-and-swaps the instance and appends the
   history row, atomic on its own (no explicit transaction, one round trip).
 - A batch (k entries of one instance, decided in memory in order) is the same one-statement
   compare-and-swap, from version v to v + k, its k history rows taken from one array per column.
-  ``commit_many`` writes the batches of several instances in one statement that first locks their
+  `commit_many` writes the batches of several instances in one statement that first locks their
   rows in id order (two of them never deadlock), each instance's compare-and-swap on its own; when
   that statement fails whole (a request id applied before, a deadlock with a caller's
   transaction), each batch is committed alone instead.
-- The pessimistic path is one transaction: ``SET LOCAL lock_timeout`` in the same round trip as
-  ``BEGIN``, ``SELECT ... FOR UPDATE [NOWAIT]`` which also reports the lock_timeout in force (so a
+- The pessimistic path is one transaction: `SET LOCAL lock_timeout` in the same round trip as
+  `BEGIN`, `SELECT ... FOR UPDATE [NOWAIT]` which also reports the lock_timeout in force (so a
   timeout that did not take effect is caught, the seed article's bug), the request-id lookup as its
   own statement (it must see rows committed while we waited for the lock), the same CAS, COMMIT.
 - Pipelined pessimistic calls (on different instances, queued while others are in flight) run
-  as one transaction: BEGIN, ``FOR UPDATE SKIP LOCKED`` of all their rows, one request-id lookup,
+  as one transaction: BEGIN, `FOR UPDATE SKIP LOCKED` of all their rows, one request-id lookup,
   each plan in order, one multi-instance CAS, COMMIT. The calls it did not lock (a row held
   elsewhere or missing, a second call on one instance) run alone afterwards, as above.
-- ``jsonb`` goes in as JSON text cast in the statement (``$4::text::jsonb``) and is read back
+- `jsonb` goes in as JSON text cast in the statement (`$4::text::jsonb`) and is read back
   whether the connection decodes it or not, so the same statements run on flowlock's own pool, on
-  an application's pool (``pool=``) and on a caller's connection, whose codecs flowlock leaves
+  an application's pool (`pool=`) and on a caller's connection, whose codecs flowlock leaves
   alone.
-- Where the statements run (:class:`_Session`): flowlock's own pool, each call on a connection of
+- Where the statements run (`_Session`): flowlock's own pool, each call on a connection of
   its own (the fast path above); an application's pool, each call that can wait for a lock (or
-  needs ``schema``) in a transaction of its own with flowlock's ``lock_timeout`` and
-  ``search_path`` set LOCAL, so nothing of the application's connections changes; or a caller's
-  open transaction (:meth:`PostgresStore.in_transaction`), inside a savepoint whose settings are
-  put back afterwards.
-- Every round trip has a client-side bound (``command_timeout`` beyond the lock wait the server
-  bounds with ``lock_timeout``), passed as ``timeout=`` to each statement so that it holds on an
-  application's pool and a caller's connection too, and set as the ``command_timeout`` of
+  needs `schema`) in a transaction of its own with flowlock's `lock_timeout` and
+  `search_path` set LOCAL, so nothing of the application's connections changes; or a caller's
+  open transaction
+  ([`PostgresStore.in_transaction`][flowlock.stores.postgres.PostgresStore.in_transaction]), inside
+  a savepoint whose settings are put back afterwards.
+- Every round trip has a client-side bound (`command_timeout` beyond the lock wait the server
+  bounds with `lock_timeout`), passed as `timeout=` to each statement so that it holds on an
+  application's pool and a caller's connection too, and set as the `command_timeout` of
   flowlock's own pool for asyncpg's own statements (introspection, the ROLLBACK of a release,
   the goodbye of a close). A server that stops answering (paused, a half-open network) ends the
   call with ConnectionLost, or OutcomeUnknown once a write may have been sent; the connection,
   in an unknown protocol state, is terminated.
-- Driver errors are translated at this adapter's edge (:meth:`_Session.conn`) by the one
-  translation of :mod:`flowlock._pg.errors`; this module only says what a lock that is not
+- Driver errors are translated at this adapter's edge (`_Session.conn`) by the one
+  translation of `flowlock._pg.errors`; this module only says what a lock that is not
   available and a duplicate request id mean to each call, and which statements may commit a
   write (a session lost while one is in flight is OutcomeUnknown, elsewhere ConnectionLost). A
   connection of a pool (flowlock's or the application's) that failed that way is terminated, not
@@ -337,8 +338,8 @@ def _literal(name: str) -> str:
 
 
 def _where(query: InstanceQuery, args: list[object]) -> list[str]:
-    """``query`` as WHERE conditions; the arguments of the timestamps are appended to ``args``
-    (numbered on from what ``args`` already holds)."""
+    """`query` as WHERE conditions; the arguments of the timestamps are appended to `args`
+    (numbered on from what `args` already holds)."""
     conditions: list[str] = []
     if query.workflow is not None:
         conditions.append(f"workflow = {_literal(query.workflow)}")
@@ -365,7 +366,7 @@ _PAGE = 'id COLLATE "C" > $1 ORDER BY id COLLATE "C" LIMIT $2'
 def list_statement(
     query: InstanceQuery, *, after: str | None, limit: int
 ) -> tuple[str, list[object]]:
-    """The SELECT of :meth:`PostgresStore.list_instances` and its arguments."""
+    """The SELECT of `PostgresStore.list_instances` and its arguments."""
     args: list[object] = [after or "", limit]
     states = query.states or ()
     if query.workflow is None or len(states) < 2:
@@ -386,7 +387,7 @@ def list_statement(
 
 
 def count_statement(query: InstanceQuery) -> tuple[str, list[object]]:
-    """The SELECT of :meth:`PostgresStore.count_instances` and its arguments."""
+    """The SELECT of `PostgresStore.count_instances` and its arguments."""
     args: list[object] = []
     conditions = _where(query, args)
     where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
@@ -451,7 +452,7 @@ Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_o
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _LockedCall:
-    """One ``apply_locked`` call, as the pessimistic pipeline queues it."""
+    """One `apply_locked` call, as the pessimistic pipeline queues it."""
 
     instance_id: str
     request_id: RequestIds
@@ -460,7 +461,7 @@ class _LockedCall:
 
 
 def _cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
-    """The compare-and-swap of ``batch`` and its arguments: the one-entry statement for one
+    """The compare-and-swap of `batch` and its arguments: the one-entry statement for one
     entry (the common case, kept as it was), the array one for several."""
     if len(batch) == 1:
         return _CAS, _cas_args(batch[0])
@@ -511,8 +512,8 @@ def _many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
 
 
 def _batches_of(batches: Sequence[Entries]) -> tuple[Batch, ...]:
-    """``batches`` checked before anything is written: each one instance's contiguous batch
-    (:func:`entries_of`), and no instance in two of them."""
+    """`batches` checked before anything is written: each one instance's contiguous batch
+    ([`entries_of`][flowlock.stores.postgres.entries_of]), and no instance in two of them."""
     if isinstance(batches, HistoryEntry):
         raise InvalidInput(
             "commit_many takes a sequence of batches (each an entry or a sequence of entries), "
@@ -532,7 +533,7 @@ def _batches_of(batches: Sequence[Entries]) -> tuple[Batch, ...]:
 
 
 def _keys(batches: Sequence[Batch]) -> str:
-    """The instances of ``batches`` as the errors about all of them quote them."""
+    """The instances of `batches` as the errors about all of them quote them."""
     return _keys_of([batch[0].instance_id for batch in batches])
 
 
@@ -543,8 +544,8 @@ def _keys_of(ids: Sequence[str]) -> str:
 
 class _Session:
     """Where the statements of one call run: a connection of the store's pool per call, or the
-    one connection ``joined``, inside a transaction that someone else ends (the caller's, or the
-    one :meth:`PostgresStore._app_transaction` opened around the call)."""
+    one connection `joined`, inside a transaction that someone else ends (the caller's, or the
+    one `PostgresStore._app_transaction` opened around the call)."""
 
     def __init__(self, store: PostgresStore, joined: Conn | None = None) -> None:
         self._store = store
@@ -556,8 +557,8 @@ class _Session:
 
     @property
     def timeout(self) -> float:
-        """The client-side bound of one statement: the store's ``lock_timeout`` (any statement
-        may wait that long for a lock, on the server's clock) plus its ``command_timeout``."""
+        """The client-side bound of one statement: the store's `lock_timeout` (any statement
+        may wait that long for a lock, on the server's clock) plus its `command_timeout`."""
         return self._store.round_trip
 
     @property
@@ -567,9 +568,9 @@ class _Session:
     def conn(
         self, key: str = "", *, busy: Busy | None = None, writes: bool = False
     ) -> AbstractAsyncContextManager[Conn]:
-        """A connection whose driver errors become flowlock errors about ``key``. ``busy``: what
+        """A connection whose driver errors become flowlock errors about `key`. `busy`: what
         a lock that is not available (SQLSTATE 55P03) means to this call; by default a
-        StoreError. ``writes``: the block runs one autocommit write, so a session lost while it
+        StoreError. `writes`: the block runs one autocommit write, so a session lost while it
         is in flight leaves its outcome unknown (OutcomeUnknown). On a joined connection nothing
         is autocommitted: a session lost there rolls the whole transaction back (ConnectionLost),
         and whoever ends that transaction says whether its COMMIT is in doubt."""
@@ -592,7 +593,7 @@ async def _on(conn: Conn, context: Context) -> AsyncIterator[Conn]:
 
 
 class _Operations:
-    """The store's statements, run where ``session`` says."""
+    """The store's statements, run where `session` says."""
 
     def __init__(self, session: _Session) -> None:
         self._s = session
@@ -655,7 +656,7 @@ class _Operations:
         return await self.commit_batch(entries_of(entries))
 
     async def commit_batch(self, batch: Batch) -> Instance | None:
-        """:meth:`commit` of a batch :func:`entries_of` has checked."""
+        """`commit` of a batch [`entries_of`][flowlock.stores.postgres.entries_of] has checked."""
         key = batch[0].instance_id
         started = time.monotonic()
         (sql, args), timeout = _cas_of(batch), self._s.timeout
@@ -698,7 +699,7 @@ class _Operations:
         return answers
 
     async def commit_together(self, batches: Sequence[Batch]) -> list[Instance | None]:
-        """The batches of several instances (checked by :func:`_batches_of`) in one statement,
+        """The batches of several instances (checked by `_batches_of`) in one statement,
         each instance's compare-and-swap on its own. Raises _DuplicateRequest or _Contended when
         the statement failed whole (nothing of it written): the caller then commits each batch
         alone."""
@@ -893,9 +894,9 @@ class _Operations:
 
 
 class _CallerTransaction(_Operations):
-    """The store inside a caller's open transaction (a :class:`flowlock.stores.base.Store` for
-    the strategies). It opens, closes, commits and migrates nothing: the caller owns the
-    connection and its transaction."""
+    """The store inside a caller's open transaction (a
+    [`flowlock.stores.base.Store`][flowlock.stores.base.Store] for the strategies). It opens,
+    closes, commits and migrates nothing: the caller owns the connection and its transaction."""
 
     async def open(self) -> None:
         return None
@@ -916,7 +917,7 @@ class _CallerTransaction(_Operations):
 async def _guarded_cas(
     conn: Conn, sql: str, args: tuple[Any, ...], bound: float
 ) -> asyncpg.Record | None:
-    """The compare-and-swap ``sql`` in a savepoint of its own. In a transaction flowlock does not
+    """The compare-and-swap `sql` in a savepoint of its own. In a transaction flowlock does not
     end, a duplicate request id must undo this statement only, leaving the transaction usable for
     the re-read that answers the request idempotently."""
     await conn.execute("SAVEPOINT flowlock_cas", timeout=bound)
@@ -942,7 +943,7 @@ async def _own_transaction(
     bound: float,
 ) -> tuple[Snapshot, Instance | None, float]:
     """The pessimistic path in a transaction of its own on a connection of flowlock's pool;
-    ``context``: what the driver errors of its COMMIT mean."""
+    `context`: what the driver errors of its COMMIT mean."""
     # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
     # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
     await conn.execute(
@@ -968,7 +969,7 @@ async def _own_transaction(
 
 
 async def _roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
-    """End flowlock's own transaction on a pooled connection after ``exc``."""
+    """End flowlock's own transaction on a pooled connection after `exc`."""
     if broken(exc):
         # The session is gone, asyncpg lost track of it, or a statement outlived its bound and
         # asyncpg gave up on it mid-protocol: a ROLLBACK would fail (or wait on a server that
@@ -1039,8 +1040,8 @@ def _locked_snapshot(
     row: asyncpg.Record, request_id: RequestIds, found: Mapping[tuple[str, str], HistoryEntry]
 ) -> Snapshot:
     """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entry
-    of its request id (``prior``, for one given as a str) or those found of its request ids
-    (``priors``, for a sequence); ``found``: the group's entries by (instance, request id)."""
+    of its request id (`prior`, for one given as a str) or those found of its request ids
+    (`priors`, for a sequence); `found`: the group's entries by (instance, request id)."""
     instance = instance_from_row(row)
     if isinstance(request_id, str):
         return Snapshot(instance, found.get((instance.id, request_id)))
@@ -1062,7 +1063,7 @@ def _plan_each(
     answers: list[LockedResult | BaseException | None],
 ) -> dict[int, Batch]:
     """Each locked call's plan run on its snapshot, in order: the batches to write, by call. A
-    plan that raises (or returns a malformed batch) gives its call that error in ``answers``;
+    plan that raises (or returns a malformed batch) gives its call that error in `answers`;
     nothing of it is written and the others go on."""
     planned: dict[int, Batch] = {}
     for i, snap in snaps.items():
@@ -1080,7 +1081,7 @@ def _plan_each(
 async def _priors_of(
     conn: Conn, calls: Sequence[_LockedCall], bound: float
 ) -> dict[tuple[str, str], HistoryEntry]:
-    """The entries of the request ids of ``calls`` (locked already), by (instance, request id):
+    """The entries of the request ids of `calls` (locked already), by (instance, request id):
     one statement, its snapshot taken after the locks were granted, or none when no call has a
     request id."""
     pairs = [(c.instance_id, rid) for c in calls for rid in _wanted_request_ids(c.request_id)]
@@ -1093,7 +1094,7 @@ async def _priors_of(
 
 
 def _caller_connection(connection: object) -> Conn:
-    """``connection=`` checked: an open asyncpg connection inside an open transaction."""
+    """`connection=` checked: an open asyncpg connection inside an open transaction."""
     if not isinstance(connection, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy):
         raise InvalidInput(
             "connection= takes an asyncpg connection (from asyncpg.connect() or pool.acquire()) "
@@ -1156,33 +1157,35 @@ async def _undo(conn: Conn, bound: float) -> None:
 class PostgresStore:
     """Instances and history in PostgreSQL.
 
-    ``dsn``: a ``postgresql://`` URL; flowlock builds its pool, of at most ``pool_size``
-    connections (pessimistic callers hold one each while they wait for a row lock), ``min_size``
-    of them opened up front, each opened within ``connect_timeout`` seconds and shown in
-    ``pg_stat_activity`` as ``application_name``. Or ``pool``: an application's own asyncpg pool
+    `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`
+    connections (pessimistic callers hold one each while they wait for a row lock), `min_size`
+    of them opened up front, each opened within `connect_timeout` seconds and shown in
+    `pg_stat_activity` as `application_name`. Or `pool`: an application's own asyncpg pool
     instead, which flowlock uses as it is (no codec, setting or search_path of its connections
     changes) and does not close.
 
-    ``pipeline`` (on by default, flowlock's own pool only): the unlocked reads and the
+    `pipeline` (on by default, flowlock's own pool only): the unlocked reads and the
     compare-and-swaps of calls on different instances that become ready while a few such round
     trips are already in flight are sent together, one statement for many instances, each
-    instance's compare-and-swap still standing alone (see :meth:`commit_many`); so do the
-    pessimistic calls, a group in one transaction that locks its rows with SKIP LOCKED and
-    never waits (a call whose row is held elsewhere runs alone afterwards, with its own lock
-    bound). An idle store sends each at once.
+    instance's compare-and-swap still standing alone (see
+    [`commit_many`][flowlock.stores.postgres.PostgresStore.commit_many]); so do the pessimistic
+    calls, a group in one transaction that locks its rows with SKIP LOCKED and never waits (a call
+    whose row is held elsewhere runs alone afterwards, with its own lock bound). An idle store sends
+    each at once.
 
-    ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
+    `acquire_timeout`: seconds to wait for a free connection before StoreBusy. `schema`: put
     the tables in this schema (created if missing) instead of the connection's default.
-    ``auto_migrate``: migrate on open. ``lock_timeout``: seconds any statement outside a
+    `auto_migrate`: migrate on open. `lock_timeout`: seconds any statement outside a
     pessimistic transaction may wait for a row lock (the optimistic compare-and-swap waits for a
-    concurrent writer to commit) before LockTimeout. ``command_timeout``: seconds one round trip
+    concurrent writer to commit) before LockTimeout. `command_timeout`: seconds one round trip
     may take on the client's clock beyond that lock wait (a pessimistic FOR UPDATE: beyond the
     strategy's lock_timeout); past it the connection is terminated and the call raises
-    ConnectionLost, or OutcomeUnknown when a write may have been sent. :attr:`round_trip` is
+    ConnectionLost, or OutcomeUnknown when a write may have been sent. `round_trip` is
     the resulting bound of an ordinary statement.
 
-    :meth:`in_transaction` runs the store's statements inside a transaction the caller opened on
-    a connection of its own (``engine.fire(..., connection=conn)``).
+    [`in_transaction`][flowlock.stores.postgres.PostgresStore.in_transaction] runs the store's
+    statements inside a transaction the caller opened on a connection of its own
+    (`engine.fire(..., connection=conn)`).
     """
 
     def __init__(
@@ -1298,7 +1301,7 @@ class PostgresStore:
             )
 
     async def aclose(self) -> None:
-        """Close flowlock's pool; an application's pool (``pool=``) is left open, only no longer
+        """Close flowlock's pool; an application's pool (`pool=`) is left open, only no longer
         used."""
         for coalescer in (self._reads, self._writes, self._locked):
             if coalescer is not None:
@@ -1315,13 +1318,13 @@ class PostgresStore:
 
     @property
     def fence_epochs(self) -> PostgresFenceEpochs:
-        """The fencing epochs of Redis lock keys, in this store's ``flowlock_fence_epochs``: give
-        them to :class:`~flowlock.locks.redis.RedisLocks` (``fence_epochs=``) for tokens that
-        never repeat across Redis data losses (``Engine.connect`` does)."""
+        """The fencing epochs of Redis lock keys, in this store's `flowlock_fence_epochs`: give
+        them to [`RedisLocks`][flowlock.locks.redis.RedisLocks] (`fence_epochs=`) for tokens that
+        never repeat across Redis data losses (`Engine.connect` does)."""
         return self._fence_epochs
 
     async def migrate(self) -> list[str]:
-        """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).
+        """Apply the migrations not yet applied; their names (see `flowlock._pg.migrations`).
         MigrationError if that fails, EngineClosed if the store is not open."""
         return await migrations.migrate(
             self.pool,
@@ -1343,9 +1346,9 @@ class PostgresStore:
         waits: bool = True,
         writes: bool = False,
     ) -> T:
-        """``op`` on flowlock's pool; on an application's pool, in a transaction of its own
-        when it may wait for a lock or needs the schema on search_path. ``key``: what the
-        errors of that transaction's own statements quote; ``writes``: ``op`` may write, so a
+        """`op` on flowlock's pool; on an application's pool, in a transaction of its own
+        when it may wait for a lock or needs the schema on search_path. `key`: what the
+        errors of that transaction's own statements quote; `writes`: `op` may write, so a
         session lost while its COMMIT is in flight leaves the outcome unknown."""
         if self._given is None or (not waits and self.schema is None):
             return await op(self._ops)
@@ -1374,15 +1377,15 @@ class PostgresStore:
 
     @asynccontextmanager
     async def in_transaction(self, connection: object) -> AsyncIterator[Store]:
-        """This store on ``connection`` (an asyncpg connection inside a transaction the caller
-        opened and will commit or roll back), for the length of the ``async with``.
+        """This store on `connection` (an asyncpg connection inside a transaction the caller
+        opened and will commit or roll back), for the length of the `async with`.
 
-        Everything runs in a savepoint with flowlock's ``lock_timeout`` and ``schema`` set for
+        Everything runs in a savepoint with flowlock's `lock_timeout` and `schema` set for
         it. On an error inside, flowlock's part is rolled back to the savepoint (its settings
         with it) and the caller's transaction goes on, usable; on the way out the caller's own
-        ``search_path`` and ``lock_timeout`` are put back. Cancelled mid-statement, the
+        `search_path` and `lock_timeout` are put back. Cancelled mid-statement, the
         connection is left to the caller (roll the transaction back). InvalidInput, before any
-        statement, when ``connection`` is not an open asyncpg connection in a transaction (or in
+        statement, when `connection` is not an open asyncpg connection in a transaction (or in
         one that has already failed)."""
         conn = _caller_connection(connection)
         context = _errors("")
@@ -1496,7 +1499,7 @@ class PostgresStore:
 
     async def _apply_locked_alone(self, call: _LockedCall) -> LockedResult:
         """A pessimistic call in a transaction of its own, waiting for its row lock as its
-        ``lock`` says."""
+        `lock` says."""
         return await self._call(
             lambda ops: ops.apply_locked(call.instance_id, call.request_id, call.plan, call.lock),
             call.instance_id,
@@ -1507,7 +1510,7 @@ class PostgresStore:
         self, calls: Sequence[_LockedCall]
     ) -> list[LockedResult | BaseException]:
         """The pessimistic calls that queued together: the first call on each instance in one
-        transaction (:meth:`_Operations.apply_locked_together`); the calls it did not serve (a
+        transaction (`_Operations.apply_locked_together`); the calls it did not serve (a
         row held elsewhere or missing, a second call on an instance, or all of them when its
         write failed whole) alone afterwards, as today: each instance's calls one after
         another, the instances concurrently. So only a call that ran alone ever waited for a
@@ -1563,7 +1566,7 @@ class PostgresStore:
 
     async def ping(self) -> None:
         """One round trip on a pool connection, a readiness probe: StoreBusy when no connection
-        frees within ``acquire_timeout``, ConnectionLost when PostgreSQL does not answer within
+        frees within `acquire_timeout`, ConnectionLost when PostgreSQL does not answer within
         the store's bounds, StoreError when it answers but is read-only (a standby)."""
         await self._call(lambda ops: ops.ping(), waits=False)
 
@@ -1577,7 +1580,7 @@ class PostgresStore:
 def _filled(
     answers: list[LockedResult | BaseException | None],
 ) -> list[LockedResult | BaseException]:
-    """``answers`` once every call has one."""
+    """`answers` once every call has one."""
     done: list[LockedResult | BaseException] = []
     for answer in answers:
         if answer is None:  # pragma: no cover - every call not served by the group ran alone
@@ -1587,7 +1590,7 @@ def _filled(
 
 
 def _errors(key: str, busy: Callable[[BaseException], FlowlockError] | None = None) -> Context:
-    """What the driver errors of a statement about ``key`` mean to the store."""
+    """What the driver errors of a statement about `key` mean to the store."""
     return Context(
         what=f"PostgreSQL error for {key!r}",
         tables="flowlock tables are",

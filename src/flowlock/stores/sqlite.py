@@ -1,8 +1,8 @@
-"""The SQLite store: stdlib :mod:`sqlite3`, one dedicated thread per connection, WAL.
+"""The SQLite store: stdlib `sqlite3`, one dedicated thread per connection, WAL.
 
 Each connection lives on its own single-thread executor and every public operation is one
-synchronous function submitted to that thread which runs a whole transaction (``BEGIN`` ..
-``COMMIT``). A transaction therefore never spans an ``await``: a cancelled caller cannot leave a
+synchronous function submitted to that thread which runs a whole transaction (`BEGIN` ..
+`COMMIT`). A transaction therefore never spans an `await`: a cancelled caller cannot leave a
 connection half-way through a transaction, and the connection is only ever touched by the thread
 that created it.
 """
@@ -88,24 +88,24 @@ _MIGRATIONS_TABLE: Final = (
 class SqliteStore(AsyncResource):
     """Instances and history in one SQLite database file.
 
-    Connections: a small pool (``pool_size``, default 4) of connections, each on its own thread,
+    Connections: a small pool (`pool_size`, default 4) of connections, each on its own thread,
     so reads run while a write is in progress (WAL mode lets readers and one writer overlap).
-    ``:memory:`` uses a single connection, since each connection to ``:memory:`` would otherwise
+    `:memory:` uses a single connection, since each connection to `:memory:` would otherwise
     see its own empty database.
 
     Locking — read this before choosing the pessimistic strategy on SQLite: SQLite has no row
-    locks. ``apply_locked`` takes the *database-wide* write lock (``BEGIN IMMEDIATE``), so on
+    locks. `apply_locked` takes the *database-wide* write lock (`BEGIN IMMEDIATE`), so on
     SQLite the pessimistic path serialises every writer of the database, not just writers of one
-    instance; ``RowLock(nowait=True)`` fails with :class:`~flowlock.LockBusy` whenever *any*
-    instance is being written. ``commit`` (the optimistic path) takes the same lock only for the
+    instance; `RowLock(nowait=True)` fails with [`LockBusy`][flowlock.LockBusy] whenever *any*
+    instance is being written. `commit` (the optimistic path) takes the same lock only for the
     few statements of its compare-and-swap. Within one store, writers queue on an
-    :class:`asyncio.Lock` before touching SQLite, so they wait in FIFO order on the event loop
+    `asyncio.Lock` before touching SQLite, so they wait in FIFO order on the event loop
     instead of polling SQLite's busy handler; across processes (or across store objects on the
     same file) the wait is SQLite's busy timeout.
 
-    Bounds: ``busy_timeout`` (seconds) is the longest any write waits for the write lock, queueing
-    in this process included; ``RowLock.timeout`` can only shorten it for one ``apply_locked``.
-    ``acquire_timeout`` bounds the wait for a free connection (:class:`~flowlock.StoreBusy`).
+    Bounds: `busy_timeout` (seconds) is the longest any write waits for the write lock, queueing
+    in this process included; `RowLock.timeout` can only shorten it for one `apply_locked`.
+    `acquire_timeout` bounds the wait for a free connection ([`StoreBusy`][flowlock.StoreBusy]).
     """
 
     def __init__(
@@ -147,8 +147,9 @@ class SqliteStore(AsyncResource):
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
     ) -> SqliteStore:
-        """A store for ``sqlite:///relative/path.db``, ``sqlite:////abs/path.db`` or
-        ``sqlite:///:memory:``. Nothing is opened until :meth:`open`."""
+        """A store for `sqlite:///relative/path.db`, `sqlite:////abs/path.db` or
+        `sqlite:///:memory:`. Nothing is opened until
+        [`open`][flowlock.stores.sqlite.SqliteStore.open]."""
         if not isinstance(url, str) or not url.startswith(_URL_PREFIX):
             raise InvalidInput(f"unsupported SQLite url {url!r}: expected {_URL_FORMS}")
         path = url[len(_URL_PREFIX) :]
@@ -172,7 +173,7 @@ class SqliteStore(AsyncResource):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open the connections (and migrate, when ``auto_migrate``). Idempotent."""
+        """Open the connections (and migrate, when `auto_migrate`). Idempotent."""
         async with self._lifecycle:
             if self._pool is not None:
                 return
@@ -230,7 +231,7 @@ class SqliteStore(AsyncResource):
         return conn
 
     def _use_wal(self, conn: sqlite3.Connection) -> None:
-        """Switch the file to WAL, retrying within ``busy_timeout``. Why retry here: switching a
+        """Switch the file to WAL, retrying within `busy_timeout`. Why retry here: switching a
         fresh file reads its header and then upgrades to a write lock, and SQLite answers a
         lock upgrade that finds another writer with SQLITE_BUSY at once, without calling the
         busy handler (waiting could deadlock), so two stores opening one new file together
@@ -260,8 +261,8 @@ class SqliteStore(AsyncResource):
     # -- migrations ------------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        """Apply the SQLite migrations not yet recorded in ``flowlock_schema_migrations``, all in
-        one ``BEGIN IMMEDIATE`` transaction (so concurrent starters do not race); returns the
+        """Apply the SQLite migrations not yet recorded in `flowlock_schema_migrations`, all in
+        one `BEGIN IMMEDIATE` transaction (so concurrent starters do not race); returns the
         names applied now."""
         return await self._migrate(self._live())
 
@@ -306,8 +307,8 @@ class SqliteStore(AsyncResource):
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         """A consistent read (one snapshot) of the instance and the history entry that carries
-        ``request_id`` (``Snapshot.prior``), or, for a sequence of request ids, the entries found
-        for them (``Snapshot.priors``)."""
+        `request_id` (`Snapshot.prior`), or, for a sequence of request ids, the entries found
+        for them (`Snapshot.priors`)."""
         return await self._read(_read_txn, instance_id, request_id, what="read")
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
@@ -321,11 +322,11 @@ class SqliteStore(AsyncResource):
     async def list_instances(
         self, query: InstanceQuery, *, after: str | None, limit: int
     ) -> list[Instance]:
-        """At most ``limit`` instances matching ``query`` with an id after ``after``, by id."""
+        """At most `limit` instances matching `query` with an id after `after`, by id."""
         return await self._read(_list_txn, query, after, limit, what="list")
 
     async def count_instances(self, query: InstanceQuery) -> int:
-        """How many instances match ``query``."""
+        """How many instances match `query`."""
         return await self._read(_count_txn, query, what="count")
 
     async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T:
@@ -338,7 +339,7 @@ class SqliteStore(AsyncResource):
     # -- writes ----------------------------------------------------------------------------------
 
     async def create(self, instance: Instance) -> Instance:
-        """Insert ``instance`` at version 1, created and updated now. Raises InstanceExists."""
+        """Insert `instance` at version 1, created and updated now. Raises InstanceExists."""
         data = _dump(instance.data, f"data of instance {instance.id!r}")
         return await self._write(
             instance.id,
@@ -349,7 +350,7 @@ class SqliteStore(AsyncResource):
         )
 
     async def commit(self, entry: Entries) -> Instance | None:
-        """Compare-and-swap the instance from the first entry's ``version - 1`` to the last entry
+        """Compare-and-swap the instance from the first entry's `version - 1` to the last entry
         and append every entry, in one transaction. None when the version moved, a newer fencing
         token was written or one of the request ids was applied meanwhile (nothing written)."""
         batch = _encode(entries_of(entry))
@@ -380,10 +381,10 @@ class SqliteStore(AsyncResource):
     async def apply_locked(
         self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
     ) -> LockedResult:
-        """Under SQLite's database-wide write lock: read, run ``plan`` on the connection's
+        """Under SQLite's database-wide write lock: read, run `plan` on the connection's
         thread, write what it returns (one entry or a batch), commit. Raises LockBusy
-        (``lock.nowait``), LockTimeout (after ``min(lock.timeout, busy_timeout)``),
-        InstanceNotFound, or what ``plan`` raised."""
+        (`lock.nowait`), LockTimeout (after `min(lock.timeout, busy_timeout)`),
+        InstanceNotFound, or what `plan` raised."""
         return await self._write(
             instance_id,
             lambda conn: _locked_txn(conn, instance_id, request_id, plan),
@@ -427,8 +428,8 @@ class SqliteStore(AsyncResource):
     async def _submit(
         self, pool: _Pool, fn: Callable[[sqlite3.Connection], T], *, write: bool
     ) -> T:
-        """Run ``fn`` on a free connection's thread. With ``write``, the caller holds
-        ``pool.write_lock`` and ownership of it passes to this call."""
+        """Run `fn` on a free connection's thread. With `write`, the caller holds
+        `pool.write_lock` and ownership of it passes to this call."""
         try:
             worker = await pool.acquire(self.acquire_timeout, self.path)
         except BaseException:
@@ -499,7 +500,7 @@ class _Pool:
         self.closed = False
 
     async def acquire_write(self, within: float) -> None:
-        """Raises TimeoutError when this store's other writers held on for ``within`` s."""
+        """Raises TimeoutError when this store's other writers held on for `within` s."""
         # asyncio.timeout, not wait_for: a free lock is taken without yielding, so a bound of 0
         # still succeeds when nobody holds it (wait_for(..., 0) would always time out).
         async with asyncio.timeout(max(within, 0.0)):
@@ -550,7 +551,7 @@ def _bounded(
     txn: Callable[[sqlite3.Connection, A], T],
     arg: A,
 ) -> Callable[[sqlite3.Connection], T]:
-    """``txn`` with the connection's busy timeout set to ``busy_ms`` for its duration only."""
+    """`txn` with the connection's busy timeout set to `busy_ms` for its duration only."""
     default_ms = _ms(default)
 
     def run(conn: sqlite3.Connection) -> T:
@@ -566,8 +567,8 @@ def _bounded(
 
 
 def _immediate(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
-    """``body`` in a ``BEGIN IMMEDIATE`` transaction: committed when it returns, rolled back when
-    it raises (including :class:`_Discard`, which makes the transaction return its value)."""
+    """`body` in a `BEGIN IMMEDIATE` transaction: committed when it returns, rolled back when
+    it raises (including `_Discard`, which makes the transaction return its value)."""
     _begin(conn, "BEGIN IMMEDIATE")
     try:
         result = body(conn)
@@ -599,7 +600,7 @@ def _deferred(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T])
 
 
 class _Discard(Exception):
-    """Roll the transaction back and return ``value`` (a lost compare-and-swap, or a plan that
+    """Roll the transaction back and return `value` (a lost compare-and-swap, or a plan that
     asked for no write)."""
 
     def __init__(self, value: Any) -> None:
@@ -644,7 +645,7 @@ def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds
 def _rows_of_requests(
     conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]
 ) -> list[tuple[Any, ...]]:
-    """The history rows of ``instance_id`` that carry one of ``request_ids``."""
+    """The history rows of `instance_id` that carry one of `request_ids`."""
     rows: list[tuple[Any, ...]] = []
     for at in range(0, len(request_ids), _IDS_PER_SELECT):
         chunk = request_ids[at : at + _IDS_PER_SELECT]
@@ -684,8 +685,8 @@ def _history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntr
 
 
 def _where(query: InstanceQuery) -> tuple[str, list[Any]]:
-    """``query`` as a WHERE clause and its arguments. Timestamps are stored as ISO-8601 UTC text
-    of one fixed shape (:func:`_ts`), so comparing the text compares the moments."""
+    """`query` as a WHERE clause and its arguments. Timestamps are stored as ISO-8601 UTC text
+    of one fixed shape (`_ts`), so comparing the text compares the moments."""
     clauses = ["1 = 1"]
     args: list[Any] = []
     if query.workflow is not None:
@@ -704,7 +705,9 @@ def _where(query: InstanceQuery) -> tuple[str, list[Any]]:
 
 
 def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tuple[str, list[Any]]:
-    """The SELECT of :meth:`SqliteStore.list_instances` and its arguments."""
+    """The SELECT of
+    [`SqliteStore.list_instances`][flowlock.stores.sqlite.SqliteStore.list_instances] and its
+    arguments."""
     # Why plain "id > ?" and ORDER BY id: TEXT compares with the BINARY collation, byte by
     # byte of the UTF-8, which is code point order (the order the other stores use); the
     # primary key and the (workflow, state, id) index of 003_queries are in that order.
@@ -717,7 +720,9 @@ def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tu
 
 
 def count_statement(query: InstanceQuery) -> tuple[str, list[Any]]:
-    """The SELECT of :meth:`SqliteStore.count_instances` and its arguments."""
+    """The SELECT of
+    [`SqliteStore.count_instances`][flowlock.stores.sqlite.SqliteStore.count_instances] and its
+    arguments."""
     where, args = _where(query)
     return f"SELECT count(*) FROM flowlock_instances WHERE {where}", args
 
@@ -867,7 +872,7 @@ def _migrate_txn(conn: sqlite3.Connection, pending: list[migrations.Migration]) 
 
 
 def _statements(script: str) -> list[str]:
-    """``script`` split into single statements. ``executescript`` cannot be used: it commits
+    """`script` split into single statements. `executescript` cannot be used: it commits
     the open transaction first, and the migrations must all run inside one."""
     statements: list[str] = []
     buffer = ""

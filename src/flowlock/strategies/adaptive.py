@@ -1,10 +1,11 @@
 """Adaptive concurrency: optimistic by default, escalated per instance when it runs hot.
 
-Each call asks the :class:`flowlock.strategies.monitor.ConflictMonitor` whether its instance is
-escalated. A calm instance runs the optimistic loop, every compare-and-swap attempt reported to
-the monitor; when the monitor escalates the instance (conflict rate over the threshold), a call
-that is mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead of
-exhausting its attempts, and so does a call that used up its optimistic attempts on an instance
+Each call asks the
+[`flowlock.strategies.monitor.ConflictMonitor`][flowlock.strategies.monitor.ConflictMonitor] whether
+its instance is escalated. A calm instance runs the optimistic loop, every compare-and-swap attempt
+reported to the monitor; when the monitor escalates the instance (conflict rate over the threshold),
+a call that is mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead
+of exhausting its attempts, and so does a call that used up its optimistic attempts on an instance
 not (yet) escalated. Escalated instances run under that strategy until they calm down.
 """
 
@@ -25,7 +26,7 @@ __all__ = ["Adaptive"]
 
 
 def _as(decide: Decide, name: str) -> Decide:
-    """``decide`` whose history entries record ``name`` as the strategy that wrote them."""
+    """`decide` whose history entries record `name` as the strategy that wrote them."""
 
     def recorded_as(snap: Snapshot) -> Planned | Idempotent:
         planned = decide(snap)
@@ -38,7 +39,7 @@ def _as(decide: Decide, name: str) -> Decide:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Adaptive:
-    """Optimistic until the monitor escalates an instance, then ``escalated``."""
+    """Optimistic until the monitor escalates an instance, then `escalated`."""
 
     optimistic: Optimistic
     escalated: Strategy

@@ -5,7 +5,7 @@ The lease cuts wasted work across processes and machines; it does not carry corr
 A holder paused past its ttl, or a lease lost in a Redis failover, can still reach the database:
 its write then fails the version check or the fencing check (a token lower than the last one
 written is refused), so two holders can never both write. The step reads the fencing token with
-:func:`flowlock.fencing_token` to hand it to side effects outside the database.
+[`flowlock.fencing_token`][flowlock.fencing_token] to hand it to side effects outside the database.
 """
 
 from __future__ import annotations
@@ -62,16 +62,16 @@ def _fenced(token: int) -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Distributed:
-    """A lease on the instance's key from ``locks`` for ``ttl`` seconds (renewed every ttl/3
-    while the step runs), waiting at most ``wait`` seconds for it (LockTimeout after).
+    """A lease on the instance's key from `locks` for `ttl` seconds (renewed every ttl/3
+    while the step runs), waiting at most `wait` seconds for it (LockTimeout after).
 
-    ``locks`` may be left out when the strategy is given to an engine: the engine binds it to
-    its own lock backend (``Engine(store, locks=...)``, or the one ``Engine.connect`` builds), so
-    ``Distributed(ttl=30)`` is enough. Run unbound, it raises InvalidInput.
+    `locks` may be left out when the strategy is given to an engine: the engine binds it to
+    its own lock backend (`Engine(store, locks=...)`, or the one `Engine.connect` builds), so
+    `Distributed(ttl=30)` is enough. Run unbound, it raises InvalidInput.
 
     Under the lease a lost compare-and-swap can only come from a writer that bypassed the lock
     (an optimistic caller on the same instance); it is retried on a fresh read, at most
-    ``max_attempts`` times, within the same lease.
+    `max_attempts` times, within the same lease.
     """
 
     locks: LockBackend | None = None
@@ -89,7 +89,7 @@ class Distributed:
         return "distributed"
 
     def bound(self, locks: LockBackend | None) -> Distributed:
-        """This strategy, leasing from ``locks`` unless it already has a backend of its own.
+        """This strategy, leasing from `locks` unless it already has a backend of its own.
         Raises InvalidInput when neither is there."""
         if self.locks is not None:
             return self

@@ -2,29 +2,30 @@
 
 The seed's advice: default to optimistic, watch the conflict-retry rate, and when it passes 5 %
 for a resource, escalate that resource to a lock. The monitor keeps, for each *hot* key only (a
-key is tracked from its first conflict; the least recently used are evicted past ``max_keys``),
-a sliding window of its last ``window`` optimistic attempts no older than ``window_seconds``,
-with running sums so recording is O(1). A key escalates when, with at least ``min_samples``
-attempts in its window, the conflict rate is above ``threshold`` with confidence: the lower Wilson
-bound of the rate (``z`` = 3, about 99.9 % one-sided) exceeds it. Why a bound and not the
+key is tracked from its first conflict; the least recently used are evicted past `max_keys`),
+a sliding window of its last `window` optimistic attempts no older than `window_seconds`,
+with running sums so recording is O(1). A key escalates when, with at least `min_samples`
+attempts in its window, the conflict rate is above `threshold` with confidence: the lower Wilson
+bound of the rate (`z` = 3, about 99.9 % one-sided) exceeds it. Why a bound and not the
 raw rate: at a steady 3 % conflict rate a 20-attempt window holds 2 or more conflicts (10 %)
 about one time in eight, so a raw-rate rule flaps; the bound needs more evidence from a small
 window and little from a storm (19 conflicts in 20 attempts escalates at once).
 
-Hysteresis: an escalated key stays escalated until ``cooldown`` seconds have passed with no
+Hysteresis: an escalated key stays escalated until `cooldown` seconds have passed with no
 contention seen on it (a conflict, or a call that found another call on the same key in flight);
 every contended call pushes that moment back. So a key under steady pressure never flaps, and a
 key steps back down once its storm is over.
 
-Escalations are shared through an :class:`~flowlock.stores.base.EscalationBoard` (PostgreSQL in
-production): an :class:`EscalationSync` per engine publishes the monitor's decisions there and
-adopts the others' about twice a second, so a fleet escalates together.
+Escalations are shared through an [`EscalationBoard`][flowlock.stores.base.EscalationBoard]
+(PostgreSQL in production): an [`EscalationSync`][flowlock.strategies.monitor.EscalationSync] per
+engine publishes the monitor's decisions there and adopts the others' about twice a second, so a
+fleet escalates together.
 
 Clocks: every deadline here is on the monotonic clock. What an escalation shares with other
-engines, its end (``Escalation.until``), is counted on the board's clock (the database server's
-for PostgreSQL), which each sync reads: ``until`` is that clock's time at the sync plus what is
+engines, its end (`Escalation.until`), is counted on the board's clock (the database server's
+for PostgreSQL), which each sync reads: `until` is that clock's time at the sync plus what is
 left of the local monotonic deadline, and an adopted escalation's deadline is the local
-monotonic time plus what is left of its ``until``. The local wall clock is never read, so a host
+monotonic time plus what is left of its `until`. The local wall clock is never read, so a host
 whose clock is changed by an hour neither ends an escalation early nor keeps it an hour longer,
 and hosts whose clocks disagree agree on when it ends. (A change of the database server's own
 clock moves every escalation's end by as much; an escalation only picks the strategy, every
@@ -78,11 +79,12 @@ class _Window:
 class ConflictMonitor:
     """Decides, per key, whether calls should run optimistic or escalated.
 
-    ``escalate_to`` is the strategy name escalated keys run under ("pessimistic", or
-    "distributed" for cross-service workflows). ``clock`` is monotonic seconds, the clock of
-    every deadline. ``wall`` is the clock an escalation's ``until`` is counted on when shared;
-    by default the board's own clock, as the last sync read it (see :meth:`observe_board_time`),
-    carried forward on ``clock``: the local wall clock is never read. Both injectable for tests.
+    `escalate_to` is the strategy name escalated keys run under ("pessimistic", or
+    "distributed" for cross-service workflows). `clock` is monotonic seconds, the clock of
+    every deadline. `wall` is the clock an escalation's `until` is counted on when shared;
+    by default the board's own clock, as the last sync read it (see
+    [`observe_board_time`][flowlock.strategies.monitor.ConflictMonitor.observe_board_time]), carried
+    forward on `clock`: the local wall clock is never read. Both injectable for tests.
     """
 
     def __init__(
@@ -132,13 +134,14 @@ class ConflictMonitor:
         self.escalations = 0
         """Keys escalated here, by this monitor or adopted from the board."""
         self.adopted = 0
-        """Of :attr:`escalations`, those adopted from the board: decided by another engine."""
+        """Of [`escalations`][flowlock.strategies.monitor.ConflictMonitor.escalations], those
+        adopted from the board: decided by another engine."""
         self.deescalations = 0
 
     # -- the hot path ------------------------------------------------------------------------
 
     def escalated(self, key: str) -> Escalation | None:
-        """The escalation ``key`` is under now, or None (stepping it down if its time is up)."""
+        """The escalation `key` is under now, or None (stepping it down if its time is up)."""
         found = self._escalated.get(key)
         if found is None:
             return None
@@ -159,7 +162,7 @@ class ConflictMonitor:
         return escalation
 
     def enter(self, key: str) -> bool:
-        """A call on ``key`` starts; True if another call on it is already in flight here."""
+        """A call on `key` starts; True if another call on it is already in flight here."""
         n = self._in_flight.get(key, 0)
         self._in_flight[key] = n + 1
         return n > 0
@@ -172,7 +175,7 @@ class ConflictMonitor:
             self._in_flight.pop(key, None)
 
     def record(self, key: str, *, conflict: bool) -> Escalation | None:
-        """One optimistic attempt on ``key``; returns the escalation it triggered, if any."""
+        """One optimistic attempt on `key`; returns the escalation it triggered, if any."""
         win = self._windows.get(key)
         if win is None:
             if conflict:
@@ -200,7 +203,7 @@ class ConflictMonitor:
         return self._escalate(key, reason)
 
     def contended(self, key: str) -> None:
-        """Contention seen on an escalated key: push its step-down back by ``cooldown``."""
+        """Contention seen on an escalated key: push its step-down back by `cooldown`."""
         found = self._escalated.get(key)
         if found is not None:
             until = self.board_time() + self.cooldown
@@ -229,19 +232,19 @@ class ConflictMonitor:
         return len(self._escalated)
 
     def board_time(self) -> float:
-        """Now on the clock shared escalations are counted on (see the class's ``wall``)."""
+        """Now on the clock shared escalations are counted on (see the class's `wall`)."""
         if self._wall_given is not None:
             return self._wall_given()
         return self._clock() + self._board_offset
 
     def observe_board_time(self, now: float) -> None:
-        """The board's clock reads ``now`` (just read from it): from here on, shared ``until``
+        """The board's clock reads `now` (just read from it): from here on, shared `until`
         values are counted on it, carried forward on the monotonic clock."""
         self._board_offset = now - self._clock()
 
     def take_pending(self) -> list[Escalation]:
         """Escalations decided (or extended) here since the last call, to publish: each with
-        ``until`` on the board's clock, from what is left of its local deadline now."""
+        `until` on the board's clock, from what is left of its local deadline now."""
         pending, self._pending = self._pending, []
         board, mono = self.board_time(), self._clock()
         latest: dict[str, Escalation] = {}
@@ -282,16 +285,19 @@ class ConflictMonitor:
 
 class EscalationRecorder(Protocol):
     """Told after every sync tick how many keys are escalated and what changed since the last
-    tick (:meth:`flowlock.metrics.Metrics.record_escalations` is one)."""
+    tick
+    ([`flowlock.metrics.Metrics.record_escalations`][flowlock.metrics.Metrics.record_escalations] is
+    one)."""
 
     def __call__(self, *, active: int, escalated: int, deescalated: int, to: str) -> None: ...
 
 
 class EscalationSync:
-    """Shares ``monitor``'s escalations with the other engines on ``board``, every ``interval``
-    seconds between :meth:`start` and :meth:`stop`: publish ours, adopt theirs. Each round is
-    bounded; a failed one is logged and retried on the next tick (the local monitor keeps
-    working without the board). ``record``, when given, is told the counts after every tick.
+    """Shares `monitor`'s escalations with the other engines on `board`, every `interval`
+    seconds between [`start`][flowlock.strategies.monitor.EscalationSync.start] and
+    [`stop`][flowlock.strategies.monitor.EscalationSync.stop]: publish ours, adopt theirs. Each
+    round is bounded; a failed one is logged and retried on the next tick (the local monitor keeps
+    working without the board). `record`, when given, is told the counts after every tick.
     """
 
     def __init__(
@@ -365,7 +371,7 @@ class EscalationSync:
 
 
 def _wilson_lower(conflicts: int, attempts: int, z: float) -> float:
-    """The lower Wilson score bound of a rate of ``conflicts`` in ``attempts``."""
+    """The lower Wilson score bound of a rate of `conflicts` in `attempts`."""
     p, n, z2 = conflicts / attempts, attempts, z * z
     centre = p + z2 / (2 * n)
     spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))

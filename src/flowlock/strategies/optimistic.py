@@ -1,8 +1,8 @@
 """Optimistic concurrency: read without a lock, run the step, compare-and-swap the version.
 
-On a lost compare-and-swap the step runs again on a fresh read, at most ``max_attempts`` times,
+On a lost compare-and-swap the step runs again on a fresh read, at most `max_attempts` times,
 sleeping between attempts for an exponential backoff with full jitter: a random delay in
-``[0, min(cap, base * 2**(attempt-1))]``. Why full jitter: callers that collided once must not
+`[0, min(cap, base * 2**(attempt-1))]`. Why full jitter: callers that collided once must not
 collide again in lockstep; spreading them uniformly is what drains a hot spot fastest.
 """
 
@@ -27,7 +27,7 @@ __all__ = ["Optimistic"]
 class Optimistic:
     """Version compare-and-swap with bounded, jittered retries.
 
-    ``rng`` and ``sleep`` are injected so tests can make the backoff deterministic.
+    `rng` and `sleep` are injected so tests can make the backoff deterministic.
     """
 
     max_attempts: int = 3
@@ -46,7 +46,7 @@ class Optimistic:
         return "optimistic"
 
     def backoff(self, attempt: int) -> float:
-        """The delay after losing attempt number ``attempt`` (1-based): full jitter."""
+        """The delay after losing attempt number `attempt` (1-based): full jitter."""
         return self.rng.uniform(0.0, min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1)))
 
     async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:

@@ -1,7 +1,7 @@
 """Pessimistic concurrency: take the instance's row lock, then read, step, write, commit.
 
-On PostgreSQL this is one transaction with ``SET LOCAL lock_timeout`` and ``SELECT ... FOR UPDATE``
-(or ``NOWAIT``); on SQLite ``BEGIN IMMEDIATE`` (a database-wide write lock). The write is still a
+On PostgreSQL this is one transaction with `SET LOCAL lock_timeout` and `SELECT ... FOR UPDATE`
+(or `NOWAIT`); on SQLite `BEGIN IMMEDIATE` (a database-wide write lock). The write is still a
 version compare-and-swap: the lock cuts wasted work, the version keeps a mistake harmless.
 """
 
@@ -23,8 +23,8 @@ __all__ = ["Pessimistic"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Pessimistic:
-    """Row lock held for the step. ``lock_timeout`` bounds the wait (seconds) and ends in
-    LockTimeout; ``nowait=True`` fails at once with LockBusy when the row is held."""
+    """Row lock held for the step. `lock_timeout` bounds the wait (seconds) and ends in
+    LockTimeout; `nowait=True` fails at once with LockBusy when the row is held."""
 
     lock_timeout: float = 5.0
     nowait: bool = False

@@ -25,11 +25,11 @@ __all__ = [
 ]
 
 StrategyConfig: TypeAlias = Sequence[Strategy] | Mapping[str, Strategy]
-"""``strategies=``: Strategy objects under their ``.name``, or a mapping of names to them."""
+"""`strategies=`: Strategy objects under their `.name`, or a mapping of names to them."""
 
 
 def batchable(strategy: Strategy) -> bool:
-    """Whether the engine may run ``strategy`` over a batch.
+    """Whether the engine may run `strategy` over a batch.
 
     flowlock's own strategies hand what they plan to the store as it is; an application's may not.
     """
@@ -39,7 +39,7 @@ def batchable(strategy: Strategy) -> bool:
 
 
 def given(strategies: StrategyConfig | None) -> dict[str, Strategy]:
-    """``strategies=`` as a table by name, each entry checked to be a Strategy."""
+    """`strategies=` as a table by name, each entry checked to be a Strategy."""
     if strategies is None:
         return {}
     if isinstance(strategies, str) or not isinstance(strategies, Sequence | Mapping):
@@ -85,7 +85,7 @@ class StrategyTable:
     ) -> StrategyTable:
         """The strategies given, then the presets for the names not given.
 
-        A Distributed without a backend is bound to ``locks``.
+        A Distributed without a backend is bound to `locks`.
         """
         table = {
             name: s.bound(locks) if isinstance(s, Distributed) else s
@@ -111,7 +111,7 @@ def _lease_backend(strategy: Strategy | None) -> LockBackend | None:
 
 
 def _backends(table: Mapping[str, Strategy], locks: LockBackend | None) -> tuple[LockBackend, ...]:
-    """``locks`` and the backends of the Distributed strategies in ``table``, each once."""
+    """`locks` and the backends of the Distributed strategies in `table`, each once."""
     found = [locks, *(_lease_backend(s) for s in table.values())]
     unique: list[LockBackend] = []
     for backend in found:
@@ -151,7 +151,7 @@ def with_bounds(
     *,
     has_backend: bool,
 ) -> StrategyConfig | None:
-    """``strategies`` with the presets that ``lock_timeout`` and ``lease_wait`` configure.
+    """`strategies` with the presets that `lock_timeout` and `lease_wait` configure.
 
     A given strategy that says otherwise is refused: one wait, one bound.
     """
@@ -182,7 +182,7 @@ def with_bounds(
 
 
 def _pessimistic_bound(strategy: object, otherwise: float) -> float:
-    """A waiting Pessimistic's lock_timeout; ``otherwise`` for NOWAIT or another kind."""
+    """A waiting Pessimistic's lock_timeout; `otherwise` for NOWAIT or another kind."""
     if isinstance(strategy, Pessimistic) and not strategy.nowait:
         return strategy.lock_timeout
     return otherwise

@@ -1,10 +1,10 @@
-"""The strategies inside a transaction the caller opened (``engine.fire(..., connection=conn)``).
+"""The strategies inside a transaction the caller opened (`engine.fire(..., connection=conn)`).
 
 flowlock cannot retry, commit or outlast a transaction it does not own, so each strategy keeps its
 meaning in the form that fits in one:
 
 - optimistic: one read and ONE compare-and-swap. A lost race raises ConflictRetriesExhausted with
-  ``attempts=1`` (retrying would be the caller's transaction's job), unless a fresh read shows the
+  `attempts=1` (retrying would be the caller's transaction's job), unless a fresh read shows the
   winner already did what this call asked (the same request id, or the two-admins case): then the
   answer is idempotent, as always.
 - pessimistic: unchanged: the row lock is taken inside the caller's transaction (bounded by the
@@ -48,7 +48,7 @@ _DISTRIBUTED = (
 
 
 def in_transaction(strategy: Strategy) -> Strategy:
-    """``strategy`` as it runs inside a caller's transaction (see the module), or InvalidInput
+    """`strategy` as it runs inside a caller's transaction (see the module), or InvalidInput
     when it cannot."""
     if isinstance(strategy, Pessimistic | SingleSwap | AdaptiveInTransaction):
         return strategy
@@ -72,7 +72,7 @@ def in_transaction(strategy: Strategy) -> Strategy:
 @dataclass(frozen=True, slots=True)
 class SingleSwap:
     """Optimistic inside a caller's transaction: one compare-and-swap, never a retry.
-    ``record`` hears whether the compare-and-swap won (the adaptive monitor)."""
+    `record` hears whether the compare-and-swap won (the adaptive monitor)."""
 
     record: Callable[[bool], object] | None = None
 

@@ -1,7 +1,7 @@
-"""Rendering a :class:`~flowlock.bench.results.BenchReport`: rich tables (:mod:`.tables`), the JSON
-document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progress display
-(:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
-Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` (and the
+"""Rendering a `BenchReport`: rich tables (`.tables`), the JSON
+document (`.json`), the PNG chart (`.chart`, `--plot`) and the progress display
+(`.progress`); the comparisons with the floor and the aims (`.aims`) feed the first two.
+Nothing here measures or runs anything: it only reads `flowlock.bench.results` (and the
 strategy registry, for which strategies take a lease).
 """
 

@@ -1,4 +1,4 @@
-"""The comparisons with the floor (the ``raw`` strategy of the same run) and the performance
+"""The comparisons with the floor (the `raw` strategy of the same run) and the performance
 aims, computed from the results; shared by the tables and the JSON document.
 
 The aims are ratios to the floor measured in the same run, so they hold on any machine: the
@@ -9,9 +9,9 @@ cluster at least its applied/s (the distributed strategies, half of it). Batchin
 on one instance decided in memory and written in one transaction) is what can beat a floor that
 commits each call on its own. The aims are reported, never asserted: speed lives in the bench.
 
-Under ``--http`` each HTTP result is also compared with its in-process twin (the same scenario and
-strategy, in the same run): :class:`Overhead`, and the aim :data:`HTTP_AIM`, the HTTP p99 at most
-``1.5 x`` the in-process p99 plus 5 ms (the factor for the work the service adds per call, the
+Under `--http` each HTTP result is also compared with its in-process twin (the same scenario and
+strategy, in the same run): `Overhead`, and the aim `HTTP_AIM`, the HTTP p99 at most
+`1.5 x` the in-process p99 plus 5 ms (the factor for the work the service adds per call, the
 milliseconds for the loopback round trip and the request's parsing on a busy machine).
 """
 
@@ -53,15 +53,15 @@ Status = Literal["met", "not met", "no floor"]
 MET: Status = "met"
 NOT_MET: Status = "not met"
 NO_FLOOR: Status = "no floor"
-"""An aim's status when there is no ratio to judge: the run has no ``raw`` result for the
+"""An aim's status when there is no ratio to judge: the run has no `raw` result for the
 scenario, or the floor's figure is 0."""
 
 
 @dataclass(frozen=True, slots=True)
 class AimSpec:
-    """One ratio aim: ``metric`` on ``scenario`` as a multiple of the floor's. A p99 must be at
-    most the target, an applied/s at least it. ``distributed`` is the target of the strategies
-    that take a lease (:func:`is_distributed`), ``target`` that of every other one."""
+    """One ratio aim: `metric` on `scenario` as a multiple of the floor's. A p99 must be at
+    most the target, an applied/s at least it. `distributed` is the target of the strategies
+    that take a lease (`is_distributed`), `target` that of every other one."""
 
     scenario: str
     metric: Metric
@@ -70,7 +70,7 @@ class AimSpec:
 
     @property
     def what(self) -> str:
-        """The aim's name in the JSON document: ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
+        """The aim's name in the JSON document: `p99_vs_floor` or `applied_per_s_vs_floor`."""
         return f"{self.metric}_vs_floor"
 
     @property
@@ -169,7 +169,7 @@ class Overhead:
 
 
 def overhead(result: ScenarioResult, twin: ScenarioResult | None) -> Overhead | None:
-    """``result``'s p99 against ``twin``'s: None unless ``result`` went through HTTP and its
+    """`result`'s p99 against `twin`'s: None unless `result` went through HTTP and its
     in-process twin ran."""
     if result.transport != HTTP or twin is None:
         return None
@@ -181,7 +181,7 @@ def _ratio(mine: float, floor: float) -> float | None:
 
 
 def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, float | None]:
-    """``result``'s p99 latency and applied/s as multiples of the floor's, measured in the same
+    """`result`'s p99 latency and applied/s as multiples of the floor's, measured in the same
     run (None without a floor, or for the floor itself)."""
     if floor is None or result.strategy == FLOOR:
         return {"p99": None, "applied_per_s": None}
@@ -193,21 +193,21 @@ def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, 
 
 @dataclass(frozen=True, slots=True)
 class Aim:
-    """One performance aim, checked for one strategy on one scenario. ``compare`` says which
-    side of ``target`` ``measured`` must be on; ``measured`` is None when there was nothing to
-    measure it against (no floor), and ``ok`` is then False."""
+    """One performance aim, checked for one strategy on one scenario. `compare` says which
+    side of `target` `measured` must be on; `measured` is None when there was nothing to
+    measure it against (no floor), and `ok` is then False."""
 
     strategy: str
     scenario: str
     what: str
-    """``success``, ``violations``, ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
+    """`success`, `violations`, `p99_vs_floor` or `applied_per_s_vs_floor`."""
     target: float
     measured: float | None
     ok: bool
     compare: Literal["<=", ">="] = ">="
     transport: Transport = IN_PROCESS
     """The calls' transport: the aims of an HTTP result are its success, its violations and
-    :data:`HTTP_AIM` (``measured`` its p99 in ms, ``target`` the bound in ms)."""
+    `HTTP_AIM` (`measured` its p99 in ms, `target` the bound in ms)."""
 
     @property
     def status(self) -> Status:
@@ -270,9 +270,9 @@ def _http_aim(result: ScenarioResult, twin: ScenarioResult | None) -> list[Aim]:
 
 def aims(report: BenchReport) -> list[Aim]:
     """For every flowlock strategy (not the floor itself) on every scenario it ran: 100 %
-    success and zero violations, then each of :data:`AIMS` for that scenario against the floor
-    of this run (``no floor`` when the run has none for the scenario); for an HTTP result,
-    instead of the floor's, :data:`HTTP_AIM` against its in-process twin."""
+    success and zero violations, then each of `AIMS` for that scenario against the floor
+    of this run (`no floor` when the run has none for the scenario); for an HTTP result,
+    instead of the floor's, `HTTP_AIM` against its in-process twin."""
     found: list[Aim] = []
     base = floors(report)
     twins = in_process(report)

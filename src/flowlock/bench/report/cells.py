@@ -81,7 +81,7 @@ def figures_table(
 
 
 def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
-    """Whether every table of ``parts`` prints whole at the console's width: rich cuts a cell (a
+    """Whether every table of `parts` prints whole at the console's width: rich cuts a cell (a
     number, or a word of a header or a name) only with an ellipsis, never silently. Text
     wraps, and always fits. (Rich's own measure is clamped to the width, and counts the
     collapsed padding twice, so the tables are printed, unseen, instead.)"""
@@ -95,7 +95,7 @@ def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
 
 
 def fitting(console: Console, layouts: Sequence[Sequence[RenderableType]]) -> list[RenderableType]:
-    """The first of ``layouts`` (widest first) that fits ``console``; the last when none does."""
+    """The first of `layouts` (widest first) that fits `console`; the last when none does."""
     for parts in layouts:
         if _fits(console, parts):
             return list(parts)

@@ -1,4 +1,4 @@
-"""The ``--plot`` chart (matplotlib, imported only when drawing): per scenario and strategy,
+"""The `--plot` chart (matplotlib, imported only when drawing): per scenario and strategy,
 latency, success % and throughput."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#8c564b")
 
 
 def _series(result: ScenarioResult) -> str:
-    """A result's bar: its strategy, ``(http)`` after it when measured through the service."""
+    """A result's bar: its strategy, `(http)` after it when measured through the service."""
     return result.strategy if result.transport == IN_PROCESS else f"{result.strategy} (http)"
 
 
@@ -43,14 +43,14 @@ def check_plot_support() -> None:
 
 
 def chart_title(report: BenchReport) -> str:
-    """The run's title; a ``--quick`` run says so, since its figures are not comparable with a
+    """The run's title; a `--quick` run says so, since its figures are not comparable with a
     full run's."""
     quick = " (--quick: fewer rounds and calls)" if report.args.get("quick") else ""
     return title(report) + quick
 
 
 def plot(report: BenchReport, path: Path) -> None:
-    """Draw the run as a PNG at ``path`` (matplotlib, Agg): see :func:`figure`."""
+    """Draw the run as a PNG at `path` (matplotlib, Agg): see `figure`."""
     fig = figure(report)  # checks for matplotlib first, and picks the Agg backend
     import matplotlib.pyplot as plt
 
@@ -64,7 +64,7 @@ def figure(report: BenchReport) -> Figure:
     """The run drawn (matplotlib, Agg; the caller closes it): per scenario, one bar per strategy
     in three panels: latency (p50 solid, p99 light, max as a tick; log scale), success %, and
     throughput: applied transitions and calls answered per second (log scale); titled with
-    :func:`chart_title`."""
+    `chart_title`."""
     check_plot_support()
     import matplotlib
 

@@ -1,4 +1,4 @@
-"""The ``--http`` results as rich tables, each against its in-process twin of the same run."""
+"""The `--http` results as rich tables, each against its in-process twin of the same run."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["http_layouts", "http_table", "in_process_only"]
 
 
 def in_process_only(report: BenchReport) -> BenchReport:
-    """``report`` with its in-process results only: what the results, seed and aims tables
+    """`report` with its in-process results only: what the results, seed and aims tables
     show (the HTTP results have a table of their own)."""
     return replace(report, results=tuple(r for r in report.results if r.transport == IN_PROCESS))
 
@@ -97,7 +97,7 @@ def http_table(
     columns: Sequence[_HttpColumn] = _HTTP_COLUMNS,
     caption: bool = True,
 ) -> Table | None:
-    """The HTTP results (``results``, default all of them), one row per (scenario, strategy):
+    """The HTTP results (`results`, default all of them), one row per (scenario, strategy):
     calls/s, p50, p99, success, the verdict, then the in-process p99 of the same pair in the
     same run, the ratio and difference of the p99s and the aim; None without HTTP results."""
     shown = list(results) if results is not None else _http_results(report)

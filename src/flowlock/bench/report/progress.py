@@ -1,4 +1,4 @@
-"""The progress display of ``flowlock bench``: a transient rich progress bar per step, and one for
+"""The progress display of `flowlock bench`: a transient rich progress bar per step, and one for
 the whole run with an estimate of the time left."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ OVERALL = "whole run"
 
 
 class EtaColumn(ProgressColumn):
-    """The time left as ``eta 0:01:23``, from the rounds done so far; blank for a step without
+    """The time left as `eta 0:01:23`, from the rounds done so far; blank for a step without
     a count (starting a server)."""
 
     def __init__(self) -> None:

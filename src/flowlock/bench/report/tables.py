@@ -1,7 +1,7 @@
 """The run as rich tables: one row per (scenario, strategy), the storm beside the seed article's
-figures, the HTTP results against their in-process twins (``--http``), the aims against the
+figures, the HTTP results against their in-process twins (`--http`), the aims against the
 floor, then the floors used, failed calls, notes, what flowlock logged and the total time
-(:func:`render`). Nothing here measures; it only reads results."""
+(`render`). Nothing here measures; it only reads results."""
 
 from __future__ import annotations
 
@@ -216,9 +216,9 @@ def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
 def seed_table(
     report: BenchReport, *, measured: bool = True, ours: bool = True, theirs: bool = True
 ) -> Table | None:
-    """The ``storm`` results beside the seed article's published figures and (unless not
-    ``measured``: see :func:`seed_layouts`) what its own code measured; None when the run had
-    no storm. ``ours`` or ``theirs`` False leaves out our figures or the article's."""
+    """The `storm` results beside the seed article's published figures and (unless not
+    `measured`: see `seed_layouts`) what its own code measured; None when the run had
+    no storm. `ours` or `theirs` False leaves out our figures or the article's."""
     storm = [r for r in report.results if r.scenario == "storm"]
     if not storm:
         return None
@@ -330,10 +330,10 @@ def aims_table(
     caption: bool = True,
 ) -> Table | None:
     """The aims against the floor measured in this run, one row per aim and one column per
-    flowlock strategy (those in ``only``, when given): the scenarios below 100 % success, the
+    flowlock strategy (those in `only`, when given): the scenarios below 100 % success, the
     violations, then each ratio aim of a scenario the run had, as the ratio and whether it was
-    met; None when the run had no floor. ``narrow`` wraps the aims and targets short, to leave
-    the strategies' columns room for their names; ``heading`` and ``caption`` False leave out
+    met; None when the run had no floor. `narrow` wraps the aims and targets short, to leave
+    the strategies' columns room for their names; `heading` and `caption` False leave out
     the title and the caption (a table continuing, or continued by, another)."""
     checked = aims(report)
     if not floors(report) or not checked:
@@ -449,7 +449,7 @@ def _escalations_text(report: BenchReport) -> Text | None:
 
 def render(report: BenchReport, console: Console) -> None:
     """Print the results table, the seed comparison, the HTTP results against their in-process
-    twins (``--http``), the aims, errors, notes and the total time to ``console``, each table
+    twins (`--http`), the aims, errors, notes and the total time to `console`, each table
     in the widest of its forms that fits the console's width (80 columns: one table per
     scenario, with fewer figures), so that no number is ever cut."""
     local = in_process_only(report)

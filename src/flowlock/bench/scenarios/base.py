@@ -2,19 +2,19 @@
 
 A scenario is a small object, kept free of timing and rendering, with these jobs:
 
-- ``workflows(params)``: the definitions to register (built from :mod:`flowlock.examples`, plus
-  the bench's own :func:`~flowlock.bench.scenarios.steps.counter`);
-- ``setup(engine, key, params, rng)``: create the fresh instance(s) of one round and return its
+- `workflows(params)`: the definitions to register (built from `flowlock.examples`, plus
+  the bench's own `counter`);
+- `setup(engine, key, params, rng)`: create the fresh instance(s) of one round and return its
   plan: the callers, each a lane of calls fired one after another (one call per lane for the
   "everybody at once" scenarios), all released at the same instant by the runner;
-- ``fire(session, call)``: how one call is made; by default ``session.fire(call)`` (an
-  ``engine.fire`` with the pair's strategy, or the raw floor); ``singleton`` runs a job instead;
-- ``readback(session, plan)``: what the store holds afterwards (each instance and its history);
-- ``judge(record, params)``: after the round, say whether it double-advanced and list every
-  scenario-specific violation the generic :func:`flowlock.checker.check` cannot see (it knows
-  nothing about storms, quorums, stock or ticks).
+- `fire(session, call)`: how one call is made; by default `session.fire(call)` (an
+  `engine.fire` with the pair's strategy, or the raw floor); `singleton` runs a job instead;
+- `readback(session, plan)`: what the store holds afterwards (each instance and its history);
+- `judge(record, params)`: after the round, say whether it double-advanced and list every
+  scenario-specific violation the generic [`flowlock.checker.check`][flowlock.checker.check] cannot
+  see (it knows nothing about storms, quorums, stock or ticks).
 
-``floor`` names how the ``raw`` strategy (the bare-asyncpg floor, :mod:`flowlock.bench.raw`)
+`floor` names how the `raw` strategy (the bare-asyncpg floor, `flowlock.bench.raw`)
 does the scenario's calls, so the report can say what flowlock is measured against:
 
 =========== ===================================================================================
@@ -25,13 +25,13 @@ locked      one row-locked read-modify-write transaction (BEGIN, SELECT ... FOR 
             call must land.
 cas         an unlocked read, the step, a version compare-and-swap, retried at once on a lost
             race until it lands: spread and cluster (low conflict, must apply).
-claim       one ``INSERT ... ON CONFLICT DO NOTHING`` of the (job, tick) row: singleton.
+claim       one `INSERT ... ON CONFLICT DO NOTHING` of the (job, tick) row: singleton.
 =========== ===================================================================================
 
 This module holds the base class, the session a scenario fires through, and the judging helpers
 the families share; each family has a module of its own (storm, countersign, inventory, steps,
-singleton) and registers in :data:`flowlock.bench.scenarios.SCENARIOS`. A new one subclasses
-:class:`Scenario` and calls :func:`~flowlock.bench.scenarios.register_scenario`.
+singleton) and registers in `flowlock.bench.scenarios.SCENARIOS`. A new one subclasses
+`Scenario` and calls `register_scenario`.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ Floor = Literal["statement", "locked", "cas", "claim"]
 
 @dataclass(frozen=True, slots=True)
 class Fired:
-    """What a session says one call came to (failures are raised instead). ``batch_size``: the
-    engine's ``Outcome.batch_size``; None when no engine answered (the raw floor, a job run by
-    ``RunOnce``)."""
+    """What a session says one call came to (failures are raised instead). `batch_size`: the
+    engine's `Outcome.batch_size`; None when no engine answered (the raw floor, a job run by
+    `RunOnce`)."""
 
     kind: Kind
     attempts: int = 1
@@ -78,11 +78,11 @@ class Fired:
 
 
 class Session(Protocol):
-    """One strategy, ready to fire, in one process (see :mod:`flowlock.bench.session`)."""
+    """One strategy, ready to fire, in one process (see `flowlock.bench.session`)."""
 
     @property
     def strategy(self) -> str:
-        """The strategy's name in the bench (``optimistic``, ``raw``, ``distributed-redis``...)."""
+        """The strategy's name in the bench (`optimistic`, `raw`, `distributed-redis`...)."""
         ...
 
     @property
@@ -100,7 +100,7 @@ class Session(Protocol):
         ...
 
     async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
-        """Run ``fn`` for ``(job, tick)`` unless another caller (any process) has: True when this
+        """Run `fn` for `(job, tick)` unless another caller (any process) has: True when this
         call ran it; None when the session has no run-once runner of its own (the caller then
         claims the tick through the engine)."""
         ...
@@ -111,19 +111,19 @@ class Session(Protocol):
 
 class Scenario:
     """What the runner needs from a scenario; subclasses set the class attributes and override
-    :meth:`setup` and :meth:`judge` (and, when they need to, the other hooks)."""
+    `setup` and `judge` (and, when they need to, the other hooks)."""
 
     name: str = ""
     summary: str = ""
     default_rounds: int = 3
     quick_rounds: int = 1
     default_ops: int = 1
-    """Calls per caller per round (``--ops``); 1 for the everybody-at-once scenarios."""
+    """Calls per caller per round (`--ops`); 1 for the everybody-at-once scenarios."""
     quick_ops: int = 1
     uses_ops: bool = False
-    """Whether ``--ops`` means anything to this scenario."""
+    """Whether `--ops` means anything to this scenario."""
     multiprocess: bool = False
-    """Runs its callers in ``--processes`` OS processes instead of this one."""
+    """Runs its callers in `--processes` OS processes instead of this one."""
     floor: Floor = "locked"
     invariant_kind: str = INVARIANT
 
@@ -142,7 +142,7 @@ class Scenario:
     async def setup(
         self, engine: Engine, key: str, params: Params, rng: random.Random
     ) -> RoundPlan:
-        """Create this round's fresh instance(s); ids start with ``key``, unique per round."""
+        """Create this round's fresh instance(s); ids start with `key`, unique per round."""
         raise NotImplementedError
 
     async def fire(self, session: Session, call: CallSpec) -> Fired:

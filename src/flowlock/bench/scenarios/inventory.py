@@ -17,7 +17,7 @@ __all__ = ["Inventory"]
 
 
 class Inventory(Scenario):
-    """Stock S = N / 2; N callers each ``reserve`` one unit at once. Correct when the stock never
+    """Stock S = N / 2; N callers each `reserve` one unit at once. Correct when the stock never
     goes below zero, every reservation is in history once, stock + reserved stays S, and a
     caller is refused "out of stock" only when the stock really ran out."""
 

@@ -27,10 +27,10 @@ class Singleton(Scenario):
     """P processes (N callers in all) run the same scheduled job at each tick; correct when the
     job ran exactly once per tick, by the one caller that was told it ran it.
 
-    The job records each run in ``flowlock_bench_runs`` (no unique constraint, so a double run
-    is visible). The distributed strategies use :class:`flowlock.jobs.RunOnce`; the others
-    claim the tick through the engine (``approve`` on a per-tick instance: applied = run it);
-    raw inserts the (job, tick) claim row."""
+    The job records each run in `flowlock_bench_runs` (no unique constraint, so a double run
+    is visible). The distributed strategies use [`flowlock.jobs.RunOnce`][flowlock.jobs.RunOnce];
+    the others claim the tick through the engine (`approve` on a per-tick instance: applied = run
+    it); raw inserts the (job, tick) claim row."""
 
     name = "singleton"
     summary = "P OS processes run the same scheduled job each tick; exactly once per tick"

@@ -19,7 +19,7 @@ __all__ = ["Cluster", "Hot", "Spread", "counter"]
 
 
 def counter(name: str = "counter") -> Workflow:
-    """A counter: ``step`` adds one to ``data["n"]``, a read-modify-write that must apply every
+    """A counter: `step` adds one to `data["n"]`, a read-modify-write that must apply every
     time (no guard, the state never changes, so nothing is ever "already done")."""
 
     def add(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _counter_never_skips(data: Mapping[str, Any]) -> str | None:
 
 
 class _Steps(Scenario):
-    """N callers x M ``step`` calls over ``instances(params)`` counters: the shared part of hot,
+    """N callers x M `step` calls over `instances(params)` counters: the shared part of hot,
     spread and cluster. Correct when every applied step is in history exactly once (by caller)
     and each counter equals its number of history rows (no lost update)."""
 

@@ -1,4 +1,4 @@
-"""The seed's incident scaled up: N callers fire ``approve`` at one pending instance at once."""
+"""The seed's incident scaled up: N callers fire `approve` at one pending instance at once."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = ["Storm"]
 
 
 class Storm(Scenario):
-    """The seed's two-admins incident, scaled up: N callers fire ``approve`` at one pending
+    """The seed's two-admins incident, scaled up: N callers fire `approve` at one pending
     instance at once. Correct when exactly one call applies and the rest are idempotent."""
 
     name = "storm"

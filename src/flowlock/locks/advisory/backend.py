@@ -1,4 +1,4 @@
-"""``AdvisoryLocks``: lease locks held as PostgreSQL transaction-level advisory locks."""
+"""`AdvisoryLocks`: lease locks held as PostgreSQL transaction-level advisory locks."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ DEFAULT_IO_TIMEOUT = 10.0
 
 @dataclass(slots=True, eq=False)
 class _Slot:
-    """A lease's connection. ``guard`` keeps extend / release / owned from overlapping on it."""
+    """A lease's connection. `guard` keeps extend / release / owned from overlapping on it."""
 
     conn: asyncpg.pool.PoolConnectionProxy
     key: str
@@ -75,16 +75,16 @@ class _Slot:
 class AdvisoryLocks(AsyncResource):
     """Lease locks held as PostgreSQL transaction-level advisory locks.
 
-    ``dsn``: a ``postgresql://`` URL.
-    ``namespace``: a prefix separating lock families (and fencing counters) in one database.
-    ``schema``: where ``flowlock_fences`` lives, the flowlock store's schema.
-    ``pool_size``: leases and waiting acquires at most, each holding a connection.
-    ``auto_migrate``: apply flowlock's migrations on open, as the PostgreSQL store does.
-    ``pool_timeout``: seconds beyond ``wait`` to wait for a connection before StoreBusy.
-    ``io_timeout``: seconds a round trip may take before the server counts as unreachable.
-    It comes on top of an acquire's ``wait`` and of a migration's 60 s lock wait.
-    ``Engine.connect(command_timeout=...)`` sets it for the backend it builds.
-    ``clock`` and ``token`` are injectable for tests.
+    `dsn`: a `postgresql://` URL.
+    `namespace`: a prefix separating lock families (and fencing counters) in one database.
+    `schema`: where `flowlock_fences` lives, the flowlock store's schema.
+    `pool_size`: leases and waiting acquires at most, each holding a connection.
+    `auto_migrate`: apply flowlock's migrations on open, as the PostgreSQL store does.
+    `pool_timeout`: seconds beyond `wait` to wait for a connection before StoreBusy.
+    `io_timeout`: seconds a round trip may take before the server counts as unreachable.
+    It comes on top of an acquire's `wait` and of a migration's 60 s lock wait.
+    `Engine.connect(command_timeout=...)` sets it for the backend it builds.
+    `clock` and `token` are injectable for tests.
     """
 
     def __init__(
@@ -145,7 +145,7 @@ class AdvisoryLocks(AsyncResource):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Migrate (if ``auto_migrate``) and open the pools. Idempotent."""
+        """Migrate (if `auto_migrate`) and open the pools. Idempotent."""
         async with self._opening:
             if self._leases is not None:
                 return
@@ -227,7 +227,7 @@ class AdvisoryLocks(AsyncResource):
         return self._leases, self._side
 
     def lock_id(self, key: str) -> int:
-        """The advisory lock number of ``key`` (as seen in ``pg_locks``)."""
+        """The advisory lock number of `key` (as seen in `pg_locks`)."""
         check_lock_key(key)
         if self._scope is None:
             raise EngineClosed("the advisory lock backend resolves its schema on open")
@@ -298,14 +298,14 @@ class AdvisoryLocks(AsyncResource):
         return Lease(key, token, fence, ttl, sent + ttl, NAME)
 
     async def _next_fence(self, key: str) -> int:
-        """Increment and commit ``key``'s fencing counter on the side pool, under the lock.
+        """Increment and commit `key`'s fencing counter on the side pool, under the lock.
 
         Holding the lock serializes the increments in lock order.
         Why not in the lease's own transaction: it commits only at release.
         A dead holder's rollback would take its increment along.
         The next holder would then get the dead holder's number again.
         Systems outside this transaction may already have accepted that token.
-        An equal token passes their ``>=`` check; a ``>`` check locks the new holder out.
+        An equal token passes their `>=` check; a `>` check locks the new holder out.
         Committed first, every token is strictly greater than all before, and survives restarts.
         """
         _, side = self._pools()
@@ -433,7 +433,7 @@ class AdvisoryLocks(AsyncResource):
         return True
 
     async def fence_floor(self, key: str) -> int:
-        """The highest fencing token ever handed out for ``key`` (0 if none): a floor for
+        """The highest fencing token ever handed out for `key` (0 if none): a floor for
         another backend's tokens (the Redis backend's, after Redis lost its data)."""
         check_lock_key(key)
         found = await self._query(FENCE_FLOOR, self.namespace, key)
@@ -479,8 +479,8 @@ class AdvisoryLocks(AsyncResource):
         clean: bool,
         error: BaseException | None = None,
     ) -> None:
-        """Give a lease connection back to its pool with no transaction open (``error``: what
-        the call raised, for :func:`~flowlock._pg.pool.give_back`)."""
+        """Give a lease connection back to its pool with no transaction open (`error`: what
+        the call raised, for `give_back`)."""
         if clean:
             try:
                 if conn.is_in_transaction():

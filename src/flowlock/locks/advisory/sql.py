@@ -33,7 +33,7 @@ SELECT EXISTS (
 
 
 def advisory_lock_id(scope: str, namespace: str, key: str) -> int:
-    """The advisory lock number of ``key``: the first 8 bytes of a BLAKE2b digest of
+    """The advisory lock number of `key`: the first 8 bytes of a BLAKE2b digest of
     (scope, namespace, key), as a signed bigint. Stable across processes, versions and
     platforms (it is part of the on-server protocol: changing it would let an old and a new
     client hold "the same" lock at once)."""
