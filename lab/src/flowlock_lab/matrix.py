@@ -72,9 +72,11 @@ class OnHosts:
         self.left = await self._left(server, redis)
 
     async def _left(self, server: DatabaseServer, redis: RedisServer | None) -> dict[str, int]:
-        """Processes in the namespaces, connections and Redis clients from the hosts' addresses
-        (all 0 when clean). Looked at again for a few seconds while any is left: a server
-        notices a closed socket a moment after its process exited."""
+        """Processes in the namespaces, and connections and Redis clients from the hosts.
+
+        All are 0 when clean. While any is left it looks again for a few seconds.
+        A server notices a closed socket a moment after its process exits.
+        """
         addresses = [h.ip for h in self.hosts.hosts]
         deadline = time.monotonic() + _SETTLE
         while True:
@@ -129,8 +131,10 @@ class ThroughService:
         )
 
     async def run_pair(self, run: Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
-        """The same rounds, each call an HTTP request by one of ``workers`` callers (a client
-        each); set up and read back here on an admin session of a few connections."""
+        """The same rounds, each call an HTTP request by one of ``workers`` callers.
+
+        Each caller has its own client. Setup and readback use a small admin session here.
+        """
         config = run.config
         rounds = config.rounds_for(scenario)
         params = config.params_for(scenario)

@@ -33,14 +33,16 @@ MAX_SOAK_FAULTS = 2000
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SoakConfig:
-    """A soak (``flowlock bench --soak SECONDS``): mixed load from ``processes`` worker processes
-    of ``callers`` tasks in all (default 4 per process) with every flowlock strategy (or
-    ``strategies``) for ``seconds`` (at most :data:`MAX_SOAK_SECONDS`), on an embedded
-    PostgreSQL and Redis of its own; with ``faults``, a fault every ``fault_interval`` seconds
-    (jittered), at most ``max_faults`` (default: as many as fit, capped at
-    :data:`MAX_SOAK_FAULTS`). ``database_url`` / ``redis_url`` are refused: the soak restarts
-    and inspects its servers, so it never runs on anyone else's. The workers' engines batch
-    concurrent calls on one instance unless ``batching`` is False."""
+    """A soak: mixed load with every flowlock strategy (or ``strategies``) for ``seconds``.
+
+    ``seconds`` is at most :data:`MAX_SOAK_SECONDS`.
+    ``processes`` worker processes run ``callers`` tasks in all (default 4 per process).
+    The soak runs on an embedded PostgreSQL and Redis of its own.
+    With ``faults``, a fault comes every ``fault_interval`` seconds, jittered.
+    ``max_faults`` defaults to as many as fit, capped at :data:`MAX_SOAK_FAULTS`.
+    ``database_url`` and ``redis_url`` are refused: the soak restarts and inspects its servers.
+    The engines batch concurrent calls on one instance unless ``batching`` is False.
+    """
 
     seconds: int
     faults: bool = False

@@ -1,5 +1,7 @@
-"""What to run (:class:`BenchConfig`, typed and validated without I/O) and where one process's
-sessions connect (:class:`Target`), with the sizing constants both depend on."""
+"""What to run (:class:`BenchConfig`) and where a process's sessions connect (:class:`Target`).
+
+Validation does no I/O.
+"""
 
 from __future__ import annotations
 
@@ -78,8 +80,10 @@ _NO_HTTP_STRATEGY = {
 
 
 def service_pool(pool: int, workers: int) -> int:
-    """PostgreSQL connections per worker process of the ``--http`` service: the run's ``pool``
-    shared out, so both transports have the same connections in all."""
+    """PostgreSQL connections per worker of the ``--http`` service.
+
+    The run's ``pool`` is shared out, so both transports get the same connections.
+    """
     return max(1, -(-pool // workers))
 
 
@@ -106,12 +110,14 @@ def _scheme(url: str) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
-    """What to run. ``None`` means "the default": every scenario, every strategy, each
-    scenario's own number of rounds and calls per caller (fewer under ``quick``), 4 processes
-    for the multi-process scenarios, a pool of ``workers`` connections (one per caller, like the
-    seed's experiment; lowered to what the server can take), an embedded PostgreSQL and an
-    embedded Redis, and a random seed (reported, so the run can be repeated). Engines batch
-    (``batching``) unless told not to."""
+    """What to run; ``None`` means the default.
+
+    Defaults: every scenario and strategy, and each scenario's own rounds and calls.
+    ``quick`` lowers those counts. Multi-process scenarios use 4 processes.
+    The pool has one connection per caller, as in the seed, lowered to what the server takes.
+    PostgreSQL and Redis are embedded. The seed is random but reported, so a run can be repeated.
+    Engines batch unless ``batching`` is False.
+    """
 
     scenarios: tuple[str, ...] | None = None
     strategies: tuple[str, ...] | None = None
@@ -285,8 +291,10 @@ class BenchConfig:
         return min(self.workers, self.processes or default)
 
     def in_processes(self, scenario: Scenario) -> bool:
-        """Whether ``scenario``'s callers run in the worker processes: the multi-process
-        scenarios always, every scenario when the run has hosts (the workers run on them)."""
+        """Whether ``scenario``'s callers run in the worker processes.
+
+        Multi-process scenarios always do. With hosts, every scenario does: the workers run there.
+        """
         return scenario.multiprocess or self.hosts is not None
 
     def params_for(self, scenario: Scenario) -> Params:
@@ -299,9 +307,11 @@ class BenchConfig:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where one process's sessions connect: the database and schema, the Redis URL and key
-    namespace, the run's tag (it names every connection of the run in pg_stat_activity), and
-    the pool size of each session."""
+    """Where one process's sessions connect.
+
+    It holds the database and schema, the Redis URL and key namespace, and the pool size.
+    The run's tag names every connection of the run in pg_stat_activity.
+    """
 
     url: str
     schema: str

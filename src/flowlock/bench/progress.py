@@ -1,5 +1,7 @@
-"""How the runner tells a front end what it is doing (:class:`Progress`), and the front end that
-shows nothing. The rich display is :class:`flowlock.bench.report.RichProgress`."""
+"""How the runner reports progress (:class:`Progress`), and a front end that shows nothing.
+
+The rich display is :class:`flowlock.bench.report.RichProgress`.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Sessions: one strategy, ready to fire, in one process (the runner's or a worker's).
+"""Sessions: one strategy ready to fire, in the runner's process or a worker's.
 
-:func:`open_session` gives each (scenario, strategy) pair a fresh connection pool, engine and lock
-backend, so one strategy's warm pool or state never helps the next. This is where the bench
-builds flowlock's backends: the store (:func:`_store`), the lock backend
-(:func:`build_lock_backend`) and the run-once runner of ``singleton`` (:func:`_run_once`), one
-small function each.
+Each pair gets a fresh pool, engine and lock backend, so no warm state helps the next.
+This is where the bench builds flowlock's store, lock backend and run-once runner.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ __all__ = [
 
 
 class TimedLocks:
-    """A lock backend that adds up how long acquires take (the lease wait), around ``inner``."""
+    """A lock backend that adds up how long acquires take (the lease wait)."""
 
     def __init__(self, inner: LockBackend) -> None:
         self.inner = inner
@@ -243,9 +240,12 @@ async def open_session(
     pool_size: int | None = None,
     batching: bool = True,
 ) -> AsyncIterator[BenchSession]:
-    """A fresh session for ``spec``: its own pool (``pool_size``, default the target's), engine
-    (batching concurrent calls on one instance unless ``batching`` is False) and lock backend,
-    with the scenario's workflows registered; all closed on the way out."""
+    """A fresh session for ``spec``, closed on the way out.
+
+    It gets its own pool (``pool_size``, default the target's), engine and lock backend.
+    The engine batches concurrent calls on one instance unless ``batching`` is False.
+    The scenario's workflows are registered.
+    """
     size = pool_size or target.pool_size
     # Batching off is flowlock as it was before batching: no pipelining of reads and writes of
     # different instances either.

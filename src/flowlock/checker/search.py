@@ -84,8 +84,10 @@ class Search:
         return self._walk()
 
     def _walk(self) -> bool | None:
-        """Place calls until every completed one is placed (True), no order is left (False)
-        or the budget is spent (None)."""
+        """Place calls until the search ends.
+
+        True: every completed call is placed. False: no order is left. None: out of budget.
+        """
         n = len(self.definite)
         while self.placed < n:
             if self.steps > self.max_steps:
@@ -159,8 +161,10 @@ class Search:
         return False
 
     def _place_unknown(self, limit: float) -> bool:
-        """Let the next unknown call of a group (from ``self.next_group``), invoked by
-        ``limit``, take effect, at a point not tried before."""
+        """Let the next unknown call of a group take effect, at a point not tried before.
+
+        The group comes from ``self.next_group``; the call was invoked by ``limit``.
+        """
         groups, used = self.groups, self.used
         floor: int | None = -1
         for g in range(self.next_group, len(groups)):
@@ -267,8 +271,10 @@ class Search:
 
 
 def place(low: int, bits: int, k: int) -> tuple[int, int]:
-    """Mark completed call ``k`` placed in the (low, bits) set: every call below ``low`` is
-    placed, bit i of ``bits`` says whether call ``low + i`` is."""
+    """Mark completed call ``k`` placed in the (low, bits) set.
+
+    Every call below ``low`` is placed; bit i of ``bits`` says whether call ``low + i`` is.
+    """
     bits |= 1 << (k - low)
     if bits & 1:
         # Shift out the run of placed calls at the bottom.

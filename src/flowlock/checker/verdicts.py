@@ -57,8 +57,10 @@ KINDS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """One way a history departs from exactly-once; ``version`` is the row or instance version
-    it was found at, when there is one."""
+    """One way a history departs from exactly-once.
+
+    ``version`` is the row or instance version it was found at, when there is one.
+    """
 
     kind: str
     message: str
@@ -130,9 +132,11 @@ class CheckFailed(FlowlockError):
 
 @dataclass(frozen=True, slots=True)
 class LinearizabilityViolation:
-    """What is wrong on one instance: ``kind`` (one of :data:`LINEARIZABILITY_KINDS`), a
-    ``message`` naming the calls involved, and ``calls``, their indexes in the history given to
-    :func:`check_linearizable`."""
+    """What is wrong on one instance.
+
+    ``kind`` is one of :data:`LINEARIZABILITY_KINDS`; ``message`` names the calls involved.
+    ``calls`` are their indexes in the history given to :func:`check_linearizable`.
+    """
 
     instance_id: str
     kind: str
@@ -203,8 +207,10 @@ class LinearizabilityVerdict:
 
 
 class NotLinearizable(FlowlockError):
-    """A recorded history is not linearizable (or could not be decided); ``verdict`` lists
-    every violation."""
+    """A recorded history is not linearizable, or could not be decided.
+
+    ``verdict`` lists every violation.
+    """
 
     def __init__(self, verdict: LinearizabilityVerdict) -> None:
         self.verdict = verdict

@@ -77,8 +77,10 @@ def stderr() -> Console:
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    """One red line (any further lines of the message, such as a server log tail, dimmed
-    below it) and exit with ``code``."""
+    """Print one red line and exit with ``code``.
+
+    Any further lines of the message, such as a server log tail, are dimmed below it.
+    """
     first, _, rest = message.strip().partition("\n")
     console = stderr()
     console.print(Text(f"error: {first}", style="bold red"))

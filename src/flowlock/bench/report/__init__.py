@@ -1,8 +1,6 @@
-"""Rendering a :class:`~flowlock.bench.results.BenchReport`: rich tables (:mod:`.tables`), the JSON
-document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progress display
-(:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
-Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` (and the
-strategy registry, for which strategies take a lease).
+"""Rendering a :class:`~flowlock.bench.results.BenchReport`: tables, JSON, chart and progress.
+
+It only reads results and the strategy registry; it measures and runs nothing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The benchmark's scenarios: what the callers of one round fire, and what "correct" means.
+"""The benchmark's scenarios: what a round's callers fire, and what "correct" means.
 
-One module per family (:mod:`.storm`, :mod:`.countersign`, :mod:`.inventory`, :mod:`.steps` for
-hot, spread and cluster, :mod:`.singleton`) on the base class in :mod:`.base`, which also
-describes a scenario's hooks and the raw floor each one is measured against.
-
-Scenarios register themselves in :data:`SCENARIOS` by name, in the order ``flowlock bench``
-runs them; a new one subclasses :class:`Scenario` and calls :func:`register_scenario`.
+One module per family, on the base class in :mod:`.base`.
+:data:`SCENARIOS` holds them by name, in the order ``flowlock bench`` runs them.
+A new one subclasses :class:`Scenario` and calls :func:`register_scenario`.
 """
 
 from __future__ import annotations
