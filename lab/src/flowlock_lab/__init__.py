@@ -1,4 +1,6 @@
-"""flowlock's lab: the soak and fault harness, namespaced hosts, the HTTP driver, and
-embedded Redis Sentinel and Cluster servers. Tools and tests use it; flowlock does not."""
+"""flowlock's lab: soak and faults, namespaced hosts, the HTTP driver, embedded Redis HA.
+
+Tools and tests use it; flowlock itself does not.
+"""
 
 __version__ = "0.1.0"

@@ -79,8 +79,10 @@ def soak_config(
 
 
 def run_soak(config: SoakConfig, json_file: Path | None) -> None:
-    """Run the soak with a progress display on stderr, print its table, write its JSON, and
-    exit 3 when any verdict is not clean."""
+    """Run the soak with progress on stderr, print its table and write its JSON.
+
+    Exit 3 when any verdict is not clean.
+    """
     with errors_as_exit(), RichProgress(stderr()) as progress:
         report = soak(config, progress)
     render_soak(report, stdout())
@@ -112,9 +114,12 @@ def soak_command(
     batching: BatchingOption = OnOff.on,
     json_file: JsonOption = None,
 ) -> None:
-    """Soak: mixed load from worker processes for SECONDS, every call recorded and judged
-    (outcomes by kind, leaks, the linearizability and exactly-once verdicts), on an embedded
-    PostgreSQL and Redis of its own. The same as `flowlock bench --soak SECONDS`."""
+    """Soak: mixed load from worker processes for SECONDS, every call recorded and judged.
+
+    It reports outcomes by kind, leaks, and the linearizability and exactly-once verdicts.
+    It runs on an embedded PostgreSQL and Redis of its own.
+    The same as `flowlock bench --soak SECONDS`.
+    """
     try:
         config = soak_config(
             seconds=seconds,

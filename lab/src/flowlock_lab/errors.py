@@ -8,8 +8,10 @@ __all__ = ["HostsError", "HostsUnavailable"]
 
 
 class HostsError(FlowlockError):
-    """The namespaced hosts of `flowlock bench --hosts` (`flowlock_lab.hosts`) could not
-    be set up or removed. `problem` says what went wrong, `advice` what to do about it."""
+    """The namespaced hosts of ``flowlock bench --hosts`` could not be set up or removed.
+
+    ``problem`` says what went wrong, ``advice`` what to do about it.
+    """
 
     def __init__(self, problem: str, *, advice: str) -> None:
         self.problem = problem
@@ -18,9 +20,12 @@ class HostsError(FlowlockError):
 
 
 class HostsUnavailable(HostsError):
-    """This machine cannot make namespaced hosts at all: not Linux, not root, no `ip` command,
-    no network namespaces, or (when a delay was asked for) no `tc` or no netem in the kernel.
-    `reason` is that one fact, for a test's skip message."""
+    """This machine cannot make namespaced hosts at all.
+
+    Causes: not Linux, not root, or no ``ip`` command or network namespaces.
+    With a delay, a missing ``tc`` or kernel netem also counts.
+    ``reason`` is that one fact, for a test's skip message.
+    """
 
     def __init__(self, reason: str, *, advice: str) -> None:
         self.reason = reason

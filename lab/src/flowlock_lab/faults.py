@@ -1,11 +1,7 @@
 """The soak's fault injector: what to break, when, and the bounded loop that does it.
 
-Every few seconds (`interval`, jittered by half either way) it picks the next fault kind from a
-shuffled cycle of the enabled kinds, so each kind happens once in every cycle, and asks the
-soak's `Targets` to do it. Pauses run in the background (the loop goes on meanwhile)
-and are always ended by a SIGCONT, also when the soak stops early. All choices come from one
-seeded random source, so `--seed` replays the same schedule (the timing of the load around it
-differs from run to run).
+One seeded random source makes every choice, so ``--seed`` replays the schedule.
+docs/benchmarks.md lists the fault kinds.
 """
 
 from __future__ import annotations
@@ -27,8 +23,11 @@ _ACTION_BOUND = 90.0
 
 
 class Targets(Protocol):
-    """What the faults act on: the soak's worker processes and its own servers. Each method
-    returns what it hit (a worker's name, a count) and raises FlowlockError when it could not."""
+    """What the faults act on: the soak's worker processes and its own servers.
+
+    Each method returns what it hit (a worker's name, a count).
+    It raises FlowlockError when it could not.
+    """
 
     async def kill_worker(self, rng: random.Random) -> str: ...
 
@@ -42,9 +41,12 @@ class Targets(Protocol):
 
 
 class Schedule:
-    """The order and timing of the faults: a shuffled cycle of `kinds` (each kind once per
-    cycle), the gap before each, and how long each pause lasts (from a tenth of the lease ttl up
-    to twice it, so about half the pauses outlive the worker's leases)."""
+    """The order and timing of the faults.
+
+    Kinds come in a shuffled cycle, each once per cycle. Gaps are ``interval`` jittered by half.
+    A pause lasts from a tenth of the lease ttl to twice it.
+    So about half the pauses outlive the worker's leases.
+    """
 
     def __init__(
         self,
@@ -74,9 +76,11 @@ class Schedule:
 
 
 class FaultInjector:
-    """Injects faults from `schedule` into `targets` until `stop_at` (monotonic) or
-    `max_faults`, recording each one; a fault that fails is recorded with `ok=False` and
-    what went wrong, and the loop goes on."""
+    """Injects faults from ``schedule`` into ``targets`` until ``stop_at`` or ``max_faults``.
+
+    ``stop_at`` is on the monotonic clock. Each fault is recorded.
+    A failed fault is recorded with ``ok=False`` and the reason, and the loop goes on.
+    """
 
     def __init__(
         self, targets: Targets, schedule: Schedule, *, started: float, max_faults: int
@@ -89,8 +93,11 @@ class FaultInjector:
         self._pauses: set[asyncio.Task[None]] = set()
 
     async def run(self, stop_at: float) -> None:
-        """Inject until `stop_at` (no new fault starts within a second of it); pauses still
-        running are awaited (each is bounded) before returning."""
+        """Inject until ``stop_at``; no new fault starts within a second of it.
+
+        Pauses run in the background, each bounded. They are awaited before returning.
+        Each pause always ends with SIGCONT, also when the soak stops early.
+        """
         try:
             while len(self.faults) + len(self._pauses) < self.max_faults:
                 gap = self.schedule.gap()

@@ -1,29 +1,8 @@
-"""Several hosts on one machine: Linux network namespaces on a bridge, for `flowlock bench
---hosts N` and the multi-host tests.
+"""Several hosts on one machine: Linux network namespaces on a bridge.
 
-One run (its id six hex digits, say `3fa2c1`; every name it creates carries it, so parallel
-runs never meet) makes, on a /24 of 10.213.0.0/16 that no interface or route of the machine
-uses:
-
-    root namespace                               network namespace flowlock-3fa2c1-h0
-    bridge flb3fa2c1  10.213.7.1/24 ── veth flv3fa2c1h0 ══ flp3fa2c1h0  10.213.7.10/24
-                                    ── veth flv3fa2c1h1 ══ flp3fa2c1h1  10.213.7.11/24
-                                                             (in flowlock-3fa2c1-h1) ...
-
-The servers (the bench's embedded PostgreSQL and Redis) listen on the bridge's address, which is
-this machine's own, so the runner in the root namespace reaches them there too; each namespace
-reaches them over its own veth from its own address, as a separate machine on a LAN would. With a
-delay, `tc netem` holds back every packet by that much in each direction of each host's link
-(both ends of the veth), so a round trip to the servers gains twice the delay. Worker processes
-run inside a namespace through `ip netns exec <namespace> <python> -m ...`
-(`Host.command`).
-
-`NamespacedHosts.stop` (also on errors and Ctrl-C) ends any process still inside the
-namespaces, deletes the namespaces (which deletes their veths), the bridge, and checks that none
-of the run's names is left. It needs root and iproute2 (`ip`, and `tc` for a delay); where
-they are missing `HostsUnavailable` says which, so tests can skip with
-that reason. The address plan and the command lines are pure (`plan_hosts`,
-`HostPlan.setup_commands`...), tested without privileges.
+Used by ``flowlock bench --hosts N`` and the multi-host tests; needs root and iproute2.
+The address plan and command lines are pure, so tests run them unprivileged.
+docs/deployment.md draws the layout.
 """
 
 from __future__ import annotations
@@ -66,7 +45,7 @@ __all__ = [
 ]
 
 DEFAULT_DELAY_MS = 1.0
-"""The netem delay of `--hosts N` (N > 1) when none is given and the kernel has netem."""
+"""The netem delay of ``--hosts N`` (N > 1) when none is given and the kernel has netem."""
 SUBNET_POOL = IPv4Network("10.213.0.0/16")
 """Where a run's /24 comes from: private, and unlikely to be anyone's LAN; a /24 some interface
 or route of the machine already uses is never picked."""
@@ -89,8 +68,10 @@ def _ip_advice(what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Host:
-    """One namespaced host: its network namespace, the veth pair joining it to the bridge (the
-    root end `veth`, the end inside the namespace `peer`) and its address."""
+    """One namespaced host: its namespace, its veth pair to the bridge, and its address.
+
+    ``veth`` is the root end of the pair, ``peer`` the end inside the namespace.
+    """
 
     index: int
     netns: str
@@ -100,12 +81,14 @@ class Host:
 
     @property
     def ip(self) -> str:
-        """Its address without the prefix length, as a client on it shows up to a server."""
+        """Its address without the prefix length, as a server sees a client on it."""
         return str(self.address.ip)
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside this host's namespace (`ip netns exec` execs it, so the
-        process started is `argv[0]` itself, not a wrapper)."""
+        """``argv`` run inside this host's namespace.
+
+        ``ip netns exec`` execs it, so the process is ``argv[0]`` itself, not a wrapper.
+        """
         return ["ip", "netns", "exec", self.netns, *argv]
 
 
@@ -129,8 +112,7 @@ class HostPlan:
         return str(self.gateway.ip)
 
     def host_for(self, worker: int) -> Host:
-        """The host worker process number `worker` runs on: round robin, so N workers over
-        N hosts put one on each."""
+        """The host that worker number ``worker`` runs on: round robin, one per host."""
         return self.hosts[worker % len(self.hosts)]
 
     def names(self) -> tuple[str, ...]:
@@ -164,7 +146,7 @@ class HostPlan:
         ]
 
     def delay_commands(self, host: Host, delay_ms: float) -> list[list[str]]:
-        """netem on both ends of the host's veth: each direction is delayed by `delay_ms`."""
+        """netem on both ends of the host's veth: each direction is delayed by ``delay_ms``."""
         netem = ["root", "netem", "delay", _ms(delay_ms)]
         return [
             ["tc", "qdisc", "add", "dev", host.veth, *netem],
@@ -182,9 +164,11 @@ class HostPlan:
         return found
 
     def teardown_commands(self) -> list[list[str]]:
-        """Every command that removes them, whatever part exists: deleting a namespace deletes
-        the veth inside it and so its root end; the root ends are deleted too in case a
-        namespace never got its peer."""
+        """Every command that removes the hosts, whatever part exists.
+
+        Deleting a namespace deletes its veth, and so the root end.
+        Root ends are deleted too, in case a namespace never got its peer.
+        """
         return [
             *(["ip", "netns", "delete", h.netns] for h in self.hosts),
             *(["ip", "link", "delete", h.veth] for h in self.hosts),
@@ -200,14 +184,14 @@ def _check_run_id(run_id: str) -> str:
 
 
 def check_count(count: int) -> int:
-    """`count` if it is a number of hosts a run can make, else InvalidInput."""
+    """``count`` if it is a number of hosts a run can make, else InvalidInput."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_HOSTS:
         raise InvalidInput(f"hosts must be 1 to {MAX_HOSTS}, not {count!r}")
     return count
 
 
 def check_delay(delay_ms: float) -> float:
-    """`delay_ms` if it is a netem delay (0 for none), else InvalidInput."""
+    """``delay_ms`` if it is a netem delay (0 for none), else InvalidInput."""
     if (
         isinstance(delay_ms, bool)
         or not isinstance(delay_ms, int | float)
@@ -218,7 +202,7 @@ def check_delay(delay_ms: float) -> float:
 
 
 def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
-    """The names and addresses of `count` hosts on `subnet` (a /24) for run `run_id`."""
+    """The names and addresses of ``count`` hosts on ``subnet`` (a /24) for run ``run_id``."""
     check_count(count)
     run_id = _check_run_id(run_id)
     if subnet.prefixlen != 24:
@@ -238,8 +222,10 @@ def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
 
 
 def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
-    """The IPv4 networks the machine uses, from `ip -j -4 addr` and `ip -j -4 route` (their
-    parsed JSON): every interface's network and every route's destination but the default."""
+    """The IPv4 networks the machine uses, from ``ip -j -4 addr`` and ``ip -j -4 route``.
+
+    That is every interface's network and every route's destination but the default.
+    """
     found: list[IPv4Network] = []
     for link in addresses or ():
         for info in link.get("addr_info", ()):
@@ -254,8 +240,11 @@ def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
 
 
 def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
-    """A /24 of `SUBNET_POOL` that overlaps none of `used`, in random order (so two
-    runs rarely try the same one first); HostsUnavailable when every one is taken."""
+    """A /24 of :data:`SUBNET_POOL` that overlaps none of ``used``.
+
+    Subnets are tried in random order, so two runs rarely try the same one first.
+    Raises HostsUnavailable when every one is taken.
+    """
     taken = list(used)
     candidates = list(SUBNET_POOL.subnets(new_prefix=24))[1:-1]
     rng.shuffle(candidates)
@@ -269,8 +258,10 @@ def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
 
 
 def check_available(*, delay: bool = False) -> None:
-    """What can be told without changing anything: Linux, root, `ip` (and `tc` when a
-    delay is wanted). HostsUnavailable naming the first fact missing."""
+    """Check what can be told without changing anything: Linux, root, ``ip``, ``tc``.
+
+    ``tc`` is needed only for a delay. Raises HostsUnavailable naming the first missing fact.
+    """
     if not sys.platform.startswith("linux"):
         raise HostsUnavailable(
             f"network namespaces are Linux only, and this is {sys.platform}",
@@ -305,8 +296,10 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _must(argv: Sequence[str]) -> str:
-    """Run `argv`; its stdout, or HostsError (HostsUnavailable when the kernel refused the
-    privilege) quoting what it said."""
+    """Run ``argv`` and return its stdout, or raise HostsError quoting its output.
+
+    It raises HostsUnavailable when the kernel refused the privilege.
+    """
     done = _run(argv)
     if done.returncode == 0:
         return done.stdout
@@ -330,8 +323,10 @@ def _json(argv: Sequence[str]) -> Any:
 
 @contextlib.contextmanager
 def _subnet_lock() -> Iterator[None]:
-    """Held from picking a subnet until the bridge holds its address: two runs starting at once
-    then never pick the same /24 (the second sees the first's bridge)."""
+    """Held from picking a subnet until the bridge holds its address.
+
+    So two runs starting at once never pick the same /24: the second sees the first's bridge.
+    """
     import fcntl
 
     folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
@@ -372,13 +367,15 @@ class _State:
 
 
 class NamespacedHosts(BlockingResource):
-    """`count` namespaced hosts on a bridge of their own (see the module docstring), made by
-    `start` and removed by `stop`; `with` and `async with` do both.
+    """``count`` namespaced hosts on a bridge of their own.
 
-    `delay_ms`: the netem delay of each direction of each host's link. None (the default):
-    `DEFAULT_DELAY_MS` when `count` > 1 and the kernel has netem, else none (a note in
-    `notes` says why); a number: exactly that, 0 for none, HostsUnavailable when it cannot
-    be applied. `run_id`: the id in every name (default: random).
+    :meth:`start` makes them and :meth:`stop` removes them; ``with`` and ``async with`` do both.
+    ``delay_ms`` is the netem delay in each direction of each host's link.
+    A round trip to the servers then gains twice the delay.
+    None means :data:`DEFAULT_DELAY_MS` when ``count`` > 1 and netem exists, else none.
+    :attr:`notes` then says why. A number means exactly that; 0 means none.
+    A delay that cannot be applied raises HostsUnavailable.
+    ``run_id`` goes in every name, so parallel runs never meet (default: random).
     """
 
     _thread_name = "flowlock-hosts-stop"
@@ -417,12 +414,12 @@ class NamespacedHosts(BlockingResource):
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """What a report should say about the hosts (a delay that could not be applied)."""
+        """What a report should say about the hosts, such as a delay that could not be applied."""
         return tuple(self._state.notes)
 
     @property
     def killed(self) -> tuple[int, ...]:
-        """Processes `stop` found still inside a namespace and ended."""
+        """Processes :meth:`stop` found still inside a namespace and ended."""
         return tuple(self._state.killed)
 
     def describe(self) -> dict[str, Any]:
@@ -440,8 +437,10 @@ class NamespacedHosts(BlockingResource):
     # -- start -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Make the hosts; on any failure (Ctrl-C included) remove whatever part was made and
-        raise. HostsUnavailable when the machine cannot make them at all."""
+        """Make the hosts; on any failure, Ctrl-C included, remove what was made and raise.
+
+        Raises HostsUnavailable when the machine cannot make them at all.
+        """
         with self._lock:
             if self._state.plan is not None:
                 return
@@ -519,9 +518,11 @@ class NamespacedHosts(BlockingResource):
     # -- stop --------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """End any process left inside the namespaces, remove everything the run made, and
-        check that none of its names is left (HostsError naming them otherwise). Idempotent;
-        it finishes even when interrupted, then re-raises the interruption."""
+        """End processes left in the namespaces, remove everything, and check no name is left.
+
+        Raises HostsError naming what is left. Idempotent.
+        It finishes even when interrupted, then re-raises the interruption.
+        """
         with self._lock:
             self._teardown()
 
@@ -551,9 +552,11 @@ class NamespacedHosts(BlockingResource):
             )
 
     def _still_there(self, plan: HostPlan) -> list[str]:
-        """What is left of the run, looked at again for a moment: the kernel destroys a deleted
-        namespace's interfaces in the background, so a veth may outlive its namespace briefly
-        (it is deleted again meanwhile)."""
+        """What is left of the run, looked at again for a moment.
+
+        The kernel destroys a deleted namespace's interfaces in the background.
+        So a veth may briefly outlive its namespace; it is deleted again meanwhile.
+        """
         deadline = time.monotonic() + _KILL_WAIT
         while True:
             left = self.leftovers()
@@ -565,8 +568,7 @@ class NamespacedHosts(BlockingResource):
                     _run(argv)
 
     def _end_processes(self, plan: HostPlan) -> None:
-        """Processes still inside our namespaces are ours (workers that did not exit): TERM,
-        then KILL after a bound."""
+        """End processes still in our namespaces (workers that did not exit): TERM, then KILL."""
         pids = {pid for host in plan.hosts for pid in _netns_pids(host.netns)}
         pids.discard(os.getpid())
         if not pids:

@@ -1,17 +1,7 @@
-"""Through the service (`flowlock bench --http`): a `flowlock serve` subprocess started for the
-run, and a session that makes each call an HTTP request to it.
+"""Calls through the service for ``flowlock bench --http``.
 
-`running_service` starts `python -m flowlock serve` on a free port of 127.0.0.1, on the
-run's database and scratch schema (the schema travels as the connection's `search_path`, in the
-URL), serving `flowlock_lab.http_app`, waits (bounded) for `/livez`, and on the way out,
-also on an error or Ctrl-C, stops it with SIGTERM (SIGKILL to its process group if it has not
-exited in time). The URL goes in the environment, not on the command line: argv is visible to
-every user of the machine, and the URL may hold a password.
-
-`HttpSession` is a `Session` whose `fire` is `POST
-/instances/{id}/events/{event}` with the pair's strategy in the body, each concurrent caller on
-an `httpx.AsyncClient` of its own (`HttpCallers`). Setup and readback go through
-the admin session it wraps, straight to the database, untimed, as in every pair.
+:func:`running_service` runs ``flowlock serve`` for the run, and :class:`HttpSession`
+makes each call an HTTP request to it. docs/benchmarks.md describes the setup.
 """
 
 from __future__ import annotations
@@ -57,14 +47,14 @@ __all__ = [
 ]
 
 SERVICE_APP = "flowlock_lab.http_app:workflows"
-"""What the service serves (`--app`): the workflows of the scenarios `--http` runs."""
+"""What the service serves (``--app``): the workflows of the scenarios ``--http`` runs."""
 START_TIMEOUT = 60.0
-"""Seconds the service gets to answer `/livez` (imports, uvicorn, the engine's pool and
+"""Seconds the service gets to answer ``/livez`` (imports, uvicorn, the engine's pool and
 migration check), generous for a busy 2-core machine."""
 STOP_TIMEOUT = 15.0
-"""Seconds SIGTERM gets to stop the service (it drains for at most `DRAIN` of them)."""
+"""Seconds SIGTERM gets to stop the service (it drains for at most ``DRAIN`` of them)."""
 DRAIN = 3
-"""The service's `--drain-timeout`: no call is in flight when the bench stops it."""
+"""The service's ``--drain-timeout``: no call is in flight when the bench stops it."""
 REQUEST_TIMEOUT = 60.0
 """Seconds one request may take: far beyond the service's own bounds (5 s for a lock, 10 s for
 a pooled connection), so a timeout here means the service is stuck, not busy."""
@@ -85,8 +75,11 @@ def check_http_support() -> None:
 
 
 def service_url(url: str, schema: str) -> str:
-    """`url` with `schema` as every connection's `search_path` (asyncpg passes unknown
-    query parameters to the server as settings): the service's tables are the run's."""
+    """``url`` with ``schema`` as every connection's ``search_path``.
+
+    asyncpg passes unknown query parameters to the server as settings.
+    So the service's tables are the run's.
+    """
     parts = urlsplit(url)
     given = parse_qsl(parts.query, keep_blank_values=True)
     query = [(k, v) for k, v in given if k != "search_path"] + [("search_path", schema)]
@@ -139,8 +132,10 @@ def _tail(log: IO[bytes], lines: int = 30) -> str:
 
 
 def _signal_group(pid: int, sig: int) -> bool:
-    """Send `sig` to the service's process group (its own session, so only its processes);
-    False when none of them is left."""
+    """Send ``sig`` to the service's process group; False when none of it is left.
+
+    The service runs in its own session, so only its processes are hit.
+    """
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:
@@ -149,8 +144,10 @@ def _signal_group(pid: int, sig: int) -> bool:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the service (uvicorn stops its workers and drains), wait, then SIGKILL whatever
-    of its process group is still there; reaps the process."""
+    """SIGTERM the service, wait, then SIGKILL what is left of its group; reap the process.
+
+    On SIGTERM uvicorn stops its workers and drains.
+    """
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -195,9 +192,13 @@ async def _wait_live(proc: subprocess.Popen[bytes], base_url: str, log: IO[bytes
 async def running_service(
     target: Target, *, workers: int, pool_size: int, progress: Progress
 ) -> AsyncIterator[Service]:
-    """`flowlock serve` on the run's database and schema, with `workers` worker processes
-    of `pool_size` connections each, until the block ends (stopped also on errors and
-    Ctrl-C)."""
+    """Run ``flowlock serve`` on the run's database and schema until the block ends.
+
+    It has ``workers`` worker processes of ``pool_size`` connections each.
+    It listens on a free port of 127.0.0.1 and is ready once ``/livez`` answers.
+    It stops also on errors and Ctrl-C.
+    The URL goes in the environment: argv is visible to every user and may show a password.
+    """
     port = _free_port()
     argv = [
         sys.executable, "-m", "flowlock", "serve",
@@ -250,14 +251,13 @@ def _client(base_url: str) -> httpx.AsyncClient:
 
 
 class HttpCallers:
-    """One `httpx.AsyncClient` per concurrent caller, each with one keep-alive
-    connection (HTTP/1.1), no proxy from the environment, and a request timeout only a stuck
-    service reaches: what `count` independent clients of a service do.
+    """One :class:`httpx.AsyncClient` per concurrent caller, as independent clients would be.
 
-    Not one client shared by every caller: httpx's connection pool costs more CPU per request
-    the more requests wait on it (encode/httpx#3215), and on the cores the client shares with
-    the service that cost would be billed to HTTP. A call takes a free client and gives it back
-    when answered; with no more calls at once than clients, each call has a client to itself.
+    Each has one keep-alive HTTP/1.1 connection and no proxy from the environment.
+    Its timeout is reached only by a stuck service.
+    One shared client would cost more CPU per request as requests queue (encode/httpx#3215).
+    On shared cores that cost would be billed to HTTP.
+    A call takes a free client and gives it back when answered.
     """
 
     def __init__(self, base_url: str, count: int) -> None:
@@ -289,8 +289,10 @@ class HttpCallers:
 
 
 def _error_name(slug: str) -> str:
-    """The flowlock error a problem type names (`conflict-retries-exhausted` ->
-    `ConflictRetriesExhausted`), as the in-process rows name their errors."""
+    """The flowlock error a problem type names, as the in-process rows name errors.
+
+    For example ``conflict-retries-exhausted`` becomes ``ConflictRetriesExhausted``.
+    """
     return "".join(part.capitalize() for part in slug.split("-"))
 
 
@@ -300,8 +302,10 @@ def _refused(name: str) -> bool:
 
 
 def failure(status: int, doc: object) -> RemoteFailure:
-    """What a non-200 answer means for the report: the flowlock error its problem names (or
-    `HTTP <status>` when the body is no problem document), refused or failed."""
+    """What a non-200 answer means for the report: the error it names, refused or failed.
+
+    A body that is no problem document is named ``HTTP <status>``.
+    """
     if isinstance(doc, dict) and str(doc.get("type", "")).startswith(_PROBLEM):
         name = _error_name(str(doc["type"])[len(_PROBLEM) :])
         attempts = doc.get("attempts")
@@ -320,8 +324,10 @@ def _header_int(value: str | None) -> int | None:
 
 
 class HttpSession:
-    """One strategy through the service: each `fire` one HTTP request; the engine and the
-    pool for setup and readback are `admin`'s, in this process."""
+    """One strategy through the service: each ``fire`` is one HTTP request.
+
+    Setup and readback use ``admin``'s engine and pool in this process, untimed.
+    """
 
     def __init__(self, strategy: str, admin: BenchSession, callers: HttpCallers) -> None:
         self._strategy = strategy

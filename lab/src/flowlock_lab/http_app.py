@@ -1,10 +1,7 @@
-"""The workflows `flowlock serve` serves under `flowlock bench --http`: `--app
-flowlock_lab.http_app:workflows`.
+"""The workflows ``flowlock serve`` serves under ``flowlock bench --http``.
 
-The service serves only flowlock's examples by default, and the hot and spread scenarios step the
-bench's own counter, so the service the bench starts loads this module instead: exactly the
-definitions the in-process sessions of the same scenarios register, so a call means the same
-thing through either transport.
+The bench starts the service with ``--app flowlock_lab.http_app:workflows``.
+These are the in-process sessions' definitions, so a call means the same on both transports.
 """
 
 from __future__ import annotations
@@ -18,8 +15,10 @@ __all__ = ["workflows"]
 
 
 def workflows() -> list[Workflow]:
-    """Every workflow the scenarios `--http` runs use (storm's approval, hot's and spread's
-    counter), each once. None depends on the number of callers."""
+    """Every workflow the ``--http`` scenarios use, each once: storm's approval and the counter.
+
+    None depends on the number of callers.
+    """
     found: dict[str, Workflow] = {}
     for name in HTTP_SCENARIOS:
         for wf in SCENARIOS[name].workflows(Params()):

@@ -1,6 +1,6 @@
-"""The benchmark matrix on namespaced hosts (`--hosts`) and through HTTP (`--http`).
+"""The benchmark matrix on namespaced hosts (``--hosts``) and through HTTP (``--http``).
 
-flowlock's runner takes `LAB` and calls back into it; `run` passes it.
+flowlock's runner takes :data:`LAB` and calls back into it; :func:`run` passes it.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ class OnHosts:
         self.left = await self._left(server, redis)
 
     async def _left(self, server: DatabaseServer, redis: RedisServer | None) -> dict[str, int]:
-        """Processes in the namespaces, connections and Redis clients from the hosts' addresses
-        (all 0 when clean). Looked at again for a few seconds while any is left: a server
-        notices a closed socket a moment after its process exited."""
+        """Processes in the namespaces, and connections and Redis clients from the hosts.
+
+        All are 0 when clean. While any is left it looks again for a few seconds.
+        A server notices a closed socket a moment after its process exits.
+        """
         addresses = [h.ip for h in self.hosts.hosts]
         deadline = time.monotonic() + _SETTLE
         while True:
@@ -102,7 +104,7 @@ class OnHosts:
 
 
 class ThroughService:
-    """A run's `flowlock serve`, and how a pair runs through it."""
+    """A run's ``flowlock serve``, and how a pair runs through it."""
 
     def __init__(self, config: BenchConfig, service: Service) -> None:
         self.config = config
@@ -129,8 +131,10 @@ class ThroughService:
         )
 
     async def run_pair(self, run: Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
-        """The same rounds, each call an HTTP request by one of `workers` callers (a client
-        each); set up and read back here on an admin session of a few connections."""
+        """The same rounds, each call an HTTP request by one of ``workers`` callers.
+
+        Each caller has its own client. Setup and readback use a small admin session here.
+        """
         config = run.config
         rounds = config.rounds_for(scenario)
         params = config.params_for(scenario)
@@ -162,7 +166,7 @@ class ThroughService:
 
 
 class LabParts:
-    """What the lab gives flowlock's runner (the shape of `flowlock.bench.extend.Lab`)."""
+    """What the lab gives flowlock's runner (the shape of :class:`flowlock.bench.extend.Lab`)."""
 
     def check(self, config: BenchConfig) -> None:
         if config.http:
@@ -192,10 +196,10 @@ LAB = LabParts()
 
 
 async def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
-    """`flowlock.bench.run_bench` with the lab: `hosts` and `http` work."""
+    """:func:`flowlock.bench.run_bench` with the lab: ``hosts`` and ``http`` work."""
     return await runner.run_bench(config, progress, lab=LAB)
 
 
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
-    """`flowlock.bench.run` with the lab: `hosts` and `http` work."""
+    """:func:`flowlock.bench.run` with the lab: ``hosts`` and ``http`` work."""
     return runner.run(config, progress, lab=LAB)

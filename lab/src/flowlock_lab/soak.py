@@ -1,20 +1,7 @@
-"""The soak: `flowlock bench --soak SECONDS [--faults]`. Orchestration only; it renders nothing.
+"""The soak: ``flowlock bench --soak SECONDS [--faults]``. Orchestration only.
 
-It starts an embedded PostgreSQL and an embedded Redis of its own (never the caller's: with
-`--faults` it restarts them, and its leak checks read their whole state), creates the shared
-counters in a scratch schema, and starts the worker processes
-(`flowlock_lab.soak_worker`), which fire a mixed load with every strategy until the time
-is up, each call recorded and streamed back. With faults, the injector
-(`flowlock_lab.faults`) meanwhile kills and pauses workers (a killed one is replaced),
-ends their database sessions, and restarts PostgreSQL (data kept) and Redis (empty).
-
-Then the workers are stopped, and the soak checks what was left behind (Redis lock keys with no
-holder, advisory locks still held, the run's sessions still open, each after a bounded wait for
-it to go), merges every worker's calls and judges them with
-[`flowlock.checker.check_linearizable`][flowlock.checker.check_linearizable], and judges the store's
-histories with [`flowlock.checker.check`][flowlock.checker.check] (`judge_store`). Everything
-is bounded: the run by `seconds` (at most `MAX_SOAK_SECONDS`)
-plus bounded start and stop, each call, each fault and each wait.
+It runs the load on servers of its own, then checks leaks and judges every call.
+Everything is bounded. docs/benchmarks.md describes the load, faults and verdicts.
 """
 
 from __future__ import annotations
@@ -81,8 +68,11 @@ _LEAK_WAIT = 10.0  # for sessions, advisory locks and (beyond the lease ttl) key
 
 @contextlib.asynccontextmanager
 async def _servers(progress: Progress, redis_needed: bool) -> AsyncIterator[tuple[Any, Any | None]]:
-    """An embedded PostgreSQL and (when a strategy needs it and one can start) Redis, stopped
-    and removed on the way out, also on errors and Ctrl-C."""
+    """An embedded PostgreSQL, and Redis when a strategy needs it and one can start.
+
+    Never the caller's servers: faults restart them and leak checks read all their state.
+    Both are stopped and removed on the way out, also on errors and Ctrl-C.
+    """
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
     progress.status("starting an embedded PostgreSQL")
@@ -112,7 +102,7 @@ async def _create_counters(url: str, schema: str) -> dict[str, Instance]:
 
 
 async def _poll(what: Any, bound: float) -> int:
-    """`await what()` until it says 0 or `bound` seconds pass; its last answer."""
+    """``await what()`` until it says 0 or ``bound`` seconds pass; its last answer."""
     deadline = time.monotonic() + bound
     while True:
         left: int = await what()
@@ -122,7 +112,7 @@ async def _poll(what: Any, bound: float) -> int:
 
 
 async def _leaks(run: Soak) -> Leaks:
-    """What the stopped workers left behind, each after a bounded wait for it to go away."""
+    """What the stopped workers left behind, each after a bounded wait for it to go."""
     url, tag = run.target.url, run.target.tag
 
     async def count(sql: str, *args: Any) -> int:
@@ -160,8 +150,11 @@ def _row_is_counted(entry: HistoryEntry) -> str | None:
 
 
 def _expected(records: list[CallRecord], kinds: list[OutcomeKind]) -> dict[str, Expected]:
-    """What the calls said about each instance they touched: storm approvals are created
-    pending and decided at most once; counters (hot and spread) start open."""
+    """What the calls said about each instance they touched.
+
+    Storm approvals are created pending and decided at most once.
+    Counters (hot and spread) start open.
+    """
     applied: Counter[str] = Counter()
     unknown: Counter[str] = Counter()
     for record, kind in zip(records, kinds, strict=True):
@@ -194,8 +187,10 @@ async def _read_back(
 
 
 async def _load(run: Soak, fleet: Fleet, progress: Progress) -> tuple[list[Any], float]:
-    """Start the workers, let them run (with the faults) until the stop time, stop them; the
-    faults injected and the seconds of load."""
+    """Start the workers, run them with the faults until the stop time, and stop them.
+
+    Returns the faults injected and the seconds of load.
+    """
     config = run.config
     run.started = time.monotonic()
     # The seconds of load count from when the workers are ready: on a loaded machine starting
@@ -250,8 +245,10 @@ async def _load(run: Soak, fleet: Fleet, progress: Progress) -> tuple[list[Any],
 
 
 async def _sample_connections(run: Soak) -> None:
-    """The peak of the run's database sessions, looked at twice a second (through restarts:
-    a failed look is skipped)."""
+    """The peak of the run's database sessions, looked at twice a second.
+
+    A look that fails during a restart is skipped.
+    """
     while True:
         await asyncio.sleep(0.5)
         with contextlib.suppress(FlowlockError, *DRIVER_ERRORS):
@@ -378,7 +375,9 @@ def _worker_notes(notes: list[str]) -> list[str]:
 
 
 def soak(config: SoakConfig, progress: Progress | None = None) -> SoakReport:
-    """Run a soak on a new event loop (uvloop when installed) and return its report. Ctrl-C
-    kills the worker processes and stops and removes the servers before it propagates."""
+    """Run a soak on a new event loop (uvloop when installed) and return its report.
+
+    On Ctrl-C the workers are killed and the servers stopped and removed first.
+    """
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run_soak(config, progress))

@@ -1,5 +1,7 @@
-"""A soak's worker processes: started, streamed from, replaced when killed, and the
-targets of its faults. Also the run's shared state and the load's constants."""
+"""A soak's worker processes: started, streamed from, replaced when killed, and faulted.
+
+Also the run's shared state and the load's constants.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ SPREAD = 64
 """Spread counters, created before the load."""
 CALL_BOUND = 60.0
 """The soak's own bound on one call; flowlock's bounds end every call long before (a call that
-reaches it is counted `hung` and fails the verdict)."""
+reaches it is counted ``hung`` and fails the verdict)."""
 READY_BOUND = 60.0
 """Seconds a worker process may take to start and open its engine."""
 _EXIT_BOUND = CALL_BOUND + 30.0  # a stopped worker finishing its calls and closing
@@ -99,8 +101,10 @@ class _Tally:
 
 
 class Fleet:
-    """The worker processes, their replacement when one is killed, and the faults that act on
-    them and on the servers (`flowlock_lab.faults.Targets`)."""
+    """The worker processes, and their replacement when one is killed.
+
+    It is also the faults' :class:`flowlock_lab.faults.Targets`: workers and servers.
+    """
 
     def __init__(self, run: Soak) -> None:
         self.run = run
@@ -183,8 +187,10 @@ class Fleet:
             self.tally.notes.append(f"{worker.name}: {doc['m']}")
 
     def _orphans(self, worker: _Worker) -> None:
-        """The calls a worker had in flight when it died: they may have taken effect (unknown),
-        from their invoke on, with no completion."""
+        """The calls a dead worker had in flight, from their invoke on, with no completion.
+
+        They may have taken effect, so they count as unknown.
+        """
         for invoked, iid, op, event in worker.pending.values():
             self.tally.add(CallRecord(iid, op, event, invoked, None, "unknown"), "killed", None)
         worker.pending.clear()
@@ -202,8 +208,11 @@ class Fleet:
             fresh.proc.stdin.close()
 
     async def stop(self) -> None:
-        """Close every worker's stdin; each finishes its calls, closes and exits, or is killed
-        (its calls in flight then count as killed) after a bound; nothing is left stopped."""
+        """Close every worker's stdin; each finishes its calls, closes and exits.
+
+        A worker still running after a bound is killed; its calls in flight count as killed.
+        Nothing is left stopped.
+        """
         self.stopping = True
         done = 0
         # A replacement being started when stop() began is appended while this waits: take

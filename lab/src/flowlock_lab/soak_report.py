@@ -1,6 +1,7 @@
-"""The soak's report (`flowlock bench --soak`): a rich table (duration, calls, outcomes by
-kind, faults by kind, leases lost, leaks, verdicts) and the `--json` document. Nothing here
-runs anything; it only reads `flowlock_lab.soak_results`."""
+"""The soak's report: a rich table and the ``--json`` document.
+
+It only reads :mod:`flowlock_lab.soak_results`; nothing here runs anything.
+"""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def soak_table(report: SoakReport) -> Table:
 
 
 def render_soak(report: SoakReport, console: Console) -> None:
-    """The table, then why it failed (when it did), the notes and what flowlock logged."""
+    """The table, then why it failed (if it did), the notes and what flowlock logged."""
     parts: list[Table | Text] = [soak_table(report)]
     parts.extend(Text(line, style="red") for line in report.problems())
     parts.extend(Text(f"note: {n}", style="yellow") for n in report.notes)
@@ -102,7 +103,7 @@ def render_soak(report: SoakReport, console: Console) -> None:
 
 
 def soak_to_json(report: SoakReport) -> dict[str, Any]:
-    """The `--json` document of a soak (docs/benchmarks.md describes each key)."""
+    """The ``--json`` document of a soak (docs/benchmarks.md describes each key)."""
     return {
         "mode": "soak",
         "flowlock_version": report.flowlock_version,
@@ -137,5 +138,5 @@ def soak_to_json(report: SoakReport) -> dict[str, Any]:
 
 
 def write_soak_json(report: SoakReport, path: Path) -> None:
-    """Write `soak_to_json` to `path` (UTF-8, indented, trailing newline)."""
+    """Write :func:`soak_to_json` to ``path`` (UTF-8, indented, trailing newline)."""
     path.write_text(json.dumps(soak_to_json(report), indent=2) + "\n", encoding="utf-8")

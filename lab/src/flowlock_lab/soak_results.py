@@ -1,10 +1,6 @@
-"""What `flowlock bench --soak` measures and concludes, as plain values, and the pure rules
-between them: how a call's end is classified (`classify`), the exactly-once judgement of
-what the store holds afterwards (`judge_store`), and the run's report
-(`SoakReport`).
+"""What the soak measures and concludes, as plain values and the pure rules between them.
 
-Nothing here does I/O or needs a server: the soak (`flowlock_lab.soak`) hands over what
-it recorded and read back, and the report package renders these dataclasses.
+Nothing here does I/O. The soak hands over what it recorded, and the report renders it.
 """
 
 from __future__ import annotations
@@ -47,11 +43,11 @@ __all__ = [
 ]
 
 MAX_SOAK_SECONDS = 3600
-"""The longest soak `--soak` accepts (an hour): every part of it is bounded by this."""
+"""The longest soak ``--soak`` accepts (an hour): every part of it is bounded by this."""
 
 Status = Literal["ok", "fail", "unknown"]
-"""What the linearizability checker is told about a call: it took effect (`ok`), it surely
-did not (`fail`: a typed refusal before any write), or it may have (`unknown`)."""
+"""What the linearizability checker is told about a call: it took effect (``ok``), it surely
+did not (``fail``: a typed refusal before any write), or it may have (``unknown``)."""
 
 OutcomeKind = Literal[
     "applied",
@@ -68,19 +64,19 @@ OutcomeKind = Literal[
     "hung",
     "escaped",
 ]
-"""How one call ended, finer than its `Status`:
+"""How one call ended, finer than its :data:`Status`:
 
-- `applied` / `idempotent`: a fire answered with an outcome (ok);
-- `created` / `read`: a create or a get answered (ok);
-- `refused`: the workflow refused (`TransitionRefused`), or the instance did (not) exist (fail);
-- `conflict`: lost to other writers (`ConflictRetriesExhausted`, fail);
-- `lock`: a lock or lease could not be taken or was lost (`LockError`, fail);
-- `store`: the database failed before any write (`StoreError`, `ConnectionLost`, fail);
-- `unknown`: `OutcomeUnknown`, the write may have committed (unknown);
-- `killed`: in flight in a worker process the soak killed (unknown);
-- `other`: any other flowlock error (unknown);
-- `hung`: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
-- `escaped`: an exception that is not a `FlowlockError` (unknown; fails the verdict).
+- ``applied`` / ``idempotent``: a fire answered with an outcome (ok);
+- ``created`` / ``read``: a create or a get answered (ok);
+- ``refused``: the workflow refused (``TransitionRefused``), or the instance did (not) exist (fail);
+- ``conflict``: lost to other writers (``ConflictRetriesExhausted``, fail);
+- ``lock``: a lock or lease could not be taken or was lost (``LockError``, fail);
+- ``store``: the database failed before any write (``StoreError``, ``ConnectionLost``, fail);
+- ``unknown``: ``OutcomeUnknown``, the write may have committed (unknown);
+- ``killed``: in flight in a worker process the soak killed (unknown);
+- ``other``: any other flowlock error (unknown);
+- ``hung``: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
+- ``escaped``: an exception that is not a ``FlowlockError`` (unknown; fails the verdict).
 """
 
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = get_args(OutcomeKind)
@@ -90,12 +86,12 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 """What the fault injector does: SIGKILL a worker process (a replacement is started), SIGSTOP one
-for a while and SIGCONT it, `pg_terminate_backend` on some of the workers' sessions, restart
+for a while and SIGCONT it, ``pg_terminate_backend`` on some of the workers' sessions, restart
 PostgreSQL (data kept, same URL), restart Redis empty (same URL)."""
 
 
 def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
-    """The kind and checker status of a call that raised `exc`."""
+    """The kind and checker status of a call that raised ``exc``."""
     if not isinstance(exc, FlowlockError):
         return "escaped", "unknown"
     if isinstance(exc, OutcomeUnknown):
@@ -113,7 +109,7 @@ def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
 
 
 def lost_leases(errors: Mapping[str, int]) -> int:
-    """Calls that lost their lease before committing (`LockLost`), from the errors by class."""
+    """Calls that lost their lease before committing (``LockLost``), from the errors by class."""
     return errors.get(LockLost.__name__, 0)
 
 
@@ -122,9 +118,12 @@ def lost_leases(errors: Mapping[str, int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Expected:
-    """What the calls said about one instance: the state it was created in, how many fires
-    answered applied, how many may have applied (unknown), and whether at most one transition
-    may ever apply to it (an approval: approve or reject, once)."""
+    """What the calls said about one instance.
+
+    It holds the state it was created in and how many fires answered applied.
+    It also counts those that may have applied (unknown).
+    ``at_most_one``: at most one transition may ever apply, as for an approval.
+    """
 
     initial_state: str
     applied: int = 0
@@ -143,12 +142,14 @@ def judge_store(
     invariants: Mapping[str, Invariant] | None = None,
     rules: Mapping[str, RowRule] | None = None,
 ) -> Verdict:
-    """The exactly-once verdict on what the store holds:
-    [`flowlock.checker.check`][flowlock.checker.check] on every instance (its history's versions,
-    request ids, chain and final state, its workflow's invariant), its history rows between the
-    calls answered applied and those plus the calls whose outcome is unknown, and its workflow's
-    rule (`rules`, by workflow name) on every row (a counter's value is its number of steps: none
-    lost). An instance expected but missing is a lost update."""
+    """The exactly-once verdict on what the store holds.
+
+    It runs :func:`flowlock.checker.check` on every instance.
+    Its history rows number at least the calls answered applied.
+    At most, they also count the calls whose outcome is unknown.
+    Each row must pass its workflow's rule from ``rules``; a counter equals its steps.
+    An instance expected but missing is a lost update.
+    """
     found: list[Violation] = []
     for iid, exp in sorted(expected.items()):
         final = finals.get(iid)
@@ -205,8 +206,11 @@ def judge_store(
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """One fault injected: its kind, seconds since the load started, what it hit, and whether
-    it did what it meant to (a restart that failed, a worker already gone: `False`)."""
+    """One fault injected: its kind, when, what it hit, and whether it worked.
+
+    ``at`` counts seconds since the load started.
+    A restart that failed or a worker already gone is ``False``.
+    """
 
     kind: FaultKind
     at: float
@@ -226,9 +230,11 @@ class Fault:
 
 @dataclass(frozen=True, slots=True)
 class Leaks:
-    """What was left after every worker process ended and the bounded waits for it to go:
-    Redis lock keys (not fencing counters) with no holder alive, PostgreSQL advisory locks still
-    held, and the run's database sessions still open."""
+    """What was left after the workers ended and the bounded waits for it to go.
+
+    That is Redis lock keys without a live holder, advisory locks still held,
+    and the run's database sessions still open.
+    """
 
     redis_lock_keys: int = 0
     advisory_locks: int = 0
@@ -251,13 +257,11 @@ _FAILS_THE_VERDICT: tuple[OutcomeKind, ...] = ("escaped", "hung")
 
 @dataclass(frozen=True, slots=True)
 class SoakReport:
-    """A whole soak: the environment and arguments, every call's outcome counted by kind, the
-    faults by kind (and each one), the leaks, and the verdicts.
+    """A whole soak: environment and arguments, outcomes, faults, leaks and verdicts.
 
-    `linearizability`: the checker's verdict (`ok` and its `to_dict()`), judged over
-    every call of every worker process, merged. `exactly_once`: `judge_store` over what
-    the store holds afterwards. `ok` when both are clean, no call escaped or hung, no worker
-    crashed and nothing leaked.
+    ``linearizability``: the checker's verdict over every call of every worker, merged.
+    ``exactly_once``: :func:`judge_store` over what the store holds afterwards.
+    ``ok`` when both are clean, no call escaped or hung, no worker crashed and nothing leaked.
     """
 
     flowlock_version: str
@@ -282,9 +286,9 @@ class SoakReport:
     crashes: tuple[str, ...] = ()
     """Worker processes that ended on their own (not killed by a fault), with their last words."""
     error_samples: Mapping[str, str] = field(default_factory=dict)
-    """The first message of each exception class in `errors`."""
+    """The first message of each exception class in ``errors``."""
     escapes: tuple[str, ...] = ()
-    """The first exceptions that were not a FlowlockError, as `worker: Type: message`."""
+    """The first exceptions that were not a FlowlockError, as ``worker: Type: message``."""
     instances: int = 0
     notes: tuple[str, ...] = ()
     log: tuple[str, ...] = ()
@@ -336,7 +340,7 @@ class SoakReport:
 
 
 def count_outcomes(kinds: Iterable[OutcomeKind]) -> dict[str, int]:
-    """Outcomes counted by kind, in `OUTCOME_KINDS` order, kinds that never happened left
+    """Outcomes counted by kind, in :data:`OUTCOME_KINDS` order, kinds that never happened left
     out."""
     counted = Counter(kinds)
     return {kind: counted[kind] for kind in OUTCOME_KINDS if counted[kind]}

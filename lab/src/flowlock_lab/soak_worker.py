@@ -1,26 +1,8 @@
-"""A soak worker process: `python -m flowlock_lab.soak_worker SPEC` (SPEC: a
-`WorkerSpec` as JSON).
+"""A soak worker: ``python -m flowlock_lab.soak_worker SPEC``, SPEC a :class:`WorkerSpec` as JSON.
 
-The soak (`flowlock_lab.soak`) starts several of these. Each opens one engine on the run's
-PostgreSQL with every strategy the soak runs (the distributed ones on Redis and on advisory
-locks), then runs `tasks` callers until its stdin closes or the spec's stop time comes. A
-caller loops over a mix of calls, each with a strategy picked at random:
-
-- storm: every caller of every process fires `approve` (now and then `reject`) at the
-  approval of the current time slot (a second), which the first of them to try creates;
-- hot: `step` on the counter of the current hot slot (a few seconds), which every caller
-  steps and the first to try creates; spread: `step` on one of many counters;
-- get: reads the hot counter or a spread one.
-
-Why slots: the linearizability checker searches the orders of one instance's calls, and a
-minute of every caller on one counter is more than its search budget can settle.
-
-A distributed strategy always takes its lease from the same backend for a given instance (Redis
-for some instances, advisory locks for the others), as an application would.
-
-Every call is recorded by [`flowlock.checker.Recorder`][flowlock.checker.Recorder] and streamed to
-the parent as JSON lines on stdout, one when it is invoked (`inv`) and one when it ends (`end`, with
-the record), so the calls in flight of a worker killed with SIGKILL are still known, as unknown.
+It runs ``tasks`` callers until stdin closes or the stop time comes.
+Each call is recorded and streamed to the parent as it starts and ends.
+So a killed worker's calls in flight are known, as unknown.
 """
 
 from __future__ import annotations
@@ -76,12 +58,13 @@ def spread_id(k: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What one worker process runs: its name, where it connects, the strategies, callers,
-    seed, and the run's clock (`started` and `stop_at` on the machine's monotonic clock,
-    which every process shares); the storm's and the hot counter's slot lengths, how many spread
-    counters there are,
-    the lease ttl and wait of the distributed strategies, the bound on one call, and whether
-    the engine batches concurrent calls on one instance."""
+    """What one worker process runs: its name, connections, strategies, callers and seed.
+
+    It also has the run's clock, ``started`` and ``stop_at``, on the shared monotonic clock.
+    Then the storm and hot slot lengths, and how many spread counters there are.
+    Then the distributed strategies' lease ttl and wait, and the bound on one call.
+    ``batching`` says whether the engine batches concurrent calls on one instance.
+    """
 
     name: str
     target: Mapping[str, Any]
@@ -119,7 +102,7 @@ def _emit(doc: Mapping[str, Any]) -> None:
 
 
 async def _open_engine(spec: WorkerSpec, stack: contextlib.AsyncExitStack) -> Engine:
-    """One engine with every strategy of the run, its store and lock backends on `stack`."""
+    """One engine with every strategy of the run; its store and lock backends go on ``stack``."""
     target = Target.from_json(spec.target)
     rng = random.Random(f"{spec.seed}/locks")
     store = build_postgres_store(
@@ -209,7 +192,7 @@ class _Caller:
         return lambda: self.engine.create(workflow, instance_id=iid, data=data)
 
     def _strategy(self, iid: str) -> str:
-        """A strategy at random; a distributed one on the lock backend that guards `iid`."""
+        """A strategy at random; a distributed one on the lock backend that guards ``iid``."""
         strategy = self.rng.choice(self.spec.strategies)
         if STRATEGIES[strategy].locks is None:
             return strategy

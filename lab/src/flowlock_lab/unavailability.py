@@ -1,6 +1,6 @@
-"""How long a fault left callers without a successful call: the unavailability window of a
-failover, measured from the callers' side.
+"""How long a fault left callers without a successful call, seen from the callers' side.
 
+::
 
     seen = Availability()
     ... every caller: began = time.monotonic(); call; seen.ok(began) when it succeeded ...
@@ -8,11 +8,6 @@ failover, measured from the callers' side.
     seen.fault()  # once it is dead
     ... load goes on until calls succeed again ...
     print(f"{seen.window():.2f} s without a successful call")
-
-The window runs from the fault to the end of the first successful call that began after it. A
-call that began before the fault and succeeded after it does not end the window: it may have
-done its part with the failed server before the fault (taken its lease, say) and only finished
-later. Pure bookkeeping on the monotonic clock; no I/O.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ __all__ = ["Availability"]
 
 
 class Availability:
-    """When calls succeeded, and when the fault came. `clock` is injectable for tests."""
+    """When calls succeeded, and when the fault came. ``clock`` is injectable for tests."""
 
     __slots__ = ("_clock", "_fault", "_first_after", "_successes")
 
@@ -36,15 +31,17 @@ class Availability:
         self._first_after = math.inf
 
     def ok(self, began: float) -> None:
-        """A call that began at `began` (on the same clock) succeeded just now."""
+        """A call that began at ``began`` (on the same clock) succeeded just now."""
         ended = self._clock()
         self._successes += 1
         if self._fault is not None and began >= self._fault:
             self._first_after = min(self._first_after, ended)
 
     def fault(self) -> None:
-        """The fault has just happened (call it once the server is dead: a call that began
-        before may have done its part with the server while it was alive)."""
+        """The fault has just happened; call it once the server is dead.
+
+        A call that began before may have done its part with the server while it was alive.
+        """
         self._fault = self._clock()
         self._first_after = math.inf
 
@@ -58,8 +55,12 @@ class Availability:
         return self._first_after < math.inf
 
     def window(self) -> float:
-        """Seconds from the fault to the end of the first successful call that began after it;
-        `inf` while there is none, 0.0 before any fault."""
+        """Seconds from the fault to the end of the first successful call begun after it.
+
+        A call begun before the fault does not end the window.
+        It may have used the failed server first.
+        It is ``inf`` while there is none, and 0.0 before any fault.
+        """
         if self._fault is None:
             return 0.0
         return self._first_after - self._fault

@@ -1,22 +1,9 @@
-"""The benchmark that reproduces, and checks, the seed article's experiment, and every scenario
-of docs/benchmarks.md, against a floor measured in the same run.
+"""The benchmark behind ``flowlock bench``: the seed's experiment and every scenario.
 
-- `config`: what to run (`BenchConfig`, validated without I/O);
-- `registry`: the strategies it can run, by name;
-- `scenarios`: what the callers fire and what "correct" means (a registry,
-  one module per scenario family);
-- `raw`: the floor, what bare asyncpg does for the same calls;
-- `runner`: runs scenarios x strategies against PostgreSQL (and Redis), on
-  the servers of `servers`, one pair at a time (`pairs`)
-  in sessions of `session`, in this process or in worker processes
-  (`procs`), measured by `measure`;
-- `extend`: what `--hosts` and `--http` take from the lab
-  (`flowlock_lab`), which flowlock does not import;
-- `results`: what it returns, as dataclasses, and the pure arithmetic
-  (percentiles, summaries, verdicts) that makes them;
-- `report`: renders those as rich tables, the `--json` document and the
-  `--plot` chart.
+Each strategy is measured against a floor measured in the same run.
+docs/benchmarks.md describes the scenarios, the report and how the modules fit together.
 
+::
 
     from flowlock.bench import BenchConfig, run
     report = run(BenchConfig(quick=True))   # embedded PostgreSQL and Redis, uvloop when installed

@@ -76,7 +76,7 @@ class ServiceRun(Protocol):
 
 
 class Lab(Protocol):
-    """What the lab adds to a run: hosts to run the workers on, a service to call."""
+    """What the lab adds to a run: hosts for the workers, and a service to call."""
 
     def check(self, config: BenchConfig) -> None:
         """Refuse what this machine cannot run, before any server starts."""

@@ -1,5 +1,4 @@
-"""Facts about where the benchmark runs, for the report, and the event loop it runs on (in the
-runner and in every worker process alike)."""
+"""Facts about the machine for the report, and the event loop every process runs on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""What flowlock logs during a run (escalations, lease warnings...), collected one line per kind
-of message instead of scrolling through the progress display, and asyncpg's notices about
-connections a cancelled round left mid-transaction kept quiet."""
+"""Collect flowlock's log lines during a run, one line per kind of message.
+
+They would otherwise scroll through the progress display.
+asyncpg's notices about connections a cancelled round left mid-transaction stay quiet.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ class Logged(logging.Handler):
 
 @contextlib.contextmanager
 def collect_logs() -> Iterator[Logged]:
-    """While inside: flowlock's log records (WARNING and up) go to the handler yielded, not to
-    the terminal; must be entered on the run's event loop."""
+    """Send flowlock's WARNING records and above to the yielded handler, not the terminal.
+
+    Enter it on the run's event loop.
+    """
     logger = logging.getLogger("flowlock")
     handler = Logged()
     propagate = logger.propagate

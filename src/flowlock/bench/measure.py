@@ -1,11 +1,6 @@
-"""Measuring a round: the start gate that releases every caller at one instant, each call timed
-from that release, and the connection sampler (peak connections in use, lock wait).
+"""Measuring a round: the start gate, per-call timing and the connection sampler.
 
-While the calls of a timed round run, a separate plain connection samples `pg_stat_activity`
-every few milliseconds: the peak number of the run's connections in use (not idle), and the time
-the store's connections spend waiting for a lock (row locks; summed as count x interval). The
-lease wait of the distributed strategies is timed in the client (the whole acquire, by
-`flowlock.bench.session.TimedLocks`).
+docs/benchmarks.md says what the sampler counts and how.
 """
 
 from __future__ import annotations
@@ -44,8 +39,10 @@ _IDLE_INTERVAL = 0.002  # between rounds: how soon a round's first sample is tak
 
 
 def peak_overlap(intervals: Sequence[tuple[float, float]]) -> int:
-    """The most of these (start, end) intervals that overlap at one instant; an interval that
-    ends exactly when another starts does not overlap it."""
+    """The most of these (start, end) intervals that overlap at one instant.
+
+    An interval that ends exactly when another starts does not overlap it.
+    """
     edges = sorted(
         [(started, 1) for started, _ in intervals] + [(ended, -1) for _, ended in intervals],
         key=lambda edge: (edge[0], edge[1]),
@@ -58,13 +55,11 @@ def peak_overlap(intervals: Sequence[tuple[float, float]]) -> int:
 
 
 class Sampler:
-    """While recording (`start` .. `stop`): the peak of the run's connections (in
-    use, active, open) and the time its store connections spend waiting for a lock (count x
-    interval, summed).
+    """Samples the run's connections between :meth:`start` and :meth:`stop`.
 
-    It samples from a thread of its own, on its own event loop and connection: the callers'
-    loop is busiest exactly when there is most to see (a storm round lasts ~20 ms), and a
-    sampler on that loop would only get its turn once the burst is over.
+    It records peak connections (in use, active, open) and lock wait (count x interval).
+    It runs on its own thread, loop and connection. The callers' loop is busiest during a burst,
+    so a sampler there would only run once the burst is over.
     """
 
     _QUERY = """
@@ -138,10 +133,12 @@ class Sampler:
         self.recording = False
 
     async def settle(self) -> None:
-        """After a round: add what the samples were too coarse to see. Each connection's last
-        statement of the round is still in pg_stat_activity (started, and ended when it went
-        idle); the most of those that overlapped is a lower bound of the peak, exact for a
-        burst of one statement per caller (the storm's conditional UPDATEs, ~20 ms in all)."""
+        """After a round, add what the samples were too coarse to see.
+
+        Each connection's last statement stays in pg_stat_activity with its start and end.
+        Their largest overlap is a lower bound of the peak.
+        It is exact for one statement per caller, as in the storm.
+        """
         if self._loop is None:
             return
         future = asyncio.run_coroutine_threadsafe(self._overlap(), self._loop)
@@ -201,8 +198,10 @@ class Sampler:
 
 @contextlib.asynccontextmanager
 async def sampled(sampler: Sampler | None) -> AsyncIterator[None]:
-    """Record with `sampler` while the block runs the round's calls, then let it add what
-    its samples were too coarse to see; nothing without a sampler (the warm-up round)."""
+    """Sample while the block runs the round's calls, then add what samples missed.
+
+    Without a sampler (the warm-up round) it does nothing.
+    """
     if sampler is None:
         yield
         return
@@ -245,10 +244,11 @@ class Gate:
 
 
 class RemoteFailure(Exception):
-    """A call that another process answered with a failure (the service's problem document,
-    under `--http`): the flowlock error's name as that process gave it, whether the workflow
-    refused the call (a business rule, like TransitionRefused here), and the attempts it
-    reports. Recorded like the same error raised in this process."""
+    """A failure that another process reported, such as the service's problem document.
+
+    It holds the error's name, whether the workflow refused the call, and the attempts.
+    It is recorded like the same error raised in this process.
+    """
 
     def __init__(self, error: str, message: str, *, refused: bool = False, attempts: int = 1):
         super().__init__(message)
@@ -260,7 +260,7 @@ class RemoteFailure(Exception):
 async def timed_call(
     scenario: Scenario, session: Session, spec: CallSpec, started: float
 ) -> CallResult:
-    """Make one call and say what it came to, timed from `started` (perf_counter seconds).
+    """Make one call and say what it came to, timed from ``started`` (perf_counter seconds).
     Never raises for the call's own failure: that is a measurement."""
     try:
         fired = await scenario.fire(session, spec)
@@ -300,7 +300,7 @@ async def timed_call(
 
 
 class Armed:
-    """A round's callers, created and parked on the gate: `go` releases them."""
+    """A round's callers, created and parked on the gate: :meth:`go` releases them."""
 
     def __init__(
         self, scenario: Scenario, session: Session, lanes: Sequence[Sequence[CallSpec]]

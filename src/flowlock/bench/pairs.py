@@ -1,7 +1,6 @@
-"""One (scenario, strategy) pair of a benchmark run: its session, its rounds, its result.
+"""One (scenario, strategy) pair of a run: its session, its rounds and its result.
 
-A round creates every caller first, parks it on a gate, then releases them together. A call is
-timed from that release (or the end of the caller's previous call) to its answer.
+Callers are parked on a gate, then released together. Timing starts at that release.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class Run:
     workers: WorkerPool
     hosts: HostsRun | None = None
     service: ServiceRun | None = None
-    """The service the `--http` pairs call (None without `--http`)."""
+    """The service the ``--http`` pairs call (None without ``--http``)."""
 
 
 def seeded(seed: int, *parts: object) -> random.Random:
@@ -142,8 +141,10 @@ class Pair:
     async def one_round(
         self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
     ) -> None:
-        """Set up, fire and (when `timed`) read back and record one round; `sampler` watches
-        the connections while the calls run (None: not watched)."""
+        """Set up and fire one round; when ``timed``, read it back and record it.
+
+        ``sampler`` watches the connections while the calls run; None means unwatched.
+        """
         # The same stream for both transports: an --http pair fires the same choices.
         rng = seeded(self.run.seed, self.scenario.name, self.spec.name, n)
         # The warm-up only fills the pools and the statement caches: one call each.
@@ -163,9 +164,11 @@ class Pair:
         self.timed.lease_wait += lease
 
     async def rounds(self, rounds: int) -> ConnectionStats:
-        """The warm-up round (untimed, unless the config says none), then the timed rounds
-        under the connection sampler (none for the service's calls: its connections are not
-        the run's to see); returns what the sampler saw."""
+        """Run the warm-up round, then the timed rounds under the sampler.
+
+        The warm-up is skipped when the config says so. Service calls are not sampled:
+        the service's connections are not the run's. Returns what the sampler saw.
+        """
         run = self.run
         if run.config.warms_up():
             # Untimed: fills the pools and every connection's prepared-statement cache (over

@@ -1,19 +1,7 @@
-"""Worker processes for the multi-process scenarios, and the messages between them and the runner.
+"""Worker processes for the multi-process scenarios, and the messages they exchange.
 
-The runner starts `--processes` workers (`python -m flowlock.bench.worker`) once per run and
-speaks to them in JSON lines on their stdin and stdout, one request and one reply at a time.
-Every message is a dataclass here, with an explicit `to_dict` / `from_dict` for the wire:
-
-==================  =====================  =====================================================
-request             reply                  what the worker does
-==================  =====================  =====================================================
-`Open`       `Opened`        opens a fresh session for a (scenario, strategy)
-`Arm`        `ArmedReply`    creates one task per lane, parked on the start gate
-`Go`         `Done`          releases them; every call's result, timed there
-`Close`      `Closed`        closes the session; its engine's escalation counts
-==================  =====================  =====================================================
-
-A request that failed is answered `Failed` (the exception, in one line).
+Each message is a dataclass with ``to_dict`` and ``from_dict`` for the JSON-lines wire.
+docs/benchmarks.md lists the requests and replies.
 """
 
 from __future__ import annotations
@@ -58,9 +46,11 @@ _LINE_LIMIT = 64 * 1024 * 1024  # a round's results for thousands of calls fit o
 
 @dataclass(frozen=True, slots=True)
 class Open:
-    """Open a fresh session for `strategy` on `scenario` (its own pool of `pool_size`,
-    engine and lock backend, exactly as the runner opens one in-process; the engine batches
-    unless `batching` is False)."""
+    """Open a fresh session for ``strategy`` on ``scenario``.
+
+    It gets its own pool of ``pool_size``, engine and lock backend, as in-process.
+    The engine batches unless ``batching`` is False.
+    """
 
     op: ClassVar[str] = "open"
     target: Target
@@ -176,8 +166,10 @@ class ArmedReply:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Every call's result (latencies measured in the worker, from its own release), the
-    seconds from that release to the last answer, and the lease wait during the round."""
+    """Every call's result, the seconds to the last answer, and the round's lease wait.
+
+    Latencies are measured in the worker, from its own release.
+    """
 
     op: ClassVar[str] = "done"
     results: tuple[CallResult, ...]
@@ -203,9 +195,11 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """The session is closed. `escalated`: instances its engine's adaptive monitor escalated
-    while it was open, `adopted` of them taken from the escalation board (decided by another
-    engine: another worker, on this host or another)."""
+    """The session is closed; its engine's escalation counts.
+
+    ``escalated``: instances its adaptive monitor escalated while open.
+    ``adopted``: those of them taken from the board, decided by another engine.
+    """
 
     op: ClassVar[str] = "closed"
     escalated: int = 0
@@ -241,7 +235,7 @@ _REPLIES: dict[str, type[Reply]] = {t.op: t for t in (Opened, ArmedReply, Done, 
 
 
 def request_from_dict(doc: Mapping[str, Any]) -> Request:
-    """The request `doc` encodes; ValueError for an unknown `op`."""
+    """The request ``doc`` encodes; ValueError for an unknown ``op``."""
     kind = _REQUESTS.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"unknown request {doc.get('op')!r}")
@@ -249,7 +243,7 @@ def request_from_dict(doc: Mapping[str, Any]) -> Request:
 
 
 def reply_from_dict(doc: Mapping[str, Any]) -> Reply:
-    """The reply `doc` encodes; ValueError for an unknown `op`."""
+    """The reply ``doc`` encodes; ValueError for an unknown ``op``."""
     kind = _REPLIES.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"answered {doc.get('op')!r}")
@@ -262,16 +256,17 @@ R = TypeVar("R", Opened, ArmedReply, Done, Closed)
 
 
 WORKER_ARGV = (sys.executable, "-m", "flowlock.bench.worker")
-"""How a worker process is started (inside a namespaced host: after `ip netns exec NAME`)."""
+"""How a worker process is started (inside a namespaced host: after ``ip netns exec NAME``)."""
 
 
 class WorkerPool:
-    """`count` worker processes (`python -m flowlock.bench.worker`) speaking JSON lines on
-    their stdin/stdout; started in their own session, so a Ctrl-C reaches only this process,
-    which then closes them (EOF on stdin; killed if they do not exit).
+    """``count`` worker processes speaking JSON lines on stdin and stdout.
 
-    `commands`: each worker's command line, when not `WORKER_ARGV` (the namespaced
-    hosts run it through `ip netns exec`); `labels`: where each runs, for error messages."""
+    Workers start in their own session, so Ctrl-C reaches only this process.
+    This process then closes them: EOF on stdin, and a kill if they do not exit.
+    ``commands`` replaces each worker's command line (namespaced hosts use ``ip netns exec``).
+    ``labels`` say where each runs, for error messages.
+    """
 
     def __init__(
         self,
@@ -328,7 +323,7 @@ class WorkerPool:
         await self.send([request] * self.count)
 
     async def receive(self, expect: type[R]) -> list[R]:
-        """Each worker's reply, which must be an `expect`."""
+        """Each worker's reply, which must be an ``expect``."""
         return list(await asyncio.gather(*(self._reply(i, expect) for i in range(self.count))))
 
     async def ask(self, requests: Sequence[Request], expect: type[R]) -> list[R]:

@@ -1,26 +1,7 @@
-"""The floor: the least one process can do with bare asyncpg for each scenario's calls.
+"""The floor: the least bare asyncpg can do for each scenario's calls.
 
-The `raw` strategy runs none of flowlock's engine (no input validation, no strategy object, no
-store layer, no retry policy): it borrows the run's asyncpg pool and sends the fewest statements
-the scenario allows. It writes the same two rows flowlock writes (the instance and one history
-row, in the same statement), so the checker judges the floor exactly like every strategy, and the
-difference in the report is flowlock's own overhead. Where a step must be decided (a guard, a
-quorum, a counter), raw runs the workflow's pure step
-(`flowlock.core.step.decide`: the guard and effect functions, microseconds),
-because any implementation has to run that logic somewhere.
-
-Which floor each scenario uses (`Scenario.floor`):
-
-- `statement` (storm): ONE conditional statement, `UPDATE ... WHERE id = $1 AND state = ANY
-  (sources)` with its history row in a CTE; no read at all. A caller whose UPDATE found the state
-  already moved is answered "already done". One round trip.
-- `locked` (countersign, inventory, hot): the row-locked read-modify-write transaction: BEGIN,
-  `SELECT ... FOR UPDATE`, step, compare-and-swap UPDATE + history, COMMIT. Four round trips,
-  three of them under the row lock. Every call lands (or is refused by the business rule).
-- `cas` (spread, cluster): unlocked read, step, compare-and-swap; on a lost race, again at once
-  (no backoff, no bound short of 1,000), so every call lands. Two round trips when uncontended.
-- `claim` (singleton): `INSERT INTO flowlock_bench_claims ... ON CONFLICT DO NOTHING
-  RETURNING`; whoever inserted the row runs the job.
+It skips the engine but writes the same rows, so the checker judges it alike.
+docs/benchmarks.md describes each floor and its round trips.
 """
 
 from __future__ import annotations
@@ -103,8 +84,10 @@ def _write_args(entry: HistoryEntry) -> tuple[Any, ...]:
 
 
 class RawSession:
-    """The floor for one scenario (`floor`), on `pool` (the run's asyncpg pool, whose
-    connections decode jsonb to dicts); `engine` serves setup and readback only."""
+    """The floor for one scenario, on the run's asyncpg pool.
+
+    The pool's connections decode jsonb to dicts. ``engine`` only sets up and reads back.
+    """
 
     def __init__(self, engine: Engine, pool: asyncpg.Pool, floor: Floor) -> None:
         self._engine = engine

@@ -1,8 +1,6 @@
-"""The strategies the benchmark can run, by name: a registry a test or a plugin can extend.
+"""The strategies the benchmark can run, by name; tests and plugins can add more.
 
-Each `StrategySpec` says how to build a fresh strategy object for one (scenario,
-strategy) pair and which lock backend it needs; `raw` is the floor (bare asyncpg, no engine,
-`flowlock.bench.raw`). `ALIASES` are command-line names that stand for several.
+``raw`` is the floor. :data:`ALIASES` are command-line names that stand for several.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ LEASE_WAIT = 5.0
 
 @dataclass(frozen=True, slots=True)
 class BuildContext:
-    """What a strategy is built from: the pair's random source (seeded per run, so jitter is
-    reproducible with `--seed`) and, for a strategy that needs one, its lock backend."""
+    """What a strategy is built from: the pair's random source and its lock backend.
+
+    The random source is seeded per run, so ``--seed`` reproduces the jitter.
+    """
 
     rng: random.Random
     locks: LockBackend | None = None
@@ -49,10 +49,9 @@ class BuildContext:
 class StrategySpec:
     """A concurrency strategy the benchmark can run.
 
-    `build` makes a fresh strategy object for one pair; None means "the engine's own strategy
-    of that name" (`adaptive`, which the engine composes from its optimistic strategy and its
-    conflict monitor). `locks` names the lock backend it needs (`"redis"` or `"advisory"`).
-    `floor`: this is the raw-asyncpg floor, not a flowlock strategy (`flowlock.bench.raw`).
+    ``build`` makes a fresh strategy for one pair. None means the engine's own strategy
+    of that name (``adaptive``). ``locks`` names the lock backend it needs.
+    ``floor`` marks the raw-asyncpg floor, which is not a flowlock strategy.
     """
 
     name: str
@@ -70,14 +69,13 @@ ALIASES: dict[str, tuple[str, ...]] = {"distributed": ("distributed-redis", "dis
 
 
 def register_strategy(spec: StrategySpec) -> StrategySpec:
-    """Add `spec` to `STRATEGIES` (replacing one of the same name)."""
+    """Add ``spec`` to :data:`STRATEGIES` (replacing one of the same name)."""
     STRATEGIES[spec.name] = spec
     return spec
 
 
 def expand(names: Sequence[str]) -> tuple[str, ...]:
-    """`names` with every alias replaced by the strategies it stands for, duplicates dropped,
-    first mention first."""
+    """``names`` with aliases expanded and duplicates dropped, in first-mention order."""
     out: list[str] = []
     for name in names:
         out.extend(ALIASES.get(name, (name,)))
@@ -136,4 +134,4 @@ if importlib.util.find_spec("flowlock.strategies.adaptive") is not None:
     )
 
 DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
-"""What `flowlock bench` runs when no `strategy` is given: every registered strategy."""
+"""What ``flowlock bench`` runs when no ``strategy`` is given: every registered strategy."""

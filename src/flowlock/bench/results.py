@@ -1,10 +1,7 @@
-"""What the benchmark measures and concludes, as plain values: calls, rounds, one result per
-(scenario, strategy) pair and the whole run, and the pure arithmetic between them (percentiles,
-summaries, verdicts).
+"""What the benchmark measures and concludes, as plain values and pure arithmetic.
 
-Nothing here does I/O or needs a server: the runner hands over what it recorded (every call's
-result, each round's read-back, the connection sampler's figures) and `summarise` turns it
-into a `ScenarioResult`. The report package reads only these dataclasses.
+Nothing here does I/O. :func:`summarise` turns what the runner recorded into results.
+The report package reads only these dataclasses.
 """
 
 from __future__ import annotations
@@ -60,8 +57,8 @@ Kind = Literal["applied", "idempotent", "refused", "failed"]
 
 
 Transport = Literal["in-process", "http"]
-"""How a result's calls reached the engine: `engine.fire` in the bench's process, or HTTP
-requests to a `flowlock serve` subprocess (`flowlock bench --http`)."""
+"""How a result's calls reached the engine: ``engine.fire`` in the bench's process, or HTTP
+requests to a ``flowlock serve`` subprocess (``flowlock bench --http``)."""
 IN_PROCESS: Transport = "in-process"
 HTTP: Transport = "http"
 
@@ -83,14 +80,17 @@ class Params:
     """The untimed warm-up round: it only has to fill the pools, so it may do less."""
 
     def evolve(self, **changes: Any) -> Params:
-        """A copy with `changes` applied."""
+        """A copy with ``changes`` applied."""
         return replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)
 class CallSpec:
-    """One call a caller makes when the round is released (an `engine.fire`, or for
-    `singleton` one run of the job: `instance_id` is then the job and `payload` the tick)."""
+    """One call a caller makes when the round is released.
+
+    Usually an ``engine.fire``. For ``singleton`` it is a job run:
+    ``instance_id`` is the job and ``payload`` the tick.
+    """
 
     instance_id: str
     event: str
@@ -117,10 +117,11 @@ class CallSpec:
 
 @dataclass(frozen=True, slots=True)
 class RoundPlan:
-    """The instances a round created (with the state they were created in) and its callers.
+    """The instances a round created, with their states, and its callers.
 
-    `calls`: one call per caller, all released at once (storm, countersign...). `lanes`: per
-    caller, a sequence fired one after another (hot, spread...). A plan uses one or the other.
+    ``calls``: one call per caller, all released at once (storm, countersign).
+    ``lanes``: per caller, calls fired one after another (hot, spread).
+    A plan uses one or the other.
     """
 
     instances: Mapping[str, str]
@@ -135,8 +136,11 @@ class RoundPlan:
 
 @dataclass(frozen=True, slots=True)
 class CallResult:
-    """What one call came to. `latency` is seconds from the moment the caller could start it
-    (the round's release for its first call, the previous call's end after that) to its end."""
+    """What one call came to.
+
+    ``latency`` runs from when the caller could start to the call's end.
+    That start is the round's release, or the caller's previous call's end.
+    """
 
     call: CallSpec
     kind: Kind
@@ -146,9 +150,9 @@ class CallResult:
     """The exception's class name for refused and failed calls."""
     message: str | None = None
     batch_size: int | None = None
-    """The engine's `Outcome.batch_size`: how many calls on the instance were decided and
+    """The engine's ``Outcome.batch_size``: how many calls on the instance were decided and
     written together with this one (1: alone). None when no Outcome came back: the call failed,
-    or no engine answered it (the raw floor, a `RunOnce` job)."""
+    or no engine answered it (the raw floor, a ``RunOnce`` job)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,8 +204,7 @@ class Judgement:
 
 
 class Judged(Protocol):
-    """What `summarise` needs from a scenario: its name and the rules a round is judged by
-    (`flowlock.bench.scenarios.Scenario` has all of it)."""
+    """What :func:`summarise` needs from a scenario: its name and its judging rules."""
 
     @property
     def name(self) -> str: ...
@@ -224,8 +227,7 @@ class Judged(Protocol):
 
 @dataclass(slots=True)
 class Timed:
-    """What the timed rounds of one pair recorded: every round, the summed wall time from each
-    round's release to its last answer, and the summed lease wait (seconds)."""
+    """What one pair's timed rounds recorded: each round, the summed wall time and lease wait."""
 
     records: list[RoundRecord] = field(default_factory=list)
     wall: float = 0.0
@@ -234,9 +236,10 @@ class Timed:
 
 @dataclass(frozen=True, slots=True)
 class ConnectionStats:
-    """What the connection sampler saw while the calls ran: the peak number of the run's
-    connections in use, active and open, and the seconds its store connections spent waiting
-    for a lock (count x interval, summed)."""
+    """What the sampler saw while the calls ran: peak connections and lock wait.
+
+    Connections are counted in use, active and open. Lock wait is count x interval, summed.
+    """
 
     peak: int = 0
     peak_active: int = 0
@@ -304,8 +307,10 @@ def verdict_of(
     judgements: Sequence[Judgement],
     params: Params,
 ) -> Verdict:
-    """Every round's generic exactly-once check (when the scenario is history-checked), plus
-    the scenario's own judgement of it, as one verdict, round by round."""
+    """Each round's exactly-once check plus the scenario's own judgement, as one verdict.
+
+    The generic check runs only when the scenario is history-checked.
+    """
     found: list[Violation] = []
     invariant = scenario.invariant(params)
     for record, judgement in zip(records, judgements, strict=True):
@@ -322,11 +327,12 @@ def verdict_of(
 class ScenarioResult:
     """The measurements and the verdict of one (scenario, strategy) pair's timed rounds.
 
-    Latencies in milliseconds; `success_pct` counts calls that applied, were answered
-    idempotently, or were refused by a business rule (not lock or conflict failures).
-    `peak_connections`: the run's database connections in use (not idle) at the busiest
-    sample; `open_connections`: all of them, idle ones included. `lock_wait_ms`: time spent
-    waiting for a lock per call (row locks sampled on the server, leases timed in the client).
+    Latencies are in milliseconds.
+    ``success_pct`` counts calls that applied, were idempotent or were refused by a rule.
+    Lock and conflict failures do not count as success.
+    ``peak_connections``: the run's connections in use at the busiest sample.
+    ``open_connections``: all of them, idle ones included.
+    ``lock_wait_ms``: lock wait per call (row locks on the server, leases in the client).
     """
 
     scenario: str
@@ -363,37 +369,39 @@ class ScenarioResult:
     floor: str | None = None
     """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
     mean_batch: float | None = None
-    """The mean `Outcome.batch_size` over the calls that got an Outcome (see
-    `mean_batch`); None when none did."""
+    """The mean ``Outcome.batch_size`` over the calls that got an Outcome (see
+    :func:`mean_batch`); None when none did."""
     hosts: int = 0
-    """The namespaced hosts the worker processes ran on (`--hosts`); 0: this machine's own
+    """The namespaced hosts the worker processes ran on (``--hosts``); 0: this machine's own
     network."""
     escalated: int | None = None
     """Instances the engines' adaptive monitors escalated during the pair, each engine counted
     once per instance (one engine per worker process); None when not counted (the raw floor)."""
     adopted: int | None = None
-    """Of `escalated`, those an engine took from the escalation board in PostgreSQL:
+    """Of :attr:`escalated`, those an engine took from the escalation board in PostgreSQL:
     decided by another engine, on another worker process or host."""
     transport: Transport = IN_PROCESS
-    """How the calls were made. Over `http` the connections are the service's, which the
+    """How the calls were made. Over ``http`` the connections are the service's, which the
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
 
     @property
     def label(self) -> str:
-        """`scenario/strategy`, with ` (http)` after a result measured through the service."""
+        """``scenario/strategy``, with `` (http)`` after a result measured through the service."""
         suffix = " (http)" if self.transport == HTTP else ""
         return f"{self.scenario}/{self.strategy}{suffix}"
 
 
 def _per(amount: float, count: float) -> float:
-    """`amount / count`, 0 when there is nothing to divide by."""
+    """``amount / count``, 0 when there is nothing to divide by."""
     return amount / count if count > 0 else 0.0
 
 
 def mean_batch(results: Iterable[CallResult]) -> float | None:
-    """The mean `batch_size` of the calls an engine answered with an Outcome (1.0 when
-    batching is off, or when no two calls on an instance met); None when none did (the raw
-    floor, `RunOnce`, or every call failed)."""
+    """The mean ``batch_size`` of calls an engine answered; None when no engine answered.
+
+    It is 1.0 when batching is off or no two calls on an instance met.
+    None covers the raw floor, ``RunOnce`` and runs where every call failed.
+    """
     sizes = [r.batch_size for r in results if r.batch_size is not None]
     return sum(sizes) / len(sizes) if sizes else None
 
@@ -411,11 +419,14 @@ def summarise(
     escalations: tuple[int, int] | None = None,
     transport: Transport = IN_PROCESS,
 ) -> ScenarioResult:
-    """One pair's result from its timed rounds and the sampler's figures: latency, outcomes,
-    throughput per second of round wall time, connections, lock wait per call, and the verdict.
-    `floor`: the pair is the raw floor, so the result names how it did the calls. `hosts`:
-    the namespaced hosts it ran on; `escalations`: (escalated, adopted), summed over the
-    engines (see `ScenarioResult.escalated`); `transport`: how its calls were made."""
+    """One pair's result from its timed rounds and the sampler's figures.
+
+    Throughput is per second of round wall time; lock wait is per call.
+    ``floor`` marks the raw floor, so the result names how it made the calls.
+    ``hosts`` are the namespaced hosts it ran on.
+    ``escalations`` is (escalated, adopted), summed over the engines.
+    ``transport`` says how its calls were made.
+    """
     records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
     judgements = [scenario.judge(record, params) for record in records]
@@ -478,14 +489,14 @@ class BenchReport:
     results: tuple[ScenarioResult, ...]
     loop: str
     database: str
-    """`"embedded"` or `"external"`."""
+    """``"embedded"`` or ``"external"``."""
     pool_size: int
     duration_s: float
     notes: tuple[str, ...] = ()
     redis: str = "none"
-    """`"embedded"`, `"external"`, or `"none"` (no strategy needed Redis, or none found)."""
+    """``"embedded"``, ``"external"``, or ``"none"`` (no strategy needed Redis, or none found)."""
     skipped: tuple[str, ...] = ()
-    """`scenario/strategy` pairs that could not run (see `notes`)."""
+    """``scenario/strategy`` pairs that could not run (see ``notes``)."""
     log: tuple[str, ...] = ()
     """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
 
@@ -500,8 +511,10 @@ _SEVERITY = (DOUBLE_APPLY, LOST_UPDATE, OVERSELL, VERSION_GAP, BROKEN_CHAIN, FIN
 
 
 def failures(report: BenchReport, limit: int = 5) -> list[str]:
-    """One line per failed verdict with its violations counted by kind (double applies first),
-    then up to `limit` of them, the most serious kinds first."""
+    """One line per failed verdict, with its violations counted by kind.
+
+    Then up to ``limit`` violations, the most serious kinds (double applies) first.
+    """
     lines: list[str] = []
     for r in report.results:
         if r.verdict.ok:

@@ -1,10 +1,6 @@
-"""The benchmark runner: orchestration only. It measures, checks and returns dataclasses.
+"""The benchmark runner: it orchestrates, measures, checks and returns dataclasses.
 
-Each (scenario, strategy) pair runs in `pairs`. The servers come from
-`servers`; the tables live in a scratch schema dropped at the end. Cleanup
-runs in `finally` blocks, so an error or Ctrl-C leaves no server, process, schema or key.
-Under `--hosts` and `--http` the lab supplies hosts and a service
-(`extend`).
+Cleanup runs in ``finally`` blocks. An error or Ctrl-C leaves no server, process, schema or key.
 """
 
 from __future__ import annotations
@@ -48,8 +44,10 @@ __all__ = ["run", "run_bench"]
 
 
 def _check_redis(config: BenchConfig, redis: RedisServer | None, needed: bool) -> list[str]:
-    """Refuse a run that asked for distributed-redis by name when there is no Redis; otherwise
-    the note saying it is skipped (none when Redis is there or not needed)."""
+    """Refuse a run that named distributed-redis when there is no Redis.
+
+    Otherwise return the note that it is skipped, or None.
+    """
     if not needed or redis is not None:
         return []
     if config.strategies and "distributed-redis" in expand(config.strategies):
@@ -70,8 +68,10 @@ def _clean_up_after(
     redis: RedisServer | None,
     target: Target,
 ) -> None:
-    """Drop the scratch schema and delete the run's keys from the caller's Redis on the way
-    out: also on errors and Ctrl-C, the user's servers keep nothing of the run."""
+    """On the way out, drop the scratch schema and delete the run's Redis keys.
+
+    This also runs on errors and Ctrl-C, so the user's servers keep nothing.
+    """
 
     async def drop() -> None:
         shown.status(f"dropping the scratch schema {target.schema}")
@@ -122,8 +122,7 @@ def _args(
 
 
 async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[ScenarioResult], list[str]]:
-    """Every (scenario, strategy) pair in order; the pairs that need Redis are skipped (and
-    named) when there is none."""
+    """Run every pair in order; skip and name those needing Redis when there is none."""
     results: list[ScenarioResult] = []
     skipped: list[str] = []
     config = run.config
@@ -154,8 +153,10 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
 
 
 def _needs_lab(config: BenchConfig, lab: Lab | None) -> Lab | None:
-    """The lab a `--hosts` or `--http` run needs (InvalidInput when it is missing);
-    None when the run needs none."""
+    """The lab a ``--hosts`` or ``--http`` run needs, or None.
+
+    Raises InvalidInput when the lab is not installed.
+    """
     if config.hosts is None and not config.http:
         return None
     if lab is None:
@@ -168,7 +169,7 @@ async def run_bench(
     config: BenchConfig, progress: Progress | None = None, *, lab: Lab | None = None
 ) -> BenchReport:
     """Run the benchmark on the running event loop and return its report. A run with
-    `hosts` or `http` needs `lab` (`flowlock_lab.matrix.LAB`)."""
+    ``hosts`` or ``http`` needs ``lab`` (``flowlock_lab.matrix.LAB``)."""
     config.validate()
     needed = _needs_lab(config, lab)
     shown: Progress = progress or NullProgress()
@@ -249,8 +250,8 @@ def run(
 ) -> BenchReport:
     """Run the benchmark on a new event loop (uvloop when installed) and return its report.
 
-    Ctrl-C cancels the run; worker processes are closed, the embedded servers stopped and
-    removed, and the scratch schema dropped before KeyboardInterrupt propagates.
+    On Ctrl-C the workers close, the embedded servers stop and the scratch schema is dropped.
+    Then KeyboardInterrupt propagates.
     """
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run_bench(config, progress, lab=lab))

@@ -1,9 +1,6 @@
-"""The servers a run uses: the database (the caller's, or an embedded PostgreSQL started for the
-run) and Redis (the caller's, an embedded one, or none), the pool size the database can take,
-and the clean-up of what a run leaves on the caller's servers (the scratch schema, the keys).
+"""The servers a run uses, the pool size they can take, and cleanup after a run.
 
-The runner's own plain connections (probe, sampler, schema drop) are a driver edge too: errors
-are translated here, so the CLI shows one line, never an asyncpg traceback.
+Errors on the runner's own connections are translated here into one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -77,8 +74,10 @@ async def connect(url: str) -> asyncpg.Connection:
 
 @dataclass(slots=True)
 class DatabaseServer:
-    """The database of a run: its URL, `"embedded"` or `"external"`, and, once probed, its
-    version, the pool size each session gets, and notes for the report."""
+    """The database of a run: its URL and kind (``"embedded"`` or ``"external"``).
+
+    Once probed it also has the version, each session's pool size, and notes for the report.
+    """
 
     url: str
     kind: str
@@ -95,9 +94,11 @@ async def postgres_server(
     host: str | None = None,
     trusted: Sequence[str] = (),
 ) -> AsyncIterator[DatabaseServer]:
-    """The database to run against: the caller's, or an embedded one stopped on the way out,
-    listening on `host` (default 127.0.0.1) and letting in the clients of the `trusted`
-    networks (the namespaced hosts' subnet)."""
+    """The database to run against: the caller's, or an embedded one.
+
+    An embedded server is stopped on the way out. It listens on ``host`` (default 127.0.0.1).
+    It lets in clients of the ``trusted`` networks, such as the namespaced hosts' subnet.
+    """
     if config.database_url is not None:
         progress.status(f"connecting to {_where(config.database_url)}")
         yield DatabaseServer(config.database_url, "external")
@@ -120,7 +121,7 @@ async def postgres_server(
 
 
 def demand(pool: int, advisory: bool) -> int:
-    """Connections one process's session may open with a pool of `pool`."""
+    """Connections one process's session may open with a pool of ``pool``."""
     if not advisory:
         return pool
     lease = min(ADVISORY_POOL, pool)
@@ -128,9 +129,11 @@ def demand(pool: int, advisory: bool) -> int:
 
 
 def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int) -> int:
-    """Connections a run with session pools of `pool` needs at its busiest: one session in
-    this process, or, for the multi-process scenarios, `processes` workers sharing the pool
-    out while this process keeps a small admin pool (RunOnce adds a few per process)."""
+    """Connections a run with session pools of ``pool`` needs at its busiest.
+
+    That is one session here, or ``processes`` workers sharing the pool plus a small admin pool.
+    RunOnce adds a few per process.
+    """
     alone = demand(pool, advisory)
     if not multi:
         return alone
@@ -139,16 +142,19 @@ def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int
 
 
 def with_service(alone: int, pool: int, workers: int) -> int:
-    """Connections a `--http` run needs at its busiest, when a run without the service needs
-    `alone`: the service's pools (`workers` processes sharing `pool`) stay open all run,
-    beside each in-process pair, then beside the admin session of each HTTP pair."""
+    """Connections a ``--http`` run needs, when the same run without the service needs ``alone``.
+
+    The service's pools stay open all run, beside every in-process or admin session.
+    """
     service = workers * service_pool(pool, workers)
     return service + max(alone, ADMIN_POOL)
 
 
 def fit_pool(wanted: int, free: int, needed: Callable[[int], int]) -> int:
-    """The largest pool up to `wanted` (at least 1) whose `needed` connections fit in
-    `free`; 1 when none does (the caller then checks `needed(1)` itself)."""
+    """The largest pool up to ``wanted`` whose ``needed`` connections fit in ``free``.
+
+    It returns 1 when none fits; the caller then checks ``needed(1)`` itself.
+    """
     pool = wanted
     while pool > 1 and needed(pool) > free:
         pool -= 1
@@ -166,7 +172,7 @@ SELECT current_setting('max_connections')::int AS max_conn,
 
 
 async def _inspect(server: DatabaseServer) -> asyncpg.Record:
-    """Read the server version into `server`; return its connection limits."""
+    """Read the server version into ``server``; return its connection limits."""
     conn = await connect(server.url)
     try:
         # server_version, e.g. "15.20 (Debian 15.20-0+deb12u1)": asyncpg's parsed
@@ -231,10 +237,11 @@ async def drop_schema(url: str, schema: str) -> None:
 
 
 async def clear_escalation_board(pool: asyncpg.Pool) -> None:
-    """Empty the adaptive strategy's escalation board in the run's schema: each pair starts
-    without the previous pair's escalations, as it starts with fresh pools and engines (an
-    escalation lives on for its cool-down after its round, and every engine adopts every
-    active one, whatever its instance)."""
+    """Empty the adaptive strategy's escalation board in the run's schema.
+
+    Each pair starts without the previous pair's escalations, as with its fresh pools.
+    An escalation outlives its round by its cool-down, and every engine adopts every active one.
+    """
     try:
         await pool.execute("DELETE FROM flowlock_escalations")
     except DRIVER_ERRORS as exc:
@@ -242,7 +249,7 @@ async def clear_escalation_board(pool: asyncpg.Pool) -> None:
 
 
 async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
-    """The server's client connections from any of `addresses` (the namespaced hosts')."""
+    """The server's client connections from any of ``addresses`` (the namespaced hosts')."""
     conn = await connect(url)
     try:
         found = await conn.fetchval(
@@ -261,7 +268,7 @@ async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RedisServer:
-    """The Redis of a run: its URL, `"embedded"` or `"external"`, and its version."""
+    """The Redis of a run: its URL, ``"embedded"`` or ``"external"``, and its version."""
 
     url: str
     kind: str
@@ -272,9 +279,11 @@ class RedisServer:
 async def redis_server(
     config: BenchConfig, progress: Progress, needed: bool, *, host: str | None = None
 ) -> AsyncIterator[RedisServer | None]:
-    """Redis for the distributed-redis strategy: the caller's, an embedded one (stopped and
-    removed on the way out; listening on `host`, default 127.0.0.1), or None when no
-    strategy needs it or none can be started."""
+    """Redis for distributed-redis: the caller's, an embedded one, or None.
+
+    An embedded server listens on ``host`` (default 127.0.0.1) and is removed on the way out.
+    None means no strategy needs Redis or none could be started.
+    """
     if not needed:
         yield None
         return
@@ -336,8 +345,10 @@ async def delete_redis_keys(url: str, namespace: str) -> None:
 
 
 async def count_redis_lock_keys(url: str, namespace: str) -> int:
-    """The lock keys (not the fencing counters or their stamps) under the run's namespace in
-    Redis: a lock key ends with its hash tag's `}` (the user's key is escaped inside it)."""
+    """The lock keys under the run's Redis namespace, not fencing counters or stamps.
+
+    A lock key ends with its hash tag's ``}``; the user's key is escaped inside it.
+    """
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
@@ -357,7 +368,7 @@ async def count_redis_lock_keys(url: str, namespace: str) -> int:
 
 
 async def count_redis_clients_from(url: str, addresses: Sequence[str]) -> int:
-    """Redis's client connections from any of `addresses` (the namespaced hosts')."""
+    """Redis's client connections from any of ``addresses`` (the namespaced hosts')."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 

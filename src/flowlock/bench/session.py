@@ -1,10 +1,7 @@
-"""Sessions: one strategy, ready to fire, in one process (the runner's or a worker's).
+"""Sessions: one strategy ready to fire, in the runner's process or a worker's.
 
-`open_session` gives each (scenario, strategy) pair a fresh connection pool, engine and lock
-backend, so one strategy's warm pool or state never helps the next. This is where the bench
-builds flowlock's backends: the store (`_store`), the lock backend
-(`build_lock_backend`) and the run-once runner of `singleton` (`_run_once`), one
-small function each.
+Each pair gets a fresh pool, engine and lock backend, so no warm state helps the next.
+This is where the bench builds flowlock's store, lock backend and run-once runner.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ __all__ = [
 
 
 class TimedLocks:
-    """A lock backend that adds up how long acquires take (the lease wait), around `inner`."""
+    """A lock backend that adds up how long acquires take (the lease wait)."""
 
     def __init__(self, inner: LockBackend) -> None:
         self.inner = inner
@@ -98,7 +95,7 @@ class BenchSession(Session, Protocol):
 
 
 class _EngineSession:
-    """A flowlock strategy: every call is an `engine.fire` with it."""
+    """A flowlock strategy: every call is an ``engine.fire`` with it."""
 
     def __init__(
         self,
@@ -178,7 +175,7 @@ def _store(target: Target, size: int, *, pipeline: bool) -> PostgresStore:
 def build_lock_backend(
     kind: str, target: Target, store: PostgresStore, pool: int, rng: random.Random
 ) -> LockBackend:
-    """The lock backend `kind` (`"redis"` or `"advisory"`) for one session."""
+    """The lock backend ``kind`` (``"redis"`` or ``"advisory"``) for one session."""
     if kind == "redis":
         if target.redis_url is None:
             raise InvalidInput(
@@ -243,9 +240,12 @@ async def open_session(
     pool_size: int | None = None,
     batching: bool = True,
 ) -> AsyncIterator[BenchSession]:
-    """A fresh session for `spec`: its own pool (`pool_size`, default the target's), engine
-    (batching concurrent calls on one instance unless `batching` is False) and lock backend,
-    with the scenario's workflows registered; all closed on the way out."""
+    """A fresh session for ``spec``, closed on the way out.
+
+    It gets its own pool (``pool_size``, default the target's), engine and lock backend.
+    The engine batches concurrent calls on one instance unless ``batching`` is False.
+    The scenario's workflows are registered.
+    """
     size = pool_size or target.pool_size
     # Batching off is flowlock as it was before batching: no pipelining of reads and writes of
     # different instances either.

@@ -1,22 +1,7 @@
-"""A benchmark worker process: `python -m flowlock.bench.worker`.
+"""A benchmark worker process: ``python -m flowlock.bench.worker``.
 
-The runner starts `--processes` of these for the multi-process scenarios (`cluster`,
-`singleton`) and drives them with one request per line on stdin; each request gets one reply
-line on stdout (`Failed` when it failed). The messages are the
-dataclasses of `flowlock.bench.procs`:
-
-- `Open`: open a fresh session for the strategy (its own pool,
-  engine and lock backend, exactly as the runner opens one in-process) -> `Opened`;
-- `Arm`: create one task per lane, parked on a gate -> `ArmedReply`
-  once all of them wait;
-- `Go`: release them -> `Done` with every result, the wall time and
-  the lease wait; latencies are measured here, from this process's release;
-- `Close`: close the session -> `Closed` with its engine's
-  escalation counts (decided here, adopted from the board).
-
-End of input (the runner closed the pipe, or died) closes everything and exits. The worker runs
-in its own session (the runner starts it so), so a Ctrl-C in the terminal reaches only the
-runner, which then closes the workers in order.
+The runner drives it with one JSON request a line on stdin; each gets one reply line.
+End of input closes everything and exits. docs/benchmarks.md describes the protocol.
 """
 
 from __future__ import annotations
@@ -166,8 +151,10 @@ async def _serve() -> None:
 
 
 async def _at_eof(reader: asyncio.StreamReader) -> None:
-    """Returns once the runner closed our stdin. The runner sends nothing while a request runs
-    (it waits for the answer), so no byte of a next request is ever consumed here."""
+    """Return once the runner closes our stdin.
+
+    The runner sends nothing while a request runs, so no byte of the next one is consumed here.
+    """
     if await reader.read(1):
         raise RuntimeError("the runner sent a request while another one was running")
 

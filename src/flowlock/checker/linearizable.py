@@ -256,8 +256,10 @@ def _conflicting_versions(
 def _stale(
     iid: str, records: Sequence[CallRecord], seen: Sequence[SearchOp]
 ) -> list[LinearizabilityViolation]:
-    """A call that began after another completed must see at least that one's version (a
-    fire, a newer one; a create, no instance at all)."""
+    """A call begun after another completed must see at least that call's version.
+
+    For a fire that means a newer version; for a create, no instance at all.
+    """
     done = sorted(seen, key=lambda o: o.completed_at)
     ends = [o.completed_at for o in done]
     newest: list[SearchOp] = []
@@ -305,8 +307,10 @@ def _violation(
 def _explain(
     iid: str, records: Sequence[CallRecord], ops: Sequence[SearchOp], search: Search, names: Names
 ) -> LinearizabilityViolation:
-    """The violation for a failed search: how far the deepest explanation got, and why none of
-    the calls due next fits there."""
+    """The violation for a failed search.
+
+    It says how far the deepest explanation got, and why no call due next fits there.
+    """
     order, model = search.deepest()
     placed = {o.index for o in order if o.completed_at != INF}
     maybe = len(order) - len(placed)

@@ -25,8 +25,10 @@ CREATE, FIRE, GET, CREATE_MAYBE, FIRE_MAYBE = range(5)
 
 @dataclass(slots=True)
 class SearchOp:
-    """One call as the search sees it (fails, idempotent fires and unknown gets are left out:
-    they have no effect to place)."""
+    """One call as the search sees it.
+
+    Fails, idempotent fires and unknown gets are left out: they have no effect to place.
+    """
 
     index: int
     kind: int
@@ -78,8 +80,10 @@ def step(m: Model, o: SearchOp) -> Model | None:
 
 
 def _maybe_fire(m: Model, o: SearchOp) -> Model | None:
-    """An unknown fire taking effect: one version more; the state and data its event gives
-    when the workflow says (else unknown until observed)."""
+    """An unknown fire taking effect: one version more.
+
+    State and data are what its event gives, when the workflow says; else unknown until seen.
+    """
     exists, state, version, data = m
     if exists is False:
         return None

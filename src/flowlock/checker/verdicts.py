@@ -15,7 +15,7 @@ FINAL_MISMATCH = "final-mismatch"
 FOREIGN_ENTRY = "foreign-entry"
 INVARIANT = "invariant"
 OVERSELL = "oversell"
-"""Kind for a failed stock invariant: pass `invariant_kind=OVERSELL` to `check`."""
+"""Kind for a failed stock invariant: pass ``invariant_kind=OVERSELL`` to ``check``."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -57,15 +57,17 @@ KINDS: tuple[str, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    """One way a history departs from exactly-once; `version` is the row or instance version
-    it was found at, when there is one."""
+    """One way a history departs from exactly-once.
+
+    ``version`` is the row or instance version it was found at, when there is one.
+    """
 
     kind: str
     message: str
     version: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"kind": ..., "message": ..., "version": ...}`, ready for JSON."""
+        """``{"kind": ..., "message": ..., "version": ...}``, ready for JSON."""
         return {"kind": self.kind, "message": self.message, "version": self.version}
 
     def __str__(self) -> str:
@@ -75,7 +77,7 @@ class Violation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The result of a check: `ok` exactly when there are no violations. Truthy when ok."""
+    """The result of a check: ``ok`` exactly when there are no violations. Truthy when ok."""
 
     ok: bool
     violations: tuple[Violation, ...] = ()
@@ -100,7 +102,7 @@ class Verdict:
         return frozenset(v.kind for v in self.violations)
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}`, ready for JSON."""
+        """``{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}``, ready for JSON."""
         return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
 
     def describe(self) -> str:
@@ -112,14 +114,13 @@ class Verdict:
         return "\n".join(lines)
 
     def raise_for_violations(self) -> None:
-        """Raise [`CheckFailed`][flowlock.checker.verdicts.CheckFailed] listing every violation,
-        unless the verdict is ok."""
+        """Raise :class:`CheckFailed` listing every violation, unless the verdict is ok."""
         if not self.ok:
             raise CheckFailed(self)
 
 
 class CheckFailed(FlowlockError):
-    """A history is not exactly-once; `verdict` lists every violation found."""
+    """A history is not exactly-once; ``verdict`` lists every violation found."""
 
     def __init__(self, verdict: Verdict, message: str | None = None) -> None:
         self.verdict = verdict
@@ -131,9 +132,11 @@ class CheckFailed(FlowlockError):
 
 @dataclass(frozen=True, slots=True)
 class LinearizabilityViolation:
-    """What is wrong on one instance: `kind` (one of `LINEARIZABILITY_KINDS`), a
-    `message` naming the calls involved, and `calls`, their indexes in the history given to
-    [`check_linearizable`][flowlock.checker.check_linearizable]."""
+    """What is wrong on one instance.
+
+    ``kind`` is one of :data:`LINEARIZABILITY_KINDS`; ``message`` names the calls involved.
+    ``calls`` are their indexes in the history given to :func:`check_linearizable`.
+    """
 
     instance_id: str
     kind: str
@@ -141,7 +144,7 @@ class LinearizabilityViolation:
     calls: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"instance_id", "kind", "message", "calls"}`, ready for JSON."""
+        """``{"instance_id", "kind", "message", "calls"}``, ready for JSON."""
         return {
             "instance_id": self.instance_id,
             "kind": self.kind,
@@ -155,10 +158,10 @@ class LinearizabilityViolation:
 
 @dataclass(frozen=True, slots=True)
 class LinearizabilityVerdict:
-    """The result of `check_linearizable`: `ok` exactly when no violation was found.
+    """The result of ``check_linearizable``: ``ok`` exactly when no violation was found.
 
-    A search that ran out of steps is an `undecided` violation, so never ok.
-    `instances` and `calls` say how much was checked. Truthy when ok."""
+    A search that ran out of steps is an ``undecided`` violation, so never ok.
+    ``instances`` and ``calls`` say how much was checked. Truthy when ok."""
 
     ok: bool
     instances: int
@@ -178,7 +181,7 @@ class LinearizabilityVerdict:
         return frozenset(v.kind for v in self.violations)
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"ok", "instances", "calls", "violations": [...]}`, ready for JSON."""
+        """``{"ok", "instances", "calls", "violations": [...]}``, ready for JSON."""
         return {
             "ok": self.ok,
             "instances": self.instances,
@@ -187,7 +190,7 @@ class LinearizabilityVerdict:
         }
 
     def describe(self, limit: int = 20) -> str:
-        """A readable summary: the first `limit` violations, one paragraph each."""
+        """A readable summary: the first ``limit`` violations, one paragraph each."""
         checked = f"{self.calls} call(s) on {self.instances} instance(s)"
         if self.ok:
             return f"history is linearizable: {checked}, no violations"
@@ -198,15 +201,16 @@ class LinearizabilityVerdict:
         return "\n".join(lines)
 
     def raise_for_violations(self) -> None:
-        """Raise [`NotLinearizable`][flowlock.checker.verdicts.NotLinearizable] naming the
-        violations, unless the verdict is ok."""
+        """Raise :class:`NotLinearizable` naming the violations, unless the verdict is ok."""
         if not self.ok:
             raise NotLinearizable(self)
 
 
 class NotLinearizable(FlowlockError):
-    """A recorded history is not linearizable (or could not be decided); `verdict` lists
-    every violation."""
+    """A recorded history is not linearizable, or could not be decided.
+
+    ``verdict`` lists every violation.
+    """
 
     def __init__(self, verdict: LinearizabilityVerdict) -> None:
         self.verdict = verdict

@@ -1,18 +1,7 @@
-"""`flowlock`: the command line (typer + rich), one module per command group.
+"""``flowlock``: the command line (typer + rich), one module per command group.
 
-The CLI is the one place in flowlock that reads the environment (with the service's workers,
-which read the `FLOWLOCK_*` settings `flowlock serve` passes them); every variable it reads
-is named in `flowlock --help`:
-
-- `FLOWLOCK_DATABASE_URL`: the PostgreSQL URL for `db migrate` and `bench`, and the
-  PostgreSQL or SQLite URL the inspection commands (`show`, `history`, `list`, `check`)
-  read, when `--database-url` is not given.
-- `FLOWLOCK_REDIS_URL`: the Redis URL for `bench` when `--redis-url` is not given.
-
-Exit codes: 0 success; 1 a flowlock error (printed as one red line, no traceback); 2 bad
-arguments (a `diagram` reference that names no workflow included); 3 `bench` ran but a checker
-verdict failed (for `bench --soak`: any of its verdicts), or `check` found a violation in
-the database; 130 interrupted (Ctrl-C).
+The CLI is the only part of flowlock that reads the environment.
+``flowlock --help`` names each variable and the exit codes (see ``EPILOG``).
 """
 
 from __future__ import annotations
@@ -65,10 +54,12 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """flowlock: a workflow (state-machine) engine whose every transition is atomic and applied
-    exactly once, with pluggable concurrency control (optimistic, pessimistic)."""
+    """flowlock: a workflow engine whose every transition is atomic and applied exactly once.
+
+    Concurrency control is pluggable: optimistic, pessimistic and more.
+    """
 
 
 def main() -> None:
-    """Console-script entry point (`flowlock`)."""
+    """Console-script entry point (``flowlock``)."""
     app(prog_name="flowlock")

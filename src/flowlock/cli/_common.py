@@ -77,8 +77,10 @@ def stderr() -> Console:
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    """One red line (any further lines of the message, such as a server log tail, dimmed
-    below it) and exit with `code`."""
+    """Print one red line and exit with ``code``.
+
+    Any further lines of the message, such as a server log tail, are dimmed below it.
+    """
     first, _, rest = message.strip().partition("\n")
     console = stderr()
     console.print(Text(f"error: {first}", style="bold red"))
@@ -107,7 +109,7 @@ def need(extra: str, command: str, *modules: str) -> None:
 
 
 def redact(url: str) -> str:
-    """`url` without its password. Imported here, not at the top: only bench needs bench."""
+    """``url`` without its password. Imported here, not at the top: only bench needs bench."""
     from flowlock.bench import config
 
     return config.redact(url)
@@ -122,7 +124,7 @@ def stdout() -> Console:
 
 
 def write_file(path: Path | None, write: Callable[[Path], None]) -> None:
-    """`write(path)` unless no path was given; an OS error is one red line and exit 1."""
+    """``write(path)`` unless no path was given; an OS error is one red line and exit 1."""
     if path is None:
         return
     try:

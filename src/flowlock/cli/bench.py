@@ -1,8 +1,7 @@
-"""`flowlock bench`: the seed's benchmark matrix, and the lab's modes forwarded to it.
+"""``flowlock bench``: the seed's benchmark matrix, and the lab's modes forwarded to it.
 
-`--soak`, `--hosts` and `--http` run in flowlock's lab (`flowlock_lab`, the `lab/`
-distribution of a checkout). The lab is an optional import here, as an optional integration:
-without it those modes exit with one line naming how to install it.
+``--soak``, ``--hosts`` and ``--http`` need the lab (``flowlock_lab``, ``lab/`` in a checkout).
+It is an optional import: without it, those modes exit with one line on how to install it.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ __all__ = ["bench"]
 
 
 def _lab() -> ModuleType:
-    """The lab's command-line module; one red line and exit 1 when the lab is not installed."""
+    """The lab's command-line module; one red line and exit 1 when it is not installed."""
     from flowlock.bench.extend import LAB_MISSING
 
     try:
@@ -70,9 +69,10 @@ def _lab() -> ModuleType:
 
 
 def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
-    """Validate `config` (and the plot support) before starting anything, then run it with
-    a progress display on stderr; flowlock errors and Ctrl-C become exits. `--hosts` and
-    `--http` runs take the lab's parts."""
+    """Validate ``config`` and plot support before starting, then run with progress on stderr.
+
+    flowlock errors and Ctrl-C become exits. ``--hosts`` and ``--http`` runs take the lab's parts.
+    """
     from flowlock.bench import runner
     from flowlock.bench.report import RichProgress, check_plot_support
 
@@ -87,7 +87,7 @@ def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
 
 
 def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -> None:
-    """The tables on stdout, the JSON and the chart where asked; exit 3 on a failed verdict."""
+    """Print the tables, write the JSON and chart where asked; exit 3 on a failed verdict."""
     from flowlock.bench.report import failures, plot, render, write_json
 
     render(report, stdout())
@@ -102,8 +102,7 @@ def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -
 
 
 def _run_soak(config: Any, json_file: Path | None) -> None:
-    """Run the lab's soak (`config`: its SoakConfig), print its table, write its JSON, and
-    exit 3 when any verdict is not clean."""
+    """Run the lab's soak, print its table and write its JSON; exit 3 on an unclean verdict."""
     _lab().run_soak(config, json_file)
 
 
@@ -114,9 +113,11 @@ def _soak_config(
     meaningless: Mapping[str, object],
     **given: Any,
 ) -> Any:
-    """The lab's soak config from the bench options; a usage error (exit 2) for an option that
-    means nothing to a soak, and for anything the config refuses (a server URL, too many
-    callers)."""
+    """The lab's soak config from the bench options.
+
+    An option that means nothing to a soak is a usage error (exit 2).
+    So is anything the config refuses, such as a server URL or too many callers.
+    """
     named = [name for name, value in meaningless.items() if value]
     if named:
         raise typer.BadParameter(f"{', '.join(named)} mean(s) nothing to --soak; drop it")
@@ -166,22 +167,23 @@ def bench(
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
     Runs each scenario (storm, countersign, inventory, hot, spread, cluster, singleton) with each
-    strategy, plus 'raw' (bare asyncpg, measured in the same run), on an embedded PostgreSQL and
-    Redis it starts and removes (or your servers). Prints one row per scenario x strategy
-    (latency, success %, attempts, mean batch size, throughput, peak connections, lock wait)
-    with the checker's exactly-once verdict, the seed's published figures beside storm, and the
-    aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
-    any verdict fails.
+    strategy. It adds 'raw', the floor: bare asyncpg, measured in the same run. It starts and
+    removes an embedded PostgreSQL and Redis, unless you give your servers.
+
+    It prints one row per scenario x strategy: latency, success %, attempts, mean batch size,
+    throughput, peak connections, lock wait, and the checker's exactly-once verdict. The seed's
+    published figures appear beside storm. The aims against this run's floor follow, each with
+    its ratio and met or not met. Exits 3 if any verdict fails.
 
     With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.
 
-    With --http each pair runs in-process and then through `flowlock serve`, and a table shows
-    the HTTP overhead: see --http, and docs/benchmarks.md. --http and --hosts do not combine.
+    With --http each pair also runs through `flowlock serve`, and a table shows the HTTP
+    overhead: see --http, and docs/benchmarks.md. --http and --hosts do not combine.
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
 
-    --hosts, --http and --soak run in flowlock's lab, the lab/ directory of a flowlock checkout
-    (pip install -e ./lab; the test extra installs it).
+    --hosts, --http and --soak run in flowlock's lab, the lab/ directory of a flowlock checkout.
+    Install it with pip install -e ./lab; the test extra installs it.
     """
     need_bench()
     from flowlock.bench import BenchConfig

@@ -135,9 +135,9 @@ RoundsOption = Annotated[
         "--rounds",
         "-r",
         min=1,
-        help="Timed rounds per scenario. Default: each scenario's own (storm 10, "
-        "countersign 3, inventory 5, hot/spread/cluster 1, singleton 10 ticks; fewer "
-        "with --quick).",
+        help="Timed rounds per scenario. Default: each scenario's own. That is storm 10, "
+        "countersign 3, inventory 5, hot/spread/cluster 1 and singleton 10 ticks. "
+        "--quick runs fewer.",
         show_default=False,
     ),
 ]
@@ -146,8 +146,8 @@ OpsOption = Annotated[
     typer.Option(
         "--ops",
         min=1,
-        help="Calls each caller makes one after another per round in hot, spread and "
-        "cluster. Default: hot 20, spread 60, cluster 40 (3 with --quick).",
+        help="Calls each caller makes in turn per round, in hot, spread and cluster. "
+        "Default: hot 20, spread 60, cluster 40 (3 with --quick).",
         show_default=False,
     ),
 ]
@@ -166,7 +166,7 @@ SeedOption = Annotated[
     typer.Option(
         "--seed",
         help="Seed for the retry jitter and the spread's choices, to repeat a run. "
-        "Default: random (reported).",
+        "Default: random, and reported.",
         show_default=False,
     ),
 ]
@@ -182,8 +182,8 @@ PoolSizeOption = Annotated[
     typer.Option(
         "--pool-size",
         min=1,
-        help="Database connections per session pool. Default: --workers (one per "
-        "caller, like the seed's experiment), lowered if the server cannot take that many.",
+        help="Database connections per session pool. Default: --workers, one per caller "
+        "as in the seed's experiment. Lowered if the server cannot take that many.",
         show_default=False,
     ),
 ]
@@ -191,7 +191,7 @@ JsonOption = Annotated[
     Path | None,
     typer.Option(
         "--json",
-        help="Also write every figure as JSON (the shape in docs/benchmarks.md) to this file.",
+        help="Also write every figure to this file as JSON (shape: docs/benchmarks.md).",
         callback=_check_out_path,
         dir_okay=False,
         show_default=False,
@@ -201,8 +201,8 @@ PlotOption = Annotated[
     Path | None,
     typer.Option(
         "--plot",
-        help="Also draw latency percentiles, success % and throughput per strategy and "
-        "scenario as a PNG (needs matplotlib, part of the 'bench' extra).",
+        help="Also draw latency, success % and throughput per strategy and scenario as a "
+        "PNG. Needs matplotlib, part of the 'bench' extra.",
         callback=_check_out_path,
         dir_okay=False,
         show_default=False,
@@ -213,8 +213,9 @@ BenchDatabaseUrl = Annotated[
     typer.Option(
         "--database-url",
         envvar=ENV_DATABASE_URL,
-        help="Run against this PostgreSQL server, in a scratch schema (flowlock_bench_ and "
-        "random hex) dropped at the end. Default: start an embedded PostgreSQL for the run.",
+        help="Run against this PostgreSQL server. The run uses a scratch schema "
+        "(flowlock_bench_ and random hex), dropped at the end. "
+        "Default: start an embedded PostgreSQL for the run.",
         show_default=False,
     ),
 ]
@@ -223,8 +224,8 @@ BenchRedisUrl = Annotated[
     typer.Option(
         "--redis-url",
         envvar=ENV_REDIS_URL,
-        help="Run distributed-redis against this Redis, under a scratch key namespace "
-        "deleted at the end. Default: start an embedded Redis for the run.",
+        help="Run distributed-redis against this Redis. Its keys go under a scratch "
+        "namespace, deleted at the end. Default: start an embedded Redis for the run.",
         show_default=False,
     ),
 ]
@@ -242,11 +243,11 @@ BatchingOption = Annotated[
     typer.Option(
         "--batching",
         case_sensitive=False,
-        help="Whether every flowlock engine the bench builds (in this process and in the worker "
-        "processes; the soak's too) batches concurrent calls on one instance, Engine(batching=): "
-        "on (the engine's default) decides them in order on one read and writes them together; "
-        "off runs one transaction per call. The raw floor has no engine and is the same either "
-        "way. Each row reports its mean batch size (1.00 with off).",
+        help="Whether the bench's engines batch concurrent calls on one instance "
+        "(Engine(batching=)). This covers every process, the soak's too. "
+        "'on' (the engine's default) decides them in order on one read and writes them "
+        "together. 'off' runs one transaction per call. The raw floor has no engine, so it is "
+        "the same either way. Each row reports its mean batch size (1.00 with off).",
     ),
 ]
 EmbeddedOption = Annotated[
@@ -266,11 +267,11 @@ HostsOption = Annotated[
         min=1,
         max=16,
         metavar="N",
-        help="Run every scenario's callers in the worker processes spread over N Linux network "
-        "namespaces (one machine, N 'hosts' on a bridge, each with its own address), against an "
-        "embedded PostgreSQL and Redis listening on the bridge. Default scenarios: spread and "
-        "cluster; --processes defaults to at least N. Needs root and iproute2; the namespaces "
-        "are removed at the end. Not with --http.",
+        help="Run every scenario's callers in worker processes on N Linux network "
+        "namespaces. These are N 'hosts' on a bridge of this machine, each with its own "
+        "address. The embedded PostgreSQL and Redis listen on the bridge. "
+        "Default scenarios: spread and cluster; --processes defaults to at least N. "
+        "Needs root and iproute2. The namespaces are removed at the end. Not with --http.",
         show_default=False,
     ),
 ]
@@ -281,9 +282,9 @@ NetemDelayOption = Annotated[
         min=0,
         max=1000,
         metavar="MS",
-        help="With --hosts: tc netem delay of each direction of each host's link, in ms (a "
-        "round trip gains twice that). Default: 1 with 2 hosts or more where the kernel has "
-        "netem (else none, noted); 0: none.",
+        help="With --hosts: tc netem delay in ms, each way on each host's link. "
+        "A round trip gains twice that. Default: 1 with 2 hosts or more, where the kernel "
+        "has netem (else none, noted). 0 means none.",
         show_default=False,
     ),
 ]
@@ -291,15 +292,17 @@ HttpOption = Annotated[
     bool,
     typer.Option(
         "--http",
-        help="Also run each pair through the HTTP service: a `flowlock serve` started for the "
-        "run on the same database and scratch schema (one worker process, as many connections "
-        "as the in-process pool), called by --workers concurrent httpx clients from this "
-        "process, one connection each. Runs storm, hot and spread "
-        "with optimistic, pessimistic and adaptive unless --scenario/--strategy say which of "
-        "them; every pair warms up first, also with --quick. Adds a table of requests/s, p50, "
-        "p99, success % and verdict per pair beside the in-process p99 of the same run, with "
-        "the ratio, the difference and the aim: HTTP p99 <= 1.5 x in-process p99 + 5 ms. The "
-        "callers share the machine's cores with the service and PostgreSQL. Not with --hosts.",
+        help="Also run each pair through the HTTP service. A `flowlock serve` is started "
+        "for the run on the same database and scratch schema. It has one worker process and "
+        "as many connections as the in-process pool. --workers httpx clients in this process "
+        "call it, one connection each. Runs storm, hot and spread with optimistic, "
+        "pessimistic and adaptive, unless --scenario/--strategy pick some of them. "
+        "Every pair warms up first, also with --quick. "
+        "An extra table shows requests/s, p50, p99, success % and verdict per pair. "
+        "Beside them: the in-process p99 of the same run, the ratio, the difference and the "
+        "aim (HTTP p99 <= 1.5 x in-process p99 + 5 ms). "
+        "The callers share the machine's cores with the service and PostgreSQL. "
+        "Not with --hosts.",
     ),
 ]
 SoakOption = Annotated[
@@ -309,12 +312,13 @@ SoakOption = Annotated[
         min=1,
         max=3600,
         metavar="SECONDS",
-        help="Soak instead of measuring: mixed load (every strategy; storm, hot and spread "
-        "instances) from --processes worker processes (default 3, 4 callers each, or --workers "
-        "in all) for SECONDS (at most 3600), every call recorded and judged: outcomes by kind, "
-        "leaks, the linearizability and exactly-once verdicts. Always on an embedded PostgreSQL "
-        "and Redis of its own. Takes --strategy, --workers, --processes, --seed, --batching, "
-        "--json.",
+        help="Soak instead of measuring, for SECONDS (at most 3600). "
+        "Mixed load with every strategy on storm, hot and spread instances. "
+        "It comes from --processes worker processes (default 3), 4 callers each "
+        "or --workers in all. Every call is recorded and judged: outcomes by kind, leaks, "
+        "and the linearizability and exactly-once verdicts. "
+        "Always on an embedded PostgreSQL and Redis of its own. "
+        "Takes --strategy, --workers, --processes, --seed, --batching, --json.",
         show_default=False,
     ),
 ]
@@ -322,8 +326,9 @@ FaultsOption = Annotated[
     bool,
     typer.Option(
         "--faults",
-        help="With --soak: every ~3 s kill -9 or pause (SIGSTOP, up to twice the 2 s lease) a "
-        "worker process (a killed one is replaced), end some of the workers' PostgreSQL "
-        "sessions, restart PostgreSQL, or restart Redis empty; at most 2 per 3 s of soak.",
+        help="With --soak: inject a fault every ~3 s, at most 2 per 3 s of soak. "
+        "A fault kills a worker with kill -9 (it is replaced), or pauses one with SIGSTOP "
+        "for up to twice the 2 s lease. Or it ends some of the workers' PostgreSQL sessions, "
+        "restarts PostgreSQL, or restarts Redis empty.",
     ),
 ]

@@ -72,10 +72,12 @@ def db_sql(
         ),
     ] = None,
 ) -> None:
-    """Print flowlock's PostgreSQL migrations as one SQL script (no database needed), for teams
-    that run their own migrations (Alembic, Django...). Run it once, in one transaction. It also
-    records each migration in flowlock_schema_migrations, so flowlock then finds nothing to
-    apply."""
+    """Print flowlock's PostgreSQL migrations as one SQL script; no database needed.
+
+    For teams that run their own migrations (Alembic, Django...). Run it once, in one
+    transaction. It records each migration in flowlock_schema_migrations, so flowlock then
+    finds nothing to apply.
+    """
     from flowlock._pg.migrations import script
     from flowlock.core.errors import InvalidInput
 

@@ -1,4 +1,4 @@
-"""Read-only commands on a database (show, history, list, check) and `diagram`."""
+"""Read-only commands on a database (show, history, list, check) and ``diagram``."""
 
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a ta
 def _inspect(
     database_url: str | None, schema: str | None, read: Callable[[Engine], Awaitable[_R]]
 ) -> _R:
-    """`read(engine)` on a read-only engine over the database; a missing URL is a usage error
-    (exit 2), a flowlock error one red line (exit 1)."""
+    """``read(engine)`` on a read-only engine over the database.
+
+    A missing URL is a usage error (exit 2); a flowlock error is one red line (exit 1).
+    """
     from flowlock._inspect import open_readonly
 
     if not database_url:
@@ -158,10 +160,13 @@ def history(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """Print an instance's applied transitions, oldest first: version, event, from -> to, actor,
-    request id, strategy, when, fencing token (--json adds each row's data and payload).
+    """Print an instance's applied transitions, oldest first.
 
-    Read-only. Exits 1 if no instance has that id."""
+    Each row: version, event, from -> to, actor, request id, strategy, when, fencing token.
+    --json adds each row's data and payload.
+
+    Read-only. Exits 1 if no instance has that id.
+    """
     from flowlock._inspect import entry_dict
 
     async def read(engine: Engine) -> list[HistoryEntry]:
@@ -214,10 +219,12 @@ def list_instances(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """List instances in id order (id, workflow, state, version, last event, updated), walking
-    the pages up to --limit; says how many more match.
+    """List instances in id order: id, workflow, state, version, last event, updated.
 
-    Read-only."""
+    It walks the pages up to --limit and says how many more match.
+
+    Read-only.
+    """
     from flowlock._inspect import instance_dict, walk
 
     async def read(engine: Engine) -> tuple[list[Instance], int]:
@@ -261,13 +268,15 @@ def check_command(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """Run the exactly-once checker on a live database: every instance's history (or one's)
-    must have versions 2, 3, ... with no gap or repeat, no request id applied twice, each
-    transition starting where the last ended, and the stored instance equal to what its history
-    says.
+    """Run the exactly-once checker on a live database, on every instance or one.
+
+    Each history must have versions 2, 3, ... with no gap or repeat.
+    No request id may be applied twice, and each transition starts where the last ended.
+    The stored instance must equal what its history says.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
-    is found (each printed), 1 on an error (an unknown --instance)."""
+    is found (each printed), 1 on an error (an unknown --instance).
+    """
     from flowlock._inspect import CheckReport, check_instances
 
     async def read(engine: Engine) -> CheckReport:

@@ -88,14 +88,16 @@ def serve(
     ] = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "info",
 ) -> None:
-    """Run flowlock as an HTTP service (FastAPI on uvicorn): definitions, instances, events
-    with If-Match and Idempotency-Key, history, /livez, /readyz, /metrics; OpenAPI at
-    /openapi.json, docs at /docs.
+    """Run flowlock as an HTTP service (FastAPI on uvicorn).
 
-    **FLOWLOCK_API_TOKEN** (environment only, never a flag: argv is visible to every user of
-    the machine): bearer tokens, comma-separated, each `name:secret` (the principal `name` is
-    the actor of its calls) or `secret`; when set, every POST needs one. SIGTERM drains the
-    requests in flight (--drain-timeout) and releases connections and leases.
+    It serves definitions, instances, events (with If-Match and Idempotency-Key), history,
+    /livez, /readyz and /metrics. OpenAPI is at /openapi.json, docs at /docs.
+
+    **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
+    Each is `name:secret` or `secret`; `name` becomes the actor of its calls.
+    It is read from the environment only, never a flag: argv is visible to every user.
+
+    SIGTERM drains the requests in flight (--drain-timeout) and releases connections and leases.
     """
     need("service", "flowlock serve", "fastapi", "uvicorn")
     from flowlock.service.server import Listen

@@ -1,8 +1,6 @@
-"""Rendering a `BenchReport`: rich tables (`.tables`), the JSON
-document (`.json`), the PNG chart (`.chart`, `--plot`) and the progress display
-(`.progress`); the comparisons with the floor and the aims (`.aims`) feed the first two.
-Nothing here measures or runs anything: it only reads `flowlock.bench.results` (and the
-strategy registry, for which strategies take a lease).
+"""Rendering a :class:`~flowlock.bench.results.BenchReport`: tables, JSON, chart and progress.
+
+It only reads results and the strategy registry; it measures and runs nothing.
 """
 
 from __future__ import annotations

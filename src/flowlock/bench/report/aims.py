@@ -1,18 +1,7 @@
-"""The comparisons with the floor (the `raw` strategy of the same run) and the performance
-aims, computed from the results; shared by the tables and the JSON document.
+"""Comparisons with the floor and the performance aims, shared by the tables and the JSON.
 
-The aims are ratios to the floor measured in the same run, so they hold on any machine: the
-storm's p99 at most half the floor's (the distributed strategies, which add a lease's round trips
-to every call, at most the floor's); on the hot instance at least 8x the floor's applied/s with at
-most a quarter of its p99; countersign and inventory at least 3x its applied/s; spread and
-cluster at least its applied/s (the distributed strategies, half of it). Batching (several calls
-on one instance decided in memory and written in one transaction) is what can beat a floor that
-commits each call on its own. The aims are reported, never asserted: speed lives in the bench.
-
-Under `--http` each HTTP result is also compared with its in-process twin (the same scenario and
-strategy, in the same run): `Overhead`, and the aim `HTTP_AIM`, the HTTP p99 at most
-`1.5 x` the in-process p99 plus 5 ms (the factor for the work the service adds per call, the
-milliseconds for the loopback round trip and the request's parsing on a busy machine).
+Aims are ratios to the floor of the same run, so they hold on any machine.
+They are reported, never asserted. docs/benchmarks.md lists each aim and why.
 """
 
 from __future__ import annotations
@@ -53,15 +42,17 @@ Status = Literal["met", "not met", "no floor"]
 MET: Status = "met"
 NOT_MET: Status = "not met"
 NO_FLOOR: Status = "no floor"
-"""An aim's status when there is no ratio to judge: the run has no `raw` result for the
+"""An aim's status when there is no ratio to judge: the run has no ``raw`` result for the
 scenario, or the floor's figure is 0."""
 
 
 @dataclass(frozen=True, slots=True)
 class AimSpec:
-    """One ratio aim: `metric` on `scenario` as a multiple of the floor's. A p99 must be at
-    most the target, an applied/s at least it. `distributed` is the target of the strategies
-    that take a lease (`is_distributed`), `target` that of every other one."""
+    """One ratio aim: ``metric`` on ``scenario`` as a multiple of the floor's.
+
+    A p99 must be at most the target; an applied/s at least it.
+    ``distributed`` is the target for strategies that take a lease; ``target`` for the rest.
+    """
 
     scenario: str
     metric: Metric
@@ -70,7 +61,7 @@ class AimSpec:
 
     @property
     def what(self) -> str:
-        """The aim's name in the JSON document: `p99_vs_floor` or `applied_per_s_vs_floor`."""
+        """The aim's name in the JSON document: ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
         return f"{self.metric}_vs_floor"
 
     @property
@@ -113,9 +104,11 @@ HTTP_P99_SLACK_MS = 5.0
 
 
 def is_distributed(strategy: str) -> bool:
-    """Whether the bench's strategy of that name takes a lease (a lock backend) on every call:
-    the bench names those "distributed-<backend>" (a test holds the registry to it). By name,
-    so that the report stays pure: it imports no backend."""
+    """Whether the strategy of that name takes a lease on every call.
+
+    The bench names those "distributed-<backend>", and a test holds the registry to it.
+    Deciding by name keeps the report pure: it imports no backend.
+    """
     return strategy.startswith("distributed")
 
 
@@ -169,8 +162,10 @@ class Overhead:
 
 
 def overhead(result: ScenarioResult, twin: ScenarioResult | None) -> Overhead | None:
-    """`result`'s p99 against `twin`'s: None unless `result` went through HTTP and its
-    in-process twin ran."""
+    """``result``'s p99 against its in-process ``twin``'s.
+
+    None unless ``result`` went through HTTP and its twin ran.
+    """
     if result.transport != HTTP or twin is None:
         return None
     return Overhead(twin.p99_ms, result.p99_ms)
@@ -181,8 +176,10 @@ def _ratio(mine: float, floor: float) -> float | None:
 
 
 def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, float | None]:
-    """`result`'s p99 latency and applied/s as multiples of the floor's, measured in the same
-    run (None without a floor, or for the floor itself)."""
+    """``result``'s p99 and applied/s as multiples of the same run's floor.
+
+    None without a floor, or for the floor itself.
+    """
     if floor is None or result.strategy == FLOOR:
         return {"p99": None, "applied_per_s": None}
     return {
@@ -193,21 +190,23 @@ def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, 
 
 @dataclass(frozen=True, slots=True)
 class Aim:
-    """One performance aim, checked for one strategy on one scenario. `compare` says which
-    side of `target` `measured` must be on; `measured` is None when there was nothing to
-    measure it against (no floor), and `ok` is then False."""
+    """One performance aim, checked for one strategy on one scenario.
+
+    ``compare`` says which side of ``target`` ``measured`` must be on.
+    ``measured`` is None when there was no floor; ``ok`` is then False.
+    """
 
     strategy: str
     scenario: str
     what: str
-    """`success`, `violations`, `p99_vs_floor` or `applied_per_s_vs_floor`."""
+    """``success``, ``violations``, ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
     target: float
     measured: float | None
     ok: bool
     compare: Literal["<=", ">="] = ">="
     transport: Transport = IN_PROCESS
     """The calls' transport: the aims of an HTTP result are its success, its violations and
-    `HTTP_AIM` (`measured` its p99 in ms, `target` the bound in ms)."""
+    :data:`HTTP_AIM` (``measured`` its p99 in ms, ``target`` the bound in ms)."""
 
     @property
     def status(self) -> Status:
@@ -269,10 +268,12 @@ def _http_aim(result: ScenarioResult, twin: ScenarioResult | None) -> list[Aim]:
 
 
 def aims(report: BenchReport) -> list[Aim]:
-    """For every flowlock strategy (not the floor itself) on every scenario it ran: 100 %
-    success and zero violations, then each of `AIMS` for that scenario against the floor
-    of this run (`no floor` when the run has none for the scenario); for an HTTP result,
-    instead of the floor's, `HTTP_AIM` against its in-process twin."""
+    """Every aim of every flowlock strategy on every scenario it ran.
+
+    First 100 % success and zero violations, then each of :data:`AIMS` against this run's floor.
+    A scenario without a floor gets ``no floor``. An HTTP result is checked against
+    :data:`HTTP_AIM` and its in-process twin instead.
+    """
     found: list[Aim] = []
     base = floors(report)
     twins = in_process(report)

@@ -1,5 +1,4 @@
-"""What every table of the report shares: number formats, verdict and success cells, the
-figures table's frame, and picking the widest layout that fits."""
+"""What the report's tables share: number formats, verdict cells, frames and layout choice."""
 
 from __future__ import annotations
 
@@ -81,10 +80,12 @@ def figures_table(
 
 
 def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
-    """Whether every table of `parts` prints whole at the console's width: rich cuts a cell (a
-    number, or a word of a header or a name) only with an ellipsis, never silently. Text
-    wraps, and always fits. (Rich's own measure is clamped to the width, and counts the
-    collapsed padding twice, so the tables are printed, unseen, instead.)"""
+    """Whether every table of ``parts`` prints whole at the console's width.
+
+    Rich cuts a number or a header word only with an ellipsis; text wraps and always fits.
+    We print the tables unseen instead of asking rich to measure.
+    Rich's measure is clamped to the width and counts collapsed padding twice.
+    """
     probe = Console(
         width=console.options.max_width, file=io.StringIO(), record=True, color_system=None
     )
@@ -95,7 +96,7 @@ def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
 
 
 def fitting(console: Console, layouts: Sequence[Sequence[RenderableType]]) -> list[RenderableType]:
-    """The first of `layouts` (widest first) that fits `console`; the last when none does."""
+    """The first of ``layouts`` (widest first) that fits ``console``; the last when none does."""
     for parts in layouts:
         if _fits(console, parts):
             return list(parts)

@@ -1,5 +1,7 @@
-"""The `--plot` chart (matplotlib, imported only when drawing): per scenario and strategy,
-latency, success % and throughput."""
+"""The ``--plot`` chart: latency, success and throughput per scenario and strategy.
+
+matplotlib is imported only when drawing.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ _SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#8c564b")
 
 
 def _series(result: ScenarioResult) -> str:
-    """A result's bar: its strategy, `(http)` after it when measured through the service."""
+    """A result's bar: its strategy, ``(http)`` after it when measured through the service."""
     return result.strategy if result.transport == IN_PROCESS else f"{result.strategy} (http)"
 
 
@@ -43,14 +45,13 @@ def check_plot_support() -> None:
 
 
 def chart_title(report: BenchReport) -> str:
-    """The run's title; a `--quick` run says so, since its figures are not comparable with a
-    full run's."""
+    """The run's title; a ``--quick`` run says so, since its figures are not comparable."""
     quick = " (--quick: fewer rounds and calls)" if report.args.get("quick") else ""
     return title(report) + quick
 
 
 def plot(report: BenchReport, path: Path) -> None:
-    """Draw the run as a PNG at `path` (matplotlib, Agg): see `figure`."""
+    """Draw the run as a PNG at ``path`` (matplotlib, Agg): see :func:`figure`."""
     fig = figure(report)  # checks for matplotlib first, and picks the Agg backend
     import matplotlib.pyplot as plt
 
@@ -61,10 +62,12 @@ def plot(report: BenchReport, path: Path) -> None:
 
 
 def figure(report: BenchReport) -> Figure:
-    """The run drawn (matplotlib, Agg; the caller closes it): per scenario, one bar per strategy
-    in three panels: latency (p50 solid, p99 light, max as a tick; log scale), success %, and
-    throughput: applied transitions and calls answered per second (log scale); titled with
-    `chart_title`."""
+    """The run drawn with matplotlib (Agg); the caller closes the figure.
+
+    Per scenario, one bar per strategy in three panels: latency, success % and throughput.
+    Latency shows p50 solid, p99 light and max as a tick, on a log scale.
+    Throughput shows applied transitions and answered calls per second, on a log scale.
+    """
     check_plot_support()
     import matplotlib
 

@@ -1,4 +1,4 @@
-"""The `--http` results as rich tables, each against its in-process twin of the same run."""
+"""The ``--http`` results as rich tables, each against its in-process twin."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ __all__ = ["http_layouts", "http_table", "in_process_only"]
 
 
 def in_process_only(report: BenchReport) -> BenchReport:
-    """`report` with its in-process results only: what the results, seed and aims tables
-    show (the HTTP results have a table of their own)."""
+    """``report`` with its in-process results only.
+
+    The results, seed and aims tables show these; HTTP results have their own table.
+    """
     return replace(report, results=tuple(r for r in report.results if r.transport == IN_PROCESS))
 
 
@@ -97,9 +99,11 @@ def http_table(
     columns: Sequence[_HttpColumn] = _HTTP_COLUMNS,
     caption: bool = True,
 ) -> Table | None:
-    """The HTTP results (`results`, default all of them), one row per (scenario, strategy):
-    calls/s, p50, p99, success, the verdict, then the in-process p99 of the same pair in the
-    same run, the ratio and difference of the p99s and the aim; None without HTTP results."""
+    """The HTTP results, one row per (scenario, strategy); None without HTTP results.
+
+    Columns: calls/s, p50, p99, success and verdict. Then the in-process p99 of the same pair,
+    the ratio and difference of the p99s, and the aim.
+    """
     shown = list(results) if results is not None else _http_results(report)
     if not shown:
         return None
@@ -125,10 +129,10 @@ def http_table(
 
 
 def http_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The HTTP results, widest first: one table; one per scenario; then each result's own
-    figures and its comparison with the in-process twin in two tables, headers on one line,
-    then stacked; and, narrowest, those two per scenario. The title heads the first table, the
-    caption ends the last. Empty without HTTP results."""
+    """The HTTP results in ever narrower layouts; empty without HTTP results.
+
+    The title heads the first table and the caption ends the last.
+    """
     results = _http_results(report)
     if not results:
         return []

@@ -1,6 +1,7 @@
-"""The `--json` document of `flowlock bench --json FILE`, in the shape docs/benchmarks.md
-documents: its keys keep their names and units (latencies in ms, rates per second, success in %),
-and extra keys follow them. docs/benchmarks.md describes each figure."""
+"""The ``--json`` document of ``flowlock bench --json FILE``.
+
+Its keys keep the names and units docs/benchmarks.md documents. Extra keys follow them.
+"""
 
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ def result_to_json(
     floor: ScenarioResult | None = None,
     twin: ScenarioResult | None = None,
 ) -> dict[str, Any]:
-    """One result in the documented shape (docs/benchmarks.md), then the extra fields; `twin`:
-    the in-process result of the same pair, for an HTTP result's `vs_in_process`. The
-    figures of the connection sampler are null for an HTTP result (not measured)."""
+    """One result in the documented shape, then the extra fields.
+
+    ``twin`` is the in-process result of the same pair, for ``vs_in_process``.
+    The sampler's figures are null for an HTTP result: they are not measured.
+    """
     found = overhead(result, twin)
     return {
         "scenario": result.scenario,
@@ -94,7 +97,7 @@ def result_to_json(
 
 
 def to_json(report: BenchReport) -> dict[str, Any]:
-    """The whole report as the JSON document `flowlock bench --json` writes."""
+    """The whole report as the JSON document ``flowlock bench --json`` writes."""
     base = floors(report)
     twins = in_process(report)
     return {
@@ -135,5 +138,5 @@ def to_json(report: BenchReport) -> dict[str, Any]:
 
 
 def write_json(report: BenchReport, path: Path) -> None:
-    """Write `to_json` to `path` (UTF-8, indented, trailing newline)."""
+    """Write :func:`to_json` to ``path`` (UTF-8, indented, trailing newline)."""
     path.write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")

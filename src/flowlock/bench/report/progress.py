@@ -1,5 +1,4 @@
-"""The progress display of `flowlock bench`: a transient rich progress bar per step, and one for
-the whole run with an estimate of the time left."""
+"""The progress display of ``flowlock bench``: a bar per step and one for the whole run."""
 
 from __future__ import annotations
 
@@ -29,8 +28,10 @@ OVERALL = "whole run"
 
 
 class EtaColumn(ProgressColumn):
-    """The time left as `eta 0:01:23`, from the rounds done so far; blank for a step without
-    a count (starting a server)."""
+    """The time left as ``eta 0:01:23``, from the rounds done so far.
+
+    Blank for a step without a count, such as starting a server.
+    """
 
     def __init__(self) -> None:
         super().__init__(table_column=Column(no_wrap=True))

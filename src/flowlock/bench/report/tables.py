@@ -1,7 +1,7 @@
-"""The run as rich tables: one row per (scenario, strategy), the storm beside the seed article's
-figures, the HTTP results against their in-process twins (`--http`), the aims against the
-floor, then the floors used, failed calls, notes, what flowlock logged and the total time
-(`render`). Nothing here measures; it only reads results."""
+"""The run as rich tables, read from the results; nothing here measures.
+
+:func:`render` prints them all, each in the widest layout that fits.
+"""
 
 from __future__ import annotations
 
@@ -112,8 +112,10 @@ def _batch_cell(result: ScenarioResult) -> Text:
 
 @dataclass(frozen=True, slots=True)
 class _Column:
-    """One figure of the results table: its header, its cell, and whether a narrow terminal may
-    leave it out (the figures a reader checks a run by stay)."""
+    """One figure of the results table: header, cell, and whether narrow terminals may drop it.
+
+    The figures a reader checks a run by always stay.
+    """
 
     header: str
     cell: Callable[[ScenarioResult], Text]
@@ -168,8 +170,7 @@ def _table(
 
 
 def results_table(report: BenchReport) -> Table:
-    """One row per (scenario, strategy): latency, success, attempts and mean batch size per
-    call, throughput, connections, lock wait, verdict (the wide form: 160 columns)."""
+    """One row per (scenario, strategy), with every figure: the 160-column form."""
     return _table(title(report), report.results, _COLUMNS, scenario=True)
 
 
@@ -181,11 +182,11 @@ def _by_scenario(report: BenchReport) -> dict[str, list[ScenarioResult]]:
 
 
 def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The results in ever narrower forms, widest first: every figure in one table; without
-    max ms, attempts per call, peak connections and lock wait (the JSON has them all); one
-    table per scenario, its headers on one line and then stacked; the same without the mean
-    batch size (what fits 80 columns with the longest strategy name); and, narrowest, each
-    scenario's latencies and outcomes in two tables."""
+    """The results in ever narrower layouts, widest first.
+
+    Narrower layouts drop figures the JSON still has, then split by scenario.
+    The narrowest shows each scenario's latencies and outcomes in two tables.
+    """
     essential = [c for c in _COLUMNS if c.essential]
     latency = [c for c in essential if c.header in _LATENCY]
     outcome = [c for c in essential if c.header not in _LATENCY]
@@ -216,9 +217,11 @@ def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
 def seed_table(
     report: BenchReport, *, measured: bool = True, ours: bool = True, theirs: bool = True
 ) -> Table | None:
-    """The `storm` results beside the seed article's published figures and (unless not
-    `measured`: see `seed_layouts`) what its own code measured; None when the run had
-    no storm. `ours` or `theirs` False leaves out our figures or the article's."""
+    """The ``storm`` results beside the seed article's figures; None without a storm.
+
+    Unless ``measured`` is False it adds what the seed's own code measured.
+    ``ours`` or ``theirs`` False leaves out our figures or the article's.
+    """
     storm = [r for r in report.results if r.scenario == "storm"]
     if not storm:
         return None
@@ -275,9 +278,10 @@ def seed_table(
 
 
 def seed_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The seed comparison, widest first: one table; then without the column of what the seed's
-    code measured, which follows as lines; then our figures and the article's in two tables.
-    Empty when the run had no storm."""
+    """The seed comparison, widest first; empty when the run had no storm.
+
+    Narrower forms move the seed code's column to lines, then split ours and the article's.
+    """
     wide = seed_table(report)
     narrow = seed_table(report, measured=False)
     if wide is None or narrow is None:
@@ -312,8 +316,7 @@ def _aim_label(spec: AimSpec) -> str:
 
 
 def _aim_target(spec: AimSpec, strategies: list[str]) -> str:
-    """The target, with the distributed strategies' own when it differs and one of them is in
-    the table."""
+    """The target, plus the distributed strategies' own when it differs and they are shown."""
     sign = "≤" if spec.compare == "<=" else "≥"
     target = f"{sign} {spec.target:g}×"
     if spec.distributed != spec.target and any(is_distributed(s) for s in strategies):
@@ -329,12 +332,12 @@ def aims_table(
     heading: bool = True,
     caption: bool = True,
 ) -> Table | None:
-    """The aims against the floor measured in this run, one row per aim and one column per
-    flowlock strategy (those in `only`, when given): the scenarios below 100 % success, the
-    violations, then each ratio aim of a scenario the run had, as the ratio and whether it was
-    met; None when the run had no floor. `narrow` wraps the aims and targets short, to leave
-    the strategies' columns room for their names; `heading` and `caption` False leave out
-    the title and the caption (a table continuing, or continued by, another)."""
+    """The aims against this run's floor, one column per strategy; None without a floor.
+
+    Rows: scenarios below 100 % success, violations, then each ratio aim and whether it was met.
+    ``only`` limits the strategies. ``narrow`` wraps aims and targets, leaving room for names.
+    ``heading`` and ``caption`` False drop the title and caption, when tables continue.
+    """
     checked = aims(report)
     if not floors(report) or not checked:
         return None
@@ -385,9 +388,11 @@ def aims_table(
 
 
 def aims_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The aims, widest first: every strategy in one table, then with the aims and targets
-    wrapped short, the strategies shared out over 1, 2, 3... tables (the title on the first,
-    the caption under the last). Empty when the run had no floor."""
+    """The aims, widest first; empty when the run had no floor.
+
+    Narrower forms wrap the aims and spread the strategies over several tables.
+    The title goes on the first table and the caption under the last.
+    """
     wide = aims_table(report)
     if wide is None:
         return []
@@ -431,9 +436,10 @@ def _floors_text(report: BenchReport) -> Text | None:
 
 
 def _escalations_text(report: BenchReport) -> Text | None:
-    """The adaptive rows' escalations, when several engines shared them (worker processes, or
-    hosts): how many instances the engines escalated, and how many of those an engine adopted
-    from the board in PostgreSQL because another engine had decided it."""
+    """How many instances the engines escalated, and how many they adopted from the board.
+
+    Shown only when several engines shared the adaptive rows (workers or hosts).
+    """
     lines = [
         f"{r.scenario}: {r.escalated} escalations by {r.processes} engines"
         + (f" on {r.hosts} hosts" if r.hosts else "")
@@ -448,10 +454,11 @@ def _escalations_text(report: BenchReport) -> Text | None:
 
 
 def render(report: BenchReport, console: Console) -> None:
-    """Print the results table, the seed comparison, the HTTP results against their in-process
-    twins (`--http`), the aims, errors, notes and the total time to `console`, each table
-    in the widest of its forms that fits the console's width (80 columns: one table per
-    scenario, with fewer figures), so that no number is ever cut."""
+    """Print every table, the notes and the total time to ``console``.
+
+    Each table takes the widest layout that fits the console, so no number is ever cut.
+    At 80 columns that is one table per scenario, with fewer figures.
+    """
     local = in_process_only(report)
     parts: list[RenderableType] = fitting(console, results_layouts(local))
     for layouts in (seed_layouts(local), http_layouts(report), aims_layouts(local)):

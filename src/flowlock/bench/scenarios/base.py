@@ -1,37 +1,7 @@
-"""The base of every scenario: what the callers of one round fire, and what "correct" means.
+"""The base of every scenario, the session it fires through, and shared judging helpers.
 
-A scenario is a small object, kept free of timing and rendering, with these jobs:
-
-- `workflows(params)`: the definitions to register (built from `flowlock.examples`, plus
-  the bench's own `counter`);
-- `setup(engine, key, params, rng)`: create the fresh instance(s) of one round and return its
-  plan: the callers, each a lane of calls fired one after another (one call per lane for the
-  "everybody at once" scenarios), all released at the same instant by the runner;
-- `fire(session, call)`: how one call is made; by default `session.fire(call)` (an
-  `engine.fire` with the pair's strategy, or the raw floor); `singleton` runs a job instead;
-- `readback(session, plan)`: what the store holds afterwards (each instance and its history);
-- `judge(record, params)`: after the round, say whether it double-advanced and list every
-  scenario-specific violation the generic [`flowlock.checker.check`][flowlock.checker.check] cannot
-  see (it knows nothing about storms, quorums, stock or ticks).
-
-`floor` names how the `raw` strategy (the bare-asyncpg floor, `flowlock.bench.raw`)
-does the scenario's calls, so the report can say what flowlock is measured against:
-
-=========== ===================================================================================
-statement   one conditional UPDATE (plus its history row, in the same statement): storm. Not a
-            must-apply call: losers of the race are simply "already done".
-locked      one row-locked read-modify-write transaction (BEGIN, SELECT ... FOR UPDATE, step,
-            UPDATE, COMMIT): countersign, inventory, hot, the must-apply scenarios where every
-            call must land.
-cas         an unlocked read, the step, a version compare-and-swap, retried at once on a lost
-            race until it lands: spread and cluster (low conflict, must apply).
-claim       one `INSERT ... ON CONFLICT DO NOTHING` of the (job, tick) row: singleton.
-=========== ===================================================================================
-
-This module holds the base class, the session a scenario fires through, and the judging helpers
-the families share; each family has a module of its own (storm, countersign, inventory, steps,
-singleton) and registers in `flowlock.bench.scenarios.SCENARIOS`. A new one subclasses
-`Scenario` and calls `register_scenario`.
+A scenario knows no timing or rendering. Its hooks are on :class:`Scenario`.
+``floor`` names how the raw floor makes its calls (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -68,9 +38,11 @@ Floor = Literal["statement", "locked", "cas", "claim"]
 
 @dataclass(frozen=True, slots=True)
 class Fired:
-    """What a session says one call came to (failures are raised instead). `batch_size`: the
-    engine's `Outcome.batch_size`; None when no engine answered (the raw floor, a job run by
-    `RunOnce`)."""
+    """What a session says one call came to; failures are raised instead.
+
+    ``batch_size`` is the engine's ``Outcome.batch_size``.
+    It is None when no engine answered (the raw floor, or ``RunOnce``).
+    """
 
     kind: Kind
     attempts: int = 1
@@ -78,11 +50,11 @@ class Fired:
 
 
 class Session(Protocol):
-    """One strategy, ready to fire, in one process (see `flowlock.bench.session`)."""
+    """One strategy, ready to fire, in one process (see :mod:`flowlock.bench.session`)."""
 
     @property
     def strategy(self) -> str:
-        """The strategy's name in the bench (`optimistic`, `raw`, `distributed-redis`...)."""
+        """The strategy's name in the bench (``optimistic``, ``raw``, ``distributed-redis``...)."""
         ...
 
     @property
@@ -100,9 +72,11 @@ class Session(Protocol):
         ...
 
     async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
-        """Run `fn` for `(job, tick)` unless another caller (any process) has: True when this
-        call ran it; None when the session has no run-once runner of its own (the caller then
-        claims the tick through the engine)."""
+        """Run ``fn`` for ``(job, tick)`` unless a caller in any process already has.
+
+        Returns True when this call ran it. Returns None when the session has no run-once runner;
+        the caller then claims the tick through the engine.
+        """
         ...
 
 
@@ -110,20 +84,24 @@ class Session(Protocol):
 
 
 class Scenario:
-    """What the runner needs from a scenario; subclasses set the class attributes and override
-    `setup` and `judge` (and, when they need to, the other hooks)."""
+    """What the runner needs from a scenario.
+
+    Subclasses set the class attributes and override :meth:`setup` and :meth:`judge`.
+    They may override the other hooks: ``workflows``, ``fire``, ``readback`` and ``prepare``.
+    :meth:`judge` lists the violations the generic checker cannot see, such as quorums or stock.
+    """
 
     name: str = ""
     summary: str = ""
     default_rounds: int = 3
     quick_rounds: int = 1
     default_ops: int = 1
-    """Calls per caller per round (`--ops`); 1 for the everybody-at-once scenarios."""
+    """Calls per caller per round (``--ops``); 1 for the everybody-at-once scenarios."""
     quick_ops: int = 1
     uses_ops: bool = False
-    """Whether `--ops` means anything to this scenario."""
+    """Whether ``--ops`` means anything to this scenario."""
     multiprocess: bool = False
-    """Runs its callers in `--processes` OS processes instead of this one."""
+    """Runs its callers in ``--processes`` OS processes instead of this one."""
     floor: Floor = "locked"
     invariant_kind: str = INVARIANT
 
@@ -136,24 +114,28 @@ class Scenario:
         return None
 
     async def prepare(self, pool: asyncpg.Pool) -> None:
-        """Once per run, before any round: create what the scenario needs besides flowlock's
-        tables (in the run's schema)."""
+        """Once per run, before any round: create what the scenario needs in the run's schema."""
 
     async def setup(
         self, engine: Engine, key: str, params: Params, rng: random.Random
     ) -> RoundPlan:
-        """Create this round's fresh instance(s); ids start with `key`, unique per round."""
+        """Create this round's fresh instances and return its plan of callers.
+
+        Ids start with ``key``, unique per round. The runner releases all callers at once.
+        """
         raise NotImplementedError
 
     async def fire(self, session: Session, call: CallSpec) -> Fired:
-        """Make one call."""
+        """Make one call; by default ``session.fire`` (``singleton`` runs a job instead)."""
         return await session.fire(call)
 
     async def readback(
         self, session: Session, plan: RoundPlan
     ) -> tuple[dict[str, Instance], dict[str, list[HistoryEntry]], dict[str, Any]]:
-        """Every instance of the round as stored, and its history: two statements for the whole
-        round (a thousand instances read one by one would take longer than the round)."""
+        """Every instance of the round as stored, with its history.
+
+        Two statements read the whole round; one read per instance would outlast the round.
+        """
         ids = list(plan.instances)
         finals = await read_instances(session.pool, ids)
         histories = await read_history(session.pool, ids)
@@ -167,7 +149,10 @@ class Scenario:
         return True
 
     def judge(self, record: RoundRecord, params: Params) -> Judgement:
-        """Scenario-specific correctness of one finished round."""
+        """Scenario-specific correctness of one finished round.
+
+        Say whether it double-advanced, and list what :func:`flowlock.checker.check` cannot see.
+        """
         return Judgement(False)
 
     def rounds(self, quick: bool) -> int:
@@ -184,8 +169,7 @@ def results_for(record: RoundRecord, iid: str, kind: Kind) -> list[CallResult]:
 def actors_match(
     iid: str, history: Sequence[HistoryEntry], record: RoundRecord, what: str
 ) -> list[Violation]:
-    """Every call that answered applied has its row in history (by actor), and no row exists
-    that no caller was told about."""
+    """Every applied call has its history row (by actor), and no row lacks a caller."""
     in_history = Counter(e.actor for e in history)
     applied = Counter(r.call.actor for r in results_for(record, iid, "applied"))
     if in_history == applied:

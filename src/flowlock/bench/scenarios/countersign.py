@@ -18,9 +18,11 @@ __all__ = ["Countersign"]
 
 
 class Countersign(Scenario):
-    """One document needs N distinct signatures (quorum N); N callers each sign once, at once.
-    Correct when every applied signature is in history exactly once and the state moves to
-    approved exactly once, at quorum (and not before)."""
+    """One document needs N distinct signatures; N callers each sign once, at once.
+
+    Correct when each applied signature is in history once.
+    The state must move to approved exactly once, at quorum and not before.
+    """
 
     name = "countersign"
     summary = "one instance with quorum N; N callers each sign once at once"

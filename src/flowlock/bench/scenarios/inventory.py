@@ -17,9 +17,12 @@ __all__ = ["Inventory"]
 
 
 class Inventory(Scenario):
-    """Stock S = N / 2; N callers each `reserve` one unit at once. Correct when the stock never
-    goes below zero, every reservation is in history once, stock + reserved stays S, and a
-    caller is refused "out of stock" only when the stock really ran out."""
+    """Stock S = N / 2; N callers each ``reserve`` one unit at once.
+
+    Correct when the stock never goes below zero and each reservation is in history once.
+    Stock plus reserved must stay S.
+    A caller may be refused "out of stock" only when the stock really ran out.
+    """
 
     name = "inventory"
     summary = "stock N/2; N callers reserve one unit each at once (never oversell)"

@@ -1,5 +1,4 @@
-"""Must-apply read-modify-write steps on counters: hot (one instance), spread (many), cluster
-(many, from several OS processes)."""
+"""Must-apply steps on counters: hot (one instance), spread (many), cluster (many processes)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,11 @@ __all__ = ["Cluster", "Hot", "Spread", "counter"]
 
 
 def counter(name: str = "counter") -> Workflow:
-    """A counter: `step` adds one to `data["n"]`, a read-modify-write that must apply every
-    time (no guard, the state never changes, so nothing is ever "already done")."""
+    """A counter whose ``step`` adds one to ``data["n"]``.
+
+    Each step must apply: there is no guard and the state never changes.
+    So nothing is ever "already done".
+    """
 
     def add(inst: Instance, payload: Mapping[str, Any], actor: str | None) -> dict[str, Any]:
         return {**inst.data, "n": int(inst.data.get("n", 0)) + 1}
@@ -39,9 +41,11 @@ def _counter_never_skips(data: Mapping[str, Any]) -> str | None:
 
 
 class _Steps(Scenario):
-    """N callers x M `step` calls over `instances(params)` counters: the shared part of hot,
-    spread and cluster. Correct when every applied step is in history exactly once (by caller)
-    and each counter equals its number of history rows (no lost update)."""
+    """N callers x M ``step`` calls over the counters: what hot, spread and cluster share.
+
+    Correct when each applied step is in history once, by caller.
+    Each counter must equal its number of history rows: no lost update.
+    """
 
     default_rounds = 1
     quick_rounds = 1
@@ -125,8 +129,10 @@ class Spread(_Steps):
 
 
 class Cluster(_Steps):
-    """The same steps from P OS processes sharing N instances through PostgreSQL (and Redis):
-    callers of different processes collide on the same instances."""
+    """The same steps from P OS processes sharing N instances.
+
+    Callers in different processes collide on the same instances.
+    """
 
     name = "cluster"
     summary = "P OS processes x N/P callers x M steps over N shared instances"

@@ -1,4 +1,4 @@
-"""The seed's incident scaled up: N callers fire `approve` at one pending instance at once."""
+"""The seed's incident scaled up: N callers ``approve`` one pending instance at once."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ __all__ = ["Storm"]
 
 
 class Storm(Scenario):
-    """The seed's two-admins incident, scaled up: N callers fire `approve` at one pending
-    instance at once. Correct when exactly one call applies and the rest are idempotent."""
+    """The seed's two-admins incident, scaled up to N callers on one pending instance.
+
+    Correct when exactly one call applies and the rest are idempotent.
+    """
 
     name = "storm"
     summary = "N callers fire approve at one pending instance at once"
