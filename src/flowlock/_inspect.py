@@ -25,10 +25,10 @@ from flowlock._pg.pool import check_schema, close_pool
 from flowlock.checker import Verdict, Violation, check
 from flowlock.connect import connect
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
+from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine
-from flowlock.stores.migrations import load
 
 __all__ = [
     "CheckReport",

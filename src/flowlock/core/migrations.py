@@ -1,9 +1,6 @@
-"""Versioned SQL migrations shipped inside the package (``stores/sql/<dialect>/NNN_name.sql``).
+"""The versioned SQL migrations shipped in the package (``stores/sql/<dialect>/NNN_name.sql``).
 
-The ones not yet recorded in ``flowlock_schema_migrations`` are applied in name order under a
-cross-process lock: on PostgreSQL by :mod:`flowlock._pg.migrations` (an advisory lock; shared by
-the store, the advisory locks and the run-once jobs), on SQLite by the store (``BEGIN
-IMMEDIATE``).
+Here, not in ``stores``, so the PostgreSQL plumbing in ``_pg`` reads them without importing a store.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ class Migration:
 
 def load(dialect: str) -> list[Migration]:
     """The migrations of ``dialect`` ("postgres" or "sqlite"), oldest first."""
-    folder = resources.files("flowlock.stores").joinpath("sql", dialect)
+    # Anchored at the top package: naming flowlock.stores would import it, and the memory store.
+    folder = resources.files("flowlock").joinpath("stores", "sql", dialect)
     found = [
         Migration(entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))
         for entry in folder.iterdir()
