@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -27,16 +28,16 @@ from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
 
 from flowlock import tracing
 from flowlock._batching import Batcher
+from flowlock._fire import Fire, Runner
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
-    ConflictRetriesExhausted,
     EngineClosed,
     FlowlockError,
     InvalidInput,
     UnknownWorkflow,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
-from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.core.query import (
     DEFAULT_LIMIT,
     check_limit,
@@ -45,12 +46,12 @@ from flowlock.core.query import (
     instance_query,
 )
 from flowlock.core.settings import check_count, check_seconds, check_text
-from flowlock.core.step import Batched, Call, Idempotent, decide, decide_batch
+from flowlock.core.step import Call
 from flowlock.locks.base import LockBackend
 from flowlock.metrics import Metrics, failure_outcome
 from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
 from flowlock.strategies.adaptive import Adaptive
-from flowlock.strategies.base import Strategy, StrategyResult
+from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 from flowlock.strategies.optimistic import Optimistic
@@ -212,7 +213,8 @@ class Engine:
         # per-transition default strategy be picked without an extra read per call.
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
         self._per_definition_strategy = False
-        self._batcher: Batcher[_Item, Outcome] | None = Batcher(max_batch) if batching else None
+        self._batcher: Batcher[Fire, Outcome] | None = Batcher(max_batch) if batching else None
+        self._runner = Runner(self._workflows, max_payload_bytes, metrics)
         self._open = False
 
     @classmethod
@@ -555,32 +557,25 @@ class Engine:
                     if span is not None:
                         span.chose(chosen.name)
                     call = dataclasses.replace(call, strategy=chosen.name)
-                    result = await self._run(chosen, call, started, store, span)
-                outcome = self._outcome(call, result, started)
+                    outcome = await self._runner.alone(chosen, store, Fire(call, started, span))
             else:
                 chosen = await self._strategy_for(instance_id, event, strategy, self._store)
                 if span is not None:
                     span.chose(chosen.name)
                 call = dataclasses.replace(call, strategy=chosen.name)
-                batcher = self._batcher
+                fire, runner, batcher = Fire(call, started, span), self._runner, self._batcher
                 if batcher is None or not _batchable(chosen):
-                    result = await self._run(chosen, call, started, self._store, span)
-                    outcome = self._outcome(call, result, started)
+                    outcome = await runner.alone(chosen, self._store, fire)
                 else:
-
-                    async def alone(item: _Item) -> Outcome:
-                        call, started, span = item
-                        result = await self._run(chosen, call, started, self._store, span)
-                        return self._outcome(call, result, started)
-
-                    async def together(items: Sequence[_Item]) -> _Answers:
-                        return await self._run_batch(chosen, items)
-
                     # Keyed by the strategy object too: calls asking for different strategies
                     # on one instance are batched apart (the lane holds the object, so its id
                     # is not reused).
-                    key = (instance_id, id(chosen))
-                    outcome = await batcher.submit(key, (call, started, span), alone, together)
+                    outcome = await batcher.submit(
+                        (instance_id, id(chosen)),
+                        fire,
+                        functools.partial(runner.alone, chosen, self._store),
+                        functools.partial(runner.together, chosen, self._store),
+                    )
         except BaseException as exc:
             if span is not None:
                 span.failed(exc, _failure_label(exc))
@@ -592,157 +587,6 @@ class Engine:
             if span is not None:
                 span.end()
         return outcome
-
-    def _outcome(
-        self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
-    ) -> Outcome:
-        """The Outcome of ``call`` from what its strategy did, recorded in the metrics."""
-        outcome = Outcome(
-            applied=result.applied,
-            idempotent=not result.applied,
-            instance=result.instance,
-            attempts=result.attempts,
-            strategy=result.strategy or call.strategy,
-            elapsed=time.perf_counter() - started,
-            event=call.event,
-            request_id=call.request_id,
-            reason=result.reason,
-            batch_size=batch_size,
-            replayed=result.replayed,
-        )
-        if self._metrics is not None:
-            self._metrics.record_outcome(
-                outcome, lock_wait=result.lock_wait, lock_hold=result.lock_hold
-            )
-        return outcome
-
-    async def _run_batch(self, chosen: Strategy, items: Sequence[_Item]) -> _Answers:
-        """The calls of ``items`` (one instance, one strategy) as one batch under ``chosen``:
-        one read, the calls decided in order, one write; each call's Outcome or error."""
-        calls = tuple(call for call, _, _ in items)
-        first = calls[0]
-        batch = dataclasses.replace(first, batch=calls)
-        workflows, limit = self._workflows, self._max_payload
-        last: list[Batched] = []
-
-        def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
-            # A strategy may decide again (a lost compare-and-swap, an escalation): the answers
-            # are those of the last decision, the one that was written or had nothing to write.
-            decided = decide_batch(workflows, snap, calls, max_payload_bytes=limit)
-            last[:] = [decided]
-            return decided.entries or Idempotent(snap.instance)
-
-        # The batch runs in the driver task, not in its callers': its lock_wait and commit spans
-        # hang under a batch span of their own, linked to every caller's fire span.
-        lead = items[0][2]
-        scope = (
-            tracing.NO_SPAN
-            if lead is None
-            else tracing.batch_span(lead, [i[2] for i in items], first.instance_id, chosen.name)
-        )
-        try:
-            with scope:
-                result = await chosen.run(self._store, batch, bound)
-        except FlowlockError as exc:
-            workflow = last[0].read.workflow if last else ""
-            return [self._batch_failure(exc, item, chosen, workflow, len(calls)) for item in items]
-        decided = last[0]
-        committed = result.instance if result.applied else None
-        answers: _Answers = []
-        for item, decision in zip(items, decided.decisions, strict=True):
-            call, started, _ = item
-            if isinstance(decision, FlowlockError):
-                answers.append(
-                    self._batch_failure(decision, item, chosen, decided.read.workflow, len(calls))
-                )
-                continue
-            if isinstance(decision, HistoryEntry):
-                assert committed is not None  # entries were planned, so the batch wrote them
-                inst = committed.evolve(
-                    state=decision.to_state,
-                    version=decision.version,
-                    data=decision.data,
-                    last_event=decision.event,
-                )
-            else:
-                inst = decision.instance
-                if committed is not None and inst.version > decided.read.version:
-                    # Answered from a state this batch wrote: it dates from the batch's commit.
-                    inst = inst.evolve(updated_at=committed.updated_at)
-            own = dataclasses.replace(
-                result,
-                instance=inst,
-                applied=isinstance(decision, HistoryEntry),
-                replayed=isinstance(decision, Idempotent) and decision.replayed,
-            )
-            answers.append(self._outcome(call, own, started, len(calls)))
-        return answers
-
-    def _batch_failure(
-        self, exc: FlowlockError, item: _Item, chosen: Strategy, workflow: str, size: int
-    ) -> FlowlockError:
-        """``exc`` as the error of the call of ``item`` in a batch of ``size`` calls (its own
-        event in a retries-exhausted error), recorded in the metrics and on its span (which its
-        caller ends)."""
-        call, started, span = item
-        if span is not None:
-            if workflow:
-                span.read(workflow)
-            span.batched(size)
-        if isinstance(exc, ConflictRetriesExhausted):
-            exc = ConflictRetriesExhausted(call.instance_id, call.event, exc.attempts)
-        if self._metrics is not None:
-            self._metrics.record_failure(
-                exc,
-                workflow=workflow,
-                event=call.event,
-                strategy=chosen.name,
-                elapsed=time.perf_counter() - started,
-            )
-        return exc
-
-    async def _run(
-        self,
-        chosen: Strategy,
-        call: Call,
-        started: float,
-        store: Store,
-        span: tracing.FireSpan | None,
-    ) -> StrategyResult:
-        """``call`` under ``chosen`` on ``store``, the pure step bound to the registered
-        workflows; a failure is recorded in the metrics and on ``span`` (with the workflow, once
-        the step has read the instance) and re-raised."""
-        workflows = self._workflows
-        limit = self._max_payload
-        seen: list[str] = []
-        # The last decision: a strategy may decide again, and the answer is the last one's.
-        last: list[HistoryEntry | Idempotent] = []
-
-        def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
-            if not seen:
-                seen.append(snap.instance.workflow)
-            decided = decide(workflows, snap, call, max_payload_bytes=limit)
-            last[:] = [decided]
-            return decided
-
-        metrics = self._metrics
-        try:
-            result = await chosen.run(store, call, bound)
-        except FlowlockError as exc:
-            if span is not None and seen:
-                span.read(seen[0])
-            if metrics is not None:
-                metrics.record_failure(
-                    exc,
-                    workflow=seen[0] if seen else "",
-                    event=call.event,
-                    strategy=chosen.name,
-                    elapsed=time.perf_counter() - started,
-                )
-            raise
-        if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
-            result = dataclasses.replace(result, replayed=True)
-        return result
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -805,12 +649,6 @@ class Engine:
         if isinstance(requested, Strategy):
             return requested
         raise InvalidInput(f"strategy must be a name or a Strategy, not {requested!r}")
-
-
-_Answers: TypeAlias = list[Outcome | BaseException]  # spelled here: Engine.list shadows list
-
-_Item: TypeAlias = tuple[Call, float, "tracing.FireSpan | None"]
-"""A call the batcher holds: the call, when it started (perf_counter), its span if traced."""
 
 
 def _failure_label(exc: BaseException) -> str:
