@@ -32,7 +32,7 @@ from flowlock.stores.base import (
     RequestIds,
     RowLock,
     entries_of,
-    request_ids_of,
+    lookup_of,
 )
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.pipeline import LockedCall, lost_under_lock
@@ -60,13 +60,12 @@ from flowlock.stores.postgres.sql import (
     READ_WITH_REQUEST,
     READ_WITH_REQUESTS,
     Batch,
-    batch_snapshot,
     cas_of,
     count_statement,
     list_statement,
     millis,
     pg_interval,
-    snapshot_of,
+    priors_in,
     to_json,
 )
 
@@ -103,33 +102,21 @@ class Operations:
         return instance_from_row(row)
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        if request_id is not None and not isinstance(request_id, str):
-            return await self._read_batch(instance_id, request_ids_of(request_id))
+        wanted, timeout = lookup_of(request_id), self._s.timeout
+        ids = wanted.ids
         async with self._s.conn(instance_id) as conn:
-            if request_id is None:
-                row = await conn.fetchrow(READ, instance_id, timeout=self._s.timeout)
+            # Why three statements: the one-id read is the hot path, one row at most.
+            if len(ids) > 1:
+                rows = await conn.fetch(READ_WITH_REQUESTS, instance_id, list(ids), timeout=timeout)
+            elif ids:
+                row = await conn.fetchrow(READ_WITH_REQUEST, instance_id, ids[0], timeout=timeout)
+                rows = [] if row is None else [row]
             else:
-                row = await conn.fetchrow(
-                    READ_WITH_REQUEST, instance_id, request_id, timeout=self._s.timeout
-                )
-        if row is None:
-            raise InstanceNotFound(instance_id)
-        return snapshot_of(row) if request_id is not None else Snapshot(instance_from_row(row))
-
-    async def _read_batch(self, instance_id: str, request_ids: tuple[str, ...]) -> Snapshot:
-        async with self._s.conn(instance_id) as conn:
-            if request_ids:
-                rows = await conn.fetch(
-                    READ_WITH_REQUESTS, instance_id, list(request_ids), timeout=self._s.timeout
-                )
-            else:
-                found = await conn.fetchrow(READ, instance_id, timeout=self._s.timeout)
-                rows = [] if found is None else [found]
+                row = await conn.fetchrow(READ, instance_id, timeout=timeout)
+                rows = [] if row is None else [row]
         if not rows:
             raise InstanceNotFound(instance_id)
-        if not request_ids:
-            return Snapshot(instance_from_row(rows[0]))
-        return batch_snapshot(rows)
+        return wanted.snapshot(instance_from_row(rows[0]), priors_in(rows) if ids else {})
 
     async def commit(self, entries: Entries) -> Instance | None:
         return await self.commit_batch(entries_of(entries))
@@ -340,14 +327,15 @@ async def _locked_step(
         raise InstanceNotFound(instance_id)
     # The request-id lookup is its own statement, so its snapshot is taken after the lock was
     # granted and sees a duplicate request committed while this call waited.
-    prior, priors = None, {}
-    if isinstance(request_id, str):
-        found = await conn.fetchrow(PRIOR, instance_id, request_id, timeout=bound)
-        prior = None if found is None else entry_from_row(found)
-    elif request_id is not None and (request_ids := request_ids_of(request_id)):
-        rows = await conn.fetch(PRIORS, instance_id, list(request_ids), timeout=bound)
-        priors = {r["request_id"]: entry_from_row(r) for r in rows}
-    snap = Snapshot(instance_from_row(row), prior, priors)
+    lookup = lookup_of(request_id)
+    ids = lookup.ids
+    if len(ids) == 1:
+        found = await conn.fetchrow(PRIOR, instance_id, ids[0], timeout=bound)
+        rows = [] if found is None else [found]
+    else:
+        rows = await conn.fetch(PRIORS, instance_id, list(ids), timeout=bound) if ids else []
+    priors = {r["request_id"]: entry_from_row(r) for r in rows}
+    snap = lookup.snapshot(instance_from_row(row), priors)
     batch = planned_entries(instance_id, plan(snap))
     if not batch:
         return snap, None, locked_at

@@ -17,7 +17,7 @@ from flowlock._pg.rows import entry_from_row, instance_from_row
 from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, StoreError
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
-from flowlock.stores.base import LockedResult, Plan, RequestIds, RowLock, request_ids_of
+from flowlock.stores.base import LockedResult, Plan, RequestIds, RowLock, lookup_of
 from flowlock.stores.postgres.session import (
     Conn,
     Contended,
@@ -71,19 +71,9 @@ def _locked_snapshot(
     """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entry
     of its request id (``prior``, for one given as a str) or those found of its request ids
     (``priors``, for a sequence); ``found``: the group's entries by (instance, request id)."""
-    instance = instance_from_row(row)
-    if isinstance(request_id, str):
-        return Snapshot(instance, found.get((instance.id, request_id)))
-    priors = {
-        rid: found[(instance.id, rid)]
-        for rid in request_ids_of(request_id)
-        if (instance.id, rid) in found
-    }
-    return Snapshot(instance, None, priors)
-
-
-def _wanted_request_ids(request_id: RequestIds) -> tuple[str, ...]:
-    return (request_id,) if isinstance(request_id, str) else request_ids_of(request_id)
+    instance, wanted = instance_from_row(row), lookup_of(request_id)
+    own = {rid: found[(instance.id, rid)] for rid in wanted.ids if (instance.id, rid) in found}
+    return wanted.snapshot(instance, own)
 
 
 def _plan_each(
@@ -113,7 +103,7 @@ async def _priors_of(
     """The entries of the request ids of ``calls`` (locked already), by (instance, request id):
     one statement, its snapshot taken after the locks were granted, or none when no call has a
     request id."""
-    pairs = [(c.instance_id, rid) for c in calls for rid in _wanted_request_ids(c.request_id)]
+    pairs = [(c.instance_id, rid) for c in calls for rid in lookup_of(c.request_id).ids]
     if not pairs:
         return {}
     rows = await conn.fetch(

@@ -321,14 +321,13 @@ def snapshot_of(row: asyncpg.Record) -> Snapshot:
     )
 
 
-def batch_snapshot(rows: Sequence[asyncpg.Record]) -> Snapshot:
-    """The rows of READ_WITH_REQUESTS (at least one): the instance and the entries found."""
-    priors = {
+def priors_in(rows: Sequence[asyncpg.Record]) -> dict[str, HistoryEntry]:
+    """The entries the joined rows of a read found, by request id (``h_`` columns)."""
+    return {
         row["h_request_id"]: entry_from_row(row, "h_")
         for row in rows
         if row["h_version"] is not None
     }
-    return Snapshot(instance_from_row(rows[0]), None, priors)
 
 
 def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:

@@ -31,7 +31,16 @@ from flowlock.core.settings import (
     check_size,
     check_url,
 )
-from flowlock.stores.base import Entries, LockedResult, Plan, RequestIds, RowLock, Store, entries_of
+from flowlock.stores.base import (
+    Entries,
+    LockedResult,
+    Plan,
+    RequestIds,
+    RowLock,
+    Store,
+    entries_of,
+    lookup_of,
+)
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
@@ -309,12 +318,13 @@ class PostgresStore:
         return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        reads = self._reads
-        if reads is None or not (request_id is None or isinstance(request_id, str)):
+        reads, wanted = self._reads, lookup_of(request_id)
+        if reads is None or not wanted.one:
             return await self._call(
                 lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
             )
-        return await reads.submit((instance_id, request_id), self._read_one)
+        # One call's read: several instances' go together in one round trip (READ_MANY).
+        return await reads.submit((instance_id, next(iter(wanted.ids), None)), self._read_one)
 
     async def _read_one(self, call: tuple[str, str | None]) -> Snapshot:
         return await self._ops.read(*call)

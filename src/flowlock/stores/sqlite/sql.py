@@ -20,9 +20,6 @@ HISTORY_COLUMNS: Final = (
     "fencing_token, payload"
 )
 SELECT_INSTANCE: Final = f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
-SELECT_PRIOR: Final = (
-    f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id = ?"
-)
 SELECT_PRIORS: Final = (
     f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id IN "
 )

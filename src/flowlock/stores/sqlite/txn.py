@@ -12,7 +12,7 @@ from flowlock.core import migrations
 from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
-from flowlock.stores.base import LockedResult, Plan, RequestIds, request_ids_of
+from flowlock.stores.base import LockedResult, Plan, RequestIds, lookup_of
 from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
     HISTORY_COLUMNS,
@@ -21,7 +21,6 @@ from flowlock.stores.sqlite.sql import (
     INSTANCE_COLUMNS,
     MIGRATIONS_TABLE,
     SELECT_INSTANCE,
-    SELECT_PRIOR,
     SELECT_PRIORS,
     count_statement,
     dump_json,
@@ -123,15 +122,9 @@ def get_txn(conn: sqlite3.Connection, instance_id: str) -> Instance:
 
 
 def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
-    instance = get_txn(conn, instance_id)
-    if request_id is None:
-        return Snapshot(instance)
-    if isinstance(request_id, str):
-        row = conn.execute(SELECT_PRIOR, (instance_id, request_id)).fetchone()
-        return Snapshot(instance, None if row is None else entry_of(row))
-    rows = _rows_of_requests(conn, instance_id, request_ids_of(request_id))
-    found = (entry_of(row) for row in rows)
-    return Snapshot(instance, None, priors={e.request_id: e for e in found if e.request_id})
+    instance, wanted = get_txn(conn, instance_id), lookup_of(request_id)
+    entries = (entry_of(row) for row in _rows_of_requests(conn, instance_id, wanted.ids))
+    return wanted.snapshot(instance, {e.request_id: e for e in entries if e.request_id})
 
 
 def _rows_of_requests(
