@@ -557,7 +557,9 @@ class Engine:
                     if span is not None:
                         span.chose(chosen.name)
                     call = dataclasses.replace(call, strategy=chosen.name)
-                    outcome = await self._runner.alone(chosen, store, Fire(call, started, span))
+                    result = await self._runner.run(chosen, Fire(call, started, span), store)
+                # Answered once flowlock's part of the caller's transaction has ended well.
+                outcome = self._runner.outcome(call, result, started)
             else:
                 chosen = await self._strategy_for(instance_id, event, strategy, self._store)
                 if span is not None:
