@@ -1,76 +1,125 @@
-"""flowlock: a workflow (state-machine) engine whose every transition is atomic and applied
-exactly once, with pluggable concurrency control (optimistic, pessimistic).
-``flowlock.Engine`` is async; ``flowlock.sync.Engine`` is its blocking twin for threaded code.
+"""flowlock: a workflow engine whose every transition is atomic and applied exactly once.
 
-The public API is what ``__all__`` lists; everything else is internal.
+``flowlock.Engine`` is async; ``flowlock.sync.Engine`` is its blocking twin. The public API is
+what ``__all__`` lists. Names load on first use, so ``import flowlock`` loads no driver.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# The submodules a user reaches as attributes (``flowlock.checker.check(...)``) without
-# importing them one by one.
-from flowlock import checker, examples, jobs, runner
-from flowlock.core.definition import Step, Transition, Workflow
-from flowlock.core.errors import (
-    ConcurrencyError,
-    ConflictRetriesExhausted,
-    ConnectionLost,
-    DefinitionError,
-    EmbeddedServerError,
-    EngineClosed,
-    FlowlockError,
-    GuardRejected,
-    IdempotencyKeyReused,
-    InstanceExists,
-    InstanceNotFound,
-    InvalidInput,
-    LockBusy,
-    LockError,
-    LockLost,
-    LockNotOwned,
-    LockTimeout,
-    LockUnavailable,
-    MigrationError,
-    OutcomeUnknown,
-    PayloadTooLarge,
-    StepFailed,
-    StoreBusy,
-    StoreError,
-    SyncCallInEventLoop,
-    TransitionNotAllowed,
-    TransitionRefused,
-    UnknownEvent,
-    UnknownWorkflow,
-    VersionMismatch,
-)
-from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
-from flowlock.engine import Engine
-from flowlock.jobs import RunOnce
-from flowlock.strategies.base import Strategy
-from flowlock.strategies.distributed import Distributed, fencing_token
-from flowlock.strategies.optimistic import Optimistic
-from flowlock.strategies.pessimistic import Pessimistic
+if TYPE_CHECKING:
+    from flowlock import checker, errors, jobs, sync
+    from flowlock import examples as examples
+    from flowlock.core.definition import Step, Transition, Workflow
+    from flowlock.core.errors import (
+        ConcurrencyError,
+        ConflictRetriesExhausted,
+        ConnectionLost,
+        DefinitionError,
+        EngineClosed,
+        ExtraNotInstalled,
+        FlowlockError,
+        GuardRejected,
+        IdempotencyKeyReused,
+        InstanceExists,
+        InstanceNotFound,
+        InvalidInput,
+        LockBusy,
+        LockError,
+        LockLost,
+        LockNotOwned,
+        LockTimeout,
+        LockUnavailable,
+        MigrationError,
+        OutcomeUnknown,
+        PayloadTooLarge,
+        StepFailed,
+        StoreBusy,
+        StoreError,
+        SyncCallInEventLoop,
+        TransitionNotAllowed,
+        TransitionRefused,
+        UnknownEvent,
+        UnknownWorkflow,
+        VersionMismatch,
+    )
+    from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+    from flowlock.engine import Engine, connect
+    from flowlock.jobs import RunOnce
+    from flowlock.metrics import Metrics
+    from flowlock.stores.base import Store
+    from flowlock.strategies.adaptive import Adaptive
+    from flowlock.strategies.base import Strategy
+    from flowlock.strategies.distributed import Distributed, fencing_token
+    from flowlock.strategies.monitor import ConflictMonitor
+    from flowlock.strategies.optimistic import Optimistic
+    from flowlock.strategies.pessimistic import Pessimistic
 
-# After the engine and the errors: the blocking twin of Engine, flowlock.sync.Engine. Importing it
-# starts no thread (an engine starts its own on its first call).
-from flowlock import sync  # isort: skip
-
-try:
-    __version__ = version("flowlock")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-    __version__ = "0.0.0"
-
-__all__ = [
+_ERRORS = (
     "ConcurrencyError",
     "ConflictRetriesExhausted",
     "ConnectionLost",
     "DefinitionError",
+    "EngineClosed",
+    "ExtraNotInstalled",
+    "FlowlockError",
+    "GuardRejected",
+    "IdempotencyKeyReused",
+    "InstanceExists",
+    "InstanceNotFound",
+    "InvalidInput",
+    "LockBusy",
+    "LockError",
+    "LockLost",
+    "LockNotOwned",
+    "LockTimeout",
+    "LockUnavailable",
+    "MigrationError",
+    "OutcomeUnknown",
+    "PayloadTooLarge",
+    "StepFailed",
+    "StoreBusy",
+    "StoreError",
+    "SyncCallInEventLoop",
+    "TransitionNotAllowed",
+    "TransitionRefused",
+    "UnknownEvent",
+    "UnknownWorkflow",
+    "VersionMismatch",
+)
+
+# Where each public name lives: imported on first use (PEP 562).
+_WHERE: dict[str, str] = {
+    **dict.fromkeys(_ERRORS, "flowlock.core.errors"),
+    **dict.fromkeys(("Step", "Transition", "Workflow"), "flowlock.core.definition"),
+    **dict.fromkeys(("HistoryEntry", "Instance", "Outcome", "Page"), "flowlock.core.models"),
+    **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
+    **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
+    "Adaptive": "flowlock.strategies.adaptive",
+    "ConflictMonitor": "flowlock.strategies.monitor",
+    "Metrics": "flowlock.metrics",
+    "Optimistic": "flowlock.strategies.optimistic",
+    "Pessimistic": "flowlock.strategies.pessimistic",
+    "RunOnce": "flowlock.jobs",
+    "Store": "flowlock.stores.base",
+    "Strategy": "flowlock.strategies.base",
+}
+# Submodules reachable as attributes after a plain ``import flowlock``.
+_SUBMODULES = frozenset({"checker", "errors", "examples", "jobs", "sync"})
+
+__all__ = [
+    "Adaptive",
+    "ConcurrencyError",
+    "ConflictMonitor",
+    "ConflictRetriesExhausted",
+    "ConnectionLost",
+    "DefinitionError",
     "Distributed",
-    "EmbeddedServerError",
     "Engine",
     "EngineClosed",
+    "ExtraNotInstalled",
     "FlowlockError",
     "GuardRejected",
     "HistoryEntry",
@@ -85,6 +134,7 @@ __all__ = [
     "LockNotOwned",
     "LockTimeout",
     "LockUnavailable",
+    "Metrics",
     "MigrationError",
     "Optimistic",
     "Outcome",
@@ -95,6 +145,7 @@ __all__ = [
     "RunOnce",
     "Step",
     "StepFailed",
+    "Store",
     "StoreBusy",
     "StoreError",
     "Strategy",
@@ -108,9 +159,36 @@ __all__ = [
     "Workflow",
     "__version__",
     "checker",
-    "examples",
+    "connect",
+    "errors",
     "fencing_token",
     "jobs",
-    "runner",
     "sync",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is not None:
+        value = getattr(importlib.import_module(where), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"flowlock.{name}")
+    elif name == "__version__":
+        value = _version()
+    else:
+        raise AttributeError(f"module 'flowlock' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flowlock")
+    except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
+        return "0.0.0"

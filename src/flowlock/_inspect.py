@@ -15,20 +15,18 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import asyncpg
-
-from flowlock._pg.errors import DRIVER_ERRORS, wrap_connect
-from flowlock._pg.pool import check_schema, close_pool
 from flowlock.checker import Verdict, Violation, check
-from flowlock.connect import connect
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.settings import POSTGRES_SCHEMES
-from flowlock.engine import Engine
+from flowlock.engine import Engine, connect
+
+if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
+    import asyncpg
 
 __all__ = [
     "CheckReport",
@@ -73,6 +71,11 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
 
 @asynccontextmanager
 async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
+    import asyncpg
+
+    from flowlock._pg.errors import wrap_connect
+    from flowlock._pg.pool import check_schema, close_pool
+
     check_schema(schema)
     where = url.split("@")[-1] + (f" (schema {schema})" if schema else "")
     # A pool of our own, handed to the engine as an application's pool would be: the store then
@@ -108,6 +111,8 @@ async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
 
 async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:
     """Refuse a database whose flowlock tables are missing or not up to date."""
+    from flowlock._pg.errors import DRIVER_ERRORS
+
     try:
         async with pool.acquire() as conn:
             if schema is not None and not await conn.fetchval(

@@ -33,10 +33,9 @@ from rich.table import Table
 from rich.text import Text
 
 import flowlock
-from flowlock.connect import connect
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import HistoryEntry, Instance
-from flowlock.engine import Engine
+from flowlock.engine import Engine, connect
 
 if TYPE_CHECKING:
     from flowlock.bench import BenchConfig, BenchReport
@@ -161,7 +160,7 @@ DatabaseUrl = Annotated[
 
 async def _migrate(url: str, schema: str | None) -> list[str]:
     # auto_migrate=False so migrate() below is the one call that applies, and reports, them.
-    async with connect(url, auto_migrate=False, pool_size=1, schema=schema) as engine:
+    async with connect(url, auto_migrate=False, max_size=1, schema=schema) as engine:
         return await engine.store.migrate()
 
 

@@ -1,19 +1,11 @@
-"""The Engine: register workflows, create instances, fire events, read history, query instances.
+"""The Engine: register workflows, create instances, fire events, read history and query.
 
-It validates every input before any I/O, picks the concurrency strategy for the call, binds the pure
-step to the call and hands both to the strategy. It keeps no state about instances between calls
-(only a bounded cache of which workflow an instance belongs to, which never changes), so any number
-of engines in any number of processes can share one database.
-
-What it does not do lives beside it: building stores and lock backends from URLs
-(:mod:`flowlock.connect`), recording metrics (:mod:`flowlock.metrics`) and OpenTelemetry spans
-(:mod:`flowlock.tracing`), and sharing the adaptive strategy's escalations
-(:class:`flowlock.strategies.monitor.EscalationSync`).
+It checks every input before any I/O, picks the strategy and hands it the pure step.
+It keeps no state about instances between calls, so many engines can share one database.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -24,15 +16,15 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeAlias
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, Unpack
 
 from flowlock import tracing
 from flowlock._batching import Batcher
-from flowlock._fire import Fire, Runner
+from flowlock._firing import Fire, Runner, failure_label
+from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
     EngineClosed,
-    FlowlockError,
     InvalidInput,
     UnknownWorkflow,
 )
@@ -48,28 +40,28 @@ from flowlock.core.query import (
 from flowlock.core.settings import check_count, check_seconds, check_text
 from flowlock.core.step import Call
 from flowlock.locks.base import LockBackend
-from flowlock.metrics import Metrics, failure_outcome
+from flowlock.options import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_SYNC,
+    MAX_BATCH,
+    ConnectOptions,
+    EngineOptions,
+    check_keywords,
+)
 from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
-from flowlock.strategies.adaptive import Adaptive
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
-from flowlock.strategies.optimistic import Optimistic
-from flowlock.strategies.pessimistic import Pessimistic
+from flowlock.strategies.table import StrategyTable, batchable, unknown_strategy
 from flowlock.strategies.transaction import in_transaction
 
-if TYPE_CHECKING:  # the types of pool= and connection=; asyncpg is imported by the store only
+if TYPE_CHECKING:
+    # the type of connection=; asyncpg is imported by the store only
     import asyncpg
 
-__all__ = [
-    "DEFAULT_MAX_BATCH",
-    "DEFAULT_MAX_PAYLOAD",
-    "DEFAULT_SYNC",
-    "Connection",
-    "Engine",
-    "LockKind",
-    "StrategyConfig",
-]
+    from flowlock.metrics import Metrics
+
+__all__ = ["Connection", "Engine", "connect"]
 
 log = logging.getLogger("flowlock")
 
@@ -77,24 +69,13 @@ MAX_ID_LENGTH = 200
 _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
 
-DEFAULT_SYNC = 0.5
-"""Seconds between two escalation-sync rounds, unless ``escalation_sync``."""
-
-DEFAULT_MAX_BATCH = 256
-"""The most calls on one instance the engine decides and writes together, unless ``max_batch``."""
-MAX_BATCH = 10_000
-
-StrategyConfig: TypeAlias = Sequence[Strategy] | Mapping[str, Strategy]
-"""``strategies=``: Strategy objects, each under its ``.name`` (a sequence), or under the names
-given (a mapping, to register one under another name too, e.g. two distributed strategies on
-two lock backends, fired by name)."""
-
-LockKind: TypeAlias = Literal["redis", "advisory", "memory"]
-"""``Engine.connect(..., locks=...)``: which lock backend the "distributed" strategy leases from."""
-
 Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
-"""``fire(..., connection=...)`` / ``create(..., connection=...)``: an asyncpg connection inside a
-transaction the caller opened."""
+"""An asyncpg connection inside a transaction the caller opened (``connection=``)."""
+
+
+def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
+    """An engine over the database at ``database_url``: the same as ``Engine.connect``."""
+    return Engine.connect(database_url, **options)
 
 
 def _check_text(value: object, what: str) -> str:
@@ -130,153 +111,65 @@ def _check_fire_args(
 class Engine:
     """A workflow engine over one store.
 
-    Use ``async with Engine.connect(database_url) as engine`` (PostgreSQL or SQLite; see
-    :func:`flowlock.connect.connect`), or ``Engine(store)`` with any
-    :class:`flowlock.stores.base.Store`, opened with ``async with`` or ``await engine.open()`` and
-    closed with ``await engine.aclose()``.
-
-    Strategies are configured one way, as objects; the built-in ones have presets by name:
-
-    - ``strategies``: Strategy objects, e.g. ``[Optimistic(max_attempts=5),
-      Pessimistic(lock_timeout=1.0), Distributed(ttl=30)]``, each available under its ``.name``;
-      or a mapping ``{name: strategy}`` to register one under another name as well. Built-in
-      names not given get the preset: ``Optimistic()``, ``Pessimistic()``,
-      ``Distributed(locks=locks)`` when the engine has a lock backend, and ``Adaptive`` built from
-      the engine's optimistic strategy, ``monitor`` and the strategy the monitor escalates to.
-    - ``strategy``: the name of the default strategy ("optimistic" unless a workflow or
-      transition says otherwise). A call may name another, or pass a Strategy object.
-    - ``locks``: the lock backend (:class:`flowlock.locks.LockBackend`: Redis, PostgreSQL
-      advisory, memory) of the "distributed" strategy. A ``Distributed`` given without ``locks``
-      (in ``strategies`` or to ``fire``) is bound to it; a ``Distributed`` with a backend of its
-      own may come instead of ``locks``. The engine opens and closes every backend of the
-      Distributed strategies it holds, with the store.
-    - ``monitor`` (a :class:`flowlock.strategies.monitor.ConflictMonitor`): the "adaptive"
-      strategy's threshold, window, cool-down and what it escalates to ("pessimistic" by
-      default, or "distributed"). When the store is an
-      :class:`flowlock.stores.base.EscalationBoard` (memory, PostgreSQL), escalations are shared
-      with the other engines on it every ``escalation_sync`` seconds.
-
-    ``batching`` (on by default): concurrent ``fire`` calls on one instance in this process,
-    under the same strategy, are applied together. A call on an idle instance runs at once;
-    calls that arrive while it is busy queue, and the next batch takes them all (at most
-    ``max_batch``): one read, each call decided in arrival order on the state the ones before it
-    left, and ONE compare-and-swap from version v to v + k writing the k history rows. Each
-    caller gets its own Outcome (``batch_size`` says how many shared its write) or its own error,
-    exactly as if the calls had run one after the other in that order. ``batching=False`` runs
-    every call in a transaction of its own. Calls with ``connection=`` and calls under a
-    strategy that is not one of flowlock's own are never batched.
-
-    ``max_payload_bytes`` bounds a payload (and initial data) encoded as JSON. ``metrics`` (a
-    :class:`flowlock.metrics.Metrics`) records Prometheus metrics on its registry; without it
-    nothing is recorded. A misconfiguration raises InvalidInput saying what to pass instead.
+    Build it with ``Engine.connect(database_url, ...)`` or ``Engine(store, ...)``.
+    Open it with ``async with`` (or ``await engine.open()``); ``aclose()`` closes it.
+    The keywords are [EngineOptions][flowlock.options.EngineOptions]; the guides on
+    strategies and batching say what each does. A bad one raises InvalidInput.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        strategy: str = "optimistic",
-        strategies: StrategyConfig | None = None,
-        locks: LockBackend | None = None,
-        monitor: ConflictMonitor | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
-        metrics: Metrics | None = None,
-        escalation_sync: float = DEFAULT_SYNC,
-        batching: bool = True,
-        max_batch: int = DEFAULT_MAX_BATCH,
-    ) -> None:
+    def __init__(self, store: Store, **options: Unpack[EngineOptions]) -> None:
+        check_keywords(options, EngineOptions, "Engine()")
+        batching = options.get("batching", True)
         if not isinstance(batching, bool):
             raise InvalidInput(f"batching must be True or False, not {batching!r}")
+        max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
         check_count("max_batch", max_batch, most=MAX_BATCH, unit="calls")
+        max_payload = options.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD)
         # At least 2: the empty object '{}'.
-        check_count("max_payload_bytes", max_payload_bytes, least=2, most=MAX_PAYLOAD, unit="bytes")
+        check_count("max_payload_bytes", max_payload, least=2, most=MAX_PAYLOAD, unit="bytes")
+        escalation_sync = options.get("escalation_sync", DEFAULT_SYNC)
         check_seconds("escalation_sync", escalation_sync)
         self._store = store
-        table = _strategy_table(strategies, locks)
-        self._locks = locks if locks is not None else _lease_backend(table.get("distributed"))
-        self._backends = _backends(table, locks)
-        self._monitor = _add_adaptive(table, monitor)
-        self._strategies = table
-        if strategy not in table:
-            raise InvalidInput(f"unknown default strategy {strategy!r}; use one of {sorted(table)}")
+        table = StrategyTable.build(
+            options.get("strategies"), options.get("locks"), options.get("monitor")
+        )
+        self._locks = table.locks
+        self._backends = table.backends
+        self._monitor = table.monitor
+        self._strategies = dict(table.strategies)
+        strategy = options.get("strategy", "optimistic")
+        if strategy not in self._strategies:
+            raise InvalidInput(
+                f"unknown default strategy {strategy!r}; use one of {sorted(self._strategies)}"
+            )
         self._default = strategy
+        metrics = options.get("metrics")
         self._sync: EscalationSync | None = None
-        if isinstance(store, EscalationBoard) and "adaptive" in table:
+        if isinstance(store, EscalationBoard) and "adaptive" in self._strategies:
             record = metrics.record_escalations if metrics is not None else None
             self._sync = EscalationSync(
                 store, self._monitor, interval=escalation_sync, record=record
             )
         self._metrics = metrics
-        self._max_payload = max_payload_bytes
+        self._max_payload = max_payload
         self._workflows: dict[str, Workflow] = {}
         # Which workflow an instance belongs to never changes; caching it lets a per-workflow or
         # per-transition default strategy be picked without an extra read per call.
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
         self._per_definition_strategy = False
+        self._runner = Runner(self._workflows, max_payload, metrics)
         self._batcher: Batcher[Fire, Outcome] | None = Batcher(max_batch) if batching else None
-        self._runner = Runner(self._workflows, max_payload_bytes, metrics)
         self._open = False
 
     @classmethod
-    def connect(
-        cls,
-        database_url: str | None = None,
-        *,
-        pool: asyncpg.Pool | None = None,
-        redis_url: str | None = None,
-        locks: LockKind | None = None,
-        auto_migrate: bool = True,
-        pool_size: int | None = None,
-        max_size: int | None = None,
-        min_size: int | None = None,
-        acquire_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        command_timeout: float | None = None,
-        lock_timeout: float | None = None,
-        lease_wait: float | None = None,
-        application_name: str | None = None,
-        schema: str | None = None,
-        namespace: str = "default",
-        strategy: str = "optimistic",
-        strategies: StrategyConfig | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
-        monitor: ConflictMonitor | None = None,
-        metrics: Metrics | None = None,
-        escalation_sync: float = DEFAULT_SYNC,
-        batching: bool = True,
-        max_batch: int = DEFAULT_MAX_BATCH,
-    ) -> Engine:
-        """An engine over the database at ``database_url``; the same as
-        :func:`flowlock.connect.connect`, which documents every argument."""
-        # Imported here, not at the top: connect imports this module (it builds Engines).
-        from flowlock.connect import connect
+    def connect(cls, database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
+        """An engine over the database at ``database_url``, not opened yet.
 
-        return connect(
-            database_url,
-            pool=pool,
-            redis_url=redis_url,
-            locks=locks,
-            auto_migrate=auto_migrate,
-            pool_size=pool_size,
-            max_size=max_size,
-            min_size=min_size,
-            acquire_timeout=acquire_timeout,
-            connect_timeout=connect_timeout,
-            command_timeout=command_timeout,
-            lock_timeout=lock_timeout,
-            lease_wait=lease_wait,
-            application_name=application_name,
-            schema=schema,
-            namespace=namespace,
-            strategy=strategy,
-            strategies=strategies,
-            max_payload_bytes=max_payload_bytes,
-            monitor=monitor,
-            metrics=metrics,
-            escalation_sync=escalation_sync,
-            batching=batching,
-            max_batch=max_batch,
-        )
+        ``postgresql://...``, ``sqlite:///path`` or ``memory://``; or ``pool=`` an asyncpg pool.
+        The keywords are :class:`flowlock.options.ConnectOptions`.
+        """
+        store, engine_options = compose(database_url, options)
+        return cls(store, **engine_options)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -370,7 +263,7 @@ class Engine:
             )
         for name in (workflow.strategy, *(t.strategy for t in workflow.transitions.values())):
             if name is not None and name not in self._strategies:
-                raise InvalidInput(_unknown_strategy(name, self._strategies))
+                raise InvalidInput(unknown_strategy(name, self._strategies))
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
@@ -566,7 +459,7 @@ class Engine:
                     span.chose(chosen.name)
                 call = dataclasses.replace(call, strategy=chosen.name)
                 fire, runner, batcher = Fire(call, started, span), self._runner, self._batcher
-                if batcher is None or not _batchable(chosen):
+                if batcher is None or not batchable(chosen):
                     outcome = await runner.alone(chosen, self._store, fire)
                 else:
                     # Keyed by the strategy object too: calls asking for different strategies
@@ -580,7 +473,7 @@ class Engine:
                     )
         except BaseException as exc:
             if span is not None:
-                span.failed(exc, _failure_label(exc))
+                span.failed(exc, failure_label(exc))
             raise
         else:
             if span is not None:
@@ -644,130 +537,10 @@ class Engine:
         if isinstance(requested, str):
             found = self._strategies.get(requested)
             if found is None:
-                raise InvalidInput(_unknown_strategy(requested, self._strategies))
+                raise InvalidInput(unknown_strategy(requested, self._strategies))
             return found
         if isinstance(requested, Distributed):
             return requested.bound(self._locks)
         if isinstance(requested, Strategy):
             return requested
         raise InvalidInput(f"strategy must be a name or a Strategy, not {requested!r}")
-
-
-def _failure_label(exc: BaseException) -> str:
-    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
-    error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
-    if isinstance(exc, FlowlockError):
-        return failure_outcome(exc)
-    return "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"
-
-
-def _batchable(strategy: Strategy) -> bool:
-    """Whether the engine may run ``strategy`` over a batch: flowlock's own strategies hand what
-    they plan to the store as it is (a strategy of an application's may not)."""
-    if isinstance(strategy, Adaptive):
-        return _batchable(strategy.escalated)
-    return isinstance(strategy, Optimistic | Pessimistic | Distributed)
-
-
-# -- composing the strategy table -----------------------------------------------------------
-
-
-def _given(strategies: StrategyConfig | None) -> dict[str, Strategy]:
-    """``strategies=`` as a table by name, every entry checked to be a Strategy object."""
-    if strategies is None:
-        return {}
-    if isinstance(strategies, str) or not isinstance(strategies, Sequence | Mapping):
-        raise InvalidInput(
-            "strategies takes Strategy objects, e.g. strategies=[flowlock.Optimistic("
-            f"max_attempts=5)], not {strategies!r}; choose the default by name with strategy=..."
-        )
-    pairs = (
-        list(strategies.items())
-        if isinstance(strategies, Mapping)
-        else [(getattr(s, "name", None), s) for s in strategies]
-    )
-    table: dict[str, Strategy] = {}
-    for name, given in pairs:
-        if not isinstance(given, Strategy) or not isinstance(name, str):
-            raise InvalidInput(
-                f"strategies takes Strategy objects such as flowlock.Optimistic(max_attempts=5) "
-                f"or flowlock.Pessimistic(lock_timeout=1.0), not {given!r}; name the default "
-                "with strategy='pessimistic'"
-            )
-        if name in table:
-            raise InvalidInput(f"two strategies named {name!r} in strategies=; give one")
-        table[name] = given
-    return table
-
-
-def _strategy_table(
-    strategies: StrategyConfig | None, locks: LockBackend | None
-) -> dict[str, Strategy]:
-    """The strategies given (a Distributed without a backend bound to ``locks``), then the
-    built-in presets for the names not given. "adaptive" is added by :func:`_add_adaptive`."""
-    table = {
-        name: s.bound(locks) if isinstance(s, Distributed) else s
-        for name, s in _given(strategies).items()
-    }
-    own = _lease_backend(table.get("distributed"))
-    if locks is not None and own is not None and own is not locks:
-        raise InvalidInput(
-            "locks=... and the Distributed strategy's own locks=... are two different lock "
-            "backends; give the backend once (a Distributed() without locks= uses the engine's)"
-        )
-    table.setdefault("optimistic", Optimistic())
-    table.setdefault("pessimistic", Pessimistic())
-    if locks is not None:
-        table.setdefault("distributed", Distributed(locks=locks))
-    return table
-
-
-def _lease_backend(strategy: Strategy | None) -> LockBackend | None:
-    return strategy.locks if isinstance(strategy, Distributed) else None
-
-
-def _backends(table: Mapping[str, Strategy], locks: LockBackend | None) -> list[LockBackend]:
-    """The lock backends the engine opens and closes: ``locks`` and those of the Distributed
-    strategies it holds, each once."""
-    found = [locks, *(_lease_backend(s) for s in table.values())]
-    unique: list[LockBackend] = []
-    for backend in found:
-        if backend is not None and all(backend is not u for u in unique):
-            unique.append(backend)
-    return unique
-
-
-def _add_adaptive(table: dict[str, Strategy], monitor: ConflictMonitor | None) -> ConflictMonitor:
-    """Add the "adaptive" preset to ``table`` unless one was given; returns the monitor whose
-    escalations the engine shares (the given Adaptive's own, when one was given)."""
-    given = table.get("adaptive")
-    if isinstance(given, Adaptive):
-        if monitor is not None and monitor is not given.monitor:
-            raise InvalidInput(
-                "monitor=... and the Adaptive strategy's monitor are two different monitors; "
-                "give one (the Adaptive you pass carries its own)"
-            )
-        monitor = given.monitor
-    monitor = monitor if monitor is not None else ConflictMonitor()
-    to = monitor.escalate_to
-    escalated = table.get(to)
-    if escalated is None or to in ("optimistic", "adaptive"):
-        raise InvalidInput(
-            f"the adaptive strategy escalates to {to!r}, which this engine does not have as a "
-            "locking strategy; use 'pessimistic' or configure locks=... for 'distributed'"
-        )
-    optimistic = table["optimistic"]
-    if given is None and isinstance(optimistic, Optimistic):
-        table["adaptive"] = Adaptive(optimistic=optimistic, escalated=escalated, monitor=monitor)
-    return monitor
-
-
-def _unknown_strategy(name: str, known: Mapping[str, Strategy]) -> str:
-    hint = ""
-    if name == "distributed":
-        hint = (
-            "; the distributed strategy needs a lock backend: Engine.connect(..., redis_url=...) "
-            'or Engine.connect(..., locks="advisory") on PostgreSQL, or Engine(store, locks=...) '
-            "or strategies=[flowlock.Distributed(locks=...)]"
-        )
-    return f"unknown strategy {name!r}; this engine has {sorted(known)}{hint}"

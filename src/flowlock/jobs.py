@@ -36,6 +36,10 @@ runs it again. RunOnce neither opens nor closes the lock backend it is given.
 
 from __future__ import annotations
 
+from flowlock.core.extras import require
+
+require("asyncpg", "postgres", "flowlock.jobs (RunOnce)")
+
 import asyncio
 import logging
 import os

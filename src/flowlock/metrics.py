@@ -13,41 +13,24 @@ from __future__ import annotations
 
 import re
 
+from flowlock.core.extras import require
+
+require("prometheus_client", "metrics", "flowlock.Metrics")
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
     FlowlockError,
-    InstanceNotFound,
     InvalidInput,
-    LockError,
     LockLost,
-    TransitionRefused,
 )
 from flowlock.core.models import Outcome
+from flowlock.core.outcomes import OUTCOMES, failure_outcome
 
 __all__ = ["OUTCOMES", "Metrics", "failure_outcome"]
 
 _PREFIX = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,99}")
-
-OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
-"""The ``outcome`` label: applied / idempotent (the two successes), refused (a business rule or
-a state that does not allow the event), conflict (optimistic retries exhausted), lock_error
-(timeout, busy, lost, backend down), invalid (bad input, unknown instance), error (the rest)."""
-
-
-def failure_outcome(exc: FlowlockError) -> str:
-    """The ``outcome`` label of a ``fire`` call that raised ``exc``."""
-    if isinstance(exc, TransitionRefused):
-        return "refused"
-    if isinstance(exc, ConflictRetriesExhausted):
-        return "conflict"
-    if isinstance(exc, LockError):
-        return "lock_error"
-    if isinstance(exc, InvalidInput | InstanceNotFound):
-        return "invalid"
-    return "error"
-
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -1,56 +1,8 @@
-"""A blocking twin of :class:`flowlock.Engine` for threaded code: Django, Flask, scripts.
+"""A blocking twin of ``flowlock.Engine`` for threaded code: Django, Flask, scripts.
 
-``flowlock.sync.Engine`` has the async engine's names, arguments, return values and errors
-(the very same :class:`~flowlock.core.models.Outcome`, :class:`~flowlock.core.models.Instance`,
-:class:`~flowlock.core.models.HistoryEntry` objects and exception classes), without ``await``::
-
-    with flowlock.sync.Engine.connect("postgresql://app@db/app") as engine:
-        engine.register(flowlock.examples.approval())
-        engine.create("approval", instance_id="req-1")
-        outcome = engine.fire("req-1", "approve", actor="alice")
-
-How it works: each engine owns one private event loop, run by a daemon thread, and one async
-:class:`flowlock.Engine` that lives on that loop only. Every call hands its coroutine to that loop
-(:func:`asyncio.run_coroutine_threadsafe`) and blocks the calling thread until it has finished,
-so any number of threads (a WSGI server's) may share one engine: the asyncpg pool, the lock
-backends and the adaptive strategy's monitor are only ever touched from the engine's own loop.
-An async engine shared by threads that each run their own loop is what fails with "attached to a
-different loop" or "Event loop is closed"; this is the fix for that.
-
-- **Opening**: the first call that reads or writes opens the engine (connects, migrates);
-  ``open()`` or ``with`` opens it up front, to fail at start-up rather than on the first request.
-  Nothing starts a thread before the first call. Unlike ``flowlock.Engine``, an engine that was
-  never opened is not "closed": it opens itself.
-- **Bounds**: a call waits exactly as long as the async call it runs, whose every wait is bounded
-  (``lock_timeout``, ``max_attempts``, ``acquire_timeout``, the lease's ``wait``...). No extra
-  timeout is laid on top: one that fired while a commit was under way would leave the caller not
-  knowing whether it happened. The waiting thread checks every second that the engine's thread is
-  still alive, so a wait never outlives it.
-- **Interrupts**: a ``KeyboardInterrupt`` (or any exception a signal handler raises) in the
-  waiting thread does not cancel the running call. The call finishes on the engine's thread
-  (bounded, as above; the wait is logged), and then the interrupt is raised with a note saying
-  what the call did (``applied=True`` ..., or the error it raised). A second interrupt stops the
-  waiting: the call still runs to its end, whole or not at all, and ``close()`` waits for it;
-  read the instance to see what it did.
-- **Inside an event loop**: a call from a thread that is running an event loop (async code, or
-  a guard running on the engine's own loop) raises :class:`flowlock.errors.SyncCallInEventLoop`
-  at once instead of blocking or deadlocking that loop; use ``flowlock.Engine`` there.
-- **Closing**: ``close()`` (or leaving ``with``) refuses new calls (they raise
-  :class:`flowlock.errors.EngineClosed`), waits for the calls in flight, closes the async engine,
-  stops the loop and joins its thread. It is idempotent, and final: build a new engine to start
-  again. An engine left open is closed when the interpreter exits, before its thread pools stop.
-- **Forks** (gunicorn ``--preload``, uWSGI without ``lazy-apps``): an engine used only to
-  ``register`` before the fork works in every child (each child starts its own thread and opens
-  its own connections on its first call). An engine that had opened its connections before the
-  fork raises ``EngineClosed`` in the child, saying so, and leaves the parent's connections alone.
-
-Two constructors: ``Engine.connect(database_url, ...)`` (the same keywords as
-:meth:`flowlock.Engine.connect`), and ``Engine(store, ...)`` (the same arguments as
-``flowlock.Engine(store, ...)``); ``Engine(async_engine)`` also takes a ``flowlock.Engine`` that
-has not been opened yet (it must not have been opened on another loop) and owns it from then on.
-
-A method the async engine gains gets its blocking twin in two lines: the signature, and
-``return self._run(self._engine.method(...))``.
+Each engine runs one async engine on a private event loop in a daemon thread; a call blocks
+its thread until the loop has run it. The sync API guide says how it opens, bounds its waits,
+takes interrupts, closes and survives forks.
 """
 
 from __future__ import annotations
@@ -65,28 +17,20 @@ import threading
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.core.query import DEFAULT_LIMIT
-from flowlock.engine import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_PAYLOAD,
-    DEFAULT_SYNC,
-    LockKind,
-    StrategyConfig,
-)
 from flowlock.engine import Engine as AsyncEngine
-from flowlock.locks.base import LockBackend
-from flowlock.metrics import Metrics
+from flowlock.options import ConnectOptions, EngineOptions
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor
 
-if TYPE_CHECKING:  # the type of connect's pool=, as flowlock.Engine.connect names it
-    import asyncpg
+if TYPE_CHECKING:
+    from flowlock.metrics import Metrics
 
 __all__ = ["Engine"]
 
@@ -162,25 +106,9 @@ class Engine:
     not opened yet in place of the store (configured already: give no other argument then).
     """
 
-    def __init__(
-        self,
-        store: Store | AsyncEngine,
-        *,
-        strategy: str = "optimistic",
-        strategies: StrategyConfig | None = None,
-        locks: LockBackend | None = None,
-        monitor: ConflictMonitor | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
-        metrics: Metrics | None = None,
-        escalation_sync: float = DEFAULT_SYNC,
-        batching: bool = True,
-        max_batch: int = DEFAULT_MAX_BATCH,
-    ) -> None:
+    def __init__(self, store: Store | AsyncEngine, **options: Unpack[EngineOptions]) -> None:
         if isinstance(store, AsyncEngine):
-            configured = (strategy, strategies, locks, monitor, max_payload_bytes)
-            defaults = ("optimistic", None, None, None, DEFAULT_MAX_PAYLOAD)
-            tuned = (metrics, escalation_sync, batching, max_batch)
-            if configured != defaults or tuned != (None, DEFAULT_SYNC, True, DEFAULT_MAX_BATCH):
+            if options:
                 raise InvalidInput(
                     "flowlock.sync.Engine(engine) wraps a flowlock.Engine as it is configured; "
                     "pass the options to flowlock.Engine(store, ...) instead, or pass the store"
@@ -193,18 +121,7 @@ class Engine:
                 )
             self._engine = store
         else:
-            self._engine = AsyncEngine(
-                store,
-                strategy=strategy,
-                strategies=strategies,
-                locks=locks,
-                monitor=monitor,
-                max_payload_bytes=max_payload_bytes,
-                metrics=metrics,
-                escalation_sync=escalation_sync,
-                batching=batching,
-                max_batch=max_batch,
-            )
+            self._engine = AsyncEngine(store, **options)
         self._lock = threading.Lock()
         self._runner: _LoopThread | None = None
         self._opened = False  # the async engine was opened on self._runner's loop
@@ -213,79 +130,20 @@ class Engine:
         self._calls: set[asyncio.Future[Any]] = set()  # in flight; touched on the loop only
 
     @classmethod
-    def connect(
-        cls,
-        database_url: str | None = None,
-        *,
-        pool: asyncpg.Pool | None = None,
-        redis_url: str | None = None,
-        locks: LockKind | None = None,
-        auto_migrate: bool = True,
-        pool_size: int | None = None,
-        max_size: int | None = None,
-        min_size: int | None = None,
-        acquire_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        command_timeout: float | None = None,
-        lock_timeout: float | None = None,
-        lease_wait: float | None = None,
-        application_name: str | None = None,
-        schema: str | None = None,
-        namespace: str = "default",
-        strategy: str = "optimistic",
-        strategies: StrategyConfig | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
-        monitor: ConflictMonitor | None = None,
-        metrics: Metrics | None = None,
-        escalation_sync: float = DEFAULT_SYNC,
-        batching: bool = True,
-        max_batch: int = DEFAULT_MAX_BATCH,
-    ) -> Engine:
-        """An engine over the database at ``database_url``: the same keywords as
-        :meth:`flowlock.Engine.connect` (see :func:`flowlock.connect.connect`). Nothing is
-        connected until ``open()``, ``with`` or the first call.
+    def connect(cls, database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
+        """An engine over the database at ``database_url``: ``flowlock.Engine.connect``'s keywords.
 
-        ``pool`` is refused (InvalidInput): an asyncpg pool belongs to the event loop it was
-        created on, and this engine runs every call on a private loop of its own; give the
-        database URL and the pool's bounds (``max_size``, ``acquire_timeout``...) instead. The
-        parameter is there so that this signature stays the async engine's."""
-        if pool is not None:
+        Nothing is connected until ``open()``, ``with`` or the first call. ``pool=`` is refused:
+        an asyncpg pool belongs to its event loop, and this engine runs on a loop of its own.
+        """
+        if options.get("pool") is not None:
             raise InvalidInput(
                 "flowlock.sync.Engine.connect cannot use an application's asyncpg pool (pool=): "
                 "a pool belongs to the event loop that created it, and the sync engine runs on a "
                 "private loop of its own. Pass the database URL (and max_size, min_size, "
                 "acquire_timeout...) instead"
             )
-        # Imported here, as flowlock.Engine.connect does: a SQLite user never imports asyncpg.
-        from flowlock.connect import connect
-
-        return cls(
-            connect(
-                database_url,
-                redis_url=redis_url,
-                locks=locks,
-                auto_migrate=auto_migrate,
-                pool_size=pool_size,
-                max_size=max_size,
-                min_size=min_size,
-                acquire_timeout=acquire_timeout,
-                connect_timeout=connect_timeout,
-                command_timeout=command_timeout,
-                lock_timeout=lock_timeout,
-                lease_wait=lease_wait,
-                application_name=application_name,
-                schema=schema,
-                namespace=namespace,
-                strategy=strategy,
-                strategies=strategies,
-                max_payload_bytes=max_payload_bytes,
-                monitor=monitor,
-                metrics=metrics,
-                escalation_sync=escalation_sync,
-                batching=batching,
-                max_batch=max_batch,
-            )
-        )
+        return cls(AsyncEngine.connect(database_url, **options))
 
     # -- lifecycle -------------------------------------------------------------------------
 

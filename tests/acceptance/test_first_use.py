@@ -5,6 +5,7 @@ with ``flowlock``."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -61,17 +62,17 @@ async def test_100_buyers_for_50_units_sell_exactly_50_on_the_engines_default(
     (await sql_history()).assert_matches({"stock": history})
 
 
-@pytest.mark.parametrize("module", ["checker", "jobs", "runner", "examples"])
+@pytest.mark.parametrize("module", ["checker", "jobs", "sync", "examples", "errors"])
 def test_submodules_import_with_flowlock(module: str) -> None:
-    """``import flowlock`` is enough to reach ``flowlock.checker`` and the run-once jobs (under
-    their current name, ``flowlock.jobs``, and their former one, ``flowlock.runner``)."""
+    """``import flowlock`` is enough to reach its public submodules as attributes."""
     probe = f"import flowlock; print(flowlock.{module}.__name__)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"flowlock.{module}"
 
 
-def test_the_former_runner_module_is_the_jobs_module() -> None:
-    from flowlock.runner import RunOnce
-
-    assert RunOnce is flowlock.jobs.RunOnce is flowlock.RunOnce
+def test_the_runner_module_is_gone() -> None:
+    """flowlock.runner, the jobs module's old name, was removed in 0.2.0."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("flowlock.runner")
+    assert flowlock.jobs.RunOnce is flowlock.RunOnce

@@ -229,7 +229,7 @@ async def test_pool_size_bounds_the_engines_connections_under_load(fresh_db: str
     instance queue in the engine behind one transaction and would never ask for a second
     connection, so nothing would press on the bound."""
     pool_size, callers = 4, 12
-    async with flowlock.Engine.connect(fresh_db, pool_size=pool_size, batching=False) as engine:
+    async with flowlock.Engine.connect(fresh_db, max_size=pool_size, batching=False) as engine:
         assert isinstance(engine.store, PostgresStore)
         assert engine.store.pool.get_max_size() == pool_size
         await engine.register(examples.inventory())

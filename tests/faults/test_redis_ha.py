@@ -35,7 +35,6 @@ import flowlock
 from flowlock import examples
 from flowlock.bench.unavailability import Availability
 from flowlock.checker import check
-from flowlock.connect import connect
 from flowlock.embedded import EmbeddedRedis
 from flowlock.embedded.redis_ha import (
     EmbeddedRedisCluster,
@@ -43,6 +42,7 @@ from flowlock.embedded.redis_ha import (
     redis_cli,
     sentinel_command,
 )
+from flowlock.engine import connect
 from flowlock.locks.base import Lease
 from flowlock.locks.redis import RedisLocks
 from flowlock.stores.postgres import PostgresStore

@@ -26,7 +26,7 @@ from typing import Any
 
 import flowlock
 from flowlock import examples
-from flowlock.engine import DEFAULT_MAX_BATCH
+from flowlock.options import DEFAULT_MAX_BATCH
 
 QUORUM = 60
 STOCK = 50
@@ -83,7 +83,7 @@ def connect(
         redis_url=redis_url,
         namespace=namespace,
         application_name=app,
-        pool_size=pool_size,
+        max_size=pool_size,
         lock_timeout=WAIT,
         lease_wait=WAIT if redis_url is not None else None,
         strategies=[flowlock.Optimistic(max_attempts=MAX_ATTEMPTS, backoff_cap=0.05)],

@@ -6,7 +6,6 @@ left open; bad values refused before any I/O."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import time
 import uuid
@@ -18,7 +17,9 @@ import pytest
 
 import flowlock
 from flowlock import examples
-from flowlock.connect import build_store, connect
+from flowlock.backends import build_store
+from flowlock.engine import connect
+from flowlock.options import ConnectOptions
 from flowlock.stores.postgres import PostgresStore
 
 SqlHistory = Callable[..., Awaitable[Any]]
@@ -43,23 +44,20 @@ async def _sessions(url: str, application_name: str) -> int:
         await conn.close()
 
 
-def test_the_keywords_are_in_both_signatures() -> None:
-    """Every bound the README names is a typed keyword of Engine.connect and connect."""
-    for fn in (flowlock.Engine.connect, connect):
-        params = inspect.signature(fn).parameters
-        for name in (
-            "pool",
-            "pool_size",
-            "max_size",
-            "min_size",
-            "acquire_timeout",
-            "connect_timeout",
-            "command_timeout",
-            "lock_timeout",
-            "lease_wait",
-            "application_name",
-        ):
-            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (fn, name)
+def test_the_keywords_are_defined_once() -> None:
+    """Every bound the README names is a key of ConnectOptions, which every connect takes."""
+    for name in (
+        "pool",
+        "max_size",
+        "min_size",
+        "acquire_timeout",
+        "connect_timeout",
+        "command_timeout",
+        "lock_timeout",
+        "lease_wait",
+        "application_name",
+    ):
+        assert name in ConnectOptions.__optional_keys__, name
 
 
 async def test_application_name_and_min_size_reach_postgresql(pg_url: str, pg_schema: str) -> None:
@@ -76,18 +74,12 @@ async def test_application_name_and_min_size_reach_postgresql(pg_url: str, pg_sc
     assert await _sessions(pg_url, name) == 0
 
 
-async def test_pool_size_is_max_sizes_older_name(pg_url: str, pg_schema: str) -> None:
-    """pool_size=3 sizes the pool like max_size=3; both given must agree."""
-    sizes: list[dict[str, Any]] = [
-        {"pool_size": 3},
-        {"max_size": 3},
-        {"pool_size": 3, "max_size": 3},
-    ]
-    for kw in sizes:
-        engine = connect(pg_url, schema=pg_schema, **kw)
-        assert isinstance(engine.store, PostgresStore) and engine.store.pool_size == 3
-    with pytest.raises(flowlock.InvalidInput, match="older name"):
-        connect(pg_url, pool_size=3, max_size=4)
+async def test_an_unknown_keyword_is_refused_by_every_connect(pg_url: str) -> None:
+    """pool_size (max_size's old name, removed in 0.2.0) is refused like any unknown keyword."""
+    options: dict[str, Any] = {"pool_size": 3}
+    for fn in (connect, flowlock.Engine.connect, flowlock.sync.Engine.connect):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'pool_size'"):
+            fn(pg_url, **options)
 
 
 async def test_acquire_timeout_bounds_the_wait_for_an_exhausted_pool(

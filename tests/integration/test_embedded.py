@@ -18,8 +18,9 @@ import asyncpg
 import pytest
 
 from flowlock import Engine, examples
-from flowlock.core.errors import EmbeddedServerError, StoreError
+from flowlock.core.errors import StoreError
 from flowlock.embedded import EmbeddedPostgres, available
+from flowlock.embedded.errors import EmbeddedServerError
 from flowlock.embedded.process import process_tree
 
 pytestmark = [

@@ -393,7 +393,7 @@ async def test_closing_an_engine_answers_every_call(
     the engine is closed after 200 answers: every call in flight then is answered with its
     Outcome, every later one with EngineClosed, nothing hangs, and each instance's history holds
     exactly its applied calls."""
-    engine = await flowlock.Engine.connect(pg_url, schema=pg_schema, pool_size=POOL).open()
+    engine = await flowlock.Engine.connect(pg_url, schema=pg_schema, max_size=POOL).open()
     ids = [f"s{n:03d}" for n in range(200)]
     try:
         await engine.register(examples.inventory())

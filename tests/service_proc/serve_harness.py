@@ -316,9 +316,7 @@ async def read_back(
     """Each instance and its history, read with an engine of the test's own (its sessions are
     named apart from the service's)."""
     found: dict[str, tuple[flowlock.Instance, list[flowlock.HistoryEntry]]] = {}
-    async with flowlock.Engine.connect(
-        url, pool_size=2, application_name="svcproc-check"
-    ) as engine:
+    async with flowlock.Engine.connect(url, max_size=2, application_name="svcproc-check") as engine:
         for instance_id in instance_ids:
             found[instance_id] = (
                 await engine.get(instance_id),

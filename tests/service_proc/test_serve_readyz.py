@@ -18,7 +18,7 @@ import pytest
 from serve_harness import Services, wait_for
 
 from flowlock.embedded import EmbeddedPostgres, available
-from flowlock.service.app import READY_TIMEOUT
+from flowlock.service.health import READY_TIMEOUT
 
 pytestmark = [
     pytest.mark.slow,

@@ -3,13 +3,12 @@ composition root (``flowlock.connect``) that builds stores and lock backends fro
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 import flowlock
 from flowlock import examples
-from flowlock.connect import build_locks, build_store, connect
+from flowlock.backends import build_locks, build_store
+from flowlock.engine import connect
 from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
 from flowlock.strategies.adaptive import Adaptive
@@ -172,16 +171,7 @@ def test_a_given_adaptive_brings_its_monitor() -> None:
         flowlock.Engine(MemoryStore(), strategies=[adaptive], monitor=ConflictMonitor())
 
 
-# -- flowlock.connect ------------------------------------------------------------------------
-
-
-def test_engine_connect_has_connects_signature() -> None:
-    """Engine.connect delegates to flowlock.connect.connect with the same typed keywords."""
-    ours = inspect.signature(flowlock.Engine.connect).parameters
-    theirs = inspect.signature(connect).parameters
-    assert list(ours) == list(theirs)
-    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
-    assert not any(p.kind is p.VAR_KEYWORD for p in ours.values())
+# -- connect ------------------------------------------------------------------------
 
 
 async def test_connect_builds_the_store_and_the_lock_backend() -> None:

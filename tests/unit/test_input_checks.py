@@ -19,9 +19,9 @@ import pytest
 
 import flowlock
 from flowlock import examples
-from flowlock.connect import connect
 from flowlock.core.jsondata import MAX_INT_BITS, MAX_PAYLOAD
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
+from flowlock.engine import connect
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.locks.redis import RedisLocks

@@ -9,10 +9,10 @@ import pytest
 
 import flowlock
 from flowlock._pg.errors import cannot_connect
+from flowlock.backends import build_store
 from flowlock.bench.config import BenchConfig, redact
 from flowlock.bench.servers import store_error
 from flowlock.cli import _redact
-from flowlock.connect import build_store
 from flowlock.jobs import RunOnce
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.stores.postgres import PostgresStore

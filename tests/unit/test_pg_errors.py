@@ -43,8 +43,8 @@ from flowlock.core.errors import (
     StoreError,
 )
 from flowlock.jobs import _ERRORS as JOBS
-from flowlock.locks.advisory import _ERRORS as ADVISORY
-from flowlock.locks.advisory import _Busy
+from flowlock.locks.advisory.errors import ERRORS as ADVISORY
+from flowlock.locks.advisory.errors import Busy as _Busy
 from flowlock.stores.postgres.session import DuplicateRequest as _DuplicateRequest
 from flowlock.stores.postgres.session import context_of as store_errors
 

@@ -9,3 +9,7 @@ run-once jobs) and the benchmark, so that none of them imports another:
 
 Private: the public API is the adapters.
 """
+
+from flowlock.core.extras import require
+
+require("asyncpg", "postgres", "PostgreSQL (asyncpg)")

@@ -39,7 +39,8 @@ from flowlock.bench.results import CallSpec
 from flowlock.bench.scenarios import Fired
 from flowlock.bench.session import BenchSession
 from flowlock.core import errors
-from flowlock.core.errors import EmbeddedServerError, InvalidInput
+from flowlock.core.errors import InvalidInput
+from flowlock.embedded.errors import EmbeddedServerError
 from flowlock.engine import Engine
 
 if TYPE_CHECKING:

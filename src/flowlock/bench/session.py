@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 
+from flowlock.backends import build_locks, build_postgres_store
 from flowlock.bench.config import ADVISORY_POOL, Target
 from flowlock.bench.raw import RawSession
 from flowlock.bench.registry import LEASE_TTL, BuildContext, StrategySpec
 from flowlock.bench.results import CallSpec, Params
 from flowlock.bench.scenarios import Fired, Scenario, Session
-from flowlock.connect import build_locks, build_postgres_store
 from flowlock.core.errors import InvalidInput
 from flowlock.engine import Engine
 from flowlock.jobs import RunOnce

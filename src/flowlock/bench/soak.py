@@ -36,6 +36,7 @@ from typing import Any
 import flowlock
 from flowlock import examples
 from flowlock._pg.rows import read_history, read_instances
+from flowlock.backends import build_postgres_store
 from flowlock.bench.config import SoakConfig, Target
 from flowlock.bench.faults import FaultInjector, Schedule
 from flowlock.bench.host import cores, loop_factory
@@ -62,7 +63,6 @@ from flowlock.bench.soak_results import (
 )
 from flowlock.bench.soak_worker import WorkerSpec, spread_id
 from flowlock.checker import CallRecord, check_linearizable
-from flowlock.connect import build_postgres_store
 from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from flowlock import examples
+from flowlock.backends import build_postgres_store
 from flowlock.bench.config import Target
 from flowlock.bench.host import loop_factory
 from flowlock.bench.registry import STRATEGIES, BuildContext
@@ -45,7 +46,6 @@ from flowlock.bench.scenarios.steps import counter
 from flowlock.bench.session import build_lock_backend
 from flowlock.bench.soak_results import OutcomeKind, classify
 from flowlock.checker import Recorder
-from flowlock.connect import build_postgres_store
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Instance, Outcome
 from flowlock.engine import Engine

@@ -34,7 +34,7 @@ Each class's docstring is its default message; instances carry the facts a calle
     │   └── MigrationError
     ├── EngineClosed                 the engine (or store) is not open
     ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
-    ├── EmbeddedServerError          an embedded PostgreSQL or Redis did not start or stop
+    ├── ExtraNotInstalled            an optional dependency is missing: install the extra named
     └── HostsError                   the bench's namespaced hosts could not be made or removed
         └── HostsUnavailable         this machine cannot make them (not root, no iproute2...)
 
@@ -425,32 +425,20 @@ class SyncCallInEventLoop(FlowlockError, RuntimeError):
         )
 
 
-class EmbeddedServerError(FlowlockError):
-    """An embedded server (PostgreSQL or Redis) could not be started or stopped, or is not running.
+class ExtraNotInstalled(FlowlockError, ImportError):
+    """A feature needs an optional dependency that is not installed.
 
-    ``server`` names it ("PostgreSQL", "Redis"), ``problem`` says what went wrong in one line,
-    ``details`` holds what the server said (command output, the tail of its log), and ``advice``
-    what to do about it. The message puts the problem on its first line, so a command line
-    that prints one line per error shows that, with the details below it.
+    ``extra`` names the flowlock extra that brings it; ``feature`` what needed it.
     """
 
-    def __init__(
-        self,
-        server: str,
-        problem: str,
-        *,
-        details: str = "",
-        advice: str = "read the server output above, or point flowlock at a server of your own",
-    ) -> None:
-        self.server = server
-        self.problem = problem
-        self.details = details.strip()
-        self.advice = advice
-        parts = [f"embedded {server}: {problem}"]
-        if self.details:
-            parts.append(self.details)
-        parts.append(f"What to do: {advice}")
-        super().__init__("\n".join(parts))
+    def __init__(self, extra: str, feature: str, module: str) -> None:
+        self.extra = extra
+        self.feature = feature
+        self.module = module
+        super().__init__(
+            f"{feature} needs {module}, which is not installed: "
+            f"pip install 'flowlock[{extra}]' (from a checkout: pip install '.[{extra}]')"
+        )
 
 
 class HostsError(FlowlockError):

@@ -28,7 +28,7 @@ Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, `
 
 from __future__ import annotations
 
-from flowlock.core.errors import EmbeddedServerError
+from flowlock.embedded.errors import EmbeddedServerError
 from flowlock.embedded.postgres import EmbeddedPostgres, available
 from flowlock.embedded.redis import EmbeddedRedis
 

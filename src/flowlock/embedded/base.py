@@ -17,10 +17,11 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from flowlock.core.errors import EmbeddedServerError, InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.core.lifecycle import BlockingResource
 from flowlock.core.settings import check_seconds, check_text
 from flowlock.embedded import process
+from flowlock.embedded.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedServer", "check_host", "check_networks", "check_settings"]
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlock.core.errors import EmbeddedServerError
 from flowlock.core.settings import MAX_CONNECTIONS, check_count, check_text
 from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_host, check_networks, check_settings
+from flowlock.embedded.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedPostgres", "available"]
 

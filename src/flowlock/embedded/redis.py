@@ -22,9 +22,10 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from flowlock.core.errors import EmbeddedServerError, InvalidInput
+from flowlock.core.errors import InvalidInput
 from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_host, check_settings
+from flowlock.embedded.errors import EmbeddedServerError
 
 __all__ = ["EmbeddedRedis"]
 

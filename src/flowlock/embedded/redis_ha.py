@@ -32,9 +32,9 @@ from typing import Any, Self
 
 import redis
 
-from flowlock.core.errors import EmbeddedServerError
 from flowlock.core.lifecycle import BlockingResource
 from flowlock.embedded import process
+from flowlock.embedded.errors import EmbeddedServerError
 from flowlock.embedded.redis import EmbeddedRedis
 
 __all__ = ["EmbeddedRedisCluster", "EmbeddedRedisSentinel", "redis_cli", "sentinel_command"]

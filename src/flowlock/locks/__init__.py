@@ -1,18 +1,20 @@
-"""Lease locks: the port (:mod:`flowlock.locks.base`) and its backends.
+"""Lease locks: the port (``flowlock.locks.base``) and its backends.
 
-- :class:`MemoryLocks`: in-process, for tests and single-process use;
-- :class:`flowlock.locks.redis.RedisLocks`: Redis (``SET NX PX``, Lua release and extend,
-  pub/sub wake-ups, fencing epochs in PostgreSQL);
-- :class:`flowlock.locks.advisory.AdvisoryLocks`: PostgreSQL transaction-level advisory locks
-  (no Redis needed).
+``MemoryLocks`` is in-process. ``RedisLocks`` (extra ``redis``) and ``AdvisoryLocks`` (extra
+``postgres``) load on first use, so importing this package loads no driver.
 """
 
 from __future__ import annotations
 
-from flowlock.locks.advisory import AdvisoryLocks
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flowlock.locks.base import Held, Lease, LeaseContext, LockBackend
 from flowlock.locks.memory import MemoryLocks
-from flowlock.locks.redis import RedisLocks
+
+if TYPE_CHECKING:
+    from flowlock.locks.advisory import AdvisoryLocks
+    from flowlock.locks.redis import RedisLocks
 
 __all__ = [
     "AdvisoryLocks",
@@ -23,3 +25,12 @@ __all__ = [
     "MemoryLocks",
     "RedisLocks",
 ]
+
+_WHERE = {"AdvisoryLocks": "flowlock.locks.advisory", "RedisLocks": "flowlock.locks.redis"}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'flowlock.locks' has no attribute {name!r}")
+    return getattr(importlib.import_module(where), name)

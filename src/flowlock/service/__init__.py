@@ -4,6 +4,11 @@
 ``FLOWLOCK_*`` variables). See docs/service.md.
 """
 
+from flowlock.core.extras import require
+
+require("fastapi", "service", "flowlock serve")
+require("uvicorn", "service", "flowlock serve")
+
 from flowlock.service.app import create_app, default_workflows
 from flowlock.service.problems import Problem
 from flowlock.service.settings import ServiceSettings

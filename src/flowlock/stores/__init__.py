@@ -1,6 +1,6 @@
 """Stores: where instances and their history live. See :mod:`flowlock.stores.base`.
 
-:func:`flowlock.connect.build_store` builds one from a URL.
+`flowlock.backends.build_store` builds one from a URL.
 """
 
 from __future__ import annotations

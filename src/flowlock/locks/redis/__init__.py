@@ -29,6 +29,10 @@ The protocol, one concern per module (each module's docstring tells its part):
 
 from __future__ import annotations
 
+from flowlock.core.extras import require
+
+require("redis", "redis", "Redis leases (flowlock.locks.redis)")
+
 from flowlock.locks.redis.backend import RedisLocks
 
 __all__ = ["RedisLocks"]

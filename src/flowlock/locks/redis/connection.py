@@ -162,7 +162,7 @@ class _Sentinel(Sentinel):
     identity, and closing closes every sentinel's client."""
 
     def __init__(self, sentinels: Sequence[tuple[str, int]], **kwargs: Any) -> None:
-        super().__init__(sentinels, **kwargs)  # type: ignore[no-untyped-call]
+        super().__init__(sentinels, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
         self._every = list(self.sentinels)
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:

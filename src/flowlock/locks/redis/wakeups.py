@@ -351,7 +351,7 @@ class Listener:
                 # A connection killed under it may fail to say goodbye: that must not end the
                 # listener (a failure here would escape the loop).
                 with contextlib.suppress(*DRIVER_ERRORS):
-                    await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call]
+                    await asyncio.shield(pubsub.aclose())  # type: ignore[no-untyped-call, unused-ignore]
             await asyncio.sleep(delay * (0.5 + self._rng.random()))
             delay = min(delay * 2, _RECONNECT_MAX)
 

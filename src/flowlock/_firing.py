@@ -1,25 +1,31 @@
-"""One fire below the engine: calls on one instance run as a batch under one strategy.
+"""Running calls under a strategy: the pure step bound, outcomes and failures recorded.
 
-The engine hands a :class:`Batch` down; nothing here calls back up into the engine.
+The engine hands a fire down (one call, or a :class:`Batch` of them on one instance); nothing
+here calls back up into the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 from flowlock import tracing
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import ConflictRetriesExhausted, FlowlockError
 from flowlock.core.models import HistoryEntry, Outcome, Snapshot
+from flowlock.core.outcomes import failure_outcome
 from flowlock.core.step import Batched, Call, Idempotent, decide, decide_batch
-from flowlock.metrics import Metrics
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy, StrategyResult
 
-__all__ = ["Answers", "Batch", "Fire", "Runner"]
+if TYPE_CHECKING:
+    from flowlock.metrics import Metrics
+
+__all__ = ["Answers", "Batch", "Fire", "Runner", "failure_label"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +48,22 @@ class Batch:
         return tuple(fire.call for fire in self.fires)
 
 
-Answers = list[Outcome | BaseException]
+Answers: TypeAlias = list[Outcome | BaseException]
 """Each fire's Outcome or error, in the batch's order."""
 
 
-@dataclass(frozen=True, slots=True)
 class Runner:
-    """Runs a batch under a strategy on a store, decided against the registered workflows."""
+    """Runs one fire, or a batch, under a strategy on a store.
 
-    workflows: Mapping[str, Workflow]
-    max_payload: int
-    metrics: Metrics | None
+    The workflows mapping is the engine's own, so registrations are seen at once.
+    """
+
+    def __init__(
+        self, workflows: Mapping[str, Workflow], max_payload: int, metrics: Metrics | None
+    ) -> None:
+        self.workflows = workflows
+        self.max_payload = max_payload
+        self.metrics = metrics
 
     async def alone(self, chosen: Strategy, store: Store, fire: Fire) -> Outcome:
         """One fire by itself: its Outcome, or its error raised."""
@@ -93,7 +104,7 @@ class Runner:
         def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
             # A strategy may decide again (a lost compare-and-swap, an escalation): the answers
             # are those of the last decision, the one that was written or had nothing to write.
-            decided = decide_batch(workflows, snap, calls, max_payload_bytes=limit)
+            decided = decide_batch(workflows, _priors(snap), calls, max_payload_bytes=limit)
             last[:] = [decided]
             return decided.entries or Idempotent(snap.instance)
 
@@ -201,3 +212,20 @@ class Runner:
         if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
             result = dataclasses.replace(result, replayed=True)
         return result
+
+
+def _priors(snap: Snapshot) -> Snapshot:
+    """``snap`` with what it found in ``priors``, where a batch's decisions look."""
+    # A batch of one call reads as one call does: its entry comes back in Snapshot.prior.
+    prior = snap.prior
+    if prior is None or prior.request_id is None:
+        return snap
+    return Snapshot(snap.instance, None, {**snap.priors, prior.request_id: prior})
+
+
+def failure_label(exc: BaseException) -> str:
+    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
+    error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
+    if isinstance(exc, FlowlockError):
+        return failure_outcome(exc)
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"

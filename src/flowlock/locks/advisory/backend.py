@@ -1,61 +1,8 @@
-"""Lease locks on PostgreSQL advisory locks: no Redis needed.
-
-How a lease works
------------------
-A lease is one open transaction on a connection of its own, from acquire to release::
-
-    BEGIN;
-    SET LOCAL lock_timeout = '<wait>ms';                         -- the wait bound, on the server
-    SET LOCAL idle_in_transaction_session_timeout = '<ttl>ms';   -- the ttl, on the server
-    SELECT pg_advisory_xact_lock(<64-bit id of schema/namespace/key>);
-    ...                                 -- extend: one trivial statement, restarting the idle timer
-    COMMIT;                             -- release: ends the transaction, and with it the lock
-
-- Transaction-level advisory locks only. Session-level locks (``pg_advisory_lock``) outlive the
-  transaction and stay with the server connection, so behind a transaction-pooling proxy
-  (PgBouncer ``pool_mode=transaction``) they would be left on a connection that the proxy then
-  hands to someone else, and an unlock may run on a connection that never held the lock. A
-  transaction-level lock ends with its transaction, wherever the connection goes next. (A lease's
-  transaction stays open for the whole lease, so through such a proxy each lease still pins one
-  server connection; that is the price of the design, not a leak.)
-- The ttl is enforced by the server: a holder that stalls, is paused, or loses its network sends
-  nothing on the lease's connection, PostgreSQL ends that session after ``ttl`` of idleness, and
-  the lock is gone with it. A holder that dies outright loses the lock sooner, as soon as the
-  server sees its socket close. ``Lease.expires_at`` stays conservative: it is counted on the local
-  clock from before the statement that (re)started the server's idle timer.
-- Waiting is done by PostgreSQL's lock queue (no polling); ``wait=0`` uses
-  ``pg_try_advisory_xact_lock`` and fails with LockBusy at once.
-- The lease's transaction never writes and, in READ COMMITTED, holds no snapshot between
-  statements, so it gets no transaction id and does not hold back VACUUM while it is open.
-
-Fencing tokens
---------------
-``flowlock_fences`` keeps the highest token handed out per (namespace, key). The increment is
-committed on a second connection while the lock is held, and the token is handed out only after
-the lease's own connection has answered once more (proof the lock was held during the whole
-increment); see :meth:`AdvisoryLocks._next_fence` for why it must not live in the lease's
-transaction.
-
-Connections
------------
-Each lease, and each acquire waiting for a lock, holds one connection of a pool of ``pool_size``.
-Fencing increments and the read-only queries (``owned``, ``locked``, ``fence_floor``) use a small
-second pool, so a holder can always record its token even when waiters fill the first pool. An
-acquire that finds no free lease connection within ``wait + pool_timeout`` seconds raises
-StoreBusy (a capacity problem, not a busy key: LockBusy / LockTimeout would wrongly say the key is
-held). At most ``pool_size + side pool`` connections are open (side pool: a quarter of
-``pool_size``, at least 2, at most 8).
-
-The lock's identity is (schema, namespace, key), the same three that name its fencing row: two
-deployments in different schemas never block each other, and ``schema=None`` resolves to the
-connection's ``current_schema()`` so it names the same lock as an explicit ``schema="public"``.
-"""
+"""``AdvisoryLocks``: lease locks held as PostgreSQL transaction-level advisory locks."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -63,7 +10,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from flowlock._pg.errors import DRIVER_ERRORS, Context, SessionGone, broken, wrap_errors
+from flowlock._pg.errors import DRIVER_ERRORS, SessionGone, broken, wrap_errors
 from flowlock._pg.migrations import migrate_database
 from flowlock._pg.pool import (
     check_pool_size,
@@ -77,7 +24,6 @@ from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
     LockBusy,
-    LockError,
     LockLost,
     LockNotOwned,
     LockTimeout,
@@ -95,78 +41,23 @@ from flowlock.core.settings import (
     check_text,
     check_url,
 )
+from flowlock.locks.advisory.errors import ERRORS, NAME, Busy
+from flowlock.locks.advisory.sql import (
+    FENCE_FLOOR,
+    HELD_BY,
+    LOCKED,
+    NEXT_FENCE,
+    advisory_lock_id,
+    begin,
+    ms,
+    oids,
+)
 from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks", "advisory_lock_id"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks"]
 
-_NAME = "advisory"
 DEFAULT_IO_TIMEOUT = 10.0
 """Seconds a round trip of the advisory backend may take (beyond a lock wait it asked for)."""
-
-# $1 namespace, $2 key. Autocommit on the side pool: durable once it returns.
-_NEXT_FENCE = """
-INSERT INTO flowlock_fences AS f (namespace, key, token) VALUES ($1, $2, 1)
-ON CONFLICT (namespace, key) DO UPDATE SET token = f.token + 1
-RETURNING token
-"""
-_FENCE_FLOOR = "SELECT token FROM flowlock_fences WHERE namespace = $1 AND key = $2"
-# A bigint advisory lock shows in pg_locks as classid = high 32 bits, objid = low 32 bits,
-# objsubid = 1 (the two-int4 form uses objsubid = 2). $1 classid, $2 objid.
-_LOCKED = """
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-     WHERE locktype = 'advisory' AND granted
-       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1
-)
-"""
-# $1 the lease's server pid, $2 classid, $3 objid.
-_HELD_BY = """
-SELECT EXISTS (
-    SELECT 1 FROM pg_locks
-     WHERE locktype = 'advisory' AND granted AND pid = $1
-       AND classid = $2::bigint::oid AND objid = $3::bigint::oid AND objsubid = 1
-)
-"""
-
-
-def advisory_lock_id(scope: str, namespace: str, key: str) -> int:
-    """The advisory lock number of ``key``: the first 8 bytes of a BLAKE2b digest of
-    (scope, namespace, key), as a signed bigint. Stable across processes, versions and
-    platforms (it is part of the on-server protocol: changing it would let an old and a new
-    client hold "the same" lock at once)."""
-    digest = hashlib.blake2b(
-        "\x1f".join((scope, namespace, key)).encode("utf-8"), digest_size=8, person=b"flowlock"
-    ).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-def _ms(seconds: float) -> int:
-    # Rounded up: the server's bound is never shorter than the one the caller asked for.
-    return max(1, math.ceil(seconds * 1000))
-
-
-def _oids(lock: int) -> tuple[int, int]:
-    unsigned = lock & 0xFFFF_FFFF_FFFF_FFFF
-    return unsigned >> 32, unsigned & 0xFFFF_FFFF
-
-
-def _begin(lock: int, ttl: float, wait_left: float | None) -> str:
-    """The first round trip of a lease, as one simple-protocol query. Only numbers are
-    interpolated (the key reaches the server as a hash), so there is nothing to inject."""
-    idle = f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'"
-    if wait_left is None:
-        # Why a DO block: it raises SQLSTATE 55P03 when the lock is taken, so "busy" comes back
-        # as an error in this same round trip (a simple query returns no rows to asyncpg).
-        return (
-            f"BEGIN; {idle}; DO $$BEGIN IF NOT pg_try_advisory_xact_lock('{lock}'::bigint) THEN "
-            "RAISE EXCEPTION USING ERRCODE = 'lock_not_available', "
-            "MESSAGE = 'flowlock: advisory lock is held'; END IF; END$$"
-        )
-    return (
-        f"BEGIN; SET LOCAL lock_timeout = '{_ms(wait_left)}ms'; {idle}; "
-        f"SELECT pg_advisory_xact_lock('{lock}'::bigint)"
-    )
 
 
 @dataclass(slots=True, eq=False)
@@ -184,16 +75,15 @@ class _Slot:
 class AdvisoryLocks(AsyncResource):
     """Lease locks held as PostgreSQL transaction-level advisory locks.
 
-    ``dsn``: a ``postgresql://`` URL. ``namespace``: a prefix separating lock families (and their
-    fencing counters) that share a database. ``schema``: where ``flowlock_fences`` lives (the
-    same schema as the flowlock store). ``pool_size``: leases and waiting acquires at most, each
-    holding a connection. ``auto_migrate``: apply flowlock's migrations on open (the same ones,
-    and the same runner, as :class:`~flowlock.stores.postgres.PostgresStore`). ``pool_timeout``:
-    seconds beyond ``wait`` an acquire may wait for a free connection before StoreBusy.
-    ``io_timeout``: seconds any round trip may take before the server counts as unreachable
-    (SessionGone, a LockUnavailable): on top of ``wait`` for an acquire's lock wait, on top of
-    the 60 s lock wait of a migration, alone for everything else (release, extend, fencing,
-    the queries); ``Engine.connect(command_timeout=...)`` sets it for the backend it builds.
+    ``dsn``: a ``postgresql://`` URL.
+    ``namespace``: a prefix separating lock families (and fencing counters) in one database.
+    ``schema``: where ``flowlock_fences`` lives, the flowlock store's schema.
+    ``pool_size``: leases and waiting acquires at most, each holding a connection.
+    ``auto_migrate``: apply flowlock's migrations on open, as the PostgreSQL store does.
+    ``pool_timeout``: seconds beyond ``wait`` to wait for a connection before StoreBusy.
+    ``io_timeout``: seconds a round trip may take before the server counts as unreachable.
+    It comes on top of an acquire's ``wait`` and of a migration's 60 s lock wait.
+    ``Engine.connect(command_timeout=...)`` sets it for the backend it builds.
     ``clock`` and ``token`` are injectable for tests.
     """
 
@@ -243,7 +133,7 @@ class AdvisoryLocks(AsyncResource):
 
     @property
     def name(self) -> str:
-        return _NAME
+        return NAME
 
     def __repr__(self) -> str:
         state = "open" if self._leases is not None else "closed"
@@ -263,12 +153,12 @@ class AdvisoryLocks(AsyncResource):
                 await self._migrate()
             pools: list[asyncpg.Pool] = []
             try:
-                with wrap_errors(_ERRORS):
+                with wrap_errors(ERRORS):
                     for size, extra in (
                         (self.pool_size, {}),
                         # The only lock the side pool ever waits for is a fencing row, and only
                         # behind a stale holder's increment: a short, bounded wait.
-                        (self.side_pool_size, {"lock_timeout": f"{_ms(self._io_timeout)}ms"}),
+                        (self.side_pool_size, {"lock_timeout": f"{ms(self._io_timeout)}ms"}),
                     ):
                         # No jsonb codec: no lease statement reads or writes jsonb.
                         pools.append(
@@ -311,7 +201,7 @@ class AdvisoryLocks(AsyncResource):
             raise
         except StoreError as exc:
             # Not a migration failure: the server could not be reached.
-            raise LockUnavailable(_NAME, str(exc)) from exc
+            raise LockUnavailable(NAME, str(exc)) from exc
 
     async def aclose(self) -> None:
         """Close the pools. Leases still held are ended on the server (their locks freed at
@@ -377,20 +267,20 @@ class AdvisoryLocks(AsyncResource):
     ) -> Lease:
         left = wait - (self._clock() - started)
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 # The server's lock_timeout ends the wait; the client timeout only backs it up.
                 await conn.execute(
-                    _begin(lock, ttl, left if wait > 0 else None),
+                    begin(lock, ttl, left if wait > 0 else None),
                     timeout=max(left, 0) + self._io_timeout,
                 )
-        except _Busy as exc:
+        except Busy as exc:
             if wait <= 0:
                 raise LockBusy(key) from exc
             raise LockTimeout(key, self._clock() - started) from exc
         fence = await self._next_fence(key)
         sent = self._clock()
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 # Proof that the lock was still ours when the increment committed (the session
                 # is alive now, and the lock lives as long as the session); also restarts the
                 # server's idle timer, from which expires_at is counted.
@@ -405,29 +295,26 @@ class AdvisoryLocks(AsyncResource):
             raise EngineClosed("the advisory lock backend was closed while acquiring")
         token = self._token()
         self._slots[token] = _Slot(conn, key, lock, conn.get_server_pid(), asyncio.Lock())
-        return Lease(key, token, fence, ttl, sent + ttl, _NAME)
+        return Lease(key, token, fence, ttl, sent + ttl, NAME)
 
     async def _next_fence(self, key: str) -> int:
-        """Increment and commit ``key``'s fencing counter, on the side pool, while the lock is
-        held (so increments are serialized in lock order).
+        """Increment and commit ``key``'s fencing counter on the side pool, under the lock.
 
-        Why not in the lease's own transaction: that transaction commits only at release, so a
-        holder that died (or whose ttl ran out) would take its increment with it in the rollback,
-        and the next holder would be handed the dead holder's number again. That is not safe:
-        the point of a fencing token is to be passed to things *outside* this transaction (a
-        storage service, an API, a job-runs table written on another connection), which may
-        already have accepted writes carrying it; a second holder with an equal token would pass
-        their ``token >= highest seen`` checks, and a ``>`` check would lock the rightful new
-        holder out instead. Committed first, every token handed out is strictly greater than
-        every token handed out before, dead holders' included, and survives a server restart.
+        Holding the lock serializes the increments in lock order.
+        Why not in the lease's own transaction: it commits only at release.
+        A dead holder's rollback would take its increment along.
+        The next holder would then get the dead holder's number again.
+        Systems outside this transaction may already have accepted that token.
+        An equal token passes their ``>=`` check; a ``>`` check locks the new holder out.
+        Committed first, every token is strictly greater than all before, and survives restarts.
         """
         _, side = self._pools()
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
         failure: BaseException | None = None
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 token = await conn.fetchval(
-                    _NEXT_FENCE, self.namespace, key, timeout=self._io_timeout
+                    NEXT_FENCE, self.namespace, key, timeout=self._io_timeout
                 )
         except BaseException as exc:
             failure = exc
@@ -448,7 +335,7 @@ class AdvisoryLocks(AsyncResource):
                 raise LockNotOwned(lease.key, "release")
             failure: BaseException | None = None
             try:
-                with wrap_errors(_ERRORS):
+                with wrap_errors(ERRORS):
                     # Ends the transaction and frees the lock. (If an earlier statement was
                     # cancelled the transaction is aborted and this rolls back: same effect.)
                     await slot.conn.execute("COMMIT", timeout=self._io_timeout)
@@ -478,10 +365,10 @@ class AdvisoryLocks(AsyncResource):
                 raise LockNotOwned(lease.key, "extend")
             sent = self._clock()
             try:
-                with wrap_errors(_ERRORS):
+                with wrap_errors(ERRORS):
                     # Any statement restarts the idle timer; this one also sets a new ttl.
                     await slot.conn.execute(
-                        f"SET LOCAL idle_in_transaction_session_timeout = '{_ms(ttl)}ms'",
+                        f"SET LOCAL idle_in_transaction_session_timeout = '{ms(ttl)}ms'",
                         timeout=self._io_timeout,
                     )
             except asyncio.CancelledError:
@@ -505,20 +392,21 @@ class AdvisoryLocks(AsyncResource):
         slot = self._slots.get(lease.token)
         if slot is None or slot.done or slot.key != lease.key:
             return False
-        classid, objid = _oids(slot.lock)
+        classid, objid = oids(slot.lock)
         # Asked on the side pool, not on the lease's connection: any statement there would
         # restart the idle timer, and a question must not extend the lease.
-        held = await self._query(_HELD_BY, slot.pid, classid, objid)
+        held = await self._query(HELD_BY, slot.pid, classid, objid)
         return held is True and not slot.done
 
     async def locked(self, key: str) -> bool:
-        classid, objid = _oids(self.lock_id(key))
-        return await self._query(_LOCKED, classid, objid) is True
+        classid, objid = oids(self.lock_id(key))
+        return await self._query(LOCKED, classid, objid) is True
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait in PostgreSQL's own lock queue (woken by the holder's commit, no polling) until
-        the key is free, then let go at once: the lock is held only for that instant, and no
-        fencing token is spent."""
+        """Wait in PostgreSQL's lock queue until the key is free, then let go at once.
+
+        The holder's commit wakes it, so there is no polling.
+        No fencing token is spent."""
         check_lock_key(key)
         check_wait(wait)
         leases, _ = self._pools()
@@ -526,12 +414,12 @@ class AdvisoryLocks(AsyncResource):
         conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
         failure: BaseException | None = None
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 await conn.execute(
-                    _begin(lock, max(wait, 1.0), wait if wait > 0 else None),
+                    begin(lock, max(wait, 1.0), wait if wait > 0 else None),
                     timeout=wait + self._io_timeout,
                 )
-        except _Busy:
+        except Busy:
             return False
         except BaseException as exc:
             failure = exc
@@ -548,7 +436,7 @@ class AdvisoryLocks(AsyncResource):
         """The highest fencing token ever handed out for ``key`` (0 if none): a floor for
         another backend's tokens (the Redis backend's, after Redis lost its data)."""
         check_lock_key(key)
-        found = await self._query(_FENCE_FLOOR, self.namespace, key)
+        found = await self._query(FENCE_FLOOR, self.namespace, key)
         return found if isinstance(found, int) else 0
 
     # -- connections -----------------------------------------------------------------------
@@ -558,7 +446,7 @@ class AdvisoryLocks(AsyncResource):
         conn = await self._checkout(side, self._io_timeout, self.side_pool_size)
         failure: BaseException | None = None
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 return await conn.fetchval(sql, *args, timeout=self._io_timeout)
         except BaseException as exc:
             failure = exc
@@ -571,7 +459,7 @@ class AdvisoryLocks(AsyncResource):
     ) -> asyncpg.pool.PoolConnectionProxy:
         started = self._clock()
         try:
-            with wrap_errors(_ERRORS):
+            with wrap_errors(ERRORS):
                 return await pool.acquire(timeout=bound)
         except SessionGone as exc:
             if not isinstance(exc.__cause__, TimeoutError):
@@ -580,7 +468,7 @@ class AdvisoryLocks(AsyncResource):
                 raise StoreBusy(self._clock() - started, size) from None
             # Room in the pool, yet no connection in time: the server did not answer.
             raise LockUnavailable(
-                _NAME, f"no connection could be opened within {bound:.1f} s"
+                NAME, f"no connection could be opened within {bound:.1f} s"
             ) from exc
 
     async def _finish(
@@ -603,23 +491,3 @@ class AdvisoryLocks(AsyncResource):
             # Closing the session frees whatever it held; the pool opens a fresh one later.
             terminate(conn)
         await give_back(pool, conn, error)
-
-
-# -- what driver errors mean here (translated by flowlock._pg.errors) -------------------------
-
-
-class _Busy(LockError):
-    """SQLSTATE 55P03 (lock_timeout, or the try-lock found the lock taken) or 57014."""
-
-
-# A session that is gone or did not answer is a SessionGone of this backend: the server ended it
-# (idle-in-transaction timeout, terminated, restarted), the network failed, or a round trip
-# outlived ``io_timeout``.
-_ERRORS = Context(
-    what="PostgreSQL error in the advisory lock backend",
-    tables="flowlock_fences is",
-    opener="the advisory lock backend",
-    busy=lambda exc: _Busy(str(exc)),
-    cancel_is_busy=True,
-    lock_backend=_NAME,
-)

@@ -1,197 +1,30 @@
-"""Check that an instance's history shows every transition applied exactly once.
+"""The exactly-once check: read an instance's stored history back and find every flaw.
 
-The engine promises that each transition is applied by exactly one ``fire`` call, however many
-callers race on the same instance. That promise leaves a precise trace in the store, and this
-module reads it back: given the final :class:`~flowlock.core.models.Instance` and its
-:class:`~flowlock.core.models.HistoryEntry` rows, :func:`check` reports *every* way the
-trace departs from an exactly-once history. Pure functions, no I/O: the tests, the benchmark and
-the fault suites all call it on what they read from a store.
-
-What is checked, and why:
-
-- ``version-gap``: versions run 2, 3, 4... with no hole, no repeat and in order. An instance is
-  created at version 1 with no history row and every applied transition adds exactly one. A hole
-  means a write was lost or skipped; a repeat means two writers both believed they moved the
-  instance from the same version (a lost compare-and-swap that still wrote).
-- ``double-apply``: the same ``request_id`` appears on two rows (a retried request applied twice),
-  or, given ``expected_applied``, there are more rows than calls that answered ``applied=True``.
-- ``lost-update``: given ``expected_applied``, fewer rows than calls that answered
-  ``applied=True``: a caller was told its transition happened and the store does not show it.
-- ``broken-chain``: each row starts where the previous one ended (``from_state`` equals the
-  previous ``to_state``; the first starts at ``initial_state`` when given). A break means some
-  transition was decided on a stale read of the state.
-- ``final-mismatch``: the stored instance is what its history says it should be: version
-  ``1 + len(history)``, and state, data and ``last_event`` equal to the last row's.
-- ``foreign-entry``: a row that belongs to another instance id. Such rows are reported and left
-  out of every other check.
-- ``invariant`` (or the caller's ``invariant_kind``, e.g. ``oversell``): a business invariant the
-  caller supplies, run on the data after every row and on the final instance, such as "stock
-  never goes below zero".
-
-Rows are taken in version order (stably, so repeats stay in the given order) for the chain, final
-and invariant checks; the order they were given in is checked separately, as ``version-gap``.
-
-The other check here works from the callers' side: a :class:`Recorder` records each call as it
-is invoked and as it completes (ok, fail or unknown), and :func:`check_linearizable` searches
-for an order of those calls that a single, sequential instance would have answered the same way
-(see :mod:`flowlock.linearizability`, where it lives; every name is exported from here).
+Pure, no I/O. docs/checker.md lists each kind of violation and why it matters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from flowlock.core.errors import FlowlockError
-from flowlock.core.models import HistoryEntry, Instance
-from flowlock.linearizability import (
-    DOUBLE_APPLY,
-    INVALID_RESULT,
-    LINEARIZABILITY_KINDS,
-    LOST_UPDATE,
-    NOT_LINEARIZABLE,
-    OPS,
-    OUTCOMES,
-    STALE_READ,
-    UNDECIDED,
-    CallHandle,
-    CallRecord,
-    LinearizabilityVerdict,
-    LinearizabilityViolation,
-    NotLinearizable,
-    Recorder,
-    check_linearizable,
-    outcome_of,
-)
-
-__all__ = [
-    "BROKEN_CHAIN",
-    "DOUBLE_APPLY",
-    "FINAL_MISMATCH",
-    "FOREIGN_ENTRY",
-    "INVALID_RESULT",
-    "INVARIANT",
-    "KINDS",
-    "LINEARIZABILITY_KINDS",
-    "LOST_UPDATE",
-    "NOT_LINEARIZABLE",
-    "OPS",
-    "OUTCOMES",
-    "OVERSELL",
-    "STALE_READ",
-    "UNDECIDED",
-    "VERSION_GAP",
-    "CallHandle",
-    "CallRecord",
-    "CheckFailed",
-    "Invariant",
-    "LinearizabilityVerdict",
-    "LinearizabilityViolation",
-    "NotLinearizable",
-    "Recorder",
-    "Verdict",
-    "Violation",
-    "check",
-    "check_linearizable",
-    "check_many",
-    "outcome_of",
-]
-
-# DOUBLE_APPLY and LOST_UPDATE are the linearizability check's kinds too (one meaning each).
-VERSION_GAP = "version-gap"
-BROKEN_CHAIN = "broken-chain"
-FINAL_MISMATCH = "final-mismatch"
-FOREIGN_ENTRY = "foreign-entry"
-INVARIANT = "invariant"
-OVERSELL = "oversell"
-"""Kind for a failed stock invariant: pass ``invariant_kind=OVERSELL`` to :func:`check`."""
-
-KINDS: tuple[str, ...] = (
-    VERSION_GAP,
-    DOUBLE_APPLY,
+from flowlock.checker.verdicts import (
     BROKEN_CHAIN,
+    DOUBLE_APPLY,
     FINAL_MISMATCH,
-    LOST_UPDATE,
     FOREIGN_ENTRY,
     INVARIANT,
-    OVERSELL,
+    LOST_UPDATE,
+    VERSION_GAP,
+    Verdict,
+    Violation,
 )
+from flowlock.core.models import HistoryEntry, Instance
 
 Invariant: TypeAlias = Callable[[Mapping[str, Any]], str | None]
 """Takes an instance's data; returns None when it holds, or a message saying what is wrong."""
 
 _CREATED_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Violation:
-    """One way a history departs from exactly-once; ``version`` is the row or instance version
-    it was found at, when there is one."""
-
-    kind: str
-    message: str
-    version: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"kind": ..., "message": ..., "version": ...}``, ready for JSON."""
-        return {"kind": self.kind, "message": self.message, "version": self.version}
-
-    def __str__(self) -> str:
-        at = "" if self.version is None else f" (version {self.version})"
-        return f"[{self.kind}]{at} {self.message}"
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """The result of a check: ``ok`` exactly when there are no violations. Truthy when ok."""
-
-    ok: bool
-    violations: tuple[Violation, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.ok != (not self.violations):
-            raise ValueError(
-                f"inconsistent verdict: ok={self.ok} with {len(self.violations)} violation(s)"
-            )
-
-    @classmethod
-    def of(cls, violations: Iterable[Violation]) -> Verdict:
-        """The verdict for these violations (ok when there are none)."""
-        found = tuple(violations)
-        return cls(ok=not found, violations=found)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def kinds(self) -> frozenset[str]:
-        """The distinct kinds of violation found."""
-        return frozenset(v.kind for v in self.violations)
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}``, ready for JSON."""
-        return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
-
-    def describe(self) -> str:
-        """A readable, multi-line summary."""
-        if self.ok:
-            return "history is exactly-once: no violations"
-        lines = [f"history check found {len(self.violations)} violation(s):"]
-        lines.extend(f"  - {v}" for v in self.violations)
-        return "\n".join(lines)
-
-    def raise_for_violations(self) -> None:
-        """Raise :class:`CheckFailed` listing every violation, unless the verdict is ok."""
-        if not self.ok:
-            raise CheckFailed(self)
-
-
-class CheckFailed(FlowlockError):
-    """A history is not exactly-once; ``verdict`` lists every violation found."""
-
-    def __init__(self, verdict: Verdict, message: str | None = None) -> None:
-        self.verdict = verdict
-        super().__init__(message or verdict.describe())
 
 
 def check(
@@ -249,8 +82,8 @@ def check_many(
 ) -> Verdict:
     """Check each ``(instance, history)`` pair and merge the verdicts (messages name the id).
 
-    ``expected_applied`` is either one count for every instance or a count per instance id
-    (instances missing from the mapping get no count check).
+    ``expected_applied`` is one count for all, or a count per instance id.
+    Instances missing from the mapping get no count check.
     """
     found: list[Violation] = []
     for instance, history in pairs:

@@ -1,9 +1,7 @@
-"""The composition root: the one place that builds concrete stores and lock backends.
+"""The composition of backends: URLs and options in, a store and lock backend out.
 
-:func:`connect` turns URLs into an :class:`~flowlock.engine.Engine` (``Engine.connect`` is the
-same function). :func:`build_store` and :func:`build_locks` are its two halves, for callers that
-compose differently (the CLI, the benchmark): :func:`build_locks` is the only lock-backend factory.
-Concrete backends are imported lazily, so a SQLite-only user never imports asyncpg or redis.
+The only module that builds concrete stores and lock backends. It imports each one when
+it is asked for, so a SQLite user never imports asyncpg or redis.
 """
 
 from __future__ import annotations
@@ -11,9 +9,10 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from flowlock.core.errors import InvalidInput
+from flowlock.core.extras import require
 from flowlock.core.settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
@@ -27,28 +26,17 @@ from flowlock.core.settings import (
     check_seconds,
     check_size,
 )
-from flowlock.engine import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_PAYLOAD,
-    DEFAULT_SYNC,
-    Engine,
-    LockKind,
-    StrategyConfig,
-    _given,
-)
 from flowlock.locks.base import FenceEpochs, LockBackend
-from flowlock.metrics import Metrics
+from flowlock.options import ConnectOptions, EngineOptions, LockKind, check_keywords
 from flowlock.stores.base import Store
-from flowlock.strategies.distributed import Distributed
-from flowlock.strategies.monitor import ConflictMonitor
-from flowlock.strategies.pessimistic import Pessimistic
+from flowlock.strategies.table import with_bounds
 
 if TYPE_CHECKING:  # imported when built, so a SQLite-only user never imports asyncpg
     import asyncpg
 
     from flowlock.stores.postgres import PostgresStore
 
-__all__ = ["build_locks", "build_postgres_store", "build_store", "connect"]
+__all__ = ["build_locks", "build_postgres_store", "build_store", "compose"]
 
 _POSTGRES = POSTGRES_SCHEMES
 
@@ -57,175 +45,62 @@ def _scheme(url: str) -> str:
     return url.partition("://")[0].lower()
 
 
-def connect(
-    database_url: str | None = None,
-    *,
-    pool: asyncpg.Pool | None = None,
-    redis_url: str | None = None,
-    locks: LockKind | None = None,
-    auto_migrate: bool = True,
-    pool_size: int | None = None,
-    max_size: int | None = None,
-    min_size: int | None = None,
-    acquire_timeout: float | None = None,
-    connect_timeout: float | None = None,
-    command_timeout: float | None = None,
-    lock_timeout: float | None = None,
-    lease_wait: float | None = None,
-    application_name: str | None = None,
-    schema: str | None = None,
-    namespace: str = "default",
-    strategy: str = "optimistic",
-    strategies: StrategyConfig | None = None,
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
-    monitor: ConflictMonitor | None = None,
-    metrics: Metrics | None = None,
-    escalation_sync: float = DEFAULT_SYNC,
-    batching: bool = True,
-    max_batch: int = DEFAULT_MAX_BATCH,
-) -> Engine:
-    """An engine over the database at ``database_url``: ``postgresql://...`` (an asyncpg pool,
-    tables in ``schema`` if given), ``sqlite:///path`` or ``memory://``; or over an application's
-    own asyncpg ``pool``. Open it with ``async with``. Migrations run on open unless
-    ``auto_migrate=False``. Every argument is checked before anything is opened (InvalidInput).
+def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, EngineOptions]:
+    """The store ``options`` describe, and the engine's own keywords.
 
-    The bounds (None: the default named):
-
-    - ``max_size``: connections the pool opens at most (20; SQLite 4). ``pool_size`` is the same
-      keyword under its older name: give either (both, only when they agree).
-    - ``min_size``: connections opened up front (1; PostgreSQL only).
-    - ``acquire_timeout``: seconds a call waits for a free pool connection, then StoreBusy
-      (PostgreSQL 10 s, SQLite 30 s).
-    - ``connect_timeout``: seconds opening one connection may take (10 s; PostgreSQL only).
-    - ``command_timeout``: seconds one round trip to PostgreSQL may take, on the client's clock,
-      beyond the lock wait the server bounds itself (30 s; PostgreSQL only). A statement that
-      may wait for a lock gets that wait plus this: ``lock_timeout + command_timeout`` for
-      every statement of the store, the pessimistic strategy's ``lock_timeout`` plus this for
-      its FOR UPDATE, 60 s plus this for a migration's. Past it (a server paused or cut off by
-      the network) the connection is terminated and the call raises ConnectionLost, or
-      OutcomeUnknown once a write may have been sent. With ``locks="advisory"`` it is also
-      the backend's ``io_timeout`` (10 s when not given).
-    - ``lock_timeout``: seconds a write waits for a row lock, then LockTimeout (5 s): the
-      preset ``Pessimistic(lock_timeout=...)``'s bound and the store's bound on an optimistic
-      compare-and-swap waiting for a row lock's holder (SQLite: its busy timeout).
-    - ``lease_wait``: seconds the distributed strategy waits for a lease, then LockTimeout (5 s):
-      the preset ``Distributed(wait=...)``'s bound; needs a lock backend.
-    - ``application_name``: how the connections show in ``pg_stat_activity`` ("flowlock";
-      PostgreSQL only; the advisory-lock backend's pool shows it with "-advisory" after it).
-
-    ``lock_timeout`` and ``lease_wait`` set the presets: a ``Pessimistic`` or ``Distributed``
-    given in ``strategies`` carries its own bound, and one that differs from the keyword is
-    refused (one wait, one bound).
-
-    ``pool``: an :class:`asyncpg.Pool` the application built. flowlock uses its connections as
-    they are (statements with no codec of flowlock's, ``lock_timeout`` and ``schema`` set LOCAL to
-    a transaction of its own where a call needs them) and does not close it at ``aclose``. The
-    keywords that build a pool (``max_size``/``pool_size``, ``min_size``, ``connect_timeout``,
-    ``application_name``) are refused with it; ``database_url`` is then needed only for
-    ``locks="advisory"``, whose leases hold connections of their own.
-
-    The "distributed" strategy leases from Redis when ``redis_url`` (``redis://`` or
-    ``unix://``) is given, or from PostgreSQL advisory locks with ``locks="advisory"`` (no
-    Redis needed); without either it is not available. ``namespace`` separates lock keys of
-    unrelated deployments sharing one Redis or database.
-
-    ``strategy``, ``strategies``, ``max_payload_bytes``, ``monitor``, ``metrics``,
-    ``escalation_sync``, ``batching`` and ``max_batch`` are the
-    :class:`~flowlock.engine.Engine`'s; a ``Distributed()`` given without ``locks=`` leases from
-    the backend built here.
+    Every keyword is checked here, once, before anything is opened.
     """
+    check_keywords(options, ConnectOptions, "connect()")
+    lease_wait = options.get("lease_wait")
     if lease_wait is not None:
         check_seconds("lease_wait", lease_wait, zero=True)
+    batching = options.get("batching", True)
     if not isinstance(batching, bool):
         raise InvalidInput(f"batching must be True or False, not {batching!r}")
+    schema = options.get("schema")
     store = build_store(
         database_url,
-        pool=pool,
-        auto_migrate=auto_migrate,
+        pool=options.get("pool"),
+        auto_migrate=options.get("auto_migrate", True),
         schema=schema,
-        pool_size=pool_size,
-        max_size=max_size,
-        min_size=min_size,
-        acquire_timeout=acquire_timeout,
-        connect_timeout=connect_timeout,
-        command_timeout=command_timeout,
-        lock_timeout=lock_timeout,
-        application_name=application_name,
+        max_size=options.get("max_size"),
+        min_size=options.get("min_size"),
+        acquire_timeout=options.get("acquire_timeout"),
+        connect_timeout=options.get("connect_timeout"),
+        command_timeout=options.get("command_timeout"),
+        lock_timeout=options.get("lock_timeout"),
+        application_name=options.get("application_name"),
         pipeline=batching,
     )
-    kind = locks if locks is not None else ("redis" if redis_url is not None else None)
-    table = _with_bounds(strategies, lock_timeout, lease_wait, has_backend=kind is not None)
-    backend = None
+    redis_url = options.get("redis_url")
+    kind = options.get("locks") or ("redis" if redis_url is not None else None)
+    engine = _engine_options(options)
+    engine["strategies"] = with_bounds(
+        options.get("strategies"),
+        options.get("lock_timeout"),
+        lease_wait,
+        has_backend=kind is not None,
+    )
     if kind is not None:
-        backend = build_locks(
+        name = options.get("application_name")
+        engine["locks"] = build_locks(
             kind,
             database_url=database_url,
             redis_url=redis_url,
-            namespace=namespace,
+            namespace=options.get("namespace", "default"),
             schema=schema,
             fence_floor=store.fencing_floor,
             fence_epochs=getattr(store, "fence_epochs", None),
-            application_name=(
-                _ADVISORY_NAME if application_name is None else f"{application_name}-advisory"[:63]
-            ),
-            io_timeout=command_timeout,
+            application_name=_ADVISORY_NAME if name is None else f"{name}-advisory"[:63],
+            io_timeout=options.get("command_timeout"),
         )
-    return Engine(
-        store,
-        strategy=strategy,
-        strategies=table,
-        locks=backend,
-        monitor=monitor,
-        max_payload_bytes=max_payload_bytes,
-        metrics=metrics,
-        escalation_sync=escalation_sync,
-        batching=batching,
-        max_batch=max_batch,
-    )
+    return store, engine
 
 
-def _with_bounds(
-    strategies: StrategyConfig | None,
-    lock_timeout: float | None,
-    lease_wait: float | None,
-    *,
-    has_backend: bool,
-) -> StrategyConfig | None:
-    """``strategies`` with the presets ``lock_timeout`` and ``lease_wait`` configure: a
-    ``Pessimistic(lock_timeout=...)`` / ``Distributed(wait=...)`` for a name not given; a given
-    one that says otherwise is refused."""
-    if lock_timeout is None and lease_wait is None:
-        return strategies
-    table = dict(_given(strategies))
-    if lock_timeout is not None:
-        given = table.setdefault("pessimistic", Pessimistic(lock_timeout=lock_timeout))
-        if _pessimistic_bound(given, lock_timeout) != lock_timeout:
-            raise InvalidInput(
-                f"lock_timeout={lock_timeout:g} and Pessimistic(lock_timeout="
-                f"{_pessimistic_bound(given, lock_timeout):g}) in strategies= are two bounds for "
-                "one wait; give one"
-            )
-    if lease_wait is not None:
-        if "distributed" not in table and not has_backend:
-            raise InvalidInput(
-                "lease_wait bounds the distributed strategy's wait for a lease, and this engine "
-                'has no lock backend: give redis_url=... or locks="advisory" too'
-            )
-        given = table.setdefault("distributed", Distributed(wait=lease_wait))
-        if isinstance(given, Distributed) and given.wait != lease_wait:
-            raise InvalidInput(
-                f"lease_wait={lease_wait:g} and Distributed(wait={given.wait:g}) in strategies= "
-                "are two bounds for one wait; give one"
-            )
-    return table
-
-
-def _pessimistic_bound(strategy: object, otherwise: float) -> float:
-    """A waiting Pessimistic's lock_timeout; ``otherwise`` for anything else (NOWAIT waits
-    for nothing, and a strategy of another kind has no such bound)."""
-    if isinstance(strategy, Pessimistic) and not strategy.nowait:
-        return strategy.lock_timeout
-    return otherwise
+def _engine_options(options: ConnectOptions) -> EngineOptions:
+    """The keywords of ``options`` that the engine itself takes (its lock backend apart)."""
+    shared = EngineOptions.__optional_keys__ - {"locks"}
+    return cast(EngineOptions, {k: v for k, v in options.items() if k in shared})
 
 
 def build_store(
@@ -234,7 +109,6 @@ def build_store(
     pool: asyncpg.Pool | None = None,
     auto_migrate: bool = True,
     schema: str | None = None,
-    pool_size: int | None = None,
     max_size: int | None = None,
     min_size: int | None = None,
     acquire_timeout: float | None = None,
@@ -250,8 +124,8 @@ def build_store(
     default); one that does not apply to the store asked for is refused. ``pipeline``: the
     PostgreSQL store's (off with ``connect(batching=False)``). Nothing is opened yet."""
     bounds = _Bounds.checked(
-        pool_size, max_size, min_size, acquire_timeout, connect_timeout, command_timeout,
-        lock_timeout, application_name,
+        max_size, min_size, acquire_timeout, connect_timeout, command_timeout, lock_timeout,
+        application_name,
     )  # fmt: skip
     if pool is not None:
         return _on_pool(pool, database_url, bounds, schema=schema, auto_migrate=auto_migrate)
@@ -326,7 +200,6 @@ class _Bounds:
     @classmethod
     def checked(
         cls,
-        pool_size: int | None,
         max_size: int | None,
         min_size: int | None,
         acquire_timeout: float | None,
@@ -335,14 +208,6 @@ class _Bounds:
         lock_timeout: float | None,
         application_name: str | None,
     ) -> _Bounds:
-        if pool_size is not None:
-            check_size("pool_size", pool_size)
-            if max_size is not None and max_size != pool_size:
-                raise InvalidInput(
-                    f"pool_size={pool_size} and max_size={max_size}: pool_size is max_size's "
-                    "older name, give one of them"
-                )
-            max_size = pool_size
         if max_size is not None:
             check_size("max_size", max_size)
         if min_size is not None:
@@ -395,6 +260,7 @@ def _on_pool(
     auto_migrate: bool,
 ) -> PostgresStore:
     """The PostgreSQL store on the application's own ``pool``."""
+    require("asyncpg", "postgres", "a PostgreSQL pool")
     bounds.refuse(_POOL_KEYWORDS, "pool= (flowlock does not build your pool)")
     if database_url is not None and (
         not isinstance(database_url, str) or _scheme(database_url) not in _POSTGRES
@@ -432,6 +298,7 @@ def build_postgres_store(
     """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
     raw floor and read-backs): ``min_size`` connections opened up front, ``application_name``
     shown in ``pg_stat_activity``; the bounds are :func:`connect`'s. Nothing is opened yet."""
+    require("asyncpg", "postgres", "a postgresql:// database URL")
     from flowlock.stores.postgres import PostgresStore
 
     return PostgresStore(
@@ -482,6 +349,7 @@ def build_locks(
     if kind == "redis":
         if redis_url is None:
             raise InvalidInput('locks="redis" needs redis_url="redis://host:6379/0"')
+        require("redis", "redis", "redis_url=")
         from flowlock.locks.redis import RedisLocks
 
         return RedisLocks(
@@ -494,6 +362,7 @@ def build_locks(
     if kind == "advisory":
         if database_url is None or _scheme(database_url) not in _POSTGRES:
             raise InvalidInput('locks="advisory" needs a postgresql:// database_url')
+        require("asyncpg", "postgres", 'locks="advisory"')
         from flowlock.locks.advisory import DEFAULT_IO_TIMEOUT, AdvisoryLocks
 
         return AdvisoryLocks(

@@ -1,0 +1,211 @@
+"""The verdicts of both checks, and the kinds of violation they report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowlock.core.errors import FlowlockError
+
+# One meaning per kind: DOUBLE_APPLY and LOST_UPDATE serve both checks.
+VERSION_GAP = "version-gap"
+BROKEN_CHAIN = "broken-chain"
+FINAL_MISMATCH = "final-mismatch"
+FOREIGN_ENTRY = "foreign-entry"
+INVARIANT = "invariant"
+OVERSELL = "oversell"
+"""Kind for a failed stock invariant: pass ``invariant_kind=OVERSELL`` to ``check``."""
+
+DOUBLE_APPLY = "double-apply"
+"""Two applied fires reported the same version (or the instance was created twice)."""
+LOST_UPDATE = "lost-update"
+"""One version was observed with two different contents: one update overwrote another."""
+STALE_READ = "stale-read"
+"""A call that began after a version was observed reported an older one."""
+INVALID_RESULT = "invalid-result"
+"""A call reported a result no order can give (a fire to a state its event cannot reach, a
+create at a version other than 1, a fire at version 1)."""
+NOT_LINEARIZABLE = "not-linearizable"
+"""No order of the calls explains what they returned (found by the search)."""
+UNDECIDED = "undecided"
+"""The search ran out of its step budget: the history is neither proven right nor wrong."""
+
+LINEARIZABILITY_KINDS: tuple[str, ...] = (
+    DOUBLE_APPLY,
+    LOST_UPDATE,
+    STALE_READ,
+    INVALID_RESULT,
+    NOT_LINEARIZABLE,
+    UNDECIDED,
+)
+
+KINDS: tuple[str, ...] = (
+    VERSION_GAP,
+    DOUBLE_APPLY,
+    BROKEN_CHAIN,
+    FINAL_MISMATCH,
+    LOST_UPDATE,
+    FOREIGN_ENTRY,
+    INVARIANT,
+    OVERSELL,
+)
+
+
+# -- the exactly-once check's verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One way a history departs from exactly-once; ``version`` is the row or instance version
+    it was found at, when there is one."""
+
+    kind: str
+    message: str
+    version: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"kind": ..., "message": ..., "version": ...}``, ready for JSON."""
+        return {"kind": self.kind, "message": self.message, "version": self.version}
+
+    def __str__(self) -> str:
+        at = "" if self.version is None else f" (version {self.version})"
+        return f"[{self.kind}]{at} {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The result of a check: ``ok`` exactly when there are no violations. Truthy when ok."""
+
+    ok: bool
+    violations: tuple[Violation, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ok != (not self.violations):
+            raise ValueError(
+                f"inconsistent verdict: ok={self.ok} with {len(self.violations)} violation(s)"
+            )
+
+    @classmethod
+    def of(cls, violations: Iterable[Violation]) -> Verdict:
+        """The verdict for these violations (ok when there are none)."""
+        found = tuple(violations)
+        return cls(ok=not found, violations=found)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def kinds(self) -> frozenset[str]:
+        """The distinct kinds of violation found."""
+        return frozenset(v.kind for v in self.violations)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}``, ready for JSON."""
+        return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
+
+    def describe(self) -> str:
+        """A readable, multi-line summary."""
+        if self.ok:
+            return "history is exactly-once: no violations"
+        lines = [f"history check found {len(self.violations)} violation(s):"]
+        lines.extend(f"  - {v}" for v in self.violations)
+        return "\n".join(lines)
+
+    def raise_for_violations(self) -> None:
+        """Raise :class:`CheckFailed` listing every violation, unless the verdict is ok."""
+        if not self.ok:
+            raise CheckFailed(self)
+
+
+class CheckFailed(FlowlockError):
+    """A history is not exactly-once; ``verdict`` lists every violation found."""
+
+    def __init__(self, verdict: Verdict, message: str | None = None) -> None:
+        self.verdict = verdict
+        super().__init__(message or verdict.describe())
+
+
+# -- the linearizability verdict
+
+
+@dataclass(frozen=True, slots=True)
+class LinearizabilityViolation:
+    """What is wrong on one instance: ``kind`` (one of :data:`LINEARIZABILITY_KINDS`), a
+    ``message`` naming the calls involved, and ``calls``, their indexes in the history given to
+    :func:`check_linearizable`."""
+
+    instance_id: str
+    kind: str
+    message: str
+    calls: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"instance_id", "kind", "message", "calls"}``, ready for JSON."""
+        return {
+            "instance_id": self.instance_id,
+            "kind": self.kind,
+            "message": self.message,
+            "calls": list(self.calls),
+        }
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] instance {self.instance_id!r}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearizabilityVerdict:
+    """The result of ``check_linearizable``: ``ok`` exactly when no violation was found.
+
+    A search that ran out of steps is an ``undecided`` violation, so never ok.
+    ``instances`` and ``calls`` say how much was checked. Truthy when ok."""
+
+    ok: bool
+    instances: int
+    calls: int
+    violations: list[LinearizabilityViolation] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def undecided(self) -> list[str]:
+        """The instances whose search ran out of steps."""
+        return [v.instance_id for v in self.violations if v.kind == UNDECIDED]
+
+    def kinds(self) -> frozenset[str]:
+        """The distinct kinds of violation found."""
+        return frozenset(v.kind for v in self.violations)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok", "instances", "calls", "violations": [...]}``, ready for JSON."""
+        return {
+            "ok": self.ok,
+            "instances": self.instances,
+            "calls": self.calls,
+            "violations": [v.to_dict() for v in self.violations],
+        }
+
+    def describe(self, limit: int = 20) -> str:
+        """A readable summary: the first ``limit`` violations, one paragraph each."""
+        checked = f"{self.calls} call(s) on {self.instances} instance(s)"
+        if self.ok:
+            return f"history is linearizable: {checked}, no violations"
+        lines = [f"history is not linearizable: {len(self.violations)} violation(s) in {checked}:"]
+        lines.extend(f"  - {v}" for v in self.violations[:limit])
+        if len(self.violations) > limit:
+            lines.append(f"  ... and {len(self.violations) - limit} more")
+        return "\n".join(lines)
+
+    def raise_for_violations(self) -> None:
+        """Raise :class:`NotLinearizable` naming the violations, unless the verdict is ok."""
+        if not self.ok:
+            raise NotLinearizable(self)
+
+
+class NotLinearizable(FlowlockError):
+    """A recorded history is not linearizable (or could not be decided); ``verdict`` lists
+    every violation."""
+
+    def __init__(self, verdict: LinearizabilityVerdict) -> None:
+        self.verdict = verdict
+        super().__init__(verdict.describe())

@@ -1,0 +1,9 @@
+"""Lease locks on PostgreSQL advisory locks: no Redis needed.
+
+docs/deployment.md says how a lease, its fencing token and its connections work.
+"""
+
+from flowlock.locks.advisory.backend import DEFAULT_IO_TIMEOUT, AdvisoryLocks
+from flowlock.locks.advisory.sql import advisory_lock_id
+
+__all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks", "advisory_lock_id"]

@@ -1,0 +1,85 @@
+"""What the OpenAPI document says about answers, headers and bodies: the document only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowlock.engine import MAX_ID_LENGTH
+from flowlock.service.problems import PROBLEM_JSON
+
+PROBLEM_DOC: dict[str, Any] = {
+    PROBLEM_JSON: {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "type": {"type": "string"},
+                "title": {"type": "string"},
+                "status": {"type": "integer"},
+                "detail": {"type": "string"},
+                "instance": {"type": "string"},
+            },
+            "required": ["type", "title", "status", "detail"],
+        }
+    }
+}
+
+
+def header(description: str, *, required: bool = True, **schema: Any) -> dict[str, Any]:
+    return {
+        "description": description,
+        "required": required,
+        "schema": {"type": "string", **schema},
+    }
+
+
+ETAG = header('The instance\'s version, quoted ("3"): send it back as If-Match.')
+CREATED_HEADERS = {
+    "ETag": ETAG,
+    "Location": header("The new instance's path (its id percent-encoded).", format="uri-reference"),
+}
+FIRED_HEADERS = {
+    "ETag": ETAG,
+    "Idempotent-Replayed": header(
+        "true when this is a retry answered with the first response", required=False, enum=["true"]
+    ),
+    "Flowlock-Strategy": header("The strategy that ran this call."),
+    "Flowlock-Attempts": header("Attempts this call took.", pattern="^[0-9]+$"),
+    "Flowlock-Batch-Size": header("Calls committed together with this one.", pattern="^[0-9]+$"),
+}
+
+
+# What _if_match and _idempotency_key accept, for the document only (each checks it itself and
+# answers 400 with its own problem): so that generated clients and tests send valid ones.
+IF_MATCH_DOC: dict[str, Any] = {
+    "description": 'The ETag of the version the decision was made on ("3"), or *.',
+    "pattern": '^ *(\\*|(W/)?"[1-9][0-9]{0,17}"|[1-9][0-9]{0,17}) *$',
+}
+KEY_DOC: dict[str, Any] = {
+    "description": "The request's id: a retry with the same key gets the first answer again.",
+    "minLength": 1,
+    "maxLength": MAX_ID_LENGTH,
+    "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]+$",
+}
+
+
+def ok(
+    model: type[Any],
+    description: str,
+    status: int = 200,
+    headers: dict[str, dict[str, Any]] | None = None,
+) -> dict[int | str, dict[str, Any]]:
+    """The documented success answer of a route: its body's model and its headers. Declared with
+    ``responses=`` and ``response_model=None``: the document only, never a check on the body."""
+    doc: dict[str, Any] = {"model": model, "description": description}
+    if headers:
+        doc["headers"] = headers
+    return {status: doc}
+
+
+def body_doc(model: type[Any], *, required: bool) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }

@@ -1,0 +1,67 @@
+"""Every error a request raises, answered as an RFC 9457 problem."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flowlock.core.errors import FlowlockError
+from flowlock.service.bodies import invalid_fields
+from flowlock.service.problems import PROBLEM_JSON, Problem, from_error, problem
+
+log = logging.getLogger("flowlock.service")
+
+
+def _problem_response(found: Problem, request: Request) -> Response:
+    return Response(
+        found.encode(request.url.path),
+        status_code=found.status,
+        media_type=PROBLEM_JSON,
+        headers=dict(found.headers),
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_problem(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Problem)
+        return _problem_response(exc, request)
+
+    async def on_flowlock(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, FlowlockError)
+        found = from_error(exc)
+        if found.status >= 500:
+            log.warning("%s %s: %r", request.method, request.url.path, exc)
+        return _problem_response(found, request)
+
+    async def on_invalid(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _problem_response(invalid_fields(list(exc.errors())), request)
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        titles = {404: "Not found", 405: "Method not allowed"}
+        title = titles.get(exc.status_code, "HTTP error")
+        detail = (
+            f"no route {request.method} {request.url.path}; see GET /docs"
+            if exc.status_code in titles
+            else str(exc.detail)
+        )
+        found = problem(
+            exc.status_code, title.lower().replace(" ", "-"), title, detail, exc.headers
+        )
+        return _problem_response(found, request)
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        found = problem(500, "internal-error", "Internal error", "the service failed")
+        return _problem_response(found, request)
+
+    app.add_exception_handler(Problem, on_problem)
+    app.add_exception_handler(FlowlockError, on_flowlock)
+    app.add_exception_handler(RequestValidationError, on_invalid)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)

@@ -1,0 +1,311 @@
+"""The definition and instance routes: HTTP in, the engine's API, HTTP out."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from flowlock._inspect import entry_dict, instance_dict
+from flowlock.core.definition import Workflow
+from flowlock.core.errors import InvalidInput
+from flowlock.core.models import Instance, Outcome
+from flowlock.core.query import decode_cursor
+from flowlock.core.settings import check_text
+from flowlock.engine import MAX_ID_LENGTH, Engine
+from flowlock.service.apidoc import (
+    CREATED_HEADERS,
+    ETAG,
+    FIRED_HEADERS,
+    IF_MATCH_DOC,
+    KEY_DOC,
+    body_doc,
+    ok,
+)
+from flowlock.service.bodies import CreateBody, FireBody, read_json
+from flowlock.service.problems import etag, problem
+from flowlock.service.responses import (
+    DefinitionList,
+    DefinitionOut,
+    Fired,
+    HistoryPage,
+    InstanceOut,
+    InstancePage,
+)
+from flowlock.service.settings import ServiceSettings
+
+MAX_PAGE = 1000
+
+
+# -- bodies ------------------------------------------------------------------------------------
+
+
+def _instance(inst: Instance, engine: Engine) -> dict[str, Any]:
+    wf = engine.workflows.get(inst.workflow)
+    return {**instance_dict(inst), "allowed": list(wf.allowed(inst.state)) if wf else []}
+
+
+def _definition(wf: Workflow) -> dict[str, Any]:
+    return {
+        "name": wf.name,
+        "states": list(wf.states),
+        "initial": wf.initial,
+        "final": [s for s in wf.states if wf.is_final(s)],
+        "strategy": wf.strategy,
+        "transitions": [
+            {
+                "event": t.name,
+                "sources": list(t.sources),
+                "targets": list(t.targets),
+                "guarded": t.guard is not None,
+                "strategy": t.strategy,
+            }
+            for t in wf.transitions.values()
+        ],
+    }
+
+
+def _fired(outcome: Outcome, engine: Engine) -> Response:
+    """A fire's answer. A replay says what the first answer said (applied), so the body is the
+    same; only the headers tell the retry apart."""
+    applied = outcome.applied or outcome.replayed
+    body = {
+        "applied": applied,
+        "idempotent": not applied,
+        "event": outcome.event,
+        "request_id": outcome.request_id,
+        "instance": _instance(outcome.instance, engine),
+    }
+    headers = {
+        "ETag": etag(outcome.instance.version),
+        "Flowlock-Strategy": outcome.strategy,
+        "Flowlock-Attempts": str(outcome.attempts),
+        "Flowlock-Batch-Size": str(outcome.batch_size),
+    }
+    if outcome.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(body, headers=headers)
+
+
+# -- headers -----------------------------------------------------------------------------------
+
+
+def _if_match(value: str | None, required: bool) -> int | None:
+    """``expected_version`` from an ``If-Match`` header: ``"7"`` (an ETag this service sent), a
+    bare ``7``, or ``*`` (any version: no check)."""
+    if value is None:
+        if required:
+            raise problem(
+                428, "precondition-required", "If-Match required",
+                "this service requires If-Match on every event: GET the instance and send its "
+                "ETag, so a decision made on an old version is refused instead of applied",
+            )  # fmt: skip
+        return None
+    text = value.strip()
+    if text == "*":
+        return None
+    tag = text[2:] if text.startswith("W/") else text
+    tag = tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
+    if not tag.isdigit() or not tag.isascii() or len(tag) > 18 or int(tag) < 1:
+        raise problem(
+            400, "invalid-if-match", "Invalid If-Match",
+            f"If-Match must be one ETag this service sent (such as \"3\") or *, not {value!r}",
+        )  # fmt: skip
+    return int(tag)
+
+
+def _idempotency_key(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_text("Idempotency-Key", value, most=MAX_ID_LENGTH)
+    except InvalidInput as exc:
+        raise problem(400, "invalid-idempotency-key", "Invalid Idempotency-Key", str(exc)) from None
+
+
+def _aware(**moments: datetime | None) -> None:
+    for name, moment in moments.items():
+        if moment is not None and moment.utcoffset() is None:
+            raise problem(
+                422, "invalid-request", "Invalid request",
+                f"{name} has no time zone; give one, e.g. 2026-01-31T12:00:00Z",
+            )  # fmt: skip
+
+
+def _actor(request: Request, given: str | None) -> str | None:
+    principal: str | None = getattr(request.state, "principal", None)
+    return principal if principal is not None else given
+
+
+def definition_routes(app: FastAPI, engine: Engine) -> None:
+    def definition(name: str) -> Workflow:
+        wf = engine.workflows.get(name)
+        if wf is None:
+            raise problem(
+                404, "workflow-not-found", "Workflow not found",
+                f"this service has no workflow {name!r}; it serves "
+                f"{', '.join(engine.workflows) or 'none'}",
+                workflow=name, known=list(engine.workflows),
+            )  # fmt: skip
+        return wf
+
+    @app.get(
+        "/definitions",
+        tags=["definitions"],
+        summary="The workflows this service runs",
+        response_model=None,
+        responses=ok(DefinitionList, "Every served workflow"),
+    )
+    async def list_definitions() -> dict[str, Any]:
+        return {"items": [_definition(wf) for wf in engine.workflows.values()]}
+
+    @app.get(
+        "/definitions/{workflow}",
+        tags=["definitions"],
+        summary="One workflow",
+        response_model=None,
+        responses=ok(DefinitionOut, "The workflow"),
+    )
+    async def get_definition(workflow: str) -> dict[str, Any]:
+        return _definition(definition(workflow))
+
+    @app.get(
+        "/definitions/{workflow}/diagram",
+        tags=["definitions"],
+        summary="The workflow as a Mermaid state diagram",
+        response_class=PlainTextResponse,
+    )
+    async def get_diagram(workflow: str) -> str:
+        return definition(workflow).to_mermaid()
+
+
+def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> None:
+    depth = settings.max_json_depth
+
+    @app.post(
+        "/instances",
+        tags=["instances"],
+        status_code=201,
+        summary="Create an instance in its workflow's initial state (version 1)",
+        openapi_extra=body_doc(CreateBody, required=True),
+        response_model=None,
+        responses=ok(InstanceOut, "Created", 201, CREATED_HEADERS),
+    )
+    async def create_instance(request: Request) -> Response:
+        body = await read_json(request, CreateBody, depth, empty_ok=False)
+        instance_id = body.id if body.id is not None else str(uuid.uuid4())
+        inst = await engine.create(body.workflow, instance_id=instance_id, data=body.data)
+        return JSONResponse(
+            _instance(inst, engine),
+            status_code=201,
+            # Percent-encoded: an id may hold any character but NUL and controls, and a header
+            # carries only latin-1 (a raw "é" would be mojibake, a raw "𓀀" a crash after the
+            # instance was created, a raw "?" or "#" another URL).
+            headers={
+                "ETag": etag(inst.version),
+                "Location": f"/instances/{quote(inst.id, safe='')}",
+            },
+        )
+
+    @app.get(
+        "/instances",
+        tags=["instances"],
+        summary="Instances matching every filter given",
+        response_model=None,
+        responses=ok(InstancePage, "A page of instances"),
+    )
+    async def list_instances(
+        workflow: str | None = None,
+        state: Annotated[list[str] | None, Query()] = None,
+        updated_before: datetime | None = None,
+        updated_after: datetime | None = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        _aware(updated_before=updated_before, updated_after=updated_after)
+        try:
+            decode_cursor(cursor)
+        except InvalidInput:
+            raise problem(
+                422, "invalid-cursor", "Invalid cursor",
+                "cursor must be the next_cursor of the previous page exactly as it was sent",
+            ) from None  # fmt: skip
+        page = await engine.list(
+            workflow, state, updated_before, updated_after, limit=limit, after=cursor
+        )
+        return {"items": [_instance(i, engine) for i in page], "next_cursor": page.next_cursor}
+
+    @app.get(
+        "/instances/{instance_id}",
+        tags=["instances"],
+        summary="One instance",
+        response_model=None,
+        responses=ok(InstanceOut, "The instance", headers={"ETag": ETAG}),
+    )
+    async def get_instance(instance_id: str) -> Response:
+        inst = await engine.get(instance_id)
+        return JSONResponse(_instance(inst, engine), headers={"ETag": etag(inst.version)})
+
+    @app.post(
+        "/instances/{instance_id}/events/{event}",
+        tags=["instances"],
+        summary="Fire an event at an instance; applied at most once",
+        openapi_extra=body_doc(FireBody, required=False),
+        response_model=None,
+        responses=ok(
+            Fired,
+            "Applied, or nothing to do (idempotent), or a replay of the first answer",
+            headers=FIRED_HEADERS,
+        ),
+    )
+    async def fire(
+        instance_id: str,
+        event: str,
+        request: Request,
+        if_match: Annotated[str | None, Header(json_schema_extra=IF_MATCH_DOC)] = None,
+        idempotency_key: Annotated[str | None, Header(json_schema_extra=KEY_DOC)] = None,
+    ) -> Response:
+        expected = _if_match(if_match, settings.require_if_match)
+        key = _idempotency_key(idempotency_key)
+        body = await read_json(request, FireBody, depth, empty_ok=True)
+        if body.strategy is not None and body.strategy not in engine.strategies:
+            raise problem(
+                422, "unknown-strategy", "Unknown strategy",
+                f"this service runs the strategies {', '.join(sorted(engine.strategies))}, not "
+                f"{body.strategy!r} (distributed needs the service started with a Redis URL)",
+                strategy=body.strategy, known=sorted(engine.strategies),
+            )  # fmt: skip
+        outcome = await engine.fire(
+            instance_id,
+            event,
+            actor=_actor(request, body.actor),
+            request_id=key,
+            expected_version=expected,
+            payload=body.payload,
+            strategy=body.strategy,
+        )
+        return _fired(outcome, engine)
+
+    @app.get(
+        "/instances/{instance_id}/history",
+        tags=["instances"],
+        summary="Applied transitions, oldest first, a page at a time",
+        response_model=None,
+        responses=ok(HistoryPage, "A page of history"),
+    )
+    async def history(
+        instance_id: str,
+        after: Annotated[int, Query(ge=0, description="The version to start after.")] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    ) -> dict[str, Any]:
+        entries = [e for e in await engine.history(instance_id) if e.version > after]
+        shown = entries[:limit]
+        more = len(entries) > limit
+        return {
+            "items": [entry_dict(e) for e in shown],
+            "next_cursor": shown[-1].version if more else None,
+        }
