@@ -1,10 +1,7 @@
-"""What the inspection commands (``flowlock show``, ``history``, ``list``, ``check``) read, and
-how they open a database without changing it.
+"""What the inspection commands (``show``, ``history``, ``list``, ``check``) read.
 
-Read-only by construction: migrations never run (a database without flowlock's tables, or with
-migrations pending, is refused with a message naming ``flowlock db migrate``), a missing SQLite
-file or PostgreSQL schema is refused rather than created, and every PostgreSQL session runs with
-``default_transaction_read_only`` on, so even a bug here could not write.
+They open a database without changing it. Migrations never run, a missing file or schema
+is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write.
 """
 
 from __future__ import annotations
@@ -49,9 +46,10 @@ _PAGE = 500
 async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
     """An open engine over ``url`` (``postgresql://`` or ``sqlite:///path``) that cannot write.
 
-    Raises InvalidInput for another kind of URL or a bad schema name, StoreError when the
-    database cannot be reached or does not exist, MigrationError when flowlock's tables are
-    missing or behind this version of flowlock."""
+    Raises InvalidInput for another kind of URL or a bad schema name. Raises StoreError when
+    the database cannot be reached or does not exist. Raises MigrationError when flowlock's
+    tables are missing or behind this version.
+    """
     scheme = url.partition("://")[0].lower()
     if scheme in POSTGRES_SCHEMES:
         async with _postgres(url, schema) as engine:
@@ -102,10 +100,12 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
 
 
 async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
-    """Every transaction of ``conn`` read-only, set on each acquire. Not a startup setting: a
-    session that starts read-only is refused by a URL's ``target_session_attrs=read-write``
-    (asyncpg takes it for a standby), so a multi-host URL could never connect; and not once
-    per connection, since the pool's reset on release (``RESET ALL``) would undo it."""
+    """Make every transaction of ``conn`` read-only; set on each acquire.
+
+    Not a startup setting: ``target_session_attrs=read-write`` would take a read-only session
+    for a standby, so multi-host URLs could never connect. Not once per connection either:
+    the pool's ``RESET ALL`` on release would undo it.
+    """
     await conn.execute("SET default_transaction_read_only = on")
 
 
@@ -214,8 +214,10 @@ def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
 async def walk(
     engine: Engine, workflow: str | None, states: Sequence[str] | None, limit: int
 ) -> tuple[list[Instance], int]:
-    """At most ``limit`` matching instances, in id order, read page by page; and how many match
-    in all (a separate read, so under concurrent writes it may differ by a few)."""
+    """At most ``limit`` matching instances in id order, read page by page, and the total.
+
+    The total is a separate read, so under concurrent writes it may be off by a few.
+    """
     state = list(states) if states else None
     total = await engine.count(workflow=workflow, state=state)
     found: list[Instance] = []
@@ -233,8 +235,11 @@ async def walk(
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
-    """What ``flowlock check`` found: the merged verdict, how many instances and history rows
-    were checked, and the ids whose reads never settled (checked on the rows older than them)."""
+    """What ``flowlock check`` found.
+
+    The merged verdict, how many instances and history rows were checked, and the ids whose
+    reads never settled. Those were checked on the rows older than them.
+    """
 
     verdict: Verdict
     instances: int
@@ -243,8 +248,10 @@ class CheckReport:
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
-    """Run the exactly-once checker over one instance (InstanceNotFound if it does not exist)
-    or over every instance, page by page."""
+    """Run the exactly-once checker over one instance, or all of them, page by page.
+
+    Raises InstanceNotFound if the one instance does not exist.
+    """
     found: list[Violation] = []
     instances = rows = 0
     unsettled: list[str] = []
@@ -277,11 +284,10 @@ async def _stable_read(
 ) -> tuple[Instance, list[HistoryEntry], bool]:
     """The instance and its history as of one version, on a live database.
 
-    The two are separate reads, so a transition landing between them would look like a
-    final-mismatch. Reading the instance again after the history and finding the same version
-    means no transition landed in between (each commits its row and the new version together):
-    the pair is then consistent and checked whole. An instance that keeps moving is checked on
-    the rows up to the version last read, all committed before that read (not settled)."""
+    The two are separate reads, so a transition between them would look like a mismatch.
+    Reading the instance again and finding the same version proves nothing landed between.
+    An instance that keeps moving is checked on the rows up to the version last read.
+    """
     before = await engine.get(instance_id)
     read = (before, await engine.history(instance_id))
     for _ in range(_STABLE_TRIES):

@@ -118,11 +118,14 @@ def build_store(
     application_name: str | None = None,
     pipeline: bool = True,
 ) -> Store:
-    """The store for ``database_url``: ``postgresql://`` / ``postgres://`` (asyncpg),
-    ``sqlite:///path``, or ``memory://`` (in-process, for tests); or the PostgreSQL store on an
-    application's asyncpg ``pool``. The keywords are :func:`connect`'s (None: the store's
-    default); one that does not apply to the store asked for is refused. ``pipeline``: the
-    PostgreSQL store's (off with ``connect(batching=False)``). Nothing is opened yet."""
+    """The store for ``database_url``, not opened yet.
+
+    ``postgresql://`` or ``postgres://`` (asyncpg), ``sqlite:///path``, or ``memory://`` for
+    tests. Or the PostgreSQL store on an application's asyncpg ``pool``. The keywords are
+    :func:`connect`'s, None meaning the store's default. A keyword that does not apply to
+    this store is refused. ``pipeline`` is the PostgreSQL store's; ``batching=False`` turns
+    it off.
+    """
     bounds = _Bounds.checked(
         max_size, min_size, acquire_timeout, connect_timeout, command_timeout, lock_timeout,
         application_name,
@@ -295,9 +298,12 @@ def build_postgres_store(
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     pipeline: bool = True,
 ) -> PostgresStore:
-    """The PostgreSQL store, typed as such for callers that also use its pool (the benchmark's
-    raw floor and read-backs): ``min_size`` connections opened up front, ``application_name``
-    shown in ``pg_stat_activity``; the bounds are :func:`connect`'s. Nothing is opened yet."""
+    """The PostgreSQL store, typed as such for callers that use its pool.
+
+    The benchmark's raw floor and read-backs need that. ``min_size`` connections open up
+    front; ``application_name`` shows in ``pg_stat_activity``. The bounds are
+    :func:`connect`'s. Nothing is opened yet.
+    """
     require("asyncpg", "postgres", "a postgresql:// database URL")
     from flowlock.stores.postgres import PostgresStore
 
@@ -333,18 +339,17 @@ def build_locks(
 ) -> LockBackend:
     """The lock backend ``kind`` names, not opened yet.
 
-    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``;
-      ``fence_epochs`` (a PostgreSQL store's) keeps its fencing tokens strictly increasing
-      across Redis data losses, ``fence_floor`` (the store's ``fencing_floor``) keeps them above
-      the tokens the store recorded (see :mod:`flowlock.locks.redis.fence`);
-      ``rng`` jitters its wake-ups (seed it for a reproducible run).
-    - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on ``database_url``
-      (PostgreSQL), tables in ``schema``, a pool of ``pool_size`` connections named
-      ``application_name``, migrating on open unless ``auto_migrate=False``, each round trip
-      bounded by ``io_timeout`` (None: the backend's default).
-    - ``"memory"``: :class:`~flowlock.locks.memory.MemoryLocks` (one process, tests).
+    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``.
+      ``fence_epochs`` keeps tokens increasing across Redis data losses. ``fence_floor``
+      keeps them above the tokens the store recorded. ``rng`` jitters wake-ups; seed it to
+      reproduce a run.
+    - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on PostgreSQL
+      ``database_url``. Tables in ``schema``, a pool of ``pool_size`` named
+      ``application_name``, migrated on open unless ``auto_migrate=False``. ``io_timeout``
+      bounds each round trip; None is the backend's default.
+    - ``"memory"``: :class:`~flowlock.locks.memory.MemoryLocks`, for one process and tests.
 
-    ``namespace`` separates the lock keys of unrelated deployments sharing one server.
+    ``namespace`` separates the lock keys of deployments sharing one server.
     """
     if kind == "redis":
         if redis_url is None:

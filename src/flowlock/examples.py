@@ -1,14 +1,11 @@
-"""The seed article's cases as flowlock workflows. The benchmark and the tests share them.
+"""The seed article's cases as flowlock workflows, shared by the benchmark and the tests.
 
-Each carries the strategy that fits it (``strategy=`` overrides it; None leaves the engine's
-default):
+Each carries the strategy that fits it; ``strategy=`` overrides it, and None leaves the
+engine's default.
 
-- ``approval``: pending -> approved | rejected (the two-admins incident); the engine's
-  default strategy (optimistic unless the engine says otherwise): any strategy fits it.
-- ``countersign(quorum)``: every approver signs once; the instance moves to approved when
-  ``quorum`` distinct approvers have signed; pessimistic.
-- ``inventory``: ``reserve`` takes one unit of stock and refuses at zero (never oversell);
-  ``restock`` adds units; pessimistic.
+- ``approval``: pending -> approved | rejected (the two-admins incident). Any strategy fits.
+- ``countersign(quorum)``: approved once ``quorum`` distinct approvers signed. Pessimistic.
+- ``inventory``: ``reserve`` takes stock and refuses at zero; ``restock`` adds. Pessimistic.
 """
 
 from __future__ import annotations
@@ -24,9 +21,11 @@ __all__ = ["approval", "countersign", "inventory"]
 
 
 def approval(name: str = "approval", *, strategy: StrategyName | None = None) -> Workflow:
-    """A request that one of several administrators approves or rejects. It keeps the engine's
-    default strategy: approvals rarely conflict, a loser's retry finds the request decided, and
-    every strategy answers the two-admins race with one approval and one idempotent answer."""
+    """A request that one of several administrators approves or rejects.
+
+    It keeps the engine's default strategy: approvals rarely conflict. Every strategy
+    answers the two-admins race with one approval and one idempotent answer.
+    """
     return Workflow(
         name,
         strategy=strategy,
@@ -42,10 +41,12 @@ def approval(name: str = "approval", *, strategy: StrategyName | None = None) ->
 def countersign(
     quorum: int, name: str = "countersign", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A document that needs ``quorum`` distinct signatures. ``sign`` records the actor once
-    (a second signature by the same actor is refused) and moves to ``approved`` at quorum.
-    Pessimistic by default: every signer of a busy document must get through, and optimistic
-    retries would give up under a crowd of signers (``ConflictRetriesExhausted``)."""
+    """A document that needs ``quorum`` distinct signatures.
+
+    ``sign`` records each actor once, refusing a second signature, and moves to
+    ``approved`` at quorum. Pessimistic by default: every signer must get through, and
+    optimistic retries give up under a crowd (``ConflictRetriesExhausted``).
+    """
     if quorum < 1:
         raise ValueError("quorum must be at least 1")
 
@@ -81,10 +82,12 @@ def countersign(
 def inventory(
     name: str = "inventory", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A stock count. ``reserve`` (payload ``{"qty": n}``, default 1) refuses when there is not
-    enough stock; ``restock`` adds ``qty``. Data: ``{"stock": int, "reserved": int}``.
-    Pessimistic by default: on a hot stock row optimistic retries run out and leave units
-    unsold (100 buyers for 50 units sold only 24 with 76 ``ConflictRetriesExhausted``)."""
+    """A stock count. Data: ``{"stock": int, "reserved": int}``.
+
+    ``reserve`` (payload ``{"qty": n}``, default 1) refuses when stock is short. ``restock``
+    adds ``qty``. Pessimistic by default: on a hot row, optimistic retries run out and leave
+    units unsold. In one run, 100 buyers for 50 units bought only 24.
+    """
 
     def qty(payload: Mapping[str, Any]) -> int:
         n = payload.get("qty", 1)

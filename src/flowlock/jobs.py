@@ -1,37 +1,7 @@
-"""Run-once jobs: many processes fire the same job for the same tick; it runs to completion once.
+"""Run-once jobs: many processes fire one job for one tick, and it runs once.
 
-The seed's "scheduled-job de-duplication": every instance of a service has the same cron
-schedule, so at each tick they all try to run the job. With :class:`RunOnce`::
-
-    async with RunOnce(locks, database_url) as runner:          # locks: any LockBackend
-        result = await runner.run("nightly-report", "2024-05-01", build_report)
-        result.status    # "ran" | "took_over" | "done_elsewhere" | "running_elsewhere"
-
-Two layers, because a lease alone is not enough:
-
-1. A lease on the key ``flowlock-job:<job>:<tick>`` (``ttl`` seconds, renewed by the Held
-   watchdog while the job runs) keeps the other runners from even starting: with ``wait=0``
-   they skip at once (``running_elsewhere``).
-2. ``flowlock_job_runs`` in PostgreSQL decides. A runner holding the lease claims the tick with
-   its fencing token; a ``done`` row is never run again, and a ``running`` row is taken over only
-   with a higher fencing token, i.e. by a later holder of the lease after the previous holder
-   lost it (crashed, or stalled past its ttl). Completion is fenced too
-   (``... WHERE fencing = mine``): a runner that lost its lease and was taken over cannot
-   record its result; it gets LockLost instead of a false success.
-
-So a tick is recorded ``done`` once, even when a lease expires under a paused runner. What
-layer 2 cannot undo is that the paused runner's ``fn`` may still be executing when the next one
-starts: side effects outside PostgreSQL must be fenced with ``ctx.fencing`` (refuse a token
-lower than the last one seen) or be idempotent. The lock backend must be shared by every runner
-(Redis, PostgreSQL advisory locks; memory locks only within one process), and its fencing tokens
-must keep increasing; if they ever went backwards a crashed runner's tick would stay
-``running`` and be skipped (never run twice), and a warning is logged. A Redis backend built
-without fencing epochs (``RedisLocks(url)``) is lent the runner's own (``RunOnce.fence_epochs``,
-in this database) while the runner is open, so its tokens keep increasing across Redis data
-losses too (see :mod:`flowlock.locks.redis.fence`).
-
-A ``fn`` that raises leaves the tick ``failed`` (with the error): the next ``run`` of that tick
-runs it again. RunOnce neither opens nor closes the lock backend it is given.
+A lease keeps other runners out; a fenced row in PostgreSQL decides. See "Run-once
+jobs" in docs/deployment.md.
 """
 
 from __future__ import annotations
@@ -103,9 +73,9 @@ _CONNECT_TIMEOUT = 10.0
 _MAX_NAME = 200
 
 _ROW = "SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2"
-# $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted; an existing
-# one is claimed only if it is not done and its owner's token is lower than ours (that owner
-# lost the lease we now hold). No row back: not ours to run. `prev` reports what was there.
+# $1 job, $2 tick, $3 this runner's fencing token, $4 owner. A new tick is inserted. An existing one
+# is claimed only if not done and its owner's token is lower than ours: that owner lost the lease we
+# hold. No row back: not ours to run. `prev` reports what was there.
 _CLAIM = """
 WITH prev AS (
     SELECT state, fencing, owner FROM flowlock_job_runs WHERE job = $1 AND tick = $2
@@ -136,12 +106,17 @@ UPDATE flowlock_job_runs SET state = 'failed', finished_at = now(), error = $4
 class RunResult(Generic[T]):
     """What one ``RunOnce.run`` call did.
 
-    ``status``: ``ran`` (this call ran the job), ``took_over`` (it ran the job after the
-    runner that had claimed the tick lost its lease), ``done_elsewhere`` (the tick was already
-    done), ``running_elsewhere`` (another runner holds the tick now). ``fencing``: this call's
-    fencing token when it held the lease. ``value``: what ``fn`` returned, when it ran here.
-    ``previous_fencing`` / ``previous_owner``: the runner this call took over from, or the one
-    that finished the tick. ``attempt``: 1 for a first run, more after take-overs and failures.
+    ``status`` is one of:
+
+    - ``ran``: this call ran the job.
+    - ``took_over``: it ran the job after the runner that claimed the tick lost its lease.
+    - ``done_elsewhere``: the tick was already done.
+    - ``running_elsewhere``: another runner holds the tick now.
+
+    ``fencing`` is this call's token when it held the lease. ``value`` is what ``fn``
+    returned, when it ran here. ``previous_fencing`` and ``previous_owner`` name the runner
+    this call took over from, or the one that finished the tick. ``attempt`` is 1 for a
+    first run, more after take-overs and failures.
     """
 
     job: str
@@ -165,8 +140,10 @@ class RunResult(Generic[T]):
 
 
 class JobContext:
-    """What ``fn`` gets: the job, the tick, the fencing token for its side effects, and
-    :meth:`check` to call before anything that must not happen after the lease was lost."""
+    """What ``fn`` gets: the job, the tick and the fencing token.
+
+    Call :meth:`check` before anything that must not happen after the lease was lost.
+    """
 
     __slots__ = ("_held", "attempt", "job", "tick")
 
@@ -183,8 +160,11 @@ class JobContext:
 
     @property
     def fencing(self) -> int:
-        """This run's fencing token: pass it to anything outside PostgreSQL that must refuse a
-        runner whose lease was taken over (refuse tokens lower than the highest seen)."""
+        """This run's fencing token.
+
+        Pass it to anything outside PostgreSQL that must refuse a runner that was taken over.
+        Such a system refuses tokens lower than the highest it has seen.
+        """
         return self._held.lease.fencing
 
     def check(self) -> None:
@@ -193,22 +173,24 @@ class JobContext:
 
 
 class RunOnce(AsyncResource):
-    """Runs each (job, tick) to completion once across every process that shares ``locks``
-    and the PostgreSQL database at ``dsn``.
+    """Runs each (job, tick) to completion once across every process.
 
-    ``ttl``: the lease, renewed every ``ttl / 3`` while ``fn`` runs; a runner that dies is taken
-    over once its lease is gone (at the latest ``ttl`` later). ``wait``: how long a runner waits
-    for another runner's lease before it reports ``running_elsewhere`` (0: not at all; a waiter
-    that gets the lease after the job finished reports ``done_elsewhere``). ``schema``: where
-    ``flowlock_job_runs`` lives (migrated on open unless ``auto_migrate=False``). ``owner``:
-    how this runner is named in the table (default: host, pid and a random suffix).
-    ``application_name``: how its connections show in ``pg_stat_activity``.
-    ``fence_epochs``: the fencing epochs in this database, lent on open to a lock backend that
-    can borrow them (a RedisLocks given none of its own) and taken back on close.
-    ``command_timeout``: seconds one round trip to PostgreSQL may take beyond the 5 s a
-    statement may wait for a row lock on the server; past it the connection is terminated and
-    the call raises ConnectionLost (OutcomeUnknown for a claim or a completion that may have
-    been written).
+    The processes share ``locks`` and the PostgreSQL database at ``dsn``.
+
+    - ``ttl``: the lease, renewed every ``ttl / 3`` while ``fn`` runs. A dead runner is taken
+      over at most ``ttl`` later.
+    - ``wait``: how long to wait for another runner's lease before reporting
+      ``running_elsewhere`` (0: not at all). A waiter that gets the lease after the job
+      finished reports ``done_elsewhere``.
+    - ``schema``: where ``flowlock_job_runs`` lives. It is migrated on open unless
+      ``auto_migrate=False``.
+    - ``owner``: this runner's name in the table (default: host, pid and a random suffix).
+    - ``application_name``: how its connections show in ``pg_stat_activity``.
+    - ``fence_epochs``: the fencing epochs in this database. They are lent on open to a lock
+      backend that can borrow them, and taken back on close.
+    - ``command_timeout``: seconds one round trip may take, beyond the 5 s a statement may
+      wait for a row lock. Past it the call raises ConnectionLost, or OutcomeUnknown for a
+      claim or completion that may have been written.
     """
 
     def __init__(
@@ -285,8 +267,7 @@ class RunOnce(AsyncResource):
             self._give_back_epochs = self.locks.borrow_fence_epochs(self.fence_epochs)
 
     async def aclose(self) -> None:
-        """Release the database connections (and the fencing epochs lent to the lock backend).
-        Idempotent."""
+        """Release the database connections and the lent fencing epochs. Idempotent."""
         give_back, self._give_back_epochs = self._give_back_epochs, None
         if give_back is not None:
             give_back()
@@ -304,10 +285,12 @@ class RunOnce(AsyncResource):
     ) -> RunResult[T]:
         """Run ``fn`` for (``job``, ``tick``) unless it is done or running elsewhere.
 
-        Raises LockLost if this runner lost its lease and another runner took the tick over
-        before ``fn`` finished (``fn``'s result is then not recorded); whatever ``fn`` raises
-        (the tick is left ``failed``, to be run again by the next ``run``); LockUnavailable /
-        StoreError when the lock backend or the database cannot be reached.
+        Raises:
+
+        - LockLost: another runner took the tick over before ``fn`` finished. ``fn``'s result
+          is not recorded.
+        - Whatever ``fn`` raises. The tick is left ``failed``, and the next ``run`` runs it again.
+        - LockUnavailable or StoreError: the lock backend or the database cannot be reached.
         """
         check_text("job", job, most=_MAX_NAME)
         if isinstance(tick, bool) or not isinstance(tick, str | int):
@@ -414,8 +397,10 @@ class RunOnce(AsyncResource):
     async def _conn(
         self, *, writes: bool = False
     ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection, whose driver errors become flowlock errors. ``writes``: the block
-        runs one autocommit write, so a session lost meanwhile is OutcomeUnknown."""
+        """A pooled connection whose driver errors become flowlock errors.
+
+        ``writes``: the block runs one autocommit write, so a lost session is OutcomeUnknown.
+        """
         if self._pool is None:
             raise EngineClosed("the PostgreSQL store is closed; open it first")
         async with connection(

@@ -1,12 +1,8 @@
-"""Prometheus metrics on an injected registry (nothing is registered globally by default).
+"""Prometheus metrics on an injected registry; nothing is registered globally by default.
 
-Names follow Prometheus conventions: base units (seconds), ``_total`` for counters, and no
-instance id as a label (it would make one time series per instance). Labels are bounded by the
-definitions: workflow, event, strategy, outcome.
-
-The engine records through the ``record_*`` methods: one per ``fire`` that returned
-(:meth:`Metrics.record_outcome`), one per ``fire`` that raised (:meth:`Metrics.record_failure`),
-and one per escalation-sync tick (:meth:`Metrics.record_escalations`).
+Base units (seconds) and ``_total`` counters. Labels are bounded by the definitions:
+workflow, event, strategy, outcome. No instance id label: it would make a series per
+instance.
 """
 
 from __future__ import annotations
@@ -36,8 +32,11 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class Metrics:
-    """The collectors of one engine. ``registry`` defaults to a private CollectorRegistry; pass
-    ``prometheus_client.REGISTRY`` to expose them on the process's default endpoint."""
+    """The collectors of one engine.
+
+    ``registry`` defaults to a private CollectorRegistry. Pass ``prometheus_client.REGISTRY``
+    to expose them on the process's default endpoint.
+    """
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, prefix: str = "flowlock"
@@ -105,8 +104,10 @@ class Metrics:
     def record_outcome(
         self, outcome: Outcome, *, lock_wait: float | None = None, lock_hold: float | None = None
     ) -> None:
-        """A ``fire`` call that returned ``outcome``; ``lock_wait`` and ``lock_hold`` (seconds)
-        when its strategy took a lock."""
+        """A ``fire`` call that returned ``outcome``.
+
+        ``lock_wait`` and ``lock_hold`` are seconds, given when its strategy took a lock.
+        """
         workflow, strategy = outcome.instance.workflow, outcome.strategy
         label = "applied" if outcome.applied else "idempotent"
         self.transitions.labels(workflow, outcome.event, strategy, label).inc()
@@ -122,8 +123,10 @@ class Metrics:
     def record_failure(
         self, exc: FlowlockError, *, workflow: str, event: str, strategy: str, elapsed: float
     ) -> None:
-        """A ``fire`` call that raised ``exc`` after ``elapsed`` seconds. ``workflow`` is ""
-        when the call failed before reading its instance."""
+        """A ``fire`` call that raised ``exc`` after ``elapsed`` seconds.
+
+        ``workflow`` is "" when the call failed before reading its instance.
+        """
         label = failure_outcome(exc)
         if isinstance(exc, ConflictRetriesExhausted):
             self.conflicts.labels(workflow, strategy).inc(exc.attempts)
@@ -133,8 +136,11 @@ class Metrics:
         self.duration.labels(workflow, strategy).observe(elapsed)
 
     def record_escalations(self, *, active: int, escalated: int, deescalated: int, to: str) -> None:
-        """One escalation-sync tick: ``active`` keys are escalated now; ``escalated`` (to
-        strategy ``to``) and ``deescalated`` are the changes since the previous tick."""
+        """One escalation-sync tick.
+
+        ``active`` keys are escalated now. ``escalated`` (to strategy ``to``) and
+        ``deescalated`` are the changes since the previous tick.
+        """
         self.escalated_keys.set(active)
         self.escalations.labels(to).inc(escalated)
         self.deescalations.inc(deescalated)

@@ -99,11 +99,11 @@ _orphans: list[_LoopThread] = []
 
 
 class Engine:
-    """A blocking :class:`flowlock.Engine`, safe to share between threads (see the module doc).
+    """A blocking :class:`flowlock.Engine`, safe to share between threads.
 
-    ``Engine.connect(database_url, ...)`` takes the async ``Engine.connect``'s keywords;
-    ``Engine(store, ...)`` the async ``Engine(store, ...)``'s arguments, or a ``flowlock.Engine``
-    not opened yet in place of the store (configured already: give no other argument then).
+    ``Engine.connect(database_url, ...)`` takes the async ``Engine.connect``'s keywords.
+    ``Engine(store, ...)`` takes the async ``Engine``'s arguments. In place of the store it
+    also takes an unopened, configured ``flowlock.Engine``, with no other argument.
     """
 
     def __init__(self, store: Store | AsyncEngine, **options: Unpack[EngineOptions]) -> None:
@@ -148,8 +148,10 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self) -> Self:
-        """Open the store (connect, migrate) and the lock backends now rather than on the first
-        call. Idempotent; EngineClosed after ``close()``."""
+        """Open the store (connect, migrate) and the lock backends now, not on the first call.
+
+        Idempotent. Raises EngineClosed after ``close()``.
+        """
         _refuse_in_event_loop("open")
         with self._lock:
             self._start(opens=True)
@@ -176,8 +178,10 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """``close()`` was called (or the process forked after the engine opened). An engine not
-        opened yet is not closed: its first call opens it."""
+        """Whether ``close()`` was called, or the process forked after the engine opened.
+
+        An engine not opened yet is not closed: its first call opens it.
+        """
         return self._closed or self._forked is not None
 
     def __enter__(self) -> Self:
@@ -215,8 +219,10 @@ class Engine:
     # -- the calls -------------------------------------------------------------------------
 
     def register(self, workflow: Workflow) -> None:
-        """Make ``workflow`` available to ``create`` and ``fire`` (see flowlock.Engine.register).
-        Connects nothing: safe to call at import time, before a server forks its workers."""
+        """Make ``workflow`` available to ``create`` and ``fire``.
+
+        Connects nothing, so it is safe at import time, before a server forks its workers.
+        """
         return self._run(self._engine.register(workflow), opens=False)
 
     def create(
@@ -269,8 +275,10 @@ class Engine:
         payload: Mapping[str, Any] | None = None,
         strategy: str | Strategy | None = None,
     ) -> Outcome:
-        """Fire ``event`` at the instance; the transition is applied at most once. The same
-        Outcome and errors as :meth:`flowlock.Engine.fire`."""
+        """Fire ``event`` at the instance; the transition applies at most once.
+
+        The same Outcome and errors as :meth:`flowlock.Engine.fire`.
+        """
         return self._run(
             self._engine.fire(
                 instance_id,
@@ -333,25 +341,28 @@ class Engine:
             self._calls.discard(task)
 
     async def _shutdown(self) -> None:
-        """Wait for the calls in flight (every one is bounded), then close the async engine.
+        """Wait for the calls in flight, each bounded, then close the async engine.
+
         Calls submitted before close() began have started by now: the loop runs callbacks in
-        the order they were scheduled."""
+        order.
+        """
         if self._calls:
             await asyncio.wait(set(self._calls))
         await self._engine.aclose()
 
     def _after_fork_in_child(self) -> None:
-        """This process is a fork: the loop thread is not running here, and the connections,
-        if any, belong to the parent."""
+        """This process is a fork: the loop thread is not running here.
+
+        Any connections belong to the parent.
+        """
         self._lock = threading.Lock()  # another thread of the parent may have held it
         self._calls = set()
         runner, self._runner = self._runner, None
         if runner is None:
             return
-        # Marked closed, not closed: close() would unregister the parent's sockets from the
-        # epoll instance both processes share, and the parent's loop would stop hearing them.
-        # A loop marked closed is left alone by every clean-up path (asyncpg's finaliser, a
-        # transport's), which then only close this process's copies of the file descriptors.
+        # Marked closed, not closed. close() would unregister the parent's sockets from the epoll
+        # instance both processes share. A loop marked closed is left alone by every clean-up path,
+        # which then only closes this process's copies of the file descriptors.
         runner.loop._closed = True  # type: ignore[attr-defined]
         _orphans.append(runner)
         if self._opened and not self._closed:
@@ -454,11 +465,12 @@ def _after_fork_in_child() -> None:
 def _register_hooks(
     at_exit: Callable[[Callable[[], None]], object] | None,
 ) -> None:
-    """Close engines left open at exit: before the interpreter joins its thread pools (the
-    threading module's exit hooks, when this Python has them), else with :mod:`atexit`. Those
-    hooks run last registered first, and concurrent.futures.thread registered its own when this
-    module imported it, so an engine is closed while SQLite's connection threads can still close
-    their connections; :mod:`atexit` hooks only run after those threads have stopped."""
+    """Close engines left open at exit, before the interpreter joins its thread pools.
+
+    Uses the threading module's exit hooks when this Python has them, else :mod:`atexit`.
+    Hooks run last registered first, so the engine closes while SQLite's connection threads
+    can still close their connections. :mod:`atexit` hooks run only after those threads stop.
+    """
     import atexit
 
     if at_exit is not None:

@@ -1,20 +1,7 @@
-"""Optional OpenTelemetry spans: ``flowlock.fire`` per call, with ``flowlock.lock_wait`` and
-``flowlock.commit`` (and ``flowlock.batch`` for a batch) beneath it. See docs/tracing.md.
+"""Optional OpenTelemetry spans: ``flowlock.fire`` per call, and its children.
 
-OpenTelemetry is optional (``pip install flowlock[otel]``). Without it, :data:`AVAILABLE` is
-False and the engine checks that flag and nothing else: no span, no context manager, no clock
-read. With the API installed but no tracer provider configured (neither a global one nor
-:func:`use_tracer_provider`), :func:`tracer` answers None and a call costs the same flag check
-plus one look at the global provider.
-
-Which tracer a call uses is decided once, when ``fire`` starts its span; the strategies beneath
-it ask :func:`current` (a context variable), so a strategy run outside a traced ``fire`` makes
-no spans. The helpers the strategies call return at once when there is no current tracer, and
-:func:`commit_span` then hands back one shared do-nothing context manager, allocated once.
-
-Lock waits are recorded after the fact, from the times the strategy or the store measured
-(``time.monotonic``), as spans with explicit start and end times: the wait happens inside the
-store (a row lock) or the lock backend, where no span is open around it.
+Install with ``pip install flowlock[otel]``. Without it, or without a tracer provider, a
+call costs a flag check. docs/tracing.md lists the spans, attributes and costs.
 """
 
 from __future__ import annotations
@@ -95,9 +82,11 @@ NO_SPAN: AbstractContextManager[None] = nullcontext()
 
 
 def use_tracer_provider(provider: TracerProvider | None) -> None:
-    """Send flowlock's spans to ``provider`` instead of the global tracer provider; None goes
-    back to the global one. For tests and for applications that keep a provider of their own
-    (OpenTelemetry lets the global provider be set only once per process)."""
+    """Send flowlock's spans to ``provider`` instead of the global one; None goes back.
+
+    For tests, and for applications with a provider of their own. OpenTelemetry lets the
+    global provider be set only once per process.
+    """
     global _provider, _cached
     if provider is not None:
         if not AVAILABLE:
@@ -114,8 +103,10 @@ def use_tracer_provider(provider: TracerProvider | None) -> None:
 
 
 def tracer() -> Tracer | None:
-    """flowlock's tracer, or None when OpenTelemetry is not installed or no tracer provider is
-    configured (then no span is made at all, rather than non-recording ones)."""
+    """flowlock's tracer, or None when OpenTelemetry or a tracer provider is missing.
+
+    None means no span at all, rather than non-recording ones.
+    """
     global _cached
     if not AVAILABLE:
         return None
@@ -137,9 +128,11 @@ def current() -> Tracer | None:
 
 
 class FireSpan:
-    """The ``flowlock.fire`` span of one call, current (and its tracer :func:`current`) in the
-    caller's context from :func:`start_fire` until :meth:`end`, which must run in that same
-    context (``fire``'s ``finally``)."""
+    """The ``flowlock.fire`` span of one call.
+
+    It is current in the caller's context from :func:`start_fire` until :meth:`end`.
+    :meth:`end` must run in that same context (``fire``'s ``finally``).
+    """
 
     __slots__ = ("_otel_token", "_token", "span", "tracer")
 
@@ -176,8 +169,10 @@ class FireSpan:
         )
 
     def failed(self, exc: BaseException, label: str) -> None:
-        """The call raised ``exc``; ``label`` is its outcome (flowlock.metrics.failure_outcome).
-        A cancelled call is no error of its own: it gets its label and no error status."""
+        """The call raised ``exc``; ``label`` is its outcome.
+
+        A cancelled call gets its label but no error status: it is no error of its own.
+        """
         span = self.span
         span.set_attribute(OUTCOME, label)
         if isinstance(exc, ConflictRetriesExhausted):
@@ -202,10 +197,12 @@ def start_fire(instance_id: str, event: str) -> FireSpan | None:
 def batch_span(
     first: FireSpan, spans: Sequence[FireSpan | None], instance_id: str, strategy: str
 ) -> Iterator[object]:
-    """A ``flowlock.batch`` span around one batch's strategy run, in the driver task: a child
-    of the fire span of the batch's first call (``first``), linked to the fire spans of the
-    others. The batch's lock_wait and commit spans are its children: one set per batch, shared
-    by its calls. (The engine passes :data:`NO_SPAN` instead when the batch is not traced.)"""
+    """A ``flowlock.batch`` span around one batch's strategy run, in the driver task.
+
+    It is a child of the first call's fire span and links to the others'. The batch's lock
+    wait and commit spans are its children, shared by its calls. The engine passes
+    :data:`NO_SPAN` when the batch is not traced.
+    """
     links = [
         _trace.Link(s.span.get_span_context()) for s in spans if s is not None and s is not first
     ]
@@ -225,9 +222,11 @@ def batch_span(
 def commit_span(
     planned: Sequence[HistoryEntry], attempt: int
 ) -> AbstractContextManager[Span | None]:
-    """A ``flowlock.commit`` span around a store's compare-and-swap of ``planned`` (attempt
-    number ``attempt``), a child of the current span; the shared no-op when nothing is traced.
-    Say how it went with :func:`commit_done`."""
+    """A ``flowlock.commit`` span around a compare-and-swap of ``planned``.
+
+    ``attempt`` is the attempt number. A child of the current span; the shared no-op when
+    nothing is traced. Report the result with :func:`commit_done`.
+    """
     found = _CURRENT.get()
     if found is None:
         return NO_SPAN
@@ -235,24 +234,30 @@ def commit_span(
 
 
 def commit_done(span: Span | None, won: bool) -> None:
-    """Whether the compare-and-swap of :func:`commit_span`'s ``span`` won (False: another
-    writer got there first and nothing was written)."""
+    """Whether the compare-and-swap of ``span`` won.
+
+    False: another writer got there first, and nothing was written.
+    """
     if span is not None:
         span.set_attribute(CONFLICT, not won)
 
 
 def lock_wait(start: float, end: float, *, lock: str, acquired: bool = True) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` to ``end`` (``time.monotonic`` seconds)
-    under the current span. ``lock``: "row" or "lease"; ``acquired`` False when the call was
-    answered once the lock was released, without taking it."""
+    """A ``flowlock.lock_wait`` span from ``start`` to ``end``, in monotonic seconds.
+
+    ``lock`` is "row" or "lease". ``acquired`` is False when the call was answered after the
+    release, without taking the lock.
+    """
     found = _CURRENT.get()
     if found is not None:
         _Clock().span(found, LOCK_WAIT, start, end, {LOCK: lock, ACQUIRED: acquired})
 
 
 def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` until now that ended in ``exc`` (a timeout,
-    a busy lock, a lock backend that is down)."""
+    """A ``flowlock.lock_wait`` span from ``start`` until now that ended in ``exc``.
+
+    ``exc`` is a timeout, a busy lock or a lock backend that is down.
+    """
     found = _CURRENT.get()
     if found is not None:
         clock = _Clock()
@@ -260,10 +265,12 @@ def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
 
 
 def locked(start: float, waited: float | None, held: float | None, entries: int) -> None:
-    """The spans of a store's locked step that began at ``start`` (monotonic): its wait for the
-    row lock (``waited`` seconds) and, when it wrote ``entries`` > 0 history rows, a commit span
-    for the time the lock was held (read, step, write and COMMIT). A store that does not measure
-    the wait (None) gets one commit span for the whole call."""
+    """The spans of a store's locked step that began at ``start`` (monotonic).
+
+    A lock-wait span for ``waited`` seconds, then a commit span for the time the lock was
+    held, when ``entries`` > 0. A store that does not measure the wait (None) gets one commit
+    span for the whole call.
+    """
     found = _CURRENT.get()
     if found is None:
         return
@@ -278,9 +285,11 @@ def locked(start: float, waited: float | None, held: float | None, entries: int)
 
 
 class _Clock:
-    """Now on both clocks, read once: the monotonic times the strategies and stores measure,
-    turned into the wall-clock nanoseconds spans take. Spans made with one clock meet exactly
-    where their times meet."""
+    """Now on both clocks, read once.
+
+    Turns the monotonic times strategies measure into the wall-clock nanoseconds spans take.
+    Spans made with one clock meet exactly where their times meet.
+    """
 
     __slots__ = ("now", "now_ns")
 
@@ -299,8 +308,7 @@ class _Clock:
         attributes: dict[str, Any],
         exc: BaseException | None = None,
     ) -> None:
-        """A span from ``start`` to ``end`` (monotonic seconds), made now, with explicit times,
-        under the current span."""
+        """A span from ``start`` to ``end`` (monotonic seconds) under the current span."""
         span = found.start_span(name, attributes=attributes, start_time=self.wall(start))
         if exc is not None:
             span.record_exception(exc)

@@ -33,19 +33,19 @@ import redis
 
 import flowlock
 from flowlock import examples
-from flowlock.bench.unavailability import Availability
 from flowlock.checker import check
 from flowlock.embedded import EmbeddedRedis
-from flowlock.embedded.redis_ha import (
+from flowlock.engine import connect
+from flowlock.locks.base import Lease
+from flowlock.locks.redis import RedisLocks
+from flowlock.stores.postgres import PostgresStore
+from flowlock_lab.redis_ha import (
     EmbeddedRedisCluster,
     EmbeddedRedisSentinel,
     redis_cli,
     sentinel_command,
 )
-from flowlock.engine import connect
-from flowlock.locks.base import Lease
-from flowlock.locks.redis import RedisLocks
-from flowlock.stores.postgres import PostgresStore
+from flowlock_lab.unavailability import Availability
 from lock_probes import Sleepers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

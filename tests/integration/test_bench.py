@@ -55,6 +55,7 @@ from flowlock.engine import Engine
 from flowlock.examples import approval
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock_lab.matrix import run_bench as lab_run_bench
 
 pytestmark = pytest.mark.postgres
 
@@ -268,7 +269,7 @@ class _ServiceWatch(NullProgress):
         if not strategy.endswith("(http)"):
             return
         for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and "flowlock.bench.http_app" in _cmdline(proc):
+            if proc.name.isdigit() and "flowlock_lab.http_app" in _cmdline(proc):
                 schema = _served_schema(proc)
                 if schema is not None:
                     self.seen[proc] = schema
@@ -293,7 +294,7 @@ async def test_http_quick_run_compares_the_service_with_in_process(pg_url: str) 
     its twin and judged by the overhead aim; and afterwards the service process is gone and
     the scratch schema dropped."""
     watch = _ServiceWatch()
-    report = await run_bench(
+    report = await lab_run_bench(
         BenchConfig(
             database_url=pg_url,
             http=True,
@@ -358,7 +359,7 @@ async def test_an_error_mid_http_run_still_stops_the_service(pg_url: str) -> Non
         database_url=pg_url, http=True, quick=True, scenarios=("storm",), strategies=("adaptive",)
     )
     with pytest.raises(_Interrupted):
-        await run_bench(config, watch)
+        await lab_run_bench(config, watch)
     assert watch.seen  # it ran...
     for proc, schema in watch.seen.items():
         assert not (proc.exists() and _state(proc) not in "ZX"), proc  # ...and is gone

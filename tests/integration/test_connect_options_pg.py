@@ -225,7 +225,6 @@ def test_bad_lease_wait_is_refused(value: object) -> None:
     ("kw", "match"),
     [
         ({"max_size": 0}, "max_size"),
-        ({"pool_size": -1}, "pool_size"),
         ({"max_size": 2.5}, "max_size"),
         ({"min_size": -1}, "min_size"),
         ({"min_size": 5, "max_size": 2}, "above max_size"),

@@ -30,15 +30,16 @@ from typing import Any
 
 import pytest
 
-from flowlock.bench import BenchConfig, run_bench
-from flowlock.bench.hosts import NamespacedHosts, check_available
+from flowlock.bench import BenchConfig
 from flowlock.bench.scenarios import counter
 from flowlock.bench.servers import count_connections_from
 from flowlock.checker import check
-from flowlock.core.errors import HostsUnavailable
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 from flowlock.engine import Engine
 from flowlock.stores.postgres import PostgresStore
+from flowlock_lab.errors import HostsUnavailable
+from flowlock_lab.hosts import NamespacedHosts, check_available
+from flowlock_lab.matrix import run_bench
 
 WORKER = Path(__file__).with_name("host_worker.py")
 SCHEMA = "flowlock_hosts"

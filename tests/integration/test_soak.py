@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flowlock.bench.config import SoakConfig
-from flowlock.bench.soak import run_soak
-from flowlock.bench.soak_results import FAULT_KINDS, OUTCOME_KINDS
 from flowlock.cli import app
+from flowlock_lab.soak import run_soak
+from flowlock_lab.soak_config import SoakConfig
+from flowlock_lab.soak_results import FAULT_KINDS, OUTCOME_KINDS
 
 SOAK_SECONDS = 60
 

@@ -11,14 +11,16 @@ import pytest
 from typer.testing import CliRunner
 
 import flowlock
-from flowlock import cli as cli_module
 from flowlock.bench import ALIASES, DEFAULT_STRATEGIES, SCENARIOS, BenchConfig, BenchReport
 from flowlock.bench import runner as bench_runner
-from flowlock.bench.config import SoakConfig, Target, redact
+from flowlock.bench.config import Target, redact
+from flowlock.bench.extend import Lab
 from flowlock.bench.progress import Progress
 from flowlock.bench.servers import connections_needed, demand, fit_pool
 from flowlock.cli import app
+from flowlock.cli import bench as cli_module
 from flowlock.core.errors import InvalidInput
+from flowlock_lab.soak_config import SoakConfig
 
 
 @pytest.mark.parametrize(
@@ -193,7 +195,9 @@ def test_the_command_line_passes_batching_to_the_run(
     """`--batching on|off` (default on) reaches the run's config, and the title says which."""
     seen: list[BenchConfig] = []
 
-    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         seen.append(config)
         return _empty_report(config)
 

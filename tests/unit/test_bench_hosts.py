@@ -22,7 +22,18 @@ import flowlock
 from flowlock.bench import BenchConfig, BenchReport
 from flowlock.bench import runner as bench_runner
 from flowlock.bench.config import HOSTS_SCENARIOS
-from flowlock.bench.hosts import (
+from flowlock.bench.extend import Lab
+from flowlock.bench.procs import WORKER_ARGV, Closed, WorkerPool, reply_from_dict
+from flowlock.bench.progress import Progress
+from flowlock.bench.report import render, to_json
+from flowlock.bench.report.tables import title
+from flowlock.bench.results import HTTP, IN_PROCESS, ConnectionStats, Params, Timed, summarise
+from flowlock.bench.scenarios import SCENARIOS
+from flowlock.cli import app
+from flowlock.core.errors import FlowlockError, InvalidInput
+from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
+from flowlock_lab.errors import HostsError, HostsUnavailable
+from flowlock_lab.hosts import (
     MAX_HOSTS,
     SUBNET_POOL,
     NamespacedHosts,
@@ -31,15 +42,6 @@ from flowlock.bench.hosts import (
     plan_hosts,
     used_networks,
 )
-from flowlock.bench.procs import WORKER_ARGV, Closed, WorkerPool, reply_from_dict
-from flowlock.bench.progress import Progress
-from flowlock.bench.report import render, to_json
-from flowlock.bench.report.tables import title
-from flowlock.bench.results import HTTP, IN_PROCESS, ConnectionStats, Params, Timed, summarise
-from flowlock.bench.scenarios import SCENARIOS
-from flowlock.cli import app
-from flowlock.core.errors import FlowlockError, HostsError, HostsUnavailable, InvalidInput
-from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
 SUBNET = IPv4Network("10.213.7.0/24")
 
@@ -272,7 +274,9 @@ def test_the_command_line_passes_hosts_and_delay_and_the_title_says_them(
     seen: list[BenchConfig] = []
     hosts = {"count": 3, "netem_delay_ms": 1.0, "left": {"processes": 0}}
 
-    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         seen.append(config)
         return _report(config, hosts)
 
@@ -302,7 +306,9 @@ def test_the_command_line_refuses_hosts_it_cannot_run(
 ) -> None:
     started: list[BenchConfig] = []
 
-    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         # Only reached if the command line let the config through: refused before any run.
         started.append(config)
         return _report(config, None)

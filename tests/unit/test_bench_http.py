@@ -21,13 +21,12 @@ import flowlock
 from flowlock.bench import BenchConfig, BenchReport
 from flowlock.bench import runner as bench_runner
 from flowlock.bench.config import HTTP_SCENARIOS, HTTP_STRATEGIES, HTTP_WORKERS, service_pool
-from flowlock.bench.http import SERVICE_APP, failure, service_url
-from flowlock.bench.http_app import workflows
+from flowlock.bench.extend import Lab
 from flowlock.bench.measure import RemoteFailure, timed_call
 from flowlock.bench.progress import Progress
 from flowlock.bench.report import aims, render, to_json
 from flowlock.bench.report.aims import HTTP_AIM, Overhead, overhead
-from flowlock.bench.report.tables import ELLIPSIS
+from flowlock.bench.report.cells import ELLIPSIS
 from flowlock.bench.results import HTTP, CallSpec, ScenarioResult, failures
 from flowlock.bench.scenarios import SCENARIOS, Fired
 from flowlock.bench.servers import fit_pool, with_service
@@ -35,6 +34,8 @@ from flowlock.checker import DOUBLE_APPLY, Verdict, Violation
 from flowlock.cli import app
 from flowlock.core.diagram import load_workflows
 from flowlock.core.errors import InvalidInput
+from flowlock_lab.http import SERVICE_APP, failure, service_url
+from flowlock_lab.http_app import workflows
 
 # -- the config ----------------------------------------------------------------------------------
 
@@ -104,7 +105,7 @@ def test_the_service_url_puts_the_scratch_schema_on_the_search_path() -> None:
 
 
 def test_the_service_serves_the_workflows_of_the_scenarios() -> None:
-    """``--app flowlock.bench.http_app:workflows`` loads (as flowlock serve loads it) exactly
+    """``--app flowlock_lab.http_app:workflows`` loads (as flowlock serve loads it) exactly
     the definitions the in-process sessions of storm, hot and spread register."""
     served = load_workflows(SERVICE_APP)
     assert [wf.name for wf in served] == [wf.name for wf in workflows()] == ["approval", "counter"]
@@ -397,7 +398,9 @@ def test_the_command_line_passes_http_to_the_run(
     before anything starts; it means nothing to --soak (usage error); --help explains it."""
     seen: list[BenchConfig] = []
 
-    def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         seen.append(config)
         return _empty_report(config)
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from test_bench_report import _floor, _report, _result
 
 from flowlock.bench.report import OVERALL, RichProgress, chart_title, figure, render, to_json
-from flowlock.bench.report.tables import ELLIPSIS
+from flowlock.bench.report.cells import ELLIPSIS
 from flowlock.bench.results import BenchReport, ScenarioResult
 from flowlock.checker import DOUBLE_APPLY, Verdict, Violation
 

@@ -7,6 +7,8 @@ runs the bench with the runner replaced by a canned report.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,10 @@ from typer.testing import CliRunner
 import flowlock
 from flowlock.bench import BenchConfig, BenchReport, Progress, ScenarioResult
 from flowlock.bench import runner as bench_runner
+from flowlock.bench.extend import LAB_MISSING, Lab
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
-from flowlock.core.errors import StoreError
+from flowlock.core.errors import InvalidInput, StoreError
 
 
 @pytest.fixture
@@ -162,7 +165,9 @@ def test_error_during_the_run_keeps_details_below_the_red_line(
 ) -> None:
     """A multi-line error (e.g. a server log tail) prints its first line as the error line."""
 
-    def broken(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def broken(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         raise StoreError("embedded PostgreSQL did not start\nLOG: could not bind\nFATAL: no")
 
     monkeypatch.setattr(bench_runner, "run", broken)
@@ -180,7 +185,9 @@ def test_bench_prints_table_and_writes_json(
     """A passing run prints the results and the seed comparison, writes JSON and exits 0."""
     seen: list[BenchConfig] = []
 
-    def fake(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
+    def fake(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
         seen.append(config)
         return _report(Verdict.of([]))
 
@@ -208,8 +215,43 @@ def test_failed_verdict_exits_non_zero_with_the_violations(
 ) -> None:
     """A run whose checker verdict fails says so clearly and exits 3."""
     bad = Verdict.of([Violation("double-apply", "instance 'x': 2 transitions, 1 applied")])
-    monkeypatch.setattr(bench_runner, "run", lambda config, progress=None: _report(bad))
+    monkeypatch.setattr(bench_runner, "run", lambda config, progress=None, lab=None: _report(bad))
     result = cli.invoke(app, ["bench", "--quick"])
     assert result.exit_code == EXIT_VERDICT_FAILED
     assert "verdict FAILED" in result.stderr
     assert "2 transitions, 1 applied" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--hosts", "2"], ["--http", "--quick"], ["--soak", "5"], ["--soak", "5", "--faults"]]
+)
+def test_lab_modes_without_the_lab_say_how_to_install_it(
+    cli: CliRunner, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """Without flowlock_lab, --hosts, --http and --soak exit 1 with one line naming the local
+    install of the lab, before anything starts."""
+    started: list[BenchConfig] = []
+
+    def run(
+        config: BenchConfig, progress: Progress | None = None, lab: Lab | None = None
+    ) -> BenchReport:
+        started.append(config)
+        return _report(Verdict.of([]))
+
+    monkeypatch.setattr(bench_runner, "run", run)
+    # None in sys.modules: every import of the lab fails as if it were not installed.
+    monkeypatch.setitem(sys.modules, "flowlock_lab", None)
+    monkeypatch.setitem(sys.modules, "flowlock_lab.cli", None)
+    result = cli.invoke(app, ["bench", *args])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: {LAB_MISSING}"]
+    assert "pip install -e ./lab" in LAB_MISSING
+    assert started == []
+
+
+async def test_a_lab_run_without_the_lab_is_refused_before_anything_starts() -> None:
+    """The runner itself refuses --hosts and --http without the lab's parts: one InvalidInput."""
+    for config in (BenchConfig(hosts=2), BenchConfig(http=True, quick=True)):
+        with pytest.raises(InvalidInput, match=re.escape(LAB_MISSING)):
+            await bench_runner.run_bench(config)

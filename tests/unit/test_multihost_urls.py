@@ -12,7 +12,7 @@ from flowlock._pg.errors import cannot_connect
 from flowlock.backends import build_store
 from flowlock.bench.config import BenchConfig, redact
 from flowlock.bench.servers import store_error
-from flowlock.cli import _redact
+from flowlock.cli._common import redact as _redact
 from flowlock.jobs import RunOnce
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.stores.postgres import PostgresStore

@@ -9,10 +9,10 @@ import math
 import pytest
 
 import flowlock
-from flowlock.bench.unavailability import Availability
 from flowlock.core.errors import InvalidInput
 from flowlock.locks.redis import RedisLocks
 from flowlock.locks.redis.urls import RedisAddress, parse
+from flowlock_lab.unavailability import Availability
 
 
 @pytest.mark.parametrize(

@@ -14,21 +14,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flowlock.bench.config import MAX_SOAK_CALLERS, SoakConfig
-from flowlock.bench.faults import FaultInjector, Schedule
-from flowlock.bench.report import render_soak, soak_to_json, write_soak_json
-from flowlock.bench.soak_results import (
-    FAULT_KINDS,
-    MAX_SOAK_SECONDS,
-    OUTCOME_KINDS,
-    Expected,
-    Fault,
-    Leaks,
-    SoakReport,
-    classify,
-    count_outcomes,
-    judge_store,
-)
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Verdict, Violation
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
@@ -47,6 +32,21 @@ from flowlock.core.errors import (
     TransitionNotAllowed,
 )
 from flowlock.core.models import HistoryEntry, Instance
+from flowlock_lab.faults import FaultInjector, Schedule
+from flowlock_lab.soak_config import MAX_SOAK_CALLERS, SoakConfig
+from flowlock_lab.soak_report import render_soak, soak_to_json, write_soak_json
+from flowlock_lab.soak_results import (
+    FAULT_KINDS,
+    MAX_SOAK_SECONDS,
+    OUTCOME_KINDS,
+    Expected,
+    Fault,
+    Leaks,
+    SoakReport,
+    classify,
+    count_outcomes,
+    judge_store,
+)
 
 NOW = datetime(2026, 12, 3, tzinfo=UTC)
 

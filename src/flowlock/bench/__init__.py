@@ -7,12 +7,11 @@ of docs/benchmarks.md, against a floor measured in the same run.
   one module per scenario family);
 - :mod:`~flowlock.bench.raw`: the floor, what bare asyncpg does for the same calls;
 - :mod:`~flowlock.bench.runner`: runs scenarios x strategies against PostgreSQL (and Redis), on
-  the servers of :mod:`~flowlock.bench.servers`, in sessions of :mod:`~flowlock.bench.session`,
-  in this process or in worker processes (:mod:`~flowlock.bench.procs`), measured by
-  :mod:`~flowlock.bench.measure`;
-- :mod:`~flowlock.bench.http`: under ``--http``, the ``flowlock serve`` subprocess the pairs are
-  run through a second time (serving :mod:`~flowlock.bench.http_app`) and the session whose
-  calls are HTTP requests to it;
+  the servers of :mod:`~flowlock.bench.servers`, one pair at a time (:mod:`~flowlock.bench.pairs`)
+  in sessions of :mod:`~flowlock.bench.session`, in this process or in worker processes
+  (:mod:`~flowlock.bench.procs`), measured by :mod:`~flowlock.bench.measure`;
+- :mod:`~flowlock.bench.extend`: what ``--hosts`` and ``--http`` take from the lab
+  (``flowlock_lab``), which flowlock does not import;
 - :mod:`~flowlock.bench.results`: what it returns, as dataclasses, and the pure arithmetic
   (percentiles, summaries, verdicts) that makes them;
 - :mod:`~flowlock.bench.report`: renders those as rich tables, the ``--json`` document and the

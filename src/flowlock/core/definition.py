@@ -1,7 +1,6 @@
 """Workflow definitions: states, transitions, guards and effects. Pure values, no I/O.
 
-A definition is validated when it is built, so a workflow that registers is one that can run:
-every state named exists, names are unique, the initial state exists and every state is reachable.
+A definition is validated when built, so a workflow that registers can run.
 """
 
 from __future__ import annotations
@@ -73,8 +72,11 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """What an effect may return instead of plain data: new data and, optionally, which of the
-    transition's declared targets to move to (a countersign stays in ``pending`` until quorum)."""
+    """What an effect may return instead of plain data: new data, and optionally a target.
+
+    The target is one of the transition's declared targets. A countersign, say, stays in
+    ``pending`` until quorum.
+    """
 
     data: Mapping[str, Any]
     target: str | None = None
@@ -105,8 +107,11 @@ SYNC_STEPS = (
 
 
 def _is_async(fn: object) -> bool:
-    """Whether calling ``fn`` gives an awaitable instead of running it: an ``async def``
-    function or method, a ``functools.partial`` of one, or an object whose ``__call__`` is one."""
+    """Whether calling ``fn`` gives an awaitable instead of running it.
+
+    True for an ``async def`` function or method, a ``functools.partial`` of one, or an
+    object whose ``__call__`` is one.
+    """
     while isinstance(fn, functools.partial):
         fn = fn.func
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
@@ -146,8 +151,8 @@ def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str,
 class Transition:
     """An event that moves an instance from one of ``source`` to ``target``.
 
-    ``target`` may list several states; the first is the default and an effect returning
-    ``Step(target=...)`` picks another of them.
+    ``target`` may list several states. The first is the default; an effect returning
+    ``Step(target=...)`` picks another.
     """
 
     name: str
@@ -196,8 +201,10 @@ class Transition:
 
 @dataclass(frozen=True, slots=True, init=False, eq=False)
 class Workflow:
-    """A named state machine. Validated at construction; raises :class:`DefinitionError`
-    listing every problem found."""
+    """A named state machine.
+
+    Validated at construction; raises :class:`DefinitionError` listing every problem found.
+    """
 
     name: str
     states: tuple[str, ...]
@@ -249,9 +256,11 @@ class Workflow:
         return self._allowed.get(state, ())
 
     def safety_warnings(self, default_strategy: str) -> list[str]:
-        """Why this workflow may be unsafe under load with ``default_strategy``: transitions
-        that must apply every call (they keep the state and change data, like a stock count or a
-        signature list) left to plain optimistic retries, which run out under contention."""
+        """Why this workflow may be unsafe under load with ``default_strategy``.
+
+        Some transitions must apply every call: they keep the state and change data, like a
+        stock count. Left to plain optimistic retries, they run out under contention.
+        """
         warnings = []
         for t in self.transitions.values():
             strategy = t.strategy or self.strategy or default_strategy
@@ -269,13 +278,13 @@ class Workflow:
         return not self._allowed.get(state)
 
     def to_mermaid(self) -> str:
-        """The workflow as a Mermaid ``stateDiagram-v2``: ``[*] --> initial``, one edge per
-        (source, target) of each transition labelled with its event (``event [guarded]`` when it
-        has a guard), and ``final --> [*]`` for every final state (one no event leaves).
+        """The workflow as a Mermaid ``stateDiagram-v2``.
 
-        States whose names Mermaid would misread (a ``-`` or ``.`` in them, or a keyword such as
-        ``end``) are declared as ``state "in-review" as s1`` and drawn under their own name.
-        ``flowlock diagram module:attr`` prints it from the command line."""
+        One edge per (source, target) of each transition, labelled with its event, plus
+        ``[*] --> initial`` and ``final --> [*]``. Guarded edges read ``event [guarded]``. Names
+        Mermaid would misread are declared with an alias and drawn under their own name.
+        ``flowlock diagram module:attr`` prints it.
+        """
         ids = _mermaid_ids(self.states)
         lines = ["stateDiagram-v2"]
         lines += [f'    state "{s}" as {ids[s]}' for s in self.states if ids[s] != s]
@@ -297,8 +306,7 @@ _MERMAID_WORDS = frozenset(
 
 
 def _mermaid_ids(states: Iterable[str]) -> dict[str, str]:
-    """A Mermaid id for each state: its own name when Mermaid reads it as one, else a fresh
-    ``s<n>`` that is no state's name."""
+    """A Mermaid id for each state: its own name if Mermaid reads it, else a fresh ``s<n>``."""
     names = list(states)
     taken = set(names)
     ids: dict[str, str] = {}
@@ -336,8 +344,10 @@ def _state_problems(state_list: list[str], initial: str) -> list[str]:
 def _index_transitions(
     transitions: Iterable[Transition], state_set: set[str], problems: list[str]
 ) -> dict[str, Transition]:
-    """The transitions by name; non-transitions, duplicate names and unknown states are added
-    to ``problems``."""
+    """The transitions by name.
+
+    Non-transitions, duplicate names and unknown states are added to ``problems``.
+    """
     by_name: dict[str, Transition] = {}
     for t in transitions:
         if not isinstance(t, Transition):

@@ -1,9 +1,7 @@
-"""What ``flowlock diagram module:attr`` draws: the workflows a ``module:attr`` reference names.
+"""What ``flowlock diagram module:attr`` draws: the workflows a reference names.
 
-``attr`` (dotted for a nested attribute: ``module:Holder.workflow``) may be a Workflow, a list or
-tuple of them, or a function (any callable) taking no argument that returns one or a list of them.
-The current directory is importable, as it is for ``python -m``, so ``flowlock diagram
-myapp.flows:approval`` works from a project's root.
+``attr`` may be dotted, and name a Workflow, a list of them, or a function returning
+either. The current directory is importable, as with ``python -m``.
 """
 
 from __future__ import annotations
@@ -23,14 +21,19 @@ _FORM = "module:attr, e.g. myapp.flows:approval"
 
 
 class BadReference(InvalidInput):
-    """The reference does not name workflows: a typo, a missing module or attribute, or an
-    attribute of the wrong kind. Fix the reference."""
+    """The reference does not name workflows.
+
+    A typo, a missing module or attribute, or an attribute of the wrong kind. Fix the
+    reference.
+    """
 
 
 def load_workflows(reference: str) -> list[Workflow]:
-    """The workflows ``reference`` names. Raises BadReference for a reference that names
-    none; an exception raised by the module itself (or by the function called) propagates
-    (a FlowlockError as it is, anything else wrapped in FlowlockError, with it as the cause)."""
+    """The workflows ``reference`` names.
+
+    Raises BadReference for a reference that names none. An exception from the module or
+    the function propagates: a FlowlockError as it is, anything else wrapped in one.
+    """
     module_name, sep, attr = reference.partition(":")
     if not sep or not module_name or not attr:
         raise BadReference(f"{reference!r} is not a reference of the form {_FORM}")
@@ -55,8 +58,7 @@ def load_workflows(reference: str) -> list[Workflow]:
 
 
 def render(workflows: list[Workflow]) -> str:
-    """Each workflow's Mermaid text; several are separated by a blank line, each headed by a
-    ``%% workflow: name`` comment."""
+    """Each workflow's Mermaid text, headed by ``%% workflow: name``, blank-line separated."""
     if len(workflows) == 1:
         return workflows[0].to_mermaid()
     return "\n".join(f"%% workflow: {wf.name}\n{wf.to_mermaid()}" for wf in workflows)

@@ -1,7 +1,7 @@
 """Every error flowlock raises, in one hierarchy.
 
-Each class's docstring is its default message; instances carry the facts a caller needs
-(the current state, the current version, how many attempts were made...) as attributes.
+Each class's docstring is its default message. Instances carry the facts a caller needs
+as attributes: the current state, the current version, the attempts made.
 
 ::
 
@@ -34,15 +34,11 @@ Each class's docstring is its default message; instances carry the facts a calle
     │   └── MigrationError
     ├── EngineClosed                 the engine (or store) is not open
     ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
-    ├── ExtraNotInstalled            an optional dependency is missing: install the extra named
-    └── HostsError                   the bench's namespaced hosts could not be made or removed
-        └── HostsUnavailable         this machine cannot make them (not root, no iproute2...)
+    └── ExtraNotInstalled            an optional dependency is missing: install the extra named
 
-Driver errors never escape: asyncpg's, redis-py's and the OS's (a lost socket, a timeout) are
-translated where each driver is called, one place per driver (``flowlock._pg.errors`` and
-``flowlock.locks.redis.connection``), with ``raise ... from exc`` so ``__cause__`` keeps the
-original. A connection that failed that way is closed and dropped from its pool, so the next call
-gets a fresh one.
+Driver errors never escape. They are translated where each driver is called, one place per
+driver (``flowlock._pg.errors``, ``flowlock.locks.redis.connection``), with ``raise ... from
+exc``: ``__cause__`` keeps the original. A connection that failed is dropped from its pool.
 """
 
 from __future__ import annotations
@@ -73,9 +69,11 @@ class InvalidInput(FlowlockError, ValueError):
 
 
 class PayloadTooLarge(InvalidInput):
-    """The payload is larger than the engine's max_payload_bytes; send less or raise the limit.
+    """The payload is larger than the engine's max_payload_bytes.
 
-    ``what`` names the value measured: "payload", "data", or the data an effect returned."""
+    Send less, or raise the limit. ``what`` names the value measured: "payload", "data",
+    or the data an effect returned.
+    """
 
     def __init__(self, size: int, limit: int, what: str = "payload") -> None:
         self.size = size
@@ -114,14 +112,14 @@ class UnknownEvent(InvalidInput):
 
 
 class IdempotencyKeyReused(InvalidInput):
-    """A request_id was sent again with another event or another payload than the call that
-    first used it; nothing was written.
+    """A request_id was sent again with another event or payload; nothing was written.
 
-    An idempotency key names one request: a retry must repeat it exactly (as Stripe answers "keys
-    can only be used with the same parameters they were first used with"). Retrying this call
-    cannot succeed; send the new request under a new request_id. ``original_event`` and
-    ``original_payload`` are what the key was first used with; ``event`` and ``payload`` this
-    call's; ``mismatch`` says which differs ("event" or "payload")."""
+    An idempotency key names one request, so a retry must repeat it exactly. Retrying this
+    call cannot succeed: send the new request under a new request_id.
+    ``original_event`` and ``original_payload`` are what the key was first used with.
+    ``event`` and ``payload`` are this call's. ``mismatch`` says which differs: "event" or
+    "payload".
+    """
 
     def __init__(
         self,
@@ -238,13 +236,14 @@ class VersionMismatch(FlowlockError):
 
 
 class StepFailed(FlowlockError):
-    """A guard or effect raised an exception (a bug in the step, or a step that did I/O);
-    nothing was written. The exception the step raised is ``__cause__``.
+    """A guard or effect raised an exception; nothing was written.
 
-    ``step`` is "guard" or "effect"; ``workflow``, ``event``, ``instance_id``, ``state`` and
-    ``version`` say where it ran. Steps must be pure functions of (instance, payload, actor): they
-    may run again on a retry and run under a row lock. A step refuses a call by raising
-    GuardRejected (or InvalidInput for a bad payload); anything else it raises ends up here."""
+    That is a bug in the step, or a step that did I/O. The step's exception is ``__cause__``.
+    ``step`` is "guard" or "effect". ``workflow``, ``event``, ``instance_id``, ``state`` and
+    ``version`` say where it ran. Steps must be pure: they may run again on a retry, and run
+    under a row lock. To refuse a call, a step raises GuardRejected (InvalidInput for a bad
+    payload). Anything else it raises ends up here.
+    """
 
     def __init__(
         self,
@@ -317,7 +316,10 @@ class LockBusy(LockError):
 
 
 class LockNotOwned(LockError):
-    """The lease is no longer held by this owner (it expired, and maybe someone else holds it)."""
+    """The lease is no longer held by this owner.
+
+    It expired, and someone else may hold it now.
+    """
 
     def __init__(self, key: str, action: str) -> None:
         self.key = key
@@ -369,9 +371,11 @@ class StoreBusy(StoreError):
 
 
 class ConnectionLost(StoreError):
-    """The connection to the database was lost before the call's write was sent or committed;
-    the transaction was rolled back and nothing was written. Retry: the broken connection was
-    dropped and the next call gets a fresh one."""
+    """The database connection was lost before the write was sent or committed.
+
+    The transaction was rolled back and nothing was written. Retry: the broken connection
+    was dropped, and the next call gets a fresh one.
+    """
 
     def __init__(self, key: str | None, detail: str) -> None:
         self.key = key
@@ -385,9 +389,12 @@ class ConnectionLost(StoreError):
 
 
 class OutcomeUnknown(StoreError):
-    """The connection was lost after a write (a COMMIT, a one-statement compare-and-swap) was
-    sent and before its answer came: the write may or may not have been committed. Retry with
-    the same ``request_id``: if it was committed the retry answers ``idempotent=True``."""
+    """The connection was lost after a write was sent, before its answer came.
+
+    The write (a COMMIT, a one-statement compare-and-swap) may or may not be committed.
+    Retry with the same ``request_id``: if it was committed, the retry answers
+    ``idempotent=True``.
+    """
 
     def __init__(self, key: str | None, detail: str) -> None:
         self.key = key
@@ -410,9 +417,11 @@ class EngineClosed(FlowlockError):
 
 
 class SyncCallInEventLoop(FlowlockError, RuntimeError):
-    """A flowlock.sync.Engine was called from a thread running an event loop; nothing was done.
-    Blocking there would stall that loop (or deadlock the engine's own); in async code use
-    flowlock.Engine and await it."""
+    """A flowlock.sync.Engine was called from a thread running an event loop.
+
+    Nothing was done. Blocking there would stall that loop, or deadlock the engine's own.
+    In async code, use flowlock.Engine and await it.
+    """
 
     def __init__(self, method: str) -> None:
         self.method = method
@@ -439,23 +448,3 @@ class ExtraNotInstalled(FlowlockError, ImportError):
             f"{feature} needs {module}, which is not installed: "
             f"pip install 'flowlock[{extra}]' (from a checkout: pip install '.[{extra}]')"
         )
-
-
-class HostsError(FlowlockError):
-    """The namespaced hosts of ``flowlock bench --hosts`` (:mod:`flowlock.bench.hosts`) could not
-    be set up or removed. ``problem`` says what went wrong, ``advice`` what to do about it."""
-
-    def __init__(self, problem: str, *, advice: str) -> None:
-        self.problem = problem
-        self.advice = advice
-        super().__init__(f"namespaced hosts: {problem}\nWhat to do: {advice}")
-
-
-class HostsUnavailable(HostsError):
-    """This machine cannot make namespaced hosts at all: not Linux, not root, no ``ip`` command,
-    no network namespaces, or (when a delay was asked for) no ``tc`` or no netem in the kernel.
-    ``reason`` is that one fact, for a test's skip message."""
-
-    def __init__(self, reason: str, *, advice: str) -> None:
-        self.reason = reason
-        super().__init__(reason, advice=advice)

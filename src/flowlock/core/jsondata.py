@@ -1,21 +1,8 @@
-"""What flowlock accepts as JSON data: an instance's data, a call's payload, the data an effect
-returns. Pure functions, no I/O.
+"""What flowlock accepts as JSON data: instance data, payloads, effect results.
 
-:func:`check_object` is the one check every path that writes data goes through: the engine runs
-it on the data and payloads callers pass, the pure step on the data an effect returns. So every
-strategy and every store refuses the same values the same way, with InvalidInput, before anything
-is read or written; a store never sees a value it would fail on (and answer with a StoreError that
-says "retry later" about input no retry can fix). Refused:
-
-- anything that is not JSON: a datetime, bytes, a set, an object; a key that is not a string
-  (JSON would turn ``{1: "a"}`` into ``{"1": "a"}`` behind the caller's back);
-- NaN and Infinity, anywhere (JSON has neither; PostgreSQL's ``jsonb`` refuses them), and
-  integers of :data:`MAX_INT_BITS` bits or more (no double holds them);
-- the NUL character, in keys and values (PostgreSQL's ``jsonb`` and ``text`` refuse it), and
-  strings that are not valid Unicode (a lone surrogate cannot be encoded as UTF-8);
-- nesting deeper than :data:`MAX_DEPTH` (checked without recursion, so a 10,000-deep dict is a
-  clear error, not a RecursionError, and what is stored can be read back by any JSON decoder);
-- more than ``limit`` bytes of compact UTF-8 JSON (:class:`flowlock.PayloadTooLarge`).
+:func:`check_object` is the one check on every path that writes data. So every strategy
+and store refuses the same values with InvalidInput, before any I/O. docs/steps.md lists
+what is refused.
 """
 
 from __future__ import annotations
@@ -61,9 +48,11 @@ def encode(value: Any) -> str:
 
 
 def check_object(value: object, what: str, limit: int) -> dict[str, Any]:
-    """``value`` (a mapping, or None for the empty object) as plain JSON data: a new dict of
-    dicts, lists, strings, ints, floats, bools and None. Raises InvalidInput naming ``what`` and
-    where in it the problem is, or PayloadTooLarge over ``limit`` bytes of JSON."""
+    """``value`` (a mapping, or None for ``{}``) as a new dict of plain JSON data.
+
+    Raises InvalidInput naming ``what`` and where in it the problem is. Raises
+    PayloadTooLarge over ``limit`` bytes of JSON.
+    """
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -154,9 +143,11 @@ def _value(
 
 
 def same_json(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same JSON value: key order does not matter and numbers
-    compare by value (1 == 1.0, and 1e+300 == the integer PostgreSQL's ``jsonb`` gives back for
-    it), but a number never equals a boolean or a string."""
+    """Whether ``a`` and ``b`` are the same JSON value.
+
+    Key order does not matter, and numbers compare by value: 1 equals 1.0, and 1e+300 equals
+    the integer ``jsonb`` gives back. A number never equals a bool or a string.
+    """
     return bool(_canonical(a) == _canonical(b))
 
 

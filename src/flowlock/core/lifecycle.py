@@ -1,5 +1,7 @@
-"""``async with`` for anything with ``open()`` and ``aclose()``; ``with`` and ``async with`` for
-anything with blocking ``start()`` and ``stop()``."""
+"""``async with`` for anything with ``open()`` and ``aclose()``.
+
+And ``with`` plus ``async with`` for anything with blocking ``start()`` and ``stop()``.
+"""
 
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ class AsyncResource:
 
 
 class BlockingResource(AsyncResource):
-    """Mixin for what ``start()`` and ``stop()`` bring up and take down, blocking (servers,
-    network namespaces): ``with`` calls them; ``async with`` (``open()``, ``aclose()``) calls them
-    in a worker thread, so the event loop keeps running meanwhile. Both must be idempotent."""
+    """Mixin for things brought up and down by blocking ``start()`` and ``stop()``.
+
+    ``with`` calls them. ``async with`` calls them in a worker thread, so the event loop keeps
+    running. Both must be idempotent.
+    """
 
     _thread_name = "flowlock-stop"
 

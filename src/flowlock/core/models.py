@@ -1,8 +1,7 @@
-"""Frozen values that cross the engine's boundary: Instance, HistoryEntry, Outcome, Page (one page
-of a query), and the values the layers hand each other: Snapshot (what a store read), Escalation
-(an adaptive decision) and InstanceQuery (which instances a query asks a store for).
+"""Frozen values that cross the engine's boundary, and those the layers hand each other.
 
-They are moved forward with :func:`dataclasses.replace` (``instance.evolve(...)``), never mutated.
+They move forward with ``instance.evolve(...)`` (:func:`dataclasses.replace`), never by
+mutation.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ __all__ = ["Escalation", "HistoryEntry", "Instance", "InstanceQuery", "Outcome",
 class Instance:
     """One workflow instance as stored: its state, its data and its version.
 
-    ``version`` starts at 1 on creation and grows by exactly one per applied transition.
-    ``last_event`` is the event of the last applied transition (None until the first).
+    ``version`` starts at 1 and grows by one per applied transition. ``last_event`` is the
+    last applied event, None until the first.
     """
 
     id: str
@@ -40,12 +39,14 @@ class Instance:
 
 @dataclass(frozen=True, slots=True)
 class HistoryEntry:
-    """One applied transition: the instance moved from ``from_state`` to ``to_state`` and
-    reached ``version``; ``data`` is the instance's data after it. ``fencing_token`` is the
-    lease's fencing token when the distributed strategy wrote it (None otherwise). ``payload``
-    is the payload of the call that applied it (an approver's comment, say), kept whether or not
-    an effect copied it into ``data``; a retry of the same ``request_id`` must carry the same
-    one."""
+    """One applied transition, which took the instance to ``version``.
+
+    - ``from_state`` and ``to_state``: the move.
+    - ``data``: the instance's data after it.
+    - ``fencing_token``: the lease's token when the distributed strategy wrote it, else None.
+    - ``payload``: the call's payload, kept even if no effect copied it into ``data``. A
+      retry of the same ``request_id`` must carry the same payload.
+    """
 
     instance_id: str
     version: int
@@ -63,11 +64,12 @@ class HistoryEntry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The instance as read, and the history entry that already carries the caller's
-    ``request_id`` (None when the request is new or no request id was given).
+    """The instance as read, and the entry that already carries the caller's ``request_id``.
 
-    A read for a batch of calls asks for several request ids at once: ``priors`` holds the
-    entry of each of them that was found, by request id (``prior`` is then None)."""
+    ``prior`` is None when the request is new or has no id. A batch asks for several
+    request ids at once: ``priors`` holds each entry found, by request id, and ``prior`` is
+    None.
+    """
 
     instance: Instance
     prior: HistoryEntry | None = None
@@ -76,8 +78,10 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Escalation:
-    """Key ``key`` runs under ``strategy`` until ``until`` (wall-clock epoch seconds) because of
-    ``reason``."""
+    """Key ``key`` runs under ``strategy`` until ``until`` because of ``reason``.
+
+    ``until`` is wall-clock epoch seconds.
+    """
 
     key: str
     strategy: str
@@ -89,18 +93,18 @@ class Escalation:
 class Outcome:
     """The answer to ``engine.fire``.
 
-    - ``applied``: this call applied the transition (exactly one call per transition does).
-    - ``idempotent``: nothing was applied because the same request (same ``request_id``, or the
-      same event that was last applied, for the two-admins case) was applied before; ``instance``
-      is then the instance as that first application left it (``request_id``) or as it is now.
-    - ``attempts``: how many times the step ran (optimistic retries count).
-    - ``strategy``: the concurrency strategy that ran (for "adaptive", the one it ran as);
-      ``reason``: why, when the engine decided (adaptive: escalated or not, and the figures).
+    - ``applied``: this call applied the transition. Exactly one call per transition does.
+    - ``idempotent``: nothing was applied, because the same request was applied before. That
+      is the same ``request_id``, or the same event last applied (two admins clicking).
+      ``instance`` is then as that first application left it, or as it is now.
+    - ``attempts``: how many times the step ran, optimistic retries included.
+    - ``strategy``: the strategy that ran; for "adaptive", the one it ran as.
+    - ``reason``: why, when the engine decided (adaptive: escalated or not, with figures).
     - ``elapsed``: seconds spent in ``fire``.
-    - ``batch_size``: how many calls on the instance were decided and written together with this
-      one (1: it ran alone; see ``Engine(batching=...)``).
-    - ``replayed``: idempotent because this ``request_id`` was applied before; ``instance`` is
-      then exactly what that first application answered (an HTTP service replays its response).
+    - ``batch_size``: calls on the instance decided and written together with this one.
+      1 means it ran alone; see ``Engine(batching=...)``.
+    - ``replayed``: idempotent because this ``request_id`` was applied before. ``instance``
+      is then exactly what that first application answered.
     """
 
     applied: bool
@@ -122,14 +126,14 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class InstanceQuery:
-    """Which instances a query wants: every filter given must hold (None: no filter).
+    """Which instances a query wants: every filter given must hold; None is no filter.
 
-    - ``workflow``: the instance's workflow name;
-    - ``states``: the instance's state is one of these;
-    - ``updated_before`` / ``updated_after``: its ``updated_at`` is strictly before / after
+    - ``workflow``: the instance's workflow name.
+    - ``states``: the instance's state is one of these.
+    - ``updated_before`` / ``updated_after``: ``updated_at`` is strictly before or after
       (timezone-aware datetimes).
 
-    Built and checked by the engine (:meth:`flowlock.Engine.list`); stores only apply it.
+    The engine builds and checks it (:meth:`flowlock.Engine.list`); stores only apply it.
     """
 
     workflow: str | None = None
@@ -153,14 +157,12 @@ class InstanceQuery:
 
 @dataclass(frozen=True, slots=True)
 class Page(Sequence[Instance]):
-    """One page of :meth:`flowlock.Engine.list`: the instances (in id order) and where the next
-    page starts.
+    """One page of :meth:`flowlock.Engine.list`: instances in id order, and where the next starts.
 
-    A Page is a read-only sequence: iterate it, ``len(page)``, ``page[0]``, ``page[-1]``,
-    ``list(page)``. ``next_cursor`` is None on the last page; otherwise pass it as
-    ``engine.list(..., after=page.next_cursor)`` to get the next one. A cursor is an opaque
-    string that names a position in id order (not a server-side result set): it never expires
-    and works from any engine on the same database.
+    A Page is a read-only sequence: iterate it, take ``len(page)``, index it. ``next_cursor``
+    is None on the last page. Otherwise pass it as ``after=page.next_cursor`` for the next
+    one. A cursor is an opaque position in id order, not a server-side result. It never
+    expires, and works from any engine on the same database.
     """
 
     instances: tuple[Instance, ...]

@@ -1,16 +1,7 @@
-"""The arguments of ``Engine.list`` and ``Engine.count``, checked before any I/O, and the page
-cursor.
+"""The arguments of ``Engine.list`` and ``Engine.count``, checked before I/O, and the cursor.
 
-Order and cursor: a query's instances come in id order, Unicode code point by code point (the
-order of Python's ``str`` comparison; every store sorts the same way, whatever the database's
-collation). A page's ``next_cursor`` encodes the id of its last instance, and the next page is the
-instances whose id comes after it. The id never changes, so a walk over the pages is a keyset
-scan that moves strictly forward: it returns each instance at most once and ends, however the
-instances change meanwhile. What each page shows is the instances as committed when that page
-was read.
-
-The cursor is opaque to callers (URL-safe text, a version tag and the id), so the encoding can
-change in a later version without breaking the API; a string that is not one raises InvalidInput.
+Results come in id order, and a cursor holds the last id of a page. The cursor is opaque
+text; a string that is not one raises InvalidInput. docs/queries.md explains the order.
 """
 
 from __future__ import annotations
@@ -49,8 +40,10 @@ _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _name(value: object, what: str) -> str:
-    """A workflow or state name: the names a Workflow accepts, so that a typo of type or shape
-    is an error while a well-formed name nobody registered is a query that finds nothing."""
+    """A workflow or state name, checked as a Workflow would check it.
+
+    A malformed name is an error. A well-formed name nobody registered finds nothing.
+    """
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidInput(
             f"{what} {value!r} is not a valid name (a letter, then letters, digits, '_', '.', "

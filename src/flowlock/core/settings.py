@@ -1,14 +1,7 @@
-"""The checks of every number and name flowlock is given (``Engine.connect``'s keywords, the
-constructors of stores, lock backends, strategies and runners, the ids and keys of each call), in
-one place, so every entry point refuses the same nonsense with the same message before any I/O.
+"""Checks for every number and name flowlock is given, in one place, before any I/O.
 
-- Numbers: an int or a float, never a bool (``True`` is not a count of seconds); finite (NaN
-  compares false with everything, so it slips past a plain ``< 0`` check); within a range, whose
-  ceiling catches a unit mistake (milliseconds given as seconds) before a server does.
-- Text: a str, not empty, without NUL (PostgreSQL's ``text`` cannot hold it) or lone surrogates
-  (no store can encode them as UTF-8), within a length.
-
-No driver is imported here: a SQLite-only user's ``Engine.connect`` checks its arguments too.
+So every entry point refuses the same nonsense with the same message. Numbers are never
+bools, always finite, and capped to catch unit mistakes. Text has no NUL or lone surrogate.
 """
 
 from __future__ import annotations
@@ -83,8 +76,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def check_seconds(
     name: str, value: object, *, zero: bool = False, most: float = MAX_SECONDS
 ) -> float:
-    """``value`` as seconds: a finite number above 0 (or 0 itself, when ``zero`` means something
-    for this bound) and at most ``most``; anything else raises InvalidInput naming ``name``."""
+    """``value`` as seconds: a finite number above 0 and at most ``most``.
+
+    0 itself passes when ``zero`` means something for this bound. Anything else raises
+    InvalidInput naming ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(f"{name} must be a number of seconds, not {value!r}")
     seconds = float(value)
@@ -97,8 +93,10 @@ def check_seconds(
 
 
 def check_count(name: str, value: object, *, least: int = 1, most: int, unit: str = "") -> int:
-    """``value`` as a whole number (an int, not a bool) from ``least`` to ``most``; ``unit``
-    says what it counts, in the message."""
+    """``value`` as a whole number (an int, not a bool) from ``least`` to ``most``.
+
+    ``unit`` says what it counts, in the message.
+    """
     what = f" of {unit}" if unit else ""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(f"{name} must be a whole number{what}, not {value!r}")
@@ -108,8 +106,7 @@ def check_count(name: str, value: object, *, least: int = 1, most: int, unit: st
 
 
 def check_size(name: str, value: object, *, least: int = 1) -> int:
-    """``value`` as a count of connections: an int (not a bool) from ``least`` to
-    :data:`MAX_CONNECTIONS`."""
+    """``value`` as a count of connections: an int from ``least`` to :data:`MAX_CONNECTIONS`."""
     return check_count(name, value, least=least, most=MAX_CONNECTIONS, unit="connections")
 
 
@@ -117,8 +114,10 @@ def check_number(
     name: str, value: object, *, above: float | None = None, least: float | None = None,
     below: float | None = None, most: float | None = None,
 ) -> float:  # fmt: skip
-    """``value`` as a finite number (an int or a float, not a bool) within the bounds given:
-    ``above`` / ``below`` exclusive, ``least`` / ``most`` inclusive."""
+    """``value`` as a finite int or float (not a bool) within the bounds given.
+
+    ``above`` and ``below`` are exclusive; ``least`` and ``most`` inclusive.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(f"{name} must be a number, not {value!r}")
     number = float(value)
@@ -139,9 +138,11 @@ def check_number(
 
 
 def check_text(name: str, value: object, *, most: int, allow_control: bool = False) -> str:
-    """``value`` as a non-empty str of at most ``most`` characters that every store can hold:
-    no NUL (PostgreSQL's ``text`` refuses it), no lone surrogate (not encodable as UTF-8), and
-    no control character at all unless ``allow_control``."""
+    """``value`` as a non-empty str of at most ``most`` characters every store can hold.
+
+    No NUL, which PostgreSQL's ``text`` refuses, and no lone surrogate, which UTF-8 cannot
+    encode. No control character at all unless ``allow_control``.
+    """
     if not isinstance(value, str):
         raise InvalidInput(f"{name} must be a string, not {type(value).__name__}")
     if not value:
@@ -161,8 +162,10 @@ def check_text(name: str, value: object, *, most: int, allow_control: bool = Fal
 
 
 def check_url(name: str, value: object, schemes: tuple[str, ...]) -> str:
-    """``value`` as a URL of one of ``schemes`` (``"postgresql"``...), without NUL or lone
-    surrogates. The message shows the scheme only: a URL may carry a password."""
+    """``value`` as a URL of one of ``schemes``, without NUL or lone surrogates.
+
+    The message shows only the scheme: a URL may carry a password.
+    """
     text = check_text(name, value, most=_URL_LENGTH, allow_control=True)
     scheme = text.partition("://")[0].lower() if "://" in text else ""
     if scheme not in schemes:
@@ -173,8 +176,10 @@ def check_url(name: str, value: object, schemes: tuple[str, ...]) -> str:
 
 
 def check_application_name(value: object) -> str:
-    """A name PostgreSQL shows as given in ``pg_stat_activity``: 1 to 63 printable ASCII
-    characters."""
+    """A name PostgreSQL shows as given in ``pg_stat_activity``.
+
+    1 to 63 printable ASCII characters.
+    """
     if not isinstance(value, str):
         raise InvalidInput(f"application_name must be a string, not {type(value).__name__}")
     if not value or len(value) > _NAME_BYTES or not all(" " <= c <= "~" for c in value):

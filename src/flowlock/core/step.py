@@ -1,12 +1,7 @@
 """The pure core: what firing an event at an instance means, with no I/O.
 
-``decide`` is a function of (workflows, what was read, the call). The optimistic strategy may run it
-again after a conflict, the pessimistic one runs it under a row lock, and hypothesis tests it alone.
-
-``decide_batch`` is the same for a batch of calls on one instance: each call is decided, in order,
-on the state the calls before it left, exactly as if they had run one after the other. Its
-answers are only speculative until the batch's write commits; the strategies commit or retry the
-whole batch, and the engine hands each call its own answer once that is settled.
+``decide`` may run again after a conflict, or under a row lock. ``decide_batch`` decides
+calls in order, as if run one by one; its answers stand only once the batch commits.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One ``engine.fire`` call, validated."""
+    """One validated ``engine.fire`` call."""
 
     instance_id: str
     event: str
@@ -50,9 +45,11 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Idempotent:
-    """Nothing to write: the call was answered before. ``instance`` is what to report;
-    ``replayed``: the call's request id was applied before, so the answer is that first
-    application's (not the two-admins rule's)."""
+    """Nothing to write: the call was answered before.
+
+    ``instance`` is what to report. ``replayed``: the request id was applied before, so the
+    answer is that first application's.
+    """
 
     instance: Instance
     replayed: bool = False
@@ -76,11 +73,12 @@ def _run_step(
     inst: Instance,
     call: Call,
 ) -> Any:
-    """``fn(instance, payload, actor)`` for the guard or effect ``step``: its result, or the
-    typed error for what it did wrong. GuardRejected is bound to the instance, InvalidInput (a
-    step saying the payload is bad) passes as it is; any other exception becomes StepFailed with
-    it as the cause. An awaitable result (an async step that slipped past the definition's check,
-    such as a sync wrapper returning a coroutine) is closed unrun and refused."""
+    """Run the guard or effect ``step`` and return its result, or the typed error.
+
+    GuardRejected is bound to the instance; InvalidInput passes as it is. Any other
+    exception becomes StepFailed, with it as the cause. An awaitable result is closed unrun
+    and refused: an async step slipped past the definition's check.
+    """
     try:
         result = fn(inst, call.payload, call.actor)
     except GuardRejected as exc:
@@ -127,9 +125,11 @@ def _check_guard(transition: Transition, workflow: str, inst: Instance, call: Ca
 def _apply_effect(
     transition: Transition, workflow: str, inst: Instance, call: Call, limit: int
 ) -> tuple[str, Mapping[str, Any]]:
-    """The target state and the new data: the transition's default target and the instance's
-    data, or what its effect returned (checked: a mapping of JSON data within ``limit`` bytes,
-    or a Step to a declared target)."""
+    """The target state and the new data.
+
+    Without an effect: the transition's target and the instance's data. Otherwise what the
+    effect returned, checked: JSON data within ``limit`` bytes, or a Step to a declared target.
+    """
     if transition.effect is None:
         return transition.target, inst.data
     result = _run_step(transition.effect, "effect", workflow, inst, call)
@@ -148,15 +148,17 @@ def _apply_effect(
             f"effect of {call.event!r} returned {type(result).__name__}; "
             "it must return a mapping (the new data) or flowlock.Step"
         )
-    # Checked here, in the pure step, so every strategy and every store refuses the same data
-    # before anything is written (and a store never answers bad data with a StoreError).
+    # Checked here, in the pure step, so every strategy and store refuses the same data before
+    # writing. A store never answers bad data with a StoreError.
     what = f"the data the effect of {call.event!r} returned for instance {inst.id!r}"
     return target, check_object(result, what, limit)
 
 
 def _repeated(inst: Instance, prior: HistoryEntry, call: Call) -> Idempotent:
-    """The first outcome of a repeated request, if the call repeats it exactly; a request_id
-    reused for another event or payload raises IdempotencyKeyReused."""
+    """The first outcome of a repeated request, if the call repeats it exactly.
+
+    Raises IdempotencyKeyReused for a request_id reused with another event or payload.
+    """
     if prior.event != call.event or not same_json(prior.payload, call.payload):
         raise IdempotencyKeyReused(
             prior.request_id or "",
@@ -179,13 +181,13 @@ def decide(
 ) -> HistoryEntry | Idempotent:
     """The history entry to append for ``call`` on ``snap``, or the idempotent answer.
 
-    Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed, GuardRejected,
-    IdempotencyKeyReused, StepFailed (a guard or effect raised), InvalidInput (an effect returned
-    data that is not JSON or is over ``max_payload_bytes``), DefinitionError (an effect returned
-    something else than data, or a step returned an awaitable).
+    Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed,
+    GuardRejected, IdempotencyKeyReused and StepFailed. Also InvalidInput, when an effect
+    returned non-JSON data or data over ``max_payload_bytes``. And DefinitionError, when an
+    effect returned something other than data, or a step returned an awaitable.
 
-    A refused call (not allowed, guard refused, step failed) leaves no trace: its request_id is
-    not remembered, so a retry under the same request_id may apply once the state allows it.
+    A refused call leaves no trace: its request_id is not remembered. So a retry under the
+    same request_id may apply once the state allows it.
     """
     inst = snap.instance
     if snap.prior is not None:
@@ -233,8 +235,10 @@ Decision = HistoryEntry | Idempotent | FlowlockError
 
 @dataclass(frozen=True, slots=True)
 class Batched:
-    """A batch decided on one read: each call's decision in order, and the entries to write
-    (versions read + 1 ... read + k; empty when nothing is to be written)."""
+    """A batch decided on one read: each call's decision, and the entries to write.
+
+    Entries have versions read + 1 to read + k; empty when nothing is to be written.
+    """
 
     read: Instance
     decisions: tuple[Decision, ...]
@@ -255,10 +259,12 @@ def decide_batch(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> Batched:
-    """Every call of ``calls`` decided in order, each on the state the ones before it left: the
-    same decisions, entries and errors as running the calls one after the other. A request id
-    applied earlier in the batch answers idempotently (or IdempotencyKeyReused) like one found in
-    the history (``snap.priors``). A call's error is its own decision; the others go on."""
+    """Decide every call of ``calls`` in order, each on the state the earlier ones left.
+
+    The decisions, entries and errors equal running the calls one after the other. A
+    request id applied earlier in the batch answers as one found in ``snap.priors`` would.
+    A call's error is its own decision; the others go on.
+    """
     state = snap.instance
     applied: dict[str, HistoryEntry] = {}
     decisions: list[Decision] = []

@@ -10,20 +10,17 @@
     async with EmbeddedRedis() as server:  # start and stop run in a worker thread
         locks = RedisLocks(server.url)
 
-Each server runs as a child process in a temporary directory of its own, on a free 127.0.0.1
-port, and ``stop()`` (also at interpreter exit) leaves no process and no directory behind.
-For fault tests both can be restarted on the same URL (``EmbeddedPostgres.restart()`` keeps the
-data, ``EmbeddedRedis.restart()`` comes back empty unless ``keep_data=True``) and frozen with
-``pause()`` (SIGSTOP; the whole PostgreSQL process tree) until ``resume()``. Any
-failure to start or stop one, or a question to one that is not running, raises
-:class:`flowlock.EmbeddedServerError` with what the server said; bad arguments raise
-:class:`flowlock.InvalidInput`.
+Each server is a child process in its own temporary directory, on a free 127.0.0.1 port.
+``stop()``, also run at exit, leaves no process or directory behind. For fault tests,
+``restart()`` keeps the URL, and ``pause()`` freezes a server until ``resume()``.
+``EmbeddedPostgres.restart()`` keeps the data; ``EmbeddedRedis.restart()`` comes back
+empty unless ``keep_data=True``. Server failures raise
+:class:`~flowlock.embedded.EmbeddedServerError` with what the server said. Bad arguments
+raise :class:`flowlock.InvalidInput`.
 
-Modules: :mod:`~flowlock.embedded.process` (ports, child processes, readiness, ``/proc``),
-:mod:`~flowlock.embedded.base` (the lifecycle both servers share),
-:mod:`~flowlock.embedded.postgres` and :mod:`~flowlock.embedded.redis`; highly available Redis
-(a Sentinel-watched primary with replicas, a Redis Cluster) for failover tests in
-:mod:`~flowlock.embedded.redis_ha`.
+Modules: :mod:`~flowlock.embedded.process` (ports, processes, readiness),
+:mod:`~flowlock.embedded.base` (the shared lifecycle), :mod:`~flowlock.embedded.postgres` and
+:mod:`~flowlock.embedded.redis`. Sentinel and Cluster servers live in the lab.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""What every embedded server shares: one temporary directory per start, idempotent and
-thread-safe ``start()``/``stop()``, ``pause()``/``resume()``, ``with`` and ``async with`` (the
-async forms run in a worker thread), a stop after a cancelled async start, a stop at interpreter
-exit, and the errors."""
+"""What every embedded server shares: the lifecycle, the temporary directory and the errors.
+
+Start and stop are idempotent and thread-safe, with ``with`` and ``async with`` forms.
+The server also stops after a cancelled async start, and at interpreter exit.
+"""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
 
 
 def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
-    """``settings`` as a plain dict of setting names to values, each value one line of text (a
-    newline would start another setting in postgresql.conf)."""
+    """``settings`` as a plain dict of names to one-line text values.
+
+    A newline would start another setting in postgresql.conf.
+    """
     if settings is None:
         return {}
     if not isinstance(settings, Mapping):
@@ -74,11 +77,11 @@ def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
 class EmbeddedServer(BlockingResource):
     """A throwaway server process of ours in a temporary directory.
 
-    ``start()`` makes the directory and calls :meth:`_launch`, removing everything again if
-    that fails; ``stop()`` calls :meth:`_halt` and deletes the directory. Both are idempotent,
-    thread-safe and re-entrant (a signal handler may call ``stop()`` on the thread that is
-    inside ``start()``). Subclasses name the server, say whether it is :attr:`running`, and
-    implement the two hooks; every failure they report is an :class:`EmbeddedServerError`.
+    ``start()`` makes the directory and calls :meth:`_launch`, cleaning up if that fails.
+    ``stop()`` calls :meth:`_halt` and deletes the directory. Both are idempotent,
+    thread-safe and re-entrant: a signal handler may call ``stop()`` inside ``start()``.
+    Subclasses name the server, say whether it is :attr:`running`, and implement the two
+    hooks. Every failure they report is an :class:`EmbeddedServerError`.
     """
 
     server = "server"  # as the errors name it: "PostgreSQL", "Redis"
@@ -109,14 +112,18 @@ class EmbeddedServer(BlockingResource):
         """Check what the server needs (binaries, accounts) before a directory is made."""
 
     def _launch(self, root: Path, deadline: float) -> None:
-        """Start the server in ``root`` and return once it answers, by the monotonic
-        ``deadline``; on failure raise (the caller then calls :meth:`_halt` and cleans up)."""
+        """Start the server in ``root`` and return once it answers, by ``deadline``.
+
+        On failure raise; the caller then calls :meth:`_halt` and cleans up.
+        """
         raise NotImplementedError
 
     def _halt(self, root: Path) -> list[str]:
-        """Stop every process of the server, whatever state it is in (also half-started), and
-        forget them; returns problems to report (processes that survived). Must kill what is
-        left even when interrupted, and re-raise the interruption afterwards."""
+        """Stop every process of the server, in whatever state, and forget them.
+
+        Returns problems to report, such as processes that survived. Must kill what is left even
+        when interrupted, and re-raise the interruption afterwards.
+        """
         raise NotImplementedError
 
     def _log_tail(self) -> str:
@@ -124,8 +131,10 @@ class EmbeddedServer(BlockingResource):
         return ""
 
     def _pause_targets(self) -> list[int]:
-        """The processes :meth:`pause` stops, the one that starts new ones first (so none is
-        forked between the look and the signal); empty when the server is not running."""
+        """The processes :meth:`pause` stops; empty when the server is not running.
+
+        The one that starts new processes comes first, so none is forked in between.
+        """
         raise NotImplementedError
 
     def _failure(
@@ -152,9 +161,11 @@ class EmbeddedServer(BlockingResource):
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the server; a no-op if it is running (one that died is cleaned up and
-        replaced). Bounded by ``start_timeout``; on failure the processes are killed, the
-        directory removed, and EmbeddedServerError raised with what the server said."""
+        """Start the server; a no-op if it is running. One that died is replaced.
+
+        Bounded by ``start_timeout``. On failure the processes are killed, the directory is
+        removed, and EmbeddedServerError says what the server said.
+        """
         with self._lock:
             if self.running:
                 return
@@ -177,9 +188,9 @@ class EmbeddedServer(BlockingResource):
     def stop(self) -> None:
         """Stop the server, leave none of its processes behind and delete its directory.
 
-        A no-op when not started or already stopped, so it is safe from ``finally`` blocks,
-        signal handlers and ``atexit``. Raises EmbeddedServerError only in the unlikely case
-        that a server process survived SIGKILL or the directory could not be deleted.
+        A no-op when not started or already stopped, so it is safe in ``finally`` blocks,
+        signal handlers and ``atexit``. Raises EmbeddedServerError only if a process survived
+        SIGKILL or the directory could not be deleted.
         """
         with self._lock:
             self._teardown()
@@ -192,10 +203,12 @@ class EmbeddedServer(BlockingResource):
         return bool(self._stopped_pids)
 
     def pause(self) -> None:
-        """Freeze the server with SIGSTOP, as a hung machine would: connections stay open and
-        nothing is answered until :meth:`resume`. A no-op when already paused;
-        EmbeddedServerError when the server is not running. ``stop()`` and ``restart()``
-        resume it first, so a paused server is never left behind stopped."""
+        """Freeze the server with SIGSTOP, as a hung machine would.
+
+        Connections stay open and nothing is answered until :meth:`resume`. A no-op when already
+        paused; EmbeddedServerError when not running. ``stop()`` and ``restart()`` resume it
+        first.
+        """
         with self._lock:
             if self._stopped_pids:
                 return
@@ -213,8 +226,10 @@ class EmbeddedServer(BlockingResource):
             self._stopped_pids = stopped
 
     def resume(self) -> None:
-        """Continue a server :meth:`pause` froze (SIGCONT). A no-op when it is not paused;
-        EmbeddedServerError when it was never started or has been stopped."""
+        """Continue a server :meth:`pause` froze (SIGCONT).
+
+        A no-op when not paused; EmbeddedServerError when never started or already stopped.
+        """
         with self._lock:
             if self._root is None:
                 raise self._not_running()
@@ -225,8 +240,10 @@ class EmbeddedServer(BlockingResource):
         process.signal_all(stopped, signal.SIGCONT)
 
     def _teardown(self) -> None:
-        """Stop whatever part of the server exists and delete the directory, also when
-        interrupted (the interruption is re-raised afterwards)."""
+        """Stop whatever part of the server exists and delete the directory.
+
+        Also when interrupted; the interruption is re-raised afterwards.
+        """
         root = self._root
         if root is None:
             return

@@ -8,12 +8,11 @@ __all__ = ["EmbeddedServerError"]
 
 
 class EmbeddedServerError(FlowlockError):
-    """An embedded server (PostgreSQL or Redis) could not be started or stopped, or is not running.
+    """An embedded PostgreSQL or Redis server could not be started or stopped, or is not running.
 
-    ``server`` names it ("PostgreSQL", "Redis"), ``problem`` says what went wrong in one line,
-    ``details`` holds what the server said (command output, the tail of its log), and ``advice``
-    what to do about it. The message puts the problem on its first line, so a command line
-    that prints one line per error shows that, with the details below it.
+    ``server`` names it, ``problem`` says what went wrong in one line, ``details`` holds what
+    the server said, and ``advice`` what to do. The problem comes first in the message, so a
+    one-line error report shows it.
     """
 
     def __init__(

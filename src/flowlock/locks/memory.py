@@ -1,7 +1,7 @@
 """An in-process lock backend for unit tests and single-process use. Same contract as Redis.
 
-Waiters are woken by an asyncio.Condition when a holder releases, and by the holder's expiry
-deadline when it does not: no polling.
+A release wakes waiters through an asyncio.Condition; an expiry wakes them at its
+deadline. No polling.
 """
 
 from __future__ import annotations

@@ -68,8 +68,11 @@ def ok(
     status: int = 200,
     headers: dict[str, dict[str, Any]] | None = None,
 ) -> dict[int | str, dict[str, Any]]:
-    """The documented success answer of a route: its body's model and its headers. Declared with
-    ``responses=`` and ``response_model=None``: the document only, never a check on the body."""
+    """The documented success answer of a route: its body's model and headers.
+
+    Declared with ``responses=`` and ``response_model=None``, so it documents the body and
+    never checks it.
+    """
     doc: dict[str, Any] = {"model": model, "description": description}
     if headers:
         doc["headers"] = headers

@@ -1,11 +1,8 @@
 """Request bodies: read as bytes, checked as JSON by hand, then validated by the models.
 
-Why by hand and not by FastAPI's body parameters: the checks the standard parser skips must come
-first. Python's JSON parser accepts ``NaN`` and ``Infinity`` (not JSON, and no store can compare
-them), and recurses once per nesting level (10,000 brackets would exhaust the stack), so a body
-is refused for a wrong content type (415), bytes that are not UTF-8 JSON (400), a constant
-outside JSON (400), nesting deeper than the limit (400) and a value that is not an object (422),
-each as a problem, before any model sees it. The models then say which field is wrong (422).
+Python's JSON parser accepts NaN and recurses once per nesting level. So content type,
+UTF-8 JSON, constants, depth and object shape are checked first, each refused as a
+problem. The models then say which field is wrong (422).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""What every request meets before a route sees it (a plain ASGI middleware, so it runs before
-FastAPI reads a byte of the body):
+"""What every request meets before a route sees it: tokens and body size.
 
-- a mutating request (POST, PUT, PATCH, DELETE) needs ``Authorization: Bearer <token>`` when
-  tokens are configured; tokens are compared in constant time (:func:`hmac.compare_digest`,
-  against every configured token, so the time says nothing about which one nearly matched);
-  the principal is put in the ASGI scope for the route (``scope["state"]["principal"]``);
-- a body above ``max_body_bytes`` is refused (413): at once when ``Content-Length`` says so, and
-  while it streams in otherwise (the bytes already read are dropped);
-- the answer is an RFC 9457 problem either way, and the database is never touched.
+A plain ASGI middleware, so it runs before FastAPI reads the body. Mutating requests need
+a bearer token when tokens are set; tokens compare in constant time. Oversized bodies get
+413. Refusals are RFC 9457 problems, and never touch the database.
 """
 
 from __future__ import annotations
@@ -104,8 +99,10 @@ class RequestGuard:
         await self._bounded(scope, receive, send)
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, with a body that stops at ``max_body`` bytes (a chunked upload that
-        declared no length) answered with 413 if the app had not answered yet."""
+        """The app, with a body that stops at ``max_body`` bytes.
+
+        A chunked upload that declared no length gets 413 if the app has not answered yet.
+        """
         seen = 0
         started = False
         limit = self.max_body

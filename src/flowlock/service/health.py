@@ -64,11 +64,11 @@ def health_routes(
 class Probes:
     """The readiness pings in flight, one per backend.
 
-    At READY_TIMEOUT a ping is no longer waited for, but never cancelled.
-    Why: cancelling on a hung server holds the task while asyncpg returns the connection.
-    That takes up to the pool's acquire timeout (10 s), far past /readyz's promise.
-    The ping runs to its own bounds; a later /readyz waits for it instead of sending another.
-    So probes never pile up on a hung server."""
+    At READY_TIMEOUT a ping is no longer waited for, but never cancelled. Cancelling on a
+    hung server holds the task while asyncpg returns the connection, for up to 10 s. The
+    ping runs to its own bounds, and a later /readyz waits for it instead of sending
+    another. So probes never pile up on a hung server.
+    """
 
     def __init__(self) -> None:
         self._running: dict[str, asyncio.Task[None]] = {}

@@ -1,9 +1,8 @@
 """The service's OpenAPI document, as ``docs/openapi.json`` holds it.
 
-``python -m flowlock.service.openapi > docs/openapi.json`` writes it again; a test fails while
-the committed file differs from what :func:`flowlock.service.create_app` describes. The document
-names the package version (``info.version``), so a release that bumps the version regenerates
-it in the same commit.
+``python -m flowlock.service.openapi > docs/openapi.json`` writes it again. A test fails
+while the committed file differs. It names the package version, so a version bump
+regenerates it in the same commit.
 """
 
 from __future__ import annotations
@@ -17,8 +16,10 @@ __all__ = ["document", "main"]
 
 
 def document() -> str:
-    """The OpenAPI document of the default app: pretty-printed, keys sorted, a final newline
-    (stable text, so a change to the API shows as a readable diff)."""
+    """The default app's OpenAPI document: pretty-printed, keys sorted, a final newline.
+
+    Stable text, so an API change shows as a readable diff.
+    """
     schema = create_app().openapi()
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 

@@ -1,14 +1,8 @@
-"""The error tree as HTTP answers: RFC 9457 ``application/problem+json``, mapped in one place.
+"""The error tree as RFC 9457 ``application/problem+json`` answers, mapped in one place.
 
-Each flowlock error has a stable ``type`` URI (``urn:flowlock:problem:<slug>``, the slug being the
-error's class name in kebab case), a status, a ``title`` (the same for every problem of a type), a
-``detail`` written for an HTTP client (never naming a Python keyword: the engine's own messages
-speak to programmers), and the error's facts as members: ``instance_id``, ``state`` and
-``version`` (the instance's current ones), ``allowed`` events, ``expected``... A client branches on
-``type`` and reads the members; ``detail`` is for people.
-
-The service's own refusals (bad JSON, a wrong content type, a missing token...) are problems too,
-built with :func:`problem`.
+Each error has a stable ``type`` (``urn:flowlock:problem:<slug>``), a status, a title, a
+``detail`` for people, and its facts as members. Clients branch on ``type``. The
+service's own refusals are problems too, built with :func:`problem`.
 """
 
 from __future__ import annotations

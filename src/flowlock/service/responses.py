@@ -1,10 +1,7 @@
 """The shapes of the service's JSON answers, for the OpenAPI document only.
 
-The routes build their bodies as plain dicts (app.py); these models describe them, so that a
-client generator and schemathesis see each field and its type. They are never used to build or
-validate an answer (the routes declare them with ``responses=``, not ``response_model=``), so the
-document cannot change a byte that is sent. No extra field is allowed: a field added to a body
-without its model here fails the schemathesis test's response check.
+The routes build plain dicts; these models only describe them, so they never change a
+byte sent. No extra field is allowed: a field missing here fails the schemathesis check.
 """
 
 from __future__ import annotations

@@ -70,8 +70,10 @@ def _definition(wf: Workflow) -> dict[str, Any]:
 
 
 def _fired(outcome: Outcome, engine: Engine) -> Response:
-    """A fire's answer. A replay says what the first answer said (applied), so the body is the
-    same; only the headers tell the retry apart."""
+    """A fire's answer.
+
+    A replay repeats the first answer's body; only the headers tell the retry apart.
+    """
     applied = outcome.applied or outcome.replayed
     body = {
         "applied": applied,
@@ -95,8 +97,10 @@ def _fired(outcome: Outcome, engine: Engine) -> Response:
 
 
 def _if_match(value: str | None, required: bool) -> int | None:
-    """``expected_version`` from an ``If-Match`` header: ``"7"`` (an ETag this service sent), a
-    bare ``7``, or ``*`` (any version: no check)."""
+    """``expected_version`` from an ``If-Match`` header.
+
+    Takes ``"7"`` (an ETag this service sent), a bare ``7``, or ``*`` for any version.
+    """
     if value is None:
         if required:
             raise problem(
@@ -203,8 +207,8 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
             _instance(inst, engine),
             status_code=201,
             # Percent-encoded: an id may hold any character but NUL and controls, and a header
-            # carries only latin-1 (a raw "é" would be mojibake, a raw "𓀀" a crash after the
-            # instance was created, a raw "?" or "#" another URL).
+            # carries only latin-1. A raw "é" would be mojibake, a raw "𓀀" a crash after the create,
+            # a raw "?" another URL.
             headers={
                 "ETag": etag(inst.version),
                 "Location": f"/instances/{quote(inst.id, safe='')}",

@@ -1,15 +1,7 @@
-"""``flowlock serve``: uvicorn running :func:`flowlock.service.app.app_from_env` in one or more
-worker processes, with the embedded servers of ``--dev`` around it.
+"""``flowlock serve``: uvicorn running the app in worker processes, with ``--dev`` servers.
 
-Settings reach the workers as ``FLOWLOCK_*`` variables (uvicorn starts each worker as a fresh
-process that imports the app factory). With several workers, Prometheus metrics go through a
-directory the workers share (``PROMETHEUS_MULTIPROC_DIR``), made for the run and removed after it,
-so ``/metrics`` answers for all of them whichever worker serves it.
-
-SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish within
-``drain_timeout`` seconds (then cancels the rest), and closes each worker's engine: its pool
-connections and any lease it holds are released before the process exits. The command then
-removes what it made (the metrics directory, ``--dev``'s servers) and exits with status 0.
+Settings reach the workers as ``FLOWLOCK_*`` variables. Several workers share Prometheus
+metrics through a directory made for the run. Shutdown is in docs/service.md.
 """
 
 from __future__ import annotations
@@ -59,8 +51,7 @@ def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> No
 
 @contextlib.contextmanager
 def _dev_servers(settings: ServiceSettings) -> Iterator[ServiceSettings]:
-    """An embedded PostgreSQL (and Redis, when one can be started) for ``--dev``, stopped on
-    the way out."""
+    """An embedded PostgreSQL, and Redis when one starts, for ``--dev``; stopped on exit."""
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
     with contextlib.ExitStack() as stack:
@@ -97,11 +88,12 @@ def _stopped(signum: int, frame: object) -> None:
 
 
 def _preflight(settings: ServiceSettings) -> None:
-    """Open, once and here, the engine every worker opens (connect, migrate, register the
-    workflows), then close it. A database that cannot be reached or a workflow the engine
-    refuses then fails the command with its one-line error and a non-zero status before any
-    worker starts: uvicorn's supervisor of several workers exits 0 when a worker fails to start,
-    and each worker would print the same traceback."""
+    """Open the engine once here, as every worker will, then close it.
+
+    An unreachable database or a refused workflow then fails the command with one error line
+    and a non-zero status. Otherwise uvicorn's supervisor exits 0 when a worker fails, and
+    each worker prints the same traceback.
+    """
     from flowlock.service.app import create_app
 
     app = create_app(settings)
@@ -116,11 +108,10 @@ def _preflight(settings: ServiceSettings) -> None:
 def serve(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
     """Run the service until SIGTERM or Ctrl-C, then clean up and return."""
     check(settings, listen, dev=dev)
-    # With one worker, uvicorn drains on SIGTERM and then raises the signal again under the
-    # handler it found, to exit the way the signal would have: under the default one that kills
-    # this process before the clean-up below runs (--dev's PostgreSQL would be left running).
-    # Under this one it ends the run instead, and the command exits 0, a requested stop. (With
-    # several workers uvicorn's supervisor handles SIGTERM itself and returns.)
+    # With one worker, uvicorn drains on SIGTERM, then raises the signal again under the handler it
+    # found. The default handler would kill this process before the clean-up below, leaving --dev's
+    # PostgreSQL running. This handler ends the run instead, and the command exits 0. With several
+    # workers, uvicorn's supervisor handles SIGTERM itself.
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
         _serve(settings, listen, dev)

@@ -1,9 +1,8 @@
 """How ``flowlock serve`` is configured: flags, or the ``FLOWLOCK_*`` variables named here.
 
-Every worker process builds its app from the environment (uvicorn starts them as fresh
-processes), so the settings travel as these variables: the command line writes them with
-:meth:`ServiceSettings.to_env`, each worker reads them back with :meth:`ServiceSettings.from_env`.
-Bad values are refused with an :class:`flowlock.InvalidInput` naming the variable.
+Each worker is a fresh process, so settings travel as variables: :meth:`ServiceSettings.to_env`
+writes them and :meth:`ServiceSettings.from_env` reads them back. Bad values raise
+:class:`flowlock.InvalidInput` naming the variable.
 """
 
 from __future__ import annotations
@@ -43,10 +42,11 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 @dataclass(frozen=True, slots=True)
 class ApiToken:
-    """One accepted bearer token and the principal it authenticates (the actor of its calls).
+    """One accepted bearer token and the principal it authenticates.
 
-    Given as ``name:secret``, the principal is ``name``; a bare ``secret`` authenticates as
-    ``token-`` and the first 8 hex digits of its SHA-256 (stable, and it reveals nothing)."""
+    ``name:secret`` authenticates as ``name``. A bare ``secret`` authenticates as ``token-``
+    plus the first 8 hex digits of its SHA-256, which reveals nothing.
+    """
 
     principal: str
     secret: bytes = dataclasses.field(repr=False)
@@ -83,22 +83,21 @@ def parse_tokens(text: str) -> tuple[ApiToken, ...]:
 class ServiceSettings:
     """What one ``flowlock serve`` worker runs with.
 
-    - ``database_url``: PostgreSQL (``postgresql://``), SQLite (``sqlite:///path``, one worker) or
-      ``memory://`` (tests; one worker).
-    - ``redis_url``: Redis for the "distributed" strategy (optional).
-    - ``app``: ``module:attr`` naming the workflows to serve (a Workflow, a list of them, or a
-      function returning them); None serves flowlock's examples (approval, countersign with a
-      quorum of 3, inventory).
-    - ``api_tokens``: bearer tokens; when any is set every mutating request needs one.
-    - ``require_if_match``: a fire without ``If-Match`` is refused (428).
-    - ``max_body_bytes``: a larger request body is refused (413) before it is read.
-    - ``max_json_depth``: JSON nested deeper is refused (400).
-    - ``pool_size``: PostgreSQL connections per worker (None: the engine's default, 20).
+    - ``database_url``: ``postgresql://``, ``sqlite:///path`` (one worker) or ``memory://``
+      (tests; one worker).
+    - ``redis_url``: Redis for the "distributed" strategy; optional.
+    - ``app``: ``module:attr`` naming the workflows: a Workflow, a list, or a function
+      returning them. None serves the examples (approval, countersign, inventory).
+    - ``api_tokens``: bearer tokens. When set, every mutating request needs one.
+    - ``require_if_match``: refuse a fire without ``If-Match`` (428).
+    - ``max_body_bytes``: refuse a larger body (413) before reading it.
+    - ``max_json_depth``: refuse deeper JSON (400).
+    - ``pool_size``: PostgreSQL connections per worker; None is the engine's default, 20.
     - ``strategy``: the engine's default strategy.
-    - ``schema``: the PostgreSQL schema of flowlock's tables (None: the search path's first).
+    - ``schema``: the PostgreSQL schema of flowlock's tables; None is the search path's first.
     - ``drain_timeout``: seconds SIGTERM waits for calls in flight before closing.
-    - ``metrics_dir``: the directory workers share their Prometheus metrics through (set by
-      ``flowlock serve`` when it runs several workers).
+    - ``metrics_dir``: where workers share Prometheus metrics. ``flowlock serve`` sets it for
+      several workers.
     """
 
     database_url: str = "memory://"
@@ -131,8 +130,8 @@ class ServiceSettings:
                 continue
             got[field] = _parse(field, var, raw)
             try:
-                # Each value checked alone, so that a value out of range is refused naming its
-                # variable (the bounds of __post_init__ name the field).
+                # Each value is checked alone, so an out-of-range value is refused naming its
+                # variable. The bounds in __post_init__ name the field instead.
                 cls(**{field: got[field]})  # type: ignore[arg-type]
             except InvalidInput as exc:
                 raise InvalidInput(f"{var}={raw!r}: {exc}") from None

@@ -1,9 +1,8 @@
 """Rendering a :class:`~flowlock.bench.results.BenchReport`: rich tables (:mod:`.tables`), the JSON
 document (:mod:`.json`), the PNG chart (:mod:`.chart`, ``--plot``) and the progress display
 (:mod:`.progress`); the comparisons with the floor and the aims (:mod:`.aims`) feed the first two.
-A soak's :class:`~flowlock.bench.soak_results.SoakReport` has its table and JSON in :mod:`.soak`.
-Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` and
-:mod:`flowlock.bench.soak_results` (and the strategy registry, for which strategies take a lease).
+Nothing here measures or runs anything: it only reads :mod:`flowlock.bench.results` (and the
+strategy registry, for which strategies take a lease).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from flowlock.bench.report.aims import (
     floors,
     vs_floor,
 )
+from flowlock.bench.report.cells import fitting
 from flowlock.bench.report.chart import (
     PlotUnavailable,
     chart_title,
@@ -27,7 +27,6 @@ from flowlock.bench.report.chart import (
 )
 from flowlock.bench.report.json import result_to_json, to_json, write_json
 from flowlock.bench.report.progress import OVERALL, EtaColumn, RichProgress
-from flowlock.bench.report.soak import render_soak, soak_table, soak_to_json, write_soak_json
 from flowlock.bench.report.tables import (
     SEED_COUNTERPART,
     SEED_MEASURED,
@@ -35,7 +34,6 @@ from flowlock.bench.report.tables import (
     SeedFigures,
     aims_layouts,
     aims_table,
-    fitting,
     render,
     results_layouts,
     results_table,
@@ -69,16 +67,12 @@ __all__ = [
     "floors",
     "plot",
     "render",
-    "render_soak",
     "result_to_json",
     "results_layouts",
     "results_table",
     "seed_layouts",
     "seed_table",
-    "soak_table",
-    "soak_to_json",
     "to_json",
     "vs_floor",
     "write_json",
-    "write_soak_json",
 ]

@@ -5,9 +5,8 @@ floor, then the floors used, failed calls, notes, what flowlock logged and the t
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -18,21 +17,22 @@ from flowlock.bench.report.aims import (
     AIMS,
     FLOOR,
     FLOOR_METHOD,
-    HTTP_P99_FACTOR,
-    HTTP_P99_SLACK_MS,
     Aim,
     AimSpec,
-    Overhead,
     aims,
     floors,
-    in_process,
     is_distributed,
-    overhead,
 )
-from flowlock.bench.results import HTTP, IN_PROCESS, BenchReport, ScenarioResult
-
-ELLIPSIS = "…"
-"""What rich puts where it cuts a cell too wide for its column."""
+from flowlock.bench.report.cells import (
+    figures_table,
+    fitting,
+    num,
+    pct,
+    success_cell,
+    verdict_cell,
+)
+from flowlock.bench.report.http_table import http_layouts, in_process_only
+from flowlock.bench.results import BenchReport, ScenarioResult
 
 __all__ = [
     "SEED_COUNTERPART",
@@ -41,9 +41,6 @@ __all__ = [
     "SeedFigures",
     "aims_layouts",
     "aims_table",
-    "fitting",
-    "http_layouts",
-    "http_table",
     "render",
     "results_layouts",
     "results_table",
@@ -85,16 +82,6 @@ SEED_COUNTERPART: Mapping[str, str] = {
 """Which seed row each of our strategies is compared with (the seed's lock was one Redis)."""
 
 
-def _num(value: float, digits: int = 1) -> str:
-    return f"{value:,.{digits}f}"
-
-
-def _verdict_cell(result: ScenarioResult) -> Text:
-    if result.verdict.ok:
-        return Text("ok", style="green")
-    return Text(f"FAIL ({len(result.verdict.violations)})", style="bold red")
-
-
 def title(report: BenchReport) -> str:
     redis = f", Redis {report.redis_version}" if report.redis_version else ""
     batching = report.args.get("batching")
@@ -120,7 +107,7 @@ def _hosts_title(report: BenchReport) -> str:
 def _batch_cell(result: ScenarioResult) -> Text:
     if result.mean_batch is None:
         return Text("—", style="dim")
-    return Text(_num(result.mean_batch, 2))
+    return Text(num(result.mean_batch, 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,62 +120,24 @@ class _Column:
     essential: bool = True
 
 
-def _success_cell(r: ScenarioResult) -> Text:
-    return Text(_pct(r.success_pct), style="" if r.success_pct >= 100 else "yellow")
-
-
 _COLUMNS: tuple[_Column, ...] = (
     _Column("calls", lambda r: Text(str(r.calls))),
-    _Column("avg ms", lambda r: Text(_num(r.avg_ms))),
-    _Column("p50 ms", lambda r: Text(_num(r.p50_ms))),
-    _Column("p99 ms", lambda r: Text(_num(r.p99_ms))),
-    _Column("max ms", lambda r: Text(_num(r.max_ms)), essential=False),
-    _Column("success %", _success_cell),
-    _Column("att/call", lambda r: Text(_num(r.attempts_per_call, 2)), essential=False),
+    _Column("avg ms", lambda r: Text(num(r.avg_ms))),
+    _Column("p50 ms", lambda r: Text(num(r.p50_ms))),
+    _Column("p99 ms", lambda r: Text(num(r.p99_ms))),
+    _Column("max ms", lambda r: Text(num(r.max_ms)), essential=False),
+    _Column("success %", success_cell),
+    _Column("att/call", lambda r: Text(num(r.attempts_per_call, 2)), essential=False),
     _Column("batch", _batch_cell),
-    _Column("calls/s", lambda r: Text(_num(r.calls_per_s, 0))),
-    _Column("applied/s", lambda r: Text(_num(r.applied_per_s, 0))),
+    _Column("calls/s", lambda r: Text(num(r.calls_per_s, 0))),
+    _Column("applied/s", lambda r: Text(num(r.applied_per_s, 0))),
     _Column("peak conns", lambda r: Text(str(r.peak_connections)), essential=False),
-    _Column("lock wait ms", lambda r: Text(_num(r.lock_wait_ms)), essential=False),
+    _Column("lock wait ms", lambda r: Text(num(r.lock_wait_ms)), essential=False),
 )
 """The figures in the order of the wide table; the verdict follows them."""
 
 _LATENCY = ("calls", "avg ms", "p50 ms", "p99 ms", "max ms")
 """Under 80 columns each scenario's figures split in two tables: these, then the rest."""
-
-
-def _figures_table(
-    title: str | None,
-    headers: Sequence[str],
-    *,
-    scenario: bool,
-    stacked: bool,
-    caption: str | None = None,
-) -> Table:
-    """A table of (scenario,) strategy, then one right-aligned column per figure."""
-    # One space between columns, not two: the 15 columns then fit 160 (a piped run's width)
-    # with every header whole.
-    table = Table(
-        title=title,
-        title_justify="left",
-        caption=caption,
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    if scenario:
-        table.add_column("scenario", no_wrap=True)
-    table.add_column("strategy", no_wrap=True)
-    # no_wrap: rich narrows the wrapping columns first, past their longest word, so a
-    # figure in one would be cut before any text is wrapped. render picks a form that fits.
-    # stacked: each header's words one under the other ("p99" over "ms"), the narrowest
-    # header a no_wrap column can have.
-    for header in headers:
-        table.add_column(
-            header.replace(" ", "\n") if stacked else header, justify="right", no_wrap=True
-        )
-    return table
 
 
 def _table(
@@ -200,7 +149,7 @@ def _table(
     verdict: bool = True,
     stacked: bool = False,
 ) -> Table:
-    table = _figures_table(title, [c.header for c in columns], scenario=scenario, stacked=stacked)
+    table = figures_table(title, [c.header for c in columns], scenario=scenario, stacked=stacked)
     if verdict:
         # In one table per scenario "FAIL (12)" may take two lines: that is what fits 80.
         table.add_column("verdict", no_wrap=scenario)
@@ -213,7 +162,7 @@ def _table(
         row.append(Text(r.strategy, style="dim" if r.strategy == FLOOR else ""))
         row.extend(column.cell(r) for column in columns)
         if verdict:
-            row.append(_verdict_cell(r))
+            row.append(verdict_cell(r))
         table.add_row(*row)
     return table
 
@@ -264,28 +213,6 @@ def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
     ]
 
 
-def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
-    """Whether every table of ``parts`` prints whole at the console's width: rich cuts a cell (a
-    number, or a word of a header or a name) only with an ellipsis, never silently. Text
-    wraps, and always fits. (Rich's own measure is clamped to the width, and counts the
-    collapsed padding twice, so the tables are printed, unseen, instead.)"""
-    probe = Console(
-        width=console.options.max_width, file=io.StringIO(), record=True, color_system=None
-    )
-    for part in parts:
-        if isinstance(part, Table):
-            probe.print(part)
-    return ELLIPSIS not in probe.export_text()
-
-
-def fitting(console: Console, layouts: Sequence[Sequence[RenderableType]]) -> list[RenderableType]:
-    """The first of ``layouts`` (widest first) that fits ``console``; the last when none does."""
-    for parts in layouts:
-        if _fits(console, parts):
-            return list(parts)
-    return list(layouts[-1])
-
-
 def seed_table(
     report: BenchReport, *, measured: bool = True, ours: bool = True, theirs: bool = True
 ) -> Table | None:
@@ -322,17 +249,17 @@ def seed_table(
         seed = SEED_PUBLISHED.get(counterpart) if counterpart else None
         published: list[Text | str] = (
             [
-                _num(seed.avg_ms, 0),
-                _num(seed.p99_ms, 0),
-                "—" if seed.success_pct is None else _num(seed.success_pct),
+                num(seed.avg_ms, 0),
+                num(seed.p99_ms, 0),
+                "—" if seed.success_pct is None else num(seed.success_pct),
             ]
             if seed is not None
             else ["—", "—", "—"]
         )
         figures: list[Text | str] = [
-            _num(r.avg_ms),
-            _num(r.p99_ms),
-            _num(r.success_pct),
+            num(r.avg_ms),
+            num(r.p99_ms),
+            num(r.success_pct),
             Text(
                 f"{r.double_advanced_rounds}/{r.rounds}",
                 style="bold red" if r.double_advanced_rounds else "",
@@ -365,11 +292,6 @@ def seed_layouts(report: BenchReport) -> list[list[RenderableType]]:
     split: list[RenderableType | None] = [seed_table(report, measured=False, theirs=False)]
     split.append(seed_table(report, measured=False, ours=False))
     return [[wide], [narrow, *text], [t for t in split if t is not None] + text]
-
-
-def _pct(value: float) -> str:
-    """A success rate that never reads 100.0 unless it is 100."""
-    return f"{value:.2f}" if 99.9 < value < 100 else f"{value:.1f}"
 
 
 def _pick(found: list[Aim], scenario: str, what: str) -> Aim | None:
@@ -444,7 +366,7 @@ def aims_table(
     violations: list[Text] = []
     for strategy in strategies:
         short = [
-            f"{a.scenario} {_pct(a.measured or 0.0)}"
+            f"{a.scenario} {pct(a.measured or 0.0)}"
             for a in mine[strategy]
             if a.what == "success" and not a.ok
         ]
@@ -486,172 +408,6 @@ def aims_layouts(report: BenchReport) -> list[list[RenderableType]]:
         ]
         layouts.append([t for t in tables if t is not None])
     return layouts
-
-
-# -- through the service (--http) ----------------------------------------------------------------
-
-
-def in_process_only(report: BenchReport) -> BenchReport:
-    """``report`` with its in-process results only: what the results, seed and aims tables
-    show (the HTTP results have a table of their own)."""
-    return replace(report, results=tuple(r for r in report.results if r.transport == IN_PROCESS))
-
-
-@dataclass(frozen=True, slots=True)
-class _HttpColumn:
-    header: str
-    cell: Callable[[ScenarioResult, Overhead | None], Text]
-    overhead: bool = False
-    """A column of the comparison with the in-process twin (the second table of a split)."""
-
-
-def _or_dash(found: Overhead | None, show: Callable[[Overhead], str]) -> Text:
-    return Text("—", style="dim") if found is None else Text(show(found))
-
-
-def _ratio_text(found: Overhead) -> str:
-    return "—" if found.ratio is None else f"{found.ratio:.2f}"
-
-
-def _http_aim_cell(r: ScenarioResult, found: Overhead | None) -> Text:
-    if found is None:
-        return Text("no twin", style="dim")  # the in-process result of the pair is missing
-    return Text("met" if found.met else "not met", style="green" if found.met else "bold red")
-
-
-_HTTP_COLUMNS: tuple[_HttpColumn, ...] = (
-    _HttpColumn("calls/s", lambda r, o: Text(_num(r.calls_per_s, 0))),
-    _HttpColumn("p50 ms", lambda r, o: Text(_num(r.p50_ms))),
-    _HttpColumn("p99 ms", lambda r, o: Text(_num(r.p99_ms))),
-    _HttpColumn("success %", lambda r, o: _success_cell(r)),
-    _HttpColumn("verdict", lambda r, o: _verdict_cell(r)),
-    _HttpColumn(
-        "in-proc p99 ms", lambda r, o: _or_dash(o, lambda f: _num(f.in_process_p99_ms)), True
-    ),
-    _HttpColumn("p99 ×", lambda r, o: _or_dash(o, _ratio_text), True),
-    _HttpColumn("+ms", lambda r, o: _or_dash(o, lambda f: f"{f.diff_ms:+,.1f}"), True),
-    _HttpColumn("aim", _http_aim_cell, True),
-)
-"""The HTTP table's figures: the result's own, then against its in-process twin."""
-
-
-def _http_results(report: BenchReport) -> list[ScenarioResult]:
-    return [r for r in report.results if r.transport == HTTP]
-
-
-def _http_title(report: BenchReport) -> str:
-    service = report.args.get("http_service")
-    workers = service.get("workers") if isinstance(service, Mapping) else None
-    served = f"flowlock serve, {workers} worker(s)" if workers else "flowlock serve"
-    return f"through HTTP ({served}) against in-process, same run"
-
-
-def _http_caption(report: BenchReport) -> str:
-    return (
-        f"aim: HTTP p99 ≤ {HTTP_P99_FACTOR:g} × in-process p99 + {HTTP_P99_SLACK_MS:g} ms; "
-        "p99 ×: HTTP p99 over in-process p99; +ms: their difference. "
-        f"{report.args.get('workers')} httpx callers run in the bench's process, on the same "
-        f"{report.cores} cores as the service and PostgreSQL: the HTTP figures include the "
-        "client's work, and on a shared machine every figure is noisy"
-    )
-
-
-def http_table(
-    report: BenchReport,
-    results: Sequence[ScenarioResult] | None = None,
-    *,
-    title: str | None = None,
-    scenario: bool = True,
-    stacked: bool = False,
-    columns: Sequence[_HttpColumn] = _HTTP_COLUMNS,
-    caption: bool = True,
-) -> Table | None:
-    """The HTTP results (``results``, default all of them), one row per (scenario, strategy):
-    calls/s, p50, p99, success, the verdict, then the in-process p99 of the same pair in the
-    same run, the ratio and difference of the p99s and the aim; None without HTTP results."""
-    shown = list(results) if results is not None else _http_results(report)
-    if not shown:
-        return None
-    table = _figures_table(
-        _http_title(report) if title is None else title or None,
-        [c.header for c in columns],
-        scenario=scenario,
-        stacked=stacked,
-        caption=_http_caption(report) if caption else None,
-    )
-    twins = in_process(report)
-    last = None
-    for r in shown:
-        if scenario and last is not None and r.scenario != last:
-            table.add_section()
-        last = r.scenario
-        found = overhead(r, twins.get((r.scenario, r.strategy)))
-        row: list[Text | str] = [r.scenario] if scenario else []
-        row.append(r.strategy)
-        row.extend(column.cell(r, found) for column in columns)
-        table.add_row(*row)
-    return table
-
-
-def http_layouts(report: BenchReport) -> list[list[RenderableType]]:
-    """The HTTP results, widest first: one table; one per scenario; then each result's own
-    figures and its comparison with the in-process twin in two tables, headers on one line,
-    then stacked; and, narrowest, those two per scenario. The title heads the first table, the
-    caption ends the last. Empty without HTTP results."""
-    results = _http_results(report)
-    if not results:
-        return []
-    grouped: dict[str, list[ScenarioResult]] = {}
-    for r in results:
-        grouped.setdefault(r.scenario, []).append(r)
-    heading = Text(_http_title(report), style="italic")
-    caption = Text(_http_caption(report), style="dim")
-    own = [c for c in _HTTP_COLUMNS if not c.overhead]
-    against = [c for c in _HTTP_COLUMNS if c.overhead]
-
-    def form(parts: list[Table | None]) -> list[RenderableType]:
-        return [heading, *[t for t in parts if t is not None], caption]
-
-    per_scenario = form(
-        [
-            http_table(report, rs, title=name, scenario=False, caption=False)
-            for name, rs in grouped.items()
-        ]
-    )
-
-    def halves(stacked: bool) -> list[RenderableType]:
-        return form(
-            [
-                http_table(
-                    report, results, title=what, stacked=stacked, columns=columns, caption=False
-                )
-                for what, columns in (("the HTTP figures", own), ("against in-process", against))
-            ]
-        )
-
-    split = form(
-        [
-            http_table(
-                report,
-                rs,
-                title=what,
-                scenario=False,
-                stacked=True,
-                columns=columns,
-                caption=False,
-            )
-            for name, rs in grouped.items()
-            for what, columns in ((name, own), (f"{name}: against in-process", against))
-        ]
-    )
-    wide = http_table(report)
-    return [
-        [wide] if wide is not None else [],
-        per_scenario,
-        halves(stacked=False),
-        halves(stacked=True),
-        split,
-    ]
 
 
 def _errors(report: BenchReport) -> Text | None:

@@ -1,21 +1,7 @@
-"""RedisLocks: the lease protocol, composed from the scripts, the wake-ups and the fence floor.
+"""RedisLocks: the lease protocol, built from the scripts, the wake-ups and the fence.
 
-Acquiring
-    One Lua script does ``SET lock token NX PX ttl`` and ``INCR fence`` atomically, or returns
-    the holder's PTTL. The token is 128 random bits (injectable) and belongs to the Lease, never
-    to this object. ``Lease.expires_at`` counts from the monotonic time taken before the request
-    was sent, so the local deadline never runs past the server's. A caller that finds the key
-    held waits in the key's local queue (:mod:`~flowlock.locks.redis.wakeups`) until a release
-    or the holder's expiry wakes it; every wait ends at ``wait`` seconds with LockTimeout
-    (``wait=0``: LockBusy at once). A missing fencing counter is started by
-    :mod:`~flowlock.locks.redis.fence` (then the script runs again).
-
-Cancellation
-    ``release`` runs the compare-and-delete in its own task and shields it, so a cancelled
-    release still completes (see redis-py issue 3847) and, carrying the lease's own token, can
-    never free another owner's lock. An acquire cancelled (or timed out) while its request was
-    in flight may have taken the key without knowing: a best-effort compare-and-delete with its
-    token is sent afterwards, and the key expires at its ttl if even that fails.
+A caller that finds the key held waits for a release or the holder's expiry, at most
+``wait`` seconds. A cancelled release still completes. docs/redis-ha.md has the details.
 """
 
 from __future__ import annotations
@@ -81,20 +67,21 @@ def _millis(seconds: float) -> int:
 
 
 class RedisLocks(AsyncResource):
-    """Lease locks in Redis (see :mod:`flowlock.locks.redis` for the protocol).
+    """Lease locks in Redis.
 
-    ``url`` is ``redis://``, ``rediss://`` or ``unix://`` (one server), ``redis+sentinel://``
-    (a primary found through Redis Sentinel) or ``redis+cluster://`` (a Redis Cluster); see
-    :mod:`~flowlock.locks.redis.urls` for how to write them. ``fence_epochs`` (a PostgreSQL
-    store's ``fence_epochs``; the engine passes it) keeps fencing tokens strictly increasing per
-    key across any number of Redis data losses; ``fence_floor(key)`` returns the highest fencing
-    token recorded outside Redis for ``key`` (with epochs, it keeps tokens from before them
-    below; alone, it floors a restarted counter at that plus ``fence_gap``, a weaker guarantee).
-    With neither, tokens only increase while Redis keeps its data. See
-    :mod:`flowlock.locks.redis.fence`. ``socket_timeout`` bounds
-    every call to Redis; ``max_connections`` caps the connections (callers beyond it queue for
-    one, within their bound; in a cluster it is per node, and a burst beyond it fails with
-    LockUnavailable instead of queueing). ``token``, ``rng`` and ``clock`` are injectable for tests.
+    ``url`` is ``redis://``, ``rediss://`` or ``unix://`` for one server,
+    ``redis+sentinel://`` for Sentinel or ``redis+cluster://`` for a cluster. See
+    :mod:`~flowlock.locks.redis.urls` for the syntax.
+
+    - ``fence_epochs``: a PostgreSQL store's ``fence_epochs``; the engine passes it. Keeps
+      fencing tokens strictly increasing per key across Redis data losses.
+    - ``fence_floor(key)``: the highest token recorded outside Redis for ``key``. Alone it is
+      a weaker guarantee; with epochs it keeps older tokens below.
+    - With neither, tokens only increase while Redis keeps its data.
+    - ``socket_timeout`` bounds every call to Redis.
+    - ``max_connections`` caps the connections; callers beyond it queue within their bound.
+      In a cluster it is per node, and a burst beyond it raises LockUnavailable.
+    - ``token``, ``rng`` and ``clock`` are injectable for tests.
     """
 
     def __init__(
@@ -136,12 +123,13 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> RedisLocks:
-        """Locks on an existing client (``redis.asyncio.Redis``, also one from a Sentinel's
-        ``master_for``, or ``redis.asyncio.cluster.RedisCluster``), which ``aclose`` leaves
-        open. Its own timeouts and
-        retries apply underneath ours: turn its retries off for exact release semantics, and
-        leave its ``socket_timeout`` unset (on Python 3.11 redis-py's write timeout can swallow
-        a task cancellation; every call is bounded here anyway)."""
+        """Locks on an existing client, which ``aclose`` leaves open.
+
+        The client is a ``redis.asyncio.Redis`` (also from a Sentinel's ``master_for``) or a
+        ``RedisCluster``. Its own timeouts and retries apply underneath ours. Turn its retries
+        off for exact release semantics. Leave its ``socket_timeout`` unset: on Python 3.11 the
+        write timeout can swallow a cancellation, and every call is bounded here anyway.
+        """
         self = cls.__new__(cls)
         self._address = None
         self._max_connections = 0
@@ -202,14 +190,18 @@ class RedisLocks(AsyncResource):
 
     @property
     def client(self) -> Client:
-        """The redis-py client (open backends only); for tests and diagnostics. A
-        ``RedisCluster`` for a ``redis+cluster://`` URL, else a ``Redis``."""
+        """The redis-py client of an open backend, for tests and diagnostics.
+
+        A ``RedisCluster`` for a ``redis+cluster://`` URL, else a ``Redis``.
+        """
         return self._require_open()
 
     @property
     def listening(self) -> bool:
-        """Whether the pub/sub subscription is live (waiters are woken by releases); while it is
-        not, waiters still wake at the holder's expiry and at their own bound."""
+        """Whether the pub/sub subscription is live.
+
+        While it is not, waiters still wake at the holder's expiry and at their own bound.
+        """
         return self._listener is not None and self._listener.listening
 
     @property
@@ -226,17 +218,21 @@ class RedisLocks(AsyncResource):
         return self._keys.fence(key)
 
     def key_pattern(self) -> str:
-        """A SCAN / PSUBSCRIBE pattern matching every key and channel of this namespace. SCAN
-        walks one server: in a Redis Cluster, scan each primary with it."""
+        """A SCAN or PSUBSCRIBE pattern for every key and channel of this namespace.
+
+        SCAN walks one server: in a cluster, scan each primary with it.
+        """
         return self._keys.pattern()
 
     # --- lifecycle -------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Create the client and start the pub/sub listener. Idempotent. A Redis that is down
-        does not make this fail (acquire raises LockUnavailable until it is back); it waits up
-        to ``socket_timeout`` for the first subscription, so that waiters are woken from the
-        start when Redis is up."""
+        """Create the client and start the pub/sub listener. Idempotent.
+
+        A Redis that is down does not make this fail; acquire raises LockUnavailable until it is
+        back. Waits up to ``socket_timeout`` for the first subscription, so waiters are woken
+        from the start.
+        """
         if self._open:
             return
         if self._servers is None:
@@ -260,8 +256,10 @@ class RedisLocks(AsyncResource):
         )
 
     async def aclose(self) -> None:
-        """Stop the listener, let releases in flight finish (each is bounded), close the client
-        (unless it came from ``from_client``). Idempotent; ``open()`` may be called again."""
+        """Stop the listener, let releases in flight finish, and close the client.
+
+        A client from ``from_client`` stays open. Idempotent; ``open()`` may be called again.
+        """
         if not self._open:
             return
         self._open = False
@@ -294,9 +292,8 @@ class RedisLocks(AsyncResource):
         started = self._clock()
         deadline = started + wait
         starts = 0
-        # Queued before the first attempt and kept until the end (wait=0 never waits): a release
-        # published after an attempt was sent wakes the oldest waiter, however soon, and that
-        # waiter retries at once instead of waiting.
+        # Queued before the first attempt and kept until the end; wait=0 never waits. A release
+        # published after an attempt was sent wakes the oldest waiter, which retries at once.
         place = self._wakeups.join(self.redis_key(key)) if wait > 0 else None
         lease: Lease | None = None
         try:
@@ -379,8 +376,10 @@ class RedisLocks(AsyncResource):
         await bounded("start the fencing counter", call, min(bound, self._socket_timeout))
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` (RunOnce lends its own) while this backend was given none; returns
-        the call that gives them back."""
+        """Use ``epochs`` while this backend was given none.
+
+        RunOnce lends its own. Returns the call that gives them back.
+        """
         return self._fence.lend(epochs)
 
     @property
@@ -425,16 +424,20 @@ class RedisLocks(AsyncResource):
         return lease.renewed(sent + ttl, ttl)
 
     async def ping(self) -> None:
-        """One PING within ``socket_timeout`` (a readiness probe); LockUnavailable when Redis
-        does not answer."""
+        """One PING within ``socket_timeout``, as a readiness probe.
+
+        Raises LockUnavailable when Redis does not answer.
+        """
         client = self._require_open()
         await bounded("ping", client.ping(), self._socket_timeout)
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free: True as soon as it is seen free
-        or its release or expiry is seen, False when ``wait`` seconds pass first. Every watcher
-        is woken by a release (none competes for the lock or takes a waiter's wake). Raises
-        LockUnavailable when Redis cannot be asked whether the key is held."""
+        """Wait, without taking the lock, until ``key`` is free.
+
+        Returns True once it is seen free, released or expired; False when ``wait`` seconds pass
+        first. Watchers never compete for the lock or take a waiter's wake. Raises
+        LockUnavailable when Redis cannot be asked.
+        """
         check_lock_key(key)
         check_wait(wait)
         client = self._require_open()

@@ -1,21 +1,8 @@
 """The redis-py client a backend opens, and the one place driver errors are translated.
 
-Failures
-    Every call to Redis is bounded: by ``socket_timeout``, and while acquiring also by what is
-    left of ``wait``. A Redis that refuses, times out or answers an error raises LockUnavailable
-    (nothing acquired; at release the key simply expires at its ttl). redis-py's automatic
-    retries are off: a retried compare-and-delete whose first try had landed would report
-    LockNotOwned for a lease that was in fact released.
-
-    :func:`translate` is the one place a driver error becomes a flowlock error, and
-    :data:`DRIVER_ERRORS` what it takes: every exception class redis-py defines (``ConnectionError``
-    of a connection killed with ``CLIENT KILL`` or reset, ``TimeoutError``, ``ResponseError``,
-    ``BusyLoadingError`` from a Redis still loading its data after a restart, ``ReadOnlyError``
-    from a replica, and those that do not derive from ``RedisError``, such as the cluster
-    client's) and the OS's (a reset socket; the call's own bound). Every call to
-    Redis goes through :func:`bounded`, which uses it; closing the client goes through
-    :func:`close`. redis-py disconnects a connection that failed before it goes back to the
-    pool, so the next call opens a fresh one.
+Every call is bounded by ``socket_timeout``, and while acquiring by what is left of
+``wait``. Any failure raises LockUnavailable; at release the key simply expires. redis-py's
+retries are off: a retried compare-and-delete that had landed would report LockNotOwned.
 """
 
 from __future__ import annotations
@@ -60,11 +47,11 @@ BACKEND = "redis"  # the backend's name, in leases and in LockUnavailable
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
-    """Every exception class redis-py defines, by their roots. Most derive from RedisError, but
-    not all: the cluster client's RedisClusterException (and CrossSlotTransactionError,
-    SlotNotCoveredError...), ChildDeadlockedError (a pool used after a fork) and others stand
-    alone, and would escape a catch of RedisError alone. Read from the module, so a class a later
-    redis-py adds is caught too."""
+    """Every exception class redis-py defines, found from their roots.
+
+    Not all derive from RedisError: the cluster client's errors and ChildDeadlockedError
+    stand alone. Read from the module, so classes a later redis-py adds are caught too.
+    """
     found = [
         cls
         for cls in vars(redis.exceptions).values()
@@ -95,15 +82,13 @@ or a Redis Cluster's."""
 
 
 class Servers:
-    """The client a backend sends its commands on, where its pub/sub listener subscribes
-    (:meth:`pubsub`, a fresh subscription each time), and what :meth:`aclose` closes.
+    """The client for commands, a fresh pub/sub per :meth:`pubsub`, and what :meth:`aclose` closes.
 
-    One server and Sentinel: the pub/sub connection is the client's own (with Sentinel it asks
-    the sentinels for the primary each time it connects, so the listener follows a failover).
-    Cluster: a release is announced with a classic PUBLISH, which the cluster broadcasts to every
-    node (primaries and replicas), so one subscription on any one node hears every release;
-    each new subscription goes to the next node the cluster client knows, so a node that died
-    is passed over at the listener's next reconnect."""
+    One server and Sentinel use the client's own pub/sub connection. With Sentinel it asks
+    for the primary on each connect, so the listener follows a failover. A cluster
+    broadcasts a classic PUBLISH to every node, so one subscription on any node hears every
+    release. Each new subscription tries the next known node, passing over dead ones.
+    """
 
     def __init__(
         self, client: Client, *, closing: Sequence[Callable[[], Awaitable[None]]] = ()
@@ -142,8 +127,10 @@ class Servers:
 
 
 def _accepted(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` that connection class ``cls`` takes (a cluster node's carry
-    the cluster client's own too, which a plain connection refuses)."""
+    """The keywords of ``kwargs`` that connection class ``cls`` takes.
+
+    A cluster node's kwargs carry the cluster client's own too, which a plain connection refuses.
+    """
     names: set[str] = set()
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
@@ -153,13 +140,12 @@ def _accepted(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _Sentinel(Sentinel):
-    """redis-py's Sentinel, asked safely by many tasks at once.
+    """redis-py's Sentinel, safe to ask from many tasks at once.
 
-    redis-py moves the sentinel that answered to the front of its list by index, across an
-    await: discoveries running at the same time (every connection opened while the primary is
-    down asks) then overwrite one another's entries, a sentinel drops out of the list for good
-    and its client is never closed. Here the list is only ever reordered between awaits, by
-    identity, and closing closes every sentinel's client."""
+    redis-py reorders its sentinel list by index across an await. Concurrent discoveries then
+    overwrite each other: a sentinel drops out for good and its client is never closed. Here
+    the list is reordered by identity, between awaits, and closing closes every client.
+    """
 
     def __init__(self, sentinels: Sequence[tuple[str, int]], **kwargs: Any) -> None:
         super().__init__(sentinels, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
@@ -187,8 +173,11 @@ class _Sentinel(Sentinel):
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """A Sentinel primary's pool that queues a burst of callers for a connection, as the one
-    server's pool does, instead of failing them at ``max_connections``."""
+    """A Sentinel primary's pool that queues a burst of callers.
+
+    It waits for a connection, as the one-server pool does, instead of failing at
+    ``max_connections``.
+    """
 
 
 def _kwargs_for(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -198,12 +187,10 @@ def _kwargs_for(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _options(connect_timeout: float) -> dict[str, Any]:
-    # No socket_timeout in redis-py: with one, it bounds each write with asyncio.wait_for,
-    # which on Python 3.11 swallows a cancellation that lands as the write completes (the
-    # caller's task then runs on as if never cancelled; a lease watchdog would renew forever).
-    # Every call is bounded by bounded() instead, with asyncio.timeout; the connect keeps its
-    # own bound. No retries: a retried compare-and-delete whose first try had landed would
-    # report LockNotOwned for a lease that was in fact released.
+    # No socket_timeout in redis-py. With one, it bounds each write with asyncio.wait_for, which on
+    # Python 3.11 can swallow a cancellation. A lease watchdog would then renew forever. bounded()
+    # bounds every call instead; the connect keeps its own bound. No retries: a retried compare-and-
+    # delete that had landed would report LockNotOwned.
     return {
         "socket_timeout": None,
         "socket_connect_timeout": connect_timeout,
@@ -214,9 +201,11 @@ def _options(connect_timeout: float) -> dict[str, Any]:
 
 
 def connect(url: str, *, max_connections: int, connect_timeout: float) -> aioredis.Redis:
-    """One server's client (``redis://``, ``rediss://``, ``unix://``) on a bounded, blocking
-    pool: a burst of callers beyond ``max_connections`` queues for a connection (within each
-    call's bound) instead of failing at once. Nothing is sent until the first command."""
+    """One server's client (``redis://``, ``rediss://``, ``unix://``) on a blocking pool.
+
+    Callers beyond ``max_connections`` queue, within each call's bound, instead of failing.
+    Nothing is sent until the first command.
+    """
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=None, **_options(connect_timeout)
     )
@@ -224,9 +213,10 @@ def connect(url: str, *, max_connections: int, connect_timeout: float) -> aiored
 
 
 def servers(address: urls.RedisAddress, *, max_connections: int, connect_timeout: float) -> Servers:
-    """The servers ``address`` names (see :mod:`~flowlock.locks.redis.urls`): one server (as
-    :func:`connect`), a Sentinel-managed primary or a Redis Cluster. Nothing is sent until the
-    first command."""
+    """The servers ``address`` names: one server, a Sentinel primary or a Redis Cluster.
+
+    See :mod:`~flowlock.locks.redis.urls` for the URLs. Nothing is sent until the first command.
+    """
     if address.kind == "single":
         return Servers(
             connect(address.url, max_connections=max_connections, connect_timeout=connect_timeout)
@@ -284,8 +274,10 @@ def _sentinel(
 
 
 def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
-    """The flowlock error for driver error ``exc`` raised while doing ``what`` (bounded by
-    ``seconds``): nothing was acquired, extended or released by that call."""
+    """The flowlock error for driver error ``exc``, raised while doing ``what``.
+
+    ``seconds`` is the call's bound. That call acquired, extended or released nothing.
+    """
     if isinstance(exc, TimeoutError):
         return LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s")
     advice = ""
@@ -300,8 +292,10 @@ def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
 
 
 async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
-    """Await one Redis call for at most ``seconds``; every driver failure becomes
-    LockUnavailable saying ``what`` was being done (:func:`translate`)."""
+    """Await one Redis call for at most ``seconds``.
+
+    Every driver failure becomes LockUnavailable saying ``what`` was being done.
+    """
     try:
         async with asyncio.timeout(seconds):
             return await call
@@ -310,8 +304,10 @@ async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
 
 
 async def close(servers: Servers, seconds: float) -> None:
-    """Close ``servers`` and their connections; a failure to say goodbye on a connection that is
-    already broken is nothing the caller can act on, so it is logged, not raised."""
+    """Close ``servers`` and their connections.
+
+    A failed goodbye on a broken connection is logged, not raised: the caller cannot act on it.
+    """
     try:
         await bounded("close", servers.aclose(), seconds)
     except LockUnavailable as exc:

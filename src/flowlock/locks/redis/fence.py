@@ -1,60 +1,7 @@
-"""Starting a fencing counter that Redis does not have (a new key, or Redis lost its data), once
-per key however many acquirers need it at the same time.
+"""Restart a fencing counter Redis does not have, once per key.
 
-The fencing counter is a plain Redis key, so a Redis that restarts empty (no persistence, a
-failover to a replica that had not seen the key, ``FLUSHALL``, an eviction under ``maxmemory``)
-loses it. The acquire script reports a missing counter instead of counting from 0 (when the
-backend has something to start it from), the first acquirer of the key in this process starts it
-(its concurrent acquirers share that work, and its answer or error), and every one of them runs
-the acquire script again. How the counter is started depends on what the backend was given:
-
-Fencing epochs (``fence_epochs``: PostgreSQL, the engine's and RunOnce's default)
-    The key's epoch in PostgreSQL is bumped and committed, and the counter is started at
-    ``epoch * 2^32``: every token of a later epoch is above every token of an earlier one, so
-    tokens strictly increase per key across any number of losses, whether or not a holder ever
-    wrote anything. An epoch holds 2^32 - 1 tokens: the acquire script reports a counter about
-    to cross into the next epoch as missing too, and a new epoch is taken (so no count of
-    acquires breaks the guarantee). The bump and the start of the counter are done under the
-    key's lock in PostgreSQL (see :mod:`flowlock._pg.fence`), so a stale epoch can never start a
-    counter after a later one did. Tokens stay below 2^53 (2^21 - 1 epochs per key; past that
-    acquire raises LockUnavailable), exact in Lua, JSON and JavaScript.
-
-    Cost: nothing while the counter exists; the first acquire of a key after Redis started
-    without it costs two PostgreSQL round trips (bump, release of the lock) and one Redis round
-    trip more, plus a ``fence_floor`` call when one is given too. One row per key in
-    ``flowlock_fence_epochs``, never deleted.
-
-    With ``fence_floor`` too, a new epoch is also above ``fence_floor(key) + fence_gap``: tokens
-    handed out before the upgrade to epochs (the floor scheme below) stay below the new ones.
-
-    Failovers: Redis replication is asynchronous, so a replica promoted by Sentinel or by a
-    Redis Cluster may hold a counter behind the tokens its dead primary handed out. The
-    counter is therefore stamped, when started, with the replication id of the server it was
-    started on (``...:fence:replid``, beside it in the same slot); a promoted replica has a new
-    replication id, so the first acquire of each key after a failover finds the stamp foreign
-    and takes a new epoch, as for a lost counter (one PostgreSQL round trip per key, once).
-    Reading the id costs the acquire script an ``INFO replication`` (a few microseconds).
-
-    Not covered: Redis coming back with the counter at an older value and the same replication
-    id (a restart from an old snapshot that kept its id): the counter is not missing then, and
-    repeats what it handed out since. Run Redis so that it does not go back (``appendfsync
-    always``), or treat such a restart as a loss (``FLUSHALL`` before use). And a script the
-    client gave up on (timed out) that Redis runs later anyway, after that key was lost on the
-    same server (``FLUSHALL`` or an eviction; a restart closes the connection it came on), may
-    start the counter at the epoch before the last one. The epochs'
-    lock is session-level (see :mod:`flowlock._pg.fence`): they need a direct connection to
-    PostgreSQL or session pooling, not a transaction-pooling proxy.
-
-A floor only (``fence_floor`` without epochs: the SQLite store's, or a function of the user's)
-    ``fence_floor(key)`` returns the highest token recorded outside Redis for the key, and the
-    counter is started at that plus ``fence_gap``. The gap is there because a token can be
-    issued and never written anywhere (its holder crashed, or has not committed yet): the floor
-    alone would hand the same numbers out again. This holds only while fewer than ``fence_gap``
-    tokens were issued after the last recorded one, and a key whose holders never wrote has a
-    floor of 0 each time: after two losses its tokens repeat. Use epochs where they exist.
-
-Neither (a RedisLocks of its own)
-    A missing counter restarts at 1: tokens only increase while Redis keeps its data.
+A counter goes missing when Redis loses its data or the key is new. How it restarts
+(fencing epochs, a floor, or neither) is in docs/redis-ha.md.
 """
 
 from __future__ import annotations
@@ -83,13 +30,13 @@ _SPAN = str(1 << EPOCH_BITS)
 
 
 class FenceFloors:
-    """Single-flight starts of missing fencing counters: the first acquirer of a key whose counter
-    is missing starts it (with ``start(key, floor, bound)``, which raises the Redis counter to the
-    floor), every acquirer of that key that comes while it runs shares that, and its answer (or its
-    error) goes to each of them. ``spawn`` starts the work as a task its owner waits for on close.
+    """Single-flight restarts of missing fencing counters.
 
-    ``epochs`` (durable, see the module docstring) are used when given, or when lent with
-    :meth:`lend` while none were given; ``fetch`` is ``fence_floor``."""
+    The first acquirer of a key with a missing counter starts it with ``start(key, floor,
+    bound)``. Acquirers that come meanwhile share that work, and its answer or error.
+    ``spawn`` runs the work as a task its owner awaits on close. ``epochs`` are used when
+    given, or when lent with :meth:`lend`. ``fetch`` is ``fence_floor``.
+    """
 
     __slots__ = (
         "_epochs",
@@ -123,14 +70,16 @@ class FenceFloors:
 
     @property
     def epochs(self) -> FenceEpochs | None:
-        """The epochs in use: the backend's own, else the first lent ones still lent."""
+        """The epochs in use: the backend's own, else the first ones still lent."""
         if self._epochs is not None:
             return self._epochs
         return self._lent[0] if self._lent else None
 
     def lend(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while none of the backend's own are given (and no earlier lender's are
-        still lent); returns the call that takes them back."""
+        """Use ``epochs`` while the backend has none of its own.
+
+        An earlier lender's epochs win while still lent. Returns the call that takes them back.
+        """
         self._lent.append(epochs)
 
         def give_back() -> None:
@@ -141,8 +90,11 @@ class FenceFloors:
 
     @property
     def unknown(self) -> str:
-        """The acquire script's ARGV[3]: "" (report a missing counter) when there is something
-        to start it from, "0" when there is not (a missing counter restarts at 1)."""
+        """The acquire script's ARGV[3].
+
+        "" reports a missing counter, when there is something to start it from. "0" restarts
+        a missing counter at 1.
+        """
         return "" if self._fetch is not None or self.epochs is not None else "0"
 
     @property
@@ -151,9 +103,11 @@ class FenceFloors:
         return _SPAN if self.epochs is not None else ""
 
     async def floor(self, key: str, bound: float, seen: int = 0) -> int:
-        """Start ``key``'s counter (missing, or ``seen``: about to cross into the next epoch)
-        and return the floor it was started at. Waits at most ``bound`` seconds (work already
-        in flight keeps the bound it started with)."""
+        """Start ``key``'s counter and return the floor it was started at.
+
+        The counter is missing, or is ``seen`` at the end of its epoch. Waits at most ``bound``
+        seconds; work already in flight keeps the bound it started with.
+        """
         flight = self.in_flight.get(key)
         if flight is None:
             flight = asyncio.get_running_loop().create_future()
@@ -175,8 +129,11 @@ class FenceFloors:
             del self.in_flight[key]
 
     async def _ask(self, key: str, seen: int, bound: float, started: asyncio.Future[int]) -> int:
-        """Start the counter; ``started`` gets the floor as soon as the counter is started (the
-        sharers go on then, while the epoch's lock is let go), or the error."""
+        """Start the counter and pass the floor, or the error, to ``started``.
+
+        ``started`` is set as soon as the counter is started. Sharers go on while the epoch's
+        lock is let go.
+        """
         try:
             floor = await self._work(key, seen, bound, started)
         except BaseException as exc:
@@ -223,9 +180,8 @@ class FenceFloors:
         bound: float,
         started: asyncio.Future[int],
     ) -> int:
-        # Above the tokens the floor scheme may have handed out (an upgrade: it started counters
-        # at the floor plus the gap, also at a floor of 0), and above the counter seen at the
-        # end of its epoch.
+        # Above the tokens the floor scheme may have handed out before an upgrade to epochs. And
+        # above the counter seen at the end of its epoch.
         at_least = ((highest + self._gap) >> EPOCH_BITS) + 1 if self._fetch is not None else 0
         at_least = max(at_least, (seen >> EPOCH_BITS) + 1 if seen else 0)
         if at_least > MAX_EPOCH:

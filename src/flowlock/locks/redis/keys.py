@@ -1,12 +1,8 @@
 """Where a lock lives in Redis.
 
-Everything lives under ``flowlock:<namespace>:``. The user's key (and the namespace) are
-percent-encoded, so ``:``, ``{``, ``}`` and glob characters never appear raw: ``a:b`` and
-``a`` + ``:b`` can never meet. The lock of key ``k`` is ``flowlock:<ns>:{<k>}`` and its fencing
-counter ``flowlock:<ns>:{<k>}:fence`` (and, with fencing epochs, the counter's stamp
-``flowlock:<ns>:{<k>}:fence:replid``); the ``{...}`` hash tag keeps them in one Redis Cluster
-slot, which the scripts need. The lock key is also the pub/sub channel its release is
-announced on (channels and keys are separate name spaces in Redis).
+Lock ``k`` is ``flowlock:<ns>:{<k>}``, its fencing counter ``...:fence``, and the counter's
+stamp ``...:fence:replid``. The hash tag keeps them in one cluster slot. Keys are
+percent-encoded, so ``a:b`` and ``a`` + ``:b`` never meet.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class Keyspace:
         return self.lock(key) + ":fence"
 
     def stamp(self, key: str) -> str:
-        """The Redis key of the replication id that lock ``key``'s fencing counter was started
-        on (see :mod:`~flowlock.locks.redis.fence`)."""
+        """The key holding the replication id ``key``'s fencing counter was started on."""
         return self.lock(key) + ":fence:replid"
 
     def pattern(self) -> str:

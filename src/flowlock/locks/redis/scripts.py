@@ -1,8 +1,7 @@
-"""The four Lua scripts the Redis lease protocol runs, what each one's KEYS and ARGV are, and
-one typed function per script that passes them in the right order.
+"""The Lua scripts of the Redis lease protocol, and one typed caller per script.
 
-Each script runs atomically on the server, so the read and the write in it cannot be split by
-another client: that is what makes "delete the key only if it is still mine" safe.
+Each script runs atomically, so no client can split its read from its write. That is
+what makes "delete the key only if it is still mine" safe.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ __all__ = [
     "start",
 ]
 
-# The server's replication id: a new one each time a replica is promoted (a Sentinel or Cluster
-# failover) or a primary starts without its data. A counter stamped with another id than the
-# server's own may be behind what was handed out before a failover (replication is
-# asynchronous: the primary that died may have issued tokens its replica never saw).
+# The server's replication id. It changes when a replica is promoted or a primary starts empty.
+# A counter stamped with another id may be behind: replication is asynchronous, so the dead
+# primary may have issued tokens its replica never saw.
 REPLID = """
 local function replid()
   return string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or ''
@@ -37,16 +35,17 @@ end
 """
 
 # KEYS[1] the lock key, KEYS[2] its fencing counter, KEYS[3] the counter's stamp (the
-# replication id of the server that started it); one hash slot.
-# ARGV[1] the new owner's token, ARGV[2] the ttl in milliseconds,
-# ARGV[3] "" when the backend has a floor for a missing counter (the script then reports it
-# instead of counting from 0), "0" when it has none (a missing counter restarts at 1),
-# ARGV[4] the span of one fencing epoch ("" without epochs): a counter whose next token would
-# cross into the next epoch is reported as missing too, so that a new epoch is taken for it, and
-# so is a counter stamped by another server than this one (a failover since it was started).
-# Returns {1, fencing token} when acquired; {0, the holder's PTTL in ms (-1: no expiry)} when
-# held; {-1, the counter (0: missing)} when the counter must be started first (START below; then
-# call again). The lock is checked first, so a held lock never costs a floor.
+# replication id of the server that started it). All three share one hash slot.
+# ARGV[1] the new owner's token.
+# ARGV[2] the ttl in milliseconds.
+# ARGV[3] "" when the backend has a floor: a missing counter is reported, not counted from 0.
+#   "0" when it has none: a missing counter restarts at 1.
+# ARGV[4] the span of one fencing epoch, "" without epochs. A counter about to cross into the
+#   next epoch is reported as missing, so a new epoch is taken. So is one stamped by another
+#   server (a failover since it was started).
+# Returns {1, fencing token} when acquired, {0, the holder's PTTL in ms (-1: no expiry)} when
+# held, or {-1, the counter (0: missing)} when START must run first; then call again.
+# The lock is checked first, so a held lock never costs a floor.
 # Counters stay below 2^53: Lua numbers are doubles, exact up to there.
 ACQUIRE = (
     REPLID
@@ -101,11 +100,10 @@ return 0
 """
 
 # KEYS[1] a fencing counter, KEYS[2] its stamp. ARGV[1] its floor, ARGV[2] "1" to stamp it.
-# Raises the counter to the floor when it is missing or below it (never lowers it: whatever
-# another acquirer started meanwhile stays), stamped with this server's replication id when
-# asked; returns 1 if it did, 0 otherwise. A counter left as it was keeps its stamp: a higher
-# counter stamped by a server before a failover may be behind what that server handed out, and
-# the next acquire takes a new epoch above it.
+# Raises a missing or lower counter to the floor, stamped with this server's replication id when
+# asked. Returns 1 if it did, 0 otherwise. It never lowers a counter: another acquirer's start
+# stays. A counter left alone keeps its stamp. If that stamp is a pre-failover server's, the next
+# acquire takes a new epoch above it.
 START = (
     REPLID
     + """
@@ -127,10 +125,12 @@ tuple, so that a test can wrap one of them in something that counts or delays it
 
 
 def register(client: aioredis.Redis | RedisCluster) -> Scripts:
-    """Register the scripts on ``client``: each call sends EVALSHA, and the script text only
-    when the server does not have it (after a restart or a failover, say). In a cluster EVALSHA
-    goes to the node of its keys' slot: every script touches the keys of one lock only, which
-    share a hash tag."""
+    """Register the scripts on ``client``.
+
+    Each call sends EVALSHA, and the script text only when the server lacks it (after a
+    restart or failover). In a cluster EVALSHA goes to its keys' slot; each script touches
+    one lock's keys, which share a hash tag.
+    """
     return (
         client.register_script(ACQUIRE),
         client.register_script(RELEASE),
@@ -150,9 +150,12 @@ def acquire(
     unknown: str,
     span: str,
 ) -> Awaitable[Any]:
-    """Take the lock for ``token``: a reply ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or
-    ``[NO_COUNTER, counter]`` (start the counter, then call again). ``unknown`` and ``span`` are
-    ARGV[3] and ARGV[4], see :data:`ACQUIRE`."""
+    """Take the lock for ``token``.
+
+    Replies ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or ``[NO_COUNTER, counter]``. On the
+    last, start the counter and call again. ``unknown`` and ``span`` are ARGV[3] and ARGV[4]
+    (see :data:`ACQUIRE`).
+    """
     return scripts[0](keys=[lock_key, fence_key, stamp_key], args=[token, ttl_ms, unknown, span])
 
 
@@ -169,6 +172,8 @@ def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Await
 def start(
     scripts: Scripts, *, fence_key: str, stamp_key: str, floor: int, stamp: bool
 ) -> Awaitable[Any]:
-    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below (stamped with the
-    server's replication id in ``stamp_key`` when ``stamp``): 1 if it did."""
+    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below. Returns 1 if it did.
+
+    With ``stamp``, also stamp ``stamp_key`` with the server's replication id.
+    """
     return scripts[3](keys=[fence_key, stamp_key], args=[floor, "1" if stamp else ""])

@@ -1,29 +1,8 @@
 """The Redis URLs the lock backend takes, checked in one place before any I/O.
 
-One server
-    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
-    ``unix:///path/to/redis.sock[?db=N]``, as redis-py reads them.
-
-Redis Sentinel
-    ``redis+sentinel://[[user]:password@]host1[:port1][,host2[:port2]...]/service_name[/db]``:
-    the sentinels' addresses (port 26379 when left out), the name of the monitored primary
-    (``sentinel monitor <service_name> ...``) and the database (0). The service name may be
-    given as ``?service_name=`` instead (then the path is ``/db`` or nothing). The user and
-    password are the Redis servers' (sent to the primary); ``?sentinel_password=`` (and
-    ``?sentinel_username=``) are the sentinels' own, when they require one. The primary is found
-    by asking the sentinels (redis-py's ``Sentinel.master_for``) on every new connection, so
-    after a failover the next connection goes to the new primary.
-
-Redis Cluster
-    ``redis+cluster://[[user]:password@]host1[:port1][,host2[:port2]...]``: one or more nodes
-    to discover the cluster from (port 6379 when left out); the cluster's other nodes are found
-    from them (redis-py's ``RedisCluster``). A cluster has database 0 only (``/0`` may be
-    written).
-
-Both also take ``?client_name=`` (how the connections show in ``CLIENT LIST``). A password
-with ``@``, ``:``, ``/``, ``,`` or ``?`` in it must be percent-encoded. TLS to a sentinel or a
-cluster is not taken from a URL: build the client yourself and use
-:meth:`RedisLocks.from_client <flowlock.locks.redis.RedisLocks.from_client>`.
+One server: ``redis://``, ``rediss://`` (TLS) or ``unix://``. Sentinel:
+``redis+sentinel://``. Cluster: ``redis+cluster://``. docs/redis-ha.md shows every form.
+TLS to a sentinel or cluster needs your own client and ``RedisLocks.from_client``.
 """
 
 from __future__ import annotations
@@ -57,9 +36,11 @@ Kind = Literal["single", "sentinel", "cluster"]
 
 @dataclass(frozen=True, slots=True, repr=False)
 class RedisAddress:
-    """Where the locks live, as a checked URL says. ``url`` is the URL itself (read by redis-py
-    for one server); ``hosts`` the sentinels or cluster nodes; the rest applies to the kinds
-    that have it. The repr leaves the passwords out."""
+    """Where the locks live, as a checked URL says.
+
+    ``url`` is the URL itself, read by redis-py for one server. ``hosts`` are the sentinels
+    or cluster nodes. The rest applies to the kinds that have it. The repr hides passwords.
+    """
 
     kind: Kind
     url: str
@@ -79,8 +60,11 @@ class RedisAddress:
 
 
 def parse(url: object, name: str = "the Redis URL") -> RedisAddress:
-    """``url`` checked and taken apart; InvalidInput saying what is wrong and how to write it.
-    Messages never quote the URL whole (it may carry a password)."""
+    """``url`` checked and taken apart.
+
+    Raises InvalidInput saying what is wrong and how to write it. Messages never quote the
+    whole URL, which may carry a password.
+    """
     text = check_url(name, url, SCHEMES)
     scheme = text.partition("://")[0].lower()
     if scheme in SINGLE:
@@ -185,8 +169,7 @@ def _query(name: str, scheme: str, query: str) -> dict[str, str]:
 
 
 def _service(name: str, given: str | None, segments: list[str]) -> tuple[str, int]:
-    """The service name and database from the path (``/service[/db]``) or ``?service_name=``
-    (then the path is ``/db`` or nothing)."""
+    """The service name and database, from the path or ``?service_name=``."""
     if given is None:
         if not segments or not segments[0]:
             raise _bad(name, SENTINEL, "it names no service (the sentinels' name of the primary)")

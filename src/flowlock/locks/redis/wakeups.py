@@ -1,37 +1,7 @@
-"""Who is woken when a lock key is released or its holder's lease runs out: the FIFO queues of
-local waiters and the watchers of each key, and the reconnecting pub/sub listener that hears the
-releases.
+"""Wake lock waiters when a key is released or its holder's lease runs out.
 
-Waiting
-    One pub/sub connection per backend holds a pattern subscription on the namespace's
-    channels; the release script publishes on the lock key's channel. The local waiters of a key
-    form a queue in the order they arrived, and a release wakes only the oldest of them, which
-    retries at once: one acquire attempt per lease in this process instead of one per waiter.
-    (Every other process that waits on the key gets the message too and wakes its own oldest.)
-    A waiter joins the queue before its first attempt and stays in it until it is done, so a
-    release that lands between an attempt and the wait is not missed: it wakes the oldest
-    waiter, and a waiter whose attempt was in flight when woken retries at once. A woken waiter
-    that does not end up with the lease (it timed out, was cancelled, gave up on an error) hands
-    the wake to the next waiter; one whose retry lost to another process keeps its place at the
-    head and waits for that holder's release. A holder that crashes publishes nothing: the
-    holder's PTTL (returned by a failed attempt) arms one timer per key, a little after the
-    expiry (a random 0-2 ms, so that the processes waiting on the key do not all retry in the
-    same millisecond), which wakes the oldest waiter like a release. There is no sleep loop;
-    new callers try once before they queue, so the order is FIFO among the waiters of one
-    process, not strict across callers or processes.
-
-Watching
-    ``wait_released(key, wait)`` waits for a key to be free without taking it: every watcher of
-    the key is woken by its release (they do not compete, and do not take the waiters' wake),
-    and by the holder's expiry. The watcher registers before it looks at the key, so a release
-    between the look and the wait is not missed.
-
-The listener
-    It reconnects with backoff for as long as the backend is open, PINGs a connection that has
-    been quiet for a while (a half-open TCP connection never errors), and on each new
-    subscription wakes the oldest waiter of each key and every watcher, since releases may have
-    been missed while it was down. While it is down waiters still wake at the holder's expiry
-    and at their own bound.
+Holds each key's local queue of waiters and watchers, and the pub/sub listener that
+hears releases. docs/redis-ha.md explains the waiting rules.
 """
 
 from __future__ import annotations
@@ -55,8 +25,8 @@ log = logging.getLogger("flowlock")
 # margin for the server's expiry, and the processes waiting on one key do not all retry in the
 # same millisecond. (A waiter woken by a release retries at once: only one per process is.)
 WAKE_JITTER = 0.002
-# The pub/sub listener: how often it looks up from a quiet connection, when it PINGs a quiet
-# connection to find out it is dead, and the bounds of its reconnect backoff.
+# The pub/sub listener: how often it checks a quiet connection, when it PINGs one to find it dead,
+# and its reconnect backoff bounds.
 _LISTEN_TICK = 1.0
 _PING_AFTER = 5.0
 _RECONNECT_MIN = 0.05
@@ -74,9 +44,11 @@ async def wait_for(event: asyncio.Event, seconds: float) -> bool:
 
 
 class _Waiter:
-    """One acquire waiting in a key's local queue. ``woken``: it was handed a release (or the
-    holder's expiry) and has not yet either lost a retry to another holder or taken the lease;
-    if it leaves the queue meanwhile, the wake goes to the next waiter."""
+    """One acquire waiting in a key's local queue.
+
+    ``woken``: it was handed a release or the holder's expiry, and has neither lost a retry
+    nor taken the lease yet. If it leaves meanwhile, the wake goes to the next waiter.
+    """
 
     __slots__ = ("event", "woken")
 
@@ -96,8 +68,10 @@ class _Watcher:
 
 
 class _Queue:
-    """The local waiters (oldest first) and watchers of one lock key, and the timer that wakes
-    the oldest waiter when the holder's lease runs out."""
+    """The local waiters (oldest first) and watchers of one lock key.
+
+    Also holds the timer that wakes the oldest waiter when the holder's lease runs out.
+    """
 
     __slots__ = ("timer", "timer_at", "waiters", "watchers")
 
@@ -130,8 +104,11 @@ class _Queue:
 
 
 class Wakeups:
-    """The queues of every lock key this backend's callers wait on or watch, by lock key (which
-    is also the key's release channel). A key's queue exists while someone waits or watches."""
+    """The queues of every lock key this backend's callers wait on or watch.
+
+    Keyed by lock key, which is also the key's release channel. A queue exists only while
+    someone waits or watches.
+    """
 
     __slots__ = ("_queues", "_rng")
 
@@ -144,8 +121,10 @@ class Wakeups:
         return self._rng.uniform(0.0, WAKE_JITTER)
 
     def join(self, lock_key: str) -> Place:
-        """A place at the back of ``lock_key``'s queue of waiters; leave it with
-        :meth:`Place.leave` however the wait ends."""
+        """Take a place at the back of ``lock_key``'s queue of waiters.
+
+        Always leave it with :meth:`Place.leave`, however the wait ends.
+        """
         queue = self._queue(lock_key)
         waiter = _Waiter()
         queue.waiters[waiter] = None
@@ -172,8 +151,10 @@ class Wakeups:
             queue.announce_release()
 
     def missed(self) -> None:
-        """A new subscription: releases may have been missed while there was none. The oldest
-        waiter of each key retries, and every watcher looks again."""
+        """A new subscription: releases may have been missed meanwhile.
+
+        The oldest waiter of each key retries, and every watcher looks again.
+        """
         for queue in self._queues.values():
             queue.wake_oldest()
             for watcher in queue.watchers:
@@ -202,9 +183,11 @@ class Wakeups:
                 del self._queues[lock_key]
 
     def _arm(self, queue: _Queue, pttl_ms: int) -> None:
-        """Wake the oldest waiter of ``queue`` when the holder's lease (``pttl_ms`` left, as a
-        failed attempt saw it) runs out, unless an earlier wake-up is already set: one that
-        comes too early (the holder extended) costs one attempt, which sets the next."""
+        """Wake the oldest waiter of ``queue`` when the holder's lease runs out.
+
+        ``pttl_ms`` is the time left, as a failed attempt saw it. An earlier wake-up already set
+        wins. One that comes too early (the holder extended) costs one attempt, which sets the next.
+        """
         loop = asyncio.get_running_loop()
         at = loop.time() + pttl_ms / 1000 + self.jitter()
         if at < queue.timer_at:
@@ -214,8 +197,11 @@ class Wakeups:
 
 
 class Place:
-    """One acquire's place in its key's queue of waiters, from before its first attempt to the
-    end of the acquire (so a release during an attempt is not missed)."""
+    """One acquire's place in its key's queue of waiters.
+
+    Held from before the first attempt to the end of the acquire. So a release during an
+    attempt is not missed.
+    """
 
     __slots__ = ("_lock_key", "_queue", "_waiter", "_wakeups")
 
@@ -230,26 +216,32 @@ class Place:
         self._waiter.event.clear()
 
     def held(self, pttl_ms: int) -> None:
-        """The attempt found the key held with ``pttl_ms`` left (-1: no expiry): make sure the
-        oldest waiter wakes at the holder's expiry."""
+        """The attempt found the key held with ``pttl_ms`` left (-1: no expiry).
+
+        Makes sure the oldest waiter wakes at the holder's expiry.
+        """
         if pttl_ms >= 0:
             self._wakeups._arm(self._queue, pttl_ms)
 
     @property
     def woken(self) -> bool:
-        """Whether this waiter was woken since its attempt was sent (the key may be free)."""
+        """Whether this waiter was woken since its attempt was sent."""
         return self._waiter.event.is_set()
 
     async def wait(self, seconds: float) -> None:
-        """Wait for a wake, at most ``seconds``. A waiter that was woken and lost its retry to
-        another holder keeps its place at the head: the next release is its wake."""
+        """Wait for a wake, at most ``seconds``.
+
+        A waiter that lost its retry to another holder keeps its place at the head.
+        """
         self._waiter.woken = False
         await wait_for(self._waiter.event, seconds)
 
     def leave(self, *, with_lease: bool) -> None:
-        """Leave the queue. Handed the key's wake and leaving without the lease (timed out,
-        cancelled, failed, closed): the next waiter takes the wake, or it would sleep while the
-        key is free."""
+        """Leave the queue.
+
+        A waiter that holds the key's wake and leaves without the lease passes the wake on.
+        Otherwise the next waiter would sleep while the key is free.
+        """
         waiter = self._waiter
         del self._queue.waiters[waiter]
         if not with_lease and (waiter.woken or waiter.event.is_set()):
@@ -275,16 +267,17 @@ class Watch:
         self._watcher.event.clear()
 
     async def wait(self, seconds: float) -> bool:
-        """Whether something woke the watch (a release, a new subscription, the backend
-        closing) within ``seconds``."""
+        """Whether a release, a new subscription or closing woke the watch within ``seconds``."""
         return await wait_for(self._watcher.event, seconds)
 
 
 class Listener:
-    """The one pattern subscription on a namespace's channels, kept up by a task from
-    :meth:`start` to :meth:`stop`; each release heard wakes that key's queue in ``wakeups``.
-    ``pubsubs`` makes a new pub/sub for each try: after a failover, the next one reaches the
-    new primary (Sentinel) or another node (Cluster)."""
+    """The one pattern subscription on a namespace's channels.
+
+    A task keeps it up from :meth:`start` to :meth:`stop`. Each release heard wakes that
+    key's queue in ``wakeups``. ``pubsubs`` makes a new pub/sub for each try, so after a
+    failover the next one reaches the new primary or another node.
+    """
 
     def __init__(
         self,
@@ -304,8 +297,11 @@ class Listener:
         self.listening = False
 
     async def start(self, *, name: str, wait: float) -> None:
-        """Start listening, and wait up to ``wait`` seconds for the first subscription (or the
-        first failure), so that waiters are woken from the start when Redis is up."""
+        """Start listening, and wait up to ``wait`` seconds for the first subscription.
+
+        Also returns on the first failure. Waiting means waiters are woken from the start when
+        Redis is up.
+        """
         first_try = asyncio.Event()
         self._task = asyncio.create_task(self._run(first_try), name=name)
         try:
@@ -321,8 +317,7 @@ class Listener:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self, first_try: asyncio.Event) -> None:
-        """Subscribe, pump messages, and on any failure log it and reconnect with backoff;
-        never die silently."""
+        """Subscribe and pump messages; on failure log it and reconnect with backoff."""
         delay = _RECONNECT_MIN
         failing = False
         while True:

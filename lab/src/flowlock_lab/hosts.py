@@ -21,7 +21,7 @@ run inside a namespace through ``ip netns exec <namespace> <python> -m ...``
 :meth:`NamespacedHosts.stop` (also on errors and Ctrl-C) ends any process still inside the
 namespaces, deletes the namespaces (which deletes their veths), the bridge, and checks that none
 of the run's names is left. It needs root and iproute2 (``ip``, and ``tc`` for a delay); where
-they are missing :class:`~flowlock.errors.HostsUnavailable` says which, so tests can skip with
+they are missing :class:`~flowlock_lab.errors.HostsUnavailable` says which, so tests can skip with
 that reason. The address plan and the command lines are pure (:func:`plan_hosts`,
 :meth:`HostPlan.setup_commands`...), tested without privileges.
 """
@@ -46,8 +46,10 @@ from ipaddress import IPv4Interface, IPv4Network
 from pathlib import Path
 from typing import Any
 
-from flowlock.core.errors import HostsError, HostsUnavailable, InvalidInput
+from flowlock.bench.config import MAX_DELAY_MS, MAX_HOSTS
+from flowlock.core.errors import InvalidInput
 from flowlock.core.lifecycle import BlockingResource
+from flowlock_lab.errors import HostsError, HostsUnavailable
 
 __all__ = [
     "DEFAULT_DELAY_MS",
@@ -63,12 +65,8 @@ __all__ = [
     "used_networks",
 ]
 
-MAX_HOSTS = 16
-"""The most namespaced hosts of one run: each runs at least one worker process, and a 2-core
-machine is saturated long before."""
 DEFAULT_DELAY_MS = 1.0
 """The netem delay of ``--hosts N`` (N > 1) when none is given and the kernel has netem."""
-MAX_DELAY_MS = 1000.0
 SUBNET_POOL = IPv4Network("10.213.0.0/16")
 """Where a run's /24 comes from: private, and unlikely to be anyone's LAN; a /24 some interface
 or route of the machine already uses is never picked."""

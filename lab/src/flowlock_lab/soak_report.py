@@ -1,6 +1,6 @@
 """The soak's report (``flowlock bench --soak``): a rich table (duration, calls, outcomes by
 kind, faults by kind, leases lost, leaks, verdicts) and the ``--json`` document. Nothing here
-runs anything; it only reads :mod:`flowlock.bench.soak_results`."""
+runs anything; it only reads :mod:`flowlock_lab.soak_results`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from flowlock.bench.soak_results import FAULT_KINDS, OUTCOME_KINDS, SoakReport
+from flowlock_lab.soak_results import FAULT_KINDS, OUTCOME_KINDS, SoakReport
 
 __all__ = ["render_soak", "soak_table", "soak_to_json", "write_soak_json"]
 

@@ -1,7 +1,7 @@
-"""A soak worker process: ``python -m flowlock.bench.soak_worker SPEC`` (SPEC: a
+"""A soak worker process: ``python -m flowlock_lab.soak_worker SPEC`` (SPEC: a
 :class:`WorkerSpec` as JSON).
 
-The soak (:mod:`flowlock.bench.soak`) starts several of these. Each opens one engine on the run's
+The soak (:mod:`flowlock_lab.soak`) starts several of these. Each opens one engine on the run's
 PostgreSQL with every strategy the soak runs (the distributed ones on Redis and on advisory
 locks), then runs ``tasks`` callers until its stdin closes or the spec's stop time comes. A
 caller loops over a mix of calls, each with a strategy picked at random:
@@ -44,13 +44,13 @@ from flowlock.bench.host import loop_factory
 from flowlock.bench.registry import STRATEGIES, BuildContext
 from flowlock.bench.scenarios.steps import counter
 from flowlock.bench.session import build_lock_backend
-from flowlock.bench.soak_results import OutcomeKind, classify
 from flowlock.checker import Recorder
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Instance, Outcome
 from flowlock.engine import Engine
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
+from flowlock_lab.soak_results import OutcomeKind, classify
 
 __all__ = ["WorkerSpec", "hot_id", "main", "spread_id", "storm_id"]
 

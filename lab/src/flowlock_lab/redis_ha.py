@@ -1,8 +1,4 @@
-"""Throwaway highly available Redis setups on 127.0.0.1, for failover tests and benchmarks:
-a primary with replicas watched by Redis Sentinel, and a Redis Cluster with a replica per
-primary. Every server is an :class:`~flowlock.embedded.EmbeddedRedis` (its own port and
-temporary directory); the sentinels are ``redis-sentinel`` (or ``redis-server --sentinel``)
-processes in a temporary directory of their own.
+"""Throwaway highly available Redis on 127.0.0.1, for failover tests and benchmarks.
 
 ::
 
@@ -16,8 +12,8 @@ processes in a temporary directory of their own.
         killed = cluster.kill(cluster.primaries()[0])
         cluster.wait_failover(killed)
 
-``stop()`` (and leaving the ``with``) stops every process and removes every directory, also
-after a failed start; both are idempotent.
+Every server is an :class:`~flowlock.embedded.EmbeddedRedis`. ``stop()`` removes every
+process and directory, also after a failed start.
 """
 
 from __future__ import annotations
@@ -44,8 +40,10 @@ _POLL = 0.05
 
 
 def sentinel_command() -> list[str] | None:
-    """How to start a sentinel here: ``redis-sentinel``, else ``redis-server`` (which runs as a
-    sentinel with ``--sentinel``); None when neither is on PATH."""
+    """How to start a sentinel: ``redis-sentinel``, else ``redis-server --sentinel``.
+
+    None when neither is on PATH.
+    """
     found = shutil.which("redis-sentinel")
     if found:
         return [found]
@@ -71,8 +69,10 @@ def _ask(port: int, *command: str) -> Any:
 
 
 def _until(what: str, ready: object, timeout: float) -> None:
-    """Poll ``ready()`` (errors count as not yet) until it is true; EmbeddedServerError after
-    ``timeout`` seconds."""
+    """Poll ``ready()`` until it is true; errors count as not yet.
+
+    Raises EmbeddedServerError after ``timeout`` seconds.
+    """
     assert callable(ready)
     deadline = time.monotonic() + timeout
     while True:
@@ -107,8 +107,10 @@ class _Group(BlockingResource):
             server.stop()
 
     def _synced(self) -> bool:
-        """Whether every running replica has its copy of its primary's data (a replica that
-        never synced is not promoted)."""
+        """Whether every running replica has synced its primary's data.
+
+        A replica that never synced is not promoted.
+        """
         for server in self.servers:
             if server.running:
                 info = _ask(server.port, "INFO", "replication")  # parsed by redis-py
@@ -127,9 +129,11 @@ class _Group(BlockingResource):
 
 
 class EmbeddedRedisSentinel(_Group):
-    """A primary, ``replicas`` replicas and ``sentinels`` sentinels (quorum: a majority) that
-    monitor it as ``service_name``, with a short ``down_after`` (seconds a primary may be
-    silent before it is seen down) for fast failovers."""
+    """A primary with ``replicas`` replicas, watched by ``sentinels`` sentinels.
+
+    They monitor it as ``service_name``, with a majority quorum. ``down_after`` is how many
+    seconds a primary may be silent before it is seen down; keep it short for fast failovers.
+    """
 
     def __init__(
         self,
@@ -158,8 +162,10 @@ class EmbeddedRedisSentinel(_Group):
         return f"redis+sentinel://{hosts}/{self.service_name}"
 
     def start(self) -> None:
-        """Start the servers and the sentinels; return once every sentinel sees the primary,
-        its replicas and the other sentinels (a failover needs them all)."""
+        """Start the servers and sentinels, and return once every sentinel sees them all.
+
+        A failover needs every sentinel to know the primary, its replicas and each other.
+        """
         command = sentinel_command()
         if command is None:
             raise EmbeddedServerError("Redis", "no redis-sentinel or redis-server on PATH")
@@ -240,8 +246,10 @@ class EmbeddedRedisSentinel(_Group):
         return port
 
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> EmbeddedRedis:
-        """Wait until every sentinel names a primary other than ``old_port`` and that server
-        says it is one; the new primary."""
+        """Wait for a new primary other than ``old_port``, and return it.
+
+        Every sentinel must name it, and the server must say it is a primary.
+        """
 
         def done() -> bool:
             ports = {
@@ -267,9 +275,11 @@ class EmbeddedRedisSentinel(_Group):
 
 
 class EmbeddedRedisCluster(_Group):
-    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each, created with
-    ``redis-cli --cluster create``; ``node_timeout`` (seconds) bounds how long a silent primary
-    keeps its slots before a replica takes over."""
+    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each.
+
+    Created with ``redis-cli --cluster create``. ``node_timeout`` is how many seconds a silent
+    primary keeps its slots before a replica takes over.
+    """
 
     def __init__(
         self,
@@ -351,8 +361,7 @@ class EmbeddedRedisCluster(_Group):
         return port
 
     def wait_failover(self, killed_port: int, timeout: float = 30.0) -> None:
-        """Wait until a replica took over the slots of the node on ``killed_port`` and every
-        running node reports the cluster ok."""
+        """Wait until a replica took over the killed node's slots, and the cluster is ok."""
 
         def done() -> bool:
             for server in self.servers:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
-from flowlock.bench.soak_results import FAULT_KINDS, Fault, FaultKind
 from flowlock.core.errors import FlowlockError
+from flowlock_lab.soak_results import FAULT_KINDS, Fault, FaultKind
 
 __all__ = ["FaultInjector", "Schedule", "Targets"]
 

@@ -3,7 +3,7 @@ between them: how a call's end is classified (:func:`classify`), the exactly-onc
 what the store holds afterwards (:func:`judge_store`), and the run's report
 (:class:`SoakReport`).
 
-Nothing here does I/O or needs a server: the soak (:mod:`flowlock.bench.soak`) hands over what
+Nothing here does I/O or needs a server: the soak (:mod:`flowlock_lab.soak`) hands over what
 it recorded and read back, and the report package renders these dataclasses.
 """
 

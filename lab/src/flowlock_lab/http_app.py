@@ -1,5 +1,5 @@
 """The workflows ``flowlock serve`` serves under ``flowlock bench --http``: ``--app
-flowlock.bench.http_app:workflows``.
+flowlock_lab.http_app:workflows``.
 
 The service serves only flowlock's examples by default, and the hot and spread scenarios step the
 bench's own counter, so the service the bench starts loads this module instead: exactly the

@@ -3,7 +3,7 @@ run, and a session that makes each call an HTTP request to it.
 
 :func:`running_service` starts ``python -m flowlock serve`` on a free port of 127.0.0.1, on the
 run's database and scratch schema (the schema travels as the connection's ``search_path``, in the
-URL), serving :mod:`flowlock.bench.http_app`, waits (bounded) for ``/livez``, and on the way out,
+URL), serving :mod:`flowlock_lab.http_app`, waits (bounded) for ``/livez``, and on the way out,
 also on an error or Ctrl-C, stops it with SIGTERM (SIGKILL to its process group if it has not
 exited in time). The URL goes in the environment, not on the command line: argv is visible to
 every user of the machine, and the URL may hold a password.
@@ -56,7 +56,7 @@ __all__ = [
     "service_url",
 ]
 
-SERVICE_APP = "flowlock.bench.http_app:workflows"
+SERVICE_APP = "flowlock_lab.http_app:workflows"
 """What the service serves (``--app``): the workflows of the scenarios ``--http`` runs."""
 START_TIMEOUT = 60.0
 """Seconds the service gets to answer ``/livez`` (imports, uvicorn, the engine's pool and

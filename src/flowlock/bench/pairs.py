@@ -1,0 +1,229 @@
+"""One (scenario, strategy) pair of a benchmark run: its session, its rounds, its result.
+
+A round creates every caller first, parks it on a gate, then releases them together. A call is
+timed from that release (or the end of the caller's previous call) to its answer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target
+from flowlock.bench.host import loop_name
+from flowlock.bench.measure import Armed, Sampler, sampled
+from flowlock.bench.procs import Arm, ArmedReply, Close, Closed, Done, Go, Open, Opened, WorkerPool
+from flowlock.bench.progress import Progress
+from flowlock.bench.registry import STRATEGIES, StrategySpec
+from flowlock.bench.results import (
+    HTTP,
+    IN_PROCESS,
+    CallResult,
+    ConnectionStats,
+    Params,
+    RoundPlan,
+    RoundRecord,
+    ScenarioResult,
+    Timed,
+    Transport,
+    summarise,
+)
+from flowlock.bench.scenarios import Scenario
+from flowlock.bench.servers import clear_escalation_board
+from flowlock.bench.session import BenchSession, open_session
+
+if TYPE_CHECKING:
+    from flowlock.bench.extend import HostsRun, ServiceRun
+
+__all__ = ["Pair", "Run", "run_pair", "seeded"]
+
+
+@dataclass(slots=True)
+class Run:
+    """What every pair of one run shares."""
+
+    config: BenchConfig
+    target: Target
+    seed: int
+    progress: Progress
+    workers: WorkerPool
+    hosts: HostsRun | None = None
+    service: ServiceRun | None = None
+    """The service the ``--http`` pairs call (None without ``--http``)."""
+
+
+def seeded(seed: int, *parts: object) -> random.Random:
+    # One random stream per pair (and round), derived from the run's seed: reruns with --seed
+    # replay the same jitter, and adding a scenario does not shift the others' streams.
+    return random.Random("/".join(map(str, (seed, *parts))))
+
+
+# -- one round ---------------------------------------------------------------------------------
+
+_RoundOutcome = tuple[list[CallResult], float, float]
+"""Every call's result, the seconds from release to the last answer, the lease wait."""
+
+
+async def _round_in_process(
+    scenario: Scenario, session: BenchSession, plan: RoundPlan, sampler: Sampler | None
+) -> _RoundOutcome:
+    armed = Armed(scenario, session, plan.callers())
+    try:
+        await armed.ready()
+    except BaseException:
+        await armed.cancel()
+        raise
+    leased = session.lease_wait
+    async with sampled(sampler):
+        results, wall = await armed.go()
+    return results, wall, session.lease_wait - leased
+
+
+async def _round_in_processes(
+    workers: WorkerPool, plan: RoundPlan, sampler: Sampler | None
+) -> _RoundOutcome:
+    lanes = plan.callers()
+    parts = [lanes[p :: workers.count] for p in range(workers.count)]
+    await workers.ask([Arm(tuple(part)) for part in parts], ArmedReply)
+    async with sampled(sampler):
+        await workers.send_all(Go())
+        replies = await workers.receive(Done)
+    results = [r for reply in replies for r in reply.results]
+    wall = max(reply.wall for reply in replies)
+    lease = sum(reply.lease_wait for reply in replies)
+    return results, wall, lease
+
+
+# -- one pair ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Pair:
+    """One (scenario, strategy) pair being run: its session and what its timed rounds recorded."""
+
+    run: Run
+    scenario: Scenario
+    spec: StrategySpec
+    params: Params
+    session: BenchSession
+    transport: Transport = IN_PROCESS
+    timed: Timed = field(default_factory=Timed)
+
+    @property
+    def prefix(self) -> str:
+        over = "-http" if self.transport == HTTP else ""
+        return f"bench-{self.run.target.tag}-{self.scenario.name}-{self.spec.name}{over}"
+
+    async def open_workers(self) -> None:
+        """Start the worker processes (once per run) and open the pair's session in each."""
+        run, workers = self.run, self.run.workers
+        if not workers.started:
+            where = "" if run.hosts is None else f" on {run.hosts.count} namespaced hosts"
+            run.progress.status(f"starting {workers.count} worker processes{where}")
+            await workers.start()
+        per_process = math.ceil(run.target.pool_size / workers.count)
+        name = f"{run.seed}/{self.scenario.name}/{self.spec.name}"
+        opens = [
+            Open(
+                run.target,
+                per_process,
+                self.scenario.name,
+                self.spec.name,
+                self.params,
+                f"{name}/p{p}",
+                batching=run.config.batching,
+            )
+            for p in range(workers.count)
+        ]
+        await workers.ask(opens, Opened)
+
+    async def one_round(
+        self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
+    ) -> None:
+        """Set up, fire and (when ``timed``) read back and record one round; ``sampler`` watches
+        the connections while the calls run (None: not watched)."""
+        # The same stream for both transports: an --http pair fires the same choices.
+        rng = seeded(self.run.seed, self.scenario.name, self.spec.name, n)
+        # The warm-up only fills the pools and the statement caches: one call each.
+        shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
+        plan = await self.scenario.setup(self.session.engine, key, shape, rng)
+        if self.run.config.in_processes(self.scenario):
+            results, wall, lease = await _round_in_processes(self.run.workers, plan, sampler)
+        else:
+            results, wall, lease = await _round_in_process(
+                self.scenario, self.session, plan, sampler
+            )
+        if not timed:
+            return
+        finals, histories, extra = await self.scenario.readback(self.session, plan)
+        self.timed.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
+        self.timed.wall += wall
+        self.timed.lease_wait += lease
+
+    async def rounds(self, rounds: int) -> ConnectionStats:
+        """The warm-up round (untimed, unless the config says none), then the timed rounds
+        under the connection sampler (none for the service's calls: its connections are not
+        the run's to see); returns what the sampler saw."""
+        run = self.run
+        if run.config.warms_up():
+            # Untimed: fills the pools and every connection's prepared-statement cache (over
+            # HTTP also the client's connections and the service's pool).
+            await self.one_round(f"{self.prefix}-warmup", 0, None, timed=False)
+            run.progress.advance()
+        if self.transport == HTTP:
+            for n in range(1, rounds + 1):
+                await self.one_round(f"{self.prefix}-r{n}", n, None)
+                run.progress.advance()
+            return ConnectionStats()
+        target = run.target
+        async with Sampler(target.url, target.tag, target.application_name) as sampler:
+            for n in range(1, rounds + 1):
+                await self.one_round(f"{self.prefix}-r{n}", n, sampler)
+                run.progress.advance()
+        return sampler.stats()
+
+
+async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
+    config = run.config
+    rounds = config.rounds_for(scenario)
+    params = config.params_for(scenario)
+    run.progress.begin(scenario.name, spec.name, rounds + (1 if config.warms_up() else 0))
+    multi = config.in_processes(scenario)
+    # Multi-process: the worker processes fire; this process only sets up and reads back, on an
+    # admin session of a few connections (the raw spec: no lock backend, nothing to escalate).
+    async with open_session(
+        STRATEGIES["raw"] if multi else spec,
+        run.target,
+        scenario,
+        params,
+        seeded(run.seed, scenario.name, spec.name),
+        pool_size=ADMIN_POOL if multi else None,
+        batching=config.batching,
+    ) as session:
+        pair = Pair(run, scenario, spec, params, session)
+        await clear_escalation_board(session.pool)
+        if multi:
+            await pair.open_workers()
+        # On an error or Ctrl-C no polite close (a worker may be mid-round): the run's exit
+        # closes their stdin, and they cancel their calls and close their sessions.
+        stats = await pair.rounds(rounds)
+        if multi:
+            closed = await run.workers.ask([Close()] * run.workers.count, Closed)
+            counts = (sum(c.escalated for c in closed), sum(c.adopted for c in closed))
+        else:
+            monitor = session.engine.monitor
+            counts = (monitor.escalations, monitor.adopted)
+    run.progress.end()
+    return summarise(
+        scenario,
+        spec.name,
+        params,
+        pair.timed,
+        stats,
+        loop=loop_name(),
+        floor=spec.floor,
+        hosts=0 if run.hosts is None else run.hosts.count,
+        escalations=None if spec.floor else counts,
+    )

@@ -1,0 +1,132 @@
+"""What every command shares: the apps, the environment's names, exit codes, and output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from flowlock.core.errors import FlowlockError
+from flowlock.core.extras import require
+
+__all__ = [
+    "ENV_DATABASE_URL",
+    "ENV_REDIS_URL",
+    "EPILOG",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_VERDICT_FAILED",
+    "app",
+    "db_app",
+    "errors_as_exit",
+    "fail",
+    "redact",
+    "stderr",
+    "stdout",
+    "write_file",
+]
+
+ENV_DATABASE_URL = "FLOWLOCK_DATABASE_URL"
+ENV_REDIS_URL = "FLOWLOCK_REDIS_URL"
+EXIT_ERROR = 1
+EXIT_VERDICT_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+EPILOG = (
+    "**Environment variables** (the CLI is the only part of flowlock that reads them): "
+    f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
+    "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
+    "*history*, *list* and *check* read, when --database-url is not given. "
+    f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
+    "is not given.\n\n"
+    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed "
+    "or *check* found a violation, 130 interrupted."
+)
+
+app = typer.Typer(
+    name="flowlock",
+    help="flowlock: a workflow engine whose every transition is atomic and applied exactly once.",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    # Locals of a failing frame could hold a database URL with its password.
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+db_app = typer.Typer(
+    help="Database schema commands.",
+    no_args_is_help=True,
+    epilog=EPILOG,
+    rich_markup_mode="markdown",
+)
+app.add_typer(db_app, name="db")
+
+
+# -- output helpers ---------------------------------------------------------------------------
+
+
+def stderr() -> Console:
+    # Made per use, not at import: test runners swap sys.stderr after import.
+    return Console(stderr=True, soft_wrap=True)
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    """One red line (any further lines of the message, such as a server log tail, dimmed
+    below it) and exit with ``code``."""
+    first, _, rest = message.strip().partition("\n")
+    console = stderr()
+    console.print(Text(f"error: {first}", style="bold red"))
+    if rest.strip():
+        console.print(Text(rest, style="dim"))
+    raise typer.Exit(code)
+
+
+@contextmanager
+def errors_as_exit() -> Iterator[None]:
+    """FlowlockError -> one red line and exit 1; Ctrl-C -> exit 130. No traceback for either."""
+    try:
+        yield
+    except FlowlockError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        stderr().print(Text("interrupted", style="yellow"))
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def need(extra: str, command: str, *modules: str) -> None:
+    """One error line naming the extra when ``command`` cannot import one of ``modules``."""
+    with errors_as_exit():
+        for module in modules:
+            require(module, extra, command)
+
+
+def redact(url: str) -> str:
+    """``url`` without its password. Imported here, not at the top: only bench needs bench."""
+    from flowlock.bench import config
+
+    return config.redact(url)
+
+
+def stdout() -> Console:
+    out = Console()
+    if not out.is_terminal:
+        # Piped or redirected: rich would assume 80 columns and fold the table; use room.
+        out = Console(width=160)
+    return out
+
+
+def write_file(path: Path | None, write: Callable[[Path], None]) -> None:
+    """``write(path)`` unless no path was given; an OS error is one red line and exit 1."""
+    if path is None:
+        return
+    try:
+        write(path)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror or exc}")
+    stderr().print(Text(f"wrote {path}", style="dim"))

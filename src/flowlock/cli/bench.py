@@ -1,0 +1,236 @@
+"""``flowlock bench``: the seed's benchmark matrix, and the lab's modes forwarded to it.
+
+``--soak``, ``--hosts`` and ``--http`` run in flowlock's lab (``flowlock_lab``, the ``lab/``
+distribution of a checkout). The lab is an optional import here, as an optional integration:
+without it those modes exit with one line naming how to install it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from flowlock.cli._common import (
+    EXIT_VERDICT_FAILED,
+    app,
+    errors_as_exit,
+    fail,
+    stderr,
+    stdout,
+    write_file,
+)
+from flowlock.cli.bench_options import (
+    BatchingOption,
+    BenchDatabaseUrl,
+    BenchRedisUrl,
+    EmbeddedOption,
+    FaultsOption,
+    HostsOption,
+    HttpOption,
+    JsonOption,
+    NetemDelayOption,
+    OnOff,
+    OpsOption,
+    PlotOption,
+    PoolSizeOption,
+    ProcessesOption,
+    QuickOption,
+    RoundsOption,
+    ScenarioOption,
+    SeedOption,
+    SoakOption,
+    StrategyOption,
+    WorkersOption,
+    need_bench,
+)
+from flowlock.core.errors import FlowlockError
+
+if TYPE_CHECKING:
+    from flowlock.bench import BenchConfig, BenchReport
+
+__all__ = ["bench"]
+
+
+def _lab() -> ModuleType:
+    """The lab's command-line module; one red line and exit 1 when the lab is not installed."""
+    from flowlock.bench.extend import LAB_MISSING
+
+    try:
+        # The one place flowlock imports the lab, and only when a lab mode is asked for.
+        import flowlock_lab.cli as lab
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "flowlock_lab":
+            raise  # something the lab needs is missing: its own error says what
+        fail(LAB_MISSING)
+    return lab
+
+
+def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
+    """Validate ``config`` (and the plot support) before starting anything, then run it with
+    a progress display on stderr; flowlock errors and Ctrl-C become exits. ``--hosts`` and
+    ``--http`` runs take the lab's parts."""
+    from flowlock.bench import runner
+    from flowlock.bench.report import RichProgress, check_plot_support
+
+    with errors_as_exit():
+        config.validate()  # before starting anything: a bad URL must not cost a server start
+        lab = _lab().LAB if config.hosts is not None or config.http else None
+        if plot:
+            check_plot_support()
+        with RichProgress(stderr()) as progress:
+            report = runner.run(config, progress, lab=lab)
+    return report
+
+
+def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -> None:
+    """The tables on stdout, the JSON and the chart where asked; exit 3 on a failed verdict."""
+    from flowlock.bench.report import failures, plot, render, write_json
+
+    render(report, stdout())
+    write_file(json_file, lambda path: write_json(report, path))
+    write_file(plot_file, lambda path: plot(report, path))
+    if not report.ok:
+        fail(
+            "checker verdict FAILED: the history is not exactly-once\n"
+            + "\n".join(failures(report)),
+            EXIT_VERDICT_FAILED,
+        )
+
+
+def _run_soak(config: Any, json_file: Path | None) -> None:
+    """Run the lab's soak (``config``: its SoakConfig), print its table, write its JSON, and
+    exit 3 when any verdict is not clean."""
+    _lab().run_soak(config, json_file)
+
+
+def _soak_config(
+    ctx: typer.Context,
+    seconds: int,
+    faults: bool,
+    meaningless: Mapping[str, object],
+    **given: Any,
+) -> Any:
+    """The lab's soak config from the bench options; a usage error (exit 2) for an option that
+    means nothing to a soak, and for anything the config refuses (a server URL, too many
+    callers)."""
+    named = [name for name, value in meaningless.items() if value]
+    if named:
+        raise typer.BadParameter(f"{', '.join(named)} mean(s) nothing to --soak; drop it")
+    # By name: typer may bring click's ParameterSource under another module.
+    source = ctx.get_parameter_source("workers")
+    workers_given = source is not None and source.name == "COMMANDLINE"
+    try:
+        return _lab().soak_config(
+            seconds=seconds,
+            faults=faults,
+            processes=given["processes"],
+            callers=given["workers"] if workers_given else None,
+            strategies=given["strategies"],
+            seed=given["seed"],
+            database_url=given["database_url"],
+            redis_url=given["redis_url"],
+            batching=given["batching"],
+        )
+    except FlowlockError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+def bench(
+    ctx: typer.Context,
+    scenario: ScenarioOption = None,
+    strategy: StrategyOption = None,
+    workers: WorkersOption = 100,
+    rounds: RoundsOption = None,
+    ops: OpsOption = None,
+    processes: ProcessesOption = None,
+    seed: SeedOption = None,
+    quick: QuickOption = False,
+    pool_size: PoolSizeOption = None,
+    json_file: JsonOption = None,
+    plot_file: PlotOption = None,
+    database_url: BenchDatabaseUrl = None,
+    redis_url: BenchRedisUrl = None,
+    embedded: EmbeddedOption = False,
+    batching: BatchingOption = OnOff.on,
+    hosts: HostsOption = None,
+    netem_delay: NetemDelayOption = None,
+    http: HttpOption = False,
+    soak: SoakOption = None,
+    faults: FaultsOption = False,
+) -> None:
+    """Reproduce the seed article's experiment and every scenario, against a floor.
+
+    Runs each scenario (storm, countersign, inventory, hot, spread, cluster, singleton) with each
+    strategy, plus 'raw' (bare asyncpg, measured in the same run), on an embedded PostgreSQL and
+    Redis it starts and removes (or your servers). Prints one row per scenario x strategy
+    (latency, success %, attempts, mean batch size, throughput, peak connections, lock wait)
+    with the checker's exactly-once verdict, the seed's published figures beside storm, and the
+    aims against the floor of the same run, each with its ratio and met or not met. Exits 3 if
+    any verdict fails.
+
+    With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.
+
+    With --http each pair runs in-process and then through `flowlock serve`, and a table shows
+    the HTTP overhead: see --http, and docs/benchmarks.md. --http and --hosts do not combine.
+
+    With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
+
+    --hosts, --http and --soak run in flowlock's lab, the lab/ directory of a flowlock checkout
+    (pip install -e ./lab; the test extra installs it).
+    """
+    need_bench()
+    from flowlock.bench import BenchConfig
+
+    if faults and soak is None:
+        raise typer.BadParameter("--faults needs --soak SECONDS")
+    if soak is not None:
+        meaningless = {
+            "--scenario": scenario,
+            "--rounds": rounds,
+            "--ops": ops,
+            "--quick": quick,
+            "--pool-size": pool_size,
+            "--plot": plot_file,
+            "--hosts": hosts,
+            "--netem-delay": netem_delay is not None,
+            "--http": http,
+        }
+        soak_config = _soak_config(
+            ctx,
+            soak,
+            faults,
+            meaningless,
+            processes=processes,
+            workers=workers,
+            strategies=tuple(strategy) if strategy else None,
+            seed=seed,
+            database_url=None if embedded else database_url,
+            redis_url=None if embedded else redis_url,
+            batching=batching is OnOff.on,
+        )
+        _run_soak(soak_config, json_file)
+        return
+
+    config = BenchConfig(
+        scenarios=tuple(scenario) if scenario else None,
+        strategies=tuple(strategy) if strategy else None,
+        workers=workers,
+        rounds=rounds,
+        ops=ops,
+        processes=processes,
+        quick=quick,
+        seed=seed,
+        pool_size=pool_size,
+        database_url=None if embedded else database_url,
+        redis_url=None if embedded else redis_url,
+        batching=batching is OnOff.on,
+        hosts=hosts,
+        netem_delay_ms=netem_delay,
+        http=http,
+    )
+    _show(_run_bench(config, plot_file is not None), json_file, plot_file)

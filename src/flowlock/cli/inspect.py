@@ -1,0 +1,304 @@
+"""Read-only commands on a database (show, history, list, check) and ``diagram``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Annotated, TypeVar
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from flowlock.cli._common import (
+    ENV_DATABASE_URL,
+    EXIT_VERDICT_FAILED,
+    app,
+    errors_as_exit,
+    fail,
+    stderr,
+    stdout,
+)
+from flowlock.core.errors import FlowlockError
+from flowlock.core.models import HistoryEntry, Instance
+from flowlock.engine import Engine
+
+__all__ = ["check_command", "diagram", "history", "list_instances", "show"]
+
+_R = TypeVar("_R")
+
+
+@app.command()
+def diagram(
+    reference: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODULE:ATTR",
+            help="Where the workflow is: a module and an attribute holding a Workflow, a list of "
+            "them, or a function returning one or a list (e.g. myapp.flows:approval).",
+            show_default=False,
+        ),
+    ],
+) -> None:
+    """Print a workflow as a Mermaid stateDiagram-v2 (states, events, guarded transitions).
+
+    Paste the output into any Markdown that renders Mermaid, or the Mermaid live editor. The
+    current directory is importable, so run it from your project's root."""
+    from flowlock.core.diagram import BadReference, load_workflows, render
+
+    try:
+        workflows = load_workflows(reference)
+    except BadReference as exc:
+        raise typer.BadParameter(str(exc), param_hint="'MODULE:ATTR'") from None
+    except FlowlockError as exc:
+        fail(str(exc))
+    typer.echo(render(workflows), nl=False)
+
+
+# -- inspection -----------------------------------------------------------------------------
+
+
+InspectDatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        envvar=ENV_DATABASE_URL,
+        help="The database to read: postgresql://user@host:5432/db or sqlite:///path/to/file.db.",
+        show_default=False,
+    ),
+]
+InspectSchema = Annotated[
+    str | None,
+    typer.Option(
+        "--schema",
+        help="PostgreSQL only: the schema flowlock's tables are in (as given to db migrate).",
+        show_default=False,
+    ),
+]
+InstanceId = Annotated[
+    str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _inspect(
+    database_url: str | None, schema: str | None, read: Callable[[Engine], Awaitable[_R]]
+) -> _R:
+    """``read(engine)`` on a read-only engine over the database; a missing URL is a usage error
+    (exit 2), a flowlock error one red line (exit 1)."""
+    from flowlock._inspect import open_readonly
+
+    if not database_url:
+        raise typer.BadParameter(
+            f"give --database-url or set {ENV_DATABASE_URL}", param_hint="'--database-url'"
+        )
+
+    async def run() -> _R:
+        async with open_readonly(database_url, schema) as engine:
+            return await read(engine)
+
+    with errors_as_exit():
+        return asyncio.run(run())
+
+
+def _json(value: object) -> None:
+    # default=str: data is JSON already; this only guards against a store handing back odd types.
+    typer.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def _cell(value: object) -> Text:
+    # Text, not markup: ids, data and actors are the user's and may hold "[...]".
+    return Text("-" if value is None else str(value))
+
+
+def _when(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat(sep=" ", timespec="seconds")
+
+
+@app.command()
+def show(
+    instance_id: InstanceId,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Print one instance: workflow, state, version, data, last event, created and updated.
+
+    Read-only. Exits 1 if no instance has that id."""
+    from flowlock._inspect import instance_dict
+
+    async def read(engine: Engine) -> Instance:
+        return await engine.get(instance_id)
+
+    inst = _inspect(database_url, schema, read)
+    if as_json:
+        _json(instance_dict(inst))
+        return
+    table = Table(show_header=False, box=None)
+    for name, value in (
+        ("id", inst.id),
+        ("workflow", inst.workflow),
+        ("state", inst.state),
+        ("version", inst.version),
+        ("last event", inst.last_event),
+        ("created", _when(inst.created_at)),
+        ("updated", _when(inst.updated_at)),
+        ("data", json.dumps(dict(inst.data), ensure_ascii=False, default=str)),
+    ):
+        table.add_row(Text(name, style="bold"), _cell(value))
+    stdout().print(table)
+
+
+@app.command()
+def history(
+    instance_id: InstanceId,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Print an instance's applied transitions, oldest first: version, event, from -> to, actor,
+    request id, strategy, when, fencing token (--json adds each row's data and payload).
+
+    Read-only. Exits 1 if no instance has that id."""
+    from flowlock._inspect import entry_dict
+
+    async def read(engine: Engine) -> list[HistoryEntry]:
+        await engine.get(instance_id)  # an unknown id is an error, not an empty history
+        return await engine.history(instance_id)
+
+    rows = _inspect(database_url, schema, read)
+    if as_json:
+        _json([entry_dict(e) for e in rows])
+        return
+    table = Table(title=f"history of {instance_id} ({len(rows)} transition(s))")
+    for column in ("version", "event", "from -> to", "actor", "request id", "strategy", "at",
+                   "fencing token"):  # fmt: skip
+        table.add_column(column, overflow="fold")
+    for e in rows:
+        table.add_row(
+            _cell(e.version),
+            _cell(e.event),
+            _cell(f"{e.from_state} -> {e.to_state}"),
+            _cell(e.actor),
+            _cell(e.request_id),
+            _cell(e.strategy),
+            _cell(_when(e.at)),
+            _cell(e.fencing_token),
+        )
+    stdout().print(table)
+
+
+@app.command("list")
+def list_instances(
+    workflow: Annotated[
+        str | None,
+        typer.Option(
+            "--workflow", "-w", help="Only instances of this workflow.", show_default=False
+        ),
+    ] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--state",
+            "-s",
+            help="Only instances in this state (repeatable: any of them).",
+            show_default=False,
+        ),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, help="Print at most this many instances.")
+    ] = 100,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """List instances in id order (id, workflow, state, version, last event, updated), walking
+    the pages up to --limit; says how many more match.
+
+    Read-only."""
+    from flowlock._inspect import instance_dict, walk
+
+    async def read(engine: Engine) -> tuple[list[Instance], int]:
+        return await walk(engine, workflow, state, limit)
+
+    found, total = _inspect(database_url, schema, read)
+    if as_json:
+        _json([instance_dict(inst) for inst in found])
+    else:
+        table = Table(title=f"{len(found)} of {total} instance(s)")
+        for column in ("id", "workflow", "state", "version", "last event", "updated"):
+            table.add_column(column, overflow="fold")
+        for inst in found:
+            table.add_row(
+                _cell(inst.id),
+                _cell(inst.workflow),
+                _cell(inst.state),
+                _cell(inst.version),
+                _cell(inst.last_event),
+                _cell(_when(inst.updated_at)),
+            )
+        stdout().print(table)
+    if total > len(found):
+        stderr().print(
+            Text(f"{total - len(found)} more match; raise --limit to see them", style="yellow")
+        )
+
+
+@app.command("check")
+def check_command(
+    instance_id: Annotated[
+        str | None,
+        typer.Option(
+            "--instance",
+            "-i",
+            help="Check only this instance (default: every instance).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """Run the exactly-once checker on a live database: every instance's history (or one's)
+    must have versions 2, 3, ... with no gap or repeat, no request id applied twice, each
+    transition starting where the last ended, and the stored instance equal to what its history
+    says.
+
+    Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
+    is found (each printed), 1 on an error (an unknown --instance)."""
+    from flowlock._inspect import CheckReport, check_instances
+
+    async def read(engine: Engine) -> CheckReport:
+        return await check_instances(engine, instance_id)
+
+    report = _inspect(database_url, schema, read)
+    verdict = report.verdict
+    if as_json:
+        _json(
+            {
+                **verdict.to_dict(),
+                "instances": report.instances,
+                "rows": report.rows,
+                "unsettled": list(report.unsettled),
+            }
+        )
+    else:
+        out = stdout()
+        for violation in verdict.violations:
+            out.print(Text(f"{violation.kind}: {violation.message}", style="red"))
+        summary = f"checked {report.instances} instance(s), {report.rows} history row(s): " + (
+            "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
+        )
+        out.print(Text(summary, style="green" if verdict.ok else "bold red"))
+    if report.unsettled:
+        stderr().print(
+            Text(
+                f"{len(report.unsettled)} instance(s) kept changing while read; checked on the "
+                "rows older than their last read: " + ", ".join(report.unsettled),
+                style="yellow",
+            )
+        )
+    if not verdict.ok:
+        raise typer.Exit(EXIT_VERDICT_FAILED)
