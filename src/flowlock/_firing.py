@@ -1,4 +1,8 @@
-"""Running calls under a strategy: the pure step bound, outcomes and failures recorded."""
+"""Running calls under a strategy: the pure step bound, outcomes and failures recorded.
+
+The engine hands a fire down (one call, or a :class:`Batch` of them on one instance); nothing
+here calls back up into the engine.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from flowlock import tracing
@@ -20,16 +25,35 @@ from flowlock.strategies.base import Strategy, StrategyResult
 if TYPE_CHECKING:
     from flowlock.metrics import Metrics
 
-__all__ = ["Answers", "Item", "Runner", "failure_label"]
+__all__ = ["Answers", "Batch", "Fire", "Runner", "failure_label"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fire:
+    """One ``fire`` on its way: the call, when it started (perf_counter), its span if traced."""
+
+    call: Call
+    started: float
+    span: tracing.FireSpan | None
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The fires on one instance that one strategy run serves: one alone, or those queued."""
+
+    fires: tuple[Fire, ...]
+
+    @property
+    def calls(self) -> tuple[Call, ...]:
+        return tuple(fire.call for fire in self.fires)
+
 
 Answers: TypeAlias = list[Outcome | BaseException]
-
-Item: TypeAlias = tuple[Call, float, "tracing.FireSpan | None"]
-"""A call the batcher holds: the call, when it started (perf_counter), its span if traced."""
+"""Each fire's Outcome or error, in the batch's order."""
 
 
 class Runner:
-    """Runs one call, or a batch, under a strategy on a store.
+    """Runs one fire, or a batch, under a strategy on a store.
 
     The workflows mapping is the engine's own, so registrations are seen at once.
     """
@@ -37,17 +61,21 @@ class Runner:
     def __init__(
         self, workflows: Mapping[str, Workflow], max_payload: int, metrics: Metrics | None
     ) -> None:
-        self._workflows = workflows
-        self._max_payload = max_payload
-        self._metrics = metrics
+        self.workflows = workflows
+        self.max_payload = max_payload
+        self.metrics = metrics
+
+    async def alone(self, chosen: Strategy, store: Store, fire: Fire) -> Outcome:
+        """One fire by itself: its Outcome, or its error raised."""
+        result = await self.run(chosen, fire, store)
+        return self.outcome(fire.call, result, fire.started)
 
     def outcome(
         self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
     ) -> Outcome:
-        """The Outcome of `call` from what its strategy did, recorded in the metrics."""
+        """The Outcome of ``call`` from what its strategy did, recorded in the metrics."""
         outcome = Outcome(
             applied=result.applied,
-            idempotent=not result.applied,
             instance=result.instance,
             attempts=result.attempts,
             strategy=result.strategy or call.strategy,
@@ -58,50 +86,49 @@ class Runner:
             batch_size=batch_size,
             replayed=result.replayed,
         )
-        if self._metrics is not None:
-            self._metrics.record_outcome(
+        if self.metrics is not None:
+            self.metrics.record_outcome(
                 outcome, lock_wait=result.lock_wait, lock_hold=result.lock_hold
             )
         return outcome
 
-    async def run_batch(self, chosen: Strategy, store: Store, items: Sequence[Item]) -> Answers:
-        """The calls of `items` (one instance, one strategy) as one batch under `chosen`:
-        one read, the calls decided in order, one write; each call's Outcome or error."""
-        calls = tuple(call for call, _, _ in items)
+    async def together(self, chosen: Strategy, store: Store, queued: Sequence[Fire]) -> Answers:
+        """The fires ``queued`` on one instance for one strategy, as one batch under
+        ``chosen``: one read, the calls decided in order, one write; each fire's answer."""
+        batch = Batch(tuple(queued))
+        fires, calls = batch.fires, batch.calls
         first = calls[0]
-        batch = dataclasses.replace(first, batch=calls)
-        workflows, limit = self._workflows, self._max_payload
+        workflows, limit = self.workflows, self.max_payload
         last: list[Batched] = []
 
         def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
             # A strategy may decide again (a lost compare-and-swap, an escalation): the answers
             # are those of the last decision, the one that was written or had nothing to write.
-            decided = decide_batch(workflows, snap, calls, max_payload_bytes=limit)
+            decided = decide_batch(workflows, _priors(snap), calls, max_payload_bytes=limit)
             last[:] = [decided]
             return decided.entries or Idempotent(snap.instance)
 
         # The batch runs in the driver task, not in its callers': its lock_wait and commit spans
         # hang under a batch span of their own, linked to every caller's fire span.
-        lead = items[0][2]
+        lead = fires[0].span
         scope = (
             tracing.NO_SPAN
             if lead is None
-            else tracing.batch_span(lead, [i[2] for i in items], first.instance_id, chosen.name)
+            else tracing.batch_span(lead, [f.span for f in fires], first.instance_id, chosen.name)
         )
         try:
             with scope:
-                result = await chosen.run(store, batch, bound)
+                result = await chosen.run(store, calls, bound)
         except FlowlockError as exc:
             workflow = last[0].read.workflow if last else ""
-            return [self._batch_failure(exc, item, chosen, workflow, len(calls)) for item in items]
+            return [self._failure(exc, fire, chosen, workflow, len(calls)) for fire in fires]
         decided = last[0]
         committed = result.instance if result.applied else None
         answers: Answers = []
-        for item, decision in zip(items, decided.decisions, strict=True):
-            call, started, _ = item
+        for fire, decision in zip(fires, decided.decisions, strict=True):
             if isinstance(decision, FlowlockError):
                 answers.append(
-                    self._batch_failure(decision, item, chosen, decided.read.workflow, len(calls))
+                    self._failure(decision, fire, chosen, decided.read.workflow, len(calls))
                 )
                 continue
             if isinstance(decision, HistoryEntry):
@@ -123,59 +150,53 @@ class Runner:
                 applied=isinstance(decision, HistoryEntry),
                 replayed=isinstance(decision, Idempotent) and decision.replayed,
             )
-            answers.append(self.outcome(call, own, started, len(calls)))
+            answers.append(self.outcome(fire.call, own, fire.started, len(calls)))
         return answers
 
-    def _batch_failure(
-        self, exc: FlowlockError, item: Item, chosen: Strategy, workflow: str, size: int
+    def _failure(
+        self, exc: FlowlockError, fire: Fire, chosen: Strategy, workflow: str, size: int
     ) -> FlowlockError:
-        """`exc` as the error of the call of `item` in a batch of `size` calls (its own
-        event in a retries-exhausted error), recorded in the metrics and on its span (which its
-        caller ends)."""
-        call, started, span = item
+        """``exc`` as the error of ``fire`` in a batch of ``size`` calls (its own event in a
+        retries-exhausted error), recorded in the metrics and on its span (which its caller
+        ends)."""
+        call, span = fire.call, fire.span
         if span is not None:
             if workflow:
                 span.read(workflow)
             span.batched(size)
         if isinstance(exc, ConflictRetriesExhausted):
             exc = ConflictRetriesExhausted(call.instance_id, call.event, exc.attempts)
-        if self._metrics is not None:
-            self._metrics.record_failure(
+        if self.metrics is not None:
+            self.metrics.record_failure(
                 exc,
                 workflow=workflow,
                 event=call.event,
                 strategy=chosen.name,
-                elapsed=time.perf_counter() - started,
+                elapsed=time.perf_counter() - fire.started,
             )
         return exc
 
-    async def run(
-        self,
-        chosen: Strategy,
-        call: Call,
-        started: float,
-        store: Store,
-        span: tracing.FireSpan | None,
-    ) -> StrategyResult:
-        """`call` under `chosen` on `store`, the pure step bound to the registered
-        workflows; a failure is recorded in the metrics and on `span` (with the workflow, once
-        the step has read the instance) and re-raised."""
-        workflows = self._workflows
-        limit = self._max_payload
+    async def run(self, chosen: Strategy, fire: Fire, store: Store) -> StrategyResult:
+        """``fire`` under ``chosen`` on ``store``, the pure step bound to the registered
+        workflows; a failure is recorded in the metrics and on the fire's span (with the
+        workflow, once the step has read the instance) and re-raised."""
+        call, span = fire.call, fire.span
+        workflows = self.workflows
+        limit = self.max_payload
         seen: list[str] = []
         # The last decision: a strategy may decide again, and the answer is the last one's.
         last: list[HistoryEntry | Idempotent] = []
 
-        def bound(snap: Snapshot) -> HistoryEntry | Idempotent:
+        def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
             if not seen:
                 seen.append(snap.instance.workflow)
             decided = decide(workflows, snap, call, max_payload_bytes=limit)
             last[:] = [decided]
-            return decided
+            return decided if isinstance(decided, Idempotent) else (decided,)
 
-        metrics = self._metrics
+        metrics = self.metrics
         try:
-            result = await chosen.run(store, call, bound)
+            result = await chosen.run(store, (call,), bound)
         except FlowlockError as exc:
             if span is not None and seen:
                 span.read(seen[0])
@@ -185,7 +206,7 @@ class Runner:
                     workflow=seen[0] if seen else "",
                     event=call.event,
                     strategy=chosen.name,
-                    elapsed=time.perf_counter() - started,
+                    elapsed=time.perf_counter() - fire.started,
                 )
             raise
         if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
@@ -193,8 +214,17 @@ class Runner:
         return result
 
 
+def _priors(snap: Snapshot) -> Snapshot:
+    """``snap`` with what it found in ``priors``, where a batch's decisions look."""
+    # A batch of one call reads as one call does: its entry comes back in Snapshot.prior.
+    prior = snap.prior
+    if prior is None or prior.request_id is None:
+        return snap
+    return Snapshot(snap.instance, None, {**snap.priors, prior.request_id: prior})
+
+
 def failure_label(exc: BaseException) -> str:
-    """The `flowlock.outcome` of a call that raised `exc`: the metrics' label for a flowlock
+    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
     error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
     if isinstance(exc, FlowlockError):
         return failure_outcome(exc)

@@ -17,10 +17,10 @@ from urllib.parse import quote
 
 from flowlock.checker import Verdict, Violation, check
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
+from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
-from flowlock.stores.migrations import load
 
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg

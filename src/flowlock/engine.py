@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeAlias, Unpack
 
 from flowlock import tracing
 from flowlock._batching import Batcher
-from flowlock._firing import Answers, Item, Runner, failure_label
+from flowlock._firing import Fire, Runner, failure_label
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
@@ -157,7 +158,7 @@ class Engine:
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
         self._per_definition_strategy = False
         self._runner = Runner(self._workflows, max_payload, metrics)
-        self._batcher: Batcher[Item, Outcome] | None = Batcher(max_batch) if batching else None
+        self._batcher: Batcher[Fire, Outcome] | None = Batcher(max_batch) if batching else None
         self._open = False
 
     @classmethod
@@ -449,32 +450,27 @@ class Engine:
                     if span is not None:
                         span.chose(chosen.name)
                     call = dataclasses.replace(call, strategy=chosen.name)
-                    result = await self._runner.run(chosen, call, started, store, span)
+                    result = await self._runner.run(chosen, Fire(call, started, span), store)
+                # Answered once flowlock's part of the caller's transaction has ended well.
                 outcome = self._runner.outcome(call, result, started)
             else:
                 chosen = await self._strategy_for(instance_id, event, strategy, self._store)
                 if span is not None:
                     span.chose(chosen.name)
                 call = dataclasses.replace(call, strategy=chosen.name)
-                batcher = self._batcher
+                fire, runner, batcher = Fire(call, started, span), self._runner, self._batcher
                 if batcher is None or not batchable(chosen):
-                    result = await self._runner.run(chosen, call, started, self._store, span)
-                    outcome = self._runner.outcome(call, result, started)
+                    outcome = await runner.alone(chosen, self._store, fire)
                 else:
-
-                    async def alone(item: Item) -> Outcome:
-                        call, started, span = item
-                        result = await self._runner.run(chosen, call, started, self._store, span)
-                        return self._runner.outcome(call, result, started)
-
-                    async def together(items: Sequence[Item]) -> Answers:
-                        return await self._runner.run_batch(chosen, self._store, items)
-
                     # Keyed by the strategy object too: calls asking for different strategies
                     # on one instance are batched apart (the lane holds the object, so its id
                     # is not reused).
-                    key = (instance_id, id(chosen))
-                    outcome = await batcher.submit(key, (call, started, span), alone, together)
+                    outcome = await batcher.submit(
+                        (instance_id, id(chosen)),
+                        fire,
+                        functools.partial(runner.alone, chosen, self._store),
+                        functools.partial(runner.together, chosen, self._store),
+                    )
         except BaseException as exc:
             if span is not None:
                 span.failed(exc, failure_label(exc))

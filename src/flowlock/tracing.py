@@ -220,7 +220,7 @@ def batch_span(
 
 
 def commit_span(
-    planned: HistoryEntry | Sequence[HistoryEntry], attempt: int
+    planned: Sequence[HistoryEntry], attempt: int
 ) -> AbstractContextManager[Span | None]:
     """A ``flowlock.commit`` span around a compare-and-swap of ``planned``.
 
@@ -230,8 +230,7 @@ def commit_span(
     found = _CURRENT.get()
     if found is None:
         return NO_SPAN
-    entries = 1 if isinstance(planned, HistoryEntry) else len(planned)
-    return found.start_as_current_span(COMMIT, attributes={ATTEMPT: attempt, ENTRIES: entries})
+    return found.start_as_current_span(COMMIT, attributes={ATTEMPT: attempt, ENTRIES: len(planned)})
 
 
 def commit_done(span: Span | None, won: bool) -> None:

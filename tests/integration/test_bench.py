@@ -49,7 +49,7 @@ from flowlock.bench.scenarios import RoundPlan
 from flowlock.checker import BROKEN_CHAIN, DOUBLE_APPLY
 from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.core.definition import Workflow
-from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.models import Instance
 from flowlock.core.step import Call, Idempotent
 from flowlock.engine import Engine
 from flowlock.examples import approval
@@ -407,13 +407,14 @@ class SkipsVersionCheck:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(two_read.wait(), 10)
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
+        call = calls[0]
         snap = await store.read(call.instance_id, call.request_id)
-        planned = decide(snap)
-        if isinstance(planned, Idempotent):
-            return StrategyResult(planned.instance, applied=False, attempts=1)
+        decided = decide(snap)
+        if isinstance(decided, Idempotent):
+            return StrategyResult(decided.instance, applied=False, attempts=1)
         # The engine batches only its own strategies: this one always plans one call's entry.
-        assert isinstance(planned, HistoryEntry)
+        [planned] = decided
         await self._second_reader(call.instance_id)
         pool: asyncpg.Pool = getattr(store, "pool")  # noqa: B009 - PostgresStore only
         row = await pool.fetchrow(

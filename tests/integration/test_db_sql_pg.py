@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import flowlock
 from flowlock import examples
 from flowlock.cli import app
-from flowlock.stores.migrations import load
+from flowlock.core.migrations import load
 from flowlock.stores.postgres import PostgresStore
 
 

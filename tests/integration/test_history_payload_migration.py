@@ -12,7 +12,7 @@ import pytest
 import flowlock
 from flowlock import examples
 from flowlock._pg import migrations as pg_migrations
-from flowlock.stores import migrations
+from flowlock.core import migrations
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner, Result
 import flowlock
 from flowlock import examples
 from flowlock.cli import app
-from flowlock.stores import migrations
+from flowlock.core import migrations
 from flowlock.stores.postgres import PostgresStore
 
 pytestmark = pytest.mark.postgres

@@ -29,7 +29,8 @@ from flowlock.checker import check
 from flowlock.core.errors import FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
 from flowlock.core.models import HistoryEntry, Snapshot
 from flowlock.stores.base import LockedResult, RowLock
-from flowlock.stores.postgres import PostgresStore, _Operations
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.postgres.operations import Operations as _Operations
 from lock_probes import wait_until
 from store_steps import SqlHistory, assert_exactly_once, created
 from store_steps import step as _step

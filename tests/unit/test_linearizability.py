@@ -375,7 +375,6 @@ def _instance(version: int = 1, state: str = "pending", iid: str = "i") -> Insta
 def _outcome(applied: bool, instance: Instance) -> flowlock.Outcome:
     return flowlock.Outcome(
         applied=applied,
-        idempotent=not applied,
         instance=instance,
         attempts=1,
         strategy="optimistic",

@@ -45,8 +45,8 @@ from flowlock.core.errors import (
 from flowlock.jobs import _ERRORS as JOBS
 from flowlock.locks.advisory.errors import ERRORS as ADVISORY
 from flowlock.locks.advisory.errors import Busy as _Busy
-from flowlock.stores.postgres import _DuplicateRequest
-from flowlock.stores.postgres import _errors as store_errors
+from flowlock.stores.postgres.session import DuplicateRequest as _DuplicateRequest
+from flowlock.stores.postgres.session import context_of as store_errors
 
 STORE = store_errors("k")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from flowlock.core import migrations
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -25,7 +26,6 @@ from flowlock.core.errors import (
     StoreError,
 )
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
-from flowlock.stores import migrations
 from flowlock.stores.base import RowLock, Store
 from flowlock.stores.sqlite import SqliteStore
 

@@ -17,8 +17,8 @@ import asyncpg
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_connect
 from flowlock._pg.pool import check_schema, close_pool, connection, create_pool
 from flowlock.core.errors import FlowlockError, InvalidInput, MigrationError, StoreError
+from flowlock.core.migrations import load
 from flowlock.core.settings import DEFAULT_COMMAND_TIMEOUT, check_seconds
-from flowlock.stores.migrations import load
 
 __all__ = ["MIGRATION_LOCK", "RECORDS_TABLE", "apply", "migrate", "migrate_database", "script"]
 

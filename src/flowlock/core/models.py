@@ -108,7 +108,6 @@ class Outcome:
     """
 
     applied: bool
-    idempotent: bool
     instance: Instance
     attempts: int
     strategy: str
@@ -118,6 +117,11 @@ class Outcome:
     reason: str | None = None
     batch_size: int = 1
     replayed: bool = False
+
+    @property
+    def idempotent(self) -> bool:
+        """Answered without applying: a replayed request, or the same event applied before."""
+        return self.replayed or not self.applied
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,7 @@ __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One validated ``engine.fire`` call, or with ``batch``, a strategy's calls on one instance.
-
-    In a batch, the batch's own fields describe its first call, for messages.
-    """
+    """One validated ``engine.fire`` call."""
 
     instance_id: str
     event: str
@@ -44,14 +41,6 @@ class Call:
     request_id: str | None
     expected_version: int | None
     strategy: str
-    batch: tuple[Call, ...] = ()
-
-    @property
-    def request_ids(self) -> str | tuple[str, ...] | None:
-        """What a read for this call looks up: its request id, or every request id of a batch."""
-        if not self.batch:
-            return self.request_id
-        return tuple(c.request_id for c in self.batch if c.request_id is not None)
 
 
 @dataclass(frozen=True, slots=True)

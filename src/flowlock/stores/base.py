@@ -29,7 +29,7 @@ caller's connection.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -41,12 +41,14 @@ __all__ = [
     "Entries",
     "EscalationBoard",
     "LockedResult",
+    "Lookup",
     "Plan",
     "RequestIds",
     "RowLock",
     "Store",
     "TransactionalStore",
     "entries_of",
+    "lookup_of",
     "request_ids_of",
 ]
 
@@ -94,6 +96,28 @@ def request_ids_of(request_id: RequestIds) -> tuple[str, ...]:
     if isinstance(request_id, str):
         return (request_id,)
     return tuple(dict.fromkeys(request_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What a read looks up, in one shape: the request ids, each once, and whether they came
+    as one call's (a str or None: the answer is ``Snapshot.prior``) or a batch's (``priors``)."""
+
+    ids: tuple[str, ...]
+    one: bool
+
+    def snapshot(self, instance: Instance, found: Mapping[str, HistoryEntry]) -> Snapshot:
+        """What the read answers: ``instance`` and the entries ``found`` of these ids."""
+        if self.one:
+            return Snapshot(instance, found.get(self.ids[0]) if self.ids else None)
+        return Snapshot(instance, None, {rid: found[rid] for rid in self.ids if rid in found})
+
+
+def lookup_of(request_id: RequestIds) -> Lookup:
+    """``request_id`` as a :class:`Lookup`: the one place a store tells the two shapes apart."""
+    if request_id is None or isinstance(request_id, str):
+        return Lookup(() if request_id is None else (request_id,), one=True)
+    return Lookup(request_ids_of(request_id), one=False)
 
 
 @dataclass(frozen=True, slots=True)

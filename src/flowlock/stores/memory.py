@@ -32,7 +32,7 @@ from flowlock.stores.base import (
     RequestIds,
     RowLock,
     entries_of,
-    request_ids_of,
+    lookup_of,
 )
 
 __all__ = ["MemoryBoard", "MemoryStore"]
@@ -130,20 +130,14 @@ class MemoryStore:
         return self._load(instance_id)
 
     def _snapshot(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        inst = self._load(instance_id)
-        if request_id is None:
-            return Snapshot(inst)
-        history = self._history[instance_id]
-        applied = self._applied[instance_id]
-        if isinstance(request_id, str):
-            at = applied.get(request_id)
-            return Snapshot(inst, None if at is None else _copy_entry(history[at]))
-        priors = {
+        inst, wanted = self._load(instance_id), lookup_of(request_id)
+        history, applied = self._history[instance_id], self._applied[instance_id]
+        found = {
             rid: _copy_entry(history[at])
-            for rid in request_ids_of(request_id)
+            for rid in wanted.ids
             if (at := applied.get(rid)) is not None
         }
-        return Snapshot(inst, None, priors=priors)
+        return wanted.snapshot(inst, found)
 
     async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
         self._check()

@@ -12,13 +12,14 @@ not (yet) escalated. Escalated instances run under that strategy until they calm
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowlock import tracing
 from flowlock.core.models import Snapshot
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, Planned, Strategy, StrategyResult, stamped, writes
+from flowlock.strategies.base import Decide, Planned, Strategy, StrategyResult, looked_up, stamped
 from flowlock.strategies.monitor import ConflictMonitor
 from flowlock.strategies.optimistic import Optimistic
 
@@ -49,27 +50,27 @@ class Adaptive:
     def name(self) -> str:
         return "adaptive"
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
-        key = call.instance_id
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
+        key = calls[0].instance_id
         monitor = self.monitor
         # A batch is several callers crowding the key in this process, as calls in flight
         # together were before batching.
-        crowded = monitor.enter(key) or len(call.batch) > 1
+        crowded = monitor.enter(key) or len(calls) > 1
         try:
             escalation = monitor.escalated(key)
             if escalation is not None:
                 if crowded:
                     monitor.contended(key)
-                return await self._escalated(store, call, decide, 0, escalation.reason)
-            return await self._optimistic(store, call, decide)
+                return await self._escalated(store, calls, decide, 0, escalation.reason)
+            return await self._optimistic(store, calls, decide)
         finally:
             monitor.leave(key)
 
     async def _escalated(
-        self, store: Store, call: Call, decide: Decide, spent: int, why: str
+        self, store: Store, calls: Sequence[Call], decide: Decide, spent: int, why: str
     ) -> StrategyResult:
         inner = self.escalated
-        result = await inner.run(store, call, _as(decide, inner.name))
+        result = await inner.run(store, calls, _as(decide, inner.name))
         return dataclasses.replace(
             result,
             attempts=result.attempts + spent,
@@ -77,11 +78,14 @@ class Adaptive:
             reason=f"adaptive: escalated to {inner.name}: {why}",
         )
 
-    async def _optimistic(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
-        opt, monitor, key = self.optimistic, self.monitor, call.instance_id
+    async def _optimistic(
+        self, store: Store, calls: Sequence[Call], decide: Decide
+    ) -> StrategyResult:
+        opt, monitor, key = self.optimistic, self.monitor, calls[0].instance_id
+        request_ids = looked_up(calls)
         decide = _as(decide, opt.name)
         calm = "adaptive: optimistic (instance not escalated)"
-        snap = await store.read(key, call.request_ids)
+        snap = await store.read(key, request_ids)
         for attempt in range(1, opt.max_attempts + 1):
             planned = decide(snap)
             if isinstance(planned, Idempotent):
@@ -91,19 +95,19 @@ class Adaptive:
                 # Escalated while this call was retrying, and the fresh read says it still has
                 # to write: finish under the lock rather than keep losing the same race. (A
                 # call with nothing left to write was answered just above, without the lock.)
-                return await self._escalated(store, call, decide, attempt - 1, escalation.reason)
+                return await self._escalated(store, calls, decide, attempt - 1, escalation.reason)
             with tracing.commit_span(planned, attempt) as span:
                 committed = await store.commit(planned)
                 tracing.commit_done(span, committed is not None)
             # Counted per call: a batch that loses its compare-and-swap lost it for every call
             # in it, and one that wins won it for each of them.
-            for _ in range(writes(planned)):
+            for _ in planned:
                 monitor.record(key, conflict=committed is None)
             if committed is not None:
                 return StrategyResult(committed, True, attempt, opt.name, calm)
             if attempt < opt.max_attempts:
                 await opt.sleep(opt.backoff(attempt))
-                snap = await store.read(key, call.request_ids)
+                snap = await store.read(key, request_ids)
         escalation = monitor.escalated(key)
         why = (
             escalation.reason
@@ -113,4 +117,4 @@ class Adaptive:
         # Why not ConflictRetriesExhausted: a warm instance (conflicts spread over processes,
         # too few in any one window to escalate it) still must not fail a call for losing
         # races; the lock makes this one call certain.
-        return await self._escalated(store, call, decide, opt.max_attempts, why)
+        return await self._escalated(store, calls, decide, opt.max_attempts, why)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -30,7 +30,7 @@ from flowlock.core.settings import check_count
 from flowlock.core.step import Call, Idempotent
 from flowlock.locks.base import Held, LockBackend, check_ttl, check_wait
 from flowlock.stores.base import Store
-from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult, stamped
+from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult, looked_up, stamped
 
 __all__ = ["Distributed", "fencing_token"]
 
@@ -97,8 +97,9 @@ class Distributed:
             raise InvalidInput(UNBOUND)
         return replace(self, locks=locks)
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
         asked = time.monotonic()
+        call = calls[0]
         key = call.instance_id
         locks = self.locks
         if locks is None:
@@ -114,7 +115,7 @@ class Distributed:
                     raise
                 released = await locks.wait_released(key, self.wait)
                 if released:
-                    planned = decide(await store.read(key, call.request_ids))
+                    planned = decide(await store.read(key, looked_up(calls)))
                     if isinstance(planned, Idempotent):
                         answered = time.monotonic()
                         tracing.lock_wait(asked, answered, lock="lease", acquired=False)
@@ -132,7 +133,7 @@ class Distributed:
         tracing.lock_wait(asked, got, lock="lease")
         held = Held(locks, lease)
         try:
-            result = await self._under_lease(held, store, call, decide)
+            result = await self._under_lease(held, store, calls, decide)
         except BaseException:
             await held.close(raise_errors=False)
             raise
@@ -153,11 +154,11 @@ class Distributed:
         return result
 
     async def _under_lease(
-        self, held: Held, store: Store, call: Call, decide: Decide
+        self, held: Held, store: Store, calls: Sequence[Call], decide: Decide
     ) -> StrategyResult:
-        fence = held.lease.fencing
+        fence, call, request_ids = held.lease.fencing, calls[0], looked_up(calls)
         for attempt in range(1, self.max_attempts + 1):
-            snap = await store.read(call.instance_id, call.request_ids)
+            snap = await store.read(call.instance_id, request_ids)
             with _fenced(fence):
                 planned = decide(snap)
             if isinstance(planned, Idempotent):

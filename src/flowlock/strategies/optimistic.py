@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from flowlock import tracing
@@ -18,7 +18,7 @@ from flowlock.core.errors import ConflictRetriesExhausted
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult
+from flowlock.strategies.base import MAX_ATTEMPTS, Decide, StrategyResult, looked_up
 
 __all__ = ["Optimistic"]
 
@@ -49,9 +49,10 @@ class Optimistic:
         """The delay after losing attempt number `attempt` (1-based): full jitter."""
         return self.rng.uniform(0.0, min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1)))
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
+        call, request_ids = calls[0], looked_up(calls)
         for attempt in range(1, self.max_attempts + 1):
-            snap = await store.read(call.instance_id, call.request_ids)
+            snap = await store.read(call.instance_id, request_ids)
             planned = decide(snap)
             if isinstance(planned, Idempotent):
                 return StrategyResult(planned.instance, applied=False, attempts=attempt)

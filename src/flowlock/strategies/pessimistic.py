@@ -8,6 +8,7 @@ version compare-and-swap: the lock cuts wasted work, the version keeps a mistake
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowlock import tracing
@@ -16,7 +17,7 @@ from flowlock.core.models import Instance, Snapshot
 from flowlock.core.settings import check_seconds
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import RowLock, Store
-from flowlock.strategies.base import Decide, Planned, StrategyResult
+from flowlock.strategies.base import Decide, Planned, StrategyResult, looked_up
 
 __all__ = ["Pessimistic"]
 
@@ -39,7 +40,7 @@ class Pessimistic:
     def name(self) -> str:
         return "pessimistic"
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
         answer: Instance | None = None
 
         def plan(snap: Snapshot) -> Planned | None:
@@ -56,7 +57,7 @@ class Pessimistic:
         traced = tracing.current() is not None
         started = time.monotonic() if traced else 0.0
         try:
-            result = await store.apply_locked(call.instance_id, call.request_ids, plan, lock)
+            result = await store.apply_locked(calls[0].instance_id, looked_up(calls), plan, lock)
         except LockError as exc:
             if traced:
                 tracing.lock_failed(started, exc, lock="row")

@@ -20,7 +20,7 @@ meaning in the form that fits in one:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flowlock import tracing
@@ -33,7 +33,7 @@ from flowlock.core.errors import (
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
 from flowlock.strategies.adaptive import Adaptive, _as
-from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock.strategies.base import Decide, Strategy, StrategyResult, looked_up
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.optimistic import Optimistic
 from flowlock.strategies.pessimistic import Pessimistic
@@ -80,8 +80,9 @@ class SingleSwap:
     def name(self) -> str:
         return "optimistic"
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
-        planned = decide(await store.read(call.instance_id, call.request_id))
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
+        call, request_ids = calls[0], looked_up(calls)
+        planned = decide(await store.read(call.instance_id, request_ids))
         if isinstance(planned, Idempotent):
             return StrategyResult(planned.instance, applied=False, attempts=1)
         with tracing.commit_span(planned, 1) as span:
@@ -94,7 +95,7 @@ class SingleSwap:
         # Lost. The winner may have done this very thing (the same request id committed by a
         # concurrent transaction, or the same event): a fresh read, never a second write, says.
         try:
-            again = decide(await store.read(call.instance_id, call.request_id))
+            again = decide(await store.read(call.instance_id, request_ids))
         except (TransitionRefused, VersionMismatch) as exc:  # refused now: still a lost race
             raise ConflictRetriesExhausted(call.instance_id, call.event, 1) from exc
         if isinstance(again, Idempotent):
@@ -114,8 +115,8 @@ class AdaptiveInTransaction:
     def name(self) -> str:
         return "adaptive"
 
-    async def run(self, store: Store, call: Call, decide: Decide) -> StrategyResult:
-        monitor, key = self.adaptive.monitor, call.instance_id
+    async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
+        monitor, key = self.adaptive.monitor, calls[0].instance_id
         crowded = monitor.enter(key)
         try:
             escalation = monitor.escalated(key)
@@ -123,11 +124,11 @@ class AdaptiveInTransaction:
                 if crowded:
                     monitor.contended(key)
                 inner = self.escalated
-                result = await inner.run(store, call, _as(decide, inner.name))
+                result = await inner.run(store, calls, _as(decide, inner.name))
                 why = f"adaptive: escalated to {inner.name}: {escalation.reason}"
                 return dataclasses.replace(result, strategy=inner.name, reason=why)
             single = SingleSwap(record=lambda won: monitor.record(key, conflict=not won))
-            result = await single.run(store, call, _as(decide, single.name))
+            result = await single.run(store, calls, _as(decide, single.name))
             why = "adaptive: optimistic (instance not escalated), one compare-and-swap inside the "
             why += "caller's transaction"
             return dataclasses.replace(result, strategy=single.name, reason=why)

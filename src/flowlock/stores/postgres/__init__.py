@@ -1,0 +1,16 @@
+"""The PostgreSQL store on asyncpg, one concern per module.
+
+- :mod:`~flowlock.stores.postgres.sql`: the statement texts, query builders and arguments;
+- :mod:`~flowlock.stores.postgres.session`: where a call's statements run (flowlock's pool, an
+  application's pool, a caller's transaction) and how driver errors read there;
+- :mod:`~flowlock.stores.postgres.operations`: the statements of one call;
+- :mod:`~flowlock.stores.postgres.pipeline`: calls on different instances sharing a round trip;
+- :mod:`~flowlock.stores.postgres.store`: :class:`PostgresStore`, which composes them.
+"""
+
+from __future__ import annotations
+
+from flowlock.stores.postgres.sql import count_statement, list_statement
+from flowlock.stores.postgres.store import PostgresStore
+
+__all__ = ["PostgresStore", "count_statement", "list_statement"]

@@ -1,0 +1,313 @@
+"""The store's transactions; each runs whole on its connection's thread, never across an await."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from flowlock.core import migrations
+from flowlock.core.errors import InstanceExists, InstanceNotFound
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.stores._batch import planned_entries, refused_plan
+from flowlock.stores.base import LockedResult, Plan, RequestIds, lookup_of
+from flowlock.stores.sqlite.sql import (
+    CAS_UPDATE,
+    HISTORY_COLUMNS,
+    IDS_PER_SELECT,
+    INSERT_HISTORY,
+    INSTANCE_COLUMNS,
+    MIGRATIONS_TABLE,
+    SELECT_INSTANCE,
+    SELECT_PRIORS,
+    count_statement,
+    dump_json,
+    entry_of,
+    instance_of,
+    list_statement,
+    millis,
+    now_text,
+    statements_of,
+)
+
+T = TypeVar("T")
+A = TypeVar("A")
+
+
+def bounded(
+    busy_ms: int,
+    default: float,
+    txn: Callable[[sqlite3.Connection, A], T],
+    arg: A,
+) -> Callable[[sqlite3.Connection], T]:
+    """``txn`` with the connection's busy timeout set to ``busy_ms`` for its duration only."""
+    default_ms = millis(default)
+
+    def run(conn: sqlite3.Connection) -> T:
+        if busy_ms == default_ms:
+            return txn(conn, arg)
+        conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
+        try:
+            return txn(conn, arg)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {default_ms}")
+
+    return run
+
+
+def immediate(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+    """``body`` in a ``BEGIN IMMEDIATE`` transaction: committed when it returns, rolled back when
+    it raises (including :class:`_Discard`, which makes the transaction return its value)."""
+    _begin(conn, "BEGIN IMMEDIATE")
+    try:
+        result = body(conn)
+    except _Discard as discard:
+        _rollback(conn)
+        value: T = discard.value
+        return value
+    except BaseException:
+        _rollback(conn)
+        raise
+    try:
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+    return result
+
+
+def _deferred(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+    # Both selects of a read must see one snapshot; a deferred transaction takes no write lock.
+    _begin(conn, "BEGIN DEFERRED")
+    try:
+        result = body(conn)
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+    return result
+
+
+class _Discard(Exception):
+    """Roll the transaction back and return ``value`` (a lost compare-and-swap, or a plan that
+    asked for no write)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+def _begin(conn: sqlite3.Connection, statement: str) -> None:
+    if conn.in_transaction:
+        # Only after a failed ROLLBACK; a stale transaction would make BEGIN fail forever.
+        conn.execute("ROLLBACK")
+    conn.execute(statement)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        # A failure here means SQLite already rolled back (some errors end the transaction
+        # themselves); the original exception is the one worth reporting.
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
+def get_txn(conn: sqlite3.Connection, instance_id: str) -> Instance:
+    row = conn.execute(SELECT_INSTANCE, (instance_id,)).fetchone()
+    if row is None:
+        raise InstanceNotFound(instance_id)
+    return instance_of(row)
+
+
+def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
+    instance, wanted = get_txn(conn, instance_id), lookup_of(request_id)
+    entries = (entry_of(row) for row in _rows_of_requests(conn, instance_id, wanted.ids))
+    return wanted.snapshot(instance, {e.request_id: e for e in entries if e.request_id})
+
+
+def _rows_of_requests(
+    conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """The history rows of ``instance_id`` that carry one of ``request_ids``."""
+    rows: list[tuple[Any, ...]] = []
+    for at in range(0, len(request_ids), IDS_PER_SELECT):
+        chunk = request_ids[at : at + IDS_PER_SELECT]
+        marks = ", ".join("?" * len(chunk))
+        rows += conn.execute(f"{SELECT_PRIORS}({marks})", (instance_id, *chunk)).fetchall()
+    return rows
+
+
+def read_txn(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
+    return _deferred(conn, lambda c: _snapshot(c, instance_id, request_id))
+
+
+def fence_txn(conn: sqlite3.Connection, instance_id: str) -> int:
+    def body(c: sqlite3.Connection) -> int:
+        row = c.execute(
+            "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = ?", (instance_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    return _deferred(conn, body)
+
+
+def history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntry]:
+    def body(c: sqlite3.Connection) -> list[HistoryEntry]:
+        if not c.execute(
+            "SELECT 1 FROM flowlock_instances WHERE id = ?", (instance_id,)
+        ).fetchone():
+            raise InstanceNotFound(instance_id)
+        rows = c.execute(
+            f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? "
+            "ORDER BY version",
+            (instance_id,),
+        ).fetchall()
+        return [entry_of(row) for row in rows]
+
+    return _deferred(conn, body)
+
+
+def list_txn(
+    conn: sqlite3.Connection, query: InstanceQuery, after: str | None, limit: int
+) -> list[Instance]:
+    sql, args = list_statement(query, after=after, limit=limit)
+    return [instance_of(row) for row in conn.execute(sql, args).fetchall()]
+
+
+def count_txn(conn: sqlite3.Connection, query: InstanceQuery) -> int:
+    sql, args = count_statement(query)
+    [(count,)] = conn.execute(sql, args).fetchall()
+    return int(count)
+
+
+def create_txn(conn: sqlite3.Connection, instance: Instance, data: str) -> Instance:
+    now = now_text()
+    cur = conn.execute(
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?, ?) "
+        "ON CONFLICT (id) DO NOTHING",
+        (instance.id, instance.workflow, instance.state, data, instance.last_event, now, now),
+    )
+    if cur.rowcount == 0:
+        raise InstanceExists(instance.id)
+    return get_txn(conn, instance.id)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One instance's checked batch with its JSON encoded before the transaction starts, so data
+    that cannot be stored raises InvalidInput before anything is written."""
+
+    entries: tuple[HistoryEntry, ...]
+    data: tuple[str, ...]
+    payloads: tuple[str, ...]
+
+    @property
+    def instance_id(self) -> str:
+        return self.entries[0].instance_id
+
+
+def encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
+    iid = batch[0].instance_id
+    return _Batch(
+        batch,
+        tuple(dump_json(e.data, f"data of the history entry for {iid!r}") for e in batch),
+        tuple(dump_json(e.payload, f"payload of the history entry for {iid!r}") for e in batch),
+    )
+
+
+def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
+    """The compare-and-swap of one instance's batch and its history rows; None when it lost,
+    and then it wrote nothing (every check comes before the first write: this transaction holds
+    the database's write lock, so nothing changes between them)."""
+    first, last = batch.entries[0], batch.entries[-1]
+    request_ids = [e.request_id for e in batch.entries if e.request_id is not None]
+    if request_ids and _rows_of_requests(conn, first.instance_id, request_ids):
+        return None  # already applied (so the instance exists)
+    now = now_text()
+    cur = conn.execute(
+        CAS_UPDATE,
+        (
+            last.to_state,
+            last.version,
+            batch.data[-1],
+            last.event,
+            now,
+            last.fencing_token,
+            first.instance_id,
+            first.version - 1,
+            last.fencing_token,
+            last.fencing_token,
+        ),
+    )
+    if cur.rowcount == 0:
+        get_txn(conn, first.instance_id)  # InstanceNotFound rather than a silent conflict
+        return None
+    conn.executemany(
+        INSERT_HISTORY,
+        [
+            (
+                e.instance_id,
+                e.version,
+                e.event,
+                e.from_state,
+                e.to_state,
+                e.actor,
+                e.request_id,
+                e.strategy,
+                data,
+                now,
+                e.fencing_token,
+                payload,
+            )
+            for e, data, payload in zip(batch.entries, batch.data, batch.payloads, strict=True)
+        ],
+    )
+    return get_txn(conn, first.instance_id)
+
+
+def commit_txn(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
+    committed = _write_batch(conn, batch)
+    if committed is None:
+        raise _Discard(None)  # a lost compare-and-swap writes nothing
+    return committed
+
+
+def commit_many_txn(conn: sqlite3.Connection, batches: list[_Batch]) -> list[Instance | None]:
+    # A lost compare-and-swap writes nothing before it returns None (see _write_batch), so the
+    # winners commit with it; an error rolls the whole transaction back.
+    return [_write_batch(conn, batch) for batch in batches]
+
+
+def locked_txn(
+    conn: sqlite3.Connection, instance_id: str, request_id: RequestIds, plan: Plan
+) -> LockedResult:
+    snapshot = _snapshot(conn, instance_id, request_id)
+    planned = planned_entries(instance_id, plan(snapshot))
+    if not planned:
+        raise _Discard(LockedResult(snapshot, None))
+    committed = _write_batch(conn, encode(planned))
+    if committed is None:
+        raise refused_plan(instance_id, planned, snapshot)
+    return LockedResult(snapshot, committed)
+
+
+def migrate_txn(conn: sqlite3.Connection, pending: list[migrations.Migration]) -> list[str]:
+    def body(c: sqlite3.Connection) -> list[str]:
+        c.execute(MIGRATIONS_TABLE)
+        done = {row[0] for row in c.execute("SELECT name FROM flowlock_schema_migrations")}
+        applied: list[str] = []
+        for migration in pending:
+            if migration.name in done:
+                continue
+            for statement in statements_of(migration.sql):
+                c.execute(statement)
+            c.execute(
+                "INSERT INTO flowlock_schema_migrations (name, applied_at) VALUES (?, ?)",
+                (migration.name, now_text()),
+            )
+            applied.append(migration.name)
+        return applied
+
+    return immediate(conn, body)
