@@ -12,4 +12,4 @@ Private: the public API is the adapters.
 
 from flowlock.core.extras import require
 
-require("asyncpg", "postgres", "PostgreSQL (asyncpg)")
+require("asyncpg", "postgres", "PostgreSQL support")

@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+from flowlock.core.extras import require
+
+require("asyncpg", "postgres", "The PostgreSQL store (flowlock.stores.postgres)")
+
 from flowlock.stores.postgres.sql import count_statement, list_statement
 from flowlock.stores.postgres.store import PostgresStore
 
