@@ -1,15 +1,8 @@
-"""Per-key batching of concurrent calls: what the engine uses to apply many `fire` calls on one
-instance with one read and one write.
+"""Per-key batching of concurrent calls: many `fire` calls, one read and one write.
 
-A call on a key nobody is working on runs at once, in its caller's task, alone: an idle engine
-adds no latency and no task. Calls that arrive while the key is busy wait in the key's queue; when
-the key frees, one driver task takes everything queued (at most `max_batch`) and runs it as one
-batch, then the next batch, until the queue is empty. There is no timer: a batch is whatever
-arrived while the previous work was in flight.
-
-Why a driver task and not the first waiter: a caller may be cancelled at any time. A cancelled
-caller only leaves (its place in the queue, or its answer once the batch is done); the batch it
-was part of goes on for the others, and nothing waits on a task that is gone.
+A call on an idle key runs at once, in its caller's task. Calls that arrive while the key is
+busy queue; one driver task then runs them as the next batch. There is no timer.
+A driver task, not the first waiter, runs a batch: a cancelled caller only leaves it.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ class _Waiter(Generic[C, R]):
 
 
 def _take(queue: deque[_Waiter[C, R]], most: int) -> list[_Waiter[C, R]]:
-    """At most `most` waiters off the front of `queue`, skipping those whose caller was
-    cancelled while it waited."""
+    """At most `most` waiters off the front of `queue`, skipping cancelled callers."""
     taken: list[_Waiter[C, R]] = []
     while queue and len(taken) < most:
         waiter = queue.popleft()
@@ -79,8 +71,10 @@ class _Lane(Generic[C, R]):
 
 
 class Batcher(Generic[C, R]):
-    """Runs calls per key: alone when the key is idle, in batches of at most `max_batch` while
-    it is busy. `submit` answers each call with its own result or raises its own error."""
+    """Runs calls per key: alone when the key is idle, in batches while it is busy.
+
+    `submit` answers each call with its own result, or raises its own error.
+    """
 
     def __init__(self, max_batch: int) -> None:
         self._max = max_batch

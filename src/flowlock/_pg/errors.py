@@ -1,49 +1,6 @@
 """The one place asyncpg and OS errors become flowlock errors, for every PostgreSQL adapter.
 
-The store, the advisory locks, the run-once jobs and the migration runner run their driver calls
-inside `wrap_errors` (or call `translate`), each with a `Context` saying what
-differs for it: the key its messages quote, what a lock that is not available means to this call
-(LockBusy, LockTimeout, a signal the caller catches), whether it is a lock backend. Everything
-else, above all which driver error means what, is decided here, once.
-
-Most specific match wins
-------------------------
-`RULES` is a table of (exception class or SQLSTATE) -> factory, ordered most specific first
-(a subclass before its base class, a rule with a constraint name before the same class without
-one; `check_order` proves it). The first rule that matches the error *and* whose factory
-gives an answer for the caller's context wins. A factory answers None when its kind of failure
-means nothing particular to this caller, and the error goes on to the next, more general rule,
-down to the catch-all StoreError. So a TimeoutError is "no answer in time" to a lock backend and,
-being an OSError, "lost the connection" to the store.
-
-The flowlock error is raised `from` the driver's, so `__cause__` keeps the original.
-
-A session that ended
---------------------
-When the server ends a session (`pg_terminate_backend`, a restart, a failover) or the network
-fails, asyncpg reports it in several ways, depending on when it noticed: the server's FATAL
-message (SQLSTATE 57P01...), `ConnectionDoesNotExistError`, an `OSError`, `InterfaceError`
-("connection is closed") or, when the FATAL message came in while the connection sat idle in its
-pool, `InternalClientError` ("cannot switch to state 15; another operation is in progress").
-To the store every one of them is [`ConnectionLost`][flowlock.errors.ConnectionLost] (nothing was
-written, retry), except where a write may already have reached the server (`Context.in_doubt`: a
-COMMIT, a one-statement compare-and-swap): then it is
-[`OutcomeUnknown`][flowlock.errors.OutcomeUnknown], unless asyncpg refused to send the statement at
-all. `broken` says which errors leave their connection unusable (the pool helpers then terminate it,
-so the pool opens a fresh one) and `server_gone` which ones say that the pool's other connections
-are likely dead too.
-
-A server that is no longer the primary
---------------------------------------
-After a failover or a switch-over (Patroni...) the old primary may come back as a standby, and a
-connection to it that outlived the switch answers every write with SQLSTATE 25006
-(read_only_sql_transaction). The server refused the statement, so nothing of it was written, in
-doubt or not: to the store it is ConnectionLost, safe to retry (a lock backend's SessionGone).
-`read_only` names it, and the pool helpers drop that connection and the pool's others
-(all of them reach the same standby), so that the retry connects afresh and, with a multi-host
-URL and `target_session_attrs=read-write`, finds the new primary. When no host of such a URL
-is a primary yet (a failover under way), asyncpg cannot connect at all
-(TargetServerAttributeNotMatched): ConnectionLost too, nothing was sent.
+A table of rules, most specific first; the PostgreSQL guide says how they are chosen.
 """
 
 from __future__ import annotations

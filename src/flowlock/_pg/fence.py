@@ -1,27 +1,7 @@
-"""Fencing epochs in PostgreSQL, for the Redis lock backend's counters (see
-`flowlock.locks.redis.fence` for how the epochs are used).
+"""Fencing epochs in PostgreSQL, for the Redis lock backend's counters.
 
-`PostgresFenceEpochs` keeps one row per (namespace, key) in `flowlock_fence_epochs`.
-`advance` does, in one autocommit statement, `pg_advisory_lock` on the key and then
-`INSERT ... ON CONFLICT DO UPDATE SET epoch = epoch + 1 RETURNING epoch`: the bump is committed
-before the caller sees the epoch, and the session-level lock is held (on the same connection)
-until the caller has started its Redis counter and leaves the `async with`.
-
-Why a lock held across the Redis call: two acquirers A and B find the counter missing; A bumps to
-5 and stalls; B bumps to 6, starts the counter at 6 * 2^32 and tokens are handed out; Redis loses
-its data again; A, waking up, would start the counter at 5 * 2^32, under tokens already handed
-out. With the lock, B's bump waits until A has started its counter and let go: the counters of a
-key are started in the order of their epochs, each above every earlier one.
-
-Why a session-level lock, not a transaction's: the bump must be committed before the counter is
-started (a bump rolled back after the counter was started would be handed out again), and a
-transaction-level lock ends at that commit. The lock is always let go before the connection goes
-back to the pool; when that cannot be done (an error, a cancellation) the connection is
-terminated, and the server frees the lock with its session. So the epochs need a direct
-connection or session pooling: behind a transaction-pooling proxy (PgBouncer
-`pool_mode=transaction`) the lock could stay on a server connection the proxy hands to someone
-else (the next start of that key's counter would then wait out `lock_timeout` and fail with
-LockUnavailable); a warning is logged when the unlock finds the lock not held.
+The bump is committed before the caller sees it, under a session lock held across the Redis
+call. The PostgreSQL guide says why; it needs a direct connection or session pooling.
 """
 
 from __future__ import annotations

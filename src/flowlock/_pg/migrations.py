@@ -1,11 +1,7 @@
-"""The PostgreSQL migration runner: the versioned SQL files of `stores/sql/postgres` applied in
-name order, each recorded in `flowlock_schema_migrations`, all in one transaction under a
-transaction-level advisory lock.
+"""The PostgreSQL migration runner, shared by every PostgreSQL adapter.
 
-Functions over a connection or a pool, so that every PostgreSQL adapter (the store, the advisory
-locks, the run-once jobs) migrates the same way without building another adapter to do it; and
-`script`, the same migrations as one SQL script for teams that run their own migrations
-(`flowlock db sql`).
+Versioned SQL files applied in name order, in one transaction, under an advisory lock.
+`script` renders the same migrations for `flowlock db sql`.
 """
 
 from __future__ import annotations
