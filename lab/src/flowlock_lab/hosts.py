@@ -1,8 +1,7 @@
-"""Several hosts on one machine: Linux network namespaces on a bridge.
+"""Several hosts on one machine: Linux network namespaces on a bridge (needs root, iproute2).
 
-Used by ``flowlock bench --hosts N`` and the multi-host tests; needs root and iproute2.
+Used by ``flowlock bench --hosts N`` and the multi-host tests; docs/deployment.md draws it.
 The address plan and command lines are pure, so tests run them unprivileged.
-docs/deployment.md draws the layout.
 """
 
 from __future__ import annotations
