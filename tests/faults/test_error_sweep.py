@@ -211,7 +211,7 @@ async def build(
     bounds: dict[str, Any] = {
         "schema": schema,
         "namespace": namespace,
-        "pool_size": 8,
+        "max_size": 8,
         "acquire_timeout": 5.0,
         "connect_timeout": 5.0,
         "lock_timeout": 2.0,
@@ -232,7 +232,7 @@ async def build(
             for wf in (examples.countersign(QUORUM), examples.approval()):
                 await engine.register(wf)
         sync = flowlock.sync.Engine.connect(
-            pg_url, locks="advisory", application_name=f"{app}-s", **{**bounds, "pool_size": 4}
+            pg_url, locks="advisory", application_name=f"{app}-s", **{**bounds, "max_size": 4}
         )
         stack.push_async_callback(asyncio.to_thread, sync.close)
         await asyncio.to_thread(sync.open)
