@@ -104,7 +104,7 @@ class Runner:
         def bound(snap: Snapshot) -> tuple[HistoryEntry, ...] | Idempotent:
             # A strategy may decide again (a lost compare-and-swap, an escalation): the answers
             # are those of the last decision, the one that was written or had nothing to write.
-            decided = decide_batch(workflows, _priors(snap), calls, max_payload_bytes=limit)
+            decided = decide_batch(workflows, snap, calls, max_payload_bytes=limit)
             last[:] = [decided]
             return decided.entries or Idempotent(snap.instance)
 
@@ -212,15 +212,6 @@ class Runner:
         if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
             result = dataclasses.replace(result, replayed=True)
         return result
-
-
-def _priors(snap: Snapshot) -> Snapshot:
-    """``snap`` with what it found in ``priors``, where a batch's decisions look."""
-    # A batch of one call reads as one call does: its entry comes back in Snapshot.prior.
-    prior = snap.prior
-    if prior is None or prior.request_id is None:
-        return snap
-    return Snapshot(snap.instance, None, {**snap.priors, prior.request_id: prior})
 
 
 def failure_label(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -41,14 +41,14 @@ import redis.asyncio
 import flowlock
 from flowlock import examples
 from flowlock.checker import check, check_many
-from flowlock.core.models import Instance, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks, advisory_lock_id
 from flowlock.locks.base import LockBackend
 from flowlock.locks.redis import RedisLocks
 from flowlock.metrics import Metrics
 from flowlock.stores import MemoryStore
-from flowlock.stores.base import Entries, RequestIds, entries_of
+from flowlock.stores.base import entries_of
 from flowlock.stores.postgres import PostgresStore
 from flowlock.strategies.monitor import ConflictMonitor
 
@@ -106,17 +106,17 @@ class GatedStore(MemoryStore):
         gate = self._gates[call] = Gate()
         return gate
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         gate = self._gates.pop("read", None)
         if gate is not None:
             await gate.pass_through()
-        return await super().read(instance_id, request_id)
+        return await super().read(instance_id, request_ids)
 
-    async def commit(self, entry: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         gate = self._gates.pop("commit", None)
         if gate is not None:
             await gate.pass_through()
-        return await super().commit(entry)
+        return await super().commit(entries)
 
 
 class ContendedStore(MemoryStore):
@@ -130,16 +130,16 @@ class ContendedStore(MemoryStore):
         self.rival: flowlock.Engine | None = None
         self._in_rival = False
 
-    async def commit(self, entry: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         if self.rivals > 0 and not self._in_rival and self.rival is not None:
             self.rivals -= 1
             self._in_rival = True
             try:
-                instance_id = entries_of(entry)[0].instance_id
+                instance_id = entries_of(entries)[0].instance_id
                 await self.rival.fire(instance_id, "restock", strategy="optimistic")
             finally:
                 self._in_rival = False
-        return await super().commit(entry)
+        return await super().commit(entries)
 
 
 @contextlib.asynccontextmanager

@@ -114,11 +114,11 @@ async def test_store_filters_by_workflow_state_and_time(store_factory: StoreFact
                 Instance(id=f"i{n:02d}", workflow=workflow, state="a", version=1, data={})
             )
             if n % 4 == 1:
-                moved = await store.commit(move(inst, "b"))
+                moved = await store.commit((move(inst, "b"),))
                 assert moved is not None
                 inst = moved
             elif n % 4 == 2:
-                moved = await store.commit(move(inst, "c"))
+                moved = await store.commit((move(inst, "c"),))
                 assert moved is not None
                 inst = moved
             made[inst.id] = inst

@@ -142,14 +142,14 @@ async def test_a_lower_fencing_token_is_refused_by_the_fencing_clause(
     holder, zombie = store_factory(), store_factory()  # two processes on one database
     async with opened(holder, zombie):
         created = await holder.create(new())
-        first = await holder.commit(entry(created, token=5, request_id="r5"))
+        first = await holder.commit((entry(created, token=5, request_id="r5"),))
         assert first is not None and first.version == 2
         assert await zombie.fencing_floor("i") == 5
         before = await zombie.history("i")
 
         # Version current, request id new: only the fencing clause can refuse this one.
         stale = entry(first, token=4, request_id="stale")
-        assert await zombie.commit(stale) is None
+        assert await zombie.commit((stale,)) is None
         assert await zombie.get("i") == first
         assert await zombie.history("i") == before
         assert await zombie.fencing_floor("i") == 5
@@ -157,13 +157,13 @@ async def test_a_lower_fencing_token_is_refused_by_the_fencing_clause(
 
         # The very same entry with only the token changed goes through: nothing of the refused
         # write was kept (its request id is still new).
-        equal = await zombie.commit(dataclasses.replace(stale, fencing_token=5))
+        equal = await zombie.commit((dataclasses.replace(stale, fencing_token=5),))
         assert equal is not None and equal.version == 3
-        higher = await zombie.commit(entry(equal, token=9, request_id="r9"))
+        higher = await zombie.commit((entry(equal, token=9, request_id="r9"),))
         assert higher is not None and higher.version == 4
         assert await holder.fencing_floor("i") == 9
-        assert await holder.commit(entry(higher, token=5, request_id="late")) is None
-        unfenced = await holder.commit(entry(higher, request_id="plain"))
+        assert await holder.commit((entry(higher, token=5, request_id="late"),)) is None
+        unfenced = await holder.commit((entry(higher, request_id="plain"),))
         assert unfenced is not None and unfenced.version == 5
         assert await holder.fencing_floor("i") == 9
 
@@ -187,18 +187,18 @@ def every_operation(store: Store, inst: Instance) -> dict[str, Call]:
     """Each operation of the Store port (and of the escalation board, for the stores that are
     one), as a call to make."""
 
-    def plan(snap: Snapshot) -> HistoryEntry:
-        return entry(snap.instance, request_id="locked")
+    def plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
+        return (entry(snap.instance, request_id="locked"),)
 
     calls: dict[str, Call] = {
         "migrate": store.migrate,
         "create": lambda: store.create(new("other")),
         "get": lambda: store.get(inst.id),
-        "read": lambda: store.read(inst.id, "r"),
-        "commit": lambda: store.commit(entry(inst, request_id="closed")),
-        "commit_many": lambda: store.commit_many([entry(inst, request_id="closed")]),
+        "read": lambda: store.read(inst.id, ("r",)),
+        "commit": lambda: store.commit((entry(inst, request_id="closed"),)),
+        "commit_many": lambda: store.commit_many([(entry(inst, request_id="closed"),)]),
         "commit_many []": lambda: store.commit_many([]),
-        "apply_locked": lambda: store.apply_locked(inst.id, None, plan, RowLock(timeout=5)),
+        "apply_locked": lambda: store.apply_locked(inst.id, (), plan, RowLock(timeout=5)),
         "history": lambda: store.history(inst.id),
         "fencing_floor": lambda: store.fencing_floor(inst.id),
         "list_instances": lambda: store.list_instances(InstanceQuery(), after=None, limit=10),
@@ -226,7 +226,7 @@ async def test_a_closed_store_refuses_every_operation(
         refused["before open"].append(name)
 
     await store.open()
-    committed = await store.commit(entry(await store.create(new()), request_id="kept"))
+    committed = await store.commit((entry(await store.create(new()), request_id="kept"),))
     assert committed is not None
     await store.aclose()
     await store.aclose()
@@ -273,23 +273,23 @@ async def test_closing_while_a_pessimistic_call_holds_the_row_lock(
         loop = asyncio.get_running_loop()
         tasks: dict[str, asyncio.Task[Any]] = {}
 
-        def queued_plan(snap: Snapshot) -> HistoryEntry:
-            return entry(snap.instance, request_id="queued")
+        def queued_plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
+            return (entry(snap.instance, request_id="queued"),)
 
         def start_queued_call_and_close() -> None:
             # In this order: the queued call is waiting (for the lock or a connection) before
             # close begins.
             tasks["queued"] = loop.create_task(
-                store.apply_locked("i", "queued", queued_plan, RowLock(timeout=BOUND))
+                store.apply_locked("i", ("queued",), queued_plan, RowLock(timeout=BOUND))
             )
-            tasks["queued read"] = loop.create_task(store.read("i", None))
+            tasks["queued read"] = loop.create_task(store.read("i", ()))
             tasks["close"] = loop.create_task(store.aclose())
 
         async def start_and_wait() -> None:
             start_queued_call_and_close()
             await wait_until(lambda: closing_began(store))
 
-        def holder_plan(snap: Snapshot) -> HistoryEntry:
+        def holder_plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
@@ -300,10 +300,10 @@ async def test_closing_while_a_pessimistic_call_holds_the_row_lock(
                 # The memory and PostgreSQL stores run it on the event loop, the row lock held:
                 # the two tasks run as soon as the holder next awaits, before it commits.
                 start_queued_call_and_close()
-            return entry(snap.instance, request_id="holder")
+            return (entry(snap.instance, request_id="holder"),)
 
         async with asyncio.timeout(BOUND):
-            held = await store.apply_locked("i", "holder", holder_plan, RowLock(timeout=BOUND))
+            held = await store.apply_locked("i", ("holder",), holder_plan, RowLock(timeout=BOUND))
             assert closing_began(store)  # close began before the holder returned
             with pytest.raises(EngineClosed):
                 await store.get("i")
@@ -406,7 +406,7 @@ async def test_closing_while_an_optimistic_commit_is_in_flight(
             if backend == "memory":
                 # Its commit yields once (as a database round trip would) before it writes:
                 # close begins right there.
-                commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                commit = asyncio.create_task(store.commit((entry(created, request_id="c"),)))
                 await asyncio.sleep(0)  # the commit checked that the store is open, and yielded
                 assert not commit.done()
                 await store.aclose()  # closes at once, without yielding to the commit
@@ -414,7 +414,7 @@ async def test_closing_while_an_optimistic_commit_is_in_flight(
                 closing = asyncio.create_task(store.aclose())  # idempotent; awaited below
             else:
                 async with writer_elsewhere(backend, store, pg_url) as let_go:
-                    commit = asyncio.create_task(store.commit(entry(created, request_id="c")))
+                    commit = asyncio.create_task(store.commit((entry(created, request_id="c"),)))
                     deadline = time.monotonic() + BOUND
                     while not await waiting_on_a_lock(store, pg_url):
                         assert time.monotonic() < deadline, "the commit never waited"
@@ -510,7 +510,7 @@ async def test_a_batch_moves_the_instance_by_k_versions_and_appends_k_rows(
         # A one-entry sequence is a batch of one; a plain entry still works as before.
         one = await store.commit(chain(committed, ["r4"]))
         assert one is not None and one.version == 5
-        plain = await store.commit(chain(one, ["r5"])[0])
+        plain = await store.commit((chain(one, ["r5"])[0],))
         assert plain is not None and plain.version == 6
         assert await on_disk(store, "i") == (5, 6)
 
@@ -602,7 +602,7 @@ async def test_a_malformed_batch_is_invalid_input_and_writes_nothing(
                 return batch
 
             with pytest.raises(InvalidInput):
-                await store.apply_locked("i", None, plan, RowLock(timeout=BOUND))
+                await store.apply_locked("i", (), plan, RowLock(timeout=BOUND))
             for created in (inst, other):
                 await unchanged(store, on_disk, created, [])
         assert await store.commit(good) is not None
@@ -613,7 +613,7 @@ async def test_read_with_several_request_ids_returns_exactly_the_found_priors(
 ) -> None:
     """A read for a sequence of request ids is one snapshot: the instance and, in ``priors``,
     the entry of each id applied on this instance (an id applied on another instance, or
-    never, is absent); ``prior`` is None. One id, or none, reads as before."""
+    never, is absent). One id reads as a batch of one; no id, as an empty sequence."""
     store = store_factory()
     async with opened(store):
         inst = await store.create(new())
@@ -624,15 +624,15 @@ async def test_read_with_several_request_ids_returns_exactly_the_found_priors(
         history = await store.history("i")
 
         snap = await store.read("i", ["c", "missing", "a", "elsewhere", "a"])
-        assert snap.instance == committed and snap.prior is None
+        assert snap.instance == committed
         assert snap.priors == {"a": history[0], "c": history[2]}
         assert (await store.read("i", [])).priors == {}
         assert (await store.read("i", ("missing",))).priors == {}
 
-        single = await store.read("i", "c")
-        assert single.prior == history[2] and single.priors == {}
-        bare = await store.read("i", None)
-        assert bare.prior is None and bare.priors == {} and bare.instance == committed
+        single = await store.read("i", ("c",))
+        assert single.priors == {"c": history[2]}
+        bare = await store.read("i", ())
+        assert bare.priors == {} and bare.instance == committed
 
 
 async def test_apply_locked_writes_a_planned_batch_or_nothing(
@@ -697,7 +697,7 @@ async def test_commit_many_commits_the_winners_and_writes_nothing_of_the_losers(
             [
                 chain(made["w1"], ["a", "b"]),
                 chain(made["stale"], ["s1", "s2"]),  # decided on version 1; it is at 2
-                chain(made["w2"], ["c"])[0],  # a plain entry is a batch of one
+                (chain(made["w2"], ["c"])[0],),  # a plain entry is a batch of one
                 chain(applied, ["fresh", "once"]),
             ]
         )

@@ -211,7 +211,7 @@ async def _assert_stale_write_refused(engine: flowlock.Engine, iid: str) -> None
         last, version=last.version + 1, request_id=f"stale-{uuid.uuid4().hex}",
         fencing_token=first.fencing_token, data={**last.data, "stock": -1},
     )  # fmt: skip
-    assert await engine.store.commit(stale) is None
+    assert await engine.store.commit((stale,)) is None
     assert await engine.history(iid) == history
 
 

@@ -54,7 +54,7 @@ from flowlock.core.step import Call, Idempotent
 from flowlock.engine import Engine
 from flowlock.examples import approval
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, Strategy, StrategyResult
+from flowlock.strategies.base import Decide, Strategy, StrategyResult, looked_up
 from flowlock_lab.matrix import run_bench as lab_run_bench
 
 pytestmark = pytest.mark.postgres
@@ -409,7 +409,7 @@ class SkipsVersionCheck:
 
     async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
         call = calls[0]
-        snap = await store.read(call.instance_id, call.request_id)
+        snap = await store.read(call.instance_id, looked_up(calls))
         decided = decide(snap)
         if isinstance(decided, Idempotent):
             return StrategyResult(decided.instance, applied=False, attempts=1)

@@ -168,9 +168,9 @@ PAUSABLE = textwrap.dedent(
             # The strategy's first read happens under the lease, before the step: pausing
             # there, A reads the instance only after B has written it.
             unpaused_read = store.read
-            async def read(instance_id, request_id):
+            async def read(instance_id, request_ids):
                 pause("read")
-                return await unpaused_read(instance_id, request_id)
+                return await unpaused_read(instance_id, request_ids)
             store.read = read
         leases = [flowlock.Distributed(ttl=2.0)]
         async with flowlock.Engine(store, locks=locks, strategies=leases) as engine:
@@ -310,16 +310,16 @@ async def test_store_refuses_a_stale_token_at_the_current_version(
             actor="t5", request_id=None, strategy="distributed", data={"stock": 9},
             fencing_token=5,
         )  # fmt: skip
-        assert (await store.commit(first)) is not None
+        assert (await store.commit((first,))) is not None
         current = await store.get("sku")
         stale = replace(first, version=current.version + 1, actor="t4", data={"stock": 8},
                         fencing_token=4)  # fmt: skip
-        assert await store.commit(stale) is None
+        assert await store.commit((stale,)) is None
         assert (await store.get("sku")).version == current.version == 2
         assert await store.fencing_floor("sku") == 5
         assert [h.actor for h in await engine.history("sku")] == ["t5"]
         (await sql_history()).assert_matches({"sku": await engine.history("sku")})
-        same_token = await store.commit(replace(stale, fencing_token=5))
+        same_token = await store.commit((replace(stale, fencing_token=5),))
         assert same_token is not None and same_token.version == 3
         history = await engine.history("sku")
         assert [(h.actor, h.fencing_token) for h in history] == [("t5", 5), ("t4", 5)]
@@ -350,13 +350,13 @@ async def test_tokens_keep_increasing_across_an_empty_redis_restart(
             history = await engine.history("sku")
             _tokens_increase(history)
             assert history[3].fencing_token > held.fencing > history[2].fencing_token  # type: ignore[operator]
-            stale = await store.read("sku", None)  # the current version: only the token is stale
+            stale = await store.read("sku", ())  # the current version: only the token is stale
             refused = await store.commit(
-                flowlock.HistoryEntry(
+                (flowlock.HistoryEntry(
                     instance_id="sku", version=stale.instance.version + 1, event="reserve",
                     from_state="open", to_state="open", actor="stale", request_id=None,
                     strategy="distributed", data={"stock": 0}, fencing_token=held.fencing,
-                )
+                ),)
             )  # fmt: skip
             assert refused is None
             assert await engine.history("sku") == history

@@ -46,9 +46,11 @@ def step(iid: str, version: int, request_id: str | None = None) -> HistoryEntry:
     return _step(iid, version, request_id, strategy="pessimistic")
 
 
-def next_step(iid: str, request_id: str | None = None) -> Callable[[Snapshot], HistoryEntry]:
+def next_step(
+    iid: str, request_id: str | None = None
+) -> Callable[[Snapshot], tuple[HistoryEntry, ...]]:
     """A plan that moves ``iid`` one version on from what it read under the lock."""
-    return lambda snap: step(iid, snap.instance.version + 1, request_id)
+    return lambda snap: (step(iid, snap.instance.version + 1, request_id),)
 
 
 @pytest.fixture
@@ -121,12 +123,12 @@ async def holders(pg_url: str, pg_schema: str) -> AsyncIterator[Callable[[], Awa
 async def queued_behind_h(
     store: PostgresStore,
     holder: Holder,
-    calls: Sequence[tuple[str, Any, Callable[[Snapshot], Any], RowLock]],
+    calls: Sequence[tuple[str, Sequence[str], Callable[[Snapshot], Any], RowLock]],
 ) -> tuple[asyncio.Task[LockedResult], list[asyncio.Task[LockedResult]]]:
     """A call on ``h`` holding the store's only pipeline slot while it waits for ``holder``'s
     lock, and ``calls`` queued behind it (started, not yet run)."""
     await holder.lock("h")
-    first = asyncio.create_task(store.apply_locked("h", None, next_step("h"), WAIT))
+    first = asyncio.create_task(store.apply_locked("h", (), next_step("h"), WAIT))
     await wait_until(lambda: holder.blocking(), within=BOUND, what="the call on h waiting")
     tasks = [asyncio.create_task(store.apply_locked(*call)) for call in calls]
     await asyncio.sleep(0)  # each task runs up to its place in the queue
@@ -154,11 +156,11 @@ async def test_queued_calls_commit_in_one_transaction(
         store,
         holder,
         [
-            # One request id as a str (prior), several as a sequence (priors), none.
-            ("a", "ra", next_step("a", "ra"), WAIT),
+            # One request id (a batch of one), several, none.
+            ("a", ("ra",), next_step("a", "ra"), WAIT),
             ("b", ("rb", "rb2"), next_step("b", "rb"), WAIT),
-            ("c", None, next_step("c"), WAIT),
-            ("d", "rd", next_step("d", "rd"), RowLock(nowait=True)),
+            ("c", (), next_step("c"), WAIT),
+            ("d", ("rd",), next_step("d", "rd"), RowLock(nowait=True)),
             ("e", [], next_step("e"), WAIT),
         ],
     )
@@ -174,10 +176,10 @@ async def test_queued_calls_commit_in_one_transaction(
     for result in results[1:]:
         assert result.committed.version == 2
         assert result.waited is not None and result.held is not None
-        assert result.snapshot.prior is None and result.snapshot.priors == {}
+        assert result.snapshot.priors == {}
     await assert_exactly_once(store, sql_history, dict.fromkeys(["h", *ids], 1))
 
-    # The same request ids again, in a group: found under the lock, as prior or priors.
+    # The same request ids again, in a group: found under the lock, in priors.
     seen: dict[str, Snapshot] = {}
 
     def remember(iid: str) -> Callable[[Snapshot], None]:
@@ -189,14 +191,14 @@ async def test_queued_calls_commit_in_one_transaction(
     first, tasks = await queued_behind_h(
         store,
         holder,
-        [("a", "ra", remember("a"), WAIT), ("b", ["rb", "rb2", "rb"], remember("b"), WAIT)],
+        [("a", ("ra",), remember("a"), WAIT), ("b", ["rb", "rb2", "rb"], remember("b"), WAIT)],
     )
     await holder.release()
     again = await answers([first, *tasks])
     assert [r.committed for r in again[1:]] == [None, None]
     assert groups[-1] == ["a", "b"]
-    assert seen["a"].prior is not None and seen["a"].prior.version == 2
-    assert set(seen["b"].priors) == {"rb"} and seen["b"].prior is None
+    assert {rid: e.version for rid, e in seen["a"].priors.items()} == {"ra": 2}
+    assert set(seen["b"].priors) == {"rb"}
     await assert_exactly_once(store, sql_history, {"h": 2, **dict.fromkeys(ids, 1)})
 
 
@@ -216,9 +218,9 @@ async def test_a_row_held_elsewhere_is_skipped_and_its_call_waits_alone(
         store,
         slot,
         [
-            ("a", None, next_step("a"), WAIT),
-            ("x", "rx", next_step("x", "rx"), x_lock),
-            ("b", None, next_step("b"), WAIT),
+            ("a", (), next_step("a"), WAIT),
+            ("x", ("rx",), next_step("x", "rx"), x_lock),
+            ("b", (), next_step("b"), WAIT),
         ],
     )
     await slot.release()
@@ -235,7 +237,7 @@ async def test_a_row_held_elsewhere_is_skipped_and_its_call_waits_alone(
     assert results[1].committed.version == 2 and results[3].committed.version == 2
     if released:
         assert results[2].committed.version == 2
-        assert results[2].snapshot.prior is None
+        assert results[2].snapshot.priors == {}
     else:
         assert isinstance(results[2], LockTimeout), results[2]
     await assert_exactly_once(
@@ -255,7 +257,7 @@ async def test_a_plan_that_fails_leaves_the_others_committed(
 ) -> None:
     await created(store, "h", "a", "b", "c", "d", "e")
 
-    def refuse(snap: Snapshot) -> HistoryEntry:
+    def refuse(snap: Snapshot) -> tuple[HistoryEntry, ...]:
         raise Refused("no")
 
     holder = await holders()
@@ -263,12 +265,12 @@ async def test_a_plan_that_fails_leaves_the_others_committed(
         store,
         holder,
         [
-            ("a", None, next_step("a"), WAIT),
-            ("b", None, refuse, WAIT),
+            ("a", (), next_step("a"), WAIT),
+            ("b", (), refuse, WAIT),
             # Versions read + 2: the compare-and-swap matches no row under the lock.
-            ("c", None, lambda snap: step("c", snap.instance.version + 2), WAIT),
-            ("d", None, lambda snap: [step("d", 2), step("d", 4)], WAIT),  # malformed
-            ("e", None, lambda snap: None, WAIT),  # no write
+            ("c", (), lambda snap: (step("c", snap.instance.version + 2),), WAIT),
+            ("d", (), lambda snap: [step("d", 2), step("d", 4)], WAIT),  # malformed
+            ("e", (), lambda snap: None, WAIT),  # no write
         ],
     )
     await holder.release()
@@ -294,9 +296,9 @@ async def test_missing_instance_fails_only_its_call(
         store,
         holder,
         [
-            ("a", None, next_step("a"), WAIT),
-            ("nope", "r", next_step("nope"), WAIT),
-            ("b", None, next_step("b"), WAIT),
+            ("a", (), next_step("a"), WAIT),
+            ("nope", ("r",), next_step("nope"), WAIT),
+            ("b", (), next_step("b"), WAIT),
         ],
     )
     await holder.release()
@@ -319,9 +321,9 @@ async def test_two_calls_on_one_instance_apply_one_after_the_other(
         store,
         holder,
         [
-            ("a", "a1", next_step("a", "a1"), WAIT),
-            ("b", None, next_step("b"), WAIT),
-            ("a", "a2", next_step("a", "a2"), WAIT),
+            ("a", ("a1",), next_step("a", "a1"), WAIT),
+            ("b", (), next_step("b"), WAIT),
+            ("a", ("a2",), next_step("a", "a2"), WAIT),
         ],
     )
     await holder.release()
@@ -341,12 +343,12 @@ async def test_an_applied_request_id_in_the_write_runs_the_group_alone(
     """A plan that writes a request id already applied (a plan's bug) fails the group's one
     statement whole: the group rolls back, and each call runs alone, so only that one fails."""
     await created(store, "h", "a", "b")
-    await store.apply_locked("b", None, next_step("b", "done"), WAIT)
+    await store.apply_locked("b", (), next_step("b", "done"), WAIT)
     holder = await holders()
     first, tasks = await queued_behind_h(
         store,
         holder,
-        [("a", None, next_step("a"), WAIT), ("b", None, next_step("b", "done"), WAIT)],
+        [("a", (), next_step("a"), WAIT), ("b", (), next_step("b", "done"), WAIT)],
     )
     await holder.release()
     results = await answers([first, *tasks])

@@ -21,7 +21,7 @@ import pytest
 
 from flowlock.core.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
-from flowlock.stores.base import Entries, RowLock
+from flowlock.stores.base import RowLock
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until
 from store_steps import SqlHistory, assert_exactly_once, created, step
@@ -71,14 +71,14 @@ async def test_k_entries_commit_as_one_compare_and_swap(
     assert await store.fencing_floor("a") == 9  # the last entry's token
     await assert_exactly_once(store, sql_history, {"a": 3})
     # The one-entry path is the same port: a bare entry and a one-entry list.
-    assert (await store.commit(step("a", 5))) is not None
+    assert (await store.commit((step("a", 5),))) is not None
     assert (await store.commit([step("a", 6)])) is not None
     await assert_exactly_once(store, sql_history, {"a": 5})
 
 
 async def test_stale_batch_writes_nothing(store: PostgresStore, sql_history: SqlHistory) -> None:
     await created(store, "a")
-    assert await store.commit(step("a", 2, "first")) is not None
+    assert await store.commit((step("a", 2, "first"),)) is not None
     assert await store.commit(steps("a", 2, 3, prefix="late")) is None
     assert await store.commit(steps("a", 4, 2, prefix="ahead")) is None  # no such version read
     assert (await store.get("a")).version == 2
@@ -101,7 +101,7 @@ async def test_request_id_already_applied_fails_the_whole_batch(
     store: PostgresStore, sql_history: SqlHistory
 ) -> None:
     await created(store, "a")
-    assert await store.commit(step("a", 2, "x")) is not None
+    assert await store.commit((step("a", 2, "x"),)) is not None
     assert await store.commit([step("a", 3, "y"), step("a", 4, "x")]) is None
     assert (await store.get("a")).version == 2
     assert [r.request_id for r in await store.history("a")] == ["x"]
@@ -126,7 +126,7 @@ async def test_malformed_batch_is_refused_before_any_write(
     with pytest.raises(InvalidInput, match=complaint):
         await store.commit(entries)
     with pytest.raises(InvalidInput, match=complaint):
-        await store.commit_many([step("b", 2), entries])
+        await store.commit_many([(step("b", 2),), entries])
     await assert_exactly_once(store, sql_history, {"a": 0, "b": 0})
 
 
@@ -138,17 +138,17 @@ async def test_read_of_several_request_ids_returns_exactly_those_found(
 ) -> None:
     await created(store, "a", "b")
     await store.commit([step("a", 2, "p"), step("a", 3, "q"), step("a", 4, None)])
-    await store.commit(step("b", 2, "r"))  # another instance's request id is not a's
+    await store.commit((step("b", 2, "r"),))  # another instance's request id is not a's
     snap = await store.read("a", ["q", "missing", "p", "q", "r"])
-    assert snap.instance.version == 4 and snap.prior is None
+    assert snap.instance.version == 4
     assert {rid: e.version for rid, e in snap.priors.items()} == {"p": 2, "q": 3}
     assert snap.priors["q"] == (await store.history("a"))[1]
     assert (await store.read("a", ["missing"])).priors == {}
     empty = await store.read("a", [])
-    assert (empty.instance.version, empty.prior, empty.priors) == (4, None, {})
-    # One request id as a string: the entry in prior, as before.
-    one = await store.read("a", "p")
-    assert one.prior is not None and one.prior.version == 2 and one.priors == {}
+    assert (empty.instance.version, empty.priors) == (4, {})
+    # One request id is a batch of one: its entry in priors.
+    one = await store.read("a", ("p",))
+    assert {rid: e.version for rid, e in one.priors.items()} == {"p": 2}
     with pytest.raises(InstanceNotFound):
         await store.read("nope", ["p"])
     with pytest.raises(InstanceNotFound):
@@ -164,7 +164,7 @@ async def test_apply_locked_writes_a_batch_plan(
     await created(store, "a")
     seen: list[Snapshot] = []
 
-    def plan(snap: Snapshot) -> Entries:
+    def plan(snap: Snapshot) -> list[HistoryEntry]:
         seen.append(snap)
         v = snap.instance.version
         return [step("a", v + 1 + i, rid) for i, rid in enumerate(("c1", "c2", "c3"))
@@ -178,9 +178,9 @@ async def test_apply_locked_writes_a_batch_plan(
     assert again.committed is None
     assert set(seen[-1].priors) == {"c1", "c2", "c3"}
     assert [e.version for e in seen[-1].priors.values()] == [2, 3, 4]
-    # A plan may answer None, and one request id as a string still fills prior.
-    none = await store.apply_locked("a", "c2", lambda s: None, RowLock(timeout=5.0))
-    assert none.committed is None and none.snapshot.prior is not None
+    # A plan may answer None; one request id is a batch of one, its entry in priors.
+    none = await store.apply_locked("a", ("c2",), lambda s: None, RowLock(timeout=5.0))
+    assert none.committed is None and set(none.snapshot.priors) == {"c2"}
     await assert_exactly_once(store, sql_history, {"a": 3})
 
 
@@ -190,11 +190,11 @@ async def test_apply_locked_refuses_a_malformed_plan_and_rolls_back(
     await created(store, "a", "b")
     lock = RowLock(timeout=5.0)
     with pytest.raises(InvalidInput, match="in order"):
-        await store.apply_locked("a", None, lambda s: [step("a", 2), step("a", 4)], lock)
+        await store.apply_locked("a", (), lambda s: [step("a", 2), step("a", 4)], lock)
     with pytest.raises(InvalidInput, match="'b'"):
-        await store.apply_locked("a", None, lambda s: [step("b", 2)], lock)
+        await store.apply_locked("a", (), lambda s: [step("b", 2)], lock)
     # The row lock was let go: a nowait lock on it is granted.
-    done = await store.apply_locked("a", None, lambda s: step("a", 2), RowLock(nowait=True))
+    done = await store.apply_locked("a", (), lambda s: (step("a", 2),), RowLock(nowait=True))
     assert done.committed is not None
     await assert_exactly_once(store, sql_history, {"a": 1, "b": 0})
 
@@ -207,13 +207,13 @@ async def test_commit_many_lets_each_compare_and_swap_stand_alone(
 ) -> None:
     await created(store, "w1", "l1", "w2", "l2", "w3")
     # l1 and l2 move on before the batches, which were decided at version 1.
-    await store.commit(step("l1", 2, "early"))
-    await store.commit(step("l2", 2, token=10))
+    await store.commit((step("l1", 2, "early"),))
+    await store.commit((step("l2", 2, token=10),))
     results = await store.commit_many(
         [
             steps("w1", 2, 2, prefix="w1"),
             steps("l1", 2, 3, prefix="l1"),
-            step("w2", 2, "w2"),
+            (step("w2", 2, "w2"),),
             [step("l2", 3, token=4)],  # a lower fencing token
             steps("w3", 2, 4),
         ]
@@ -227,17 +227,17 @@ async def test_commit_many_lets_each_compare_and_swap_stand_alone(
     ]
     await assert_exactly_once(store, sql_history, {"w1": 2, "l1": 1, "w2": 1, "l2": 1, "w3": 4})
     assert await store.commit_many([]) == []
-    assert [r is not None for r in await store.commit_many([step("w2", 3)])] == [True]
+    assert [r is not None for r in await store.commit_many([(step("w2", 3),)])] == [True]
 
 
 async def test_commit_many_with_an_applied_request_id_fails_only_that_batch(
     store: PostgresStore, sql_history: SqlHistory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await created(store, "a", "b", "c")
-    await store.commit(step("b", 2, "done"))
+    await store.commit((step("b", 2, "done"),))
     fallbacks = _count_fallbacks(monkeypatch)
     results = await store.commit_many(
-        [steps("a", 2, 2, prefix="a"), [step("b", 3, "new"), step("b", 4, "done")], step("c", 2)]
+        [steps("a", 2, 2, prefix="a"), [step("b", 3, "new"), step("b", 4, "done")], (step("c", 2),)]
     )
     assert [None if r is None else r.version for r in results] == [3, None, 2]
     assert fallbacks == [3]
@@ -249,9 +249,9 @@ async def test_commit_many_refuses_an_instance_twice(
 ) -> None:
     await created(store, "a", "b")
     with pytest.raises(InvalidInput, match="'a' appears in two batches"):
-        await store.commit_many([step("a", 2), step("b", 2), [step("a", 3)]])
-    with pytest.raises(InvalidInput, match="sequence of batches"):
-        await store.commit_many(step("a", 2))  # type: ignore[arg-type]
+        await store.commit_many([(step("a", 2),), (step("b", 2),), [step("a", 3)]])
+    with pytest.raises(InvalidInput, match="at least one history entry"):
+        await store.commit_many([(step("b", 2),), ()])
     await assert_exactly_once(store, sql_history, {"a": 0, "b": 0})
 
 
@@ -339,7 +339,9 @@ async def test_commit_many_survives_a_deadlock_with_a_callers_transaction(
         await caller.execute(f'SET search_path = "{pg_schema}"')
         await caller.execute("BEGIN")
         await caller.execute("UPDATE flowlock_instances SET data = data WHERE id = 'b'")
-        many = asyncio.create_task(store.commit_many([step("a", 2, "ra"), step("b", 2, "rb")]))
+        many = asyncio.create_task(
+            store.commit_many([(step("a", 2, "ra"),), (step("b", 2, "rb"),)])
+        )
 
         async def waiting_for_caller() -> bool:
             return bool(await _blocked_by(caller))
@@ -372,12 +374,10 @@ async def test_commit_many_past_lock_timeout_writes_nothing(
         async with caller.transaction():
             await caller.execute("SELECT 1 FROM flowlock_instances WHERE id = 'b' FOR UPDATE")
             with pytest.raises(LockTimeout, match="'a, b'"):
-                await store.commit_many([step("a", 2), step("b", 2)])
+                await store.commit_many([(step("a", 2),), (step("b", 2),)])
         await assert_exactly_once(store, sql_history, {"a": 0, "b": 0})
-        assert [r is not None for r in await store.commit_many([step("a", 2), step("b", 2)])] == [
-            True,
-            True,
-        ]
+        results = await store.commit_many([(step("a", 2),), (step("b", 2),)])
+        assert [r is not None for r in results] == [True, True]
     finally:
         await caller.close()
         await store.aclose()
@@ -395,7 +395,7 @@ async def test_commit_many_lost_in_flight_is_outcome_unknown(
         await caller.execute(f'SET search_path = "{pg_schema}"')
         async with caller.transaction():
             await caller.execute("SELECT 1 FROM flowlock_instances WHERE id = 'b' FOR UPDATE")
-            many = asyncio.create_task(store.commit_many([step("a", 2), step("b", 2)]))
+            many = asyncio.create_task(store.commit_many([(step("a", 2),), (step("b", 2),)]))
 
             async def blocked() -> bool:
                 return bool(await _blocked_by(caller))
@@ -408,7 +408,7 @@ async def test_commit_many_lost_in_flight_is_outcome_unknown(
     finally:
         await caller.close()
     await assert_exactly_once(store, sql_history, {"a": 0, "b": 0})
-    assert [r is not None for r in await store.commit_many([step("a", 2), step("b", 2)])] == [
+    assert [r is not None for r in await store.commit_many([(step("a", 2),), (step("b", 2),)])] == [
         True,
         True,
     ]
@@ -438,7 +438,7 @@ async def test_batches_inside_a_callers_transaction(
             assert sorted(snap.priors) == ["t-2", "t-4"]
             # An applied request id undoes that batch only; the transaction goes on.
             assert await tx.commit([step("a", 5, "new"), step("a", 6, "t-3")]) is None
-            results = await tx.commit_many([step("a", 5, "a5"), steps("b", 2, 2, prefix="b")])
+            results = await tx.commit_many([(step("a", 5, "a5"),), steps("b", 2, 2, prefix="b")])
             assert [r is not None for r in results] == [True, True]
             locked = await tx.apply_locked(
                 "b", ["b-2", "b-4"], lambda s: [step("b", 4, "b-4")], RowLock(timeout=5.0)
@@ -464,7 +464,7 @@ async def test_batches_on_an_applications_pool(
         assert (await store.commit(steps("a", 2, 2, prefix="a"))) is not None
         assert (await store.read("a", ["a-2", "a-3"])).priors.keys() == {"a-2", "a-3"}
         results = await store.commit_many(
-            [step("a", 4, "a-2"), steps("b", 2, 3, prefix="b"), step("c", 2)]
+            [(step("a", 4, "a-2"),), steps("b", 2, 3, prefix="b"), (step("c", 2),)]
         )
         assert [None if r is None else r.version for r in results] == [None, 4, 2]
         await assert_exactly_once(store, sql_history, {"a": 2, "b": 3, "c": 1})
@@ -488,15 +488,15 @@ async def test_measure_commit_many_against_single_commits(store: PostgresStore) 
     figures: dict[str, list[float]] = {"commit_many": [], "sequential": [], "gathered": []}
     for _ in range(6):  # the first round prepares the statements on the pool's connections
         started = time.perf_counter()
-        many = await store.commit_many([step(iid, version + 1) for iid in ids])
+        many = await store.commit_many([(step(iid, version + 1),) for iid in ids])
         figures["commit_many"].append(time.perf_counter() - started)
         assert all(r is not None for r in many)
         started = time.perf_counter()
         for iid in ids:
-            assert await store.commit(step(iid, version + 2)) is not None
+            assert await store.commit((step(iid, version + 2),)) is not None
         figures["sequential"].append(time.perf_counter() - started)
         started = time.perf_counter()
-        await asyncio.gather(*(store.commit(step(iid, version + 3)) for iid in ids))
+        await asyncio.gather(*(store.commit((step(iid, version + 3),)) for iid in ids))
         figures["gathered"].append(time.perf_counter() - started)
         version += 3
     for name, times in figures.items():

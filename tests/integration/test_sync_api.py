@@ -22,7 +22,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
@@ -37,7 +37,6 @@ from conftest import SqlHistory as Counted
 from flowlock.checker import OVERSELL, check
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import HistoryEntry
-from flowlock.stores.base import Entries
 from flowlock.stores.postgres import PostgresStore
 from flowlock.sync import Engine as SyncEngine
 
@@ -518,10 +517,10 @@ class GatedStore(PostgresStore):
         self.waiting = threading.Event()
         self.gate = threading.Event()
 
-    async def commit(self, entry: Entries) -> flowlock.Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> flowlock.Instance | None:
         self.waiting.set()
         await asyncio.to_thread(self.gate.wait, 60)
-        return await super().commit(entry)
+        return await super().commit(entries)
 
 
 class Seen(logging.Handler):

@@ -90,11 +90,11 @@ def one_by_one(
     of the history so far."""
     state, written, answers = start, list(history), []
     for call in batch:
-        prior = next((h for h in written if h.request_id == call.request_id), None)
-        prior = prior if call.request_id is not None else None
+        rid = call.request_id
+        priors = {h.request_id: h for h in written if rid is not None and h.request_id == rid}
         try:
             decided: object = decide(
-                WORKFLOWS, Snapshot(state, prior), call, max_payload_bytes=LIMIT
+                WORKFLOWS, Snapshot(state, priors), call, max_payload_bytes=LIMIT
             )
         except flowlock.FlowlockError as exc:
             decided = exc
@@ -217,13 +217,13 @@ class GatedStore(MemoryStore):
         self.commits: list[int] = []
         self.batches_only = False  # hold only the writes of batches (more than one entry)
 
-    async def commit(self, entry: Any) -> Instance | None:
-        size = 1 if isinstance(entry, HistoryEntry) else len(entry)
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
+        size = len(entries)
         self.commits.append(size)
         if not self.gate.is_set() and (size > 1 or not self.batches_only):
             self.waiting.set()
             await self.gate.wait()
-        return await super().commit(entry)
+        return await super().commit(entries)
 
 
 async def _held(eng: flowlock.Engine, store: GatedStore, first: asyncio.Task[Any]) -> None:
@@ -440,10 +440,8 @@ async def test_batching_off_runs_every_call_alone() -> None:
 class LosingStore(MemoryStore):
     """Every compare-and-swap loses, as if another process always wrote first."""
 
-    async def commit(self, entry: Any) -> Instance | None:
-        await super().read(
-            entry.instance_id if isinstance(entry, HistoryEntry) else entry[0].instance_id, None
-        )
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
+        await super().read(entries[0].instance_id, ())
         return None
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +18,6 @@ from flowlock.checker import check
 from flowlock.core.models import Instance
 from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
-from flowlock.stores.base import RequestIds
 
 # Leases of 30 s: a scheduling stall on a loaded machine cannot make one expire mid-call. The
 # wait for a held lease is short, since one test waits it out.
@@ -158,7 +157,7 @@ async def test_stale_fencing_token_is_refused(
     await eng.create("inventory", instance_id="s", data={"stock": 5})
     await eng.fire("s", "reserve", strategy="distributed")  # writes token 1
     await eng.fire("s", "reserve", strategy="distributed")  # writes token 2
-    snap = await store.read("s", None)
+    snap = await store.read("s", ())
     stale = flowlock.HistoryEntry(
         instance_id="s",
         version=snap.instance.version + 1,
@@ -171,8 +170,8 @@ async def test_stale_fencing_token_is_refused(
         data={"stock": 0},
         fencing_token=1,
     )
-    assert await store.commit(stale) is None
-    assert await store.commit(dataclasses.replace(stale, fencing_token=2)) is not None
+    assert await store.commit((stale,)) is None
+    assert await store.commit((dataclasses.replace(stale, fencing_token=2),)) is not None
     assert await store.fencing_floor("s") == 2
 
 
@@ -194,9 +193,9 @@ async def test_lost_lease_does_not_write(
     locks.extend = failing_extend  # type: ignore[method-assign]
     original_read = eng.store.read
 
-    async def slow_read(instance_id: str, request_id: RequestIds) -> Any:
+    async def slow_read(instance_id: str, request_ids: Sequence[str]) -> Any:
         await asyncio.sleep(0.4)  # longer than the 0.3 s ttl
-        return await original_read(instance_id, request_id)
+        return await original_read(instance_id, request_ids)
 
     eng.store.read = slow_read  # type: ignore[method-assign]
     try:

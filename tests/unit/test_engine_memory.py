@@ -167,7 +167,7 @@ async def test_optimistic_exhausts_after_max_attempts() -> None:
     async def fake_sleep(delay: float) -> None:
         slept.append(delay)
 
-    async def always_lose(entry: Any) -> None:
+    async def always_lose(entries: Any) -> None:
         return None
 
     strategy = flowlock.Optimistic(

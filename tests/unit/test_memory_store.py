@@ -82,7 +82,7 @@ async def test_a_write_waits_for_the_row_lock_at_most_lock_timeout() -> None:
     await held.acquire()
     started = time.monotonic()
     with pytest.raises(flowlock.LockTimeout):
-        await store.commit(_entry(2, "late"))
+        await store.commit((_entry(2, "late"),))
     took = time.monotonic() - started
     # The bound is the promise (the wait gives up): tight from below, generous from above, so a
     # stalled machine cannot fail it; speed lives in the benchmark.
@@ -207,7 +207,7 @@ async def _committed(
     await store.open()
     await store.create(Instance(id="i", workflow="w", state="a", version=1, data=data))
     for entry in earlier:
-        assert await store.commit(entry) is not None
+        assert await store.commit((entry,)) is not None
     last = None
     for batch in batches:
         last = await store.commit(batch)

@@ -134,17 +134,17 @@ async def test_missing_instance_raises_not_found(store: SqliteStore) -> None:
     with pytest.raises(InstanceNotFound):
         await store.get("nope")
     with pytest.raises(InstanceNotFound):
-        await store.read("nope", None)
+        await store.read("nope", ())
     with pytest.raises(InstanceNotFound):
         await store.history("nope")
     with pytest.raises(InstanceNotFound):
-        await store.apply_locked("nope", None, lambda snap: None, RowLock())
+        await store.apply_locked("nope", (), lambda snap: None, RowLock())
 
 
 async def test_commit_cas_success(store: SqliteStore) -> None:
     """commit moves the instance to the entry and appends it to history."""
     inst = await store.create(new_instance(n=0))
-    committed = await store.commit(step(inst, to_state="paid", request_id="r1", data={"n": 1}))
+    committed = await store.commit((step(inst, to_state="paid", request_id="r1", data={"n": 1}),))
     assert committed is not None
     assert (committed.version, committed.state, committed.last_event) == (2, "paid", "go")
     assert committed.data == {"n": 1}
@@ -158,8 +158,8 @@ async def test_commit_cas_success(store: SqliteStore) -> None:
 async def test_commit_stale_version_returns_none(store: SqliteStore) -> None:
     """A commit from a stale version returns None and writes nothing."""
     inst = await store.create(new_instance(n=0))
-    assert await store.commit(step(inst, data={"n": 1})) is not None
-    assert await store.commit(step(inst, data={"n": 99}, request_id="late")) is None
+    assert await store.commit((step(inst, data={"n": 1}),)) is not None
+    assert await store.commit((step(inst, data={"n": 99}, request_id="late"),)) is None
     current = await store.get(inst.id)
     assert (current.version, current.data) == (2, {"n": 1})
     assert [e.version for e in await store.history(inst.id)] == [2]
@@ -168,9 +168,9 @@ async def test_commit_stale_version_returns_none(store: SqliteStore) -> None:
 async def test_commit_duplicate_request_id_returns_none(store: SqliteStore) -> None:
     """A commit whose request_id was already applied returns None and writes nothing."""
     inst = await store.create(new_instance(n=0))
-    first = await store.commit(step(inst, request_id="r1", data={"n": 1}))
+    first = await store.commit((step(inst, request_id="r1", data={"n": 1}),))
     assert first is not None
-    assert await store.commit(step(first, request_id="r1", data={"n": 2})) is None
+    assert await store.commit((step(first, request_id="r1", data={"n": 2}),)) is None
     current = await store.get(inst.id)
     assert (current.version, current.data) == (2, {"n": 1})
     assert len(await store.history(inst.id)) == 1
@@ -180,19 +180,19 @@ async def test_commit_unknown_instance_raises(store: SqliteStore) -> None:
     """A commit for an instance that does not exist raises InstanceNotFound."""
     ghost = new_instance("ghost").evolve(version=1)
     with pytest.raises(InstanceNotFound):
-        await store.commit(step(ghost))
+        await store.commit((step(ghost),))
 
 
 async def test_read_returns_prior_entry_for_request_id(store: SqliteStore) -> None:
-    """read returns the history entry of an applied request_id, None for a new one."""
+    """read returns the history entry of an applied request_id, nothing for a new one."""
     inst = await store.create(new_instance())
-    committed = await store.commit(step(inst, request_id="r1"))
-    snap = await store.read(inst.id, "r1")
+    committed = await store.commit((step(inst, request_id="r1"),))
+    snap = await store.read(inst.id, ("r1",))
     assert snap.instance == committed
-    assert snap.prior is not None
-    assert snap.prior.request_id == "r1"
-    assert (await store.read(inst.id, "r2")).prior is None
-    assert (await store.read(inst.id, None)).prior is None
+    assert list(snap.priors) == ["r1"]
+    assert snap.priors["r1"].request_id == "r1"
+    assert (await store.read(inst.id, ("r2",))).priors == {}
+    assert (await store.read(inst.id, ())).priors == {}
 
 
 async def test_read_finds_the_priors_of_many_request_ids(store: SqliteStore) -> None:
@@ -218,7 +218,7 @@ async def test_commit_many_on_a_missing_instance_writes_nothing(
     inst = await store.create(new_instance())
     ghost = step(new_instance("ghost"), version=2)
     with pytest.raises(InstanceNotFound):
-        await store.commit_many([step(inst, request_id="a"), ghost])
+        await store.commit_many([(step(inst, request_id="a"),), (ghost,)])
     assert raw_rows(db_path, "SELECT count(*) FROM flowlock_history") == [(0,)]
     assert raw_rows(db_path, "SELECT version FROM flowlock_instances") == [(1,)]
 
@@ -228,36 +228,36 @@ async def test_apply_locked_writes_plan_entry(store: SqliteStore) -> None:
     inst = await store.create(new_instance(n=0))
     seen: list[Snapshot] = []
 
-    def plan(snap: Snapshot) -> HistoryEntry:
+    def plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
         seen.append(snap)
-        return step(snap.instance, to_state="paid", request_id="r1", data={"n": 1})
+        return (step(snap.instance, to_state="paid", request_id="r1", data={"n": 1}),)
 
-    result = await store.apply_locked(inst.id, "r1", plan, RowLock())
+    result = await store.apply_locked(inst.id, ("r1",), plan, RowLock())
     assert seen == [result.snapshot]
     assert result.snapshot.instance == inst
-    assert result.snapshot.prior is None
+    assert result.snapshot.priors == {}
     assert result.committed is not None
     assert result.committed.version == 2
     assert await store.get(inst.id) == result.committed
-    again = await store.apply_locked(inst.id, "r1", lambda snap: None, RowLock())
+    again = await store.apply_locked(inst.id, ("r1",), lambda snap: None, RowLock())
     assert again.committed is None
-    assert again.snapshot.prior is not None
-    assert again.snapshot.prior.version == 2
+    assert list(again.snapshot.priors) == ["r1"]
+    assert again.snapshot.priors["r1"].version == 2
 
 
 async def test_apply_locked_plan_raising_rolls_back(store: SqliteStore) -> None:
     """When the plan raises, nothing is written and the exception propagates."""
     inst = await store.create(new_instance(n=0))
 
-    def plan(snap: Snapshot) -> HistoryEntry:
+    def plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
         raise RuntimeError("guard blew up")
 
     with pytest.raises(RuntimeError, match="guard blew up"):
-        await store.apply_locked(inst.id, None, plan, RowLock())
+        await store.apply_locked(inst.id, (), plan, RowLock())
     assert await store.get(inst.id) == inst
     assert await store.history(inst.id) == []
     # The connection is usable afterwards: the transaction did not stay open.
-    ok = await store.apply_locked(inst.id, None, lambda s: step(s.instance), RowLock())
+    ok = await store.apply_locked(inst.id, (), lambda s: (step(s.instance),), RowLock())
     assert ok.committed is not None
     assert ok.committed.version == 2
 
@@ -266,7 +266,7 @@ async def test_apply_locked_bad_plan_entry_rolls_back(store: SqliteStore) -> Non
     """A plan returning the wrong version is refused as InvalidInput and nothing is written."""
     inst = await store.create(new_instance())
     with pytest.raises(InvalidInput, match="version 7"):
-        await store.apply_locked(inst.id, None, lambda s: step(s.instance, version=7), RowLock())
+        await store.apply_locked(inst.id, (), lambda s: (step(s.instance, version=7),), RowLock())
     assert await store.history(inst.id) == []
 
 
@@ -277,7 +277,7 @@ async def test_apply_locked_nowait_raises_lock_busy(
     for it (the busy timeout is 5 s; the bound below leaves a loaded machine room)."""
     started = time.monotonic()
     with pytest.raises(LockBusy):
-        await store.apply_locked("i-1", None, lambda s: None, RowLock(nowait=True))
+        await store.apply_locked("i-1", (), lambda s: None, RowLock(nowait=True))
     assert time.monotonic() - started < store.busy_timeout
 
 
@@ -289,7 +289,7 @@ async def test_apply_locked_timeout_raises_lock_timeout(
     bound = 1.0
     started = time.monotonic()
     with pytest.raises(LockTimeout) as caught:
-        await store.apply_locked("i-1", None, lambda s: None, RowLock(timeout=bound))
+        await store.apply_locked("i-1", (), lambda s: None, RowLock(timeout=bound))
     took = time.monotonic() - started
     assert bound - 0.001 <= took < bound + 5
     assert bound - 0.001 <= caught.value.waited <= took
@@ -303,7 +303,7 @@ async def test_busy_timeout_restored_after_bounded_transaction(
     holder.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(LockBusy):
-            await store.apply_locked("i-1", None, lambda s: None, RowLock(nowait=True))
+            await store.apply_locked("i-1", (), lambda s: None, RowLock(nowait=True))
     finally:
         holder.execute("ROLLBACK")
         holder.close()
@@ -343,7 +343,7 @@ async def test_commit_waits_for_external_writer(db_path: Path) -> None:
         holder = sqlite3.connect(db_path, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
         try:
-            commit = asyncio.create_task(store.commit(step(inst)))
+            commit = asyncio.create_task(store.commit((step(inst),)))
             await wait_until(lambda: writing(store))
             done, _ = await asyncio.wait({commit}, timeout=0.5)
             assert not done  # waiting for the holder, not failed
@@ -366,7 +366,7 @@ async def test_commit_gives_up_after_busy_timeout(db_path: Path) -> None:
         started = time.monotonic()
         try:
             with pytest.raises(LockTimeout) as caught:
-                await store.commit(step(inst, request_id="late"))
+                await store.commit((step(inst, request_id="late"),))
             took = time.monotonic() - started
         finally:
             holder.execute("ROLLBACK")
@@ -390,7 +390,7 @@ async def test_acquire_timeout_bounds_the_wait_for_a_connection(db_path: Path) -
         holder = sqlite3.connect(db_path, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
         try:
-            commit = asyncio.create_task(store.commit(step(inst, request_id="waiting")))
+            commit = asyncio.create_task(store.commit((step(inst, request_id="waiting"),)))
             await wait_until(lambda: writing(store))
             started = time.monotonic()
             with pytest.raises(StoreBusy) as caught:
@@ -539,11 +539,11 @@ async def test_closed_store_raises_engine_closed(db_path: Path) -> None:
     await store.aclose()
     calls = [
         store.get("i-1"),
-        store.read("i-1", None),
+        store.read("i-1", ()),
         store.history("i-1"),
         store.create(new_instance("i-2")),
-        store.commit(step(inst)),
-        store.apply_locked("i-1", None, lambda s: None, RowLock()),
+        store.commit((step(inst),)),
+        store.apply_locked("i-1", (), lambda s: None, RowLock()),
         store.migrate(),
     ]
     for call in calls:
@@ -565,16 +565,16 @@ async def test_aclose_waits_for_operations_in_flight(db_path: Path) -> None:
     running, release = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def slow_plan(snap: Snapshot) -> HistoryEntry:
+    def slow_plan(snap: Snapshot) -> tuple[HistoryEntry, ...]:
         # On the connection's thread, inside the transaction: tell the test, wait for it.
         loop.call_soon_threadsafe(running.set)
         asyncio.run_coroutine_threadsafe(release.wait(), loop).result(60)
-        return step(snap.instance)
+        return (step(snap.instance),)
 
     async with asyncio.timeout(60):
-        locked = asyncio.create_task(store.apply_locked(inst.id, None, slow_plan, RowLock()))
+        locked = asyncio.create_task(store.apply_locked(inst.id, (), slow_plan, RowLock()))
         await running.wait()
-        queued = asyncio.create_task(store.commit(step(inst, request_id="queued")))
+        queued = asyncio.create_task(store.commit((step(inst, request_id="queued"),)))
         await asyncio.sleep(0)  # one step: the queued commit now waits for the writer queue
         assert not queued.done()
         closing = asyncio.create_task(store.aclose())
@@ -644,10 +644,10 @@ async def test_memory_database_works() -> None:
     async with SqliteStore(":memory:", pool_size=8) as store:
         assert store.pool_size == 1
         inst = await store.create(new_instance(n=0))
-        committed = await store.commit(step(inst, data={"n": 1}))
+        committed = await store.commit((step(inst, data={"n": 1}),))
         assert committed is not None
         result = await store.apply_locked(
-            inst.id, None, lambda s: step(s.instance, data={"n": 2}), RowLock()
+            inst.id, (), lambda s: (step(s.instance, data={"n": 2}),), RowLock()
         )
         assert result.committed is not None
         assert result.committed.version == 3
@@ -668,10 +668,10 @@ async def test_concurrent_increments_across_two_stores(db_path: Path) -> None:
             s = a if index % 2 else b
             for i in range(per_task):
                 while True:
-                    snap = await s.read("i-1", None)
+                    snap = await s.read("i-1", ())
                     n = snap.instance.data["n"]
                     entry = step(snap.instance, request_id=f"{index}-{i}", data={"n": n + 1})
-                    if await s.commit(entry) is not None:
+                    if await s.commit((entry,)) is not None:
                         break
 
         await asyncio.gather(*(worker(i) for i in range(tasks)))

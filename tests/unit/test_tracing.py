@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from opentelemetry.trace import StatusCode
 
 import flowlock
 from flowlock import examples, tracing
-from flowlock.core.models import Instance
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
 from span_probes import Spans, attrs, end_of, recording, span_id, start_of, within
@@ -50,11 +50,11 @@ class GatedStore(MemoryStore):
         self.gate.set()
         self.waiting = asyncio.Event()
 
-    async def commit(self, entry: Any) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         if not self.gate.is_set() and not self.waiting.is_set():
             self.waiting.set()
             await self.gate.wait()
-        return await super().commit(entry)
+        return await super().commit(entries)
 
     async def held(self) -> None:
         async with asyncio.timeout(BOUND):

@@ -64,15 +64,12 @@ class HistoryEntry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The instance as read, and the entry that already carries the caller's ``request_id``.
+    """The instance as read, and the entries that already carry the request ids asked for.
 
-    ``prior`` is None when the request is new or has no id. A batch asks for several
-    request ids at once: ``priors`` holds each entry found, by request id, and ``prior`` is
-    None.
+    ``priors`` maps each request id found to its entry; a new request id is absent.
     """
 
     instance: Instance
-    prior: HistoryEntry | None = None
     priors: Mapping[str, HistoryEntry] = dataclasses.field(default_factory=dict)
 
 

@@ -189,11 +189,23 @@ def decide(
     A refused call leaves no trace: its request_id is not remembered. So a retry under the
     same request_id may apply once the state allows it.
     """
-    inst = snap.instance
-    if snap.prior is not None:
+    rid = call.request_id
+    prior = None if rid is None else snap.priors.get(rid)
+    return _decide(workflows, snap.instance, prior, call, max_payload_bytes)
+
+
+def _decide(
+    workflows: Mapping[str, Workflow],
+    inst: Instance,
+    prior: HistoryEntry | None,
+    call: Call,
+    max_payload_bytes: int,
+) -> HistoryEntry | Idempotent:
+    """:func:`decide` on ``inst``, ``prior`` being the entry of the call's request id, if any."""
+    if prior is not None:
         # Why first: a repeated request answers what the first one did, even if the
         # workflow has moved (or cycled) since; request_id is the caller's idempotency key.
-        return _repeated(inst, snap.prior, call)
+        return _repeated(inst, prior, call)
     if call.expected_version is not None and call.expected_version != inst.version:
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
     wf = workflows.get(inst.workflow)
@@ -273,9 +285,7 @@ def decide_batch(
         rid = call.request_id
         prior = None if rid is None else applied.get(rid) or snap.priors.get(rid)
         try:
-            decided: Decision = decide(
-                workflows, Snapshot(state, prior), call, max_payload_bytes=max_payload_bytes
-            )
+            decided: Decision = _decide(workflows, state, prior, call, max_payload_bytes)
         except FlowlockError as exc:
             decided = exc
         if isinstance(decided, HistoryEntry):

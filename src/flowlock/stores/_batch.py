@@ -8,20 +8,15 @@ from collections.abc import Sequence
 
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import HistoryEntry, Snapshot
-from flowlock.stores.base import Entries, entries_of
+from flowlock.stores.base import entries_of
 
 __all__ = ["distinct_batches", "planned_entries", "refused_plan"]
 
 
-def distinct_batches(batches: Sequence[Entries]) -> list[tuple[HistoryEntry, ...]]:
-    """Each batch of `commit_many` checked by [`entries_of`][flowlock.stores._batch.entries_of], and
+def distinct_batches(batches: Sequence[Sequence[HistoryEntry]]) -> list[tuple[HistoryEntry, ...]]:
+    """Each batch of `commit_many` checked by [`entries_of`][flowlock.stores.base.entries_of], and
     no instance twice (two batches of one instance would race each other inside one call).
     InvalidInput says what is wrong; the store has written nothing yet."""
-    if isinstance(batches, HistoryEntry):
-        raise InvalidInput(
-            "commit_many takes a sequence of batches (one per instance), not one history "
-            "entry; use commit for a single instance. Nothing was written"
-        )
     checked = [entries_of(batch) for batch in batches]
     seen: set[str] = set()
     for batch in checked:
@@ -35,15 +30,14 @@ def distinct_batches(batches: Sequence[Entries]) -> list[tuple[HistoryEntry, ...
     return checked
 
 
-def planned_entries(instance_id: str, planned: Entries | None) -> tuple[HistoryEntry, ...]:
+def planned_entries(
+    instance_id: str, planned: Sequence[HistoryEntry] | None
+) -> tuple[HistoryEntry, ...]:
     """What a plan returned, as a checked batch of `instance_id` (the instance locked), or
     `()` when it asked for no write (None or an empty sequence)."""
-    if planned is None:
+    if not planned:
         return ()
-    batch = (planned,) if isinstance(planned, HistoryEntry) else tuple(planned)
-    if not batch:
-        return ()
-    checked = entries_of(batch)
+    checked = entries_of(planned)
     if checked[0].instance_id != instance_id:
         raise InvalidInput(
             f"plan returned an entry for instance {checked[0].instance_id!r} while "

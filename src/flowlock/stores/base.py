@@ -10,9 +10,10 @@ Strategies see only this Protocol. Two ways to apply a transition:
   (the pessimistic path). `plan` is synchronous and pure so a store may run it on its own thread.
 
 Both take a batch: the engine decides several calls on one instance in memory, in order, and
-writes their k history entries with ONE compare-and-swap from version v to v + k (`commit` and
-`plan` take one entry or a sequence of them; `read` and `apply_locked` look up one request
-id or a sequence of them). `commit_many` writes the batches of several instances at once (one
+writes their k history entries with ONE compare-and-swap from version v to v + k. One call is a
+batch of one: `commit` and `plan` take a sequence of entries, `read` and `apply_locked` a
+sequence of request ids (empty: none), and `Snapshot.priors` holds the entries found.
+`commit_many` writes the batches of several instances at once (one
 round trip where the store can), each instance's compare-and-swap independent of the others.
 
 Every write is a compare-and-swap on `version`, and, when the entry carries a lease's fencing
@@ -29,50 +30,35 @@ caller's connection.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 
 __all__ = [
-    "Entries",
     "EscalationBoard",
     "LockedResult",
-    "Lookup",
     "Plan",
-    "RequestIds",
     "RowLock",
     "Store",
     "TransactionalStore",
     "entries_of",
-    "lookup_of",
-    "request_ids_of",
 ]
 
-Entries: TypeAlias = HistoryEntry | Sequence[HistoryEntry]
-"""What a store writes for one instance: one history entry, or a batch of k of them whose versions
-follow each other (v + 1 ... v + k), applied with one compare-and-swap from v to v + k."""
 
-RequestIds: TypeAlias = str | Sequence[str] | None
-"""Which request ids a read looks up: one (its entry in `Snapshot.prior`), several (a batch:
-the entries found in `Snapshot.priors`), or none."""
-
-
-def entries_of(entries: Entries) -> tuple[HistoryEntry, ...]:
+def entries_of(entries: Sequence[HistoryEntry]) -> tuple[HistoryEntry, ...]:
     """`entries` as a tuple, checked to be one instance's contiguous batch: at least one entry,
     one instance id, versions that follow each other, no request id twice. A store calls it before
     anything is written; InvalidInput says what is wrong (a strategy's bug, never a caller's)."""
-    batch = (entries,) if isinstance(entries, HistoryEntry) else tuple(entries)
+    batch = tuple(entries)
     if not batch:
         raise InvalidInput("a commit takes at least one history entry; nothing was written")
     first = batch[0]
     seen: set[str] = set()
     for i, entry in enumerate(batch):
-        if not isinstance(entry, HistoryEntry):
-            raise InvalidInput(f"a commit takes HistoryEntry values, not {type(entry).__name__}")
         if entry.instance_id != first.instance_id or entry.version != first.version + i:
             raise InvalidInput(
                 f"a batch writes one instance at versions {first.version} to "
@@ -89,37 +75,6 @@ def entries_of(entries: Entries) -> tuple[HistoryEntry, ...]:
     return batch
 
 
-def request_ids_of(request_id: RequestIds) -> tuple[str, ...]:
-    """The request ids a read looks up, as a tuple (none, one or several), each once."""
-    if request_id is None:
-        return ()
-    if isinstance(request_id, str):
-        return (request_id,)
-    return tuple(dict.fromkeys(request_id))
-
-
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """What a read looks up, in one shape: the request ids, each once, and whether they came
-    as one call's (a str or None: the answer is ``Snapshot.prior``) or a batch's (``priors``)."""
-
-    ids: tuple[str, ...]
-    one: bool
-
-    def snapshot(self, instance: Instance, found: Mapping[str, HistoryEntry]) -> Snapshot:
-        """What the read answers: ``instance`` and the entries ``found`` of these ids."""
-        if self.one:
-            return Snapshot(instance, found.get(self.ids[0]) if self.ids else None)
-        return Snapshot(instance, None, {rid: found[rid] for rid in self.ids if rid in found})
-
-
-def lookup_of(request_id: RequestIds) -> Lookup:
-    """``request_id`` as a :class:`Lookup`: the one place a store tells the two shapes apart."""
-    if request_id is None or isinstance(request_id, str):
-        return Lookup(() if request_id is None else (request_id,), one=True)
-    return Lookup(request_ids_of(request_id), one=False)
-
-
 @dataclass(frozen=True, slots=True)
 class RowLock:
     """How to wait for the instance's row lock: at most `timeout` seconds, or not at all
@@ -129,10 +84,10 @@ class RowLock:
     nowait: bool = False
 
 
-Plan = Callable[[Snapshot], Entries | None]
-"""Given what was read under the lock, the history entry to append (version = read version + 1)
-or a batch of them (versions read + 1 ... read + k), or None (or an empty sequence) to write
-nothing. May raise a [`flowlock.FlowlockError`][flowlock.FlowlockError]; the store rolls back."""
+Plan = Callable[[Snapshot], Sequence[HistoryEntry] | None]
+"""Given what was read under the lock, the history entries to append (versions read + 1 ...
+read + k), or None (or an empty sequence) to write nothing. May raise a
+[`flowlock.FlowlockError`][flowlock.FlowlockError]; the store rolls back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +120,11 @@ class Store(Protocol):
     async def get(self, instance_id: str) -> Instance:
         """The instance as committed. Raises InstanceNotFound."""
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        """An unlocked, consistent read of the instance and the entry for `request_id`
-        (`Snapshot.prior`), or, given a sequence of request ids, the entries found for them
-        (`Snapshot.priors`)."""
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+        """An unlocked, consistent read of the instance and the entries found for
+        `request_ids` (`Snapshot.priors`, by request id; none asked: empty)."""
 
-    async def commit(self, entry: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         """Compare-and-swap: move the instance to the last entry if it is still at the first
         entry's `version - 1` and every request id is new, appending the entries in the same
         transaction (see [`entries_of`][flowlock.stores.base.entries_of] for what a batch must be).
@@ -178,17 +132,17 @@ class Store(Protocol):
         there first (version moved, a newer fencing token was written, or one of the request ids was
         applied meanwhile); then nothing is written."""
 
-    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
         """`commit` for each batch, one instance each (no instance twice), in one round trip
         where the store can. Each compare-and-swap stands alone: one that loses (None at its
         place in the answer) writes nothing and leaves the others to commit."""
 
     async def apply_locked(
-        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
+        self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
         """Lock the instance's row (bounded by `lock`), read it and the entries of
-        `request_id` (one or several, as `read`), run `plan`, write what it returns (one
-        entry or a batch) with one version compare-and-swap, commit. Raises LockTimeout /
+        `request_ids` (as `read`), run `plan`, write what it returns with one version
+        compare-and-swap, commit. Raises LockTimeout /
         LockBusy, InstanceNotFound, or whatever `plan` raised (after rolling back)."""
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:

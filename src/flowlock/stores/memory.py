@@ -25,15 +25,7 @@ from flowlock.core.errors import (
 from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
-from flowlock.stores.base import (
-    Entries,
-    LockedResult,
-    Plan,
-    RequestIds,
-    RowLock,
-    entries_of,
-    lookup_of,
-)
+from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 
 __all__ = ["MemoryBoard", "MemoryStore"]
 
@@ -129,19 +121,19 @@ class MemoryStore:
         self._check()
         return self._load(instance_id)
 
-    def _snapshot(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        inst, wanted = self._load(instance_id), lookup_of(request_id)
+    def _snapshot(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+        inst = self._load(instance_id)
         history, applied = self._history[instance_id], self._applied[instance_id]
         found = {
             rid: _copy_entry(history[at])
-            for rid in wanted.ids
+            for rid in request_ids
             if (at := applied.get(rid)) is not None
         }
-        return wanted.snapshot(inst, found)
+        return Snapshot(inst, found)
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         self._check()
-        snap = self._snapshot(instance_id, request_id)
+        snap = self._snapshot(instance_id, request_ids)
         # A real database round trip yields to the loop; so does this, so that concurrency
         # tests on the memory store interleave readers and writers as they would in production.
         await asyncio.sleep(0)
@@ -182,8 +174,8 @@ class MemoryStore:
         self._instances[first.instance_id] = new
         return new.evolve(data=_copy(new.data))
 
-    async def commit(self, entry: Entries) -> Instance | None:
-        rows = _rows(entries_of(entry))
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
+        rows = _rows(entries_of(entries))
         self._check()
         await asyncio.sleep(0)
         instance_id = rows[0].instance_id
@@ -202,7 +194,7 @@ class MemoryStore:
         finally:
             row_lock.release()
 
-    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
         """Each batch's compare-and-swap, all in one pass on the event loop once the row locks
         of every instance written are held (taken in id order, so two such calls never wait on
         each other in a circle; a free lock is taken without yielding). A lost compare-and-swap
@@ -232,7 +224,7 @@ class MemoryStore:
                 row_lock.release()
 
     async def apply_locked(
-        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
+        self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
         self._check()
         if instance_id not in self._instances:
@@ -247,7 +239,7 @@ class MemoryStore:
             raise LockTimeout(instance_id, time.monotonic() - started) from None
         locked_at = time.monotonic()
         try:
-            snap = self._snapshot(instance_id, request_id)
+            snap = self._snapshot(instance_id, request_ids)
             planned = planned_entries(instance_id, plan(snap))
             committed = None
             if planned:

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.core.step import Call, Idempotent
-from flowlock.stores.base import RequestIds, Store
+from flowlock.stores.base import Store
 
 __all__ = [
     "MAX_ATTEMPTS",
@@ -42,11 +42,8 @@ def stamped(planned: Planned, **changes: Any) -> Planned:
     return tuple(dataclasses.replace(e, **changes) for e in planned)
 
 
-def looked_up(calls: Sequence[Call]) -> RequestIds:
-    """The request ids a read for ``calls`` looks up, in the store port's terms."""
-    # One call reads its own entry (Snapshot.prior); a batch reads every id (Snapshot.priors).
-    if len(calls) == 1:
-        return calls[0].request_id
+def looked_up(calls: Sequence[Call]) -> tuple[str, ...]:
+    """The request ids a read for ``calls`` looks up: every call's that has one."""
     return tuple(c.request_id for c in calls if c.request_id is not None)
 
 

@@ -25,15 +25,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
-from flowlock.stores.base import (
-    Entries,
-    LockedResult,
-    Plan,
-    RequestIds,
-    RowLock,
-    entries_of,
-    lookup_of,
-)
+from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.pipeline import LockedCall, lost_under_lock
 from flowlock.stores.postgres.session import (
@@ -101,9 +93,8 @@ class Operations:
             raise InstanceNotFound(instance_id)
         return instance_from_row(row)
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        wanted, timeout = lookup_of(request_id), self._s.timeout
-        ids = wanted.ids
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+        ids, timeout = tuple(dict.fromkeys(request_ids)), self._s.timeout
         async with self._s.conn(instance_id) as conn:
             # Why three statements: the one-id read is the hot path, one row at most.
             if len(ids) > 1:
@@ -116,9 +107,9 @@ class Operations:
                 rows = [] if row is None else [row]
         if not rows:
             raise InstanceNotFound(instance_id)
-        return wanted.snapshot(instance_from_row(rows[0]), priors_in(rows) if ids else {})
+        return Snapshot(instance_from_row(rows[0]), priors_in(rows) if ids else {})
 
-    async def commit(self, entries: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         return await self.commit_batch(entries_of(entries))
 
     async def commit_batch(self, batch: Batch) -> Instance | None:
@@ -151,7 +142,7 @@ class Operations:
         return await pipeline.commit_together(self._s, batches)
 
     async def apply_locked(
-        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
+        self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
         started = time.monotonic()
         wanted = pg_interval(lock.timeout)
@@ -172,13 +163,13 @@ class Operations:
                 if not lock.nowait:
                     await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'", timeout=bound)
                 snap, committed, locked_at = await _locked_step(
-                    conn, instance_id, request_id, plan, lock, wanted, bound
+                    conn, instance_id, request_ids, plan, lock, wanted, bound
                 )
             else:
                 snap, committed, locked_at = await _own_transaction(
                     conn,
                     instance_id,
-                    request_id,
+                    request_ids,
                     plan,
                     lock,
                     wanted,
@@ -260,7 +251,7 @@ class CallerTransaction(Operations):
     async def migrate(self) -> list[str]:
         raise InvalidInput("migrate through the engine's store, not inside a caller's transaction")
 
-    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
         # One by one, each in its savepoint when it carries request ids: in a transaction
         # flowlock does not end, a failed statement must undo that batch only, and the caller
         # already holds whatever rows it locked in whatever order.
@@ -270,7 +261,7 @@ class CallerTransaction(Operations):
 async def _own_transaction(
     conn: Conn,
     instance_id: str,
-    request_id: RequestIds,
+    request_ids: Sequence[str],
     plan: Plan,
     lock: RowLock,
     wanted: str,
@@ -286,7 +277,7 @@ async def _own_transaction(
         timeout=bound,
     )
     try:
-        done = await _locked_step(conn, instance_id, request_id, plan, lock, wanted, bound)
+        done = await _locked_step(conn, instance_id, request_ids, plan, lock, wanted, bound)
         # A session lost once COMMIT is on its way may have committed: OutcomeUnknown. So is
         # a COMMIT that outlived its bound: the server may have committed it meanwhile.
         with in_doubt(context):
@@ -306,7 +297,7 @@ async def _own_transaction(
 async def _locked_step(
     conn: Conn,
     instance_id: str,
-    request_id: RequestIds,
+    request_ids: Sequence[str],
     plan: Plan,
     lock: RowLock,
     wanted: str,
@@ -327,15 +318,14 @@ async def _locked_step(
         raise InstanceNotFound(instance_id)
     # The request-id lookup is its own statement, so its snapshot is taken after the lock was
     # granted and sees a duplicate request committed while this call waited.
-    lookup = lookup_of(request_id)
-    ids = lookup.ids
+    ids = tuple(dict.fromkeys(request_ids))
     if len(ids) == 1:
         found = await conn.fetchrow(PRIOR, instance_id, ids[0], timeout=bound)
         rows = [] if found is None else [found]
     else:
         rows = await conn.fetch(PRIORS, instance_id, list(ids), timeout=bound) if ids else []
     priors = {r["request_id"]: entry_from_row(r) for r in rows}
-    snap = lookup.snapshot(instance_from_row(row), priors)
+    snap = Snapshot(instance_from_row(row), priors)
     batch = planned_entries(instance_id, plan(snap))
     if not batch:
         return snap, None, locked_at
@@ -350,14 +340,9 @@ async def _locked_step(
     return snap, instance_from_row(moved), locked_at
 
 
-def batches_of(batches: Sequence[Entries]) -> tuple[Batch, ...]:
+def batches_of(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[Batch, ...]:
     """``batches`` checked before anything is written: each one instance's contiguous batch
     (:func:`entries_of`), and no instance in two of them."""
-    if isinstance(batches, HistoryEntry):
-        raise InvalidInput(
-            "commit_many takes a sequence of batches (each an entry or a sequence of entries), "
-            "not one HistoryEntry; nothing was written"
-        )
     checked = tuple(entries_of(batch) for batch in batches)
     seen: set[str] = set()
     for batch in checked:

@@ -17,7 +17,7 @@ from flowlock._pg.rows import entry_from_row, instance_from_row
 from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, StoreError
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
-from flowlock.stores.base import LockedResult, Plan, RequestIds, RowLock, lookup_of
+from flowlock.stores.base import LockedResult, Plan, RowLock
 from flowlock.stores.postgres.session import (
     Conn,
     Contended,
@@ -50,7 +50,7 @@ class LockedCall:
     """One ``apply_locked`` call, as the pessimistic pipeline queues it."""
 
     instance_id: str
-    request_id: RequestIds
+    request_ids: tuple[str, ...]
     plan: Plan
     lock: RowLock
 
@@ -66,14 +66,15 @@ def lost_under_lock(instance_id: str, batch: Batch, snap: Snapshot) -> FlowlockE
 
 
 def _locked_snapshot(
-    row: asyncpg.Record, request_id: RequestIds, found: Mapping[tuple[str, str], HistoryEntry]
+    row: asyncpg.Record,
+    request_ids: Sequence[str],
+    found: Mapping[tuple[str, str], HistoryEntry],
 ) -> Snapshot:
-    """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entry
-    of its request id (``prior``, for one given as a str) or those found of its request ids
-    (``priors``, for a sequence); ``found``: the group's entries by (instance, request id)."""
-    instance, wanted = instance_from_row(row), lookup_of(request_id)
-    own = {rid: found[(instance.id, rid)] for rid in wanted.ids if (instance.id, rid) in found}
-    return wanted.snapshot(instance, own)
+    """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entries
+    found of its request ids; ``found``: the group's entries by (instance, request id)."""
+    instance = instance_from_row(row)
+    own = {rid: found[(instance.id, rid)] for rid in request_ids if (instance.id, rid) in found}
+    return Snapshot(instance, own)
 
 
 def _plan_each(
@@ -103,7 +104,7 @@ async def _priors_of(
     """The entries of the request ids of ``calls`` (locked already), by (instance, request id):
     one statement, its snapshot taken after the locks were granted, or none when no call has a
     request id."""
-    pairs = [(c.instance_id, rid) for c in calls for rid in lookup_of(c.request_id).ids]
+    pairs = [(c.instance_id, rid) for c in calls for rid in dict.fromkeys(c.request_ids)]
     if not pairs:
         return {}
     rows = await conn.fetch(
@@ -206,7 +207,7 @@ async def apply_locked_together(
                 served = [i for i, call in enumerate(calls) if call.instance_id in locked]
                 found = await _priors_of(conn, [calls[i] for i in served], bound)
                 snaps = {
-                    i: _locked_snapshot(locked[calls[i].instance_id], calls[i].request_id, found)
+                    i: _locked_snapshot(locked[calls[i].instance_id], calls[i].request_ids, found)
                     for i in served
                 }
                 planned = _plan_each(calls, snaps, answers)

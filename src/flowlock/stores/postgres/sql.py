@@ -315,10 +315,8 @@ def to_json(data: Mapping[str, Any]) -> str:
 
 
 def snapshot_of(row: asyncpg.Record) -> Snapshot:
-    """A row of READ_WITH_REQUEST: the instance and the prior entry for the request id."""
-    return Snapshot(
-        instance_from_row(row), None if row["h_version"] is None else entry_from_row(row, "h_")
-    )
+    """A row of READ_WITH_REQUEST: the instance and the entry of the request id, if found."""
+    return Snapshot(instance_from_row(row), priors_in([row]))
 
 
 def priors_in(rows: Sequence[asyncpg.Record]) -> dict[str, HistoryEntry]:

@@ -31,16 +31,7 @@ from flowlock.core.settings import (
     check_size,
     check_url,
 )
-from flowlock.stores.base import (
-    Entries,
-    LockedResult,
-    Plan,
-    RequestIds,
-    RowLock,
-    Store,
-    entries_of,
-    lookup_of,
-)
+from flowlock.stores.base import LockedResult, Plan, RowLock, Store, entries_of
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
@@ -317,24 +308,25 @@ class PostgresStore:
     async def get(self, instance_id: str) -> Instance:
         return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        reads, wanted = self._reads, lookup_of(request_id)
-        if reads is None or not wanted.one:
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+        reads, ids = self._reads, tuple(dict.fromkeys(request_ids))
+        if reads is None or len(ids) > 1:
             return await self._call(
-                lambda ops: ops.read(instance_id, request_id), instance_id, waits=False
+                lambda ops: ops.read(instance_id, ids), instance_id, waits=False
             )
         # One call's read: several instances' go together in one round trip (READ_MANY).
-        return await reads.submit((instance_id, next(iter(wanted.ids), None)), self._read_one)
+        return await reads.submit((instance_id, next(iter(ids), None)), self._read_one)
 
     async def _read_one(self, call: tuple[str, str | None]) -> Snapshot:
-        return await self._ops.read(*call)
+        instance_id, request_id = call
+        return await self._ops.read(instance_id, () if request_id is None else (request_id,))
 
     async def _read_together(
         self, calls: Sequence[tuple[str, str | None]]
     ) -> list[Snapshot | FlowlockError]:
         return await self._ops.read_together(calls)
 
-    async def commit(self, entries: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         batch = entries_of(entries)
         if self._writes is None:
             return await self._commit(batch)
@@ -349,7 +341,7 @@ class PostgresStore:
         key = batch[0].instance_id
         return await self._call(lambda ops: ops.commit_batch(batch), key, writes=True)
 
-    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
         """Every batch checked first (InvalidInput, nothing written), then one statement for
         all of them (see CAS_MANY). When that statement fails whole, on a request id applied
         before or a deadlock or serialization failure, each batch is committed alone, so only
@@ -373,9 +365,9 @@ class PostgresStore:
         return [await self._commit(batch) for batch in batches]
 
     async def apply_locked(
-        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
+        self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
-        call = LockedCall(instance_id, request_id, plan, lock)
+        call = LockedCall(instance_id, tuple(request_ids), plan, lock)
         if self._locked is None:
             return await self._apply_locked_alone(call)
         return await self._locked.submit(call, self._apply_locked_alone)
@@ -384,7 +376,7 @@ class PostgresStore:
         """A pessimistic call in a transaction of its own, waiting for its row lock as its
         ``lock`` says."""
         return await self._call(
-            lambda ops: ops.apply_locked(call.instance_id, call.request_id, call.plan, call.lock),
+            lambda ops: ops.apply_locked(call.instance_id, call.request_ids, call.plan, call.lock),
             call.instance_id,
             writes=True,
         )

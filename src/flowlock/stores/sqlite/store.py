@@ -31,7 +31,7 @@ from flowlock.core.lifecycle import AsyncResource
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores._batch import distinct_batches
-from flowlock.stores.base import Entries, LockedResult, Plan, RequestIds, RowLock, entries_of
+from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
 from flowlock.stores.sqlite.sql import (
     dump_json,
@@ -284,11 +284,10 @@ class SqliteStore(AsyncResource):
         """The instance as committed. Raises InstanceNotFound."""
         return await self._read(get_txn, instance_id, what="get")
 
-    async def read(self, instance_id: str, request_id: RequestIds) -> Snapshot:
-        """A consistent read (one snapshot) of the instance and the history entry that carries
-        ``request_id`` (``Snapshot.prior``), or, for a sequence of request ids, the entries found
-        for them (``Snapshot.priors``)."""
-        return await self._read(read_txn, instance_id, request_id, what="read")
+    async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+        """A consistent read (one snapshot) of the instance and the history entries that carry
+        ``request_ids`` (``Snapshot.priors``, by request id)."""
+        return await self._read(read_txn, instance_id, request_ids, what="read")
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first. Raises InstanceNotFound."""
@@ -328,11 +327,11 @@ class SqliteStore(AsyncResource):
             what="create",
         )
 
-    async def commit(self, entry: Entries) -> Instance | None:
+    async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         """Compare-and-swap the instance from the first entry's ``version - 1`` to the last entry
         and append every entry, in one transaction. None when the version moved, a newer fencing
         token was written or one of the request ids was applied meanwhile (nothing written)."""
-        batch = encode(entries_of(entry))
+        batch = encode(entries_of(entries))
         return await self._write(
             batch.instance_id,
             lambda conn: commit_txn(conn, batch),
@@ -341,7 +340,7 @@ class SqliteStore(AsyncResource):
             what="commit",
         )
 
-    async def commit_many(self, batches: Sequence[Entries]) -> list[Instance | None]:
+    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
         """Every batch's compare-and-swap in one write transaction (SQLite's one round trip):
         one that loses is None at its place and leaves no row, the others commit. Raises
         InstanceNotFound (nothing written) when one of the instances does not exist."""
@@ -358,15 +357,15 @@ class SqliteStore(AsyncResource):
         )
 
     async def apply_locked(
-        self, instance_id: str, request_id: RequestIds, plan: Plan, lock: RowLock
+        self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
         """Under SQLite's database-wide write lock: read, run ``plan`` on the connection's
-        thread, write what it returns (one entry or a batch), commit. Raises LockBusy
+        thread, write the entries it returns, commit. Raises LockBusy
         (``lock.nowait``), LockTimeout (after ``min(lock.timeout, busy_timeout)``),
         InstanceNotFound, or what ``plan`` raised."""
         return await self._write(
             instance_id,
-            lambda conn: locked_txn(conn, instance_id, request_id, plan),
+            lambda conn: locked_txn(conn, instance_id, request_ids, plan),
             bound=min(lock.timeout, self.busy_timeout),
             nowait=lock.nowait,
             what="apply_locked",

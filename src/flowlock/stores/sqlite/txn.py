@@ -12,7 +12,7 @@ from flowlock.core import migrations
 from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
-from flowlock.stores.base import LockedResult, Plan, RequestIds, lookup_of
+from flowlock.stores.base import LockedResult, Plan
 from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
     HISTORY_COLUMNS,
@@ -121,10 +121,11 @@ def get_txn(conn: sqlite3.Connection, instance_id: str) -> Instance:
     return instance_of(row)
 
 
-def _snapshot(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
-    instance, wanted = get_txn(conn, instance_id), lookup_of(request_id)
-    entries = (entry_of(row) for row in _rows_of_requests(conn, instance_id, wanted.ids))
-    return wanted.snapshot(instance, {e.request_id: e for e in entries if e.request_id})
+def _snapshot(conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+    instance = get_txn(conn, instance_id)
+    ids = tuple(dict.fromkeys(request_ids))
+    entries = (entry_of(row) for row in _rows_of_requests(conn, instance_id, ids))
+    return Snapshot(instance, {e.request_id: e for e in entries if e.request_id})
 
 
 def _rows_of_requests(
@@ -139,8 +140,8 @@ def _rows_of_requests(
     return rows
 
 
-def read_txn(conn: sqlite3.Connection, instance_id: str, request_id: RequestIds) -> Snapshot:
-    return _deferred(conn, lambda c: _snapshot(c, instance_id, request_id))
+def read_txn(conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
+    return _deferred(conn, lambda c: _snapshot(c, instance_id, request_ids))
 
 
 def fence_txn(conn: sqlite3.Connection, instance_id: str) -> int:
@@ -281,9 +282,9 @@ def commit_many_txn(conn: sqlite3.Connection, batches: list[_Batch]) -> list[Ins
 
 
 def locked_txn(
-    conn: sqlite3.Connection, instance_id: str, request_id: RequestIds, plan: Plan
+    conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str], plan: Plan
 ) -> LockedResult:
-    snapshot = _snapshot(conn, instance_id, request_id)
+    snapshot = _snapshot(conn, instance_id, request_ids)
     planned = planned_entries(instance_id, plan(snapshot))
     if not planned:
         raise _Discard(LockedResult(snapshot, None))
