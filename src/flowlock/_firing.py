@@ -1,6 +1,6 @@
 """Running calls under a strategy: the pure step bound, outcomes and failures recorded.
 
-The engine hands a fire down (one call, or a :class:`Batch` of them on one instance); nothing
+The engine hands a fire down (one call, or a `Batch` of them on one instance); nothing
 here calls back up into the engine.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["Answers", "Batch", "Fire", "Runner", "failure_label"]
 
 @dataclass(frozen=True, slots=True)
 class Fire:
-    """One ``fire`` on its way: the call, when it started (perf_counter), its span if traced."""
+    """One `fire` on its way: the call, when it started (perf_counter), its span if traced."""
 
     call: Call
     started: float
@@ -73,7 +73,7 @@ class Runner:
     def outcome(
         self, call: Call, result: StrategyResult, started: float, batch_size: int = 1
     ) -> Outcome:
-        """The Outcome of ``call`` from what its strategy did, recorded in the metrics."""
+        """The Outcome of `call` from what its strategy did, recorded in the metrics."""
         outcome = Outcome(
             applied=result.applied,
             instance=result.instance,
@@ -93,8 +93,8 @@ class Runner:
         return outcome
 
     async def together(self, chosen: Strategy, store: Store, queued: Sequence[Fire]) -> Answers:
-        """The fires ``queued`` on one instance for one strategy, as one batch under
-        ``chosen``: one read, the calls decided in order, one write; each fire's answer."""
+        """The fires `queued` on one instance for one strategy, as one batch under
+        `chosen`: one read, the calls decided in order, one write; each fire's answer."""
         batch = Batch(tuple(queued))
         fires, calls = batch.fires, batch.calls
         first = calls[0]
@@ -156,7 +156,7 @@ class Runner:
     def _failure(
         self, exc: FlowlockError, fire: Fire, chosen: Strategy, workflow: str, size: int
     ) -> FlowlockError:
-        """``exc`` as the error of ``fire`` in a batch of ``size`` calls (its own event in a
+        """`exc` as the error of `fire` in a batch of `size` calls (its own event in a
         retries-exhausted error), recorded in the metrics and on its span (which its caller
         ends)."""
         call, span = fire.call, fire.span
@@ -177,7 +177,7 @@ class Runner:
         return exc
 
     async def run(self, chosen: Strategy, fire: Fire, store: Store) -> StrategyResult:
-        """``fire`` under ``chosen`` on ``store``, the pure step bound to the registered
+        """`fire` under `chosen` on `store`, the pure step bound to the registered
         workflows; a failure is recorded in the metrics and on the fire's span (with the
         workflow, once the step has read the instance) and re-raised."""
         call, span = fire.call, fire.span
@@ -215,7 +215,7 @@ class Runner:
 
 
 def failure_label(exc: BaseException) -> str:
-    """The ``flowlock.outcome`` of a call that raised ``exc``: the metrics' label for a flowlock
+    """The `flowlock.outcome` of a call that raised `exc`: the metrics' label for a flowlock
     error, "cancelled" for a cancelled call, "error" for anything else (a bug)."""
     if isinstance(exc, FlowlockError):
         return failure_outcome(exc)

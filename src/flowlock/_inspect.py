@@ -1,4 +1,4 @@
-"""What the inspection commands (``show``, ``history``, ``list``, ``check``) read.
+"""What the inspection commands (`show`, `history`, `list`, `check`) read.
 
 They open a database without changing it. Migrations never run, a missing file or schema
 is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write.
@@ -44,7 +44,7 @@ _PAGE = 500
 
 @asynccontextmanager
 async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
-    """An open engine over ``url`` (``postgresql://`` or ``sqlite:///path``) that cannot write.
+    """An open engine over `url` (`postgresql://` or `sqlite:///path`) that cannot write.
 
     Raises InvalidInput for another kind of URL or a bad schema name. Raises StoreError when
     the database cannot be reached or does not exist. Raises MigrationError when flowlock's
@@ -100,11 +100,11 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
 
 
 async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
-    """Make every transaction of ``conn`` read-only; set on each acquire.
+    """Make every transaction of `conn` read-only; set on each acquire.
 
-    Not a startup setting: ``target_session_attrs=read-write`` would take a read-only session
+    Not a startup setting: `target_session_attrs=read-write` would take a read-only session
     for a standby, so multi-host URLs could never connect. Not once per connection either:
-    the pool's ``RESET ALL`` on release would undo it.
+    the pool's `RESET ALL` on release would undo it.
     """
     await conn.execute("SET default_transaction_read_only = on")
 
@@ -132,7 +132,7 @@ async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -
 
 
 def _sqlite_tables(url: str) -> str:
-    """The file path of ``url``, once it is known to hold flowlock's tables, up to date."""
+    """The file path of `url`, once it is known to hold flowlock's tables, up to date."""
     path = url[len(_SQLITE_PREFIX) :] if url.startswith(_SQLITE_PREFIX) else ""
     if not path or "?" in path or "#" in path:
         raise InvalidInput(
@@ -214,7 +214,7 @@ def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
 async def walk(
     engine: Engine, workflow: str | None, states: Sequence[str] | None, limit: int
 ) -> tuple[list[Instance], int]:
-    """At most ``limit`` matching instances in id order, read page by page, and the total.
+    """At most `limit` matching instances in id order, read page by page, and the total.
 
     The total is a separate read, so under concurrent writes it may be off by a few.
     """
@@ -235,7 +235,7 @@ async def walk(
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
-    """What ``flowlock check`` found.
+    """What `flowlock check` found.
 
     The merged verdict, how many instances and history rows were checked, and the ids whose
     reads never settled. Those were checked on the rows older than them.

@@ -46,7 +46,7 @@ def _scheme(url: str) -> str:
 
 
 def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, EngineOptions]:
-    """The store ``options`` describe, and the engine's own keywords.
+    """The store `options` describe, and the engine's own keywords.
 
     Every keyword is checked here, once, before anything is opened.
     """
@@ -98,7 +98,7 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
 
 
 def _engine_options(options: ConnectOptions) -> EngineOptions:
-    """The keywords of ``options`` that the engine itself takes (its lock backend apart)."""
+    """The keywords of `options` that the engine itself takes (its lock backend apart)."""
     shared = EngineOptions.__optional_keys__ - {"locks"}
     return cast(EngineOptions, {k: v for k, v in options.items() if k in shared})
 
@@ -118,12 +118,12 @@ def build_store(
     application_name: str | None = None,
     pipeline: bool = True,
 ) -> Store:
-    """The store for ``database_url``, not opened yet.
+    """The store for `database_url`, not opened yet.
 
-    ``postgresql://`` or ``postgres://`` (asyncpg), ``sqlite:///path``, or ``memory://`` for
-    tests. Or the PostgreSQL store on an application's asyncpg ``pool``. The keywords are
-    :func:`connect`'s, None meaning the store's default. A keyword that does not apply to
-    this store is refused. ``pipeline`` is the PostgreSQL store's; ``batching=False`` turns
+    `postgresql://` or `postgres://` (asyncpg), `sqlite:///path`, or `memory://` for
+    tests. Or the PostgreSQL store on an application's asyncpg `pool`. The keywords are
+    [`connect`][flowlock.connect]'s, None meaning the store's default. A keyword that does not apply
+    to this store is refused. `pipeline` is the PostgreSQL store's; `batching=False` turns
     it off.
     """
     bounds = _Bounds.checked(
@@ -190,7 +190,7 @@ def _or(value: _T | None, default: _T) -> _T:
 
 @dataclass(frozen=True, slots=True)
 class _Bounds:
-    """The store keywords of :func:`connect`, checked; None where not given."""
+    """The store keywords of [`connect`][flowlock.connect], checked; None where not given."""
 
     max_size: int | None
     min_size: int | None
@@ -236,7 +236,7 @@ class _Bounds:
         return [name for name in names if getattr(self, name) is not None]
 
     def refuse(self, names: tuple[str, ...], what: str) -> None:
-        """InvalidInput when any of ``names`` was given: it means nothing to ``what``."""
+        """InvalidInput when any of `names` was given: it means nothing to `what`."""
         given = self.given(names)
         if given:
             raise InvalidInput(
@@ -245,7 +245,7 @@ class _Bounds:
             )
 
     def sqlite(self) -> dict[str, Any]:
-        """The keywords of :meth:`SqliteStore.from_url` that were given."""
+        """The keywords of `SqliteStore.from_url` that were given."""
         named = {
             "pool_size": self.max_size,
             "acquire_timeout": self.acquire_timeout,
@@ -262,7 +262,7 @@ def _on_pool(
     schema: str | None,
     auto_migrate: bool,
 ) -> PostgresStore:
-    """The PostgreSQL store on the application's own ``pool``."""
+    """The PostgreSQL store on the application's own `pool`."""
     require("asyncpg", "postgres", "a PostgreSQL pool")
     bounds.refuse(_POOL_KEYWORDS, "pool= (flowlock does not build your pool)")
     if database_url is not None and (
@@ -300,9 +300,9 @@ def build_postgres_store(
 ) -> PostgresStore:
     """The PostgreSQL store, typed as such for callers that use its pool.
 
-    The benchmark's raw floor and read-backs need that. ``min_size`` connections open up
-    front; ``application_name`` shows in ``pg_stat_activity``. The bounds are
-    :func:`connect`'s. Nothing is opened yet.
+    The benchmark's raw floor and read-backs need that. `min_size` connections open up
+    front; `application_name` shows in `pg_stat_activity`. The bounds are
+    [`connect`][flowlock.connect]'s. Nothing is opened yet.
     """
     require("asyncpg", "postgres", "a postgresql:// database URL")
     from flowlock.stores.postgres import PostgresStore
@@ -337,19 +337,19 @@ def build_locks(
     rng: random.Random | None = None,
     io_timeout: float | None = None,
 ) -> LockBackend:
-    """The lock backend ``kind`` names, not opened yet.
+    """The lock backend `kind` names, not opened yet.
 
-    - ``"redis"``: :class:`~flowlock.locks.redis.RedisLocks` on ``redis_url``.
-      ``fence_epochs`` keeps tokens increasing across Redis data losses. ``fence_floor``
-      keeps them above the tokens the store recorded. ``rng`` jitters wake-ups; seed it to
+    - `"redis"`: [`RedisLocks`][flowlock.locks.redis.RedisLocks] on `redis_url`.
+      `fence_epochs` keeps tokens increasing across Redis data losses. `fence_floor`
+      keeps them above the tokens the store recorded. `rng` jitters wake-ups; seed it to
       reproduce a run.
-    - ``"advisory"``: :class:`~flowlock.locks.advisory.AdvisoryLocks` on PostgreSQL
-      ``database_url``. Tables in ``schema``, a pool of ``pool_size`` named
-      ``application_name``, migrated on open unless ``auto_migrate=False``. ``io_timeout``
+    - `"advisory"`: [`AdvisoryLocks`][flowlock.locks.advisory.AdvisoryLocks] on PostgreSQL
+      `database_url`. Tables in `schema`, a pool of `pool_size` named
+      `application_name`, migrated on open unless `auto_migrate=False`. `io_timeout`
       bounds each round trip; None is the backend's default.
-    - ``"memory"``: :class:`~flowlock.locks.memory.MemoryLocks`, for one process and tests.
+    - `"memory"`: [`MemoryLocks`][flowlock.locks.memory.MemoryLocks], for one process and tests.
 
-    ``namespace`` separates the lock keys of deployments sharing one server.
+    `namespace` separates the lock keys of deployments sharing one server.
     """
     if kind == "redis":
         if redis_url is None:

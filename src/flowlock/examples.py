@@ -1,11 +1,11 @@
 """The seed article's cases as flowlock workflows, shared by the benchmark and the tests.
 
-Each carries the strategy that fits it; ``strategy=`` overrides it, and None leaves the
+Each carries the strategy that fits it; `strategy=` overrides it, and None leaves the
 engine's default.
 
-- ``approval``: pending -> approved | rejected (the two-admins incident). Any strategy fits.
-- ``countersign(quorum)``: approved once ``quorum`` distinct approvers signed. Pessimistic.
-- ``inventory``: ``reserve`` takes stock and refuses at zero; ``restock`` adds. Pessimistic.
+- `approval`: pending -> approved | rejected (the two-admins incident). Any strategy fits.
+- `countersign(quorum)`: approved once `quorum` distinct approvers signed. Pessimistic.
+- `inventory`: `reserve` takes stock and refuses at zero; `restock` adds. Pessimistic.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def approval(name: str = "approval", *, strategy: StrategyName | None = None) ->
 def countersign(
     quorum: int, name: str = "countersign", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A document that needs ``quorum`` distinct signatures.
+    """A document that needs `quorum` distinct signatures.
 
-    ``sign`` records each actor once, refusing a second signature, and moves to
-    ``approved`` at quorum. Pessimistic by default: every signer must get through, and
-    optimistic retries give up under a crowd (``ConflictRetriesExhausted``).
+    `sign` records each actor once, refusing a second signature, and moves to
+    `approved` at quorum. Pessimistic by default: every signer must get through, and
+    optimistic retries give up under a crowd (`ConflictRetriesExhausted`).
     """
     if quorum < 1:
         raise ValueError("quorum must be at least 1")
@@ -82,10 +82,10 @@ def countersign(
 def inventory(
     name: str = "inventory", *, strategy: StrategyName | None = "pessimistic"
 ) -> Workflow:
-    """A stock count. Data: ``{"stock": int, "reserved": int}``.
+    """A stock count. Data: `{"stock": int, "reserved": int}`.
 
-    ``reserve`` (payload ``{"qty": n}``, default 1) refuses when stock is short. ``restock``
-    adds ``qty``. Pessimistic by default: on a hot row, optimistic retries run out and leave
+    `reserve` (payload `{"qty": n}`, default 1) refuses when stock is short. `restock`
+    adds `qty`. Pessimistic by default: on a hot row, optimistic retries run out and leave
     units unsold. In one run, 100 buyers for 50 units bought only 24.
     """
 

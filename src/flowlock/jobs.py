@@ -104,18 +104,18 @@ UPDATE flowlock_job_runs SET state = 'failed', finished_at = now(), error = $4
 
 @dataclass(frozen=True, slots=True)
 class RunResult(Generic[T]):
-    """What one ``RunOnce.run`` call did.
+    """What one `RunOnce.run` call did.
 
-    ``status`` is one of:
+    `status` is one of:
 
-    - ``ran``: this call ran the job.
-    - ``took_over``: it ran the job after the runner that claimed the tick lost its lease.
-    - ``done_elsewhere``: the tick was already done.
-    - ``running_elsewhere``: another runner holds the tick now.
+    - `ran`: this call ran the job.
+    - `took_over`: it ran the job after the runner that claimed the tick lost its lease.
+    - `done_elsewhere`: the tick was already done.
+    - `running_elsewhere`: another runner holds the tick now.
 
-    ``fencing`` is this call's token when it held the lease. ``value`` is what ``fn``
-    returned, when it ran here. ``previous_fencing`` and ``previous_owner`` name the runner
-    this call took over from, or the one that finished the tick. ``attempt`` is 1 for a
+    `fencing` is this call's token when it held the lease. `value` is what `fn`
+    returned, when it ran here. `previous_fencing` and `previous_owner` name the runner
+    this call took over from, or the one that finished the tick. `attempt` is 1 for a
     first run, more after take-overs and failures.
     """
 
@@ -130,7 +130,7 @@ class RunResult(Generic[T]):
 
     @property
     def ran(self) -> bool:
-        """Whether this call ran the job (``ran`` or ``took_over``)."""
+        """Whether this call ran the job (`ran` or `took_over`)."""
         return self.status in ("ran", "took_over")
 
     @property
@@ -140,9 +140,10 @@ class RunResult(Generic[T]):
 
 
 class JobContext:
-    """What ``fn`` gets: the job, the tick and the fencing token.
+    """What `fn` gets: the job, the tick and the fencing token.
 
-    Call :meth:`check` before anything that must not happen after the lease was lost.
+    Call [`check`][flowlock.jobs.JobContext.check] before anything that must not happen after the
+    lease was lost.
     """
 
     __slots__ = ("_held", "attempt", "job", "tick")
@@ -175,20 +176,20 @@ class JobContext:
 class RunOnce(AsyncResource):
     """Runs each (job, tick) to completion once across every process.
 
-    The processes share ``locks`` and the PostgreSQL database at ``dsn``.
+    The processes share `locks` and the PostgreSQL database at `dsn`.
 
-    - ``ttl``: the lease, renewed every ``ttl / 3`` while ``fn`` runs. A dead runner is taken
-      over at most ``ttl`` later.
-    - ``wait``: how long to wait for another runner's lease before reporting
-      ``running_elsewhere`` (0: not at all). A waiter that gets the lease after the job
-      finished reports ``done_elsewhere``.
-    - ``schema``: where ``flowlock_job_runs`` lives. It is migrated on open unless
-      ``auto_migrate=False``.
-    - ``owner``: this runner's name in the table (default: host, pid and a random suffix).
-    - ``application_name``: how its connections show in ``pg_stat_activity``.
-    - ``fence_epochs``: the fencing epochs in this database. They are lent on open to a lock
+    - `ttl`: the lease, renewed every `ttl / 3` while `fn` runs. A dead runner is taken
+      over at most `ttl` later.
+    - `wait`: how long to wait for another runner's lease before reporting
+      `running_elsewhere` (0: not at all). A waiter that gets the lease after the job
+      finished reports `done_elsewhere`.
+    - `schema`: where `flowlock_job_runs` lives. It is migrated on open unless
+      `auto_migrate=False`.
+    - `owner`: this runner's name in the table (default: host, pid and a random suffix).
+    - `application_name`: how its connections show in `pg_stat_activity`.
+    - `fence_epochs`: the fencing epochs in this database. They are lent on open to a lock
       backend that can borrow them, and taken back on close.
-    - ``command_timeout``: seconds one round trip may take, beyond the 5 s a statement may
+    - `command_timeout`: seconds one round trip may take, beyond the 5 s a statement may
       wait for a row lock. Past it the call raises ConnectionLost, or OutcomeUnknown for a
       claim or completion that may have been written.
     """
@@ -283,13 +284,13 @@ class RunOnce(AsyncResource):
     async def run(
         self, job: str, tick: str | int, fn: Callable[[JobContext], Awaitable[T]]
     ) -> RunResult[T]:
-        """Run ``fn`` for (``job``, ``tick``) unless it is done or running elsewhere.
+        """Run `fn` for (`job`, `tick`) unless it is done or running elsewhere.
 
         Raises:
 
-        - LockLost: another runner took the tick over before ``fn`` finished. ``fn``'s result
+        - LockLost: another runner took the tick over before `fn` finished. `fn`'s result
           is not recorded.
-        - Whatever ``fn`` raises. The tick is left ``failed``, and the next ``run`` runs it again.
+        - Whatever `fn` raises. The tick is left `failed`, and the next `run` runs it again.
         - LockUnavailable or StoreError: the lock backend or the database cannot be reached.
         """
         check_text("job", job, most=_MAX_NAME)
@@ -399,7 +400,7 @@ class RunOnce(AsyncResource):
     ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
         """A pooled connection whose driver errors become flowlock errors.
 
-        ``writes``: the block runs one autocommit write, so a lost session is OutcomeUnknown.
+        `writes`: the block runs one autocommit write, so a lost session is OutcomeUnknown.
         """
         if self._pool is None:
             raise EngineClosed("the PostgreSQL store is closed; open it first")

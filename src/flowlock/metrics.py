@@ -1,6 +1,6 @@
 """Prometheus metrics on an injected registry; nothing is registered globally by default.
 
-Base units (seconds) and ``_total`` counters. Labels are bounded by the definitions:
+Base units (seconds) and `_total` counters. Labels are bounded by the definitions:
 workflow, event, strategy, outcome. No instance id label: it would make a series per
 instance.
 """
@@ -34,7 +34,7 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class Metrics:
     """The collectors of one engine.
 
-    ``registry`` defaults to a private CollectorRegistry. Pass ``prometheus_client.REGISTRY``
+    `registry` defaults to a private CollectorRegistry. Pass `prometheus_client.REGISTRY`
     to expose them on the process's default endpoint.
     """
 
@@ -104,9 +104,9 @@ class Metrics:
     def record_outcome(
         self, outcome: Outcome, *, lock_wait: float | None = None, lock_hold: float | None = None
     ) -> None:
-        """A ``fire`` call that returned ``outcome``.
+        """A `fire` call that returned `outcome`.
 
-        ``lock_wait`` and ``lock_hold`` are seconds, given when its strategy took a lock.
+        `lock_wait` and `lock_hold` are seconds, given when its strategy took a lock.
         """
         workflow, strategy = outcome.instance.workflow, outcome.strategy
         label = "applied" if outcome.applied else "idempotent"
@@ -123,9 +123,9 @@ class Metrics:
     def record_failure(
         self, exc: FlowlockError, *, workflow: str, event: str, strategy: str, elapsed: float
     ) -> None:
-        """A ``fire`` call that raised ``exc`` after ``elapsed`` seconds.
+        """A `fire` call that raised `exc` after `elapsed` seconds.
 
-        ``workflow`` is "" when the call failed before reading its instance.
+        `workflow` is "" when the call failed before reading its instance.
         """
         label = failure_outcome(exc)
         if isinstance(exc, ConflictRetriesExhausted):
@@ -138,8 +138,8 @@ class Metrics:
     def record_escalations(self, *, active: int, escalated: int, deescalated: int, to: str) -> None:
         """One escalation-sync tick.
 
-        ``active`` keys are escalated now. ``escalated`` (to strategy ``to``) and
-        ``deescalated`` are the changes since the previous tick.
+        `active` keys are escalated now. `escalated` (to strategy `to`) and
+        `deescalated` are the changes since the previous tick.
         """
         self.escalated_keys.set(active)
         self.escalations.labels(to).inc(escalated)

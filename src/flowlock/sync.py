@@ -1,4 +1,4 @@
-"""A blocking twin of ``flowlock.Engine`` for threaded code: Django, Flask, scripts.
+"""A blocking twin of `flowlock.Engine` for threaded code: Django, Flask, scripts.
 
 Each engine runs one async engine on a private event loop in a daemon thread; a call blocks
 its thread until the loop has run it. The sync API guide says how it opens, bounds its waits,
@@ -40,11 +40,11 @@ log = logging.getLogger("flowlock")
 _ALIVE_CHECK = 1.0
 """Seconds between two checks, while a call waits, that the engine's thread is still running."""
 _JOIN_TIMEOUT = 30.0
-"""Seconds ``close()`` waits for the thread to end once its loop has stopped."""
+"""Seconds `close()` waits for the thread to end once its loop has stopped."""
 
 
 class _LoopThread:
-    """One private event loop, run forever by a daemon thread, until :meth:`stop`."""
+    """One private event loop, run forever by a daemon thread, until `stop`."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -60,7 +60,7 @@ class _LoopThread:
             self._finish()
 
     def _finish(self) -> None:
-        """What ``asyncio.run`` does on its way out: cancel the tasks left (background ones, such
+        """What `asyncio.run` does on its way out: cancel the tasks left (background ones, such
         as a lease's renewal), let them end, then close the loop."""
         loop = self.loop
         try:
@@ -99,11 +99,11 @@ _orphans: list[_LoopThread] = []
 
 
 class Engine:
-    """A blocking :class:`flowlock.Engine`, safe to share between threads.
+    """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
-    ``Engine.connect(database_url, ...)`` takes the async ``Engine.connect``'s keywords.
-    ``Engine(store, ...)`` takes the async ``Engine``'s arguments. In place of the store it
-    also takes an unopened, configured ``flowlock.Engine``, with no other argument.
+    `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.
+    `Engine(store, ...)` takes the async `Engine`'s arguments. In place of the store it
+    also takes an unopened, configured `flowlock.Engine`, with no other argument.
     """
 
     def __init__(self, store: Store | AsyncEngine, **options: Unpack[EngineOptions]) -> None:
@@ -131,9 +131,9 @@ class Engine:
 
     @classmethod
     def connect(cls, database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
-        """An engine over the database at ``database_url``: ``flowlock.Engine.connect``'s keywords.
+        """An engine over the database at `database_url`: `flowlock.Engine.connect`'s keywords.
 
-        Nothing is connected until ``open()``, ``with`` or the first call. ``pool=`` is refused:
+        Nothing is connected until `open()`, `with` or the first call. `pool=` is refused:
         an asyncpg pool belongs to its event loop, and this engine runs on a loop of its own.
         """
         if options.get("pool") is not None:
@@ -150,7 +150,7 @@ class Engine:
     def open(self) -> Self:
         """Open the store (connect, migrate) and the lock backends now, not on the first call.
 
-        Idempotent. Raises EngineClosed after ``close()``.
+        Idempotent. Raises EngineClosed after `close()`.
         """
         _refuse_in_event_loop("open")
         with self._lock:
@@ -178,7 +178,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """Whether ``close()`` was called, or the process forked after the engine opened.
+        """Whether `close()` was called, or the process forked after the engine opened.
 
         An engine not opened yet is not closed: its first call opens it.
         """
@@ -219,7 +219,7 @@ class Engine:
     # -- the calls -------------------------------------------------------------------------
 
     def register(self, workflow: Workflow) -> None:
-        """Make ``workflow`` available to ``create`` and ``fire``.
+        """Make `workflow` available to `create` and `fire`.
 
         Connects nothing, so it is safe at import time, before a server forks its workers.
         """
@@ -228,7 +228,7 @@ class Engine:
     def create(
         self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
     ) -> Instance:
-        """A new instance of ``workflow`` in its initial state at version 1.
+        """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken."""
         return self._run(self._engine.create(workflow, instance_id=instance_id, data=data))
 
@@ -249,7 +249,8 @@ class Engine:
         limit: int = DEFAULT_LIMIT,
         after: str | None = None,
     ) -> Page:
-        """One page of the matching instances in id order; see :meth:`flowlock.Engine.list`."""
+        """One page of the matching instances in id order; see
+        [`flowlock.Engine.list`][flowlock.Engine.list]."""
         return self._run(
             self._engine.list(workflow, state, updated_before, updated_after, limit, after)
         )
@@ -261,7 +262,7 @@ class Engine:
         updated_before: datetime | None = None,
         updated_after: datetime | None = None,
     ) -> int:
-        """How many instances match; see :meth:`flowlock.Engine.count`."""
+        """How many instances match; see [`flowlock.Engine.count`][flowlock.Engine.count]."""
         return self._run(self._engine.count(workflow, state, updated_before, updated_after))
 
     def fire(
@@ -275,9 +276,9 @@ class Engine:
         payload: Mapping[str, Any] | None = None,
         strategy: str | Strategy | None = None,
     ) -> Outcome:
-        """Fire ``event`` at the instance; the transition applies at most once.
+        """Fire `event` at the instance; the transition applies at most once.
 
-        The same Outcome and errors as :meth:`flowlock.Engine.fire`.
+        The same Outcome and errors as [`flowlock.Engine.fire`][flowlock.Engine.fire].
         """
         return self._run(
             self._engine.fire(
@@ -294,8 +295,8 @@ class Engine:
     # -- running a coroutine on the engine's loop -----------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T], *, opens: bool = True) -> T:
-        """Run ``coro`` (a call of the async engine) on the engine's loop and wait for it.
-        ``opens``: open the engine first if it is not open yet."""
+        """Run `coro` (a call of the async engine) on the engine's loop and wait for it.
+        `opens`: open the engine first if it is not open yet."""
         handed = False
         try:
             _refuse_in_event_loop(getattr(coro, "__name__", "call"))
@@ -313,7 +314,7 @@ class Engine:
 
     def _start(self, *, opens: bool) -> _LoopThread:
         """The running loop thread (started if need be), with the engine opened on it if
-        ``opens``. Called with ``self._lock`` held."""
+        `opens`. Called with `self._lock` held."""
         if self._forked is not None:
             raise EngineClosed(self._forked)
         if self._closed:
@@ -331,7 +332,7 @@ class Engine:
         return runner
 
     async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro``, counted among the calls in flight that ``close()`` waits for."""
+        """`coro`, counted among the calls in flight that `close()` waits for."""
         task = asyncio.current_task()
         assert task is not None  # a coroutine run by run_coroutine_threadsafe runs in a task
         self._calls.add(task)
@@ -386,13 +387,13 @@ def _refuse_in_event_loop(method: str) -> None:
 
 
 def _wait_done(future: concurrent.futures.Future[Any], runner: _LoopThread) -> None:
-    """Until ``future`` is done, or the loop thread that should finish it has ended."""
+    """Until `future` is done, or the loop thread that should finish it has ended."""
     while not future.done() and runner.thread.is_alive():
         concurrent.futures.wait([future], timeout=_ALIVE_CHECK)
 
 
 def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
-    """The result of ``future``; an interrupt in the meantime waits for it, then is raised."""
+    """The result of `future`; an interrupt in the meantime waits for it, then is raised."""
     try:
         _wait_done(future, runner)
     except BaseException as interrupt:
@@ -409,7 +410,7 @@ def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
 def _after_interrupt(
     future: concurrent.futures.Future[Any], runner: _LoopThread, interrupt: BaseException
 ) -> None:
-    """Let the interrupted call finish before ``interrupt`` is raised, and say what it did."""
+    """Let the interrupted call finish before `interrupt` is raised, and say what it did."""
     if not future.done():
         try:
             log.warning(
@@ -467,9 +468,9 @@ def _register_hooks(
 ) -> None:
     """Close engines left open at exit, before the interpreter joins its thread pools.
 
-    Uses the threading module's exit hooks when this Python has them, else :mod:`atexit`.
+    Uses the threading module's exit hooks when this Python has them, else `atexit`.
     Hooks run last registered first, so the engine closes while SQLite's connection threads
-    can still close their connections. :mod:`atexit` hooks run only after those threads stop.
+    can still close their connections. `atexit` hooks run only after those threads stop.
     """
     import atexit
 

@@ -1,6 +1,6 @@
-"""Optional OpenTelemetry spans: ``flowlock.fire`` per call, and its children.
+"""Optional OpenTelemetry spans: `flowlock.fire` per call, and its children.
 
-Install with ``pip install flowlock[otel]``. Without it, or without a tracer provider, a
+Install with `pip install flowlock[otel]`. Without it, or without a tracer provider, a
 call costs a flag check. docs/tracing.md lists the spans, attributes and costs.
 """
 
@@ -77,12 +77,12 @@ _cached: tuple[object, Tracer] | None = None  # (the provider it came from, flow
 _CURRENT: ContextVar[Tracer | None] = ContextVar("flowlock_tracer", default=None)
 
 NO_SPAN: AbstractContextManager[None] = nullcontext()
-"""What :func:`commit_span` hands out when nothing is traced: one object, reused by every call
-(a nullcontext keeps no state)."""
+"""What [`commit_span`][flowlock.tracing.commit_span] hands out when nothing is traced: one object,
+reused by every call (a nullcontext keeps no state)."""
 
 
 def use_tracer_provider(provider: TracerProvider | None) -> None:
-    """Send flowlock's spans to ``provider`` instead of the global one; None goes back.
+    """Send flowlock's spans to `provider` instead of the global one; None goes back.
 
     For tests, and for applications with a provider of their own. OpenTelemetry lets the
     global provider be set only once per process.
@@ -123,15 +123,15 @@ def tracer() -> Tracer | None:
 
 
 def current() -> Tracer | None:
-    """The tracer of the traced ``fire`` (or batch) the caller runs under, or None."""
+    """The tracer of the traced `fire` (or batch) the caller runs under, or None."""
     return _CURRENT.get()
 
 
 class FireSpan:
-    """The ``flowlock.fire`` span of one call.
+    """The `flowlock.fire` span of one call.
 
-    It is current in the caller's context from :func:`start_fire` until :meth:`end`.
-    :meth:`end` must run in that same context (``fire``'s ``finally``).
+    It is current in the caller's context from [`start_fire`][flowlock.tracing.start_fire] until
+    `end`. `end` must run in that same context (`fire`'s `finally`).
     """
 
     __slots__ = ("_otel_token", "_token", "span", "tracer")
@@ -153,11 +153,11 @@ class FireSpan:
         self.span.set_attribute(WORKFLOW, workflow)
 
     def batched(self, size: int) -> None:
-        """The call failed in a batch of ``size`` calls."""
+        """The call failed in a batch of `size` calls."""
         self.span.set_attribute(BATCH_SIZE, size)
 
     def done(self, outcome: Outcome) -> None:
-        """The call returned ``outcome``."""
+        """The call returned `outcome`."""
         self.span.set_attributes(
             {
                 WORKFLOW: outcome.instance.workflow,
@@ -169,7 +169,7 @@ class FireSpan:
         )
 
     def failed(self, exc: BaseException, label: str) -> None:
-        """The call raised ``exc``; ``label`` is its outcome.
+        """The call raised `exc`; `label` is its outcome.
 
         A cancelled call gets its label but no error status: it is no error of its own.
         """
@@ -188,7 +188,7 @@ class FireSpan:
 
 
 def start_fire(instance_id: str, event: str) -> FireSpan | None:
-    """A ``flowlock.fire`` span for a call, made current; None when nothing is traced."""
+    """A `flowlock.fire` span for a call, made current; None when nothing is traced."""
     found = tracer()
     return None if found is None else FireSpan(found, instance_id, event)
 
@@ -197,11 +197,11 @@ def start_fire(instance_id: str, event: str) -> FireSpan | None:
 def batch_span(
     first: FireSpan, spans: Sequence[FireSpan | None], instance_id: str, strategy: str
 ) -> Iterator[object]:
-    """A ``flowlock.batch`` span around one batch's strategy run, in the driver task.
+    """A `flowlock.batch` span around one batch's strategy run, in the driver task.
 
     It is a child of the first call's fire span and links to the others'. The batch's lock
     wait and commit spans are its children, shared by its calls. The engine passes
-    :data:`NO_SPAN` when the batch is not traced.
+    [`NO_SPAN`][flowlock.tracing.NO_SPAN] when the batch is not traced.
     """
     links = [
         _trace.Link(s.span.get_span_context()) for s in spans if s is not None and s is not first
@@ -222,10 +222,10 @@ def batch_span(
 def commit_span(
     planned: Sequence[HistoryEntry], attempt: int
 ) -> AbstractContextManager[Span | None]:
-    """A ``flowlock.commit`` span around a compare-and-swap of ``planned``.
+    """A `flowlock.commit` span around a compare-and-swap of `planned`.
 
-    ``attempt`` is the attempt number. A child of the current span; the shared no-op when
-    nothing is traced. Report the result with :func:`commit_done`.
+    `attempt` is the attempt number. A child of the current span; the shared no-op when
+    nothing is traced. Report the result with [`commit_done`][flowlock.tracing.commit_done].
     """
     found = _CURRENT.get()
     if found is None:
@@ -234,7 +234,7 @@ def commit_span(
 
 
 def commit_done(span: Span | None, won: bool) -> None:
-    """Whether the compare-and-swap of ``span`` won.
+    """Whether the compare-and-swap of `span` won.
 
     False: another writer got there first, and nothing was written.
     """
@@ -243,9 +243,9 @@ def commit_done(span: Span | None, won: bool) -> None:
 
 
 def lock_wait(start: float, end: float, *, lock: str, acquired: bool = True) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` to ``end``, in monotonic seconds.
+    """A `flowlock.lock_wait` span from `start` to `end`, in monotonic seconds.
 
-    ``lock`` is "row" or "lease". ``acquired`` is False when the call was answered after the
+    `lock` is "row" or "lease". `acquired` is False when the call was answered after the
     release, without taking the lock.
     """
     found = _CURRENT.get()
@@ -254,9 +254,9 @@ def lock_wait(start: float, end: float, *, lock: str, acquired: bool = True) -> 
 
 
 def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
-    """A ``flowlock.lock_wait`` span from ``start`` until now that ended in ``exc``.
+    """A `flowlock.lock_wait` span from `start` until now that ended in `exc`.
 
-    ``exc`` is a timeout, a busy lock or a lock backend that is down.
+    `exc` is a timeout, a busy lock or a lock backend that is down.
     """
     found = _CURRENT.get()
     if found is not None:
@@ -265,10 +265,10 @@ def lock_failed(start: float, exc: BaseException, *, lock: str) -> None:
 
 
 def locked(start: float, waited: float | None, held: float | None, entries: int) -> None:
-    """The spans of a store's locked step that began at ``start`` (monotonic).
+    """The spans of a store's locked step that began at `start` (monotonic).
 
-    A lock-wait span for ``waited`` seconds, then a commit span for the time the lock was
-    held, when ``entries`` > 0. A store that does not measure the wait (None) gets one commit
+    A lock-wait span for `waited` seconds, then a commit span for the time the lock was
+    held, when `entries` > 0. A store that does not measure the wait (None) gets one commit
     span for the whole call.
     """
     found = _CURRENT.get()
@@ -308,7 +308,7 @@ class _Clock:
         attributes: dict[str, Any],
         exc: BaseException | None = None,
     ) -> None:
-        """A span from ``start`` to ``end`` (monotonic seconds) under the current span."""
+        """A span from `start` to `end` (monotonic seconds) under the current span."""
         span = found.start_span(name, attributes=attributes, start_time=self.wall(start))
         if exc is not None:
             span.record_exception(exc)

@@ -8,9 +8,9 @@ __all__ = ["HostsError", "HostsUnavailable"]
 
 
 class HostsError(FlowlockError):
-    """The namespaced hosts of ``flowlock bench --hosts`` could not be set up or removed.
+    """The namespaced hosts of `flowlock bench --hosts` could not be set up or removed.
 
-    ``problem`` says what went wrong, ``advice`` what to do about it.
+    `problem` says what went wrong, `advice` what to do about it.
     """
 
     def __init__(self, problem: str, *, advice: str) -> None:
@@ -22,9 +22,9 @@ class HostsError(FlowlockError):
 class HostsUnavailable(HostsError):
     """This machine cannot make namespaced hosts at all.
 
-    Causes: not Linux, not root, or no ``ip`` command or network namespaces.
-    With a delay, a missing ``tc`` or kernel netem also counts.
-    ``reason`` is that one fact, for a test's skip message.
+    Causes: not Linux, not root, or no `ip` command or network namespaces.
+    With a delay, a missing `tc` or kernel netem also counts.
+    `reason` is that one fact, for a test's skip message.
     """
 
     def __init__(self, reason: str, *, advice: str) -> None:

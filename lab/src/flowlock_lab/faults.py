@@ -1,6 +1,6 @@
 """The soak's fault injector: what to break, when, and the bounded loop that does it.
 
-One seeded random source makes every choice, so ``--seed`` replays the schedule.
+One seeded random source makes every choice, so `--seed` replays the schedule.
 docs/benchmarks.md lists the fault kinds.
 """
 
@@ -43,7 +43,7 @@ class Targets(Protocol):
 class Schedule:
     """The order and timing of the faults.
 
-    Kinds come in a shuffled cycle, each once per cycle. Gaps are ``interval`` jittered by half.
+    Kinds come in a shuffled cycle, each once per cycle. Gaps are `interval` jittered by half.
     A pause lasts from a tenth of the lease ttl to twice it.
     So about half the pauses outlive the worker's leases.
     """
@@ -76,10 +76,10 @@ class Schedule:
 
 
 class FaultInjector:
-    """Injects faults from ``schedule`` into ``targets`` until ``stop_at`` or ``max_faults``.
+    """Injects faults from `schedule` into `targets` until `stop_at` or `max_faults`.
 
-    ``stop_at`` is on the monotonic clock. Each fault is recorded.
-    A failed fault is recorded with ``ok=False`` and the reason, and the loop goes on.
+    `stop_at` is on the monotonic clock. Each fault is recorded.
+    A failed fault is recorded with `ok=False` and the reason, and the loop goes on.
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class FaultInjector:
         self._pauses: set[asyncio.Task[None]] = set()
 
     async def run(self, stop_at: float) -> None:
-        """Inject until ``stop_at``; no new fault starts within a second of it.
+        """Inject until `stop_at`; no new fault starts within a second of it.
 
         Pauses run in the background, each bounded. They are awaited before returning.
         Each pause always ends with SIGCONT, also when the soak stops early.

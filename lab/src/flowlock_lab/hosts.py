@@ -1,6 +1,6 @@
 """Several hosts on one machine: Linux network namespaces on a bridge (needs root, iproute2).
 
-Used by ``flowlock bench --hosts N`` and the multi-host tests; docs/deployment.md draws it.
+Used by `flowlock bench --hosts N` and the multi-host tests; docs/deployment.md draws it.
 The address plan and command lines are pure, so tests run them unprivileged.
 """
 
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 DEFAULT_DELAY_MS = 1.0
-"""The netem delay of ``--hosts N`` (N > 1) when none is given and the kernel has netem."""
+"""The netem delay of `--hosts N` (N > 1) when none is given and the kernel has netem."""
 SUBNET_POOL = IPv4Network("10.213.0.0/16")
 """Where a run's /24 comes from: private, and unlikely to be anyone's LAN; a /24 some interface
 or route of the machine already uses is never picked."""
@@ -69,7 +69,7 @@ def _ip_advice(what: str) -> str:
 class Host:
     """One namespaced host: its namespace, its veth pair to the bridge, and its address.
 
-    ``veth`` is the root end of the pair, ``peer`` the end inside the namespace.
+    `veth` is the root end of the pair, `peer` the end inside the namespace.
     """
 
     index: int
@@ -84,9 +84,9 @@ class Host:
         return str(self.address.ip)
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host's namespace.
+        """`argv` run inside this host's namespace.
 
-        ``ip netns exec`` execs it, so the process is ``argv[0]`` itself, not a wrapper.
+        `ip netns exec` execs it, so the process is `argv[0]` itself, not a wrapper.
         """
         return ["ip", "netns", "exec", self.netns, *argv]
 
@@ -111,7 +111,7 @@ class HostPlan:
         return str(self.gateway.ip)
 
     def host_for(self, worker: int) -> Host:
-        """The host that worker number ``worker`` runs on: round robin, one per host."""
+        """The host that worker number `worker` runs on: round robin, one per host."""
         return self.hosts[worker % len(self.hosts)]
 
     def names(self) -> tuple[str, ...]:
@@ -145,7 +145,7 @@ class HostPlan:
         ]
 
     def delay_commands(self, host: Host, delay_ms: float) -> list[list[str]]:
-        """netem on both ends of the host's veth: each direction is delayed by ``delay_ms``."""
+        """netem on both ends of the host's veth: each direction is delayed by `delay_ms`."""
         netem = ["root", "netem", "delay", _ms(delay_ms)]
         return [
             ["tc", "qdisc", "add", "dev", host.veth, *netem],
@@ -183,14 +183,14 @@ def _check_run_id(run_id: str) -> str:
 
 
 def check_count(count: int) -> int:
-    """``count`` if it is a number of hosts a run can make, else InvalidInput."""
+    """`count` if it is a number of hosts a run can make, else InvalidInput."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_HOSTS:
         raise InvalidInput(f"hosts must be 1 to {MAX_HOSTS}, not {count!r}")
     return count
 
 
 def check_delay(delay_ms: float) -> float:
-    """``delay_ms`` if it is a netem delay (0 for none), else InvalidInput."""
+    """`delay_ms` if it is a netem delay (0 for none), else InvalidInput."""
     if (
         isinstance(delay_ms, bool)
         or not isinstance(delay_ms, int | float)
@@ -201,7 +201,7 @@ def check_delay(delay_ms: float) -> float:
 
 
 def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
-    """The names and addresses of ``count`` hosts on ``subnet`` (a /24) for run ``run_id``."""
+    """The names and addresses of `count` hosts on `subnet` (a /24) for run `run_id`."""
     check_count(count)
     run_id = _check_run_id(run_id)
     if subnet.prefixlen != 24:
@@ -221,7 +221,7 @@ def plan_hosts(count: int, subnet: IPv4Network, run_id: str) -> HostPlan:
 
 
 def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
-    """The IPv4 networks the machine uses, from ``ip -j -4 addr`` and ``ip -j -4 route``.
+    """The IPv4 networks the machine uses, from `ip -j -4 addr` and `ip -j -4 route`.
 
     That is every interface's network and every route's destination but the default.
     """
@@ -239,7 +239,7 @@ def used_networks(addresses: Any, routes: Any) -> list[IPv4Network]:
 
 
 def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
-    """A /24 of :data:`SUBNET_POOL` that overlaps none of ``used``.
+    """A /24 of `SUBNET_POOL` that overlaps none of `used`.
 
     Subnets are tried in random order, so two runs rarely try the same one first.
     Raises HostsUnavailable when every one is taken.
@@ -257,9 +257,9 @@ def pick_subnet(used: Iterable[IPv4Network], rng: random.Random) -> IPv4Network:
 
 
 def check_available(*, delay: bool = False) -> None:
-    """Check what can be told without changing anything: Linux, root, ``ip``, ``tc``.
+    """Check what can be told without changing anything: Linux, root, `ip`, `tc`.
 
-    ``tc`` is needed only for a delay. Raises HostsUnavailable naming the first missing fact.
+    `tc` is needed only for a delay. Raises HostsUnavailable naming the first missing fact.
     """
     if not sys.platform.startswith("linux"):
         raise HostsUnavailable(
@@ -295,7 +295,7 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _must(argv: Sequence[str]) -> str:
-    """Run ``argv`` and return its stdout, or raise HostsError quoting its output.
+    """Run `argv` and return its stdout, or raise HostsError quoting its output.
 
     It raises HostsUnavailable when the kernel refused the privilege.
     """
@@ -366,15 +366,15 @@ class _State:
 
 
 class NamespacedHosts(BlockingResource):
-    """``count`` namespaced hosts on a bridge of their own.
+    """`count` namespaced hosts on a bridge of their own.
 
-    :meth:`start` makes them and :meth:`stop` removes them; ``with`` and ``async with`` do both.
-    ``delay_ms`` is the netem delay in each direction of each host's link.
+    `start` makes them and `stop` removes them; `with` and `async with` do both.
+    `delay_ms` is the netem delay in each direction of each host's link.
     A round trip to the servers then gains twice the delay.
-    None means :data:`DEFAULT_DELAY_MS` when ``count`` > 1 and netem exists, else none.
-    :attr:`notes` then says why. A number means exactly that; 0 means none.
+    None means `DEFAULT_DELAY_MS` when `count` > 1 and netem exists, else none.
+    `notes` then says why. A number means exactly that; 0 means none.
     A delay that cannot be applied raises HostsUnavailable.
-    ``run_id`` goes in every name, so parallel runs never meet (default: random).
+    `run_id` goes in every name, so parallel runs never meet (default: random).
     """
 
     _thread_name = "flowlock-hosts-stop"
@@ -418,7 +418,7 @@ class NamespacedHosts(BlockingResource):
 
     @property
     def killed(self) -> tuple[int, ...]:
-        """Processes :meth:`stop` found still inside a namespace and ended."""
+        """Processes `stop` found still inside a namespace and ended."""
         return tuple(self._state.killed)
 
     def describe(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Calls through the service for ``flowlock bench --http``.
+"""Calls through the service for `flowlock bench --http`.
 
-:func:`running_service` runs ``flowlock serve`` for the run, and :class:`HttpSession`
+`running_service` runs `flowlock serve` for the run, and `HttpSession`
 makes each call an HTTP request to it. docs/benchmarks.md describes the setup.
 """
 
@@ -47,14 +47,14 @@ __all__ = [
 ]
 
 SERVICE_APP = "flowlock_lab.http_app:workflows"
-"""What the service serves (``--app``): the workflows of the scenarios ``--http`` runs."""
+"""What the service serves (`--app`): the workflows of the scenarios `--http` runs."""
 START_TIMEOUT = 60.0
-"""Seconds the service gets to answer ``/livez`` (imports, uvicorn, the engine's pool and
+"""Seconds the service gets to answer `/livez` (imports, uvicorn, the engine's pool and
 migration check), generous for a busy 2-core machine."""
 STOP_TIMEOUT = 15.0
-"""Seconds SIGTERM gets to stop the service (it drains for at most ``DRAIN`` of them)."""
+"""Seconds SIGTERM gets to stop the service (it drains for at most `DRAIN` of them)."""
 DRAIN = 3
-"""The service's ``--drain-timeout``: no call is in flight when the bench stops it."""
+"""The service's `--drain-timeout`: no call is in flight when the bench stops it."""
 REQUEST_TIMEOUT = 60.0
 """Seconds one request may take: far beyond the service's own bounds (5 s for a lock, 10 s for
 a pooled connection), so a timeout here means the service is stuck, not busy."""
@@ -75,7 +75,7 @@ def check_http_support() -> None:
 
 
 def service_url(url: str, schema: str) -> str:
-    """``url`` with ``schema`` as every connection's ``search_path``.
+    """`url` with `schema` as every connection's `search_path`.
 
     asyncpg passes unknown query parameters to the server as settings.
     So the service's tables are the run's.
@@ -132,7 +132,7 @@ def _tail(log: IO[bytes], lines: int = 30) -> str:
 
 
 def _signal_group(pid: int, sig: int) -> bool:
-    """Send ``sig`` to the service's process group; False when none of it is left.
+    """Send `sig` to the service's process group; False when none of it is left.
 
     The service runs in its own session, so only its processes are hit.
     """
@@ -192,10 +192,10 @@ async def _wait_live(proc: subprocess.Popen[bytes], base_url: str, log: IO[bytes
 async def running_service(
     target: Target, *, workers: int, pool_size: int, progress: Progress
 ) -> AsyncIterator[Service]:
-    """Run ``flowlock serve`` on the run's database and schema until the block ends.
+    """Run `flowlock serve` on the run's database and schema until the block ends.
 
-    It has ``workers`` worker processes of ``pool_size`` connections each.
-    It listens on a free port of 127.0.0.1 and is ready once ``/livez`` answers.
+    It has `workers` worker processes of `pool_size` connections each.
+    It listens on a free port of 127.0.0.1 and is ready once `/livez` answers.
     It stops also on errors and Ctrl-C.
     The URL goes in the environment: argv is visible to every user and may show a password.
     """
@@ -251,7 +251,7 @@ def _client(base_url: str) -> httpx.AsyncClient:
 
 
 class HttpCallers:
-    """One :class:`httpx.AsyncClient` per concurrent caller, as independent clients would be.
+    """One `httpx.AsyncClient` per concurrent caller, as independent clients would be.
 
     Each has one keep-alive HTTP/1.1 connection and no proxy from the environment.
     Its timeout is reached only by a stuck service.
@@ -291,7 +291,7 @@ class HttpCallers:
 def _error_name(slug: str) -> str:
     """The flowlock error a problem type names, as the in-process rows name errors.
 
-    For example ``conflict-retries-exhausted`` becomes ``ConflictRetriesExhausted``.
+    For example `conflict-retries-exhausted` becomes `ConflictRetriesExhausted`.
     """
     return "".join(part.capitalize() for part in slug.split("-"))
 
@@ -304,7 +304,7 @@ def _refused(name: str) -> bool:
 def failure(status: int, doc: object) -> RemoteFailure:
     """What a non-200 answer means for the report: the error it names, refused or failed.
 
-    A body that is no problem document is named ``HTTP <status>``.
+    A body that is no problem document is named `HTTP <status>`.
     """
     if isinstance(doc, dict) and str(doc.get("type", "")).startswith(_PROBLEM):
         name = _error_name(str(doc["type"])[len(_PROBLEM) :])
@@ -324,9 +324,9 @@ def _header_int(value: str | None) -> int | None:
 
 
 class HttpSession:
-    """One strategy through the service: each ``fire`` is one HTTP request.
+    """One strategy through the service: each `fire` is one HTTP request.
 
-    Setup and readback use ``admin``'s engine and pool in this process, untimed.
+    Setup and readback use `admin`'s engine and pool in this process, untimed.
     """
 
     def __init__(self, strategy: str, admin: BenchSession, callers: HttpCallers) -> None:

@@ -1,6 +1,6 @@
-"""The workflows ``flowlock serve`` serves under ``flowlock bench --http``.
+"""The workflows `flowlock serve` serves under `flowlock bench --http`.
 
-The bench starts the service with ``--app flowlock_lab.http_app:workflows``.
+The bench starts the service with `--app flowlock_lab.http_app:workflows`.
 These are the in-process sessions' definitions, so a call means the same on both transports.
 """
 
@@ -15,7 +15,7 @@ __all__ = ["workflows"]
 
 
 def workflows() -> list[Workflow]:
-    """Every workflow the ``--http`` scenarios use, each once: storm's approval and the counter.
+    """Every workflow the `--http` scenarios use, each once: storm's approval and the counter.
 
     None depends on the number of callers.
     """

@@ -1,6 +1,6 @@
-"""The benchmark matrix on namespaced hosts (``--hosts``) and through HTTP (``--http``).
+"""The benchmark matrix on namespaced hosts (`--hosts`) and through HTTP (`--http`).
 
-flowlock's runner takes :data:`LAB` and calls back into it; :func:`run` passes it.
+flowlock's runner takes `LAB` and calls back into it; `run` passes it.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class OnHosts:
 
 
 class ThroughService:
-    """A run's ``flowlock serve``, and how a pair runs through it."""
+    """A run's `flowlock serve`, and how a pair runs through it."""
 
     def __init__(self, config: BenchConfig, service: Service) -> None:
         self.config = config
@@ -131,7 +131,7 @@ class ThroughService:
         )
 
     async def run_pair(self, run: Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
-        """The same rounds, each call an HTTP request by one of ``workers`` callers.
+        """The same rounds, each call an HTTP request by one of `workers` callers.
 
         Each caller has its own client. Setup and readback use a small admin session here.
         """
@@ -166,7 +166,7 @@ class ThroughService:
 
 
 class LabParts:
-    """What the lab gives flowlock's runner (the shape of :class:`flowlock.bench.extend.Lab`)."""
+    """What the lab gives flowlock's runner (the shape of `flowlock.bench.extend.Lab`)."""
 
     def check(self, config: BenchConfig) -> None:
         if config.http:
@@ -196,10 +196,10 @@ LAB = LabParts()
 
 
 async def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
-    """:func:`flowlock.bench.run_bench` with the lab: ``hosts`` and ``http`` work."""
+    """`flowlock.bench.run_bench` with the lab: `hosts` and `http` work."""
     return await runner.run_bench(config, progress, lab=LAB)
 
 
 def run(config: BenchConfig, progress: Progress | None = None) -> BenchReport:
-    """:func:`flowlock.bench.run` with the lab: ``hosts`` and ``http`` work."""
+    """`flowlock.bench.run` with the lab: `hosts` and `http` work."""
     return runner.run(config, progress, lab=LAB)

@@ -1,6 +1,5 @@
 """Throwaway highly available Redis on 127.0.0.1, for failover tests and benchmarks.
 
-::
 
     with EmbeddedRedisSentinel() as ha:
         locks = RedisLocks(ha.url)  # redis+sentinel://127.0.0.1:p1,...,127.0.0.1:p3/flowlock
@@ -12,7 +11,7 @@
         killed = cluster.kill(cluster.primaries()[0])
         cluster.wait_failover(killed)
 
-Every server is an :class:`~flowlock.embedded.EmbeddedRedis`. ``stop()`` removes every
+Every server is an [`EmbeddedRedis`][flowlock.embedded.EmbeddedRedis]. `stop()` removes every
 process and directory, also after a failed start.
 """
 
@@ -40,7 +39,7 @@ _POLL = 0.05
 
 
 def sentinel_command() -> list[str] | None:
-    """How to start a sentinel: ``redis-sentinel``, else ``redis-server --sentinel``.
+    """How to start a sentinel: `redis-sentinel`, else `redis-server --sentinel`.
 
     None when neither is on PATH.
     """
@@ -52,12 +51,12 @@ def sentinel_command() -> list[str] | None:
 
 
 def redis_cli() -> str | None:
-    """``redis-cli`` from PATH (it creates a cluster), or None."""
+    """`redis-cli` from PATH (it creates a cluster), or None."""
     return shutil.which("redis-cli")
 
 
 def _ask(port: int, *command: str) -> Any:
-    """One admin command to the server (or sentinel) on ``port``, on a connection of its own."""
+    """One admin command to the server (or sentinel) on `port`, on a connection of its own."""
     with redis.Redis(
         host=process.HOST,
         port=port,
@@ -69,9 +68,9 @@ def _ask(port: int, *command: str) -> Any:
 
 
 def _until(what: str, ready: object, timeout: float) -> None:
-    """Poll ``ready()`` until it is true; errors count as not yet.
+    """Poll `ready()` until it is true; errors count as not yet.
 
-    Raises EmbeddedServerError after ``timeout`` seconds.
+    Raises EmbeddedServerError after `timeout` seconds.
     """
     assert callable(ready)
     deadline = time.monotonic() + timeout
@@ -129,9 +128,9 @@ class _Group(BlockingResource):
 
 
 class EmbeddedRedisSentinel(_Group):
-    """A primary with ``replicas`` replicas, watched by ``sentinels`` sentinels.
+    """A primary with `replicas` replicas, watched by `sentinels` sentinels.
 
-    They monitor it as ``service_name``, with a majority quorum. ``down_after`` is how many
+    They monitor it as `service_name`, with a majority quorum. `down_after` is how many
     seconds a primary may be silent before it is seen down; keep it short for fast failovers.
     """
 
@@ -157,7 +156,7 @@ class EmbeddedRedisSentinel(_Group):
 
     @property
     def url(self) -> str:
-        """``redis+sentinel://127.0.0.1:<port>,.../<service_name>``."""
+        """`redis+sentinel://127.0.0.1:<port>,.../<service_name>`."""
         hosts = ",".join(f"{process.HOST}:{port}" for port in self.sentinel_ports)
         return f"redis+sentinel://{hosts}/{self.service_name}"
 
@@ -230,7 +229,7 @@ class EmbeddedRedisSentinel(_Group):
         raise EmbeddedServerError("Redis", "no sentinel answered")
 
     def server(self, port: int) -> EmbeddedRedis:
-        """The server on ``port``."""
+        """The server on `port`."""
         return next(s for s in self.servers if s.running and s.port == port)
 
     @property
@@ -246,7 +245,7 @@ class EmbeddedRedisSentinel(_Group):
         return port
 
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> EmbeddedRedis:
-        """Wait for a new primary other than ``old_port``, and return it.
+        """Wait for a new primary other than `old_port`, and return it.
 
         Every sentinel must name it, and the server must say it is a primary.
         """
@@ -275,9 +274,9 @@ class EmbeddedRedisSentinel(_Group):
 
 
 class EmbeddedRedisCluster(_Group):
-    """A Redis Cluster of ``primaries`` primaries with ``replicas`` replicas each.
+    """A Redis Cluster of `primaries` primaries with `replicas` replicas each.
 
-    Created with ``redis-cli --cluster create``. ``node_timeout`` is how many seconds a silent
+    Created with `redis-cli --cluster create`. `node_timeout` is how many seconds a silent
     primary keeps its slots before a replica takes over.
     """
 
@@ -296,7 +295,7 @@ class EmbeddedRedisCluster(_Group):
 
     @property
     def url(self) -> str:
-        """``redis+cluster://127.0.0.1:<port>,...`` (every node)."""
+        """`redis+cluster://127.0.0.1:<port>,...` (every node)."""
         ports = [s.port for s in self.servers if s.running]
         return "redis+cluster://" + ",".join(f"{process.HOST}:{port}" for port in ports)
 

@@ -1,4 +1,4 @@
-"""The soak: ``flowlock bench --soak SECONDS [--faults]``. Orchestration only.
+"""The soak: `flowlock bench --soak SECONDS [--faults]`. Orchestration only.
 
 It runs the load on servers of its own, then checks leaks and judges every call.
 Everything is bounded. docs/benchmarks.md describes the load, faults and verdicts.
@@ -102,7 +102,7 @@ async def _create_counters(url: str, schema: str) -> dict[str, Instance]:
 
 
 async def _poll(what: Any, bound: float) -> int:
-    """``await what()`` until it says 0 or ``bound`` seconds pass; its last answer."""
+    """`await what()` until it says 0 or `bound` seconds pass; its last answer."""
     deadline = time.monotonic() + bound
     while True:
         left: int = await what()

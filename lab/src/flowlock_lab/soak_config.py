@@ -1,4 +1,4 @@
-"""What a soak runs (:class:`SoakConfig`, validated without I/O) and its limits."""
+"""What a soak runs (`SoakConfig`, validated without I/O) and its limits."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ __all__ = [
 ]
 
 SOAK_PROCESSES = 3
-"""Worker processes of a soak when ``processes`` is not given: three, so a killed or paused one
+"""Worker processes of a soak when `processes` is not given: three, so a killed or paused one
 leaves two at work, on a 2-core machine that also runs both servers."""
 SOAK_CALLERS_PER_PROCESS = 4
-"""Caller tasks per worker process of a soak when ``callers`` is not given."""
+"""Caller tasks per worker process of a soak when `callers` is not given."""
 MAX_SOAK_PROCESSES = 8
 MAX_SOAK_CALLERS = 64
 """A soak's ceilings: each caller holds at most one database connection, each process opens a
-store pool and an advisory pool of about ``callers / processes`` each, and the soak's own
+store pool and an advisory pool of about `callers / processes` each, and the soak's own
 PostgreSQL allows 100 connections."""
 MAX_SOAK_FAULTS = 2000
 """The most faults one soak injects, whatever its length and interval."""
@@ -33,15 +33,15 @@ MAX_SOAK_FAULTS = 2000
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SoakConfig:
-    """A soak: mixed load with every flowlock strategy (or ``strategies``) for ``seconds``.
+    """A soak: mixed load with every flowlock strategy (or `strategies`) for `seconds`.
 
-    ``seconds`` is at most :data:`MAX_SOAK_SECONDS`.
-    ``processes`` worker processes run ``callers`` tasks in all (default 4 per process).
+    `seconds` is at most `MAX_SOAK_SECONDS`.
+    `processes` worker processes run `callers` tasks in all (default 4 per process).
     The soak runs on an embedded PostgreSQL and Redis of its own.
-    With ``faults``, a fault comes every ``fault_interval`` seconds, jittered.
-    ``max_faults`` defaults to as many as fit, capped at :data:`MAX_SOAK_FAULTS`.
-    ``database_url`` and ``redis_url`` are refused: the soak restarts and inspects its servers.
-    The engines batch concurrent calls on one instance unless ``batching`` is False.
+    With `faults`, a fault comes every `fault_interval` seconds, jittered.
+    `max_faults` defaults to as many as fit, capped at `MAX_SOAK_FAULTS`.
+    `database_url` and `redis_url` are refused: the soak restarts and inspects its servers.
+    The engines batch concurrent calls on one instance unless `batching` is False.
     """
 
     seconds: int

@@ -51,7 +51,7 @@ SPREAD = 64
 """Spread counters, created before the load."""
 CALL_BOUND = 60.0
 """The soak's own bound on one call; flowlock's bounds end every call long before (a call that
-reaches it is counted ``hung`` and fails the verdict)."""
+reaches it is counted `hung` and fails the verdict)."""
 READY_BOUND = 60.0
 """Seconds a worker process may take to start and open its engine."""
 _EXIT_BOUND = CALL_BOUND + 30.0  # a stopped worker finishing its calls and closing
@@ -103,7 +103,7 @@ class _Tally:
 class Fleet:
     """The worker processes, and their replacement when one is killed.
 
-    It is also the faults' :class:`flowlock_lab.faults.Targets`: workers and servers.
+    It is also the faults' `flowlock_lab.faults.Targets`: workers and servers.
     """
 
     def __init__(self, run: Soak) -> None:

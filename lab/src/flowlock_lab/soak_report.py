@@ -1,6 +1,6 @@
-"""The soak's report: a rich table and the ``--json`` document.
+"""The soak's report: a rich table and the `--json` document.
 
-It only reads :mod:`flowlock_lab.soak_results`; nothing here runs anything.
+It only reads `flowlock_lab.soak_results`; nothing here runs anything.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def render_soak(report: SoakReport, console: Console) -> None:
 
 
 def soak_to_json(report: SoakReport) -> dict[str, Any]:
-    """The ``--json`` document of a soak (docs/benchmarks.md describes each key)."""
+    """The `--json` document of a soak (docs/benchmarks.md describes each key)."""
     return {
         "mode": "soak",
         "flowlock_version": report.flowlock_version,
@@ -138,5 +138,5 @@ def soak_to_json(report: SoakReport) -> dict[str, Any]:
 
 
 def write_soak_json(report: SoakReport, path: Path) -> None:
-    """Write :func:`soak_to_json` to ``path`` (UTF-8, indented, trailing newline)."""
+    """Write `soak_to_json` to `path` (UTF-8, indented, trailing newline)."""
     path.write_text(json.dumps(soak_to_json(report), indent=2) + "\n", encoding="utf-8")

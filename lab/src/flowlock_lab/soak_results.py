@@ -43,11 +43,11 @@ __all__ = [
 ]
 
 MAX_SOAK_SECONDS = 3600
-"""The longest soak ``--soak`` accepts (an hour): every part of it is bounded by this."""
+"""The longest soak `--soak` accepts (an hour): every part of it is bounded by this."""
 
 Status = Literal["ok", "fail", "unknown"]
-"""What the linearizability checker is told about a call: it took effect (``ok``), it surely
-did not (``fail``: a typed refusal before any write), or it may have (``unknown``)."""
+"""What the linearizability checker is told about a call: it took effect (`ok`), it surely
+did not (`fail`: a typed refusal before any write), or it may have (`unknown`)."""
 
 OutcomeKind = Literal[
     "applied",
@@ -64,19 +64,19 @@ OutcomeKind = Literal[
     "hung",
     "escaped",
 ]
-"""How one call ended, finer than its :data:`Status`:
+"""How one call ended, finer than its `Status`:
 
-- ``applied`` / ``idempotent``: a fire answered with an outcome (ok);
-- ``created`` / ``read``: a create or a get answered (ok);
-- ``refused``: the workflow refused (``TransitionRefused``), or the instance did (not) exist (fail);
-- ``conflict``: lost to other writers (``ConflictRetriesExhausted``, fail);
-- ``lock``: a lock or lease could not be taken or was lost (``LockError``, fail);
-- ``store``: the database failed before any write (``StoreError``, ``ConnectionLost``, fail);
-- ``unknown``: ``OutcomeUnknown``, the write may have committed (unknown);
-- ``killed``: in flight in a worker process the soak killed (unknown);
-- ``other``: any other flowlock error (unknown);
-- ``hung``: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
-- ``escaped``: an exception that is not a ``FlowlockError`` (unknown; fails the verdict).
+- `applied` / `idempotent`: a fire answered with an outcome (ok);
+- `created` / `read`: a create or a get answered (ok);
+- `refused`: the workflow refused (`TransitionRefused`), or the instance did (not) exist (fail);
+- `conflict`: lost to other writers (`ConflictRetriesExhausted`, fail);
+- `lock`: a lock or lease could not be taken or was lost (`LockError`, fail);
+- `store`: the database failed before any write (`StoreError`, `ConnectionLost`, fail);
+- `unknown`: `OutcomeUnknown`, the write may have committed (unknown);
+- `killed`: in flight in a worker process the soak killed (unknown);
+- `other`: any other flowlock error (unknown);
+- `hung`: still unanswered at the soak's own bound on a call (unknown; fails the verdict);
+- `escaped`: an exception that is not a `FlowlockError` (unknown; fails the verdict).
 """
 
 OUTCOME_KINDS: tuple[OutcomeKind, ...] = get_args(OutcomeKind)
@@ -86,12 +86,12 @@ FaultKind = Literal[
 ]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 """What the fault injector does: SIGKILL a worker process (a replacement is started), SIGSTOP one
-for a while and SIGCONT it, ``pg_terminate_backend`` on some of the workers' sessions, restart
+for a while and SIGCONT it, `pg_terminate_backend` on some of the workers' sessions, restart
 PostgreSQL (data kept, same URL), restart Redis empty (same URL)."""
 
 
 def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
-    """The kind and checker status of a call that raised ``exc``."""
+    """The kind and checker status of a call that raised `exc`."""
     if not isinstance(exc, FlowlockError):
         return "escaped", "unknown"
     if isinstance(exc, OutcomeUnknown):
@@ -109,7 +109,7 @@ def classify(exc: BaseException) -> tuple[OutcomeKind, Status]:
 
 
 def lost_leases(errors: Mapping[str, int]) -> int:
-    """Calls that lost their lease before committing (``LockLost``), from the errors by class."""
+    """Calls that lost their lease before committing (`LockLost`), from the errors by class."""
     return errors.get(LockLost.__name__, 0)
 
 
@@ -122,7 +122,7 @@ class Expected:
 
     It holds the state it was created in and how many fires answered applied.
     It also counts those that may have applied (unknown).
-    ``at_most_one``: at most one transition may ever apply, as for an approval.
+    `at_most_one`: at most one transition may ever apply, as for an approval.
     """
 
     initial_state: str
@@ -144,10 +144,10 @@ def judge_store(
 ) -> Verdict:
     """The exactly-once verdict on what the store holds.
 
-    It runs :func:`flowlock.checker.check` on every instance.
+    It runs [`flowlock.checker.check`][flowlock.checker.check] on every instance.
     Its history rows number at least the calls answered applied.
     At most, they also count the calls whose outcome is unknown.
-    Each row must pass its workflow's rule from ``rules``; a counter equals its steps.
+    Each row must pass its workflow's rule from `rules`; a counter equals its steps.
     An instance expected but missing is a lost update.
     """
     found: list[Violation] = []
@@ -208,8 +208,8 @@ def judge_store(
 class Fault:
     """One fault injected: its kind, when, what it hit, and whether it worked.
 
-    ``at`` counts seconds since the load started.
-    A restart that failed or a worker already gone is ``False``.
+    `at` counts seconds since the load started.
+    A restart that failed or a worker already gone is `False`.
     """
 
     kind: FaultKind
@@ -259,9 +259,9 @@ _FAILS_THE_VERDICT: tuple[OutcomeKind, ...] = ("escaped", "hung")
 class SoakReport:
     """A whole soak: environment and arguments, outcomes, faults, leaks and verdicts.
 
-    ``linearizability``: the checker's verdict over every call of every worker, merged.
-    ``exactly_once``: :func:`judge_store` over what the store holds afterwards.
-    ``ok`` when both are clean, no call escaped or hung, no worker crashed and nothing leaked.
+    `linearizability`: the checker's verdict over every call of every worker, merged.
+    `exactly_once`: `judge_store` over what the store holds afterwards.
+    `ok` when both are clean, no call escaped or hung, no worker crashed and nothing leaked.
     """
 
     flowlock_version: str
@@ -286,9 +286,9 @@ class SoakReport:
     crashes: tuple[str, ...] = ()
     """Worker processes that ended on their own (not killed by a fault), with their last words."""
     error_samples: Mapping[str, str] = field(default_factory=dict)
-    """The first message of each exception class in ``errors``."""
+    """The first message of each exception class in `errors`."""
     escapes: tuple[str, ...] = ()
-    """The first exceptions that were not a FlowlockError, as ``worker: Type: message``."""
+    """The first exceptions that were not a FlowlockError, as `worker: Type: message`."""
     instances: int = 0
     notes: tuple[str, ...] = ()
     log: tuple[str, ...] = ()
@@ -340,7 +340,7 @@ class SoakReport:
 
 
 def count_outcomes(kinds: Iterable[OutcomeKind]) -> dict[str, int]:
-    """Outcomes counted by kind, in :data:`OUTCOME_KINDS` order, kinds that never happened left
+    """Outcomes counted by kind, in `OUTCOME_KINDS` order, kinds that never happened left
     out."""
     counted = Counter(kinds)
     return {kind: counted[kind] for kind in OUTCOME_KINDS if counted[kind]}

@@ -1,6 +1,6 @@
-"""A soak worker: ``python -m flowlock_lab.soak_worker SPEC``, SPEC a :class:`WorkerSpec` as JSON.
+"""A soak worker: `python -m flowlock_lab.soak_worker SPEC`, SPEC a `WorkerSpec` as JSON.
 
-It runs ``tasks`` callers until stdin closes or the stop time comes.
+It runs `tasks` callers until stdin closes or the stop time comes.
 Each call is recorded and streamed to the parent as it starts and ends.
 So a killed worker's calls in flight are known, as unknown.
 """
@@ -60,10 +60,10 @@ def spread_id(k: int) -> str:
 class WorkerSpec:
     """What one worker process runs: its name, connections, strategies, callers and seed.
 
-    It also has the run's clock, ``started`` and ``stop_at``, on the shared monotonic clock.
+    It also has the run's clock, `started` and `stop_at`, on the shared monotonic clock.
     Then the storm and hot slot lengths, and how many spread counters there are.
     Then the distributed strategies' lease ttl and wait, and the bound on one call.
-    ``batching`` says whether the engine batches concurrent calls on one instance.
+    `batching` says whether the engine batches concurrent calls on one instance.
     """
 
     name: str
@@ -102,7 +102,7 @@ def _emit(doc: Mapping[str, Any]) -> None:
 
 
 async def _open_engine(spec: WorkerSpec, stack: contextlib.AsyncExitStack) -> Engine:
-    """One engine with every strategy of the run; its store and lock backends go on ``stack``."""
+    """One engine with every strategy of the run; its store and lock backends go on `stack`."""
     target = Target.from_json(spec.target)
     rng = random.Random(f"{spec.seed}/locks")
     store = build_postgres_store(
@@ -192,7 +192,7 @@ class _Caller:
         return lambda: self.engine.create(workflow, instance_id=iid, data=data)
 
     def _strategy(self, iid: str) -> str:
-        """A strategy at random; a distributed one on the lock backend that guards ``iid``."""
+        """A strategy at random; a distributed one on the lock backend that guards `iid`."""
         strategy = self.rng.choice(self.spec.strategies)
         if STRATEGIES[strategy].locks is None:
             return strategy

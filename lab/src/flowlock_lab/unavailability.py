@@ -1,13 +1,12 @@
 """How long a fault left callers without a successful call, seen from the callers' side.
 
-::
 
-    seen = Availability()
-    ... every caller: began = time.monotonic(); call; seen.ok(began) when it succeeded ...
-    kill_the_primary()
-    seen.fault()  # once it is dead
-    ... load goes on until calls succeed again ...
-    print(f"{seen.window():.2f} s without a successful call")
+seen = Availability()
+... every caller: began = time.monotonic(); call; seen.ok(began) when it succeeded ...
+kill_the_primary()
+seen.fault()  # once it is dead
+... load goes on until calls succeed again ...
+print(f"{seen.window():.2f} s without a successful call")
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ __all__ = ["Availability"]
 
 
 class Availability:
-    """When calls succeeded, and when the fault came. ``clock`` is injectable for tests."""
+    """When calls succeeded, and when the fault came. `clock` is injectable for tests."""
 
     __slots__ = ("_clock", "_fault", "_first_after", "_successes")
 
@@ -31,7 +30,7 @@ class Availability:
         self._first_after = math.inf
 
     def ok(self, began: float) -> None:
-        """A call that began at ``began`` (on the same clock) succeeded just now."""
+        """A call that began at `began` (on the same clock) succeeded just now."""
         ended = self._clock()
         self._successes += 1
         if self._fault is not None and began >= self._fault:
@@ -59,7 +58,7 @@ class Availability:
 
         A call begun before the fault does not end the window.
         It may have used the failed server first.
-        It is ``inf`` while there is none, and 0.0 before any fault.
+        It is `inf` while there is none, and 0.0 before any fault.
         """
         if self._fault is None:
             return 0.0

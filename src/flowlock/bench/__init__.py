@@ -1,9 +1,8 @@
-"""The benchmark behind ``flowlock bench``: the seed's experiment and every scenario.
+"""The benchmark behind `flowlock bench`: the seed's experiment and every scenario.
 
 Each strategy is measured against a floor measured in the same run.
 docs/benchmarks.md describes the scenarios, the report and how the modules fit together.
 
-::
 
     from flowlock.bench import BenchConfig, run
     report = run(BenchConfig(quick=True))   # embedded PostgreSQL and Redis, uvloop when installed

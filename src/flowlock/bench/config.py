@@ -1,4 +1,4 @@
-"""What to run (:class:`BenchConfig`) and where a process's sessions connect (:class:`Target`).
+"""What to run (`BenchConfig`) and where a process's sessions connect (`Target`).
 
 Validation does no I/O.
 """
@@ -32,17 +32,17 @@ __all__ = [
 ]
 
 DEFAULT_PROCESSES = 4
-"""OS processes of the multi-process scenarios when ``processes`` is not given (with ``hosts``,
+"""OS processes of the multi-process scenarios when `processes` is not given (with `hosts`,
 at least one per host)."""
 
 MAX_HOSTS = 16
-"""The most namespaced hosts of one run (``--hosts``): each runs at least one worker process,
+"""The most namespaced hosts of one run (`--hosts`): each runs at least one worker process,
 and a 2-core machine is saturated long before."""
 MAX_DELAY_MS = 1000.0
-"""The largest netem delay ``--netem-delay`` takes, in ms."""
+"""The largest netem delay `--netem-delay` takes, in ms."""
 
 HOSTS_SCENARIOS = ("spread", "cluster")
-"""What ``--hosts`` runs when no scenario is named: the sustained must-apply load from every
+"""What `--hosts` runs when no scenario is named: the sustained must-apply load from every
 host, on many instances (spread) and on instances the hosts share (cluster)."""
 
 ADVISORY_POOL = 20
@@ -50,17 +50,17 @@ ADVISORY_POOL = 20
 
 ADMIN_POOL = 10
 """The parent's pool while worker processes do the calls (and while the service does them,
-under ``--http``: this process then only sets rounds up and reads them back)."""
+under `--http`: this process then only sets rounds up and reads them back)."""
 
 HTTP_SCENARIOS = ("storm", "hot", "spread")
-"""What ``--http`` runs through the service: the scenarios whose every call is one plain
-``engine.fire``, on workflows :mod:`flowlock_lab.http_app` serves."""
+"""What `--http` runs through the service: the scenarios whose every call is one plain
+`engine.fire`, on workflows `flowlock_lab.http_app` serves."""
 HTTP_STRATEGIES = ("optimistic", "pessimistic", "adaptive")
-"""The strategies ``--http`` runs when none is given, and the only ones it can: those the
-service's engine has without a lock backend of its own (``raw`` has no engine at all)."""
+"""The strategies `--http` runs when none is given, and the only ones it can: those the
+service's engine has without a lock backend of its own (`raw` has no engine at all)."""
 HTTP_WORKERS = 1
-"""``flowlock serve --workers`` under ``--http``. One: on the 2-core development machine two
-workers measured the same within the noise (``--quick``, twice each: about 670 against 700
+"""`flowlock serve --workers` under `--http`. One: on the 2-core development machine two
+workers measured the same within the noise (`--quick`, twice each: about 670 against 700
 requests/s, p99 about 215 ms either way), and one worker keeps every call on one engine, so
 concurrent calls on an instance batch as they do in-process (two split the storm's batches in
 half)."""
@@ -80,15 +80,15 @@ _NO_HTTP_STRATEGY = {
 
 
 def service_pool(pool: int, workers: int) -> int:
-    """PostgreSQL connections per worker of the ``--http`` service.
+    """PostgreSQL connections per worker of the `--http` service.
 
-    The run's ``pool`` is shared out, so both transports get the same connections.
+    The run's `pool` is shared out, so both transports get the same connections.
     """
     return max(1, -(-pool // workers))
 
 
 def redact(url: str) -> str:
-    """``url`` without its password, for reports and messages."""
+    """`url` without its password, for reports and messages."""
     try:
         parts = urlsplit(url)
         if parts.password is None:
@@ -110,13 +110,13 @@ def _scheme(url: str) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
-    """What to run; ``None`` means the default.
+    """What to run; `None` means the default.
 
     Defaults: every scenario and strategy, and each scenario's own rounds and calls.
-    ``quick`` lowers those counts. Multi-process scenarios use 4 processes.
+    `quick` lowers those counts. Multi-process scenarios use 4 processes.
     The pool has one connection per caller, as in the seed, lowered to what the server takes.
     PostgreSQL and Redis are embedded. The seed is random but reported, so a run can be repeated.
-    Engines batch unless ``batching`` is False.
+    Engines batch unless `batching` is False.
     """
 
     scenarios: tuple[str, ...] | None = None
@@ -131,25 +131,25 @@ class BenchConfig:
     database_url: str | None = None
     redis_url: str | None = None
     warmup: bool = True
-    """Run one untimed round per pair first (not under ``quick``, whose pools are only filled
+    """Run one untimed round per pair first (not under `quick`, whose pools are only filled
     before the first round)."""
     batching: bool = True
     """Every flowlock engine the run builds batches concurrent calls on one instance
-    (``Engine(batching=...)``); the raw floor has no engine and is the same either way."""
+    (`Engine(batching=...)`); the raw floor has no engine and is the same either way."""
     hosts: int | None = None
     """Run every scenario's callers in worker processes spread over this many Linux network
-    namespaces (``flowlock_lab.hosts``), against an embedded PostgreSQL and Redis on the
+    namespaces (`flowlock_lab.hosts`), against an embedded PostgreSQL and Redis on the
     namespaces' bridge. Needs root and iproute2."""
     netem_delay_ms: float | None = None
-    """With ``hosts``: the netem delay of each direction of each host's link; None: 1 ms with
+    """With `hosts`: the netem delay of each direction of each host's link; None: 1 ms with
     two hosts or more where the kernel has netem, else none; 0: none."""
     http: bool = False
-    """Run each pair twice: in this process, then through a ``flowlock serve`` subprocess
-    started for the run, by ``workers`` concurrent HTTP callers (``flowlock_lab.http``).
-    Only :data:`HTTP_SCENARIOS` and :data:`HTTP_STRATEGIES`; every pair warms up first, also
-    under ``quick``, so both transports are compared warm."""
+    """Run each pair twice: in this process, then through a `flowlock serve` subprocess
+    started for the run, by `workers` concurrent HTTP callers (`flowlock_lab.http`).
+    Only `HTTP_SCENARIOS` and `HTTP_STRATEGIES`; every pair warms up first, also
+    under `quick`, so both transports are compared warm."""
     http_workers: int = HTTP_WORKERS
-    """The service's worker processes under ``http``."""
+    """The service's worker processes under `http`."""
 
     def validate(self) -> None:
         """Raise InvalidInput for anything that cannot run; does no I/O."""
@@ -291,7 +291,7 @@ class BenchConfig:
         return min(self.workers, self.processes or default)
 
     def in_processes(self, scenario: Scenario) -> bool:
-        """Whether ``scenario``'s callers run in the worker processes.
+        """Whether `scenario`'s callers run in the worker processes.
 
         Multi-process scenarios always do. With hosts, every scenario does: the workers run there.
         """

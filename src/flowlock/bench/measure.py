@@ -55,7 +55,7 @@ def peak_overlap(intervals: Sequence[tuple[float, float]]) -> int:
 
 
 class Sampler:
-    """Samples the run's connections between :meth:`start` and :meth:`stop`.
+    """Samples the run's connections between `start` and `stop`.
 
     It records peak connections (in use, active, open) and lock wait (count x interval).
     It runs on its own thread, loop and connection. The callers' loop is busiest during a burst,
@@ -260,7 +260,7 @@ class RemoteFailure(Exception):
 async def timed_call(
     scenario: Scenario, session: Session, spec: CallSpec, started: float
 ) -> CallResult:
-    """Make one call and say what it came to, timed from ``started`` (perf_counter seconds).
+    """Make one call and say what it came to, timed from `started` (perf_counter seconds).
     Never raises for the call's own failure: that is a measurement."""
     try:
         fired = await scenario.fire(session, spec)
@@ -300,7 +300,7 @@ async def timed_call(
 
 
 class Armed:
-    """A round's callers, created and parked on the gate: :meth:`go` releases them."""
+    """A round's callers, created and parked on the gate: `go` releases them."""
 
     def __init__(
         self, scenario: Scenario, session: Session, lanes: Sequence[Sequence[CallSpec]]

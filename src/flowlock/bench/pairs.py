@@ -50,7 +50,7 @@ class Run:
     workers: WorkerPool
     hosts: HostsRun | None = None
     service: ServiceRun | None = None
-    """The service the ``--http`` pairs call (None without ``--http``)."""
+    """The service the `--http` pairs call (None without `--http`)."""
 
 
 def seeded(seed: int, *parts: object) -> random.Random:
@@ -141,9 +141,9 @@ class Pair:
     async def one_round(
         self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
     ) -> None:
-        """Set up and fire one round; when ``timed``, read it back and record it.
+        """Set up and fire one round; when `timed`, read it back and record it.
 
-        ``sampler`` watches the connections while the calls run; None means unwatched.
+        `sampler` watches the connections while the calls run; None means unwatched.
         """
         # The same stream for both transports: an --http pair fires the same choices.
         rng = seeded(self.run.seed, self.scenario.name, self.spec.name, n)

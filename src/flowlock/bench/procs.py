@@ -1,6 +1,6 @@
 """Worker processes for the multi-process scenarios, and the messages they exchange.
 
-Each message is a dataclass with ``to_dict`` and ``from_dict`` for the JSON-lines wire.
+Each message is a dataclass with `to_dict` and `from_dict` for the JSON-lines wire.
 docs/benchmarks.md lists the requests and replies.
 """
 
@@ -46,10 +46,10 @@ _LINE_LIMIT = 64 * 1024 * 1024  # a round's results for thousands of calls fit o
 
 @dataclass(frozen=True, slots=True)
 class Open:
-    """Open a fresh session for ``strategy`` on ``scenario``.
+    """Open a fresh session for `strategy` on `scenario`.
 
-    It gets its own pool of ``pool_size``, engine and lock backend, as in-process.
-    The engine batches unless ``batching`` is False.
+    It gets its own pool of `pool_size`, engine and lock backend, as in-process.
+    The engine batches unless `batching` is False.
     """
 
     op: ClassVar[str] = "open"
@@ -197,8 +197,8 @@ class Done:
 class Closed:
     """The session is closed; its engine's escalation counts.
 
-    ``escalated``: instances its adaptive monitor escalated while open.
-    ``adopted``: those of them taken from the board, decided by another engine.
+    `escalated`: instances its adaptive monitor escalated while open.
+    `adopted`: those of them taken from the board, decided by another engine.
     """
 
     op: ClassVar[str] = "closed"
@@ -235,7 +235,7 @@ _REPLIES: dict[str, type[Reply]] = {t.op: t for t in (Opened, ArmedReply, Done, 
 
 
 def request_from_dict(doc: Mapping[str, Any]) -> Request:
-    """The request ``doc`` encodes; ValueError for an unknown ``op``."""
+    """The request `doc` encodes; ValueError for an unknown `op`."""
     kind = _REQUESTS.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"unknown request {doc.get('op')!r}")
@@ -243,7 +243,7 @@ def request_from_dict(doc: Mapping[str, Any]) -> Request:
 
 
 def reply_from_dict(doc: Mapping[str, Any]) -> Reply:
-    """The reply ``doc`` encodes; ValueError for an unknown ``op``."""
+    """The reply `doc` encodes; ValueError for an unknown `op`."""
     kind = _REPLIES.get(str(doc.get("op")))
     if kind is None:
         raise ValueError(f"answered {doc.get('op')!r}")
@@ -256,16 +256,16 @@ R = TypeVar("R", Opened, ArmedReply, Done, Closed)
 
 
 WORKER_ARGV = (sys.executable, "-m", "flowlock.bench.worker")
-"""How a worker process is started (inside a namespaced host: after ``ip netns exec NAME``)."""
+"""How a worker process is started (inside a namespaced host: after `ip netns exec NAME`)."""
 
 
 class WorkerPool:
-    """``count`` worker processes speaking JSON lines on stdin and stdout.
+    """`count` worker processes speaking JSON lines on stdin and stdout.
 
     Workers start in their own session, so Ctrl-C reaches only this process.
     This process then closes them: EOF on stdin, and a kill if they do not exit.
-    ``commands`` replaces each worker's command line (namespaced hosts use ``ip netns exec``).
-    ``labels`` say where each runs, for error messages.
+    `commands` replaces each worker's command line (namespaced hosts use `ip netns exec`).
+    `labels` say where each runs, for error messages.
     """
 
     def __init__(
@@ -323,7 +323,7 @@ class WorkerPool:
         await self.send([request] * self.count)
 
     async def receive(self, expect: type[R]) -> list[R]:
-        """Each worker's reply, which must be an ``expect``."""
+        """Each worker's reply, which must be an `expect`."""
         return list(await asyncio.gather(*(self._reply(i, expect) for i in range(self.count))))
 
     async def ask(self, requests: Sequence[Request], expect: type[R]) -> list[R]:

@@ -1,6 +1,6 @@
-"""How the runner reports progress (:class:`Progress`), and a front end that shows nothing.
+"""How the runner reports progress (`Progress`), and a front end that shows nothing.
 
-The rich display is :class:`flowlock.bench.report.RichProgress`.
+The rich display is `flowlock.bench.report.RichProgress`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Progress(Protocol):
         """The whole run's rounds (warm-ups included), told once before the first pair."""
 
     def begin(self, scenario: str, strategy: str, rounds: int) -> None:
-        """A pair starts; ``rounds`` counts the warm-up round too."""
+        """A pair starts; `rounds` counts the warm-up round too."""
 
     def advance(self) -> None:
         """One round of the current pair finished."""

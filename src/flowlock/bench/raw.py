@@ -86,7 +86,7 @@ def _write_args(entry: HistoryEntry) -> tuple[Any, ...]:
 class RawSession:
     """The floor for one scenario, on the run's asyncpg pool.
 
-    The pool's connections decode jsonb to dicts. ``engine`` only sets up and reads back.
+    The pool's connections decode jsonb to dicts. `engine` only sets up and reads back.
     """
 
     def __init__(self, engine: Engine, pool: asyncpg.Pool, floor: Floor) -> None:

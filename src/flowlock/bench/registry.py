@@ -1,6 +1,6 @@
 """The strategies the benchmark can run, by name; tests and plugins can add more.
 
-``raw`` is the floor. :data:`ALIASES` are command-line names that stand for several.
+`raw` is the floor. `ALIASES` are command-line names that stand for several.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LEASE_WAIT = 5.0
 class BuildContext:
     """What a strategy is built from: the pair's random source and its lock backend.
 
-    The random source is seeded per run, so ``--seed`` reproduces the jitter.
+    The random source is seeded per run, so `--seed` reproduces the jitter.
     """
 
     rng: random.Random
@@ -49,9 +49,9 @@ class BuildContext:
 class StrategySpec:
     """A concurrency strategy the benchmark can run.
 
-    ``build`` makes a fresh strategy for one pair. None means the engine's own strategy
-    of that name (``adaptive``). ``locks`` names the lock backend it needs.
-    ``floor`` marks the raw-asyncpg floor, which is not a flowlock strategy.
+    `build` makes a fresh strategy for one pair. None means the engine's own strategy
+    of that name (`adaptive`). `locks` names the lock backend it needs.
+    `floor` marks the raw-asyncpg floor, which is not a flowlock strategy.
     """
 
     name: str
@@ -69,13 +69,13 @@ ALIASES: dict[str, tuple[str, ...]] = {"distributed": ("distributed-redis", "dis
 
 
 def register_strategy(spec: StrategySpec) -> StrategySpec:
-    """Add ``spec`` to :data:`STRATEGIES` (replacing one of the same name)."""
+    """Add `spec` to `STRATEGIES` (replacing one of the same name)."""
     STRATEGIES[spec.name] = spec
     return spec
 
 
 def expand(names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` with aliases expanded and duplicates dropped, in first-mention order."""
+    """`names` with aliases expanded and duplicates dropped, in first-mention order."""
     out: list[str] = []
     for name in names:
         out.extend(ALIASES.get(name, (name,)))
@@ -134,4 +134,4 @@ if importlib.util.find_spec("flowlock.strategies.adaptive") is not None:
     )
 
 DEFAULT_STRATEGIES: tuple[str, ...] = tuple(STRATEGIES)
-"""What ``flowlock bench`` runs when no ``strategy`` is given: every registered strategy."""
+"""What `flowlock bench` runs when no `strategy` is given: every registered strategy."""

@@ -1,6 +1,6 @@
 """What the benchmark measures and concludes, as plain values and pure arithmetic.
 
-Nothing here does I/O. :func:`summarise` turns what the runner recorded into results.
+Nothing here does I/O. `summarise` turns what the runner recorded into results.
 The report package reads only these dataclasses.
 """
 
@@ -57,8 +57,8 @@ Kind = Literal["applied", "idempotent", "refused", "failed"]
 
 
 Transport = Literal["in-process", "http"]
-"""How a result's calls reached the engine: ``engine.fire`` in the bench's process, or HTTP
-requests to a ``flowlock serve`` subprocess (``flowlock bench --http``)."""
+"""How a result's calls reached the engine: `engine.fire` in the bench's process, or HTTP
+requests to a `flowlock serve` subprocess (`flowlock bench --http`)."""
 IN_PROCESS: Transport = "in-process"
 HTTP: Transport = "http"
 
@@ -80,7 +80,7 @@ class Params:
     """The untimed warm-up round: it only has to fill the pools, so it may do less."""
 
     def evolve(self, **changes: Any) -> Params:
-        """A copy with ``changes`` applied."""
+        """A copy with `changes` applied."""
         return replace(self, **changes)
 
 
@@ -88,8 +88,8 @@ class Params:
 class CallSpec:
     """One call a caller makes when the round is released.
 
-    Usually an ``engine.fire``. For ``singleton`` it is a job run:
-    ``instance_id`` is the job and ``payload`` the tick.
+    Usually an `engine.fire`. For `singleton` it is a job run:
+    `instance_id` is the job and `payload` the tick.
     """
 
     instance_id: str
@@ -119,8 +119,8 @@ class CallSpec:
 class RoundPlan:
     """The instances a round created, with their states, and its callers.
 
-    ``calls``: one call per caller, all released at once (storm, countersign).
-    ``lanes``: per caller, calls fired one after another (hot, spread).
+    `calls`: one call per caller, all released at once (storm, countersign).
+    `lanes`: per caller, calls fired one after another (hot, spread).
     A plan uses one or the other.
     """
 
@@ -138,7 +138,7 @@ class RoundPlan:
 class CallResult:
     """What one call came to.
 
-    ``latency`` runs from when the caller could start to the call's end.
+    `latency` runs from when the caller could start to the call's end.
     That start is the round's release, or the caller's previous call's end.
     """
 
@@ -150,9 +150,9 @@ class CallResult:
     """The exception's class name for refused and failed calls."""
     message: str | None = None
     batch_size: int | None = None
-    """The engine's ``Outcome.batch_size``: how many calls on the instance were decided and
+    """The engine's `Outcome.batch_size`: how many calls on the instance were decided and
     written together with this one (1: alone). None when no Outcome came back: the call failed,
-    or no engine answered it (the raw floor, a ``RunOnce`` job)."""
+    or no engine answered it (the raw floor, a `RunOnce` job)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -204,7 +204,7 @@ class Judgement:
 
 
 class Judged(Protocol):
-    """What :func:`summarise` needs from a scenario: its name and its judging rules."""
+    """What `summarise` needs from a scenario: its name and its judging rules."""
 
     @property
     def name(self) -> str: ...
@@ -328,11 +328,11 @@ class ScenarioResult:
     """The measurements and the verdict of one (scenario, strategy) pair's timed rounds.
 
     Latencies are in milliseconds.
-    ``success_pct`` counts calls that applied, were idempotent or were refused by a rule.
+    `success_pct` counts calls that applied, were idempotent or were refused by a rule.
     Lock and conflict failures do not count as success.
-    ``peak_connections``: the run's connections in use at the busiest sample.
-    ``open_connections``: all of them, idle ones included.
-    ``lock_wait_ms``: lock wait per call (row locks on the server, leases in the client).
+    `peak_connections`: the run's connections in use at the busiest sample.
+    `open_connections`: all of them, idle ones included.
+    `lock_wait_ms`: lock wait per call (row locks on the server, leases in the client).
     """
 
     scenario: str
@@ -369,38 +369,38 @@ class ScenarioResult:
     floor: str | None = None
     """For the raw strategy: how it did this scenario's calls (statement, locked, cas, claim)."""
     mean_batch: float | None = None
-    """The mean ``Outcome.batch_size`` over the calls that got an Outcome (see
-    :func:`mean_batch`); None when none did."""
+    """The mean `Outcome.batch_size` over the calls that got an Outcome (see
+    `mean_batch`); None when none did."""
     hosts: int = 0
-    """The namespaced hosts the worker processes ran on (``--hosts``); 0: this machine's own
+    """The namespaced hosts the worker processes ran on (`--hosts`); 0: this machine's own
     network."""
     escalated: int | None = None
     """Instances the engines' adaptive monitors escalated during the pair, each engine counted
     once per instance (one engine per worker process); None when not counted (the raw floor)."""
     adopted: int | None = None
-    """Of :attr:`escalated`, those an engine took from the escalation board in PostgreSQL:
+    """Of `escalated`, those an engine took from the escalation board in PostgreSQL:
     decided by another engine, on another worker process or host."""
     transport: Transport = IN_PROCESS
-    """How the calls were made. Over ``http`` the connections are the service's, which the
+    """How the calls were made. Over `http` the connections are the service's, which the
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
 
     @property
     def label(self) -> str:
-        """``scenario/strategy``, with `` (http)`` after a result measured through the service."""
+        """`scenario/strategy`, with ` (http)` after a result measured through the service."""
         suffix = " (http)" if self.transport == HTTP else ""
         return f"{self.scenario}/{self.strategy}{suffix}"
 
 
 def _per(amount: float, count: float) -> float:
-    """``amount / count``, 0 when there is nothing to divide by."""
+    """`amount / count`, 0 when there is nothing to divide by."""
     return amount / count if count > 0 else 0.0
 
 
 def mean_batch(results: Iterable[CallResult]) -> float | None:
-    """The mean ``batch_size`` of calls an engine answered; None when no engine answered.
+    """The mean `batch_size` of calls an engine answered; None when no engine answered.
 
     It is 1.0 when batching is off or no two calls on an instance met.
-    None covers the raw floor, ``RunOnce`` and runs where every call failed.
+    None covers the raw floor, `RunOnce` and runs where every call failed.
     """
     sizes = [r.batch_size for r in results if r.batch_size is not None]
     return sum(sizes) / len(sizes) if sizes else None
@@ -422,10 +422,10 @@ def summarise(
     """One pair's result from its timed rounds and the sampler's figures.
 
     Throughput is per second of round wall time; lock wait is per call.
-    ``floor`` marks the raw floor, so the result names how it made the calls.
-    ``hosts`` are the namespaced hosts it ran on.
-    ``escalations`` is (escalated, adopted), summed over the engines.
-    ``transport`` says how its calls were made.
+    `floor` marks the raw floor, so the result names how it made the calls.
+    `hosts` are the namespaced hosts it ran on.
+    `escalations` is (escalated, adopted), summed over the engines.
+    `transport` says how its calls were made.
     """
     records, wall = timed.records, timed.wall
     results = [r for record in records for r in record.results]
@@ -489,14 +489,14 @@ class BenchReport:
     results: tuple[ScenarioResult, ...]
     loop: str
     database: str
-    """``"embedded"`` or ``"external"``."""
+    """`"embedded"` or `"external"`."""
     pool_size: int
     duration_s: float
     notes: tuple[str, ...] = ()
     redis: str = "none"
-    """``"embedded"``, ``"external"``, or ``"none"`` (no strategy needed Redis, or none found)."""
+    """`"embedded"`, `"external"`, or `"none"` (no strategy needed Redis, or none found)."""
     skipped: tuple[str, ...] = ()
-    """``scenario/strategy`` pairs that could not run (see ``notes``)."""
+    """`scenario/strategy` pairs that could not run (see `notes`)."""
     log: tuple[str, ...] = ()
     """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
 
@@ -513,7 +513,7 @@ _SEVERITY = (DOUBLE_APPLY, LOST_UPDATE, OVERSELL, VERSION_GAP, BROKEN_CHAIN, FIN
 def failures(report: BenchReport, limit: int = 5) -> list[str]:
     """One line per failed verdict, with its violations counted by kind.
 
-    Then up to ``limit`` violations, the most serious kinds (double applies) first.
+    Then up to `limit` violations, the most serious kinds (double applies) first.
     """
     lines: list[str] = []
     for r in report.results:

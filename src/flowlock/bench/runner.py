@@ -1,6 +1,6 @@
 """The benchmark runner: it orchestrates, measures, checks and returns dataclasses.
 
-Cleanup runs in ``finally`` blocks. An error or Ctrl-C leaves no server, process, schema or key.
+Cleanup runs in `finally` blocks. An error or Ctrl-C leaves no server, process, schema or key.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
 
 
 def _needs_lab(config: BenchConfig, lab: Lab | None) -> Lab | None:
-    """The lab a ``--hosts`` or ``--http`` run needs, or None.
+    """The lab a `--hosts` or `--http` run needs, or None.
 
     Raises InvalidInput when the lab is not installed.
     """
@@ -169,7 +169,7 @@ async def run_bench(
     config: BenchConfig, progress: Progress | None = None, *, lab: Lab | None = None
 ) -> BenchReport:
     """Run the benchmark on the running event loop and return its report. A run with
-    ``hosts`` or ``http`` needs ``lab`` (``flowlock_lab.matrix.LAB``)."""
+    `hosts` or `http` needs `lab` (`flowlock_lab.matrix.LAB`)."""
     config.validate()
     needed = _needs_lab(config, lab)
     shown: Progress = progress or NullProgress()

@@ -74,7 +74,7 @@ async def connect(url: str) -> asyncpg.Connection:
 
 @dataclass(slots=True)
 class DatabaseServer:
-    """The database of a run: its URL and kind (``"embedded"`` or ``"external"``).
+    """The database of a run: its URL and kind (`"embedded"` or `"external"`).
 
     Once probed it also has the version, each session's pool size, and notes for the report.
     """
@@ -96,8 +96,8 @@ async def postgres_server(
 ) -> AsyncIterator[DatabaseServer]:
     """The database to run against: the caller's, or an embedded one.
 
-    An embedded server is stopped on the way out. It listens on ``host`` (default 127.0.0.1).
-    It lets in clients of the ``trusted`` networks, such as the namespaced hosts' subnet.
+    An embedded server is stopped on the way out. It listens on `host` (default 127.0.0.1).
+    It lets in clients of the `trusted` networks, such as the namespaced hosts' subnet.
     """
     if config.database_url is not None:
         progress.status(f"connecting to {_where(config.database_url)}")
@@ -121,7 +121,7 @@ async def postgres_server(
 
 
 def demand(pool: int, advisory: bool) -> int:
-    """Connections one process's session may open with a pool of ``pool``."""
+    """Connections one process's session may open with a pool of `pool`."""
     if not advisory:
         return pool
     lease = min(ADVISORY_POOL, pool)
@@ -129,9 +129,9 @@ def demand(pool: int, advisory: bool) -> int:
 
 
 def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int) -> int:
-    """Connections a run with session pools of ``pool`` needs at its busiest.
+    """Connections a run with session pools of `pool` needs at its busiest.
 
-    That is one session here, or ``processes`` workers sharing the pool plus a small admin pool.
+    That is one session here, or `processes` workers sharing the pool plus a small admin pool.
     RunOnce adds a few per process.
     """
     alone = demand(pool, advisory)
@@ -142,7 +142,7 @@ def connections_needed(pool: int, *, advisory: bool, multi: bool, processes: int
 
 
 def with_service(alone: int, pool: int, workers: int) -> int:
-    """Connections a ``--http`` run needs, when the same run without the service needs ``alone``.
+    """Connections a `--http` run needs, when the same run without the service needs `alone`.
 
     The service's pools stay open all run, beside every in-process or admin session.
     """
@@ -151,9 +151,9 @@ def with_service(alone: int, pool: int, workers: int) -> int:
 
 
 def fit_pool(wanted: int, free: int, needed: Callable[[int], int]) -> int:
-    """The largest pool up to ``wanted`` whose ``needed`` connections fit in ``free``.
+    """The largest pool up to `wanted` whose `needed` connections fit in `free`.
 
-    It returns 1 when none fits; the caller then checks ``needed(1)`` itself.
+    It returns 1 when none fits; the caller then checks `needed(1)` itself.
     """
     pool = wanted
     while pool > 1 and needed(pool) > free:
@@ -172,7 +172,7 @@ SELECT current_setting('max_connections')::int AS max_conn,
 
 
 async def _inspect(server: DatabaseServer) -> asyncpg.Record:
-    """Read the server version into ``server``; return its connection limits."""
+    """Read the server version into `server`; return its connection limits."""
     conn = await connect(server.url)
     try:
         # server_version, e.g. "15.20 (Debian 15.20-0+deb12u1)": asyncpg's parsed
@@ -249,7 +249,7 @@ async def clear_escalation_board(pool: asyncpg.Pool) -> None:
 
 
 async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
-    """The server's client connections from any of ``addresses`` (the namespaced hosts')."""
+    """The server's client connections from any of `addresses` (the namespaced hosts')."""
     conn = await connect(url)
     try:
         found = await conn.fetchval(
@@ -268,7 +268,7 @@ async def count_connections_from(url: str, addresses: Sequence[str]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class RedisServer:
-    """The Redis of a run: its URL, ``"embedded"`` or ``"external"``, and its version."""
+    """The Redis of a run: its URL, `"embedded"` or `"external"`, and its version."""
 
     url: str
     kind: str
@@ -281,7 +281,7 @@ async def redis_server(
 ) -> AsyncIterator[RedisServer | None]:
     """Redis for distributed-redis: the caller's, an embedded one, or None.
 
-    An embedded server listens on ``host`` (default 127.0.0.1) and is removed on the way out.
+    An embedded server listens on `host` (default 127.0.0.1) and is removed on the way out.
     None means no strategy needs Redis or none could be started.
     """
     if not needed:
@@ -347,7 +347,7 @@ async def delete_redis_keys(url: str, namespace: str) -> None:
 async def count_redis_lock_keys(url: str, namespace: str) -> int:
     """The lock keys under the run's Redis namespace, not fencing counters or stamps.
 
-    A lock key ends with its hash tag's ``}``; the user's key is escaped inside it.
+    A lock key ends with its hash tag's `}`; the user's key is escaped inside it.
     """
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
@@ -368,7 +368,7 @@ async def count_redis_lock_keys(url: str, namespace: str) -> int:
 
 
 async def count_redis_clients_from(url: str, addresses: Sequence[str]) -> int:
-    """Redis's client connections from any of ``addresses`` (the namespaced hosts')."""
+    """Redis's client connections from any of `addresses` (the namespaced hosts')."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 

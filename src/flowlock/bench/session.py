@@ -95,7 +95,7 @@ class BenchSession(Session, Protocol):
 
 
 class _EngineSession:
-    """A flowlock strategy: every call is an ``engine.fire`` with it."""
+    """A flowlock strategy: every call is an `engine.fire` with it."""
 
     def __init__(
         self,
@@ -175,7 +175,7 @@ def _store(target: Target, size: int, *, pipeline: bool) -> PostgresStore:
 def build_lock_backend(
     kind: str, target: Target, store: PostgresStore, pool: int, rng: random.Random
 ) -> LockBackend:
-    """The lock backend ``kind`` (``"redis"`` or ``"advisory"``) for one session."""
+    """The lock backend `kind` (`"redis"` or `"advisory"`) for one session."""
     if kind == "redis":
         if target.redis_url is None:
             raise InvalidInput(
@@ -240,10 +240,10 @@ async def open_session(
     pool_size: int | None = None,
     batching: bool = True,
 ) -> AsyncIterator[BenchSession]:
-    """A fresh session for ``spec``, closed on the way out.
+    """A fresh session for `spec`, closed on the way out.
 
-    It gets its own pool (``pool_size``, default the target's), engine and lock backend.
-    The engine batches concurrent calls on one instance unless ``batching`` is False.
+    It gets its own pool (`pool_size`, default the target's), engine and lock backend.
+    The engine batches concurrent calls on one instance unless `batching` is False.
     The scenario's workflows are registered.
     """
     size = pool_size or target.pool_size

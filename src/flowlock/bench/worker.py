@@ -1,4 +1,4 @@
-"""A benchmark worker process: ``python -m flowlock.bench.worker``.
+"""A benchmark worker process: `python -m flowlock.bench.worker`.
 
 The runner drives it with one JSON request a line on stdin; each gets one reply line.
 End of input closes everything and exits. docs/benchmarks.md describes the protocol.

@@ -20,11 +20,11 @@ class Search:
     Done when every completed call is placed; leftover unknown calls never took effect.
 
     Two cuts keep ordinary histories linear. A read that sees exactly the known instance
-    is placed at once (``_place_forced_read``). An unknown call is not placed where a due
-    completed call needs an older version (``_lowest_need``).
+    is placed at once (`_place_forced_read`). An unknown call is not placed where a due
+    completed call needs an older version (`_lowest_need`).
 
     The memo key is (placed completed calls, unknown calls placed per group, model).
-    Placed calls are ``low`` (all below it placed) plus a small bit set above it.
+    Placed calls are `low` (all below it placed) plus a small bit set above it.
     Frames form a linked list, so the deepest point reached costs nothing to keep.
     """
 
@@ -44,7 +44,7 @@ class Search:
         self.best_model: Model = start
 
     def run(self) -> bool | None:
-        """True: linearizable; False: not (``best`` is the deepest point); None: out of steps."""
+        """True: linearizable; False: not (`best` is the deepest point); None: out of steps."""
         definite = self.definite
         n = len(definite)
         if n == 0:
@@ -99,7 +99,7 @@ class Search:
     def _place_next(self) -> bool:
         """Place the next call that fits at this node; False when none is left.
 
-        Candidates are tried from ``self.e`` on, then the unknown groups."""
+        Candidates are tried from `self.e` on, then the unknown groups."""
         if self.fresh:
             self.fresh = False
             if None not in self.model and self._place_forced_read():
@@ -163,7 +163,7 @@ class Search:
     def _place_unknown(self, limit: float) -> bool:
         """Let the next unknown call of a group take effect, at a point not tried before.
 
-        The group comes from ``self.next_group``; the call was invoked by ``limit``.
+        The group comes from `self.next_group`; the call was invoked by `limit`.
         """
         groups, used = self.groups, self.used
         floor: int | None = -1
@@ -271,9 +271,9 @@ class Search:
 
 
 def place(low: int, bits: int, k: int) -> tuple[int, int]:
-    """Mark completed call ``k`` placed in the (low, bits) set.
+    """Mark completed call `k` placed in the (low, bits) set.
 
-    Every call below ``low`` is placed; bit i of ``bits`` says whether call ``low + i`` is.
+    Every call below `low` is placed; bit i of `bits` says whether call `low + i` is.
     """
     bits |= 1 << (k - low)
     if bits & 1:

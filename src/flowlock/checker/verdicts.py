@@ -15,7 +15,7 @@ FINAL_MISMATCH = "final-mismatch"
 FOREIGN_ENTRY = "foreign-entry"
 INVARIANT = "invariant"
 OVERSELL = "oversell"
-"""Kind for a failed stock invariant: pass ``invariant_kind=OVERSELL`` to ``check``."""
+"""Kind for a failed stock invariant: pass `invariant_kind=OVERSELL` to `check`."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -59,7 +59,7 @@ KINDS: tuple[str, ...] = (
 class Violation:
     """One way a history departs from exactly-once.
 
-    ``version`` is the row or instance version it was found at, when there is one.
+    `version` is the row or instance version it was found at, when there is one.
     """
 
     kind: str
@@ -67,7 +67,7 @@ class Violation:
     version: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"kind": ..., "message": ..., "version": ...}``, ready for JSON."""
+        """`{"kind": ..., "message": ..., "version": ...}`, ready for JSON."""
         return {"kind": self.kind, "message": self.message, "version": self.version}
 
     def __str__(self) -> str:
@@ -77,7 +77,7 @@ class Violation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The result of a check: ``ok`` exactly when there are no violations. Truthy when ok."""
+    """The result of a check: `ok` exactly when there are no violations. Truthy when ok."""
 
     ok: bool
     violations: tuple[Violation, ...] = ()
@@ -102,7 +102,7 @@ class Verdict:
         return frozenset(v.kind for v in self.violations)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}``, ready for JSON."""
+        """`{"ok": bool, "violations": [{"kind", "message", "version"}, ...]}`, ready for JSON."""
         return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
 
     def describe(self) -> str:
@@ -114,13 +114,14 @@ class Verdict:
         return "\n".join(lines)
 
     def raise_for_violations(self) -> None:
-        """Raise :class:`CheckFailed` listing every violation, unless the verdict is ok."""
+        """Raise [`CheckFailed`][flowlock.checker.verdicts.CheckFailed] listing every violation,
+        unless the verdict is ok."""
         if not self.ok:
             raise CheckFailed(self)
 
 
 class CheckFailed(FlowlockError):
-    """A history is not exactly-once; ``verdict`` lists every violation found."""
+    """A history is not exactly-once; `verdict` lists every violation found."""
 
     def __init__(self, verdict: Verdict, message: str | None = None) -> None:
         self.verdict = verdict
@@ -134,8 +135,9 @@ class CheckFailed(FlowlockError):
 class LinearizabilityViolation:
     """What is wrong on one instance.
 
-    ``kind`` is one of :data:`LINEARIZABILITY_KINDS`; ``message`` names the calls involved.
-    ``calls`` are their indexes in the history given to :func:`check_linearizable`.
+    `kind` is one of `LINEARIZABILITY_KINDS`; `message` names the calls involved.
+    `calls` are their indexes in the history given to
+    [`check_linearizable`][flowlock.checker.check_linearizable].
     """
 
     instance_id: str
@@ -144,7 +146,7 @@ class LinearizabilityViolation:
     calls: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"instance_id", "kind", "message", "calls"}``, ready for JSON."""
+        """`{"instance_id", "kind", "message", "calls"}`, ready for JSON."""
         return {
             "instance_id": self.instance_id,
             "kind": self.kind,
@@ -158,10 +160,10 @@ class LinearizabilityViolation:
 
 @dataclass(frozen=True, slots=True)
 class LinearizabilityVerdict:
-    """The result of ``check_linearizable``: ``ok`` exactly when no violation was found.
+    """The result of `check_linearizable`: `ok` exactly when no violation was found.
 
-    A search that ran out of steps is an ``undecided`` violation, so never ok.
-    ``instances`` and ``calls`` say how much was checked. Truthy when ok."""
+    A search that ran out of steps is an `undecided` violation, so never ok.
+    `instances` and `calls` say how much was checked. Truthy when ok."""
 
     ok: bool
     instances: int
@@ -181,7 +183,7 @@ class LinearizabilityVerdict:
         return frozenset(v.kind for v in self.violations)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"ok", "instances", "calls", "violations": [...]}``, ready for JSON."""
+        """`{"ok", "instances", "calls", "violations": [...]}`, ready for JSON."""
         return {
             "ok": self.ok,
             "instances": self.instances,
@@ -190,7 +192,7 @@ class LinearizabilityVerdict:
         }
 
     def describe(self, limit: int = 20) -> str:
-        """A readable summary: the first ``limit`` violations, one paragraph each."""
+        """A readable summary: the first `limit` violations, one paragraph each."""
         checked = f"{self.calls} call(s) on {self.instances} instance(s)"
         if self.ok:
             return f"history is linearizable: {checked}, no violations"
@@ -201,7 +203,8 @@ class LinearizabilityVerdict:
         return "\n".join(lines)
 
     def raise_for_violations(self) -> None:
-        """Raise :class:`NotLinearizable` naming the violations, unless the verdict is ok."""
+        """Raise [`NotLinearizable`][flowlock.checker.verdicts.NotLinearizable] naming the
+        violations, unless the verdict is ok."""
         if not self.ok:
             raise NotLinearizable(self)
 
@@ -209,7 +212,7 @@ class LinearizabilityVerdict:
 class NotLinearizable(FlowlockError):
     """A recorded history is not linearizable, or could not be decided.
 
-    ``verdict`` lists every violation.
+    `verdict` lists every violation.
     """
 
     def __init__(self, verdict: LinearizabilityVerdict) -> None:

@@ -1,7 +1,7 @@
-"""``flowlock``: the command line (typer + rich), one module per command group.
+"""`flowlock`: the command line (typer + rich), one module per command group.
 
 The CLI is the only part of flowlock that reads the environment.
-``flowlock --help`` names each variable and the exit codes (see ``EPILOG``).
+`flowlock --help` names each variable and the exit codes (see `EPILOG`).
 """
 
 from __future__ import annotations
@@ -61,5 +61,5 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point (``flowlock``)."""
+    """Console-script entry point (`flowlock`)."""
     app(prog_name="flowlock")

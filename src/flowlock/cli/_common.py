@@ -77,7 +77,7 @@ def stderr() -> Console:
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
-    """Print one red line and exit with ``code``.
+    """Print one red line and exit with `code`.
 
     Any further lines of the message, such as a server log tail, are dimmed below it.
     """
@@ -102,14 +102,14 @@ def errors_as_exit() -> Iterator[None]:
 
 
 def need(extra: str, command: str, *modules: str) -> None:
-    """One error line naming the extra when ``command`` cannot import one of ``modules``."""
+    """One error line naming the extra when `command` cannot import one of `modules`."""
     with errors_as_exit():
         for module in modules:
             require(module, extra, command)
 
 
 def redact(url: str) -> str:
-    """``url`` without its password. Imported here, not at the top: only bench needs bench."""
+    """`url` without its password. Imported here, not at the top: only bench needs bench."""
     from flowlock.bench import config
 
     return config.redact(url)
@@ -124,7 +124,7 @@ def stdout() -> Console:
 
 
 def write_file(path: Path | None, write: Callable[[Path], None]) -> None:
-    """``write(path)`` unless no path was given; an OS error is one red line and exit 1."""
+    """`write(path)` unless no path was given; an OS error is one red line and exit 1."""
     if path is None:
         return
     try:

@@ -1,6 +1,6 @@
-"""``flowlock bench``: the seed's benchmark matrix, and the lab's modes forwarded to it.
+"""`flowlock bench`: the seed's benchmark matrix, and the lab's modes forwarded to it.
 
-``--soak``, ``--hosts`` and ``--http`` need the lab (``flowlock_lab``, ``lab/`` in a checkout).
+`--soak`, `--hosts` and `--http` need the lab (`flowlock_lab`, `lab/` in a checkout).
 It is an optional import: without it, those modes exit with one line on how to install it.
 """
 
@@ -69,9 +69,9 @@ def _lab() -> ModuleType:
 
 
 def _run_bench(config: BenchConfig, plot: bool) -> BenchReport:
-    """Validate ``config`` and plot support before starting, then run with progress on stderr.
+    """Validate `config` and plot support before starting, then run with progress on stderr.
 
-    flowlock errors and Ctrl-C become exits. ``--hosts`` and ``--http`` runs take the lab's parts.
+    flowlock errors and Ctrl-C become exits. `--hosts` and `--http` runs take the lab's parts.
     """
     from flowlock.bench import runner
     from flowlock.bench.report import RichProgress, check_plot_support

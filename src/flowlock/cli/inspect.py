@@ -1,4 +1,4 @@
-"""Read-only commands on a database (show, history, list, check) and ``diagram``."""
+"""Read-only commands on a database (show, history, list, check) and `diagram`."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a ta
 def _inspect(
     database_url: str | None, schema: str | None, read: Callable[[Engine], Awaitable[_R]]
 ) -> _R:
-    """``read(engine)`` on a read-only engine over the database.
+    """`read(engine)` on a read-only engine over the database.
 
     A missing URL is a usage error (exit 2); a flowlock error is one red line (exit 1).
     """

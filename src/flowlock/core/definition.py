@@ -40,12 +40,12 @@ POLICIES: Mapping[str, str] = {
     "scheduled-job": "distributed",
     "adaptive": "adaptive",
 }
-"""The seed article's decision guide as presets: ``policy=`` on a Workflow or Transition picks
+"""The seed article's decision guide as presets: `policy=` on a Workflow or Transition picks
 its strategy. Approvals and tickets rarely conflict (optimistic); stock and allocation must
 apply every step on hot rows (pessimistic); work coordinated across services needs a lease
 (distributed); a scheduled job runs once per tick (distributed here, and
-:class:`flowlock.jobs.RunOnce` for the job itself); "adaptive" starts optimistic and escalates
-hot instances."""
+[`flowlock.jobs.RunOnce`][flowlock.jobs.RunOnce] for the job itself); "adaptive" starts optimistic
+and escalates hot instances."""
 
 
 def _resolve(
@@ -75,7 +75,7 @@ class Step:
     """What an effect may return instead of plain data: new data, and optionally a target.
 
     The target is one of the transition's declared targets. A countersign, say, stays in
-    ``pending`` until quorum.
+    `pending` until quorum.
     """
 
     data: Mapping[str, Any]
@@ -83,18 +83,20 @@ class Step:
 
 
 Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
-"""``guard(instance, payload, actor)``: True lets the transition run; False, or raising
-:class:`flowlock.GuardRejected` with a reason, refuses it. Pure and synchronous: it may run more
-than once, under a row lock (an ``async def`` guard is refused with DefinitionError). Any other
-exception it raises reaches the caller as :class:`flowlock.StepFailed`, nothing written."""
+"""`guard(instance, payload, actor)`: True lets the transition run; False, or raising
+[`flowlock.GuardRejected`][flowlock.GuardRejected] with a reason, refuses it. Pure and synchronous:
+it may run more than once, under a row lock (an `async def` guard is refused with DefinitionError).
+Any other exception it raises reaches the caller as [`flowlock.StepFailed`][flowlock.StepFailed],
+nothing written."""
 
 Effect: TypeAlias = Callable[
     ["Instance", Mapping[str, Any], "str | None"], "Mapping[str, Any] | Step"
 ]
-"""``effect(instance, payload, actor)``: returns the instance's new data (or a :class:`Step`),
-JSON within the engine's ``max_payload_bytes`` (else InvalidInput / PayloadTooLarge). Must be
-pure, synchronous and must not mutate its arguments: the optimistic strategy may run it again.
-An exception it raises (other than GuardRejected or InvalidInput) becomes StepFailed."""
+"""`effect(instance, payload, actor)`: returns the instance's new data (or a
+[`Step`][flowlock.core.definition.Step]), JSON within the engine's `max_payload_bytes` (else
+InvalidInput / PayloadTooLarge). Must be pure, synchronous and must not mutate its arguments: the
+optimistic strategy may run it again. An exception it raises (other than GuardRejected or
+InvalidInput) becomes StepFailed."""
 
 
 SYNC_STEPS = (
@@ -103,14 +105,14 @@ SYNC_STEPS = (
     "I/O or await anything. Read what they need before fire() and pass it in the payload; do "
     "side effects after fire() returns"
 )
-"""Why a step may not be ``async def`` (the message of the DefinitionError that refuses one)."""
+"""Why a step may not be `async def` (the message of the DefinitionError that refuses one)."""
 
 
 def _is_async(fn: object) -> bool:
-    """Whether calling ``fn`` gives an awaitable instead of running it.
+    """Whether calling `fn` gives an awaitable instead of running it.
 
-    True for an ``async def`` function or method, a ``functools.partial`` of one, or an
-    object whose ``__call__`` is one.
+    True for an `async def` function or method, a `functools.partial` of one, or an
+    object whose `__call__` is one.
     """
     while isinstance(fn, functools.partial):
         fn = fn.func
@@ -149,10 +151,10 @@ def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str,
 
 @dataclass(frozen=True, slots=True, init=False)
 class Transition:
-    """An event that moves an instance from one of ``source`` to ``target``.
+    """An event that moves an instance from one of `source` to `target`.
 
-    ``target`` may list several states. The first is the default; an effect returning
-    ``Step(target=...)`` picks another.
+    `target` may list several states. The first is the default; an effect returning
+    `Step(target=...)` picks another.
     """
 
     name: str
@@ -203,7 +205,8 @@ class Transition:
 class Workflow:
     """A named state machine.
 
-    Validated at construction; raises :class:`DefinitionError` listing every problem found.
+    Validated at construction; raises [`DefinitionError`][flowlock.core.definition.DefinitionError]
+    listing every problem found.
     """
 
     name: str
@@ -252,11 +255,11 @@ class Workflow:
         object.__setattr__(self, "_allowed", allowed)
 
     def allowed(self, state: str) -> tuple[str, ...]:
-        """The events that may fire from ``state``."""
+        """The events that may fire from `state`."""
         return self._allowed.get(state, ())
 
     def safety_warnings(self, default_strategy: str) -> list[str]:
-        """Why this workflow may be unsafe under load with ``default_strategy``.
+        """Why this workflow may be unsafe under load with `default_strategy`.
 
         Some transitions must apply every call: they keep the state and change data, like a
         stock count. Left to plain optimistic retries, they run out under contention.
@@ -278,12 +281,12 @@ class Workflow:
         return not self._allowed.get(state)
 
     def to_mermaid(self) -> str:
-        """The workflow as a Mermaid ``stateDiagram-v2``.
+        """The workflow as a Mermaid `stateDiagram-v2`.
 
         One edge per (source, target) of each transition, labelled with its event, plus
-        ``[*] --> initial`` and ``final --> [*]``. Guarded edges read ``event [guarded]``. Names
+        `[*] --> initial` and `final --> [*]`. Guarded edges read `event [guarded]`. Names
         Mermaid would misread are declared with an alias and drawn under their own name.
-        ``flowlock diagram module:attr`` prints it.
+        `flowlock diagram module:attr` prints it.
         """
         ids = _mermaid_ids(self.states)
         lines = ["stateDiagram-v2"]
@@ -306,7 +309,7 @@ _MERMAID_WORDS = frozenset(
 
 
 def _mermaid_ids(states: Iterable[str]) -> dict[str, str]:
-    """A Mermaid id for each state: its own name if Mermaid reads it, else a fresh ``s<n>``."""
+    """A Mermaid id for each state: its own name if Mermaid reads it, else a fresh `s<n>`."""
     names = list(states)
     taken = set(names)
     ids: dict[str, str] = {}
@@ -346,7 +349,7 @@ def _index_transitions(
 ) -> dict[str, Transition]:
     """The transitions by name.
 
-    Non-transitions, duplicate names and unknown states are added to ``problems``.
+    Non-transitions, duplicate names and unknown states are added to `problems`.
     """
     by_name: dict[str, Transition] = {}
     for t in transitions:
@@ -365,7 +368,7 @@ def _index_transitions(
 def _unreachable(
     initial: str, state_list: list[str], transitions: Iterable[Transition]
 ) -> list[str]:
-    """The states no sequence of transitions reaches from ``initial``, in declaration order."""
+    """The states no sequence of transitions reaches from `initial`, in declaration order."""
     edges = list(transitions)
     reached = {initial}
     frontier = [initial]

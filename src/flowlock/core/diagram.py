@@ -1,7 +1,7 @@
-"""What ``flowlock diagram module:attr`` draws: the workflows a reference names.
+"""What `flowlock diagram module:attr` draws: the workflows a reference names.
 
-``attr`` may be dotted, and name a Workflow, a list of them, or a function returning
-either. The current directory is importable, as with ``python -m``.
+`attr` may be dotted, and name a Workflow, a list of them, or a function returning
+either. The current directory is importable, as with `python -m`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class BadReference(InvalidInput):
 
 
 def load_workflows(reference: str) -> list[Workflow]:
-    """The workflows ``reference`` names.
+    """The workflows `reference` names.
 
     Raises BadReference for a reference that names none. An exception from the module or
     the function propagates: a FlowlockError as it is, anything else wrapped in one.
@@ -58,7 +58,7 @@ def load_workflows(reference: str) -> list[Workflow]:
 
 
 def render(workflows: list[Workflow]) -> str:
-    """Each workflow's Mermaid text, headed by ``%% workflow: name``, blank-line separated."""
+    """Each workflow's Mermaid text, headed by `%% workflow: name`, blank-line separated."""
     if len(workflows) == 1:
         return workflows[0].to_mermaid()
     return "\n".join(f"%% workflow: {wf.name}\n{wf.to_mermaid()}" for wf in workflows)

@@ -3,7 +3,6 @@
 Each class's docstring is its default message. Instances carry the facts a caller needs
 as attributes: the current state, the current version, the attempts made.
 
-::
 
     FlowlockError
     ├── DefinitionError              a Workflow / Transition is malformed (raised at construction)
@@ -37,8 +36,8 @@ as attributes: the current state, the current version, the attempts made.
     └── ExtraNotInstalled            an optional dependency is missing: install the extra named
 
 Driver errors never escape. They are translated where each driver is called, one place per
-driver (``flowlock._pg.errors``, ``flowlock.locks.redis.connection``), with ``raise ... from
-exc``: ``__cause__`` keeps the original. A connection that failed is dropped from its pool.
+driver (`flowlock._pg.errors`, `flowlock.locks.redis.connection`), with `raise ... from
+exc`: `__cause__` keeps the original. A connection that failed is dropped from its pool.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ class InvalidInput(FlowlockError, ValueError):
 class PayloadTooLarge(InvalidInput):
     """The payload is larger than the engine's max_payload_bytes.
 
-    Send less, or raise the limit. ``what`` names the value measured: "payload", "data",
+    Send less, or raise the limit. `what` names the value measured: "payload", "data",
     or the data an effect returned.
     """
 
@@ -116,8 +115,8 @@ class IdempotencyKeyReused(InvalidInput):
 
     An idempotency key names one request, so a retry must repeat it exactly. Retrying this
     call cannot succeed: send the new request under a new request_id.
-    ``original_event`` and ``original_payload`` are what the key was first used with.
-    ``event`` and ``payload`` are this call's. ``mismatch`` says which differs: "event" or
+    `original_event` and `original_payload` are what the key was first used with.
+    `event` and `payload` are this call's. `mismatch` says which differs: "event" or
     "payload".
     """
 
@@ -238,9 +237,9 @@ class VersionMismatch(FlowlockError):
 class StepFailed(FlowlockError):
     """A guard or effect raised an exception; nothing was written.
 
-    That is a bug in the step, or a step that did I/O. The step's exception is ``__cause__``.
-    ``step`` is "guard" or "effect". ``workflow``, ``event``, ``instance_id``, ``state`` and
-    ``version`` say where it ran. Steps must be pure: they may run again on a retry, and run
+    That is a bug in the step, or a step that did I/O. The step's exception is `__cause__`.
+    `step` is "guard" or "effect". `workflow`, `event`, `instance_id`, `state` and
+    `version` say where it ran. Steps must be pure: they may run again on a retry, and run
     under a row lock. To refuse a call, a step raises GuardRejected (InvalidInput for a bad
     payload). Anything else it raises ends up here.
     """
@@ -392,8 +391,8 @@ class OutcomeUnknown(StoreError):
     """The connection was lost after a write was sent, before its answer came.
 
     The write (a COMMIT, a one-statement compare-and-swap) may or may not be committed.
-    Retry with the same ``request_id``: if it was committed, the retry answers
-    ``idempotent=True``.
+    Retry with the same `request_id`: if it was committed, the retry answers
+    `idempotent=True`.
     """
 
     def __init__(self, key: str | None, detail: str) -> None:
@@ -437,7 +436,7 @@ class SyncCallInEventLoop(FlowlockError, RuntimeError):
 class ExtraNotInstalled(FlowlockError, ImportError):
     """A feature needs an optional dependency that is not installed.
 
-    ``extra`` names the flowlock extra that brings it; ``feature`` what needed it.
+    `extra` names the flowlock extra that brings it; `feature` what needed it.
     """
 
     def __init__(self, extra: str, feature: str, module: str) -> None:

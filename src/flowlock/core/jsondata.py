@@ -1,6 +1,6 @@
 """What flowlock accepts as JSON data: instance data, payloads, effect results.
 
-:func:`check_object` is the one check on every path that writes data. So every strategy
+`check_object` is the one check on every path that writes data. So every strategy
 and store refuses the same values with InvalidInput, before any I/O. docs/steps.md lists
 what is refused.
 """
@@ -26,14 +26,14 @@ __all__ = [
 ]
 
 DEFAULT_MAX_PAYLOAD = 64 * 1024
-"""Bytes a payload (or data) may take encoded as JSON, unless ``max_payload_bytes``."""
+"""Bytes a payload (or data) may take encoded as JSON, unless `max_payload_bytes`."""
 
 MAX_PAYLOAD = 256 * 1024 * 1024 - 1
-"""The largest ``max_payload_bytes``: PostgreSQL's ``jsonb`` holds at most this many bytes."""
+"""The largest `max_payload_bytes`: PostgreSQL's `jsonb` holds at most this many bytes."""
 
 MAX_INT_BITS = 1024
-"""Integers must be smaller in magnitude than ``2 ** MAX_INT_BITS`` (about 1.8e308): the numbers a
-JSON decoder that reads numbers as doubles can hold, and every float PostgreSQL's ``jsonb`` gives
+"""Integers must be smaller in magnitude than `2 ** MAX_INT_BITS` (about 1.8e308): the numbers a
+JSON decoder that reads numbers as doubles can hold, and every float PostgreSQL's `jsonb` gives
 back as an integer fits. (Python itself refuses to print an integer of more than 4300 digits.)"""
 
 MAX_DEPTH = 64
@@ -43,15 +43,15 @@ _HINT = "Use only objects with string keys, arrays, strings, finite numbers, tru
 
 
 def encode(value: Any) -> str:
-    """``value`` as compact JSON text, as the stores write it (UTF-8, no NaN)."""
+    """`value` as compact JSON text, as the stores write it (UTF-8, no NaN)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def check_object(value: object, what: str, limit: int) -> dict[str, Any]:
-    """``value`` (a mapping, or None for ``{}``) as a new dict of plain JSON data.
+    """`value` (a mapping, or None for `{}`) as a new dict of plain JSON data.
 
-    Raises InvalidInput naming ``what`` and where in it the problem is. Raises
-    PayloadTooLarge over ``limit`` bytes of JSON.
+    Raises InvalidInput naming `what` and where in it the problem is. Raises
+    PayloadTooLarge over `limit` bytes of JSON.
     """
     if value is None:
         return {}
@@ -81,7 +81,7 @@ def _refuse(what: str, path: tuple[str | int, ...], problem: str) -> InvalidInpu
 
 
 def _plain(root: Mapping[Any, Any], what: str) -> dict[str, Any]:
-    """A plain copy of ``root``, walked with an explicit stack (never recursion)."""
+    """A plain copy of `root`, walked with an explicit stack (never recursion)."""
     out: dict[str, Any] = {}
     # Each entry: a container to copy, the empty copy to fill, its depth and its path.
     stack: list[tuple[Any, dict[str, Any] | list[Any], int, tuple[str | int, ...]]] = [
@@ -112,7 +112,7 @@ def _value(
     depth: int,
     stack: list[tuple[Any, dict[str, Any] | list[Any], int, tuple[str | int, ...]]],
 ) -> Any:
-    """The plain copy of one member (containers are copied empty and queued on ``stack``)."""
+    """The plain copy of one member (containers are copied empty and queued on `stack`)."""
     if item is None or isinstance(item, bool):
         return item
     if isinstance(item, str):
@@ -143,10 +143,10 @@ def _value(
 
 
 def same_json(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same JSON value.
+    """Whether `a` and `b` are the same JSON value.
 
     Key order does not matter, and numbers compare by value: 1 equals 1.0, and 1e+300 equals
-    the integer ``jsonb`` gives back. A number never equals a bool or a string.
+    the integer `jsonb` gives back. A number never equals a bool or a string.
     """
     return bool(_canonical(a) == _canonical(b))
 

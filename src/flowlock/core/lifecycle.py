@@ -1,6 +1,6 @@
-"""``async with`` for anything with ``open()`` and ``aclose()``.
+"""`async with` for anything with `open()` and `aclose()`.
 
-And ``with`` plus ``async with`` for anything with blocking ``start()`` and ``stop()``.
+And `with` plus `async with` for anything with blocking `start()` and `stop()`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["AsyncResource", "BlockingResource"]
 
 
 class AsyncResource:
-    """Mixin: ``async with x:`` opens ``x`` and closes it on the way out, error or not."""
+    """Mixin: `async with x:` opens `x` and closes it on the way out, error or not."""
 
     async def open(self) -> None:
         raise NotImplementedError
@@ -37,9 +37,9 @@ class AsyncResource:
 
 
 class BlockingResource(AsyncResource):
-    """Mixin for things brought up and down by blocking ``start()`` and ``stop()``.
+    """Mixin for things brought up and down by blocking `start()` and `stop()`.
 
-    ``with`` calls them. ``async with`` calls them in a worker thread, so the event loop keeps
+    `with` calls them. `async with` calls them in a worker thread, so the event loop keeps
     running. Both must be idempotent.
     """
 
@@ -64,7 +64,7 @@ class BlockingResource(AsyncResource):
         self.stop()
 
     async def open(self) -> None:
-        """``start()`` in a worker thread."""
+        """`start()` in a worker thread."""
         starting = asyncio.ensure_future(asyncio.to_thread(self.start))
         try:
             await asyncio.shield(starting)
@@ -75,7 +75,7 @@ class BlockingResource(AsyncResource):
             raise
 
     async def aclose(self) -> None:
-        """``stop()`` in a worker thread."""
+        """`stop()` in a worker thread."""
         await asyncio.to_thread(self.stop)
 
     def _stop_after_cancelled_start(self, task: asyncio.Future[None]) -> None:

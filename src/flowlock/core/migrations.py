@@ -1,6 +1,6 @@
-"""The versioned SQL migrations shipped in the package (``stores/sql/<dialect>/NNN_name.sql``).
+"""The versioned SQL migrations shipped in the package (`stores/sql/<dialect>/NNN_name.sql`).
 
-Here, not in ``stores``, so the PostgreSQL plumbing in ``_pg`` reads them without importing a store.
+Here, not in `stores`, so the PostgreSQL plumbing in `_pg` reads them without importing a store.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class Migration:
 
 
 def load(dialect: str) -> list[Migration]:
-    """The migrations of ``dialect`` ("postgres" or "sqlite"), oldest first."""
+    """The migrations of `dialect` ("postgres" or "sqlite"), oldest first."""
     # Anchored at the top package: naming flowlock.stores would import it, and the memory store.
     folder = resources.files("flowlock").joinpath("stores", "sql", dialect)
     found = [

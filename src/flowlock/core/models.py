@@ -1,6 +1,6 @@
 """Frozen values that cross the engine's boundary, and those the layers hand each other.
 
-They move forward with ``instance.evolve(...)`` (:func:`dataclasses.replace`), never by
+They move forward with `instance.evolve(...)` (`dataclasses.replace`), never by
 mutation.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["Escalation", "HistoryEntry", "Instance", "InstanceQuery", "Outcome",
 class Instance:
     """One workflow instance as stored: its state, its data and its version.
 
-    ``version`` starts at 1 and grows by one per applied transition. ``last_event`` is the
+    `version` starts at 1 and grows by one per applied transition. `last_event` is the
     last applied event, None until the first.
     """
 
@@ -33,19 +33,19 @@ class Instance:
     updated_at: datetime | None = None
 
     def evolve(self, **changes: Any) -> Instance:
-        """A copy with ``changes`` applied."""
+        """A copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, slots=True)
 class HistoryEntry:
-    """One applied transition, which took the instance to ``version``.
+    """One applied transition, which took the instance to `version`.
 
-    - ``from_state`` and ``to_state``: the move.
-    - ``data``: the instance's data after it.
-    - ``fencing_token``: the lease's token when the distributed strategy wrote it, else None.
-    - ``payload``: the call's payload, kept even if no effect copied it into ``data``. A
-      retry of the same ``request_id`` must carry the same payload.
+    - `from_state` and `to_state`: the move.
+    - `data`: the instance's data after it.
+    - `fencing_token`: the lease's token when the distributed strategy wrote it, else None.
+    - `payload`: the call's payload, kept even if no effect copied it into `data`. A
+      retry of the same `request_id` must carry the same payload.
     """
 
     instance_id: str
@@ -66,7 +66,7 @@ class HistoryEntry:
 class Snapshot:
     """The instance as read, and the entries that already carry the request ids asked for.
 
-    ``priors`` maps each request id found to its entry; a new request id is absent.
+    `priors` maps each request id found to its entry; a new request id is absent.
     """
 
     instance: Instance
@@ -75,9 +75,9 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class Escalation:
-    """Key ``key`` runs under ``strategy`` until ``until`` because of ``reason``.
+    """Key `key` runs under `strategy` until `until` because of `reason`.
 
-    ``until`` is wall-clock epoch seconds.
+    `until` is wall-clock epoch seconds.
     """
 
     key: str
@@ -88,19 +88,19 @@ class Escalation:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The answer to ``engine.fire``.
+    """The answer to `engine.fire`.
 
-    - ``applied``: this call applied the transition. Exactly one call per transition does.
-    - ``idempotent``: nothing was applied, because the same request was applied before. That
-      is the same ``request_id``, or the same event last applied (two admins clicking).
-      ``instance`` is then as that first application left it, or as it is now.
-    - ``attempts``: how many times the step ran, optimistic retries included.
-    - ``strategy``: the strategy that ran; for "adaptive", the one it ran as.
-    - ``reason``: why, when the engine decided (adaptive: escalated or not, with figures).
-    - ``elapsed``: seconds spent in ``fire``.
-    - ``batch_size``: calls on the instance decided and written together with this one.
-      1 means it ran alone; see ``Engine(batching=...)``.
-    - ``replayed``: idempotent because this ``request_id`` was applied before. ``instance``
+    - `applied`: this call applied the transition. Exactly one call per transition does.
+    - `idempotent`: nothing was applied, because the same request was applied before. That
+      is the same `request_id`, or the same event last applied (two admins clicking).
+      `instance` is then as that first application left it, or as it is now.
+    - `attempts`: how many times the step ran, optimistic retries included.
+    - `strategy`: the strategy that ran; for "adaptive", the one it ran as.
+    - `reason`: why, when the engine decided (adaptive: escalated or not, with figures).
+    - `elapsed`: seconds spent in `fire`.
+    - `batch_size`: calls on the instance decided and written together with this one.
+      1 means it ran alone; see `Engine(batching=...)`.
+    - `replayed`: idempotent because this `request_id` was applied before. `instance`
       is then exactly what that first application answered.
     """
 
@@ -125,12 +125,13 @@ class Outcome:
 class InstanceQuery:
     """Which instances a query wants: every filter given must hold; None is no filter.
 
-    - ``workflow``: the instance's workflow name.
-    - ``states``: the instance's state is one of these.
-    - ``updated_before`` / ``updated_after``: ``updated_at`` is strictly before or after
+    - `workflow`: the instance's workflow name.
+    - `states`: the instance's state is one of these.
+    - `updated_before` / `updated_after`: `updated_at` is strictly before or after
       (timezone-aware datetimes).
 
-    The engine builds and checks it (:meth:`flowlock.Engine.list`); stores only apply it.
+    The engine builds and checks it ([`flowlock.Engine.list`][flowlock.Engine.list]); stores only
+    apply it.
     """
 
     workflow: str | None = None
@@ -139,7 +140,7 @@ class InstanceQuery:
     updated_after: datetime | None = None
 
     def matches(self, instance: Instance) -> bool:
-        """Whether ``instance`` passes every filter (what the SQL stores' WHERE clauses say)."""
+        """Whether `instance` passes every filter (what the SQL stores' WHERE clauses say)."""
         if self.workflow is not None and instance.workflow != self.workflow:
             return False
         if self.states is not None and instance.state not in self.states:
@@ -154,10 +155,11 @@ class InstanceQuery:
 
 @dataclass(frozen=True, slots=True)
 class Page(Sequence[Instance]):
-    """One page of :meth:`flowlock.Engine.list`: instances in id order, and where the next starts.
+    """One page of [`flowlock.Engine.list`][flowlock.Engine.list]: instances in id order, and where
+    the next starts.
 
-    A Page is a read-only sequence: iterate it, take ``len(page)``, index it. ``next_cursor``
-    is None on the last page. Otherwise pass it as ``after=page.next_cursor`` for the next
+    A Page is a read-only sequence: iterate it, take `len(page)`, index it. `next_cursor`
+    is None on the last page. Otherwise pass it as `after=page.next_cursor` for the next
     one. A cursor is an opaque position in id order, not a server-side result. It never
     expires, and works from any engine on the same database.
     """

@@ -1,4 +1,4 @@
-"""The arguments of ``Engine.list`` and ``Engine.count``, checked before I/O, and the cursor.
+"""The arguments of `Engine.list` and `Engine.count`, checked before I/O, and the cursor.
 
 Results come in id order, and a cursor holds the last id of a page. The cursor is opaque
 text; a string that is not one raises InvalidInput. docs/queries.md explains the order.
@@ -28,9 +28,9 @@ __all__ = [
 ]
 
 DEFAULT_LIMIT: Final = 100
-"""Instances per page unless ``limit=``."""
+"""Instances per page unless `limit=`."""
 MAX_LIMIT: Final = 1000
-"""The largest page ``limit`` accepts."""
+"""The largest page `limit` accepts."""
 MAX_STATES: Final = 100
 """The most states one query may name."""
 
@@ -86,7 +86,7 @@ def _moment(value: object, what: str) -> datetime | None:
 def instance_query(
     workflow: object, state: object, updated_before: object, updated_after: object
 ) -> InstanceQuery:
-    """The filters of ``list`` / ``count``, checked. InvalidInput names the bad one."""
+    """The filters of `list` / `count`, checked. InvalidInput names the bad one."""
     before = _moment(updated_before, "updated_before")
     after = _moment(updated_after, "updated_after")
     if before is not None and after is not None and after >= before:
@@ -110,13 +110,13 @@ def check_limit(limit: object) -> int:
 
 
 def cursor_after(instance_id: str) -> str:
-    """The cursor of the position just after ``instance_id``."""
+    """The cursor of the position just after `instance_id`."""
     raw = base64.urlsafe_b64encode(_CURSOR_TAG + instance_id.encode("utf-8"))
     return raw.rstrip(b"=").decode("ascii")
 
 
 def decode_cursor(cursor: object) -> str | None:
-    """The id a cursor from :func:`cursor_after` names (None: start at the beginning)."""
+    """The id a cursor from `cursor_after` names (None: start at the beginning)."""
     if cursor is None:
         return None
     bad = InvalidInput(

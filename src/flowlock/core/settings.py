@@ -46,12 +46,12 @@ DEFAULT_LOCK_TIMEOUT = 5.0
 memory store, an optimistic compare-and-swap's wait for a row lock's holder."""
 DEFAULT_COMMAND_TIMEOUT = 30.0
 """Seconds one round trip to PostgreSQL may take on the client's clock beyond the lock wait the
-server bounds itself (``lock_timeout``): a statement that may wait for a lock gets that wait
+server bounds itself (`lock_timeout`): a statement that may wait for a lock gets that wait
 plus this; past it the connection is closed and the call raises ConnectionLost (OutcomeUnknown
 once a write may have been sent). Long enough for a slow query on a large table, short enough
 that a server that stopped answering (paused, a half-open network) fails the call."""
 DEFAULT_APPLICATION_NAME = "flowlock"
-"""How a flowlock-built pool's connections show in ``pg_stat_activity``."""
+"""How a flowlock-built pool's connections show in `pg_stat_activity`."""
 
 MAX_SECONDS = 3600.0
 """No bound of flowlock's is meant to be longer than an hour; a longer one is a unit mistake."""
@@ -76,10 +76,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def check_seconds(
     name: str, value: object, *, zero: bool = False, most: float = MAX_SECONDS
 ) -> float:
-    """``value`` as seconds: a finite number above 0 and at most ``most``.
+    """`value` as seconds: a finite number above 0 and at most `most`.
 
-    0 itself passes when ``zero`` means something for this bound. Anything else raises
-    InvalidInput naming ``name``.
+    0 itself passes when `zero` means something for this bound. Anything else raises
+    InvalidInput naming `name`.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(f"{name} must be a number of seconds, not {value!r}")
@@ -93,9 +93,9 @@ def check_seconds(
 
 
 def check_count(name: str, value: object, *, least: int = 1, most: int, unit: str = "") -> int:
-    """``value`` as a whole number (an int, not a bool) from ``least`` to ``most``.
+    """`value` as a whole number (an int, not a bool) from `least` to `most`.
 
-    ``unit`` says what it counts, in the message.
+    `unit` says what it counts, in the message.
     """
     what = f" of {unit}" if unit else ""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -106,7 +106,7 @@ def check_count(name: str, value: object, *, least: int = 1, most: int, unit: st
 
 
 def check_size(name: str, value: object, *, least: int = 1) -> int:
-    """``value`` as a count of connections: an int from ``least`` to :data:`MAX_CONNECTIONS`."""
+    """`value` as a count of connections: an int from `least` to `MAX_CONNECTIONS`."""
     return check_count(name, value, least=least, most=MAX_CONNECTIONS, unit="connections")
 
 
@@ -114,9 +114,9 @@ def check_number(
     name: str, value: object, *, above: float | None = None, least: float | None = None,
     below: float | None = None, most: float | None = None,
 ) -> float:  # fmt: skip
-    """``value`` as a finite int or float (not a bool) within the bounds given.
+    """`value` as a finite int or float (not a bool) within the bounds given.
 
-    ``above`` and ``below`` are exclusive; ``least`` and ``most`` inclusive.
+    `above` and `below` are exclusive; `least` and `most` inclusive.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(f"{name} must be a number, not {value!r}")
@@ -138,10 +138,10 @@ def check_number(
 
 
 def check_text(name: str, value: object, *, most: int, allow_control: bool = False) -> str:
-    """``value`` as a non-empty str of at most ``most`` characters every store can hold.
+    """`value` as a non-empty str of at most `most` characters every store can hold.
 
-    No NUL, which PostgreSQL's ``text`` refuses, and no lone surrogate, which UTF-8 cannot
-    encode. No control character at all unless ``allow_control``.
+    No NUL, which PostgreSQL's `text` refuses, and no lone surrogate, which UTF-8 cannot
+    encode. No control character at all unless `allow_control`.
     """
     if not isinstance(value, str):
         raise InvalidInput(f"{name} must be a string, not {type(value).__name__}")
@@ -162,7 +162,7 @@ def check_text(name: str, value: object, *, most: int, allow_control: bool = Fal
 
 
 def check_url(name: str, value: object, schemes: tuple[str, ...]) -> str:
-    """``value`` as a URL of one of ``schemes``, without NUL or lone surrogates.
+    """`value` as a URL of one of `schemes`, without NUL or lone surrogates.
 
     The message shows only the scheme: a URL may carry a password.
     """
@@ -176,7 +176,7 @@ def check_url(name: str, value: object, schemes: tuple[str, ...]) -> str:
 
 
 def check_application_name(value: object) -> str:
-    """A name PostgreSQL shows as given in ``pg_stat_activity``.
+    """A name PostgreSQL shows as given in `pg_stat_activity`.
 
     1 to 63 printable ASCII characters.
     """

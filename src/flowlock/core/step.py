@@ -1,6 +1,6 @@
 """The pure core: what firing an event at an instance means, with no I/O.
 
-``decide`` may run again after a conflict, or under a row lock. ``decide_batch`` decides
+`decide` may run again after a conflict, or under a row lock. `decide_batch` decides
 calls in order, as if run one by one; its answers stand only once the batch commits.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One validated ``engine.fire`` call."""
+    """One validated `engine.fire` call."""
 
     instance_id: str
     event: str
@@ -47,7 +47,7 @@ class Call:
 class Idempotent:
     """Nothing to write: the call was answered before.
 
-    ``instance`` is what to report. ``replayed``: the request id was applied before, so the
+    `instance` is what to report. `replayed`: the request id was applied before, so the
     answer is that first application's.
     """
 
@@ -56,7 +56,7 @@ class Idempotent:
 
 
 def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
-    """The instance as ``entry`` left it (to answer a repeated request with its first outcome)."""
+    """The instance as `entry` left it (to answer a repeated request with its first outcome)."""
     return current.evolve(
         state=entry.to_state,
         version=entry.version,
@@ -73,7 +73,7 @@ def _run_step(
     inst: Instance,
     call: Call,
 ) -> Any:
-    """Run the guard or effect ``step`` and return its result, or the typed error.
+    """Run the guard or effect `step` and return its result, or the typed error.
 
     GuardRejected is bound to the instance; InvalidInput passes as it is. Any other
     exception becomes StepFailed, with it as the cause. An awaitable result is closed unrun
@@ -128,7 +128,7 @@ def _apply_effect(
     """The target state and the new data.
 
     Without an effect: the transition's target and the instance's data. Otherwise what the
-    effect returned, checked: JSON data within ``limit`` bytes, or a Step to a declared target.
+    effect returned, checked: JSON data within `limit` bytes, or a Step to a declared target.
     """
     if transition.effect is None:
         return transition.target, inst.data
@@ -179,11 +179,11 @@ def decide(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> HistoryEntry | Idempotent:
-    """The history entry to append for ``call`` on ``snap``, or the idempotent answer.
+    """The history entry to append for `call` on `snap`, or the idempotent answer.
 
     Raises VersionMismatch, UnknownWorkflow, UnknownEvent, TransitionNotAllowed,
     GuardRejected, IdempotencyKeyReused and StepFailed. Also InvalidInput, when an effect
-    returned non-JSON data or data over ``max_payload_bytes``. And DefinitionError, when an
+    returned non-JSON data or data over `max_payload_bytes`. And DefinitionError, when an
     effect returned something other than data, or a step returned an awaitable.
 
     A refused call leaves no trace: its request_id is not remembered. So a retry under the
@@ -201,7 +201,7 @@ def _decide(
     call: Call,
     max_payload_bytes: int,
 ) -> HistoryEntry | Idempotent:
-    """:func:`decide` on ``inst``, ``prior`` being the entry of the call's request id, if any."""
+    """`decide` on `inst`, `prior` being the entry of the call's request id, if any."""
     if prior is not None:
         # Why first: a repeated request answers what the first one did, even if the
         # workflow has moved (or cycled) since; request_id is the caller's idempotency key.
@@ -258,7 +258,7 @@ class Batched:
 
 
 def _after(inst: Instance, entry: HistoryEntry) -> Instance:
-    """The instance as ``entry`` leaves it, before it is committed (its time is the commit's)."""
+    """The instance as `entry` leaves it, before it is committed (its time is the commit's)."""
     return inst.evolve(
         state=entry.to_state, version=entry.version, data=entry.data, last_event=entry.event
     )
@@ -271,10 +271,10 @@ def decide_batch(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD,
 ) -> Batched:
-    """Decide every call of ``calls`` in order, each on the state the earlier ones left.
+    """Decide every call of `calls` in order, each on the state the earlier ones left.
 
     The decisions, entries and errors equal running the calls one after the other. A
-    request id applied earlier in the batch answers as one found in ``snap.priors`` would.
+    request id applied earlier in the batch answers as one found in `snap.priors` would.
     A call's error is its own decision; the others go on.
     """
     state = snap.instance

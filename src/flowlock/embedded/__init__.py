@@ -1,6 +1,5 @@
 """Throwaway PostgreSQL and Redis servers, for tests and benchmarks.
 
-::
 
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
@@ -11,16 +10,16 @@
         locks = RedisLocks(server.url)
 
 Each server is a child process in its own temporary directory, on a free 127.0.0.1 port.
-``stop()``, also run at exit, leaves no process or directory behind. For fault tests,
-``restart()`` keeps the URL, and ``pause()`` freezes a server until ``resume()``.
-``EmbeddedPostgres.restart()`` keeps the data; ``EmbeddedRedis.restart()`` comes back
-empty unless ``keep_data=True``. Server failures raise
-:class:`~flowlock.embedded.EmbeddedServerError` with what the server said. Bad arguments
-raise :class:`flowlock.InvalidInput`.
+`stop()`, also run at exit, leaves no process or directory behind. For fault tests,
+`restart()` keeps the URL, and `pause()` freezes a server until `resume()`.
+`EmbeddedPostgres.restart()` keeps the data; `EmbeddedRedis.restart()` comes back
+empty unless `keep_data=True`. Server failures raise
+[`EmbeddedServerError`][flowlock.embedded.EmbeddedServerError] with what the server said. Bad
+arguments raise [`flowlock.InvalidInput`][flowlock.InvalidInput].
 
-Modules: :mod:`~flowlock.embedded.process` (ports, processes, readiness),
-:mod:`~flowlock.embedded.base` (the shared lifecycle), :mod:`~flowlock.embedded.postgres` and
-:mod:`~flowlock.embedded.redis`. Sentinel and Cluster servers live in the lab.
+Modules: `process` (ports, processes, readiness),
+`base` (the shared lifecycle), `postgres` and
+`redis`. Sentinel and Cluster servers live in the lab.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every embedded server shares: the lifecycle, the temporary directory and the errors.
 
-Start and stop are idempotent and thread-safe, with ``with`` and ``async with`` forms.
+Start and stop are idempotent and thread-safe, with `with` and `async with` forms.
 The server also stops after a cancelled async start, and at interpreter exit.
 """
 
@@ -31,7 +31,7 @@ _SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,99}")
 
 
 def check_host(host: str) -> str:
-    """``host`` if it is an IPv4 address (the one a server listens on), else InvalidInput."""
+    """`host` if it is an IPv4 address (the one a server listens on), else InvalidInput."""
     try:
         return str(ipaddress.IPv4Address(host))
     except (ipaddress.AddressValueError, TypeError, ValueError):
@@ -41,7 +41,7 @@ def check_host(host: str) -> str:
 
 
 def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
-    """``networks`` as IPv4 networks in CIDR form (``10.213.7.0/24``), else InvalidInput."""
+    """`networks` as IPv4 networks in CIDR form (`10.213.7.0/24`), else InvalidInput."""
     if isinstance(networks, str) or not isinstance(networks, Sequence):
         raise InvalidInput(f"networks must be a list of CIDR strings, not {networks!r}")
     found: list[str] = []
@@ -56,7 +56,7 @@ def check_networks(networks: Sequence[str]) -> tuple[str, ...]:
 
 
 def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
-    """``settings`` as a plain dict of names to one-line text values.
+    """`settings` as a plain dict of names to one-line text values.
 
     A newline would start another setting in postgresql.conf.
     """
@@ -77,11 +77,12 @@ def check_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
 class EmbeddedServer(BlockingResource):
     """A throwaway server process of ours in a temporary directory.
 
-    ``start()`` makes the directory and calls :meth:`_launch`, cleaning up if that fails.
-    ``stop()`` calls :meth:`_halt` and deletes the directory. Both are idempotent,
-    thread-safe and re-entrant: a signal handler may call ``stop()`` inside ``start()``.
-    Subclasses name the server, say whether it is :attr:`running`, and implement the two
-    hooks. Every failure they report is an :class:`EmbeddedServerError`.
+    `start()` makes the directory and calls `_launch`, cleaning up if that fails.
+    `stop()` calls `_halt` and deletes the directory. Both are idempotent,
+    thread-safe and re-entrant: a signal handler may call `stop()` inside `start()`.
+    Subclasses name the server, say whether it is `running`, and implement the two
+    hooks. Every failure they report is an
+    [`EmbeddedServerError`][flowlock.embedded.base.EmbeddedServerError].
     """
 
     server = "server"  # as the errors name it: "PostgreSQL", "Redis"
@@ -112,9 +113,9 @@ class EmbeddedServer(BlockingResource):
         """Check what the server needs (binaries, accounts) before a directory is made."""
 
     def _launch(self, root: Path, deadline: float) -> None:
-        """Start the server in ``root`` and return once it answers, by ``deadline``.
+        """Start the server in `root` and return once it answers, by `deadline`.
 
-        On failure raise; the caller then calls :meth:`_halt` and cleans up.
+        On failure raise; the caller then calls `_halt` and cleans up.
         """
         raise NotImplementedError
 
@@ -131,7 +132,7 @@ class EmbeddedServer(BlockingResource):
         return ""
 
     def _pause_targets(self) -> list[int]:
-        """The processes :meth:`pause` stops; empty when the server is not running.
+        """The processes `pause` stops; empty when the server is not running.
 
         The one that starts new processes comes first, so none is forked in between.
         """
@@ -140,7 +141,7 @@ class EmbeddedServer(BlockingResource):
     def _failure(
         self, problem: str, output: str = "", *, advice: str | None = None
     ) -> EmbeddedServerError:
-        """The error for ``problem``, quoting ``output`` (a command's) and the log's tail."""
+        """The error for `problem`, quoting `output` (a command's) and the log's tail."""
         parts = []
         if output.strip():
             parts.append(f"--- command output ---\n{output.strip()}")
@@ -163,7 +164,7 @@ class EmbeddedServer(BlockingResource):
     def start(self) -> None:
         """Start the server; a no-op if it is running. One that died is replaced.
 
-        Bounded by ``start_timeout``. On failure the processes are killed, the directory is
+        Bounded by `start_timeout`. On failure the processes are killed, the directory is
         removed, and EmbeddedServerError says what the server said.
         """
         with self._lock:
@@ -188,8 +189,8 @@ class EmbeddedServer(BlockingResource):
     def stop(self) -> None:
         """Stop the server, leave none of its processes behind and delete its directory.
 
-        A no-op when not started or already stopped, so it is safe in ``finally`` blocks,
-        signal handlers and ``atexit``. Raises EmbeddedServerError only if a process survived
+        A no-op when not started or already stopped, so it is safe in `finally` blocks,
+        signal handlers and `atexit`. Raises EmbeddedServerError only if a process survived
         SIGKILL or the directory could not be deleted.
         """
         with self._lock:
@@ -199,14 +200,14 @@ class EmbeddedServer(BlockingResource):
 
     @property
     def paused(self) -> bool:
-        """Whether :meth:`pause` stopped the server and nothing has continued it since."""
+        """Whether `pause` stopped the server and nothing has continued it since."""
         return bool(self._stopped_pids)
 
     def pause(self) -> None:
         """Freeze the server with SIGSTOP, as a hung machine would.
 
-        Connections stay open and nothing is answered until :meth:`resume`. A no-op when already
-        paused; EmbeddedServerError when not running. ``stop()`` and ``restart()`` resume it
+        Connections stay open and nothing is answered until `resume`. A no-op when already
+        paused; EmbeddedServerError when not running. `stop()` and `restart()` resume it
         first.
         """
         with self._lock:
@@ -226,7 +227,7 @@ class EmbeddedServer(BlockingResource):
             self._stopped_pids = stopped
 
     def resume(self) -> None:
-        """Continue a server :meth:`pause` froze (SIGCONT).
+        """Continue a server `pause` froze (SIGCONT).
 
         A no-op when not paused; EmbeddedServerError when never started or already stopped.
         """

@@ -10,8 +10,8 @@ __all__ = ["EmbeddedServerError"]
 class EmbeddedServerError(FlowlockError):
     """An embedded PostgreSQL or Redis server could not be started or stopped, or is not running.
 
-    ``server`` names it, ``problem`` says what went wrong in one line, ``details`` holds what
-    the server said, and ``advice`` what to do. The problem comes first in the message, so a
+    `server` names it, `problem` says what went wrong in one line, `details` holds what
+    the server said, and `advice` what to do. The problem comes first in the message, so a
     one-line error report shows it.
     """
 

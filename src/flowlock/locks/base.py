@@ -1,6 +1,5 @@
 """The lock-backend port, the Lease value, and the watchdog every backend shares.
 
-::
 
     lease = await backend.acquire("key", ttl=5, wait=1)          # just take it
     async with backend.acquire("key", ttl=5, wait=1) as held:     # take, renew, release
@@ -44,7 +43,7 @@ __all__ = [
 log = logging.getLogger("flowlock")
 
 MAX_TTL = 3600.0
-"""The longest ``ttl`` and ``wait`` of a lease, in seconds."""
+"""The longest `ttl` and `wait` of a lease, in seconds."""
 MAX_KEY_LENGTH = 512
 """The longest lock key, in characters."""
 
@@ -53,10 +52,10 @@ MAX_KEY_LENGTH = 512
 class Lease:
     """One acquisition of a lock.
 
-    - ``token``: the owner's 128-bit random token, in hex.
-    - ``fencing``: greater than every fencing number handed out before for ``key``. Pass it
+    - `token`: the owner's 128-bit random token, in hex.
+    - `fencing`: greater than every fencing number handed out before for `key`. Pass it
       to anything outside the lock that must refuse a stale holder.
-    - ``expires_at``: a deadline on the local monotonic clock. It counts from before the
+    - `expires_at`: a deadline on the local monotonic clock. It counts from before the
       request was sent, so it never overestimates the lease.
     """
 
@@ -79,19 +78,21 @@ class Lease:
 def check_lock_key(key: object) -> str:
     """A lock key every backend can hold, so code can move between backends.
 
-    A non-empty str of at most :data:`MAX_KEY_LENGTH` characters. No NUL, since the advisory
-    backend stores keys as PostgreSQL ``text``, and no lone surrogates.
+    A non-empty str of at most [`MAX_KEY_LENGTH`][flowlock.locks.base.MAX_KEY_LENGTH] characters. No
+    NUL, since the advisory backend stores keys as PostgreSQL `text`, and no lone surrogates.
     """
     return check_text("lock key", key, most=MAX_KEY_LENGTH, allow_control=True)
 
 
 def check_ttl(ttl: object) -> float:
-    """A lease's ttl: more than 0 and at most :data:`MAX_TTL` seconds (every lock has a TTL)."""
+    """A lease's ttl: more than 0 and at most [`MAX_TTL`][flowlock.locks.base.MAX_TTL] seconds
+    (every lock has a TTL)."""
     return check_seconds("ttl", ttl, most=MAX_TTL)
 
 
 def check_wait(wait: object) -> float:
-    """A wait for a lock: 0 (try once) to :data:`MAX_TTL` seconds (every wait has a bound)."""
+    """A wait for a lock: 0 (try once) to [`MAX_TTL`][flowlock.locks.base.MAX_TTL] seconds (every
+    wait has a bound)."""
     return check_seconds("wait", wait, zero=True, most=MAX_TTL)
 
 
@@ -110,41 +111,41 @@ class LockBackend(Protocol):
     def name(self) -> str: ...
 
     def acquire(self, key: str, *, ttl: float, wait: float = 0.0) -> LeaseContext:
-        """Take the lock on ``key`` for ``ttl`` seconds, waiting at most ``wait`` seconds.
+        """Take the lock on `key` for `ttl` seconds, waiting at most `wait` seconds.
 
-        ``wait=0`` tries once. Await it for a Lease, or ``async with`` it for a renewed Held that
-        is released on exit. Raises LockTimeout, LockBusy (``wait=0``) or LockUnavailable.
+        `wait=0` tries once. Await it for a Lease, or `async with` it for a renewed Held that
+        is released on exit. Raises LockTimeout, LockBusy (`wait=0`) or LockUnavailable.
         """
         ...
 
     async def release(self, lease: Lease) -> None:
-        """Release ``lease``.
+        """Release `lease`.
 
         Raises LockNotOwned when it is no longer the owner. A new holder's lock is left alone.
         """
         ...
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
-        """Push the lease's expiry to ``ttl`` from now; the default is its own ttl.
+        """Push the lease's expiry to `ttl` from now; the default is its own ttl.
 
         Raises LockNotOwned when it is no longer the owner.
         """
         ...
 
     async def owned(self, lease: Lease) -> bool:
-        """Whether ``lease`` still holds its key."""
+        """Whether `lease` still holds its key."""
         ...
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free.
+        """Wait, without taking the lock, until `key` is free.
 
-        True once its holder released it or the lease expired; False when ``wait`` seconds pass
+        True once its holder released it or the lease expired; False when `wait` seconds pass
         first. Every watcher is woken by a release, and none competes for the lock.
         """
         ...
 
     async def locked(self, key: str) -> bool:
-        """Whether anyone holds ``key``."""
+        """Whether anyone holds `key`."""
         ...
 
     async def open(self) -> None:
@@ -159,17 +160,17 @@ class LockBackend(Protocol):
 class FenceEpochs(Protocol):
     """Durable fencing epochs per lock key, kept outside the lock server.
 
-    ``PostgresStore.fence_epochs`` and ``RunOnce.fence_epochs`` provide them. They let a
+    `PostgresStore.fence_epochs` and `RunOnce.fence_epochs` provide them. They let a
     backend that can lose its counters (Redis) restart them above every token it issued.
     """
 
     def advance(
         self, namespace: str, key: str, *, at_least: int, bound: float
     ) -> AbstractAsyncContextManager[int]:
-        """Bump the epoch of ``key`` in ``namespace`` durably, and yield it.
+        """Bump the epoch of `key` in `namespace` durably, and yield it.
 
-        The epoch becomes at least ``at_least``. No other ``advance`` of the key gets an epoch
-        until the block is left, so counters start in epoch order. Waits at most ``bound``
+        The epoch becomes at least `at_least`. No other `advance` of the key gets an epoch
+        until the block is left, so counters start in epoch order. Waits at most `bound`
         seconds, then raises LockUnavailable.
         """
         ...
@@ -179,11 +180,11 @@ class FenceEpochs(Protocol):
 class BorrowsFenceEpochs(Protocol):
     """A lock backend that can use fencing epochs it was not configured with.
 
-    :class:`~flowlock.jobs.RunOnce` lends it its own while open. RedisLocks is one.
+    [`RunOnce`][flowlock.jobs.RunOnce] lends it its own while open. RedisLocks is one.
     """
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while the backend has none of its own.
+        """Use `epochs` while the backend has none of its own.
 
         Returns the call that gives them back; that call is idempotent.
         """
@@ -205,10 +206,11 @@ class _Acquirer(_Renewer, Protocol):
 
 
 class LeaseContext:
-    """What ``backend.acquire(...)`` returns.
+    """What `backend.acquire(...)` returns.
 
-    Await it for a Lease. Or use it as an async context manager for a :class:`Held`: a
-    watchdog renews it every ``ttl / 3`` and it is released on exit.
+    Await it for a Lease. Or use it as an async context manager for a
+    [`Held`][flowlock.locks.base.Held]: a watchdog renews it every `ttl / 3` and it is released on
+    exit.
     """
 
     def __init__(
@@ -252,10 +254,10 @@ class LeaseContext:
 class Held:
     """A lease being held: renewed in the background, checked before commit, released once.
 
-    A failed renewal is never swallowed: :meth:`check` raises LockLost from then on, and the
-    loss is logged once. An unreachable backend is retried until the lease's local deadline.
-    Any exception from ``extend`` counts as a failed renewal. The watchdog always ends by
-    releasing the lease or marking it lost.
+    A failed renewal is never swallowed: [`check`][flowlock.locks.base.Held.check] raises LockLost
+    from then on, and the loss is logged once. An unreachable backend is retried until the lease's
+    local deadline. Any exception from `extend` counts as a failed renewal. The watchdog always ends
+    by releasing the lease or marking it lost.
     """
 
     def __init__(

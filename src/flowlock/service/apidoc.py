@@ -70,7 +70,7 @@ def ok(
 ) -> dict[int | str, dict[str, Any]]:
     """The documented success answer of a route: its body's model and headers.
 
-    Declared with ``responses=`` and ``response_model=None``, so it documents the body and
+    Declared with `responses=` and `response_model=None`, so it documents the body and
     never checks it.
     """
     doc: dict[str, Any] = {"model": model, "description": description}

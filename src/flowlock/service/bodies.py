@@ -26,7 +26,7 @@ class _Body(BaseModel):
 
 
 class CreateBody(_Body):
-    """Create an instance of ``workflow`` in its initial state at version 1."""
+    """Create an instance of `workflow` in its initial state at version 1."""
 
     workflow: str = Field(description="The workflow's name (GET /definitions).")
     id: str | None = Field(
@@ -79,7 +79,7 @@ def _finite(text: str) -> float:
 
 
 def _depth(value: object, limit: int) -> None:
-    """Refuse ``value`` when containers nest deeper than ``limit`` (walked without recursion)."""
+    """Refuse `value` when containers nest deeper than `limit` (walked without recursion)."""
     todo: list[tuple[object, int]] = [(value, 1)]
     while todo:
         item, level = todo.pop()
@@ -100,7 +100,7 @@ def _too_deep(limit: int) -> NoReturn:
 
 
 async def read_json(request: Request, model: type[_M], max_depth: int, *, empty_ok: bool) -> _M:
-    """The request's body as ``model``, or a Problem saying what is wrong with it."""
+    """The request's body as `model`, or a Problem saying what is wrong with it."""
     raw = await request.body()
     if not raw.strip():
         if empty_ok:
@@ -137,7 +137,7 @@ async def read_json(request: Request, model: type[_M], max_depth: int, *, empty_
 
 
 def invalid_fields(errors: list[Any]) -> Problem:
-    """A 422 listing each field that failed validation (``errors``: where and why)."""
+    """A 422 listing each field that failed validation (`errors`: where and why)."""
     shown = [
         {"where": ".".join(str(p) for p in e.get("loc", ())), "message": str(e.get("msg", ""))}
         for e in errors

@@ -99,7 +99,7 @@ class RequestGuard:
         await self._bounded(scope, receive, send)
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, with a body that stops at ``max_body`` bytes.
+        """The app, with a body that stops at `max_body` bytes.
 
         A chunked upload that declared no length gets 413 if the app has not answered yet.
         """

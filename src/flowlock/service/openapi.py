@@ -1,6 +1,6 @@
-"""The service's OpenAPI document, as ``docs/openapi.json`` holds it.
+"""The service's OpenAPI document, as `docs/openapi.json` holds it.
 
-``python -m flowlock.service.openapi > docs/openapi.json`` writes it again. A test fails
+`python -m flowlock.service.openapi > docs/openapi.json` writes it again. A test fails
 while the committed file differs. It names the package version, so a version bump
 regenerates it in the same commit.
 """

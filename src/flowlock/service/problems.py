@@ -1,8 +1,8 @@
-"""The error tree as RFC 9457 ``application/problem+json`` answers, mapped in one place.
+"""The error tree as RFC 9457 `application/problem+json` answers, mapped in one place.
 
-Each error has a stable ``type`` (``urn:flowlock:problem:<slug>``), a status, a title, a
-``detail`` for people, and its facts as members. Clients branch on ``type``. The
-service's own refusals are problems too, built with :func:`problem`.
+Each error has a stable `type` (`urn:flowlock:problem:<slug>`), a status, a title, a
+`detail` for people, and its facts as members. Clients branch on `type`. The
+service's own refusals are problems too, built with `problem`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ _RETRY = {"Retry-After": str(RETRY_AFTER)}
 
 
 def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, kept together
-    """The problem ``exc`` is for an HTTP client: status, type, title, detail and facts."""
+    """The problem `exc` is for an HTTP client: status, type, title, detail and facts."""
     slug = _slug(exc)
     if isinstance(exc, InstanceNotFound):
         return problem(
@@ -236,5 +236,5 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
 
 
 def etag(version: int) -> str:
-    """The ETag of an instance at ``version`` (a strong validator: the version is exact)."""
+    """The ETag of an instance at `version` (a strong validator: the version is exact)."""
     return f'"{version}"'

@@ -29,7 +29,7 @@ class _Out(BaseModel):
 
 
 class InstanceOut(_Out):
-    """An instance as it is now (its ETag is ``"<version>"``)."""
+    """An instance as it is now (its ETag is `"<version>"`)."""
 
     id: str
     workflow: str

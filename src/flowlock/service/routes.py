@@ -97,9 +97,9 @@ def _fired(outcome: Outcome, engine: Engine) -> Response:
 
 
 def _if_match(value: str | None, required: bool) -> int | None:
-    """``expected_version`` from an ``If-Match`` header.
+    """`expected_version` from an `If-Match` header.
 
-    Takes ``"7"`` (an ETag this service sent), a bare ``7``, or ``*`` for any version.
+    Takes `"7"` (an ETag this service sent), a bare `7`, or `*` for any version.
     """
     if value is None:
         if required:

@@ -1,6 +1,6 @@
-"""``flowlock serve``: uvicorn running the app in worker processes, with ``--dev`` servers.
+"""`flowlock serve`: uvicorn running the app in worker processes, with `--dev` servers.
 
-Settings reach the workers as ``FLOWLOCK_*`` variables. Several workers share Prometheus
+Settings reach the workers as `FLOWLOCK_*` variables. Several workers share Prometheus
 metrics through a directory made for the run. Shutdown is in docs/service.md.
 """
 
@@ -51,7 +51,7 @@ def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> No
 
 @contextlib.contextmanager
 def _dev_servers(settings: ServiceSettings) -> Iterator[ServiceSettings]:
-    """An embedded PostgreSQL, and Redis when one starts, for ``--dev``; stopped on exit."""
+    """An embedded PostgreSQL, and Redis when one starts, for `--dev`; stopped on exit."""
     from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
 
     with contextlib.ExitStack() as stack:

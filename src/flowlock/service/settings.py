@@ -1,8 +1,9 @@
-"""How ``flowlock serve`` is configured: flags, or the ``FLOWLOCK_*`` variables named here.
+"""How `flowlock serve` is configured: flags, or the `FLOWLOCK_*` variables named here.
 
-Each worker is a fresh process, so settings travel as variables: :meth:`ServiceSettings.to_env`
-writes them and :meth:`ServiceSettings.from_env` reads them back. Bad values raise
-:class:`flowlock.InvalidInput` naming the variable.
+Each worker is a fresh process, so settings travel as variables:
+[`ServiceSettings.to_env`][flowlock.service.settings.ServiceSettings.to_env] writes them and
+[`ServiceSettings.from_env`][flowlock.service.settings.ServiceSettings.from_env] reads them back.
+Bad values raise [`flowlock.InvalidInput`][flowlock.InvalidInput] naming the variable.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ENV = {
     "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
     "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
 }
-"""The variable behind each setting (also the ``envvar`` of each ``flowlock serve`` flag)."""
+"""The variable behind each setting (also the `envvar` of each `flowlock serve` flag)."""
 
 DEFAULT_MAX_BODY = 1_048_576
 DEFAULT_MAX_DEPTH = 32
@@ -44,7 +45,7 @@ _FALSE = {"0", "false", "no", "off", ""}
 class ApiToken:
     """One accepted bearer token and the principal it authenticates.
 
-    ``name:secret`` authenticates as ``name``. A bare ``secret`` authenticates as ``token-``
+    `name:secret` authenticates as `name`. A bare `secret` authenticates as `token-`
     plus the first 8 hex digits of its SHA-256, which reveals nothing.
     """
 
@@ -53,7 +54,7 @@ class ApiToken:
 
 
 def parse_tokens(text: str) -> tuple[ApiToken, ...]:
-    """The tokens of ``FLOWLOCK_API_TOKEN``: comma-separated ``name:secret`` or ``secret``."""
+    """The tokens of `FLOWLOCK_API_TOKEN`: comma-separated `name:secret` or `secret`."""
     tokens = []
     for raw in text.split(","):
         item = raw.strip()
@@ -81,22 +82,22 @@ def parse_tokens(text: str) -> tuple[ApiToken, ...]:
 
 @dataclass(frozen=True, slots=True)
 class ServiceSettings:
-    """What one ``flowlock serve`` worker runs with.
+    """What one `flowlock serve` worker runs with.
 
-    - ``database_url``: ``postgresql://``, ``sqlite:///path`` (one worker) or ``memory://``
+    - `database_url`: `postgresql://`, `sqlite:///path` (one worker) or `memory://`
       (tests; one worker).
-    - ``redis_url``: Redis for the "distributed" strategy; optional.
-    - ``app``: ``module:attr`` naming the workflows: a Workflow, a list, or a function
+    - `redis_url`: Redis for the "distributed" strategy; optional.
+    - `app`: `module:attr` naming the workflows: a Workflow, a list, or a function
       returning them. None serves the examples (approval, countersign, inventory).
-    - ``api_tokens``: bearer tokens. When set, every mutating request needs one.
-    - ``require_if_match``: refuse a fire without ``If-Match`` (428).
-    - ``max_body_bytes``: refuse a larger body (413) before reading it.
-    - ``max_json_depth``: refuse deeper JSON (400).
-    - ``pool_size``: PostgreSQL connections per worker; None is the engine's default, 20.
-    - ``strategy``: the engine's default strategy.
-    - ``schema``: the PostgreSQL schema of flowlock's tables; None is the search path's first.
-    - ``drain_timeout``: seconds SIGTERM waits for calls in flight before closing.
-    - ``metrics_dir``: where workers share Prometheus metrics. ``flowlock serve`` sets it for
+    - `api_tokens`: bearer tokens. When set, every mutating request needs one.
+    - `require_if_match`: refuse a fire without `If-Match` (428).
+    - `max_body_bytes`: refuse a larger body (413) before reading it.
+    - `max_json_depth`: refuse deeper JSON (400).
+    - `pool_size`: PostgreSQL connections per worker; None is the engine's default, 20.
+    - `strategy`: the engine's default strategy.
+    - `schema`: the PostgreSQL schema of flowlock's tables; None is the search path's first.
+    - `drain_timeout`: seconds SIGTERM waits for calls in flight before closing.
+    - `metrics_dir`: where workers share Prometheus metrics. `flowlock serve` sets it for
       several workers.
     """
 
@@ -122,7 +123,7 @@ class ServiceSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ServiceSettings:
-        """The settings the ``FLOWLOCK_*`` variables of ``environ`` give (defaults for the rest)."""
+        """The settings the `FLOWLOCK_*` variables of `environ` give (defaults for the rest)."""
         got: dict[str, object] = {}
         for field, var in ENV.items():
             raw = environ.get(var)
@@ -138,7 +139,8 @@ class ServiceSettings:
         return cls(**got)  # type: ignore[arg-type]
 
     def to_env(self) -> dict[str, str]:
-        """These settings as the variables :meth:`from_env` reads."""
+        """These settings as the variables
+        [`from_env`][flowlock.service.settings.ServiceSettings.from_env] reads."""
         env: dict[str, str] = {}
         for field, var in ENV.items():
             value = getattr(self, field)

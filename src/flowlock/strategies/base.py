@@ -1,6 +1,6 @@
 """The port every concurrency strategy implements.
 
-A strategy decides how the pure step (``decide``) meets the store: read-then-compare-and-swap with
+A strategy decides how the pure step (`decide`) meets the store: read-then-compare-and-swap with
 retries (optimistic), under a row lock (pessimistic), and later under a lease or an escalation
 policy. It sees only the Store Protocol, never a concrete backend.
 """
@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 MAX_ATTEMPTS = 1000
-"""The most attempts a strategy may make for one call (``max_attempts``: a retry loop ends)."""
+"""The most attempts a strategy may make for one call (`max_attempts`: a retry loop ends)."""
 
 Planned: TypeAlias = tuple[HistoryEntry, ...]
 """What a strategy hands the store to write: one entry per call that writes (at least one)."""
@@ -38,12 +38,12 @@ idempotent answer when nothing is to be written."""
 
 
 def stamped(planned: Planned, **changes: Any) -> Planned:
-    """``planned`` with ``changes`` made to every entry."""
+    """`planned` with `changes` made to every entry."""
     return tuple(dataclasses.replace(e, **changes) for e in planned)
 
 
 def looked_up(calls: Sequence[Call]) -> tuple[str, ...]:
-    """The request ids a read for ``calls`` looks up: every call's that has one."""
+    """The request ids a read for `calls` looks up: every call's that has one."""
     return tuple(c.request_id for c in calls if c.request_id is not None)
 
 
@@ -51,7 +51,7 @@ def looked_up(calls: Sequence[Call]) -> tuple[str, ...]:
 class StrategyResult:
     """The instance to report, whether this call applied the transition, how many attempts;
     which strategy actually ran and why, when that is not simply the one chosen (adaptive); and
-    how long the call waited for and held a lock, when it took one (seconds). ``replayed`` is
+    how long the call waited for and held a lock, when it took one (seconds). `replayed` is
     set by the engine, not the strategy: the answer repeats an earlier application of the call's
     request id."""
 
@@ -67,12 +67,12 @@ class StrategyResult:
 
 @runtime_checkable
 class Strategy(Protocol):
-    """A concurrency policy. ``name`` is what history rows and outcomes record."""
+    """A concurrency policy. `name` is what history rows and outcomes record."""
 
     @property
     def name(self) -> str: ...
 
     async def run(self, store: Store, calls: Sequence[Call], decide: Decide) -> StrategyResult:
-        """Apply ``calls`` (one instance's, in order; one or more) exactly once, or answer them
+        """Apply `calls` (one instance's, in order; one or more) exactly once, or answer them
         idempotently, or raise a FlowlockError. Errors quote the first call."""
         ...

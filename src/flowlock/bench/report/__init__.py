@@ -1,4 +1,4 @@
-"""Rendering a :class:`~flowlock.bench.results.BenchReport`: tables, JSON, chart and progress.
+"""Rendering a `BenchReport`: tables, JSON, chart and progress.
 
 It only reads results and the strategy registry; it measures and runs nothing.
 """

@@ -42,16 +42,16 @@ Status = Literal["met", "not met", "no floor"]
 MET: Status = "met"
 NOT_MET: Status = "not met"
 NO_FLOOR: Status = "no floor"
-"""An aim's status when there is no ratio to judge: the run has no ``raw`` result for the
+"""An aim's status when there is no ratio to judge: the run has no `raw` result for the
 scenario, or the floor's figure is 0."""
 
 
 @dataclass(frozen=True, slots=True)
 class AimSpec:
-    """One ratio aim: ``metric`` on ``scenario`` as a multiple of the floor's.
+    """One ratio aim: `metric` on `scenario` as a multiple of the floor's.
 
     A p99 must be at most the target; an applied/s at least it.
-    ``distributed`` is the target for strategies that take a lease; ``target`` for the rest.
+    `distributed` is the target for strategies that take a lease; `target` for the rest.
     """
 
     scenario: str
@@ -61,7 +61,7 @@ class AimSpec:
 
     @property
     def what(self) -> str:
-        """The aim's name in the JSON document: ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
+        """The aim's name in the JSON document: `p99_vs_floor` or `applied_per_s_vs_floor`."""
         return f"{self.metric}_vs_floor"
 
     @property
@@ -162,9 +162,9 @@ class Overhead:
 
 
 def overhead(result: ScenarioResult, twin: ScenarioResult | None) -> Overhead | None:
-    """``result``'s p99 against its in-process ``twin``'s.
+    """`result`'s p99 against its in-process `twin`'s.
 
-    None unless ``result`` went through HTTP and its twin ran.
+    None unless `result` went through HTTP and its twin ran.
     """
     if result.transport != HTTP or twin is None:
         return None
@@ -176,7 +176,7 @@ def _ratio(mine: float, floor: float) -> float | None:
 
 
 def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, float | None]:
-    """``result``'s p99 and applied/s as multiples of the same run's floor.
+    """`result`'s p99 and applied/s as multiples of the same run's floor.
 
     None without a floor, or for the floor itself.
     """
@@ -192,21 +192,21 @@ def vs_floor(result: ScenarioResult, floor: ScenarioResult | None) -> dict[str, 
 class Aim:
     """One performance aim, checked for one strategy on one scenario.
 
-    ``compare`` says which side of ``target`` ``measured`` must be on.
-    ``measured`` is None when there was no floor; ``ok`` is then False.
+    `compare` says which side of `target` `measured` must be on.
+    `measured` is None when there was no floor; `ok` is then False.
     """
 
     strategy: str
     scenario: str
     what: str
-    """``success``, ``violations``, ``p99_vs_floor`` or ``applied_per_s_vs_floor``."""
+    """`success`, `violations`, `p99_vs_floor` or `applied_per_s_vs_floor`."""
     target: float
     measured: float | None
     ok: bool
     compare: Literal["<=", ">="] = ">="
     transport: Transport = IN_PROCESS
     """The calls' transport: the aims of an HTTP result are its success, its violations and
-    :data:`HTTP_AIM` (``measured`` its p99 in ms, ``target`` the bound in ms)."""
+    `HTTP_AIM` (`measured` its p99 in ms, `target` the bound in ms)."""
 
     @property
     def status(self) -> Status:
@@ -270,9 +270,9 @@ def _http_aim(result: ScenarioResult, twin: ScenarioResult | None) -> list[Aim]:
 def aims(report: BenchReport) -> list[Aim]:
     """Every aim of every flowlock strategy on every scenario it ran.
 
-    First 100 % success and zero violations, then each of :data:`AIMS` against this run's floor.
-    A scenario without a floor gets ``no floor``. An HTTP result is checked against
-    :data:`HTTP_AIM` and its in-process twin instead.
+    First 100 % success and zero violations, then each of `AIMS` against this run's floor.
+    A scenario without a floor gets `no floor`. An HTTP result is checked against
+    `HTTP_AIM` and its in-process twin instead.
     """
     found: list[Aim] = []
     base = floors(report)

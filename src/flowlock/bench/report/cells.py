@@ -80,7 +80,7 @@ def figures_table(
 
 
 def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
-    """Whether every table of ``parts`` prints whole at the console's width.
+    """Whether every table of `parts` prints whole at the console's width.
 
     Rich cuts a number or a header word only with an ellipsis; text wraps and always fits.
     We print the tables unseen instead of asking rich to measure.
@@ -96,7 +96,7 @@ def _fits(console: Console, parts: Sequence[RenderableType]) -> bool:
 
 
 def fitting(console: Console, layouts: Sequence[Sequence[RenderableType]]) -> list[RenderableType]:
-    """The first of ``layouts`` (widest first) that fits ``console``; the last when none does."""
+    """The first of `layouts` (widest first) that fits `console`; the last when none does."""
     for parts in layouts:
         if _fits(console, parts):
             return list(parts)

@@ -1,4 +1,4 @@
-"""The ``--plot`` chart: latency, success and throughput per scenario and strategy.
+"""The `--plot` chart: latency, success and throughput per scenario and strategy.
 
 matplotlib is imported only when drawing.
 """
@@ -30,7 +30,7 @@ _SPARE_COLORS = ("#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#8c564b")
 
 
 def _series(result: ScenarioResult) -> str:
-    """A result's bar: its strategy, ``(http)`` after it when measured through the service."""
+    """A result's bar: its strategy, `(http)` after it when measured through the service."""
     return result.strategy if result.transport == IN_PROCESS else f"{result.strategy} (http)"
 
 
@@ -45,13 +45,13 @@ def check_plot_support() -> None:
 
 
 def chart_title(report: BenchReport) -> str:
-    """The run's title; a ``--quick`` run says so, since its figures are not comparable."""
+    """The run's title; a `--quick` run says so, since its figures are not comparable."""
     quick = " (--quick: fewer rounds and calls)" if report.args.get("quick") else ""
     return title(report) + quick
 
 
 def plot(report: BenchReport, path: Path) -> None:
-    """Draw the run as a PNG at ``path`` (matplotlib, Agg): see :func:`figure`."""
+    """Draw the run as a PNG at `path` (matplotlib, Agg): see `figure`."""
     fig = figure(report)  # checks for matplotlib first, and picks the Agg backend
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,4 @@
-"""The ``--http`` results as rich tables, each against its in-process twin."""
+"""The `--http` results as rich tables, each against its in-process twin."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["http_layouts", "http_table", "in_process_only"]
 
 
 def in_process_only(report: BenchReport) -> BenchReport:
-    """``report`` with its in-process results only.
+    """`report` with its in-process results only.
 
     The results, seed and aims tables show these; HTTP results have their own table.
     """

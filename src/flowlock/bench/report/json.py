@@ -1,4 +1,4 @@
-"""The ``--json`` document of ``flowlock bench --json FILE``.
+"""The `--json` document of `flowlock bench --json FILE`.
 
 Its keys keep the names and units docs/benchmarks.md documents. Extra keys follow them.
 """
@@ -45,7 +45,7 @@ def result_to_json(
 ) -> dict[str, Any]:
     """One result in the documented shape, then the extra fields.
 
-    ``twin`` is the in-process result of the same pair, for ``vs_in_process``.
+    `twin` is the in-process result of the same pair, for `vs_in_process`.
     The sampler's figures are null for an HTTP result: they are not measured.
     """
     found = overhead(result, twin)
@@ -97,7 +97,7 @@ def result_to_json(
 
 
 def to_json(report: BenchReport) -> dict[str, Any]:
-    """The whole report as the JSON document ``flowlock bench --json`` writes."""
+    """The whole report as the JSON document `flowlock bench --json` writes."""
     base = floors(report)
     twins = in_process(report)
     return {
@@ -138,5 +138,5 @@ def to_json(report: BenchReport) -> dict[str, Any]:
 
 
 def write_json(report: BenchReport, path: Path) -> None:
-    """Write :func:`to_json` to ``path`` (UTF-8, indented, trailing newline)."""
+    """Write `to_json` to `path` (UTF-8, indented, trailing newline)."""
     path.write_text(json.dumps(to_json(report), indent=2) + "\n", encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The progress display of ``flowlock bench``: a bar per step and one for the whole run."""
+"""The progress display of `flowlock bench`: a bar per step and one for the whole run."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ OVERALL = "whole run"
 
 
 class EtaColumn(ProgressColumn):
-    """The time left as ``eta 0:01:23``, from the rounds done so far.
+    """The time left as `eta 0:01:23`, from the rounds done so far.
 
     Blank for a step without a count, such as starting a server.
     """

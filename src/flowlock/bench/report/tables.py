@@ -1,6 +1,6 @@
 """The run as rich tables, read from the results; nothing here measures.
 
-:func:`render` prints them all, each in the widest layout that fits.
+`render` prints them all, each in the widest layout that fits.
 """
 
 from __future__ import annotations
@@ -217,10 +217,10 @@ def results_layouts(report: BenchReport) -> list[list[RenderableType]]:
 def seed_table(
     report: BenchReport, *, measured: bool = True, ours: bool = True, theirs: bool = True
 ) -> Table | None:
-    """The ``storm`` results beside the seed article's figures; None without a storm.
+    """The `storm` results beside the seed article's figures; None without a storm.
 
-    Unless ``measured`` is False it adds what the seed's own code measured.
-    ``ours`` or ``theirs`` False leaves out our figures or the article's.
+    Unless `measured` is False it adds what the seed's own code measured.
+    `ours` or `theirs` False leaves out our figures or the article's.
     """
     storm = [r for r in report.results if r.scenario == "storm"]
     if not storm:
@@ -335,8 +335,8 @@ def aims_table(
     """The aims against this run's floor, one column per strategy; None without a floor.
 
     Rows: scenarios below 100 % success, violations, then each ratio aim and whether it was met.
-    ``only`` limits the strategies. ``narrow`` wraps aims and targets, leaving room for names.
-    ``heading`` and ``caption`` False drop the title and caption, when tables continue.
+    `only` limits the strategies. `narrow` wraps aims and targets, leaving room for names.
+    `heading` and `caption` False drop the title and caption, when tables continue.
     """
     checked = aims(report)
     if not floors(report) or not checked:
@@ -454,7 +454,7 @@ def _escalations_text(report: BenchReport) -> Text | None:
 
 
 def render(report: BenchReport, console: Console) -> None:
-    """Print every table, the notes and the total time to ``console``.
+    """Print every table, the notes and the total time to `console`.
 
     Each table takes the widest layout that fits the console, so no number is ever cut.
     At 80 columns that is one table per scenario, with fewer figures.

@@ -1,8 +1,8 @@
 """The benchmark's scenarios: what a round's callers fire, and what "correct" means.
 
-One module per family, on the base class in :mod:`.base`.
-:data:`SCENARIOS` holds them by name, in the order ``flowlock bench`` runs them.
-A new one subclasses :class:`Scenario` and calls :func:`register_scenario`.
+One module per family, on the base class in `.base`.
+`SCENARIOS` holds them by name, in the order `flowlock bench` runs them.
+A new one subclasses `Scenario` and calls `register_scenario`.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ __all__ = [
 ]
 
 SCENARIOS: dict[str, Scenario] = {}
-"""Every known scenario by name, in the order ``flowlock bench`` runs them by default."""
+"""Every known scenario by name, in the order `flowlock bench` runs them by default."""
 
 
 def register_scenario(scenario: Scenario) -> Scenario:
-    """Add ``scenario`` to :data:`SCENARIOS` (replacing one of the same name)."""
+    """Add `scenario` to `SCENARIOS` (replacing one of the same name)."""
     SCENARIOS[scenario.name] = scenario
     return scenario
 

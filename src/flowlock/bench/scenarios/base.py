@@ -1,7 +1,7 @@
 """The base of every scenario, the session it fires through, and shared judging helpers.
 
-A scenario knows no timing or rendering. Its hooks are on :class:`Scenario`.
-``floor`` names how the raw floor makes its calls (see docs/benchmarks.md).
+A scenario knows no timing or rendering. Its hooks are on `Scenario`.
+`floor` names how the raw floor makes its calls (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ Floor = Literal["statement", "locked", "cas", "claim"]
 class Fired:
     """What a session says one call came to; failures are raised instead.
 
-    ``batch_size`` is the engine's ``Outcome.batch_size``.
-    It is None when no engine answered (the raw floor, or ``RunOnce``).
+    `batch_size` is the engine's `Outcome.batch_size`.
+    It is None when no engine answered (the raw floor, or `RunOnce`).
     """
 
     kind: Kind
@@ -50,11 +50,11 @@ class Fired:
 
 
 class Session(Protocol):
-    """One strategy, ready to fire, in one process (see :mod:`flowlock.bench.session`)."""
+    """One strategy, ready to fire, in one process (see `flowlock.bench.session`)."""
 
     @property
     def strategy(self) -> str:
-        """The strategy's name in the bench (``optimistic``, ``raw``, ``distributed-redis``...)."""
+        """The strategy's name in the bench (`optimistic`, `raw`, `distributed-redis`...)."""
         ...
 
     @property
@@ -72,7 +72,7 @@ class Session(Protocol):
         ...
 
     async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
-        """Run ``fn`` for ``(job, tick)`` unless a caller in any process already has.
+        """Run `fn` for `(job, tick)` unless a caller in any process already has.
 
         Returns True when this call ran it. Returns None when the session has no run-once runner;
         the caller then claims the tick through the engine.
@@ -86,9 +86,9 @@ class Session(Protocol):
 class Scenario:
     """What the runner needs from a scenario.
 
-    Subclasses set the class attributes and override :meth:`setup` and :meth:`judge`.
-    They may override the other hooks: ``workflows``, ``fire``, ``readback`` and ``prepare``.
-    :meth:`judge` lists the violations the generic checker cannot see, such as quorums or stock.
+    Subclasses set the class attributes and override `setup` and `judge`.
+    They may override the other hooks: `workflows`, `fire`, `readback` and `prepare`.
+    `judge` lists the violations the generic checker cannot see, such as quorums or stock.
     """
 
     name: str = ""
@@ -96,12 +96,12 @@ class Scenario:
     default_rounds: int = 3
     quick_rounds: int = 1
     default_ops: int = 1
-    """Calls per caller per round (``--ops``); 1 for the everybody-at-once scenarios."""
+    """Calls per caller per round (`--ops`); 1 for the everybody-at-once scenarios."""
     quick_ops: int = 1
     uses_ops: bool = False
-    """Whether ``--ops`` means anything to this scenario."""
+    """Whether `--ops` means anything to this scenario."""
     multiprocess: bool = False
-    """Runs its callers in ``--processes`` OS processes instead of this one."""
+    """Runs its callers in `--processes` OS processes instead of this one."""
     floor: Floor = "locked"
     invariant_kind: str = INVARIANT
 
@@ -121,12 +121,12 @@ class Scenario:
     ) -> RoundPlan:
         """Create this round's fresh instances and return its plan of callers.
 
-        Ids start with ``key``, unique per round. The runner releases all callers at once.
+        Ids start with `key`, unique per round. The runner releases all callers at once.
         """
         raise NotImplementedError
 
     async def fire(self, session: Session, call: CallSpec) -> Fired:
-        """Make one call; by default ``session.fire`` (``singleton`` runs a job instead)."""
+        """Make one call; by default `session.fire` (`singleton` runs a job instead)."""
         return await session.fire(call)
 
     async def readback(
@@ -151,7 +151,8 @@ class Scenario:
     def judge(self, record: RoundRecord, params: Params) -> Judgement:
         """Scenario-specific correctness of one finished round.
 
-        Say whether it double-advanced, and list what :func:`flowlock.checker.check` cannot see.
+        Say whether it double-advanced, and list what
+        [`flowlock.checker.check`][flowlock.checker.check] cannot see.
         """
         return Judgement(False)
 

@@ -17,7 +17,7 @@ __all__ = ["Inventory"]
 
 
 class Inventory(Scenario):
-    """Stock S = N / 2; N callers each ``reserve`` one unit at once.
+    """Stock S = N / 2; N callers each `reserve` one unit at once.
 
     Correct when the stock never goes below zero and each reservation is in history once.
     Stock plus reserved must stay S.

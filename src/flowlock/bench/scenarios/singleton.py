@@ -27,9 +27,9 @@ class Singleton(Scenario):
     """P processes (N callers) run the same scheduled job at each tick.
 
     Correct when the job ran once per tick, by the one caller told it ran it.
-    Runs go to ``flowlock_bench_runs``, which has no unique constraint, so a double run shows.
-    The distributed strategies use :class:`flowlock.jobs.RunOnce`.
-    The others claim the tick with ``approve`` on a per-tick instance.
+    Runs go to `flowlock_bench_runs`, which has no unique constraint, so a double run shows.
+    The distributed strategies use [`flowlock.jobs.RunOnce`][flowlock.jobs.RunOnce].
+    The others claim the tick with `approve` on a per-tick instance.
     Raw inserts the (job, tick) claim row.
     """
 

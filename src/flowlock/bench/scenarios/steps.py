@@ -18,7 +18,7 @@ __all__ = ["Cluster", "Hot", "Spread", "counter"]
 
 
 def counter(name: str = "counter") -> Workflow:
-    """A counter whose ``step`` adds one to ``data["n"]``.
+    """A counter whose `step` adds one to `data["n"]`.
 
     Each step must apply: there is no guard and the state never changes.
     So nothing is ever "already done".
@@ -41,7 +41,7 @@ def _counter_never_skips(data: Mapping[str, Any]) -> str | None:
 
 
 class _Steps(Scenario):
-    """N callers x M ``step`` calls over the counters: what hot, spread and cluster share.
+    """N callers x M `step` calls over the counters: what hot, spread and cluster share.
 
     Correct when each applied step is in history once, by caller.
     Each counter must equal its number of history rows: no lost update.

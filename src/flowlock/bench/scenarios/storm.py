@@ -1,4 +1,4 @@
-"""The seed's incident scaled up: N callers ``approve`` one pending instance at once."""
+"""The seed's incident scaled up: N callers `approve` one pending instance at once."""
 
 from __future__ import annotations
 

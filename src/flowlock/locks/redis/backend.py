@@ -1,7 +1,7 @@
 """RedisLocks: the lease protocol, built from the scripts, the wake-ups and the fence.
 
 A caller that finds the key held waits for a release or the holder's expiry, at most
-``wait`` seconds. A cancelled release still completes. docs/redis-ha.md has the details.
+`wait` seconds. A cancelled release still completes. docs/redis-ha.md has the details.
 """
 
 from __future__ import annotations
@@ -69,19 +69,19 @@ def _millis(seconds: float) -> int:
 class RedisLocks(AsyncResource):
     """Lease locks in Redis.
 
-    ``url`` is ``redis://``, ``rediss://`` or ``unix://`` for one server,
-    ``redis+sentinel://`` for Sentinel or ``redis+cluster://`` for a cluster. See
-    :mod:`~flowlock.locks.redis.urls` for the syntax.
+    `url` is `redis://`, `rediss://` or `unix://` for one server,
+    `redis+sentinel://` for Sentinel or `redis+cluster://` for a cluster. See
+    `urls` for the syntax.
 
-    - ``fence_epochs``: a PostgreSQL store's ``fence_epochs``; the engine passes it. Keeps
+    - `fence_epochs`: a PostgreSQL store's `fence_epochs`; the engine passes it. Keeps
       fencing tokens strictly increasing per key across Redis data losses.
-    - ``fence_floor(key)``: the highest token recorded outside Redis for ``key``. Alone it is
+    - `fence_floor(key)`: the highest token recorded outside Redis for `key`. Alone it is
       a weaker guarantee; with epochs it keeps older tokens below.
     - With neither, tokens only increase while Redis keeps its data.
-    - ``socket_timeout`` bounds every call to Redis.
-    - ``max_connections`` caps the connections; callers beyond it queue within their bound.
+    - `socket_timeout` bounds every call to Redis.
+    - `max_connections` caps the connections; callers beyond it queue within their bound.
       In a cluster it is per node, and a burst beyond it raises LockUnavailable.
-    - ``token``, ``rng`` and ``clock`` are injectable for tests.
+    - `token`, `rng` and `clock` are injectable for tests.
     """
 
     def __init__(
@@ -123,11 +123,11 @@ class RedisLocks(AsyncResource):
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> RedisLocks:
-        """Locks on an existing client, which ``aclose`` leaves open.
+        """Locks on an existing client, which `aclose` leaves open.
 
-        The client is a ``redis.asyncio.Redis`` (also from a Sentinel's ``master_for``) or a
-        ``RedisCluster``. Its own timeouts and retries apply underneath ours. Turn its retries
-        off for exact release semantics. Leave its ``socket_timeout`` unset: on Python 3.11 the
+        The client is a `redis.asyncio.Redis` (also from a Sentinel's `master_for`) or a
+        `RedisCluster`. Its own timeouts and retries apply underneath ours. Turn its retries
+        off for exact release semantics. Leave its `socket_timeout` unset: on Python 3.11 the
         write timeout can swallow a cancellation, and every call is bounded here anyway.
         """
         self = cls.__new__(cls)
@@ -192,7 +192,7 @@ class RedisLocks(AsyncResource):
     def client(self) -> Client:
         """The redis-py client of an open backend, for tests and diagnostics.
 
-        A ``RedisCluster`` for a ``redis+cluster://`` URL, else a ``Redis``.
+        A `RedisCluster` for a `redis+cluster://` URL, else a `Redis`.
         """
         return self._require_open()
 
@@ -210,11 +210,11 @@ class RedisLocks(AsyncResource):
         return self._fence.in_flight
 
     def redis_key(self, key: str) -> str:
-        """The Redis key (and release channel) of lock ``key``."""
+        """The Redis key (and release channel) of lock `key`."""
         return self._keys.lock(key)
 
     def fence_key(self, key: str) -> str:
-        """The Redis key of lock ``key``'s fencing counter."""
+        """The Redis key of lock `key`'s fencing counter."""
         return self._keys.fence(key)
 
     def key_pattern(self) -> str:
@@ -230,7 +230,7 @@ class RedisLocks(AsyncResource):
         """Create the client and start the pub/sub listener. Idempotent.
 
         A Redis that is down does not make this fail; acquire raises LockUnavailable until it is
-        back. Waits up to ``socket_timeout`` for the first subscription, so waiters are woken
+        back. Waits up to `socket_timeout` for the first subscription, so waiters are woken
         from the start.
         """
         if self._open:
@@ -258,7 +258,7 @@ class RedisLocks(AsyncResource):
     async def aclose(self) -> None:
         """Stop the listener, let releases in flight finish, and close the client.
 
-        A client from ``from_client`` stays open. Idempotent; ``open()`` may be called again.
+        A client from `from_client` stays open. Idempotent; `open()` may be called again.
         """
         if not self._open:
             return
@@ -363,7 +363,7 @@ class RedisLocks(AsyncResource):
         return int(reply[0]), int(reply[1])
 
     async def _start_counter(self, key: str, floor: int, bound: float) -> None:
-        """Raise ``key``'s fencing counter to ``floor`` (it was missing, or at its epoch's end)."""
+        """Raise `key`'s fencing counter to `floor` (it was missing, or at its epoch's end)."""
         self._require_open()
         assert self._scripts is not None
         call = scripts.start(
@@ -376,7 +376,7 @@ class RedisLocks(AsyncResource):
         await bounded("start the fencing counter", call, min(bound, self._socket_timeout))
 
     def borrow_fence_epochs(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while this backend was given none.
+        """Use `epochs` while this backend was given none.
 
         RunOnce lends its own. Returns the call that gives them back.
         """
@@ -384,7 +384,7 @@ class RedisLocks(AsyncResource):
 
     @property
     def fence_epochs(self) -> FenceEpochs | None:
-        """The fencing epochs in use: given as ``fence_epochs``, else lent, else None."""
+        """The fencing epochs in use: given as `fence_epochs`, else lent, else None."""
         return self._fence.epochs
 
     async def release(self, lease: Lease) -> None:
@@ -424,7 +424,7 @@ class RedisLocks(AsyncResource):
         return lease.renewed(sent + ttl, ttl)
 
     async def ping(self) -> None:
-        """One PING within ``socket_timeout``, as a readiness probe.
+        """One PING within `socket_timeout`, as a readiness probe.
 
         Raises LockUnavailable when Redis does not answer.
         """
@@ -432,9 +432,9 @@ class RedisLocks(AsyncResource):
         await bounded("ping", client.ping(), self._socket_timeout)
 
     async def wait_released(self, key: str, wait: float) -> bool:
-        """Wait, without taking the lock, until ``key`` is free.
+        """Wait, without taking the lock, until `key` is free.
 
-        Returns True once it is seen free, released or expired; False when ``wait`` seconds pass
+        Returns True once it is seen free, released or expired; False when `wait` seconds pass
         first. Watchers never compete for the lock or take a waiter's wake. Raises
         LockUnavailable when Redis cannot be asked.
         """

@@ -1,7 +1,7 @@
 """The redis-py client a backend opens, and the one place driver errors are translated.
 
-Every call is bounded by ``socket_timeout``, and while acquiring by what is left of
-``wait``. Any failure raises LockUnavailable; at release the key simply expires. redis-py's
+Every call is bounded by `socket_timeout`, and while acquiring by what is left of
+`wait`. Any failure raises LockUnavailable; at release the key simply expires. redis-py's
 retries are off: a retried compare-and-delete that had landed would report LockNotOwned.
 """
 
@@ -82,7 +82,7 @@ or a Redis Cluster's."""
 
 
 class Servers:
-    """The client for commands, a fresh pub/sub per :meth:`pubsub`, and what :meth:`aclose` closes.
+    """The client for commands, a fresh pub/sub per `pubsub`, and what `aclose` closes.
 
     One server and Sentinel use the client's own pub/sub connection. With Sentinel it asks
     for the primary on each connect, so the listener follows a failover. A cluster
@@ -127,7 +127,7 @@ class Servers:
 
 
 def _accepted(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The keywords of ``kwargs`` that connection class ``cls`` takes.
+    """The keywords of `kwargs` that connection class `cls` takes.
 
     A cluster node's kwargs carry the cluster client's own too, which a plain connection refuses.
     """
@@ -176,12 +176,12 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """A Sentinel primary's pool that queues a burst of callers.
 
     It waits for a connection, as the one-server pool does, instead of failing at
-    ``max_connections``.
+    `max_connections`.
     """
 
 
 def _kwargs_for(cls: type, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` without those a redis-py of this version does not take."""
+    """`options` without those a redis-py of this version does not take."""
     parameters = inspect.signature(cls).parameters
     return {name: value for name, value in options.items() if name in parameters}
 
@@ -201,9 +201,9 @@ def _options(connect_timeout: float) -> dict[str, Any]:
 
 
 def connect(url: str, *, max_connections: int, connect_timeout: float) -> aioredis.Redis:
-    """One server's client (``redis://``, ``rediss://``, ``unix://``) on a blocking pool.
+    """One server's client (`redis://`, `rediss://`, `unix://`) on a blocking pool.
 
-    Callers beyond ``max_connections`` queue, within each call's bound, instead of failing.
+    Callers beyond `max_connections` queue, within each call's bound, instead of failing.
     Nothing is sent until the first command.
     """
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -213,9 +213,9 @@ def connect(url: str, *, max_connections: int, connect_timeout: float) -> aiored
 
 
 def servers(address: urls.RedisAddress, *, max_connections: int, connect_timeout: float) -> Servers:
-    """The servers ``address`` names: one server, a Sentinel primary or a Redis Cluster.
+    """The servers `address` names: one server, a Sentinel primary or a Redis Cluster.
 
-    See :mod:`~flowlock.locks.redis.urls` for the URLs. Nothing is sent until the first command.
+    See `urls` for the URLs. Nothing is sent until the first command.
     """
     if address.kind == "single":
         return Servers(
@@ -274,9 +274,9 @@ def _sentinel(
 
 
 def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
-    """The flowlock error for driver error ``exc``, raised while doing ``what``.
+    """The flowlock error for driver error `exc`, raised while doing `what`.
 
-    ``seconds`` is the call's bound. That call acquired, extended or released nothing.
+    `seconds` is the call's bound. That call acquired, extended or released nothing.
     """
     if isinstance(exc, TimeoutError):
         return LockUnavailable(BACKEND, f"{what}: no answer within {seconds:.2f} s")
@@ -292,9 +292,9 @@ def translate(what: str, exc: BaseException, seconds: float) -> LockUnavailable:
 
 
 async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
-    """Await one Redis call for at most ``seconds``.
+    """Await one Redis call for at most `seconds`.
 
-    Every driver failure becomes LockUnavailable saying ``what`` was being done.
+    Every driver failure becomes LockUnavailable saying `what` was being done.
     """
     try:
         async with asyncio.timeout(seconds):
@@ -304,7 +304,7 @@ async def bounded(what: str, call: Awaitable[T], seconds: float) -> T:
 
 
 async def close(servers: Servers, seconds: float) -> None:
-    """Close ``servers`` and their connections.
+    """Close `servers` and their connections.
 
     A failed goodbye on a broken connection is logged, not raised: the caller cannot act on it.
     """
@@ -315,7 +315,7 @@ async def close(servers: Servers, seconds: float) -> None:
 
 
 def text(value: object) -> str | None:
-    """A reply as a string (a client from ``from_client`` may not decode its replies)."""
+    """A reply as a string (a client from `from_client` may not decode its replies)."""
     if isinstance(value, bytes):
         return value.decode()
     return None if value is None else str(value)

@@ -23,7 +23,7 @@ Spawn = Callable[[Coroutine[Any, Any, int]], "asyncio.Task[int]"]
 Start = Callable[[str, int, float], Awaitable[None]]
 
 EPOCH_BITS = 32
-"""A token is ``epoch << EPOCH_BITS`` plus its place in the epoch (1 to 2^32 - 1)."""
+"""A token is `epoch << EPOCH_BITS` plus its place in the epoch (1 to 2^32 - 1)."""
 MAX_EPOCH = (1 << (53 - EPOCH_BITS)) - 1
 """The last epoch whose tokens stay below 2^53."""
 _SPAN = str(1 << EPOCH_BITS)
@@ -32,10 +32,10 @@ _SPAN = str(1 << EPOCH_BITS)
 class FenceFloors:
     """Single-flight restarts of missing fencing counters.
 
-    The first acquirer of a key with a missing counter starts it with ``start(key, floor,
-    bound)``. Acquirers that come meanwhile share that work, and its answer or error.
-    ``spawn`` runs the work as a task its owner awaits on close. ``epochs`` are used when
-    given, or when lent with :meth:`lend`. ``fetch`` is ``fence_floor``.
+    The first acquirer of a key with a missing counter starts it with `start(key, floor,
+    bound)`. Acquirers that come meanwhile share that work, and its answer or error.
+    `spawn` runs the work as a task its owner awaits on close. `epochs` are used when
+    given, or when lent with `lend`. `fetch` is `fence_floor`.
     """
 
     __slots__ = (
@@ -76,7 +76,7 @@ class FenceFloors:
         return self._lent[0] if self._lent else None
 
     def lend(self, epochs: FenceEpochs) -> Callable[[], None]:
-        """Use ``epochs`` while the backend has none of its own.
+        """Use `epochs` while the backend has none of its own.
 
         An earlier lender's epochs win while still lent. Returns the call that takes them back.
         """
@@ -103,9 +103,9 @@ class FenceFloors:
         return _SPAN if self.epochs is not None else ""
 
     async def floor(self, key: str, bound: float, seen: int = 0) -> int:
-        """Start ``key``'s counter and return the floor it was started at.
+        """Start `key`'s counter and return the floor it was started at.
 
-        The counter is missing, or is ``seen`` at the end of its epoch. Waits at most ``bound``
+        The counter is missing, or is `seen` at the end of its epoch. Waits at most `bound`
         seconds; work already in flight keeps the bound it started with.
         """
         flight = self.in_flight.get(key)
@@ -129,9 +129,9 @@ class FenceFloors:
             del self.in_flight[key]
 
     async def _ask(self, key: str, seen: int, bound: float, started: asyncio.Future[int]) -> int:
-        """Start the counter and pass the floor, or the error, to ``started``.
+        """Start the counter and pass the floor, or the error, to `started`.
 
-        ``started`` is set as soon as the counter is started. Sharers go on while the epoch's
+        `started` is set as soon as the counter is started. Sharers go on while the epoch's
         lock is let go.
         """
         try:

@@ -1,8 +1,8 @@
 """Where a lock lives in Redis.
 
-Lock ``k`` is ``flowlock:<ns>:{<k>}``, its fencing counter ``...:fence``, and the counter's
-stamp ``...:fence:replid``. The hash tag keeps them in one cluster slot. Keys are
-percent-encoded, so ``a:b`` and ``a`` + ``:b`` never meet.
+Lock `k` is `flowlock:<ns>:{<k>}`, its fencing counter `...:fence`, and the counter's
+stamp `...:fence:replid`. The hash tag keeps them in one cluster slot. Keys are
+percent-encoded, so `a:b` and `a` + `:b` never meet.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ class Keyspace:
         self._prefix = f"flowlock:{_escape(namespace)}:"
 
     def lock(self, key: str) -> str:
-        """The Redis key (and release channel) of lock ``key``."""
+        """The Redis key (and release channel) of lock `key`."""
         return f"{self._prefix}{{{_escape(key)}}}"
 
     def fence(self, key: str) -> str:
-        """The Redis key of lock ``key``'s fencing counter."""
+        """The Redis key of lock `key`'s fencing counter."""
         return self.lock(key) + ":fence"
 
     def stamp(self, key: str) -> str:
-        """The key holding the replication id ``key``'s fencing counter was started on."""
+        """The key holding the replication id `key`'s fencing counter was started on."""
         return self.lock(key) + ":fence:replid"
 
     def pattern(self) -> str:

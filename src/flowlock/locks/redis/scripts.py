@@ -125,7 +125,7 @@ tuple, so that a test can wrap one of them in something that counts or delays it
 
 
 def register(client: aioredis.Redis | RedisCluster) -> Scripts:
-    """Register the scripts on ``client``.
+    """Register the scripts on `client`.
 
     Each call sends EVALSHA, and the script text only when the server lacks it (after a
     restart or failover). In a cluster EVALSHA goes to its keys' slot; each script touches
@@ -150,30 +150,30 @@ def acquire(
     unknown: str,
     span: str,
 ) -> Awaitable[Any]:
-    """Take the lock for ``token``.
+    """Take the lock for `token`.
 
-    Replies ``[ACQUIRED, fencing]``, ``[HELD, pttl_ms]`` or ``[NO_COUNTER, counter]``. On the
-    last, start the counter and call again. ``unknown`` and ``span`` are ARGV[3] and ARGV[4]
-    (see :data:`ACQUIRE`).
+    Replies `[ACQUIRED, fencing]`, `[HELD, pttl_ms]` or `[NO_COUNTER, counter]`. On the
+    last, start the counter and call again. `unknown` and `span` are ARGV[3] and ARGV[4]
+    (see `ACQUIRE`).
     """
     return scripts[0](keys=[lock_key, fence_key, stamp_key], args=[token, ttl_ms, unknown, span])
 
 
 def release(scripts: Scripts, *, lock_key: str, token: str) -> Awaitable[Any]:
-    """Delete the lock if ``token`` holds it and announce the release: 1 if it did, else 0."""
+    """Delete the lock if `token` holds it and announce the release: 1 if it did, else 0."""
     return scripts[1](keys=[lock_key], args=[token])
 
 
 def extend(scripts: Scripts, *, lock_key: str, token: str, ttl_ms: int) -> Awaitable[Any]:
-    """Reset the lock's expiry to ``ttl_ms`` if ``token`` holds it: 1 if it did, else 0."""
+    """Reset the lock's expiry to `ttl_ms` if `token` holds it: 1 if it did, else 0."""
     return scripts[2](keys=[lock_key], args=[token, ttl_ms])
 
 
 def start(
     scripts: Scripts, *, fence_key: str, stamp_key: str, floor: int, stamp: bool
 ) -> Awaitable[Any]:
-    """Raise the counter ``fence_key`` to ``floor`` if it is missing or below. Returns 1 if it did.
+    """Raise the counter `fence_key` to `floor` if it is missing or below. Returns 1 if it did.
 
-    With ``stamp``, also stamp ``stamp_key`` with the server's replication id.
+    With `stamp`, also stamp `stamp_key` with the server's replication id.
     """
     return scripts[3](keys=[fence_key, stamp_key], args=[floor, "1" if stamp else ""])

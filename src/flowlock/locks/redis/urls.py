@@ -1,8 +1,8 @@
 """The Redis URLs the lock backend takes, checked in one place before any I/O.
 
-One server: ``redis://``, ``rediss://`` (TLS) or ``unix://``. Sentinel:
-``redis+sentinel://``. Cluster: ``redis+cluster://``. docs/redis-ha.md shows every form.
-TLS to a sentinel or cluster needs your own client and ``RedisLocks.from_client``.
+One server: `redis://`, `rediss://` (TLS) or `unix://`. Sentinel:
+`redis+sentinel://`. Cluster: `redis+cluster://`. docs/redis-ha.md shows every form.
+TLS to a sentinel or cluster needs your own client and `RedisLocks.from_client`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flowlock.core.settings import check_url
 __all__ = ["CLUSTER", "SCHEMES", "SENTINEL", "SINGLE", "RedisAddress", "parse"]
 
 SINGLE = ("redis", "rediss", "unix")
-"""The schemes of one Redis server, read by redis-py's ``from_url``."""
+"""The schemes of one Redis server, read by redis-py's `from_url`."""
 SENTINEL = "redis+sentinel"
 CLUSTER = "redis+cluster"
 SCHEMES = (*SINGLE, SENTINEL, CLUSTER)
@@ -38,7 +38,7 @@ Kind = Literal["single", "sentinel", "cluster"]
 class RedisAddress:
     """Where the locks live, as a checked URL says.
 
-    ``url`` is the URL itself, read by redis-py for one server. ``hosts`` are the sentinels
+    `url` is the URL itself, read by redis-py for one server. `hosts` are the sentinels
     or cluster nodes. The rest applies to the kinds that have it. The repr hides passwords.
     """
 
@@ -60,7 +60,7 @@ class RedisAddress:
 
 
 def parse(url: object, name: str = "the Redis URL") -> RedisAddress:
-    """``url`` checked and taken apart.
+    """`url` checked and taken apart.
 
     Raises InvalidInput saying what is wrong and how to write it. Messages never quote the
     whole URL, which may carry a password.
@@ -115,7 +115,7 @@ def _bad(name: str, scheme: str, why: str) -> InvalidInput:
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:
-    """``user:password``, ``:password`` or ``password`` (Redis's AUTH takes a password alone)."""
+    """`user:password`, `:password` or `password` (Redis's AUTH takes a password alone)."""
     user, colon, password = userinfo.partition(":")
     if not colon:
         return None, unquote(userinfo) or None
@@ -169,7 +169,7 @@ def _query(name: str, scheme: str, query: str) -> dict[str, str]:
 
 
 def _service(name: str, given: str | None, segments: list[str]) -> tuple[str, int]:
-    """The service name and database, from the path or ``?service_name=``."""
+    """The service name and database, from the path or `?service_name=`."""
     if given is None:
         if not segments or not segments[0]:
             raise _bad(name, SENTINEL, "it names no service (the sentinels' name of the primary)")

@@ -34,7 +34,7 @@ _RECONNECT_MAX = 2.0
 
 
 async def wait_for(event: asyncio.Event, seconds: float) -> bool:
-    """Whether ``event`` was set within ``seconds``."""
+    """Whether `event` was set within `seconds`."""
     try:
         async with asyncio.timeout(seconds):
             await event.wait()
@@ -46,7 +46,7 @@ async def wait_for(event: asyncio.Event, seconds: float) -> bool:
 class _Waiter:
     """One acquire waiting in a key's local queue.
 
-    ``woken``: it was handed a release or the holder's expiry, and has neither lost a retry
+    `woken`: it was handed a release or the holder's expiry, and has neither lost a retry
     nor taken the lease yet. If it leaves meanwhile, the wake goes to the next waiter.
     """
 
@@ -58,7 +58,7 @@ class _Waiter:
 
 
 class _Watcher:
-    """One ``wait_released`` call. ``released``: a release of the key was announced."""
+    """One `wait_released` call. `released`: a release of the key was announced."""
 
     __slots__ = ("event", "released")
 
@@ -117,13 +117,13 @@ class Wakeups:
         self._queues: dict[str, _Queue] = {}
 
     def jitter(self) -> float:
-        """A random delay up to :data:`WAKE_JITTER` seconds after a holder's expiry."""
+        """A random delay up to `WAKE_JITTER` seconds after a holder's expiry."""
         return self._rng.uniform(0.0, WAKE_JITTER)
 
     def join(self, lock_key: str) -> Place:
-        """Take a place at the back of ``lock_key``'s queue of waiters.
+        """Take a place at the back of `lock_key`'s queue of waiters.
 
-        Always leave it with :meth:`Place.leave`, however the wait ends.
+        Always leave it with `Place.leave`, however the wait ends.
         """
         queue = self._queue(lock_key)
         waiter = _Waiter()
@@ -132,7 +132,7 @@ class Wakeups:
 
     @contextlib.contextmanager
     def watch(self, lock_key: str) -> Iterator[Watch]:
-        """Watch ``lock_key``'s releases for the duration of the ``with`` block."""
+        """Watch `lock_key`'s releases for the duration of the `with` block."""
         queue = self._queue(lock_key)
         watcher = _Watcher()
         queue.watchers.add(watcher)
@@ -145,7 +145,7 @@ class Wakeups:
     # --- what the listener and the backend report ----------------------------------------------
 
     def released(self, channel: str) -> None:
-        """A release was announced on ``channel``: every watcher and the oldest waiter wake."""
+        """A release was announced on `channel`: every watcher and the oldest waiter wake."""
         queue = self._queues.get(channel)
         if queue is not None:
             queue.announce_release()
@@ -183,9 +183,9 @@ class Wakeups:
                 del self._queues[lock_key]
 
     def _arm(self, queue: _Queue, pttl_ms: int) -> None:
-        """Wake the oldest waiter of ``queue`` when the holder's lease runs out.
+        """Wake the oldest waiter of `queue` when the holder's lease runs out.
 
-        ``pttl_ms`` is the time left, as a failed attempt saw it. An earlier wake-up already set
+        `pttl_ms` is the time left, as a failed attempt saw it. An earlier wake-up already set
         wins. One that comes too early (the holder extended) costs one attempt, which sets the next.
         """
         loop = asyncio.get_running_loop()
@@ -216,7 +216,7 @@ class Place:
         self._waiter.event.clear()
 
     def held(self, pttl_ms: int) -> None:
-        """The attempt found the key held with ``pttl_ms`` left (-1: no expiry).
+        """The attempt found the key held with `pttl_ms` left (-1: no expiry).
 
         Makes sure the oldest waiter wakes at the holder's expiry.
         """
@@ -229,7 +229,7 @@ class Place:
         return self._waiter.event.is_set()
 
     async def wait(self, seconds: float) -> None:
-        """Wait for a wake, at most ``seconds``.
+        """Wait for a wake, at most `seconds`.
 
         A waiter that lost its retry to another holder keeps its place at the head.
         """
@@ -250,7 +250,7 @@ class Place:
 
 
 class Watch:
-    """One ``wait_released`` call's view of its key."""
+    """One `wait_released` call's view of its key."""
 
     __slots__ = ("_watcher",)
 
@@ -267,15 +267,15 @@ class Watch:
         self._watcher.event.clear()
 
     async def wait(self, seconds: float) -> bool:
-        """Whether a release, a new subscription or closing woke the watch within ``seconds``."""
+        """Whether a release, a new subscription or closing woke the watch within `seconds`."""
         return await wait_for(self._watcher.event, seconds)
 
 
 class Listener:
     """The one pattern subscription on a namespace's channels.
 
-    A task keeps it up from :meth:`start` to :meth:`stop`. Each release heard wakes that
-    key's queue in ``wakeups``. ``pubsubs`` makes a new pub/sub for each try, so after a
+    A task keeps it up from `start` to `stop`. Each release heard wakes that
+    key's queue in `wakeups`. `pubsubs` makes a new pub/sub for each try, so after a
     failover the next one reaches the new primary or another node.
     """
 
@@ -297,7 +297,7 @@ class Listener:
         self.listening = False
 
     async def start(self, *, name: str, wait: float) -> None:
-        """Start listening, and wait up to ``wait`` seconds for the first subscription.
+        """Start listening, and wait up to `wait` seconds for the first subscription.
 
         Also returns on the first failure. Waiting means waiters are woken from the start when
         Redis is up.

@@ -1,11 +1,11 @@
 """The PostgreSQL store on asyncpg, one concern per module.
 
-- :mod:`~flowlock.stores.postgres.sql`: the statement texts, query builders and arguments;
-- :mod:`~flowlock.stores.postgres.session`: where a call's statements run (flowlock's pool, an
+- `sql`: the statement texts, query builders and arguments;
+- `session`: where a call's statements run (flowlock's pool, an
   application's pool, a caller's transaction) and how driver errors read there;
-- :mod:`~flowlock.stores.postgres.operations`: the statements of one call;
-- :mod:`~flowlock.stores.postgres.pipeline`: calls on different instances sharing a round trip;
-- :mod:`~flowlock.stores.postgres.store`: :class:`PostgresStore`, which composes them.
+- `operations`: the statements of one call;
+- `pipeline`: calls on different instances sharing a round trip;
+- `store`: [`PostgresStore`][flowlock.stores.postgres.PostgresStore], which composes them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The store's statements for one call, run where a :class:`Session` says.
+"""The store's statements for one call, run where a `Session` says.
 
 The pessimistic path is one transaction: BEGIN with SET LOCAL lock_timeout, FOR UPDATE, the
 request-id lookup, the compare-and-swap, COMMIT.
@@ -63,7 +63,7 @@ from flowlock.stores.postgres.sql import (
 
 
 class Operations:
-    """The store's statements, run where ``session`` says."""
+    """The store's statements, run where `session` says."""
 
     def __init__(self, session: Session) -> None:
         self._s = session
@@ -113,7 +113,7 @@ class Operations:
         return await self.commit_batch(entries_of(entries))
 
     async def commit_batch(self, batch: Batch) -> Instance | None:
-        """:meth:`commit` of a batch :func:`entries_of` has checked."""
+        """`commit` of a batch [`entries_of`][flowlock.stores.base.entries_of] has checked."""
         key = batch[0].instance_id
         started = time.monotonic()
         (sql, args), timeout = cas_of(batch), self._s.timeout
@@ -238,9 +238,9 @@ class Operations:
 
 
 class CallerTransaction(Operations):
-    """The store inside a caller's open transaction (a :class:`flowlock.stores.base.Store` for
-    the strategies). It opens, closes, commits and migrates nothing: the caller owns the
-    connection and its transaction."""
+    """The store inside a caller's open transaction (a
+    [`flowlock.stores.base.Store`][flowlock.stores.base.Store] for the strategies). It opens,
+    closes, commits and migrates nothing: the caller owns the connection and its transaction."""
 
     async def open(self) -> None:
         return None
@@ -269,7 +269,7 @@ async def _own_transaction(
     bound: float,
 ) -> tuple[Snapshot, Instance | None, float]:
     """The pessimistic path in a transaction of its own on a connection of flowlock's pool;
-    ``context``: what the driver errors of its COMMIT mean."""
+    `context`: what the driver errors of its COMMIT mean."""
     # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
     # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
     await conn.execute(
@@ -341,8 +341,8 @@ async def _locked_step(
 
 
 def batches_of(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[Batch, ...]:
-    """``batches`` checked before anything is written: each one instance's contiguous batch
-    (:func:`entries_of`), and no instance in two of them."""
+    """`batches` checked before anything is written: each one instance's contiguous batch
+    ([`entries_of`][flowlock.stores.base.entries_of]), and no instance in two of them."""
     checked = tuple(entries_of(batch) for batch in batches)
     seen: set[str] = set()
     for batch in checked:

@@ -47,7 +47,7 @@ MAX_BATCH = 500
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LockedCall:
-    """One ``apply_locked`` call, as the pessimistic pipeline queues it."""
+    """One `apply_locked` call, as the pessimistic pipeline queues it."""
 
     instance_id: str
     request_ids: tuple[str, ...]
@@ -71,7 +71,7 @@ def _locked_snapshot(
     found: Mapping[tuple[str, str], HistoryEntry],
 ) -> Snapshot:
     """A group member's Snapshot, as _locked_step builds it: the instance locked, and the entries
-    found of its request ids; ``found``: the group's entries by (instance, request id)."""
+    found of its request ids; `found`: the group's entries by (instance, request id)."""
     instance = instance_from_row(row)
     own = {rid: found[(instance.id, rid)] for rid in request_ids if (instance.id, rid) in found}
     return Snapshot(instance, own)
@@ -83,7 +83,7 @@ def _plan_each(
     answers: list[LockedResult | BaseException | None],
 ) -> dict[int, Batch]:
     """Each locked call's plan run on its snapshot, in order: the batches to write, by call. A
-    plan that raises (or returns a malformed batch) gives its call that error in ``answers``;
+    plan that raises (or returns a malformed batch) gives its call that error in `answers`;
     nothing of it is written and the others go on."""
     planned: dict[int, Batch] = {}
     for i, snap in snaps.items():
@@ -101,7 +101,7 @@ def _plan_each(
 async def _priors_of(
     conn: Conn, calls: Sequence[LockedCall], bound: float
 ) -> dict[tuple[str, str], HistoryEntry]:
-    """The entries of the request ids of ``calls`` (locked already), by (instance, request id):
+    """The entries of the request ids of `calls` (locked already), by (instance, request id):
     one statement, its snapshot taken after the locks were granted, or none when no call has a
     request id."""
     pairs = [(c.instance_id, rid) for c in calls for rid in dict.fromkeys(c.request_ids)]
@@ -116,7 +116,7 @@ async def _priors_of(
 def _filled(
     answers: list[LockedResult | BaseException | None],
 ) -> list[LockedResult | BaseException]:
-    """``answers`` once every call has one."""
+    """`answers` once every call has one."""
     done: list[LockedResult | BaseException] = []
     for answer in answers:
         if answer is None:  # pragma: no cover - every call not served by the group ran alone
@@ -149,7 +149,7 @@ async def read_together(
 
 
 async def commit_together(s: Session, batches: Sequence[Batch]) -> list[Instance | None]:
-    """The batches of several instances (checked by :func:`batches_of`) in one statement,
+    """The batches of several instances (checked by `batches_of`) in one statement,
     each instance's compare-and-swap on its own. Raises DuplicateRequest or Contended when
     the statement failed whole (nothing of it written): the caller then commits each batch
     alone."""
@@ -288,7 +288,7 @@ async def locked_in_groups(
     alone: Callable[[LockedCall], Awaitable[LockedResult]],
 ) -> list[LockedResult | BaseException]:
     """The pessimistic calls that queued together: the first call on each instance in one
-    transaction (:meth:`Operations.apply_locked_together`); the calls it did not serve (a
+    transaction (`Operations.apply_locked_together`); the calls it did not serve (a
     row held elsewhere or missing, a second call on an instance, or all of them when its
     write failed whole) alone afterwards, as today: each instance's calls one after
     another, the instances concurrently. So only a call that ran alone ever waited for a

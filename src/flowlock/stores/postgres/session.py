@@ -1,6 +1,6 @@
 """Where a call's statements run: flowlock's pool, an application's pool, or a caller's transaction.
 
-Driver errors become flowlock errors here, at the adapter's edge (:meth:`Session.conn`).
+Driver errors become flowlock errors here, at the adapter's edge (`Session.conn`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class Bounds(Protocol):
 
 class Session:
     """Where the statements of one call run: a connection of the store's pool per call, or the
-    one connection ``joined``, inside a transaction that someone else ends (the caller's, or the
-    one :meth:`PostgresStore._app_transaction` opened around the call)."""
+    one connection `joined`, inside a transaction that someone else ends (the caller's, or the
+    one `PostgresStore._app_transaction` opened around the call)."""
 
     def __init__(self, store: Bounds, joined: Conn | None = None) -> None:
         self._store = store
@@ -49,8 +49,8 @@ class Session:
 
     @property
     def timeout(self) -> float:
-        """The client-side bound of one statement: the store's ``lock_timeout`` (any statement
-        may wait that long for a lock, on the server's clock) plus its ``command_timeout``."""
+        """The client-side bound of one statement: the store's `lock_timeout` (any statement
+        may wait that long for a lock, on the server's clock) plus its `command_timeout`."""
         return self._store.round_trip
 
     @property
@@ -60,9 +60,9 @@ class Session:
     def conn(
         self, key: str = "", *, busy: Busy | None = None, writes: bool = False
     ) -> AbstractAsyncContextManager[Conn]:
-        """A connection whose driver errors become flowlock errors about ``key``. ``busy``: what
+        """A connection whose driver errors become flowlock errors about `key`. `busy`: what
         a lock that is not available (SQLSTATE 55P03) means to this call; by default a
-        StoreError. ``writes``: the block runs one autocommit write, so a session lost while it
+        StoreError. `writes`: the block runs one autocommit write, so a session lost while it
         is in flight leaves its outcome unknown (OutcomeUnknown). On a joined connection nothing
         is autocommitted: a session lost there rolls the whole transaction back (ConnectionLost),
         and whoever ends that transaction says whether its COMMIT is in doubt."""
@@ -87,7 +87,7 @@ async def _on(conn: Conn, context: Context) -> AsyncIterator[Conn]:
 async def guarded_cas(
     conn: Conn, sql: str, args: tuple[Any, ...], bound: float
 ) -> asyncpg.Record | None:
-    """The compare-and-swap ``sql`` in a savepoint of its own. In a transaction flowlock does not
+    """The compare-and-swap `sql` in a savepoint of its own. In a transaction flowlock does not
     end, a duplicate request id must undo this statement only, leaving the transaction usable for
     the re-read that answers the request idempotently."""
     await conn.execute("SAVEPOINT flowlock_cas", timeout=bound)
@@ -103,7 +103,7 @@ async def guarded_cas(
 
 
 async def roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
-    """End flowlock's own transaction on a pooled connection after ``exc``."""
+    """End flowlock's own transaction on a pooled connection after `exc`."""
     if broken(exc):
         # The session is gone, asyncpg lost track of it, or a statement outlived its bound and
         # asyncpg gave up on it mid-protocol: a ROLLBACK would fail (or wait on a server that
@@ -115,7 +115,7 @@ async def roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
 
 
 def caller_connection(connection: object) -> Conn:
-    """``connection=`` checked: an open asyncpg connection inside an open transaction."""
+    """`connection=` checked: an open asyncpg connection inside an open transaction."""
     if not isinstance(connection, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy):
         raise InvalidInput(
             "connection= takes an asyncpg connection (from asyncpg.connect() or pool.acquire()) "
@@ -176,7 +176,7 @@ async def undo(conn: Conn, bound: float) -> None:
 
 
 def context_of(key: str, busy: Callable[[BaseException], FlowlockError] | None = None) -> Context:
-    """What the driver errors of a statement about ``key`` mean to the store."""
+    """What the driver errors of a statement about `key` mean to the store."""
     return Context(
         what=f"PostgreSQL error for {key!r}",
         tables="flowlock tables are",

@@ -238,8 +238,8 @@ def _literal(name: str) -> str:
 
 
 def _where(query: InstanceQuery, args: list[object]) -> list[str]:
-    """``query`` as WHERE conditions; the arguments of the timestamps are appended to ``args``
-    (numbered on from what ``args`` already holds)."""
+    """`query` as WHERE conditions; the arguments of the timestamps are appended to `args`
+    (numbered on from what `args` already holds)."""
     conditions: list[str] = []
     if query.workflow is not None:
         conditions.append(f"workflow = {_literal(query.workflow)}")
@@ -266,7 +266,7 @@ _PAGE = 'id COLLATE "C" > $1 ORDER BY id COLLATE "C" LIMIT $2'
 def list_statement(
     query: InstanceQuery, *, after: str | None, limit: int
 ) -> tuple[str, list[object]]:
-    """The SELECT of :meth:`PostgresStore.list_instances` and its arguments."""
+    """The SELECT of `PostgresStore.list_instances` and its arguments."""
     args: list[object] = [after or "", limit]
     states = query.states or ()
     if query.workflow is None or len(states) < 2:
@@ -287,7 +287,7 @@ def list_statement(
 
 
 def count_statement(query: InstanceQuery) -> tuple[str, list[object]]:
-    """The SELECT of :meth:`PostgresStore.count_instances` and its arguments."""
+    """The SELECT of `PostgresStore.count_instances` and its arguments."""
     args: list[object] = []
     conditions = _where(query, args)
     where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
@@ -320,7 +320,7 @@ def snapshot_of(row: asyncpg.Record) -> Snapshot:
 
 
 def priors_in(rows: Sequence[asyncpg.Record]) -> dict[str, HistoryEntry]:
-    """The entries the joined rows of a read found, by request id (``h_`` columns)."""
+    """The entries the joined rows of a read found, by request id (`h_` columns)."""
     return {
         row["h_request_id"]: entry_from_row(row, "h_")
         for row in rows
@@ -348,7 +348,7 @@ Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_o
 
 
 def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
-    """The compare-and-swap of ``batch`` and its arguments: the one-entry statement for one
+    """The compare-and-swap of `batch` and its arguments: the one-entry statement for one
     entry (the common case, kept as it was), the array one for several."""
     if len(batch) == 1:
         return CAS, _cas_args(batch[0])
@@ -399,7 +399,7 @@ def many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
 
 
 def keys_text(batches: Sequence[Batch]) -> str:
-    """The instances of ``batches`` as the errors about all of them quote them."""
+    """The instances of `batches` as the errors about all of them quote them."""
     return keys_of([batch[0].instance_id for batch in batches])
 
 

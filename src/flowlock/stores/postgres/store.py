@@ -1,4 +1,5 @@
-"""The facade: :class:`PostgresStore`, which builds the pool and routes each call."""
+"""The facade: [`PostgresStore`][flowlock.stores.postgres.store.PostgresStore], which builds the
+pool and routes each call."""
 
 from __future__ import annotations
 
@@ -56,33 +57,35 @@ T = TypeVar("T")
 class PostgresStore:
     """Instances and history in PostgreSQL.
 
-    ``dsn``: a ``postgresql://`` URL; flowlock builds its pool, of at most ``pool_size``
-    connections (pessimistic callers hold one each while they wait for a row lock), ``min_size``
-    of them opened up front, each opened within ``connect_timeout`` seconds and shown in
-    ``pg_stat_activity`` as ``application_name``. Or ``pool``: an application's own asyncpg pool
+    `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`
+    connections (pessimistic callers hold one each while they wait for a row lock), `min_size`
+    of them opened up front, each opened within `connect_timeout` seconds and shown in
+    `pg_stat_activity` as `application_name`. Or `pool`: an application's own asyncpg pool
     instead, which flowlock uses as it is (no codec, setting or search_path of its connections
     changes) and does not close.
 
-    ``pipeline`` (on by default, flowlock's own pool only): the unlocked reads and the
+    `pipeline` (on by default, flowlock's own pool only): the unlocked reads and the
     compare-and-swaps of calls on different instances that become ready while a few such round
     trips are already in flight are sent together, one statement for many instances, each
-    instance's compare-and-swap still standing alone (see :meth:`commit_many`); so do the
-    pessimistic calls, a group in one transaction that locks its rows with SKIP LOCKED and
-    never waits (a call whose row is held elsewhere runs alone afterwards, with its own lock
-    bound). An idle store sends each at once.
+    instance's compare-and-swap still standing alone (see
+    [`commit_many`][flowlock.stores.postgres.store.PostgresStore.commit_many]); so do the
+    pessimistic calls, a group in one transaction that locks its rows with SKIP LOCKED and never
+    waits (a call whose row is held elsewhere runs alone afterwards, with its own lock bound). An
+    idle store sends each at once.
 
-    ``acquire_timeout``: seconds to wait for a free connection before StoreBusy. ``schema``: put
+    `acquire_timeout`: seconds to wait for a free connection before StoreBusy. `schema`: put
     the tables in this schema (created if missing) instead of the connection's default.
-    ``auto_migrate``: migrate on open. ``lock_timeout``: seconds any statement outside a
+    `auto_migrate`: migrate on open. `lock_timeout`: seconds any statement outside a
     pessimistic transaction may wait for a row lock (the optimistic compare-and-swap waits for a
-    concurrent writer to commit) before LockTimeout. ``command_timeout``: seconds one round trip
+    concurrent writer to commit) before LockTimeout. `command_timeout`: seconds one round trip
     may take on the client's clock beyond that lock wait (a pessimistic FOR UPDATE: beyond the
     strategy's lock_timeout); past it the connection is terminated and the call raises
-    ConnectionLost, or OutcomeUnknown when a write may have been sent. :attr:`round_trip` is
+    ConnectionLost, or OutcomeUnknown when a write may have been sent. `round_trip` is
     the resulting bound of an ordinary statement.
 
-    :meth:`in_transaction` runs the store's statements inside a transaction the caller opened on
-    a connection of its own (``engine.fire(..., connection=conn)``).
+    [`in_transaction`][flowlock.stores.postgres.store.PostgresStore.in_transaction] runs the store's
+    statements inside a transaction the caller opened on a connection of its own
+    (`engine.fire(..., connection=conn)`).
     """
 
     def __init__(
@@ -196,7 +199,7 @@ class PostgresStore:
             )
 
     async def aclose(self) -> None:
-        """Close flowlock's pool; an application's pool (``pool=``) is left open, only no longer
+        """Close flowlock's pool; an application's pool (`pool=`) is left open, only no longer
         used."""
         for coalescer in (self._reads, self._writes, self._locked):
             if coalescer is not None:
@@ -213,13 +216,13 @@ class PostgresStore:
 
     @property
     def fence_epochs(self) -> PostgresFenceEpochs:
-        """The fencing epochs of Redis lock keys, in this store's ``flowlock_fence_epochs``: give
-        them to :class:`~flowlock.locks.redis.RedisLocks` (``fence_epochs=``) for tokens that
-        never repeat across Redis data losses (``Engine.connect`` does)."""
+        """The fencing epochs of Redis lock keys, in this store's `flowlock_fence_epochs`: give
+        them to [`RedisLocks`][flowlock.locks.redis.RedisLocks] (`fence_epochs=`) for tokens that
+        never repeat across Redis data losses (`Engine.connect` does)."""
         return self._fence_epochs
 
     async def migrate(self) -> list[str]:
-        """Apply the migrations not yet applied; their names (see :mod:`flowlock._pg.migrations`).
+        """Apply the migrations not yet applied; their names (see `flowlock._pg.migrations`).
         MigrationError if that fails, EngineClosed if the store is not open."""
         return await migrations.migrate(
             self.pool,
@@ -241,9 +244,9 @@ class PostgresStore:
         waits: bool = True,
         writes: bool = False,
     ) -> T:
-        """``op`` on flowlock's pool; on an application's pool, in a transaction of its own
-        when it may wait for a lock or needs the schema on search_path. ``key``: what the
-        errors of that transaction's own statements quote; ``writes``: ``op`` may write, so a
+        """`op` on flowlock's pool; on an application's pool, in a transaction of its own
+        when it may wait for a lock or needs the schema on search_path. `key`: what the
+        errors of that transaction's own statements quote; `writes`: `op` may write, so a
         session lost while its COMMIT is in flight leaves the outcome unknown."""
         if self._given is None or (not waits and self.schema is None):
             return await op(self._ops)
@@ -272,15 +275,15 @@ class PostgresStore:
 
     @asynccontextmanager
     async def in_transaction(self, connection: object) -> AsyncIterator[Store]:
-        """This store on ``connection`` (an asyncpg connection inside a transaction the caller
-        opened and will commit or roll back), for the length of the ``async with``.
+        """This store on `connection` (an asyncpg connection inside a transaction the caller
+        opened and will commit or roll back), for the length of the `async with`.
 
-        Everything runs in a savepoint with flowlock's ``lock_timeout`` and ``schema`` set for
+        Everything runs in a savepoint with flowlock's `lock_timeout` and `schema` set for
         it. On an error inside, flowlock's part is rolled back to the savepoint (its settings
         with it) and the caller's transaction goes on, usable; on the way out the caller's own
-        ``search_path`` and ``lock_timeout`` are put back. Cancelled mid-statement, the
+        `search_path` and `lock_timeout` are put back. Cancelled mid-statement, the
         connection is left to the caller (roll the transaction back). InvalidInput, before any
-        statement, when ``connection`` is not an open asyncpg connection in a transaction (or in
+        statement, when `connection` is not an open asyncpg connection in a transaction (or in
         one that has already failed)."""
         conn = caller_connection(connection)
         context = context_of("")
@@ -374,7 +377,7 @@ class PostgresStore:
 
     async def _apply_locked_alone(self, call: LockedCall) -> LockedResult:
         """A pessimistic call in a transaction of its own, waiting for its row lock as its
-        ``lock`` says."""
+        `lock` says."""
         return await self._call(
             lambda ops: ops.apply_locked(call.instance_id, call.request_ids, call.plan, call.lock),
             call.instance_id,
@@ -411,7 +414,7 @@ class PostgresStore:
 
     async def ping(self) -> None:
         """One round trip on a pool connection, a readiness probe: StoreBusy when no connection
-        frees within ``acquire_timeout``, ConnectionLost when PostgreSQL does not answer within
+        frees within `acquire_timeout`, ConnectionLost when PostgreSQL does not answer within
         the store's bounds, StoreError when it answers but is read-only (a standby)."""
         await self._call(lambda ops: ops.ping(), waits=False)
 

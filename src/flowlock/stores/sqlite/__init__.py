@@ -1,9 +1,9 @@
-"""The SQLite store: stdlib :mod:`sqlite3`, one thread per connection, WAL.
+"""The SQLite store: stdlib `sqlite3`, one thread per connection, WAL.
 
-- :mod:`~flowlock.stores.sqlite.sql`: statement texts, query builders, value encoding;
-- :mod:`~flowlock.stores.sqlite.txn`: the transactions, each run whole on a connection's thread;
-- :mod:`~flowlock.stores.sqlite.pool`: the connections and their threads;
-- :mod:`~flowlock.stores.sqlite.store`: :class:`SqliteStore`, which composes them.
+- `sql`: statement texts, query builders, value encoding;
+- `txn`: the transactions, each run whole on a connection's thread;
+- `pool`: the connections and their threads;
+- `store`: [`SqliteStore`][flowlock.stores.sqlite.SqliteStore], which composes them.
 """
 
 from __future__ import annotations

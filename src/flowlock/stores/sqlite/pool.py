@@ -31,7 +31,7 @@ class Pool:
         self.closed = False
 
     async def acquire_write(self, within: float) -> None:
-        """Raises TimeoutError when this store's other writers held on for ``within`` s."""
+        """Raises TimeoutError when this store's other writers held on for `within` s."""
         # asyncio.timeout, not wait_for: a free lock is taken without yielding, so a bound of 0
         # still succeeds when nobody holds it (wait_for(..., 0) would always time out).
         async with asyncio.timeout(max(within, 0.0)):

@@ -39,8 +39,8 @@ MIGRATIONS_TABLE: Final = (
 
 
 def _where(query: InstanceQuery) -> tuple[str, list[Any]]:
-    """``query`` as a WHERE clause and its arguments. Timestamps are stored as ISO-8601 UTC text
-    of one fixed shape (:func:`timestamp_text`), so comparing the text compares the moments."""
+    """`query` as a WHERE clause and its arguments. Timestamps are stored as ISO-8601 UTC text
+    of one fixed shape (`timestamp_text`), so comparing the text compares the moments."""
     clauses = ["1 = 1"]
     args: list[Any] = []
     if query.workflow is not None:
@@ -59,7 +59,9 @@ def _where(query: InstanceQuery) -> tuple[str, list[Any]]:
 
 
 def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tuple[str, list[Any]]:
-    """The SELECT of :meth:`SqliteStore.list_instances` and its arguments."""
+    """The SELECT of
+    [`SqliteStore.list_instances`][flowlock.stores.sqlite.SqliteStore.list_instances] and its
+    arguments."""
     # Why plain "id > ?" and ORDER BY id: TEXT compares with the BINARY collation, byte by
     # byte of the UTF-8, which is code point order (the order the other stores use); the
     # primary key and the (workflow, state, id) index of 003_queries are in that order.
@@ -72,13 +74,15 @@ def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tu
 
 
 def count_statement(query: InstanceQuery) -> tuple[str, list[Any]]:
-    """The SELECT of :meth:`SqliteStore.count_instances` and its arguments."""
+    """The SELECT of
+    [`SqliteStore.count_instances`][flowlock.stores.sqlite.SqliteStore.count_instances] and its
+    arguments."""
     where, args = _where(query)
     return f"SELECT count(*) FROM flowlock_instances WHERE {where}", args
 
 
 def statements_of(script: str) -> list[str]:
-    """``script`` split into single statements. ``executescript`` cannot be used: it commits
+    """`script` split into single statements. `executescript` cannot be used: it commits
     the open transaction first, and the migrations must all run inside one."""
     statements: list[str] = []
     buffer = ""

@@ -1,8 +1,8 @@
-"""The SQLite store: stdlib :mod:`sqlite3`, one dedicated thread per connection, WAL.
+"""The SQLite store: stdlib `sqlite3`, one dedicated thread per connection, WAL.
 
 Each connection lives on its own single-thread executor and every public operation is one
-synchronous function submitted to that thread which runs a whole transaction (``BEGIN`` ..
-``COMMIT``). A transaction therefore never spans an ``await``: a cancelled caller cannot leave a
+synchronous function submitted to that thread which runs a whole transaction (`BEGIN` ..
+`COMMIT`). A transaction therefore never spans an `await`: a cancelled caller cannot leave a
 connection half-way through a transaction, and the connection is only ever touched by the thread
 that created it.
 """
@@ -68,24 +68,24 @@ _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or 
 class SqliteStore(AsyncResource):
     """Instances and history in one SQLite database file.
 
-    Connections: a small pool (``pool_size``, default 4) of connections, each on its own thread,
+    Connections: a small pool (`pool_size`, default 4) of connections, each on its own thread,
     so reads run while a write is in progress (WAL mode lets readers and one writer overlap).
-    ``:memory:`` uses a single connection, since each connection to ``:memory:`` would otherwise
+    `:memory:` uses a single connection, since each connection to `:memory:` would otherwise
     see its own empty database.
 
     Locking — read this before choosing the pessimistic strategy on SQLite: SQLite has no row
-    locks. ``apply_locked`` takes the *database-wide* write lock (``BEGIN IMMEDIATE``), so on
+    locks. `apply_locked` takes the *database-wide* write lock (`BEGIN IMMEDIATE`), so on
     SQLite the pessimistic path serialises every writer of the database, not just writers of one
-    instance; ``RowLock(nowait=True)`` fails with :class:`~flowlock.LockBusy` whenever *any*
-    instance is being written. ``commit`` (the optimistic path) takes the same lock only for the
+    instance; `RowLock(nowait=True)` fails with [`LockBusy`][flowlock.LockBusy] whenever *any*
+    instance is being written. `commit` (the optimistic path) takes the same lock only for the
     few statements of its compare-and-swap. Within one store, writers queue on an
-    :class:`asyncio.Lock` before touching SQLite, so they wait in FIFO order on the event loop
+    `asyncio.Lock` before touching SQLite, so they wait in FIFO order on the event loop
     instead of polling SQLite's busy handler; across processes (or across store objects on the
     same file) the wait is SQLite's busy timeout.
 
-    Bounds: ``busy_timeout`` (seconds) is the longest any write waits for the write lock, queueing
-    in this process included; ``RowLock.timeout`` can only shorten it for one ``apply_locked``.
-    ``acquire_timeout`` bounds the wait for a free connection (:class:`~flowlock.StoreBusy`).
+    Bounds: `busy_timeout` (seconds) is the longest any write waits for the write lock, queueing
+    in this process included; `RowLock.timeout` can only shorten it for one `apply_locked`.
+    `acquire_timeout` bounds the wait for a free connection ([`StoreBusy`][flowlock.StoreBusy]).
     """
 
     def __init__(
@@ -127,8 +127,9 @@ class SqliteStore(AsyncResource):
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
     ) -> SqliteStore:
-        """A store for ``sqlite:///relative/path.db``, ``sqlite:////abs/path.db`` or
-        ``sqlite:///:memory:``. Nothing is opened until :meth:`open`."""
+        """A store for `sqlite:///relative/path.db`, `sqlite:////abs/path.db` or
+        `sqlite:///:memory:`. Nothing is opened until
+        [`open`][flowlock.stores.sqlite.store.SqliteStore.open]."""
         if not isinstance(url, str) or not url.startswith(_URL_PREFIX):
             raise InvalidInput(f"unsupported SQLite url {url!r}: expected {_URL_FORMS}")
         path = url[len(_URL_PREFIX) :]
@@ -152,7 +153,7 @@ class SqliteStore(AsyncResource):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open the connections (and migrate, when ``auto_migrate``). Idempotent."""
+        """Open the connections (and migrate, when `auto_migrate`). Idempotent."""
         async with self._lifecycle:
             if self._pool is not None:
                 return
@@ -210,7 +211,7 @@ class SqliteStore(AsyncResource):
         return conn
 
     def _use_wal(self, conn: sqlite3.Connection) -> None:
-        """Switch the file to WAL, retrying within ``busy_timeout``. Why retry here: switching a
+        """Switch the file to WAL, retrying within `busy_timeout`. Why retry here: switching a
         fresh file reads its header and then upgrades to a write lock, and SQLite answers a
         lock upgrade that finds another writer with SQLITE_BUSY at once, without calling the
         busy handler (waiting could deadlock), so two stores opening one new file together
@@ -240,8 +241,8 @@ class SqliteStore(AsyncResource):
     # -- migrations ------------------------------------------------------------------------------
 
     async def migrate(self) -> list[str]:
-        """Apply the SQLite migrations not yet recorded in ``flowlock_schema_migrations``, all in
-        one ``BEGIN IMMEDIATE`` transaction (so concurrent starters do not race); returns the
+        """Apply the SQLite migrations not yet recorded in `flowlock_schema_migrations`, all in
+        one `BEGIN IMMEDIATE` transaction (so concurrent starters do not race); returns the
         names applied now."""
         return await self._migrate(self._live())
 
@@ -286,7 +287,7 @@ class SqliteStore(AsyncResource):
 
     async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         """A consistent read (one snapshot) of the instance and the history entries that carry
-        ``request_ids`` (``Snapshot.priors``, by request id)."""
+        `request_ids` (`Snapshot.priors`, by request id)."""
         return await self._read(read_txn, instance_id, request_ids, what="read")
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
@@ -300,11 +301,11 @@ class SqliteStore(AsyncResource):
     async def list_instances(
         self, query: InstanceQuery, *, after: str | None, limit: int
     ) -> list[Instance]:
-        """At most ``limit`` instances matching ``query`` with an id after ``after``, by id."""
+        """At most `limit` instances matching `query` with an id after `after`, by id."""
         return await self._read(list_txn, query, after, limit, what="list")
 
     async def count_instances(self, query: InstanceQuery) -> int:
-        """How many instances match ``query``."""
+        """How many instances match `query`."""
         return await self._read(count_txn, query, what="count")
 
     async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T:
@@ -317,7 +318,7 @@ class SqliteStore(AsyncResource):
     # -- writes ----------------------------------------------------------------------------------
 
     async def create(self, instance: Instance) -> Instance:
-        """Insert ``instance`` at version 1, created and updated now. Raises InstanceExists."""
+        """Insert `instance` at version 1, created and updated now. Raises InstanceExists."""
         data = dump_json(instance.data, f"data of instance {instance.id!r}")
         return await self._write(
             instance.id,
@@ -328,7 +329,7 @@ class SqliteStore(AsyncResource):
         )
 
     async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
-        """Compare-and-swap the instance from the first entry's ``version - 1`` to the last entry
+        """Compare-and-swap the instance from the first entry's `version - 1` to the last entry
         and append every entry, in one transaction. None when the version moved, a newer fencing
         token was written or one of the request ids was applied meanwhile (nothing written)."""
         batch = encode(entries_of(entries))
@@ -359,10 +360,10 @@ class SqliteStore(AsyncResource):
     async def apply_locked(
         self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock
     ) -> LockedResult:
-        """Under SQLite's database-wide write lock: read, run ``plan`` on the connection's
+        """Under SQLite's database-wide write lock: read, run `plan` on the connection's
         thread, write the entries it returns, commit. Raises LockBusy
-        (``lock.nowait``), LockTimeout (after ``min(lock.timeout, busy_timeout)``),
-        InstanceNotFound, or what ``plan`` raised."""
+        (`lock.nowait`), LockTimeout (after `min(lock.timeout, busy_timeout)`),
+        InstanceNotFound, or what `plan` raised."""
         return await self._write(
             instance_id,
             lambda conn: locked_txn(conn, instance_id, request_ids, plan),
@@ -404,8 +405,8 @@ class SqliteStore(AsyncResource):
     # -- plumbing --------------------------------------------------------------------------------
 
     async def _submit(self, pool: Pool, fn: Callable[[sqlite3.Connection], T], *, write: bool) -> T:
-        """Run ``fn`` on a free connection's thread. With ``write``, the caller holds
-        ``pool.write_lock`` and ownership of it passes to this call."""
+        """Run `fn` on a free connection's thread. With `write`, the caller holds
+        `pool.write_lock` and ownership of it passes to this call."""
         try:
             worker = await pool.acquire(self.acquire_timeout, self.path)
         except BaseException:

@@ -42,7 +42,7 @@ def bounded(
     txn: Callable[[sqlite3.Connection, A], T],
     arg: A,
 ) -> Callable[[sqlite3.Connection], T]:
-    """``txn`` with the connection's busy timeout set to ``busy_ms`` for its duration only."""
+    """`txn` with the connection's busy timeout set to `busy_ms` for its duration only."""
     default_ms = millis(default)
 
     def run(conn: sqlite3.Connection) -> T:
@@ -58,8 +58,8 @@ def bounded(
 
 
 def immediate(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
-    """``body`` in a ``BEGIN IMMEDIATE`` transaction: committed when it returns, rolled back when
-    it raises (including :class:`_Discard`, which makes the transaction return its value)."""
+    """`body` in a `BEGIN IMMEDIATE` transaction: committed when it returns, rolled back when
+    it raises (including `_Discard`, which makes the transaction return its value)."""
     _begin(conn, "BEGIN IMMEDIATE")
     try:
         result = body(conn)
@@ -91,7 +91,7 @@ def _deferred(conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T])
 
 
 class _Discard(Exception):
-    """Roll the transaction back and return ``value`` (a lost compare-and-swap, or a plan that
+    """Roll the transaction back and return `value` (a lost compare-and-swap, or a plan that
     asked for no write)."""
 
     def __init__(self, value: Any) -> None:
@@ -131,7 +131,7 @@ def _snapshot(conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[
 def _rows_of_requests(
     conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str]
 ) -> list[tuple[Any, ...]]:
-    """The history rows of ``instance_id`` that carry one of ``request_ids``."""
+    """The history rows of `instance_id` that carry one of `request_ids`."""
     rows: list[tuple[Any, ...]] = []
     for at in range(0, len(request_ids), IDS_PER_SELECT):
         chunk = request_ids[at : at + IDS_PER_SELECT]
