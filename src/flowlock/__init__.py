@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The error tree's names; the module is pure and small.
+from flowlock.errors import __all__ as _ERROR_NAMES
+
 if TYPE_CHECKING:
     from flowlock import checker, errors, jobs, sync
     from flowlock import examples as examples
@@ -57,42 +60,10 @@ if TYPE_CHECKING:
     from flowlock.strategies.optimistic import Optimistic
     from flowlock.strategies.pessimistic import Pessimistic
 
-_ERRORS = (
-    "ConcurrencyError",
-    "ConflictRetriesExhausted",
-    "ConnectionLost",
-    "DefinitionError",
-    "EngineClosed",
-    "ExtraNotInstalled",
-    "FlowlockError",
-    "GuardRejected",
-    "IdempotencyKeyReused",
-    "InstanceExists",
-    "InstanceNotFound",
-    "InvalidInput",
-    "LockBusy",
-    "LockError",
-    "LockLost",
-    "LockNotOwned",
-    "LockTimeout",
-    "LockUnavailable",
-    "MigrationError",
-    "OutcomeUnknown",
-    "PayloadTooLarge",
-    "StepFailed",
-    "StoreBusy",
-    "StoreError",
-    "SyncCallInEventLoop",
-    "TransitionNotAllowed",
-    "TransitionRefused",
-    "UnknownEvent",
-    "UnknownWorkflow",
-    "VersionMismatch",
-)
 
 # Where each public name lives: imported on first use (PEP 562).
 _WHERE: dict[str, str] = {
-    **dict.fromkeys(_ERRORS, "flowlock.core.errors"),
+    **dict.fromkeys(_ERROR_NAMES, "flowlock.core.errors"),
     **dict.fromkeys(("Step", "Transition", "Workflow"), "flowlock.core.definition"),
     **dict.fromkeys(("HistoryEntry", "Instance", "Outcome", "Page"), "flowlock.core.models"),
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
