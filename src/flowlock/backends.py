@@ -23,6 +23,7 @@ from flowlock.core.settings import (
     DEFAULT_MIN_SIZE,
     POSTGRES_SCHEMES,
     check_application_name,
+    check_flag,
     check_seconds,
     check_size,
 )
@@ -55,8 +56,7 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
     if lease_wait is not None:
         check_seconds("lease_wait", lease_wait, zero=True)
     batching = options.get("batching", True)
-    if not isinstance(batching, bool):
-        raise InvalidInput(f"batching must be True or False, not {batching!r}")
+    check_flag("batching", batching)
     schema = options.get("schema")
     store = build_store(
         database_url,

@@ -37,7 +37,7 @@ from flowlock.core.query import (
     decode_cursor,
     instance_query,
 )
-from flowlock.core.settings import check_count, check_seconds, check_text
+from flowlock.core.settings import check_count, check_flag, check_seconds, check_text
 from flowlock.core.step import Call
 from flowlock.locks.base import LockBackend
 from flowlock.options import (
@@ -120,8 +120,7 @@ class Engine:
     def __init__(self, store: Store, **options: Unpack[EngineOptions]) -> None:
         check_keywords(options, EngineOptions, "Engine()")
         batching = options.get("batching", True)
-        if not isinstance(batching, bool):
-            raise InvalidInput(f"batching must be True or False, not {batching!r}")
+        check_flag("batching", batching)
         max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
         check_count("max_batch", max_batch, most=MAX_BATCH, unit="calls")
         max_payload = options.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD)

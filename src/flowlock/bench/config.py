@@ -14,6 +14,7 @@ from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, exp
 from flowlock.bench.results import Params
 from flowlock.bench.scenarios import SCENARIOS, Scenario
 from flowlock.core.errors import InvalidInput
+from flowlock.core.settings import check_flag
 
 __all__ = [
     "ADMIN_POOL",
@@ -156,8 +157,7 @@ class BenchConfig:
         self._check_names()
         self._check_counts()
         self._check_urls()
-        if not isinstance(self.http, bool):
-            raise InvalidInput(f"http must be True or False, not {self.http!r}")
+        check_flag("http", self.http)
         if self.http and self.hosts is not None:
             # The two measure different things and cannot share a run: --http calls a service
             # on this machine's loopback from the bench's own process, --hosts moves every
@@ -168,8 +168,7 @@ class BenchConfig:
                 "worker processes on namespaced hosts; run them as two separate benches"
             )
         self._check_hosts()
-        if not isinstance(self.batching, bool):
-            raise InvalidInput(f"batching must be True or False, not {self.batching!r}")
+        check_flag("batching", self.batching)
         if self.http:
             self._check_http()
 

@@ -92,6 +92,13 @@ def check_seconds(
     return seconds
 
 
+def check_flag(name: str, value: object) -> bool:
+    """`value` as a bool: True or False, nothing truthy in their place."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def check_count(name: str, value: object, *, least: int = 1, most: int, unit: str = "") -> int:
     """`value` as a whole number (an int, not a bool) from `least` to `most`.
 

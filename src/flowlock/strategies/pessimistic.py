@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flowlock import tracing
-from flowlock.core.errors import InvalidInput, LockError, StoreError
+from flowlock.core.errors import LockError, StoreError
 from flowlock.core.models import Instance, Snapshot
-from flowlock.core.settings import check_seconds
+from flowlock.core.settings import check_flag, check_seconds
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import RowLock, Store
 from flowlock.strategies.base import Decide, Planned, StrategyResult, looked_up
@@ -33,8 +33,7 @@ class Pessimistic:
     def __post_init__(self) -> None:
         # Checked with nowait too: a NaN left in an object is a NaN used later.
         check_seconds("lock_timeout", self.lock_timeout)
-        if not isinstance(self.nowait, bool):
-            raise InvalidInput(f"nowait must be True or False, not {self.nowait!r}")
+        check_flag("nowait", self.nowait)
 
     @property
     def name(self) -> str:

@@ -28,6 +28,7 @@ from flowlock.core.settings import (
     DEFAULT_MIN_SIZE,
     POSTGRES_SCHEMES,
     check_application_name,
+    check_flag,
     check_seconds,
     check_size,
     check_url,
@@ -105,8 +106,7 @@ class PostgresStore:
         pipeline: bool = True,
     ) -> None:
         check_schema(schema)
-        if not isinstance(pipeline, bool):
-            raise InvalidInput(f"pipeline must be True or False, not {pipeline!r}")
+        check_flag("pipeline", pipeline)
         if (dsn is None) == (pool is None):
             raise InvalidInput(
                 "PostgresStore takes a postgresql:// dsn or an application's asyncpg pool "
