@@ -34,6 +34,7 @@ def _loaded_after(code: str) -> set[str]:
         "import flowlock.sync",
         "import flowlock.engine",
         "import flowlock.locks, flowlock.stores, flowlock.checker",
+        "import flowlock.http",
         "import flowlock; flowlock.Engine; flowlock.Workflow; flowlock.connect; flowlock.sync",
         "import flowlock; flowlock.Adaptive; flowlock.ConflictMonitor; flowlock.Store",
     ],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,10 +10,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flowlock.core.errors import FlowlockError
+from flowlock.http import HttpProblem
+from flowlock.http import problem as http_problem
 from flowlock.service.bodies import invalid_fields
-from flowlock.service.problems import PROBLEM_JSON, Problem, from_error, problem
-
-log = logging.getLogger("flowlock.service")
+from flowlock.service.problems import PROBLEM_JSON, Problem, problem
 
 
 def _problem_response(found: Problem, request: Request) -> Response:
@@ -25,17 +25,19 @@ def _problem_response(found: Problem, request: Request) -> Response:
     )
 
 
+def _answer(found: HttpProblem) -> Response:
+    body = json.dumps(found.body, default=str).encode()
+    return Response(body, status_code=found.status, headers=found.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_problem(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Problem)
         return _problem_response(exc, request)
 
-    async def on_flowlock(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, FlowlockError)
-        found = from_error(exc)
-        if found.status >= 500:
-            log.warning("%s %s: %r", request.method, request.url.path, exc)
-        return _problem_response(found, request)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        # A flowlock error, or a crash: the one mapping logs it in full and answers safely.
+        return _answer(http_problem(exc, request.url.path))
 
     async def on_invalid(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -55,13 +57,8 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return _problem_response(found, request)
 
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s failed", request.method, request.url.path)
-        found = problem(500, "internal-error", "Internal error", "the service failed")
-        return _problem_response(found, request)
-
     app.add_exception_handler(Problem, on_problem)
-    app.add_exception_handler(FlowlockError, on_flowlock)
+    app.add_exception_handler(FlowlockError, on_error)
     app.add_exception_handler(RequestValidationError, on_invalid)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_crash)
+    app.add_exception_handler(Exception, on_error)

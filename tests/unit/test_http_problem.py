@@ -1,0 +1,96 @@
+"""`flowlock.http.problem`: every error's HTTP answer, safe for clients, logged in full."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flowlock import errors
+from flowlock.http import PROBLEM_JSON, HttpProblem, problem
+
+SECRET = "host=db.internal port=6543 dbname=payroll"
+
+CASES: list[tuple[BaseException, int, str]] = [
+    (errors.InstanceNotFound("a-1"), 404, "instance-not-found"),
+    (errors.UnknownEvent("approval", "zap", ["approve"]), 404, "unknown-event"),
+    (errors.UnknownWorkflow("nope", ["approval"]), 422, "unknown-workflow"),
+    (errors.InstanceExists("a-1"), 409, "instance-exists"),
+    (errors.TransitionNotAllowed("a-1", "approve", "done", ("reopen",), 3), 409,
+     "transition-not-allowed"),
+    (errors.GuardRejected("over budget", instance_id="a-1", event="approve", state="pending",
+                          version=2), 422, "guard-rejected"),
+    (errors.VersionMismatch("a-1", 2, 3, "pending"), 412, "version-mismatch"),
+    (errors.PayloadTooLarge(2_000_000, 1_000_000), 413, "payload-too-large"),
+    (errors.InvalidInput("actor must not be empty"), 422, "invalid-input"),
+    (errors.ConflictRetriesExhausted("a-1", "approve", 5), 503, "conflict-retries-exhausted"),
+    (errors.LockTimeout("a-1", 2.0), 503, "lock-timeout"),
+    (errors.LockBusy("a-1"), 503, "lock-busy"),
+    (errors.LockLost("a-1", "the lease expired"), 503, "lock-lost"),
+    (errors.LockUnavailable("redis", SECRET), 503, "lock-unavailable"),
+    (errors.StoreBusy(1.5, 20), 503, "store-busy"),
+    (errors.ConnectionLost("a-1", SECRET), 503, "connection-lost"),
+    (errors.OutcomeUnknown("a-1", SECRET), 503, "outcome-unknown"),
+    (errors.EngineClosed("the engine is closed; call Engine.connect() again"), 503,
+     "engine-closed"),
+    (errors.MigrationError(SECRET), 503, "migration-error"),
+    (errors.StepFailed(workflow="approval", event="approve", instance_id="a-1", step="action",
+                       state="pending", version=2, error=ValueError(SECRET)), 500,
+     "step-failed"),
+    (errors.DefinitionError(f"bad definition {SECRET}"), 500, "definition-error"),
+    (RuntimeError(SECRET), 500, "internal-error"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("exc", "status", "slug"), CASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_each_error_has_its_status_type_and_headers(
+    exc: BaseException, status: int, slug: str
+) -> None:
+    """Each error maps to the service's status and type; a 503 says when to retry."""
+    found = problem(exc, "/instances/a-1/events/approve")
+    assert isinstance(found, HttpProblem)
+    code, body, headers = found
+    assert code == status == body["status"]
+    assert body["type"] == f"urn:flowlock:problem:{slug}"
+    assert body["instance"] == "/instances/a-1/events/approve"
+    assert body["title"] and body["detail"]
+    assert headers["Content-Type"] == PROBLEM_JSON
+    assert ("Retry-After" in headers) == (status == 503)
+    if status == 503:
+        assert int(headers["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize(("exc", "status", "slug"), CASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_bodies_carry_no_server_details(exc: BaseException, status: int, slug: str) -> None:
+    """Connection details, a step's exception and Python advice stay out of the body."""
+    _, body, _ = problem(exc)
+    text = repr(body)
+    assert SECRET not in text and "db.internal" not in text
+    assert "Engine.connect" not in text and "Traceback" not in text
+
+
+def test_the_full_error_goes_to_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A 5xx is logged on `flowlock.http` with the error's text and its traceback."""
+    try:
+        raise errors.ConnectionLost("a-1", SECRET)
+    except errors.ConnectionLost as exc:
+        with caplog.at_level(logging.DEBUG, logger="flowlock.http"):
+            problem(exc, "/instances/a-1/events/approve")
+    [record] = [r for r in caplog.records if r.name == "flowlock.http"]
+    assert record.levelno == logging.ERROR
+    assert SECRET in record.getMessage() and record.exc_info is not None
+
+
+def test_a_client_error_is_logged_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """A 4xx is the client's doing: logged at DEBUG, not as a server error."""
+    with caplog.at_level(logging.DEBUG, logger="flowlock.http"):
+        problem(errors.InstanceNotFound("a-1"))
+    assert [r.levelno for r in caplog.records if r.name == "flowlock.http"] == [logging.DEBUG]
+
+
+def test_facts_are_members() -> None:
+    """The facts a client branches on are members of the body, as the service sends them."""
+    _, body, _ = problem(errors.TransitionNotAllowed("a-1", "approve", "done", ("reopen",), 3))
+    assert body["state"] == "done" and body["version"] == 3 and body["allowed"] == ["reopen"]
+    _, body, headers = problem(errors.VersionMismatch("a-1", 2, 3, "pending"))
+    assert body["current"] == 3 and headers["ETag"] == '"3"'
