@@ -1,6 +1,6 @@
 """Optional OpenTelemetry spans: `flowlock.fire` per call, and its children.
 
-Install with `pip install flowlock[otel]`. Without it, or without a tracer provider, a
+Install flowlock's `otel` extra. Without it, or without a tracer provider, a
 call costs a flag check. docs/tracing.md lists the spans, attributes and costs.
 """
 
@@ -13,6 +13,7 @@ from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 
 from flowlock.core.errors import ConflictRetriesExhausted, InvalidInput
+from flowlock.core.install import pip_install
 from flowlock.core.models import HistoryEntry
 
 try:  # the otel extra: without it every helper here is a no-op
@@ -92,7 +93,7 @@ def use_tracer_provider(provider: TracerProvider | None) -> None:
         if not AVAILABLE:
             raise InvalidInput(
                 "use_tracer_provider() needs OpenTelemetry, which is not installed; install it "
-                "with `pip install flowlock[otel]` (or opentelemetry-api)"
+                f"with {pip_install('otel')} (or pip install opentelemetry-api)"
             )
         if not isinstance(provider, _trace.TracerProvider):
             raise InvalidInput(

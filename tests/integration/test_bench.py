@@ -779,4 +779,4 @@ def test_plot_without_matplotlib_fails_before_the_run(
     result = CliRunner().invoke(app, ["bench", "--quick", "--plot", str(tmp_path / "x.png")])
     assert result.exit_code == 1, result.output
     assert "matplotlib" in result.stderr
-    assert "flowlock[bench]" in result.stderr
+    assert "[bench]" in result.stderr

@@ -21,6 +21,7 @@ from flowlock.bench.extend import LAB_MISSING, Lab
 from flowlock.checker import Verdict, Violation
 from flowlock.cli import EXIT_VERDICT_FAILED, app
 from flowlock.core.errors import InvalidInput, StoreError
+from flowlock.core.install import lab_install
 
 
 @pytest.fixture
@@ -246,7 +247,7 @@ def test_lab_modes_without_the_lab_say_how_to_install_it(
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert lines == [f"error: {LAB_MISSING}"]
-    assert "pip install -e ./lab" in LAB_MISSING
+    assert LAB_MISSING.endswith(lab_install())
     assert started == []
 
 

