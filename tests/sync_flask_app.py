@@ -22,6 +22,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.serving import make_server
 
 import flowlock
+from flowlock.http import problem
 
 engine = flowlock.sync.Engine.connect(
     os.environ["FLOWLOCK_TEST_DATABASE_URL"],
@@ -32,32 +33,26 @@ engine.register(flowlock.examples.inventory())
 
 app = Flask(__name__)
 
-# Each flowlock error as an HTTP status: the caller's mistake (4xx), or "retry later" (503).
-STATUS: list[tuple[type[flowlock.FlowlockError], int]] = [
-    (flowlock.InstanceNotFound, 404),
-    (flowlock.InvalidInput, 400),
-    (flowlock.TransitionRefused, 409),  # not allowed from this state, or a guard said no
-    (flowlock.VersionMismatch, 412),  # a stale If-Match / expected_version
-    (flowlock.ConcurrencyError, 503),  # lost to other callers; nothing written, retry
-    (flowlock.EngineClosed, 503),
-]
+
+@app.errorhandler(flowlock.FlowlockError)
+def flowlock_error(exc: flowlock.FlowlockError) -> ResponseReturnValue:
+    # The service's statuses and problem bodies: 409 not allowed, 422 a guard said no, 503
+    # with Retry-After for what a retry may fix.
+    status, body, headers = problem(exc, instance=request.path)
+    return body, status, headers
 
 
 @app.post("/instances/<instance_id>/events/<event>")
 def fire(instance_id: str, event: str) -> ResponseReturnValue:
     body: dict[str, Any] = request.get_json(silent=True) or {}
-    try:
-        outcome = engine.fire(
-            instance_id,
-            event,
-            actor=body.get("actor"),
-            request_id=request.headers.get("Idempotency-Key"),
-            payload=body.get("payload"),
-            strategy=body.get("strategy"),
-        )
-    except flowlock.FlowlockError as exc:
-        status = next((code for kind, code in STATUS if isinstance(exc, kind)), 500)
-        return jsonify(error=type(exc).__name__, message=str(exc)), status
+    outcome = engine.fire(
+        instance_id,
+        event,
+        actor=body.get("actor"),
+        request_id=request.headers.get("Idempotency-Key"),
+        payload=body.get("payload"),
+        strategy=body.get("strategy"),
+    )
     inst = outcome.instance
     return jsonify(
         applied=outcome.applied,

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import re
+import shutil
 import subprocess
+import tomllib
+import uuid
 import venv
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 import flowlock
@@ -106,7 +115,8 @@ def test_a_missing_extra_is_one_line_naming_it(base_venv: Path, code: str, extra
     )
     done = _run(base_venv, "-c", probe)
     assert done.returncode == 0, done.stderr
-    assert f"pip install 'flowlock[{extra}]'" in done.stdout
+    # Installed from the checkout: the command installs the extra from it.
+    assert done.stdout.strip().endswith(f": pip install '{ROOT}[{extra}]'"), done.stdout
     assert len(done.stdout.strip().splitlines()) == 1
 
 
@@ -131,5 +141,107 @@ def test_the_cli_core_commands_run_and_the_others_name_their_extra(
     for command, extra in (("serve", "service"), ("bench", "bench")):
         done = subprocess.run([flowlock_cmd, command], capture_output=True, text=True, timeout=60)
         assert done.returncode != 0
-        assert f"flowlock[{extra}]" in done.stderr, done.stderr
+        assert f"pip install '{ROOT}[{extra}]'" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+# The README's "Install" section, and the hint of an error, followed on the base install. It
+# changes the venv (an extra, then flowlock from a wheel), so it runs after the tests above.
+
+
+def _install_commands() -> list[str]:
+    """The command lines of the README's "Install" section, in order."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def _shell(command: str, venv_bin: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`command` in bash, with the venv's `pip` and `python` first on PATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "FLOWLOCK_"))}
+    env["PATH"] = f"{venv_bin}{os.pathsep}{env['PATH']}"
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def _hint(python: Path, code: str) -> str:
+    """The pip command that ExtraNotInstalled names for `code`, run on `python`."""
+    probe = (
+        f"import flowlock\ntry:\n    {code}\n"
+        "except flowlock.ExtraNotInstalled as exc:\n    print(exc)\n"
+    )
+    done = _run(python, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    command = done.stdout.strip().rpartition(": ")[2]
+    assert command.startswith("pip install "), done.stdout
+    return command
+
+
+@contextlib.contextmanager
+def _fresh_database(pg_url: str) -> Iterator[str]:
+    name = f"install_{uuid.uuid4().hex[:12]}"
+    asyncio.run(_execute(pg_url, f'CREATE DATABASE "{name}"'))
+    try:
+        yield urlunsplit(urlsplit(pg_url)._replace(path=f"/{name}"))
+    finally:
+        asyncio.run(_execute(pg_url, f'DROP DATABASE "{name}" WITH (FORCE)'))
+
+
+async def _execute(url: str, statement: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def test_the_hints_and_the_readme_install_commands_work(
+    base_venv: Path, tmp_path: Path, pg_url: str
+) -> None:
+    """The postgres hint's command is the README's install line for a checkout; run as printed,
+    it adds asyncpg and a workflow then runs on PostgreSQL. The README's wheel commands build a
+    wheel of the version in pyproject and install it with [postgres,redis]; that flowlock's
+    metrics hint names the wheel, and its command adds the extra."""
+    venv_bin = base_venv.parent
+    commands = _install_commands()
+    command = _hint(base_venv, "flowlock.connect('postgresql://app@localhost/app')")
+    assert command == f"pip install '{ROOT}[postgres]'"
+    readme_line = commands[1].replace("/path/to/flowlock", str(ROOT))
+    assert readme_line == f".venv/bin/{command}", commands
+    done = _shell(command, venv_bin, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    on_postgres = SQLITE_WORKFLOW.replace('f"sqlite:///{path}"', "path")
+    with _fresh_database(pg_url) as database_url:
+        done = _run(base_venv, "-c", on_postgres, database_url)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "applied 1"
+
+    # A checkout of its own (the README's /path/to/flowlock), so the build writes nothing here.
+    checkout = tmp_path / "flowlock"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "dist", "site", "*cache*", "__pycache__", "tests", "lab"
+    ))  # fmt: skip
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    wheel_lines = [c for c in commands if "wheel" in c or ".whl" in c]
+    assert len(wheel_lines) == 2, commands
+    assert f"flowlock-{version}-py3-none-any.whl[postgres,redis]" in wheel_lines[1]
+    assert _run(base_venv, "-m", "pip", "uninstall", "-y", "flowlock").returncode == 0
+    for line in wheel_lines:  # python3 -m pip wheel ...; .venv/bin/pip install '...whl[...]'
+        line = line.replace("/path/to/flowlock", str(checkout))
+        line = line.replace(".venv/bin/pip", str(venv_bin / "pip"))
+        line = line.replace("python3 ", f"{base_venv} ")
+        done = _shell(line, venv_bin, tmp_path)
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+    wheel = checkout / "dist" / f"flowlock-{version}-py3-none-any.whl"
+    assert wheel.is_file()
+    listed = _run(base_venv, "-m", "pip", "list", "--format=freeze").stdout.lower()
+    assert {"asyncpg", "redis"} <= {line.split("==")[0] for line in listed.splitlines()}
+
+    command = _hint(base_venv, "flowlock.Metrics()")
+    assert command == f"pip install '{wheel}[metrics]'"
+    done = _shell(command, venv_bin, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run(base_venv, "-c", "import flowlock; print(type(flowlock.Metrics()).__name__)")
+    assert (done.returncode, done.stdout.strip()) == (0, "Metrics"), done.stderr

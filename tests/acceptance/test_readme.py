@@ -37,8 +37,9 @@ def test_readme_example_runs_and_runs_again(tmp_path: Path) -> None:
 
 
 def test_readme_starts_with_the_two_commands() -> None:
-    """Exactly two bash commands before the example: bench on the embedded default, then tests."""
-    head = README.split("## Example")[0]
+    """Exactly two bash commands before the Install section: bench on the embedded default,
+    then the tests."""
+    head = README.split("\n## Install\n")[0]
     commands = re.findall(r"```bash\n(.*?)\n```", head, re.S)
     assert len(commands) == 2
     assert commands[0].endswith("flowlock bench")
@@ -48,7 +49,7 @@ def test_readme_starts_with_the_two_commands() -> None:
 @pytest.mark.parametrize("path", [".ci/run"])
 def test_ci_runs_the_readme_test_command(path: str) -> None:
     """CI runs the README's test command verbatim."""
-    head = README.split("## Example")[0]
+    head = README.split("\n## Install\n")[0]
     test_command = re.findall(r"```bash\n(.*?)\n```", head, re.S)[1]
     assert test_command in (ROOT / path).read_text(encoding="utf-8")
 

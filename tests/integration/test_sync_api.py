@@ -218,10 +218,11 @@ def test_flask_app_on_a_threaded_wsgi_server(
 ) -> None:
     """A Flask app with one module-level sync engine, served by werkzeug's threaded server in its
     own process: 32 concurrent clients approve one request per round (one 200 applied, the rest
-    200 idempotent) and reserve 3 units each of a stock of 40 (40 applied, 56 refused with 409),
-    then retry every reservation with its Idempotency-Key (the first answer again, nothing
-    applied twice). Never a 500; the checker and the SQL count agree; the process exits cleanly
-    with its engine closed by the exit hook."""
+    200 idempotent) and reserve 3 units each of a stock of 40 (40 applied, 56 refused with 422,
+    flowlock.http's guard-rejected problem), then retry every reservation with its
+    Idempotency-Key (the first answer again, nothing applied twice). Never a 500; the checker
+    and the SQL count agree; the process exits cleanly with its engine closed by the exit
+    hook."""
     rounds, each = 3, 3
     with sync_engine(pg_url, pg_schema) as engine:
         for r in range(rounds):
@@ -251,14 +252,15 @@ def test_flask_app_on_a_threaded_wsgi_server(
             answers = in_threads(client)
 
         assert printed[-2:] == ["engine closed at exit: True", "exit 0"], printed
-        assert {code for _, code, _ in answers} <= {200, 409}, [a for a in answers if a[1] >= 500]
+        assert {code for _, code, _ in answers} <= {200, 422}, [a for a in answers if a[1] >= 500]
         approvals = [body for kind, _, body in answers if kind == "approve"]
         assert sum(b["applied"] for b in approvals) == rounds
         assert sum(b["idempotent"] for b in approvals) == rounds * (THREADS - 1)
         first = [(code, body) for kind, code, body in answers if kind == "reserve"]
         retries = [(code, body) for kind, code, body in answers if kind == "retry"]
         assert sum(code == 200 and body["applied"] for code, body in first) == 40
-        assert sum(code == 409 and body["error"] == "GuardRejected" for code, body in first) == 56
+        refused = "urn:flowlock:problem:guard-rejected"
+        assert sum(code == 422 and body["type"] == refused for code, body in first) == 56
         assert not any(code == 200 and body["applied"] for code, body in retries)
         assert sum(code == 200 and body["idempotent"] for code, body in retries) == 40
         assert engine.get("sku").data == {"stock": 0, "reserved": 40}
