@@ -7,7 +7,11 @@ CSRF on) on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import re
+import shutil
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import httpx
 import pytest
+from doc_blocks import ROOT
 from readme_apps import (
     Api,
     DjangoApi,
@@ -37,6 +42,7 @@ from flowlock.checker import CallRecord, check_linearizable, check_many
 
 pytestmark = pytest.mark.slow
 
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 PASSWORDS = {"alice": "alice-pw-1234", "bob": "bob-pw-1234", "carol": "carol-pw-1234"}
 PROBLEM_JSON = "application/problem+json"
 
@@ -294,3 +300,25 @@ def test_flask_refuses_a_body_that_is_not_json(app: App) -> None:
         assert answer.status_code == 415
     with app.engine() as engine, pytest.raises(flowlock.InstanceNotFound):
         engine.get("req-form")
+
+
+def test_the_flask_sections_curl_session_answers_as_it_says(app: App) -> None:
+    """The Flask section's curl commands, run by bash against the served example (on an id of
+    their own): the create is 201, and of the two administrators approving at once one
+    applied and the other was answered idempotent."""
+    if not app.kind.startswith("flask") or shutil.which("curl") is None:
+        pytest.skip("the curl session is the Flask section's (and needs curl)")
+    section = README.split("\n### Flask\n", 1)[1].split("\n### ", 1)[0]
+    (script,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    host = app.server.url.removeprefix("http://")
+    script = script.replace("localhost:8000", host).replace("req-1", "req-curl")
+    done = subprocess.run(
+        ["bash", "-c", script.replace("c-1", "c-curl") + "wait\n"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # curl prints each JSON body as it came (Flask ends them with a newline).
+    created, *approvals = [json.loads(line) for line in done.stdout.splitlines() if line]
+    assert created == {"id": "req-curl", "state": "pending", "version": 1}
+    answers = sorted((a["applied"], a["idempotent"]) for a in approvals)
+    assert answers == [(False, True), (True, False)], done.stdout
