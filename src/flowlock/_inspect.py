@@ -15,8 +15,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from flowlock.checker import Verdict, Violation, check
+from flowlock.checker import FINAL_MISMATCH, Verdict, Violation, check
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
+from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.settings import POSTGRES_SCHEMES
@@ -248,7 +249,10 @@ class CheckReport:
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
-    """Run the exactly-once checker over one instance, or all of them, page by page.
+    """Run the exactly-once checker over one instance, or all of them, page by page. An
+    instance made by a create under an idempotency key is checked against the key's record:
+    its history starts from the state it was created in, or, with no history, it still holds
+    the state and data it was created with.
 
     Raises InstanceNotFound if the one instance does not exist.
     """
@@ -263,7 +267,20 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         rows += len(history)
         if not settled:
             unsettled.append(inst_id)
-        found.extend(check(inst, history).violations)
+        # An instance made by a create under an idempotency key: the key's record says the
+        # state and data it was made with, which its history must start from.
+        made = await engine.store.create_request(inst_id)
+        initial = None if made is None else made[1].state
+        found.extend(check(inst, history, initial_state=initial).violations)
+        if made is not None and not history and not same_json(inst.data, made[1].data):
+            found.append(
+                Violation(
+                    FINAL_MISMATCH,
+                    f"instance {inst_id!r}: data is {dict(inst.data)!r} but history is empty, "
+                    f"and its create (request id {made[0]!r}) made it with {dict(made[1].data)!r}",
+                    inst.version,
+                )
+            )
 
     if instance_id is not None:
         await one(instance_id)

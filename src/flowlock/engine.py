@@ -24,11 +24,12 @@ from flowlock._firing import Fire, Runner, failure_label
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
+    CreateKeyReused,
     EngineClosed,
     InvalidInput,
     UnknownWorkflow,
 )
-from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object, same_json
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
 from flowlock.core.query import (
     DEFAULT_LIMIT,
@@ -106,6 +107,26 @@ def _check_fire_args(
         or expected_version < 1
     ):
         raise InvalidInput(f"expected_version must be a positive integer, not {expected_version!r}")
+
+
+def _first_create(asked: Instance, made: Instance, request_id: str | None) -> Instance:
+    """`made`, what the store answered a create under `request_id`, once it is known to answer
+    the create `asked` for; CreateKeyReused when the key's first create was another one."""
+    if request_id is not None and (
+        made.id != asked.id
+        or made.workflow != asked.workflow
+        or not same_json(made.data, asked.data)
+    ):
+        raise CreateKeyReused(
+            request_id,
+            original_instance_id=made.id,
+            instance_id=asked.id,
+            original_workflow=made.workflow,
+            workflow=asked.workflow,
+            original_data=made.data,
+            data=asked.data,
+        )
+    return made
 
 
 class Engine:
@@ -291,25 +312,39 @@ class Engine:
         instance_id: str,
         data: Mapping[str, Any] | None = None,
         connection: Connection | None = None,
+        request_id: str | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken.
+
+        `request_id` is the create's idempotency key, as `fire`'s is the event's: it is
+        recorded with the instance, in the same transaction, so a retry with the same key, the
+        same id, workflow and data (as JSON) answers the first create (the instance as it was
+        created: version 1, its first state and data, `updated_at` equal to `created_at`, even
+        if it has moved on since) and writes nothing. The same key with another id, workflow or
+        data raises [`CreateKeyReused`][flowlock.CreateKeyReused] (an
+        IdempotencyKeyReused). Two creates with one key at once make one instance and answer
+        the same. A key names one create on the whole database (not per instance, as an
+        event's does); InstanceExists when the id was taken without this key.
 
         `connection`: an asyncpg connection inside a transaction you opened (PostgreSQL
         only): the instance is inserted in that transaction, so it exists once you commit and
         not at all if you roll back (see [`fire`][flowlock.engine.Engine.fire])."""
         self._check_open()
         _check_text(instance_id, "instance_id")
+        if request_id is not None:
+            _check_text(request_id, "request_id")
         wf = self._workflow(workflow)
         body = self._check_data(data, "data")
         new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
         if connection is None:
-            inst = await self._store.create(new)
+            inst = _first_create(new, await self._store.create(new, request_id), request_id)
             self._remember(inst)
             return inst
         # Not remembered: the caller may roll back, and the id be created again elsewhere.
         async with self._transactional().in_transaction(connection) as store:
-            return await store.create(new)
+            made = await store.create(new, request_id)
+        return _first_create(new, made, request_id)
 
     async def get(self, instance_id: str) -> Instance:
         """The instance as last committed. Raises InstanceNotFound."""

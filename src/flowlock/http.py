@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
     ConnectionLost,
+    CreateKeyReused,
     DefinitionError,
     EngineClosed,
     FlowlockError,
@@ -119,7 +120,7 @@ def problem(exc: BaseException, instance: str | None = None) -> HttpProblem:
 
     `instance` is the request's path, echoed as the problem's `instance`. The headers hold
     `Content-Type: application/problem+json`, and `Retry-After` on a 503 (send the same
-    request again: the same Idempotency-Key for an event). An exception that is not a
+    request again, with the same Idempotency-Key). An exception that is not a
     flowlock error is a 500 that says only that the server failed.
     """
     found = from_error(exc) if isinstance(exc, FlowlockError) else _internal()
@@ -210,6 +211,16 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             instance_id=exc.instance_id, event=exc.event, state=exc.state,
             version=exc.version, reason=exc.reason,
         )  # fmt: skip
+    if isinstance(exc, CreateKeyReused):
+        return _make(
+            422, "idempotency-key-reused", "Idempotency key reused",
+            f"Idempotency-Key {exc.request_id!r} was first used to create instance "
+            f"{exc.original_instance_id!r} with another {exc.mismatch.replace('_', ' ')}; a "
+            "retry must repeat the request exactly, a new request needs a new key",
+            instance_id=exc.instance_id, request_id=exc.request_id,
+            original_instance_id=exc.original_instance_id, mismatch=exc.mismatch,
+            original_workflow=exc.original_workflow, workflow=exc.workflow,
+        )  # fmt: skip
     if isinstance(exc, IdempotencyKeyReused):
         return _make(
             422, slug, "Idempotency key reused",
@@ -233,9 +244,10 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
         return _make(
             503, slug, "Outcome unknown",
             "the database connection was lost while the write was being committed, so it may or "
-            "may not have been applied; send the same request again to learn which: an event "
-            "with the same Idempotency-Key (never applied twice), a create with the same id "
-            "(409 instance-exists then means it was created)",
+            "may not have been applied; send the same request again with the same "
+            "Idempotency-Key to learn which: it is never applied twice, and a retry answers "
+            "what the first request did (a create retried without a key answers 409 "
+            "instance-exists if the first one was created)",
             _RETRY, instance_id=exc.key,
         )  # fmt: skip
     if isinstance(exc, ConflictRetriesExhausted):

@@ -226,11 +226,22 @@ class Engine:
         return self._run(self._engine.register(workflow), opens=False)
 
     def create(
-        self, workflow: str, *, instance_id: str, data: Mapping[str, Any] | None = None
+        self,
+        workflow: str,
+        *,
+        instance_id: str,
+        data: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
-        Raises InstanceExists when the id is taken."""
-        return self._run(self._engine.create(workflow, instance_id=instance_id, data=data))
+        Raises InstanceExists when the id is taken.
+
+        `request_id`: the create's idempotency key; a retry with the same key and the same
+        create answers the first one, another create under it raises CreateKeyReused (see
+        [`flowlock.Engine.create`][flowlock.Engine.create])."""
+        return self._run(
+            self._engine.create(workflow, instance_id=instance_id, data=data, request_id=request_id)
+        )
 
     def get(self, instance_id: str) -> Instance:
         """The instance as last committed. Raises InstanceNotFound."""

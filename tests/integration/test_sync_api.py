@@ -124,6 +124,29 @@ def test_threads_share_one_engine_two_admins(
         verify(engine, sql_history, {f"req-{r}": 1 for r in range(rounds)}, initial_state="pending")
 
 
+def test_threads_retrying_one_create_key_make_one_instance(
+    pg_url: str, pg_schema: str, sql_history: SqlHistory
+) -> None:
+    """32 threads create under one request_id at once: one instance, 32 equal answers; the key
+    with other data raises CreateKeyReused."""
+    engine = sync_engine(pg_url, pg_schema)
+    try:
+
+        def work(n: int, barrier: threading.Barrier) -> list[Any]:
+            barrier.wait()
+            make = partial(engine.create, "approval", instance_id="r", data={"a": 1})
+            return [attempt(partial(make, request_id="K"))]
+
+        answers = in_threads(work)
+        assert all(a == answers[0] for a in answers), answers
+        assert answers[0].version == 1 and engine.count() == 1
+        with pytest.raises(flowlock.CreateKeyReused):
+            engine.create("approval", instance_id="r", data={"a": 2}, request_id="K")
+        verify(engine, sql_history, {"r": 0})
+    finally:
+        engine.close()
+
+
 def test_threads_share_one_engine_inventory(
     pg_url: str, pg_schema: str, sql_history: SqlHistory
 ) -> None:

@@ -16,7 +16,7 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "Adaptive", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
-    "ConnectionLost", "DefinitionError", "Distributed", "Engine", "EngineClosed",
+    "ConnectionLost", "CreateKeyReused", "DefinitionError", "Distributed", "Engine", "EngineClosed",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
     "Instance", "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError",
     "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "Metrics", "MigrationError",

@@ -11,6 +11,7 @@ as attributes: the current state, the current version, the attempts made.
     │   ├── UnknownWorkflow
     │   ├── UnknownEvent
     │   └── IdempotencyKeyReused     a request_id sent again with another event or payload
+    │       └── CreateKeyReused      a create's request_id sent again with another create
     ├── InstanceNotFound
     ├── InstanceExists
     ├── TransitionRefused            the instance is fine, the event does not apply
@@ -150,6 +151,57 @@ class IdempotencyKeyReused(InvalidInput):
             f"{differs} (applied at version {version}); nothing was written. A request_id may "
             "only be retried with the same event and payload: send a new request under a new "
             "request_id"
+        )
+
+
+class CreateKeyReused(IdempotencyKeyReused):
+    """A create's request_id was sent again with another instance id, workflow or data; nothing
+    was written.
+
+    The key names the first create, so a retry must repeat it exactly. Retrying this call
+    cannot succeed: create the new instance under a new request_id. `original_instance_id`,
+    `original_workflow` and `original_data` are what the key was first used with;
+    `instance_id`, `workflow` and `data` are this call's. `mismatch` says which differs first:
+    "instance_id", "workflow" or "data". A create has no event: `original_event` and `event`
+    are empty, `original_payload` and `payload` are the two data, and `version` is 1.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        original_instance_id: str,
+        instance_id: str,
+        original_workflow: str,
+        workflow: str,
+        original_data: Mapping[str, Any],
+        data: Mapping[str, Any],
+    ) -> None:
+        self.request_id = request_id
+        self.original_instance_id = original_instance_id
+        self.instance_id = instance_id
+        self.original_workflow = original_workflow
+        self.workflow = workflow
+        self.original_data = original_data
+        self.data = data
+        self.original_event = self.event = ""
+        self.original_payload = original_data
+        self.payload = data
+        self.version = 1
+        if original_instance_id != instance_id:
+            self.mismatch = "instance_id"
+            differs = f"instance {original_instance_id!r}, not {instance_id!r}"
+        elif original_workflow != workflow:
+            self.mismatch = "workflow"
+            differs = f"workflow {original_workflow!r}, not {workflow!r}"
+        else:
+            self.mismatch = "data"
+            differs = f"instance {instance_id!r} with other data"
+        InvalidInput.__init__(
+            self,
+            f"request_id {request_id!r} was first used to create {differs}; nothing was "
+            "written. A create's request_id may only be retried with the same instance id, "
+            "workflow and data: create a new instance under a new request_id",
         )
 
 

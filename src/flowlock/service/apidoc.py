@@ -61,6 +61,16 @@ KEY_DOC: dict[str, Any] = {
     "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]+$",
 }
 
+CREATE_KEY_DOC: dict[str, Any] = {
+    **KEY_DOC,
+    "description": (
+        "The create's id: a retry with the same key and body gets the first answer again (the "
+        "instance as created, 201) and creates nothing, also while the first is still running; "
+        "the same key with another body is 422 idempotency-key-reused. Without an id in the "
+        "body, the instance's id is derived from the key, so a retry names the same instance."
+    ),
+}
+
 
 def ok(
     model: type[Any],

@@ -18,6 +18,7 @@ from flowlock.core.query import decode_cursor
 from flowlock.core.settings import check_text
 from flowlock.engine import MAX_ID_LENGTH, Engine
 from flowlock.service.apidoc import (
+    CREATE_KEY_DOC,
     CREATED_HEADERS,
     ETAG,
     FIRED_HEADERS,
@@ -39,6 +40,8 @@ from flowlock.service.responses import (
 from flowlock.service.settings import ServiceSettings
 
 MAX_PAGE = 1000
+# The namespace of ids derived from a create's Idempotency-Key (any fixed UUID).
+_KEYED_IDS = uuid.UUID("6f1e2b9a-3c4d-5e6f-8a9b-0c1d2e3f4a5b")
 
 
 # -- bodies ------------------------------------------------------------------------------------
@@ -131,6 +134,13 @@ def _idempotency_key(value: str | None) -> str | None:
         raise problem(400, "invalid-idempotency-key", "Invalid Idempotency-Key", str(exc)) from None
 
 
+def _new_id(key: str | None) -> str:
+    """The id of an instance whose create named none: random, or derived from its
+    Idempotency-Key, so that a retry (to any worker, while the first still runs) names the
+    same instance and the engine answers it the first create instead of making a second."""
+    return str(uuid.uuid4() if key is None else uuid.uuid5(_KEYED_IDS, key))
+
+
 def _aware(**moments: datetime | None) -> None:
     for name, moment in moments.items():
         if moment is not None and moment.utcoffset() is None:
@@ -199,10 +209,16 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
         response_model=None,
         responses=ok(InstanceOut, "Created", 201, CREATED_HEADERS),
     )
-    async def create_instance(request: Request) -> Response:
+    async def create_instance(
+        request: Request,
+        idempotency_key: Annotated[str | None, Header(json_schema_extra=CREATE_KEY_DOC)] = None,
+    ) -> Response:
+        key = _idempotency_key(idempotency_key)
         body = await read_json(request, CreateBody, depth, empty_ok=False)
-        instance_id = body.id if body.id is not None else str(uuid.uuid4())
-        inst = await engine.create(body.workflow, instance_id=instance_id, data=body.data)
+        instance_id = body.id if body.id is not None else _new_id(key)
+        inst = await engine.create(
+            body.workflow, instance_id=instance_id, data=body.data, request_id=key
+        )
         return JSONResponse(
             _instance(inst, engine),
             status_code=201,

@@ -114,8 +114,22 @@ class Store(Protocol):
     async def migrate(self) -> list[str]:
         """Apply pending schema migrations; returns the names applied now."""
 
-    async def create(self, instance: Instance) -> Instance:
-        """Insert a new instance at version 1. Raises InstanceExists."""
+    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+        """Insert a new instance at version 1. Raises InstanceExists.
+
+        `request_id`: the create's idempotency key, recorded with the state and data the
+        instance starts with, in the same transaction as the insert (a key names one instance,
+        an instance has at most one key). When the key was recorded before (also by a
+        concurrent create that commits while this one waits), nothing is written and the
+        instance as that first create made it is returned: version 1, its first state and data,
+        `last_event` None, `updated_at` equal to `created_at`, however far it has moved since.
+        The caller compares it with what it asked for; InstanceExists only when the id is taken
+        and the key was never recorded."""
+
+    async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
+        """The request id of the create that made the instance and the instance as it made it
+        (as `create` answers a retry), or None when it was created without one (or does not
+        exist). A read for `flowlock check`."""
 
     async def get(self, instance_id: str) -> Instance:
         """The instance as committed. Raises InstanceNotFound."""

@@ -81,6 +81,9 @@ class MemoryStore:
         self._applied: dict[str, dict[str, int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._fences: dict[str, int] = {}
+        # Each create key's instance as that create made it, and each instance's create key.
+        self._created: dict[str, Instance] = {}
+        self._create_keys: dict[str, str] = {}
         self._board = MemoryBoard()
         self._open = False
 
@@ -104,18 +107,32 @@ class MemoryStore:
             raise InstanceNotFound(instance_id)
         return inst.evolve(data=_copy(inst.data))
 
-    async def create(self, instance: Instance) -> Instance:
+    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
         self._check()
+        if request_id is not None and request_id in self._created:
+            return self._as_created(request_id)
         if instance.id in self._instances:
             raise InstanceExists(instance.id)
         now = datetime.now(UTC)
         stored = instance.evolve(
-            version=1, data=_copy(instance.data), created_at=now, updated_at=now
+            version=1, data=_copy(instance.data), last_event=None, created_at=now, updated_at=now
         )
         self._instances[instance.id] = stored
         self._history[instance.id] = []
         self._applied[instance.id] = {}
+        if request_id is not None:
+            self._created[request_id] = stored
+            self._create_keys[instance.id] = request_id
         return stored.evolve(data=_copy(stored.data))
+
+    def _as_created(self, request_id: str) -> Instance:
+        made = self._created[request_id]
+        return made.evolve(data=_copy(made.data))
+
+    async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
+        self._check()
+        key = self._create_keys.get(instance_id)
+        return None if key is None else (key, self._as_created(key))
 
     async def get(self, instance_id: str) -> Instance:
         self._check()

@@ -38,7 +38,11 @@ from flowlock.stores.postgres.session import (
 )
 from flowlock.stores.postgres.sql import (
     ACTIVE,
+    AS_CREATED_BY_ID,
+    AS_CREATED_BY_KEY,
     CREATE,
+    CREATE_KEY_CONSTRAINT,
+    CREATE_KEYED,
     FENCING_FLOOR,
     HISTORY,
     LOCK,
@@ -68,23 +72,46 @@ class Operations:
     def __init__(self, session: Session) -> None:
         self._s = session
 
-    async def create(self, instance: Instance) -> Instance:
-        key, started = instance.id, time.monotonic()
-        # An insert of the same id by a transaction still open waits for it (lock_timeout).
+    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+        key, started, timeout = instance.id, time.monotonic(), self._s.timeout
+        args = (instance.id, instance.workflow, instance.state, to_json(instance.data))
+        # An insert of the same id (or key) by a transaction still open waits for it
+        # (lock_timeout).
         async with self._s.conn(
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
-            row = await conn.fetchrow(
-                CREATE,
-                instance.id,
-                instance.workflow,
-                instance.state,
-                to_json(instance.data),
-                timeout=self._s.timeout,
-            )
+            if request_id is None:
+                row = await conn.fetchrow(CREATE, *args, timeout=timeout)
+            else:
+                row = await self._create_keyed(conn, (*args, request_id))
+                if row is None:
+                    # The id is taken or the key recorded: by this key's first create (a retry,
+                    # or a concurrent twin that committed while this one waited), or not.
+                    found = await conn.fetchrow(AS_CREATED_BY_KEY, request_id, timeout=timeout)
+                    if found is not None:
+                        return instance_from_row(found)
         if row is None:
             raise InstanceExists(instance.id)
         return instance_from_row(row)
+
+    async def _create_keyed(self, conn: Conn, args: tuple[str, ...]) -> asyncpg.Record | None:
+        """CREATE_KEYED; None when it inserted nothing (the id taken, or the key recorded)."""
+        timeout = self._s.timeout
+        try:
+            if self._s.joined:
+                # In a transaction flowlock does not end, a recorded key must undo this
+                # statement only, leaving the transaction usable for the lookup.
+                return await guarded_cas(conn, CREATE_KEYED, args, timeout)
+            return await conn.fetchrow(CREATE_KEYED, *args, timeout=timeout)
+        except asyncpg.UniqueViolationError as exc:
+            if getattr(exc, "constraint_name", None) != CREATE_KEY_CONSTRAINT:
+                raise
+            return None
+
+    async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
+        async with self._s.conn(instance_id) as conn:
+            row = await conn.fetchrow(AS_CREATED_BY_ID, instance_id, timeout=self._s.timeout)
+        return None if row is None else (row["request_id"], instance_from_row(row))
 
     async def get(self, instance_id: str) -> Instance:
         async with self._s.conn(instance_id) as conn:

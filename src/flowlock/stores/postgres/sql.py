@@ -207,6 +207,33 @@ VALUES ($1, $2, $3, 1, $4::text::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """
+# A create under an idempotency key: the instance and its key in one statement, so both commit
+# or neither. An id already taken inserts nothing (no row back). A key already recorded makes the
+# key's INSERT fail (23505 on flowlock_create_requests_pkey), which rolls the instance's INSERT
+# back with it; an INSERT that meets a key (or an id) another transaction is inserting waits for
+# it to end first. Either way the caller then reads the key: found, it answers the first create.
+# $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 request id.
+CREATE_KEYED = f"""
+WITH made AS (
+    INSERT INTO flowlock_instances (id, workflow, state, version, data)
+    VALUES ($1, $2, $3, 1, $4::text::jsonb)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING {INSTANCE_COLUMNS}
+), keyed AS (
+    INSERT INTO flowlock_create_requests (request_id, instance_id, state, data)
+    SELECT $5, id, state, data FROM made
+)
+SELECT * FROM made
+"""
+CREATE_KEY_CONSTRAINT = "flowlock_create_requests_pkey"
+# The instance as its create made it (version 1, its first state and data), and the create's key.
+_AS_CREATED = """
+SELECT i.id, i.workflow, r.state, 1::bigint AS version, r.data, NULL::text AS last_event,
+       i.created_at, i.created_at AS updated_at, r.request_id
+FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id
+"""
+AS_CREATED_BY_KEY = _AS_CREATED + "WHERE r.request_id = $1\n"
+AS_CREATED_BY_ID = _AS_CREATED + "WHERE r.instance_id = $1\n"
 HISTORY = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
 """

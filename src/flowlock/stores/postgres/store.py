@@ -305,8 +305,15 @@ class PostgresStore:
 
     # -- operations ------------------------------------------------------------------------
 
-    async def create(self, instance: Instance) -> Instance:
-        return await self._call(lambda ops: ops.create(instance), instance.id, writes=True)
+    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+        return await self._call(
+            lambda ops: ops.create(instance, request_id), instance.id, writes=True
+        )
+
+    async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
+        return await self._call(
+            lambda ops: ops.create_request(instance_id), instance_id, waits=False
+        )
 
     async def get(self, instance_id: str) -> Instance:
         return await self._call(lambda ops: ops.get(instance_id), instance_id, waits=False)

@@ -32,6 +32,15 @@ CAS_UPDATE: Final = (
 INSERT_HISTORY: Final = (
     f"INSERT INTO flowlock_history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+INSERT_CREATE_REQUEST: Final = (
+    "INSERT INTO flowlock_create_requests (request_id, instance_id, state, data) "
+    "VALUES (?, ?, ?, ?)"
+)
+# The instance as its create made it (version 1, its first state and data), and the create's key.
+SELECT_AS_CREATED: Final = (
+    "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, r.request_id "
+    "FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id"
+)
 MIGRATIONS_TABLE: Final = (
     "CREATE TABLE IF NOT EXISTS flowlock_schema_migrations ("
     "name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)"

@@ -43,6 +43,7 @@ from flowlock.stores.sqlite.txn import (
     commit_many_txn,
     commit_txn,
     count_txn,
+    create_request_txn,
     create_txn,
     encode,
     fence_txn,
@@ -298,6 +299,10 @@ class SqliteStore(AsyncResource):
         """The highest fencing token written for the instance (0 if none)."""
         return await self._read(fence_txn, instance_id, what="fencing_floor")
 
+    async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
+        """The key of the create that made the instance and the instance as it made it."""
+        return await self._read(create_request_txn, instance_id, what="create_request")
+
     async def list_instances(
         self, query: InstanceQuery, *, after: str | None, limit: int
     ) -> list[Instance]:
@@ -317,12 +322,14 @@ class SqliteStore(AsyncResource):
 
     # -- writes ----------------------------------------------------------------------------------
 
-    async def create(self, instance: Instance) -> Instance:
-        """Insert `instance` at version 1, created and updated now. Raises InstanceExists."""
+    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+        """Insert `instance` at version 1, created and updated now (and its create key, in the
+        same transaction). Raises InstanceExists. A key recorded before answers the instance as
+        its first create made it (see [`Store.create`][flowlock.stores.base.Store.create])."""
         data = dump_json(instance.data, f"data of instance {instance.id!r}")
         return await self._write(
             instance.id,
-            lambda conn: create_txn(conn, instance, data),
+            lambda conn: create_txn(conn, instance, data, request_id),
             bound=self.busy_timeout,
             nowait=False,
             what="create",

@@ -17,9 +17,11 @@ from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
     HISTORY_COLUMNS,
     IDS_PER_SELECT,
+    INSERT_CREATE_REQUEST,
     INSERT_HISTORY,
     INSTANCE_COLUMNS,
     MIGRATIONS_TABLE,
+    SELECT_AS_CREATED,
     SELECT_INSTANCE,
     SELECT_PRIORS,
     count_statement,
@@ -183,16 +185,38 @@ def count_txn(conn: sqlite3.Connection, query: InstanceQuery) -> int:
     return int(count)
 
 
-def create_txn(conn: sqlite3.Connection, instance: Instance, data: str) -> Instance:
+def create_txn(
+    conn: sqlite3.Connection, instance: Instance, data: str, request_id: str | None
+) -> Instance:
+    """Insert `instance` (and its create key, when given) in this write transaction; a key
+    recorded before answers its first create instead (nothing written). The transaction holds
+    the database's write lock, so nothing lands between the lookup and the inserts."""
+    if request_id is not None:
+        made = _as_created(conn, "r.request_id", request_id)
+        if made is not None:
+            return made[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) VALUES (?, ?, ?, 1, ?, ?, ?, ?) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) VALUES (?, ?, ?, 1, ?, NULL, ?, ?) "
         "ON CONFLICT (id) DO NOTHING",
-        (instance.id, instance.workflow, instance.state, data, instance.last_event, now, now),
+        (instance.id, instance.workflow, instance.state, data, now, now),
     )
     if cur.rowcount == 0:
         raise InstanceExists(instance.id)
+    if request_id is not None:
+        conn.execute(INSERT_CREATE_REQUEST, (request_id, instance.id, instance.state, data))
     return get_txn(conn, instance.id)
+
+
+def _as_created(conn: sqlite3.Connection, column: str, value: str) -> tuple[str, Instance] | None:
+    """The create key found by `column` (`r.request_id` or `r.instance_id`) and the instance as
+    that create made it."""
+    row = conn.execute(f"{SELECT_AS_CREATED} WHERE {column} = ?", (value,)).fetchone()
+    return None if row is None else (row[8], instance_of(row))
+
+
+def create_request_txn(conn: sqlite3.Connection, instance_id: str) -> tuple[str, Instance] | None:
+    return _as_created(conn, "r.instance_id", instance_id)
 
 
 @dataclass(frozen=True, slots=True)
