@@ -119,9 +119,10 @@ def _problem(answer: httpx.Response, status: int, slug: str) -> dict[str, Any]:
 
 def test_the_example_creates_fires_and_answers_as_the_service_does(app: App) -> None:
     """A create and its retry (same Idempotency-Key) make one instance; an approve and its
-    retry apply once, a second administrator's approve is idempotent; a taken id is 409,
-    a bad body 422, a reused key 422, a refused event 409, an unknown instance or event 404,
-    all as problems; an anonymous user is refused before anything is read."""
+    retry apply once, a second administrator's approve is idempotent; a taken id is 409, a bad
+    body 422, a key reused for another create or event 422, a refused event 409, an unknown
+    instance or event 404, all as problems; an anonymous user is refused before anything is
+    read."""
     api = app.api
     with api.client("carol") as carol, api.client("alice") as alice, api.client("bob") as bob:
         created = api.create(carol, {"id": "req-1", "amount": 120}, key="c-1")
@@ -133,6 +134,8 @@ def test_the_example_creates_fires_and_answers_as_the_service_does(app: App) -> 
         taken = _problem(api.create(carol, {"id": "req-1", "amount": 5}), 409, "instance-exists")
         assert taken["instance_id"] == "req-1"
         _problem(api.create(carol, {"amount": 5}), 422, "invalid-input")
+        other = api.create(carol, {"id": "req-2", "amount": 120}, key="c-1")
+        assert _problem(other, 422, "idempotency-key-reused")["original_instance_id"] == "req-1"
 
         first = api.fire(alice, "req-1", "approve", key="a-1", payload={"comment": "fine"})
         assert first.status_code == 200, first.text

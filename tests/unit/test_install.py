@@ -11,6 +11,7 @@ import pytest
 
 from flowlock.core import install
 from flowlock.core.errors import ExtraNotInstalled
+from flowlock.core.extras import require
 
 NO_LAB = "pip install -e ./lab, from a flowlock checkout"
 
@@ -63,8 +64,11 @@ def test_the_hint_installs_from_where_flowlock_came(
     _installed(monkeypatch, direct_url)
     assert install.pip_install("postgres") == command
     assert install.lab_install() == lab
-    message = str(ExtraNotInstalled("postgres", "a feature", "asyncpg"))
-    assert message == f"a feature needs asyncpg, which is not installed: {command}"
+    with pytest.raises(ExtraNotInstalled) as raised:
+        require("flowlock_no_such_module", "postgres", "a feature")
+    assert str(raised.value) == (
+        f"a feature needs flowlock_no_such_module, which is not installed: {command}"
+    )
 
 
 def test_no_distribution_or_a_broken_record_falls_back_to_the_name(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from opentelemetry.trace import StatusCode
 
 import flowlock
 from flowlock import examples, tracing
+from flowlock.core.install import pip_install
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
@@ -371,7 +373,7 @@ def test_without_opentelemetry_tracing_is_a_no_op(monkeypatch: pytest.MonkeyPatc
         tracing.lock_wait(0.0, 1.0, lock="row")
         tracing.locked(0.0, 0.5, 0.5, 1)
         tracing.use_tracer_provider(None)
-        with pytest.raises(flowlock.InvalidInput, match="flowlock\\[otel\\]"):
+        with pytest.raises(flowlock.InvalidInput, match=re.escape(pip_install("otel"))):
             tracing.use_tracer_provider(trace.NoOpTracerProvider())
 
         async def fire() -> flowlock.Outcome:

@@ -46,8 +46,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flowlock.core.install import pip_install
-
 
 class FlowlockError(Exception):
     """A flowlock operation failed."""
@@ -491,12 +489,13 @@ class ExtraNotInstalled(FlowlockError, ImportError):
     """A feature needs an optional dependency that is not installed.
 
     `extra` names the flowlock extra that brings it; `feature` what needed it. The message
-    ends with the pip command that installs the extra from where flowlock was installed (its
-    checkout or wheel).
+    ends with `command`, the pip command that installs the extra from where flowlock was
+    installed (its checkout or wheel), which `flowlock.core.extras.require` works out.
     """
 
-    def __init__(self, extra: str, feature: str, module: str) -> None:
+    def __init__(self, extra: str, feature: str, module: str, command: str | None = None) -> None:
         self.extra = extra
         self.feature = feature
         self.module = module
-        super().__init__(f"{feature} needs {module}, which is not installed: {pip_install(extra)}")
+        self.command = command or f"pip install 'flowlock[{extra}]'"
+        super().__init__(f"{feature} needs {module}, which is not installed: {self.command}")

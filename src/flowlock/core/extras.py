@@ -6,6 +6,7 @@ import importlib
 from types import ModuleType
 
 from flowlock.core.errors import ExtraNotInstalled
+from flowlock.core.install import pip_install
 
 __all__ = ["require"]
 
@@ -17,4 +18,4 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     except ImportError as exc:
         if exc.name is not None and exc.name.partition(".")[0] != module.partition(".")[0]:
             raise  # the module is there but broken: its own error says more
-        raise ExtraNotInstalled(extra, feature, module) from exc
+        raise ExtraNotInstalled(extra, feature, module, pip_install(extra)) from exc
