@@ -22,6 +22,12 @@ CASES: list[tuple[BaseException, int, str]] = [
                           version=2), 422, "guard-rejected"),
     (errors.VersionMismatch("a-1", 2, 3, "pending"), 412, "version-mismatch"),
     (errors.PayloadTooLarge(2_000_000, 1_000_000), 413, "payload-too-large"),
+    (errors.IdempotencyKeyReused("k", instance_id="a-1", original_event="approve",
+                                 event="reject", original_payload={}, payload={}, version=2),
+     422, "idempotency-key-reused"),
+    (errors.CreateKeyReused("k", original_instance_id="a-1", instance_id="a-2",
+                            original_workflow="approval", workflow="approval",
+                            original_data={}, data={}), 422, "idempotency-key-reused"),
     (errors.InvalidInput("actor must not be empty"), 422, "invalid-input"),
     (errors.ConflictRetriesExhausted("a-1", "approve", 5), 503, "conflict-retries-exhausted"),
     (errors.LockTimeout("a-1", 2.0), 503, "lock-timeout"),
@@ -94,3 +100,15 @@ def test_facts_are_members() -> None:
     assert body["state"] == "done" and body["version"] == 3 and body["allowed"] == ["reopen"]
     _, body, headers = problem(errors.VersionMismatch("a-1", 2, 3, "pending"))
     assert body["current"] == 3 and headers["ETag"] == '"3"'
+
+
+def test_a_reused_create_key_names_the_first_create() -> None:
+    """A create's key sent with another create: the same type as an event's, with the first
+    create's instance and what differs."""
+    exc = errors.CreateKeyReused("k", original_instance_id="a-1", instance_id="a-1",
+                                 original_workflow="approval", workflow="approval",
+                                 original_data={"n": 1}, data={"n": 2})  # fmt: skip
+    assert isinstance(exc, errors.IdempotencyKeyReused) and exc.mismatch == "data"
+    _, body, _ = problem(exc)
+    facts = (body["request_id"], body["original_instance_id"], body["mismatch"])
+    assert facts == ("k", "a-1", "data")

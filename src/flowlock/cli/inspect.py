@@ -272,7 +272,9 @@ def check_command(
 
     Each history must have versions 2, 3, ... with no gap or repeat.
     No request id may be applied twice, and each transition starts where the last ended.
-    The stored instance must equal what its history says.
+    The stored instance must equal what its history says. An instance made by a create
+    under an idempotency key must start from the state (and, with no history, still hold the
+    data) that create recorded.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).
