@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flowlock.errors import __all__ as _ERROR_NAMES
 
 if TYPE_CHECKING:
-    from flowlock import checker, errors, jobs, sync
+    from flowlock import checker, errors, http, jobs, sync
     from flowlock import examples as examples
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
@@ -79,7 +79,7 @@ _WHERE: dict[str, str] = {
     "Strategy": "flowlock.strategies.base",
 }
 # Submodules reachable as attributes after a plain ``import flowlock``.
-_SUBMODULES = frozenset({"checker", "errors", "examples", "jobs", "sync"})
+_SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "sync"})
 
 __all__ = [
     "Adaptive",
@@ -135,6 +135,7 @@ __all__ = [
     "connect",
     "errors",
     "fencing_token",
+    "http",
     "jobs",
     "sync",
 ]

@@ -163,7 +163,7 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
     if isinstance(exc, InstanceNotFound):
         return _make(
             404, slug, "Instance not found",
-            f"there is no instance {exc.instance_id!r}; create it first (POST /instances)",
+            f"there is no instance {exc.instance_id!r}; create it first",
             instance_id=exc.instance_id,
         )  # fmt: skip
     if isinstance(exc, UnknownEvent):
@@ -177,13 +177,13 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
         return _make(
             422, slug, "Unknown workflow",
             f"this service has no workflow {exc.name!r}; it serves "
-            f"{', '.join(exc.known) or 'none'} (GET /definitions)",
+            f"{', '.join(exc.known) or 'none'}",
             workflow=exc.name, known=list(exc.known),
         )  # fmt: skip
     if isinstance(exc, InstanceExists):
         return _make(
             409, slug, "Instance already exists",
-            f"an instance {exc.instance_id!r} already exists; pick another id, or GET it",
+            f"an instance {exc.instance_id!r} already exists; pick another id, or read it",
             instance_id=exc.instance_id,
         )  # fmt: skip
     if isinstance(exc, TransitionNotAllowed):
@@ -199,7 +199,7 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
         return _make(
             412, slug, "Version mismatch",
             f"If-Match asked for version {exc.expected} but instance {exc.instance_id!r} is at "
-            f"version {exc.current} (state {exc.state!r}); GET it and decide again",
+            f"version {exc.current} (state {exc.state!r}); read it again and decide",
             {"ETag": etag(exc.current)},
             instance_id=exc.instance_id, expected=exc.expected, current=exc.current,
             version=exc.current, state=exc.state,

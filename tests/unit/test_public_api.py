@@ -24,7 +24,7 @@ PUBLIC = {
     "Step", "StepFailed", "Store", "StoreBusy", "StoreError", "Strategy", "SyncCallInEventLoop",
     "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent", "UnknownWorkflow",
     "VersionMismatch", "Workflow", "__version__", "checker", "connect", "errors", "fencing_token",
-    "jobs", "sync",
+    "http", "jobs", "sync",
 }  # fmt: skip
 
 
