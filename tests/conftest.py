@@ -183,14 +183,28 @@ async def engine(store_factory: StoreFactory, batching: bool) -> AsyncIterator[f
 
 @pytest.fixture
 async def pg_engine_factory(pg_url: str, pg_schema: str) -> AsyncIterator[Callable[..., Any]]:
-    """Opens PostgreSQL engines on this test's schema; closes them at the end."""
+    """Opens PostgreSQL engines on this test's schema; closes them at the end. ``store`` builds
+    the store (a subclass of PostgresStore, say), which pipelines when the engine batches."""
     from flowlock import examples
 
     opened: list[flowlock.Engine] = []
 
-    async def make(pool_size: int = 20, **options: Any) -> flowlock.Engine:
-        store = PostgresStore(pg_url, schema=pg_schema, pool_size=pool_size)
-        eng = await flowlock.Engine(store, **options).open()
+    async def make(
+        pool_size: int = 20,
+        *,
+        store: Callable[..., PostgresStore] = PostgresStore,
+        application_name: str = "flowlock",
+        **options: Any,
+    ) -> flowlock.Engine:
+        # The store pipelines as the engine batches, as Engine.connect(batching=...) builds it.
+        built = store(
+            pg_url,
+            schema=pg_schema,
+            pool_size=pool_size,
+            pipeline=options.get("batching", True),
+            application_name=application_name,
+        )
+        eng = await flowlock.Engine(built, **options).open()
         opened.append(eng)
         for wf in (examples.approval(), examples.countersign(100), examples.inventory(), cyclic()):
             await eng.register(wf)

@@ -41,6 +41,14 @@ _ALIVE_CHECK = 1.0
 """Seconds between two checks, while a call waits, that the engine's thread is still running."""
 _JOIN_TIMEOUT = 30.0
 """Seconds `close()` waits for the thread to end once its loop has stopped."""
+_ENDED = (
+    "the flowlock.sync.Engine's event loop thread ended while a call was running; build a new "
+    "engine, and read the instance to see what the call did"
+)
+_GONE = (
+    "the flowlock.sync.Engine's event loop thread has ended without close() (its loop was "
+    "stopped, or a step raised SystemExit on it); build a new engine to go on"
+)
 
 
 class _LoopThread:
@@ -49,6 +57,8 @@ class _LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.pid = os.getpid()
+        # Set on the thread once its loop has stopped: from then on nothing submitted runs.
+        self.ended = False
         self.thread = threading.Thread(target=self._serve, name="flowlock-sync", daemon=True)
         self.thread.start()
 
@@ -56,7 +66,15 @@ class _LoopThread:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_forever()
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: raised by a step on the loop
+            log.error(
+                "flowlock: the sync engine's event loop thread ends: a step raised %s on it (%s); "
+                "calls in flight and after raise EngineClosed",
+                type(exc).__name__,
+                exc,
+            )
         finally:
+            self.ended = True
             self._finish()
 
     def _finish(self) -> None:
@@ -77,7 +95,19 @@ class _LoopThread:
             loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """`coro` handed to the loop; EngineClosed (`coro` closed) once the loop has stopped."""
+        try:
+            if self.ended:
+                raise EngineClosed(_GONE)
+            try:
+                return asyncio.run_coroutine_threadsafe(coro, self.loop)
+            except RuntimeError:  # "Event loop is closed": it ended since the check above
+                if not self.loop.is_closed():
+                    raise
+                raise EngineClosed(_GONE) from None
+        except BaseException:
+            coro.close()
+            raise
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -166,7 +196,15 @@ class Engine:
             runner = self._runner
             if runner is None:
                 return
-            future = runner.submit(self._shutdown())
+            try:
+                future = runner.submit(self._shutdown())
+            except EngineClosed:
+                # Its loop stopped without close(): nothing runs on it any more, the closing of
+                # the connections included (they end with the process). The thread is joined.
+                self._runner = None
+                _running.discard(self)
+                runner.thread.join(_JOIN_TIMEOUT)
+                return
             try:
                 _settle(future, runner)
             finally:
@@ -178,11 +216,13 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """Whether `close()` was called, or the process forked after the engine opened.
+        """Whether `close()` was called, the process forked after the engine opened, or the
+        engine's loop thread ended without `close()`.
 
         An engine not opened yet is not closed: its first call opens it.
         """
-        return self._closed or self._forked is not None
+        runner = self._runner
+        return self._closed or self._forked is not None or (runner is not None and runner.ended)
 
     def __enter__(self) -> Self:
         return self.open()
@@ -313,8 +353,8 @@ class Engine:
             _refuse_in_event_loop(getattr(coro, "__name__", "call"))
             with self._lock:
                 runner = self._start(opens=opens)
-                handed = True
                 future = runner.submit(self._tracked(coro))
+                handed = True
         except BaseException:
             # Never ran: closed, so it is not reported as never awaited. One handed to the loop
             # is never closed from here: that would cut it short on the loop's thread.
@@ -337,6 +377,8 @@ class Engine:
         if runner is None:
             runner = self._runner = _LoopThread()
             _running.add(self)
+        elif runner.ended:
+            raise EngineClosed(_GONE)
         if opens and not self._opened:
             _settle(runner.submit(self._engine.open()), runner)
             self._opened = True
@@ -410,11 +452,10 @@ def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
     except BaseException as interrupt:
         _after_interrupt(future, runner, interrupt)
         raise
-    if not future.done():
-        raise EngineClosed(
-            "the flowlock.sync.Engine's event loop thread ended while a call was running; "
-            "build a new engine, and read the instance to see what the call did"
-        )
+    # The thread ended with the call unanswered, or its loop stopped and cancelled the call on
+    # the way out (a sync engine cancels no call of its own: close() waits for them).
+    if not future.done() or (future.cancelled() and runner.ended):
+        raise EngineClosed(_ENDED)
     return future.result()
 
 

@@ -9,7 +9,11 @@ extend, owned, locked, wait_released, release, ``async with``), and ``RunOnce.ru
 chaos task, at random moments, ends some or all of this test's PostgreSQL sessions
 (``pg_terminate_backend``, the FATAL message a restart or a failover sends; only sessions whose
 ``application_name`` this test set), kills Redis connections (``CLIENT KILL``) and restarts the
-test's own Redis, with or without its data.
+test's own Redis, with or without its data. It injects each kind of fault once early on, so
+every kind is sure to happen; the test fails unless each kind hit something (a session filter
+that stopped matching would end nothing, and the sweep would be a plain load test) and unless
+the calls saw the typed errors those faults cause (``ConnectionLost`` or ``OutcomeUnknown`` from
+the store, ``SessionGone`` from the advisory locks, ``LockUnavailable`` from ``RedisLocks``).
 
 Every exception a call raises is collected; one that is not a FlowlockError fails the test,
 printed with its traceback, and so does a flowlock warning logged with an untyped exception
@@ -103,7 +107,9 @@ class Sweep:
     tickets: set[str] = field(default_factory=set)
     runs: Counter[str] = field(default_factory=Counter)
     ops: Counter[str] = field(default_factory=Counter)
-    chaos: Counter[str] = field(default_factory=Counter)
+    seen: Counter[tuple[str, str]] = field(default_factory=Counter)  # (call, error) -> times
+    injected: Counter[str] = field(default_factory=Counter)  # fault -> times injected
+    chaos: Counter[str] = field(default_factory=Counter)  # fault -> sessions, clients... it hit
 
     def running(self) -> bool:
         return time.monotonic() < self.deadline
@@ -113,6 +119,7 @@ class Sweep:
         not."""
         if isinstance(exc, flowlock.FlowlockError) and type(exc).__module__.startswith("flowlock."):
             self.errors[type(exc).__name__] += 1
+            self.seen[what, type(exc).__name__] += 1
         else:
             trace = "".join(traceback.format_exception(exc))
             self.untyped.append(f"{what}: {type(exc).__module__}.{type(exc).__name__}\n{trace}")
@@ -473,31 +480,80 @@ async def kill_clients(admin: aioredis.Redis, rng: random.Random, every: bool) -
     return killed
 
 
-async def chaos(
-    sweep: Sweep,
-    rng: random.Random,
-    *,
-    pg: Callable[[bool], Awaitable[int]],
-    unnoticed: Callable[[bool], int],
-    redis_kill: Callable[[bool], Awaitable[int]],
-    redis_restart: Callable[[bool], Awaitable[None]],
-) -> None:
+# The faults and each one's share of the chaos task's picks (after it has injected each once).
+FAULTS = {
+    "pg sessions ended": 0.3,
+    "pg every session ended": 0.1,
+    "pg sessions ended unnoticed": 0.15,
+    "redis clients killed": 0.3,
+    "redis restarted": 0.105,
+    "redis restarted empty": 0.045,
+}
+
+
+@dataclass
+class Faults:
+    """What the chaos task can do; each answers how many sessions or clients it hit."""
+
+    pg: Callable[[bool], Awaitable[int]]  # end some (False) or all (True) of the test's sessions
+    unnoticed: Callable[[bool], int]  # the same, blocking the sweep's loop meanwhile
+    redis_kill: Callable[[bool], Awaitable[int]]
+    redis_restart: Callable[[bool], Awaitable[None]]  # True: with its data flushed
+    pg_restart: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return FAULTS if self.pg_restart is None else {**FAULTS, "pg restarted": 0.06}
+
+    async def inject(self, fault: str, rng: random.Random) -> int:
+        """Inject ``fault``: how many sessions or clients it ended (a restart counts 1)."""
+        if fault == "pg sessions ended":
+            return await self.pg(False)
+        if fault == "pg every session ended":
+            return await self.pg(True)
+        if fault == "pg sessions ended unnoticed":
+            # Blocks this loop meanwhile (see end_sessions_unnoticed), on purpose.
+            return self.unnoticed(rng.random() < 0.3)
+        if fault == "redis clients killed":
+            return await self.redis_kill(rng.random() < 0.2)
+        if fault == "pg restarted":
+            assert self.pg_restart is not None
+            await self.pg_restart()
+            return 1
+        await self.redis_restart(fault == "redis restarted empty")
+        return 1
+
+
+async def chaos(sweep: Sweep, rng: random.Random, faults: Faults) -> None:
+    """Every kind of fault once, early, in a seeded order; then faults picked at random."""
+    shares = faults.shares
+    first = sorted(shares)
+    rng.shuffle(first)
     while sweep.running():
         await asyncio.sleep(rng.uniform(0.05, 0.5))
-        roll = rng.random()
-        if roll < 0.3:
-            sweep.chaos["pg sessions ended"] += await pg(False)
-        elif roll < 0.4:
-            sweep.chaos["pg every session ended"] += await pg(True)
-        elif roll < 0.55:
-            # Blocks this loop meanwhile (see end_sessions_unnoticed), on purpose.
-            sweep.chaos["pg sessions ended unnoticed"] += unnoticed(rng.random() < 0.3)
-        elif roll < 0.85:
-            sweep.chaos["redis clients killed"] += await redis_kill(rng.random() < 0.2)
-        else:
-            flush = rng.random() < 0.3
-            await redis_restart(flush)
-            sweep.chaos[f"redis restarted{' empty' if flush else ''}"] += 1
+        fault = first.pop() if first else rng.choices(list(shares), list(shares.values()))[0]
+        sweep.injected[fault] += 1
+        sweep.chaos[fault] += await faults.inject(fault, rng)
+
+
+def assert_faults_hit(sweep: Sweep, faults: Faults) -> None:
+    """Every kind of fault was injected and hit something (a session filter that stopped
+    matching would end nothing), and the calls saw the typed errors those faults cause."""
+    for fault in faults.shares:
+        assert sweep.injected[fault] >= 1, f"{fault!r} never injected: a sweep too short?"
+        assert sweep.chaos[fault] >= 1, (
+            f"{fault!r} injected {sweep.injected[fault]} times and hit nothing: does its filter "
+            "still match this test's sessions or clients?"
+        )
+
+    def seen(error: str, where: str = "") -> int:
+        return sum(n for (what, name), n in sweep.seen.items() if name == error and where in what)
+
+    # A PostgreSQL session ended under a call of the store, and under an advisory lock.
+    assert seen("ConnectionLost") + seen("OutcomeUnknown") >= 1, sweep.errors
+    assert seen("SessionGone") >= 1, sweep.errors
+    # Redis went away under a call of RedisLocks used on its own.
+    assert seen("LockUnavailable", "lock/redis") >= 1, sorted(sweep.seen.items())
 
 
 # -- after the chaos ------------------------------------------------------------------------------
@@ -572,15 +628,7 @@ async def sessions_left(pg_url: str, app: str) -> int:
         await conn.close()
 
 
-async def run_sweep(
-    system: System,
-    seed: int,
-    *,
-    pg: Callable[[bool], Awaitable[int]],
-    unnoticed: Callable[[bool], int],
-    redis_kill: Callable[[bool], Awaitable[int]],
-    redis_restart: Callable[[bool], Awaitable[None]],
-) -> Sweep:
+async def run_sweep(system: System, seed: int, faults: Faults) -> Sweep:
     """The load and the chaos for SECONDS; then the quiet phase's retries."""
     master = random.Random(seed)
     sweep = Sweep(master, time.monotonic() + SECONDS)
@@ -597,18 +645,7 @@ async def run_sweep(
         )
         for i in range(THREADS)
     ]
-    tasks.append(
-        asyncio.create_task(
-            chaos(
-                sweep,
-                rngs[-1],
-                pg=pg,
-                unnoticed=unnoticed,
-                redis_kill=redis_kill,
-                redis_restart=redis_restart,
-            )
-        )
-    )
+    tasks.append(asyncio.create_task(chaos(sweep, rngs[-1], faults)))
     # Every call is bounded (acquire_timeout, lock_timeout, lease waits, io timeouts): the
     # workers end soon after the deadline.
     async with asyncio.timeout(SECONDS + 120):
@@ -619,15 +656,23 @@ async def run_sweep(
     return sweep
 
 
-def report(sweep: Sweep, untyped_logs: UntypedLogs) -> None:
+def report(sweep: Sweep, untyped_logs: UntypedLogs, faults: Faults) -> None:
+    """Prints what the sweep did; fails on an untyped error, or on a fault that hit nothing."""
     print(f"calls: {sum(sweep.ops.values())} {dict(sorted(sweep.ops.items()))}")
     print(f"typed errors: {dict(sorted(sweep.errors.items()))}")
-    print(f"chaos: {dict(sweep.chaos)}")
+    print(f"faults injected: {dict(sorted(sweep.injected.items()))}")
+    print(f"faults hit (sessions, clients, restarts): {dict(sorted(sweep.chaos.items()))}")
     print(f"fires: {len(sweep.calls)}, applied {sum(c.applied for c in sweep.calls)}")
+    faulted = ("ConnectionLost", "OutcomeUnknown", "SessionGone", "LockUnavailable")
+    where = {
+        f"{what}: {name}": n for (what, name), n in sorted(sweep.seen.items()) if name in faulted
+    }
+    print(f"where the faults' errors were seen: {where}")
     untyped = sweep.untyped + untyped_logs.found
     for text in untyped:
         print(text)
     assert not untyped, f"{len(untyped)} untyped errors escaped (printed above)"
+    assert_faults_hit(sweep, faults)
 
 
 async def test_only_flowlock_errors_escape_while_connections_are_killed(
@@ -666,9 +711,9 @@ async def test_only_flowlock_errors_escape_while_connections_are_killed(
             return end_sessions_unnoticed(pg_url, app, sweep_rng.randrange(2**32), every)
 
         sweep_rng = random.Random(seed ^ 0x5EED)
-        sweep = await run_sweep(system, seed, pg=pg, unnoticed=unnoticed, redis_kill=redis_kill,
-                                redis_restart=redis_restart)  # fmt: skip
-        report(sweep, untyped_logs)
+        faults = Faults(pg, unnoticed, redis_kill, redis_restart)
+        sweep = await run_sweep(system, seed, faults)
+        report(sweep, untyped_logs, faults)
         await assert_exactly_once(system, sweep)
         await wait_until(lambda: _idle(system), within=30, what="every pool back to idle")
         assert_idle(system)
@@ -718,12 +763,12 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
                 await system.engines["redis"].create("countersign", instance_id=f"doc-{i}")
 
             async def pg(every: bool) -> int:
-                if rng.random() < 0.15:
-                    await asyncio.to_thread(server.restart)
-                    restarts.append(time.monotonic())
-                    admin_box[0] = await asyncpg.connect(url)
-                    return 0
                 return await end_sessions(admin_box[0], app, rng, every)
+
+            async def pg_restart() -> None:
+                await asyncio.to_thread(server.restart)
+                restarts.append(time.monotonic())
+                admin_box[0] = await asyncpg.connect(url)
 
             async def redis_kill(every: bool) -> int:
                 return await kill_clients(redis_admin, rng, every)
@@ -734,10 +779,10 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
             def unnoticed(every: bool) -> int:
                 return end_sessions_unnoticed(url, app, rng.randrange(2**32), every)
 
-            sweep = await run_sweep(system, seed, pg=pg, unnoticed=unnoticed,
-                                    redis_kill=redis_kill, redis_restart=redis_restart)  # fmt: skip
+            faults = Faults(pg, unnoticed, redis_kill, redis_restart, pg_restart)
+            sweep = await run_sweep(system, seed, faults)
             print(f"PostgreSQL restarts: {len(restarts)}")
-            report(sweep, untyped_logs)
+            report(sweep, untyped_logs, faults)
             assert restarts
             await assert_exactly_once(system, sweep)
             await wait_until(lambda: _idle(system), within=30, what="every pool back to idle")
