@@ -22,8 +22,10 @@ from flowlock.core.settings import (
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
     POSTGRES_SCHEMES,
+    PoolingChoice,
     check_application_name,
     check_flag,
+    check_pooling,
     check_seconds,
     check_size,
 )
@@ -58,6 +60,7 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
     batching = options.get("batching", True)
     check_flag("batching", batching)
     schema = options.get("schema")
+    pooling = options.get("pooling")
     store = build_store(
         database_url,
         pool=options.get("pool"),
@@ -71,6 +74,7 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
         lock_timeout=options.get("lock_timeout"),
         application_name=options.get("application_name"),
         pipeline=batching,
+        pooling=pooling,
     )
     redis_url = options.get("redis_url")
     kind = options.get("locks") or ("redis" if redis_url is not None else None)
@@ -81,6 +85,9 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
         lease_wait,
         has_backend=kind is not None,
     )
+    epochs = getattr(store, "fence_epochs", None)
+    if kind == "redis" and epochs is not None:
+        _lend_epochs(store)
     if kind is not None:
         name = options.get("application_name")
         engine["locks"] = build_locks(
@@ -90,11 +97,22 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
             namespace=options.get("namespace", "default"),
             schema=schema,
             fence_floor=store.fencing_floor,
-            fence_epochs=getattr(store, "fence_epochs", None),
+            fence_epochs=epochs,
             application_name=_ADVISORY_NAME if name is None else f"{name}-advisory"[:63],
             io_timeout=options.get("command_timeout"),
+            pooling=pooling or "auto",
         )
     return store, engine
+
+
+def _lend_epochs(store: Store) -> None:
+    """The PostgreSQL store's fencing epochs go to the Redis lock backend: they need a session,
+    so the store refuses a transaction pooler when it opens, before any lease is taken."""
+    from flowlock._pg.fence import EPOCHS
+    from flowlock.stores.postgres import PostgresStore
+
+    if isinstance(store, PostgresStore):
+        store.needs_session(EPOCHS)
 
 
 def _engine_options(options: ConnectOptions) -> EngineOptions:
@@ -117,6 +135,7 @@ def build_store(
     lock_timeout: float | None = None,
     application_name: str | None = None,
     pipeline: bool = True,
+    pooling: PoolingChoice | None = None,
 ) -> Store:
     """The store for `database_url`, not opened yet.
 
@@ -124,14 +143,17 @@ def build_store(
     tests. Or the PostgreSQL store on an application's asyncpg `pool`. The keywords are
     [`connect`][flowlock.connect]'s, None meaning the store's default. A keyword that does not apply
     to this store is refused. `pipeline` is the PostgreSQL store's; `batching=False` turns
-    it off.
+    it off. So is `pooling` (None: "auto").
     """
     bounds = _Bounds.checked(
         max_size, min_size, acquire_timeout, connect_timeout, command_timeout, lock_timeout,
         application_name,
     )  # fmt: skip
+    choice = "auto" if pooling is None else check_pooling(pooling)
     if pool is not None:
-        return _on_pool(pool, database_url, bounds, schema=schema, auto_migrate=auto_migrate)
+        return _on_pool(
+            pool, database_url, bounds, schema=schema, auto_migrate=auto_migrate, pooling=choice
+        )
     if database_url is None:
         raise InvalidInput(
             "give a database_url (postgresql://..., sqlite:///path or memory://) or an asyncpg "
@@ -156,7 +178,10 @@ def build_store(
             command_timeout=_or(bounds.command_timeout, DEFAULT_COMMAND_TIMEOUT),
             lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT),
             pipeline=pipeline,
+            pooling=choice,
         )
+    if pooling is not None:
+        raise InvalidInput("pooling means nothing to SQLite or the memory store; leave it out")
     if scheme == "sqlite":
         from flowlock.stores.sqlite import SqliteStore
 
@@ -261,6 +286,7 @@ def _on_pool(
     *,
     schema: str | None,
     auto_migrate: bool,
+    pooling: PoolingChoice,
 ) -> PostgresStore:
     """The PostgreSQL store on the application's own `pool`."""
     require("asyncpg", "postgres", "a PostgreSQL pool")
@@ -281,6 +307,7 @@ def _on_pool(
         acquire_timeout=_or(bounds.acquire_timeout, DEFAULT_ACQUIRE_TIMEOUT),
         lock_timeout=_or(bounds.lock_timeout, DEFAULT_LOCK_TIMEOUT),
         command_timeout=_or(bounds.command_timeout, DEFAULT_COMMAND_TIMEOUT),
+        pooling=pooling,
     )
 
 
@@ -297,6 +324,7 @@ def build_postgres_store(
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     pipeline: bool = True,
+    pooling: PoolingChoice = "auto",
 ) -> PostgresStore:
     """The PostgreSQL store, typed as such for callers that use its pool.
 
@@ -319,6 +347,7 @@ def build_postgres_store(
         command_timeout=command_timeout,
         lock_timeout=lock_timeout,
         pipeline=pipeline,
+        pooling=pooling,
     )
 
 
@@ -336,6 +365,7 @@ def build_locks(
     application_name: str = "flowlock-advisory",
     rng: random.Random | None = None,
     io_timeout: float | None = None,
+    pooling: PoolingChoice = "auto",
 ) -> LockBackend:
     """The lock backend `kind` names, not opened yet.
 
@@ -346,7 +376,8 @@ def build_locks(
     - `"advisory"`: [`AdvisoryLocks`][flowlock.locks.advisory.AdvisoryLocks] on PostgreSQL
       `database_url`. Tables in `schema`, a pool of `pool_size` named
       `application_name`, migrated on open unless `auto_migrate=False`. `io_timeout`
-      bounds each round trip; None is the backend's default.
+      bounds each round trip; None is the backend's default. `pooling`: see
+      `AdvisoryLocks` (refused behind a transaction pooler).
     - `"memory"`: [`MemoryLocks`][flowlock.locks.memory.MemoryLocks], for one process and tests.
 
     `namespace` separates the lock keys of deployments sharing one server.
@@ -378,6 +409,7 @@ def build_locks(
             auto_migrate=auto_migrate,
             application_name=application_name,
             io_timeout=DEFAULT_IO_TIMEOUT if io_timeout is None else io_timeout,
+            pooling=pooling,
         )
     if kind == "memory":
         from flowlock.locks.memory import MemoryLocks

@@ -26,6 +26,7 @@ from flowlock._pg import migrations
 from flowlock._pg.errors import Context, wrap_connect
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_pool_size, check_schema, close_pool, connection, create_pool
+from flowlock._pg.pooling import resolve, session_needed
 from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
@@ -39,7 +40,9 @@ from flowlock.core.lifecycle import AsyncResource
 from flowlock.core.settings import (
     DEFAULT_COMMAND_TIMEOUT,
     POSTGRES_SCHEMES,
+    PoolingChoice,
     check_application_name,
+    check_pooling,
     check_seconds,
     check_text,
     check_url,
@@ -192,6 +195,9 @@ class RunOnce(AsyncResource):
     - `command_timeout`: seconds one round trip may take, beyond the 5 s a statement may
       wait for a row lock. Past it the call raises ConnectionLost, or OutcomeUnknown for a
       claim or completion that may have been written.
+    - `pooling`: what sits between this process and PostgreSQL ("auto": found out on open).
+      The fencing epochs need a session: behind a transaction pooler (PgBouncer
+      `pool_mode=transaction`) `open` refuses with InvalidInput, naming session pooling.
     """
 
     def __init__(
@@ -208,6 +214,7 @@ class RunOnce(AsyncResource):
         auto_migrate: bool = True,
         application_name: str = _APPLICATION_NAME,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        pooling: PoolingChoice = "auto",
     ) -> None:
         if not isinstance(locks, LockBackend):
             raise InvalidInput(f"locks must be a lock backend, not {type(locks).__name__}")
@@ -219,6 +226,7 @@ class RunOnce(AsyncResource):
         check_pool_size(pool_size)
         self._acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
         self._command_timeout = check_seconds("command_timeout", command_timeout)
+        self._pooling = check_pooling(pooling)
         if owner is not None:
             check_text("owner", owner, most=_MAX_NAME)
         self.locks = locks
@@ -239,6 +247,15 @@ class RunOnce(AsyncResource):
         if self._pool is not None:
             return
         with wrap_connect(self._dsn):
+            pooling = await resolve(
+                self._pooling,
+                self._dsn,
+                application_name=self.application_name,
+                connect_timeout=_CONNECT_TIMEOUT,
+                command_timeout=self._command_timeout,
+            )
+            if pooling == "transaction":
+                raise session_needed("run-once jobs (RunOnce, with their fencing epochs)")
             self._pool = await create_pool(
                 self._dsn,
                 max_size=self._pool_size,
@@ -250,6 +267,7 @@ class RunOnce(AsyncResource):
                 # Every statement here runs on this pool with no timeout= of its own: this is
                 # its bound, the lock wait the server allows and command_timeout more.
                 command_timeout=_LOCK_WAIT + self._command_timeout,
+                pooling=pooling,
             )
         if self._auto_migrate:
             try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict
 if TYPE_CHECKING:  # types only: this module imports nothing at run time
     import asyncpg
 
+    from flowlock.core.settings import PoolingChoice
     from flowlock.locks.base import LockBackend
     from flowlock.metrics import Metrics
     from flowlock.strategies.monitor import ConflictMonitor
@@ -100,6 +101,9 @@ class ConnectOptions(_Tuning, total=False):
     """The PostgreSQL schema of flowlock's tables (the search path's first)."""
     namespace: str
     """Separates lock keys of deployments that share one server ("default")."""
+    pooling: PoolingChoice | None
+    """What sits between flowlock and PostgreSQL: "auto" (found out on open), "session" (direct
+    or session pooling) or "transaction" (PgBouncer pool_mode=transaction). PostgreSQL only."""
 
 
 def check_keywords(given: Mapping[str, object], allowed: type, where: str) -> None:

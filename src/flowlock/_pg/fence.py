@@ -1,7 +1,10 @@
 """Fencing epochs in PostgreSQL, for the Redis lock backend's counters.
 
 The bump is committed before the caller sees it, under a session lock held across the Redis
-call. The PostgreSQL guide says why; it needs a direct connection or session pooling.
+call. The PostgreSQL guide says why. The lock needs a session of its own: a direct connection
+or session pooling. Behind a transaction pooler (PgBouncer `pool_mode=transaction`) the epochs
+are refused with InvalidInput (`flowlock._pg.pooling.session_needed`), when the engine opens
+or, wired by hand, at the first bump.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context
 from flowlock._pg.pool import check_schema, connection, terminate
+from flowlock._pg.pooling import session_needed
 from flowlock.core.errors import LockUnavailable
 
-__all__ = ["EPOCH_LOCK_CLASS", "PostgresFenceEpochs"]
+__all__ = ["EPOCHS", "EPOCH_LOCK_CLASS", "PostgresFenceEpochs"]
+
+EPOCHS = "fencing epochs (the Redis lock backend's fence_epochs, kept in PostgreSQL)"
+"""What the refusal behind a transaction pooler names."""
 
 # The first half of the two-int advisory lock key (the second is hashtext(namespace:key)). The
 # two-int form never meets the one-bigint locks of AdvisoryLocks and the migrations.
@@ -65,10 +72,12 @@ class PostgresFenceEpochs:
     connection's `search_path` without one), on connections of the pool `pool()` returns.
 
     `acquire_timeout` bounds the wait for a connection (StoreBusy past it); `size` is the
-    pool's, for that message. Every other wait is bounded by the caller's `bound`.
+    pool's, for that message. Every other wait is bounded by the caller's `bound`. `pooled`
+    says whether that pool goes through a transaction pooler: `advance` then refuses (the
+    lock it holds across the Redis call needs a session).
     """
 
-    __slots__ = ("_acquire_timeout", "_bump", "_pool", "_size", "_unlock")
+    __slots__ = ("_acquire_timeout", "_bump", "_pool", "_pooled", "_size", "_unlock")
 
     def __init__(
         self,
@@ -77,10 +86,12 @@ class PostgresFenceEpochs:
         schema: str | None = None,
         acquire_timeout: float,
         size: int,
+        pooled: Callable[[], bool] = lambda: False,
     ) -> None:
         check_schema(schema)
         table = "flowlock_fence_epochs" if schema is None else f'"{schema}".flowlock_fence_epochs'
         self._pool = pool
+        self._pooled = pooled
         self._acquire_timeout = acquire_timeout
         self._size = size
         self._bump = _BUMP.format(cls=EPOCH_LOCK_CLASS, key=_LOCK_KEY, table=table)
@@ -93,8 +104,11 @@ class PostgresFenceEpochs:
         """Bump the epoch of `key` in `namespace` to at least `at_least` (and at least one
         above the last), commit it, and yield it while holding the key's lock: no other
         `advance` of the key gets its epoch until this one's `async with` is left. Waits at
-        most `bound` seconds for the lock and the bump (LockUnavailable past it)."""
+        most `bound` seconds for the lock and the bump (LockUnavailable past it). InvalidInput
+        behind a transaction pooler, before anything is sent."""
         pool = self._pool()
+        if self._pooled():
+            raise session_needed(EPOCHS)
         async with connection(
             pool,
             acquire_timeout=min(self._acquire_timeout, bound),
@@ -123,8 +137,10 @@ class PostgresFenceEpochs:
                         log.warning(
                             "flowlock: the fencing epoch lock of %r was not held by the session "
                             "letting go of it: is a transaction-pooling proxy (PgBouncer "
-                            "pool_mode=transaction) between flowlock and PostgreSQL? Fencing "
-                            "epochs need a direct connection or session pooling",
+                            "pool_mode=transaction) between flowlock and PostgreSQL that the "
+                            "probe on open did not see (a busy pooler)? Fencing epochs need a "
+                            "direct connection or session pooling; pass pooling='transaction' "
+                            "to have them refused at open",
                             key,
                         )
                 except _UNLOCK_FAILURES as exc:

@@ -12,6 +12,7 @@ import asyncpg
 
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_connect
 from flowlock._pg.pool import check_schema, close_pool, connection, create_pool
+from flowlock._pg.pooling import Pooling
 from flowlock.core.errors import FlowlockError, InvalidInput, MigrationError, StoreError
 from flowlock.core.migrations import load
 from flowlock.core.settings import DEFAULT_COMMAND_TIMEOUT, check_seconds
@@ -119,10 +120,12 @@ async def migrate_database(
     application_name: str,
     connect_timeout: float,
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
+    pooling: Pooling = "none",
 ) -> list[str]:
     """Migrate the database at `dsn` (`schema` created if missing) on a connection of its
     own, for adapters with no pool to spare. StoreError if it cannot connect, MigrationError if
-    migrating fails; each round trip bounded by `command_timeout` (see `apply`)."""
+    migrating fails; each round trip bounded by `command_timeout` (see `apply`). `pooling`:
+    what is between this process and PostgreSQL (see `create_pool`)."""
     with wrap_connect(dsn):
         pool = await create_pool(
             dsn,
@@ -133,10 +136,16 @@ async def migrate_database(
             connect_timeout=connect_timeout,
             command_timeout=_LOCK_WAIT + command_timeout,
             jsonb=False,
+            pooling=pooling,
         )
     try:
         return await migrate(
-            pool, acquire_timeout=connect_timeout, pool_size=1, command_timeout=command_timeout
+            pool,
+            acquire_timeout=connect_timeout,
+            pool_size=1,
+            command_timeout=command_timeout,
+            # A transaction pooler's connections keep no search_path: set for the migration.
+            schema=schema if pooling == "transaction" else None,
         )
     finally:
         await close_pool(pool, bound=connect_timeout + command_timeout)

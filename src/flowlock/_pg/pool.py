@@ -3,7 +3,8 @@
 `create_pool` sets, in one place, what every flowlock connection needs: the schema
 (created if asked, and put on `search_path`), the `application_name` it shows in
 `pg_stat_activity`, the `jsonb` codec, and no reset on release (see `_keep_session`).
-Each caller still passes what is its own: sizes, timeouts, extra server settings.
+Each caller still passes what is its own: sizes, timeouts, extra server settings, and what
+sits between it and PostgreSQL (`flowlock._pg.pooling`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flowlock._pg.errors import (
     translate,
     wrap_errors,
 )
+from flowlock._pg.pooling import Pooling
 from flowlock.core.errors import EngineClosed, InvalidInput, StoreBusy
 from flowlock.core.settings import MAX_SECONDS, check_application_name, check_seconds, check_size
 
@@ -83,17 +85,35 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     ...`) would cost one extra round trip on every release."""
 
 
-def _init_hook(jsonb: bool, init: InitHook | None) -> InitHook | None:
-    if not jsonb:
-        return init
-    if init is None:
-        return _jsonb
+_STATEMENT_CACHE = 100
 
-    async def both(conn: asyncpg.Connection) -> None:
-        await _jsonb(conn)
-        await init(conn)
+# Session settings of a connection behind a session pooler, in one round trip.
+_SET = "SELECT set_config(name, value, false) FROM unnest($1::text[], $2::text[]) AS s(name, value)"
 
-    return both
+
+def _init_hook(jsonb: bool, settings: Mapping[str, str], init: InitHook | None) -> InitHook | None:
+    """What runs on each new connection: the session `settings` (SET, where a pooler would
+    refuse them as startup parameters), the `jsonb` codec, then the caller's `init`."""
+    steps: list[InitHook] = []
+    if settings:
+        names, values = list(settings), list(settings.values())
+
+        async def session(conn: asyncpg.Connection) -> None:
+            await conn.fetch(_SET, names, values)
+
+        steps.append(session)
+    if jsonb:
+        steps.append(_jsonb)
+    if init is not None:
+        steps.append(init)
+    if len(steps) < 2:
+        return steps[0] if steps else None
+
+    async def each(conn: asyncpg.Connection) -> None:
+        for step in steps:
+            await step(conn)
+
+    return each
 
 
 async def ensure_schema(
@@ -130,6 +150,7 @@ async def create_pool(
     reset: bool = False,
     init: InitHook | None = None,
     setup: SetupHook | None = None,
+    pooling: Pooling = "none",
 ) -> asyncpg.Pool:
     """A pool of at most `max_size` connections to `dsn` (`min_size` opened up front).
 
@@ -144,6 +165,15 @@ async def create_pool(
     each new connection (after the codec), `setup` on each acquire. Driver errors are raised as
     they are: the caller says what a failure to connect means to it. Sizes, the timeout and the
     name are checked first (InvalidInput, before any connection is tried).
+
+    `pooling`: what is between this process and PostgreSQL (`flowlock._pg.pooling`). Direct
+    (`"none"`), the settings and `search_path` go as startup parameters. Behind a session
+    pooler they are SET once on each new connection instead (PgBouncer refuses startup
+    parameters it does not know). Behind a transaction pooler no connection keeps anything
+    from one transaction to the next: neither `server_settings` nor `search_path` is set (the
+    caller names its tables with the schema and sets what it needs LOCAL in each transaction),
+    and asyncpg's statement cache is off (a statement prepared in one transaction would be
+    missing on the server connection of the next).
     """
     check_schema(schema)
     check_size("max_size", max_size)
@@ -156,19 +186,26 @@ async def create_pool(
         await ensure_schema(
             dsn, schema, connect_timeout=connect_timeout, command_timeout=command_timeout
         )
-    settings = {"application_name": application_name, **(server_settings or {})}
+    settings = dict(server_settings or {})
     if schema is not None:
         settings["search_path"] = schema
+    startup = {"application_name": application_name}
+    if pooling == "none":
+        startup.update(settings)
+    session = settings if pooling == "session" else {}
     return await asyncpg.create_pool(
         dsn,
         min_size=min(min_size, max_size),
         max_size=max_size,
-        init=_init_hook(jsonb, init),
+        init=_init_hook(jsonb, session, init),
         setup=setup,
         reset=None if reset else _keep_session,
-        server_settings=settings,
+        server_settings=startup,
         timeout=connect_timeout,
         command_timeout=command_timeout,
+        # asyncpg's documented setting for a transaction pooler: unnamed statements only
+        # (100, asyncpg's default, elsewhere).
+        statement_cache_size=0 if pooling == "transaction" else _STATEMENT_CACHE,
     )
 
 

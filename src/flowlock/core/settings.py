@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+from typing import Literal, TypeAlias
 
 from flowlock.core.errors import InvalidInput
 
@@ -23,10 +24,13 @@ __all__ = [
     "MAX_CONNECTIONS",
     "MAX_NAMESPACE",
     "MAX_SECONDS",
+    "POOLING_CHOICES",
     "POSTGRES_SCHEMES",
+    "PoolingChoice",
     "check_application_name",
     "check_count",
     "check_number",
+    "check_pooling",
     "check_seconds",
     "check_size",
     "check_text",
@@ -97,6 +101,25 @@ def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidInput(f"{name} must be True or False, not {value!r}")
     return value
+
+
+PoolingChoice: TypeAlias = Literal["auto", "session", "transaction"]
+"""What sits between flowlock and PostgreSQL (`connect(pooling=...)`): "auto" finds out when
+opening; "session" is a direct connection or session pooling; "transaction" is a transaction
+pooler such as PgBouncer's `pool_mode=transaction`."""
+
+POOLING_CHOICES: tuple[PoolingChoice, ...] = ("auto", "session", "transaction")
+
+
+def check_pooling(value: object) -> PoolingChoice:
+    """`value` if it is one of `POOLING_CHOICES`, else InvalidInput."""
+    for choice in POOLING_CHOICES:
+        if isinstance(value, str) and value == choice:
+            return choice
+    raise InvalidInput(
+        "pooling must be 'auto' (find out when opening), 'session' (a direct connection or "
+        f"session pooling) or 'transaction' (PgBouncer pool_mode=transaction), not {value!r}"
+    )
 
 
 def check_count(name: str, value: object, *, least: int = 1, most: int, unit: str = "") -> int:

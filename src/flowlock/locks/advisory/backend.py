@@ -20,6 +20,7 @@ from flowlock._pg.pool import (
     give_back,
     terminate,
 )
+from flowlock._pg.pooling import Pooling, resolve, session_needed
 from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
@@ -36,7 +37,9 @@ from flowlock.core.lifecycle import AsyncResource
 from flowlock.core.settings import (
     MAX_NAMESPACE,
     POSTGRES_SCHEMES,
+    PoolingChoice,
     check_application_name,
+    check_pooling,
     check_seconds,
     check_text,
     check_url,
@@ -58,6 +61,8 @@ __all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks"]
 
 DEFAULT_IO_TIMEOUT = 10.0
 """Seconds a round trip of the advisory backend may take (beyond a lock wait it asked for)."""
+
+_NEEDS_SESSION = 'advisory locks (locks="advisory")'
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +89,12 @@ class AdvisoryLocks(AsyncResource):
     `io_timeout`: seconds a round trip may take before the server counts as unreachable.
     It comes on top of an acquire's `wait` and of a migration's 60 s lock wait.
     `Engine.connect(command_timeout=...)` sets it for the backend it builds.
+    `pooling`: what sits between this process and PostgreSQL. "auto" (the default) finds out
+    on open (`flowlock._pg.pooling.probe`); "session" (a direct connection or session
+    pooling) and "transaction" say it. A lease holds its lock for as long as its session
+    holds one transaction open, and checks it by that session's process id: behind a
+    transaction pooler (PgBouncer `pool_mode=transaction`) `open` refuses with
+    InvalidInput, naming session pooling; behind a session pooler it works.
     `clock` and `token` are injectable for tests.
     """
 
@@ -101,6 +112,7 @@ class AdvisoryLocks(AsyncResource):
         io_timeout: float = DEFAULT_IO_TIMEOUT,
         connect_timeout: float = 10.0,
         application_name: str = "flowlock-advisory",
+        pooling: PoolingChoice = "auto",
     ) -> None:
         # Every argument before any connection: NaN or a negative timeout would otherwise reach
         # a server setting ('1ms', silently) or asyncpg (a raw ValueError at open()).
@@ -112,6 +124,7 @@ class AdvisoryLocks(AsyncResource):
         connect_timeout = check_seconds("connect_timeout", connect_timeout)
         check_application_name(application_name)
         check_schema(schema)
+        self._pooling_choice = check_pooling(pooling)
         self.dsn = dsn
         self.namespace = namespace
         self.schema = schema
@@ -149,8 +162,9 @@ class AdvisoryLocks(AsyncResource):
         async with self._opening:
             if self._leases is not None:
                 return
+            pooling = await self._pooling()
             if self._auto_migrate:
-                await self._migrate()
+                await self._migrate(pooling)
             pools: list[asyncpg.Pool] = []
             try:
                 with wrap_errors(ERRORS):
@@ -174,6 +188,7 @@ class AdvisoryLocks(AsyncResource):
                                 # goodbye); flowlock's pass timeout= each.
                                 command_timeout=self._io_timeout,
                                 jsonb=False,
+                                pooling=pooling,
                             )
                         )
                     if self._scope is None:
@@ -187,7 +202,22 @@ class AdvisoryLocks(AsyncResource):
                 raise
             self._leases, self._side = pools
 
-    async def _migrate(self) -> None:
+    async def _pooling(self) -> Pooling:
+        """What sits between this process and PostgreSQL; InvalidInput when it is a
+        transaction pooler, before anything else is opened."""
+        with wrap_errors(ERRORS):
+            pooling = await resolve(
+                self._pooling_choice,
+                self.dsn,
+                application_name=self.application_name,
+                connect_timeout=self._connect_timeout,
+                command_timeout=self._io_timeout,
+            )
+        if pooling == "transaction":
+            raise session_needed(_NEEDS_SESSION)
+        return pooling
+
+    async def _migrate(self, pooling: Pooling) -> None:
         # The same runner, on a connection of its own: the pools are not open yet.
         try:
             await migrate_database(
@@ -196,6 +226,7 @@ class AdvisoryLocks(AsyncResource):
                 application_name=self.application_name,
                 connect_timeout=self._connect_timeout,
                 command_timeout=self._io_timeout,
+                pooling=pooling,
             )
         except MigrationError:
             raise
@@ -283,8 +314,9 @@ class AdvisoryLocks(AsyncResource):
             with wrap_errors(ERRORS):
                 # Proof that the lock was still ours when the increment committed (the session
                 # is alive now, and the lock lives as long as the session); also restarts the
-                # server's idle timer, from which expires_at is counted.
-                await conn.execute("SELECT 1", timeout=self._io_timeout)
+                # server's idle timer, from which expires_at is counted. The process id is the
+                # backend's own: a pooler's startup message gives one of its own making.
+                pid = await conn.fetchval("SELECT pg_backend_pid()", timeout=self._io_timeout)
         except SessionGone as exc:
             raise LockLost(
                 key,
@@ -294,7 +326,7 @@ class AdvisoryLocks(AsyncResource):
         if self._leases is None:
             raise EngineClosed("the advisory lock backend was closed while acquiring")
         token = self._token()
-        self._slots[token] = _Slot(conn, key, lock, conn.get_server_pid(), asyncio.Lock())
+        self._slots[token] = _Slot(conn, key, lock, int(pid), asyncio.Lock())
         return Lease(key, token, fence, ttl, sent + ttl, NAME)
 
     async def _next_fence(self, key: str) -> int:

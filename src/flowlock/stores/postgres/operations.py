@@ -81,13 +81,15 @@ class Operations:
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
             if request_id is None:
-                row = await conn.fetchrow(CREATE, *args, timeout=timeout)
+                row = await conn.fetchrow(self._s.sql(CREATE), *args, timeout=timeout)
             else:
                 row = await self._create_keyed(conn, (*args, request_id))
                 if row is None:
                     # The id is taken or the key recorded: by this key's first create (a retry,
                     # or a concurrent twin that committed while this one waited), or not.
-                    found = await conn.fetchrow(AS_CREATED_BY_KEY, request_id, timeout=timeout)
+                    found = await conn.fetchrow(
+                        self._s.sql(AS_CREATED_BY_KEY), request_id, timeout=timeout
+                    )
                     if found is not None:
                         return instance_from_row(found)
         if row is None:
@@ -101,8 +103,8 @@ class Operations:
             if self._s.joined:
                 # In a transaction flowlock does not end, a recorded key must undo this
                 # statement only, leaving the transaction usable for the lookup.
-                return await guarded_cas(conn, CREATE_KEYED, args, timeout)
-            return await conn.fetchrow(CREATE_KEYED, *args, timeout=timeout)
+                return await guarded_cas(conn, self._s.sql(CREATE_KEYED), args, timeout)
+            return await conn.fetchrow(self._s.sql(CREATE_KEYED), *args, timeout=timeout)
         except asyncpg.UniqueViolationError as exc:
             if getattr(exc, "constraint_name", None) != CREATE_KEY_CONSTRAINT:
                 raise
@@ -110,27 +112,33 @@ class Operations:
 
     async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
         async with self._s.conn(instance_id) as conn:
-            row = await conn.fetchrow(AS_CREATED_BY_ID, instance_id, timeout=self._s.timeout)
+            row = await conn.fetchrow(
+                self._s.sql(AS_CREATED_BY_ID), instance_id, timeout=self._s.timeout
+            )
         return None if row is None else (row["request_id"], instance_from_row(row))
 
     async def get(self, instance_id: str) -> Instance:
         async with self._s.conn(instance_id) as conn:
-            row = await conn.fetchrow(READ, instance_id, timeout=self._s.timeout)
+            row = await conn.fetchrow(self._s.sql(READ), instance_id, timeout=self._s.timeout)
         if row is None:
             raise InstanceNotFound(instance_id)
         return instance_from_row(row)
 
     async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
-        ids, timeout = tuple(dict.fromkeys(request_ids)), self._s.timeout
+        ids, timeout, sql = tuple(dict.fromkeys(request_ids)), self._s.timeout, self._s.sql
         async with self._s.conn(instance_id) as conn:
             # Why three statements: the one-id read is the hot path, one row at most.
             if len(ids) > 1:
-                rows = await conn.fetch(READ_WITH_REQUESTS, instance_id, list(ids), timeout=timeout)
+                rows = await conn.fetch(
+                    sql(READ_WITH_REQUESTS), instance_id, list(ids), timeout=timeout
+                )
             elif ids:
-                row = await conn.fetchrow(READ_WITH_REQUEST, instance_id, ids[0], timeout=timeout)
+                row = await conn.fetchrow(
+                    sql(READ_WITH_REQUEST), instance_id, ids[0], timeout=timeout
+                )
                 rows = [] if row is None else [row]
             else:
-                row = await conn.fetchrow(READ, instance_id, timeout=timeout)
+                row = await conn.fetchrow(sql(READ), instance_id, timeout=timeout)
                 rows = [] if row is None else [row]
         if not rows:
             raise InstanceNotFound(instance_id)
@@ -143,8 +151,12 @@ class Operations:
         """`commit` of a batch [`entries_of`][flowlock.stores.base.entries_of] has checked."""
         key = batch[0].instance_id
         started = time.monotonic()
-        (sql, args), timeout = cas_of(batch), self._s.timeout
-        guarded = self._s.joined and any(e.request_id is not None for e in batch)
+        (text, args), timeout = cas_of(batch), self._s.timeout
+        sql = self._s.sql(text)
+        # In the caller's transaction a duplicate request id must undo this statement only. In
+        # a transaction of flowlock's own around this one call, the failed statement aborts it
+        # and its COMMIT rolls back: nothing else was in it, so no savepoint is needed.
+        guarded = self._s.callers and any(e.request_id is not None for e in batch)
         try:
             async with self._s.conn(
                 key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
@@ -190,11 +202,12 @@ class Operations:
                 if not lock.nowait:
                     await conn.execute(f"SET LOCAL lock_timeout = '{wanted}'", timeout=bound)
                 snap, committed, locked_at = await _locked_step(
-                    conn, instance_id, request_ids, plan, lock, wanted, bound
+                    conn, self._s, instance_id, request_ids, plan, lock, wanted, bound
                 )
             else:
                 snap, committed, locked_at = await _own_transaction(
                     conn,
+                    self._s,
                     instance_id,
                     request_ids,
                     plan,
@@ -213,13 +226,13 @@ class Operations:
 
     async def publish(self, escalation: Escalation) -> None:
         async with self._s.conn(escalation.key, writes=True) as conn:
-            await conn.execute(PUBLISH, escalation.key, escalation.strategy,
+            await conn.execute(self._s.sql(PUBLISH), escalation.key, escalation.strategy,
                                escalation.until, escalation.reason,
                                timeout=self._s.timeout)  # fmt: skip
 
     async def active(self, now: float) -> list[Escalation]:
         async with self._s.conn() as conn:
-            rows = await conn.fetch(ACTIVE, now, timeout=self._s.timeout)
+            rows = await conn.fetch(self._s.sql(ACTIVE), now, timeout=self._s.timeout)
         return [Escalation(r["key"], r["strategy"], r["until"], r["reason"]) for r in rows]
 
     async def now(self) -> float:
@@ -228,7 +241,9 @@ class Operations:
 
     async def fencing_floor(self, instance_id: str) -> int:
         async with self._s.conn(instance_id) as conn:
-            token = await conn.fetchval(FENCING_FLOOR, instance_id, timeout=self._s.timeout)
+            token = await conn.fetchval(
+                self._s.sql(FENCING_FLOOR), instance_id, timeout=self._s.timeout
+            )
         return int(token or 0)
 
     async def list_instances(
@@ -236,7 +251,7 @@ class Operations:
     ) -> list[Instance]:
         sql, args = list_statement(query, after=after, limit=limit)
         async with self._s.conn() as conn:
-            rows = await conn.fetch(sql, *args, timeout=self._s.timeout)
+            rows = await conn.fetch(self._s.sql(sql), *args, timeout=self._s.timeout)
         return [instance_from_row(r) for r in rows]
 
     async def ping(self) -> None:
@@ -252,13 +267,15 @@ class Operations:
     async def count_instances(self, query: InstanceQuery) -> int:
         sql, args = count_statement(query)
         async with self._s.conn() as conn:
-            count = await conn.fetchval(sql, *args, timeout=self._s.timeout)
+            count = await conn.fetchval(self._s.sql(sql), *args, timeout=self._s.timeout)
         return int(count)
 
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         async with self._s.conn(instance_id) as conn:
-            rows = await conn.fetch(HISTORY, instance_id, timeout=self._s.timeout)
-            found = rows or await conn.fetchrow(READ, instance_id, timeout=self._s.timeout)
+            rows = await conn.fetch(self._s.sql(HISTORY), instance_id, timeout=self._s.timeout)
+            found = rows or await conn.fetchrow(
+                self._s.sql(READ), instance_id, timeout=self._s.timeout
+            )
             if found is None:
                 raise InstanceNotFound(instance_id)
         return [entry_from_row(r) for r in rows]
@@ -287,6 +304,7 @@ class CallerTransaction(Operations):
 
 async def _own_transaction(
     conn: Conn,
+    s: Session,
     instance_id: str,
     request_ids: Sequence[str],
     plan: Plan,
@@ -299,12 +317,14 @@ async def _own_transaction(
     `context`: what the driver errors of its COMMIT mean."""
     # Why BEGIN and SET LOCAL in one simple-protocol round trip: the timeout must be in
     # force before the FOR UPDATE, and a separate BEGIN would cost a round trip per call.
+    # NOWAIT needs no bound for the row, but the history INSERT may wait behind a concurrent
+    # one: the store's lock_timeout (`s.begin` sets it where the session has none).
     await conn.execute(
-        "BEGIN" if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'",
+        s.begin if lock.nowait else f"BEGIN; SET LOCAL lock_timeout = '{wanted}'",
         timeout=bound,
     )
     try:
-        done = await _locked_step(conn, instance_id, request_ids, plan, lock, wanted, bound)
+        done = await _locked_step(conn, s, instance_id, request_ids, plan, lock, wanted, bound)
         # A session lost once COMMIT is on its way may have committed: OutcomeUnknown. So is
         # a COMMIT that outlived its bound: the server may have committed it meanwhile.
         with in_doubt(context):
@@ -323,6 +343,7 @@ async def _own_transaction(
 
 async def _locked_step(
     conn: Conn,
+    s: Session,
     instance_id: str,
     request_ids: Sequence[str],
     plan: Plan,
@@ -331,9 +352,9 @@ async def _locked_step(
     bound: float,
 ) -> tuple[Snapshot, Instance | None, float]:
     if lock.nowait:
-        row = await conn.fetchrow(LOCK_NOWAIT, instance_id, timeout=bound)
+        row = await conn.fetchrow(s.sql(LOCK_NOWAIT), instance_id, timeout=bound)
     else:
-        row = await conn.fetchrow(LOCK, instance_id, timeout=bound)
+        row = await conn.fetchrow(s.sql(LOCK), instance_id, timeout=bound)
         if row is not None and millis(row["lock_timeout"]) != millis(wanted):
             raise StoreError(
                 f"lock_timeout is {row['lock_timeout']!r} inside the transaction, not "
@@ -347,10 +368,10 @@ async def _locked_step(
     # granted and sees a duplicate request committed while this call waited.
     ids = tuple(dict.fromkeys(request_ids))
     if len(ids) == 1:
-        found = await conn.fetchrow(PRIOR, instance_id, ids[0], timeout=bound)
+        found = await conn.fetchrow(s.sql(PRIOR), instance_id, ids[0], timeout=bound)
         rows = [] if found is None else [found]
     else:
-        rows = await conn.fetch(PRIORS, instance_id, list(ids), timeout=bound) if ids else []
+        rows = await conn.fetch(s.sql(PRIORS), instance_id, list(ids), timeout=bound) if ids else []
     priors = {r["request_id"]: entry_from_row(r) for r in rows}
     snap = Snapshot(instance_from_row(row), priors)
     batch = planned_entries(instance_id, plan(snap))
@@ -358,7 +379,7 @@ async def _locked_step(
         return snap, None, locked_at
     sql, args = cas_of(batch)
     try:
-        moved = await conn.fetchrow(sql, *args, timeout=bound)
+        moved = await conn.fetchrow(s.sql(sql), *args, timeout=bound)
     except asyncpg.UniqueViolationError:
         # A request id the plan should have found applied: the plan's bug, as on every store.
         raise refused_plan(instance_id, batch, snap) from None

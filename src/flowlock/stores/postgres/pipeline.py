@@ -99,7 +99,7 @@ def _plan_each(
 
 
 async def _priors_of(
-    conn: Conn, calls: Sequence[LockedCall], bound: float
+    conn: Conn, s: Session, calls: Sequence[LockedCall], bound: float
 ) -> dict[tuple[str, str], HistoryEntry]:
     """The entries of the request ids of `calls` (locked already), by (instance, request id):
     one statement, its snapshot taken after the locks were granted, or none when no call has a
@@ -108,7 +108,7 @@ async def _priors_of(
     if not pairs:
         return {}
     rows = await conn.fetch(
-        PRIORS_MANY, [iid for iid, _ in pairs], [rid for _, rid in pairs], timeout=bound
+        s.sql(PRIORS_MANY), [iid for iid, _ in pairs], [rid for _, rid in pairs], timeout=bound
     )
     return {(r["instance_id"], r["request_id"]): entry_from_row(r) for r in rows}
 
@@ -134,7 +134,7 @@ async def read_together(
     ids = [instance_id for instance_id, _ in calls]
     request_ids = [request_id for _, request_id in calls]
     async with s.conn(key) as conn:
-        rows = await conn.fetch(READ_MANY, ids, request_ids, timeout=s.timeout)
+        rows = await conn.fetch(s.sql(READ_MANY), ids, request_ids, timeout=s.timeout)
     found = {row["n"]: row for row in rows}
     answers: list[Snapshot | FlowlockError] = []
     for n, (instance_id, request_id) in enumerate(calls, start=1):
@@ -159,7 +159,7 @@ async def commit_together(s: Session, batches: Sequence[Batch]) -> list[Instance
         key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
     ) as conn:
         try:
-            rows = await conn.fetch(CAS_MANY, *many_args(batches), timeout=s.timeout)
+            rows = await conn.fetch(s.sql(CAS_MANY), *many_args(batches), timeout=s.timeout)
         except asyncpg.TransactionRollbackError as exc:
             # 40P01 / 40001: not between two of these statements (they lock in one order),
             # but with a caller's transaction holding rows in another order, or on an
@@ -197,15 +197,17 @@ async def apply_locked_together(
     served: list[int] | None = None  # the calls whose rows the group locked, once known
     try:
         async with s.conn(key, busy=contended) as conn:
-            await conn.execute("BEGIN", timeout=bound)
+            # The store's lock_timeout bounds the INSERT's wait behind a concurrent one of the
+            # same request id (`s.begin` sets it where the session has none).
+            await conn.execute(s.begin, timeout=bound)
             try:
                 rows = await conn.fetch(
-                    LOCK_SKIP, [call.instance_id for call in calls], timeout=bound
+                    s.sql(LOCK_SKIP), [call.instance_id for call in calls], timeout=bound
                 )
                 locked_at = time.monotonic()
                 locked = {row["id"]: row for row in rows}
                 served = [i for i, call in enumerate(calls) if call.instance_id in locked]
-                found = await _priors_of(conn, [calls[i] for i in served], bound)
+                found = await _priors_of(conn, s, [calls[i] for i in served], bound)
                 snaps = {
                     i: _locked_snapshot(locked[calls[i].instance_id], calls[i].request_ids, found)
                     for i in served
@@ -215,7 +217,7 @@ async def apply_locked_together(
                 if planned:
                     try:
                         written = await conn.fetch(
-                            CAS_MANY, *many_args(list(planned.values())), timeout=bound
+                            s.sql(CAS_MANY), *many_args(list(planned.values())), timeout=bound
                         )
                     except asyncpg.TransactionRollbackError as exc:
                         raise Contended(key, exc) from exc

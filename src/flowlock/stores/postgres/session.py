@@ -23,7 +23,8 @@ Busy = Callable[[BaseException], FlowlockError]
 
 
 class Bounds(Protocol):
-    """What a session needs of its store: the pool and the bounds of a call."""
+    """What a session needs of its store: the pool, the bounds of a call, and how its
+    statements and transactions read where the connections keep no session settings."""
 
     acquire_timeout: float
     command_timeout: float
@@ -33,19 +34,31 @@ class Bounds(Protocol):
     @property
     def pool(self) -> asyncpg.Pool: ...
 
+    @property
+    def begin(self) -> str: ...
+
+    def statement(self, sql: str) -> str: ...
+
 
 class Session:
     """Where the statements of one call run: a connection of the store's pool per call, or the
     one connection `joined`, inside a transaction that someone else ends (the caller's, or the
-    one `PostgresStore._app_transaction` opened around the call)."""
+    one `PostgresStore._app_transaction` opened around the call). `callers`: that transaction
+    is the caller's, so a failed statement must leave it usable (a savepoint around it)."""
 
-    def __init__(self, store: Bounds, joined: Conn | None = None) -> None:
+    def __init__(self, store: Bounds, joined: Conn | None = None, *, callers: bool = False) -> None:
         self._store = store
         self._joined = joined
+        self._callers = callers
 
     @property
     def joined(self) -> bool:
         return self._joined is not None
+
+    @property
+    def callers(self) -> bool:
+        """Whether the statements run in the caller's own transaction."""
+        return self._callers
 
     @property
     def timeout(self) -> float:
@@ -56,6 +69,17 @@ class Session:
     @property
     def command_timeout(self) -> float:
         return self._store.command_timeout
+
+    @property
+    def begin(self) -> str:
+        """What opens a transaction of flowlock's own on a pooled connection: BEGIN, with the
+        store's lock_timeout set LOCAL where the connection has no session setting of it."""
+        return self._store.begin
+
+    def sql(self, text: str) -> str:
+        """`text` as it must be sent here: its tables named with the store's schema where the
+        connections do not have it on their search_path (behind a transaction pooler)."""
+        return self._store.statement(text)
 
     def conn(
         self, key: str = "", *, busy: Busy | None = None, writes: bool = False

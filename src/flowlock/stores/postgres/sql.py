@@ -7,6 +7,7 @@ write is one statement: a CTE that compare-and-swaps the instance and appends it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -249,6 +250,22 @@ CALLERS_SETTINGS = (
 )
 READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
 RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout', $2, true)"
+# A table of flowlock's in a statement's text: not one already qualified, nor a column's table
+# (`flowlock_escalations.until`), nor a longer name (a constraint, a savepoint).
+_TABLE = re.compile(
+    r'(?<![\w."])(flowlock_(?:instances|history|escalations|create_requests))\b(?!\.)'
+)
+
+
+@functools.lru_cache(maxsize=512)
+def qualified(sql: str, schema: str) -> str:
+    """`sql` with flowlock's tables named with `schema`, for connections that do not have it
+    on their `search_path`: behind a transaction pooler, where a session setting would
+    not outlive the transaction that set it (and would be left on a server connection another
+    client gets next). Cached: the hot statements are a few fixed texts."""
+    return _TABLE.sub(rf'"{schema}".\1', sql)
+
+
 # Workflow and state names are written into a query's text as literals, not passed as
 # parameters: asyncpg keeps its statements prepared, and after a few runs PostgreSQL may plan one
 # once for any value, estimating "state = $n" as an average state. For a rare state (the pending

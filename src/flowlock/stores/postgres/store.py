@@ -16,6 +16,7 @@ from flowlock._pg import migrations
 from flowlock._pg.errors import broken, in_doubt, wrap_connect, wrap_errors
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, create_pool
+from flowlock._pg.pooling import Pooling, resolve, session_needed
 from flowlock.core.errors import EngineClosed, FlowlockError, InvalidInput
 from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.core.settings import (
@@ -27,8 +28,10 @@ from flowlock.core.settings import (
     DEFAULT_MAX_SIZE,
     DEFAULT_MIN_SIZE,
     POSTGRES_SCHEMES,
+    PoolingChoice,
     check_application_name,
     check_flag,
+    check_pooling,
     check_seconds,
     check_size,
     check_url,
@@ -48,7 +51,7 @@ from flowlock.stores.postgres.session import (
     roll_back,
     undo,
 )
-from flowlock.stores.postgres.sql import Batch, keys_text, pg_interval
+from flowlock.stores.postgres.sql import Batch, keys_text, pg_interval, qualified
 
 __all__ = ["PostgresStore"]
 
@@ -87,6 +90,17 @@ class PostgresStore:
     [`in_transaction`][flowlock.stores.postgres.store.PostgresStore.in_transaction] runs the store's
     statements inside a transaction the caller opened on a connection of its own
     (`engine.fire(..., connection=conn)`).
+
+    `pooling`: what sits between flowlock and PostgreSQL. `"auto"` (the default) finds out
+    once, when the store opens, before its pool is built (see `flowlock._pg.pooling.probe`: one
+    connection and one query when the link is direct, two connections and a few queries behind
+    a pooler). `"session"`: a direct connection or session pooling, no probe. `"transaction"`:
+    a transaction pooler (PgBouncer `pool_mode=transaction`), no probe; say so where the probe
+    cannot tell (a busy pooler). Behind a transaction pooler the pool keeps no session setting
+    and no prepared statement: the statements name the tables with `schema`, the writes that
+    may wait for a row lock run in a transaction of their own with `lock_timeout` set LOCAL,
+    and the fencing epochs are refused (they need a session). With `pool=` nothing is
+    probed: `"transaction"` only refuses the epochs.
     """
 
     def __init__(
@@ -104,9 +118,11 @@ class PostgresStore:
         application_name: str = DEFAULT_APPLICATION_NAME,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT,
         pipeline: bool = True,
+        pooling: PoolingChoice = "auto",
     ) -> None:
         check_schema(schema)
         check_flag("pipeline", pipeline)
+        self._pooling_choice = check_pooling(pooling)
         if (dsn is None) == (pool is None):
             raise InvalidInput(
                 "PostgresStore takes a postgresql:// dsn or an application's asyncpg pool "
@@ -133,6 +149,13 @@ class PostgresStore:
         self._min_size = min(min_size, pool_size)
         self._auto_migrate = auto_migrate
         self._pool: asyncpg.Pool | None = None
+        # What the pool's connections keep from one transaction to the next (set on open):
+        # behind a transaction pooler, nothing.
+        self._pooling: Pooling | None = None
+        self._session_needs: list[str] = []
+        self._begin = "BEGIN"
+        self._transaction_pooled = False
+        self._schema_in_sql: str | None = None
         self._ops = Operations(Session(self))
         # Pipelining (flowlock's own pool only: an application's pool runs a call's statements
         # in a transaction of their own): reads and compare-and-swaps of calls on different
@@ -152,6 +175,7 @@ class PostgresStore:
             schema=schema,
             acquire_timeout=self.acquire_timeout,
             size=self.pool_size,
+            pooled=lambda: self._pooling == "transaction",
         )
         # flowlock's settings for a transaction on a connection it does not own.
         self._settings = f"SET LOCAL lock_timeout = '{pg_interval(self.lock_timeout)}'"
@@ -165,15 +189,37 @@ class PostgresStore:
         """Whether flowlock built the pool (and closes it), or the application gave it."""
         return self._given is None
 
+    @property
+    def pooling(self) -> Pooling | None:
+        """What sits between this store and PostgreSQL, as found (or told) on open: `"none"`
+        (a direct connection), `"session"` or `"transaction"` pooling; None before open."""
+        return self._pooling
+
+    def needs_session(self, what: str) -> None:
+        """Record that `what` (the fencing epochs, lent to a Redis lock backend) needs a
+        session of its own: `open` then refuses a transaction pooler with InvalidInput."""
+        self._session_needs.append(what)
+
     async def open(self) -> None:
         if self._pool is not None:
             return
         if self._given is not None:
             if self._given.is_closing():
                 raise InvalidInput("the asyncpg pool given as pool= is closed")
+            self._set_pooling("transaction" if self._pooling_choice == "transaction" else "none")
             self._pool = self._given
         else:
-            self._pool = await self._create_pool(self.dsn or "")
+            dsn = self.dsn or ""
+            with wrap_connect(dsn):
+                pooling = await resolve(
+                    self._pooling_choice,
+                    dsn,
+                    application_name=self.application_name,
+                    connect_timeout=self._connect_timeout,
+                    command_timeout=self.command_timeout,
+                )
+            self._set_pooling(pooling)
+            self._pool = await self._create_pool(dsn, pooling)
         if self._auto_migrate:
             try:
                 await self.migrate()
@@ -181,9 +227,38 @@ class PostgresStore:
                 await self.aclose()
                 raise
 
-    async def _create_pool(self, dsn: str) -> asyncpg.Pool:
+    def _set_pooling(self, pooling: Pooling) -> None:
+        """Refuse what needs a session behind a transaction pooler, else settle how statements
+        and transactions are written for `pooling`."""
+        if pooling == "transaction" and self._session_needs:
+            raise session_needed(" and ".join(dict.fromkeys(self._session_needs)))
+        self._pooling = pooling
+        transaction_pooled = pooling == "transaction" and self._given is None
+        self._transaction_pooled = transaction_pooled
+        # No search_path on such connections: the tables are named with the schema.
+        self._schema_in_sql = self.schema if transaction_pooled else None
+        self._begin = (
+            f"BEGIN; SET LOCAL lock_timeout = '{pg_interval(self.lock_timeout)}'"
+            if transaction_pooled
+            else "BEGIN"
+        )
+
+    @property
+    def begin(self) -> str:
+        """What opens a transaction of flowlock's on its own pool."""
+        return self._begin
+
+    def statement(self, sql: str) -> str:
+        """`sql` with the tables named with the schema where the connections do not have it
+        on their search_path (behind a transaction pooler)."""
+        schema = self._schema_in_sql
+        return sql if schema is None else qualified(sql, schema)
+
+    async def _create_pool(self, dsn: str, pooling: Pooling) -> asyncpg.Pool:
         # Every statement outside a pessimistic transaction (the optimistic compare-and-swap
         # above all) waits at most lock_timeout for a row lock: no wait in flowlock is unbounded.
+        # Behind a transaction pooler that setting cannot outlive a transaction: _call sets it
+        # LOCAL around each statement that may wait.
         with wrap_connect(dsn):
             return await create_pool(
                 dsn,
@@ -196,6 +271,7 @@ class PostgresStore:
                 connect_timeout=self._connect_timeout,
                 # For asyncpg's own statements; flowlock's pass timeout=round_trip each.
                 command_timeout=self.round_trip,
+                pooling=pooling,
             )
 
     async def aclose(self) -> None:
@@ -205,6 +281,7 @@ class PostgresStore:
             if coalescer is not None:
                 await coalescer.drain()
         pool, self._pool = self._pool, None
+        self._pooling = None
         if pool is not None and self._given is None:
             await close_pool(pool)
 
@@ -229,9 +306,9 @@ class PostgresStore:
             acquire_timeout=self.acquire_timeout,
             pool_size=self.pool_size,
             command_timeout=self.command_timeout,
-            # An application's connections keep their search_path: the schema is set for the
-            # migration's transaction only.
-            schema=self.schema if self._given is not None else None,
+            # An application's connections keep their search_path, and a transaction pooler's
+            # keep nothing: the schema is set for the migration's transaction only.
+            schema=self.schema if self._given is not None or self._schema_in_sql else None,
         )
 
     # -- where a call's statements run ------------------------------------------------------
@@ -243,12 +320,21 @@ class PostgresStore:
         *,
         waits: bool = True,
         writes: bool = False,
+        own: bool = False,
     ) -> T:
         """`op` on flowlock's pool; on an application's pool, in a transaction of its own
         when it may wait for a lock or needs the schema on search_path. `key`: what the
         errors of that transaction's own statements quote; `writes`: `op` may write, so a
-        session lost while its COMMIT is in flight leaves the outcome unknown."""
-        if self._given is None or (not waits and self.schema is None):
+        session lost while its COMMIT is in flight leaves the outcome unknown. Behind a
+        transaction pooler, flowlock's pool too runs `op` in a transaction of its own when it
+        may wait for a lock, for the lock_timeout no session keeps there, unless `op` opens a
+        transaction itself (`own`) that sets it."""
+        if self._given is None:
+            if waits and not own and self._transaction_pooled:
+                async with self._app_transaction(key, writes=writes) as ops:
+                    return await op(ops)
+            return await op(self._ops)
+        if not waits and self.schema is None:
             return await op(self._ops)
         async with self._app_transaction(key, writes=writes) as ops:
             return await op(ops)
@@ -257,9 +343,10 @@ class PostgresStore:
     async def _app_transaction(
         self, key: str = "", *, writes: bool = False
     ) -> AsyncIterator[Operations]:
-        """A connection of the application's pool in a transaction of flowlock's, with
-        flowlock's lock_timeout and schema set LOCAL: they end with it, and the connection goes
-        back to the pool as it came (or is terminated, when its session failed under it)."""
+        """A connection of the pool (the application's, or flowlock's behind a transaction
+        pooler) in a transaction of flowlock's, with flowlock's lock_timeout and schema set
+        LOCAL: they end with it, and the connection goes back to the pool as it came (or is
+        terminated, when its session failed under it)."""
         async with Session(self).conn(key) as conn:
             await conn.execute(f"BEGIN; {self._settings}", timeout=self.round_trip)
             try:
@@ -290,7 +377,7 @@ class PostgresStore:
         with wrap_errors(context):
             prior = await enter(conn, self._settings, self.round_trip)
         try:
-            yield CallerTransaction(Session(self, joined=conn))
+            yield CallerTransaction(Session(self, joined=conn, callers=True))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -389,6 +476,7 @@ class PostgresStore:
             lambda ops: ops.apply_locked(call.instance_id, call.request_ids, call.plan, call.lock),
             call.instance_id,
             writes=True,
+            own=True,
         )
 
     async def _apply_locked_together(
