@@ -27,8 +27,11 @@ from flowlock.stores import MemoryStore, Store
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
 from lock_probes import WallClock
+from pgbouncer_harness import PgBouncer, PoolMode
+from pgbouncer_harness import missing as pgbouncer_missing
 
-_SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history"},
+_SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history",
+                                 "pgbouncer_transaction", "pgbouncer_session"},
                     "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
 # Backend parameters of parametrized fixtures, and the server each one needs.
 _SERVER_PARAMS = {"postgres": "postgres", "advisory": "postgres", "redis": "redis"}
@@ -85,6 +88,31 @@ async def pg_schema(pg_url: str) -> AsyncIterator[str]:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
+
+
+def _pgbouncer(pg_url: str, pool_mode: PoolMode) -> Iterator[PgBouncer]:
+    why = pgbouncer_missing()
+    if why is not None:
+        pytest.skip(why)
+    bouncer = PgBouncer(pg_url, pool_mode).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_transaction(pg_url: str) -> Iterator[PgBouncer]:
+    """A PgBouncer of its own (pool_mode=transaction, stock settings otherwise) in front of the
+    test server, for the session; the tests skip, saying why, without the pgbouncer binary."""
+    yield from _pgbouncer(pg_url, "transaction")
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_session(pg_url: str) -> Iterator[PgBouncer]:
+    """The same with pool_mode=session: at most 20 server connections at once (the stock
+    default_pool_size), and a client connection keeps its server connection until it closes."""
+    yield from _pgbouncer(pg_url, "session")
 
 
 @pytest.fixture(scope="session")

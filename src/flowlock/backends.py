@@ -86,8 +86,8 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
         has_backend=kind is not None,
     )
     epochs = getattr(store, "fence_epochs", None)
-    if kind == "redis" and epochs is not None:
-        _lend_epochs(store)
+    if kind == "advisory" or (kind == "redis" and epochs is not None):
+        _needs_session(store, kind)
     if kind is not None:
         name = options.get("application_name")
         engine["locks"] = build_locks(
@@ -105,14 +105,16 @@ def compose(database_url: str | None, options: ConnectOptions) -> tuple[Store, E
     return store, engine
 
 
-def _lend_epochs(store: Store) -> None:
-    """The PostgreSQL store's fencing epochs go to the Redis lock backend: they need a session,
-    so the store refuses a transaction pooler when it opens, before any lease is taken."""
+def _needs_session(store: Store, kind: LockKind) -> None:
+    """The advisory locks, or the PostgreSQL store's fencing epochs lent to the Redis lock
+    backend, need a session: the store, which opens first, refuses a transaction pooler, before
+    anything is written."""
     from flowlock._pg.fence import EPOCHS
+    from flowlock.locks.advisory.backend import NEEDS_SESSION
     from flowlock.stores.postgres import PostgresStore
 
     if isinstance(store, PostgresStore):
-        store.needs_session(EPOCHS)
+        store.needs_session(NEEDS_SESSION if kind == "advisory" else EPOCHS)
 
 
 def _engine_options(options: ConnectOptions) -> EngineOptions:

@@ -57,12 +57,13 @@ from flowlock.locks.advisory.sql import (
 )
 from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "AdvisoryLocks"]
+__all__ = ["DEFAULT_IO_TIMEOUT", "NEEDS_SESSION", "AdvisoryLocks"]
 
 DEFAULT_IO_TIMEOUT = 10.0
 """Seconds a round trip of the advisory backend may take (beyond a lock wait it asked for)."""
 
-_NEEDS_SESSION = 'advisory locks (locks="advisory")'
+NEEDS_SESSION = 'advisory locks (locks="advisory")'
+"""What the refusal behind a transaction pooler names."""
 
 
 @dataclass(slots=True, eq=False)
@@ -214,7 +215,7 @@ class AdvisoryLocks(AsyncResource):
                 command_timeout=self._io_timeout,
             )
         if pooling == "transaction":
-            raise session_needed(_NEEDS_SESSION)
+            raise session_needed(NEEDS_SESSION)
         return pooling
 
     async def _migrate(self, pooling: Pooling) -> None:

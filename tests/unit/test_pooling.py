@@ -1,0 +1,72 @@
+"""What flowlock does without a server for a transaction pooler: the statements' tables named
+with the schema, and the `pooling=` choice checked before anything opens.
+
+The real PgBouncer is in tests/integration/test_pgbouncer_pg.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import flowlock
+from flowlock.locks import MemoryLocks
+from flowlock.locks.advisory import AdvisoryLocks
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.postgres import sql as statements
+from flowlock.stores.postgres.sql import qualified
+
+PG = "postgresql://postgres@127.0.0.1:1/none"  # never connected to
+
+
+def test_every_table_of_every_statement_is_named_with_the_schema() -> None:
+    """Each fixed statement, qualified, names flowlock's tables only as "schema".table."""
+    texts = [v for k, v in vars(statements).items() if k.isupper() and isinstance(v, str)]
+    for text in texts:
+        done = qualified(text, "s")
+        bare = done.replace('"s".flowlock_', "")
+        for table in ("flowlock_instances", "flowlock_history", "flowlock_escalations"):
+            # What is left is a column's table (`flowlock_escalations.until`) only.
+            assert f"{table} " not in bare and f"{table}\n" not in bare, (text, done)
+
+
+def test_qualifying_leaves_other_names_alone() -> None:
+    """A constraint, a savepoint, a name already qualified and a column's table stay as they are;
+    the same text twice gives the same answer."""
+    text = (
+        "SAVEPOINT flowlock_cas; SELECT flowlock_escalations.until, x.flowlock_history "
+        'FROM flowlock_escalations, "t".flowlock_instances -- flowlock_history_request_uniq'
+    )
+    done = qualified(text, "s")
+    assert done == (
+        "SAVEPOINT flowlock_cas; SELECT flowlock_escalations.until, x.flowlock_history "
+        'FROM "s".flowlock_escalations, "t".flowlock_instances -- flowlock_history_request_uniq'
+    )
+    assert qualified(text, "s") is done
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: PostgresStore(PG, pooling=v),
+        lambda v: AdvisoryLocks(PG, pooling=v),
+        lambda v: flowlock.RunOnce(MemoryLocks(), PG, pooling=v),
+        lambda v: flowlock.connect(PG, pooling=v),
+    ],
+    ids=["PostgresStore", "AdvisoryLocks", "RunOnce", "connect"],
+)
+@pytest.mark.parametrize("value", ["statement", "Transaction", "", 1, True])
+def test_a_bad_pooling_choice_is_refused(make: Any, value: Any) -> None:
+    """pooling= is "auto", "session" or "transaction"; anything else is InvalidInput naming
+    the three, before any connection."""
+    with pytest.raises(flowlock.InvalidInput) as refused:
+        make(value)
+    assert "pooling" in str(refused.value) and "'transaction'" in str(refused.value)
+
+
+@pytest.mark.parametrize("url", ["sqlite:///x.db", "memory://"])
+def test_pooling_means_nothing_without_postgresql(url: str) -> None:
+    """connect(pooling=...) on SQLite or the memory store is refused, not ignored."""
+    with pytest.raises(flowlock.InvalidInput, match="pooling"):
+        flowlock.connect(url, pooling="session")
