@@ -26,6 +26,8 @@ from flowlock.engine import Engine, connect
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg
 
+    from flowlock._pg.pool import SetupHook
+
 __all__ = [
     "CheckReport",
     "check_instances",
@@ -36,6 +38,8 @@ __all__ = [
 ]
 
 _SQLITE_PREFIX = "sqlite:///"
+_NAME = "flowlock-inspect"
+_CONNECT_TIMEOUT = 10
 _MIGRATIONS_TABLE = "flowlock_schema_migrations"
 _MIGRATE_HINT = "run `flowlock db migrate` first (these commands never write)"
 # Reads of one instance retried while transitions land between them; see _stable_read.
@@ -74,22 +78,28 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
 
     from flowlock._pg.errors import wrap_connect
     from flowlock._pg.pool import check_schema, close_pool
+    from flowlock._pg.pooling import probe, session_needed
 
     check_schema(schema)
     where = url.split("@")[-1] + (f" (schema {schema})" if schema else "")
     # A pool of our own, handed to the engine as an application's pool would be: the store then
     # creates no schema (a CREATE SCHEMA IF NOT EXISTS needs CREATE rights a reader may lack).
-    settings = {"application_name": "flowlock-inspect"}
-    if schema is not None:
-        settings["search_path"] = schema
+    # Its sessions are made read-only with SET: behind a transaction pooler that SET would stay
+    # on a server connection the pooler hands to the application next, so it is refused there.
     with wrap_connect(url):
+        pooling = await probe(
+            url, application_name=_NAME, connect_timeout=_CONNECT_TIMEOUT, command_timeout=30
+        )
+        if pooling == "transaction":
+            raise session_needed("the inspection commands (read-only sessions)")
         pool = await asyncpg.create_pool(
             url,
             min_size=1,
             max_size=2,
-            server_settings=settings,
-            setup=_read_only,
-            timeout=10,
+            # Only what a session pooler accepts at startup; the rest is SET on each acquire.
+            server_settings={"application_name": _NAME},
+            setup=_read_only_in(schema),
+            timeout=_CONNECT_TIMEOUT,
             command_timeout=30,
         )
     try:
@@ -100,14 +110,22 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
         await close_pool(pool)
 
 
-async def _read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
-    """Make every transaction of `conn` read-only; set on each acquire.
+def _read_only_in(schema: str | None) -> SetupHook:
+    """What makes every transaction of a connection read-only (and puts `schema` on its
+    search_path); set on each acquire.
 
     Not a startup setting: `target_session_attrs=read-write` would take a read-only session
-    for a standby, so multi-host URLs could never connect. Not once per connection either:
-    the pool's `RESET ALL` on release would undo it.
+    for a standby, so multi-host URLs could never connect, and a session pooler (PgBouncer)
+    refuses startup settings it does not know. Not once per connection either: the pool's
+    `RESET ALL` on release would undo it.
     """
-    await conn.execute("SET default_transaction_read_only = on")
+    path = "" if schema is None else f'SET search_path = "{schema}"; '
+    sql = f"{path}SET default_transaction_read_only = on"
+
+    async def read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
+        await conn.execute(sql)
+
+    return read_only
 
 
 async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:

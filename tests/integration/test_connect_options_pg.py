@@ -56,6 +56,7 @@ def test_the_keywords_are_defined_once() -> None:
         "lock_timeout",
         "lease_wait",
         "application_name",
+        "pooling",
     ):
         assert name in ConnectOptions.__optional_keys__, name
 

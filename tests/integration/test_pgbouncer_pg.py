@@ -436,3 +436,29 @@ async def _epoch_locked(url: str, namespace: str, key: str) -> bool:
         )
     finally:
         await conn.close()
+
+
+async def test_inspecting_goes_through_a_session_pooler_not_a_transaction_pooler(
+    pgbouncer_session: PgBouncer,
+    pgbouncer_transaction: PgBouncer,
+    pg_url: str,
+    pg_schema: str,
+) -> None:
+    """The inspection commands make their sessions read-only with SET: through PgBouncer
+    pool_mode=session they read (the schema SET too, as the pooler refuses it at startup);
+    through pool_mode=transaction, where that SET would stay on a server connection the
+    application gets next, they are refused with InvalidInput naming session pooling."""
+    from flowlock._inspect import open_readonly
+
+    async with _engines(pg_url, pg_schema, 1, max_size=2):
+        pass
+    async with open_readonly(pgbouncer_session.url(), pg_schema) as engine:
+        assert (await engine.get("s0")).data == {"stock": STOCK, "reserved": 0}
+        store = engine.store
+        assert isinstance(store, PostgresStore)
+        async with store.pool.acquire() as conn:
+            assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
+            assert await conn.fetchval("SHOW search_path") == pg_schema
+    with pytest.raises(flowlock.InvalidInput, match="pool_mode=session"):
+        async with open_readonly(pgbouncer_transaction.url(), pg_schema):
+            pass

@@ -112,12 +112,13 @@ async def _connect(
     dsn: str, application_name: str, connect_timeout: float, command_timeout: float
 ) -> asyncpg.Connection:
     # Nothing a pooler refuses at startup, and no prepared statement kept across transactions.
+    # Named apart from the pool's connections, which it must not be counted among.
     return await asyncpg.connect(
         dsn,
         timeout=connect_timeout,
         command_timeout=command_timeout,
         statement_cache_size=0,
-        server_settings={"application_name": application_name},
+        server_settings={"application_name": f"{application_name[:57]}-probe"},
     )
 
 
