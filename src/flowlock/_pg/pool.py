@@ -82,7 +82,8 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     any open transaction before calling this), and with the fencing epochs' session-level lock,
     which `flowlock._pg.fence` lets go of before giving the connection back or ends with
     the connection. The default reset (`RESET ALL; UNLISTEN *;
-    ...`) would cost one extra round trip on every release."""
+    ...`) would cost one extra round trip on every release, and would undo the settings SET on
+    each new connection behind a session pooler."""
 
 
 _STATEMENT_CACHE = 100
@@ -156,7 +157,8 @@ async def create_pool(
 
     `schema`: put on `search_path` (and created first if `create_schema`). `jsonb`: decode
     and encode `jsonb` as Python values. `reset`: run asyncpg's default reset on every release
-    (off: flowlock's session state is transaction-scoped, see `_keep_session`).
+    (off: flowlock's session state is transaction-scoped, see `_keep_session`; on, it would undo
+    the settings a session pooler's connections are given by SET).
     `command_timeout`: seconds any round trip on these connections may take when the call
     names no `timeout=` of its own (asyncpg's own statements too: the type introspection of a
     new connection, the ROLLBACK of a release, the goodbye of a close); past it asyncpg raises

@@ -192,7 +192,8 @@ class PostgresStore:
     @property
     def pooling(self) -> Pooling | None:
         """What sits between this store and PostgreSQL, as found (or told) on open: `"none"`
-        (a direct connection), `"session"` or `"transaction"` pooling; None before open."""
+        (a direct connection), `"session"` or `"transaction"` pooling; None before open. On an
+        application's pool nothing is probed: `"transaction"` when told so, else `"none"`."""
         return self._pooling
 
     def needs_session(self, what: str) -> None:
