@@ -253,6 +253,25 @@ async def test_a_row_lock_wait_is_bounded_behind_the_pooler(
         assert (await engine.fire("s0", "reserve", strategy=strategy)).applied
 
 
+async def test_keyed_creates_through_the_pooler(
+    pgbouncer_transaction: PgBouncer, pg_schema: str
+) -> None:
+    """Creates under one idempotency key, 20 at once through the transaction pooler, make one
+    instance and all answer it; another create under the key is refused."""
+    url = pgbouncer_transaction.url()
+    async with _engines(url, pg_schema, 2, max_size=6) as engines:
+
+        async def create(n: int) -> flowlock.Instance:
+            return await engines[n % 2].create(
+                "inventory", instance_id="k1", data={"stock": 5, "reserved": 0}, request_id="key"
+            )
+
+        made = await asyncio.gather(*(create(n) for n in range(20)))
+        assert {(i.id, i.version) for i in made} == {("k1", 1)}
+        with pytest.raises(flowlock.CreateKeyReused):
+            await engines[0].create("inventory", instance_id="k2", request_id="key")
+
+
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "rollback"])
 async def test_firing_in_the_applications_transaction_through_the_pooler(
     pgbouncer_transaction: PgBouncer,

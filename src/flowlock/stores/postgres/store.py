@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -13,7 +14,14 @@ import asyncpg
 
 from flowlock._batching import Coalescer
 from flowlock._pg import migrations
-from flowlock._pg.errors import broken, in_doubt, wrap_connect, wrap_errors
+from flowlock._pg.errors import (
+    DRIVER_ERRORS,
+    broken,
+    cannot_connect,
+    in_doubt,
+    wrap_connect,
+    wrap_errors,
+)
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, create_pool
 from flowlock._pg.pooling import Pooling, resolve, session_needed
@@ -54,6 +62,8 @@ from flowlock.stores.postgres.session import (
 from flowlock.stores.postgres.sql import Batch, keys_text, pg_interval, qualified
 
 __all__ = ["PostgresStore"]
+
+log = logging.getLogger("flowlock")
 
 T = TypeVar("T")
 
@@ -211,14 +221,7 @@ class PostgresStore:
             self._pool = self._given
         else:
             dsn = self.dsn or ""
-            with wrap_connect(dsn):
-                pooling = await resolve(
-                    self._pooling_choice,
-                    dsn,
-                    application_name=self.application_name,
-                    connect_timeout=self._connect_timeout,
-                    command_timeout=self.command_timeout,
-                )
+            pooling = await self._find_pooling(dsn)
             self._set_pooling(pooling)
             self._pool = await self._create_pool(dsn, pooling)
         if self._auto_migrate:
@@ -227,6 +230,31 @@ class PostgresStore:
             except BaseException:
                 await self.aclose()
                 raise
+
+    async def _find_pooling(self, dsn: str) -> Pooling:
+        """What sits between this store and PostgreSQL: as told, or probed. A store with
+        `min_size=0` opens no connection up front, so that it opens while PostgreSQL is out of
+        reach (mid-failover): there a failed probe is no failure, and the pool is built for a
+        direct connection or session pooling, which a warning says."""
+        try:
+            return await resolve(
+                self._pooling_choice,
+                dsn,
+                application_name=self.application_name,
+                connect_timeout=self._connect_timeout,
+                command_timeout=self.command_timeout,
+            )
+        except DRIVER_ERRORS as exc:
+            if self._min_size > 0:
+                raise cannot_connect(exc, dsn) from exc
+            log.warning(
+                "flowlock: could not find out whether a pooler sits in front of PostgreSQL "
+                "(%s); with min_size=0 the store opens anyway, for a direct connection or "
+                "session pooling. Behind PgBouncer pool_mode=transaction pass "
+                "pooling='transaction'",
+                exc,
+            )
+            return "session"
 
     def _set_pooling(self, pooling: Pooling) -> None:
         """Refuse what needs a session behind a transaction pooler, else settle how statements
