@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.stores import MemoryStore, Store
 from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.sqlite import SqliteStore
@@ -83,7 +83,7 @@ async def pg_schema(pg_url: str) -> AsyncIterator[str]:
     """A fresh schema for one test, dropped afterwards (tests never see each other's rows)."""
     schema = f"t_{uuid.uuid4().hex[:12]}"
     yield schema
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
@@ -282,7 +282,7 @@ class SqlHistory:
 
 async def count_history(url: str, schema: str | None) -> SqlHistory:
     """Counts flowlock's history rows in ``schema`` with plain SQL on a connection of its own."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         if schema is not None:
             await conn.execute(f'SET search_path TO "{schema}"')

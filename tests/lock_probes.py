@@ -13,6 +13,7 @@ state on the server instead of guessing it from the time.
 - :class:`Monotonic` is an injectable monotonic clock the test moves forward, and
   :class:`WallClock` a stand-in for ``time.time`` that jumps (by an hour, say) and records
   which flowlock modules read it.
+- :class:`Ticks` stands in for the lease watchdog's sleeps: it renews when the test says so.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import asyncpg
 import pytest
 from redis.commands.core import AsyncScript
 
+import flowlock.locks.base
 from flowlock.locks.redis import RedisLocks, wakeups
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "Monotonic",
     "Session",
     "Sleepers",
+    "Ticks",
     "WallClock",
     "advisory_sessions",
     "wait_until",
@@ -168,3 +171,29 @@ class WallClock:
 
     def jump(self, seconds: float) -> None:
         self.offset += seconds
+
+
+class Ticks:
+    """Stands in for the ``asyncio`` module inside ``flowlock.locks.base`` (set with
+    :meth:`install`): each of the lease watchdog's sleeps waits for one :meth:`tick` of the
+    test, and ``delays`` keeps what each asked for. Everything else is asyncio's."""
+
+    def __init__(self) -> None:
+        self._ticks = asyncio.Semaphore(0)
+        self.delays: list[float] = []
+
+    @classmethod
+    def install(cls, monkeypatch: pytest.MonkeyPatch) -> Ticks:
+        ticks = cls()
+        monkeypatch.setattr(flowlock.locks.base, "asyncio", ticks)
+        return ticks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float) -> None:
+        self.delays.append(delay)
+        await self._ticks.acquire()
+
+    def tick(self) -> None:
+        self._ticks.release()

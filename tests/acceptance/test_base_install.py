@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 
 ROOT = Path(flowlock.__file__).resolve().parents[2]
 HEAVY = ("asyncpg", "redis", "fastapi", "uvicorn", "prometheus-client", "uvloop")
@@ -190,7 +190,7 @@ def _fresh_database(pg_url: str) -> Iterator[str]:
 
 
 async def _execute(url: str, statement: str) -> None:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         await conn.execute(statement)
     finally:

@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
 from doc_blocks import Block, every_block
 
 import flowlock
+import pg_budget
 
 BLOCKS = every_block()
 RUN = [b for b in BLOCKS if not b.fragment and b.file is None]
@@ -55,7 +55,7 @@ def database_url(pg_url: str) -> Iterator[str]:
 
 
 async def _admin(url: str, statement: str) -> None:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         await conn.execute(statement)
     finally:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import httpx
 import pytest
 from doc_blocks import ROOT
@@ -38,6 +37,7 @@ from readme_apps import (
 )
 
 import flowlock
+import pg_budget
 from flowlock.checker import CallRecord, check_linearizable, check_many
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def fresh_database(pg_url: str) -> Iterator[str]:
 
 
 async def _admin(url: str, statement: str) -> None:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         await conn.execute(statement)
     finally:
@@ -259,7 +259,7 @@ async def test_a_held_row_lock_is_a_503_with_retry_after_and_the_same_key_then_a
     with api.client("alice") as alice:
         assert api.create(alice, {"id": "req-lock"}).status_code == 201
         table = "flowlock_instances" if app.schema is None else f'"{app.schema}".flowlock_instances'
-        conn = await asyncpg.connect(app.database_url)
+        conn = await pg_budget.connect(app.database_url)
         try:
             async with conn.transaction():
                 await conn.execute(f"SELECT 1 FROM {table} WHERE id = $1 FOR UPDATE", "req-lock")

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import pytest
 import redis.asyncio
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.checker import check, check_many
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
@@ -160,14 +160,14 @@ async def fresh_db(pg_url: str) -> AsyncIterator[str]:
     """The URL of a database created for this test (nothing else connects to it), dropped
     afterwards: what it holds and which connections reach it are this test's alone."""
     name = f"flowlock_t_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(pg_url)
+    admin = await pg_budget.connect(pg_url)
     try:
         await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
     finally:
         await admin.close()
     parts = urlsplit(pg_url)
     yield urlunsplit(parts._replace(path=f"/{name}"))
-    admin = await asyncpg.connect(pg_url)
+    admin = await pg_budget.connect(pg_url)
     try:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
@@ -175,7 +175,7 @@ async def fresh_db(pg_url: str) -> AsyncIterator[str]:
 
 
 async def count_rows(url: str, sql: str, *args: Any) -> int:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         found = await conn.fetchval(sql, *args)
     finally:
@@ -207,7 +207,7 @@ async def test_the_readme_example_runs_on_a_postgresql_url(fresh_db: str, tmp_pa
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip() == "approved ()"
-    conn = await asyncpg.connect(fresh_db)
+    conn = await pg_budget.connect(fresh_db)
     try:
         row = await conn.fetchrow(
             "SELECT state, version FROM public.flowlock_instances WHERE id = 'req-1'"
@@ -235,8 +235,8 @@ async def test_pool_size_bounds_the_engines_connections_under_load(fresh_db: str
         await engine.register(examples.inventory())
         await engine.create("inventory", instance_id="sku-1", data={"stock": callers})
 
-        watcher = await asyncpg.connect(fresh_db)
-        holder = await asyncpg.connect(fresh_db)
+        watcher = await pg_budget.connect(fresh_db)
+        holder = await pg_budget.connect(fresh_db)
         seen: list[tuple[int, int]] = []
 
         async def connections() -> tuple[int, int]:
@@ -292,7 +292,7 @@ async def test_schema_puts_every_table_in_that_schema(fresh_db: str) -> None:
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="req-1")
         await engine.fire("req-1", "approve")
-    conn = await asyncpg.connect(fresh_db)
+    conn = await pg_budget.connect(fresh_db)
     try:
         tables = await conn.fetch(
             "SELECT table_schema, table_name FROM information_schema.tables"
@@ -323,7 +323,7 @@ async def test_schema_puts_every_table_in_that_schema(fresh_db: str) -> None:
 async def row_held(url: str, schema: str, instance_id: str) -> AsyncIterator[None]:
     """The instance's row locked FOR UPDATE by another connection until the block ends: a
     transition's compare-and-swap waits for it (the unlocked read does not)."""
-    conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+    conn = await pg_budget.connect(url, server_settings={"search_path": schema})
     try:
         async with conn.transaction():
             await conn.execute(
@@ -385,7 +385,7 @@ async def test_advisory_locks_hold_a_postgresql_advisory_lock_while_the_step_run
     gone once it returns."""
     number = advisory_lock_id(pg_schema, "default", "req-1") & 0xFFFF_FFFF_FFFF_FFFF
     classid, objid = number >> 32, number & 0xFFFF_FFFF
-    watcher = await asyncpg.connect(pg_url)
+    watcher = await pg_budget.connect(pg_url)
 
     async def holders() -> list[str]:
         rows = await watcher.fetch(

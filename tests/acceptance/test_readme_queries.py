@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.checker import check_many
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ async def test_the_readme_queries_example_rejects_what_waited_a_week(
     approved = ids[::7]
     await asyncio.gather(*(engine.fire(iid, "approve") for iid in approved))
     old = [iid for iid in ids[::2] if iid not in approved]  # more than one page of 500
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(

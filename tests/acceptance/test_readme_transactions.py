@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.stores.postgres import PostgresStore
 
@@ -38,7 +38,7 @@ async def test_the_transactional_example_commits_or_rolls_back_the_order_with_th
     async with flowlock.Engine(store) as engine:
         await engine.register(examples.inventory())
         await engine.create("inventory", instance_id="sku-1", data={"stock": 1, "reserved": 0})
-        conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         try:
             await conn.execute("CREATE TABLE orders (id text PRIMARY KEY, sku text NOT NULL)")
             await place_order(engine, conn, "o-1")

@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock._inspect import check_instances
 from flowlock.checker import check
 from flowlock.stores.postgres import PostgresStore
@@ -140,7 +140,7 @@ async def test_the_checker_finds_a_history_that_does_not_start_where_the_create_
         await engine.create("approval", instance_id="b", data={"x": 1}, request_id="kb")
         await engine.fire("b", "approve")
         assert (await check_instances(engine, None)).verdict.ok
-        conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         try:
             await conn.execute("UPDATE flowlock_create_requests SET data = '{\"x\": 2}'")
             await conn.execute(
@@ -157,7 +157,7 @@ async def test_the_checker_finds_a_history_that_does_not_start_where_the_create_
 
 async def _waiting_on_locks(url: str, application_name: str, count: int) -> None:
     """Until `count` sessions of `application_name` wait for a lock (a bounded wait)."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         for _ in range(500):
             n = await conn.fetchval(
@@ -191,7 +191,7 @@ async def test_creates_waiting_on_an_uncommitted_create_of_the_key_answer_it(
             await eng.open()
             await eng.register(flowlock.examples.approval())
         try:
-            conn = await asyncpg.connect(pg_url)
+            conn = await pg_budget.connect(pg_url)
             try:
                 tx = conn.transaction()
                 await tx.start()
@@ -234,7 +234,7 @@ async def test_a_create_under_a_key_that_rolls_back_leaves_the_key_free(
     ):
         for eng in (first_engine, other):
             await eng.register(flowlock.examples.approval())
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         try:
             tx = conn.transaction()
             await tx.start()
@@ -258,7 +258,7 @@ async def test_a_recorded_key_inside_a_callers_transaction_leaves_it_usable(
     async with flowlock.Engine(PostgresStore(pg_url, schema=pg_schema)) as engine:
         await engine.register(flowlock.examples.approval())
         await engine.create("approval", instance_id="r", request_id="K")
-        conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         try:
             await conn.execute("CREATE TABLE mine (n int)")
             async with conn.transaction():

@@ -31,6 +31,7 @@ import pytest
 from redis.crc import key_slot
 
 import flowlock.locks.base
+import pg_budget
 from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
@@ -280,10 +281,10 @@ async def harness(
             where["dsn"],
             namespace=f"t_{uuid.uuid4().hex[:8]}",
             schema=where["schema"],
-            pool_size=32,
+            pool_size=24,
         )
         await locks.open()
-        probe = await asyncpg.connect(where["dsn"])
+        probe = await pg_budget.connect(where["dsn"])
         try:
             yield AdvisoryHarness(locks, probe)
         finally:

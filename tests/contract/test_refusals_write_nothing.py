@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from conftest import BOTH_WAYS
 from flowlock.core.jsondata import MAX_DEPTH
 from flowlock.core.models import Instance
@@ -123,7 +123,7 @@ async def stored(engine: flowlock.Engine, instance_id: str) -> tuple[int, Any, i
     instance does not exist."""
     store = engine.store
     if isinstance(store, PostgresStore):
-        conn = await asyncpg.connect(store.dsn)
+        conn = await pg_budget.connect(store.dsn)
         try:
             await conn.execute(f'SET search_path TO "{store.schema}"')
             row = await conn.fetchrow(

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from contextlib import asynccontextmanager
 from typing import Any
 
-import asyncpg
 import pytest
 
+import pg_budget
 from flowlock.core.errors import EngineClosed, InstanceNotFound, InvalidInput
 from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores import MemoryStore, Store
@@ -335,7 +335,7 @@ async def writer_elsewhere(
     the database's write lock on SQLite); yields the coroutine function that lets it go."""
     if isinstance(store, PostgresStore):
         assert pg_url is not None
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         await conn.execute(f'SET search_path TO "{store.schema}"')
         await conn.execute("BEGIN")
         await conn.execute("SELECT 1 FROM flowlock_instances WHERE id = 'i' FOR UPDATE")
@@ -367,7 +367,7 @@ async def waiting_on_a_lock(store: Store, pg_url: str | None) -> bool:
     """Whether ``store``'s commit is waiting for the other writer's lock (in the database)."""
     if isinstance(store, PostgresStore):
         assert pg_url is not None
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         try:
             waiting = await conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity"

@@ -53,6 +53,7 @@ from redis.exceptions import RedisError
 
 import flowlock
 import flowlock.sync
+import pg_budget
 from flowlock import examples
 from flowlock.checker import check
 from flowlock.embedded import EmbeddedPostgres, EmbeddedRedis
@@ -443,7 +444,7 @@ def end_sessions_unnoticed(url: str, app: str, seed: int, every: bool) -> int:
     raised InternalClientError, "cannot switch to state 15", to callers)."""
 
     async def run() -> int:
-        admin = await asyncpg.connect(url)
+        admin = await pg_budget.connect(url)
         try:
             pids = await _sessions(admin, app)
             if not every:
@@ -618,7 +619,7 @@ def assert_idle(system: System) -> None:
 
 
 async def sessions_left(pg_url: str, app: str) -> int:
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         found = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1 || '%'", app
@@ -691,7 +692,7 @@ async def test_only_flowlock_errors_escape_while_connections_are_killed(
         system = await stack.enter_async_context(
             build(pg_url, pg_schema, own_redis.url, app, pg_schema)
         )
-        admin = await asyncpg.connect(pg_url)
+        admin = await pg_budget.connect(pg_url)
         stack.push_async_callback(admin.close)
         redis_admin = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
         stack.push_async_callback(redis_admin.aclose)
@@ -755,7 +756,7 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
         restarts: list[float] = []
         async with contextlib.AsyncExitStack() as stack:
             system = await stack.enter_async_context(build(url, schema, own_redis.url, app, schema))
-            admin_box: list[asyncpg.Connection] = [await asyncpg.connect(url)]
+            admin_box: list[asyncpg.Connection] = [await pg_budget.connect(url)]
             stack.push_async_callback(lambda: _close_quietly(admin_box[0]))
             redis_admin = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
             stack.push_async_callback(redis_admin.aclose)
@@ -768,7 +769,7 @@ async def test_only_flowlock_errors_escape_while_postgresql_restarts(
             async def pg_restart() -> None:
                 await asyncio.to_thread(server.restart)
                 restarts.append(time.monotonic())
-                admin_box[0] = await asyncpg.connect(url)
+                admin_box[0] = await pg_budget.connect(url)
 
             async def redis_kill(every: bool) -> int:
                 return await kill_clients(redis_admin, rng, every)

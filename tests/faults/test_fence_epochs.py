@@ -21,6 +21,7 @@ import pytest
 
 import flowlock
 from flowlock import examples
+from flowlock._pg.fence import EPOCH_LOCK_CLASS
 from flowlock.checker import check
 from flowlock.core.errors import LockUnavailable
 from flowlock.embedded import EmbeddedRedis
@@ -29,6 +30,7 @@ from flowlock.locks.base import FenceEpochs, LockBackend
 from flowlock.locks.redis import RedisLocks
 from flowlock.locks.redis.fence import EPOCH_BITS
 from flowlock.stores.postgres import PostgresStore
+from lock_probes import wait_until
 
 pytestmark = [pytest.mark.postgres]
 
@@ -229,36 +231,58 @@ async def test_a_floor_past_the_last_epoch_is_refused_before_any_bump(
 
 
 async def test_an_advance_holds_the_key_until_its_counter_is_started(
-    store: PostgresStore,
+    store: PostgresStore, pg_schema: str
 ) -> None:
     """While one advance of a key is inside its ``async with`` (the counter not started yet),
-    another advance of that key waits, and gets a higher epoch after; one whose bound runs out
-    first is LockUnavailable within it. Another key does not wait. An advance that fails inside
-    leaves no lock behind (its connection is ended, not given back)."""
-    epochs = store.fence_epochs
-    async with epochs.advance("ns", "k", at_least=0, bound=5) as first:
+    another advance of that key waits (seen in PostgreSQL's lock queue), and gets a higher
+    epoch after; one whose bound runs out first is LockUnavailable within it. Another key does
+    not wait. An advance that fails inside leaves no lock behind (its connection is ended, not
+    given back)."""
+    epochs, ns = store.fence_epochs, pg_schema  # a namespace of this test's own
+
+    async def queued() -> bool:
+        return await _epoch_lock_waiters(store, ns, "k") >= 1
+
+    async with epochs.advance(ns, "k", at_least=0, bound=5) as first:
         assert first == 1
-        second = asyncio.create_task(_advance_once(epochs, "k", bound=10))
-        other = await _advance_once(epochs, "other", bound=5)
+        second = asyncio.create_task(_advance_once(epochs, "k", bound=10, namespace=ns))
+        await wait_until(queued, what="the second advance queueing for the key's lock")
+        other = await _advance_once(epochs, "other", bound=5, namespace=ns)
         assert other == 1
         began = time.monotonic()
         with pytest.raises(LockUnavailable):
-            await _advance_once(epochs, "k", bound=0.3)
+            await _advance_once(epochs, "k", bound=0.3, namespace=ns)
         assert time.monotonic() - began < 5
-        await asyncio.sleep(0.2)
         assert not second.done()
     # The timed-out advance may have been cancelled before or after its bump.
     assert await second in (2, 3)
     with pytest.raises(RuntimeError):
-        async with epochs.advance("ns", "k", at_least=0, bound=5):
+        async with epochs.advance(ns, "k", at_least=0, bound=5):
             raise RuntimeError("the Redis call failed")
-    assert await _advance_once(epochs, "k", bound=5) >= 4
-    assert await _advance_once(epochs, "k", bound=5, at_least=100) == 100
+    assert await _advance_once(epochs, "k", bound=5, namespace=ns) >= 4
+    assert await _advance_once(epochs, "k", bound=5, at_least=100, namespace=ns) == 100
 
 
-async def _advance_once(epochs: FenceEpochs, key: str, *, bound: float, at_least: int = 0) -> int:
-    async with epochs.advance("ns", key, at_least=at_least, bound=bound) as epoch:
+async def _advance_once(
+    epochs: FenceEpochs, key: str, *, bound: float, at_least: int = 0, namespace: str = "ns"
+) -> int:
+    async with epochs.advance(namespace, key, at_least=at_least, bound=bound) as epoch:
         return epoch
+
+
+async def _epoch_lock_waiters(store: PostgresStore, namespace: str, key: str) -> int:
+    """Sessions queued (not granted) for the fencing epoch lock of ``key`` in ``namespace``: the
+    two-int advisory lock (EPOCH_LOCK_CLASS, hashtext(namespace:key)) in ``pg_locks``."""
+    waiting: int = await store.pool.fetchval(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " AND classid = $1::bigint::oid AND objsubid = 2"
+        " AND objid = (hashtext($2 || ':' || $3)::bigint & 4294967295)::oid",
+        EPOCH_LOCK_CLASS,
+        namespace,
+        key,
+    )
+    return waiting
 
 
 # --- many acquirers, several processes, right after an empty restart --------------------------

@@ -25,6 +25,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import Instance
 from flowlock.checker import check
 from flowlock.embedded import EmbeddedPostgres, available
@@ -125,7 +126,7 @@ def timed_out(exc: BaseException) -> bool:
 
 async def gone(url: str, pid: int) -> bool:
     """Whether the server session ``pid`` has ended (the server saw its socket close)."""
-    conn = await asyncpg.connect(url, timeout=10)
+    conn = await pg_budget.connect(url, timeout=10)
     try:
         found = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid, timeout=10
@@ -169,7 +170,7 @@ async def test_a_read_on_a_paused_server_is_connection_lost_at_its_bound(
         # asyncpg's defaults: no command_timeout of its own, so only flowlock's timeout= holds.
         async with flowlock.Engine.connect(pg.url, schema=schema):
             pass  # migrated
-        app_pool = await asyncpg.create_pool(
+        app_pool = await pg_budget.create_pool(
             pg.url, min_size=1, max_size=1, server_settings={"search_path": schema}
         )
         engine = flowlock.Engine.connect(pool=app_pool, lock_timeout=LOCK, command_timeout=COMMAND)
@@ -248,7 +249,7 @@ async def test_a_pessimistic_fire_waiting_for_a_row_lock_when_the_server_pauses(
         await engine.create("switch", instance_id="s", data={})
         pool = store_of(engine).pool
         before = await pid_of(pool)
-        holder = await asyncpg.connect(pg.url, timeout=10)
+        holder = await pg_budget.connect(pg.url, timeout=10)
         try:
             await holder.execute("BEGIN")
             await holder.execute(
@@ -350,7 +351,7 @@ async def test_run_once_on_a_paused_server_fails_typed_at_its_bound_and_the_tick
             await asyncio.to_thread(pg.resume)
         after = await runner.run("nightly", "t1", job)
         assert after.status in ("done_elsewhere", "took_over"), after
-        conn = await asyncpg.connect(pg.url, timeout=10)
+        conn = await pg_budget.connect(pg.url, timeout=10)
         try:
             rows = await conn.fetch(
                 f'SELECT state FROM "{schema}".flowlock_job_runs WHERE job = $1',

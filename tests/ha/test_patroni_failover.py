@@ -29,12 +29,12 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import asyncpg
 import pytest
 from failover_load import RETRYABLE, Load, unavailability
 from patroni_cluster import TTL, PatroniCluster, missing
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until
@@ -99,7 +99,7 @@ def store_of(engine: flowlock.Engine) -> PostgresStore:
 
 
 async def no_sessions(url: str, app: str) -> bool:
-    conn = await asyncpg.connect(url, timeout=10)
+    conn = await pg_budget.connect(url, timeout=10)
     try:
         found = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app
@@ -114,7 +114,7 @@ async def synchronous_standby(cluster: PatroniCluster) -> bool:
     leader = cluster.leader()
     if leader is None:
         return False
-    conn = await asyncpg.connect(cluster.node(leader).url, timeout=10)
+    conn = await pg_budget.connect(cluster.node(leader).url, timeout=10)
     try:
         found = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"

@@ -134,7 +134,7 @@ async def answer(
 
 async def main(cfg: dict[str, Any]) -> None:
     # Imported here: the tests import this module without needing the gate's worker side.
-    from proc_worker import ready_and_wait, record_phase
+    from proc_worker import all_started, ready_and_wait, record_phase
 
     scenario = SCENARIOS[cfg["scenario"]]
     engine = connect(
@@ -143,7 +143,8 @@ async def main(cfg: dict[str, Any]) -> None:
         batching=cfg["batching"],
         redis_url=cfg.get("redis_url"),
         namespace=cfg.get("namespace", "default"),
-        pool_size=cfg.get("pool_size", 10),
+        # 4 processes x 6 stay well inside a busy server's connections (tests/pg_budget.py).
+        pool_size=cfg.get("pool_size", 6),
     )
     async with engine:
         await register(engine)
@@ -151,6 +152,7 @@ async def main(cfg: dict[str, Any]) -> None:
         await asyncio.gather(*[engine.get(cfg["instance"]) for _ in range(5)])
         await ready_and_wait(cfg["gate"], cfg["proc"])
         start = time.monotonic()
+        await all_started(cfg["gate"], cfg["proc"])
         async with asyncio.timeout(cfg.get("within", 120.0)):
             results = await asyncio.gather(
                 *[

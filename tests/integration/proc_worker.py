@@ -11,6 +11,10 @@ records ``time.monotonic()`` at the start and at the end of its contended phase 
 different processes compare, and :meth:`Gate.assert_overlapped` fails unless every process's
 phase had started before any of them ended (``max(starts) < min(ends)``): a process that ran
 after the others cannot pass for "at once".
+
+A storm worker also waits at :func:`all_started`, at the start of its phase, until every worker
+has started its own: on a loaded machine one process may be scheduled tens of milliseconds
+late, and a storm of a few milliseconds would otherwise be over before it began.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ async def ready_and_wait(gate: str | Path, proc: int, within: float = GATE_TIMEO
     return float(go.read_text())
 
 
+async def all_started(gate: str | Path, proc: int, within: float = GATE_TIMEOUT) -> None:
+    """Say this worker's contended phase has begun, and wait until every worker's has: no
+    worker sends its first call before all of them are in their phase, so the phases overlap
+    however late the machine schedules one of them. TimeoutError if one never starts."""
+    gate = Path(gate)
+    (gate / f"started-{proc}").touch()
+    workers = int((gate / "workers").read_text())
+    deadline = time.monotonic() + within
+    while sum((gate / f"started-{p}").exists() for p in range(workers)) < workers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {proc}: not every worker started within {within} s")
+        await asyncio.sleep(_POLL)
+
+
 def record_phase(gate: str | Path, proc: int, start: float, end: float) -> None:
     """Write this worker's contended phase (two ``time.monotonic()`` readings)."""
     path = Path(gate) / f"phase-{proc}.json"
@@ -69,6 +87,7 @@ class Gate:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.processes = processes
+        (path / "workers").write_text(str(processes))  # read by all_started
 
     def __str__(self) -> str:
         return str(self.path)
@@ -131,16 +150,18 @@ async def main(cfg: dict[str, Any]) -> None:
     from flowlock import examples
     from flowlock.stores.postgres import PostgresStore
 
-    # Why a pool smaller than the callers: 4 processes must fit a stock max_connections=100
-    # server; callers queue for a connection (bounded by acquire_timeout), as in production.
-    store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=cfg.get("pool_size", 10))
+    # Why a pool smaller than the callers: 4 processes must fit a busy server (about 30
+    # connections for a test, tests/pg_budget.py); callers queue for a connection (bounded by
+    # acquire_timeout), as in production.
+    pool_size = cfg.get("pool_size", 6)
+    store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=pool_size)
     async with flowlock.Engine(
         store, strategies=[flowlock.Optimistic(max_attempts=cfg.get("max_attempts", 3))]
     ) as engine:
         for wf in (examples.approval(), examples.countersign(cfg["quorum"]), examples.inventory()):
             await engine.register(wf)
         # Warm the pool so that the contended phase measures the calls, not the connecting.
-        await asyncio.gather(*[engine.get(cfg["instance"]) for _ in range(10)])
+        await asyncio.gather(*[engine.get(cfg["instance"]) for _ in range(pool_size)])
 
         async def one(i: int) -> dict[str, Any]:
             actor = f"p{cfg['proc']}-c{i}"
@@ -164,6 +185,7 @@ async def main(cfg: dict[str, Any]) -> None:
 
         await ready_and_wait(cfg["gate"], cfg["proc"])
         start = time.monotonic()
+        await all_started(cfg["gate"], cfg["proc"])
         results = await asyncio.gather(*[one(i) for i in range(cfg["callers"])])
         record_phase(cfg["gate"], cfg["proc"], start, time.monotonic())
     for r in results:

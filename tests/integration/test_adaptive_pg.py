@@ -55,7 +55,9 @@ class Clock:
 
 
 async def _engine(pg_url: str, schema: str, **kw: Any) -> flowlock.Engine:
-    store = PostgresStore(pg_url, schema=schema, pool_size=kw.pop("pool_size", 100))
+    # 20, flowlock's default: 100 callers queue for it (as in production), and a test stays
+    # well inside a shared server's connections (tests/pg_budget.py).
+    store = PostgresStore(pg_url, schema=schema, pool_size=kw.pop("pool_size", 20))
     # Batching off unless a test says otherwise: these tests drive escalation with the
     # conflicts of concurrent callers in one process, which a batching engine does not have
     # (it applies them together); across processes the conflicts, and escalation, remain.
@@ -153,10 +155,13 @@ async def test_adaptive_escalates_to_distributed(
     increasing), every signature lands once, and the history is clean."""
     clock = Clock()  # never moves: the escalation cannot cool down during the test
     monitor = ConflictMonitor(escalate_to="distributed", clock=clock)
-    locks = AdvisoryLocks(pg_url, schema=pg_schema, pool_size=120)
+    # Leases (and waiting acquirers) hold a connection each: the other callers queue for one,
+    # within the lease's wait. 12 + 3 side + 10 store connections: a busy server has room.
+    locks = AdvisoryLocks(pg_url, schema=pg_schema, pool_size=12)
     engine = await _engine(
         pg_url,
         pg_schema,
+        pool_size=10,
         locks=locks,
         monitor=monitor,
         strategies=[flowlock.Distributed(ttl=30, wait=DEADLINE)],
@@ -294,7 +299,7 @@ WORKER = textwrap.dedent(
     from flowlock.strategies.monitor import ConflictMonitor
 
     async def main(url, schema):
-        store = PostgresStore(url, schema=schema, pool_size=100)
+        store = PostgresStore(url, schema=schema, pool_size=10)
         # A long cool-down: the escalation must still stand when the other process looks.
         monitor = ConflictMonitor(cooldown=120)
         async with flowlock.Engine(store, monitor=monitor, batching=False) as engine:

@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.locks import Lease, LockBackend
 from flowlock.locks.advisory import AdvisoryLocks, advisory_lock_id
 from lock_probes import Session, advisory_sessions, wait_until
@@ -62,7 +63,7 @@ async def locks(make: Factory) -> AdvisoryLocks:
 @pytest.fixture
 async def probe(pg_url: str) -> AsyncIterator[asyncpg.Connection]:
     """A plain connection of the test's own, to look at pg_locks and pg_stat_activity."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     yield conn
     await conn.close()
 
@@ -377,7 +378,7 @@ async def test_schemas_do_not_share_locks(pg_url: str, pg_schema: str, make: Fac
         await there.release(b)
     finally:
         await there.aclose()
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         try:
             await conn.execute(f'DROP SCHEMA IF EXISTS "{there_schema}" CASCADE')
         finally:

@@ -39,6 +39,7 @@ from batch_worker import QUORUM, SCENARIOS, STOCK, Scenario, answer, connect, re
 from proc_worker import Gate
 
 import flowlock
+import pg_budget
 from flowlock.checker import OVERSELL, check
 
 pytestmark = pytest.mark.postgres
@@ -116,7 +117,7 @@ async def make_engine(servers: dict[str, str], app: str) -> AsyncIterator[Engine
 @pytest.fixture
 async def admin(pg_url: str) -> AsyncIterator[asyncpg.Connection]:
     """A plain connection of the test's own, to look at pg_stat_activity and end sessions."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     yield conn
     await conn.close()
 
@@ -362,7 +363,7 @@ class HeldVersion:
 
     @classmethod
     async def take(cls, url: str, schema: str, iid: str, version: int) -> HeldVersion:
-        conn = await asyncpg.connect(url, server_settings={"search_path": schema})
+        conn = await pg_budget.connect(url, server_settings={"search_path": schema})
         tx = conn.transaction()
         await tx.start()
         # Without the foreign key's check: it would take a KEY SHARE lock on the instance row,

@@ -29,6 +29,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.checker import check
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.stores.postgres import PostgresStore
@@ -89,7 +90,7 @@ class RowGate:
 @contextlib.asynccontextmanager
 async def row_gate(url: str, schema: str, iid: str, app: str) -> AsyncIterator[RowGate]:
     """Holds the row lock of ``iid`` until the block ends, then rolls back (nothing changed)."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         await conn.execute(f'SET search_path TO "{schema}"')
         held = conn.transaction()

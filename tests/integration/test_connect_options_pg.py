@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.backends import build_store
 from flowlock.engine import connect
@@ -32,7 +33,7 @@ def _name() -> str:
 
 
 async def _sessions(url: str, application_name: str) -> int:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         return int(
             await conn.fetchval(
@@ -148,7 +149,7 @@ async def test_lock_timeout_bounds_the_store_and_the_pessimistic_preset(
             assert await conn.fetchval("SHOW lock_timeout") == "300ms"
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="req")
-        holder = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        holder = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         try:
             async with holder.transaction():
                 await holder.execute("SELECT 1 FROM flowlock_instances WHERE id = 'req' FOR UPDATE")
@@ -267,7 +268,7 @@ def test_keywords_that_mean_nothing_to_the_store_are_refused() -> None:
 @pytest.fixture
 async def app_pool(pg_url: str) -> AsyncIterator[asyncpg.Pool]:
     """The application's own pool: asyncpg's defaults, no codec, the default search_path."""
-    pool = await asyncpg.create_pool(pg_url, min_size=1, max_size=3)
+    pool = await pg_budget.create_pool(pg_url, min_size=1, max_size=3)
     yield pool
     await pool.close()
 
@@ -315,7 +316,7 @@ async def test_queries_and_payloads_on_an_applications_pool(
         # The application's own search_path names the test's schema: flowlock sets nothing.
         await app_pool.execute(f'CREATE SCHEMA IF NOT EXISTS "{pg_schema}"')
         await app_pool.close()
-        app_pool = await asyncpg.create_pool(
+        app_pool = await pg_budget.create_pool(
             pg_url, min_size=1, max_size=3, server_settings={"search_path": pg_schema}
         )
         options = {}
@@ -373,7 +374,7 @@ async def test_an_applications_pool_still_bounds_every_wait(
     ) as engine:
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="req")
-        holder = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        holder = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         try:
             async with holder.transaction():
                 await holder.execute("SELECT 1 FROM flowlock_instances WHERE id = 'req' FOR UPDATE")
@@ -398,7 +399,7 @@ async def test_an_applications_pool_still_bounds_every_wait(
 
 async def test_a_closed_pool_is_refused_on_open(pg_url: str) -> None:
     """pool= with a pool already closed: InvalidInput when the engine opens."""
-    pool = await asyncpg.create_pool(pg_url, min_size=0, max_size=1)
+    pool = await pg_budget.create_pool(pg_url, min_size=0, max_size=1)
     await pool.close()
     engine = flowlock.Engine.connect(pool=pool)
     with pytest.raises(flowlock.InvalidInput, match="closed"):

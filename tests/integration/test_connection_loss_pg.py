@@ -25,6 +25,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.checker import check
 from flowlock.locks.advisory import AdvisoryLocks
@@ -68,7 +69,7 @@ def terminate_unnoticed(url: str, *, app: str | None = None, pids: Sequence[int]
     Returns how many sessions were ended."""
 
     async def run() -> int:
-        conn = await asyncpg.connect(url)
+        conn = await pg_budget.connect(url)
         try:
             found = list(pids)
             if app is not None:
@@ -122,7 +123,7 @@ def app() -> str:
 @pytest.fixture
 async def admin(pg_url: str) -> AsyncIterator[asyncpg.Connection]:
     """A plain connection of the test's own, to end sessions and look at pg_stat_activity."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     yield conn
     await conn.close()
 
@@ -245,7 +246,7 @@ async def test_sessions_of_an_applications_pool_ended_then_calls_are_typed_and_r
     the call on a dead connection raises ConnectionLost, never an asyncpg error; the connection
     is terminated rather than given back, the pool's others are replaced, and the calls after
     succeed on the same, still open, pool."""
-    pool = await asyncpg.create_pool(
+    pool = await pg_budget.create_pool(
         pg_url, min_size=5, max_size=5, server_settings={"application_name": app}
     )
     try:
@@ -339,7 +340,7 @@ async def test_a_call_waiting_for_a_row_lock_whose_session_is_ended_is_connectio
     (its transaction never reached COMMIT: nothing was written); the next call succeeds."""
     engine = await make_engine(pool_size=2, strategies=[flowlock.Pessimistic(lock_timeout=60)])
     await engine.create("countersign", instance_id="doc")
-    holder = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    holder = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         tx = holder.transaction()
         await tx.start()
@@ -381,7 +382,7 @@ async def test_a_compare_and_swap_whose_session_is_ended_is_outcome_unknown(
     same request id it is applied once (here it had not committed: the retry applies it)."""
     engine = await make_engine(pool_size=2, lock_timeout=60.0)
     await engine.create("countersign", instance_id="doc")
-    holder = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    holder = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         tx = holder.transaction()
         await tx.start()

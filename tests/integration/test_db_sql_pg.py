@@ -9,11 +9,11 @@ import shutil
 import uuid
 from collections.abc import AsyncIterator
 
-import asyncpg
 import pytest
 from typer.testing import CliRunner
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.cli import app
 from flowlock.core.migrations import load
@@ -56,7 +56,7 @@ async def fresh_schema(pg_url: str) -> AsyncIterator[str]:
     """A schema name nobody has created yet; dropped afterwards."""
     schema = f"t_{uuid.uuid4().hex[:12]}"
     yield schema
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
@@ -71,7 +71,7 @@ async def _nothing_pending_and_it_works(pg_url: str, schema: str) -> None:
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="a")
         assert (await engine.fire("a", "approve")).applied
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         recorded = await conn.fetch(
             f'SELECT name FROM "{schema}".flowlock_schema_migrations ORDER BY name'
@@ -86,7 +86,7 @@ async def test_the_script_applied_with_asyncpg_leaves_nothing_to_migrate(
 ) -> None:
     """Run in one transaction on a fresh schema: flowlock then sees no pending migration, and
     the session's search_path is back to what it was."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         before = await conn.fetchval("SHOW search_path")
         async with conn.transaction():
@@ -120,7 +120,7 @@ async def test_a_database_at_an_earlier_migration_takes_the_rest_with_after(
 ) -> None:
     """The first migration by the script, the rest by --after it: up to date as well."""
     first = load("postgres")[0].name
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         full = _script("--schema", fresh_schema)
         upto_first = full[: full.index("-- migration ", full.index(f"-- migration {first}") + 1)]

@@ -18,6 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+import pg_budget
 from flowlock import Engine, examples
 from flowlock.core.errors import StoreError
 from flowlock.core.install import pip_install
@@ -56,7 +57,7 @@ def server() -> Iterator[EmbeddedPostgres]:
 
 async def test_max_connections_is_applied(server: EmbeddedPostgres) -> None:
     """The server runs with the max_connections passed to the constructor."""
-    conn = await asyncpg.connect(server.url)
+    conn = await pg_budget.connect(server.url)
     try:
         assert await conn.fetchval("SHOW max_connections") == str(MAX_CONNECTIONS)
     finally:
@@ -66,7 +67,7 @@ async def test_max_connections_is_applied(server: EmbeddedPostgres) -> None:
 async def test_many_concurrent_connections(server: EmbeddedPostgres) -> None:
     """150 asyncpg connections can be open at the same time."""
     results = await asyncio.gather(
-        *(asyncpg.connect(server.url, timeout=30) for _ in range(CONCURRENT)),
+        *(pg_budget.connect(server.url, timeout=30) for _ in range(CONCURRENT)),
         return_exceptions=True,
     )
     conns = [c for c in results if isinstance(c, asyncpg.Connection)]
@@ -87,7 +88,7 @@ async def test_unix_socket_and_properties(server: EmbeddedPostgres) -> None:
     assert server.data_dir.parent.name.startswith("flowlock-pg-")
     assert (server.data_dir / "PG_VERSION").read_text().strip() == server.version.split(".")[0]
     assert server.socket_dir == server.data_dir.parent
-    conn = await asyncpg.connect(host=str(server.socket_dir), port=server.port, user="postgres")
+    conn = await pg_budget.connect(host=str(server.socket_dir), port=server.port, user="postgres")
     try:
         assert await conn.fetchval("SHOW server_version") == server.version
     finally:
@@ -106,7 +107,7 @@ async def test_async_context_manager_stops_cleanly() -> None:
     pg = EmbeddedPostgres(max_connections=20)
     async with pg as started:
         assert started is pg
-        conn = await asyncpg.connect(pg.url)
+        conn = await pg_budget.connect(pg.url)
         try:
             assert await conn.fetchval("SELECT 1") == 1
         finally:

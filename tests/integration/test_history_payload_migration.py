@@ -6,10 +6,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock._pg import migrations as pg_migrations
 from flowlock.core import migrations
@@ -36,7 +36,7 @@ async def test_postgres_upgrade_keeps_old_rows_and_records_new_payloads(
         old = PostgresStore(pg_url, schema=pg_schema)
         await old.open()
         await old.aclose()
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(

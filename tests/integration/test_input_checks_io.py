@@ -15,11 +15,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import pytest
 import redis.asyncio
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.locks.redis import RedisLocks
@@ -29,7 +29,7 @@ BAD_KEYS = ["k\x00", "\x00", "k\ud800"]
 
 
 async def _value(pg_url: str, sql: str, arg: str) -> Any:
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         return await conn.fetchval(sql, arg)
     finally:
@@ -73,7 +73,7 @@ async def test_a_bad_advisory_key_takes_nothing_writes_nothing_opens_nothing(
         with pytest.raises(flowlock.InvalidInput, match="lock key"):
             await call
     assert await _sessions(pg_url, advisory.application_name) == before
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         fences = await conn.fetchval(f'SELECT count(*) FROM "{pg_schema}".flowlock_fences')
         held = await conn.fetchval(

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncpg
 import pytest
 from typer.testing import CliRunner, Result
 
 import flowlock
 import flowlock._inspect
+import pg_budget
 from flowlock import examples
 from flowlock.cli import EXIT_VERDICT_FAILED, app
 
@@ -49,7 +49,7 @@ class Db:
             return
 
         async def run() -> None:
-            conn = await asyncpg.connect(self.url)
+            conn = await pg_budget.connect(self.url)
             try:
                 await conn.execute(f'SET search_path TO "{self.schema}"')
                 await conn.execute(sql)
@@ -253,7 +253,7 @@ def test_unmigrated_database_is_refused_and_left_alone(cli: CliRunner, empty_db:
         return
 
     async def schema_exists() -> bool:
-        conn = await asyncpg.connect(empty_db.url)
+        conn = await pg_budget.connect(empty_db.url)
         try:
             found = await conn.fetchval(
                 "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", empty_db.schema

@@ -30,6 +30,7 @@ import pytest
 from proc_worker import Gate, ready_and_wait, record_phase
 
 import flowlock
+import pg_budget
 from flowlock.jobs import JobContext, RunOnce, RunResult
 from flowlock.locks import LockBackend, MemoryLocks
 from flowlock.locks.base import LeaseContext
@@ -37,7 +38,9 @@ from flowlock.locks.base import LeaseContext
 pytestmark = pytest.mark.postgres
 
 THIS = Path(__file__)
-PROCESSES = 8
+# Runners (in one process, or one per OS process): with the advisory locks each holds about 4
+# connections, so 6 of them stay well inside a busy server's (tests/pg_budget.py).
+PROCESSES = 6
 TICKS = 20
 
 _SIDE = """
@@ -146,7 +149,7 @@ async def worker(cfg: dict[str, Any]) -> None:
             owner=f"proc-{cfg['proc']}",
         )
         async with runner:
-            side = await asyncpg.connect(
+            side = await pg_budget.connect(
                 cfg["where"]["pg_url"], server_settings={"search_path": cfg["where"]["schema"]}
             )
             fn = job_fn(
@@ -191,12 +194,12 @@ async def worker(cfg: dict[str, Any]) -> None:
 @pytest.fixture
 async def side(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Pool]:
     """A pool on the test's schema, with the job's side-effect table created."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{pg_schema}"')
     finally:
         await conn.close()
-    pool = await asyncpg.create_pool(
+    pool = await pg_budget.create_pool(
         pg_url, min_size=1, max_size=4, server_settings={"search_path": pg_schema}
     )
     await pool.execute(_SIDE)
@@ -245,12 +248,15 @@ async def run_rows(pool: asyncpg.Pool) -> dict[str, asyncpg.Record]:
 
 
 def spawn(cfg: dict[str, Any]) -> Awaitable[asyncio.subprocess.Process]:
+    """This module as a worker process; it imports the helpers of tests/ as the suite does."""
+    path = os.pathsep.join(filter(None, [str(THIS.parents[1]), os.environ.get("PYTHONPATH")]))
     return asyncio.create_subprocess_exec(
         sys.executable,
         str(THIS),
         json.dumps(cfg),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": path},
     )
 
 
@@ -291,7 +297,7 @@ async def read_until_start(proc: asyncio.subprocess.Process) -> dict[str, Any]:
 async def test_each_tick_runs_once_in_process(
     local: tuple[str, dict[str, str]], side: asyncpg.Pool
 ) -> None:
-    """8 runners x 20 ticks fired at once in one process: 20 runs, one per tick, none twice."""
+    """6 runners x 20 ticks fired at once in one process: 20 runs, one per tick, none twice."""
     kind, where = local
     shared_memory = MemoryLocks() if kind == "memory" else None
     backends = [shared_memory or await open_locks(kind, where) for _ in range(PROCESSES)]
@@ -542,7 +548,7 @@ async def kill_all(procs: list[asyncio.subprocess.Process]) -> None:
 async def test_each_tick_runs_once_across_processes(
     shared: tuple[str, dict[str, str]], side: asyncpg.Pool, tmp_path: Path
 ) -> None:
-    """8 OS processes x 20 ticks at once, some waiting for the lease: 20 runs in all, none
+    """6 OS processes x 20 ticks at once, some waiting for the lease: 20 runs in all, none
     twice; the runners that do not wait skip a tick running elsewhere, the waiters never give
     up."""
     kind, where = shared

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-import asyncpg
 import pytest
 from typer.testing import CliRunner, Result
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.cli import app
 from flowlock.core import migrations
@@ -32,7 +32,7 @@ async def test_concurrent_first_opens_migrate_once(pg_url: str, pg_schema: str) 
     finally:
         for s in stores:
             await s.aclose()
-    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         rows = await conn.fetch("SELECT name FROM flowlock_schema_migrations ORDER BY name")
         assert [r["name"] for r in rows] == names
@@ -64,7 +64,7 @@ def test_bad_schema_name_is_refused() -> None:
 
 async def _migrations_table(url: str, schema: str) -> list[tuple[str, object]]:
     """(name, applied_at) of every row of the schema's flowlock_schema_migrations."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         rows = await conn.fetch(
             f'SELECT name, applied_at FROM "{schema}".flowlock_schema_migrations ORDER BY name'
@@ -75,7 +75,7 @@ async def _migrations_table(url: str, schema: str) -> list[tuple[str, object]]:
 
 
 async def _tables(url: str, schema: str) -> set[str]:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         rows = await conn.fetch(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = $1", schema

@@ -25,6 +25,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock._inspect import open_readonly
 from flowlock.checker import check
@@ -99,7 +100,7 @@ async def test_a_multi_host_url_skips_a_host_that_refuses(
     await engine.create("countersign", instance_id="doc")
     outcome = await engine.fire("doc", "sign", actor="ann", request_id="r-ann")
     assert outcome.applied
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         found = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app

@@ -16,10 +16,10 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock._pg.fence import EPOCH_LOCK_CLASS
 from flowlock.checker import check
@@ -127,7 +127,7 @@ async def _verify(
 async def _session_settings(url: str, clients: int) -> set[tuple[str, str]]:
     """search_path and lock_timeout of `clients` server connections at once: each client holds a
     transaction open, so each is on a server connection of its own."""
-    conns = [await asyncpg.connect(url, statement_cache_size=0) for _ in range(clients)]
+    conns = [await pg_budget.connect(url, statement_cache_size=0) for _ in range(clients)]
     try:
         seen = set()
         for conn in conns:
@@ -210,7 +210,7 @@ async def test_nothing_flowlock_sets_stays_on_the_pooler_connections(
     """After a storm of each strategy through the transaction pooler, every one of its server
     connections (20: the stock default_pool_size) has the server's own search_path and
     lock_timeout: flowlock set its own LOCAL only."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         defaults = await conn.fetchrow(
             "SELECT current_setting('search_path') AS s, current_setting('lock_timeout') AS t"
@@ -237,7 +237,7 @@ async def test_a_row_lock_wait_is_bounded_behind_the_pooler(
     LockTimeout; nothing is written, and the instance moves on once the row is free."""
     url = pgbouncer_transaction.url()
     async with _engines(url, pg_schema, 1, max_size=4, lock_timeout=0.3) as (engine,):
-        holder = await asyncpg.connect(pg_url)
+        holder = await pg_budget.connect(pg_url)
         try:
             async with holder.transaction():
                 await holder.execute(
@@ -287,7 +287,7 @@ async def test_firing_in_the_applications_transaction_through_the_pooler(
     async with _engines(url, pg_schema, 1, max_size=4) as (engine,):
         await engine.register(examples.approval())
         await engine.create("approval", instance_id="o-1")
-        conn = await asyncpg.connect(url, statement_cache_size=0)
+        conn = await pg_budget.connect(url, statement_cache_size=0)
         try:
             await conn.execute(f'CREATE TABLE "{pg_schema}".orders (id text PRIMARY KEY)')
             tx = conn.transaction()
@@ -338,7 +338,7 @@ async def test_what_needs_a_session_is_refused_behind_transaction_pooling(
     message = str(refused.value)
     assert "pool_mode=transaction" in message and "pool_mode=session" in message
     assert "session pooling" in message and "directly" in message
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         schemas = await conn.fetchval(
             "SELECT count(*) FROM pg_namespace WHERE nspname = $1", pg_schema
@@ -408,7 +408,7 @@ async def test_fencing_epochs_work_behind_session_pooling(
             await _stock(engine, iid)
         applied = await _storm([engine], "distributed", callers=30)
         await _verify(engine, sql_history, applied)
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         epochs = await conn.fetchval(
             f'SELECT count(*) FROM "{pg_schema}".flowlock_fence_epochs WHERE namespace = $1',
@@ -441,7 +441,7 @@ async def test_a_session_pooler_keeps_the_fencing_lock_for_its_client(
 
 async def _epoch_locked(url: str, namespace: str, key: str) -> bool:
     """Whether some session holds the fencing epoch lock of (namespace, key)."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         return bool(
             await conn.fetchval(

@@ -24,6 +24,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.bench.scenarios.steps import counter
 from flowlock.checker import check
 from flowlock.core.errors import FlowlockError, InstanceNotFound, InvalidInput, LockTimeout
@@ -111,7 +112,7 @@ async def holders(pg_url: str, pg_schema: str) -> AsyncIterator[Callable[[], Awa
     opened: list[asyncpg.Connection] = []
 
     async def make() -> Holder:
-        conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+        conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
         opened.append(conn)
         return Holder(conn)
 

@@ -24,10 +24,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.checker import check
 from flowlock.core.errors import (
@@ -291,7 +291,7 @@ async def test_a_group_that_fails_whole_fails_each_call_and_the_store_goes_on(
     of it is written; with the lock let go, the same group commits whole."""
     store = CountingStore(pg_url, schema=pg_schema, pool_size=POOL, lock_timeout=0.5)
     await store.open()
-    locker = await asyncpg.connect(pg_url)
+    locker = await pg_budget.connect(pg_url)
     group = ["x", "y", "h", "z"]
     try:
         await created(store, *OPENERS, *group)

@@ -15,35 +15,41 @@ from proc_worker import Gate, Phase
 
 HERE = Path(__file__).parent
 
-# argv: gate directory, this worker's number, workers in all, "late" or "on-time". A late
-# worker starts its phase only once every other worker has recorded the end of its own.
+# argv: gate directory, this worker's number, workers in all, how it runs, the tests' directory.
+# "on-time" starts its phase at the go signal; "late" only once every other worker has recorded
+# the end of its own. "together" and "slow" wait at all_started at the start of their phase;
+# "slow" starts it after more than the others' work, as a process the machine scheduled late.
 WORKER = textwrap.dedent(
     """
     import asyncio, sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[5])
-    from proc_worker import ready_and_wait, record_phase
+    from proc_worker import all_started, ready_and_wait, record_phase
 
-    async def main(gate, proc, workers, late):
+    async def main(gate, proc, workers, how):
         await ready_and_wait(gate, proc)
-        if late:
+        if how == "late":
             others = [Path(gate, f"phase-{p}.json") for p in range(workers) if p != proc]
             while not all(p.exists() for p in others):
                 await asyncio.sleep(0.01)
+        if how == "slow":
+            await asyncio.sleep(0.5)  # descheduled for longer than the others' work
         start = time.monotonic()
+        if how in ("together", "slow"):
+            await all_started(gate, proc)
         await asyncio.sleep(0.2)  # the "work" of the phase
         record_phase(gate, proc, start, time.monotonic())
 
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "late"))
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
     """
 )
 
 
-async def _run(gate: Gate, late: set[int]) -> None:
+async def _run(gate: Gate, late: set[int], how: str = "on-time", odd: str = "late") -> None:
     procs = []
     for p in range(gate.processes):
-        how = "late" if p in late else "on-time"
-        args = [str(gate), str(p), str(gate.processes), how, str(HERE)]
+        how_p = odd if p in late else how
+        args = [str(gate), str(p), str(gate.processes), how_p, str(HERE)]
         procs.append(
             await asyncio.create_subprocess_exec(
                 sys.executable, "-c", WORKER, *args, stderr=subprocess.PIPE
@@ -75,6 +81,19 @@ async def test_a_process_that_runs_after_the_others_fails_the_check(tmp_path: Pa
     await _run(gate, late={2})
     with pytest.raises(AssertionError, match="did not overlap"):
         gate.assert_overlapped()
+
+
+async def test_a_worker_scheduled_late_still_overlaps_behind_all_started(
+    tmp_path: Path,
+) -> None:
+    """A worker that starts its phase after the others' work would have ended (as a process a
+    loaded machine schedules late) still overlaps them when every worker waits at all_started:
+    none begins its work before all are in their phase."""
+    gate = Gate(tmp_path, 3)
+    await _run(gate, late={2}, how="together", odd="slow")
+    phases = gate.assert_overlapped()
+    slow = next(p for p in phases if p.proc == 2)
+    assert all(p.end > slow.start for p in phases)
 
 
 async def test_a_worker_that_dies_before_ready_fails_at_once(tmp_path: Path) -> None:

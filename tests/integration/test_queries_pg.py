@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock.checker import check_many
 from flowlock.core.models import InstanceQuery
 from flowlock.stores.postgres import PostgresStore, count_statement, list_statement
@@ -34,7 +35,7 @@ async def planned(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connecti
     store = PostgresStore(pg_url, schema=pg_schema)
     await store.open()
     await store.aclose()
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(

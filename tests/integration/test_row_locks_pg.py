@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.stores.postgres import PostgresStore
 
@@ -37,7 +38,7 @@ async def one_conn_engine(pg_url: str, pg_schema: str) -> AsyncIterator[flowlock
 @pytest.fixture
 async def holder(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connection]:
     """A separate connection holding the instance's row lock in an open transaction."""
-    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         tx = conn.transaction()
         await tx.start()
@@ -113,7 +114,7 @@ async def test_after_the_holder_commits_the_waiter_proceeds(
     one_conn_engine: flowlock.Engine, pg_url: str, pg_schema: str, sql_history: SqlHistory
 ) -> None:
     """Once the lock is released the pessimistic call applies normally on the same pool."""
-    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         async with conn.transaction():
             await conn.execute("SELECT 1 FROM flowlock_instances WHERE id = 'req' FOR UPDATE")
@@ -193,7 +194,7 @@ async def _blocked_behind(pg_url: str, holder_pid: int, task: asyncio.Future[Any
     """How many sessions wait for a lock held by ``holder_pid``, polled (on a connection of
     its own: pg_stat_activity is a snapshot per transaction) until there is one; fails if
     ``task`` ends first or nothing queues within 30 s."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         deadline = time.monotonic() + 30
         while True:

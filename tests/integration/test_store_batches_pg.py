@@ -19,6 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+import pg_budget
 from flowlock.core.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import RowLock
@@ -333,7 +334,7 @@ async def test_commit_many_survives_a_deadlock_with_a_callers_transaction(
     each batch alone instead of raising."""
     await created(store, "a", "b")
     fallbacks = _count_fallbacks(monkeypatch)
-    caller = await asyncpg.connect(pg_url)
+    caller = await pg_budget.connect(pg_url)
     try:
         await caller.execute("SET deadlock_timeout = '30s'")
         await caller.execute(f'SET search_path = "{pg_schema}"')
@@ -367,7 +368,7 @@ async def test_commit_many_past_lock_timeout_writes_nothing(
     batch written (the statement is one)."""
     store = PostgresStore(pg_url, schema=pg_schema, lock_timeout=0.3)
     await store.open()
-    caller = await asyncpg.connect(pg_url)
+    caller = await pg_budget.connect(pg_url)
     try:
         await created(store, "a", "b")
         await caller.execute(f'SET search_path = "{pg_schema}"')
@@ -390,7 +391,7 @@ async def test_commit_many_lost_in_flight_is_outcome_unknown(
     so OutcomeUnknown (here nothing was written), and the store goes on with a fresh
     connection."""
     await created(store, "a", "b")
-    caller = await asyncpg.connect(pg_url)
+    caller = await pg_budget.connect(pg_url)
     try:
         await caller.execute(f'SET search_path = "{pg_schema}"')
         async with caller.transaction():
@@ -421,7 +422,7 @@ async def test_batches_inside_a_callers_transaction(
     store: PostgresStore, sql_history: SqlHistory, pg_url: str
 ) -> None:
     await created(store, "a", "b")
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         # Rolled back by the caller: nothing stays.
         tr = conn.transaction()
@@ -455,7 +456,7 @@ async def test_batches_on_an_applications_pool(
     owner = PostgresStore(pg_url, schema=pg_schema)
     await owner.open()  # migrates the schema
     await owner.aclose()
-    app_pool = await asyncpg.create_pool(pg_url, min_size=1, max_size=4)
+    app_pool = await pg_budget.create_pool(pg_url, min_size=1, max_size=4)
     assert app_pool is not None
     store = PostgresStore(pool=app_pool, schema=pg_schema)
     await store.open()

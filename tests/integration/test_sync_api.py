@@ -29,10 +29,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 import flowlock
+import pg_budget
 from conftest import SqlHistory as Counted
 from flowlock.checker import OVERSELL, check
 from flowlock.core.errors import InvalidInput
@@ -494,7 +494,7 @@ def test_signatures_match_the_async_engine() -> None:
 async def test_connect_refuses_an_application_pool(pg_url: str) -> None:
     """pool= is in connect's signature (it is the async engine's) but refused: an asyncpg pool
     belongs to the loop that created it, not to the sync engine's own."""
-    pool = await asyncpg.create_pool(pg_url, min_size=0, max_size=1)
+    pool = await pg_budget.create_pool(pg_url, min_size=0, max_size=1)
     try:
         with pytest.raises(InvalidInput, match="event loop"):
             flowlock.sync.Engine.connect(pool=pool)

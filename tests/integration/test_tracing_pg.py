@@ -13,6 +13,7 @@ import pytest
 from opentelemetry.trace import StatusCode
 
 import flowlock
+import pg_budget
 from flowlock import tracing
 from lock_probes import wait_until
 from span_probes import Spans, attrs, end_of, recording, start_of, within
@@ -39,7 +40,7 @@ async def engine(pg_engine_factory: Callable[..., Any]) -> flowlock.Engine:
 @pytest.fixture
 async def holder(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connection]:
     """A connection of the test's own, for holding the instance's row lock."""
-    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         yield conn
     finally:

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import flowlock
+import pg_budget
 from flowlock import examples
 from flowlock.checker import check
 from flowlock.core.models import InstanceQuery
@@ -41,7 +42,7 @@ async def engine(pg_url: str, pg_schema: str) -> AsyncIterator[flowlock.Engine]:
         await eng.register(examples.approval())
         await eng.register(examples.inventory())
         await eng.create("inventory", instance_id="stock", data={"stock": 10, "reserved": 0})
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         try:
             await conn.execute(f'CREATE TABLE "{pg_schema}".orders (id text PRIMARY KEY)')
         finally:
@@ -55,7 +56,7 @@ async def app_conns(pg_url: str) -> AsyncIterator[Callable[[], Awaitable[asyncpg
     opened: list[asyncpg.Connection] = []
 
     async def open_one() -> asyncpg.Connection:
-        conn = await asyncpg.connect(pg_url)
+        conn = await pg_budget.connect(pg_url)
         opened.append(conn)
         return conn
 
@@ -65,7 +66,7 @@ async def app_conns(pg_url: str) -> AsyncIterator[Callable[[], Awaitable[asyncpg
 
 
 async def _count(url: str, sql: str, *args: Any) -> int:
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         return int(await conn.fetchval(sql, *args))
     finally:
@@ -78,7 +79,7 @@ async def _orders(url: str, schema: str) -> int:
 
 async def _instance(url: str, schema: str, iid: str) -> tuple[int, int] | None:
     """(version, history rows) of ``iid`` by the test's own SQL, or None when it is not there."""
-    conn = await asyncpg.connect(url)
+    conn = await pg_budget.connect(url)
     try:
         version = await conn.fetchval(
             f'SELECT version FROM "{schema}".flowlock_instances WHERE id = $1', iid

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import asyncpg
 import httpx
 import pytest
 
+import pg_budget
 from flowlock.checker import check
 from flowlock.engine import Engine
 from flowlock.service import ServiceSettings
@@ -57,7 +57,7 @@ async def pg_svc(pg_url: str, pg_schema: str) -> AsyncIterator[Service]:
 
 async def _blocked_by(pg_url: str, holder: int) -> None:
     """Until a session waits for a lock ``holder`` (a backend pid) holds (a bounded wait)."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         for _ in range(1000):
             if await conn.fetchval(
@@ -81,7 +81,7 @@ async def test_a_request_arriving_while_the_engine_closes_is_503_engine_closed(
     for iid in ("held", "late"):
         made = await client.post("/instances", json={"workflow": "approval", "id": iid})
         assert made.status_code == 201, made.text
-    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    conn = await pg_budget.connect(pg_url, server_settings={"search_path": pg_schema})
     try:
         tx = conn.transaction()
         await tx.start()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-import asyncpg
 import httpx
 
+import pg_budget
 from service.kit import Service, assert_problem, create
 
 
@@ -182,7 +182,7 @@ async def test_the_schema_setting_puts_the_tables_there(
 ) -> None:
     """``--schema`` / FLOWLOCK_SCHEMA: flowlock's tables and rows are in that schema."""
     await create(pg_service.client, "approval", "in-schema")
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         found = await conn.fetchval(
             f'SELECT count(*) FROM "{pg_schema}".flowlock_instances WHERE id = $1', "in-schema"

@@ -29,11 +29,11 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import httpx
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import flowlock
+import pg_budget
 
 SRC = Path(flowlock.__file__).resolve().parents[1]
 START_TIMEOUT = 90.0
@@ -279,7 +279,7 @@ def fresh_database(server_url: str) -> Iterator[str]:
     name = f"svc_{uuid.uuid4().hex[:12]}"
 
     async def execute(sql: str) -> None:
-        conn = await asyncpg.connect(server_url)
+        conn = await pg_budget.connect(server_url)
         try:
             await conn.execute(sql)
         finally:
@@ -294,7 +294,7 @@ def fresh_database(server_url: str) -> Iterator[str]:
 
 async def sessions(server_url: str, database: str, application_name: str) -> int:
     """How many sessions ``application_name`` has open on ``database``."""
-    conn = await asyncpg.connect(server_url)
+    conn = await pg_budget.connect(server_url)
     try:
         count = await conn.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",

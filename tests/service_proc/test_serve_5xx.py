@@ -29,13 +29,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 from hooked_app import SECRET, workflows
 from serve_harness import SRC, Served, Services, database_name, fresh_database, read_back
 
 import flowlock
+import pg_budget
 from flowlock.checker import check
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ async def exactly_once(database: str, instance_id: str, keys: list[str]) -> None
 @asynccontextmanager
 async def row_lock(database: str, instance_id: str) -> AsyncIterator[None]:
     """The instance's row held FOR UPDATE by a session of the test until the block ends."""
-    conn = await asyncpg.connect(database)
+    conn = await pg_budget.connect(database)
     try:
         async with conn.transaction():
             await conn.execute(
@@ -140,7 +140,7 @@ async def row_lock(database: str, instance_id: str) -> AsyncIterator[None]:
 
 async def lock_waiter(pg_url: str, database: str) -> int:
     """The backend pid of the service's session waiting for a lock (a bounded wait)."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         for _ in range(1000):
             pid = await conn.fetchval(
@@ -157,7 +157,7 @@ async def lock_waiter(pg_url: str, database: str) -> int:
 
 
 async def terminate(pg_url: str, pid: int) -> None:
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
     finally:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 from serve_harness import Served, Services, database_name, fresh_database, read_back
 
 import flowlock
+import pg_budget
 from flowlock._inspect import check_instances
 from flowlock.checker import check
 
@@ -154,7 +154,7 @@ async def connect_elsewhere(server: Served, not_this: int) -> Raw:
 
 async def lock_waiters(pg_url: str, database: str, count: int) -> None:
     """Until ``count`` sessions of the service wait for a lock (a bounded wait)."""
-    conn = await asyncpg.connect(pg_url)
+    conn = await pg_budget.connect(pg_url)
     try:
         for _ in range(1000):
             waiting = await conn.fetchval(
@@ -191,7 +191,7 @@ async def test_an_event_retried_at_the_other_worker_while_the_first_waits_answer
         )
         assert made.status_code == 201, made.text
     request = ("/instances/r/events/reserve", {"payload": {"qty": 2}}, "order-7")
-    conn = await asyncpg.connect(database)
+    conn = await pg_budget.connect(database)
     try:
         tx = conn.transaction()
         await tx.start()
@@ -227,7 +227,7 @@ async def test_a_create_retried_at_the_other_worker_while_the_first_waits_answer
     201 with the same body, and there is one instance, made under C."""
     request = ("/instances", {"workflow": "inventory", "data": {"stock": 3}}, "create-C")
     async with own_engine(database) as engine:
-        conn = await asyncpg.connect(database)
+        conn = await pg_budget.connect(database)
         try:
             tx = conn.transaction()
             await tx.start()

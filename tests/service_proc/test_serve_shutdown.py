@@ -5,6 +5,10 @@ a 500), everything the service answered as applied is in the history exactly onc
 is half-applied, the service exits 0 within its drain bound, each worker closes its engine (no
 session of the service is left in ``pg_stat_activity``), and the metrics directory the workers
 shared is removed.
+
+Nothing here sleeps to let something happen: the signal is sent once every held request is seen
+waiting in PostgreSQL for the test's row lock, and the lock is let go once both workers have
+logged that they are shutting down.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
 from serve_harness import (
     STOPPED,
+    Served,
     Services,
     database_name,
     fresh_database,
@@ -31,6 +35,7 @@ from serve_harness import (
 
 import flowlock
 from flowlock.checker import check
+from pg_budget import connect
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +46,11 @@ REQUESTS = 200
 STOCK = 10_000
 SIGTERM_AFTER = 60  # answers seen before the signal is sent
 SPREAD = 0.02  # seconds between two requests' start: the storm lasts about 4 s
-HELD = 4  # requests kept in flight across the signal by a row lock the test holds
+HELD = 4  # requests kept in flight across the signal by row locks the test holds
+WAIT = 30.0  # bound on each wait for a cause (a loaded machine only makes it slower)
+WORKERS = 2
+POOL = 8  # connections per worker: the service and the test stay well inside a busy server
+SHUTTING_DOWN = "Shutting down"  # what each uvicorn worker logs when the signal reaches it
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Call:
     actor: str
     key: str | None
     delay: float = 0.0
+    strategy: str | None = None
     status: int | None = None
     body: dict[str, Any] | None = None
     error: str | None = None
@@ -58,11 +68,12 @@ class Call:
     async def send(self, http: httpx.AsyncClient) -> None:
         await asyncio.sleep(self.delay)
         headers = {"Idempotency-Key": self.key} if self.key else {}
+        body: dict[str, Any] = {"payload": {"qty": 1}, "actor": self.actor}
+        if self.strategy is not None:
+            body["strategy"] = self.strategy
         try:
             answer = await http.post(
-                f"/instances/{self.instance}/events/reserve",
-                headers=headers,
-                json={"payload": {"qty": 1}, "actor": self.actor},
+                f"/instances/{self.instance}/events/reserve", headers=headers, json=body
             )
         except httpx.TimeoutException as exc:
             self.error = f"timeout: {exc!r}"  # a hang: never acceptable
@@ -100,19 +111,34 @@ def database(pg_url: str) -> Iterator[str]:
         yield url
 
 
+def held_calls() -> list[Call]:
+    """One request per held instance, pessimistic: each waits for its own row lock on a
+    connection of its own (a pessimistic call that finds its row held waits alone, never in a
+    batch or a pipelined group), so PostgreSQL shows one waiting session per held request."""
+    return [
+        Call(f"held-{i}", f"held-{i}", f"held-{i}", strategy="pessimistic") for i in range(HELD)
+    ]
+
+
 async def test_sigterm_in_a_storm_drains_and_exits_clean(pg_url: str, database: str) -> None:
+    """SIGTERM in a storm, with HELD requests waiting in PostgreSQL: every answer is a success,
+    a refusal or a connection error (none hangs, none is a 500), the held requests are drained
+    (answered 200 and applied), history is exactly once, and the service exits 0 within its
+    drain bound, its sessions closed and its metrics directory removed."""
     with Services() as services:
         server = services.start(
-            "--database-url", database, "--drain-timeout", str(DRAIN), workers=2
-        )
+            "--database-url", database, "--drain-timeout", str(DRAIN),
+            "--pool-size", str(POOL), workers=WORKERS,
+        )  # fmt: skip
         [metrics_dir] = server.metrics_dirs()
         calls = storm()
-        held = [Call("held", f"held-{i}", f"held-{i}") for i in range(HELD)]
+        held = held_calls()
+        instances = [*(f"sku-{i}" for i in range(INSTANCES)), *(c.instance for c in held)]
         limits = httpx.Limits(max_connections=REQUESTS, max_keepalive_connections=REQUESTS)
         async with httpx.AsyncClient(
             base_url=server.url, limits=limits, timeout=DRAIN + MARGIN
         ) as http:
-            for name in [*(f"sku-{i}" for i in range(INSTANCES)), "held"]:
+            for name in instances:
                 created = await http.post(
                     "/instances",
                     json={"workflow": "inventory", "id": name, "data": {"stock": STOCK}},
@@ -126,15 +152,17 @@ async def test_sigterm_in_a_storm_drains_and_exits_clean(pg_url: str, database: 
                     half_way.set()
 
             async def stop() -> float:
-                """Mid-storm, with requests held in flight on a row lock: SIGTERM, then let
-                the held requests go on while the workers drain."""
+                """Mid-storm, with HELD requests waiting in PostgreSQL for the test's row
+                locks: SIGTERM; once both workers are shutting down (the held requests still
+                waiting), let go of the rows while the workers drain."""
                 await half_way.wait()
-                async with row_lock(database, "held"):
+                async with row_locks(database, [c.instance for c in held]) as holder:
                     waiting = [asyncio.create_task(c.send(http)) for c in held]
-                    await lock_waiter(pg_url, database_name(database))
-                    await asyncio.sleep(0.5)  # every held request has reached a worker
+                    await lock_waiters(pg_url, database_name(database), holder, HELD)
                     signalled = server.terminate()
-                    await asyncio.sleep(1.0)
+                    await logged(server, SHUTTING_DOWN, WORKERS)
+                    assert not any(w.done() for w in waiting), held
+                    await lock_waiters(pg_url, database_name(database), holder, HELD)
                 await asyncio.gather(*waiting)
                 return signalled
 
@@ -150,7 +178,7 @@ async def test_sigterm_in_a_storm_drains_and_exits_clean(pg_url: str, database: 
         assert code == 0, log[-4000:]
         assert took < DRAIN + MARGIN
         assert not metrics_dir.exists(), "the metrics directory outlived the service"
-        assert log.count(STOPPED) == 2, log[-4000:]  # each worker's lifespan closed its engine
+        assert log.count(STOPPED) == WORKERS, log[-4000:]  # each lifespan closed its engine
         await no_session_left(pg_url, database_name(database))
 
         timeouts = [c for c in calls if c.error and c.error.startswith("timeout")]
@@ -159,8 +187,9 @@ async def test_sigterm_in_a_storm_drains_and_exits_clean(pg_url: str, database: 
         assert not bad, bad
         # The requests in flight when the signal came were drained: answered, and applied.
         assert [(c.status, c.error) for c in held] == [(200, None)] * HELD
+        assert all(c.body and c.body["applied"] for c in held), [c.body for c in held]
         calls += held
-        found = await read_back(database, [*(f"sku-{i}" for i in range(INSTANCES)), "held"])
+        found = await read_back(database, instances)
         exactly_once(found, calls)
 
 
@@ -190,34 +219,49 @@ def exactly_once(
 
 
 @asynccontextmanager
-async def row_lock(database: str, instance_id: str) -> AsyncIterator[None]:
-    """The instance's row locked (FOR UPDATE) by a session of the test: the service's
-    pessimistic writes to it wait until the block ends."""
-    conn = await asyncpg.connect(database)
+async def row_locks(database: str, instance_ids: list[str]) -> AsyncIterator[int]:
+    """The instances' rows locked (FOR UPDATE) by one session of the test, whose pid it yields:
+    the service's pessimistic calls on them wait until the block ends."""
+    conn = await connect(database)
     try:
         async with conn.transaction():
-            await conn.execute(
-                "SELECT 1 FROM flowlock_instances WHERE id = $1 FOR UPDATE", instance_id
+            locked = await conn.fetch(
+                "SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) FOR UPDATE",
+                instance_ids,
             )
-            yield
+            assert len(locked) == len(instance_ids), locked
+            yield conn.get_server_pid()
     finally:
         await conn.close()
 
 
-async def lock_waiter(server_url: str, database: str) -> None:
-    """Until a session of the service waits for a row lock on ``database`` (bounded)."""
-    conn = await asyncpg.connect(server_url)
+async def lock_waiters(server_url: str, database: str, holder: int, count: int) -> None:
+    """Until ``count`` sessions of the service on ``database`` wait for a lock that the session
+    ``holder`` holds (bounded): each held request has reached a worker and waits there."""
+    conn = await connect(server_url)
     try:
-        deadline = time.monotonic() + 10.0
-        while not await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 "
-            "AND application_name = 'flowlock' AND wait_event_type = 'Lock'",
-            database,
-        ):
-            assert time.monotonic() < deadline, "no request of the service waits for the lock"
+        deadline = time.monotonic() + WAIT
+        while True:
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1"
+                " AND application_name = 'flowlock' AND $2 = ANY(pg_blocking_pids(pid))",
+                database,
+                holder,
+            )
+            if waiting >= count:
+                return
+            assert time.monotonic() < deadline, f"{waiting} of {count} held requests wait"
             await asyncio.sleep(0.05)
     finally:
         await conn.close()
+
+
+async def logged(server: Served, line: str, count: int) -> None:
+    """Until the service's log holds ``line`` ``count`` times (bounded)."""
+    deadline = time.monotonic() + WAIT
+    while (seen := server.output().count(line)) < count:
+        assert time.monotonic() < deadline, f"{line!r} logged {seen} of {count} times"
+        await asyncio.sleep(0.05)
 
 
 def ok_status(status: int, retry_after: str | None) -> bool:

@@ -38,7 +38,9 @@ def database(pg_url: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def server(database: str) -> Iterator[Served]:
     with Services() as services:
-        yield services.start("--database-url", database, workers=2)
+        # 8 connections a worker: the 100 callers queue for them, as in production, and the
+        # service stays well inside a busy server's connections (tests/pg_budget.py).
+        yield services.start("--database-url", database, "--pool-size", "8", workers=2)
 
 
 def client(server: Served, *, keep_alive: bool = True) -> httpx.AsyncClient:

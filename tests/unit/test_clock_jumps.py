@@ -21,7 +21,7 @@ from flowlock.locks import MemoryLocks
 from flowlock.stores import MemoryStore
 from flowlock.stores.memory import MemoryBoard
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
-from lock_probes import Monotonic, WallClock
+from lock_probes import Monotonic, Ticks, WallClock, wait_until
 
 HOUR = 3600.0
 
@@ -80,16 +80,33 @@ async def test_a_held_lease_is_lost_at_its_monotonic_deadline_only(
         await holding.__aexit__(None, None, None)
 
 
-async def test_a_renewed_lease_outlives_wall_clock_jumps(wall: WallClock) -> None:
-    """A lease renewed by its watchdog while the wall clock jumps back and forth by an hour is
-    renewed every ttl/3 all along, never found expired, and released at the end."""
-    locks = MemoryLocks()
-    async with locks.acquire("k", ttl=0.3) as held:
-        for jump in (HOUR, -2 * HOUR, HOUR):
+async def test_a_renewed_lease_outlives_wall_clock_jumps(
+    wall: WallClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease renewed by its watchdog while the wall clock jumps back and forth by an hour:
+    the watchdog sleeps ttl/3 between renewals, each renewal counts its ttl from now on the
+    monotonic clock, and a full ttl later (on that clock) the lease is still held and is
+    released at the end. The watchdog's sleeps and the monotonic clock are the test's."""
+    ticks = Ticks.install(monkeypatch)
+    mono = Monotonic()
+    locks = MemoryLocks(clock=mono)
+    ttl = 30.0
+    async with locks.acquire("k", ttl=ttl) as held:
+        for round_no, jump in enumerate((HOUR, -2 * HOUR, HOUR), start=1):
             wall.jump(jump)
-            await asyncio.sleep(0.25)
+            mono.moved += ttl / 3
+            before = held.lease.expires_at
+            ticks.tick()  # the watchdog's sleep before this renewal ends
+
+            def renewed(before: float = before) -> bool:
+                return held.lease.expires_at > before
+
+            await wait_until(renewed, what=f"renewal {round_no}")
             held.check()
-        assert held.lease.remaining() > 0
+            assert held.lease.remaining(mono()) == pytest.approx(ttl, abs=1.0)
+        # A whole ttl has passed on the monotonic clock: without the renewals it would be over.
+        assert await locks.owned(held.lease)
+        assert ticks.delays == [ttl / 3] * 4  # three renewals, and the fourth sleep begun
     assert not await locks.locked("k")
 
 

@@ -18,6 +18,7 @@ import flowlock
 from flowlock import examples
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.stores import MemoryStore
+from lock_probes import wait_until
 
 
 def _entry(version: int, request_id: str) -> HistoryEntry:
@@ -114,7 +115,8 @@ async def test_commit_many_waits_for_a_held_row_lock_and_gives_up_writing_nothin
     held = store._locks.setdefault("i", asyncio.Lock())
     await held.acquire()
     waiting = asyncio.create_task(store.commit_many([[_entry(2, "a"), _entry(3, "b")], [other]]))
-    await asyncio.sleep(0.05)
+    # It takes the row locks in id order: "h" (free) at once, then it waits for "i".
+    await wait_until(lambda: store._locks.get("h") is not None and store._locks["h"].locked())
     assert not waiting.done()  # behind the holder, having written nothing
     assert await store.history("h") == []
     holder = store._write((_entry(2, "holder"),))  # what a pessimistic holder writes

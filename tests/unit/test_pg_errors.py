@@ -26,6 +26,7 @@ from flowlock._pg.errors import (
     in_doubt,
     read_only,
     server_gone,
+    too_many_clients,
     translate,
     wrap_connect,
     wrap_errors,
@@ -41,6 +42,7 @@ from flowlock.core.errors import (
     OutcomeUnknown,
     StoreBusy,
     StoreError,
+    TooManyConnections,
 )
 from flowlock.jobs import _ERRORS as JOBS
 from flowlock.locks.advisory.errors import ERRORS as ADVISORY
@@ -80,6 +82,10 @@ def missing(tables: str, opener: str, exc: BaseException) -> str:
     )
 
 
+def too_many(exc: BaseException) -> str:
+    return str(TooManyConnections(str(exc)))
+
+
 def store_other(exc: BaseException) -> str:
     return f"PostgreSQL error for 'k': {type(exc).__name__}: {exc}"
 
@@ -113,10 +119,9 @@ SERVER_ENDED = [
     pg("57P03", "the database system is starting up"),
 ]
 # Ends a lock backend's session, means nothing particular to the store.
-SESSION_ENDED = [
-    pg("25P02", "current transaction is aborted"),
-    pg("53300", "sorry, too many clients already"),
-]
+SESSION_ENDED = [pg("25P02", "current transaction is aborted")]
+# A new connection refused: every one of the server's max_connections is in use.
+TOO_MANY = pg("53300", "sorry, too many clients already")
 # asyncpg read the server's FATAL message while the connection sat idle; the next statement:
 STATE = asyncpg.InternalClientError(
     "cannot switch to state 15; another operation (2) is in progress"
@@ -232,6 +237,13 @@ def cases() -> list[Any]:
             )
             for exc in CONNECTION
         ],
+        (
+            # The same for every adapter: the server is full, not unreachable.
+            TOO_MANY,
+            (TooManyConnections, too_many),
+            (TooManyConnections, too_many),
+            (TooManyConnections, too_many),
+        ),
         (
             READ_ONLY,
             (ConnectionLost, lambda e: str(ConnectionLost("k", READ_ONLY_DETAIL))),
@@ -362,6 +374,21 @@ def test_wrap_connect_says_what_to_check() -> None:
         "check the URL and that the server is running"
     )
     assert caught.value.__cause__ is exc
+
+
+def test_a_full_server_is_too_many_connections_not_a_bad_url() -> None:
+    """A server with no free connection slot (53300) refusing the first connection is
+    TooManyConnections (a StoreBusy: back off and retry), naming the host, saying that
+    max_connections is in use and what to do, and not telling to check the URL."""
+    with pytest.raises(TooManyConnections) as caught, wrap_connect("postgresql://u:pw@db:5432/a"):
+        raise TOO_MANY
+    message = str(caught.value)
+    assert isinstance(caught.value, StoreBusy) and caught.value.__cause__ is TOO_MANY
+    assert "'db:5432/a'" in message and "pw" not in message
+    assert "sorry, too many clients already" in message
+    assert "max_connections are in use" in message and "lower max_size" in message
+    assert "check the URL" not in message
+    assert too_many_clients(NO_TABLE) is None and too_many_clients(TimeoutError()) is None
 
 
 def test_every_asyncpg_error_is_a_driver_error() -> None:
@@ -535,6 +562,16 @@ async def test_connection_translates_and_gives_back() -> None:
             raise asyncpg.InterfaceError("connection is closed")
     assert isinstance(caught.value.__cause__, asyncpg.InterfaceError)
     assert pool.released == [pool.conn]
+
+
+async def test_a_pool_that_cannot_grow_on_a_full_server_says_so() -> None:
+    """A pool with room whose new connection the server refuses (no free slot) raises
+    TooManyConnections with the pool's bound, for a store and for a lock backend alike."""
+    for context in (STORE, ADVISORY, JOBS):
+        with pytest.raises(TooManyConnections, match="for a pool of 3 that had room") as caught:
+            async with connection(_Pool(TOO_MANY), acquire_timeout=0.1, size=3, context=context):  # type: ignore[arg-type]
+                pass
+        assert caught.value.size == 3 and caught.value.__cause__ is TOO_MANY
 
 
 async def test_a_broken_connection_is_terminated_and_the_pool_renewed() -> None:

@@ -22,9 +22,9 @@ PUBLIC = {
     "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "Metrics", "MigrationError",
     "Optimistic", "Outcome", "OutcomeUnknown", "Page", "PayloadTooLarge", "Pessimistic", "RunOnce",
     "Step", "StepFailed", "Store", "StoreBusy", "StoreError", "Strategy", "SyncCallInEventLoop",
-    "Transition", "TransitionNotAllowed", "TransitionRefused", "UnknownEvent", "UnknownWorkflow",
-    "VersionMismatch", "Workflow", "__version__", "checker", "connect", "errors", "fencing_token",
-    "http", "jobs", "sync",
+    "TooManyConnections", "Transition", "TransitionNotAllowed", "TransitionRefused",
+    "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker",
+    "connect", "errors", "fencing_token", "http", "jobs", "sync",
 }  # fmt: skip
 
 

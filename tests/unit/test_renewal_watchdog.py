@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import pytest
 
-import flowlock.locks.base
 from flowlock.core.errors import LockLost, LockNotOwned
 from flowlock.locks import Lease, MemoryLocks
-from lock_probes import wait_until
+from lock_probes import Ticks, wait_until
 
 TTL = 30.0
 
@@ -31,23 +29,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Ticks:
-    """Stands in for the ``asyncio`` module inside ``flowlock.locks.base``: each of the
-    watchdog's sleeps waits for one :meth:`tick` of the test. Everything else is asyncio's."""
-
-    def __init__(self) -> None:
-        self._ticks = asyncio.Semaphore(0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-    async def sleep(self, delay: float) -> None:
-        await self._ticks.acquire()
-
-    def tick(self) -> None:
-        self._ticks.release()
 
 
 class UntranslatedExtend(MemoryLocks):
@@ -66,9 +47,7 @@ class UntranslatedExtend(MemoryLocks):
 
 @pytest.fixture
 def ticks(monkeypatch: pytest.MonkeyPatch) -> Ticks:
-    stand_in = Ticks()
-    monkeypatch.setattr(flowlock.locks.base, "asyncio", stand_in)
-    return stand_in
+    return Ticks.install(monkeypatch)
 
 
 async def test_an_untranslated_extend_error_marks_the_lease_lost_at_its_deadline(

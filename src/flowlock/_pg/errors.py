@@ -18,6 +18,7 @@ from flowlock.core.errors import (
     MigrationError,
     OutcomeUnknown,
     StoreError,
+    TooManyConnections,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "in_doubt",
     "read_only",
     "server_gone",
+    "too_many_clients",
     "translate",
     "wrap_connect",
     "wrap_errors",
@@ -192,6 +194,22 @@ def _server_ended(exc: BaseException, ctx: Context) -> FlowlockError | None:
     return found if found is not None else _lost(exc, ctx)
 
 
+def _too_many(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    # Raised while connecting, before anything of the call was sent. The same error for a store
+    # and a lock backend: the server is full, not unreachable.
+    return TooManyConnections(str(exc) or type(exc).__name__)
+
+
+def too_many_clients(
+    exc: BaseException, *, size: int = 0, waited: float = 0.0
+) -> TooManyConnections | None:
+    """TooManyConnections if the server refused a new connection for want of a slot (SQLSTATE
+    53300), with the pool's bound `size` and the seconds `waited` for it; else None."""
+    if getattr(exc, "sqlstate", None) != "53300":
+        return None
+    return TooManyConnections(str(exc) or type(exc).__name__, size=size, waited=waited)
+
+
 def _read_only(exc: BaseException, ctx: Context) -> FlowlockError | None:
     # The server refused the write before doing anything: never in doubt, whatever was sent.
     detail = (
@@ -270,7 +288,7 @@ RULES: tuple[Rule, ...] = (
     Rule("57P01", _server_ended),  # admin_shutdown (pg_terminate_backend, a fast shutdown)
     Rule("57P02", _server_ended),  # crash_shutdown
     Rule("57P03", _server_ended),  # cannot_connect_now (starting up, shutting down)
-    Rule("53300", _session_ended),  # too_many_connections
+    Rule("53300", _too_many),  # too_many_connections: a new connection refused
     Rule("25006", _read_only),  # read_only_sql_transaction: a standby, after a failover
     Rule(TimeoutError, _no_answer),
     Rule(asyncpg.PostgresConnectionError, _connection_lost),  # 08xxx: connection_does_not_exist..
@@ -374,9 +392,14 @@ def read_only(exc: BaseException) -> bool:
 
 
 def cannot_connect(exc: BaseException, dsn: str) -> StoreError:
-    """Opening connections to `dsn` failed, whatever the reason."""
+    """Opening connections to `dsn` failed, whatever the reason: TooManyConnections when the
+    server had no free slot, a StoreError saying to check the URL and the server otherwise."""
+    where = dsn.split("@")[-1]
+    full = too_many_clients(exc)
+    if full is not None:
+        return TooManyConnections(f"at {where!r}: {full.detail}")
     return StoreError(
-        f"cannot connect to PostgreSQL at {dsn.split('@')[-1]!r}: {exc}; "
+        f"cannot connect to PostgreSQL at {where!r}: {exc}; "
         "check the URL and that the server is running"
     )
 

@@ -26,6 +26,7 @@ from flowlock._pg.errors import (
     broken,
     read_only,
     server_gone,
+    too_many_clients,
     translate,
     wrap_errors,
 )
@@ -218,10 +219,11 @@ async def connection(
     """A connection of `pool` (of `size` at most), given back on the way out (see
     `give_back`: a connection broken inside is terminated, not given back); driver errors
     raised inside become flowlock errors of `context`. No connection free within
-    `acquire_timeout` seconds: StoreBusy. The pool closed while this call waited for a
-    connection: EngineClosed, and nothing is sent on the connection it may have been handed (a
-    closing pool closes that connection under it, and asyncpg then fails with errors of its own,
-    InternalClientError among them)."""
+    `acquire_timeout` seconds: StoreBusy. The pool had room, but the server refused a new
+    connection (all of its max_connections in use): TooManyConnections. The pool closed while
+    this call waited for a connection: EngineClosed, and nothing is sent on the connection it
+    may have been handed (a closing pool closes that connection under it, and asyncpg then
+    fails with errors of its own, InternalClientError among them)."""
     try:
         conn = await pool.acquire(timeout=acquire_timeout)
     except TimeoutError:
@@ -229,6 +231,10 @@ async def connection(
     except DRIVER_ERRORS as exc:
         if pool.is_closing():
             raise _closed_while_waiting(context) from exc
+        # The pool had room and tried to grow, but the server is full.
+        full = too_many_clients(exc, size=size)
+        if full is not None:
+            raise full from exc
         # Nothing was sent yet: whatever the block would write, its outcome is not in doubt.
         raise translate(exc, context=replace(context, in_doubt=False)) from exc
     if pool.is_closing():

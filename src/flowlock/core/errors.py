@@ -29,6 +29,7 @@ as attributes: the current state, the current version, the attempts made.
     │       └── LockUnavailable      the lock backend (Redis, PostgreSQL) could not be reached
     ├── StoreError                   the database failed or answered something unexpected
     │   ├── StoreBusy                no database connection came free within the bound
+    │   │   └── TooManyConnections   the server refused a new one: max_connections in use
     │   ├── ConnectionLost           the connection died before the write: nothing written, retry
     │   ├── OutcomeUnknown           the connection died after the write was sent: maybe written
     │   └── MigrationError
@@ -418,6 +419,31 @@ class StoreBusy(StoreError):
         super().__init__(
             f"no database connection came free within {waited:.1f} s (pool of {size}); "
             "nothing was written. Raise pool_size or acquire_timeout, or lower concurrency"
+        )
+
+
+class TooManyConnections(StoreBusy):
+    """PostgreSQL refused a new connection: all of its `max_connections` are in use.
+
+    Nothing was written. The server's other clients hold its connections, or this process's
+    pools together ask for more than it allows. Retry later. To stop it for good: free the
+    connections that other clients hold, lower `max_size` (here or in the other clients), put
+    a connection pooler in front of the server, or raise its `max_connections`.
+    `detail` is the server's word; `size` the pool's bound, when a pool was growing (else 0).
+    """
+
+    def __init__(self, detail: str, *, size: int = 0, waited: float = 0.0) -> None:
+        self.detail = detail
+        self.size = size
+        self.waited = waited
+        pool = f" for a pool of {size} that had room for it" if size else ""
+        # Not StoreBusy's message: raising the pool size, its advice, would make this worse.
+        StoreError.__init__(
+            self,
+            f"PostgreSQL refused a new connection{pool} ({detail}): all of the server's "
+            "max_connections are in use; nothing was written. Retry later. To stop it: free "
+            "connections that other clients hold, lower max_size (here or in the other "
+            "clients), put a connection pooler in front, or raise max_connections",
         )
 
 
