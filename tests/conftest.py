@@ -101,14 +101,16 @@ def _pgbouncer(pg_url: str, pool_mode: PoolMode) -> Iterator[PgBouncer]:
         bouncer.stop()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: a PgBouncer keeps up to 20 idle server connections for 10 minutes
+# (its stock server_idle_timeout), which the rest of the suite must not pay for on a busy server.
+@pytest.fixture(scope="module")
 def pgbouncer_transaction(pg_url: str) -> Iterator[PgBouncer]:
     """A PgBouncer of its own (pool_mode=transaction, stock settings otherwise) in front of the
-    test server, for the session; the tests skip, saying why, without the pgbouncer binary."""
+    test server, for the module; the tests skip, saying why, without the pgbouncer binary."""
     yield from _pgbouncer(pg_url, "transaction")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pgbouncer_session(pg_url: str) -> Iterator[PgBouncer]:
     """The same with pool_mode=session: at most 20 server connections at once (the stock
     default_pool_size), and a client connection keeps its server connection until it closes."""

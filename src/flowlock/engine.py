@@ -109,6 +109,11 @@ def _check_fire_args(
         raise InvalidInput(f"expected_version must be a positive integer, not {expected_version!r}")
 
 
+async def _create(store: Store, new: Instance, request_id: str | None) -> Instance:
+    # Without a key, a store written before keyed creates (create(instance)) still works.
+    return await (store.create(new) if request_id is None else store.create(new, request_id))
+
+
 def _first_create(asked: Instance, made: Instance, request_id: str | None) -> Instance:
     """`made`, what the store answered a create under `request_id`, once it is known to answer
     the create `asked` for; CreateKeyReused when the key's first create was another one."""
@@ -338,12 +343,12 @@ class Engine:
         body = self._check_data(data, "data")
         new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
         if connection is None:
-            inst = _first_create(new, await self._store.create(new, request_id), request_id)
+            inst = _first_create(new, await _create(self._store, new, request_id), request_id)
             self._remember(inst)
             return inst
         # Not remembered: the caller may roll back, and the id be created again elsewhere.
         async with self._transactional().in_transaction(connection) as store:
-            made = await store.create(new, request_id)
+            made = await _create(store, new, request_id)
         return _first_create(new, made, request_id)
 
     async def get(self, instance_id: str) -> Instance:

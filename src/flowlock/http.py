@@ -51,6 +51,7 @@ __all__ = [
     "Problem",
     "etag",
     "from_error",
+    "make_problem",
     "problem",
     "type_uri",
 ]
@@ -124,10 +125,15 @@ def problem(exc: BaseException, instance: str | None = None) -> HttpProblem:
     flowlock error is a 500 that says only that the server failed.
     """
     found = from_error(exc) if isinstance(exc, FlowlockError) else _internal()
-    if found.status >= 500:
-        log.error("%s answered %d: %s", instance or "a request", found.status, exc, exc_info=exc)
+    where = instance or "a request"
+    if found.status >= 500 and found.status != 503:
+        # A fault of the server or of a definition: its traceback is what an operator needs.
+        log.error("%s answered %d: %s", where, found.status, exc, exc_info=exc)
+    elif found.status == 503:
+        # Routine under contention or during a failover: one line, no traceback to flood with.
+        log.warning("%s answered 503: %r", where, exc)
     else:
-        log.debug("%s answered %d: %s", instance or "a request", found.status, exc)
+        log.debug("%s answered %d: %s", where, found.status, exc)
     headers = {"Content-Type": PROBLEM_JSON, **found.headers}
     return HttpProblem(found.status, found.body(instance), headers)
 
@@ -136,7 +142,7 @@ def _internal() -> Problem:
     return _make(500, "internal-error", "Internal error", "the server failed; nothing was applied")
 
 
-def _make(
+def make_problem(
     status: int,
     slug: str,
     title: str,
@@ -144,7 +150,11 @@ def _make(
     headers: Mapping[str, str] | None = None,
     **members: Any,
 ) -> Problem:
+    """A `Problem` of your own (a refusal of your route): the facts are keyword members."""
     return Problem(status, slug, title, detail, members, headers)
+
+
+_make = make_problem
 
 
 def _slug(exc: FlowlockError) -> str:
@@ -246,8 +256,8 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             "the database connection was lost while the write was being committed, so it may or "
             "may not have been applied; send the same request again with the same "
             "Idempotency-Key to learn which: it is never applied twice, and a retry answers "
-            "what the first request did (a create retried without a key answers 409 "
-            "instance-exists if the first one was created)",
+            "what the first request did (a create retried with the same id and no key answers "
+            "409 instance-exists if the first one was created)",
             _RETRY, instance_id=exc.key,
         )  # fmt: skip
     if isinstance(exc, ConflictRetriesExhausted):

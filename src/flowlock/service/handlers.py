@@ -17,15 +17,12 @@ from flowlock.service.problems import PROBLEM_JSON, Problem, problem
 
 
 def _problem_response(found: Problem, request: Request) -> Response:
-    return Response(
-        found.encode(request.url.path),
-        status_code=found.status,
-        media_type=PROBLEM_JSON,
-        headers=dict(found.headers),
-    )
+    headers = {"Content-Type": PROBLEM_JSON, **found.headers}
+    return _answer(HttpProblem(found.status, found.body(request.url.path), headers))
 
 
 def _answer(found: HttpProblem) -> Response:
+    # ASCII escapes: a member may echo a client's lone surrogate, which UTF-8 cannot encode.
     body = json.dumps(found.body, default=str).encode()
     return Response(body, status_code=found.status, headers=found.headers)
 

@@ -1,22 +1,9 @@
-"""The service's own refusals as problems; errors map through `flowlock.http`, the one mapping."""
+"""The service's problems: errors map through `flowlock.http`, the one mapping; the service's
+own refusals (a bad header, a body too deep...) are built with the same `problem` builder."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from flowlock.http import PROBLEM_JSON, TYPE_PREFIX, Problem, etag, from_error, type_uri
+from flowlock.http import make_problem as problem
 
 __all__ = ["PROBLEM_JSON", "TYPE_PREFIX", "Problem", "etag", "from_error", "problem", "type_uri"]
-
-
-def problem(
-    status: int,
-    slug: str,
-    title: str,
-    detail: str,
-    headers: Mapping[str, str] | None = None,
-    **members: Any,
-) -> Problem:
-    """A refusal of the service's own (a bad header, a body too deep...)."""
-    return Problem(status, slug, title, detail, members, headers)

@@ -251,9 +251,10 @@ CALLERS_SETTINGS = (
 READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
 RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout', $2, true)"
 # A table of flowlock's in a statement's text: not one already qualified, nor a column's table
-# (`flowlock_escalations.until`), nor a longer name (a constraint, a savepoint).
+# (`flowlock_escalations.until`), nor a longer name (a constraint, a savepoint), nor a word in
+# a string literal (a workflow or state named "flowlock_history" in a list's filter).
 _TABLE = re.compile(
-    r'(?<![\w."])(flowlock_(?:instances|history|escalations|create_requests))\b(?!\.)'
+    r"""(?<![\w."'])(flowlock_(?:instances|history|escalations|create_requests))\b(?![.'])"""
 )
 
 
