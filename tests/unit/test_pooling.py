@@ -13,6 +13,7 @@ import pytest
 
 import flowlock
 from flowlock.core.migrations import load
+from flowlock.core.models import InstanceQuery
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.stores.postgres import PostgresStore
@@ -83,3 +84,16 @@ def test_pooling_means_nothing_without_postgresql(url: str) -> None:
     """connect(pooling=...) on SQLite or the memory store is refused, not ignored."""
     with pytest.raises(flowlock.InvalidInput, match="pooling"):
         flowlock.connect(url, pooling="session")
+
+
+def test_a_name_in_a_literal_is_not_a_table() -> None:
+    """A workflow or state named like a table, written into a filter as a literal, stays a
+    literal: only the tables themselves are named with the schema."""
+    sql, _ = statements.list_statement(
+        InstanceQuery("flowlock_history", ("flowlock_instances",), None, None),
+        after=None,
+        limit=10,
+    )
+    out = qualified(sql, "s")
+    assert "'flowlock_history'" in out and "'flowlock_instances'" in out
+    assert 'FROM "s".flowlock_instances' in out
