@@ -17,14 +17,17 @@ The suite must pass on a busy server: a stock ``max_connections=100`` while anot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-__all__ = ["CONNECT_BOUND", "connect", "create_pool"]
+__all__ = ["CONNECT_BOUND", "connect", "create_pool", "fresh_database"]
 
 CONNECT_BOUND = 60.0
 """Seconds a helper connection is retried while the server has no free slot."""
@@ -67,3 +70,23 @@ async def _retried(open_it: Callable[[], Awaitable[_T]]) -> _T:
                 )
         await asyncio.sleep(pause)
         pause = min(2 * pause, _PAUSE[1])
+
+
+@contextlib.contextmanager
+def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
+    """A new database named ``<prefix>_<random>`` on the server of ``server_url``; its URL is
+    yielded, and it is dropped afterwards with whatever is still connected to it."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+    async def execute(sql: str) -> None:
+        conn = await connect(server_url)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(execute(f'CREATE DATABASE "{name}"'))
+    try:
+        yield urlunsplit(urlsplit(server_url)._replace(path=f"/{name}"))
+    finally:
+        asyncio.run(execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

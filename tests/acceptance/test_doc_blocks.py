@@ -15,10 +15,8 @@ import ast
 import asyncio
 import inspect
 import re
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from doc_blocks import Block, every_block
@@ -46,20 +44,8 @@ def _code(block: Block, database_url: str) -> Any:
 @pytest.fixture
 def database_url(pg_url: str) -> Iterator[str]:
     """A fresh, empty database on the test server, dropped afterwards."""
-    name = f"docs_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(pg_url, f'CREATE DATABASE "{name}"'))
-    try:
-        yield urlunsplit(urlsplit(pg_url)._replace(path=f"/{name}"))
-    finally:
-        asyncio.run(_admin(pg_url, f'DROP DATABASE "{name}" WITH (FORCE)'))
-
-
-async def _admin(url: str, statement: str) -> None:
-    conn = await pg_budget.connect(url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
+    with pg_budget.fresh_database(pg_url, "docs") as url:
+        yield url
 
 
 def test_every_block_is_run_or_marked() -> None:

@@ -13,13 +13,11 @@ import re
 import shutil
 import subprocess
 import threading
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -62,25 +60,6 @@ class App:
         return flowlock.sync.Engine.connect(self.database_url, schema=self.schema)
 
 
-@contextmanager
-def fresh_database(pg_url: str) -> Iterator[str]:
-    """A new database on the test server, for one app; dropped afterwards."""
-    name = f"readme_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(pg_url, f'CREATE DATABASE "{name}"'))
-    try:
-        yield urlunsplit(urlsplit(pg_url)._replace(path=f"/{name}"))
-    finally:
-        asyncio.run(_admin(pg_url, f'DROP DATABASE "{name}" WITH (FORCE)'))
-
-
-async def _admin(url: str, statement: str) -> None:
-    conn = await pg_budget.connect(url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="module", params=["flask-postgres", "flask-sqlite", "django-postgres"])
 def app(
     request: pytest.FixtureRequest, pg_url: str, tmp_path_factory: pytest.TempPathFactory
@@ -92,7 +71,7 @@ def app(
         if kind.endswith("sqlite"):
             database_url = f"sqlite:///{project / 'flowlock.db'}"
         else:
-            database_url = stack.enter_context(fresh_database(pg_url))
+            database_url = stack.enter_context(pg_budget.fresh_database(pg_url, "readme"))
         env = environment(FLOWLOCK_DATABASE_URL=database_url)
         if kind.startswith("flask"):
             flask_project(project)

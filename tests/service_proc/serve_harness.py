@@ -13,7 +13,6 @@ server's directory. Every wait is bounded.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -276,20 +274,8 @@ def with_database(url: str, name: str) -> str:
 def fresh_database(server_url: str) -> Iterator[str]:
     """A new database on the server of ``server_url`` (its URL), dropped afterwards with
     whatever is still connected to it."""
-    name = f"svc_{uuid.uuid4().hex[:12]}"
-
-    async def execute(sql: str) -> None:
-        conn = await pg_budget.connect(server_url)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(execute(f'CREATE DATABASE "{name}"'))
-    try:
-        yield with_database(server_url, name)
-    finally:
-        asyncio.run(execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with pg_budget.fresh_database(server_url, "svc") as url:
+        yield url
 
 
 async def sessions(server_url: str, database: str, application_name: str) -> int:
