@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
@@ -20,17 +19,25 @@ from typing import TYPE_CHECKING, Any, Self, TypeAlias, Unpack
 
 from flowlock import tracing
 from flowlock._batching import Batcher
+from flowlock._calls import check_fire_args, check_text, create_with, first_create, transactional
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
-    CreateKeyReused,
     EngineClosed,
     InvalidInput,
     UnknownWorkflow,
 )
-from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object, same_json
-from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.models import (
+    TIMER_ACTOR,
+    HistoryEntry,
+    Instance,
+    Outcome,
+    Page,
+    Timer,
+    TimerFiring,
+)
 from flowlock.core.query import (
     DEFAULT_LIMIT,
     check_limit,
@@ -38,7 +45,7 @@ from flowlock.core.query import (
     decode_cursor,
     instance_query,
 )
-from flowlock.core.settings import check_count, check_flag, check_seconds, check_text
+from flowlock.core.settings import check_count, check_flag, check_seconds
 from flowlock.core.step import Call
 from flowlock.locks.base import LockBackend
 from flowlock.options import (
@@ -49,12 +56,13 @@ from flowlock.options import (
     EngineOptions,
     check_keywords,
 )
-from flowlock.stores.base import EscalationBoard, Store, TransactionalStore
+from flowlock.stores.base import EscalationBoard, Store, TimerStore
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
 from flowlock.strategies.monitor import ConflictMonitor, EscalationSync
 from flowlock.strategies.table import StrategyTable, batchable, unknown_strategy
 from flowlock.strategies.transaction import in_transaction
+from flowlock.timers import DEFAULT_LEASE, DEFAULT_TIMER_BATCH, TimerService
 
 if TYPE_CHECKING:
     # the type of connection=; asyncpg is imported by the store only
@@ -66,8 +74,6 @@ __all__ = ["Connection", "Engine", "connect"]
 
 log = logging.getLogger("flowlock")
 
-MAX_ID_LENGTH = 200
-_EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _WORKFLOW_CACHE_SIZE = 100_000
 
 Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
@@ -77,61 +83,6 @@ Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
 def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
     """An engine over the database at `database_url`: the same as `Engine.connect`."""
     return Engine.connect(database_url, **options)
-
-
-def _check_text(value: object, what: str) -> str:
-    return check_text(what, value, most=MAX_ID_LENGTH)
-
-
-def _check_fire_args(
-    instance_id: str,
-    event: str,
-    actor: str | None,
-    request_id: str | None,
-    expected_version: int | None,
-) -> None:
-    """Every argument of `fire` but the payload, checked before anything is read."""
-    _check_text(instance_id, "instance_id")
-    if not isinstance(event, str) or not _EVENT.fullmatch(event):
-        raise InvalidInput(
-            f"event {event!r} is not a valid event name (a letter, then letters, digits, "
-            "'_', '.', '-'; at most 100 characters)"
-        )
-    if actor is not None:
-        _check_text(actor, "actor")
-    if request_id is not None:
-        _check_text(request_id, "request_id")
-    if expected_version is not None and (
-        isinstance(expected_version, bool)
-        or not isinstance(expected_version, int)
-        or expected_version < 1
-    ):
-        raise InvalidInput(f"expected_version must be a positive integer, not {expected_version!r}")
-
-
-async def _create(store: Store, new: Instance, request_id: str | None) -> Instance:
-    # Without a key, a store written before keyed creates (create(instance)) still works.
-    return await (store.create(new) if request_id is None else store.create(new, request_id))
-
-
-def _first_create(asked: Instance, made: Instance, request_id: str | None) -> Instance:
-    """`made`, what the store answered a create under `request_id`, once it is known to answer
-    the create `asked` for; CreateKeyReused when the key's first create was another one."""
-    if request_id is not None and (
-        made.id != asked.id
-        or made.workflow != asked.workflow
-        or not same_json(made.data, asked.data)
-    ):
-        raise CreateKeyReused(
-            request_id,
-            original_instance_id=made.id,
-            instance_id=asked.id,
-            original_workflow=made.workflow,
-            workflow=asked.workflow,
-            original_data=made.data,
-            data=asked.data,
-        )
-    return made
 
 
 class Engine:
@@ -184,6 +135,18 @@ class Engine:
         self._per_definition_strategy = False
         self._runner = Runner(self._workflows, max_payload, metrics)
         self._batcher: Batcher[Fire, Outcome] | None = Batcher(max_batch) if batching else None
+        timers = options.get("timers", True)
+        check_flag("timers", timers)
+        self._timer_service: TimerService | None = None
+        if timers and isinstance(store, TimerStore):
+            self._timer_service = TimerService(
+                store,
+                self._fire_timer,
+                self._timed_workflows,
+                lease=options.get("timer_lease", DEFAULT_LEASE),
+                batch=options.get("timer_batch", DEFAULT_TIMER_BATCH),
+                metrics=metrics,
+            )
         self._open = False
 
     @classmethod
@@ -222,12 +185,16 @@ class Engine:
             self._open = True
             if self._sync is not None:
                 self._sync.start()
+            self._start_timers()
         return self
 
     async def aclose(self) -> None:
         """Close the lock backends and the store, releasing every connection. Idempotent."""
         if self._open:
             self._open = False
+            if self._timer_service is not None:
+                # Firings in flight end first; claims not fired run out and fire elsewhere.
+                await self._timer_service.stop()
             if self._batcher is not None:
                 # Batches already taken finish (each call is bounded) before the store closes.
                 await self._batcher.drain()
@@ -292,6 +259,8 @@ class Engine:
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
+        if workflow.has_timers:
+            self._start_timers()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
             for wf in self._workflows.values()
@@ -301,6 +270,53 @@ class Engine:
     def workflows(self) -> Mapping[str, Workflow]:
         """The registered workflows by name."""
         return dict(self._workflows)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def _timed_workflows(self) -> list[str]:
+        return [name for name, wf in self._workflows.items() if wf.has_timers]
+
+    def _start_timers(self) -> None:
+        """Run the timer service once the engine is open and runs a timed workflow; a
+        workflow registered later makes it look again at once."""
+        service = self._timer_service
+        if service is None or not self._open or not self._timed_workflows():
+            return
+        if service.running:
+            service.wake()
+        else:
+            service.start()
+
+    @property
+    def timer_service(self) -> TimerService | None:
+        """This engine's timer service (None with `timers=False`)."""
+        return self._timer_service
+
+    async def timers(self, instance_id: str) -> list[Timer]:
+        """The instance's armed timers, earliest due first: event, due time (the database's
+        clock), the stay that armed them. Empty when none is armed."""
+        self._check_open()
+        check_text(instance_id, "instance_id")
+        store = self._store
+        if not isinstance(store, TimerStore):
+            return []
+        return await store.timers(instance_id)
+
+    async def _fire_timer(self, timer: Timer) -> Outcome:
+        """Fire a claimed timer as any call is fired, under its firing's request id, refused
+        (StaleTimer) once the instance left the stay that armed it."""
+        firing = TimerFiring(timer.stay, timer.event, timer.n)
+        return await self._fire(
+            timer.instance_id,
+            timer.event,
+            actor=TIMER_ACTOR,
+            request_id=firing.request_id,
+            expected_version=None,
+            payload=None,
+            strategy=None,
+            connection=None,
+            timer=firing,
+        )
 
     # -- instances -------------------------------------------------------------------------
 
@@ -322,39 +338,36 @@ class Engine:
         """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken.
 
-        `request_id` is the create's idempotency key, as `fire`'s is the event's: it is
-        recorded with the instance, in the same transaction, so a retry with the same key, the
-        same id, workflow and data (as JSON) answers the first create (the instance as it was
-        created: version 1, its first state and data, `updated_at` equal to `created_at`, even
-        if it has moved on since) and writes nothing. The same key with another id, workflow or
-        data raises [`CreateKeyReused`][flowlock.CreateKeyReused] (an
-        IdempotencyKeyReused). Two creates with one key at once make one instance and answer
-        the same. A key names one create on the whole database (not per instance, as an
-        event's does); InstanceExists when the id was taken without this key.
+        `request_id` is the create's idempotency key: a retry with the same key, id, workflow
+        and data answers the first create (as it was created) and writes nothing; the same key
+        with anything else raises [`CreateKeyReused`][flowlock.CreateKeyReused]. A key names one
+        create on the whole database. The initial state's timers are armed in the same commit.
 
         `connection`: an asyncpg connection inside a transaction you opened (PostgreSQL
         only): the instance is inserted in that transaction, so it exists once you commit and
         not at all if you roll back (see [`fire`][flowlock.engine.Engine.fire])."""
         self._check_open()
-        _check_text(instance_id, "instance_id")
+        check_text(instance_id, "instance_id")
         if request_id is not None:
-            _check_text(request_id, "request_id")
+            check_text(request_id, "request_id")
         wf = self._workflow(workflow)
         body = self._check_data(data, "data")
         new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
+        arm = wf.timers(wf.initial)
         if connection is None:
-            inst = _first_create(new, await _create(self._store, new, request_id), request_id)
+            made = await create_with(self._store, new, request_id, arm)
+            inst = first_create(new, made, request_id)
             self._remember(inst)
             return inst
         # Not remembered: the caller may roll back, and the id be created again elsewhere.
-        async with self._transactional().in_transaction(connection) as store:
-            made = await _create(store, new, request_id)
-        return _first_create(new, made, request_id)
+        async with transactional(self._store).in_transaction(connection) as store:
+            made = await create_with(store, new, request_id, arm)
+        return first_create(new, made, request_id)
 
     async def get(self, instance_id: str) -> Instance:
         """The instance as last committed. Raises InstanceNotFound."""
         self._check_open()
-        _check_text(instance_id, "instance_id")
+        check_text(instance_id, "instance_id")
         inst = await self._store.get(instance_id)
         self._remember(inst)
         return inst
@@ -362,7 +375,7 @@ class Engine:
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
         self._check_open()
-        _check_text(instance_id, "instance_id")
+        check_text(instance_id, "instance_id")
         return await self._store.history(instance_id)
 
     # -- queries ---------------------------------------------------------------------------
@@ -378,25 +391,12 @@ class Engine:
     ) -> Page:
         """One page of the instances that match every filter given, in id order.
 
-        - `workflow`: of this workflow (a name nobody registered is a valid query; it finds
-          what the database holds under that name);
-        - `state`: in this state, or in any of a list of states;
-        - `updated_before` / `updated_after`: last changed strictly before / after this
-          moment (timezone-aware datetimes);
-        - `limit`: at most this many instances (1 to 1000);
-        - `after`: the `next_cursor` of the previous page (None: the first page).
-
-        Returns a [`flowlock.Page`][flowlock.Page]: a sequence of Instances plus `next_cursor` (None
-        on the last page). Instances come in id order (code point order, the same on every store).
-        Pages are a keyset over the id, which never changes: a walk over them returns each
-        instance at most once and ends, also while other callers fire transitions; an instance
-        that matches throughout the walk is returned exactly once, one that changes meanwhile
-        may be returned (as it was when its page was read) or not. Each page is one consistent
-        read; there is no snapshot across pages.
-
-        Raises InvalidInput (before anything is read) for a bad filter, a naive datetime,
-        `updated_after` not before `updated_before`, a limit out of range or a string that is
-        not a cursor.
+        `workflow`, `state` (one or a list), `updated_before` / `updated_after` (timezone-aware,
+        strict) filter; `limit` is 1 to 1000; `after` is the previous page's `next_cursor`.
+        Returns a [`flowlock.Page`][flowlock.Page] (`next_cursor` None on the last page). Pages
+        are a keyset over the id, so a walk returns each instance at most once and ends, also
+        under concurrent writes; each page is one consistent read (the queries guide says more).
+        InvalidInput, before anything is read, for a bad filter, limit or cursor.
         """
         self._check_open()
         query = instance_query(workflow, state, updated_before, updated_after)
@@ -463,12 +463,37 @@ class Engine:
         InvalidInput, before anything is read, when the store is not PostgreSQL or the
         connection is not in an open transaction.
         """
+        return await self._fire(
+            instance_id,
+            event,
+            actor=actor,
+            request_id=request_id,
+            expected_version=expected_version,
+            payload=payload,
+            strategy=strategy,
+            connection=connection,
+            timer=None,
+        )
+
+    async def _fire(
+        self,
+        instance_id: str,
+        event: str,
+        *,
+        actor: str | None,
+        request_id: str | None,
+        expected_version: int | None,
+        payload: Mapping[str, Any] | None,
+        strategy: str | Strategy | None,
+        connection: Connection | None,
+        timer: TimerFiring | None,
+    ) -> Outcome:
         started = time.perf_counter()
         # Without OpenTelemetry this line is the whole cost of tracing (flowlock.tracing).
         span = tracing.start_fire(instance_id, event) if tracing.AVAILABLE else None
         try:
             self._check_open()
-            _check_fire_args(instance_id, event, actor, request_id, expected_version)
+            check_fire_args(instance_id, event, actor, request_id, expected_version)
             body = self._check_data(payload, "payload")
             call = Call(
                 instance_id=instance_id,
@@ -478,9 +503,10 @@ class Engine:
                 request_id=request_id,
                 expected_version=expected_version,
                 strategy="",
+                timer=timer,
             )
             if connection is not None:
-                joinable = self._transactional()
+                joinable = transactional(self._store)
                 if strategy is not None:
                     in_transaction(self._requested(strategy))  # refused before anything is read
                 async with joinable.in_transaction(connection) as store:
@@ -538,17 +564,6 @@ class Engine:
         cache.move_to_end(inst.id)
         if len(cache) > _WORKFLOW_CACHE_SIZE:
             cache.popitem(last=False)
-
-    def _transactional(self) -> TransactionalStore:
-        """The store, when it can join a caller's transaction (`connection=`)."""
-        store = self._store
-        if not isinstance(store, TransactionalStore):
-            raise InvalidInput(
-                "connection= runs flowlock inside a transaction you opened on PostgreSQL; this "
-                f"engine's store ({type(store).__name__}) cannot join one. Use an engine on a "
-                "postgresql:// database, or call without connection=. Nothing was read or written"
-            )
-        return store
 
     async def _strategy_for(
         self, instance_id: str, event: str, requested: str | Strategy | None, store: Store

@@ -100,6 +100,30 @@ class Metrics:
             f"{p}_leases_lost", "Leases lost before commit (the write was refused).",
             ["strategy"], registry=r,
         )  # fmt: skip
+        self.timer_lag = Histogram(
+            f"{p}_timer_lag_seconds", "Seconds from a timer's due time to its firing.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )  # fmt: skip
+        self.timer_firings = Counter(
+            f"{p}_timer_firings", "Timer firings by outcome (applied, idempotent, stale, "
+            "refused, cancelled, failed).", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.timers_armed = Gauge(
+            f"{p}_timers_armed", "Timers armed in the store, as last counted by this engine.",
+            registry=r,
+        )  # fmt: skip
+
+    def record_timer(self, outcome: str, lag: float | None) -> None:
+        """One timer firing that came to `outcome` (see `flowlock.timers.OUTCOMES`); `lag`:
+        seconds from its due time to its firing, when it applied."""
+        self.timer_firings.labels(outcome).inc()
+        if lag is not None:
+            self.timer_lag.observe(lag)
+
+    def record_timers_armed(self, count: int) -> None:
+        """How many timers the store holds, as last counted."""
+        self.timers_armed.set(count)
 
     def record_outcome(
         self, outcome: Outcome, *, lock_wait: float | None = None, lock_hold: float | None = None

@@ -58,6 +58,13 @@ class _Tuning(TypedDict, total=False):
     """Apply concurrent calls on one instance together (True)."""
     max_batch: int
     """The most calls in one batch (256)."""
+    timers: bool
+    """Run the timer service, which fires timed transitions when due (True). False: this engine
+    only takes calls; timers still arm, and other engines fire them."""
+    timer_lease: float
+    """Seconds a claimed timer is this engine's before another may fire it (30)."""
+    timer_batch: int
+    """The most timer firings this engine has in flight at once (64)."""
 
 
 class EngineOptions(_Tuning, total=False):

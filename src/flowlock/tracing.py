@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowlock.core.errors import ConflictRetriesExhausted, InvalidInput
 from flowlock.core.install import pip_install
-from flowlock.core.models import HistoryEntry
+from flowlock.core.models import HistoryEntry, Timer
 
 try:  # the otel extra: without it every helper here is a no-op
     from opentelemetry import context as _otel_context
@@ -186,6 +186,25 @@ class FireSpan:
         _CURRENT.reset(self._token)
         _otel_context.detach(self._otel_token)
         self.span.end()
+
+
+def timer_span(timer: Timer) -> AbstractContextManager[Span] | None:
+    """A `flowlock.timer` span around one firing (its fire span is a child); None when nothing
+    is traced."""
+    found = tracer()
+    if found is None:
+        return None
+    return found.start_as_current_span(
+        "flowlock.timer",
+        attributes={
+            "flowlock.instance_id": timer.instance_id,
+            "flowlock.workflow": timer.workflow,
+            "flowlock.event": timer.event,
+            "flowlock.timer.stay": timer.stay,
+            "flowlock.timer.firing": timer.n,
+            "flowlock.timer.lag": timer.lag,
+        },
+    )
 
 
 def start_fire(instance_id: str, event: str) -> FireSpan | None:

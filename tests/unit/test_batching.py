@@ -119,7 +119,13 @@ def test_decide_batch_equals_one_by_one(batch: list[Call], before: list[Call]) -
     _, history = one_by_one(start, [], before)
     state = start
     for h in history:
-        state = state.evolve(state=h.to_state, version=h.version, data=h.data, last_event=h.event)
+        state = state.evolve(
+            state=h.to_state,
+            version=h.version,
+            data=h.data,
+            last_event=h.event,
+            stay_version=h.version if h.enters else state.stay_version,
+        )
     priors = {h.request_id: h for h in history if h.request_id is not None}
     wanted = {c.request_id for c in batch if c.request_id is not None}
     snap = Snapshot(state, priors={k: v for k, v in priors.items() if k in wanted})

@@ -10,20 +10,24 @@ import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from flowlock.core.errors import DefinitionError
+from flowlock.core.models import Timing
 
 if TYPE_CHECKING:
     from flowlock.core.models import Instance
 
 __all__ = [
+    "MAX_AFTER",
     "STRATEGIES",
     "SYNC_STEPS",
     "Effect",
     "Guard",
     "Step",
     "StrategyName",
+    "Timing",
     "Transition",
     "Workflow",
 ]
@@ -142,6 +146,28 @@ def _label(fn: object) -> str:
     return repr(name)
 
 
+MAX_AFTER = timedelta(days=36_500)
+"""The longest `after` or `every` a timed transition takes (about 100 years): every store keeps
+such a due time exactly."""
+
+
+def _duration(value: object, what: str, transition: str) -> float | None:
+    """`value` (a timedelta, or None) in seconds, checked positive and at most MAX_AFTER."""
+    if value is None:
+        return None
+    if not isinstance(value, timedelta):
+        raise DefinitionError(
+            f"transition {transition!r}: {what}= takes a datetime.timedelta, not "
+            f"{type(value).__name__} ({value!r})"
+        )
+    if value <= timedelta(0) or value > MAX_AFTER:
+        raise DefinitionError(
+            f"transition {transition!r}: {what}={value!r} must be positive and at most "
+            f"{MAX_AFTER.days} days"
+        )
+    return value.total_seconds()
+
+
 def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str, ...]:
     items = (value,) if isinstance(value, str) else tuple(value)
     if not items:
@@ -155,6 +181,12 @@ class Transition:
 
     `target` may list several states. The first is the default; an effect returning
     `Step(target=...)` picks another.
+
+    A timed transition fires by itself. `after`: once the instance has stayed in a `source`
+    state this long (its stay begins when it enters the state; transitions that keep the state
+    do not reset it). A timed transition whose target is its source is a reminder; `every`
+    repeats it while the instance stays (at most `limit` firings in all, when given). Callers
+    may still fire it early. See the timers guide.
     """
 
     name: str
@@ -164,6 +196,9 @@ class Transition:
     effect: Effect | None
     strategy: StrategyName | None
     policy: str | None
+    after: timedelta | None
+    every: timedelta | None
+    limit: int | None
 
     def __init__(
         self,
@@ -175,6 +210,9 @@ class Transition:
         effect: Effect | None = None,
         strategy: StrategyName | None = None,
         policy: str | None = None,
+        after: timedelta | None = None,
+        every: timedelta | None = None,
+        limit: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
@@ -194,11 +232,52 @@ class Transition:
         object.__setattr__(self, "effect", effect)
         object.__setattr__(self, "strategy", resolved)
         object.__setattr__(self, "policy", policy)
+        _check_timing(self, after, every, limit)
 
     @property
     def target(self) -> str:
         """The default target state."""
         return self.targets[0]
+
+    @property
+    def timed(self) -> bool:
+        """Whether the transition fires by itself (`after=` or `every=` given)."""
+        return self.after is not None
+
+    def timing(self) -> Timing | None:
+        """What a stay in one of the sources arms for this transition, or None if untimed."""
+        if self.after is None:
+            return None
+        every = None if self.every is None else self.every.total_seconds()
+        return Timing(self.name, self.after.total_seconds(), every, self.limit)
+
+
+def _check_timing(t: Transition, after: object, every: object, limit: object) -> None:
+    """Set `after`, `every` and `limit` on `t`, checked (DefinitionError says what is wrong)."""
+    name = t.name
+    _duration(after, "after", name)
+    _duration(every, "every", name)
+    if every is not None and after is None:
+        after = every  # a bare every= first fires one period into the stay
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise DefinitionError(
+                f"transition {name!r}: limit={limit!r} must be a positive whole number of firings"
+            )
+        if every is None:
+            raise DefinitionError(
+                f"transition {name!r}: limit= counts the firings of every=; give every= too "
+                "(a timed transition without every= fires once per stay)"
+            )
+    if every is not None and not set(t.sources) & set(t.targets):
+        raise DefinitionError(
+            f"transition {name!r}: every= repeats a reminder while the instance stays, but its "
+            f"targets {t.targets} never keep it in a source {t.sources}; drop every= or make "
+            "the transition's target one of its sources"
+        )
+    object.__setattr__(t, "after", after)
+    object.__setattr__(t, "every", every)
+    object.__setattr__(t, "limit", limit)
 
 
 @dataclass(frozen=True, slots=True, init=False, eq=False)
@@ -216,6 +295,7 @@ class Workflow:
     strategy: StrategyName | None
     policy: str | None
     _allowed: Mapping[str, tuple[str, ...]] = field(repr=False, compare=False)
+    _timed: Mapping[str, tuple[Timing, ...]] = field(repr=False, compare=False)
 
     def __init__(
         self,
@@ -253,6 +333,15 @@ class Workflow:
         object.__setattr__(self, "strategy", resolved)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "_allowed", allowed)
+        timed = {
+            s: tuple(
+                timing
+                for t in by_name.values()
+                if s in t.sources and (timing := t.timing()) is not None
+            )
+            for s in state_list
+        }
+        object.__setattr__(self, "_timed", {s: ts for s, ts in timed.items() if ts})
 
     def allowed(self, state: str) -> tuple[str, ...]:
         """The events that may fire from `state`."""
@@ -276,6 +365,15 @@ class Workflow:
                 )
         return warnings
 
+    def timers(self, state: str) -> tuple[Timing, ...]:
+        """What a stay in `state` arms: one Timing per timed transition leaving from it."""
+        return self._timed.get(state, ())
+
+    @property
+    def has_timers(self) -> bool:
+        """Whether any transition of the workflow is timed."""
+        return bool(self._timed)
+
     def is_final(self, state: str) -> bool:
         """A state no event leaves."""
         return not self._allowed.get(state)
@@ -294,10 +392,23 @@ class Workflow:
         lines.append(f"    [*] --> {ids[self.initial]}")
         for t in self.transitions.values():
             label = f"{t.name} [guarded]" if t.guard is not None else t.name
+            if t.after is not None:
+                label += f" after {_human(t.after)}"
+                if t.every is not None:
+                    label += f" every {_human(t.every)}"
             for source in t.sources:
                 lines += [f"    {ids[source]} --> {ids[target]}: {label}" for target in t.targets]
         lines += [f"    {ids[s]} --> [*]" for s in self.states if self.is_final(s)]
         return "\n".join(lines) + "\n"
+
+
+def _human(span: timedelta) -> str:
+    """A duration as a diagram label: "48h", "90s", "1.5d"."""
+    seconds = span.total_seconds()
+    for unit, size in (("d", 86_400), ("h", 3_600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 _MERMAID_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")

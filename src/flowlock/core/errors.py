@@ -244,6 +244,32 @@ class TransitionNotAllowed(TransitionRefused):
         )
 
 
+class StaleTimer(TransitionNotAllowed):
+    """A timer fired after its stay ended: the instance left the state that armed it (and may
+    be back in it, in a new stay). Nothing was written; the timer is void."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        event: str,
+        state: str,
+        allowed: Sequence[str],
+        version: int,
+        *,
+        stay: int,
+        current_stay: int | None,
+    ) -> None:
+        super().__init__(instance_id, event, state, allowed, version)
+        self.stay = stay
+        self.current_stay = current_stay
+        self.args = (
+            f"the timer {event!r} armed by the stay that began at version {stay} of instance "
+            f"{instance_id!r} is void: the instance left that stay (it is in state {state!r}, "
+            f"version {version}, a stay that began at version {current_stay}); nothing was "
+            "written",
+        )
+
+
 class GuardRejected(TransitionRefused):
     """A guard refused the transition (a business rule); nothing was written."""
 

@@ -12,7 +12,23 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, overload
 
-__all__ = ["Escalation", "HistoryEntry", "Instance", "InstanceQuery", "Outcome", "Page", "Snapshot"]
+__all__ = [
+    "TIMER_ACTOR",
+    "Escalation",
+    "HistoryEntry",
+    "Instance",
+    "InstanceQuery",
+    "Outcome",
+    "Page",
+    "Snapshot",
+    "Timer",
+    "TimerFiring",
+    "Timing",
+    "timer_request_id",
+]
+
+TIMER_ACTOR = "flowlock:timer"
+"""The `actor` of every history row a timer wrote."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +36,9 @@ class Instance:
     """One workflow instance as stored: its state, its data and its version.
 
     `version` starts at 1 and grows by one per applied transition. `last_event` is the
-    last applied event, None until the first.
+    last applied event, None until the first. `stay_version` is the version at which the
+    instance entered its current state (its stay; timers belong to one stay). `next_timer` is
+    its earliest armed timer, filled in by `engine.get` (None elsewhere, or with none armed).
     """
 
     id: str
@@ -31,6 +49,8 @@ class Instance:
     last_event: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    stay_version: int | None = None
+    next_timer: Timer | None = dataclasses.field(default=None, compare=False)
 
     def evolve(self, **changes: Any) -> Instance:
         """A copy with `changes` applied."""
@@ -60,6 +80,76 @@ class HistoryEntry:
     at: datetime | None = None
     fencing_token: int | None = None
     payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # What the commit does to timers, in the same transaction (not stored with the row):
+    # `arm`, the timers of the stay this entry begins (when it changes the state); `voids`,
+    # whether it ends a stay that may hold timers; `timer`, the timer this entry fired.
+    arm: tuple[Timing, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    voids: bool = dataclasses.field(default=False, compare=False, repr=False)
+    timer: TimerFiring | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def enters(self) -> bool:
+        """Whether this entry begins a new stay (it changes the state)."""
+        return self.from_state != self.to_state
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """A timed transition as a store arms it: fire `event` `after` seconds into the stay,
+    then every `every` seconds (None: once), at most `limit` firings (None: no limit)."""
+
+    event: str
+    after: float
+    every: float | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFiring:
+    """Which armed timer a call fires: the stay that armed it, its event, its firing number
+    (0 for the first). Together they make the call's request id."""
+
+    stay: int
+    event: str
+    n: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return timer_request_id(self.stay, self.event, self.n)
+
+
+def timer_request_id(stay: int, event: str, n: int) -> str:
+    """The request id of a timer's firing: `timer:<stay version>:<event>:<n>`. Every engine
+    firing the same timer uses the same one, so it applies once."""
+    return f"timer:{stay}:{event}:{n}"
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """One armed timer: `event` fires at `instance_id` at `due_at` (the database's clock).
+
+    - `stay`: the version at which the instance entered the state that armed it; void once the
+      instance leaves that state.
+    - `n`: firings done so far (a reminder with `every` counts up; `limit` caps them).
+    - `every`: seconds between a reminder's firings, None for one firing.
+    - `claimed_until`: when an engine firing it now gives up its claim, None when unclaimed.
+    - `lag`: seconds past due when read (0 when not due yet), on the database's clock.
+    """
+
+    instance_id: str
+    workflow: str
+    event: str
+    stay: int
+    due_at: datetime
+    n: int = 0
+    every: float | None = None
+    limit: int | None = None
+    claimed_until: datetime | None = None
+    lag: float = 0.0
+
+    @property
+    def firing(self) -> TimerFiring:
+        return TimerFiring(self.stay, self.event, self.n)
 
 
 @dataclass(frozen=True, slots=True)

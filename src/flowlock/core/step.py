@@ -18,6 +18,7 @@ from flowlock.core.errors import (
     GuardRejected,
     IdempotencyKeyReused,
     InvalidInput,
+    StaleTimer,
     StepFailed,
     TransitionNotAllowed,
     UnknownEvent,
@@ -25,7 +26,7 @@ from flowlock.core.errors import (
     VersionMismatch,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
-from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, Snapshot, TimerFiring
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
 
@@ -41,6 +42,7 @@ class Call:
     request_id: str | None
     expected_version: int | None
     strategy: str
+    timer: TimerFiring | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +216,18 @@ def _decide(
     transition = wf.transitions.get(call.event)
     if transition is None:
         raise UnknownEvent(wf.name, call.event, tuple(wf.transitions))
+    timer = call.timer
+    if timer is not None and (inst.stay_version or 1) != timer.stay:
+        # Checked before the two-admins rule: a timer of an ended stay never answers for it.
+        raise StaleTimer(
+            inst.id,
+            call.event,
+            inst.state,
+            wf.allowed(inst.state),
+            inst.version,
+            stay=timer.stay,
+            current_stay=inst.stay_version,
+        )
 
     if inst.state not in transition.sources:
         # The two-admins rule: the same event already brought the instance where this call
@@ -226,7 +240,7 @@ def _decide(
 
     _check_guard(transition, wf.name, inst, call)
     target, data = _apply_effect(transition, wf.name, inst, call, max_payload_bytes)
-
+    moves = target != inst.state
     return HistoryEntry(
         instance_id=inst.id,
         version=inst.version + 1,
@@ -238,6 +252,9 @@ def _decide(
         strategy=call.strategy,
         data=data,
         payload=call.payload,
+        arm=wf.timers(target) if moves else (),
+        voids=moves and bool(wf.timers(inst.state)),
+        timer=timer,
     )
 
 
@@ -260,7 +277,11 @@ class Batched:
 def _after(inst: Instance, entry: HistoryEntry) -> Instance:
     """The instance as `entry` leaves it, before it is committed (its time is the commit's)."""
     return inst.evolve(
-        state=entry.to_state, version=entry.version, data=entry.data, last_event=entry.event
+        state=entry.to_state,
+        version=entry.version,
+        data=entry.data,
+        last_event=entry.event,
+        stay_version=entry.version if entry.enters else inst.stay_version,
     )
 
 

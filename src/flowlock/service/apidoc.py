@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowlock.engine import MAX_ID_LENGTH
+from flowlock._calls import MAX_ID_LENGTH
 from flowlock.service.problems import PROBLEM_JSON
 
 PROBLEM_DOC: dict[str, Any] = {

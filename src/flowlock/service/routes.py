@@ -10,13 +10,14 @@ from urllib.parse import quote
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from flowlock._calls import MAX_ID_LENGTH
 from flowlock._inspect import entry_dict, instance_dict
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import Instance, Outcome
 from flowlock.core.query import decode_cursor
 from flowlock.core.settings import check_text
-from flowlock.engine import MAX_ID_LENGTH, Engine
+from flowlock.engine import Engine
 from flowlock.service.apidoc import (
     CREATE_KEY_DOC,
     CREATED_HEADERS,

@@ -30,13 +30,22 @@ caller's connection.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from flowlock.core.errors import InvalidInput
-from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import (
+    Escalation,
+    HistoryEntry,
+    Instance,
+    InstanceQuery,
+    Snapshot,
+    Timer,
+    Timing,
+)
 
 __all__ = [
     "EscalationBoard",
@@ -44,6 +53,7 @@ __all__ = [
     "Plan",
     "RowLock",
     "Store",
+    "TimerStore",
     "TransactionalStore",
     "entries_of",
 ]
@@ -114,8 +124,11 @@ class Store(Protocol):
     async def migrate(self) -> list[str]:
         """Apply pending schema migrations; returns the names applied now."""
 
-    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
-        """Insert a new instance at version 1. Raises InstanceExists.
+    async def create(
+        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+    ) -> Instance:
+        """Insert a new instance at version 1 (stay 1), arming `arm`'s timers in the same
+        transaction. Raises InstanceExists.
 
         `request_id`: the create's idempotency key, recorded with the state and data the
         instance starts with, in the same transaction as the insert (a key names one instance,
@@ -210,4 +223,62 @@ class TransactionalStore(Protocol):
         committed (the caller commits or rolls back), and an error inside undoes the store's part
         only, leaving the caller's transaction usable. InvalidInput when `connection` is not a
         connection of this store's kind inside an open transaction."""
+        ...
+
+
+@runtime_checkable
+class TimerStore(Protocol):
+    """Durable timers, in the same database as the instances (every store is one).
+
+    Timers are written by the commits of transitions, in their transaction: an entry that
+    changes the state ends the old stay (`voids`: its timers are deleted) and arms the new one's
+    (`arm`, due `after` seconds from the commit on the store's clock); an entry that fired a timer
+    (`timer`) moves that timer on (a reminder with `every` and firings left) or deletes it. A
+    create arms the initial state's timers (`create(..., arm=)`), with stay 1. The instance's
+    `stay_version` is the version of the last entry that changed its state (1 until then).
+
+    An engine's timer service claims due timers (one claimer each, for `lease` seconds), fires
+    them through the engine, and sleeps until the next due time or until `armed()` is set."""
+
+    async def claim_timers(
+        self, workflows: Sequence[str], *, limit: int, lease: float, owner: str
+    ) -> list[Timer]:
+        """At most `limit` due timers of `workflows` that nobody holds (never claimed, or their
+        claim ran out), earliest due first, each claimed by `owner` until `lease` seconds from
+        now. Concurrent claimers never get the same timer (PostgreSQL: SKIP LOCKED)."""
+        ...
+
+    async def release_timer(self, timer: Timer, owner: str) -> None:
+        """Give back `owner`'s claim on `timer` (a firing failed for a reason that may pass):
+        another round may claim it at once. Nothing if the claim is no longer `owner`'s."""
+        ...
+
+    async def cancel_timer(self, timer: Timer) -> bool:
+        """End one firing of `timer` that applied nothing (a guard refused, the event is gone):
+        as its commit would, move a reminder on or delete it. A compare-and-swap on the stay and
+        firing number: False, with nothing changed, when the timer moved on or was voided."""
+        ...
+
+    async def next_due(self, workflows: Sequence[str]) -> float | None:
+        """Seconds from now (the store's clock) until a timer of `workflows` can be claimed
+        (0 when one can be now, counting claims that run out), or None when none is armed."""
+        ...
+
+    async def timers(self, instance_id: str) -> list[Timer]:
+        """The instance's armed timers, earliest due first (none: empty)."""
+        ...
+
+    async def due_timers(self, *, within: float, limit: int) -> list[Timer]:
+        """At most `limit` timers due within `within` seconds from now or overdue, earliest
+        first, each with its `lag` (for `flowlock timers`)."""
+        ...
+
+    async def count_timers(self) -> int:
+        """How many timers are armed."""
+        ...
+
+    def armed(self) -> AbstractAsyncContextManager[asyncio.Event]:
+        """An event set whenever a commit arms a timer (PostgreSQL: NOTIFY, also from other
+        engines; memory and SQLite: this process), for the length of the `async with`. The
+        service clears it before each look at the next due time."""
         ...

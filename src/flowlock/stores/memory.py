@@ -11,8 +11,9 @@ import dataclasses
 import heapq
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flowlock.core.errors import (
@@ -22,7 +23,15 @@ from flowlock.core.errors import (
     LockBusy,
     LockTimeout,
 )
-from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import (
+    Escalation,
+    HistoryEntry,
+    Instance,
+    InstanceQuery,
+    Snapshot,
+    Timer,
+    Timing,
+)
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
@@ -43,6 +52,11 @@ def _rows(batch: tuple[HistoryEntry, ...]) -> tuple[HistoryEntry, ...]:
     """The history rows of a checked batch, their data and payload copied through JSON: done
     before the compare-and-swap, so data that is not JSON raises before anything is written."""
     return tuple(_copy_entry(entry) for entry in batch)
+
+
+def _wall(monotonic: float) -> datetime:
+    """A time on the monotonic clock as the wall-clock time it falls at (for display)."""
+    return datetime.now(UTC) + timedelta(seconds=monotonic - time.monotonic())
 
 
 class MemoryBoard:
@@ -66,8 +80,21 @@ class MemoryBoard:
         return [e for e in self._rows.values() if e.until > now]
 
 
+@dataclasses.dataclass(slots=True)
+class _Armed:
+    """A timer as the memory store keeps it: due and claimed on the monotonic clock."""
+
+    timer: Timer
+    due: float
+    claimed_until: float | None = None
+    owner: str | None = None
+
+
 class MemoryStore:
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
+
+    Timers are due on the process's monotonic clock (a change of the wall clock moves none);
+    `Timer.due_at` shows it as a wall-clock time.
 
     As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
     holder, at most `lock_timeout` seconds (then LockTimeout), and then compares against what
@@ -85,6 +112,9 @@ class MemoryStore:
         self._created: dict[str, Instance] = {}
         self._create_keys: dict[str, str] = {}
         self._board = MemoryBoard()
+        # Armed timers by instance id, then (stay, event); the events of armed() waiters.
+        self._timers: dict[str, dict[tuple[int, str], _Armed]] = {}
+        self._armed_events: set[asyncio.Event] = set()
         self._open = False
 
     async def open(self) -> None:
@@ -107,7 +137,9 @@ class MemoryStore:
             raise InstanceNotFound(instance_id)
         return inst.evolve(data=_copy(inst.data))
 
-    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+    async def create(
+        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+    ) -> Instance:
         self._check()
         if request_id is not None and request_id in self._created:
             return self._as_created(request_id)
@@ -115,9 +147,15 @@ class MemoryStore:
             raise InstanceExists(instance.id)
         now = datetime.now(UTC)
         stored = instance.evolve(
-            version=1, data=_copy(instance.data), last_event=None, created_at=now, updated_at=now
+            version=1,
+            data=_copy(instance.data),
+            last_event=None,
+            created_at=now,
+            updated_at=now,
+            stay_version=1,
         )
         self._instances[instance.id] = stored
+        self._arm(stored, 1, arm)
         self._history[instance.id] = []
         self._applied[instance.id] = {}
         if request_id is not None:
@@ -136,7 +174,12 @@ class MemoryStore:
 
     async def get(self, instance_id: str) -> Instance:
         self._check()
-        return self._load(instance_id)
+        inst = self._load(instance_id)
+        now = time.monotonic()
+        armed = list(self._timers.get(instance_id, {}).values())
+        if not armed:
+            return inst
+        return inst.evolve(next_timer=self._shown(min(armed, key=lambda a: a.due), now))
 
     def _snapshot(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         inst = self._load(instance_id)
@@ -181,15 +224,157 @@ class MemoryStore:
             history.append(dataclasses.replace(row, at=now))
         if last.fencing_token is not None:
             self._fences[first.instance_id] = last.fencing_token
+        entered = [row for row in rows if row.enters]
         new = current.evolve(
             state=last.to_state,
             version=last.version,
             data=last.data,
             last_event=last.event,
             updated_at=now,
+            stay_version=entered[-1].version if entered else current.stay_version,
         )
         self._instances[first.instance_id] = new
+        self._timers_after(new, rows)
         return new.evolve(data=_copy(new.data))
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def _timers_after(self, new: Instance, rows: tuple[HistoryEntry, ...]) -> None:
+        """What a committed batch does to the instance's timers (see TimerStore)."""
+        own = self._timers.get(new.id)
+        if own and any(row.voids for row in rows):
+            own.clear()
+        for row in rows:
+            fired = row.timer
+            armed = None if fired is None or not own else own.get((fired.stay, fired.event))
+            if armed is not None and fired is not None and armed.timer.n == fired.n:
+                self._move_on(armed)
+        entered = [row for row in rows if row.enters]
+        if entered:
+            self._arm(new, entered[-1].version, entered[-1].arm)
+
+    def _arm(self, inst: Instance, stay: int, arm: Sequence[Timing]) -> None:
+        if not arm:
+            return
+        now = time.monotonic()
+        own = self._timers.setdefault(inst.id, {})
+        for timing in arm:
+            due = now + timing.after
+            own[(stay, timing.event)] = _Armed(
+                Timer(
+                    instance_id=inst.id,
+                    workflow=inst.workflow,
+                    event=timing.event,
+                    stay=stay,
+                    due_at=_wall(due),
+                    every=timing.every,
+                    limit=timing.limit,
+                ),
+                due,
+            )
+        for event in self._armed_events:
+            event.set()
+
+    def _move_on(self, armed: _Armed) -> None:
+        """A firing of `armed` is done: a reminder with firings left is due one period later,
+        unclaimed; anything else is deleted."""
+        timer = armed.timer
+        n = timer.n + 1
+        if timer.every is None or (timer.limit is not None and n >= timer.limit):
+            own = self._timers[timer.instance_id]
+            del own[(timer.stay, timer.event)]
+            if not own:
+                del self._timers[timer.instance_id]
+            return
+        armed.due += timer.every
+        armed.timer = dataclasses.replace(timer, n=n, due_at=_wall(armed.due))
+        armed.claimed_until = armed.owner = None
+
+    def _all(self) -> list[_Armed]:
+        return [a for own in self._timers.values() for a in own.values()]
+
+    def _find(self, timer: Timer) -> _Armed | None:
+        armed = self._timers.get(timer.instance_id, {}).get((timer.stay, timer.event))
+        return armed if armed is not None and armed.timer.n == timer.n else None
+
+    def _shown(self, armed: _Armed, now: float) -> Timer:
+        claimed = armed.claimed_until
+        return dataclasses.replace(
+            armed.timer,
+            claimed_until=None if claimed is None or claimed <= now else _wall(claimed),
+            lag=max(0.0, now - armed.due),
+        )
+
+    async def claim_timers(
+        self, workflows: Sequence[str], *, limit: int, lease: float, owner: str
+    ) -> list[Timer]:
+        self._check()
+        await asyncio.sleep(0)
+        now = time.monotonic()
+        names = set(workflows)
+        due = heapq.nsmallest(
+            limit,
+            (
+                a
+                for a in self._all()
+                if a.due <= now
+                and a.timer.workflow in names
+                and (a.claimed_until is None or a.claimed_until <= now)
+            ),
+            key=lambda a: a.due,
+        )
+        for armed in due:
+            armed.claimed_until, armed.owner = now + lease, owner
+        return [dataclasses.replace(self._shown(a, now), claimed_until=None) for a in due]
+
+    async def release_timer(self, timer: Timer, owner: str) -> None:
+        self._check()
+        armed = self._find(timer)
+        if armed is not None and armed.owner == owner:
+            armed.claimed_until = armed.owner = None
+
+    async def cancel_timer(self, timer: Timer) -> bool:
+        self._check()
+        armed = self._find(timer)
+        if armed is None:
+            return False
+        self._move_on(armed)
+        return True
+
+    async def next_due(self, workflows: Sequence[str]) -> float | None:
+        self._check()
+        names = set(workflows)
+        times = [
+            max(a.due, a.claimed_until or a.due) for a in self._all() if a.timer.workflow in names
+        ]
+        return None if not times else max(0.0, min(times) - time.monotonic())
+
+    async def timers(self, instance_id: str) -> list[Timer]:
+        self._check()
+        now = time.monotonic()
+        found = self._timers.get(instance_id, {}).values()
+        return [self._shown(a, now) for a in sorted(found, key=lambda a: a.due)]
+
+    async def due_timers(self, *, within: float, limit: int) -> list[Timer]:
+        self._check()
+        now = time.monotonic()
+        found = heapq.nsmallest(
+            limit, (a for a in self._all() if a.due <= now + within), key=lambda a: a.due
+        )
+        return [self._shown(a, now) for a in found]
+
+    async def count_timers(self) -> int:
+        self._check()
+        return sum(len(own) for own in self._timers.values())
+
+    @asynccontextmanager
+    async def armed(self) -> AsyncIterator[asyncio.Event]:
+        event = asyncio.Event()
+        self._armed_events.add(event)
+        try:
+            yield event
+        finally:
+            self._armed_events.discard(event)
 
     async def commit(self, entries: Sequence[HistoryEntry]) -> Instance | None:
         rows = _rows(entries_of(entries))

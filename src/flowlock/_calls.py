@@ -1,0 +1,94 @@
+"""What the engine checks of a call before any I/O, and how a create reaches a store."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from flowlock.core.errors import CreateKeyReused, InvalidInput
+from flowlock.core.jsondata import same_json
+from flowlock.core.models import Instance, Timing
+from flowlock.core.settings import check_text as _text
+from flowlock.stores.base import Store, TransactionalStore
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "check_fire_args",
+    "check_text",
+    "create_with",
+    "first_create",
+    "transactional",
+]
+
+MAX_ID_LENGTH = 200
+_EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
+
+
+def check_text(value: object, what: str) -> str:
+    return _text(what, value, most=MAX_ID_LENGTH)
+
+
+def check_fire_args(
+    instance_id: str,
+    event: str,
+    actor: str | None,
+    request_id: str | None,
+    expected_version: int | None,
+) -> None:
+    """Every argument of `fire` but the payload, checked before anything is read."""
+    check_text(instance_id, "instance_id")
+    if not isinstance(event, str) or not _EVENT.fullmatch(event):
+        raise InvalidInput(
+            f"event {event!r} is not a valid event name (a letter, then letters, digits, "
+            "'_', '.', '-'; at most 100 characters)"
+        )
+    if actor is not None:
+        check_text(actor, "actor")
+    if request_id is not None:
+        check_text(request_id, "request_id")
+    if expected_version is not None and (
+        isinstance(expected_version, bool)
+        or not isinstance(expected_version, int)
+        or expected_version < 1
+    ):
+        raise InvalidInput(f"expected_version must be a positive integer, not {expected_version!r}")
+
+
+async def create_with(
+    store: Store, new: Instance, request_id: str | None, arm: Sequence[Timing]
+) -> Instance:
+    # Without a key or timers, a store written before them (create(instance)) still works.
+    if arm:
+        return await store.create(new, request_id, arm)
+    return await (store.create(new) if request_id is None else store.create(new, request_id))
+
+
+def first_create(asked: Instance, made: Instance, request_id: str | None) -> Instance:
+    """`made`, what the store answered a create under `request_id`, once it is known to answer
+    the create `asked` for; CreateKeyReused when the key's first create was another one."""
+    if request_id is not None and (
+        made.id != asked.id
+        or made.workflow != asked.workflow
+        or not same_json(made.data, asked.data)
+    ):
+        raise CreateKeyReused(
+            request_id,
+            original_instance_id=made.id,
+            instance_id=asked.id,
+            original_workflow=made.workflow,
+            workflow=asked.workflow,
+            original_data=made.data,
+            data=asked.data,
+        )
+    return made
+
+
+def transactional(store: Store) -> TransactionalStore:
+    """`store`, when it can join a caller's transaction (`connection=`)."""
+    if not isinstance(store, TransactionalStore):
+        raise InvalidInput(
+            "connection= runs flowlock inside a transaction you opened on PostgreSQL; this "
+            f"engine's store ({type(store).__name__}) cannot join one. Use an engine on a "
+            "postgresql:// database, or call without connection=. Nothing was read or written"
+        )
+    return store
