@@ -33,7 +33,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.models import Outcome, Timer
 from flowlock.core.settings import check_count, check_seconds
-from flowlock.stores.base import TimerStore
+from flowlock.stores.base import ArmedSignal, TimerStore
 
 if TYPE_CHECKING:
     from flowlock.metrics import Metrics
@@ -169,7 +169,21 @@ class TimerService:
                 backoff = _RETRY_BACKOFF[0]
                 wait = IDLE_BOUND if delay is None else min(delay, IDLE_BOUND)
                 if wait > 0:
-                    await _first_of(armed, self._poke, wait)
+                    await self._sleep(armed, wait)
+
+    async def _sleep(self, armed: ArmedSignal, seconds: float) -> None:
+        """Sleep `seconds` (until the next due time), or less: until `wake()`, or until a timer
+        is armed that falls due before then. Arms due later leave the sleep alone."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while (left := until - loop.time()) > 0:
+            await _first_of(armed, self._poke, left)
+            if self._poke.is_set():
+                return
+            if armed.is_set():
+                if armed.earliest is None or armed.earliest < until:
+                    return
+                armed.clear()
 
     async def _count(self) -> None:
         """Refresh `flowlock_timers_armed`, at most every COUNT_EVERY seconds and only while
