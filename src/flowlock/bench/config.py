@@ -71,6 +71,7 @@ _NOT_THROUGH_HTTP = {
     "inventory": "it is not wired to the service yet (its stock is sized to the callers)",
     "cluster": "it runs its callers in worker processes of its own",
     "singleton": "it runs a scheduled job, not an HTTP call",
+    "deadline": "its expiries are fired by the timer services of its worker processes",
 }
 _NO_HTTP_STRATEGY = {
     "raw": "raw is the bare-asyncpg floor: there is no engine to put behind HTTP",

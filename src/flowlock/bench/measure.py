@@ -27,6 +27,7 @@ __all__ = [
     "peak_overlap",
     "sampled",
     "timed_call",
+    "until",
 ]
 
 SAMPLE_INTERVAL = 0.004
@@ -299,6 +300,18 @@ async def timed_call(
     )
 
 
+async def until(at: float) -> float:
+    """Sleep until `at` (seconds since the epoch); the perf_counter time `at` corresponds to.
+
+    A call whose time has passed starts at once, and its latency still counts from `at`.
+    """
+    wait = at - time.time()
+    if wait > 0:
+        await asyncio.sleep(wait)
+        return time.perf_counter()
+    return time.perf_counter() + wait
+
+
 class Armed:
     """A round's callers, created and parked on the gate: `go` releases them."""
 
@@ -310,14 +323,20 @@ class Armed:
 
     async def _lane(
         self, scenario: Scenario, session: Session, lane: Sequence[CallSpec]
-    ) -> tuple[list[CallResult], float]:
+    ) -> tuple[list[CallResult], float, float]:
+        """The lane's results, when its first call could start, and when its last one ended."""
         await self._gate.wait()
         started = self._gate.released_at
+        first: float | None = None
         results: list[CallResult] = []
         for spec in lane:
+            if spec.at is not None:
+                started = await until(spec.at)
+            if first is None:
+                first = started
             results.append(await timed_call(scenario, session, spec, started))
             started = time.perf_counter()
-        return results, started
+        return results, self._gate.released_at if first is None else first, started
 
     async def ready(self) -> None:
         """Every caller waits at the gate."""
@@ -331,8 +350,10 @@ class Armed:
         except BaseException:
             await self.cancel()
             raise
-        results = [r for lane, _ in done for r in lane]
-        wall = max((end for _, end in done), default=released) - released
+        results = [r for lane, _, _ in done for r in lane]
+        # From the first call's start: the release, or the earliest `at` when calls wait for one.
+        began = min((first for _, first, _ in done), default=released)
+        wall = max((end for _, _, end in done), default=began) - began
         return results, wall
 
     async def cancel(self) -> None:

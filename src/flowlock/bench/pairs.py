@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target
@@ -204,6 +204,8 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         seeded(run.seed, scenario.name, spec.name),
         pool_size=ADMIN_POOL if multi else None,
         batching=config.batching,
+        # The worker processes' engines fire the timers; this one only sets up and reads back.
+        timers=not multi,
     ) as session:
         pair = Pair(run, scenario, spec, params, session)
         await clear_escalation_board(session.pool)
@@ -212,14 +214,16 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         # On an error or Ctrl-C no polite close (a worker may be mid-round): the run's exit
         # closes their stdin, and they cancel their calls and close their sessions.
         stats = await pair.rounds(rounds)
+        fired: tuple[int, ...] = ()
         if multi:
             closed = await run.workers.ask([Close()] * run.workers.count, Closed)
             counts = (sum(c.escalated for c in closed), sum(c.adopted for c in closed))
+            fired = tuple(c.fired for c in closed)
         else:
             monitor = session.engine.monitor
             counts = (monitor.escalations, monitor.adopted)
     run.progress.end()
-    return summarise(
+    result = summarise(
         scenario,
         spec.name,
         params,
@@ -230,3 +234,5 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         hosts=0 if run.hosts is None else run.hosts.count,
         escalations=None if spec.floor else counts,
     )
+    race = scenario.race(pair.timed.records, params, fired)
+    return result if race is None else replace(result, race=race)

@@ -60,6 +60,8 @@ class Open:
     params: Params
     seed: str
     batching: bool = True
+    timers: bool = True
+    """Whether the session's engine runs its timer service (`Engine(timers=...)`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +77,7 @@ class Open:
             },
             "seed": self.seed,
             "batching": self.batching,
+            "timers": self.timers,
         }
 
     @classmethod
@@ -87,6 +90,7 @@ class Open:
             params=Params(**doc["params"]),
             seed=doc["seed"],
             batching=bool(doc["batching"]),
+            timers=bool(doc.get("timers", True)),
         )
 
 
@@ -195,22 +199,31 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """The session is closed; its engine's escalation counts.
+    """The session is closed; its engine's escalation and timer counts.
 
     `escalated`: instances its adaptive monitor escalated while open.
     `adopted`: those of them taken from the board, decided by another engine.
+    `fired`: timers its timer service fired (whatever came of each).
     """
 
     op: ClassVar[str] = "closed"
     escalated: int = 0
     adopted: int = 0
+    fired: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "escalated": self.escalated, "adopted": self.adopted}
+        return {
+            "op": self.op,
+            "escalated": self.escalated,
+            "adopted": self.adopted,
+            "fired": self.fired,
+        }
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Closed:
-        return cls(int(doc.get("escalated", 0)), int(doc.get("adopted", 0)))
+        return cls(
+            int(doc.get("escalated", 0)), int(doc.get("adopted", 0)), int(doc.get("fired", 0))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,23 +325,28 @@ class WorkerPool:
             tail.append(line.decode(errors="replace").rstrip())
 
     async def send(self, requests: Sequence[Request]) -> None:
-        """One request to each worker, in order."""
-        for proc, request in zip(self._procs, requests, strict=True):
+        """One request to each of the first `len(requests)` workers, in order."""
+        if len(requests) > len(self._procs):
+            raise ValueError(f"{len(requests)} requests for {len(self._procs)} workers")
+        procs = self._procs[: len(requests)]
+        for proc, request in zip(procs, requests, strict=True):
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(request.to_dict()).encode() + b"\n")
-        await asyncio.gather(*(p.stdin.drain() for p in self._procs if p.stdin is not None))
+        await asyncio.gather(*(p.stdin.drain() for p in procs if p.stdin is not None))
 
     async def send_all(self, request: Request) -> None:
         """The same request to every worker."""
         await self.send([request] * self.count)
 
-    async def receive(self, expect: type[R]) -> list[R]:
-        """Each worker's reply, which must be an `expect`."""
-        return list(await asyncio.gather(*(self._reply(i, expect) for i in range(self.count))))
+    async def receive(self, expect: type[R], count: int | None = None) -> list[R]:
+        """The reply of each of the first `count` workers (default all): each an `expect`."""
+        asked = self.count if count is None else count
+        return list(await asyncio.gather(*(self._reply(i, expect) for i in range(asked))))
 
     async def ask(self, requests: Sequence[Request], expect: type[R]) -> list[R]:
+        """Send `requests` to the first `len(requests)` workers and wait for their replies."""
         await self.send(requests)
-        return await self.receive(expect)
+        return await self.receive(expect, len(requests))
 
     async def _reply(self, index: int, expect: type[R]) -> R:
         proc = self._procs[index]

@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from flowlock.checker import (
     BROKEN_CHAIN,
@@ -25,6 +25,9 @@ from flowlock.checker import (
     check,
 )
 from flowlock.core.models import HistoryEntry, Instance
+
+if TYPE_CHECKING:
+    from flowlock.bench.timer_results import RaceFigures, TimersSection
 
 __all__ = [
     "HTTP",
@@ -97,6 +100,9 @@ class CallSpec:
     actor: str | None = None
     payload: Mapping[str, Any] | None = None
     request_id: str | None = None
+    at: float | None = None
+    """When to make the call, in seconds since the epoch on this machine's clock (`deadline`:
+    the instance's due time); None: as soon as the caller may. Its latency counts from then."""
 
     def to_json(self) -> dict[str, Any]:
         """For the worker processes' pipe."""
@@ -106,12 +112,19 @@ class CallSpec:
             "actor": self.actor,
             "payload": None if self.payload is None else dict(self.payload),
             "request_id": self.request_id,
+            "at": self.at,
         }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CallSpec:
+        at = doc.get("at")
         return cls(
-            doc["instance_id"], doc["event"], doc["actor"], doc["payload"], doc["request_id"]
+            doc["instance_id"],
+            doc["event"],
+            doc["actor"],
+            doc["payload"],
+            doc["request_id"],
+            None if at is None else float(at),
         )
 
 
@@ -128,6 +141,8 @@ class RoundPlan:
     """instance id -> initial state"""
     calls: tuple[CallSpec, ...] = ()
     lanes: tuple[tuple[CallSpec, ...], ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """What setup learned that the judge needs (deadline: each instance's due time)."""
 
     def callers(self) -> tuple[tuple[CallSpec, ...], ...]:
         """Every caller's calls, in order."""
@@ -383,6 +398,8 @@ class ScenarioResult:
     transport: Transport = IN_PROCESS
     """How the calls were made. Over `http` the connections are the service's, which the
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
+    race: RaceFigures | None = None
+    """`deadline` only: how the approvals and the expiries shared the instances."""
 
     @property
     def label(self) -> str:
@@ -499,11 +516,14 @@ class BenchReport:
     """`scenario/strategy` pairs that could not run (see `notes`)."""
     log: tuple[str, ...] = ()
     """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
+    timers: TimersSection | None = None
+    """The firing lag and idle cost, measured when the run had `deadline` (None otherwise)."""
 
     @property
     def ok(self) -> bool:
-        """Every pair's checker verdict is ok."""
-        return all(r.verdict.ok for r in self.results)
+        """Every pair's checker verdict is ok, and so is every timers measurement's."""
+        timers_ok = self.timers is None or self.timers.ok
+        return timers_ok and all(r.verdict.ok for r in self.results)
 
 
 # Violation kinds, the most serious first: what a reader of a failed run should see first.

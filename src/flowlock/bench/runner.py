@@ -129,27 +129,30 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
     config = run.config
     warmup = 1 if config.warms_up() else 0
     transports = 2 if run.service is not None else 1
+    pairs = [
+        (SCENARIOS[scenario_name], STRATEGIES[strategy_name])
+        for scenario_name in config.scenario_names()
+        for strategy_name in config.strategy_names()
+        # The raw floor has no timer service: a scenario without a floor runs without it.
+        if SCENARIOS[scenario_name].has_floor or not STRATEGIES[strategy_name].floor
+    ]
     run.progress.plan(
         transports
         * sum(
-            config.rounds_for(SCENARIOS[scenario_name]) + warmup
-            for scenario_name in config.scenario_names()
-            for strategy_name in config.strategy_names()
-            if redis is not None or STRATEGIES[strategy_name].locks != "redis"
+            config.rounds_for(scenario) + warmup
+            for scenario, spec in pairs
+            if redis is not None or spec.locks != "redis"
         )
     )
-    for scenario_name in run.config.scenario_names():
-        for strategy_name in run.config.strategy_names():
-            spec = STRATEGIES[strategy_name]
-            if spec.locks == "redis" and redis is None:
-                skipped.append(f"{scenario_name}/{strategy_name}")
-                continue
-            scenario = SCENARIOS[scenario_name]
-            results.append(await run_pair(run, scenario, spec))
-            if run.service is not None:
-                # Right after its in-process twin: on a shared machine, the nearer in time the
-                # two runs, the more alike the load the rest of the machine puts on both.
-                results.append(await run.service.run_pair(run, scenario, spec))
+    for scenario, spec in pairs:
+        if spec.locks == "redis" and redis is None:
+            skipped.append(f"{scenario.name}/{spec.name}")
+            continue
+        results.append(await run_pair(run, scenario, spec))
+        if run.service is not None:
+            # Right after its in-process twin: on a shared machine, the nearer in time the
+            # two runs, the more alike the load the rest of the machine puts on both.
+            results.append(await run.service.run_pair(run, scenario, spec))
     return results, skipped
 
 

@@ -240,12 +240,13 @@ async def open_session(
     *,
     pool_size: int | None = None,
     batching: bool = True,
+    timers: bool = True,
 ) -> AsyncIterator[BenchSession]:
     """A fresh session for `spec`, closed on the way out.
 
     It gets its own pool (`pool_size`, default the target's), engine and lock backend.
-    The engine batches concurrent calls on one instance unless `batching` is False.
-    The scenario's workflows are registered.
+    The engine batches concurrent calls on one instance unless `batching` is False, and runs a
+    timer service unless `timers` is False. The scenario's workflows are registered.
     """
     size = pool_size or target.pool_size
     # Batching off is flowlock as it was before batching: no pipelining of reads and writes of
@@ -261,8 +262,12 @@ async def open_session(
         if spec.build is not None:
             strategies[spec.name] = spec.build(BuildContext(rng, locks))
         # Every call names its strategy; the default only decides the engine's startup safety
-        # warnings, which the bench provokes on purpose (optimistic on must-apply steps).
-        engine = Engine(store, strategy="pessimistic", strategies=strategies, batching=batching)
+        # warnings, which the bench provokes on purpose (optimistic on must-apply steps), and
+        # the strategy timers fire with: a timed scenario's are fired with the pair's.
+        default = spec.name if scenario.timed and not spec.floor else "pessimistic"
+        engine = Engine(
+            store, strategy=default, strategies=strategies, batching=batching, timers=timers
+        )
         await stack.enter_async_context(engine)
         for wf in scenario.workflows(params):
             await engine.register(wf)

@@ -74,6 +74,7 @@ class _Worker:
                     random.Random(request.seed),
                     pool_size=request.pool_size,
                     batching=request.batching,
+                    timers=request.timers,
                 )
             )
         except BaseException:
@@ -98,11 +99,14 @@ class _Worker:
         return Done(tuple(results), wall, self._session.lease_wait - leased)
 
     def _escalations(self) -> Closed:
-        """The session's escalation counts (its engine's adaptive monitor, new per session)."""
+        """The session's escalation counts (its engine's adaptive monitor, new per session)
+        and its timer service's firings."""
         if self._session is None:
             return Closed()
-        monitor = self._session.engine.monitor
-        return Closed(monitor.escalations, monitor.adopted)
+        engine = self._session.engine
+        service = engine.timer_service
+        fired = 0 if service is None else service.fired
+        return Closed(engine.monitor.escalations, engine.monitor.adopted, fired)
 
     async def close(self) -> None:
         armed, self._armed = self._armed, None

@@ -18,6 +18,7 @@ from flowlock.bench.results import (
 )
 from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session
 from flowlock.bench.scenarios.countersign import Countersign
+from flowlock.bench.scenarios.deadline import Deadline
 from flowlock.bench.scenarios.inventory import Inventory
 from flowlock.bench.scenarios.singleton import Singleton
 from flowlock.bench.scenarios.steps import Cluster, Hot, Spread, counter
@@ -29,6 +30,7 @@ __all__ = [
     "CallSpec",
     "Cluster",
     "Countersign",
+    "Deadline",
     "Fired",
     "Floor",
     "Hot",
@@ -57,5 +59,14 @@ def register_scenario(scenario: Scenario) -> Scenario:
     return scenario
 
 
-for _scenario in (Storm(), Countersign(), Inventory(), Hot(), Spread(), Cluster(), Singleton()):
+for _scenario in (
+    Storm(),
+    Countersign(),
+    Inventory(),
+    Hot(),
+    Spread(),
+    Cluster(),
+    Singleton(),
+    Deadline(),
+):
     register_scenario(_scenario)

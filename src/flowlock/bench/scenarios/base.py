@@ -24,6 +24,7 @@ from flowlock.bench.results import (
     RoundPlan,
     RoundRecord,
 )
+from flowlock.bench.timer_results import RaceFigures
 from flowlock.checker import DOUBLE_APPLY, INVARIANT, LOST_UPDATE, Invariant, Violation
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InstanceNotFound
@@ -103,6 +104,11 @@ class Scenario:
     multiprocess: bool = False
     """Runs its callers in `--processes` OS processes instead of this one."""
     floor: Floor = "locked"
+    has_floor: bool = True
+    """Whether the raw floor can run it (`deadline`'s expiries need the engines' timers)."""
+    timed: bool = False
+    """Its workflows have timed transitions: the engines of the worker processes fire them,
+    with the pair's strategy, and the runner's own engine runs no timer service."""
     invariant_kind: str = INVARIANT
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
@@ -155,6 +161,15 @@ class Scenario:
         [`flowlock.checker.check`][flowlock.checker.check] cannot see.
         """
         return Judgement(False)
+
+    def race(
+        self, records: Sequence[RoundRecord], params: Params, fired: Sequence[int]
+    ) -> RaceFigures | None:
+        """The timers section's figures of this pair (`deadline`); None for other scenarios.
+
+        `fired`: how many timers each worker process's engine fired.
+        """
+        return None
 
     def rounds(self, quick: bool) -> int:
         return self.quick_rounds if quick else self.default_rounds
