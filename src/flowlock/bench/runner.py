@@ -15,6 +15,7 @@ import flowlock
 from flowlock.bench.config import BenchConfig, Target, redact
 from flowlock.bench.extend import LAB_MISSING, Lab
 from flowlock.bench.host import cores, loop_factory, loop_name
+from flowlock.bench.idle import measure_idle
 from flowlock.bench.logs import collect_logs
 from flowlock.bench.pairs import Run, run_pair
 from flowlock.bench.procs import WorkerPool
@@ -32,6 +33,8 @@ from flowlock.bench.servers import (
     redis_server,
 )
 from flowlock.bench.session import prepare_schema
+from flowlock.bench.timer_load import FULL, QUICK, measure_lag
+from flowlock.bench.timer_results import TimersSection
 from flowlock.core.errors import InvalidInput
 from flowlock.core.install import pip_install
 
@@ -156,6 +159,24 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
     return results, skipped
 
 
+async def _timers(run: Run) -> TimersSection | None:
+    """The timers section's lag and idle cost, when the run has the `deadline` scenario."""
+    if "deadline" not in run.config.scenario_names():
+        return None
+    load = QUICK if run.config.quick else FULL
+    lags = []
+    for engines in sorted({1, run.workers.count}):
+        run.progress.status(
+            f"timers: the firing lag with {engines} engine(s), {load.armed:,} armed, "
+            f"{load.due_per_s:,.0f} due a second"
+        )
+        lags.append(await measure_lag(run, engines, load))
+    run.progress.status(f"timers: the idle cost of one engine with {load.idle_armed:,} armed")
+    notes: list[str] = []
+    idle = await measure_idle(run, load, notes)
+    return TimersSection(tuple(lags), idle, tuple(notes))
+
+
 def _needs_lab(config: BenchConfig, lab: Lab | None) -> Lab | None:
     """The lab a `--hosts` or `--http` run needs, or None.
 
@@ -225,6 +246,7 @@ async def run_bench(
             notes.append(service.note())
         shared = Run(config, target, seed, shown, workers, hosts, service)
         results, skipped = await _run_pairs(shared, redis)
+        timers = await _timers(shared)
         if hosts is not None:
             await hosts.close(workers, server, redis)
         args = {
@@ -246,6 +268,7 @@ async def run_bench(
         redis="none" if redis is None else redis.kind,
         skipped=tuple(skipped),
         log=logged.lines(),
+        timers=timers,
     )
 
 

@@ -23,6 +23,7 @@ from flowlock.core.errors import InvalidInput, StoreError
 
 __all__ = [
     "DRIVER_ERRORS",
+    "OWN_APPLICATION_NAME",
     "DatabaseServer",
     "RedisServer",
     "clear_escalation_board",
@@ -44,7 +45,8 @@ __all__ = [
 
 _EMBEDDED_MAX_CONNECTIONS = 500
 _CONNECTION_HEADROOM = 6  # the sampler, one-off connections, backends still exiting
-_OWN_APPLICATION_NAME = "flowlock-bench"  # the runner's own connections: never counted
+OWN_APPLICATION_NAME = "flowlock-bench"
+"""The application name of the runner's own connections (`connect`): never counted."""
 
 DRIVER_ERRORS = PG_DRIVER_ERRORS
 """What the runner's own plain connections may raise: the PostgreSQL layer's one list."""
@@ -63,7 +65,7 @@ async def connect(url: str) -> asyncpg.Connection:
     """A plain connection of the runner's own (not counted among the run's connections)."""
     try:
         return await asyncpg.connect(
-            url, timeout=10, server_settings={"application_name": _OWN_APPLICATION_NAME}
+            url, timeout=10, server_settings={"application_name": OWN_APPLICATION_NAME}
         )
     except DRIVER_ERRORS as exc:
         raise store_error(exc, url, "cannot connect") from exc

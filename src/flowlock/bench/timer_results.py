@@ -71,8 +71,9 @@ class Quantiles:
 class RaceFigures:
     """One `deadline` pair: instances whose approval and expiry fell due together.
 
-    Times come from the database server: each timer's due time and each history row's `at`.
-    `exactly_one`: every instance ended approved or rejected, with one history row.
+    Times are on the database server's clock: each timer's due time, each expiry's history
+    row `at` (the start of the transaction that wrote it) and each approval's answer to its
+    caller. `exactly_one`: every instance ended approved or rejected, with one history row.
     `left_armed`: timers still armed once every instance was resolved (should be 0).
     """
 
@@ -83,7 +84,8 @@ class RaceFigures:
     unresolved: int
     exactly_one: bool
     span_s: float
-    """From the first due time to the last history row."""
+    """From the first due time to the last instance resolved (the last expiry written, or the
+    last approval answered)."""
     expiry_lag: Quantiles
     """Due time to the expiry's history row, for the instances the timers rejected."""
     left_armed: int
@@ -175,17 +177,21 @@ class LagFigures:
 class IdleFigures:
     """What one engine sent while `armed` timers were armed and none fell due.
 
-    Counted on the server, in a database of its own that nothing else used.
-    `transactions_per_s`: the database's committed and rolled-back transactions (each statement
-    outside a transaction block is one); `scans_per_s`: sequential and index scans per flowlock
-    table. The timer service is the only reader of `flowlock_timers`, so its scans are the
-    service's statements.
+    Counted on the server, in a database of its own that nothing else used:
+
+    - `statements_per_s`: the statements the engine's connections started in the window, seen
+      in `pg_stat_activity` (sampled every few ms, so a lower bound: two statements on one
+      connection between two samples count once), by kind: `timers` (they name
+      `flowlock_timers`), `listen` (the LISTEN connection's) and `other`;
+    - `scans_per_s`: sequential and index scans of each flowlock table (exact: counted by the
+      server, the engine's startup counted out). Only the timer service reads
+      `flowlock_timers`, so its scans bound the service's statements from above.
     """
 
     engines: int
     armed: int
     window_s: float
-    transactions_per_s: float
+    statements_per_s: Mapping[str, float]
     scans_per_s: Mapping[str, float]
     database: str
     method: str
@@ -194,7 +200,16 @@ class IdleFigures:
 
     @property
     def timer_statements_per_s(self) -> float:
-        return self.scans_per_s.get("flowlock_timers", 0.0)
+        """The timer service's statements a second: its table's scans, or the statements seen
+        naming it when more."""
+        return max(
+            self.scans_per_s.get("flowlock_timers", 0.0), self.statements_per_s.get("timers", 0.0)
+        )
+
+    @property
+    def total_per_s(self) -> float:
+        """Every statement the engine was seen to start, a second."""
+        return sum(self.statements_per_s.values())
 
     @property
     def met(self) -> bool:
@@ -204,9 +219,12 @@ class IdleFigures:
         return {
             "engines": self.engines,
             "armed": self.armed,
-            "window_s": self.window_s,
-            "transactions_per_s": round(self.transactions_per_s, 3),
+            "window_s": round(self.window_s, 3),
+            "statements_per_s": round(self.total_per_s, 3),
             "timer_statements_per_s": round(self.timer_statements_per_s, 3),
+            "statements_by_kind": {
+                k: round(v, 3) for k, v in sorted(self.statements_per_s.items())
+            },
             "scans_per_s": {k: round(v, 3) for k, v in sorted(self.scans_per_s.items())},
             "database": self.database,
             "method": self.method,

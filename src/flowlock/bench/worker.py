@@ -56,9 +56,7 @@ class _Worker:
             case Go():
                 return await self._go()
             case Close():
-                closed = self._escalations()
-                await self.close()
-                return closed
+                return await self._close()
 
     async def _open(self, request: Open) -> Opened:
         await self.close()
@@ -98,12 +96,13 @@ class _Worker:
         results, wall = await armed.go()
         return Done(tuple(results), wall, self._session.lease_wait - leased)
 
-    def _escalations(self) -> Closed:
-        """The session's escalation counts (its engine's adaptive monitor, new per session)
-        and its timer service's firings."""
+    async def _close(self) -> Closed:
+        """Close the session; its escalation counts (its engine's adaptive monitor, new per
+        session) and its timer service's firings, counted once the firings in flight ended."""
         if self._session is None:
             return Closed()
         engine = self._session.engine
+        await self.close()
         service = engine.timer_service
         fired = 0 if service is None else service.fired
         return Closed(engine.monitor.escalations, engine.monitor.adopted, fired)
