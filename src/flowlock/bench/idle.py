@@ -1,15 +1,18 @@
 """The timers section's idle cost: what one engine sends while timers are armed and none is due.
 
 Counted on the server, in a database of its own (created for the measurement and dropped after
-it), so that everything seen there is the engine's. Two counts:
+it), so that everything seen there is the engine's. The engine opens, settles, and is watched
+for the window:
 
 - the statements its connections start, seen in `pg_stat_activity` every few milliseconds
-  from a connection to another database (a lower bound: two statements on one connection
-  between two looks count once);
-- the scans of each flowlock table, which the server counts exactly but reports only now and
-  then, and all of them when a connection ends. So the engine is run twice, for a short life
-  and for a life longer by the measured window, each counted from before it opens to after its
-  last connection is gone; the difference is the window's, with the startup counted out.
+  from a connection to another database. A connection shows the statement it runs or ran
+  last, so two statements of one connection between two looks count once (a lower bound of
+  the count), but a connection that sends anything is always seen sending something;
+- the scans of each flowlock table, which the server counts exactly: read when the window
+  opens and after the engine's connections are gone (a connection hands in its counts at the
+  latest 10 s after its last statement, and all of them when it ends). A full run settles 11
+  s first, so the startup's scans are in before the window opens; `--quick` settles half a
+  second, and its figures may include some of the startup's.
 
 Not the database's transaction counters: an idle connection runs a short transaction of its
 own whenever other sessions' catalog changes or notifications pile up for it, so those count
@@ -48,7 +51,7 @@ from flowlock.bench.timer_sql import (
     VACUUM,
 )
 
-__all__ = ["IDLE_AHEAD", "SAMPLE", "measure_idle", "statement_kind", "with_database"]
+__all__ = ["IDLE_AHEAD", "KINDS", "SAMPLE", "measure_idle", "statement_kind", "with_database"]
 
 IDLE_AHEAD = 86_400.0
 """How far ahead the idle measurement's timers fall due: a day, so none falls due meanwhile."""
@@ -63,13 +66,20 @@ def with_database(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"/{name}"))
 
 
+KINDS = ("timers", "listen", "escalations", "other")
+"""The kinds of statement the idle cost counts apart (see `statement_kind`)."""
+
+
 def statement_kind(app: str, query: str) -> str:
-    """`timers` for a statement on the timers' table, `listen` for one of the LISTEN
-    connection (named `...-timers`), `other` for the rest."""
-    if "flowlock_timers" in query and not query.lstrip().upper().startswith("LISTEN"):
-        return "timers"
+    """What sent a statement: `timers` (it names the timers' table), `listen` (the LISTEN
+    connection's own, named `...-timers`), `escalations` (the adaptive strategy's board: its
+    clock and its escalations) or `other`."""
     if app.endswith("-timers"):
         return "listen"
+    if "flowlock_timers" in query:
+        return "timers"
+    if "flowlock_escalations" in query or "clock_timestamp()" in query:
+        return "escalations"
     return "other"
 
 
@@ -94,7 +104,7 @@ class _Seen:
         return len(rows)
 
     def between(self, start: float, end: float) -> dict[str, int]:
-        counts: dict[str, int] = {"timers": 0, "listen": 0, "other": 0}
+        counts = dict.fromkeys(KINDS, 0)
         for (_, started), kind in self.statements.items():
             if start <= started < end:
                 counts[kind] += 1
@@ -133,42 +143,23 @@ async def _watch(
     return start, float(await admin.fetchval(CLOCK))
 
 
-@dataclass(frozen=True, slots=True)
-class _Life:
-    """One life of the engine: its table scans, how long it was open, and the window watched."""
-
-    scans: Mapping[str, int]
-    lived: float
-    window: tuple[float, float] | None
-
-
-async def _life(
-    run: Run,
-    target: Target,
-    admin: asyncpg.Connection,
-    name: str,
-    load: TimerLoad,
-    seen: _Seen,
-    *,
-    watch: bool,
-) -> _Life:
-    """One engine, open for the settle time (and, when `watch`, the window, watched)."""
+async def _watched(
+    run: Run, target: Target, admin: asyncpg.Connection, name: str, load: TimerLoad, seen: _Seen
+) -> tuple[dict[str, int], tuple[float, float]]:
+    """One engine, open for the settle time and then watched for the window: each table's
+    scans from the window's start to after the engine was gone, and the window (server clock)."""
     like = target.application_name
-    before = await _scans(target.url)
     await _quiet(admin, name, like, seen)
     await open_engines(run, target, 1, "idle", timers=True)
-    opened = time.monotonic()
-    window: tuple[float, float] | None = None
     try:
         await asyncio.sleep(load.idle_settle_s)
-        if watch:
-            window = await _watch(admin, name, like, load.idle_window_s, seen)
+        before = await _scans(target.url)
+        window = await _watch(admin, name, like, load.idle_window_s, seen)
     finally:
         await close_engines(run, 1)
-        lived = time.monotonic() - opened
     await _quiet(admin, name, like, seen)
     after = await _scans(target.url)
-    return _Life({t: after.get(t, 0) - before.get(t, 0) for t in after}, lived, window)
+    return {t: after.get(t, 0) - before.get(t, 0) for t in after}, window
 
 
 async def _prepare(url: str, target: Target, load: TimerLoad) -> None:
@@ -182,24 +173,23 @@ async def _prepare(url: str, target: Target, load: TimerLoad) -> None:
         await conn.close()
 
 
-def _figures(short: _Life, long: _Life, seen: _Seen, load: TimerLoad) -> IdleFigures:
-    lived = long.lived - short.lived
-    assert long.window is not None
-    start, end = long.window
-    window = end - start
-    statements = {k: n / window for k, n in seen.between(start, end).items()} if window else {}
-    scans = {t: (n - short.scans.get(t, 0)) / lived for t, n in long.scans.items()} if lived else {}
+def _figures(
+    scans: Mapping[str, int], window: tuple[float, float], seen: _Seen, load: TimerLoad
+) -> IdleFigures:
+    start, end = window
+    span = end - start
+    counted = seen.between(start, end)
     return IdleFigures(
         engines=1,
         armed=load.idle_armed,
-        window_s=window,
-        statements_per_s=statements,
-        scans_per_s=scans,
+        window_s=span,
+        statements_per_s={k: n / span for k, n in counted.items()} if span > 0 else {},
+        scans_per_s={t: n / span for t, n in scans.items()} if span > 0 else {},
         database="dedicated",
         method=(
-            f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started, a lower bound) "
-            "and pg_stat_user_tables (seq_scan + idx_scan of a short and a longer life of "
-            "the engine)"
+            f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started: a lower bound) "
+            f"and pg_stat_user_tables (seq_scan + idx_scan), after {load.idle_settle_s:g} s "
+            "of settling"
         ),
         others_seen=len(seen.others),
     )
@@ -226,8 +216,7 @@ async def measure_idle(run: Run, load: TimerLoad, notes: list[str]) -> IdleFigur
             return None
         try:
             await _prepare(url, target, load)
-            short = await _life(run, target, admin, name, load, seen, watch=False)
-            long = await _life(run, target, admin, name, load, seen, watch=True)
+            scans, window = await _watched(run, target, admin, name, load, seen)
         finally:
             await admin.execute(DROP_DATABASE.format(name=name))
     except DRIVER_ERRORS as exc:
@@ -239,4 +228,4 @@ async def measure_idle(run: Run, load: TimerLoad, notes: list[str]) -> IdleFigur
             f"the idle cost's database had {len(seen.others)} other backend(s) meanwhile "
             "(autovacuum): their statements are not counted, their table scans may be"
         )
-    return _figures(short, long, seen, load)
+    return _figures(scans, window, seen, load)

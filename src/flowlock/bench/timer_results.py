@@ -177,15 +177,19 @@ class LagFigures:
 class IdleFigures:
     """What one engine sent while `armed` timers were armed and none fell due.
 
-    Counted on the server, in a database of its own that nothing else used:
+    Counted on the server, in a database of its own that nothing else used, after the engine
+    settled:
 
     - `statements_per_s`: the statements the engine's connections started in the window, seen
       in `pg_stat_activity` (sampled every few ms, so a lower bound: two statements on one
-      connection between two samples count once), by kind: `timers` (they name
-      `flowlock_timers`), `listen` (the LISTEN connection's) and `other`;
-    - `scans_per_s`: sequential and index scans of each flowlock table (exact: counted by the
-      server, the engine's startup counted out). Only the timer service reads
-      `flowlock_timers`, so its scans bound the service's statements from above.
+      connection between two samples count once, but a connection that sends anything is seen
+      sending something), by kind: `timers` (they name `flowlock_timers`), `listen` (the
+      LISTEN connection's), `escalations` (the adaptive strategy's escalation board, which
+      every engine on PostgreSQL syncs with) and `other`;
+    - `scans_per_s`: sequential and index scans of each flowlock table, as the server counts
+      them (only the timer service reads `flowlock_timers`).
+
+    The timer service's target is zero statements of kind `timers`.
     """
 
     engines: int
@@ -200,11 +204,8 @@ class IdleFigures:
 
     @property
     def timer_statements_per_s(self) -> float:
-        """The timer service's statements a second: its table's scans, or the statements seen
-        naming it when more."""
-        return max(
-            self.scans_per_s.get("flowlock_timers", 0.0), self.statements_per_s.get("timers", 0.0)
-        )
+        """The timer service's statements seen a second (those naming its table)."""
+        return self.statements_per_s.get("timers", 0.0)
 
     @property
     def total_per_s(self) -> float:

@@ -20,9 +20,11 @@ from flowlock.bench.report.aims import (
     overhead,
     vs_floor,
 )
+from flowlock.bench.report.timers_table import races
 from flowlock.bench.results import HTTP, BenchReport, ScenarioResult
+from flowlock.bench.timer_results import IDLE_TARGET, LAG_P99_TARGET_MS, RACE_TARGET
 
-__all__ = ["result_to_json", "to_json", "write_json"]
+__all__ = ["result_to_json", "timers_to_json", "to_json", "write_json"]
 
 
 def _ms(value: float) -> float:
@@ -96,6 +98,29 @@ def result_to_json(
     }
 
 
+def timers_to_json(report: BenchReport) -> dict[str, Any] | None:
+    """The timers section: the `deadline` races, the firing lag and the idle cost.
+
+    None when the run had no `deadline`.
+    """
+    raced = races(report)
+    section = report.timers
+    if not raced and section is None:
+        return None
+    idle = None if section is None or section.idle is None else section.idle.to_json()
+    return {
+        "race": [race.to_json(strategy) for strategy, race in raced],
+        "lag": [] if section is None else [f.to_json() for f in section.lag],
+        "idle": idle,
+        "notes": [] if section is None else list(section.notes),
+        "targets": {
+            "race_resolved_per_s": RACE_TARGET,
+            "lag_p99_ms": LAG_P99_TARGET_MS,
+            "idle_timer_statements_per_s": IDLE_TARGET,
+        },
+    }
+
+
 def to_json(report: BenchReport) -> dict[str, Any]:
     """The whole report as the JSON document `flowlock bench --json` writes."""
     base = floors(report)
@@ -133,6 +158,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "skipped": list(report.skipped),
         "log": list(report.log),
         "notes": list(report.notes),
+        "timers": timers_to_json(report),
         "ok": report.ok,
     }
 
