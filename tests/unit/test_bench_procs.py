@@ -48,7 +48,8 @@ def _wire(doc: dict[str, Any]) -> dict[str, Any]:
     [
         Open(TARGET, 7, "cluster", "optimistic", Params(workers=8, ops=3, processes=4), "7/c/o/p0"),
         Open(TARGET, 7, "cluster", "adaptive", Params(), "7/c/a/p1", batching=False),
-        Arm(((CALL,), (CALL, CallSpec("i-2", "step")))),
+        Open(TARGET, 7, "deadline", "optimistic", Params(), "7/d/o/p0", timers=False),
+        Arm(((CALL,), (CALL, CallSpec("i-2", "step", at=1_700_000_000.25)))),
         Go(),
         Close(),
     ],
@@ -66,6 +67,7 @@ def test_requests_round_trip(request_: Request) -> None:
         Done((CallResult(CALL, "failed", 0.012, 3, "LockTimeout", "waited 5 s"),), 0.5, 0.25),
         Done((CallResult(CALL, "applied", 0.004, 1, batch_size=17),), 0.1, 0.0),
         Closed(),
+        Closed(3, 1, fired=64),
         Failed("RuntimeError: arm before open"),
     ],
 )
@@ -77,7 +79,7 @@ def test_replies_round_trip(reply: Reply) -> None:
 def test_open_travels_as_the_documented_keys() -> None:
     """The open request carries op, target, pool size, names, the three round parameters (not
     the warm-up flag, which only the parent's setup reads), the seed, and whether the worker's
-    engine batches (on unless the run said off)."""
+    engine batches (on unless the run said off) and runs its timer service (on)."""
     doc = Open(TARGET, 7, "cluster", "raw", Params(8, 3, 4, warmup=True), "s").to_dict()
     assert doc == {
         "op": "open",
@@ -88,6 +90,7 @@ def test_open_travels_as_the_documented_keys() -> None:
         "params": {"workers": 8, "ops": 3, "processes": 4},
         "seed": "s",
         "batching": True,
+        "timers": True,
     }
     assert Go().to_dict() == {"op": "go"}
     assert Failed("boom").to_dict() == {"op": "error", "message": "boom"}
