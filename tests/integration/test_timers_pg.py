@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -284,7 +285,7 @@ async def test_two_engines_and_racing_callers_apply_each_deadline_once(
         # From 0.15 s to 0.45 s after the creates, around their due time (0.3 s).
         await asyncio.gather(*(approve(iid, 0.15 + 0.01 * n) for n, iid in enumerate(racing)))
         for iid in late:
-            await wait_until(lambda iid=iid: rejected(iid), within=BOUND, what=f"{iid} expired")
+            await wait_until(functools.partial(rejected, iid), within=BOUND, what=f"{iid} expired")
             with pytest.raises(flowlock.TransitionNotAllowed):
                 await caller.fire(iid, "approve")
 
@@ -306,6 +307,28 @@ async def test_two_engines_and_racing_callers_apply_each_deadline_once(
         fired = sum(e.timer_service.fired for e in (one, two) if e.timer_service is not None)
         expired = sum(h[0].event == "expire" for h in histories.values())
         assert len(late) <= expired <= fired
+        (await sql_history()).assert_matches(histories)
+
+
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_pipelined_calls_on_many_instances_move_their_stays(
+    pg_url: str, pg_schema: str, strategy: str, sql_history: SqlHistory
+) -> None:
+    """Calls on 20 instances at once (their writes pipelined: one statement for many
+    instances, or one transaction for a pessimistic group) void and arm each instance's timers
+    with its own compare-and-swap: each ends in its own new stay, with its own timers."""
+    ids = [f"p{i:02}" for i in range(20)]
+    async with engine_on(pg_url, pg_schema) as engine:
+        store = store_of(engine)
+        for iid in ids:
+            await engine.create(WF, instance_id=iid)
+        for event in ("hold", "resume"):
+            done = await asyncio.gather(*(engine.fire(i, event, strategy=strategy) for i in ids))
+            assert all(o.applied for o in done)
+        for iid in ids:
+            assert [(t.event, t.stay) for t in await store.timers(iid)] == [("expire", 3)]
+            assert (await engine.get(iid)).stay_version == 3
+        histories = {iid: await engine.history(iid) for iid in ids}
         (await sql_history()).assert_matches(histories)
 
 
