@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import timedelta
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
@@ -25,47 +24,10 @@ from flowlock.core.models import TIMER_ACTOR, HistoryEntry, Instance, Timer, Tim
 from flowlock.locks import MemoryLocks
 from flowlock.stores import Store
 from flowlock.stores.base import TimerStore
+from lock_probes import wait_until
+from timer_steps import BOUND, EVERY, LATER, WF, deadline
 
 StoreFactory = Callable[..., Store]
-
-# Every wait is bounded by this (seconds): generous, so a loaded machine only makes a test
-# slower, while a hang still fails it.
-BOUND = 30.0
-EVERY = 0.1  # a reminder's period: short, so that the tests that wait for it stay quick
-LATER = 60.0  # an `after` that never comes due within a test
-WF = "deadline"
-
-
-def deadline(
-    after: float = LATER, every: float | None = EVERY, limit: int = 3
-) -> flowlock.Workflow:
-    """An approval with a deadline (`expire`), a reminder while pending (`remind`), a way out
-    of the state and back (`hold`, `resume`) and a transition that keeps it (`note`)."""
-    transitions = [
-        flowlock.Transition("approve", source="pending", target="approved"),
-        flowlock.Transition(
-            "expire", source="pending", target="rejected", after=timedelta(seconds=after)
-        ),
-        flowlock.Transition("hold", source="pending", target="held"),
-        flowlock.Transition("resume", source="held", target="pending"),
-        flowlock.Transition("note", source="pending", target="pending"),
-    ]
-    if every is not None:
-        transitions.append(
-            flowlock.Transition(
-                "remind",
-                source="pending",
-                target="pending",
-                every=timedelta(seconds=every),
-                limit=limit,
-            )
-        )
-    return flowlock.Workflow(
-        WF,
-        states=["pending", "approved", "rejected", "held"],
-        initial="pending",
-        transitions=transitions,
-    )
 
 
 def timer_store(store: Store) -> TimerStore:
@@ -98,14 +60,6 @@ def shape(timers: Sequence[Timer]) -> list[tuple[str, int, int]]:
 
 def seconds(a: Timer, b: Timer) -> float:
     return (b.due_at - a.due_at).total_seconds()
-
-
-async def until(check_it: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Wait until `check_it()` holds (looked at every 20 ms), at most BOUND seconds."""
-    async with asyncio.timeout(BOUND):
-        while not await check_it():  # noqa: ASYNC110 - a condition on the store, not an event
-            await asyncio.sleep(0.02)
-    assert await check_it(), what
 
 
 async def due(store: TimerStore, workflows: Sequence[str] = (WF,)) -> None:
@@ -341,7 +295,7 @@ async def test_claims_never_give_one_timer_to_two_claimers(store_factory: StoreF
         async def all_due() -> bool:
             return len(await timer_store(stores[0]).due_timers(within=0, limit=100)) == 40
 
-        await until(all_due, "every deadline came due")
+        await wait_until(all_due, within=BOUND, what="every deadline came due")
 
         async def claimer(store: Store, owner: str) -> list[Timer]:
             mine: list[Timer] = []
@@ -401,7 +355,7 @@ async def test_due_timers_and_counts(quiet: flowlock.Engine) -> None:
     async def both_overdue() -> bool:
         return len(await store.due_timers(within=0, limit=10)) == 2
 
-    await until(both_overdue, "both reminders came due")
+    await wait_until(both_overdue, within=BOUND, what="both reminders came due")
     overdue = await store.due_timers(within=0, limit=10)
     assert shape(overdue) == [("remind", 1, 0)] * 2
     assert [t.instance_id for t in overdue] == ["a", "b"]
@@ -449,7 +403,7 @@ async def test_the_service_fires_a_deadline_once_as_the_timer(store_factory: Sto
             states = [(await engine.get(i)).state for i in "ab"]
             return states == ["rejected", "rejected"]
 
-        await until(expired, "both deadlines fired")
+        await wait_until(expired, within=BOUND, what="both deadlines fired")
         for iid, stay in (("a", 1), ("b", 3)):
             history = await engine.history(iid)
             fired = [(h.actor, h.request_id) for h in history if h.event == "expire"]

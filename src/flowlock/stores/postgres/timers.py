@@ -36,6 +36,10 @@ KEEPALIVE = 30.0
 """Seconds between two round trips on an idle LISTEN connection, which find a connection that
 died without a word (a half-open network path) so that it is opened again."""
 _RECONNECT = (0.05, 1.0)  # the first and the longest pause before opening it again
+# Seconds a goodbye may take before the connection is dropped without one: an engine closing
+# while the server does not answer must not wait a whole round trip's bound for it.
+_GOODBYE = 1.0
+_TABLE = "flowlock_timers"  # its schema names the channel
 
 Connect = Callable[[], Awaitable[asyncpg.Connection]]
 # What ends one LISTEN connection (the store closed, or the server out of reach), not the loop.
@@ -105,8 +109,8 @@ class TimerMethods:
         and opened again when it drops. Behind a transaction pooler (PgBouncer
         pool_mode=transaction) LISTEN cannot work, since each transaction may run on another
         server connection: the event is then set every `POLL` seconds instead, and the service
-        looks at the store about once a second. So it is on an application's pool (`pool=`)
-        whose connection settings flowlock cannot read."""
+        looks at the store about once a second. So it does on an application's pool (`pool=`)
+        when flowlock cannot build a connection the way that pool does."""
         return _armed(_opener(self), self.schema, self.round_trip)
 
 
@@ -155,6 +159,7 @@ async def _armed(
 
 
 async def _poll(event: asyncio.Event) -> None:
+    """Where LISTEN cannot work: the service looks at the store every POLL seconds."""
     while True:
         event.set()
         await asyncio.sleep(POLL)
@@ -169,7 +174,8 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
         conn: asyncpg.Connection | None = None
         try:
             conn = await connect()
-            name = channel(schema or await conn.fetchval(TIMER_SCHEMA, timeout=bound))
+            found = schema or await conn.fetchval(TIMER_SCHEMA, _TABLE, timeout=bound)
+            name = channel(found)
             lost = asyncio.Event()
             conn.add_termination_listener(lambda _, lost=lost: lost.set())
             await conn.add_listener(name, lambda *_: event.set())
@@ -177,6 +183,7 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
             event.set()
             pause, failing = _RECONNECT[0], False
             await _watch(conn, lost, bound)
+            log.info("flowlock timers: the LISTEN connection was closed; opening it again")
         except _LISTEN_ERRORS as exc:
             if not failing:
                 log.warning(
@@ -188,7 +195,7 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
             failing = True
         finally:
             if conn is not None:
-                await _close(conn, bound)
+                await _close(conn, min(bound, _GOODBYE))
         event.set()
         await asyncio.sleep(pause)
         pause = min(pause * 2, _RECONNECT[1])
