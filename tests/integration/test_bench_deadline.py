@@ -1,0 +1,107 @@
+"""The benchmark's deadline scenario and timers section on PostgreSQL, at --quick size.
+
+Four worker processes' engines fire the expiries while their callers approve the same
+instances; then the firing lag with one and with four engines, and the idle cost in a database
+of the bench's own. Only the shape and the correctness figures are asserted (one outcome per
+instance, the checker clean, nothing left behind), never a speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import pg_budget
+from flowlock.bench import BenchConfig, run_bench
+from flowlock.bench.report import to_json
+from flowlock.bench.servers import DatabaseServer, probe
+from flowlock.core.errors import InvalidInput
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+INSTANCES = 200  # --quick: 100 callers x 2 ops
+ENGINES = 4
+
+
+async def _left(url: str, schema: str) -> list[str]:
+    """The run's schemas and databases still on the server."""
+    conn = await pg_budget.connect(url)
+    try:
+        schemas = await conn.fetch(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE $1", f"{schema}%"
+        )
+        bases = await conn.fetch(
+            "SELECT datname FROM pg_database WHERE datname LIKE $1", f"{schema}%"
+        )
+    finally:
+        await conn.close()
+    return [r[0] for r in schemas] + [r[0] for r in bases]
+
+
+def _check_race(race: dict[str, Any], result: dict[str, Any]) -> None:
+    """Every instance ended in exactly one outcome, written by the one who was told so."""
+    assert race["engines"] == ENGINES
+    assert race["instances"] == INSTANCES
+    assert race["unresolved"] == 0
+    assert race["approved"] + race["rejected"] == INSTANCES
+    assert race["exactly_one"] is True
+    assert race["checker"] == {"ok": True, "violations": 0}
+    assert race["left_armed"] == 0
+    assert len(race["firings_by_engine"]) == ENGINES
+    # Every approval answered applied is an approved instance; the rest lost to the expiry.
+    assert result["applied"] == race["approved"]
+    assert result["refused"] + result["failed"] == race["rejected"]
+    assert result["calls"] == INSTANCES
+    assert result["verdict"] == {"ok": True, "violations": []}
+    assert race["expiry_lag"]["count"] == race["rejected"]
+    assert race["span_s"] > 0 and race["resolved_per_s"] > 0
+
+
+async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
+    """A --quick deadline run with the floor and two strategies: the floor is left out (no timer
+    service), each race ends every instance approved or rejected exactly once with the checker
+    clean, the lag runs apply every firing once with one and with four engines, the idle cost
+    is counted by kind in a database of its own, and no schema or database is left."""
+    config = BenchConfig(
+        database_url=pg_url,
+        scenarios=("deadline",),
+        strategies=("raw", "optimistic", "pessimistic"),
+        quick=True,
+        seed=11,
+        pool_size=8,
+    )
+    try:
+        await probe(DatabaseServer(pg_url, "external"), config)
+    except InvalidInput as exc:
+        pytest.skip(f"a quick deadline run does not fit the server's free connections: {exc}")
+    report = await run_bench(config)
+    doc = to_json(report)
+    assert report.ok, doc["timers"]
+    assert doc["ok"] is True
+    pairs = [(r["scenario"], r["strategy"]) for r in doc["results"]]
+    assert pairs == [("deadline", "optimistic"), ("deadline", "pessimistic")]
+    timers = doc["timers"]
+    assert [r["strategy"] for r in timers["race"]] == ["optimistic", "pessimistic"]
+    for race, result in zip(timers["race"], doc["results"], strict=True):
+        _check_race(race, result)
+
+    assert [lag["engines"] for lag in timers["lag"]] == [1, ENGINES]
+    for lag in timers["lag"]:
+        assert lag["armed"] == 2000 and lag["armed_by"] == "sql"
+        assert lag["checker"] == {"ok": True, "violations": 0}
+        assert len(lag["firings_by_engine"]) == lag["engines"]
+        # 0.7 s at 1,000 a second fell due in the window: each fired, or missed if late.
+        assert abs(lag["fired"] + lag["missed"] - 700) <= 1
+        assert lag["fired_total"] >= lag["fired"]
+        assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+
+    idle = timers["idle"]
+    assert idle is not None, timers["notes"]
+    assert idle["database"] == "dedicated" and idle["armed"] == 2000
+    assert idle["window_s"] > 0
+    assert set(idle["statements_by_kind"]) == {"timers", "listen", "escalations", "other"}
+    assert "flowlock_timers" in idle["scans_per_s"]
+    assert timers["targets"]["lag_p99_ms"] == 100.0
+
+    assert await _left(pg_url, doc["args"]["schema"]) == []
