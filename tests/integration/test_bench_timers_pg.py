@@ -8,6 +8,8 @@ instance, the checker clean, nothing left behind), never a speed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,10 +17,12 @@ import pytest
 import pg_budget
 from flowlock.bench import BenchConfig, run_bench
 from flowlock.bench.report import to_json
+from flowlock.bench.scenarios.deadline import LAG_AFTER, LAG_WORKFLOW, deadline_workflow
 from flowlock.bench.servers import DatabaseServer, probe
+from flowlock.bench.timer_load import arm
 from flowlock.core.errors import InvalidInput
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = pytest.mark.postgres
 
 INSTANCES = 200  # --quick: 100 callers x 2 ops
 ENGINES = 4
@@ -58,6 +62,7 @@ def _check_race(race: dict[str, Any], result: dict[str, Any]) -> None:
     assert race["span_s"] > 0 and race["resolved_per_s"] > 0
 
 
+@pytest.mark.slow
 async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
     """A --quick deadline run with the floor and two strategies: the floor is left out (no timer
     service), each race ends every instance approved or rejected exactly once with the checker
@@ -105,3 +110,52 @@ async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
     assert timers["targets"]["lag_p99_ms"] == 100.0
 
     assert await _left(pg_url, doc["args"]["schema"]) == []
+
+
+async def test_bulk_arming_writes_what_the_store_writes(
+    pg_url: str, pg_schema: str, pg_engine_factory: Callable[..., Any]
+) -> None:
+    """The lag measurement's one-statement arming writes the rows the store's own create writes
+    (instance and timer, column for column), but for the creation time, set `after` before the
+    due time; the engine sees the bulk-armed instance and its timer as it sees its own."""
+    engine = await pg_engine_factory(pool_size=2, timers=False)
+    await engine.register(deadline_workflow(LAG_AFTER, LAG_WORKFLOW))
+    await engine.create(LAG_WORKFLOW, instance_id="made-0")
+    conn = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        before = time.time()
+        first, committed = await arm(conn, "bulk-", 3, 5.0, 10.0)
+        assert before - 1 < first - 5.0 <= committed + 1
+        instances = await conn.fetch(
+            "SELECT * FROM flowlock_instances WHERE id IN ('made-0', 'bulk-0', 'bulk-2')"
+            " ORDER BY id"
+        )
+        timers = await conn.fetch(
+            "SELECT *, extract(epoch FROM due_at)::float8 AS due, extract(epoch FROM due_at -"
+            " (SELECT created_at FROM flowlock_instances i WHERE i.id = t.instance_id))::float8"
+            " AS after FROM flowlock_timers t WHERE instance_id IN ('made-0', 'bulk-0', 'bulk-2')"
+            " ORDER BY instance_id"
+        )
+    finally:
+        await conn.close()
+    by_id = {r["id"]: dict(r) for r in instances}
+    made = by_id.pop("made-0")
+    for row in by_id.values():
+        assert row["created_at"] == row["updated_at"]
+        for column in set(made) - {"id", "created_at", "updated_at"}:
+            assert row[column] == made[column], column
+    armed = {r["instance_id"]: dict(r) for r in timers}
+    own = armed.pop("made-0")
+    for row in armed.values():
+        for column in set(own) - {"instance_id", "due_at", "due"}:
+            assert row[column] == own[column], column
+    assert own["after"] == pytest.approx(LAG_AFTER)
+    # Due from `first`, ten a second.
+    assert armed["bulk-0"]["due"] == pytest.approx(first, abs=1e-3)
+    assert armed["bulk-2"]["due"] == pytest.approx(first + 0.2, abs=1e-3)
+    for iid in ("bulk-0", "bulk-2"):
+        got = await engine.get(iid)
+        assert (got.state, got.version, got.stay_version) == ("pending", 1, 1)
+        (timer,) = await engine.timers(iid)
+        assert (timer.event, timer.stay, timer.n, timer.workflow) == ("expire", 1, 0, LAG_WORKFLOW)
