@@ -96,8 +96,8 @@ async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
         assert lag["armed"] == 2000 and lag["armed_by"] == "sql"
         assert lag["checker"] == {"ok": True, "violations": 0}
         assert len(lag["firings_by_engine"]) == lag["engines"]
-        # 0.7 s at 1,000 a second fell due in the window: each fired, or missed if late.
-        assert abs(lag["fired"] + lag["missed"] - 700) <= 1
+        # 0.5 s at 1,000 a second fell due in the window: each fired, or missed if late.
+        assert abs(lag["fired"] + lag["missed"] - 500) <= 1
         assert lag["fired_total"] >= lag["fired"]
         assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
 
@@ -106,7 +106,7 @@ async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
     assert idle["database"] == "dedicated" and idle["armed"] == 2000
     assert idle["window_s"] > 0
     assert set(idle["statements_by_kind"]) == {"timers", "listen", "escalations", "other"}
-    assert "flowlock_timers" in idle["scans_per_s"]
+    assert idle["scans_per_s"] is None  # --quick settles too briefly to count them
     assert timers["targets"]["lag_p99_ms"] == 100.0
 
     assert await _left(pg_url, doc["args"]["schema"]) == []

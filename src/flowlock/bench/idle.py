@@ -11,8 +11,8 @@ for the window:
 - the scans of each flowlock table, which the server counts exactly: read when the window
   opens and after the engine's connections are gone (a connection hands in its counts at the
   latest 10 s after its last statement, and all of them when it ends). A full run settles 11
-  s first, so the startup's scans are in before the window opens; `--quick` settles half a
-  second, and its figures may include some of the startup's.
+  s first, so the startup's scans are in before the window opens; `--quick` settles for less
+  and counts no scans.
 
 Not the database's transaction counters: an idle connection runs a short transaction of its
 own whenever other sessions' catalog changes or notifications pile up for it, so those count
@@ -145,19 +145,22 @@ async def _watch(
 
 async def _watched(
     run: Run, target: Target, admin: asyncpg.Connection, name: str, load: TimerLoad, seen: _Seen
-) -> tuple[dict[str, int], tuple[float, float]]:
+) -> tuple[dict[str, int] | None, tuple[float, float]]:
     """One engine, open for the settle time and then watched for the window: each table's
-    scans from the window's start to after the engine was gone, and the window (server clock)."""
+    scans from the window's start to after the engine was gone (None when `load` counts none),
+    and the window (server clock)."""
     like = target.application_name
     await _quiet(admin, name, like, seen)
     await open_engines(run, target, 1, "idle", timers=True)
     try:
         await asyncio.sleep(load.idle_settle_s)
-        before = await _scans(target.url)
+        before = await _scans(target.url) if load.idle_scans else None
         window = await _watch(admin, name, like, load.idle_window_s, seen)
     finally:
         await close_engines(run, 1)
     await _quiet(admin, name, like, seen)
+    if before is None:
+        return None, window
     after = await _scans(target.url)
     return {t: after.get(t, 0) - before.get(t, 0) for t in after}, window
 
@@ -174,7 +177,7 @@ async def _prepare(url: str, target: Target, load: TimerLoad) -> None:
 
 
 def _figures(
-    scans: Mapping[str, int], window: tuple[float, float], seen: _Seen, load: TimerLoad
+    scans: Mapping[str, int] | None, window: tuple[float, float], seen: _Seen, load: TimerLoad
 ) -> IdleFigures:
     start, end = window
     span = end - start
@@ -184,12 +187,12 @@ def _figures(
         armed=load.idle_armed,
         window_s=span,
         statements_per_s={k: n / span for k, n in counted.items()} if span > 0 else {},
-        scans_per_s={t: n / span for t, n in scans.items()} if span > 0 else {},
+        scans_per_s=None if scans is None else {t: n / span for t, n in scans.items()},
         database="dedicated",
         method=(
-            f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started: a lower bound) "
-            f"and pg_stat_user_tables (seq_scan + idx_scan), after {load.idle_settle_s:g} s "
-            "of settling"
+            f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started: a lower bound)"
+            + (" and pg_stat_user_tables (seq_scan + idx_scan)" if scans is not None else "")
+            + f", after {load.idle_settle_s:g} s of settling"
         ),
         others_seen=len(seen.others),
     )

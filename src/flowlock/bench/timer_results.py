@@ -157,7 +157,7 @@ class LagFigures:
             "engines": self.engines,
             "armed": self.armed,
             "due_per_s": self.due_per_s,
-            "window_s": self.window_s,
+            "window_s": round(self.window_s, 3),
             "fired": self.lag.count,
             "p50_ms": round(self.lag.p50_ms, 3),
             "p99_ms": round(self.lag.p99_ms, 3),
@@ -187,7 +187,7 @@ class IdleFigures:
       LISTEN connection's), `escalations` (the adaptive strategy's escalation board, which
       every engine on PostgreSQL syncs with) and `other`;
     - `scans_per_s`: sequential and index scans of each flowlock table, as the server counts
-      them (only the timer service reads `flowlock_timers`).
+      them (only the timer service reads `flowlock_timers`); None under `--quick`.
 
     The timer service's target is zero statements of kind `timers`.
     """
@@ -196,7 +196,8 @@ class IdleFigures:
     armed: int
     window_s: float
     statements_per_s: Mapping[str, float]
-    scans_per_s: Mapping[str, float]
+    scans_per_s: Mapping[str, float] | None
+    """None when not counted (`--quick`: too short a settle for the counts to be in)."""
     database: str
     method: str
     others_seen: int = 0
@@ -226,7 +227,11 @@ class IdleFigures:
             "statements_by_kind": {
                 k: round(v, 3) for k, v in sorted(self.statements_per_s.items())
             },
-            "scans_per_s": {k: round(v, 3) for k, v in sorted(self.scans_per_s.items())},
+            "scans_per_s": (
+                None
+                if self.scans_per_s is None
+                else {k: round(v, 3) for k, v in sorted(self.scans_per_s.items())}
+            ),
             "database": self.database,
             "method": self.method,
             "others_seen": self.others_seen,

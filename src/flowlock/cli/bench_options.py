@@ -127,7 +127,8 @@ WorkersOption = Annotated[
         "--workers",
         "-w",
         min=1,
-        help="Concurrent callers per round (across all processes in cluster/singleton).",
+        help="Concurrent callers per round (across all processes in cluster, singleton and "
+        "deadline).",
     ),
 ]
 RoundsOption = Annotated[
@@ -137,7 +138,7 @@ RoundsOption = Annotated[
         "-r",
         min=1,
         help="Timed rounds per scenario. Default: each scenario's own. That is storm 10, "
-        "countersign 3, inventory 5, hot/spread/cluster 1 and singleton 10 ticks. "
+        "countersign 3, inventory 5, hot/spread/cluster/deadline 1 and singleton 10 ticks. "
         "--quick runs fewer.",
         show_default=False,
     ),
@@ -148,7 +149,8 @@ OpsOption = Annotated[
         "--ops",
         min=1,
         help="Calls each caller makes in turn per round, in hot, spread and cluster. "
-        "Default: hot 20, spread 60, cluster 40 (3 with --quick).",
+        "Default: hot 20, spread 60, cluster 40 (3 with --quick). In deadline, approvals per "
+        "caller, each due at once with a caller of its own: default 20 (2 with --quick).",
         show_default=False,
     ),
 ]
@@ -158,7 +160,8 @@ ProcessesOption = Annotated[
         "--processes",
         "-p",
         min=1,
-        help="OS processes the cluster and singleton scenarios run their callers in. Default: 4.",
+        help="OS processes the cluster, singleton and deadline scenarios run their callers "
+        "in (deadline: and its engines that fire the timers). Default: 4.",
         show_default=False,
     ),
 ]
@@ -175,7 +178,7 @@ QuickOption = Annotated[
     bool,
     typer.Option(
         "--quick",
-        help="Fewer rounds and calls: the same matrix in 25-40 s on 2 cores (CI runs it).",
+        help="Fewer rounds and calls: the same matrix in 35-55 s on 2 cores (CI runs it).",
     ),
 ]
 PoolSizeOption = Annotated[

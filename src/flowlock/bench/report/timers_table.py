@@ -49,6 +49,12 @@ def _yes(ok: bool) -> Text:
     return Text("yes", style="green") if ok else Text("NO", style="bold red")
 
 
+def _scans_cell(f: IdleFigures) -> Text:
+    if f.scans_per_s is None:
+        return Text("—", style="dim")  # not counted (--quick)
+    return Text(num(f.scans_per_s.get("flowlock_timers", 0.0), 2))
+
+
 def races(report: BenchReport) -> list[tuple[str, RaceFigures]]:
     """The `deadline` pairs' race figures, by strategy, in the order they ran."""
     return [(r.strategy, r.race) for r in report.results if r.race is not None]
@@ -87,7 +93,7 @@ _IDLE: tuple[_Col[IdleFigures], ...] = (
     _Col("listen", lambda f: Text(num(f.statements_per_s.get("listen", 0.0), 2))),
     _Col("escalations", lambda f: Text(num(f.statements_per_s.get("escalations", 0.0), 2))),
     _Col("other", lambda f: Text(num(f.statements_per_s.get("other", 0.0), 2))),
-    _Col("timer scans/s", lambda f: Text(num(f.scans_per_s.get("flowlock_timers", 0.0), 2))),
+    _Col("timer scans/s", lambda f: _scans_cell(f)),
     _Col(f"timers = {IDLE_TARGET:g}", lambda f: _met(f.met)),
 )
 
@@ -145,7 +151,8 @@ _LAG_CAPTION = (
 )
 _IDLE_CAPTION = (
     "one engine, none due, in a database of its own; statements seen in pg_stat_activity "
-    "(a lower bound) by kind; timer scans/s: the server's own count of reads of flowlock_timers"
+    "(a lower bound) by kind; timer scans/s: the server's own count of reads of flowlock_timers "
+    "(— under --quick)"
 )
 
 

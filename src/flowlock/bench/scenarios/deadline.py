@@ -61,11 +61,11 @@ TIMER_NOT_ARMED = "timer-not-armed"
 def race_after(instances: int) -> float:
     """The race's `after` in seconds: time to create the round and arm its callers first.
 
-    One second, plus 2 ms per instance (creating them in one transaction, reading their
+    Half a second, plus 2 ms per instance (creating them in one transaction, reading their
     timers back, and sending the calls to the worker processes: about 1 ms per instance on
     the 2-core development machine).
     """
-    return 1.0 + 0.002 * instances
+    return 0.5 + 0.002 * instances
 
 
 def deadline_workflow(after: float, name: str = RACE_WORKFLOW) -> Workflow:
