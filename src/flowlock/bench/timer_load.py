@@ -21,7 +21,12 @@ from flowlock.bench.config import Target
 from flowlock.bench.pairs import Run
 from flowlock.bench.procs import Close, Closed, Open, Opened
 from flowlock.bench.scenarios import SCENARIOS
-from flowlock.bench.scenarios.deadline import LAG_AFTER, LAG_WORKFLOW, entry_violations
+from flowlock.bench.scenarios.deadline import (
+    LAG_AFTER,
+    LAG_WORKFLOW,
+    TIMER_LEFT,
+    entry_violations,
+)
 from flowlock.bench.servers import DRIVER_ERRORS, connect, drop_schema, store_error
 from flowlock.bench.session import prepare_schema
 from flowlock.bench.timer_results import LagFigures, Quantiles
@@ -170,7 +175,7 @@ async def _check_fired(conn: asyncpg.Connection) -> tuple[int, list[Violation]]:
             found.append(Violation(LOST_UPDATE, f"instance {iid!r}: {final.state}, not expired"))
     left = int(await conn.fetchval(LEFT_ARMED, LAG_WORKFLOW))
     if left:
-        found.append(Violation("timer-left-armed", f"{left} fired instance(s) still armed"))
+        found.append(Violation(TIMER_LEFT, f"{left} fired instance(s) still have a timer armed"))
     return len(ids), found
 
 

@@ -50,7 +50,7 @@ JITTER = 0.002
 """Seconds either side of the due time at which each caller approves, at random (seeded)."""
 SETTLE_BOUND = 60.0
 """The longest the readback waits for the last instance to be resolved, past its due time."""
-_READS = 8  # concurrent timer reads of the readback
+_READS = 8  # concurrent reads of timers (and creates, off PostgreSQL)
 
 TIMER_LEFT = "timer-left-armed"
 """A violation: an instance left its stay but a timer of that stay is still armed."""
