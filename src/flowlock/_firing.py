@@ -125,7 +125,10 @@ class Runner:
         decided = last[0]
         committed = result.instance if result.applied else None
         answers: Answers = []
+        stay = decided.read.stay_version
         for fire, decision in zip(fires, decided.decisions, strict=True):
+            if isinstance(decision, HistoryEntry) and decision.enters:
+                stay = decision.version
             if isinstance(decision, FlowlockError):
                 answers.append(
                     self._failure(decision, fire, chosen, decided.read.workflow, len(calls))
@@ -138,6 +141,7 @@ class Runner:
                     version=decision.version,
                     data=decision.data,
                     last_event=decision.event,
+                    stay_version=stay,
                 )
             else:
                 inst = decision.instance

@@ -33,7 +33,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.models import Outcome, Timer
 from flowlock.core.settings import check_count, check_seconds
-from flowlock.stores.base import TimerStore
+from flowlock.stores.base import ArmedSignal, TimerStore
 
 if TYPE_CHECKING:
     from flowlock.metrics import Metrics
@@ -56,6 +56,8 @@ IDLE_BOUND = 300.0
 """The longest the service sleeps without looking at the store: a safety net only. A timer
 armed earlier wakes it (NOTIFY on PostgreSQL), and it otherwise sleeps until the next due time."""
 _RETRY_BACKOFF = (0.05, 2.0)
+COUNT_EVERY = 5.0
+"""Seconds between two counts of the armed timers for the metrics gauge."""
 
 OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "failed")
 """The `outcome` label of `flowlock_timer_firings_total`:
@@ -106,6 +108,7 @@ class TimerService:
         self._flights: set[asyncio.Task[None]] = set()
         self._poke = asyncio.Event()
         self.fired = 0
+        self._counted = -COUNT_EVERY
 
     @property
     def running(self) -> bool:
@@ -152,6 +155,7 @@ class TimerService:
                         flight = asyncio.create_task(self._one(timer))
                         self._flights.add(flight)
                         flight.add_done_callback(self._flights.discard)
+                    await self._count()
                     if claimed and len(claimed) == room:
                         continue  # more may be due
                     delay = await store.next_due(names) if names else None
@@ -165,7 +169,29 @@ class TimerService:
                 backoff = _RETRY_BACKOFF[0]
                 wait = IDLE_BOUND if delay is None else min(delay, IDLE_BOUND)
                 if wait > 0:
-                    await _first_of(armed, self._poke, wait)
+                    await self._sleep(armed, wait)
+
+    async def _sleep(self, armed: ArmedSignal, seconds: float) -> None:
+        """Sleep `seconds` (until the next due time), or less: until `wake()`, or until a timer
+        is armed that falls due before then. Arms due later leave the sleep alone."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while (left := until - loop.time()) > 0:
+            await _first_of(armed, self._poke, left)
+            if self._poke.is_set():
+                return
+            if armed.is_set():
+                if armed.earliest is None or armed.earliest < until:
+                    return
+                armed.clear()
+
+    async def _count(self) -> None:
+        """Refresh `flowlock_timers_armed`, at most every COUNT_EVERY seconds and only while
+        the service is awake (an idle service sends nothing)."""
+        if self._metrics is None or time.monotonic() - self._counted < COUNT_EVERY:
+            return
+        self._counted = time.monotonic()
+        self._metrics.record_timers_armed(await self._store.count_timers())
 
     async def _one(self, timer: Timer) -> None:
         """Fire one claimed timer and record how it went."""

@@ -48,6 +48,7 @@ from flowlock.core.models import (
 )
 
 __all__ = [
+    "ArmedSignal",
     "EscalationBoard",
     "LockedResult",
     "Plan",
@@ -226,6 +227,37 @@ class TransactionalStore(Protocol):
         ...
 
 
+class ArmedSignal(asyncio.Event):
+    """What `TimerStore.armed()` yields: set when a commit armed a timer.
+
+    A store that knows the new timer's due time calls `due_in(seconds)` instead of `set()`,
+    so a service already waking sooner sleeps on (many arms, few wake-ups); `earliest` is the
+    earliest such due time noticed since the last `clear()`, on the event loop's clock (None:
+    unknown, so the service looks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.earliest: float | None = None
+        self._unknown = False
+
+    def due_in(self, seconds: float) -> None:
+        """A timer due `seconds` from now was armed."""
+        at = asyncio.get_running_loop().time() + max(0.0, seconds)
+        if not self._unknown and (self.earliest is None or at < self.earliest):
+            self.earliest = at
+        super().set()
+
+    def set(self) -> None:
+        self._unknown = True
+        self.earliest = None
+        super().set()
+
+    def clear(self) -> None:
+        self.earliest = None
+        self._unknown = False
+        super().clear()
+
+
 @runtime_checkable
 class TimerStore(Protocol):
     """Durable timers, in the same database as the instances (every store is one).
@@ -277,8 +309,9 @@ class TimerStore(Protocol):
         """How many timers are armed."""
         ...
 
-    def armed(self) -> AbstractAsyncContextManager[asyncio.Event]:
-        """An event set whenever a commit arms a timer (PostgreSQL: NOTIFY, also from other
-        engines; memory and SQLite: this process), for the length of the `async with`. The
-        service clears it before each look at the next due time."""
+    def armed(self) -> AbstractAsyncContextManager[ArmedSignal]:
+        """A signal set whenever a commit arms a timer (PostgreSQL: NOTIFY, also from other
+        engines; memory and SQLite: this process), for the length of the `async with`, with
+        the due time when known (`ArmedSignal.due_in`). The service clears it before each look
+        at the next due time."""
         ...

@@ -34,7 +34,7 @@ from flowlock.core.models import (
 )
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
-from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
 
 __all__ = ["MemoryBoard", "MemoryStore"]
 
@@ -114,7 +114,7 @@ class MemoryStore:
         self._board = MemoryBoard()
         # Armed timers by instance id, then (stay, event); the events of armed() waiters.
         self._timers: dict[str, dict[tuple[int, str], _Armed]] = {}
-        self._armed_events: set[asyncio.Event] = set()
+        self._armed_events: set[ArmedSignal] = set()
         self._open = False
 
     async def open(self) -> None:
@@ -272,8 +272,9 @@ class MemoryStore:
                 ),
                 due,
             )
-        for event in self._armed_events:
-            event.set()
+        soonest = min(timing.after for timing in arm)
+        for signal in self._armed_events:
+            signal.due_in(soonest)
 
     def _move_on(self, armed: _Armed) -> None:
         """A firing of `armed` is done: a reminder with firings left is due one period later,
@@ -368,8 +369,8 @@ class MemoryStore:
         return sum(len(own) for own in self._timers.values())
 
     @asynccontextmanager
-    async def armed(self) -> AsyncIterator[asyncio.Event]:
-        event = asyncio.Event()
+    async def armed(self) -> AsyncIterator[ArmedSignal]:
+        event = ArmedSignal()
         self._armed_events.add(event)
         try:
             yield event
