@@ -108,6 +108,18 @@ async def test_a_create_arms_the_initial_states_timers_in_stay_one(quiet: flowlo
     assert await store.count_timers() == 2
 
 
+async def test_a_large_limit_is_kept_as_given(store_factory: StoreFactory) -> None:
+    """A reminder's limit and firing count are 64-bit on every store: a limit past 2**31 arms
+    and reads back as given."""
+    store = store_factory()
+    timer_store(store)
+    async with flowlock.Engine(store, locks=MemoryLocks(), timers=False) as engine:
+        await engine.register(deadline(limit=2**40))
+        await engine.create(WF, instance_id="a")
+        [remind, _] = await timer_store(engine.store).timers("a")
+        assert remind.limit == 2**40
+
+
 async def test_a_keyed_create_arms_once(quiet: flowlock.Engine) -> None:
     """A create under an idempotency key arms its timers; its retry answers the first create
     and arms nothing more."""
