@@ -106,9 +106,9 @@ class TimerMethods:
     def armed(self: _Store) -> contextlib.AbstractAsyncContextManager[ArmedSignal]:
         """A signal set whenever a commit on this database arms a timer of this store's schema
         (NOTIFY from any engine, sent when that commit commits), with the earliest due time it
-        armed (the payload, on the server's clock, read against the server's clock), and
-        whenever the LISTEN connection was opened again (a notification may have been missed
-        meanwhile; due time unknown).
+        armed (the payload, a time on the server's clock, turned into one on the event loop's
+        clock), and whenever the LISTEN connection was opened again (a notification may have
+        been missed meanwhile; due time unknown).
 
         LISTEN runs on a connection of its own, opened next to the pool (which keeps its size)
         and opened again when it drops. Behind a transaction pooler (PgBouncer
