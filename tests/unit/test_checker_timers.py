@@ -12,7 +12,6 @@ from flowlock._inspect import check_instances
 from flowlock.checker import (
     BROKEN_CHAIN,
     DOUBLE_APPLY,
-    FINAL_MISMATCH,
     STALE_TIMER,
     STRAY_TIMER,
     check,
@@ -187,15 +186,6 @@ def test_an_armed_timer_of_an_ended_stay_is_a_violation() -> None:
     other = Timer("b", "approval", "expire", 2, datetime.now(UTC))
     assert check(inst, rows, timers=[other]).kinds() == {STRAY_TIMER}
     assert check(inst, rows).ok  # timers not read: not checked
-
-
-def test_a_stay_version_its_history_contradicts_is_a_mismatch() -> None:
-    """The stored stay_version must be the version of the last change of state."""
-    rows = [_row(2, "escalate", ("pending", "review")), _row(3, "note", ("review", "review"))]
-    verdict = check(_instance(rows, stay=3), rows)
-    assert verdict.kinds() == {FINAL_MISMATCH}
-    assert "stay_version is 3" in verdict.violations[0].message
-    assert check(_instance(rows, stay=2), rows).ok
 
 
 def test_check_many_takes_each_instances_timers() -> None:
