@@ -156,11 +156,16 @@ async def test_check_names_a_timer_firing_outside_its_stay(cli: CliRunner, db: D
     assert clean.exit_code == 0, clean.output
     assert "checked 4 instance(s), 4 history row(s): clean" in " ".join(clean.stdout.split())
 
-    db.execute(
+    # Behind flowlock's back (on its own thread: Db.execute runs its own event loop).
+    await asyncio.to_thread(
+        db.execute,
         "UPDATE flowlock_history SET actor = 'flowlock:timer', request_id = 'timer:1:back:0' "
-        "WHERE instance_id = 'c1' AND version = 3"
+        "WHERE instance_id = 'c1' AND version = 3",
     )
-    db.execute("UPDATE flowlock_timers SET stay = 1 WHERE instance_id = 'c1' AND event = 'remind'")
+    await asyncio.to_thread(
+        db.execute,
+        "UPDATE flowlock_timers SET stay = 1 WHERE instance_id = 'c1' AND event = 'remind'",
+    )
     verdict = _json(await asyncio.to_thread(_run, cli, db, "check", "--json"), EXIT_VERDICT_FAILED)
     violations = verdict["violations"]
     assert isinstance(violations, list)
