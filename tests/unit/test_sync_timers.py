@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
+
+import pytest
 
 import flowlock
 import flowlock.sync
@@ -22,7 +25,7 @@ def _workflow() -> flowlock.Workflow:
         transitions=[
             flowlock.Transition("approve", source="pending", target="approved"),
             flowlock.Transition(
-                "expire", source="pending", target="rejected", after=timedelta(milliseconds=150)
+                "expire", source="pending", target="rejected", after=timedelta(milliseconds=300)
             ),
             flowlock.Transition(
                 "remind", source="pending", target="pending", every=timedelta(hours=1)
@@ -31,10 +34,16 @@ def _workflow() -> flowlock.Workflow:
     )
 
 
-def test_timers_lists_the_armed_timers_and_the_expiry_fires() -> None:
+@pytest.fixture(params=["memory", "sqlite"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database URL on each store that runs without a server."""
+    return "memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'timers.db'}"
+
+
+def test_timers_lists_the_armed_timers_and_the_expiry_fires(url: str) -> None:
     """timers() lists both armed timers of the stay, earliest first; the expiry then fires on
     the engine's thread (as the timer), and the stay's timers are gone."""
-    with flowlock.sync.Engine.connect("memory://") as engine:
+    with flowlock.sync.Engine.connect(url) as engine:
         engine.register(_workflow())
         inst = engine.create("quick", instance_id="q")
         armed = engine.timers("q")
@@ -51,9 +60,9 @@ def test_timers_lists_the_armed_timers_and_the_expiry_fires() -> None:
         assert engine.timers("q") == []
 
 
-def test_timers_off_arms_without_firing() -> None:
+def test_timers_off_arms_without_firing(url: str) -> None:
     """timers=False: the timers are armed (listed), and no service runs to fire them."""
-    with flowlock.sync.Engine.connect("memory://", timers=False) as engine:
+    with flowlock.sync.Engine.connect(url, timers=False) as engine:
         engine.register(_workflow())
         engine.create("quick", instance_id="q")
         assert [t.event for t in engine.timers("q")] == ["expire", "remind"]
