@@ -142,6 +142,7 @@ def show(
         _json({**instance_dict(inst), "next_timer": next_timer_dict(inst)})
         return
     nxt = inst.next_timer
+    upcoming = None if nxt is None else f"{nxt.event} due {_when(nxt.due_at)} (stay {nxt.stay})"
     table = Table(show_header=False, box=None)
     for name, value in (
         ("id", inst.id),
@@ -151,10 +152,9 @@ def show(
         ("last event", inst.last_event),
         ("created", _when(inst.created_at)),
         ("updated", _when(inst.updated_at)),
-        ("next timer", None if nxt is None else f"{nxt.event} due {_when(nxt.due_at)} "
-                                                f"(stay {nxt.stay})"),
+        ("next timer", upcoming),
         ("data", json.dumps(dict(inst.data), ensure_ascii=False, default=str)),
-    ):  # fmt: skip
+    ):
         table.add_row(Text(name, style="bold"), _cell(value))
     stdout().print(table)
 
