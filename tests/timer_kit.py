@@ -16,7 +16,7 @@ The workflow (``deadline``) is the issue's approval with a deadline:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -53,9 +53,19 @@ def deadline(
     limit: int | None = None,
     initial: str = "pending",
     name: str = "deadline",
+    on_expire: Callable[[flowlock.Instance], None] | None = None,
 ) -> flowlock.Workflow:
     """The approval with a deadline `after` seconds into `pending` (None: no deadline), and a
-    reminder every `every` seconds (None: none), at most `limit` of them."""
+    reminder every `every` seconds (None: none), at most `limit` of them. `on_expire` is called
+    by the deadline's effect (a multi-process test records which process fired, and when)."""
+
+    def expired(
+        inst: flowlock.Instance, payload: Mapping[str, Any], actor: str | None
+    ) -> dict[str, Any]:
+        if on_expire is not None:
+            on_expire(inst)
+        return dict(inst.data)
+
     transitions = [
         flowlock.Transition("approve", source="pending", target="approved"),
         flowlock.Transition("pause", source="pending", target="held"),
@@ -67,6 +77,7 @@ def deadline(
             source="pending",
             target="rejected",
             guard=_not_held,
+            effect=expired,
             after=None if after is None else timedelta(seconds=after),
         ),
     ]
