@@ -14,23 +14,50 @@ from typing import Any
 
 import asyncpg
 
-from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance, Timer
 
 __all__ = [
     "HISTORY_COLUMNS",
     "INSTANCE_COLUMNS",
+    "TIMER_COLUMNS",
     "entry_from_row",
     "instance_from_row",
     "json_object",
     "read_history",
     "read_instances",
+    "timer_columns",
+    "timer_from_row",
 ]
 
-INSTANCE_COLUMNS = "id, workflow, state, version, data, last_event, created_at, updated_at"
+INSTANCE_COLUMNS = (
+    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version"
+)
 HISTORY_COLUMNS = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
     "fencing_token, payload"
 )
+# A timer as flowlock_timers holds it, with what only the server's clock tells: `lag`, seconds
+# past due (0 before), and the claim only while it runs. timer_from_row reads these columns.
+_TIMER_FIELDS = {
+    "instance_id": "instance_id",
+    "workflow": "workflow",
+    "event": "event",
+    "stay": "stay",
+    "due_at": "due_at",
+    "n": "n",
+    "every": "every",
+    "lim": "lim",
+    "claimed_until": "CASE WHEN claimed_until > now() THEN claimed_until END",
+    "lag": "greatest(0, extract(epoch FROM now() - due_at))::float8",
+}
+
+
+def timer_columns(prefix: str = "") -> str:
+    """The timer columns as a SELECT list, each named `prefix` + column."""
+    return ", ".join(f"{expr} AS {prefix}{name}" for name, expr in _TIMER_FIELDS.items())
+
+
+TIMER_COLUMNS = timer_columns()
 
 # Anything that runs a query: a pool, a connection, a pooled connection.
 Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
@@ -58,6 +85,23 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
         last_event=row["last_event"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        stay_version=row["stay_version"],
+    )
+
+
+def timer_from_row(row: asyncpg.Record, prefix: str = "") -> Timer:
+    """A Timer from a row holding the timer columns (named `prefix` + column)."""
+    return Timer(
+        instance_id=row[prefix + "instance_id"],
+        workflow=row[prefix + "workflow"],
+        event=row[prefix + "event"],
+        stay=row[prefix + "stay"],
+        due_at=row[prefix + "due_at"],
+        n=row[prefix + "n"],
+        every=row[prefix + "every"],
+        limit=row[prefix + "lim"],
+        claimed_until=row[prefix + "claimed_until"],
+        lag=row[prefix + "lag"],
     )
 
 

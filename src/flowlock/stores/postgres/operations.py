@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import asyncpg
 
 from flowlock._pg.errors import Context, in_doubt
-from flowlock._pg.rows import entry_from_row, instance_from_row
+from flowlock._pg.rows import entry_from_row, instance_from_row, timer_from_row
 from flowlock.core.errors import (
     FlowlockError,
     InstanceExists,
@@ -23,7 +24,15 @@ from flowlock.core.errors import (
     LockTimeout,
     StoreError,
 )
-from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import (
+    Escalation,
+    HistoryEntry,
+    Instance,
+    InstanceQuery,
+    Snapshot,
+    Timer,
+    Timing,
+)
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.postgres import pipeline
@@ -41,9 +50,12 @@ from flowlock.stores.postgres.sql import (
     AS_CREATED_BY_ID,
     AS_CREATED_BY_KEY,
     CREATE,
+    CREATE_ARMED,
     CREATE_KEY_CONSTRAINT,
     CREATE_KEYED,
+    CREATE_KEYED_ARMED,
     FENCING_FLOOR,
+    GET,
     HISTORY,
     LOCK,
     LOCK_NOWAIT,
@@ -64,6 +76,16 @@ from flowlock.stores.postgres.sql import (
     priors_in,
     to_json,
 )
+from flowlock.stores.postgres.timer_sql import (
+    CANCEL,
+    CLAIM,
+    COUNT,
+    DUE,
+    NEXT_DUE,
+    RELEASE,
+    TIMERS,
+    create_arm_args,
+)
 
 
 class Operations:
@@ -72,18 +94,24 @@ class Operations:
     def __init__(self, session: Session) -> None:
         self._s = session
 
-    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+    async def create(
+        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+    ) -> Instance:
         key, started, timeout = instance.id, time.monotonic(), self._s.timeout
         args = (instance.id, instance.workflow, instance.state, to_json(instance.data))
+        # The initial state's timers, armed by the same statement (stay 1).
+        armed = create_arm_args(arm) if arm else ()
         # An insert of the same id (or key) by a transaction still open waits for it
         # (lock_timeout).
         async with self._s.conn(
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
             if request_id is None:
-                row = await conn.fetchrow(self._s.sql(CREATE), *args, timeout=timeout)
+                sql = self._s.sql(CREATE_ARMED if arm else CREATE)
+                row = await conn.fetchrow(sql, *args, *armed, timeout=timeout)
             else:
-                row = await self._create_keyed(conn, (*args, request_id))
+                keyed = CREATE_KEYED_ARMED if arm else CREATE_KEYED
+                row = await self._create_keyed(conn, keyed, (*args, request_id, *armed))
                 if row is None:
                     # The id is taken or the key recorded: by this key's first create (a retry,
                     # or a concurrent twin that committed while this one waited), or not.
@@ -96,15 +124,18 @@ class Operations:
             raise InstanceExists(instance.id)
         return instance_from_row(row)
 
-    async def _create_keyed(self, conn: Conn, args: tuple[str, ...]) -> asyncpg.Record | None:
-        """CREATE_KEYED; None when it inserted nothing (the id taken, or the key recorded)."""
-        timeout = self._s.timeout
+    async def _create_keyed(
+        self, conn: Conn, statement: str, args: tuple[Any, ...]
+    ) -> asyncpg.Record | None:
+        """CREATE_KEYED (or its armed twin); None when it inserted nothing (the id taken, or
+        the key recorded)."""
+        timeout, sql = self._s.timeout, self._s.sql(statement)
         try:
             if self._s.joined:
                 # In a transaction flowlock does not end, a recorded key must undo this
                 # statement only, leaving the transaction usable for the lookup.
-                return await guarded_cas(conn, self._s.sql(CREATE_KEYED), args, timeout)
-            return await conn.fetchrow(self._s.sql(CREATE_KEYED), *args, timeout=timeout)
+                return await guarded_cas(conn, sql, args, timeout)
+            return await conn.fetchrow(sql, *args, timeout=timeout)
         except asyncpg.UniqueViolationError as exc:
             if getattr(exc, "constraint_name", None) != CREATE_KEY_CONSTRAINT:
                 raise
@@ -119,10 +150,13 @@ class Operations:
 
     async def get(self, instance_id: str) -> Instance:
         async with self._s.conn(instance_id) as conn:
-            row = await conn.fetchrow(self._s.sql(READ), instance_id, timeout=self._s.timeout)
+            row = await conn.fetchrow(self._s.sql(GET), instance_id, timeout=self._s.timeout)
         if row is None:
             raise InstanceNotFound(instance_id)
-        return instance_from_row(row)
+        inst = instance_from_row(row)
+        if row["t_instance_id"] is None:
+            return inst
+        return inst.evolve(next_timer=timer_from_row(row, "t_"))
 
     async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         ids, timeout, sql = tuple(dict.fromkeys(request_ids)), self._s.timeout, self._s.sql
@@ -270,6 +304,50 @@ class Operations:
             count = await conn.fetchval(self._s.sql(sql), *args, timeout=self._s.timeout)
         return int(count)
 
+    # -- timers (flowlock.stores.base.TimerStore) -----------------------------------------------
+
+    async def claim_timers(
+        self, workflows: Sequence[str], limit: int, lease: float, owner: str
+    ) -> list[Timer]:
+        async with self._s.conn(writes=True) as conn:
+            rows = await conn.fetch(
+                self._s.sql(CLAIM), list(workflows), limit, lease, owner, timeout=self._s.timeout
+            )
+        return [timer_from_row(r) for r in rows]
+
+    async def release_timer(self, timer: Timer, owner: str) -> None:
+        async with self._s.conn(timer.instance_id, writes=True) as conn:
+            await conn.execute(self._s.sql(RELEASE), *_timer_key(timer), owner,
+                               timeout=self._s.timeout)  # fmt: skip
+
+    async def cancel_timer(self, timer: Timer) -> bool:
+        async with self._s.conn(timer.instance_id, writes=True) as conn:
+            done = await conn.fetchval(
+                self._s.sql(CANCEL), *_timer_key(timer), timeout=self._s.timeout
+            )
+        return bool(done)
+
+    async def next_due(self, workflows: Sequence[str]) -> float | None:
+        async with self._s.conn() as conn:
+            seconds = await conn.fetchval(
+                self._s.sql(NEXT_DUE), list(workflows), timeout=self._s.timeout
+            )
+        return None if seconds is None else max(0.0, float(seconds))
+
+    async def timers(self, instance_id: str) -> list[Timer]:
+        async with self._s.conn(instance_id) as conn:
+            rows = await conn.fetch(self._s.sql(TIMERS), instance_id, timeout=self._s.timeout)
+        return [timer_from_row(r) for r in rows]
+
+    async def due_timers(self, within: float, limit: int) -> list[Timer]:
+        async with self._s.conn() as conn:
+            rows = await conn.fetch(self._s.sql(DUE), within, limit, timeout=self._s.timeout)
+        return [timer_from_row(r) for r in rows]
+
+    async def count_timers(self) -> int:
+        async with self._s.conn() as conn:
+            return int(await conn.fetchval(self._s.sql(COUNT), timeout=self._s.timeout))
+
     async def history(self, instance_id: str) -> list[HistoryEntry]:
         async with self._s.conn(instance_id) as conn:
             rows = await conn.fetch(self._s.sql(HISTORY), instance_id, timeout=self._s.timeout)
@@ -386,6 +464,11 @@ async def _locked_step(
     if moved is None:
         raise lost_under_lock(instance_id, batch, snap)
     return snap, instance_from_row(moved), locked_at
+
+
+def _timer_key(timer: Timer) -> tuple[str, int, str, int]:
+    """A timer's row and the firing it is at: the compare-and-swap of a release or cancel."""
+    return timer.instance_id, timer.stay, timer.event, timer.n
 
 
 def batches_of(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[Batch, ...]:

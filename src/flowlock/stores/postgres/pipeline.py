@@ -27,14 +27,13 @@ from flowlock.stores.postgres.session import (
     roll_back,
 )
 from flowlock.stores.postgres.sql import (
-    CAS_MANY,
     LOCK_SKIP,
     PRIORS_MANY,
     READ_MANY,
     Batch,
     keys_of,
     keys_text,
-    many_args,
+    many_of,
     snapshot_of,
 )
 
@@ -159,7 +158,8 @@ async def commit_together(s: Session, batches: Sequence[Batch]) -> list[Instance
         key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
     ) as conn:
         try:
-            rows = await conn.fetch(s.sql(CAS_MANY), *many_args(batches), timeout=s.timeout)
+            text, args = many_of(batches)
+            rows = await conn.fetch(s.sql(text), *args, timeout=s.timeout)
         except asyncpg.TransactionRollbackError as exc:
             # 40P01 / 40001: not between two of these statements (they lock in one order),
             # but with a caller's transaction holding rows in another order, or on an
@@ -215,10 +215,9 @@ async def apply_locked_together(
                 planned = _plan_each(calls, snaps, answers)
                 moved: dict[str, Instance] = {}
                 if planned:
+                    text, args = many_of(list(planned.values()))
                     try:
-                        written = await conn.fetch(
-                            s.sql(CAS_MANY), *many_args(list(planned.values())), timeout=bound
-                        )
+                        written = await conn.fetch(s.sql(text), *args, timeout=bound)
                     except asyncpg.TransactionRollbackError as exc:
                         raise Contended(key, exc) from exc
                     moved = {row["id"]: instance_from_row(row) for row in written}

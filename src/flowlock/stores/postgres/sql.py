@@ -15,16 +15,35 @@ from typing import Any
 
 import asyncpg
 
-from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
+from flowlock._pg.rows import (
+    HISTORY_COLUMNS,
+    INSTANCE_COLUMNS,
+    entry_from_row,
+    instance_from_row,
+    timer_columns,
+)
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import HistoryEntry, InstanceQuery, Snapshot
+from flowlock.stores.postgres.timer_sql import armed_create, stay_of, timer_args, timer_ctes
 
 READ = f"""
 SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = $1
 """
+# What `get` shows: the instance and its earliest armed timer (the `t_` columns, NULL with
+# none), through the timers' primary key. Not the hot read: only `get` pays for the timer.
+GET = f"""
+SELECT {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))}, t.*
+FROM flowlock_instances i
+LEFT JOIN LATERAL (
+    SELECT {timer_columns("t_")} FROM flowlock_timers
+     WHERE instance_id = i.id ORDER BY due_at, event LIMIT 1
+) AS t ON true
+WHERE i.id = $1
+"""
 # The unlocked read with the request-id lookup in the same snapshot: one round trip.
 _READ_JOINED = """
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
+       i.stay_version,
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
@@ -42,7 +61,7 @@ READ_WITH_REQUESTS = _READ_JOINED.format(match="h.request_id = ANY($2::text[])")
 # trip, each row tagged with the place of its call; a call with no row read a missing instance.
 READ_MANY = """
 SELECT r.n, i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at,
-       i.updated_at,
+       i.updated_at, i.stay_version,
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
@@ -87,12 +106,13 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history
 # A lease's fencing token ($10) lower than the last one written is refused like a stale version.
 # $1 id, $2 version read, $3 new state, $4 new data (JSON text), $5 event, $6 from state, $7 actor,
 # $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy),
-# $11 the call's payload (JSON text).
-CAS = f"""
+# $11 the call's payload (JSON text). An entry that changes the state begins a stay.
+_CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
        SET state = $3, version = $2 + 1, data = $4::text::jsonb, last_event = $5,
-           updated_at = now(), fencing_token = coalesce($10, fencing_token)
+           updated_at = now(), fencing_token = coalesce($10, fencing_token),
+           stay_version = CASE WHEN $6 <> $3 THEN $2 + 1 ELSE stay_version END
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
  RETURNING {INSTANCE_COLUMNS}
@@ -101,21 +121,25 @@ WITH moved AS (
                                   actor, request_id, strategy, data, at, fencing_token, payload)
     SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11::text::jsonb
       FROM moved
-)
-SELECT * FROM moved
-"""
+)"""
+_MOVED = "\nSELECT * FROM moved\n"
+CAS = _CAS + _MOVED
+# The same with the entry's timers (timer_sql.timer_ctes): used only when it touches one.
+CAS_TIMED = _CAS + timer_ctes(12) + _MOVED
 # A batch of k entries for one instance: the same compare-and-swap from version v to v + k, the
 # instance left as the last entry leaves it (its fencing token checked and recorded), and the k
 # history rows from one array per column, entry n (from 1) at version v + n, all stamped with the
 # instance's updated_at. Still one statement, so atomic on its own and one round trip.
 # $1 id, $2 version read, $3 last state, $4 last data (JSON text), $5 last event, $6 last fencing
 # token; then per entry: $7 events, $8 from states, $9 to states, $10 actors, $11 request ids,
-# $12 strategies, $13 data (JSON text), $14 fencing tokens, $15 payloads (JSON text).
-CAS_BATCH = f"""
+# $12 strategies, $13 data (JSON text), $14 fencing tokens, $15 payloads (JSON text); $16 the stay
+# the batch begins (the version of its last entry that changes the state; NULL: none does).
+_CAS_BATCH = f"""
 WITH moved AS (
     UPDATE flowlock_instances
        SET state = $3, version = $2::bigint + cardinality($7::text[]), data = $4::text::jsonb,
-           last_event = $5, updated_at = now(), fencing_token = coalesce($6, fencing_token)
+           last_event = $5, updated_at = now(), fencing_token = coalesce($6, fencing_token),
+           stay_version = coalesce($16::bigint, stay_version)
      WHERE id = $1 AND version = $2::bigint
        AND ($6::bigint IS NULL OR coalesce(fencing_token, 0) <= $6)
  RETURNING {INSTANCE_COLUMNS}
@@ -129,9 +153,9 @@ WITH moved AS (
                   $13::text[], $14::bigint[], $15::text[])
            WITH ORDINALITY AS e(event, from_state, to_state, actor, request_id, strategy, data,
                                 fencing_token, payload, n)
-)
-SELECT * FROM moved
-"""
+)"""
+CAS_BATCH = _CAS_BATCH + _MOVED
+CAS_BATCH_TIMED = _CAS_BATCH + timer_ctes(17) + _MOVED
 # The batches of several instances in one statement. Every instance's compare-and-swap stands
 # alone: one whose version moved (or whose fencing token is stale) matches no row of the UPDATE,
 # so none of its entries joins ``moved`` and nothing of it is written; the others go on.
@@ -155,18 +179,19 @@ SELECT * FROM moved
 # events, $7 last fencing tokens: one element per instance. $8 instance ids, $9 versions, $10
 # events, $11 from states, $12 to states, $13 actors, $14 request ids, $15 strategies, $16 data
 # (JSON text), $17 fencing tokens, $18 payloads (JSON text): one element per entry, the batches'
-# entries one after another.
-CAS_MANY = f"""
+# entries one after another. $19 the stays the batches begin (NULL: none), one per instance.
+_CAS_MANY = f"""
 WITH wanted AS (
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::text[],
-                         $6::text[], $7::bigint[])
-           AS w(id, version, top, state, data, last_event, fencing_token)
+                         $6::text[], $7::bigint[], $19::bigint[])
+           AS w(id, version, top, state, data, last_event, fencing_token, stay)
 ), locked AS MATERIALIZED (
     SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
 ), moved AS (
     UPDATE flowlock_instances i
        SET state = w.state, version = w.top, data = w.data::jsonb, last_event = w.last_event,
-           updated_at = now(), fencing_token = coalesce(w.fencing_token, i.fencing_token)
+           updated_at = now(), fencing_token = coalesce(w.fencing_token, i.fencing_token),
+           stay_version = coalesce(w.stay, i.stay_version)
       FROM locked l JOIN wanted w ON w.id = l.id
      WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.version = w.version
        AND (w.fencing_token IS NULL OR coalesce(i.fencing_token, 0) <= w.fencing_token)
@@ -181,9 +206,9 @@ WITH wanted AS (
            AS e(instance_id, version, event, from_state, to_state, actor, request_id, strategy,
                 data, fencing_token, payload)
       JOIN moved m ON m.id = e.instance_id
-)
-SELECT * FROM moved
-"""
+)"""
+CAS_MANY = _CAS_MANY + _MOVED
+CAS_MANY_TIMED = _CAS_MANY + timer_ctes(20) + _MOVED
 # An escalation only ever grows longer; rows long past are pruned by the writers.
 PUBLISH = """
 WITH pruned AS (
@@ -203,34 +228,35 @@ SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
 # clock_timestamp(), not now(): the time of the call, also inside a longer transaction.
 NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 CREATE = f"""
-INSERT INTO flowlock_instances (id, workflow, state, version, data)
-VALUES ($1, $2, $3, 1, $4::text::jsonb)
+INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version)
+VALUES ($1, $2, $3, 1, $4::text::jsonb, 1)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """
+# The same, arming the initial state's timers ($5 to $8: see timer_sql.armed_create).
+CREATE_ARMED = armed_create(CREATE, 5)
 # A create under an idempotency key: the instance and its key in one statement, so both commit
 # or neither. An id already taken inserts nothing (no row back). A key already recorded makes the
 # key's INSERT fail (23505 on flowlock_create_requests_pkey), which rolls the instance's INSERT
 # back with it; an INSERT that meets a key (or an id) another transaction is inserting waits for
 # it to end first. Either way the caller then reads the key: found, it answers the first create.
 # $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 request id.
-CREATE_KEYED = f"""
-WITH made AS (
-    INSERT INTO flowlock_instances (id, workflow, state, version, data)
-    VALUES ($1, $2, $3, 1, $4::text::jsonb)
-    ON CONFLICT (id) DO NOTHING
-    RETURNING {INSTANCE_COLUMNS}
-), keyed AS (
+_KEYED = """, keyed AS (
     INSERT INTO flowlock_create_requests (request_id, instance_id, state, data)
     SELECT $5, id, state, data FROM made
-)
+)"""
+CREATE_KEYED = f"""
+WITH made AS (
+{CREATE.strip()}
+){_KEYED}
 SELECT * FROM made
 """
+CREATE_KEYED_ARMED = armed_create(CREATE, 6, _KEYED)
 CREATE_KEY_CONSTRAINT = "flowlock_create_requests_pkey"
 # The instance as its create made it (version 1, its first state and data), and the create's key.
 _AS_CREATED = """
 SELECT i.id, i.workflow, r.state, 1::bigint AS version, r.data, NULL::text AS last_event,
-       i.created_at, i.created_at AS updated_at, r.request_id
+       i.created_at, i.created_at AS updated_at, 1::bigint AS stay_version, r.request_id
 FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id
 """
 AS_CREATED_BY_KEY = _AS_CREATED + "WHERE r.request_id = $1\n"
@@ -254,7 +280,9 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 # (`flowlock_escalations.until`), nor a longer name (a constraint, a savepoint), nor a word in
 # a string literal (a workflow or state named "flowlock_history" in a list's filter).
 _TABLE = re.compile(
-    r"""(?<![\w."'])(flowlock_(?:instances|history|escalations|create_requests))\b(?![.'])"""
+    r"""(?<![\w."'])"""
+    r"(flowlock_(?:instances|history|escalations|create_requests|timers))"
+    r"""\b(?![.'])"""
 )
 
 
@@ -394,11 +422,14 @@ Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_o
 
 def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
     """The compare-and-swap of `batch` and its arguments: the one-entry statement for one
-    entry (the common case, kept as it was), the array one for several."""
+    entry (the common case, kept as it was), the array one for several; each with the
+    batch's timers in the same statement when it touches any."""
+    timed = timer_args([batch])
     if len(batch) == 1:
-        return CAS, _cas_args(batch[0])
+        args = _cas_args(batch[0])
+        return (CAS, args) if timed is None else (CAS_TIMED, (*args, *timed))
     last = batch[-1]
-    return CAS_BATCH, (
+    args = (
         last.instance_id,
         batch[0].version - 1,
         last.to_state,
@@ -406,7 +437,16 @@ def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
         last.event,
         last.fencing_token,
         *_entry_columns(batch),
+        stay_of(batch),
     )
+    return (CAS_BATCH, args) if timed is None else (CAS_BATCH_TIMED, (*args, *timed))
+
+
+def many_of(batches: Sequence[Batch]) -> tuple[str, tuple[Any, ...]]:
+    """CAS_MANY over `batches` and its arguments; with their timers when any touches one."""
+    args = many_args(batches)
+    timed = timer_args(batches)
+    return (CAS_MANY, args) if timed is None else (CAS_MANY_TIMED, (*args, *timed))
 
 
 def _entry_columns(entries: Sequence[HistoryEntry]) -> tuple[list[Any], ...]:
@@ -440,6 +480,7 @@ def many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
         [e.instance_id for e in entries],
         [e.version for e in entries],
         *_entry_columns(entries),
+        [stay_of(batch) for batch in batches],
     )
 
 

@@ -26,7 +26,14 @@ from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, create_pool
 from flowlock._pg.pooling import Pooling, resolve, session_needed
 from flowlock.core.errors import EngineClosed, FlowlockError, InvalidInput
-from flowlock.core.models import Escalation, HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import (
+    Escalation,
+    HistoryEntry,
+    Instance,
+    InstanceQuery,
+    Snapshot,
+    Timing,
+)
 from flowlock.core.settings import (
     DEFAULT_ACQUIRE_TIMEOUT,
     DEFAULT_APPLICATION_NAME,
@@ -60,6 +67,7 @@ from flowlock.stores.postgres.session import (
     undo,
 )
 from flowlock.stores.postgres.sql import Batch, keys_text, pg_interval, qualified
+from flowlock.stores.postgres.timers import TimerMethods
 
 __all__ = ["PostgresStore"]
 
@@ -68,8 +76,8 @@ log = logging.getLogger("flowlock")
 T = TypeVar("T")
 
 
-class PostgresStore:
-    """Instances and history in PostgreSQL.
+class PostgresStore(TimerMethods):
+    """Instances, history and timers in PostgreSQL.
 
     `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`
     connections (pessimistic callers hold one each while they wait for a row lock), `min_size`
@@ -421,9 +429,11 @@ class PostgresStore:
 
     # -- operations ------------------------------------------------------------------------
 
-    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
+    async def create(
+        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+    ) -> Instance:
         return await self._call(
-            lambda ops: ops.create(instance, request_id), instance.id, writes=True
+            lambda ops: ops.create(instance, request_id, arm), instance.id, writes=True
         )
 
     async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:

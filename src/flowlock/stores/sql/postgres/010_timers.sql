@@ -1,0 +1,53 @@
+-- Durable timers (timed transitions). A timer belongs to one stay of an instance in a state:
+-- the version at which the instance entered that state. The commit that enters a state arms its
+-- timers, the commit that leaves it deletes them, and the commit of a firing moves a reminder on
+-- or deletes it: each in the same statement as the instance's compare-and-swap.
+
+-- The version of the entry that last changed the state (1 after the create). Rows written before
+-- this migration have no timers: their version stands for their stay. The default serves an
+-- INSERT that does not name the column (1: a create begins the first stay).
+ALTER TABLE flowlock_instances ADD COLUMN stay_version bigint NOT NULL DEFAULT 1;
+UPDATE flowlock_instances SET stay_version = version WHERE version <> 1;
+
+CREATE TABLE flowlock_timers (
+    instance_id   text             NOT NULL REFERENCES flowlock_instances (id) ON DELETE CASCADE,
+    -- The stay that armed it: a stay's version is new, so arming never meets an older row.
+    stay          bigint           NOT NULL,
+    event         text             NOT NULL,
+    -- The instance's workflow, so an engine claims only the timers of workflows it runs.
+    workflow      text             NOT NULL,
+    -- On the database server's clock (now() of the arming transaction + after), never a host's.
+    due_at        timestamptz      NOT NULL,
+    -- Firings done so far; a firing's request id is timer:<stay>:<event>:<n>.
+    n             integer          NOT NULL DEFAULT 0 CHECK (n >= 0),
+    -- A reminder's period in seconds (NULL: fires once), and its most firings (NULL: no limit).
+    every         double precision CHECK (every > 0),
+    lim           integer          CHECK (lim >= 1),
+    -- The claim of the engine firing it now: none, or until when (a lease), and by whom.
+    claimed_until timestamptz,
+    claimed_by    text,
+    PRIMARY KEY (instance_id, stay, event)
+);
+-- Claiming: the due timers of the workflows an engine runs, earliest first.
+CREATE INDEX flowlock_timers_due ON flowlock_timers (workflow, due_at);
+
+-- The timer services of every engine LISTEN on the channel of their schema; a commit that armed
+-- timers wakes them once (NOTIFY is sent at commit: a rollback notifies nothing), with the
+-- earliest due time it armed as the payload (seconds since the epoch). The channel names the
+-- schema, so engines on two schemas of one database do not wake each other; a schema name too
+-- long for a channel name (63 bytes) is replaced by its md5.
+CREATE FUNCTION flowlock_timers_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT FROM armed) THEN
+        PERFORM pg_notify(
+            'flowlock_timers.' || CASE WHEN octet_length(TG_TABLE_SCHEMA) <= 47
+                                       THEN TG_TABLE_SCHEMA ELSE md5(TG_TABLE_SCHEMA) END,
+            (SELECT min(extract(epoch FROM due_at))::text FROM armed));
+    END IF;
+    RETURN NULL;
+END
+$$;
+-- Once per statement, not per row: a commit that arms many timers sends one notification.
+CREATE TRIGGER flowlock_timers_armed AFTER INSERT ON flowlock_timers
+    REFERENCING NEW TABLE AS armed
+    FOR EACH STATEMENT EXECUTE FUNCTION flowlock_timers_notify();
