@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ async def engines(pg_url: str, pg_schema: str) -> AsyncIterator[MakeEngine]:
         *,
         pool_size: int = 4,
         lock_timeout: float = 5.0,
+        application_name: str = "flowlock",
         **options: Any,
     ) -> flowlock.Engine:
         store = PostgresStore(
@@ -58,6 +60,7 @@ async def engines(pg_url: str, pg_schema: str) -> AsyncIterator[MakeEngine]:
             schema=pg_schema,
             pool_size=pool_size,
             lock_timeout=lock_timeout,
+            application_name=application_name,
             pipeline=options.get("batching", True),
         )
         eng = await flowlock.Engine(store, metrics=Metrics(), **options).open()
@@ -176,8 +179,10 @@ async def test_the_race_of_an_approval_and_its_deadline_across_three_engines(
         assert (row.event, row.actor, row.request_id) == ("expire", TIMER_ACTOR, "timer:1:expire:0")
     counts = firings(*(e.metrics for e in fleet))
     assert counts["applied"] == len(rejected)
-    # The race happened: both sides won some, and some losers were refused at the last moment.
+    # The race happened: both sides won some, and deadlines already claimed and in flight
+    # lost to a caller (stale: refused by the step, nothing written).
     assert approved and rejected, (len(approved), len(rejected))
+    assert counts["stale"] > 0, counts
     print(f"race: {len(approved)} approved, {len(rejected)} rejected; firings {counts}")
     verdict = check_many(
         [(instances[i], histories[i]) for i in ids], initial_state="pending", expected_applied=1
@@ -404,9 +409,14 @@ async def test_a_timer_armed_by_another_engine_wakes_a_sleeping_service(
     assert firings(firing.metrics)["applied"] == 1
 
 
-async def _lock_waiters(url: str, holder: int) -> int:
-    sql = "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"
-    return int((await _fetch(url, sql, holder))[0][0])
+async def _lock_waiters(url: str, app: str) -> int:
+    """How many sessions named `app` wait for a lock (behind the test's, or behind another
+    waiter: a second waiter for a row waits on the first one's tuple lock)."""
+    sql = (
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1"
+        " AND cardinality(pg_blocking_pids(pid)) > 0"
+    )
+    return int((await _fetch(url, sql, app))[0][0])
 
 
 async def test_two_engines_firing_one_timer_apply_it_once(
@@ -424,15 +434,20 @@ async def test_two_engines_firing_one_timer_apply_it_once(
         await holder.execute(
             f'SELECT 1 FROM "{pg_schema}".flowlock_instances WHERE id = $1 FOR UPDATE', "a"
         )
-        pid = holder.get_server_pid()
+        app = f"timers-{uuid.uuid4().hex[:8]}"
         # One firing at a time, so that this engine cannot claim the timer again itself.
-        first = await engines(strategy="pessimistic", timer_lease=1, timer_batch=1, lock_timeout=30)
+        first = await engines(
+            strategy="pessimistic", timer_lease=1, timer_batch=1, lock_timeout=30,
+            application_name=app,
+        )  # fmt: skip
 
         async def waits(n: int) -> bool:
-            return await _lock_waiters(pg_url, pid) == n
+            return await _lock_waiters(pg_url, app) == n
 
         await wait_until(lambda: waits(1), within=BOUND, what="the first firing to wait")
-        second = await engines(strategy="pessimistic", timer_lease=1, lock_timeout=30)
+        second = await engines(
+            strategy="pessimistic", timer_lease=1, lock_timeout=30, application_name=app
+        )
         await wait_until(lambda: waits(2), within=BOUND, what="the second firing to wait")
         assert first.timer_service is not None and second.timer_service is not None
         [claim] = await _fetch(
