@@ -105,6 +105,7 @@ def one_by_one(
                 version=decided.version,
                 data=decided.data,
                 last_event=decided.event,
+                stay_version=decided.version if decided.enters else state.stay_version,
             )
         answers.append(_key(decided))
     return answers, written[len(history) :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
 
 from prometheus_client import CollectorRegistry
@@ -34,6 +35,14 @@ async def _rejected(engine: flowlock.Engine, ids: list[str]) -> None:
             await asyncio.sleep(0.02)
 
 
+async def _until(check: Callable[[], bool]) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            if check():
+                return
+            await asyncio.sleep(0.02)
+
+
 async def test_firings_are_counted_with_their_lag_and_the_armed_timers() -> None:
     """flowlock_timer_firings_total, flowlock_timer_lag_seconds and flowlock_timers_armed move."""
     registry = CollectorRegistry()
@@ -44,9 +53,7 @@ async def test_firings_are_counted_with_their_lag_and_the_armed_timers() -> None
             await engine.create("deadline", instance_id=f"d{i}")
         await _rejected(engine, [f"d{i}" for i in range(3)])
         sample = registry.get_sample_value
-        async with asyncio.timeout(10):
-            while sample("flowlock_timer_firings_total", {"outcome": "applied"}) != 3:
-                await asyncio.sleep(0.02)
+        await _until(lambda: sample("flowlock_timer_firings_total", {"outcome": "applied"}) == 3)
         assert sample("flowlock_timer_lag_seconds_count") == 3
         assert sample("flowlock_timer_lag_seconds_sum") is not None
         assert sample("flowlock_timers_armed") is not None
@@ -60,9 +67,7 @@ async def test_each_firing_has_a_timer_span_around_its_fire_span() -> None:
             await engine.register(_deadline())
             await engine.create("deadline", instance_id="d")
             await _rejected(engine, ["d"])
-            async with asyncio.timeout(10):
-                while not spans.named("flowlock.timer"):
-                    await asyncio.sleep(0.02)
+            await _until(lambda: bool(spans.named("flowlock.timer")))
         timer = spans.one("flowlock.timer")
         seen = attrs(timer)
         assert seen["flowlock.instance_id"] == "d"

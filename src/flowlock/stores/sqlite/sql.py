@@ -14,7 +14,9 @@ from flowlock.core.models import HistoryEntry, Instance, InstanceQuery
 # Request ids per ``IN (...)`` list: below the 999 bound variables of SQLite builds before 3.32.
 IDS_PER_SELECT: Final = 500
 
-INSTANCE_COLUMNS: Final = "id, workflow, state, version, data, last_event, created_at, updated_at"
+INSTANCE_COLUMNS: Final = (
+    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version"
+)
 HISTORY_COLUMNS: Final = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
     "fencing_token, payload"
@@ -23,10 +25,12 @@ SELECT_INSTANCE: Final = f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHE
 SELECT_PRIORS: Final = (
     f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id IN "
 )
-# A fencing token lower than the last one written is refused like a stale version.
+# A fencing token lower than the last one written is refused like a stale version. The stay
+# moves only when the batch changes the state (its last entering entry's version, else NULL).
 CAS_UPDATE: Final = (
     "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
-    "updated_at = ?, fencing_token = coalesce(?, fencing_token) WHERE id = ? AND version = ? "
+    "updated_at = ?, fencing_token = coalesce(?, fencing_token), "
+    "stay_version = coalesce(?, stay_version) WHERE id = ? AND version = ? "
     "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?)"
 )
 INSERT_HISTORY: Final = (
@@ -36,9 +40,11 @@ INSERT_CREATE_REQUEST: Final = (
     "INSERT INTO flowlock_create_requests (request_id, instance_id, state, data) "
     "VALUES (?, ?, ?, ?)"
 )
-# The instance as its create made it (version 1, its first state and data), and the create's key.
+# The instance as its create made it (version 1 and stay 1, its first state and data), and the
+# create's key.
 SELECT_AS_CREATED: Final = (
-    "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, r.request_id "
+    "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, 1, "
+    "r.request_id "
     "FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id"
 )
 MIGRATIONS_TABLE: Final = (
@@ -171,6 +177,7 @@ def instance_of(row: tuple[Any, ...]) -> Instance:
         last_event=row[5],
         created_at=parse_timestamp(row[6]),
         updated_at=parse_timestamp(row[7]),
+        stay_version=row[8],
     )
 
 

@@ -14,8 +14,9 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
@@ -28,17 +29,29 @@ from flowlock.core.errors import (
     StoreError,
 )
 from flowlock.core.lifecycle import AsyncResource
-from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timer, Timing
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores._batch import distinct_batches
-from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
 from flowlock.stores.sqlite.sql import (
     dump_json,
     is_busy,
     millis,
 )
+from flowlock.stores.sqlite.timers import (
+    any_claimable_txn,
+    cancel_txn,
+    claim_txn,
+    count_timers_txn,
+    due_timers_txn,
+    get_shown_txn,
+    next_due_txn,
+    release_txn,
+    timers_txn,
+)
 from flowlock.stores.sqlite.txn import (
+    Armed,
     bounded,
     commit_many_txn,
     commit_txn,
@@ -47,7 +60,6 @@ from flowlock.stores.sqlite.txn import (
     create_txn,
     encode,
     fence_txn,
-    get_txn,
     history_txn,
     immediate,
     list_txn,
@@ -87,6 +99,11 @@ class SqliteStore(AsyncResource):
     Bounds: `busy_timeout` (seconds) is the longest any write waits for the write lock, queueing
     in this process included; `RowLock.timeout` can only shorten it for one `apply_locked`.
     `acquire_timeout` bounds the wait for a free connection ([`StoreBusy`][flowlock.StoreBusy]).
+
+    Timers: due times are on this host's wall clock (`time.time()`; SQLite has no server clock),
+    written in the transaction of the commit that arms them. `armed()` is set by this store
+    object's commits only: an engine in another process sharing the file sees an earlier timer
+    armed there when it next looks (at a due time, or within the timer service's idle bound).
     """
 
     def __init__(
@@ -117,6 +134,7 @@ class SqliteStore(AsyncResource):
         self.pool_size = 1 if self.path in (":memory:", "") else pool_size
         self._pool: Pool | None = None
         self._lifecycle = asyncio.Lock()
+        self._signals: set[ArmedSignal] = set()
 
     @classmethod
     def from_url(
@@ -283,8 +301,8 @@ class SqliteStore(AsyncResource):
     # -- reads -----------------------------------------------------------------------------------
 
     async def get(self, instance_id: str) -> Instance:
-        """The instance as committed. Raises InstanceNotFound."""
-        return await self._read(get_txn, instance_id, what="get")
+        """The instance as committed, with its earliest armed timer. Raises InstanceNotFound."""
+        return await self._read(get_shown_txn, instance_id, what="get")
 
     async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         """A consistent read (one snapshot) of the instance and the history entries that carry
@@ -322,14 +340,18 @@ class SqliteStore(AsyncResource):
 
     # -- writes ----------------------------------------------------------------------------------
 
-    async def create(self, instance: Instance, request_id: str | None = None) -> Instance:
-        """Insert `instance` at version 1, created and updated now (and its create key, in the
-        same transaction). Raises InstanceExists. A key recorded before answers the instance as
-        its first create made it (see [`Store.create`][flowlock.stores.base.Store.create])."""
+    async def create(
+        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+    ) -> Instance:
+        """Insert `instance` at version 1 and stay 1, created and updated now (and its create
+        key, and `arm`'s timers, in the same transaction). Raises InstanceExists. A key recorded
+        before answers the instance as its first create made it (see
+        [`Store.create`][flowlock.stores.base.Store.create])."""
         data = dump_json(instance.data, f"data of instance {instance.id!r}")
+        timings = tuple(arm)
         return await self._write(
             instance.id,
-            lambda conn: create_txn(conn, instance, data, request_id),
+            lambda conn, armed: create_txn(conn, instance, data, request_id, timings, armed),
             bound=self.busy_timeout,
             nowait=False,
             what="create",
@@ -342,7 +364,7 @@ class SqliteStore(AsyncResource):
         batch = encode(entries_of(entries))
         return await self._write(
             batch.instance_id,
-            lambda conn: commit_txn(conn, batch),
+            lambda conn, armed: commit_txn(conn, batch, armed),
             bound=self.busy_timeout,
             nowait=False,
             what="commit",
@@ -358,7 +380,7 @@ class SqliteStore(AsyncResource):
             return []
         return await self._write(
             encoded[0].instance_id,
-            lambda conn: commit_many_txn(conn, encoded),
+            lambda conn, armed: commit_many_txn(conn, encoded, armed),
             bound=self.busy_timeout,
             nowait=False,
             what="commit_many",
@@ -373,7 +395,7 @@ class SqliteStore(AsyncResource):
         InstanceNotFound, or what `plan` raised."""
         return await self._write(
             instance_id,
-            lambda conn: locked_txn(conn, instance_id, request_ids, plan),
+            lambda conn, armed: locked_txn(conn, instance_id, request_ids, plan, armed),
             bound=min(lock.timeout, self.busy_timeout),
             nowait=lock.nowait,
             what="apply_locked",
@@ -382,8 +404,26 @@ class SqliteStore(AsyncResource):
     async def _write(
         self,
         key: str,
-        txn: Callable[[sqlite3.Connection], T],
+        txn: Callable[[sqlite3.Connection, Armed], T],
         *,
+        bound: float,
+        nowait: bool,
+        what: str,
+    ) -> T:
+        """Run `txn` in a write transaction; once it committed, wake this store's timer
+        services if it armed timers."""
+        armed: Armed = []
+        result = await self._write_txn(key, lambda conn: txn(conn, armed), bound, nowait, what)
+        if armed:
+            soonest = min(armed)
+            for signal in self._signals:
+                signal.due_in(soonest)
+        return result
+
+    async def _write_txn(
+        self,
+        key: str,
+        txn: Callable[[sqlite3.Connection], T],
         bound: float,
         nowait: bool,
         what: str,
@@ -408,6 +448,80 @@ class SqliteStore(AsyncResource):
                     raise LockBusy(key) from exc
                 raise LockTimeout(key, time.monotonic() - started) from exc
             raise self._error(exc, what) from exc
+
+    # -- timers (TimerStore; due times on this host's wall clock) ----------------------------------
+
+    async def claim_timers(
+        self, workflows: Sequence[str], *, limit: int, lease: float, owner: str
+    ) -> list[Timer]:
+        """At most `limit` due, unclaimed timers of `workflows`, earliest due first, claimed by
+        `owner` for `lease` seconds in one write transaction (no two claimers get one timer)."""
+        names = tuple(workflows)
+        if limit <= 0 or not names:
+            self._live()
+            return []
+        # A read first: the write lock is taken only when something is due.
+        if not await self._read(any_claimable_txn, names, what="claim_timers"):
+            return []
+        return await self._write(
+            self.path,  # SQLite's write lock is the whole database's
+            lambda conn, _: claim_txn(conn, names, limit, lease, owner),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="claim_timers",
+        )
+
+    async def release_timer(self, timer: Timer, owner: str) -> None:
+        """Give back `owner`'s claim on `timer` (nothing if the claim is not `owner`'s)."""
+        await self._write(
+            timer.instance_id,
+            lambda conn, _: release_txn(conn, timer, owner),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="release_timer",
+        )
+
+    async def cancel_timer(self, timer: Timer) -> bool:
+        """End one firing of `timer` that applied nothing (a reminder moves on, the rest are
+        deleted); False, with nothing changed, when it moved on or was voided meanwhile."""
+        return await self._write(
+            timer.instance_id,
+            lambda conn, _: cancel_txn(conn, timer),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="cancel_timer",
+        )
+
+    async def next_due(self, workflows: Sequence[str]) -> float | None:
+        """Seconds until a timer of `workflows` can be claimed (0: now), None if none is armed."""
+        names = tuple(workflows)
+        if not names:
+            self._live()
+            return None
+        return await self._read(next_due_txn, names, what="next_due")
+
+    async def timers(self, instance_id: str) -> list[Timer]:
+        """The instance's armed timers, earliest due first."""
+        return await self._read(timers_txn, instance_id, what="timers")
+
+    async def due_timers(self, *, within: float, limit: int) -> list[Timer]:
+        """At most `limit` timers due within `within` seconds or overdue, with their lag."""
+        return await self._read(due_timers_txn, within, max(limit, 0), what="due_timers")
+
+    async def count_timers(self) -> int:
+        """How many timers are armed."""
+        return await self._read(count_timers_txn, what="count_timers")
+
+    @asynccontextmanager
+    async def armed(self) -> AsyncIterator[ArmedSignal]:
+        """A signal set when a commit of this store object arms a timer (other processes'
+        arms are not seen: see the class docstring)."""
+        signal = ArmedSignal()
+        self._signals.add(signal)
+        try:
+            yield signal
+        finally:
+            self._signals.discard(signal)
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from flowlock.core import migrations
 from flowlock.core.errors import InstanceExists, InstanceNotFound
-from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan
 from flowlock.stores.sqlite.sql import (
@@ -33,6 +34,11 @@ from flowlock.stores.sqlite.sql import (
     now_text,
     statements_of,
 )
+from flowlock.stores.sqlite.timers import after_commit, arm
+
+# Each write transaction appends here the soonest `after` of the timers it armed, so that the
+# store, once the transaction committed, wakes this process's timer services (`armed()`).
+Armed = list[float]
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -186,18 +192,25 @@ def count_txn(conn: sqlite3.Connection, query: InstanceQuery) -> int:
 
 
 def create_txn(
-    conn: sqlite3.Connection, instance: Instance, data: str, request_id: str | None
+    conn: sqlite3.Connection,
+    instance: Instance,
+    data: str,
+    request_id: str | None,
+    timings: Sequence[Timing],
+    armed: Armed,
 ) -> Instance:
-    """Insert `instance` (and its create key, when given) in this write transaction; a key
-    recorded before answers its first create instead (nothing written). The transaction holds
-    the database's write lock, so nothing lands between the lookup and the inserts."""
+    """Insert `instance` (and its create key, when given) at version 1 and stay 1, arming
+    `timings`, in this write transaction; a key recorded before answers its first create instead
+    (nothing written). The transaction holds the database's write lock, so nothing lands between
+    the lookup and the inserts."""
     if request_id is not None:
-        made = _as_created(conn, "r.request_id", request_id)
-        if made is not None:
-            return made[1]
+        found = _as_created(conn, "r.request_id", request_id)
+        if found is not None:
+            return found[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) VALUES (?, ?, ?, 1, ?, NULL, ?, ?) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) "
+        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1) "
         "ON CONFLICT (id) DO NOTHING",
         (instance.id, instance.workflow, instance.state, data, now, now),
     )
@@ -205,14 +218,18 @@ def create_txn(
         raise InstanceExists(instance.id)
     if request_id is not None:
         conn.execute(INSERT_CREATE_REQUEST, (request_id, instance.id, instance.state, data))
-    return get_txn(conn, instance.id)
+    made = get_txn(conn, instance.id)
+    soonest = arm(conn, made, 1, timings, time.time())
+    if soonest is not None:
+        armed.append(soonest)
+    return made
 
 
 def _as_created(conn: sqlite3.Connection, column: str, value: str) -> tuple[str, Instance] | None:
     """The create key found by `column` (`r.request_id` or `r.instance_id`) and the instance as
     that create made it."""
     row = conn.execute(f"{SELECT_AS_CREATED} WHERE {column} = ?", (value,)).fetchone()
-    return None if row is None else (row[8], instance_of(row))
+    return None if row is None else (row[9], instance_of(row))
 
 
 def create_request_txn(conn: sqlite3.Connection, instance_id: str) -> tuple[str, Instance] | None:
@@ -227,6 +244,10 @@ class _Batch:
     entries: tuple[HistoryEntry, ...]
     data: tuple[str, ...]
     payloads: tuple[str, ...]
+    # The version of the last entry that changes the state (the new stay), None if none does;
+    # whether any entry arms, voids or fires a timer (if not, no timer statement runs).
+    stay: int | None
+    timed: bool
 
     @property
     def instance_id(self) -> str:
@@ -235,17 +256,21 @@ class _Batch:
 
 def encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
     iid = batch[0].instance_id
+    entered = [e.version for e in batch if e.enters]
     return _Batch(
         batch,
         tuple(dump_json(e.data, f"data of the history entry for {iid!r}") for e in batch),
         tuple(dump_json(e.payload, f"payload of the history entry for {iid!r}") for e in batch),
+        entered[-1] if entered else None,
+        any(e.arm or e.voids or e.timer is not None for e in batch),
     )
 
 
-def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
-    """The compare-and-swap of one instance's batch and its history rows; None when it lost,
-    and then it wrote nothing (every check comes before the first write: this transaction holds
-    the database's write lock, so nothing changes between them)."""
+def _write_batch(conn: sqlite3.Connection, batch: _Batch, armed: Armed) -> Instance | None:
+    """The compare-and-swap of one instance's batch, its history rows and what it does to the
+    instance's timers; None when it lost, and then it wrote nothing (every check comes before
+    the first write: this transaction holds the database's write lock, so nothing changes
+    between them)."""
     first, last = batch.entries[0], batch.entries[-1]
     request_ids = [e.request_id for e in batch.entries if e.request_id is not None]
     if request_ids and _rows_of_requests(conn, first.instance_id, request_ids):
@@ -260,6 +285,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
             last.event,
             now,
             last.fencing_token,
+            batch.stay,
             first.instance_id,
             first.version - 1,
             last.fencing_token,
@@ -289,30 +315,41 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
             for e, data, payload in zip(batch.entries, batch.data, batch.payloads, strict=True)
         ],
     )
-    return get_txn(conn, first.instance_id)
+    committed = get_txn(conn, first.instance_id)
+    if batch.timed:
+        soonest = after_commit(conn, committed, batch.entries)
+        if soonest is not None:
+            armed.append(soonest)
+    return committed
 
 
-def commit_txn(conn: sqlite3.Connection, batch: _Batch) -> Instance | None:
-    committed = _write_batch(conn, batch)
+def commit_txn(conn: sqlite3.Connection, batch: _Batch, armed: Armed) -> Instance | None:
+    committed = _write_batch(conn, batch, armed)
     if committed is None:
         raise _Discard(None)  # a lost compare-and-swap writes nothing
     return committed
 
 
-def commit_many_txn(conn: sqlite3.Connection, batches: list[_Batch]) -> list[Instance | None]:
+def commit_many_txn(
+    conn: sqlite3.Connection, batches: list[_Batch], armed: Armed
+) -> list[Instance | None]:
     # A lost compare-and-swap writes nothing before it returns None (see _write_batch), so the
     # winners commit with it; an error rolls the whole transaction back.
-    return [_write_batch(conn, batch) for batch in batches]
+    return [_write_batch(conn, batch, armed) for batch in batches]
 
 
 def locked_txn(
-    conn: sqlite3.Connection, instance_id: str, request_ids: Sequence[str], plan: Plan
+    conn: sqlite3.Connection,
+    instance_id: str,
+    request_ids: Sequence[str],
+    plan: Plan,
+    armed: Armed,
 ) -> LockedResult:
     snapshot = _snapshot(conn, instance_id, request_ids)
     planned = planned_entries(instance_id, plan(snapshot))
     if not planned:
         raise _Discard(LockedResult(snapshot, None))
-    committed = _write_batch(conn, encode(planned))
+    committed = _write_batch(conn, encode(planned), armed)
     if committed is None:
         raise refused_plan(instance_id, planned, snapshot)
     return LockedResult(snapshot, committed)
