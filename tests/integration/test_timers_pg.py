@@ -473,3 +473,31 @@ async def test_two_engines_firing_one_timer_apply_it_once(
     assert [h.request_id for h in history] == ["timer:1:expire:0"]
     await _clean(caller, "a", 1)
     (await sql_history()).assert_matches({"a": history})
+
+
+async def test_a_firing_that_failed_on_a_busy_row_fires_again_once_it_is_free(
+    engines: MakeEngine, pg_url: str, pg_schema: str
+) -> None:
+    """A firing that fails for a reason that passes (its lock wait ran out: the test holds the
+    row) gives its claim back and fires again soon, not once its lease (minutes) ran out."""
+    caller = await engines(timers=False)
+    await caller.create("deadline", instance_id="a")
+    holder = await pg_budget.connect(pg_url)
+    try:
+        async with holder.transaction():
+            await holder.execute(
+                f'SELECT 1 FROM "{pg_schema}".flowlock_instances WHERE id = $1 FOR UPDATE', "a"
+            )
+            firing = await engines(
+                strategies=[flowlock.Pessimistic(lock_timeout=0.2)],
+                strategy="pessimistic",
+                timer_lease=600,
+            )
+            await wait_until(
+                lambda: firings(firing.metrics)["failed"] >= 1, within=BOUND, what="a failure"
+            )
+    finally:
+        await holder.close()
+    await _state(caller, "a", "rejected")
+    assert firings(firing.metrics)["applied"] == 1
+    await _clean(caller, "a", 1)

@@ -297,3 +297,23 @@ async def test_a_claim_that_runs_out_fires_elsewhere_once(
     finally:
         if store is not caller.store:
             await store.aclose()
+
+
+async def test_a_workflow_no_engine_runs_keeps_its_timers_until_one_registers_it(
+    engines: MakeEngine,
+) -> None:
+    """An engine fires only the timers of workflows it runs: another workflow's due timer
+    stays armed (a witness of its own workflow fired meanwhile) until it registers that
+    workflow too, and then fires once."""
+    runner = await engines({"after": AFTER, "name": "other"})
+    caller = await engines(timers=False)
+    await caller.create("deadline", instance_id="a")
+    await runner.create("other", instance_id="witness")
+    await _state(runner, "witness", "rejected")
+    [armed] = await caller.timers("a")
+    assert armed.lag > 0 and armed.claimed_until is None
+    assert (await caller.get("a")).state == "pending"
+    await runner.register(deadline(after=AFTER))
+    await _state(caller, "a", "rejected")
+    assert firings(runner.metrics)["applied"] == 2
+    await _clean(caller, "a", 1)
