@@ -1,5 +1,5 @@
-"""Timers on real PostgreSQL: the race of a caller's approval and a deadline falling due at the
-same moment across several engines, stays, reminders, guards, timers armed inside a caller's
+"""Timers through engines on real PostgreSQL: the race of a caller's approval and a deadline
+falling due at the same moment across several engines, stays, reminders, guards, timers armed inside a caller's
 own transaction, two engines firing one timer, engines without timers, and the NOTIFY that
 wakes a sleeping timer service.
 
