@@ -23,10 +23,13 @@ import pg_budget
 from flowlock import examples
 from flowlock._pg.fence import EPOCH_LOCK_CLASS
 from flowlock.checker import check
+from flowlock.core.models import TIMER_ACTOR
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.stores.postgres import PostgresStore
+from lock_probes import wait_until
 from pgbouncer_harness import PgBouncer
+from timer_steps import BOUND, WF, deadline
 
 pytestmark = pytest.mark.postgres
 
@@ -315,6 +318,43 @@ async def test_firing_in_the_applications_transaction_through_the_pooler(
         assert again.idempotent is commit
 
 
+async def test_timers_fire_through_a_transaction_pooler(
+    pgbouncer_transaction: PgBouncer, pg_schema: str, sql_history: SqlHistory
+) -> None:
+    """Timers behind PgBouncer pool_mode=transaction: the timer statements name their tables
+    with the schema, and since LISTEN cannot work there, armed() is set about once a second
+    instead (bounded polling). A reminder armed through one engine is fired through another,
+    once per firing, as the timer, until its limit; the deadline stays armed."""
+    url = pgbouncer_transaction.url()
+    workflow = deadline(every=0.1, limit=2)
+    async with (
+        flowlock.connect(url, schema=pg_schema, max_size=4) as firing,
+        flowlock.connect(url, schema=pg_schema, max_size=4, timers=False) as caller,
+    ):
+        for engine in (firing, caller):
+            await engine.register(workflow)
+        store = firing.store
+        assert isinstance(store, PostgresStore) and store.pooling == "transaction"
+        async with store.armed() as armed:
+            for _ in range(2):  # set, and set again: nobody armed anything
+                armed.clear()
+                async with asyncio.timeout(BOUND):
+                    await armed.wait()
+        await caller.create(WF, instance_id="a")
+
+        async def reminded() -> bool:
+            return [t.event for t in await store.timers("a")] == ["expire"]
+
+        await wait_until(reminded, within=BOUND, what="both reminders fired")
+        history = await caller.history("a")
+        assert [(h.event, h.actor, h.request_id) for h in history] == [
+            ("remind", TIMER_ACTOR, "timer:1:remind:0"),
+            ("remind", TIMER_ACTOR, "timer:1:remind:1"),
+        ]
+        assert check(await caller.get("a"), history, initial_state="pending").ok
+        (await sql_history()).assert_matches({"a": history})
+
+
 def _refused_openers(url: str, schema: str, redis_url: str) -> dict[str, Callable[[], Any]]:
     return {
         "advisory locks": lambda: flowlock.connect(url, schema=schema, locks="advisory"),
@@ -363,6 +403,37 @@ async def test_storm_through_a_session_pooler(
             for iid, n in (await _storm(engines, strategy)).items():
                 applied[iid] += n
         await _verify(engines[0], sql_history, applied)
+
+
+async def test_listen_works_through_a_session_pooler(
+    pgbouncer_session: PgBouncer, pg_schema: str
+) -> None:
+    """Behind PgBouncer pool_mode=session, LISTEN holds its server connection: a commit arming a
+    timer through another engine wakes armed(), and the deadline fires once."""
+    url = pgbouncer_session.url()
+    workflow = deadline(after=0.2, every=None)
+    async with (
+        flowlock.connect(url, schema=pg_schema, max_size=4) as firing,
+        flowlock.connect(url, schema=pg_schema, max_size=4, timers=False) as caller,
+    ):
+        for engine in (firing, caller):
+            await engine.register(workflow)
+        store = firing.store
+        assert isinstance(store, PostgresStore) and store.pooling == "session"
+        async with store.armed() as armed:
+            async with asyncio.timeout(BOUND):
+                await armed.wait()  # set once LISTEN is up
+            armed.clear()
+            await caller.create(WF, instance_id="a")
+            async with asyncio.timeout(BOUND):
+                await armed.wait()
+
+        async def expired() -> bool:
+            return (await caller.get("a")).state == "rejected"
+
+        await wait_until(expired, within=BOUND, what="the deadline fired")
+        [entry] = await caller.history("a")
+        assert (entry.actor, entry.request_id) == (TIMER_ACTOR, "timer:1:expire:0")
 
 
 async def test_advisory_locks_work_behind_session_pooling(

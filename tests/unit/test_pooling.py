@@ -16,7 +16,7 @@ from flowlock.core.migrations import load
 from flowlock.core.models import InstanceQuery
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
-from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.postgres import PostgresStore, timer_sql
 from flowlock.stores.postgres import sql as statements
 from flowlock.stores.postgres.sql import qualified
 
@@ -35,8 +35,13 @@ def test_every_table_of_every_statement_is_named_with_the_schema() -> None:
     """Each fixed statement of the store, qualified, names every table of flowlock's (as the
     migrations create them, so a new table is not forgotten) only as "s".table."""
     tables = _tables()
-    assert {"flowlock_instances", "flowlock_history", "flowlock_create_requests"} <= tables
-    texts = [v for k, v in vars(statements).items() if k.isupper() and isinstance(v, str)]
+    assert {"flowlock_instances", "flowlock_history", "flowlock_timers"} <= tables
+    texts = [
+        v
+        for module in (statements, timer_sql)
+        for k, v in vars(module).items()
+        if k.isupper() and isinstance(v, str)
+    ]
     for text in texts:
         done = qualified(text, "s")
         for table in tables:

@@ -234,12 +234,12 @@ SELECT {TIMER_COLUMNS} FROM flowlock_timers
  ORDER BY due_at, instance_id, event LIMIT $2
 """
 COUNT = "SELECT count(*) FROM flowlock_timers"
-# The schema the timers table is in (where the connection's search_path finds it), which names
-# the channel of its NOTIFY (see 010_timers.sql).
+# The schema a table is in, where the connection's search_path finds it ($1: the table's name,
+# flowlock_timers): it names the channel of the timers' NOTIFY (see 010_timers.sql).
 TIMER_SCHEMA = """
 SELECT coalesce(
     (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-      WHERE c.oid = to_regclass('flowlock_timers')),
+      WHERE c.oid = to_regclass($1)),
     current_schema())
 """
 

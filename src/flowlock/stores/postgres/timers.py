@@ -35,7 +35,8 @@ transaction pooler): it then looks at the store about once a second."""
 KEEPALIVE = 30.0
 """Seconds between two round trips on an idle LISTEN connection, which find a connection that
 died without a word (a half-open network path) so that it is opened again."""
-_RECONNECT = (0.05, 1.0)  # the first and the longest pause before opening it again
+_RECONNECT = (0.05, 1.0)
+_TABLE = "flowlock_timers"  # the first and the longest pause before opening it again
 
 Connect = Callable[[], Awaitable[asyncpg.Connection]]
 # What ends one LISTEN connection (the store closed, or the server out of reach), not the loop.
@@ -169,7 +170,8 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
         conn: asyncpg.Connection | None = None
         try:
             conn = await connect()
-            name = channel(schema or await conn.fetchval(TIMER_SCHEMA, timeout=bound))
+            found = schema or await conn.fetchval(TIMER_SCHEMA, _TABLE, timeout=bound)
+            name = channel(found)
             lost = asyncio.Event()
             conn.add_termination_listener(lambda _, lost=lost: lost.set())
             await conn.add_listener(name, lambda *_: event.set())
