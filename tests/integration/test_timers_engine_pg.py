@@ -1,7 +1,8 @@
 """Timers through engines on real PostgreSQL: the race of a caller's approval and a deadline
-falling due at the same moment across several engines, stays, reminders, guards, timers armed inside a caller's
-own transaction, two engines firing one timer, engines without timers, and the NOTIFY that
-wakes a sleeping timer service.
+falling due at the same moment across several engines, stays, reminders, guards, timers armed
+inside a caller's own transaction, two engines firing one timer, a firing that failed on a busy
+row, engines without timers, and the NOTIFY that wakes a sleeping timer service.
+(tests/integration/test_timers_pg.py holds the store's own: LISTEN, channels, the migration.)
 
 Timings are short (deadlines 200 ms to 1 s into the stay). A test waits for what it expects with
 a generous bound, never asserts how long anything took; to show that something did NOT fire, a
