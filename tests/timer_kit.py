@@ -24,8 +24,9 @@ import flowlock
 from flowlock.core.models import TIMER_ACTOR, HistoryEntry
 from flowlock.metrics import Metrics
 from flowlock.timers import OUTCOMES
+from lock_probes import wait_until
 
-__all__ = ["deadline", "firings", "stay_violations"]
+__all__ = ["deadline", "fired", "firings", "stay_violations"]
 
 
 def _not_held(inst: flowlock.Instance, payload: Mapping[str, Any], actor: str | None) -> bool:
@@ -140,4 +141,16 @@ def firings(*metrics: Metrics | None) -> dict[str, int]:
                 "flowlock_timer_firings_total", {"outcome": outcome}
             )
             counts[outcome] += int(value or 0)
+    return counts
+
+
+async def fired(n: int, *metrics: Metrics | None, within: float = 30.0) -> dict[str, int]:
+    """Wait until the engines of `metrics` recorded `n` applied firings, then hold them to
+    exactly `n`; the firings by outcome. (A firing is counted just after its commit: its row
+    may be read a moment before.)"""
+    await wait_until(
+        lambda: firings(*metrics)["applied"] >= n, within=within, what=f"{n} applied firings"
+    )
+    counts = firings(*metrics)
+    assert counts["applied"] == n, counts
     return counts
