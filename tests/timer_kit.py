@@ -26,7 +26,7 @@ from flowlock.metrics import Metrics
 from flowlock.timers import OUTCOMES
 from lock_probes import wait_until
 
-__all__ = ["deadline", "fired", "firings", "stay_violations"]
+__all__ = ["deadline", "due_of", "fired", "firings", "stay_violations"]
 
 
 def _not_held(inst: flowlock.Instance, payload: Mapping[str, Any], actor: str | None) -> bool:
@@ -100,6 +100,14 @@ def deadline(
         initial=initial,
         transitions=transitions,
     )
+
+
+def due_of(created: flowlock.Instance, after: float) -> float:
+    """When a timer `after` seconds into the first stay of `created` falls due, in seconds since
+    the epoch on the server's clock: it is armed by the create's statement, whose now() is the
+    instance's `created_at`."""
+    assert created.created_at is not None
+    return created.created_at.timestamp() + after
 
 
 def stay_violations(history: Sequence[HistoryEntry], *, created_stay: int = 1) -> list[str]:

@@ -4,8 +4,8 @@ callers that approve their share of the instances at the moment each one's deadl
 Run as ``python timer_worker.py CONFIG_JSON``. It opens its engine (the service starts and
 sleeps: nothing is armed yet), says it is ready through the gate (proc_worker's), and once the
 parent gives the go it reads the plan the parent wrote (each instance's due time, on the
-server's clock) and approves every ``processes``-th instance from its ``proc``-th, each a few
-milliseconds either side of its due time. Meanwhile its timer service fires whatever deadline it
+server's clock) and approves every ``processes``-th instance from its ``proc``-th, each from 5 ms
+before to 30 ms after its due time. Meanwhile its timer service fires whatever deadline it
 claims. It waits until no instance is pending and no timer is armed, closes its engine (firings
 in flight end first) and prints one JSON object: the callers' answers, the service's firings by
 outcome, its claim owner, and when its deadline effects ran (``time.monotonic()``: one clock
@@ -61,7 +61,7 @@ async def main(cfg: dict[str, Any]) -> None:
         await all_started(cfg["gate"], cfg["proc"])
 
         async def approve(iid: str) -> None:
-            await asyncio.sleep(max(0.0, plan[iid] + rng.uniform(-0.005, 0.01) - time.time()))
+            await asyncio.sleep(max(0.0, plan[iid] + rng.uniform(-0.005, 0.03) - time.time()))
             try:
                 out = await engine.fire(iid, "approve", actor=f"p{cfg['proc']}")
             except flowlock.TransitionNotAllowed:
