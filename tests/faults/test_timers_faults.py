@@ -78,6 +78,7 @@ async def test_a_claimer_killed_mid_firing_loses_nothing(
     them (pessimistic: holding the instance's row lock): nothing of it is written, and once its
     lease ran out another engine fires each deadline exactly once."""
     ids = [f"d{n:02}" for n in range(INSTANCES)]
+    app = f"claimer-{uuid.uuid4().hex[:8]}"
     store = PostgresStore(pg_url, schema=pg_schema, pool_size=4)
     async with flowlock.Engine(store, timers=False) as caller:
         await caller.register(deadline(after=0.2))
@@ -91,6 +92,7 @@ async def test_a_claimer_killed_mid_firing_loses_nothing(
             "strategy": strategy,
             "lease": LEASE,
             "after": 0.2,
+            "app": app,
         }
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -110,6 +112,13 @@ async def test_a_claimer_killed_mid_firing_loses_nothing(
             owner = (tmp_path / "owner").read_text()
             claims = await _fetch(pg_url, f'SELECT claimed_by FROM "{pg_schema}".flowlock_timers')
             assert claims == [(owner,)] * INSTANCES  # it holds every deadline
+            if strategy == "pessimistic":  # and the row of the one it is firing
+                [(locked,)] = await _fetch(
+                    pg_url,
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+                    f" WHERE a.application_name = '{app}' AND l.locktype = 'transactionid'",
+                )
+                assert locked == 1
             proc.send_signal(signal.SIGKILL)
             assert await asyncio.wait_for(proc.wait(), timeout=BOUND) == -signal.SIGKILL
         finally:

@@ -33,7 +33,9 @@ async def main(cfg: dict[str, Any]) -> None:
         time.sleep(HANG)  # blocks the event loop: nothing else of this process runs
         raise SystemExit(f"timer_claimer: not killed within {HANG} s")
 
-    store = PostgresStore(cfg["url"], schema=cfg["schema"], pool_size=2)
+    store = PostgresStore(
+        cfg["url"], schema=cfg["schema"], pool_size=2, application_name=cfg["app"]
+    )
     engine = flowlock.Engine(store, strategy=cfg["strategy"], timer_lease=cfg["lease"])
     async with engine:
         service = engine.timer_service
