@@ -5,6 +5,8 @@
   application's pool, a caller's transaction) and how driver errors read there;
 - `operations`: the statements of one call;
 - `pipeline`: calls on different instances sharing a round trip;
+- `timer_sql`: what a commit does to timers, and the timer service's statements;
+- `timers`: the timer methods and the LISTEN that wakes the timer service;
 - `store`: [`PostgresStore`][flowlock.stores.postgres.PostgresStore], which composes them.
 """
 
