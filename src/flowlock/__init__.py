@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         MigrationError,
         OutcomeUnknown,
         PayloadTooLarge,
+        StaleTimer,
         StepFailed,
         StoreBusy,
         StoreError,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
         UnknownWorkflow,
         VersionMismatch,
     )
-    from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+    from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -67,7 +68,9 @@ if TYPE_CHECKING:
 _WHERE: dict[str, str] = {
     **dict.fromkeys(_ERROR_NAMES, "flowlock.core.errors"),
     **dict.fromkeys(("Step", "Transition", "Workflow"), "flowlock.core.definition"),
-    **dict.fromkeys(("HistoryEntry", "Instance", "Outcome", "Page"), "flowlock.core.models"),
+    **dict.fromkeys(
+        ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
+    ),
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
@@ -117,6 +120,7 @@ __all__ = [
     "PayloadTooLarge",
     "Pessimistic",
     "RunOnce",
+    "StaleTimer",
     "Step",
     "StepFailed",
     "Store",
@@ -124,6 +128,7 @@ __all__ = [
     "StoreError",
     "Strategy",
     "SyncCallInEventLoop",
+    "Timer",
     "TooManyConnections",
     "Transition",
     "TransitionNotAllowed",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from flowlock.core.errors import CreateKeyReused, InvalidInput
 from flowlock.core.jsondata import same_json
-from flowlock.core.models import Instance, Timing
+from flowlock.core.models import TIMER_PREFIX, Instance, Timing
 from flowlock.core.settings import check_text as _text
 from flowlock.stores.base import Store, TransactionalStore
 
@@ -92,3 +92,14 @@ def transactional(store: Store) -> TransactionalStore:
             "postgresql:// database, or call without connection=. Nothing was read or written"
         )
     return store
+
+
+def caller_request_id(request_id: str | None) -> str | None:
+    """A caller's `request_id`, refused when it takes the form of a timer's firing: that id
+    is the timer's own, and a caller using it would make the timer's firing a replay."""
+    if isinstance(request_id, str) and request_id.startswith(TIMER_PREFIX):
+        raise InvalidInput(
+            f"request_id {request_id!r} starts with {TIMER_PREFIX!r}, which flowlock keeps for "
+            "the firings of timers; choose another request id. Nothing was read or written"
+        )
+    return request_id

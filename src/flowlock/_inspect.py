@@ -1,4 +1,4 @@
-"""What the inspection commands (`show`, `history`, `list`, `check`) read.
+"""What the inspection commands (`show`, `history`, `list`, `check`, `timers`) read.
 
 They open a database without changing it. Migrations never run, a missing file or schema
 is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write.
@@ -19,7 +19,7 @@ from flowlock.checker import FINAL_MISMATCH, Verdict, Violation, check
 from flowlock.core.errors import InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
-from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
 
@@ -33,7 +33,9 @@ __all__ = [
     "check_instances",
     "entry_dict",
     "instance_dict",
+    "next_timer_dict",
     "open_readonly",
+    "timer_dict",
     "walk",
 ]
 
@@ -49,7 +51,8 @@ _PAGE = 500
 
 @asynccontextmanager
 async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
-    """An open engine over `url` (`postgresql://` or `sqlite:///path`) that cannot write.
+    """An open engine over `url` (`postgresql://` or `sqlite:///path`) that cannot write (and
+    runs no timer service: it reads timers, it never fires them).
 
     Raises InvalidInput for another kind of URL or a bad schema name. Raises StoreError when
     the database cannot be reached or does not exist. Raises MigrationError when flowlock's
@@ -63,7 +66,9 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
         if schema is not None:
             raise InvalidInput("--schema applies to PostgreSQL only; a SQLite file has none")
         path = _sqlite_tables(url)
-        async with connect(_SQLITE_PREFIX + path, auto_migrate=False, max_size=1) as engine:
+        async with connect(
+            _SQLITE_PREFIX + path, auto_migrate=False, max_size=1, timers=False
+        ) as engine:
             yield engine
     else:
         raise InvalidInput(
@@ -104,7 +109,7 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
         )
     try:
         await _postgres_tables(pool, schema, where)
-        async with connect(pool=pool, schema=schema, auto_migrate=False) as engine:
+        async with connect(pool=pool, schema=schema, auto_migrate=False, timers=False) as engine:
             yield engine
     finally:
         await close_pool(pool)
@@ -209,6 +214,32 @@ def instance_dict(inst: Instance) -> dict[str, Any]:
     }
 
 
+def next_timer_dict(inst: Instance) -> dict[str, Any] | None:
+    """The instance's next timer as `{event, due_at, stay}` (None when none is armed, or when
+    the instance was not read by `get`, the one read that fills it in)."""
+    nxt = inst.next_timer
+    if nxt is None:
+        return None
+    return {"event": nxt.event, "due_at": _when(nxt.due_at), "stay": nxt.stay}
+
+
+def timer_dict(timer: Timer) -> dict[str, Any]:
+    """One armed timer as JSON-ready values: which firing it is, when it is due (the
+    database's clock, ISO 8601) and, when read, how late it is (`lag`, seconds)."""
+    return {
+        "instance_id": timer.instance_id,
+        "workflow": timer.workflow,
+        "event": timer.event,
+        "stay": timer.stay,
+        "n": timer.n,
+        "due_at": _when(timer.due_at),
+        "lag": round(timer.lag, 6),
+        "every": timer.every,
+        "limit": timer.limit,
+        "claimed_until": _when(timer.claimed_until),
+    }
+
+
 def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
     """One history row as JSON-ready values (datetimes as ISO 8601)."""
     return {
@@ -280,7 +311,7 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
 
     async def one(inst_id: str) -> None:
         nonlocal instances, rows
-        inst, history, settled = await _stable_read(engine, inst_id)
+        inst, history, timers, settled = await _stable_read(engine, inst_id)
         instances += 1
         rows += len(history)
         if not settled:
@@ -291,7 +322,7 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         lookup = getattr(engine.store, "create_request", None)
         made = None if lookup is None else await lookup(inst_id)
         initial = None if made is None else made[1].state
-        found.extend(check(inst, history, initial_state=initial).violations)
+        found.extend(check(inst, history, initial_state=initial, timers=timers).violations)
         if made is not None and not history and not same_json(inst.data, made[1].data):
             found.append(
                 Violation(
@@ -318,19 +349,21 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
 
 async def _stable_read(
     engine: Engine, instance_id: str
-) -> tuple[Instance, list[HistoryEntry], bool]:
-    """The instance and its history as of one version, on a live database.
+) -> tuple[Instance, list[HistoryEntry], list[Timer] | None, bool]:
+    """The instance, its history and its armed timers as of one version, on a live database.
 
-    The two are separate reads, so a transition between them would look like a mismatch.
-    Reading the instance again and finding the same version proves nothing landed between.
-    An instance that keeps moving is checked on the rows up to the version last read.
+    They are separate reads, so a transition between them would look like a mismatch.
+    Reading the instance again and finding the same version proves nothing landed between
+    (timers are armed and voided only by the commits that move the version).
+    An instance that keeps moving is checked on the rows up to the version last read, and its
+    timers are not checked (None): they may belong to a later stay.
     """
     before = await engine.get(instance_id)
-    read = (before, await engine.history(instance_id))
+    read = (before, await engine.history(instance_id), await engine.timers(instance_id))
     for _ in range(_STABLE_TRIES):
         after = await engine.get(instance_id)
         if after.version == read[0].version:
-            return after, read[1], True
-        read = (after, await engine.history(instance_id))
-    inst, history = read
-    return inst, [e for e in history if e.version <= inst.version], False
+            return after, read[1], read[2], True
+        read = (after, await engine.history(instance_id), await engine.timers(instance_id))
+    inst, history, _ = read
+    return inst, [e for e in history if e.version <= inst.version], None, False

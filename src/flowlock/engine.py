@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any, Self, TypeAlias, Unpack
 
 from flowlock import tracing
 from flowlock._batching import Batcher
-from flowlock._calls import check_fire_args, check_text, create_with, first_create, transactional
+from flowlock._calls import (
+    caller_request_id,
+    check_fire_args,
+    check_text,
+    create_with,
+    first_create,
+    transactional,
+)
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
@@ -142,7 +149,7 @@ class Engine:
             self._timer_service = TimerService(
                 store,
                 self._fire_timer,
-                self._timed_workflows,
+                self._registered,
                 lease=options.get("timer_lease", DEFAULT_LEASE),
                 batch=options.get("timer_batch", DEFAULT_TIMER_BATCH),
                 metrics=metrics,
@@ -259,8 +266,7 @@ class Engine:
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
-        if workflow.has_timers:
-            self._start_timers()
+        self._start_timers()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
             for wf in self._workflows.values()
@@ -273,14 +279,17 @@ class Engine:
 
     # -- timers ----------------------------------------------------------------------------
 
-    def _timed_workflows(self) -> list[str]:
-        return [name for name, wf in self._workflows.items() if wf.has_timers]
+    def _registered(self) -> list[str]:
+        # Every registered workflow's timers, also those an earlier definition armed.
+        return list(self._workflows)
 
     def _start_timers(self) -> None:
         """Run the timer service once the engine is open and runs a timed workflow; a
         workflow registered later makes it look again at once."""
         service = self._timer_service
-        if service is None or not self._open or not self._timed_workflows():
+        if service is None or not self._open:
+            return
+        if not any(wf.has_timers for wf in self._workflows.values()):
             return
         if service.running:
             service.wake()
@@ -306,17 +315,9 @@ class Engine:
         """Fire a claimed timer as any call is fired, under its firing's request id, refused
         (StaleTimer) once the instance left the stay that armed it."""
         firing = TimerFiring(timer.stay, timer.event, timer.n)
-        return await self._fire(
-            timer.instance_id,
-            timer.event,
-            actor=TIMER_ACTOR,
-            request_id=firing.request_id,
-            expected_version=None,
-            payload=None,
-            strategy=None,
-            connection=None,
-            timer=firing,
-        )
+        rid = firing.request_id
+        args = (TIMER_ACTOR, rid, None, None, None, None)
+        return await self._fire(timer.instance_id, timer.event, *args, firing)
 
     # -- instances -------------------------------------------------------------------------
 
@@ -463,23 +464,14 @@ class Engine:
         InvalidInput, before anything is read, when the store is not PostgreSQL or the
         connection is not in an open transaction.
         """
-        return await self._fire(
-            instance_id,
-            event,
-            actor=actor,
-            request_id=request_id,
-            expected_version=expected_version,
-            payload=payload,
-            strategy=strategy,
-            connection=connection,
-            timer=None,
-        )
+        rid = caller_request_id(request_id)
+        args = (actor, rid, expected_version, payload, strategy, connection)
+        return await self._fire(instance_id, event, *args, None)
 
     async def _fire(
         self,
         instance_id: str,
         event: str,
-        *,
         actor: str | None,
         request_id: str | None,
         expected_version: int | None,
@@ -487,6 +479,7 @@ class Engine:
         strategy: str | Strategy | None,
         connection: Connection | None,
         timer: TimerFiring | None,
+        /,
     ) -> Outcome:
         started = time.perf_counter()
         # Without OpenTelemetry this line is the whole cost of tracing (flowlock.tracing).

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
-from flowlock.core.models import HistoryEntry, Instance, Outcome, Page
+from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
 from flowlock.core.query import DEFAULT_LIMIT
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.options import ConnectOptions, EngineOptions
@@ -290,6 +290,11 @@ class Engine:
     def history(self, instance_id: str) -> list[HistoryEntry]:
         """Every applied transition of the instance, oldest first."""
         return self._run(self._engine.history(instance_id))
+
+    def timers(self, instance_id: str) -> list[Timer]:
+        """The instance's armed timers, earliest due first (event, due time, the stay that
+        armed them); see [`flowlock.Engine.timers`][flowlock.Engine.timers]."""
+        return self._run(self._engine.timers(instance_id))
 
     def list(
         self,

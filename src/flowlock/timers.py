@@ -58,6 +58,10 @@ armed earlier wakes it (NOTIFY on PostgreSQL), and it otherwise sleeps until the
 _RETRY_BACKOFF = (0.05, 2.0)
 COUNT_EVERY = 5.0
 """Seconds between two counts of the armed timers for the metrics gauge."""
+RETRY_FIRING = 0.25
+"""Seconds between a firing that failed for a reason that may pass (a lock, a lost race, the
+store; its claim given back) and the service's next look: soon, but no tight loop while the
+reason lasts."""
 
 OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "failed")
 """The `outcome` label of `flowlock_timer_firings_total`:
@@ -243,6 +247,9 @@ class TimerService:
             log.info("flowlock timers: %s will fire again: %s", _name(timer), exc)
             with contextlib.suppress(FlowlockError):
                 await store.release_timer(timer, self.owner)
+            # The service may be asleep until this claim's lease runs out (minutes): look
+            # again soon, so that the timer fires once the reason passed, not a lease later.
+            asyncio.get_running_loop().call_later(RETRY_FIRING, self._poke.set)
             return "failed"
         return "applied" if outcome.applied else "idempotent"
 

@@ -1,6 +1,5 @@
-"""One timer contract for every store that keeps timers (memory, PostgreSQL; SQLite once its
-timers land: the ``store_factory`` fixture is parametrised, and a store that is not yet a
-TimerStore is skipped, saying so).
+"""One timer contract for every store (memory, SQLite, PostgreSQL: the ``store_factory``
+fixture is parametrised; a store that keeps no timers would be skipped, saying so).
 
 What a commit does to timers (arm on entering a state, void on leaving it, a firing moving its
 timer on) happens in the commit's own transaction; the timer service's questions (claim,
@@ -33,7 +32,6 @@ StoreFactory = Callable[..., Store]
 def timer_store(store: Store) -> TimerStore:
     """`store` as a TimerStore, or the test skipped."""
     if not isinstance(store, TimerStore):
-        # TODO: SQLite's timers are built on branch sqlite-timers; this skip then goes away.
         pytest.skip(f"{type(store).__name__} keeps no timers yet")
     return store
 
@@ -108,6 +106,18 @@ async def test_a_create_arms_the_initial_states_timers_in_stay_one(quiet: flowlo
     assert got.next_timer is not None
     assert (got.next_timer.event, got.next_timer.due_at) == ("remind", remind.due_at)
     assert await store.count_timers() == 2
+
+
+async def test_a_large_limit_is_kept_as_given(store_factory: StoreFactory) -> None:
+    """A reminder's limit and firing count are 64-bit on every store: a limit past 2**31 arms
+    and reads back as given."""
+    store = store_factory()
+    timer_store(store)
+    async with flowlock.Engine(store, locks=MemoryLocks(), timers=False) as engine:
+        await engine.register(deadline(limit=2**40))
+        await engine.create(WF, instance_id="a")
+        [remind, _] = await timer_store(engine.store).timers("a")
+        assert remind.limit == 2**40
 
 
 async def test_a_keyed_create_arms_once(quiet: flowlock.Engine) -> None:
@@ -313,10 +323,10 @@ async def test_claims_never_give_one_timer_to_two_claimers(store_factory: StoreF
         left = await first.next_due([WF])
         assert left is not None and 20 < left <= 30
         # Released by its owner only: then claimable at once.
-        timer = rounds[0][0]
+        owner, timer = next((f"c{n}", got[0]) for n, got in enumerate(rounds) if got)
         await first.release_timer(timer, "someone else")
         assert await first.claim_timers([WF], limit=100, lease=30, owner="late") == []
-        await first.release_timer(timer, "c0")
+        await first.release_timer(timer, owner)
         assert await first.next_due([WF]) == 0.0
         [again] = await first.claim_timers([WF], limit=100, lease=30, owner="late")
         assert (again.instance_id, again.event, again.stay, again.n) == (

@@ -78,6 +78,13 @@ async def listening(url: str, name: str, other_than: int | None = None) -> int:
     return found[0]
 
 
+async def heard(armed: asyncio.Event) -> None:
+    """Wait until `armed` is set, then clear it (for the next wait)."""
+    async with asyncio.timeout(BOUND):
+        await armed.wait()
+    armed.clear()
+
+
 async def stays_unset(event: asyncio.Event) -> bool:
     """Whether `event` stays unset for QUIET seconds."""
     with contextlib.suppress(TimeoutError):
@@ -98,8 +105,7 @@ async def test_timers_armed_in_the_callers_transaction_exist_only_once_it_commit
         await engine.create(WF, instance_id="a")
         await engine.fire("a", "hold")
         async with store.armed() as armed:
-            await listening(pg_url, name)
-            armed.clear()
+            await heard(armed)  # set once LISTEN is up
             conn = await pg_budget.connect(pg_url)
             try:
                 tx = conn.transaction()
@@ -123,6 +129,27 @@ async def test_timers_armed_in_the_callers_transaction_exist_only_once_it_commit
         assert (await engine.get("a")).stay_version == (3 if commit else 2)
 
 
+async def test_a_notification_says_when_its_earliest_timer_is_due(
+    pg_url: str, pg_schema: str
+) -> None:
+    """The NOTIFY of a commit carries the earliest due time it armed, on the server's clock;
+    armed() turns it into a time on the event loop's clock (ArmedSignal.earliest), so a service
+    already waking sooner sleeps on."""
+    async with (
+        engine_on(pg_url, pg_schema, after=60.0) as engine,
+        store_of(engine).armed() as armed,
+    ):
+        await heard(armed)  # set once LISTEN is up (due time unknown)
+        loop = asyncio.get_running_loop()
+        before = loop.time()
+        await engine.create(WF, instance_id="a")
+        after = loop.time()
+        async with asyncio.timeout(BOUND):
+            await armed.wait()
+        assert armed.earliest is not None
+        assert before + 60.0 - 0.5 <= armed.earliest <= after + 60.0 + 0.5
+
+
 async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_schema: str) -> None:
     """The NOTIFY channel names the schema: a commit arming a timer in another schema of the
     same database does not wake this store's listeners; one in its own schema does."""
@@ -134,8 +161,7 @@ async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_sch
             engine_on(pg_url, other) as theirs,
             store_of(mine).armed() as armed,
         ):
-            await listening(pg_url, name)
-            armed.clear()
+            await heard(armed)  # set once LISTEN is up
             await theirs.create(WF, instance_id="x")
             assert await stays_unset(armed)
             await mine.create(WF, instance_id="x")
@@ -158,9 +184,7 @@ async def test_a_schema_name_too_long_for_a_channel_is_heard_by_its_md5(
     assert channel(long) != f"flowlock_timers.{long}" and len(channel(long)) <= 63
     try:
         async with engine_on(pg_url, long) as engine, store_of(engine).armed() as armed:
-            async with asyncio.timeout(BOUND):
-                await armed.wait()  # set once LISTEN is up
-            armed.clear()
+            await heard(armed)  # set once LISTEN is up
             await engine.create(WF, instance_id="a")
             async with asyncio.timeout(BOUND):
                 await armed.wait()
@@ -192,9 +216,7 @@ async def test_an_applications_pool_listens_on_a_connection_of_its_own(
         async with flowlock.Engine(store, locks=MemoryLocks(), timers=False) as engine:
             await engine.register(deadline(every=None))
             async with store.armed() as armed:
-                async with asyncio.timeout(BOUND):
-                    await armed.wait()  # set once LISTEN is up
-                armed.clear()
+                await heard(armed)  # set once LISTEN is up
                 await engine.create(WF, instance_id="a")
                 async with asyncio.timeout(BOUND):
                     await armed.wait()
@@ -214,17 +236,16 @@ async def test_the_listen_connection_comes_back_after_it_was_killed(
     async with engine_on(pg_url, pg_schema, application_name=name) as engine:
         store = store_of(engine)
         async with store.armed() as armed:
+            await heard(armed)  # set once LISTEN is up
             first = await listening(pg_url, name)
-            armed.clear()
             killer = await pg_budget.connect(pg_url)
             try:
                 assert await killer.fetchval("SELECT pg_terminate_backend($1)", first)
             finally:
                 await killer.close()
-            async with asyncio.timeout(BOUND):
-                await armed.wait()
+            await heard(armed)  # set when it was killed, and once LISTEN is up again
             await listening(pg_url, name, other_than=first)
-            armed.clear()
+            await heard(armed)
             await engine.create(WF, instance_id="a")
             async with asyncio.timeout(BOUND):
                 await armed.wait()

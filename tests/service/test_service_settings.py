@@ -28,6 +28,7 @@ def test_every_setting_round_trips_through_the_environment() -> None:
         strategy="pessimistic",
         schema="tenant_a",
         drain_timeout=2.5,
+        timers=False,
         metrics_dir="/tmp/metrics",
     )
     env = settings.to_env()
@@ -63,6 +64,7 @@ def test_tokens_name_their_principal() -> None:
         ("FLOWLOCK_DRAIN_TIMEOUT", "-1"),
         ("FLOWLOCK_DRAIN_TIMEOUT", "nan"),
         ("FLOWLOCK_REQUIRE_IF_MATCH", "maybe"),
+        ("FLOWLOCK_TIMERS", "sometimes"),
         ("FLOWLOCK_API_TOKEN", "short"),
         ("FLOWLOCK_API_TOKEN", f"ops:{SECRET}, :{SECRET}"),
         ("FLOWLOCK_API_TOKEN", "ops:"),

@@ -88,7 +88,7 @@ def test_help_names_the_environment_variables(cli: CliRunner) -> None:
     result = cli.invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "FLOWLOCK_DATABASE_URL" in result.stdout
-    for command in ("bench", "db", "show", "history", "list", "check"):
+    for command in ("bench", "db", "show", "history", "list", "check", "timers"):
         assert command in result.stdout
 
 
@@ -97,7 +97,7 @@ def test_help_names_the_environment_variables(cli: CliRunner) -> None:
     [
         ["bench", "--help"],
         ["db", "migrate", "--help"],
-        *([name, "--help"] for name in ("show", "history", "list", "check")),
+        *([name, "--help"] for name in ("show", "history", "list", "check", "timers")),
     ],
 )
 def test_subcommand_help_shows_the_env_var(cli: CliRunner, command: list[str]) -> None:
@@ -117,6 +117,9 @@ def test_subcommand_help_shows_the_env_var(cli: CliRunner, command: list[str]) -
         (["bench", "--no-such-option"], "No such option"),
         (["bench", "--json", "/no/such/dir/out.json"], "does not exist"),
         (["db", "migrate"], "FLOWLOCK_DATABASE_URL"),
+        (["timers"], "FLOWLOCK_DATABASE_URL"),
+        (["timers", "--within", "-1", "--database-url", "sqlite:///x.db"], "--within"),
+        (["timers", "--limit", "0", "--database-url", "sqlite:///x.db"], "--limit"),
         (["nonsense"], "No such command"),
     ],
 )

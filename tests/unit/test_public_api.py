@@ -21,10 +21,10 @@ PUBLIC = {
     "Instance", "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError",
     "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "Metrics", "MigrationError",
     "Optimistic", "Outcome", "OutcomeUnknown", "Page", "PayloadTooLarge", "Pessimistic", "RunOnce",
-    "Step", "StepFailed", "Store", "StoreBusy", "StoreError", "Strategy", "SyncCallInEventLoop",
-    "TooManyConnections", "Transition", "TransitionNotAllowed", "TransitionRefused",
-    "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow", "__version__", "checker",
-    "connect", "errors", "fencing_token", "http", "jobs", "sync",
+    "StaleTimer", "Step", "StepFailed", "Store", "StoreBusy", "StoreError", "Strategy",
+    "SyncCallInEventLoop", "Timer", "TooManyConnections", "Transition", "TransitionNotAllowed",
+    "TransitionRefused", "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow",
+    "__version__", "checker", "connect", "errors", "fencing_token", "http", "jobs", "sync",
 }  # fmt: skip
 
 
@@ -55,6 +55,11 @@ def test_the_exported_names_are_the_documented_classes() -> None:
     assert flowlock.Metrics is Metrics and flowlock.ConflictMonitor is ConflictMonitor
     assert flowlock.Adaptive is Adaptive and flowlock.Store is Store
     assert flowlock.connect is connect
+    from flowlock.core.errors import StaleTimer
+    from flowlock.core.models import Timer
+
+    assert flowlock.Timer is Timer and flowlock.StaleTimer is StaleTimer
+    assert issubclass(flowlock.StaleTimer, flowlock.TransitionNotAllowed)
 
 
 def test_every_error_is_a_flowlock_error() -> None:
@@ -80,6 +85,9 @@ async def test_public_types() -> None:
         history = await engine.history("i")
         assert_type(history, list[flowlock.HistoryEntry])
         assert isinstance(history[0], flowlock.HistoryEntry)
+        armed = await engine.timers("i")
+        assert_type(armed, list[flowlock.Timer])
+        assert_type(inst.next_timer, flowlock.Timer | None)
 
 
 def _flowlock_imports(path: Path) -> set[str]:

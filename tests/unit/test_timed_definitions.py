@@ -91,14 +91,14 @@ def _call(event: str, timer: TimerFiring | None = None) -> Call:
 
 
 def test_an_entry_that_enters_a_state_arms_it_and_voids_the_old_stay() -> None:
-    """Leaving a timed state voids its timers; entering one arms the new stay's."""
+    """Leaving a state voids its timers; entering a timed one arms the new stay's."""
     wf = {"approval": _approval()}
     left = decide(wf, _snap("pending", 3, 1), _call("approve"))
     assert isinstance(left, HistoryEntry)
     assert left.voids and left.arm == () and left.enters
     back = decide(wf, _snap("rejected", 4, 4), _call("reopen"))
     assert isinstance(back, HistoryEntry)
-    assert not back.voids
+    assert back.voids  # every state change of a timed workflow ends the stay's timers
     assert [t.event for t in back.arm] == ["expire"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+from flowlock.checker.timers import check_timers, firing_of
 from flowlock.checker.verdicts import (
     BROKEN_CHAIN,
     DOUBLE_APPLY,
@@ -19,7 +20,7 @@ from flowlock.checker.verdicts import (
     Verdict,
     Violation,
 )
-from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.models import HistoryEntry, Instance, Timer
 
 Invariant: TypeAlias = Callable[[Mapping[str, Any]], str | None]
 """Takes an instance's data; returns None when it holds, or a message saying what is wrong."""
@@ -35,6 +36,7 @@ def check(
     expected_applied: int | None = None,
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
+    timers: Sequence[Timer] | None = None,
 ) -> Verdict:
     """Check `history` against `instance` and report every violation found.
 
@@ -42,6 +44,9 @@ def check(
     `expected_applied`: how many `fire` calls answered `applied=True` for this instance.
     `invariant`: run on the data after every row and on the final instance; a returned string
     is a violation of kind `invariant_kind`.
+    `timers`: the instance's armed timers (`engine.timers(id)`), read with it; each must
+    belong to its current stay. Timer firings in the history are always checked: each applied
+    in the stay that armed it, and once.
     """
     found: list[Violation] = []
     name = f"instance {instance.id!r}"
@@ -67,6 +72,7 @@ def check(
     ordered = sorted(own, key=lambda e: e.version)
     found.extend(_check_chain(name, ordered, initial_state))
     found.extend(_check_final(name, instance, ordered, initial_state))
+    found.extend(check_timers(name, instance, ordered, initial_state, timers))
     if invariant is not None:
         found.extend(_check_invariant(name, instance, ordered, invariant, invariant_kind))
     return Verdict.of(found)
@@ -79,11 +85,13 @@ def check_many(
     expected_applied: int | Mapping[str, int] | None = None,
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
+    timers: Mapping[str, Sequence[Timer]] | None = None,
 ) -> Verdict:
     """Check each `(instance, history)` pair and merge the verdicts (messages name the id).
 
     `expected_applied` is one count for all, or a count per instance id.
     Instances missing from the mapping get no count check.
+    `timers`: each instance's armed timers by id (an instance missing from it: not checked).
     """
     found: list[Violation] = []
     for instance, history in pairs:
@@ -98,6 +106,7 @@ def check_many(
             expected_applied=expected,
             invariant=invariant,
             invariant_kind=invariant_kind,
+            timers=None if timers is None else timers.get(instance.id),
         )
         found.extend(verdict.violations)
     return Verdict.of(found)
@@ -149,12 +158,16 @@ def _runs(numbers: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _check_request_ids(name: str, entries: Sequence[HistoryEntry]) -> list[Violation]:
-    """A request id (when given) is applied at most once."""
+    """A request id (when given) is applied at most once. A timer firing applied twice is
+    reported by the timer rules (naming its stay and firing), not again here."""
     found: list[Violation] = []
     first: dict[str, int] = {}
+    timer_rows: set[str] = set()
     for entry in entries:
         rid = entry.request_id
         if rid is None:
+            continue
+        if rid in timer_rows and firing_of(entry) is not None:
             continue
         if rid in first:
             found.append(
@@ -167,6 +180,8 @@ def _check_request_ids(name: str, entries: Sequence[HistoryEntry]) -> list[Viola
             )
         else:
             first[rid] = entry.version
+            if firing_of(entry) is not None:
+                timer_rows.add(rid)
     return found
 
 

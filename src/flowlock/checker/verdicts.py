@@ -16,6 +16,11 @@ FOREIGN_ENTRY = "foreign-entry"
 INVARIANT = "invariant"
 OVERSELL = "oversell"
 """Kind for a failed stock invariant: pass `invariant_kind=OVERSELL` to `check`."""
+STALE_TIMER = "stale-timer"
+"""A timer's firing was applied outside the stay that armed it (the instance had left the state,
+or the row starts from another state)."""
+STRAY_TIMER = "stray-timer"
+"""A timer is armed for a stay the instance has left: the commit that ended it kept it."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -49,6 +54,8 @@ KINDS: tuple[str, ...] = (
     FOREIGN_ENTRY,
     INVARIANT,
     OVERSELL,
+    STALE_TIMER,
+    STRAY_TIMER,
 )
 
 

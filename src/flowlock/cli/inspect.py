@@ -1,4 +1,4 @@
-"""Read-only commands on a database (show, history, list, check) and `diagram`."""
+"""Read-only commands on a database (show, history, list, check, timers) and `diagram`."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ from flowlock.cli._common import (
     stderr,
     stdout,
 )
-from flowlock.core.errors import FlowlockError
-from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.errors import FlowlockError, InvalidInput
+from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.engine import Engine
+from flowlock.stores.base import TimerStore
 
-__all__ = ["check_command", "diagram", "history", "list_instances", "show"]
+__all__ = ["check_command", "diagram", "history", "list_instances", "show", "timers"]
 
 _R = TypeVar("_R")
+_MOST_WITHIN = 36_500 * 86_400  # a timed transition's longest `after`: 100 years
 
 
 @app.command()
@@ -126,18 +128,21 @@ def show(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """Print one instance: workflow, state, version, data, last event, created and updated.
+    """Print one instance: workflow, state, version, data, last event, created and updated,
+    and its next timer (the earliest armed: event, due time, the stay that armed it).
 
     Read-only. Exits 1 if no instance has that id."""
-    from flowlock._inspect import instance_dict
+    from flowlock._inspect import instance_dict, next_timer_dict
 
     async def read(engine: Engine) -> Instance:
         return await engine.get(instance_id)
 
     inst = _inspect(database_url, schema, read)
     if as_json:
-        _json(instance_dict(inst))
+        _json({**instance_dict(inst), "next_timer": next_timer_dict(inst)})
         return
+    nxt = inst.next_timer
+    upcoming = None if nxt is None else f"{nxt.event} due {_when(nxt.due_at)} (stay {nxt.stay})"
     table = Table(show_header=False, box=None)
     for name, value in (
         ("id", inst.id),
@@ -147,6 +152,7 @@ def show(
         ("last event", inst.last_event),
         ("created", _when(inst.created_at)),
         ("updated", _when(inst.updated_at)),
+        ("next timer", upcoming),
         ("data", json.dumps(dict(inst.data), ensure_ascii=False, default=str)),
     ):
         table.add_row(Text(name, style="bold"), _cell(value))
@@ -274,7 +280,9 @@ def check_command(
     No request id may be applied twice, and each transition starts where the last ended.
     The stored instance must equal what its history says. An instance made by a create
     under an idempotency key must start from the state (and, with no history, still hold the
-    data) that create recorded.
+    data) that create recorded. Timers: each firing (actor flowlock:timer, request id
+    timer:STAY:EVENT:N) applied in the stay that armed it and once, and every armed timer
+    belongs to its instance's current stay.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).
@@ -313,3 +321,68 @@ def check_command(
         )
     if not verdict.ok:
         raise typer.Exit(EXIT_VERDICT_FAILED)
+
+
+@app.command("timers")
+def timers(
+    within: Annotated[
+        float,
+        typer.Option(
+            "--within",
+            min=0,
+            max=_MOST_WITHIN,
+            help="Also list timers due within this many seconds (default: only those due now).",
+        ),
+    ] = 0.0,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, help="Print at most this many timers.")
+    ] = 100,
+    as_json: AsJson = False,
+    database_url: InspectDatabaseUrl = None,
+    schema: InspectSchema = None,
+) -> None:
+    """List due and overdue timers, earliest first, and how late each is.
+
+    Each row: instance, workflow, event, stay (the version that armed it), firing number,
+    due time, lag (seconds past due, on the database's clock) and, while an engine fires it,
+    when its claim runs out. The title says how many timers are armed in all. A lag that
+    keeps growing means no running engine fires that workflow's timers (none registers it,
+    or every engine runs with --no-timers).
+
+    Read-only.
+    """
+    from flowlock._inspect import timer_dict
+
+    async def read(engine: Engine) -> tuple[list[Timer], int]:
+        store = engine.store
+        if not isinstance(store, TimerStore):
+            raise InvalidInput(
+                f"{type(store).__name__} keeps no timers; use a store that does (memory, "
+                "SQLite or PostgreSQL of this flowlock version)"
+            )
+        return await store.due_timers(within=within, limit=limit), await store.count_timers()
+
+    found, armed = _inspect(database_url, schema, read)
+    if as_json:
+        _json({"armed": armed, "within": within, "timers": [timer_dict(t) for t in found]})
+        return
+    when = f"within {within:g} s" if within else "now"
+    table = Table(title=f"{len(found)} timer(s) due {when}; {armed} armed in all")
+    for column in ("instance", "workflow", "event", "stay", "firing", "due at", "lag",
+                   "claimed until"):  # fmt: skip
+        table.add_column(column, overflow="fold")
+    for t in found:
+        table.add_row(
+            _cell(t.instance_id),
+            _cell(t.workflow),
+            _cell(t.event),
+            _cell(t.stay),
+            _cell(t.n),
+            _cell(_when(t.due_at)),
+            _cell(f"{t.lag:.3f} s" if t.lag > 0 else "not due"),
+            _cell(_when(t.claimed_until)),
+        )
+    stdout().print(table)
+    if len(found) == limit:
+        more = f"showing the first {limit}; raise --limit to see more"
+        stderr().print(Text(more, style="yellow"))

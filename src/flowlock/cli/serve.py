@@ -78,6 +78,16 @@ def serve(
             "Seconds SIGTERM waits for requests in flight.",
         ),
     ] = 10.0,
+    timers: Annotated[
+        bool,
+        _opt(
+            "--timers/--no-timers",
+            "FLOWLOCK_TIMERS",
+            "Fire due timers in this service (the default). --no-timers takes calls only: "
+            "timers still arm, and another engine (a service or worker with timers on) fires "
+            "them.",
+        ),
+    ] = True,
     dev: Annotated[
         bool,
         typer.Option(
@@ -91,7 +101,8 @@ def serve(
     """Run flowlock as an HTTP service (FastAPI on uvicorn).
 
     It serves definitions, instances, events (with If-Match and Idempotency-Key), history,
-    /livez, /readyz and /metrics. OpenAPI is at /openapi.json, docs at /docs.
+    armed timers, /livez, /readyz and /metrics, and fires due timers (unless --no-timers).
+    OpenAPI is at /openapi.json, docs at /docs.
 
     **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
     Each is `name:secret` or `secret`; `name` becomes the actor of its calls.
@@ -124,6 +135,7 @@ def serve(
             strategy=default_strategy,
             schema=schema,
             drain_timeout=drain_timeout,
+            timers=timers,
         )
         if app_ref is not None:
             from flowlock.core.diagram import load_workflows

@@ -16,6 +16,7 @@ as attributes: the current state, the current version, the attempts made.
     ├── InstanceExists
     ├── TransitionRefused            the instance is fine, the event does not apply
     │   ├── TransitionNotAllowed     not allowed from the current state
+    │   │   └── StaleTimer           a timer fired after the stay that armed it ended
     │   └── GuardRejected            a guard said no (business rule: "out of stock")
     ├── VersionMismatch              expected_version / If-Match is stale
     ├── StepFailed                   a guard or effect raised an exception of its own

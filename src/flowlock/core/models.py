@@ -14,6 +14,7 @@ from typing import Any, overload
 
 __all__ = [
     "TIMER_ACTOR",
+    "TIMER_PREFIX",
     "Escalation",
     "HistoryEntry",
     "Instance",
@@ -29,6 +30,8 @@ __all__ = [
 
 TIMER_ACTOR = "flowlock:timer"
 """The `actor` of every history row a timer wrote."""
+TIMER_PREFIX = "timer:"
+"""How the request id of every timer firing starts (callers may not use it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,7 @@ class TimerFiring:
 def timer_request_id(stay: int, event: str, n: int) -> str:
     """The request id of a timer's firing: `timer:<stay version>:<event>:<n>`. Every engine
     firing the same timer uses the same one, so it applies once."""
-    return f"timer:{stay}:{event}:{n}"
+    return f"{TIMER_PREFIX}{stay}:{event}:{n}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,7 +253,9 @@ def _decide(
         data=data,
         payload=call.payload,
         arm=wf.timers(target) if moves else (),
-        voids=moves and bool(wf.timers(inst.state)),
+        # Any state change of a timed workflow ends the stay's timers, also those a former
+        # definition armed from a state that has none now; untimed workflows pay nothing.
+        voids=moves and wf.has_timers,
         timer=timer,
     )
 

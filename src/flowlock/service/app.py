@@ -43,6 +43,7 @@ def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
         strategy=settings.strategy,
         schema=settings.schema,
         metrics=metrics,
+        timers=settings.timers,
     )
 
 

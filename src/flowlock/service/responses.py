@@ -19,13 +19,29 @@ __all__ = [
     "InstanceOut",
     "InstancePage",
     "Live",
+    "NextTimerOut",
     "Ready",
+    "TimerList",
+    "TimerOut",
     "TransitionOut",
 ]
 
 
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class NextTimerOut(_Out):
+    """The instance's earliest armed timer."""
+
+    event: str = Field(description="The timed transition that fires.")
+    due_at: str = Field(
+        description="When it is due, on the database's clock.",
+        json_schema_extra={"format": "date-time"},
+    )
+    stay: int = Field(
+        ge=1, description="The version at which the instance entered the state that armed it."
+    )
 
 
 class InstanceOut(_Out):
@@ -40,6 +56,11 @@ class InstanceOut(_Out):
     allowed: list[str] = Field(description="The events its state allows.")
     created_at: str | None = Field(json_schema_extra={"format": "date-time"})
     updated_at: str | None = Field(json_schema_extra={"format": "date-time"})
+    next_timer: NextTimerOut | None = Field(
+        default=None,
+        description="GET /instances/{instance_id} only: its next due timer, null when none is "
+        "armed (GET /instances/{instance_id}/timers lists them all).",
+    )
 
 
 class InstancePage(_Out):
@@ -76,6 +97,34 @@ class HistoryEntryOut(_Out):
 class HistoryPage(_Out):
     items: list[HistoryEntryOut]
     next_cursor: int | None = Field(description="Pass as after= for the next page; null: none.")
+
+
+class TimerOut(_Out):
+    """One armed timer: its transition fires once the instance has stayed `after` in the
+    state (reminders: every `every` seconds, at most `limit` firings)."""
+
+    instance_id: str
+    workflow: str
+    event: str
+    stay: int = Field(
+        ge=1, description="The version at which the instance entered the state that armed it."
+    )
+    n: int = Field(ge=0, description="Firings done so far (a reminder counts up).")
+    due_at: str = Field(
+        description="When it is due, on the database's clock.",
+        json_schema_extra={"format": "date-time"},
+    )
+    lag: float = Field(ge=0, description="Seconds past due when read (0: not due yet).")
+    every: float | None = Field(description="A reminder's period in seconds; null: fires once.")
+    limit: int | None = Field(description="A reminder's most firings; null: no limit.")
+    claimed_until: str | None = Field(
+        description="While an engine fires it: when its claim runs out.",
+        json_schema_extra={"format": "date-time"},
+    )
+
+
+class TimerList(_Out):
+    items: list[TimerOut] = Field(description="The instance's armed timers, earliest due first.")
 
 
 class TransitionOut(_Out):

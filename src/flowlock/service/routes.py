@@ -11,7 +11,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from flowlock._calls import MAX_ID_LENGTH
-from flowlock._inspect import entry_dict, instance_dict
+from flowlock._inspect import entry_dict, instance_dict, next_timer_dict, timer_dict
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import Instance, Outcome
@@ -37,6 +37,7 @@ from flowlock.service.responses import (
     HistoryPage,
     InstanceOut,
     InstancePage,
+    TimerList,
 )
 from flowlock.service.settings import ServiceSettings
 
@@ -269,7 +270,8 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
     )
     async def get_instance(instance_id: str) -> Response:
         inst = await engine.get(instance_id)
-        return JSONResponse(_instance(inst, engine), headers={"ETag": etag(inst.version)})
+        body = {**_instance(inst, engine), "next_timer": next_timer_dict(inst)}
+        return JSONResponse(body, headers={"ETag": etag(inst.version)})
 
     @app.post(
         "/instances/{instance_id}/events/{event}",
@@ -330,3 +332,14 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
             "items": [entry_dict(e) for e in shown],
             "next_cursor": shown[-1].version if more else None,
         }
+
+    @app.get(
+        "/instances/{instance_id}/timers",
+        tags=["instances"],
+        summary="Armed timers, earliest due first",
+        response_model=None,
+        responses=ok(TimerList, "The instance's armed timers (none: an empty list)"),
+    )
+    async def timers(instance_id: str) -> dict[str, Any]:
+        await engine.get(instance_id)  # an unknown id is a 404, not an empty list
+        return {"items": [timer_dict(t) for t in await engine.timers(instance_id)]}

@@ -30,6 +30,7 @@ ENV = {
     "strategy": "FLOWLOCK_STRATEGY",
     "schema": "FLOWLOCK_SCHEMA",
     "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
+    "timers": "FLOWLOCK_TIMERS",
     "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
 }
 """The variable behind each setting (also the `envvar` of each `flowlock serve` flag)."""
@@ -39,6 +40,7 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_DRAIN = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_FLAGS = ("require_if_match", "timers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,8 @@ class ServiceSettings:
     - `strategy`: the engine's default strategy.
     - `schema`: the PostgreSQL schema of flowlock's tables; None is the search path's first.
     - `drain_timeout`: seconds SIGTERM waits for calls in flight before closing.
+    - `timers`: run the engine's timer service (fire due timers); False takes calls only
+      (timers still arm, and another engine fires them).
     - `metrics_dir`: where workers share Prometheus metrics. `flowlock serve` sets it for
       several workers.
     """
@@ -112,6 +116,7 @@ class ServiceSettings:
     strategy: str = "optimistic"
     schema: str | None = None
     drain_timeout: float = DEFAULT_DRAIN
+    timers: bool = True
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -158,7 +163,7 @@ class ServiceSettings:
 def _parse(field: str, var: str, raw: str) -> object:
     if field == "api_tokens":
         return parse_tokens(raw)
-    if field == "require_if_match":
+    if field in _FLAGS:
         word = raw.strip().lower()
         if word in _TRUE or word in _FALSE:
             return word in _TRUE

@@ -56,7 +56,7 @@ def timer_ctes(k: int) -> str:
     return f"""
 , fired AS (
     SELECT f.instance_id, f.stay, f.event, f.n
-      FROM unnest(${k + 1}::text[], ${k + 2}::bigint[], ${k + 3}::text[], ${k + 4}::int[])
+      FROM unnest(${k + 1}::text[], ${k + 2}::bigint[], ${k + 3}::text[], ${k + 4}::bigint[])
            AS f(instance_id, stay, event, n)
       JOIN moved m ON m.id = f.instance_id
      WHERE f.instance_id <> ALL({voids})
@@ -78,7 +78,7 @@ def timer_ctes(k: int) -> str:
     SELECT m.id, a.stay, a.event, m.workflow, now() + a.after * interval '1 second', a.every,
            a.lim
       FROM unnest(${k + 5}::text[], ${k + 6}::bigint[], ${k + 7}::text[], ${k + 8}::float8[],
-                  ${k + 9}::float8[], ${k + 10}::int[])
+                  ${k + 9}::float8[], ${k + 10}::bigint[])
            AS a(instance_id, stay, event, after, every, lim)
       JOIN moved m ON m.id = a.instance_id
     ON CONFLICT (instance_id, stay, event) DO NOTHING
@@ -97,7 +97,7 @@ WITH made AS (
     INSERT INTO flowlock_timers (instance_id, stay, event, workflow, due_at, every, lim)
     SELECT m.id, 1, a.event, m.workflow, now() + a.after * interval '1 second', a.every, a.lim
       FROM made m,
-           unnest(${k}::text[], ${k + 1}::float8[], ${k + 2}::float8[], ${k + 3}::int[])
+           unnest(${k}::text[], ${k + 1}::float8[], ${k + 2}::float8[], ${k + 3}::bigint[])
            AS a(event, after, every, lim)
 )
 SELECT {INSTANCE_COLUMNS} FROM made

@@ -20,7 +20,9 @@ from flowlock._pg.errors import DRIVER_ERRORS
 from flowlock._pg.pooling import Pooling
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Timer
+from flowlock.stores.base import ArmedSignal
 from flowlock.stores.postgres.operations import Operations
+from flowlock.stores.postgres.sql import NOW
 from flowlock.stores.postgres.timer_sql import TIMER_SCHEMA, channel
 
 __all__ = ["KEEPALIVE", "POLL", "TimerMethods"]
@@ -34,7 +36,8 @@ POLL = 1.0
 transaction pooler): it then looks at the store about once a second."""
 KEEPALIVE = 30.0
 """Seconds between two round trips on an idle LISTEN connection, which find a connection that
-died without a word (a half-open network path) so that it is opened again."""
+died without a word (a half-open network path) so that it is opened again, and read the
+server's clock again."""
 _RECONNECT = (0.05, 1.0)  # the first and the longest pause before opening it again
 # Seconds a goodbye may take before the connection is dropped without one: an engine closing
 # while the server does not answer must not wait a whole round trip's bound for it.
@@ -100,10 +103,12 @@ class TimerMethods:
     async def count_timers(self: _Store) -> int:
         return await self._call(lambda ops: ops.count_timers(), waits=False)
 
-    def armed(self: _Store) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
-        """An event set whenever a commit on this database arms a timer of this store's schema
-        (NOTIFY from any engine, sent when that commit commits), and whenever the LISTEN
-        connection was opened again (a notification may have been missed meanwhile).
+    def armed(self: _Store) -> contextlib.AbstractAsyncContextManager[ArmedSignal]:
+        """A signal set whenever a commit on this database arms a timer of this store's schema
+        (NOTIFY from any engine, sent when that commit commits), with the earliest due time it
+        armed (the payload, a time on the server's clock, turned into one on the event loop's
+        clock), and whenever the LISTEN connection was opened again (a notification may have
+        been missed meanwhile; due time unknown).
 
         LISTEN runs on a connection of its own, opened next to the pool (which keeps its size)
         and opened again when it drops. Behind a transaction pooler (PgBouncer
@@ -146,8 +151,8 @@ def _opener(store: _Store) -> Connect | None:
 @asynccontextmanager
 async def _armed(
     connect: Connect | None, schema: str | None, bound: float
-) -> AsyncIterator[asyncio.Event]:
-    event = asyncio.Event()
+) -> AsyncIterator[ArmedSignal]:
+    event = ArmedSignal()
     work = _poll(event) if connect is None else _listen(connect, schema, event, bound)
     task = asyncio.get_running_loop().create_task(work, name="flowlock-timers-listen")
     try:
@@ -158,14 +163,14 @@ async def _armed(
             await task
 
 
-async def _poll(event: asyncio.Event) -> None:
+async def _poll(event: ArmedSignal) -> None:
     """Where LISTEN cannot work: the service looks at the store every POLL seconds."""
     while True:
         event.set()
         await asyncio.sleep(POLL)
 
 
-async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bound: float) -> None:
+async def _listen(connect: Connect, schema: str | None, event: ArmedSignal, bound: float) -> None:
     """LISTEN until cancelled, opening the connection again whenever it drops. While it is
     down the event is set every pause (at most `_RECONNECT[1]` seconds): the service then
     looks at the store as it would behind a transaction pooler."""
@@ -178,11 +183,13 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
             name = channel(found)
             lost = asyncio.Event()
             conn.add_termination_listener(lambda _, lost=lost: lost.set())
-            await conn.add_listener(name, lambda *_: event.set())
+            clock = _ServerClock(event)
+            await clock.read(conn, bound)
+            await conn.add_listener(name, clock.heard)
             # Anything armed before LISTEN took effect sent its notification to nobody.
             event.set()
             pause, failing = _RECONNECT[0], False
-            await _watch(conn, lost, bound)
+            await _watch(conn, lost, clock, bound)
             log.info("flowlock timers: the LISTEN connection was closed; opening it again")
         except _LISTEN_ERRORS as exc:
             if not failing:
@@ -201,13 +208,40 @@ async def _listen(connect: Connect, schema: str | None, event: asyncio.Event, bo
         pause = min(pause * 2, _RECONNECT[1])
 
 
-async def _watch(conn: asyncpg.Connection, lost: asyncio.Event, bound: float) -> None:
+class _ServerClock:
+    """The server's clock as seen from this event loop: read on the LISTEN connection when it
+    opens and at each keepalive, so a NOTIFY's due time (seconds since the epoch on the
+    server) becomes seconds from now without reading this host's wall clock."""
+
+    def __init__(self, event: ArmedSignal) -> None:
+        self._event = event
+        self._ahead = 0.0  # the server's epoch seconds minus the loop's clock
+
+    async def read(self, conn: asyncpg.Connection, bound: float) -> None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        server = float(await conn.fetchval(NOW, timeout=bound))
+        self._ahead = server - (sent + loop.time()) / 2
+
+    def heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        """asyncpg's listener: the payload is the earliest due time the commit armed."""
+        try:
+            at = float(str(payload))
+        except ValueError:
+            self._event.set()  # not flowlock's payload: look anyway
+            return
+        self._event.due_in(at - self._ahead - asyncio.get_running_loop().time())
+
+
+async def _watch(
+    conn: asyncpg.Connection, lost: asyncio.Event, clock: _ServerClock, bound: float
+) -> None:
     """Until the connection is lost: the server ended it, or a keepalive found it silent."""
     while not lost.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(lost.wait(), KEEPALIVE)
         if not lost.is_set():
-            await conn.execute("SELECT 1", timeout=bound)
+            await clock.read(conn, bound)
 
 
 async def _close(conn: asyncpg.Connection, bound: float) -> None:

@@ -19,10 +19,10 @@ CREATE TABLE flowlock_timers (
     -- On the database server's clock (now() of the arming transaction + after), never a host's.
     due_at        timestamptz      NOT NULL,
     -- Firings done so far; a firing's request id is timer:<stay>:<event>:<n>.
-    n             integer          NOT NULL DEFAULT 0 CHECK (n >= 0),
+    n             bigint           NOT NULL DEFAULT 0 CHECK (n >= 0),
     -- A reminder's period in seconds (NULL: fires once), and its most firings (NULL: no limit).
     every         double precision CHECK (every > 0),
-    lim           integer          CHECK (lim >= 1),
+    lim           bigint           CHECK (lim >= 1),
     -- The claim of the engine firing it now: none, or until when (a lease), and by whom.
     claimed_until timestamptz,
     claimed_by    text,
