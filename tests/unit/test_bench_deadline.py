@@ -25,13 +25,7 @@ from flowlock.bench.report import render, to_json
 from flowlock.bench.report.cells import ELLIPSIS
 from flowlock.bench.results import CallResult, CallSpec, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios import Deadline, Fired, Scenario
-from flowlock.bench.scenarios.deadline import (
-    JITTER,
-    RACE_WORKFLOW,
-    TIMER_LEFT,
-    TIMER_NOT_ARMED,
-    race_after,
-)
+from flowlock.bench.scenarios.deadline import JITTER, RACE_WORKFLOW, TIMER_NOT_ARMED, race_after
 from flowlock.bench.timer_results import (
     IdleFigures,
     LagFigures,
@@ -39,9 +33,9 @@ from flowlock.bench.timer_results import (
     RaceFigures,
     TimersSection,
 )
-from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE
+from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, STRAY_TIMER
 from flowlock.core.errors import InvalidInput
-from flowlock.core.models import TIMER_ACTOR, HistoryEntry, Instance, timer_request_id
+from flowlock.core.models import TIMER_ACTOR, HistoryEntry, Instance, Timer, timer_request_id
 from flowlock.engine import Engine
 
 DUE = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -80,7 +74,7 @@ def _round(
     outcomes: dict[str, tuple[str, list[HistoryEntry]]],
     kinds: dict[str, str],
     *,
-    left: dict[str, int] | None = None,
+    timers: dict[str, list[Timer]] | None = None,
     unarmed: Sequence[str] = (),
 ) -> RoundRecord:
     """A round whose instance `iid` ended `outcomes[iid]` (state, rows), its caller answered
@@ -95,7 +89,7 @@ def _round(
     )
     finals = {iid: _final(iid, state, rows) for iid, (state, rows) in outcomes.items()}
     histories = {iid: rows for iid, (_, rows) in outcomes.items()}
-    return RoundRecord(plan, results, finals, histories, {"left": left or {}})
+    return RoundRecord(plan, results, finals, histories, {"timers": timers or {}})
 
 
 def _clean() -> RoundRecord:
@@ -175,15 +169,19 @@ def test_the_judge_names_who_wrote_the_outcome(
 
 
 def test_the_judge_catches_timers_left_armed_and_unarmed_instances() -> None:
-    """A timer still armed after the stay ended, and an instance created without its expiry."""
+    """A timer still armed after the stay ended (the checker's stray timer), and an instance
+    created without its expiry."""
+    left = Timer("a", RACE_WORKFLOW, "expire", 1, DUE)
     record = _round(
         {"a": ("approved", [_row("a", "approve", "approver-a", 1, "approved")])},
         {"a": "applied"},
-        left={"a": 1},
+        timers={"a": [left]},
         unarmed=["a"],
     )
     kinds = {v.kind for v in SCENARIO.judge(record, PARAMS).violations}
-    assert {TIMER_LEFT, TIMER_NOT_ARMED} <= kinds
+    assert {STRAY_TIMER, TIMER_NOT_ARMED} <= kinds
+    race = SCENARIO.race([record], PARAMS, ())
+    assert race is not None and race.left_armed == 1
 
 
 def test_race_figures_count_each_outcome_and_the_span() -> None:

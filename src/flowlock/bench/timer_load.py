@@ -16,22 +16,18 @@ from dataclasses import dataclass, replace
 
 import asyncpg
 
-from flowlock._pg.rows import read_history, read_instances
+from flowlock._pg.rows import read_history, read_instances, timer_from_row
 from flowlock.bench.config import Target
 from flowlock.bench.pairs import Run
 from flowlock.bench.procs import Close, Closed, Open, Opened
 from flowlock.bench.scenarios import SCENARIOS
-from flowlock.bench.scenarios.deadline import (
-    LAG_AFTER,
-    LAG_WORKFLOW,
-    TIMER_LEFT,
-    entry_violations,
-)
+from flowlock.bench.scenarios.deadline import LAG_AFTER, LAG_WORKFLOW, entry_violations
 from flowlock.bench.servers import DRIVER_ERRORS, connect, drop_schema, store_error
 from flowlock.bench.session import prepare_schema
 from flowlock.bench.timer_results import LagFigures, Quantiles
-from flowlock.bench.timer_sql import ARM, FIRED, LAGS, LEFT_ARMED, NOW
+from flowlock.bench.timer_sql import ARM, FIRED, LAGS, NOW, TIMERS_OF
 from flowlock.checker import LOST_UPDATE, Violation, check
+from flowlock.core.models import Timer
 
 __all__ = [
     "FULL",
@@ -162,20 +158,24 @@ async def _sleep_until(server_at: float, offset: float) -> None:
 
 
 async def _check_fired(conn: asyncpg.Connection) -> tuple[int, list[Violation]]:
-    """Every fired instance: one expiry row, written by its timer, and no timer left."""
+    """The checker on every fired instance: one expiry row, written by its timer, and no timer
+    left armed from its ended stay."""
     ids = [r["id"] for r in await conn.fetch(FIRED, LAG_WORKFLOW)]
     finals = await read_instances(conn, ids)
     histories = await read_history(conn, ids)
+    armed: dict[str, list[Timer]] = {}
+    for row in await conn.fetch(TIMERS_OF, ids):
+        armed.setdefault(row["instance_id"], []).append(timer_from_row(row))
     found: list[Violation] = []
     for iid in ids:
         final, rows = finals[iid], histories.get(iid, [])
-        found.extend(check(final, rows, initial_state="pending", expected_applied=1).violations)
+        verdict = check(
+            final, rows, initial_state="pending", expected_applied=1, timers=armed.get(iid, ())
+        )
+        found.extend(verdict.violations)
         found.extend(entry_violations(iid, final, rows, None))
         if final.state != "rejected":
             found.append(Violation(LOST_UPDATE, f"instance {iid!r}: {final.state}, not expired"))
-    left = int(await conn.fetchval(LEFT_ARMED, LAG_WORKFLOW))
-    if left:
-        found.append(Violation(TIMER_LEFT, f"{left} fired instance(s) still have a timer armed"))
     return len(ids), found
 
 

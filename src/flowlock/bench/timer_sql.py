@@ -8,6 +8,8 @@ created `after` seconds before its timer falls due. A test holds it to the store
 
 from __future__ import annotations
 
+from flowlock._pg.rows import TIMER_COLUMNS
+
 __all__ = [
     "ACTIVITY",
     "ARM",
@@ -16,9 +18,9 @@ __all__ = [
     "DROP_DATABASE",
     "FIRED",
     "LAGS",
-    "LEFT_ARMED",
     "NOW",
     "TABLE_SCANS",
+    "TIMERS_OF",
     "VACUUM",
 ]
 
@@ -61,11 +63,8 @@ SELECT extract(epoch FROM h.at - (i.created_at + $2::float8 * interval '1 second
 """
 # The instances of workflow $1 something was applied to.
 FIRED = "SELECT id FROM flowlock_instances WHERE workflow = $1 AND version > 1"
-# Timers still armed on instances of workflow $1 that left their first stay.
-LEFT_ARMED = """
-SELECT count(*)::int FROM flowlock_timers t JOIN flowlock_instances i ON i.id = t.instance_id
- WHERE i.workflow = $1 AND i.stay_version > 1
-"""
+# The armed timers of the instances $1, as the store reads them.
+TIMERS_OF = f"SELECT {TIMER_COLUMNS} FROM flowlock_timers WHERE instance_id = ANY($1::text[])"
 # Every table of the database, the system catalogs too: a database just created (and migrated)
 # is otherwise visited by autovacuum within the minute, while the engine is being measured.
 VACUUM = "VACUUM (ANALYZE)"
