@@ -1,11 +1,12 @@
-"""Timers over HTTP: GET /instances/{id} shows the next due timer, GET /instances/{id}/timers
-lists the armed ones, the service fires them (unless started with timers off), and a firing's
-history row says the timer wrote it."""
+"""Timers over HTTP: every answer about one instance (create, fire, GET) shows its next due
+timer, GET /instances/{id}/timers lists the armed ones, the service fires them (unless started
+with timers off), and a firing's history row says the timer wrote it."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -20,13 +21,17 @@ BOUND = 20.0  # the most a test waits for a due timer to fire (a loaded machine 
 
 
 def _workflows() -> list[flowlock.Workflow]:
-    """`slow`: an expiry in two days and an hourly reminder; `quick`: an expiry 100 ms in."""
+    """`slow`: an expiry in two days and an hourly reminder (`hold` and `resume` leave and
+    re-enter pending); `quick`: an expiry 100 ms in;
+    `plain`: no timer at all."""
     slow = flowlock.Workflow(
         "slow",
-        states=["pending", "approved", "rejected"],
+        states=["pending", "held", "approved", "rejected"],
         initial="pending",
         transitions=[
             flowlock.Transition("approve", source="pending", target="approved"),
+            flowlock.Transition("hold", source="pending", target="held"),
+            flowlock.Transition("resume", source="held", target="pending"),
             flowlock.Transition(
                 "expire", source="pending", target="rejected", after=timedelta(days=2)
             ),
@@ -49,7 +54,13 @@ def _workflows() -> list[flowlock.Workflow]:
             ),
         ],
     )
-    return [slow, quick]
+    plain = flowlock.Workflow(
+        "plain",
+        states=["pending", "approved"],
+        initial="pending",
+        transitions=[flowlock.Transition("approve", source="pending", target="approved")],
+    )
+    return [slow, quick, plain]
 
 
 @pytest.fixture
@@ -132,3 +143,87 @@ async def test_with_timers_off_timers_arm_and_nothing_fires() -> None:
         assert fired.status_code == 200, fired.text
         assert fired.json()["instance"]["state"] == "rejected"
         assert (await client.get("/instances/q-2/timers")).json() == {"items": []}
+
+
+def _count_timer_reads(svc: Service, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids whose timers the engine is asked for from now on (it still answers them)."""
+    asked: list[str] = []
+    read = svc.engine.timers
+
+    async def counted(instance_id: str) -> list[flowlock.Timer]:
+        asked.append(instance_id)
+        return await read(instance_id)
+
+    monkeypatch.setattr(svc.engine, "timers", counted)
+    return asked
+
+
+async def _post(client: httpx.AsyncClient, url: str, **kwargs: Any) -> dict[str, Any]:
+    response = await client.post(url, **kwargs)
+    assert response.status_code in (200, 201), response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def test_create_and_fire_answers_carry_the_next_timer(
+    timed: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create's and a fire's instance have the same next_timer as a GET, each from one read
+    of the timers after the call; once the stay ends it is null."""
+    client = timed.client
+    asked = _count_timer_reads(timed, monkeypatch)
+    made = await _post(client, "/instances", json={"workflow": "slow", "id": "s-2"})
+    assert asked == ["s-2"]
+    shown = (await client.get("/instances/s-2")).json()["next_timer"]
+    assert made["next_timer"] == shown
+    assert (shown["event"], shown["stay"]) == ("remind", 1)
+    # A caller fires the reminder itself: the state stays, and so do the stay's timers.
+    kept = await _post(client, "/instances/s-2/events/remind")
+    assert kept["instance"]["next_timer"] == shown
+    assert asked == ["s-2", "s-2"]
+    left = await _post(client, "/instances/s-2/events/approve")
+    assert left["instance"]["state"] == "approved"
+    assert left["instance"]["next_timer"] is None
+
+
+async def test_an_untimed_workflow_answers_null_without_reading_timers(
+    timed: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workflow with no timed transition: next_timer is null in the create and fire answers,
+    and the timers are never read."""
+    client = timed.client
+    asked = _count_timer_reads(timed, monkeypatch)
+    made = await _post(client, "/instances", json={"workflow": "plain", "id": "p-1"})
+    assert made["next_timer"] is None
+    fired = await _post(client, "/instances/p-1/events/approve")
+    assert fired["instance"]["next_timer"] is None
+    assert asked == []
+
+
+async def test_a_replay_shows_the_timer_of_the_stay_it_answers_with(timed: Service) -> None:
+    """A replayed create or fire repeats the first body, next_timer included, while the stay
+    lasts; once the instance has left that stay, the replay's next_timer is null (the stay it
+    shows has no timer left), not the timer of the stay begun since."""
+    client = timed.client
+    create_key = {"Idempotency-Key": "make-s-3"}
+    body = {"workflow": "slow", "id": "s-3"}
+    made = await _post(client, "/instances", json=body, headers=create_key)
+    assert made["next_timer"] is not None
+    assert await _post(client, "/instances", json=body, headers=create_key) == made
+    remind_key = {"Idempotency-Key": "remind-s-3"}
+    reminded = await _post(client, "/instances/s-3/events/remind", headers=remind_key)
+    assert reminded["instance"]["next_timer"] == made["next_timer"]
+    again = await client.post("/instances/s-3/events/remind", headers=remind_key)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == reminded
+
+    # Leave pending and come back: a new stay (version 4) with timers of its own.
+    await _post(client, "/instances/s-3/events/hold")
+    await _post(client, "/instances/s-3/events/resume")
+    now = (await client.get("/instances/s-3")).json()["next_timer"]
+    assert (now["event"], now["stay"]) == ("remind", 4)
+    late = await client.post("/instances/s-3/events/remind", headers=remind_key)
+    assert late.headers["idempotent-replayed"] == "true"
+    assert late.json() == {**reminded, "instance": {**reminded["instance"], "next_timer": None}}
+    late_made = await _post(client, "/instances", json=body, headers=create_key)
+    assert late_made == {**made, "next_timer": None}

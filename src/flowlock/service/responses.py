@@ -58,8 +58,12 @@ class InstanceOut(_Out):
     updated_at: str | None = Field(json_schema_extra={"format": "date-time"})
     next_timer: NextTimerOut | None = Field(
         default=None,
-        description="GET /instances/{instance_id} only: its next due timer, null when none is "
-        "armed (GET /instances/{instance_id}/timers lists them all).",
+        description="Its next due timer, null when none is armed (GET "
+        "/instances/{instance_id}/timers lists them all). Sent by every answer about one "
+        "instance (create, fire, GET), read when answering; a replay shows the timer of the "
+        "stay it answers with, null once that stay has ended. The instances of a list leave it "
+        "out (reading it would cost a query per instance), and so does a create or fire whose "
+        "read of the timers failed after the call succeeded.",
     )
 
 

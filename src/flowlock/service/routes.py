@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import datetime
 from typing import Annotated, Any
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from flowlock._calls import MAX_ID_LENGTH
 from flowlock._inspect import entry_dict, instance_dict, next_timer_dict, timer_dict
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import InvalidInput
+from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import Instance, Outcome
 from flowlock.core.query import decode_cursor
 from flowlock.core.settings import check_text
@@ -41,6 +42,8 @@ from flowlock.service.responses import (
 )
 from flowlock.service.settings import ServiceSettings
 
+log = logging.getLogger("flowlock.service")
+
 MAX_PAGE = 1000
 # The namespace of ids derived from a create's Idempotency-Key (any fixed UUID).
 _KEYED_IDS = uuid.UUID("6f1e2b9a-3c4d-5e6f-8a9b-0c1d2e3f4a5b")
@@ -52,6 +55,29 @@ _KEYED_IDS = uuid.UUID("6f1e2b9a-3c4d-5e6f-8a9b-0c1d2e3f4a5b")
 def _instance(inst: Instance, engine: Engine) -> dict[str, Any]:
     wf = engine.workflows.get(inst.workflow)
     return {**instance_dict(inst), "allowed": list(wf.allowed(inst.state)) if wf else []}
+
+
+async def _with_timer(inst: Instance, engine: Engine) -> dict[str, Any]:
+    """The instance a create or fire answers, with its `next_timer`.
+
+    A workflow without timed transitions has none: null, and nothing is read. Otherwise the
+    instance's timers are read once, after the call, and the earliest one armed at or before
+    the version shown is its next timer. A timer armed later belongs to a stay begun since
+    (the answer may be a replay of an older one), so it is not shown with this version.
+    """
+    body = _instance(inst, engine)
+    wf = engine.workflows.get(inst.workflow)
+    if wf is None or not wf.has_timers:
+        return {**body, "next_timer": None}
+    try:
+        armed = await engine.timers(inst.id)
+    except FlowlockError as exc:
+        # The call itself succeeded: its answer must not become an error. The field is left
+        # out, which the schema allows, rather than sent as a null that would say "none".
+        log.warning("flowlock service: reading the timers of %r failed: %s", inst.id, exc)
+        return body
+    found = next((t for t in armed if t.stay <= inst.version), None)
+    return {**body, "next_timer": next_timer_dict(inst.evolve(next_timer=found))}
 
 
 def _definition(wf: Workflow) -> dict[str, Any]:
@@ -74,10 +100,12 @@ def _definition(wf: Workflow) -> dict[str, Any]:
     }
 
 
-def _fired(outcome: Outcome, engine: Engine) -> Response:
+async def _fired(outcome: Outcome, engine: Engine) -> Response:
     """A fire's answer.
 
-    A replay repeats the first answer's body; only the headers tell the retry apart.
+    A replay repeats the first answer's body; only the headers tell the retry apart. Its
+    `next_timer` is read when answering, so it shows the timer of that stay as it is now
+    (null once the stay has ended).
     """
     applied = outcome.applied or outcome.replayed
     body = {
@@ -85,7 +113,7 @@ def _fired(outcome: Outcome, engine: Engine) -> Response:
         "idempotent": not applied,
         "event": outcome.event,
         "request_id": outcome.request_id,
-        "instance": _instance(outcome.instance, engine),
+        "instance": await _with_timer(outcome.instance, engine),
     }
     headers = {
         "ETag": etag(outcome.instance.version),
@@ -222,7 +250,7 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
             body.workflow, instance_id=instance_id, data=body.data, request_id=key
         )
         return JSONResponse(
-            _instance(inst, engine),
+            await _with_timer(inst, engine),
             status_code=201,
             # Percent-encoded: an id may hold any character but NUL and controls, and a header
             # carries only latin-1. A raw "é" would be mojibake, a raw "𓀀" a crash after the create,
@@ -311,7 +339,7 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
             payload=body.payload,
             strategy=body.strategy,
         )
-        return _fired(outcome, engine)
+        return await _fired(outcome, engine)
 
     @app.get(
         "/instances/{instance_id}/history",
