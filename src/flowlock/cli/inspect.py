@@ -21,6 +21,7 @@ from flowlock.cli._common import (
     stderr,
     stdout,
 )
+from flowlock.core.definition import MAX_AFTER
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.engine import Engine
@@ -29,7 +30,6 @@ from flowlock.stores.base import TimerStore
 __all__ = ["check_command", "diagram", "history", "list_instances", "show", "timers"]
 
 _R = TypeVar("_R")
-_MOST_WITHIN = 36_500 * 86_400  # a timed transition's longest `after`: 100 years
 
 
 @app.command()
@@ -330,7 +330,7 @@ def timers(
         typer.Option(
             "--within",
             min=0,
-            max=_MOST_WITHIN,
+            max=MAX_AFTER.total_seconds(),  # no timer is due further out than that
             help="Also list timers due within this many seconds (default: only those due now).",
         ),
     ] = 0.0,
