@@ -198,10 +198,10 @@ class Engine:
     async def aclose(self) -> None:
         """Close the lock backends and the store, releasing every connection. Idempotent."""
         if self._open:
-            self._open = False
             if self._timer_service is not None:
-                # Firings in flight end first; claims not fired run out and fire elsewhere.
+                # While the engine is still open, so firings in flight end well.
                 await self._timer_service.stop()
+            self._open = False
             if self._batcher is not None:
                 # Batches already taken finish (each call is bounded) before the store closes.
                 await self._batcher.drain()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from flowlock import tracing
 from flowlock.core.errors import (
     ConcurrencyError,
+    DefinitionError,
     EngineClosed,
     FlowlockError,
     GuardRejected,
@@ -30,6 +31,8 @@ from flowlock.core.errors import (
     StepFailed,
     StoreError,
     TransitionNotAllowed,
+    UnknownEvent,
+    UnknownWorkflow,
 )
 from flowlock.core.models import Outcome, Timer
 from flowlock.core.settings import check_count, check_seconds
@@ -56,7 +59,7 @@ IDLE_BOUND = 300.0
 """The longest the service sleeps without looking at the store: a safety net only. A timer
 armed earlier wakes it (NOTIFY on PostgreSQL), and it otherwise sleeps until the next due time."""
 _RETRY_BACKOFF = (0.05, 2.0)
-COUNT_EVERY = 5.0
+COUNT_EVERY = 60.0
 """Seconds between two counts of the armed timers for the metrics gauge."""
 RETRY_FIRING = 0.25
 """Seconds between a firing that failed for a reason that may pass (a lock, a lost race, the
@@ -68,12 +71,14 @@ OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "failed")
 
 - applied: this engine's firing wrote the transition;
 - idempotent: it was applied already (by another engine, or a caller's same event);
-- stale: the instance had left the stay that armed it; nothing written;
+- stale: the instance had left the stay that armed it; nothing written, the timer deleted;
 - refused: the guard refused; that firing is cancelled (a reminder's next one stays armed);
 - cancelled: the event no longer fires from the state (a changed definition), or the
-  instance is gone; the timer is cancelled;
-- failed: it may succeed later (a lock, a lost race, the store); the claim is given up and
-  the timer fires again.
+  instance is gone; the timer is deleted;
+- failed: it may succeed later. A lock, a lost race or the store: the claim is given up and
+  the timer fires again soon. A step that failed, or an event this engine's definition does
+  not know (an older engine in a rolling deploy): the claim runs out, then any engine may
+  fire it.
 """
 
 FireTimer = Callable[[Timer], Awaitable[Outcome]]
@@ -130,8 +135,12 @@ class TimerService:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # its own failure must not fail the engine's close
+                log.exception("flowlock timers: the service had stopped on an error")
         if self._flights:
             await asyncio.gather(*self._flights, return_exceptions=True)
 
@@ -165,9 +174,18 @@ class TimerService:
                     delay = await store.next_due(names) if names else None
                 except EngineClosed:
                     return
-                except FlowlockError as exc:
-                    log.warning("flowlock timers: %s; looking again in %.2fs", exc, backoff)
+                except Exception as exc:
+                    if isinstance(exc, FlowlockError):
+                        log.warning("flowlock timers: %s; looking again in %.2fs", exc, backoff)
+                    else:
+                        log.exception("flowlock timers: looking again in %.2fs", backoff)
                     await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _RETRY_BACKOFF[1])
+                    continue
+                if not claimed and delay is not None and delay <= 0:
+                    # Due, yet nothing could be claimed: rows locked by a transaction still open
+                    # (SKIP LOCKED passed them). Look again after a pause that grows, not at once.
+                    await self._sleep(armed, backoff)
                     backoff = min(backoff * 2, _RETRY_BACKOFF[1])
                     continue
                 backoff = _RETRY_BACKOFF[0]
@@ -221,29 +239,29 @@ class TimerService:
         try:
             outcome = await self._fire(timer)
         except StaleTimer:
-            await store.cancel_timer(timer)
+            await store.drop_timer(timer)  # its stay ended: no later firing either
             return "stale"
         except GuardRejected as exc:
             log.info("flowlock timers: %s refused by its guard: %s", _name(timer), exc.reason)
-            await store.cancel_timer(timer)
+            await store.cancel_timer(timer)  # this firing only: a reminder's next one stays
             return "refused"
-        except (TransitionNotAllowed, InvalidInput, InstanceNotFound) as exc:
-            # The definition changed under the timer (the event is gone, or no longer fires
-            # from this state), or the instance was deleted: this firing can never apply.
+        except (UnknownEvent, UnknownWorkflow) as exc:
+            # This engine's definition does not know the event (an older engine in a rolling
+            # deploy): left claimed, it goes to an engine that knows it once the lease runs out.
+            log.warning("flowlock timers: %s left to another engine: %s", _name(timer), exc)
+            return "failed"
+        except (TransitionNotAllowed, InstanceNotFound) as exc:
+            # The event no longer fires from this state (a changed definition), or the instance
+            # was deleted: this firing can never apply, and neither can a later one.
             log.warning("flowlock timers: %s cancelled: %s", _name(timer), exc)
-            await store.cancel_timer(timer)
+            await store.drop_timer(timer)
             return "cancelled"
-        except StepFailed as exc:
+        except (StepFailed, DefinitionError, InvalidInput) as exc:
             # A failing step is a bug to fix, not a race: left claimed, it fires again once
             # the lease runs out rather than at once in a loop.
-            log.error(
-                "flowlock timers: %s failed: %s; it fires again in %.0fs",
-                _name(timer),
-                exc,
-                self.lease,
-            )
+            log.error("flowlock timers: %s failed: %s; it fires again later", _name(timer), exc)
             return "failed"
-        except (ConcurrencyError, StoreError) as exc:
+        except (ConcurrencyError, StoreError, EngineClosed) as exc:
             log.info("flowlock timers: %s will fire again: %s", _name(timer), exc)
             with contextlib.suppress(FlowlockError):
                 await store.release_timer(timer, self.owner)

@@ -151,6 +151,10 @@ MAX_AFTER = timedelta(days=36_500)
 such a due time exactly."""
 
 
+MAX_LIMIT = 1_000_000_000
+"""The most firings `limit=` takes (every store counts them exactly)."""
+
+
 def _duration(value: object, what: str, transition: str) -> float | None:
     """`value` (a timedelta, or None) in seconds, checked positive and at most MAX_AFTER."""
     if value is None:
@@ -260,9 +264,10 @@ def _check_timing(t: Transition, after: object, every: object, limit: object) ->
     if every is not None and after is None:
         after = every  # a bare every= first fires one period into the stay
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise DefinitionError(
-                f"transition {name!r}: limit={limit!r} must be a positive whole number of firings"
+                f"transition {name!r}: limit={limit!r} must be a whole number of firings from "
+                f"1 to {MAX_LIMIT:,}"
             )
         if every is None:
             raise DefinitionError(
