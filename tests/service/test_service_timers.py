@@ -4,6 +4,7 @@ with timers off), and a firing's history row says the timer wrote it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 import flowlock
+from flowlock.core.errors import StoreError
 from flowlock.core.models import TIMER_ACTOR
 from flowlock.service import ServiceSettings
 from lock_probes import wait_until
@@ -227,3 +229,24 @@ async def test_a_replay_shows_the_timer_of_the_stay_it_answers_with(timed: Servi
     assert late.json() == {**reminded, "instance": {**reminded["instance"], "next_timer": None}}
     late_made = await _post(client, "/instances", json=body, headers=create_key)
     assert late_made == {**made, "next_timer": None}
+
+
+async def test_a_failed_timers_read_leaves_next_timer_out_of_a_call_that_applied(
+    timed: Service, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When reading the timers fails after a create or fire applied, the answer is still the
+    call's success, without next_timer (not a null that would say none is armed), and the
+    failure is logged."""
+
+    async def failing(instance_id: str) -> list[flowlock.Timer]:
+        raise StoreError(f"injected: the timers of {instance_id!r} could not be read")
+
+    monkeypatch.setattr(timed.engine, "timers", failing)
+    client = timed.client
+    with caplog.at_level(logging.WARNING, logger="flowlock.service"):
+        made = await _post(client, "/instances", json={"workflow": "slow", "id": "s-4"})
+        fired = await _post(client, "/instances/s-4/events/approve")
+    assert "next_timer" not in made
+    assert fired["applied"] and "next_timer" not in fired["instance"]
+    assert fired["instance"]["state"] == "approved"
+    assert sum("injected" in r.getMessage() for r in caplog.records) == 2
