@@ -19,6 +19,7 @@ __all__ = [
     "CANCEL",
     "CLAIM",
     "COUNT",
+    "DROP",
     "DUE",
     "NEXT_DUE",
     "RELEASE",
@@ -205,6 +206,9 @@ WITH dropped AS (
 )
 SELECT (SELECT count(*) FROM dropped) + (SELECT count(*) FROM moved_on)
 """
+# A stale or cancelled firing: its timer is deleted, a reminder with firings left too, only
+# while the row is still at that stay and firing (a compare-and-swap). $1 to $4 as CANCEL's.
+DROP = f"DELETE FROM flowlock_timers WHERE {_ONE}"
 # Seconds until a timer of the workflows can be claimed: the earliest due time of a timer
 # nobody holds, or the end of a claim (a claimer that died) when that is later than its due
 # time. Both halves walk the (workflow, due_at) index: the first per workflow, in due order,
