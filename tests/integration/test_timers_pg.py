@@ -3,8 +3,9 @@
 Timers armed in the application's own transaction exist once it commits and not at all if it
 rolls back, and so does their NOTIFY; the LISTEN of each engine hears its own schema only, and
 comes back after its connection is killed; an engine asleep is woken by another engine's
-commit; two engines racing callers fire each deadline once; the migration gives existing rows
-their stay. The behaviour every store shares is in tests/contract/test_timer_store.py.
+commit; two engines racing callers fire each deadline once; the migration adds the stay
+without rewriting the instances. The behaviour every store shares is in
+tests/contract/test_timer_store.py.
 """
 
 from __future__ import annotations
@@ -354,11 +355,13 @@ async def test_pipelined_calls_on_many_instances_move_their_stays(
         (await sql_history()).assert_matches(histories)
 
 
-async def test_the_migration_gives_existing_instances_their_stay(
+async def test_the_migration_leaves_existing_instances_without_a_stay(
     pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A schema migrated up to before 010, holding instances, migrates: each instance's
-    stay_version is its version (none has timers), and timers arm and void from then on."""
+    """A schema migrated up to before 010, holding instances, migrates without rewriting them
+    (same row versions): their stay_version is NULL; a write that keeps the state keeps it
+    NULL, one that changes it sets it, and timers arm and void from then on; an INSERT made
+    afterwards that does not name the column gets 1."""
     before = [m for m in migrations.load("postgres") if m.name < "010_timers"]
     with monkeypatch.context() as patched:
         patched.setattr(pg_migrations, "load", lambda dialect: before)
@@ -366,6 +369,7 @@ async def test_the_migration_gives_existing_instances_their_stay(
         await old.open()
         await old.aclose()
     conn = await pg_budget.connect(pg_url)
+    rows = "SELECT id, xmin::text, ctid::text FROM flowlock_instances ORDER BY id"
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(
@@ -373,15 +377,29 @@ async def test_the_migration_gives_existing_instances_their_stay(
             " VALUES ('one', $1, 'pending', 1, '{}'), ('four', $1, 'pending', 4, '{}')",
             WF,
         )
+        unmigrated = [tuple(r) for r in await conn.fetch(rows)]
+        async with engine_on(pg_url, pg_schema) as engine:
+            assert [tuple(r) for r in await conn.fetch(rows)] == unmigrated  # not rewritten
+            assert [(await engine.get(i)).stay_version for i in ("one", "four")] == [None, None]
+            store = store_of(engine)
+            assert await store.timers("four") == []
+            noted = await engine.fire("four", "note")
+            assert (noted.instance.version, noted.instance.stay_version) == (5, None)
+            assert (await engine.get("four")).stay_version is None
+            await engine.fire("four", "hold")
+            assert (await engine.get("four")).stay_version == 6
+            await engine.fire("four", "resume")
+            assert [(t.event, t.stay) for t in await store.timers("four")] == [("expire", 7)]
+            assert (await engine.get("four")).stay_version == 7
+            assert (await engine.create(WF, instance_id="new")).stay_version == 1
+            await conn.execute(
+                "INSERT INTO flowlock_instances (id, workflow, state, version, data)"
+                " VALUES ('later', $1, 'pending', 1, '{}')",
+                WF,
+            )
+            assert (await engine.get("later")).stay_version == 1
     finally:
         await conn.close()
-    async with engine_on(pg_url, pg_schema) as engine:
-        assert [(await engine.get(i)).stay_version for i in ("one", "four")] == [1, 4]
-        store = store_of(engine)
-        assert await store.timers("four") == []
-        await engine.fire("four", "hold")
-        await engine.fire("four", "resume")
-        assert [(t.event, t.stay) for t in await store.timers("four")] == [("expire", 6)]
 
 
 async def test_the_timer_statements_read_the_due_index(pg_url: str, pg_schema: str) -> None:
