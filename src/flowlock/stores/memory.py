@@ -282,14 +282,17 @@ class MemoryStore:
         timer = armed.timer
         n = timer.n + 1
         if timer.every is None or (timer.limit is not None and n >= timer.limit):
-            own = self._timers[timer.instance_id]
-            del own[(timer.stay, timer.event)]
-            if not own:
-                del self._timers[timer.instance_id]
+            self._delete(timer)
             return
         armed.due += timer.every
         armed.timer = dataclasses.replace(timer, n=n, due_at=_wall(armed.due))
         armed.claimed_until = armed.owner = None
+
+    def _delete(self, timer: Timer) -> None:
+        own = self._timers[timer.instance_id]
+        del own[(timer.stay, timer.event)]
+        if not own:
+            del self._timers[timer.instance_id]
 
     def _all(self) -> list[_Armed]:
         return [a for own in self._timers.values() for a in own.values()]
@@ -340,6 +343,14 @@ class MemoryStore:
         if armed is None:
             return False
         self._move_on(armed)
+        return True
+
+    async def drop_timer(self, timer: Timer) -> bool:
+        self._check()
+        armed = self._find(timer)
+        if armed is None:
+            return False
+        self._delete(timer)
         return True
 
     async def next_due(self, workflows: Sequence[str]) -> float | None:

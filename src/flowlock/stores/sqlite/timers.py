@@ -38,6 +38,8 @@ _MOVE_ON: Final = (
     f"claimed_by = NULL WHERE {_KEY} AND n = ? AND every IS NOT NULL "
     "AND (lim IS NULL OR n + 1 < lim)"
 )
+# A stale or cancelled firing: the timer goes whatever its firings left, while still at it.
+_DROP: Final = f"DELETE FROM flowlock_timers WHERE {_KEY} AND n = ?"
 _RELEASE: Final = (
     "UPDATE flowlock_timers SET claimed_until = NULL, claimed_by = NULL "
     f"WHERE {_KEY} AND n = ? AND claimed_by = ?"
@@ -172,6 +174,11 @@ def release_txn(conn: sqlite3.Connection, timer: Timer, owner: str) -> None:
 
 def cancel_txn(conn: sqlite3.Connection, timer: Timer) -> bool:
     return move_on(conn, timer.instance_id, timer.firing)
+
+
+def drop_txn(conn: sqlite3.Connection, timer: Timer) -> bool:
+    key = (timer.instance_id, timer.stay, timer.event, timer.n)
+    return conn.execute(_DROP, key).rowcount > 0
 
 
 def next_due_txn(conn: sqlite3.Connection, workflows: Sequence[str]) -> float | None:

@@ -3,11 +3,14 @@
 -- timers, the commit that leaves it deletes them, and the commit of a firing moves a reminder on
 -- or deletes it: each in the same statement as the instance's compare-and-swap.
 
--- The version of the entry that last changed the state (1 after the create). Rows written before
--- this migration have no timers: their version stands for their stay. The default serves an
--- INSERT that does not name the column (1: a create begins the first stay).
-ALTER TABLE flowlock_instances ADD COLUMN stay_version bigint NOT NULL DEFAULT 1;
-UPDATE flowlock_instances SET stay_version = version WHERE version <> 1;
+-- The version of the entry that last changed the state (1 after the create). NULL: the instance
+-- entered its state before this migration, so no timer belongs to its stay; its next change of
+-- state sets it. Added with no default and no backfill, so the table is not rewritten (a
+-- constant default would stamp 1 on the rows already there; an UPDATE would rewrite them all).
+-- The default is set afterwards, for rows inserted from then on by an INSERT that does not name
+-- the column (1: a create begins the first stay); that changes no existing row.
+ALTER TABLE flowlock_instances ADD COLUMN stay_version bigint;
+ALTER TABLE flowlock_instances ALTER COLUMN stay_version SET DEFAULT 1;
 
 CREATE TABLE flowlock_timers (
     instance_id   text             NOT NULL REFERENCES flowlock_instances (id) ON DELETE CASCADE,
