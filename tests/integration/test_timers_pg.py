@@ -152,6 +152,29 @@ async def test_a_notification_says_when_its_earliest_timer_is_due(
         assert before + 60.0 - 0.5 <= armed.earliest <= after + 60.0 + 0.5
 
 
+async def test_only_a_commit_arming_its_workflows_earliest_timer_notifies(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Commits that notify are serialized by PostgreSQL, so a commit arming a timer due after
+    an unclaimed one of its workflow (due more than a second from now) sends no NOTIFY: every
+    service already wakes by then. The first timer notifies; so does one armed earlier than all."""
+    async with engine_on(pg_url, pg_schema, after=60.0) as engine:
+        async with store_of(engine).armed() as armed:
+            await heard(armed)  # set once LISTEN is up
+            await engine.create(WF, instance_id="a")
+            await heard(armed)
+            await engine.create(WF, instance_id="b")
+            assert await stays_unset(armed)
+        async with (
+            engine_on(pg_url, pg_schema, after=30.0) as sooner,
+            store_of(sooner).armed() as armed,
+        ):
+            await heard(armed)
+            await sooner.create(WF, instance_id="c")
+            async with asyncio.timeout(BOUND):
+                await armed.wait()
+
+
 async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_schema: str) -> None:
     """The NOTIFY channel names the schema: a commit arming a timer in another schema of the
     same database does not wake this store's listeners; one in its own schema does."""
