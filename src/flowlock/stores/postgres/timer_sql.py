@@ -14,6 +14,7 @@ from typing import Any
 
 from flowlock._pg.rows import INSTANCE_COLUMNS, TIMER_COLUMNS
 from flowlock.core.models import HistoryEntry
+from flowlock.stores._batch import entering
 
 __all__ = [
     "CANCEL",
@@ -108,8 +109,8 @@ SELECT {INSTANCE_COLUMNS} FROM made
 def stay_of(batch: Sequence[HistoryEntry]) -> int | None:
     """The stay a batch leaves its instance in when it begins one: the version of its last
     entry that changes the state (None: the stay goes on)."""
-    entered = [e.version for e in batch if e.enters]
-    return entered[-1] if entered else None
+    entered = entering(batch)
+    return None if entered is None else entered.version
 
 
 def timer_args(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[list[Any], ...] | None:
@@ -129,9 +130,8 @@ def timer_args(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[list[Any], ..
                 if e.timer is not None:
                     for column, value in zip(fired, (iid, *_firing(e)), strict=True):
                         column.append(value)
-        entering = [e for e in batch if e.enters]
-        if entering:
-            last = entering[-1]
+        last = entering(batch)
+        if last is not None:
             for timing in last.arm:
                 row = (iid, last.version, timing.event, timing.after, timing.every, timing.limit)
                 for column, value in zip(armed, row, strict=True):

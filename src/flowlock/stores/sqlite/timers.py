@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from flowlock.core.errors import InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, Timer, TimerFiring, Timing
+from flowlock.stores._batch import entering
 from flowlock.stores.sqlite.sql import INSTANCE_COLUMNS, instance_of
 
 TIMER_COLUMNS: Final = "instance_id, workflow, event, stay, due_at, n, every, lim, claimed_until"
@@ -121,10 +122,10 @@ def after_commit(
     for entry in entries:
         if entry.timer is not None:
             move_on(conn, committed.id, entry.timer)
-    entered = [entry for entry in entries if entry.enters]
-    if not entered:
+    entered = entering(entries)
+    if entered is None:
         return None
-    return arm(conn, committed, entered[-1].version, entered[-1].arm, time.time())
+    return arm(conn, committed, entered.version, entered.arm, time.time())
 
 
 # -- the TimerStore's reads and writes ------------------------------------------------------------
