@@ -228,8 +228,10 @@ class TimerService:
         except Exception:  # a bug: logged, never kills the service
             log.exception("flowlock timers: firing %s crashed", _name(timer))
         self.fired += 1
-        if timer.every is not None:
-            self._poke.set()  # a reminder moved on: its next due time may be the earliest now
+        if timer.every is not None or len(self._flights) <= 1:
+            # A reminder moved on, or the last firing in flight landed: the next due time may
+            # have changed (a commit elsewhere notifies only when it arms the earliest timer).
+            self._poke.set()
         if self._metrics is not None:
             lag = timer.lag + (time.monotonic() - started)
             self._metrics.record_timer(label, lag if label in ("applied", "idempotent") else None)

@@ -272,6 +272,36 @@ async def test_cancel_is_a_compare_and_swap_on_the_stay_and_firing(quiet: flowlo
     assert await store.count_timers() == 0
 
 
+async def test_drop_deletes_a_reminder_while_it_is_at_that_firing(quiet: flowlock.Engine) -> None:
+    """drop_timer deletes the timer outright, a reminder with firings left too (cancel would
+    move it on); on a timer that moved on or was voided it answers False and changes nothing."""
+    store = timers_of(quiet)
+    await quiet.create(WF, instance_id="a")
+    await due(store)
+    [remind] = await store.claim_timers([WF], limit=10, lease=30, owner="me")
+    assert (remind.event, remind.n) == ("remind", 0)
+    assert await store.drop_timer(remind)
+    assert shape(await store.timers("a")) == [("expire", 1, 0)]
+    assert not await store.drop_timer(remind)  # gone already
+
+    await quiet.create(WF, instance_id="b")
+    [first, _] = await store.timers("b")
+    assert await store.cancel_timer(first)  # moved on to n = 1
+    before = await store.timers("b")
+    assert not await store.drop_timer(first)  # at n = 1 now, not 0
+    assert await store.timers("b") == before
+
+    [moved, expire] = before
+    await quiet.fire("b", "hold")
+    await quiet.fire("b", "resume")  # a new stay: the old timers were voided
+    after = await store.timers("b")
+    assert not await store.drop_timer(moved)
+    assert not await store.drop_timer(expire)
+    assert await store.timers("b") == after
+    assert shape(after) == [("remind", 3, 0), ("expire", 3, 0)]
+    assert await store.count_timers() == 3
+
+
 async def test_a_timer_of_an_ended_stay_is_refused_and_never_fires(quiet: flowlock.Engine) -> None:
     """A stay left and entered again before its timer fired: the old timer is gone, firing it
     anyway is refused (StaleTimer) and writes nothing, cancelling it answers False."""

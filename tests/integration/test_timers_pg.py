@@ -3,8 +3,9 @@
 Timers armed in the application's own transaction exist once it commits and not at all if it
 rolls back, and so does their NOTIFY; the LISTEN of each engine hears its own schema only, and
 comes back after its connection is killed; an engine asleep is woken by another engine's
-commit; two engines racing callers fire each deadline once; the migration gives existing rows
-their stay. The behaviour every store shares is in tests/contract/test_timer_store.py.
+commit; two engines racing callers fire each deadline once; the migration adds the stay
+without rewriting the instances. The behaviour every store shares is in
+tests/contract/test_timer_store.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -148,6 +150,29 @@ async def test_a_notification_says_when_its_earliest_timer_is_due(
             await armed.wait()
         assert armed.earliest is not None
         assert before + 60.0 - 0.5 <= armed.earliest <= after + 60.0 + 0.5
+
+
+async def test_only_a_commit_arming_its_workflows_earliest_timer_notifies(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Commits that notify are serialized by PostgreSQL, so a commit arming a timer due after
+    an unclaimed one of its workflow (due more than a second from now) sends no NOTIFY: every
+    service already wakes by then. The first timer notifies; so does one armed earlier than all."""
+    async with engine_on(pg_url, pg_schema, after=60.0) as engine:
+        async with store_of(engine).armed() as armed:
+            await heard(armed)  # set once LISTEN is up
+            await engine.create(WF, instance_id="a")
+            await heard(armed)
+            await engine.create(WF, instance_id="b")
+            assert await stays_unset(armed)
+        async with (
+            engine_on(pg_url, pg_schema, after=30.0) as sooner,
+            store_of(sooner).armed() as armed,
+        ):
+            await heard(armed)
+            await sooner.create(WF, instance_id="c")
+            async with asyncio.timeout(BOUND):
+                await armed.wait()
 
 
 async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_schema: str) -> None:
@@ -353,11 +378,13 @@ async def test_pipelined_calls_on_many_instances_move_their_stays(
         (await sql_history()).assert_matches(histories)
 
 
-async def test_the_migration_gives_existing_instances_their_stay(
+async def test_the_migration_leaves_existing_instances_without_a_stay(
     pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A schema migrated up to before 010, holding instances, migrates: each instance's
-    stay_version is its version (none has timers), and timers arm and void from then on."""
+    """A schema migrated up to before 010, holding instances, migrates without rewriting them
+    (same row versions): their stay_version is NULL; a write that keeps the state keeps it
+    NULL, one that changes it sets it, and timers arm and void from then on; an INSERT made
+    afterwards that does not name the column gets 1."""
     before = [m for m in migrations.load("postgres") if m.name < "010_timers"]
     with monkeypatch.context() as patched:
         patched.setattr(pg_migrations, "load", lambda dialect: before)
@@ -365,6 +392,7 @@ async def test_the_migration_gives_existing_instances_their_stay(
         await old.open()
         await old.aclose()
     conn = await pg_budget.connect(pg_url)
+    rows = "SELECT id, xmin::text, ctid::text FROM flowlock_instances ORDER BY id"
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(
@@ -372,15 +400,29 @@ async def test_the_migration_gives_existing_instances_their_stay(
             " VALUES ('one', $1, 'pending', 1, '{}'), ('four', $1, 'pending', 4, '{}')",
             WF,
         )
+        unmigrated = [tuple(r) for r in await conn.fetch(rows)]
+        async with engine_on(pg_url, pg_schema) as engine:
+            assert [tuple(r) for r in await conn.fetch(rows)] == unmigrated  # not rewritten
+            assert [(await engine.get(i)).stay_version for i in ("one", "four")] == [None, None]
+            store = store_of(engine)
+            assert await store.timers("four") == []
+            noted = await engine.fire("four", "note")
+            assert (noted.instance.version, noted.instance.stay_version) == (5, None)
+            assert (await engine.get("four")).stay_version is None
+            await engine.fire("four", "hold")
+            assert (await engine.get("four")).stay_version == 6
+            await engine.fire("four", "resume")
+            assert [(t.event, t.stay) for t in await store.timers("four")] == [("expire", 7)]
+            assert (await engine.get("four")).stay_version == 7
+            assert (await engine.create(WF, instance_id="new")).stay_version == 1
+            await conn.execute(
+                "INSERT INTO flowlock_instances (id, workflow, state, version, data)"
+                " VALUES ('later', $1, 'pending', 1, '{}')",
+                WF,
+            )
+            assert (await engine.get("later")).stay_version == 1
     finally:
         await conn.close()
-    async with engine_on(pg_url, pg_schema) as engine:
-        assert [(await engine.get(i)).stay_version for i in ("one", "four")] == [1, 4]
-        store = store_of(engine)
-        assert await store.timers("four") == []
-        await engine.fire("four", "hold")
-        await engine.fire("four", "resume")
-        assert [(t.event, t.stay) for t in await store.timers("four")] == [("expire", 6)]
 
 
 async def test_the_timer_statements_read_the_due_index(pg_url: str, pg_schema: str) -> None:
@@ -399,3 +441,55 @@ async def test_the_timer_statements_read_the_due_index(pg_url: str, pg_schema: s
         for plan in (claim, due):
             text = "\n".join(r[0] for r in plan)
             assert "flowlock_timers_due" in text, text
+
+
+def _timer_rows_read(node: dict[str, Any]) -> int:
+    """The rows the scans of flowlock_timers under an EXPLAIN ANALYZE plan node read: the rows
+    they returned and the rows their filter removed, over all their loops."""
+    own = 0
+    if node.get("Relation Name") == "flowlock_timers" and node["Node Type"] != "ModifyTable":
+        assert node["Node Type"] == "Index Scan", node["Node Type"]  # never a Seq Scan
+        per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        own = round(per_loop * node["Actual Loops"])
+    return own + sum(_timer_rows_read(child) for child in node.get("Plans", ()))
+
+
+async def test_a_claim_over_several_workflows_reads_only_their_earliest_rows(
+    pg_url: str, pg_schema: str
+) -> None:
+    """With 30,000 overdue timers over 3 workflows, a claim of 64 walks each workflow's part of
+    the due index and reads about 64 rows per workflow (plus the 64 it updates), never every
+    due row (EXPLAIN ANALYZE, in a transaction rolled back)."""
+    due, limit, workflows = 30_000, 64, ["w0", "w1", "w2"]
+    async with engine_on(pg_url, pg_schema):
+        pass  # migrated
+    conn: asyncpg.Connection = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        await conn.execute(
+            "INSERT INTO flowlock_instances (id, workflow, state, version, data)"
+            " SELECT 'i' || g, 'w' || g % 3, 'pending', 1, '{}' FROM generate_series(1, $1) g",
+            due,
+        )
+        await conn.execute(
+            "INSERT INTO flowlock_timers (instance_id, stay, event, workflow, due_at)"
+            " SELECT 'i' || g, 1, 'expire', 'w' || g % 3,"
+            "        now() - interval '1 hour' + g * interval '1 ms'"
+            "   FROM generate_series(1, $1) g",
+            due,
+        )
+        await conn.execute("ANALYZE flowlock_timers")
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            [(plan,)] = await conn.fetch(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + CLAIM, workflows, limit, 30.0, "me"
+            )
+        finally:
+            await tx.rollback()
+    finally:
+        await conn.close()
+    [top] = json.loads(plan) if isinstance(plan, str) else plan
+    read = _timer_rows_read(top["Plan"])
+    # Measured: 64 per workflow walked in due order, and 64 rows found by their key to claim.
+    assert limit <= read <= 2 * limit * (len(workflows) + 1), read

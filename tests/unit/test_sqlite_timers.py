@@ -360,6 +360,7 @@ def _deadline(name: str = "approval", after: float = 0.1) -> flowlock.Workflow:
                 "expire", source="pending", target="rejected", after=timedelta(seconds=after)
             ),
             flowlock.Transition("reopen", source="approved", target="pending"),
+            flowlock.Transition("amend", source="approved", target="approved"),
         ],
     )
 
@@ -411,8 +412,9 @@ def _old_rows(path: Path, sql: str, *args: Any) -> None:
 async def test_a_database_made_before_timers_migrates(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A file migrated up to before 006 takes it: old instances get their version as their
-    stay, and timers then arm and fire on them and on new ones."""
+    """A file migrated up to before 006 takes it: old instances have no stay (NULL, kept by a
+    write that keeps the state, set by one that changes it), and timers then arm and fire on
+    them and on new ones."""
     assert TIMERS in [m.name for m in migrations.load("sqlite")]
     before = [m for m in migrations.load("sqlite") if m.name < TIMERS]
     with monkeypatch.context() as patched:
@@ -427,9 +429,32 @@ async def test_a_database_made_before_timers_migrates(
     )
     async with flowlock.connect(f"sqlite:///{db_path}") as engine:
         await engine.register(_deadline())
-        assert (await engine.get("old")).stay_version == 2
-        await engine.fire("old", "reopen")
-        await engine.create("approval", instance_id="new")
+        assert (await engine.get("old")).stay_version is None
+        amended = await engine.fire("old", "amend")
+        assert (amended.instance.version, amended.instance.stay_version) == (3, None)
+        assert (await engine.get("old")).stay_version is None
+        reopened = await engine.fire("old", "reopen")
+        assert reopened.instance.stay_version == 4
+        assert (await engine.create("approval", instance_id="new")).stay_version == 1
         await _settled(engine, ["old", "new"], "rejected")
         [*_, expired] = await engine.history("old")
-        assert (expired.actor, expired.request_id) == ("flowlock:timer", "timer:3:expire:0")
+        assert (expired.actor, expired.request_id) == ("flowlock:timer", "timer:4:expire:0")
+
+
+async def test_deleting_an_instance_deletes_its_timers(store: SqliteStore) -> None:
+    """As on PostgreSQL (ON DELETE CASCADE), deleting an instance row deletes its timers: the
+    store's connections enforce foreign keys, so without the cascade the delete would fail."""
+    await store.create(new("gone"), arm=(SOON,))
+    await store.create(new("kept"), arm=(SOON,))
+    pool = store._pool
+    assert pool is not None
+    worker = pool.workers[0]
+
+    def delete(conn: sqlite3.Connection) -> int:
+        [(enforced,)] = conn.execute("PRAGMA foreign_keys").fetchall()
+        conn.execute("DELETE FROM flowlock_instances WHERE id = 'gone'")
+        return int(enforced)
+
+    assert await asyncio.wrap_future(worker.executor.submit(delete, worker.conn)) == 1
+    assert await store.timers("gone") == []
+    assert [t.instance_id for t in await store.timers("kept")] == ["kept"]

@@ -50,7 +50,7 @@ def test_a_stay_in_a_state_arms_each_timed_transition_leaving_it() -> None:
         ({"after": timedelta(hours=1), "limit": 3}, "give every= too"),
         ({"every": timedelta(hours=1), "limit": 0}, "a whole number of firings from 1"),
         ({"every": timedelta(hours=1), "limit": True}, "a whole number of firings from 1"),
-        ({"every": timedelta(hours=1), "limit": 2**63}, "to 1,000,000,000"),
+        ({"every": timedelta(hours=1), "limit": 2**63}, "to 1,000,000,000,000,000"),
     ],
 )
 def test_a_bad_timing_is_refused_when_the_transition_is_built(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
 
 import pytest
 
+import flowlock
 from flowlock.core.models import Outcome, Timer
 from flowlock.stores.base import ArmedSignal
+from flowlock.stores.memory import MemoryStore
 from flowlock.timers import TimerService
 
 
@@ -73,3 +76,101 @@ async def test_an_unexpected_error_is_logged_and_the_service_goes_on(
     assert store.claims >= 2
     await service.stop()
     assert "an unwrapped driver error" in caplog.text
+
+
+def _reminding(*, with_reminder: bool) -> flowlock.Workflow:
+    timed = [
+        flowlock.Transition(
+            "remind", source="open", target="open", every=timedelta(milliseconds=30)
+        )
+    ]
+    return flowlock.Workflow(
+        "nag",
+        states=["open", "shut"],
+        initial="open",
+        transitions=[
+            flowlock.Transition("shut", source="open", target="shut"),
+            *(timed if with_reminder else []),
+        ],
+    )
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.02)
+
+
+async def test_a_reminder_whose_event_no_longer_fires_from_its_state_is_deleted() -> None:
+    """A deploy moved the reminder's event away from its state: its firing is cancelled and the
+    timer deleted, not moved on to fire (and be cancelled) every period forever."""
+    changed = flowlock.Workflow(
+        "nag",
+        states=["open", "shut"],
+        initial="open",
+        transitions=[
+            flowlock.Transition("shut", source="open", target="shut"),
+            flowlock.Transition("remind", source="shut", target="shut"),
+        ],
+    )
+    async with flowlock.connect("memory://") as engine:
+        await engine.register(_reminding(with_reminder=True))
+        await engine.create("nag", instance_id="a")
+        await engine.register(changed)
+        await engine.register(
+            flowlock.Workflow(
+                "timed",
+                states=["x"],
+                initial="x",
+                transitions=[
+                    flowlock.Transition("tick", source="x", target="x", after=timedelta(hours=1))
+                ],
+            )
+        )  # keeps the service running: "nag" itself has no timer left
+
+        async def gone() -> bool:
+            return await engine.timers("a") == []
+
+        await _until(gone)
+        assert await engine.history("a") == []
+
+
+async def test_an_event_this_engine_does_not_know_is_left_for_another_engine() -> None:
+    """An older engine (its definition lacks the event) claims a timer a newer one armed: it
+    neither fires nor deletes it, and an engine that knows the event fires it once the claim
+    runs out."""
+    store = MemoryStore()
+    old = flowlock.Workflow(
+        "nag",
+        states=["open", "shut"],
+        initial="open",
+        transitions=[
+            flowlock.Transition("shut", source="open", target="shut"),
+            flowlock.Transition("ping", source="shut", target="shut", after=timedelta(hours=1)),
+        ],
+    )
+    async with (
+        flowlock.Engine(store, timers=False) as new,
+        flowlock.Engine(store, timer_lease=0.3) as older,
+    ):
+        await new.register(_reminding(with_reminder=True))
+        await new.create("nag", instance_id="a")
+        await older.register(old)
+
+        async def claimed_and_kept() -> bool:
+            service = older.timer_service
+            return service is not None and service.fired >= 1
+
+        await _until(claimed_and_kept)
+        assert [(t.event, t.n) for t in await new.timers("a")] == [("remind", 0)]
+        assert await new.history("a") == []
+        await older.aclose()
+        async with flowlock.Engine(store) as newer:
+            await newer.register(_reminding(with_reminder=True))
+
+            async def fired() -> bool:
+                return any(h.event == "remind" for h in await newer.history("a"))
+
+            await _until(fired)

@@ -47,11 +47,11 @@ def check_timers(
 ) -> list[Violation]:
     """Every timer rule on one instance's rows, in version order; `timers` (when read) are its
     armed timers, each of which must belong to its current stay (`instance.stay_version`; when
-    the store does not say, the stay its history ends in).
+    it is None, the stay its history ends in).
 
     The stored `stay_version` is not compared with the history: a database migrated to timers
-    set it to the version of each instance then, a stay that may have begun earlier. Such an
-    instance has no timer armed before its next change of state."""
+    leaves it None on the instances already there (their stay began before timers existed, so
+    none has a timer armed before its next change of state)."""
     found: list[Violation] = []
     stay = _FIRST_STAY
     stay_state = initial_state if initial_state is not None else _first_state(ordered)

@@ -151,7 +151,7 @@ MAX_AFTER = timedelta(days=36_500)
 such a due time exactly."""
 
 
-MAX_LIMIT = 1_000_000_000
+MAX_LIMIT = 10**15
 """The most firings `limit=` takes (every store counts them exactly)."""
 
 

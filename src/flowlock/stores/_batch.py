@@ -10,7 +10,7 @@ from flowlock.core.errors import InvalidInput
 from flowlock.core.models import HistoryEntry, Snapshot
 from flowlock.stores.base import entries_of
 
-__all__ = ["distinct_batches", "planned_entries", "refused_plan"]
+__all__ = ["distinct_batches", "entering", "planned_entries", "refused_plan"]
 
 
 def distinct_batches(batches: Sequence[Sequence[HistoryEntry]]) -> list[tuple[HistoryEntry, ...]]:
@@ -64,3 +64,13 @@ def refused_plan(
         "with request ids not yet applied (and a fencing token not below the last one written); "
         "nothing was written"
     )
+
+
+def entering(batch: Sequence[HistoryEntry]) -> HistoryEntry | None:
+    """The entry that begins the stay a committed batch leaves its instance in: its last entry
+    that changes the state (None: the stay goes on). Its version is the new `stay_version`, its
+    `arm` the timers to arm."""
+    for entry in reversed(batch):
+        if entry.enters:
+            return entry
+    return None

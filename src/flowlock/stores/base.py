@@ -291,6 +291,13 @@ class TimerStore(Protocol):
         firing number: False, with nothing changed, when the timer moved on or was voided."""
         ...
 
+    async def drop_timer(self, timer: Timer) -> bool:
+        """Delete `timer`'s row, a reminder with firings left too, but only while it is still
+        at `timer`'s stay, event and firing number (a compare-and-swap): for a firing that is
+        stale or was cancelled, whose timer must not fire again. True if it deleted the row;
+        False, with nothing changed, when the timer moved on or was voided meanwhile."""
+        ...
+
     async def next_due(self, workflows: Sequence[str]) -> float | None:
         """Seconds from now (the store's clock) until a timer of `workflows` can be claimed
         (0 when one can be now, counting claims that run out), or None when none is armed."""

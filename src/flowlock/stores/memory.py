@@ -33,7 +33,7 @@ from flowlock.core.models import (
     Timing,
 )
 from flowlock.core.settings import check_seconds
-from flowlock.stores._batch import distinct_batches, planned_entries, refused_plan
+from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
 
 __all__ = ["MemoryBoard", "MemoryStore"]
@@ -224,14 +224,14 @@ class MemoryStore:
             history.append(dataclasses.replace(row, at=now))
         if last.fencing_token is not None:
             self._fences[first.instance_id] = last.fencing_token
-        entered = [row for row in rows if row.enters]
+        entered = entering(rows)
         new = current.evolve(
             state=last.to_state,
             version=last.version,
             data=last.data,
             last_event=last.event,
             updated_at=now,
-            stay_version=entered[-1].version if entered else current.stay_version,
+            stay_version=current.stay_version if entered is None else entered.version,
         )
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)
@@ -249,9 +249,9 @@ class MemoryStore:
             armed = None if fired is None or not own else own.get((fired.stay, fired.event))
             if armed is not None and fired is not None and armed.timer.n == fired.n:
                 self._move_on(armed)
-        entered = [row for row in rows if row.enters]
-        if entered:
-            self._arm(new, entered[-1].version, entered[-1].arm)
+        entered = entering(rows)
+        if entered is not None:
+            self._arm(new, entered.version, entered.arm)
 
     def _arm(self, inst: Instance, stay: int, arm: Sequence[Timing]) -> None:
         if not arm:
@@ -282,14 +282,17 @@ class MemoryStore:
         timer = armed.timer
         n = timer.n + 1
         if timer.every is None or (timer.limit is not None and n >= timer.limit):
-            own = self._timers[timer.instance_id]
-            del own[(timer.stay, timer.event)]
-            if not own:
-                del self._timers[timer.instance_id]
+            self._delete(timer)
             return
         armed.due += timer.every
         armed.timer = dataclasses.replace(timer, n=n, due_at=_wall(armed.due))
         armed.claimed_until = armed.owner = None
+
+    def _delete(self, timer: Timer) -> None:
+        own = self._timers[timer.instance_id]
+        del own[(timer.stay, timer.event)]
+        if not own:
+            del self._timers[timer.instance_id]
 
     def _all(self) -> list[_Armed]:
         return [a for own in self._timers.values() for a in own.values()]
@@ -340,6 +343,14 @@ class MemoryStore:
         if armed is None:
             return False
         self._move_on(armed)
+        return True
+
+    async def drop_timer(self, timer: Timer) -> bool:
+        self._check()
+        armed = self._find(timer)
+        if armed is None:
+            return False
+        self._delete(timer)
         return True
 
     async def next_due(self, workflows: Sequence[str]) -> float | None:

@@ -80,6 +80,7 @@ from flowlock.stores.postgres.timer_sql import (
     CANCEL,
     CLAIM,
     COUNT,
+    DROP,
     DUE,
     NEXT_DUE,
     RELEASE,
@@ -326,6 +327,13 @@ class Operations:
                 self._s.sql(CANCEL), *_timer_key(timer), timeout=self._s.timeout
             )
         return bool(done)
+
+    async def drop_timer(self, timer: Timer) -> bool:
+        async with self._s.conn(timer.instance_id, writes=True) as conn:
+            done = await conn.execute(
+                self._s.sql(DROP), *_timer_key(timer), timeout=self._s.timeout
+            )
+        return done == "DELETE 1"
 
     async def next_due(self, workflows: Sequence[str]) -> float | None:
         async with self._s.conn() as conn:

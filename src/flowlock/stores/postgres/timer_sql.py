@@ -14,11 +14,13 @@ from typing import Any
 
 from flowlock._pg.rows import INSTANCE_COLUMNS, TIMER_COLUMNS
 from flowlock.core.models import HistoryEntry
+from flowlock.stores._batch import entering
 
 __all__ = [
     "CANCEL",
     "CLAIM",
     "COUNT",
+    "DROP",
     "DUE",
     "NEXT_DUE",
     "RELEASE",
@@ -107,8 +109,8 @@ SELECT {INSTANCE_COLUMNS} FROM made
 def stay_of(batch: Sequence[HistoryEntry]) -> int | None:
     """The stay a batch leaves its instance in when it begins one: the version of its last
     entry that changes the state (None: the stay goes on)."""
-    entered = [e.version for e in batch if e.enters]
-    return entered[-1] if entered else None
+    entered = entering(batch)
+    return None if entered is None else entered.version
 
 
 def timer_args(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[list[Any], ...] | None:
@@ -128,9 +130,8 @@ def timer_args(batches: Sequence[Sequence[HistoryEntry]]) -> tuple[list[Any], ..
                 if e.timer is not None:
                     for column, value in zip(fired, (iid, *_firing(e)), strict=True):
                         column.append(value)
-        entering = [e for e in batch if e.enters]
-        if entering:
-            last = entering[-1]
+        last = entering(batch)
+        if last is not None:
             for timing in last.arm:
                 row = (iid, last.version, timing.event, timing.after, timing.every, timing.limit)
                 for column, value in zip(armed, row, strict=True):
@@ -159,18 +160,32 @@ def create_arm_args(arm: Sequence[Any]) -> tuple[list[Any], ...]:
 # -- the timer service's statements (flowlock.stores.base.TimerStore) --------------------------
 
 # The due timers of the workflows an engine runs that nobody holds, earliest first, claimed for
-# a lease. SKIP LOCKED: a row another claimer is taking is left to it, so two claimers never
-# get the same timer and never wait for each other. READ COMMITTED re-checks a row that changed
-# since the snapshot (claimed and committed by another) against the WHERE before locking it.
+# a lease. Per workflow, a LATERAL subquery walks the (workflow, due_at) index in due order and
+# stops after $2 rows that fit; the top $2 of those are claimed. One `workflow = ANY($1)` scan
+# instead would give the rows of several workflows in no due order, so PostgreSQL would read
+# and sort every due row (after downtime, 100,000 overdue: all read by each claim of 64).
+# SKIP LOCKED: a row another claimer is taking is left to it, so two claimers never get the
+# same timer and never wait for each other. READ COMMITTED re-checks a row that changed since
+# the snapshot (claimed and committed by another) against the WHERE before locking it.
+# The subqueries lock up to $2 rows each, and the rows not among the top $2 stay locked (not
+# claimed) until the transaction ends. The claim is the only statement of its transaction (on
+# an application's pool, between a BEGIN and a COMMIT of its own), so they are let go at once,
+# and another claimer skips them only for that instant (its next round sees them). Never run
+# it inside a longer transaction. DISTINCT: a workflow named twice is walked once.
 # $1 workflows, $2 limit, $3 lease seconds, $4 owner.
 CLAIM = """
 WITH due AS (
-    SELECT instance_id, stay, event FROM flowlock_timers
-     WHERE workflow = ANY($1::text[]) AND due_at <= now()
-       AND (claimed_until IS NULL OR claimed_until <= now())
-     ORDER BY due_at
+    SELECT c.instance_id, c.stay, c.event
+      FROM (SELECT DISTINCT unnest($1::text[])) AS w(name)
+      CROSS JOIN LATERAL (
+          SELECT t.instance_id, t.stay, t.event, t.due_at FROM flowlock_timers t
+           WHERE t.workflow = w.name AND t.due_at <= now()
+             AND (t.claimed_until IS NULL OR t.claimed_until <= now())
+           ORDER BY t.due_at
+           LIMIT $2
+             FOR UPDATE SKIP LOCKED) AS c
+     ORDER BY c.due_at
      LIMIT $2
-       FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE flowlock_timers t
        SET claimed_until = now() + $3::float8 * interval '1 second', claimed_by = $4
@@ -205,6 +220,9 @@ WITH dropped AS (
 )
 SELECT (SELECT count(*) FROM dropped) + (SELECT count(*) FROM moved_on)
 """
+# A stale or cancelled firing: its timer is deleted, a reminder with firings left too, only
+# while the row is still at that stay and firing (a compare-and-swap). $1 to $4 as CANCEL's.
+DROP = f"DELETE FROM flowlock_timers WHERE {_ONE}"
 # Seconds until a timer of the workflows can be claimed: the earliest due time of a timer
 # nobody holds, or the end of a claim (a claimer that died) when that is later than its due
 # time. Both halves walk the (workflow, due_at) index: the first per workflow, in due order,

@@ -91,6 +91,9 @@ class TimerMethods:
     async def cancel_timer(self: _Store, timer: Timer) -> bool:
         return await self._call(lambda ops: ops.cancel_timer(timer), timer.instance_id, writes=True)
 
+    async def drop_timer(self: _Store, timer: Timer) -> bool:
+        return await self._call(lambda ops: ops.drop_timer(timer), timer.instance_id, writes=True)
+
     async def next_due(self: _Store, workflows: Sequence[str]) -> float | None:
         return await self._call(lambda ops: ops.next_due(workflows), waits=False)
 

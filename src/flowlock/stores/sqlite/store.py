@@ -44,6 +44,7 @@ from flowlock.stores.sqlite.timers import (
     cancel_txn,
     claim_txn,
     count_timers_txn,
+    drop_txn,
     due_timers_txn,
     get_shown_txn,
     next_due_txn,
@@ -490,6 +491,17 @@ class SqliteStore(AsyncResource):
             bound=self.busy_timeout,
             nowait=False,
             what="cancel_timer",
+        )
+
+    async def drop_timer(self, timer: Timer) -> bool:
+        """Delete `timer` (a stale or cancelled firing: a reminder goes too) while it is still
+        at that stay and firing; False, with nothing changed, when it moved on or was voided."""
+        return await self._write(
+            timer.instance_id,
+            lambda conn, _: drop_txn(conn, timer),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="drop_timer",
         )
 
     async def next_due(self, workflows: Sequence[str]) -> float | None:

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from flowlock.core.errors import InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, Timer, TimerFiring, Timing
+from flowlock.stores._batch import entering
 from flowlock.stores.sqlite.sql import INSTANCE_COLUMNS, instance_of
 
 TIMER_COLUMNS: Final = "instance_id, workflow, event, stay, due_at, n, every, lim, claimed_until"
@@ -38,6 +39,8 @@ _MOVE_ON: Final = (
     f"claimed_by = NULL WHERE {_KEY} AND n = ? AND every IS NOT NULL "
     "AND (lim IS NULL OR n + 1 < lim)"
 )
+# A stale or cancelled firing: the timer goes whatever its firings left, while still at it.
+_DROP: Final = f"DELETE FROM flowlock_timers WHERE {_KEY} AND n = ?"
 _RELEASE: Final = (
     "UPDATE flowlock_timers SET claimed_until = NULL, claimed_by = NULL "
     f"WHERE {_KEY} AND n = ? AND claimed_by = ?"
@@ -119,10 +122,10 @@ def after_commit(
     for entry in entries:
         if entry.timer is not None:
             move_on(conn, committed.id, entry.timer)
-    entered = [entry for entry in entries if entry.enters]
-    if not entered:
+    entered = entering(entries)
+    if entered is None:
         return None
-    return arm(conn, committed, entered[-1].version, entered[-1].arm, time.time())
+    return arm(conn, committed, entered.version, entered.arm, time.time())
 
 
 # -- the TimerStore's reads and writes ------------------------------------------------------------
@@ -172,6 +175,11 @@ def release_txn(conn: sqlite3.Connection, timer: Timer, owner: str) -> None:
 
 def cancel_txn(conn: sqlite3.Connection, timer: Timer) -> bool:
     return move_on(conn, timer.instance_id, timer.firing)
+
+
+def drop_txn(conn: sqlite3.Connection, timer: Timer) -> bool:
+    key = (timer.instance_id, timer.stay, timer.event, timer.n)
+    return conn.execute(_DROP, key).rowcount > 0
 
 
 def next_due_txn(conn: sqlite3.Connection, workflows: Sequence[str]) -> float | None:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from flowlock.core import migrations
 from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
-from flowlock.stores._batch import planned_entries, refused_plan
+from flowlock.stores._batch import entering, planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan
 from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
@@ -256,12 +256,12 @@ class _Batch:
 
 def encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
     iid = batch[0].instance_id
-    entered = [e.version for e in batch if e.enters]
+    entered = entering(batch)
     return _Batch(
         batch,
         tuple(dump_json(e.data, f"data of the history entry for {iid!r}") for e in batch),
         tuple(dump_json(e.payload, f"payload of the history entry for {iid!r}") for e in batch),
-        entered[-1] if entered else None,
+        None if entered is None else entered.version,
         any(e.arm or e.voids or e.timer is not None for e in batch),
     )
 

@@ -1,15 +1,16 @@
 -- Durable timers. A stay is the version at which the instance entered its state (1 at create);
--- timers belong to one stay. Rows written before this migration take their version as their
--- stay: when they entered their state is not known, and none of them has a timer armed.
-ALTER TABLE flowlock_instances ADD COLUMN stay_version INTEGER NOT NULL DEFAULT 1;
-UPDATE flowlock_instances SET stay_version = version;
+-- timers belong to one stay. NULL: the instance entered its state before this migration, so no
+-- timer belongs to its stay; its next change of state sets it. No default and no backfill, so
+-- no row is rewritten (SQLite would show a default on every existing row, and cannot add one
+-- later): every INSERT of the store names the column.
+ALTER TABLE flowlock_instances ADD COLUMN stay_version INTEGER;
 
 -- One row per armed timer, written in the transaction of the commit that arms, fires or voids
 -- it. SQLite has no server clock: due_at and claimed_until are epoch seconds on the wall clock
 -- of the host that wrote them (every process sharing the file runs on that host).
 -- lim, not limit: LIMIT is a keyword.
 CREATE TABLE flowlock_timers (
-    instance_id   TEXT    NOT NULL REFERENCES flowlock_instances (id),
+    instance_id   TEXT    NOT NULL REFERENCES flowlock_instances (id) ON DELETE CASCADE,
     stay          INTEGER NOT NULL,
     event         TEXT    NOT NULL,
     workflow      TEXT    NOT NULL,
