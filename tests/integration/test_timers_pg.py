@@ -175,6 +175,15 @@ async def test_only_a_commit_arming_its_workflows_earliest_timer_notifies(
                 await armed.wait()
 
 
+async def _drop_schema(pg_url: str, schema: str) -> None:
+    """Drop a schema a test made beside its own (the fixture drops only its own)."""
+    conn = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+
+
 async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_schema: str) -> None:
     """The NOTIFY channel names the schema: a commit arming a timer in another schema of the
     same database does not wake this store's listeners; one in its own schema does."""
@@ -193,11 +202,7 @@ async def test_engines_on_two_schemas_do_not_wake_each_other(pg_url: str, pg_sch
             async with asyncio.timeout(BOUND):
                 await armed.wait()
     finally:
-        conn = await pg_budget.connect(pg_url)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
-        finally:
-            await conn.close()
+        await _drop_schema(pg_url, other)
 
 
 async def test_a_schema_name_too_long_for_a_channel_is_heard_by_its_md5(
@@ -214,11 +219,7 @@ async def test_a_schema_name_too_long_for_a_channel_is_heard_by_its_md5(
             async with asyncio.timeout(BOUND):
                 await armed.wait()
     finally:
-        conn = await pg_budget.connect(pg_url)
-        try:
-            await conn.execute(f'DROP SCHEMA IF EXISTS "{long}" CASCADE')
-        finally:
-            await conn.close()
+        await _drop_schema(pg_url, long)
 
 
 async def test_an_applications_pool_listens_on_a_connection_of_its_own(
