@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flowlock.errors import __all__ as _ERROR_NAMES
 
 if TYPE_CHECKING:
-    from flowlock import checker, errors, http, jobs, sync
+    from flowlock import checker, errors, http, jobs, outbox, sync
     from flowlock import examples as examples
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         VersionMismatch,
     )
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
+    from flowlock.core.outbox import Emit, Message, Then
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -71,6 +72,7 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
+    **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
@@ -83,7 +85,7 @@ _WHERE: dict[str, str] = {
     "Strategy": "flowlock.strategies.base",
 }
 # Submodules reachable as attributes after a plain ``import flowlock``.
-_SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "sync"})
+_SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbox", "sync"})
 
 __all__ = [
     "Adaptive",
@@ -94,6 +96,7 @@ __all__ = [
     "CreateKeyReused",
     "DefinitionError",
     "Distributed",
+    "Emit",
     "Engine",
     "EngineClosed",
     "ExtraNotInstalled",
@@ -111,6 +114,7 @@ __all__ = [
     "LockNotOwned",
     "LockTimeout",
     "LockUnavailable",
+    "Message",
     "Metrics",
     "MigrationError",
     "Optimistic",
@@ -128,6 +132,7 @@ __all__ = [
     "StoreError",
     "Strategy",
     "SyncCallInEventLoop",
+    "Then",
     "Timer",
     "TooManyConnections",
     "Transition",
@@ -144,6 +149,7 @@ __all__ = [
     "fencing_token",
     "http",
     "jobs",
+    "outbox",
     "sync",
 ]
 

@@ -16,7 +16,8 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "Adaptive", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
-    "ConnectionLost", "CreateKeyReused", "DefinitionError", "Distributed", "Engine", "EngineClosed",
+    "ConnectionLost", "CreateKeyReused", "DefinitionError", "Distributed", "Emit", "Engine",
+    "EngineClosed", "Message", "Then", "outbox",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
     "Instance", "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError",
     "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "Metrics", "MigrationError",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from flowlock.core.errors import DefinitionError
 from flowlock.core.models import Timing
+from flowlock.core.outbox import Emit
 
 if TYPE_CHECKING:
     from flowlock.core.models import Instance
@@ -24,6 +25,7 @@ __all__ = [
     "STRATEGIES",
     "SYNC_STEPS",
     "Effect",
+    "EmitFn",
     "Guard",
     "Step",
     "StrategyName",
@@ -76,14 +78,17 @@ _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """What an effect may return instead of plain data: new data, and optionally a target.
+    """What an effect may return instead of plain data: new data, optionally a target, and the
+    messages to emit.
 
     The target is one of the transition's declared targets. A countersign, say, stays in
-    `pending` until quorum.
+    `pending` until quorum. `emit`: [`Emit`][flowlock.Emit] values, written to the outbox in the
+    transition's own commit (nothing when it does not apply).
     """
 
     data: Mapping[str, Any]
     target: str | None = None
+    emit: Sequence[Emit] = ()
 
 
 Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
@@ -101,6 +106,12 @@ Effect: TypeAlias = Callable[
 InvalidInput / PayloadTooLarge). Must be pure, synchronous and must not mutate its arguments: the
 optimistic strategy may run it again. An exception it raises (other than GuardRejected or
 InvalidInput) becomes StepFailed."""
+
+EmitFn: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], "Sequence[Emit]"]
+"""`emit(instance, payload, actor)`: the messages a transition emits, a list of
+[`Emit`][flowlock.Emit]. `instance` is as the transition leaves it (its new state, data and
+version). Pure and synchronous like an effect: it may run again on a retry, and what it returns
+is written only if the transition commits."""
 
 
 SYNC_STEPS = (
@@ -191,6 +202,10 @@ class Transition:
     do not reset it). A timed transition whose target is its source is a reminder; `every`
     repeats it while the instance stays (at most `limit` firings in all, when given). Callers
     may still fire it early. See the timers guide.
+
+    `emit`: a pure function of (instance after the transition, payload, actor) returning the
+    [`Emit`][flowlock.Emit] messages to write to the outbox in the same commit. See the outbox
+    guide.
     """
 
     name: str
@@ -203,6 +218,7 @@ class Transition:
     after: timedelta | None
     every: timedelta | None
     limit: int | None
+    emit: EmitFn | None
 
     def __init__(
         self,
@@ -217,6 +233,7 @@ class Transition:
         after: timedelta | None = None,
         every: timedelta | None = None,
         limit: int | None = None,
+        emit: EmitFn | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
@@ -229,6 +246,7 @@ class Transition:
             raise DefinitionError(problems=problems)
         _check_step(guard, "guard", name)
         _check_step(effect, "effect", name)
+        _check_step(emit, "emit", name)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "sources", _names(source, "source", name))
         object.__setattr__(self, "targets", _names(target, "target", name))
@@ -236,6 +254,7 @@ class Transition:
         object.__setattr__(self, "effect", effect)
         object.__setattr__(self, "strategy", resolved)
         object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "emit", emit)
         _check_timing(self, after, every, limit)
 
     @property

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, overload
 
+from flowlock.core.outbox import Emit
+
 __all__ = [
     "TIMER_ACTOR",
     "TIMER_PREFIX",
@@ -89,6 +91,10 @@ class HistoryEntry:
     arm: tuple[Timing, ...] = dataclasses.field(default=(), compare=False, repr=False)
     voids: bool = dataclasses.field(default=False, compare=False, repr=False)
     timer: TimerFiring | None = dataclasses.field(default=None, compare=False, repr=False)
+    # The messages the commit writes to the outbox (message n has key instance:version:n), and
+    # the W3C traceparent of the call's span, which each delivery's span links to.
+    emits: tuple[Emit, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    trace: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def enters(self) -> bool:

@@ -27,6 +27,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
 from flowlock.core.models import HistoryEntry, Instance, Snapshot, TimerFiring
+from flowlock.core.outbox import Emit
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
 
@@ -43,6 +44,7 @@ class Call:
     expected_version: int | None
     strategy: str
     timer: TimerFiring | None = None
+    trace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,17 +128,19 @@ def _check_guard(transition: Transition, workflow: str, inst: Instance, call: Ca
 
 def _apply_effect(
     transition: Transition, workflow: str, inst: Instance, call: Call, limit: int
-) -> tuple[str, Mapping[str, Any]]:
-    """The target state and the new data.
+) -> tuple[str, Mapping[str, Any], Any]:
+    """The target state, the new data and the messages a Step emitted (unchecked).
 
     Without an effect: the transition's target and the instance's data. Otherwise what the
     effect returned, checked: JSON data within `limit` bytes, or a Step to a declared target.
     """
     if transition.effect is None:
-        return transition.target, inst.data
+        return transition.target, inst.data, ()
     result = _run_step(transition.effect, "effect", workflow, inst, call)
     target = transition.target
+    emitted: Any = ()
     if isinstance(result, Step):
+        emitted = result.emit
         if result.target is not None:
             if result.target not in transition.targets:
                 raise DefinitionError(
@@ -153,7 +157,41 @@ def _apply_effect(
     # Checked here, in the pure step, so every strategy and store refuses the same data before
     # writing. A store never answers bad data with a StoreError.
     what = f"the data the effect of {call.event!r} returned for instance {inst.id!r}"
-    return target, check_object(result, what, limit)
+    return target, check_object(result, what, limit), emitted
+
+
+def _emits(
+    transition: Transition, workflow: str, after: Instance, call: Call, stepped: Any, limit: int
+) -> tuple[Emit, ...]:
+    """The messages the transition emits: those of the effect's Step, then those of the
+    transition's `emit` function (run on the instance as the transition leaves it), each
+    checked (an Emit, its payload JSON within `limit` bytes)."""
+    found: list[Any] = list(_listed(stepped, "the Step of the effect", call))
+    if transition.emit is not None:
+        listed = _run_step(transition.emit, "emit", workflow, after, call)
+        found.extend(_listed(listed, "the emit function", call))
+    checked: list[Emit] = []
+    for n, item in enumerate(found):
+        if not isinstance(item, Emit):
+            raise DefinitionError(
+                f"message {n} emitted by {call.event!r} is {type(item).__name__}; "
+                "emit flowlock.Emit(kind, payload) values"
+            )
+        what = f"the payload of message {n} ({item.kind!r}) emitted by {call.event!r}"
+        checked.append(Emit(item.kind, check_object(item.payload, what, limit)))
+    return tuple(checked)
+
+
+def _listed(value: Any, where: str, call: Call) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, Emit):
+        return (value,)
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise DefinitionError(
+            f"{where} of {call.event!r} gave {type(value).__name__}; give a list of flowlock.Emit"
+        )
+    return tuple(value)
 
 
 def _repeated(inst: Instance, prior: HistoryEntry, call: Call) -> Idempotent:
@@ -239,8 +277,16 @@ def _decide(
         )
 
     _check_guard(transition, wf.name, inst, call)
-    target, data = _apply_effect(transition, wf.name, inst, call, max_payload_bytes)
+    target, data, stepped = _apply_effect(transition, wf.name, inst, call, max_payload_bytes)
     moves = target != inst.state
+    emits: tuple[Emit, ...] = ()
+    if stepped or transition.emit is not None:
+        version = inst.version + 1
+        stay = version if moves else inst.stay_version
+        after = inst.evolve(
+            state=target, version=version, data=data, last_event=call.event, stay_version=stay
+        )
+        emits = _emits(transition, wf.name, after, call, stepped, max_payload_bytes)
     return HistoryEntry(
         instance_id=inst.id,
         version=inst.version + 1,
@@ -257,6 +303,8 @@ def _decide(
         # definition armed from a state that has none now; untimed workflows pay nothing.
         voids=moves and wf.has_timers,
         timer=timer,
+        emits=emits,
+        trace=call.trace if emits else None,
     )
 
 

@@ -31,7 +31,7 @@ caller's connection.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -46,11 +46,13 @@ from flowlock.core.models import (
     Timer,
     Timing,
 )
+from flowlock.core.outbox import Message
 
 __all__ = [
     "ArmedSignal",
     "EscalationBoard",
     "LockedResult",
+    "OutboxStore",
     "Plan",
     "RowLock",
     "Store",
@@ -321,4 +323,104 @@ class TimerStore(Protocol):
         engines; memory and SQLite: this process), for the length of the `async with`, with
         the due time when known (`ArmedSignal.due_in`). The service clears it before each look
         at the next due time."""
+        ...
+
+
+@runtime_checkable
+class OutboxStore(Protocol):
+    """The transactional outbox, in the same database as the instances (every store is one).
+
+    Messages are written by the commits of transitions, in their transaction: each entry's
+    `emits` become rows keyed `<instance_id>:<version>:<n>` (n from 0), status pending, due at
+    once, carrying the entry's fencing token and trace. A lost compare-and-swap writes none.
+
+    An engine's dispatcher claims due messages (one claimer each, for `lease` seconds), runs
+    their handlers and marks them done, or failed (due again later) or dead. Messages of one
+    instance are delivered in order: one is claimable only while no earlier message of its
+    instance (lower version, or same version and lower n) is still pending; done and dead ones
+    do not hold it back. Statuses stored are pending, done and dead; a pending message whose
+    claim has not run out reads as running."""
+
+    async def claim_messages(
+        self, kinds: Mapping[str, int], *, lease: float, owner: str
+    ) -> list[Message]:
+        """For each kind, at most `kinds[kind]` claimable messages (pending, due, not held by a
+        live claim, none earlier of their instance pending), oldest first, each claimed by
+        `owner` for `lease` seconds and its `attempts` counted up by one. Returned as claimed
+        (status running, `lag` the seconds since its commit on the store's clock). Concurrent
+        claimers never get the same message (PostgreSQL: SKIP LOCKED)."""
+        ...
+
+    async def finish_messages(self, keys: Sequence[str]) -> int:
+        """Mark the messages of `keys` done (a handler returned), whoever holds them now; those
+        not pending any more (done, dead, dropped) are left as they are. Returns how many were
+        marked."""
+        ...
+
+    async def fail_message(
+        self, message: Message, owner: str, error: str, retry_in: float | None
+    ) -> bool:
+        """A delivery of `message` by `owner` failed with `error`: due again in `retry_in`
+        seconds (claim cleared), or dead when `retry_in` is None. Only while `owner` still
+        holds that attempt (same `attempts`): False, nothing changed, when the claim ran out and
+        another took it over, or it is done."""
+        ...
+
+    async def release_message(self, message: Message, owner: str) -> None:
+        """Give back `owner`'s claim on `message` (the engine is closing): another may claim it
+        at once. Nothing if the claim is no longer `owner`'s."""
+        ...
+
+    async def next_message_due(self, kinds: Sequence[str]) -> float | None:
+        """Seconds from now (the store's clock) until a pending message of `kinds` is due or its
+        claim runs out (0 when one is due now), or None when none of them is pending."""
+        ...
+
+    async def messages(self, instance_id: str) -> list[Message]:
+        """The instance's messages in order (version, then n); none: empty."""
+        ...
+
+    async def find_messages(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[Message]:
+        """At most `limit` messages (of `status` and `kind` when given; status "running" means
+        pending and held), ordered by key in code point order, after key `after` (None: from the
+        first). For `flowlock outbox list`."""
+        ...
+
+    async def get_message(self, key: str) -> Message | None:
+        """The message of `key`, or None."""
+        ...
+
+    async def retry_message(self, key: str) -> Message | None:
+        """Make a dead (or pending) message due now, unclaimed, its attempts back to 0 (its last
+        error kept). None when there is no such message. A done message is left as it is and
+        returned (the caller refuses it)."""
+        ...
+
+    async def drop_message(self, key: str) -> bool:
+        """Delete the message of `key` (an operator gives up on it); later messages of its
+        instance may then go. False when there was none."""
+        ...
+
+    async def count_messages(self) -> Mapping[str, int]:
+        """How many messages there are per status (pending, running, done, dead; all present)."""
+        ...
+
+    async def purge_messages(self, older_than: float, limit: int) -> int:
+        """Delete at most `limit` done messages done more than `older_than` seconds ago (on the
+        store's clock), oldest first. Returns how many; the caller repeats while it gets
+        `limit`."""
+        ...
+
+    def pending(self) -> AbstractAsyncContextManager[asyncio.Event]:
+        """An event set whenever a commit writes a message (PostgreSQL: NOTIFY, also from other
+        engines; memory and SQLite: this process), and when a notification may have been missed
+        (a LISTEN connection opened again), for the length of the `async with`. The dispatcher
+        clears it before each look."""
         ...

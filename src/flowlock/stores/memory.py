@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
-import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime
 
 from flowlock.core.errors import (
     EngineClosed,
@@ -35,13 +33,11 @@ from flowlock.core.models import (
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.memory_outbox import MemoryOutbox
+from flowlock.stores.memory_outbox import copy_json as _copy
+from flowlock.stores.memory_outbox import wall as _wall
 
 __all__ = ["MemoryBoard", "MemoryStore"]
-
-
-def _copy(data: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(json.dumps(data))
-    return out
 
 
 def _copy_entry(entry: HistoryEntry) -> HistoryEntry:
@@ -52,11 +48,6 @@ def _rows(batch: tuple[HistoryEntry, ...]) -> tuple[HistoryEntry, ...]:
     """The history rows of a checked batch, their data and payload copied through JSON: done
     before the compare-and-swap, so data that is not JSON raises before anything is written."""
     return tuple(_copy_entry(entry) for entry in batch)
-
-
-def _wall(monotonic: float) -> datetime:
-    """A time on the monotonic clock as the wall-clock time it falls at (for display)."""
-    return datetime.now(UTC) + timedelta(seconds=monotonic - time.monotonic())
 
 
 class MemoryBoard:
@@ -90,11 +81,11 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore:
+class MemoryStore(MemoryOutbox):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
-    Timers are due on the process's monotonic clock (a change of the wall clock moves none);
-    `Timer.due_at` shows it as a wall-clock time.
+    Timers and messages are due on the process's monotonic clock (a change of the wall clock
+    moves none); `Timer.due_at` shows it as a wall-clock time.
 
     As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
     holder, at most `lock_timeout` seconds (then LockTimeout), and then compares against what
@@ -115,6 +106,7 @@ class MemoryStore:
         # Armed timers by instance id, then (stay, event); the events of armed() waiters.
         self._timers: dict[str, dict[tuple[int, str], _Armed]] = {}
         self._armed_events: set[ArmedSignal] = set()
+        self._init_outbox()
         self._open = False
 
     async def open(self) -> None:
@@ -235,6 +227,7 @@ class MemoryStore:
         )
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)
+        self._write_messages(new, rows)
         return new.evolve(data=_copy(new.data))
 
     # -- timers -------------------------------------------------------------------------------
