@@ -63,6 +63,7 @@ from flowlock.options import (
     EngineOptions,
     check_keywords,
 )
+from flowlock.outbox._engine import OutboxMethods
 from flowlock.stores.base import EscalationBoard, Store, TimerStore
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.distributed import Distributed
@@ -92,7 +93,7 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine:
+class Engine(OutboxMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.

@@ -17,7 +17,7 @@ SRC = Path(flowlock.__file__).parent
 PUBLIC = {
     "Adaptive", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
     "ConnectionLost", "CreateKeyReused", "DefinitionError", "Distributed", "Emit", "Engine",
-    "EngineClosed", "Message", "Then", "outbox",
+    "EngineClosed", "Message", "MessageNotFound", "Then", "outbox",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
     "Instance", "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError",
     "LockLost", "LockNotOwned", "LockTimeout", "LockUnavailable", "Metrics", "MigrationError",

@@ -14,6 +14,7 @@ as attributes: the current state, the current version, the attempts made.
     │       └── CreateKeyReused      a create's request_id sent again with another create
     ├── InstanceNotFound
     ├── InstanceExists
+    ├── MessageNotFound              no outbox message with that key
     ├── TransitionRefused            the instance is fine, the event does not apply
     │   ├── TransitionNotAllowed     not allowed from the current state
     │   │   └── StaleTimer           a timer fired after the stay that armed it ended
@@ -211,6 +212,17 @@ class InstanceNotFound(FlowlockError):
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
         super().__init__(f"no instance with id {instance_id!r}; create it with engine.create()")
+
+
+class MessageNotFound(FlowlockError):
+    """No outbox message with that key exists; list them with engine.messages(instance_id)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(
+            f"no outbox message with key {key!r}; list an instance's messages with "
+            "engine.messages(instance_id) or `flowlock outbox list`"
+        )
 
 
 class InstanceExists(FlowlockError):
