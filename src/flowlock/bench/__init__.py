@@ -23,12 +23,13 @@ from flowlock.bench.registry import (
 )
 from flowlock.bench.results import BenchReport, Params, ScenarioResult
 from flowlock.bench.runner import run, run_bench
-from flowlock.bench.scenarios import SCENARIOS, Scenario, register_scenario
+from flowlock.bench.scenarios import SCENARIO_ALIASES, SCENARIOS, Scenario, register_scenario
 
 __all__ = [
     "ALIASES",
     "DEFAULT_STRATEGIES",
     "SCENARIOS",
+    "SCENARIO_ALIASES",
     "STRATEGIES",
     "BenchConfig",
     "BenchReport",

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from flowlock.bench.registry import ALIASES, DEFAULT_STRATEGIES, STRATEGIES, expand
 from flowlock.bench.results import Params
-from flowlock.bench.scenarios import SCENARIOS, Scenario
+from flowlock.bench.scenarios import SCENARIO_ALIASES, SCENARIOS, Scenario
 from flowlock.core.errors import InvalidInput
 from flowlock.core.settings import check_flag
 
@@ -72,6 +72,8 @@ _NOT_THROUGH_HTTP = {
     "cluster": "it runs its callers in worker processes of its own",
     "singleton": "it runs a scheduled job, not an HTTP call",
     "deadline": "its expiries are fired by the timer services of its worker processes",
+    "hot-outbox": "its messages' handler runs in the bench's own engine, not the service's",
+    "spread-outbox": "its messages' handler runs in the bench's own engine, not the service's",
 }
 _NO_HTTP_STRATEGY = {
     "raw": "raw is the bare-asyncpg floor: there is no engine to put behind HTTP",
@@ -217,6 +219,13 @@ class BenchConfig:
                 f"refuses {given}; drop it (or unset FLOWLOCK_DATABASE_URL / "
                 "FLOWLOCK_REDIS_URL, or add --embedded)"
             )
+        emitting = [n for n in self.scenario_names() if SCENARIOS[n].emits]
+        if emitting:
+            raise InvalidInput(
+                f"--hosts runs every caller in worker processes, but {emitting[0]!r} runs in the "
+                "bench's own process (its handler notes each message in that process's memory); "
+                f"drop --scenario {emitting[0]}, or run it without --hosts"
+            )
         if self.process_count() < self.hosts:
             raise InvalidInput(
                 f"each host runs at least one worker process: {self.process_count()} "
@@ -225,9 +234,10 @@ class BenchConfig:
             )
 
     def _check_names(self) -> None:
-        for name in self.scenario_names():
+        for name in self._named_scenarios():
             if name not in SCENARIOS:
-                raise InvalidInput(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+                known = [*SCENARIOS, *SCENARIO_ALIASES]
+                raise InvalidInput(f"unknown scenario {name!r}; choose from {', '.join(known)}")
         for name in self.strategy_names():
             if name not in STRATEGIES:
                 known = [*STRATEGIES, *ALIASES]
@@ -259,9 +269,15 @@ class BenchConfig:
                 f"unsupported redis url {redact(self.redis_url)!r}: use redis://host:6379/0"
             )
 
+    def _named_scenarios(self) -> tuple[str, ...]:
+        """The scenarios asked for, aliases expanded (`outbox`: hot, hot-outbox, spread,
+        spread-outbox), each once, in first-mention order; unknown names are kept."""
+        names = [n for given in self.scenarios or () for n in SCENARIO_ALIASES.get(given, (given,))]
+        return tuple(dict.fromkeys(names))
+
     def scenario_names(self) -> tuple[str, ...]:
         if self.scenarios:
-            return tuple(dict.fromkeys(self.scenarios))
+            return self._named_scenarios()
         if self.hosts is not None:
             return HOSTS_SCENARIOS
         return HTTP_SCENARIOS if self.http else tuple(SCENARIOS)

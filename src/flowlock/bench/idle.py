@@ -1,8 +1,9 @@
-"""The timers section's idle cost: what one engine sends while timers are armed and none is due.
+"""The idle cost: what one engine sends while nothing is due (timers) or pending (outbox).
 
-Counted on the server, in a database of its own (created for the measurement and dropped after
-it), so that everything seen there is the engine's. The engine opens, settles, and is watched
-for the window:
+The timers section measures it with timers armed and none due, the outbox section with a
+handler registered, messages done and none pending. Counted on the server, in a database of its
+own (created for the measurement and dropped after it), so that everything seen there is the
+engine's. The engine opens, settles, and is watched for the window:
 
 - the statements its connections start, seen in `pg_stat_activity` every few milliseconds
   from a connection to another database. A connection shows the statement it runs or ran
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit, urlunsplit
 
@@ -51,7 +52,19 @@ from flowlock.bench.timer_sql import (
     VACUUM,
 )
 
-__all__ = ["IDLE_AHEAD", "KINDS", "SAMPLE", "measure_idle", "statement_kind", "with_database"]
+__all__ = [
+    "IDLE_AHEAD",
+    "KINDS",
+    "OUTBOX_TABLE",
+    "SAMPLE",
+    "IdleWatch",
+    "Watched",
+    "measure_idle",
+    "method",
+    "statement_kind",
+    "watch_idle",
+    "with_database",
+]
 
 IDLE_AHEAD = 86_400.0
 """How far ahead the idle measurement's timers fall due: a day, so none falls due meanwhile."""
@@ -66,18 +79,23 @@ def with_database(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path=f"/{name}"))
 
 
-KINDS = ("timers", "listen", "escalations", "other")
+KINDS = ("timers", "outbox", "listen", "escalations", "other")
 """The kinds of statement the idle cost counts apart (see `statement_kind`)."""
+OUTBOX_TABLE = "flowlock_outbox"
+"""The outbox's table: the dispatcher's statements name it."""
+_LISTENERS = ("-timers", "-outbox")  # how the LISTEN connections name themselves
 
 
 def statement_kind(app: str, query: str) -> str:
-    """What sent a statement: `timers` (it names the timers' table), `listen` (the LISTEN
-    connection's own, named `...-timers`), `escalations` (the adaptive strategy's board: its
-    clock and its escalations) or `other`."""
-    if app.endswith("-timers"):
+    """What sent a statement: `timers` (it names the timers' table), `outbox` (the outbox's),
+    `listen` (a LISTEN connection's own, named `...-timers` or `...-outbox`), `escalations`
+    (the adaptive strategy's board: its clock and its escalations) or `other`."""
+    if app.endswith(_LISTENERS):
         return "listen"
     if "flowlock_timers" in query:
         return "timers"
+    if OUTBOX_TABLE in query:
+        return "outbox"
     if "flowlock_escalations" in query or "clock_timestamp()" in query:
         return "escalations"
     return "other"
@@ -143,19 +161,59 @@ async def _watch(
     return start, float(await admin.fetchval(CLOCK))
 
 
+@dataclass(frozen=True, slots=True)
+class IdleWatch:
+    """How long to let the engine settle, how long to watch it, whether to count scans."""
+
+    settle_s: float
+    window_s: float
+    scans: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """What the watch of one engine found: its statements by kind in the window, each table's
+    scans (None when not counted), the window on the server's clock, other backends seen."""
+
+    counted: Mapping[str, int]
+    scans: Mapping[str, int] | None
+    window: tuple[float, float]
+    others: int
+
+    @property
+    def span(self) -> float:
+        return self.window[1] - self.window[0]
+
+    def per_second(self) -> dict[str, float]:
+        span = self.span
+        return {k: n / span for k, n in self.counted.items()} if span > 0 else {}
+
+    def scans_per_second(self) -> dict[str, float] | None:
+        span = self.span
+        if self.scans is None or span <= 0:
+            return None
+        return {t: n / span for t, n in self.scans.items()}
+
+
 async def _watched(
-    run: Run, target: Target, admin: asyncpg.Connection, name: str, load: TimerLoad, seen: _Seen
+    run: Run,
+    target: Target,
+    admin: asyncpg.Connection,
+    name: str,
+    how: IdleWatch,
+    engine: Callable[[Target], Awaitable[None]],
+    seen: _Seen,
 ) -> tuple[dict[str, int] | None, tuple[float, float]]:
-    """One engine, open for the settle time and then watched for the window: each table's
-    scans from the window's start to after the engine was gone (None when `load` counts none),
-    and the window (server clock)."""
+    """One engine (opened by `engine` in the first worker process), open for the settle time
+    and then watched for the window: each table's scans from the window's start to after the
+    engine was gone (None when `how` counts none), and the window (server clock)."""
     like = target.application_name
     await _quiet(admin, name, like, seen)
-    await open_engines(run, target, 1, "idle", timers=True)
+    await engine(target)
     try:
-        await asyncio.sleep(load.idle_settle_s)
-        before = await _scans(target.url) if load.idle_scans else None
-        window = await _watch(admin, name, like, load.idle_window_s, seen)
+        await asyncio.sleep(how.settle_s)
+        before = await _scans(target.url) if how.scans else None
+        window = await _watch(admin, name, like, how.window_s, seen)
     finally:
         await close_engines(run, 1)
     await _quiet(admin, name, like, seen)
@@ -163,6 +221,62 @@ async def _watched(
         return None, window
     after = await _scans(target.url)
     return {t: after.get(t, 0) - before.get(t, 0) for t in after}, window
+
+
+async def watch_idle(
+    run: Run,
+    suffix: str,
+    how: IdleWatch,
+    prepare: Callable[[str, Target], Awaitable[None]],
+    engine: Callable[[Target], Awaitable[None]],
+    notes: list[str],
+    what: str,
+) -> Watched | None:
+    """Watch one engine in a database of its own, named after the run's schema and `suffix`.
+
+    `prepare(url, target)` fills the database first; `engine(target)` opens the engine in the
+    first worker process. None, with a note saying why, when the server refuses a database of
+    the bench's own. `what` names the measurement in errors and notes.
+    """
+    name = f"{run.target.schema}_{suffix}"
+    url = with_database(run.target.url, name)
+    target = replace(run.target, url=url)
+    seen = _Seen()
+    admin = await connect(run.target.url)
+    try:
+        try:
+            await admin.execute(CREATE_DATABASE.format(name=name))
+        except asyncpg.InsufficientPrivilegeError as exc:
+            notes.append(
+                f"{what} was not measured: it needs a database of its own, and the "
+                f"server refused to create one ({exc}); give a role with CREATEDB"
+            )
+            return None
+        try:
+            await prepare(url, target)
+            scans, window = await _watched(run, target, admin, name, how, engine, seen)
+        finally:
+            await admin.execute(DROP_DATABASE.format(name=name))
+    except DRIVER_ERRORS as exc:
+        raise store_error(exc, url, f"{what} could not be measured") from exc
+    finally:
+        await admin.close()
+    if seen.others:
+        notes.append(
+            f"{what}'s database had {len(seen.others)} other backend(s) meanwhile "
+            "(autovacuum): their statements are not counted, their table scans may be"
+        )
+    start, end = window
+    return Watched(seen.between(start, end), scans, window, len(seen.others))
+
+
+def method(how: IdleWatch) -> str:
+    """How the idle cost was counted, in words (the JSON's `method`)."""
+    return (
+        f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started: a lower bound)"
+        + (" and pg_stat_user_tables (seq_scan + idx_scan)" if how.scans else "")
+        + f", after {how.settle_s:g} s of settling"
+    )
 
 
 async def _prepare(url: str, target: Target, load: TimerLoad) -> None:
@@ -176,26 +290,8 @@ async def _prepare(url: str, target: Target, load: TimerLoad) -> None:
         await conn.close()
 
 
-def _figures(
-    scans: Mapping[str, int] | None, window: tuple[float, float], seen: _Seen, load: TimerLoad
-) -> IdleFigures:
-    start, end = window
-    span = end - start
-    counted = seen.between(start, end)
-    return IdleFigures(
-        engines=1,
-        armed=load.idle_armed,
-        window_s=span,
-        statements_per_s={k: n / span for k, n in counted.items()} if span > 0 else {},
-        scans_per_s=None if scans is None else {t: n / span for t, n in scans.items()},
-        database="dedicated",
-        method=(
-            f"pg_stat_activity every {SAMPLE * 1000:g} ms (statements started: a lower bound)"
-            + (" and pg_stat_user_tables (seq_scan + idx_scan)" if scans is not None else "")
-            + f", after {load.idle_settle_s:g} s of settling"
-        ),
-        others_seen=len(seen.others),
-    )
+def _how(load: TimerLoad) -> IdleWatch:
+    return IdleWatch(load.idle_settle_s, load.idle_window_s, load.idle_scans)
 
 
 async def measure_idle(run: Run, load: TimerLoad, notes: list[str]) -> IdleFigures | None:
@@ -203,32 +299,24 @@ async def measure_idle(run: Run, load: TimerLoad, notes: list[str]) -> IdleFigur
 
     None, with a note saying why, when the server refuses a database of the bench's own.
     """
-    name = f"{run.target.schema}_idle"
-    url = with_database(run.target.url, name)
-    target = replace(run.target, url=url)
-    seen = _Seen()
-    admin = await connect(run.target.url)
-    try:
-        try:
-            await admin.execute(CREATE_DATABASE.format(name=name))
-        except asyncpg.InsufficientPrivilegeError as exc:
-            notes.append(
-                f"the idle cost was not measured: it needs a database of its own, and the "
-                f"server refused to create one ({exc}); give a role with CREATEDB"
-            )
-            return None
-        try:
-            await _prepare(url, target, load)
-            scans, window = await _watched(run, target, admin, name, load, seen)
-        finally:
-            await admin.execute(DROP_DATABASE.format(name=name))
-    except DRIVER_ERRORS as exc:
-        raise store_error(exc, url, "the timers' idle measurement failed") from exc
-    finally:
-        await admin.close()
-    if seen.others:
-        notes.append(
-            f"the idle cost's database had {len(seen.others)} other backend(s) meanwhile "
-            "(autovacuum): their statements are not counted, their table scans may be"
-        )
-    return _figures(scans, window, seen, load)
+
+    async def prepare(url: str, target: Target) -> None:
+        await _prepare(url, target, load)
+
+    async def engine(target: Target) -> None:
+        await open_engines(run, target, 1, "idle", timers=True)
+
+    how = _how(load)
+    watched = await watch_idle(run, "idle", how, prepare, engine, notes, "the idle cost")
+    if watched is None:
+        return None
+    return IdleFigures(
+        engines=1,
+        armed=load.idle_armed,
+        window_s=watched.span,
+        statements_per_s=watched.per_second(),
+        scans_per_s=watched.scans_per_second(),
+        database="dedicated",
+        method=method(how),
+        others_seen=watched.others,
+    )

@@ -235,4 +235,5 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         escalations=None if spec.floor else counts,
     )
     race = scenario.race(pair.timed.records, params, fired)
-    return result if race is None else replace(result, race=race)
+    delivery = scenario.delivery(pair.timed.records)
+    return replace(result, race=race, delivery=delivery)

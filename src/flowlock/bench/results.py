@@ -27,6 +27,7 @@ from flowlock.checker import (
 from flowlock.core.models import HistoryEntry, Instance
 
 if TYPE_CHECKING:
+    from flowlock.bench.outbox_results import DeliveryFigures, OutboxSection
     from flowlock.bench.timer_results import RaceFigures, TimersSection
 
 __all__ = [
@@ -400,6 +401,8 @@ class ScenarioResult:
     sampler does not see: the peak connections and the lock wait are not measured (0)."""
     race: RaceFigures | None = None
     """`deadline` only: how the approvals and the expiries shared the instances."""
+    delivery: DeliveryFigures | None = None
+    """The outbox pairs only (`hot-outbox`, `spread-outbox`): what their handler received."""
 
     @property
     def label(self) -> str:
@@ -518,6 +521,8 @@ class BenchReport:
     """What flowlock logged (WARNING and above) during the run, one line per kind of message."""
     timers: TimersSection | None = None
     """The firing lag and idle cost, measured when the run had `deadline` (None otherwise)."""
+    outbox: OutboxSection | None = None
+    """The dispatcher's idle cost, measured when the run had an outbox pair (None otherwise)."""
 
     @property
     def ok(self) -> bool:

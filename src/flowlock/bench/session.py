@@ -268,6 +268,7 @@ async def open_session(
         engine = Engine(
             store, strategy=default, strategies=strategies, batching=batching, timers=timers
         )
+        scenario.attach(engine)
         await stack.enter_async_context(engine)
         for wf in scenario.workflows(params):
             await engine.register(wf)

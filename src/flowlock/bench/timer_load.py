@@ -121,21 +121,25 @@ def _per_process(target: Target, count: int) -> int:
     return max(1, math.ceil(target.pool_size / count))
 
 
-async def open_engines(run: Run, target: Target, count: int, name: str, *, timers: bool) -> None:
-    """Open one engine in each of the first `count` worker processes, on `target`."""
+async def open_engines(
+    run: Run, target: Target, count: int, name: str, *, timers: bool, scenario: str = "deadline"
+) -> None:
+    """Open one engine in each of the first `count` worker processes, on `target`, with the
+    workflows of `scenario` registered (and what it attaches: the outbox's handler)."""
     workers = run.workers
     if not workers.started:
         run.progress.status(f"starting {workers.count} worker processes")
         await workers.start()
-    params = run.config.params_for(SCENARIOS["deadline"])
+    params = run.config.params_for(SCENARIOS[scenario])
+    section = "timers" if scenario == "deadline" else scenario
     opens = [
         Open(
             target,
             _per_process(target, workers.count),
-            "deadline",
+            scenario,
             STRATEGY,
             params,
-            f"{run.seed}/timers/{name}/p{p}",
+            f"{run.seed}/{section}/{name}/p{p}",
             batching=run.config.batching,
             timers=timers,
         )

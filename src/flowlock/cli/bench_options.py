@@ -46,9 +46,9 @@ def _known(kind: str, names: list[str] | None, known: list[str]) -> list[str] | 
 
 def _check_scenarios(names: list[str] | None) -> list[str] | None:
     need_bench()
-    from flowlock.bench import SCENARIOS
+    from flowlock.bench import SCENARIO_ALIASES, SCENARIOS
 
-    return _known("scenario", names, list(SCENARIOS))
+    return _known("scenario", names, [*SCENARIOS, *SCENARIO_ALIASES])
 
 
 def _check_strategies(names: list[str] | None) -> list[str] | None:
@@ -83,10 +83,13 @@ _WITHOUT_BENCH = f"Needs the bench extra: {pip_install('bench')}."
 
 def _scenario_help() -> str:
     try:
-        from flowlock.bench import SCENARIOS
+        from flowlock.bench import SCENARIO_ALIASES, SCENARIOS
     except ImportError:
         return f"Scenario to run (repeatable). {_WITHOUT_BENCH}"
-    return f"Scenario to run (repeatable): {_names(SCENARIOS)}. Default: all."
+    return (
+        f"Scenario to run (repeatable): {_names(SCENARIOS)}; 'outbox' means "
+        f"{', '.join(SCENARIO_ALIASES['outbox'])} (the outbox section). Default: all."
+    )
 
 
 def _strategy_help() -> str:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flowlock.bench.outbox_results import outbox_pairs, section_to_json
 from flowlock.bench.report.aims import (
     FLOOR,
     FLOOR_METHOD,
@@ -24,7 +25,7 @@ from flowlock.bench.report.timers_table import races
 from flowlock.bench.results import HTTP, BenchReport, ScenarioResult
 from flowlock.bench.timer_results import IDLE_TARGET, LAG_P99_TARGET_MS, RACE_TARGET
 
-__all__ = ["result_to_json", "timers_to_json", "to_json", "write_json"]
+__all__ = ["outbox_to_json", "result_to_json", "timers_to_json", "to_json", "write_json"]
 
 
 def _ms(value: float) -> float:
@@ -121,6 +122,17 @@ def timers_to_json(report: BenchReport) -> dict[str, Any] | None:
     }
 
 
+def outbox_to_json(report: BenchReport) -> dict[str, Any] | None:
+    """The outbox section: each pair beside its twin without messages, and the idle cost.
+
+    None when the run had no outbox pair.
+    """
+    pairs = outbox_pairs(report)
+    if not pairs and report.outbox is None:
+        return None
+    return section_to_json(pairs, report.outbox)
+
+
 def to_json(report: BenchReport) -> dict[str, Any]:
     """The whole report as the JSON document `flowlock bench --json` writes."""
     base = floors(report)
@@ -159,6 +171,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "log": list(report.log),
         "notes": list(report.notes),
         "timers": timers_to_json(report),
+        "outbox": outbox_to_json(report),
         "ok": report.ok,
     }
 

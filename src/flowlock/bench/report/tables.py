@@ -32,6 +32,7 @@ from flowlock.bench.report.cells import (
     verdict_cell,
 )
 from flowlock.bench.report.http_table import http_layouts, in_process_only
+from flowlock.bench.report.outbox_table import outbox_layouts
 from flowlock.bench.report.timers_table import timers_layouts
 from flowlock.bench.results import BenchReport, ScenarioResult
 
@@ -465,14 +466,15 @@ def render(report: BenchReport, console: Console) -> None:
     for layouts in (seed_layouts(local), http_layouts(report), aims_layouts(local)):
         if layouts:
             parts.extend(fitting(console, layouts))
-    for layouts in timers_layouts(report):
+    for layouts in (*timers_layouts(report), *outbox_layouts(report)):
         parts.extend(fitting(console, layouts))
     for extra in (_floors_text(report), _errors(report), _escalations_text(report)):
         if extra is not None:
             parts.append(extra)
     parts.extend(Text(f"note: {n}", style="yellow") for n in report.notes)
-    if report.timers is not None:
-        parts.extend(Text(f"note: {n}", style="yellow") for n in report.timers.notes)
+    for section in (report.timers, report.outbox):
+        if section is not None:
+            parts.extend(Text(f"note: {n}", style="yellow") for n in section.notes)
     if report.log:
         shown = [line if len(line) <= 200 else line[:197] + "..." for line in report.log[:10]]
         more = len(report.log) - len(shown)

@@ -20,12 +20,14 @@ from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session
 from flowlock.bench.scenarios.countersign import Countersign
 from flowlock.bench.scenarios.deadline import Deadline
 from flowlock.bench.scenarios.inventory import Inventory
+from flowlock.bench.scenarios.outbox import HotOutbox, SpreadOutbox
 from flowlock.bench.scenarios.singleton import Singleton
 from flowlock.bench.scenarios.steps import Cluster, Hot, Spread, counter
 from flowlock.bench.scenarios.storm import Storm
 
 __all__ = [
     "SCENARIOS",
+    "SCENARIO_ALIASES",
     "CallResult",
     "CallSpec",
     "Cluster",
@@ -34,6 +36,7 @@ __all__ = [
     "Fired",
     "Floor",
     "Hot",
+    "HotOutbox",
     "Inventory",
     "Judgement",
     "Kind",
@@ -44,6 +47,7 @@ __all__ = [
     "Session",
     "Singleton",
     "Spread",
+    "SpreadOutbox",
     "Storm",
     "counter",
     "register_scenario",
@@ -51,6 +55,12 @@ __all__ = [
 
 SCENARIOS: dict[str, Scenario] = {}
 """Every known scenario by name, in the order `flowlock bench` runs them by default."""
+
+SCENARIO_ALIASES: dict[str, tuple[str, ...]] = {
+    "outbox": ("hot", "hot-outbox", "spread", "spread-outbox"),
+}
+"""Names `--scenario` takes for several scenarios: `outbox` is the outbox section, the two
+emitting scenarios with their twins without messages."""
 
 
 def register_scenario(scenario: Scenario) -> Scenario:
@@ -64,7 +74,9 @@ for _scenario in (
     Countersign(),
     Inventory(),
     Hot(),
+    HotOutbox(),
     Spread(),
+    SpreadOutbox(),
     Cluster(),
     Singleton(),
     Deadline(),

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import asyncpg
 
 from flowlock._pg.rows import read_history, read_instances
+from flowlock.bench.outbox_results import DeliveryFigures
 from flowlock.bench.results import (
     CallResult,
     CallSpec,
@@ -110,6 +111,11 @@ class Scenario:
     """Its workflows have timed transitions: the engines of the worker processes fire them,
     with the pair's strategy, and the runner's own engine runs no timer service."""
     invariant_kind: str = INVARIANT
+    emits: bool = False
+    """Its transitions emit outbox messages, which the session's engine dispatches to a
+    handler the scenario registers (`attach`)."""
+    baseline: str | None = None
+    """The scenario it is compared with, the same without messages (`hot` for `hot-outbox`)."""
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
         """The workflow definitions the scenario's instances use."""
@@ -118,6 +124,10 @@ class Scenario:
     def invariant(self, params: Params) -> Invariant | None:
         """A data invariant the checker runs after every history row, if any."""
         return None
+
+    def attach(self, engine: Engine) -> None:
+        """Before the session's engine opens: register what the scenario needs on it beyond its
+        workflows (the outbox pairs' handler)."""
 
     async def prepare(self, pool: asyncpg.Pool) -> None:
         """Once per run, before any round: create what the scenario needs in the run's schema."""
@@ -169,6 +179,10 @@ class Scenario:
 
         `fired`: how many timers each worker process's engine fired.
         """
+        return None
+
+    def delivery(self, records: Sequence[RoundRecord]) -> DeliveryFigures | None:
+        """The outbox section's figures of this pair (the emitting scenarios); None otherwise."""
         return None
 
     def rounds(self, quick: bool) -> int:

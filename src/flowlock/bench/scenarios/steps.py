@@ -52,12 +52,14 @@ class _Steps(Scenario):
     default_ops = 20
     quick_ops = 3
     uses_ops = True
+    counter_workflow = "counter"
+    """The workflow the round's counters are instances of."""
 
     def instances(self, params: Params) -> int:
         raise NotImplementedError
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
-        return [counter()]
+        return [counter(self.counter_workflow)]
 
     def invariant(self, params: Params) -> Invariant | None:
         return _counter_never_skips
@@ -74,7 +76,7 @@ class _Steps(Scenario):
 
         async def create(iid: str) -> None:
             async with sem:
-                await engine.create("counter", instance_id=iid, data={"n": 0})
+                await engine.create(self.counter_workflow, instance_id=iid, data={"n": 0})
 
         await asyncio.gather(*(create(i) for i in ids))
         lanes = tuple(
