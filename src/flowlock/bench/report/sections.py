@@ -12,7 +12,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Col", "check_cell", "forms", "met_cell", "yes_cell"]
+__all__ = ["Col", "check_cell", "forms", "met_cell", "section_table", "yes_cell"]
 
 T = TypeVar("T")
 
@@ -35,15 +35,19 @@ def yes_cell(ok: bool) -> Text:
     return Text("yes", style="green") if ok else Text("NO", style="bold red")
 
 
-def _table(
-    title: str,
+def section_table(
+    title: str | None,
     first: str,
     columns: Sequence[Col[T]],
     rows: Sequence[tuple[str, T]],
     *,
     stacked: bool,
-    caption: str,
+    caption: str | None,
 ) -> Table:
+    """One section's table: a label column, then a right-aligned column per figure.
+
+    `stacked` puts each word of a header on a line of its own.
+    """
     table = Table(
         title=title,
         title_justify="left",
@@ -85,7 +89,7 @@ def forms(
     caption: str,
 ) -> list[list[RenderableType]]:
     return [
-        [_table(title, first, columns, rows, stacked=False, caption=caption)],
-        [_table(title, first, columns, rows, stacked=True, caption=caption)],
+        [section_table(title, first, columns, rows, stacked=False, caption=caption)],
+        [section_table(title, first, columns, rows, stacked=True, caption=caption)],
         [_lines(title, columns, rows, caption)],
     ]
