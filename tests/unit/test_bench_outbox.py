@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from test_bench_report import _report, _result
 
-from flowlock.bench import SCENARIO_ALIASES, SCENARIOS, STRATEGIES, BenchConfig
+from flowlock.bench import SCENARIO_ALIASES, SCENARIOS, BenchConfig
 from flowlock.bench.idle import KINDS, statement_kind
 from flowlock.bench.outbox_results import (
     DeliveryFigures,
@@ -27,7 +27,6 @@ from flowlock.bench.outbox_results import (
 from flowlock.bench.report import render, to_json
 from flowlock.bench.report.cells import ELLIPSIS
 from flowlock.bench.results import CallResult, CallSpec, Params, RoundPlan, RoundRecord
-from flowlock.bench.runner import twinned
 from flowlock.bench.scenarios import HotOutbox, SpreadOutbox
 from flowlock.bench.scenarios.outbox import (
     KIND,
@@ -69,18 +68,24 @@ def test_the_emitting_scenarios_are_hot_and_spread_with_a_twin_and_no_floor() ->
         assert not scenario.has_floor and not scenario.multiprocess
         config = BenchConfig(scenarios=(name, twin))
         assert config.ops_for(scenario) == config.ops_for(plain)
-        assert config.rounds_for(scenario) == config.rounds_for(plain)
         assert scenario.instances(PARAMS) == plain.instances(PARAMS)  # type: ignore[attr-defined]
+        # Three rounds with messages, each after one without (one each under --quick).
+        assert config.rounds_for(scenario) == 3
+        assert BenchConfig(quick=True).rounds_for(scenario) == 1
+        names = [w.name for w in scenario.workflows(PARAMS)]
+        assert names == ["counter", WORKFLOW]
+        assert scenario.counter_for(PARAMS) == WORKFLOW  # type: ignore[attr-defined]
+        assert scenario.counter_for(PARAMS.evolve(quiet=True)) == "counter"  # type: ignore[attr-defined]
     assert isinstance(SCENARIOS["hot-outbox"], HotOutbox)
     assert isinstance(SCENARIOS["spread-outbox"], SpreadOutbox)
 
 
 def test_outbox_names_the_section() -> None:
-    """`-s outbox` runs hot and spread with and without messages; named twice, each runs once."""
-    assert SCENARIO_ALIASES["outbox"] == ("hot", "hot-outbox", "spread", "spread-outbox")
-    config = BenchConfig(scenarios=("outbox", "hot", "storm"))
+    """`-s outbox` runs hot-outbox and spread-outbox; named twice, each runs once."""
+    assert SCENARIO_ALIASES["outbox"] == ("hot-outbox", "spread-outbox")
+    config = BenchConfig(scenarios=("outbox", "hot-outbox", "storm"))
     config.validate()
-    assert config.scenario_names() == ("hot", "hot-outbox", "spread", "spread-outbox", "storm")
+    assert config.scenario_names() == ("hot-outbox", "spread-outbox", "storm")
     with pytest.raises(InvalidInput, match=r"choose from .*outbox"):
         BenchConfig(scenarios=("outbx",)).validate()
 
@@ -92,32 +97,6 @@ def test_the_outbox_pairs_run_in_the_bench_process_only() -> None:
         BenchConfig(http=True, scenarios=("hot-outbox",)).validate()
     with pytest.raises(InvalidInput, match="'hot-outbox' runs in the bench's own process"):
         BenchConfig(hosts=2, scenarios=("outbox",)).validate()
-
-
-def test_each_outbox_pair_runs_right_after_its_twin() -> None:
-    """With both in the run, hot-outbox with a strategy follows hot with the same strategy;
-    a twin missing from the run leaves it where it was, and the floor has none."""
-    names = ["hot", "hot-outbox", "spread-outbox", "storm"]
-    specs = [STRATEGIES[s] for s in ("raw", "optimistic", "pessimistic")]
-    pairs = [
-        (SCENARIOS[n], spec)
-        for n in names
-        for spec in specs
-        if SCENARIOS[n].has_floor or not spec.floor
-    ]
-    order = [(s.name, spec.name) for s, spec in twinned(pairs)]
-    assert order == [
-        ("hot", "raw"),
-        ("hot", "optimistic"),
-        ("hot-outbox", "optimistic"),
-        ("hot", "pessimistic"),
-        ("hot-outbox", "pessimistic"),
-        ("spread-outbox", "optimistic"),
-        ("spread-outbox", "pessimistic"),
-        ("storm", "raw"),
-        ("storm", "optimistic"),
-        ("storm", "pessimistic"),
-    ]
 
 
 async def test_every_step_of_the_emitting_counter_writes_one_message() -> None:
@@ -236,6 +215,16 @@ def test_the_judge_catches_a_lost_a_stray_and_a_left_message(
     assert [v.kind for v in SCENARIOS["spread-outbox"].judge(record, PARAMS).violations] == [kind]
 
 
+def test_a_round_without_messages_must_deliver_none() -> None:
+    """A quiet round's transitions emit nothing: a delivery for one of its instances is a
+    stray message, and its figures are not the pair's delivery figures."""
+    quiet = replace(_record([]), plan=replace(_record([]).plan, extra={"quiet": True}))
+    assert delivery_violations(quiet) == ()
+    assert delivery_figures([quiet]).emitted == 0
+    leaked = replace(quiet, extra={**quiet.extra, "deliveries": [_delivered("i:2:0", 1)]})
+    assert [v.kind for v in delivery_violations(leaked)] == [STRAY_MESSAGE]
+
+
 def test_a_redelivery_is_counted_not_judged() -> None:
     """At-least-once allows a second delivery: counted as a duplicate, no violation, and the
     lag is the first delivery's."""
@@ -301,20 +290,35 @@ def _idle(**changes: Any) -> OutboxIdle:
     return replace(idle, **changes)
 
 
+def _emitting(
+    strategy: str, scenario: str, per_s: float, without: float | None, **changes: Any
+) -> Any:
+    """An outbox pair's result: `per_s` applied/s with messages, `without` in its quiet rounds
+    (None: it ran none)."""
+    quiet = None
+    if without is not None:
+        quiet = _result(strategy, scenario=scenario, applied_per_s=without, p99_ms=20.0)
+    baseline = scenario.removesuffix("-outbox")
+    return _result(
+        strategy,
+        scenario=scenario,
+        applied_per_s=per_s,
+        delivery=changes.pop("delivery", _delivery(baseline)),
+        without=quiet,
+        **changes,
+    )
+
+
 def _outbox_report(**idle: Any) -> Any:
     results = (
-        _result("optimistic", scenario="hot", applied_per_s=5000.0),
-        _result(
-            "optimistic", scenario="hot-outbox", applied_per_s=4600.0, delivery=_delivery("hot")
-        ),
-        _result("pessimistic", scenario="hot", applied_per_s=6000.0),
-        _result(
-            "pessimistic", scenario="hot-outbox", applied_per_s=4800.0, delivery=_delivery("hot")
-        ),
-        _result(
+        _result("optimistic", scenario="hot", applied_per_s=9000.0),
+        _emitting("optimistic", "hot-outbox", 4600.0, 5000.0),
+        _emitting("pessimistic", "hot-outbox", 4800.0, 6000.0),
+        _emitting(
             "optimistic",
-            scenario="spread-outbox",
-            applied_per_s=3000.0,
+            "spread-outbox",
+            3000.0,
+            None,
             delivery=_delivery("spread", lost=3, delivered=1997),
             verdict=Verdict.of([Violation(MESSAGE_LOST, "3 message(s)")]),
         ),
@@ -322,17 +326,18 @@ def _outbox_report(**idle: Any) -> Any:
     return replace(_report(*results), outbox=OutboxSection(_idle(**idle), ("a note",)))
 
 
-def test_each_outbox_pair_is_shown_beside_its_twin() -> None:
-    """The ratio is applied/s with messages over without, for the same strategy; without a
-    twin in the run there is no ratio and no judgement."""
+def test_each_outbox_pair_is_its_rounds_with_messages_against_those_without() -> None:
+    """The ratio is applied/s with messages over without, in the pair's own rounds (never the
+    hot pair of the run); with no round without, there is no ratio and no judgement."""
     pairs = outbox_pairs(_outbox_report())
-    assert [(p.scenario, p.strategy) for p in pairs] == [
-        ("hot-outbox", "optimistic"),
-        ("hot-outbox", "pessimistic"),
-        ("spread-outbox", "optimistic"),
+    assert [(p.scenario, p.baseline, p.strategy) for p in pairs] == [
+        ("hot-outbox", "hot", "optimistic"),
+        ("hot-outbox", "hot", "pessimistic"),
+        ("spread-outbox", "spread", "optimistic"),
     ]
     optimistic, pessimistic, spread = pairs
     assert optimistic.ratio == pytest.approx(0.92) and optimistic.met is True
+    assert (optimistic.with_p99_ms, optimistic.without_p99_ms) == (30.0, 20.0)
     assert pessimistic.ratio == pytest.approx(0.8) and pessimistic.met is False
     assert spread.ratio is None and spread.met is None
     assert spread.violations == 1 and not spread.verdict_ok
@@ -346,14 +351,15 @@ def test_the_json_has_the_outbox_section() -> None:
     json.dumps(outbox)
     first = outbox["pairs"][0]
     assert first["scenario"] == "hot-outbox" and first["baseline"] == "hot"
-    assert first["applied_per_s"] == 4600.0 and first["baseline_applied_per_s"] == 5000.0
+    assert first["applied_per_s"] == 4600.0 and first["without_applied_per_s"] == 5000.0
+    assert first["p99_ms"] == 30.0 and first["without_p99_ms"] == 20.0
     assert first["ratio"] == 0.92 and first["target_ratio"] == 0.9 and first["met"] is True
     assert first["emitted"] == first["delivered"] == 2000 and first["all_delivered"] is True
     assert first["lag"] == {"count": 2000, "p50_ms": 3.21, "p99_ms": 17.45, "max_ms": 30.0}
     assert first["claim_lag"]["p99_ms"] == 9.87
     assert first["verdict"] == {"ok": True, "violations": 0}
     last = outbox["pairs"][-1]
-    assert last["baseline_applied_per_s"] is None and last["ratio"] is None
+    assert last["without_applied_per_s"] is None and last["ratio"] is None
     assert last["met"] is None and last["all_delivered"] is False and last["lost"] == 3
     idle = outbox["idle"]
     assert idle["outbox_statements_per_s"] == 0.0 and idle["met"] is True
@@ -387,7 +393,7 @@ def test_the_outbox_tables_fit_the_terminal(width: int) -> None:
     assert max(len(line) for line in text.splitlines()) <= width
     for shown in ("5,000", "4,600", "0.92×", "0.80×", "17.4", "9.9", "2,000", "10,000", "2.30"):
         assert shown in text, shown
-    for words in ("one message per transition", "outbox: idle cost", "no twin", "not met"):
+    for words in ("one message per transition", "outbox: idle cost", "not met"):
         assert words in text, words
     assert "note: a note" in text
 

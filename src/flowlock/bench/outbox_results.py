@@ -2,9 +2,9 @@
 
 Three measurements, all on PostgreSQL (docs/benchmarks.md, "The outbox section"):
 
-- each `hot-outbox` and `spread-outbox` pair against its twin without messages (`hot`,
-  `spread`, the same strategy, in the same run): applied/s both ways and their ratio;
-- the messages of each outbox pair: every one delivered, and the lag from its commit to its
+- each `hot-outbox` and `spread-outbox` pair's rounds with one message per transition against
+  its rounds without (the same calls on the same session, alternating): applied/s both ways;
+- the messages of those rounds: every one delivered, and the lag from its commit to its
   handler;
 - the idle cost: what an engine with a handler sends while nothing is pending.
 
@@ -86,19 +86,23 @@ class DeliveryFigures:
 
 @dataclass(frozen=True, slots=True)
 class OutboxPair:
-    """One strategy on one scenario with and without messages, from the same run."""
+    """One strategy on one emitting scenario: its rounds with messages and without."""
 
     scenario: str
     """The scenario with messages (`hot-outbox`)."""
     baseline: str
+    """The scenario its rounds without messages are (`hot`)."""
     strategy: str
     delivery: DeliveryFigures
     with_per_s: float
     """applied/s with one message per transition."""
     without_per_s: float | None
-    """applied/s of the baseline pair; None when the run did not have it."""
+    """applied/s of the same calls without messages; None when none ran."""
     violations: int
-    """The outbox pair's verdict: violations of the steps' rules and the delivery's."""
+    """The pair's verdict: violations of the steps' rules and the delivery's, both kinds of
+    round."""
+    with_p99_ms: float = 0.0
+    without_p99_ms: float | None = None
 
     @property
     def verdict_ok(self) -> bool:
@@ -123,8 +127,12 @@ class OutboxPair:
             "baseline": self.baseline,
             "strategy": self.strategy,
             "applied_per_s": round(self.with_per_s, 1),
-            "baseline_applied_per_s": (
+            "without_applied_per_s": (
                 None if self.without_per_s is None else round(self.without_per_s, 1)
+            ),
+            "p99_ms": round(self.with_p99_ms, 3),
+            "without_p99_ms": (
+                None if self.without_p99_ms is None else round(self.without_p99_ms, 3)
             ),
             "ratio": None if ratio is None else round(ratio, 3),
             "target_ratio": RATIO_TARGET,
@@ -135,15 +143,12 @@ class OutboxPair:
 
 
 def outbox_pairs(report: BenchReport) -> list[OutboxPair]:
-    """Each outbox result of the run beside its baseline twin, in the order they ran."""
-    plain: dict[tuple[str, str, str], ScenarioResult] = {
-        (r.scenario, r.strategy, r.transport): r for r in report.results if r.delivery is None
-    }
+    """Each outbox result of the run with its rounds without messages, in the order they ran."""
     found: list[OutboxPair] = []
     for r in report.results:
         if r.delivery is None:
             continue
-        twin = plain.get((r.delivery.baseline, r.strategy, r.transport))
+        without: ScenarioResult | None = r.without
         found.append(
             OutboxPair(
                 r.scenario,
@@ -151,8 +156,10 @@ def outbox_pairs(report: BenchReport) -> list[OutboxPair]:
                 r.strategy,
                 r.delivery,
                 r.applied_per_s,
-                None if twin is None else twin.applied_per_s,
+                None if without is None else without.applied_per_s,
                 len(r.verdict.violations),
+                r.p99_ms,
+                None if without is None else without.p99_ms,
             )
         )
     return found

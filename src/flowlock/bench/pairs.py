@@ -32,6 +32,7 @@ from flowlock.bench.results import (
 from flowlock.bench.scenarios import Scenario
 from flowlock.bench.servers import clear_escalation_board
 from flowlock.bench.session import BenchSession, open_session
+from flowlock.checker import Verdict
 
 if TYPE_CHECKING:
     from flowlock.bench.extend import HostsRun, ServiceRun
@@ -109,6 +110,8 @@ class Pair:
     session: BenchSession
     transport: Transport = IN_PROCESS
     timed: Timed = field(default_factory=Timed)
+    quiet: Timed = field(default_factory=Timed)
+    """An emitting scenario's rounds without its messages (`Params.quiet`)."""
 
     @property
     def prefix(self) -> str:
@@ -139,16 +142,19 @@ class Pair:
         await workers.ask(opens, Opened)
 
     async def one_round(
-        self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True
+        self, key: str, n: int, sampler: Sampler | None, *, timed: bool = True, quiet: bool = False
     ) -> None:
         """Set up and fire one round; when `timed`, read it back and record it.
 
-        `sampler` watches the connections while the calls run; None means unwatched.
+        `sampler` watches the connections while the calls run; None means unwatched. `quiet`:
+        an emitting scenario's round without its messages, recorded apart.
         """
-        # The same stream for both transports: an --http pair fires the same choices.
+        # The same stream for both transports: an --http pair fires the same choices. And for
+        # a quiet round and the round with messages after it: the same calls, to compare.
         rng = seeded(self.run.seed, self.scenario.name, self.spec.name, n)
         # The warm-up only fills the pools and the statement caches: one call each.
         shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
+        shape = shape.evolve(quiet=quiet)
         plan = await self.scenario.setup(self.session.engine, key, shape, rng)
         if self.run.config.in_processes(self.scenario):
             results, wall, lease = await _round_in_processes(self.run.workers, plan, sampler)
@@ -159,9 +165,10 @@ class Pair:
         if not timed:
             return
         finals, histories, extra = await self.scenario.readback(self.session, plan)
-        self.timed.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
-        self.timed.wall += wall
-        self.timed.lease_wait += lease
+        into = self.quiet if quiet else self.timed
+        into.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
+        into.wall += wall
+        into.lease_wait += lease
 
     async def rounds(self, rounds: int) -> ConnectionStats:
         """Run the warm-up round, then the timed rounds under the sampler.
@@ -170,9 +177,13 @@ class Pair:
         the service's connections are not the run's. Returns what the sampler saw.
         """
         run = self.run
+        quiet = self.scenario.emits
         if run.config.warms_up():
             # Untimed: fills the pools and every connection's prepared-statement cache (over
-            # HTTP also the client's connections and the service's pool).
+            # HTTP also the client's connections and the service's pool); the statements of
+            # both kinds of round of an emitting scenario.
+            if quiet:
+                await self.one_round(f"{self.prefix}-warmup-q", 0, None, timed=False, quiet=True)
             await self.one_round(f"{self.prefix}-warmup", 0, None, timed=False)
             run.progress.advance()
         if self.transport == HTTP:
@@ -183,6 +194,9 @@ class Pair:
         target = run.target
         async with Sampler(target.url, target.tag, target.application_name) as sampler:
             for n in range(1, rounds + 1):
+                if quiet:
+                    # Unwatched: the connections figures are the rounds with messages'.
+                    await self.one_round(f"{self.prefix}-q{n}", n, None, quiet=True)
                 await self.one_round(f"{self.prefix}-r{n}", n, sampler)
                 run.progress.advance()
         return sampler.stats()
@@ -235,5 +249,18 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         escalations=None if spec.floor else counts,
     )
     race = scenario.race(pair.timed.records, params, fired)
-    delivery = scenario.delivery(pair.timed.records)
-    return replace(result, race=race, delivery=delivery)
+    result = replace(result, race=race, delivery=scenario.delivery(pair.timed.records))
+    if not pair.quiet.records:
+        return result
+    without = summarise(
+        scenario,
+        spec.name,
+        params,
+        pair.quiet,
+        ConnectionStats(),
+        loop=loop_name(),
+        escalations=None,
+    )
+    # One verdict for the pair: its rounds without messages are judged too.
+    both = Verdict.of([*result.verdict.violations, *without.verdict.violations])
+    return replace(result, without=without, verdict=both)

@@ -82,6 +82,9 @@ class Params:
     """OS processes the multi-process scenarios spread their callers over."""
     warmup: bool = False
     """The untimed warm-up round: it only has to fill the pools, so it may do less."""
+    quiet: bool = False
+    """A round of an emitting scenario without its messages (the outbox pairs' twin rounds):
+    the same calls on a workflow that emits nothing."""
 
     def evolve(self, **changes: Any) -> Params:
         """A copy with `changes` applied."""
@@ -403,6 +406,9 @@ class ScenarioResult:
     """`deadline` only: how the approvals and the expiries shared the instances."""
     delivery: DeliveryFigures | None = None
     """The outbox pairs only (`hot-outbox`, `spread-outbox`): what their handler received."""
+    without: ScenarioResult | None = None
+    """The outbox pairs only: their rounds without messages (`Params.quiet`), each run just
+    before a round with them, on the same session; this result holds the rounds with them."""
 
     @property
     def label(self) -> str:

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import flowlock
@@ -22,9 +21,9 @@ from flowlock.bench.outbox_load import measure_outbox
 from flowlock.bench.pairs import Run, run_pair
 from flowlock.bench.procs import WorkerPool
 from flowlock.bench.progress import NullProgress, Progress
-from flowlock.bench.registry import STRATEGIES, StrategySpec, expand
+from flowlock.bench.registry import STRATEGIES, expand
 from flowlock.bench.results import BenchReport, ScenarioResult
-from flowlock.bench.scenarios import SCENARIOS, Scenario
+from flowlock.bench.scenarios import SCENARIOS
 from flowlock.bench.servers import (
     DatabaseServer,
     RedisServer,
@@ -43,7 +42,7 @@ from flowlock.core.install import pip_install
 if TYPE_CHECKING:
     from flowlock.bench.extend import HostsRun, ServiceRun
 
-__all__ = ["run", "run_bench", "twinned"]
+__all__ = ["run", "run_bench"]
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -134,15 +133,13 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
     config = run.config
     warmup = 1 if config.warms_up() else 0
     transports = 2 if run.service is not None else 1
-    pairs = twinned(
-        [
-            (SCENARIOS[scenario_name], STRATEGIES[strategy_name])
-            for scenario_name in config.scenario_names()
-            for strategy_name in config.strategy_names()
-            # The raw floor has no timer service: a scenario without a floor runs without it.
-            if SCENARIOS[scenario_name].has_floor or not STRATEGIES[strategy_name].floor
-        ]
-    )
+    pairs = [
+        (SCENARIOS[scenario_name], STRATEGIES[strategy_name])
+        for scenario_name in config.scenario_names()
+        for strategy_name in config.strategy_names()
+        # The raw floor has no timer service: a scenario without a floor runs without it.
+        if SCENARIOS[scenario_name].has_floor or not STRATEGIES[strategy_name].floor
+    ]
     run.progress.plan(
         transports
         * sum(
@@ -160,34 +157,7 @@ async def _run_pairs(run: Run, redis: RedisServer | None) -> tuple[list[Scenario
             # Right after its in-process twin: on a shared machine, the nearer in time the
             # two runs, the more alike the load the rest of the machine puts on both.
             results.append(await run.service.run_pair(run, scenario, spec))
-    order = {name: i for i, name in enumerate(config.scenario_names())}
-    # Run twin by twin, shown scenario by scenario (a stable sort keeps each one's order).
-    return sorted(results, key=lambda r: order[r.scenario]), skipped
-
-
-def twinned(pairs: Sequence[tuple[Scenario, StrategySpec]]) -> list[tuple[Scenario, StrategySpec]]:
-    """`pairs` with each pair that has a baseline in the run moved right after it.
-
-    `hot-outbox` with optimistic then runs right after `hot` with optimistic: on a shared
-    machine, the nearer in time the two, the more alike the load the rest of the machine puts
-    on both, and their ratio is the figure.
-    """
-    names = {(scenario.name, spec.name) for scenario, spec in pairs}
-
-    def follows(scenario: Scenario, spec: StrategySpec) -> bool:
-        return scenario.baseline is not None and (scenario.baseline, spec.name) in names
-
-    out: list[tuple[Scenario, StrategySpec]] = []
-    for scenario, spec in pairs:
-        if follows(scenario, spec):
-            continue  # placed after its baseline, below
-        out.append((scenario, spec))
-        out.extend(
-            (twin, other)
-            for twin, other in pairs
-            if other.name == spec.name and twin.baseline == scenario.name and follows(twin, other)
-        )
-    return out
+    return results, skipped
 
 
 async def _timers(run: Run) -> TimersSection | None:

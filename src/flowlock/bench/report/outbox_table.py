@@ -45,7 +45,7 @@ def _ratio(p: OutboxPair) -> Text:
 
 def _aim(p: OutboxPair) -> Text:
     met = p.met
-    return Text("no twin", style="dim") if met is None else met_cell(met)
+    return _none() if met is None else met_cell(met)
 
 
 def _scans(f: OutboxIdle) -> Text:
@@ -85,9 +85,9 @@ _IDLE: tuple[Col[OutboxIdle], ...] = (
 )
 
 _PAIRS_CAPTION = (
-    "applied/s without messages (the twin: hot, spread) and with one per transition, the same "
-    "strategy in the same run; lag: the message's commit to its handler's start, on the "
-    "server's clock; claim: commit to claim (Message.lag); dup: deliveries beyond the first"
+    "applied/s of the same calls without messages and with one per transition, in alternate "
+    "rounds on one session; lag: the message's commit to its handler's start, on the server's "
+    "clock; claim: commit to claim (Message.lag); dup: deliveries beyond the first"
 )
 _IDLE_CAPTION = (
     "one engine with a handler, its dispatcher running, nothing pending, in a database of its "

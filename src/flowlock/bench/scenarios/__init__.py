@@ -57,10 +57,9 @@ SCENARIOS: dict[str, Scenario] = {}
 """Every known scenario by name, in the order `flowlock bench` runs them by default."""
 
 SCENARIO_ALIASES: dict[str, tuple[str, ...]] = {
-    "outbox": ("hot", "hot-outbox", "spread", "spread-outbox"),
+    "outbox": ("hot-outbox", "spread-outbox"),
 }
-"""Names `--scenario` takes for several scenarios: `outbox` is the outbox section, the two
-emitting scenarios with their twins without messages."""
+"""Names `--scenario` takes for several scenarios: `outbox` is the outbox section's two."""
 
 
 def register_scenario(scenario: Scenario) -> Scenario:

@@ -2,11 +2,17 @@
 
 `hot-outbox` and `spread-outbox` are `hot` and `spread` on a counter whose `step` emits one
 message (`Emit("bench.sink", {"n": ...})`). The session's engine registers a handler for it that
-only notes the delivery in memory (a `Sink`), so what the pair measures beyond its twin is the
-outbox itself: the message written in the transition's transaction, and the dispatcher
-claiming, handing over and marking it done, in the same process and on the same pool as the
-callers. A round ends when every message is delivered and none is pending; the judge adds to
-the steps' rules that every committed message reached the handler, and no other did.
+only notes the delivery in memory (a `Sink`), so what the pair measures beyond the same calls
+without messages is the outbox itself: the message written in the transition's transaction,
+and the dispatcher claiming, handing over and marking it done, in the same process and on the
+same pool as the callers.
+
+Each timed round with messages follows a round without (`Params.quiet`): the same calls, on the
+plain counter, on the same session, its dispatcher idle. The two kinds of round alternate, so
+the load the rest of the machine puts on them is as alike as it can be, and their applied/s
+compare like with like. A round ends when every message is delivered and none is pending; the
+judge adds to the steps' rules that every committed message reached the handler, and no other
+(none at all in a round without).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from flowlock.bench.outbox_results import DeliveryFigures, Quantiles
 from flowlock.bench.results import Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Session
 from flowlock.bench.scenarios.deadline import clock_offset
-from flowlock.bench.scenarios.steps import Hot, Spread, _Steps
+from flowlock.bench.scenarios.steps import Hot, Spread, _Steps, counter
 from flowlock.checker import Violation
 from flowlock.core.definition import Transition, Workflow
 from flowlock.core.errors import FlowlockError
@@ -177,9 +183,13 @@ class _Emitting(_Steps):
     emits = True
     has_floor = False
     counter_workflow = WORKFLOW
+    default_rounds = 3
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
-        return [emitting_counter(self.counter_workflow)]
+        return [counter(), emitting_counter(self.counter_workflow)]
+
+    def counter_for(self, params: Params) -> str:
+        return counter().name if params.quiet else self.counter_workflow
 
     def attach(self, engine: Engine) -> None:
         sink_of(engine)
@@ -191,14 +201,17 @@ class _Emitting(_Steps):
         # so that its dispatcher begins with nothing behind it.
         await settle(engine, set())
         plan = await super().setup(engine, key, params, rng)
-        extra = {**plan.extra, "offset": await clock_offset(engine)}
+        extra = {**plan.extra, "offset": await clock_offset(engine), "quiet": params.quiet}
         return RoundPlan(plan.instances, plan.calls, plan.lanes, extra)
 
     async def readback(
         self, session: Session, plan: RoundPlan
     ) -> tuple[dict[str, Instance], dict[str, list[HistoryEntry]], dict[str, Any]]:
         finals, histories, extra = await super().readback(session, plan)
-        left = await settle(session.engine, expected_keys(histories))
+        if plan.extra.get("quiet"):
+            left = await _left(session.engine)  # nothing to wait for: nothing was emitted
+        else:
+            left = await settle(session.engine, expected_keys(histories))
         deliveries = sink_of(session.engine).of(plan.instances)
         return finals, histories, {**extra, "deliveries": deliveries, "left": left}
 
@@ -210,9 +223,14 @@ class _Emitting(_Steps):
         return replace(delivery_figures(records), baseline=self.baseline or "")
 
 
+def _wanted(record: RoundRecord) -> set[str]:
+    """The keys of the messages the round's transitions emitted: none in a quiet round."""
+    return set() if record.plan.extra.get("quiet") else expected_keys(record.histories)
+
+
 def delivery_violations(record: RoundRecord) -> tuple[Violation, ...]:
     """Every message of a transition in the history delivered, no other one, none left."""
-    want = expected_keys(record.histories)
+    want = _wanted(record)
     deliveries: Sequence[Delivery] = record.extra.get("deliveries", ())
     seen = {d.key for d in deliveries}
     found: list[Violation] = []
@@ -249,6 +267,8 @@ def delivery_figures(records: Sequence[RoundRecord]) -> DeliveryFigures:
     lags: list[float] = []
     claims: list[float] = []
     for record in records:
+        if record.plan.extra.get("quiet"):
+            continue  # judged, not measured: its figures are the pair's `without`
         want = expected_keys(record.histories)
         deliveries: Sequence[Delivery] = record.extra.get("deliveries", ())
         offset = float(record.plan.extra.get("offset", 0.0))

@@ -61,6 +61,10 @@ class _Steps(Scenario):
     def workflows(self, params: Params) -> Sequence[Workflow]:
         return [counter(self.counter_workflow)]
 
+    def counter_for(self, params: Params) -> str:
+        """The workflow of this round's counters."""
+        return self.counter_workflow
+
     def invariant(self, params: Params) -> Invariant | None:
         return _counter_never_skips
 
@@ -71,12 +75,13 @@ class _Steps(Scenario):
         if params.warmup:
             count = min(count, params.workers)
         ids = [f"{key}-{k}" for k in range(count)]
+        workflow = self.counter_for(params)
         # Created concurrently (not timed): a thousand sequential round trips would dominate.
         sem = asyncio.Semaphore(64)
 
         async def create(iid: str) -> None:
             async with sem:
-                await engine.create(self.counter_workflow, instance_id=iid, data={"n": 0})
+                await engine.create(workflow, instance_id=iid, data={"n": 0})
 
         await asyncio.gather(*(create(i) for i in ids))
         lanes = tuple(
