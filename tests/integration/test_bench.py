@@ -67,12 +67,16 @@ ALL_SCENARIOS = [
     "countersign",
     "inventory",
     "hot",
+    "hot-outbox",
     "spread",
+    "spread-outbox",
     "cluster",
     "singleton",
     "deadline",
 ]
-NO_FLOOR = {"deadline"}  # its expiries need the engines' timer services: raw does not run it
+# deadline's expiries need the engines' timer services, the outbox pairs' messages their
+# dispatchers: raw does not run them.
+NO_FLOOR = {"deadline", "hot-outbox", "spread-outbox"}
 TOP_KEYS = {"flowlock_version", "postgres_version", "redis_version", "cores", "args", "results"}
 RESULT_KEYS = {
     "scenario",
@@ -195,6 +199,15 @@ def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequ
             assert race["exactly_one"] is True and race["left_armed"] == 0
             assert race["checker"] == {"ok": True, "violations": 0}
         assert all(lag["checker"]["ok"] for lag in doc["timers"]["lag"])
+    emitting = [s for s in scenarios if s.endswith("-outbox")]
+    if emitting:
+        # The outbox section: every message of each pair delivered, its checker clean.
+        pairs = doc["outbox"]["pairs"]
+        engines = [t for t in strategies if t != "raw"]
+        assert [p["scenario"] for p in pairs] == [s for s in emitting for _ in engines]
+        for pair in pairs:
+            assert pair["all_delivered"] is True and pair["emitted"] > 0
+            assert pair["verdict"]["ok"] is True and pair["without_applied_per_s"] > 0
     json.dumps(doc)  # serialisable as is
 
 
@@ -787,7 +800,7 @@ def _state(proc: Path) -> str:
 
 def test_every_registered_strategy_has_a_floor_to_compare_with() -> None:
     """The default run includes the raw floor, and every scenario names how raw does it, but
-    deadline, which raw does not run."""
+    deadline and the outbox pairs, which raw does not run."""
     assert DEFAULT_STRATEGIES[0] == "raw"
     assert set(ALL_SCENARIOS) <= set(SCENARIOS)
     for name in ALL_SCENARIOS:

@@ -105,7 +105,7 @@ async def test_quick_deadline_race_lag_and_idle_cost(pg_url: str) -> None:
     assert idle is not None, timers["notes"]
     assert idle["database"] == "dedicated" and idle["armed"] == 2000
     assert idle["window_s"] > 0
-    assert set(idle["statements_by_kind"]) == {"timers", "listen", "escalations", "other"}
+    assert set(idle["statements_by_kind"]) == {"timers", "outbox", "listen", "escalations", "other"}
     assert idle["scans_per_s"] is None  # --quick settles too briefly to count them
     assert timers["targets"]["lag_p99_ms"] == 100.0
 
