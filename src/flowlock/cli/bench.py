@@ -166,16 +166,20 @@ def bench(
 ) -> None:
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
-    Runs each scenario (storm, countersign, inventory, hot, spread, cluster, singleton,
-    deadline) with each strategy. It adds 'raw', the floor: bare asyncpg, measured in the same
-    run (not in deadline, whose expiries the engines' timers fire). It starts and removes an
-    embedded PostgreSQL and Redis, unless you give your servers.
+    Runs each scenario (storm, countersign, inventory, hot, hot-outbox, spread,
+    spread-outbox, cluster, singleton, deadline) with each strategy. It adds 'raw', the floor:
+    bare asyncpg, measured in the same run (not in deadline, whose expiries the engines' timers
+    fire, nor in the outbox pairs, whose messages their dispatchers deliver). It starts and
+    removes an embedded PostgreSQL and Redis, unless you give your servers.
 
     It prints one row per scenario x strategy: latency, success %, attempts, mean batch size,
     throughput, peak connections, lock wait, and the checker's exactly-once verdict. The seed's
     published figures appear beside storm. The aims against this run's floor follow, each with
     its ratio and met or not met. With deadline, the timers section follows: the race of
     approvals and expiries, the firing lag with 1 and 4 engines, and an idle engine's cost.
+    With hot-outbox and spread-outbox (-s outbox names both), the outbox section follows:
+    applied/s with one message per transition against the same calls without, every message
+    delivered, the lag from commit to handler, and an idle dispatcher's cost.
     Exits 3 if any verdict fails.
 
     With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.

@@ -141,7 +141,8 @@ RoundsOption = Annotated[
         "-r",
         min=1,
         help="Timed rounds per scenario. Default: each scenario's own. That is storm 10, "
-        "countersign 3, inventory 5, hot/spread/cluster/deadline 1 and singleton 10 ticks. "
+        "countersign 3, inventory 5, hot/spread/cluster/deadline 1, singleton 10 ticks, "
+        "hot-outbox 3 and spread-outbox 2 (each after a round without messages). "
         "--quick runs fewer.",
         show_default=False,
     ),
@@ -151,8 +152,9 @@ OpsOption = Annotated[
     typer.Option(
         "--ops",
         min=1,
-        help="Calls each caller makes in turn per round, in hot, spread and cluster. "
-        "Default: hot 20, spread 60, cluster 40 (3 with --quick). In deadline, approvals per "
+        help="Calls each caller makes in turn per round, in hot, spread, cluster and the "
+        "outbox pairs. Default: hot 20, spread 60, cluster 40, hot-outbox and spread-outbox "
+        "as hot and spread (3 with --quick). In deadline, approvals per "
         "caller, each due at once with a caller of its own: default 20 (2 with --quick).",
         show_default=False,
     ),
