@@ -33,6 +33,7 @@ from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores._batch import distinct_batches
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.sqlite.outbox import SqliteOutbox
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
 from flowlock.stores.sqlite.sql import (
     dump_json,
@@ -52,7 +53,7 @@ from flowlock.stores.sqlite.timers import (
     timers_txn,
 )
 from flowlock.stores.sqlite.txn import (
-    Armed,
+    Wake,
     bounded,
     commit_many_txn,
     commit_txn,
@@ -79,7 +80,7 @@ _URL_PREFIX: Final = "sqlite:///"
 _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
 
 
-class SqliteStore(AsyncResource):
+class SqliteStore(SqliteOutbox, AsyncResource):
     """Instances and history in one SQLite database file.
 
     Connections: a small pool (`pool_size`, default 4) of connections, each on its own thread,
@@ -105,6 +106,10 @@ class SqliteStore(AsyncResource):
     written in the transaction of the commit that arms them. `armed()` is set by this store
     object's commits only: an engine in another process sharing the file sees an earlier timer
     armed there when it next looks (at a due time, or within the timer service's idle bound).
+
+    Outbox: messages are written in the commit's transaction, times on the same wall clock.
+    `pending()` is set by this store object's commits, and every `outbox_poll` seconds (default
+    2) so that a dispatcher here finds another process's messages within that bound.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class SqliteStore(AsyncResource):
         auto_migrate: bool = True,
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
+        outbox_poll: float = 2.0,
     ) -> None:
         try:
             self.path: str = os.fspath(path)
@@ -131,11 +137,13 @@ class SqliteStore(AsyncResource):
         check_count("pool_size", pool_size, most=_MAX_POOL, unit="connections")
         self.auto_migrate = auto_migrate
         self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        self.outbox_poll = check_seconds("outbox_poll", outbox_poll)
         # Every connection to ":memory:" (or "", a private temporary file) is its own database.
         self.pool_size = 1 if self.path in (":memory:", "") else pool_size
         self._pool: Pool | None = None
         self._lifecycle = asyncio.Lock()
         self._signals: set[ArmedSignal] = set()
+        self._init_outbox()
 
     @classmethod
     def from_url(
@@ -146,6 +154,7 @@ class SqliteStore(AsyncResource):
         auto_migrate: bool = True,
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
+        outbox_poll: float = 2.0,
     ) -> SqliteStore:
         """A store for `sqlite:///relative/path.db`, `sqlite:////abs/path.db` or
         `sqlite:///:memory:`. Nothing is opened until
@@ -164,6 +173,7 @@ class SqliteStore(AsyncResource):
             auto_migrate=auto_migrate,
             pool_size=pool_size,
             acquire_timeout=acquire_timeout,
+            outbox_poll=outbox_poll,
         )
 
     def __repr__(self) -> str:
@@ -352,7 +362,7 @@ class SqliteStore(AsyncResource):
         timings = tuple(arm)
         return await self._write(
             instance.id,
-            lambda conn, armed: create_txn(conn, instance, data, request_id, timings, armed),
+            lambda conn, wake: create_txn(conn, instance, data, request_id, timings, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="create",
@@ -365,7 +375,7 @@ class SqliteStore(AsyncResource):
         batch = encode(entries_of(entries))
         return await self._write(
             batch.instance_id,
-            lambda conn, armed: commit_txn(conn, batch, armed),
+            lambda conn, wake: commit_txn(conn, batch, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="commit",
@@ -381,7 +391,7 @@ class SqliteStore(AsyncResource):
             return []
         return await self._write(
             encoded[0].instance_id,
-            lambda conn, armed: commit_many_txn(conn, encoded, armed),
+            lambda conn, wake: commit_many_txn(conn, encoded, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="commit_many",
@@ -396,7 +406,7 @@ class SqliteStore(AsyncResource):
         InstanceNotFound, or what `plan` raised."""
         return await self._write(
             instance_id,
-            lambda conn, armed: locked_txn(conn, instance_id, request_ids, plan, armed),
+            lambda conn, wake: locked_txn(conn, instance_id, request_ids, plan, wake),
             bound=min(lock.timeout, self.busy_timeout),
             nowait=lock.nowait,
             what="apply_locked",
@@ -405,20 +415,22 @@ class SqliteStore(AsyncResource):
     async def _write(
         self,
         key: str,
-        txn: Callable[[sqlite3.Connection, Armed], T],
+        txn: Callable[[sqlite3.Connection, Wake], T],
         *,
         bound: float,
         nowait: bool,
         what: str,
     ) -> T:
         """Run `txn` in a write transaction; once it committed, wake this store's timer
-        services if it armed timers."""
-        armed: Armed = []
-        result = await self._write_txn(key, lambda conn: txn(conn, armed), bound, nowait, what)
-        if armed:
-            soonest = min(armed)
+        services if it armed timers, and its outbox dispatchers if it wrote messages."""
+        wake = Wake()
+        result = await self._write_txn(key, lambda conn: txn(conn, wake), bound, nowait, what)
+        if wake.timers:
+            soonest = min(wake.timers)
             for signal in self._signals:
                 signal.due_in(soonest)
+        if wake.messages:
+            self._wake_outbox()
         return result
 
     async def _write_txn(
