@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from flowlock.core.outbox import Message
 from flowlock.stores.sqlite.outbox_sql import (
@@ -29,14 +28,10 @@ from flowlock.stores.sqlite.outbox_sql import (
     release_txn,
     retry_txn,
 )
+from flowlock.stores.sqlite.part import StorePart
 from flowlock.stores.sqlite.txn import Wake
 
-if TYPE_CHECKING:
-    from flowlock.stores.sqlite.pool import Pool
-
 __all__ = ["SqliteOutbox"]
-
-T = TypeVar("T")
 
 
 class _Poll:
@@ -58,30 +53,12 @@ class _Poll:
         self._handle.cancel()
 
 
-class SqliteOutbox:
+class SqliteOutbox(StorePart):
     """SqliteStore's part as an OutboxStore. Writes go through the store's write queue and
     SQLite's write lock; reads run on any free connection, beside a writer (WAL)."""
 
-    path: str
-    busy_timeout: float
     outbox_poll: float
     _pending_events: set[asyncio.Event]
-
-    if TYPE_CHECKING:  # the store's
-
-        def _live(self) -> Pool: ...
-
-        async def _read(self, txn: Callable[..., T], *args: Any, what: str) -> T: ...
-
-        async def _write(
-            self,
-            key: str,
-            txn: Callable[[sqlite3.Connection, Wake], T],
-            *,
-            bound: float,
-            nowait: bool,
-            what: str,
-        ) -> T: ...
 
     def _init_outbox(self) -> None:
         self._pending_events = set()
@@ -89,11 +66,6 @@ class SqliteOutbox:
     def _wake_outbox(self) -> None:
         for event in self._pending_events:
             event.set()
-
-    async def _outbox_write(
-        self, key: str, txn: Callable[[sqlite3.Connection, Wake], T], what: str
-    ) -> T:
-        return await self._write(key, txn, bound=self.busy_timeout, nowait=False, what=what)
 
     async def claim_messages(
         self, kinds: Mapping[str, int], *, lease: float, owner: str
@@ -108,7 +80,7 @@ class SqliteOutbox:
         # A read first: the write lock is taken only when something can be claimed.
         if not await self._read(any_claimable_txn, tuple(wanted), what="claim_messages"):
             return []
-        return await self._outbox_write(
+        return await self._write_now(
             self.path,  # SQLite's write lock is the whole database's
             lambda conn, _: claim_txn(conn, wanted, lease, owner),
             "claim_messages",
@@ -120,7 +92,7 @@ class SqliteOutbox:
         if not chosen:
             self._live()
             return 0
-        return await self._outbox_write(
+        return await self._write_now(
             chosen[0], lambda conn, _: finish_txn(conn, chosen), "finish_messages"
         )
 
@@ -135,11 +107,11 @@ class SqliteOutbox:
             wake.messages = failed and retry_in is not None
             return failed
 
-        return await self._outbox_write(message.key, txn, "fail_message")
+        return await self._write_now(message.key, txn, "fail_message")
 
     async def release_message(self, message: Message, owner: str) -> None:
         """Give back `owner`'s claim on `message` (nothing if the claim is not `owner`'s)."""
-        await self._outbox_write(
+        await self._write_now(
             message.key, lambda conn, _: release_txn(conn, message, owner), "release_message"
         )
 
@@ -179,7 +151,7 @@ class SqliteOutbox:
             found, wake.messages = retry_txn(conn, key)
             return found
 
-        return await self._outbox_write(key, txn, "retry_message")
+        return await self._write_now(key, txn, "retry_message")
 
     async def drop_message(self, key: str) -> bool:
         """Delete the message of `key`; False when there was none."""
@@ -189,7 +161,7 @@ class SqliteOutbox:
             wake.messages = drop_txn(conn, key)
             return wake.messages
 
-        return await self._outbox_write(key, txn, "drop_message")
+        return await self._write_now(key, txn, "drop_message")
 
     async def count_messages(self) -> Mapping[str, int]:
         """How many messages there are per status (pending, running, done, dead)."""
@@ -198,7 +170,7 @@ class SqliteOutbox:
     async def purge_messages(self, older_than: float, limit: int) -> int:
         """Delete at most `limit` done messages done more than `older_than` seconds ago, oldest
         first; how many."""
-        return await self._outbox_write(
+        return await self._write_now(
             self.path, lambda conn, _: purge_txn(conn, older_than, limit), "purge_messages"
         )
 
