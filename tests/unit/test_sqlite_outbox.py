@@ -109,7 +109,7 @@ def test_outbox_poll_is_checked() -> None:
 
 async def test_the_migration_makes_the_table_and_its_indexes(store: SqliteStore) -> None:
     """007_outbox makes flowlock_outbox, keyed (instance_id, version, n), key unique, status
-    checked, with the claim, order, due, claimed and retention indexes."""
+    checked, with the due (claim), order, claimed and retention indexes."""
     assert OUTBOX in [m.name for m in migrations.load("sqlite")]
     indexes = {
         row[0]
@@ -120,9 +120,8 @@ async def test_the_migration_makes_the_table_and_its_indexes(store: SqliteStore)
         )
     }
     assert indexes == {
-        "flowlock_outbox_claim",
-        "flowlock_outbox_order",
         "flowlock_outbox_due",
+        "flowlock_outbox_order",
         "flowlock_outbox_claimed",
         "flowlock_outbox_done",
     }
@@ -340,8 +339,9 @@ async def test_the_engine_writes_what_transitions_emit(
 
 
 async def test_claim_takes_each_kind_up_to_its_limit_oldest_first(store: SqliteStore) -> None:
-    """A claim takes at most each kind's limit, oldest commit first, counts the attempt up,
-    holds the messages for `lease` (running), and answers the lag since the commit."""
+    """A claim takes at most each kind's limit, oldest due (here: committed) first, counts up
+    the attempt, holds the messages for `lease` (running), and answers the lag since the
+    commit."""
     for iid in ("c", "a", "b"):  # committed in this order: c is the oldest
         await emitted(store, iid, [emit(), emit("charge")])
     await store.create(new("d"))
@@ -360,6 +360,21 @@ async def test_claim_takes_each_kind_up_to_its_limit_oldest_first(store: SqliteS
     assert await store.claim_messages({"notify": 5, "charge": 5}, lease=LONG, owner="y") == []
     assert await store.claim_messages({}, lease=LONG, owner="w") == []
     assert await store.claim_messages({"notify": 0}, lease=LONG, owner="w") == []
+
+
+async def test_claim_goes_by_due_time(store: SqliteStore) -> None:
+    """Oldest due first (as on PostgreSQL): a message due again after a failure takes its turn
+    by its new due time, behind one committed later but due sooner."""
+    await emitted(store, "x", [emit()])
+    [x] = await store.claim_messages({"notify": 1}, lease=LONG, owner="w")
+    assert await store.fail_message(x, "w", "HTTP 503", retry_in=LONG)
+    await emitted(store, "y", [emit()])
+    now = time.time()
+    path = Path(store.path)
+    raw(path, "UPDATE flowlock_outbox SET due_at = ? WHERE key = 'x:2:0'", now - 5)
+    raw(path, "UPDATE flowlock_outbox SET due_at = ? WHERE key = 'y:2:0'", now - 10)
+    assert keys(await store.claim_messages({"notify": 1}, lease=LONG, owner="w")) == ["y:2:0"]
+    assert keys(await store.claim_messages({"notify": 1}, lease=LONG, owner="w")) == ["x:2:0"]
 
 
 async def test_a_claim_that_runs_out_is_taken_over(store: SqliteStore) -> None:
@@ -483,6 +498,10 @@ async def test_next_message_due(store: SqliteStore) -> None:
     await store.claim_messages({"notify": 1}, lease=20.0, owner="w")
     left = await store.next_message_due(["notify"])
     assert left is not None and 15 < left <= 20
+    many = [f"k{n}" for n in range(250)]  # more kinds than one statement asks about
+    await emitted(store, "j", [emit("k249")])
+    assert await store.next_message_due(many) == 0.0
+    assert await store.next_message_due(many[:200]) is None
 
 
 # -- reading and repairing ----------------------------------------------------------------------

@@ -70,7 +70,7 @@ class SqliteOutbox(StorePart):
     async def claim_messages(
         self, kinds: Mapping[str, int], *, lease: float, owner: str
     ) -> list[Message]:
-        """For each kind, at most its limit of claimable messages, oldest first, claimed by
+        """For each kind, at most its limit of claimable messages, oldest due first, claimed by
         `owner` for `lease` seconds in one write transaction (no two claimers get one
         message: SQLite runs one writer at a time)."""
         wanted = {kind: limit for kind, limit in kinds.items() if limit > 0}

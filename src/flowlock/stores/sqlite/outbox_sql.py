@@ -51,25 +51,23 @@ _INSERT: Final = (
     "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?)"
 )
 # Claimable: pending, due, not held by a live claim, and the earliest pending message of its
-# instance (done and dead ones do not hold it back). The claim index walks a kind's pending
-# messages oldest first; the order index answers NOT EXISTS with one probe.
+# instance (done and dead ones do not hold it back). The due index walks a kind's pending
+# messages in due order; the order index answers NOT EXISTS with one probe.
 _CLAIMABLE: Final = (
-    "o.status = 'pending' AND {due} <= :now "
+    "o.status = 'pending' AND o.due_at <= :now "
     "AND (o.claimed_until IS NULL OR o.claimed_until <= :now) "
     "AND NOT EXISTS (SELECT 1 FROM flowlock_outbox e WHERE e.status = 'pending' "
     "AND e.instance_id = o.instance_id AND (e.version, e.n) < (o.version, o.n))"
 )
-# Why "+o.due_at": it keeps the planner off the due index (a range on due_at, then a sort of
-# every due message), so it walks the claim index in order and stops after `limit`.
+# Oldest due first, as on PostgreSQL (a message due again after a failure takes its turn by
+# its new due time); the index's order, so the walk stops after `limit`.
 _CLAIM_ONE_KIND: Final = (
     f"SELECT {', '.join(f'o.{c}' for c in _COLUMNS.split(', '))} FROM flowlock_outbox o "
-    f"WHERE o.kind = :kind AND {_CLAIMABLE.format(due='+o.due_at')} "
-    "ORDER BY o.created_at, o.instance_id, o.version, o.n LIMIT :limit"
+    f"WHERE o.kind = :kind AND {_CLAIMABLE} "
+    "ORDER BY o.due_at, o.instance_id, o.version, o.n LIMIT :limit"
 )
-# Whether anything can be claimed: any order will do, so the due index's range serves.
 _ANY_CLAIMABLE: Final = (
-    f"SELECT 1 FROM flowlock_outbox o WHERE o.kind = :kind AND {_CLAIMABLE.format(due='o.due_at')} "
-    "LIMIT 1"
+    f"SELECT 1 FROM flowlock_outbox o WHERE o.kind = :kind AND {_CLAIMABLE} LIMIT 1"
 )
 _CLAIM: Final = (
     "UPDATE flowlock_outbox SET claimed_until = ?, claimed_by = ?, attempts = attempts + 1 "
@@ -208,7 +206,7 @@ def any_claimable_txn(conn: sqlite3.Connection, kinds: Sequence[str]) -> bool:
 def claim_txn(
     conn: sqlite3.Connection, kinds: Mapping[str, int], lease: float, owner: str
 ) -> list[Message]:
-    """Claim, for each kind, at most its limit of claimable messages, oldest first, for `owner`
+    """Claim, for each kind, at most its limit of claimable messages, oldest due first, for `owner`
     until `lease` seconds from now. Run in a write transaction: no other claimer, in this
     process or another, runs between the reads and the updates."""
     now = time.time()
@@ -257,6 +255,19 @@ def next_due_txn(conn: sqlite3.Connection, kinds: Sequence[str]) -> float | None
     """Seconds until a pending message of `kinds` is due or its claim runs out (0: now); None
     when none is pending. Per kind, the due index gives the earliest unclaimed one at once;
     the held claims are few (a dispatcher's concurrency)."""
+    # Chunks: a statement holds at most 500 SELECTs joined by UNION ALL (SQLite's limit).
+    found = [
+        at
+        for start in range(0, len(kinds), _KINDS_PER_SELECT)
+        if (at := _earliest(conn, kinds[start : start + _KINDS_PER_SELECT])) is not None
+    ]
+    return None if not found else max(0.0, min(found) - time.time())
+
+
+_KINDS_PER_SELECT: Final = 100
+
+
+def _earliest(conn: sqlite3.Connection, kinds: Sequence[str]) -> float | None:
     earliest = " UNION ALL ".join(
         "SELECT * FROM (SELECT due_at AS t FROM flowlock_outbox WHERE status = 'pending' "
         "AND kind = ? AND claimed_until IS NULL ORDER BY due_at LIMIT 1)"
@@ -264,11 +275,12 @@ def next_due_txn(conn: sqlite3.Connection, kinds: Sequence[str]) -> float | None
     )
     [(at,)] = conn.execute(
         f"SELECT min(t) FROM ({earliest} UNION ALL "
+        # "+kind": walk the few held claims (claimed index), not every pending message.
         "SELECT max(due_at, claimed_until) FROM flowlock_outbox WHERE claimed_until IS NOT NULL "
-        f"AND status = 'pending' AND kind IN ({_marks(len(kinds))}))",
+        f"AND status = 'pending' AND +kind IN ({_marks(len(kinds))}))",
         (*kinds, *kinds),
     ).fetchall()
-    return None if at is None else max(0.0, float(at) - time.time())
+    return None if at is None else float(at)
 
 
 # -- reads and repairs ----------------------------------------------------------------------------

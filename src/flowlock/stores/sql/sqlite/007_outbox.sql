@@ -5,7 +5,7 @@
 -- SQLite has no server clock: due_at, created_at, done_at and claimed_until are epoch seconds on
 -- the wall clock of the host that wrote them, as for the timers (006_timers.sql).
 CREATE TABLE flowlock_outbox (
-    instance_id   TEXT    NOT NULL REFERENCES flowlock_instances (id),
+    instance_id   TEXT    NOT NULL,
     version       INTEGER NOT NULL,
     n             INTEGER NOT NULL CHECK (n >= 0),
     key           TEXT    NOT NULL UNIQUE,
@@ -25,16 +25,18 @@ CREATE TABLE flowlock_outbox (
     trace         TEXT,
     PRIMARY KEY (instance_id, version, n)
 );
--- The claim walks a kind's pending messages oldest first and stops after its limit; the tail
--- of the index is the tie-break among the messages of one commit, so no sort is needed.
-CREATE INDEX flowlock_outbox_claim ON flowlock_outbox (kind, created_at, instance_id, version, n)
+-- No foreign key to the instances (as on PostgreSQL): every message is inserted by the commit
+-- that just moved its instance, so the check would only cost a lookup per message.
+
+-- Claiming walks a kind's pending messages in due order and stops after its limit; the next
+-- due time is its first unclaimed one. The tail of the index orders the messages of one
+-- commit, so the claim needs no sort. Partial: done messages cost the claim nothing.
+CREATE INDEX flowlock_outbox_due ON flowlock_outbox (kind, due_at, instance_id, version, n)
     WHERE status = 'pending';
 -- Per-instance order: a message may go only while no earlier one of its instance is pending.
 -- Only pending rows, so the check never walks an instance's delivered past.
 CREATE INDEX flowlock_outbox_order ON flowlock_outbox (instance_id, version, n)
     WHERE status = 'pending';
--- The next due time: a kind's earliest unclaimed pending message.
-CREATE INDEX flowlock_outbox_due ON flowlock_outbox (kind, due_at) WHERE status = 'pending';
 -- The claims held now (a few per dispatcher): the next due time counts when each runs out.
 CREATE INDEX flowlock_outbox_claimed ON flowlock_outbox (claimed_until)
     WHERE claimed_until IS NOT NULL;
