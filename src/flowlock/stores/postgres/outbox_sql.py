@@ -100,15 +100,18 @@ _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 # and never wait for each other; READ COMMITTED re-checks a row claimed and committed by
 # another since the snapshot against the WHERE before locking it. The claim is the only
 # statement of its transaction (never run it inside a longer one), so the rows it locks are let
-# go at once. A claim never changes the status: an earlier message being delivered still
-# holds the later ones of its instance back.
+# go at once. The rows are updated by the row addresses (ctid) the subqueries locked: a TID
+# scan, whatever the planner guesses of how many rows the LATERAL limits let through (a join on
+# the key, guessed at thousands, read the whole table, done messages too). A row locked by this
+# statement cannot move before the update. A claim never changes the status: an earlier
+# message being delivered still holds the later ones of its instance back.
 # $1 kinds, $2 their limits, $3 lease seconds, $4 owner.
 CLAIM_MESSAGES = f"""
 WITH due AS (
-    SELECT c.instance_id, c.version, c.n
+    SELECT c.ctid
       FROM unnest($1::text[], $2::int[]) AS k(kind, lim)
       CROSS JOIN LATERAL (
-          SELECT t.instance_id, t.version, t.n FROM flowlock_outbox t
+          SELECT t.ctid FROM flowlock_outbox t
            WHERE t.kind = k.kind AND t.status = 'pending' AND t.due_at <= now()
              AND {_FREE}
              AND NOT {_BLOCKED}
@@ -119,8 +122,7 @@ WITH due AS (
     UPDATE flowlock_outbox t
        SET claimed_until = now() + $3::float8 * interval '1 second', claimed_by = $4,
            attempts = t.attempts + 1
-      FROM due d
-     WHERE (t.instance_id, t.version, t.n) = (d.instance_id, d.version, d.n)
+     WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
  RETURNING t.*
 )
 SELECT {message_columns("greatest(0, extract(epoch FROM now() - created_at))::float8")}
@@ -228,15 +230,15 @@ SELECT count(*) FILTER (WHERE status = 'pending'
   FROM flowlock_outbox
 """
 # One keyset batch of retention: the oldest done messages done before the cutoff, through the
-# done index; SKIP LOCKED, so two engines purging at once never wait for each other.
-# $1 seconds, $2 limit.
+# done index, deleted by the row addresses the subquery locked (a TID scan, as the claim's);
+# SKIP LOCKED, so two engines purging at once never wait for each other. $1 seconds, $2 limit.
 PURGE_MESSAGES = """
 DELETE FROM flowlock_outbox
- WHERE (instance_id, version, n) IN (
-       SELECT instance_id, version, n FROM flowlock_outbox
+ WHERE ctid = ANY(ARRAY(
+       SELECT ctid FROM flowlock_outbox
         WHERE status = 'done' AND done_at < now() - $1::float8 * interval '1 second'
         ORDER BY done_at LIMIT $2
-          FOR UPDATE SKIP LOCKED)
+          FOR UPDATE SKIP LOCKED))
 """
 
 
