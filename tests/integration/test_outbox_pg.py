@@ -353,11 +353,12 @@ async def listeners(url: str, name: str) -> list[int]:
     return [r["pid"] for r in rows]
 
 
-async def test_another_engines_commit_retry_and_drop_wake_a_listener(
+async def test_another_engines_commit_retry_drop_and_release_wake_a_listener(
     engines: MakeEngine, pg_url: str, pg_schema: str
 ) -> None:
     """pending() of one engine is set by NOTIFY when another engine (its own pool) commits a
-    message, retries a dead one or drops one; a commit that emits nothing leaves it unset."""
+    message, retries a dead one, drops one or gives a claim back; a commit that emits nothing,
+    a claim, a failure and a release by someone who does not hold the claim leave it unset."""
     listener = await engines(pool_size=2)
     other = await engines(pool_size=2)
     await other.create(WF, instance_id="a")
@@ -374,6 +375,12 @@ async def test_another_engines_commit_retry_and_drop_wake_a_listener(
         assert (await store.retry_message(m.key) or m).status == "pending"
         await heard_once(event)
         assert await store.drop_message(m.key)
+        await heard_once(event)
+        [n] = await store.claim_messages({"notify": 1}, lease=30, owner="x")
+        assert await stays_unset(event)
+        await store.release_message(n, "someone else")
+        assert await stays_unset(event)
+        await store.release_message(n, "x")
         await heard_once(event)
 
 

@@ -52,9 +52,9 @@ def test_every_table_of_every_statement_is_named_with_the_schema() -> None:
 
 
 def test_the_outbox_wake_function_is_named_with_the_schema() -> None:
-    """The function an operator's retry or drop calls to wake the dispatchers is flowlock's
+    """The function a retry, a drop or a release calls to wake the dispatchers is flowlock's
     too: named with the schema, since the connections have no search_path that finds it."""
-    for text in (outbox_sql.RETRY_MESSAGE, outbox_sql.DROP_MESSAGE):
+    for text in (outbox_sql.RETRY_MESSAGE, outbox_sql.DROP_MESSAGE, outbox_sql.RELEASE_MESSAGE):
         done = qualified(text, "s")
         assert '"s".flowlock_outbox_wake()' in done
         assert not re.search(r'(?<![\w."])flowlock_outbox_wake\b', done)

@@ -118,12 +118,14 @@ class OutboxMethods:
         return changed == 1
 
     async def release_message(self: _Store, message: Message, owner: str) -> None:
-        args = (message.key, owner, message.attempts)
-        await self._call(
-            lambda ops: _execute(ops.session, RELEASE_MESSAGE, *args, key=message.key),
-            message.key,
-            writes=True,
-        )
+        async def release(ops: Operations) -> None:
+            s = ops.session
+            async with s.conn(message.key, writes=True) as conn:
+                await conn.fetchval(
+                    s.sql(RELEASE_MESSAGE), message.key, owner, message.attempts, timeout=s.timeout
+                )
+
+        await self._call(release, message.key, writes=True)
 
     async def next_message_due(self: _Store, kinds: Sequence[str]) -> float | None:
         wanted = list(dict.fromkeys(kinds))

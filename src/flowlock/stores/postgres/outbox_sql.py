@@ -145,10 +145,18 @@ UPDATE flowlock_outbox
        last_error = $4, claimed_until = NULL, claimed_by = NULL
  WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
 """
-# $1 key, $2 owner, $3 attempts.
+# Given back by an engine that is closing: claimable at once, so the dispatchers of the other
+# engines are woken (they would otherwise wait for the lease to run out). $1 key, $2 owner,
+# $3 attempts.
 RELEASE_MESSAGE = """
-UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL
- WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+WITH released AS (
+    UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL
+     WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+ RETURNING 1
+), woken AS (
+    SELECT flowlock_outbox_wake() FROM released
+)
+SELECT count(*) FROM released WHERE (SELECT count(*) FROM woken) >= 0
 """
 # Seconds until a pending message of the kinds is due and free: the earliest due time of one
 # nobody holds, or the end of a claim (a claimer that died) when that comes first. The first
