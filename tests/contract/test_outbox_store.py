@@ -24,7 +24,7 @@ from flowlock.locks import MemoryLocks
 from flowlock.stores import Store
 from flowlock.stores.base import OutboxStore, RowLock
 from lock_probes import wait_until
-from outbox_kit import BOUND, TRACE, WF, emitting, order
+from outbox_store_kit import BOUND, TRACE, WF, emitting, order
 
 StoreFactory = Callable[..., Store]
 KINDS = {"reserve": 100, "notify": 100, "charge": 100}

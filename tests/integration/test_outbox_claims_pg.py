@@ -1,10 +1,11 @@
 """Claiming the outbox on PostgreSQL from many connections and processes at once.
 
 Thousands of messages, several instances' worth each in order, claimed by claimers that each
-have connections of their own (tasks of this process, and two OS processes writing into a sink
-table with a unique key): no message is claimed twice, each instance's messages are delivered
-in order, and every one is delivered. The claim and the dispatcher's other reads walk the
-indexes made for them (checked on their plans).
+have connections of their own (tasks of this process, and two OS processes running
+tests/integration/outbox_claim_worker.py, which write into a sink table with a unique key): no
+message is claimed twice, each instance's messages are delivered in order, and every one is
+delivered. The claim and the dispatcher's other reads walk the indexes made for them (checked
+on their plans).
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from flowlock.stores.postgres.outbox_sql import (
     NEXT_MESSAGE_DUE,
     PURGE_MESSAGES,
 )
-from outbox_kit import BOUND, WF, emitting, order
+from outbox_store_kit import BOUND, WF, emitting, order
 
 pytestmark = pytest.mark.postgres
 
 INSTANCES = 300
 ENTRIES = 5  # per instance, each emitting one "a" and one "b" message: 10 messages in order
 KINDS = ("a", "b")
-WORKER = Path(__file__).with_name("outbox_worker.py")
+WORKER = Path(__file__).with_name("outbox_claim_worker.py")
 
 
 async def fill(url: str, schema: str) -> int:
@@ -140,7 +141,7 @@ async def test_two_processes_deliver_every_message_once_in_order(
     conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(
-            f'CREATE TABLE "{pg_schema}".outbox_sink (seq bigserial, key text PRIMARY KEY,'
+            f'CREATE TABLE "{pg_schema}".claim_sink (seq bigserial, key text PRIMARY KEY,'
             " instance_id text NOT NULL, version bigint NOT NULL, n int NOT NULL,"
             " owner text NOT NULL)"
         )
@@ -173,7 +174,7 @@ async def test_two_processes_deliver_every_message_once_in_order(
                 outputs.append(json.loads(out.decode().strip().splitlines()[-1]))
         gate.assert_overlapped()
         rows = await conn.fetch(
-            f'SELECT instance_id, version, n, owner FROM "{pg_schema}".outbox_sink ORDER BY seq'
+            f'SELECT instance_id, version, n, owner FROM "{pg_schema}".claim_sink ORDER BY seq'
         )
     finally:
         await conn.close()

@@ -32,7 +32,7 @@ from flowlock.stores.postgres import PostgresStore
 from flowlock.stores.postgres.listen import POLL
 from flowlock.stores.postgres.outbox_sql import outbox_channel
 from lock_probes import wait_until
-from outbox_kit import BOUND, QUIET, WF, emitting, order
+from outbox_store_kit import BOUND, QUIET, WF, emitting, order
 
 pytestmark = pytest.mark.postgres
 

@@ -1,4 +1,5 @@
-"""What the outbox store tests share: a workflow whose transitions emit messages, and bounds."""
+"""What the outbox store tests share (the contract and the PostgreSQL tests): a workflow whose
+transitions emit messages, hand-made entries that emit, and bounds."""
 
 from __future__ import annotations
 

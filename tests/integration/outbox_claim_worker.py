@@ -1,11 +1,12 @@
-"""A worker process of the outbox claim race: a PostgreSQL store of its own that claims messages
-and delivers each into a sink table (unique on the message key) until none is left.
+"""A worker process of the outbox claim race (tests/integration/test_outbox_claims_pg.py): a
+PostgreSQL store of its own that claims messages and delivers each into a sink table (unique
+on the message key) until none is left.
 
-Run as ``python outbox_worker.py CONFIG_JSON``. It opens its store, says it is ready through the
-gate (proc_worker's), and once the parent gives the go it claims (``batch`` of each kind at a
-time), inserts each message it claimed into the sink (a duplicate key is counted, not raised),
-then marks them done, until a claim finds nothing and no message is pending or running. It
-prints one JSON object: how many it delivered and how many duplicates it met.
+Run as ``python outbox_claim_worker.py CONFIG_JSON``. It opens its store, says it is ready
+through the gate (proc_worker's), and once the parent gives the go it claims (``batch`` of each
+kind at a time), inserts each message it claimed into the sink (a duplicate key is counted, not
+raised), then marks them done, until a claim finds nothing and no message is pending or running.
+It prints one JSON object: how many it delivered and how many duplicates it met.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from proc_worker import ready_and_wait, record_phase
 BOUND = 120.0  # the most a worker works before it gives up
 
 SINK = """
-INSERT INTO outbox_sink (key, instance_id, version, n, owner)
+INSERT INTO claim_sink (key, instance_id, version, n, owner)
 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::int[], $5::text[])
 ON CONFLICT (key) DO NOTHING
 """
