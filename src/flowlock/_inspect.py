@@ -20,6 +20,7 @@ from flowlock.core.errors import InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance, Timer
+from flowlock.core.outbox import Message
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_instances",
     "entry_dict",
     "instance_dict",
+    "message_dict",
     "next_timer_dict",
     "open_readonly",
     "timer_dict",
@@ -237,6 +239,28 @@ def timer_dict(timer: Timer) -> dict[str, Any]:
         "every": timer.every,
         "limit": timer.limit,
         "claimed_until": _when(timer.claimed_until),
+    }
+
+
+def message_dict(message: Message) -> dict[str, Any]:
+    """One outbox message as JSON-ready values: its key and place (the version that emitted
+    it, `n` among that transition's messages), where its delivery is, and its payload."""
+    return {
+        "key": message.key,
+        "instance_id": message.instance_id,
+        "workflow": message.workflow,
+        "version": message.version,
+        "n": message.n,
+        "kind": message.kind,
+        "status": message.status,
+        "attempts": message.attempts,
+        "last_error": message.last_error,
+        "next_attempt_at": _when(message.next_attempt_at),
+        "created_at": _when(message.created_at),
+        "done_at": _when(message.done_at),
+        "claimed_until": _when(message.claimed_until),
+        "fencing_token": message.fencing_token,
+        "payload": dict(message.payload),
     }
 
 

@@ -88,6 +88,16 @@ def serve(
             "them.",
         ),
     ] = True,
+    outbox: Annotated[
+        bool,
+        _opt(
+            "--outbox/--no-outbox",
+            "FLOWLOCK_OUTBOX",
+            "Deliver outbox messages in this service (the default), to the handlers its app "
+            "registers. --no-outbox takes calls only: messages are still written with their "
+            "transitions, and another engine (a worker with handlers) delivers them.",
+        ),
+    ] = True,
     dev: Annotated[
         bool,
         typer.Option(
@@ -101,7 +111,8 @@ def serve(
     """Run flowlock as an HTTP service (FastAPI on uvicorn).
 
     It serves definitions, instances, events (with If-Match and Idempotency-Key), history,
-    armed timers, /livez, /readyz and /metrics, and fires due timers (unless --no-timers).
+    armed timers, outbox messages, /livez, /readyz and /metrics, fires due timers (unless
+    --no-timers) and delivers outbox messages to its app's handlers (unless --no-outbox).
     OpenAPI is at /openapi.json, docs at /docs.
 
     **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
@@ -136,6 +147,7 @@ def serve(
             schema=schema,
             drain_timeout=drain_timeout,
             timers=timers,
+            outbox=outbox,
         )
         if app_ref is not None:
             from flowlock.core.diagram import load_workflows
