@@ -6,6 +6,7 @@ is refused, and PostgreSQL sessions are read-only, so even a bug here cannot wri
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
@@ -15,14 +16,15 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from flowlock.checker import FINAL_MISMATCH, Verdict, Violation, check
-from flowlock.core.errors import InvalidInput, MigrationError, StoreError
+from flowlock.checker import FINAL_MISMATCH, ORPHAN_MESSAGE, Verdict, Violation, check
+from flowlock.core.errors import InstanceNotFound, InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
+from flowlock.stores.base import OutboxStore
 
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg
@@ -49,6 +51,7 @@ _MIGRATE_HINT = "run `flowlock db migrate` first (these commands never write)"
 # Reads of one instance retried while transitions land between them; see _stable_read.
 _STABLE_TRIES = 5
 _PAGE = 500
+_MESSAGE_PAGE = 1000
 
 
 @asynccontextmanager
@@ -311,14 +314,15 @@ async def walk(
 class CheckReport:
     """What `flowlock check` found.
 
-    The merged verdict, how many instances and history rows were checked, and the ids whose
-    reads never settled. Those were checked on the rows older than them.
+    The merged verdict, how many instances, history rows and outbox messages were checked,
+    and the ids whose reads never settled. Those were checked on the rows older than them.
     """
 
     verdict: Verdict
     instances: int
     rows: int
     unsettled: tuple[str, ...]
+    messages: int = 0
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
@@ -330,15 +334,17 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
     Raises InstanceNotFound if the one instance does not exist.
     """
     found: list[Violation] = []
-    instances = rows = 0
+    instances = rows = messages = 0
     unsettled: list[str] = []
 
     async def one(inst_id: str) -> None:
-        nonlocal instances, rows
-        inst, history, timers, settled = await _stable_read(engine, inst_id)
+        nonlocal instances, rows, messages
+        read = await _stable_read(engine, inst_id)
+        inst, history = read.instance, read.history
         instances += 1
         rows += len(history)
-        if not settled:
+        messages += len(read.messages or ())
+        if not read.settled:
             unsettled.append(inst_id)
         # An instance made by a create under an idempotency key: the key's record says the
         # state and data it was made with, which its history must start from.
@@ -346,7 +352,10 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         lookup = getattr(engine.store, "create_request", None)
         made = None if lookup is None else await lookup(inst_id)
         initial = None if made is None else made[1].state
-        found.extend(check(inst, history, initial_state=initial, timers=timers).violations)
+        verdict = check(
+            inst, history, initial_state=initial, timers=read.timers, messages=read.messages
+        )
+        found.extend(verdict.violations)
         if made is not None and not history and not same_json(inst.data, made[1].data):
             found.append(
                 Violation(
@@ -368,26 +377,93 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
             cursor = page.next_cursor
             if cursor is None:
                 break
-    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled))
+        found.extend(await _homeless_messages(engine))
+    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled), messages)
 
 
-async def _stable_read(
-    engine: Engine, instance_id: str
-) -> tuple[Instance, list[HistoryEntry], list[Timer] | None, bool]:
-    """The instance, its history and its armed timers as of one version, on a live database.
+@dataclass(frozen=True, slots=True)
+class _Read:
+    instance: Instance
+    history: list[HistoryEntry]
+    timers: list[Timer] | None
+    messages: list[Message] | None
+    settled: bool = True
+
+
+async def _read_once(engine: Engine, inst: Instance) -> _Read:
+    instance_id = inst.id
+    history, timers = await engine.history(instance_id), await engine.timers(instance_id)
+    # A store without an outbox (a third-party store) has no messages to check.
+    messages = await engine.messages(instance_id) if _has_outbox(engine) else None
+    return _Read(inst, history, timers, messages)
+
+
+def _has_outbox(engine: Engine) -> bool:
+    return isinstance(engine.store, OutboxStore)
+
+
+async def _stable_read(engine: Engine, instance_id: str) -> _Read:
+    """The instance, its history, its armed timers and its outbox messages as of one version,
+    on a live database.
 
     They are separate reads, so a transition between them would look like a mismatch.
     Reading the instance again and finding the same version proves nothing landed between
-    (timers are armed and voided only by the commits that move the version).
-    An instance that keeps moving is checked on the rows up to the version last read, and its
-    timers are not checked (None): they may belong to a later stay.
+    (timers are armed and voided, and messages written, only by the commits that move the
+    version). An instance that keeps moving is checked on the rows up to the version last
+    read, with the messages of those versions; its timers are not checked (None): they may
+    belong to a later stay.
     """
-    before = await engine.get(instance_id)
-    read = (before, await engine.history(instance_id), await engine.timers(instance_id))
+    read = await _read_once(engine, await engine.get(instance_id))
     for _ in range(_STABLE_TRIES):
         after = await engine.get(instance_id)
-        if after.version == read[0].version:
-            return after, read[1], read[2], True
-        read = (after, await engine.history(instance_id), await engine.timers(instance_id))
-    inst, history, _ = read
-    return inst, [e for e in history if e.version <= inst.version], None, False
+        if after.version == read.instance.version:
+            return dataclasses.replace(read, instance=after)
+        read = await _read_once(engine, after)
+    version = read.instance.version
+    return _Read(
+        read.instance,
+        [e for e in read.history if e.version <= version],
+        None,
+        None if read.messages is None else [m for m in read.messages if m.version <= version],
+        settled=False,
+    )
+
+
+async def _homeless_messages(engine: Engine) -> list[Violation]:
+    """Outbox messages of instances that do not exist, found by walking every message in key
+    order (an instance's messages are read with it; these have no instance to be read with).
+
+    Keys begin with their instance's id, so one instance's messages mostly come together: each
+    id is looked up once per run of its messages.
+    """
+    if not _has_outbox(engine):
+        return []
+    found: list[Violation] = []
+    after: str | None = None
+    last: tuple[str, bool] | None = None  # the id looked up last, and whether it exists
+    while True:
+        page = await engine.find_messages(after=after, limit=_MESSAGE_PAGE)
+        for message in page:
+            if last is None or last[0] != message.instance_id:
+                last = (message.instance_id, await _exists(engine, message.instance_id))
+            if not last[1]:
+                found.append(
+                    Violation(
+                        ORPHAN_MESSAGE,
+                        f"message {message.key!r} ({message.kind!r}, {message.status}) belongs "
+                        f"to instance {message.instance_id!r}, which does not exist: no "
+                        "transition in any history emitted it",
+                        message.version,
+                    )
+                )
+        if len(page) < _MESSAGE_PAGE:
+            return found
+        after = page[-1].key
+
+
+async def _exists(engine: Engine, instance_id: str) -> bool:
+    try:
+        await engine.get(instance_id)
+    except InstanceNotFound:
+        return False
+    return True
