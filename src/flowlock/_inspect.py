@@ -1,7 +1,9 @@
-"""What the inspection commands (`show`, `history`, `list`, `check`, `timers`) read.
+"""What the inspection commands (`show`, `history`, `list`, `check`, `timers`, `outbox list`)
+read.
 
 They open a database without changing it. Migrations never run, a missing file or schema
-is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write.
+is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write. The
+repair commands (`outbox retry`, `outbox drop`) open it the same way, but writable.
 """
 
 from __future__ import annotations
@@ -63,9 +65,27 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
     the database cannot be reached or does not exist. Raises MigrationError when flowlock's
     tables are missing or behind this version.
     """
+    async with _open(url, schema, writes=False) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def open_for_repair(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
+    """An open engine over `url` that may write, for the commands that repair (an operator's
+    `outbox retry` and `outbox drop`): refused, and never migrated, as `open_readonly` is.
+
+    It runs no timer service and registers no handler, so it fires nothing and delivers
+    nothing: it only makes the engine call it is given. Raises as `open_readonly` does.
+    """
+    async with _open(url, schema, writes=True) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def _open(url: str, schema: str | None, *, writes: bool) -> AsyncIterator[Engine]:
     scheme = url.partition("://")[0].lower()
     if scheme in POSTGRES_SCHEMES:
-        async with _postgres(url, schema) as engine:
+        async with _postgres(url, schema, writes=writes) as engine:
             yield engine
     elif scheme == "sqlite":
         if schema is not None:
@@ -83,7 +103,7 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
 
 
 @asynccontextmanager
-async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
+async def _postgres(url: str, schema: str | None, *, writes: bool) -> AsyncIterator[Engine]:
     import asyncpg
 
     from flowlock._pg.errors import wrap_connect
@@ -96,19 +116,26 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
     # creates no schema (a CREATE SCHEMA IF NOT EXISTS needs CREATE rights a reader may lack).
     # Its sessions are made read-only with SET: behind a transaction pooler that SET would stay
     # on a server connection the pooler hands to the application next, so it is refused there.
+    # A repair's sessions are writable, but refused there too: this pool keeps asyncpg's
+    # prepared statements, which a transaction pooler cannot serve.
+    setup = _session_in(schema, read_only=not writes)
     with wrap_connect(url):
         pooling = await probe(
             url, application_name=_NAME, connect_timeout=_CONNECT_TIMEOUT, command_timeout=30
         )
         if pooling == "transaction":
-            raise session_needed("the inspection commands (read-only sessions)")
+            raise session_needed(
+                "the outbox repair commands"
+                if writes
+                else "the inspection commands (read-only sessions)"
+            )
         pool = await asyncpg.create_pool(
             url,
             min_size=1,
             max_size=2,
             # Only what a session pooler accepts at startup; the rest is SET on each acquire.
             server_settings={"application_name": _NAME},
-            setup=_read_only_in(schema),
+            setup=setup,
             timeout=_CONNECT_TIMEOUT,
             command_timeout=30,
         )
@@ -120,9 +147,9 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
         await close_pool(pool)
 
 
-def _read_only_in(schema: str | None) -> SetupHook:
+def _session_in(schema: str | None, *, read_only: bool) -> SetupHook | None:
     """What makes every transaction of a connection read-only (and puts `schema` on its
-    search_path); set on each acquire.
+    search_path); set on each acquire. Writable without a schema: nothing to set (None).
 
     Not a startup setting: `target_session_attrs=read-write` would take a read-only session
     for a standby, so multi-host URLs could never connect, and a session pooler (PgBouncer)
@@ -130,12 +157,14 @@ def _read_only_in(schema: str | None) -> SetupHook:
     `RESET ALL` on release would undo it.
     """
     path = "" if schema is None else f'SET search_path = "{schema}"; '
-    sql = f"{path}SET default_transaction_read_only = on"
+    sql = f"{path}SET default_transaction_read_only = on" if read_only else path.strip()
+    if not sql:
+        return None
 
-    async def read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
+    async def on_acquire(conn: asyncpg.pool.PoolConnectionProxy) -> None:
         await conn.execute(sql)
 
-    return read_only
+    return on_acquire
 
 
 async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:
