@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import Annotated, TypeVar
 
-import click
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -308,7 +307,7 @@ def _confirmed(question: str) -> bool:
     """The operator's answer; no answer (stdin closed, Ctrl-C) is a no."""
     try:
         return typer.confirm(question, default=False)
-    except click.exceptions.Abort:
+    except typer.Abort:
         stderr().print()
         return False
 
