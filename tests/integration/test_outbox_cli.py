@@ -208,6 +208,25 @@ def test_retry_makes_a_dead_message_pending_again(cli: CliRunner, db: Db) -> Non
     assert bad.exit_code == 2
 
 
+def test_retry_leaves_a_message_being_delivered_alone(cli: CliRunner, db: Db) -> None:
+    """A message an engine holds (running) is not retried under its delivery: exit 1, saying
+    when its claim runs out; nothing changed."""
+
+    async def claim() -> None:
+        async with flowlock.Engine.connect(db.url, schema=db.schema, timers=False) as engine:
+            store = engine.store
+            assert isinstance(store, OutboxStore)
+            [held] = await store.claim_messages({"charge": 1}, lease=300.0, owner="other")
+            assert held.key == "o-2:2:0"
+
+    asyncio.run(claim())
+    result = _run(cli, db, "outbox", "retry", "o-2:2:0")
+    assert result.exit_code == 1, result.output
+    assert "is being delivered now (its claim runs out at" in _text(result)
+    [held] = _listed(cli, db, "-i", "o-2", "--kind", "charge")["messages"]
+    assert (held["status"], held["attempts"]) == ("running", 1)
+
+
 def test_drop_asks_first_unless_yes(cli: CliRunner, db: Db) -> None:
     """drop shows the message and asks: no (or no answer) keeps it, exit 1; yes deletes it;
     --yes deletes without asking; a key already gone is an error (exit 1)."""

@@ -247,14 +247,24 @@ def retry(
     """Deliver a dead (or waiting) message again now, its attempts counted from 0.
 
     A running engine with a handler for its kind picks it up at once; its last error is kept
-    until the next attempt. A done message is never sent again: retrying one is refused.
+    until the next attempt. A done message is never sent again, and one an engine is
+    delivering now (running) is left to that delivery: retrying either is refused.
 
-    Writes. Exits 1 if no message has that key, or it is done.
+    Writes. Exits 1 if no message has that key, or it is done or running.
     """
     checked = _key(key)
 
     async def act(engine: Engine) -> Message:
         _outbox(engine)
+        found = await engine.message(checked)
+        if found.status == "running":
+            # Its claim would be cleared under the delivery in flight: delivered twice at
+            # once, and its done mark would then count no attempt.
+            raise InvalidInput(
+                f"message {checked!r} is being delivered now (its claim runs out at "
+                f"{when(found.claimed_until)}); retry it if that delivery ends dead, or once "
+                "its claim has run out"
+            )
         return await engine.retry_message(checked)
 
     message = _repair(database_url, schema, act)
