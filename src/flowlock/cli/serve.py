@@ -93,9 +93,10 @@ def serve(
         _opt(
             "--outbox/--no-outbox",
             "FLOWLOCK_OUTBOX",
-            "Deliver outbox messages in this service (the default), to the handlers its app "
-            "registers. --no-outbox takes calls only: messages are still written with their "
-            "transitions, and another engine (a worker with handlers) delivers them.",
+            "Let this service's engines deliver outbox messages (the default), to the "
+            "handlers registered on them (--app registers none). --no-outbox delivers none "
+            "(outbox=False): messages are still written with their transitions, and engines "
+            "with handlers (your workers) deliver them.",
         ),
     ] = True,
     dev: Annotated[
@@ -111,8 +112,8 @@ def serve(
     """Run flowlock as an HTTP service (FastAPI on uvicorn).
 
     It serves definitions, instances, events (with If-Match and Idempotency-Key), history,
-    armed timers, outbox messages, /livez, /readyz and /metrics, fires due timers (unless
-    --no-timers) and delivers outbox messages to its app's handlers (unless --no-outbox).
+    armed timers, outbox messages, /livez, /readyz and /metrics, and fires due timers
+    (unless --no-timers).
     OpenAPI is at /openapi.json, docs at /docs.
 
     **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
