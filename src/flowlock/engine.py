@@ -155,6 +155,7 @@ class Engine(OutboxMethods):
                 batch=options.get("timer_batch", DEFAULT_TIMER_BATCH),
                 metrics=metrics,
             )
+        self._init_outbox(options, metrics)
         self._open = False
 
     @classmethod
@@ -194,6 +195,7 @@ class Engine(OutboxMethods):
             if self._sync is not None:
                 self._sync.start()
             self._start_timers()
+            self._start_dispatcher()
         return self
 
     async def aclose(self) -> None:
@@ -202,6 +204,7 @@ class Engine(OutboxMethods):
             if self._timer_service is not None:
                 # While the engine is still open, so firings in flight end well.
                 await self._timer_service.stop()
+            await self._stop_dispatcher()  # the same: a Then in flight is fired before closing
             self._open = False
             if self._batcher is not None:
                 # Batches already taken finish (each call is bounded) before the store closes.
@@ -498,6 +501,7 @@ class Engine(OutboxMethods):
                 expected_version=expected_version,
                 strategy="",
                 timer=timer,
+                trace=None if span is None else span.traceparent(),
             )
             if connection is not None:
                 joinable = transactional(self._store)
