@@ -194,8 +194,7 @@ class Engine(OutboxMethods):
             self._open = True
             if self._sync is not None:
                 self._sync.start()
-            self._start_timers()
-            self._start_dispatcher()
+            self._start_services()
         return self
 
     async def aclose(self) -> None:
@@ -270,7 +269,7 @@ class Engine(OutboxMethods):
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
-        self._start_timers()
+        self._start_services()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
             for wf in self._workflows.values()

@@ -322,6 +322,36 @@ async def test_a_then_the_workflow_refuses_is_dead_at_once() -> None:
         assert (await engine.get("o1")).state == "reserved"
 
 
+async def test_a_then_for_a_workflow_this_engine_does_not_know_is_retried() -> None:
+    """The dispatcher starts once a workflow is registered; a Then whose workflow this engine
+    has not registered (another engine's, or not yet) is retried, not dead, and applies once
+    the workflow is registered."""
+    store = MemoryStore()
+    async with flowlock.Engine(store) as first:
+        await first.register(shop())
+        await first.create("shop", instance_id="o1")
+        await first.fire("o1", "reserve")
+
+    async def handler(message: flowlock.Message) -> flowlock.Then:
+        return flowlock.Then("charged")
+
+    async with flowlock.Engine(store, outbox_backoff=FAST) as second:
+        second.on_emit("charge", handler, max_attempts=1000)
+        await asyncio.sleep(0.05)
+        assert not _dispatcher(second).running  # no workflow yet: nothing to fire a Then at
+        await second.register(noter())
+        assert _dispatcher(second).running
+
+        async def retried() -> bool:
+            shown = await second.message("o1:2:0")
+            return shown.status != "dead" and "UnknownWorkflow" in (shown.last_error or "")
+
+        await wait_until(retried)
+        await second.register(shop())
+        await status_is(second, "o1:2:0", "done")
+        assert (await second.get("o1")).state == "charged"
+
+
 # -- retention, closing, idling ----------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from flowlock._calls import check_text
+from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, MessageNotFound
 from flowlock.core.models import Outcome, TimerFiring
 from flowlock.core.outbox import (
@@ -80,11 +81,14 @@ class OutboxMethods:
 
     _store: Store
     _open: bool
+    _workflows: dict[str, Workflow]
     _handlers: dict[str, Handler]
     _dispatcher: Dispatcher | None
     _outbox_lease: float
 
     def _check_open(self) -> None: ...  # the engine's
+
+    def _start_timers(self) -> None: ...  # the engine's
 
     async def _fire(  # the engine's
         self, instance_id: str, event: str, actor: str | None, request_id: str | None,
@@ -163,11 +167,18 @@ class OutboxMethods:
         outbox)."""
         return self._dispatcher
 
+    def _start_services(self) -> None:
+        """Start (or wake) the timer service and the dispatcher, once there is work for them
+        (the engine opened, or a workflow was registered)."""
+        self._start_timers()
+        self._start_dispatcher()
+
     def _start_dispatcher(self) -> None:
-        """Run the dispatcher once the engine is open and has a handler; a handler registered
-        later makes it look again at once."""
+        """Run the dispatcher once the engine is open, has a handler and a workflow (so that
+        a handler's Then finds its workflow); a handler registered later makes it look again
+        at once."""
         dispatcher = self._dispatcher
-        if dispatcher is None or not self._open or not self._handlers:
+        if dispatcher is None or not self._open or not self._handlers or not self._workflows:
             return
         if dispatcher.running:
             dispatcher.wake()

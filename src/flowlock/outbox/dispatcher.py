@@ -36,6 +36,7 @@ from flowlock.core.errors import (
     StepFailed,
     StoreError,
     TransitionRefused,
+    UnknownWorkflow,
 )
 from flowlock.core.models import Outcome
 from flowlock.core.outbox import Message, Then
@@ -101,6 +102,9 @@ OUTCOMES = ("done", "then", "retried", "dead")
 
 # What the workflow answers a Then that can never apply as it is: trying again cannot help.
 _REFUSED_THEN = (TransitionRefused, InvalidInput, StepFailed, InstanceNotFound, DefinitionError)
+# What may pass: a lost race, the store, or a workflow this engine has not registered (yet, or
+# in a rolling deploy another engine knows it).
+_RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,10 +452,10 @@ class Dispatcher:
         what = f"its Then({then.event!r})"
         try:
             await self._fire_then(message, then)
+        except _RETRIED_THEN as exc:
+            return await self._failed(handler, message, f"{what} failed: {_text(exc)}")
         except _REFUSED_THEN as exc:
             return await self._dead(message, f"{what} was refused: {_text(exc)}")
-        except (ConcurrencyError, StoreError, EngineClosed) as exc:
-            return await self._failed(handler, message, f"{what} failed: {_text(exc)}")
         self._finished(message)
         return "then"
 
