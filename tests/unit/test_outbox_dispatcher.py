@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -570,3 +571,40 @@ async def test_no_trace_is_kept_without_tracing() -> None:
         await engine.register(noter())
         await noted(engine, "n1")
         assert (await engine.message("n1:2:0")).trace is None
+
+
+def test_the_sync_engine_delivers_on_its_own_loop_thread() -> None:
+    """flowlock.sync.Engine.on_emit: handlers registered before open (sync) and after (async)
+    run while the caller's thread does other things; a Then chain completes."""
+    import flowlock.sync
+
+    seen: list[str] = []
+    shipped = threading.Event()
+
+    def charge(message: flowlock.Message) -> flowlock.Then:
+        seen.append(message.key)
+        return flowlock.Then("charged")
+
+    async def ship(message: flowlock.Message) -> flowlock.Then:
+        seen.append(message.key)
+        shipped.set()
+        return flowlock.Then("shipped")
+
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.on_emit("charge", charge)
+        engine.register(shop())
+        engine.create("shop", instance_id="o1")
+        engine.on_emit("ship", ship)
+        engine.fire("o1", "reserve")
+        assert shipped.wait(10)
+        deadline = time.monotonic() + 10
+        while engine.get("o1").state != "shipped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.get("o1").state == "shipped"
+    assert seen == ["o1:2:0", "o1:3:0"]
+    unopened = flowlock.sync.Engine.connect("memory://")
+    try:
+        with pytest.raises(flowlock.InvalidInput):
+            unopened.on_emit("bad kind", charge)
+    finally:
+        unopened.close()
