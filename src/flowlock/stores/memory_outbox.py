@@ -125,7 +125,7 @@ class MemoryOutbox:
                 and (h.claimed_until is None or h.claimed_until <= now)
                 and h.message.key not in blocked
             ]
-            ready.sort(key=lambda h: (h.created, _order(h)))
+            ready.sort(key=lambda h: (h.due, _order(h)))
             for held in ready[: max(0, limit)]:
                 held.claimed_until, held.owner = now + lease, owner
                 held.message = dataclasses.replace(held.message, attempts=held.message.attempts + 1)

@@ -2,6 +2,9 @@
 
 - `sql`: statement texts, query builders, value encoding;
 - `txn`: the transactions, each run whole on a connection's thread;
+- `timers`, `outbox_sql`: the timers' and the outbox's statements and transactions;
+- `timer_methods`, `outbox`: the TimerStore and OutboxStore methods, mixins of the store
+  (`part`: what they use of it);
 - `pool`: the connections and their threads;
 - `store`: [`SqliteStore`][flowlock.stores.sqlite.SqliteStore], which composes them.
 """

@@ -14,9 +14,8 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
@@ -29,30 +28,21 @@ from flowlock.core.errors import (
     StoreError,
 )
 from flowlock.core.lifecycle import AsyncResource
-from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timer, Timing
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores._batch import distinct_batches
-from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.sqlite.outbox import SqliteOutbox
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
 from flowlock.stores.sqlite.sql import (
     dump_json,
     is_busy,
     millis,
 )
-from flowlock.stores.sqlite.timers import (
-    any_claimable_txn,
-    cancel_txn,
-    claim_txn,
-    count_timers_txn,
-    drop_txn,
-    due_timers_txn,
-    get_shown_txn,
-    next_due_txn,
-    release_txn,
-    timers_txn,
-)
+from flowlock.stores.sqlite.timer_methods import SqliteTimers
+from flowlock.stores.sqlite.timers import get_shown_txn
 from flowlock.stores.sqlite.txn import (
-    Armed,
+    Wake,
     bounded,
     commit_many_txn,
     commit_txn,
@@ -79,7 +69,7 @@ _URL_PREFIX: Final = "sqlite:///"
 _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
 
 
-class SqliteStore(AsyncResource):
+class SqliteStore(SqliteTimers, SqliteOutbox, AsyncResource):
     """Instances and history in one SQLite database file.
 
     Connections: a small pool (`pool_size`, default 4) of connections, each on its own thread,
@@ -105,6 +95,10 @@ class SqliteStore(AsyncResource):
     written in the transaction of the commit that arms them. `armed()` is set by this store
     object's commits only: an engine in another process sharing the file sees an earlier timer
     armed there when it next looks (at a due time, or within the timer service's idle bound).
+
+    Outbox: messages are written in the commit's transaction, times on the same wall clock.
+    `pending()` is set by this store object's commits, and every `outbox_poll` seconds (default
+    2) so that a dispatcher here finds another process's messages within that bound.
     """
 
     def __init__(
@@ -115,6 +109,7 @@ class SqliteStore(AsyncResource):
         auto_migrate: bool = True,
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
+        outbox_poll: float = 2.0,
     ) -> None:
         try:
             self.path: str = os.fspath(path)
@@ -131,11 +126,13 @@ class SqliteStore(AsyncResource):
         check_count("pool_size", pool_size, most=_MAX_POOL, unit="connections")
         self.auto_migrate = auto_migrate
         self.acquire_timeout = check_seconds("acquire_timeout", acquire_timeout)
+        self.outbox_poll = check_seconds("outbox_poll", outbox_poll)
         # Every connection to ":memory:" (or "", a private temporary file) is its own database.
         self.pool_size = 1 if self.path in (":memory:", "") else pool_size
         self._pool: Pool | None = None
         self._lifecycle = asyncio.Lock()
-        self._signals: set[ArmedSignal] = set()
+        self._init_timers()
+        self._init_outbox()
 
     @classmethod
     def from_url(
@@ -146,6 +143,7 @@ class SqliteStore(AsyncResource):
         auto_migrate: bool = True,
         pool_size: int = 4,
         acquire_timeout: float = 30.0,
+        outbox_poll: float = 2.0,
     ) -> SqliteStore:
         """A store for `sqlite:///relative/path.db`, `sqlite:////abs/path.db` or
         `sqlite:///:memory:`. Nothing is opened until
@@ -164,6 +162,7 @@ class SqliteStore(AsyncResource):
             auto_migrate=auto_migrate,
             pool_size=pool_size,
             acquire_timeout=acquire_timeout,
+            outbox_poll=outbox_poll,
         )
 
     def __repr__(self) -> str:
@@ -352,7 +351,7 @@ class SqliteStore(AsyncResource):
         timings = tuple(arm)
         return await self._write(
             instance.id,
-            lambda conn, armed: create_txn(conn, instance, data, request_id, timings, armed),
+            lambda conn, wake: create_txn(conn, instance, data, request_id, timings, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="create",
@@ -365,7 +364,7 @@ class SqliteStore(AsyncResource):
         batch = encode(entries_of(entries))
         return await self._write(
             batch.instance_id,
-            lambda conn, armed: commit_txn(conn, batch, armed),
+            lambda conn, wake: commit_txn(conn, batch, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="commit",
@@ -381,7 +380,7 @@ class SqliteStore(AsyncResource):
             return []
         return await self._write(
             encoded[0].instance_id,
-            lambda conn, armed: commit_many_txn(conn, encoded, armed),
+            lambda conn, wake: commit_many_txn(conn, encoded, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="commit_many",
@@ -396,7 +395,7 @@ class SqliteStore(AsyncResource):
         InstanceNotFound, or what `plan` raised."""
         return await self._write(
             instance_id,
-            lambda conn, armed: locked_txn(conn, instance_id, request_ids, plan, armed),
+            lambda conn, wake: locked_txn(conn, instance_id, request_ids, plan, wake),
             bound=min(lock.timeout, self.busy_timeout),
             nowait=lock.nowait,
             what="apply_locked",
@@ -405,20 +404,20 @@ class SqliteStore(AsyncResource):
     async def _write(
         self,
         key: str,
-        txn: Callable[[sqlite3.Connection, Armed], T],
+        txn: Callable[[sqlite3.Connection, Wake], T],
         *,
         bound: float,
         nowait: bool,
         what: str,
     ) -> T:
         """Run `txn` in a write transaction; once it committed, wake this store's timer
-        services if it armed timers."""
-        armed: Armed = []
-        result = await self._write_txn(key, lambda conn: txn(conn, armed), bound, nowait, what)
-        if armed:
-            soonest = min(armed)
-            for signal in self._signals:
-                signal.due_in(soonest)
+        services if it armed timers, and its outbox dispatchers if it wrote messages."""
+        wake = Wake()
+        result = await self._write_txn(key, lambda conn: txn(conn, wake), bound, nowait, what)
+        if wake.timers:
+            self._wake_timers(min(wake.timers))
+        if wake.messages:
+            self._wake_outbox()
         return result
 
     async def _write_txn(
@@ -449,91 +448,6 @@ class SqliteStore(AsyncResource):
                     raise LockBusy(key) from exc
                 raise LockTimeout(key, time.monotonic() - started) from exc
             raise self._error(exc, what) from exc
-
-    # -- timers (TimerStore; due times on this host's wall clock) ----------------------------------
-
-    async def claim_timers(
-        self, workflows: Sequence[str], *, limit: int, lease: float, owner: str
-    ) -> list[Timer]:
-        """At most `limit` due, unclaimed timers of `workflows`, earliest due first, claimed by
-        `owner` for `lease` seconds in one write transaction (no two claimers get one timer)."""
-        names = tuple(workflows)
-        if limit <= 0 or not names:
-            self._live()
-            return []
-        # A read first: the write lock is taken only when something is due.
-        if not await self._read(any_claimable_txn, names, what="claim_timers"):
-            return []
-        return await self._write(
-            self.path,  # SQLite's write lock is the whole database's
-            lambda conn, _: claim_txn(conn, names, limit, lease, owner),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="claim_timers",
-        )
-
-    async def release_timer(self, timer: Timer, owner: str) -> None:
-        """Give back `owner`'s claim on `timer` (nothing if the claim is not `owner`'s)."""
-        await self._write(
-            timer.instance_id,
-            lambda conn, _: release_txn(conn, timer, owner),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="release_timer",
-        )
-
-    async def cancel_timer(self, timer: Timer) -> bool:
-        """End one firing of `timer` that applied nothing (a reminder moves on, the rest are
-        deleted); False, with nothing changed, when it moved on or was voided meanwhile."""
-        return await self._write(
-            timer.instance_id,
-            lambda conn, _: cancel_txn(conn, timer),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="cancel_timer",
-        )
-
-    async def drop_timer(self, timer: Timer) -> bool:
-        """Delete `timer` (a stale or cancelled firing: a reminder goes too) while it is still
-        at that stay and firing; False, with nothing changed, when it moved on or was voided."""
-        return await self._write(
-            timer.instance_id,
-            lambda conn, _: drop_txn(conn, timer),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="drop_timer",
-        )
-
-    async def next_due(self, workflows: Sequence[str]) -> float | None:
-        """Seconds until a timer of `workflows` can be claimed (0: now), None if none is armed."""
-        names = tuple(workflows)
-        if not names:
-            self._live()
-            return None
-        return await self._read(next_due_txn, names, what="next_due")
-
-    async def timers(self, instance_id: str) -> list[Timer]:
-        """The instance's armed timers, earliest due first."""
-        return await self._read(timers_txn, instance_id, what="timers")
-
-    async def due_timers(self, *, within: float, limit: int) -> list[Timer]:
-        """At most `limit` timers due within `within` seconds or overdue, with their lag."""
-        return await self._read(due_timers_txn, within, max(limit, 0), what="due_timers")
-
-    async def count_timers(self) -> int:
-        """How many timers are armed."""
-        return await self._read(count_timers_txn, what="count_timers")
-
-    @asynccontextmanager
-    async def armed(self) -> AsyncIterator[ArmedSignal]:
-        """A signal set when a commit of this store object arms a timer (other processes'
-        arms are not seen: see the class docstring)."""
-        signal = ArmedSignal()
-        self._signals.add(signal)
-        try:
-            yield signal
-        finally:
-            self._signals.discard(signal)
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from flowlock.core import migrations
@@ -14,6 +14,7 @@ from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
 from flowlock.stores._batch import entering, planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan
+from flowlock.stores.sqlite.outbox_sql import MessageRow, message_rows, write_messages
 from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
     HISTORY_COLUMNS,
@@ -36,9 +37,17 @@ from flowlock.stores.sqlite.sql import (
 )
 from flowlock.stores.sqlite.timers import after_commit, arm
 
-# Each write transaction appends here the soonest `after` of the timers it armed, so that the
-# store, once the transaction committed, wakes this process's timer services (`armed()`).
-Armed = list[float]
+
+@dataclass(slots=True)
+class Wake:
+    """What a write transaction asks the store to wake once it committed (never before: a
+    rolled back write wakes nobody). `timers`: the soonest `after` of each arm, for this
+    process's timer services (`armed()`); `messages`: it wrote a claimable message, for this
+    process's outbox dispatchers (`pending()`)."""
+
+    timers: list[float] = field(default_factory=list)
+    messages: bool = False
+
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -197,7 +206,7 @@ def create_txn(
     data: str,
     request_id: str | None,
     timings: Sequence[Timing],
-    armed: Armed,
+    wake: Wake,
 ) -> Instance:
     """Insert `instance` (and its create key, when given) at version 1 and stay 1, arming
     `timings`, in this write transaction; a key recorded before answers its first create instead
@@ -221,7 +230,7 @@ def create_txn(
     made = get_txn(conn, instance.id)
     soonest = arm(conn, made, 1, timings, time.time())
     if soonest is not None:
-        armed.append(soonest)
+        wake.timers.append(soonest)
     return made
 
 
@@ -248,6 +257,8 @@ class _Batch:
     # whether any entry arms, voids or fires a timer (if not, no timer statement runs).
     stay: int | None
     timed: bool
+    # The outbox rows of the entries' emits (none: no outbox statement runs).
+    messages: tuple[MessageRow, ...]
 
     @property
     def instance_id(self) -> str:
@@ -263,14 +274,15 @@ def encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
         tuple(dump_json(e.payload, f"payload of the history entry for {iid!r}") for e in batch),
         None if entered is None else entered.version,
         any(e.arm or e.voids or e.timer is not None for e in batch),
+        message_rows(batch),
     )
 
 
-def _write_batch(conn: sqlite3.Connection, batch: _Batch, armed: Armed) -> Instance | None:
-    """The compare-and-swap of one instance's batch, its history rows and what it does to the
-    instance's timers; None when it lost, and then it wrote nothing (every check comes before
-    the first write: this transaction holds the database's write lock, so nothing changes
-    between them)."""
+def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instance | None:
+    """The compare-and-swap of one instance's batch, its history rows, what it does to the
+    instance's timers and the messages it emits; None when it lost, and then it wrote nothing
+    (every check comes before the first write: this transaction holds the database's write
+    lock, so nothing changes between them)."""
     first, last = batch.entries[0], batch.entries[-1]
     request_ids = [e.request_id for e in batch.entries if e.request_id is not None]
     if request_ids and _rows_of_requests(conn, first.instance_id, request_ids):
@@ -319,23 +331,26 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, armed: Armed) -> Insta
     if batch.timed:
         soonest = after_commit(conn, committed, batch.entries)
         if soonest is not None:
-            armed.append(soonest)
+            wake.timers.append(soonest)
+    if batch.messages:
+        write_messages(conn, committed, batch.messages)
+        wake.messages = True
     return committed
 
 
-def commit_txn(conn: sqlite3.Connection, batch: _Batch, armed: Armed) -> Instance | None:
-    committed = _write_batch(conn, batch, armed)
+def commit_txn(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instance | None:
+    committed = _write_batch(conn, batch, wake)
     if committed is None:
         raise _Discard(None)  # a lost compare-and-swap writes nothing
     return committed
 
 
 def commit_many_txn(
-    conn: sqlite3.Connection, batches: list[_Batch], armed: Armed
+    conn: sqlite3.Connection, batches: list[_Batch], wake: Wake
 ) -> list[Instance | None]:
     # A lost compare-and-swap writes nothing before it returns None (see _write_batch), so the
     # winners commit with it; an error rolls the whole transaction back.
-    return [_write_batch(conn, batch, armed) for batch in batches]
+    return [_write_batch(conn, batch, wake) for batch in batches]
 
 
 def locked_txn(
@@ -343,13 +358,13 @@ def locked_txn(
     instance_id: str,
     request_ids: Sequence[str],
     plan: Plan,
-    armed: Armed,
+    wake: Wake,
 ) -> LockedResult:
     snapshot = _snapshot(conn, instance_id, request_ids)
     planned = planned_entries(instance_id, plan(snapshot))
     if not planned:
         raise _Discard(LockedResult(snapshot, None))
-    committed = _write_batch(conn, encode(planned), armed)
+    committed = _write_batch(conn, encode(planned), wake)
     if committed is None:
         raise refused_plan(instance_id, planned, snapshot)
     return LockedResult(snapshot, committed)
