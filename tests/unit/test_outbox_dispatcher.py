@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +18,20 @@ from prometheus_client import CollectorRegistry
 import flowlock
 from flowlock.core.outbox import OUTBOX_ACTOR
 from flowlock.outbox.dispatcher import Dispatcher, backoff_delay
+from flowlock.stores.base import OutboxStore
 from flowlock.stores.memory import MemoryStore
+from flowlock.stores.sqlite import SqliteStore
 from lock_probes import wait_until
 from outbox_kit import noted, noter, shop, status_is
 from span_probes import attrs, recording, span_id
 
 FAST = (0.001, 0.01)  # outbox_backoff for tests: retries within milliseconds
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database URL on each store that runs without a server."""
+    return "memory://" if request.param == "memory" else f"sqlite:///{tmp_path / 'outbox.db'}"
 
 
 def _dispatcher(engine: flowlock.Engine) -> Dispatcher:
@@ -34,14 +43,14 @@ def _dispatcher(engine: flowlock.Engine) -> Dispatcher:
 # -- delivery --------------------------------------------------------------------------------
 
 
-async def test_an_async_handler_gets_the_message_and_it_is_done() -> None:
+async def test_an_async_handler_gets_the_message_and_it_is_done(url: str) -> None:
     """An async handler receives kind, key, instance, payload, attempt; None marks it done."""
     got: list[flowlock.Message] = []
 
     async def handler(message: flowlock.Message) -> None:
         got.append(message)
 
-    async with flowlock.connect("memory://") as engine:
+    async with flowlock.connect(url) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler)  # after open
         await noted(engine, "n1")
@@ -69,7 +78,7 @@ async def test_a_sync_handler_runs_in_a_worker_thread() -> None:
     assert threads[0] != threading.main_thread().name
 
 
-async def test_a_message_held_by_a_dead_claimer_is_taken_over_after_its_lease() -> None:
+async def test_a_message_held_by_a_dead_claimer_is_taken_over_after_its_lease(url: str) -> None:
     """At least once: a claim whose holder died runs out, and the message is delivered again
     under the same key, as attempt 2."""
     got: list[flowlock.Message] = []
@@ -77,11 +86,11 @@ async def test_a_message_held_by_a_dead_claimer_is_taken_over_after_its_lease() 
     async def handler(message: flowlock.Message) -> None:
         got.append(message)
 
-    async with flowlock.connect("memory://") as engine:
+    async with flowlock.connect(url) as engine:
         await engine.register(noter())
         await noted(engine, "n1")
         store = engine.store
-        assert isinstance(store, MemoryStore)
+        assert isinstance(store, OutboxStore)
         [held] = await store.claim_messages({"k": 1}, lease=0.3, owner="a-process-that-died")
         engine.on_emit("k", handler)
         await asyncio.sleep(0.1)
@@ -92,7 +101,7 @@ async def test_a_message_held_by_a_dead_claimer_is_taken_over_after_its_lease() 
     assert (message.key, message.attempt) == (held.key, 2)
 
 
-async def test_messages_of_one_instance_are_delivered_in_order() -> None:
+async def test_messages_of_one_instance_are_delivered_in_order(url: str) -> None:
     """Per instance, messages go one at a time in (version, n) order, whatever the
     concurrency; instances go side by side."""
     seen: dict[str, list[tuple[int, int]]] = {}
@@ -108,7 +117,7 @@ async def test_messages_of_one_instance_are_delivered_in_order() -> None:
         running.discard(message.instance_id)
 
     ids = [f"i{n}" for n in range(5)]
-    async with flowlock.connect("memory://") as engine:
+    async with flowlock.connect(url) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler, concurrency=8)
         for _ in range(4):
@@ -124,7 +133,7 @@ async def test_messages_of_one_instance_are_delivered_in_order() -> None:
         assert seen[iid] == [(v, n) for v in range(2, 6) for n in range(3)]
 
 
-async def test_concurrency_per_kind_is_bounded() -> None:
+async def test_concurrency_per_kind_is_bounded(url: str) -> None:
     """With concurrency=3, at most three messages of the kind are in flight at once, and
     three are; another kind has its own bound."""
     gate = asyncio.Event()
@@ -137,7 +146,7 @@ async def test_concurrency_per_kind_is_bounded() -> None:
         await gate.wait()
         flight[message.kind] -= 1
 
-    async with flowlock.connect("memory://") as engine:
+    async with flowlock.connect(url) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler, concurrency=3)
         engine.on_emit("other", handler, concurrency=2)
@@ -163,7 +172,9 @@ async def test_concurrency_per_kind_is_bounded() -> None:
 # -- failures --------------------------------------------------------------------------------
 
 
-async def test_a_handler_that_always_fails_ends_dead_and_a_retry_by_hand_delivers_it() -> None:
+async def test_a_handler_that_always_fails_ends_dead_and_a_retry_by_hand_delivers_it(
+    url: str,
+) -> None:
     """Retried with backoff up to max_attempts, then dead with its last error; retry_message
     delivers it again with a fresh count."""
     calls: list[int] = []
@@ -174,7 +185,7 @@ async def test_a_handler_that_always_fails_ends_dead_and_a_retry_by_hand_deliver
         if broken:
             raise ValueError("the receiver is down")
 
-    async with flowlock.connect("memory://", outbox_backoff=FAST) as engine:
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler, max_attempts=4)
         await noted(engine, "n1")
@@ -193,7 +204,7 @@ async def test_a_handler_that_always_fails_ends_dead_and_a_retry_by_hand_deliver
         assert calls == [1, 2, 3, 4, 1]
 
 
-async def test_delivery_refused_is_dead_at_once() -> None:
+async def test_delivery_refused_is_dead_at_once(url: str) -> None:
     """A handler raising DeliveryRefused is not retried."""
     calls: list[int] = []
 
@@ -201,7 +212,7 @@ async def test_delivery_refused_is_dead_at_once() -> None:
         calls.append(message.attempt)
         raise flowlock.DeliveryRefused("the receiver said 400: no such customer")
 
-    async with flowlock.connect("memory://", outbox_backoff=FAST) as engine:
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler)
         await noted(engine, "n1")
@@ -211,7 +222,7 @@ async def test_delivery_refused_is_dead_at_once() -> None:
     assert dead.last_error is not None and "no such customer" in dead.last_error
 
 
-async def test_a_handler_past_its_timeout_is_retried() -> None:
+async def test_a_handler_past_its_timeout_is_retried(url: str) -> None:
     """A handler that takes longer than its timeout is cut off and tried again."""
     calls: list[int] = []
 
@@ -220,7 +231,7 @@ async def test_a_handler_past_its_timeout_is_retried() -> None:
         if message.attempt == 1:
             await asyncio.sleep(5)
 
-    async with flowlock.connect("memory://", outbox_backoff=FAST) as engine:
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler, timeout=0.1)
         await noted(engine, "n1")
@@ -259,22 +270,36 @@ def test_backoff_is_full_jitter_doubling_to_a_cap() -> None:
 # -- Then ------------------------------------------------------------------------------------
 
 
+def _first_marks_lost(keys: Sequence[str], lost: set[str]) -> list[str]:
+    """The keys whose done mark goes through: each key's first one is lost."""
+    kept = [k for k in keys if k in lost]
+    lost.update(keys)
+    return kept
+
+
 class LosesDoneMarks(MemoryStore):
     """A memory store that loses the first done mark of every message, as if the engine died
     after the handler (and its Then) and before writing "done": each message is delivered
     again once its claim runs out."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost: set[str] = set()
+    lost: set[str]
 
     async def finish_messages(self, keys: Sequence[str]) -> int:
-        kept = [k for k in keys if k in self.lost]
-        self.lost.update(keys)
-        return await super().finish_messages(kept)
+        return await super().finish_messages(_first_marks_lost(keys, self.lost))
 
 
-async def test_a_then_chain_applies_exactly_once_when_each_message_is_delivered_twice() -> None:
+class SqliteLosesDoneMarks(SqliteStore):
+    """The same on SQLite."""
+
+    lost: set[str]
+
+    async def finish_messages(self, keys: Sequence[str]) -> int:
+        return await super().finish_messages(_first_marks_lost(keys, self.lost))
+
+
+async def test_a_then_chain_applies_exactly_once_when_each_message_is_delivered_twice(
+    url: str,
+) -> None:
     """reserve -> charge -> ship: each handler returns a Then, fired under the message key;
     delivered twice, each Then applies once (the second answers idempotent)."""
     calls: list[tuple[str, int]] = []
@@ -287,7 +312,8 @@ async def test_a_then_chain_applies_exactly_once_when_each_message_is_delivered_
         calls.append((message.kind, message.attempt))
         return flowlock.Then("shipped", actor="warehouse")
 
-    store = LosesDoneMarks()
+    store = LosesDoneMarks() if url == "memory://" else SqliteLosesDoneMarks(url[10:])
+    store.lost = set()
     async with flowlock.Engine(store, outbox_lease=0.3) as engine:
         await engine.register(shop())
         engine.on_emit("charge", charge, timeout=0.2)
@@ -305,13 +331,13 @@ async def test_a_then_chain_applies_exactly_once_when_each_message_is_delivered_
     assert dict(history[1].payload) == {"amount": 5}
 
 
-async def test_a_then_the_workflow_refuses_is_dead_at_once() -> None:
+async def test_a_then_the_workflow_refuses_is_dead_at_once(url: str) -> None:
     """An unknown event or one not allowed from the state can never apply: dead, one attempt."""
 
     async def handler(message: flowlock.Message) -> flowlock.Then:
         return flowlock.Then("no-such-event" if message.n == 0 else "reserve")
 
-    async with flowlock.connect("memory://", outbox_backoff=FAST) as engine:
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
         await engine.register(shop())
         engine.on_emit("charge", handler)
         await engine.create("shop", instance_id="o1")
@@ -356,14 +382,14 @@ async def test_a_then_for_a_workflow_this_engine_does_not_know_is_retried() -> N
 # -- retention, closing, idling ----------------------------------------------------------------
 
 
-async def test_done_messages_older_than_the_retention_are_purged() -> None:
+async def test_done_messages_older_than_the_retention_are_purged(url: str) -> None:
     """The dispatcher deletes done messages older than outbox_retention; None keeps them."""
 
     async def handler(message: flowlock.Message) -> None:
         return None
 
     retention = timedelta(milliseconds=100)
-    async with flowlock.connect("memory://", outbox_retention=retention) as engine:
+    async with flowlock.connect(url, outbox_retention=retention) as engine:
         await engine.register(noter())
         _dispatcher(engine).purge_every = 0.05
         engine.on_emit("k", handler)
@@ -376,13 +402,13 @@ async def test_done_messages_older_than_the_retention_are_purged() -> None:
             return [m.key for m in await engine.messages("n1")] == ["n1:3:0"]
 
         await wait_until(purged)
-    async with flowlock.connect("memory://", outbox_retention=None) as engine:
+    async with flowlock.connect(url, outbox_retention=None) as engine:
         await engine.register(noter())
         engine.on_emit("k", handler)
-        await noted(engine, "n1")
-        await status_is(engine, "n1:2:0", "done")
+        await noted(engine, "kept")
+        await status_is(engine, "kept:2:0", "done")
         assert await _dispatcher(engine).purge() == 0
-        assert len(await engine.messages("n1")) == 1
+        assert len(await engine.messages("kept")) == 1
 
 
 async def test_closing_gives_back_the_claims_of_deliveries_it_cuts_short() -> None:
@@ -500,7 +526,7 @@ async def test_an_unexpected_error_is_logged_and_the_dispatcher_goes_on(
 # -- metrics and spans -----------------------------------------------------------------------
 
 
-async def test_deliveries_are_counted_with_their_lag_and_the_gauges() -> None:
+async def test_deliveries_are_counted_with_their_lag_and_the_gauges(url: str) -> None:
     """flowlock_outbox_attempts_total, _deliveries_total, _dispatch_lag_seconds, _pending and
     _dead move."""
     registry = CollectorRegistry()
@@ -510,7 +536,7 @@ async def test_deliveries_are_counted_with_their_lag_and_the_gauges() -> None:
         if message.n == 1:
             raise flowlock.DeliveryRefused("no")
 
-    async with flowlock.connect("memory://", metrics=metrics, outbox_backoff=FAST) as engine:
+    async with flowlock.connect(url, metrics=metrics, outbox_backoff=FAST) as engine:
         await engine.register(noter())
         _dispatcher(engine).count_every = 0.0
         engine.on_emit("k", handler)
