@@ -16,7 +16,7 @@ from flowlock.core.migrations import load
 from flowlock.core.models import InstanceQuery
 from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
-from flowlock.stores.postgres import PostgresStore, timer_sql
+from flowlock.stores.postgres import PostgresStore, outbox_sql, timer_sql
 from flowlock.stores.postgres import sql as statements
 from flowlock.stores.postgres.sql import qualified
 
@@ -36,9 +36,10 @@ def test_every_table_of_every_statement_is_named_with_the_schema() -> None:
     migrations create them, so a new table is not forgotten) only as "s".table."""
     tables = _tables()
     assert {"flowlock_instances", "flowlock_history", "flowlock_timers"} <= tables
+    assert "flowlock_outbox" in tables
     texts = [
         v
-        for module in (statements, timer_sql)
+        for module in (statements, timer_sql, outbox_sql)
         for k, v in vars(module).items()
         if k.isupper() and isinstance(v, str)
     ]
@@ -48,6 +49,15 @@ def test_every_table_of_every_statement_is_named_with_the_schema() -> None:
             # Left bare: a column's table (`flowlock_escalations.until`) only.
             bare = re.findall(rf'(?<![\w."]){table}\b(?!\.)', done)
             assert not bare, (table, done)
+
+
+def test_the_outbox_wake_function_is_named_with_the_schema() -> None:
+    """The function a retry, a drop or a release calls to wake the dispatchers is flowlock's
+    too: named with the schema, since the connections have no search_path that finds it."""
+    for text in (outbox_sql.RETRY_MESSAGE, outbox_sql.DROP_MESSAGE, outbox_sql.RELEASE_MESSAGE):
+        done = qualified(text, "s")
+        assert '"s".flowlock_outbox_wake()' in done
+        assert not re.search(r'(?<![\w."])flowlock_outbox_wake\b', done)
 
 
 def test_qualifying_leaves_other_names_alone() -> None:

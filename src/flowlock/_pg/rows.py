@@ -15,14 +15,18 @@ from typing import Any
 import asyncpg
 
 from flowlock.core.models import HistoryEntry, Instance, Timer
+from flowlock.core.outbox import Message
 
 __all__ = [
     "HISTORY_COLUMNS",
     "INSTANCE_COLUMNS",
+    "MESSAGE_COLUMNS",
     "TIMER_COLUMNS",
     "entry_from_row",
     "instance_from_row",
     "json_object",
+    "message_columns",
+    "message_from_row",
     "read_history",
     "read_instances",
     "timer_columns",
@@ -58,6 +62,38 @@ def timer_columns(prefix: str = "") -> str:
 
 
 TIMER_COLUMNS = timer_columns()
+
+# A message as flowlock_outbox holds it, shown as the OutboxStore says: a pending message whose
+# claim has not run out is running (and shows its claim), the next attempt is shown only while
+# pending, and `lag` is 0 outside a claim. message_from_row reads these columns.
+_HELD = "status = 'pending' AND claimed_until > now()"
+_MESSAGE_FIELDS = {
+    "key": "key",
+    "instance_id": "instance_id",
+    "workflow": "workflow",
+    "version": "version",
+    "n": "n",
+    "kind": "kind",
+    "payload": "payload",
+    "status": f"CASE WHEN {_HELD} THEN 'running' ELSE status END",
+    "attempts": "attempts",
+    "fencing_token": "fencing_token",
+    "last_error": "last_error",
+    "next_attempt_at": "CASE WHEN status = 'pending' THEN due_at END",
+    "created_at": "created_at",
+    "done_at": "done_at",
+    "claimed_until": f"CASE WHEN {_HELD} THEN claimed_until END",
+    "trace": "trace",
+}
+
+
+def message_columns(lag: str = "0::float8") -> str:
+    """The message columns as a SELECT list, `lag` computed by the SQL expression given."""
+    fields = [f"{expr} AS {name}" for name, expr in _MESSAGE_FIELDS.items()]
+    return ", ".join([*fields, f"{lag} AS lag"])
+
+
+MESSAGE_COLUMNS = message_columns()
 
 # Anything that runs a query: a pool, a connection, a pooled connection.
 Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
@@ -102,6 +138,29 @@ def timer_from_row(row: asyncpg.Record, prefix: str = "") -> Timer:
         limit=row[prefix + "lim"],
         claimed_until=row[prefix + "claimed_until"],
         lag=row[prefix + "lag"],
+    )
+
+
+def message_from_row(row: asyncpg.Record) -> Message:
+    """A Message from a row holding the message columns."""
+    return Message(
+        key=row["key"],
+        instance_id=row["instance_id"],
+        workflow=row["workflow"],
+        version=row["version"],
+        n=row["n"],
+        kind=row["kind"],
+        payload=json_object(row["payload"]),
+        status=row["status"],
+        attempts=row["attempts"],
+        fencing_token=row["fencing_token"],
+        last_error=row["last_error"],
+        next_attempt_at=row["next_attempt_at"],
+        created_at=row["created_at"],
+        done_at=row["done_at"],
+        claimed_until=row["claimed_until"],
+        trace=row["trace"],
+        lag=row["lag"],
     )
 
 

@@ -7,6 +7,9 @@
 - `pipeline`: calls on different instances sharing a round trip;
 - `timer_sql`: what a commit does to timers, and the timer service's statements;
 - `timers`: the timer methods and the LISTEN that wakes the timer service;
+- `outbox_sql`: what a commit writes to the outbox, and the dispatcher's statements;
+- `outbox`: the outbox methods and the LISTEN that wakes the dispatcher;
+- `listen`: the LISTEN loop both share (a connection of its own, opened again when it drops);
 - `store`: [`PostgresStore`][flowlock.stores.postgres.PostgresStore], which composes them.
 """
 

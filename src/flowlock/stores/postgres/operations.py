@@ -95,6 +95,11 @@ class Operations:
     def __init__(self, session: Session) -> None:
         self._s = session
 
+    @property
+    def session(self) -> Session:
+        """Where these statements run (for the statements of other modules: the outbox's)."""
+        return self._s
+
     async def create(
         self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
     ) -> Instance:

@@ -24,7 +24,14 @@ from flowlock._pg.rows import (
 )
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import HistoryEntry, InstanceQuery, Snapshot
-from flowlock.stores.postgres.timer_sql import armed_create, stay_of, timer_args, timer_ctes
+from flowlock.stores.postgres.outbox_sql import outbox_args, outbox_cte
+from flowlock.stores.postgres.timer_sql import (
+    TIMER_ARRAYS,
+    armed_create,
+    stay_of,
+    timer_args,
+    timer_ctes,
+)
 
 READ = f"""
 SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = $1
@@ -123,9 +130,22 @@ WITH moved AS (
       FROM moved
 )"""
 _MOVED = "\nSELECT * FROM moved\n"
-CAS = _CAS + _MOVED
-# The same with the entry's timers (timer_sql.timer_ctes): used only when it touches one.
-CAS_TIMED = _CAS + timer_ctes(12) + _MOVED
+
+
+def _variants(base: str, k: int) -> tuple[str, str, str, str]:
+    """`base` as it is; with its timers' CTEs (timer_sql.timer_ctes, from $k); with its
+    messages' CTE (outbox_sql.outbox_cte, from $k); with both (the messages' after the
+    timers'). Each used only when the batches touch a timer or emit a message: fixed texts,
+    so asyncpg prepares each once per connection."""
+    return (
+        base + _MOVED,
+        base + timer_ctes(k) + _MOVED,
+        base + outbox_cte(k) + _MOVED,
+        base + timer_ctes(k) + outbox_cte(k + TIMER_ARRAYS) + _MOVED,
+    )
+
+
+CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _variants(_CAS, 12)
 # A batch of k entries for one instance: the same compare-and-swap from version v to v + k, the
 # instance left as the last entry leaves it (its fencing token checked and recorded), and the k
 # history rows from one array per column, entry n (from 1) at version v + n, all stamped with the
@@ -154,8 +174,7 @@ WITH moved AS (
            WITH ORDINALITY AS e(event, from_state, to_state, actor, request_id, strategy, data,
                                 fencing_token, payload, n)
 )"""
-CAS_BATCH = _CAS_BATCH + _MOVED
-CAS_BATCH_TIMED = _CAS_BATCH + timer_ctes(17) + _MOVED
+CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _variants(_CAS_BATCH, 17)
 # The batches of several instances in one statement. Every instance's compare-and-swap stands
 # alone: one whose version moved (or whose fencing token is stale) matches no row of the UPDATE,
 # so none of its entries joins ``moved`` and nothing of it is written; the others go on.
@@ -207,8 +226,7 @@ WITH wanted AS (
                 data, fencing_token, payload)
       JOIN moved m ON m.id = e.instance_id
 )"""
-CAS_MANY = _CAS_MANY + _MOVED
-CAS_MANY_TIMED = _CAS_MANY + timer_ctes(20) + _MOVED
+CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS = _variants(_CAS_MANY, 20)
 # An escalation only ever grows longer; rows long past are pruned by the writers.
 PUBLISH = """
 WITH pruned AS (
@@ -281,7 +299,7 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 # a string literal (a workflow or state named "flowlock_history" in a list's filter).
 _TABLE = re.compile(
     r"""(?<![\w."'])"""
-    r"(flowlock_(?:instances|history|escalations|create_requests|timers))"
+    r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake))"
     r"""\b(?![.'])"""
 )
 
@@ -420,14 +438,30 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
 Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_of
 
 
+_CAS_VARIANTS = (CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS)
+_BATCH_VARIANTS = (CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS)
+_MANY_VARIANTS = (CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS)
+
+
+def _with_extras(
+    variants: tuple[str, str, str, str], args: tuple[Any, ...], batches: Sequence[Batch]
+) -> tuple[str, tuple[Any, ...]]:
+    """The variant of a compare-and-swap that writes what `batches` do to timers and the
+    outbox (nothing: the statement as it was), and its arguments."""
+    timed = timer_args(batches)
+    emits = outbox_args(batches, to_json)
+    if timed is None and emits is None:
+        return variants[0], args
+    text = variants[(timed is not None) + 2 * (emits is not None)]
+    return text, (*args, *(timed or ()), *(emits or ()))
+
+
 def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
     """The compare-and-swap of `batch` and its arguments: the one-entry statement for one
     entry (the common case, kept as it was), the array one for several; each with the
-    batch's timers in the same statement when it touches any."""
-    timed = timer_args([batch])
+    batch's timers and messages in the same statement when it touches a timer or emits."""
     if len(batch) == 1:
-        args = _cas_args(batch[0])
-        return (CAS, args) if timed is None else (CAS_TIMED, (*args, *timed))
+        return _with_extras(_CAS_VARIANTS, _cas_args(batch[0]), (batch,))
     last = batch[-1]
     args = (
         last.instance_id,
@@ -439,14 +473,13 @@ def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
         *_entry_columns(batch),
         stay_of(batch),
     )
-    return (CAS_BATCH, args) if timed is None else (CAS_BATCH_TIMED, (*args, *timed))
+    return _with_extras(_BATCH_VARIANTS, args, (batch,))
 
 
 def many_of(batches: Sequence[Batch]) -> tuple[str, tuple[Any, ...]]:
-    """CAS_MANY over `batches` and its arguments; with their timers when any touches one."""
-    args = many_args(batches)
-    timed = timer_args(batches)
-    return (CAS_MANY, args) if timed is None else (CAS_MANY_TIMED, (*args, *timed))
+    """CAS_MANY over `batches` and its arguments; with their timers and messages when any
+    touches a timer or emits."""
+    return _with_extras(_MANY_VARIANTS, many_args(batches), batches)
 
 
 def _entry_columns(entries: Sequence[HistoryEntry]) -> tuple[list[Any], ...]:

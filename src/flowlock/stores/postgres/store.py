@@ -54,6 +54,7 @@ from flowlock.core.settings import (
 from flowlock.stores.base import LockedResult, Plan, RowLock, Store, entries_of
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
+from flowlock.stores.postgres.outbox import OutboxMethods
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
 from flowlock.stores.postgres.session import (
     Contended,
@@ -76,8 +77,8 @@ log = logging.getLogger("flowlock")
 T = TypeVar("T")
 
 
-class PostgresStore(TimerMethods):
-    """Instances, history and timers in PostgreSQL.
+class PostgresStore(TimerMethods, OutboxMethods):
+    """Instances, history, timers and the outbox in PostgreSQL.
 
     `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`
     connections (pessimistic callers hold one each while they wait for a row lock), `min_size`

@@ -8,13 +8,13 @@ workflows without timers stay as they were.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from flowlock._pg.rows import INSTANCE_COLUMNS, TIMER_COLUMNS
 from flowlock.core.models import HistoryEntry
 from flowlock.stores._batch import entering
+from flowlock.stores.postgres.listen import channel_name
 
 __all__ = [
     "CANCEL",
@@ -25,7 +25,7 @@ __all__ = [
     "NEXT_DUE",
     "RELEASE",
     "TIMERS",
-    "TIMER_SCHEMA",
+    "TIMER_ARRAYS",
     "armed_create",
     "channel",
     "create_arm_args",
@@ -39,6 +39,10 @@ _REPEATS = "(t.every IS NOT NULL AND (t.lim IS NULL OR t.n + 1 < t.lim))"
 # A reminder's next firing: one period after the last due time (not after the firing), unclaimed.
 _MOVE_ON = """n = t.n + 1, due_at = t.due_at + t.every * interval '1 second',
            claimed_until = NULL, claimed_by = NULL"""
+
+
+TIMER_ARRAYS = 11
+"""How many parameters `timer_ctes` reads (one array each)."""
 
 
 def timer_ctes(k: int) -> str:
@@ -252,18 +256,8 @@ SELECT {TIMER_COLUMNS} FROM flowlock_timers
  ORDER BY due_at, instance_id, event LIMIT $2
 """
 COUNT = "SELECT count(*) FROM flowlock_timers"
-# The schema a table is in, where the connection's search_path finds it ($1: the table's name,
-# flowlock_timers): it names the channel of the timers' NOTIFY (see 010_timers.sql).
-TIMER_SCHEMA = """
-SELECT coalesce(
-    (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-      WHERE c.oid = to_regclass($1)),
-    current_schema())
-"""
 
 
 def channel(schema: str) -> str:
     """The NOTIFY channel of the timers table in `schema`, as its trigger names it."""
-    raw = schema.encode()
-    named = schema if len(raw) <= 47 else hashlib.md5(raw, usedforsecurity=False).hexdigest()
-    return f"flowlock_timers.{named}"
+    return channel_name("flowlock_timers", schema)

@@ -9,58 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
 import asyncpg
 
-from flowlock._pg.errors import DRIVER_ERRORS
-from flowlock._pg.pooling import Pooling
-from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Timer
 from flowlock.stores.base import ArmedSignal
+from flowlock.stores.postgres.listen import Channel, Listening, listening, opener
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.sql import NOW
-from flowlock.stores.postgres.timer_sql import TIMER_SCHEMA, channel
+from flowlock.stores.postgres.timer_sql import channel
 
-__all__ = ["KEEPALIVE", "POLL", "TimerMethods"]
-
-log = logging.getLogger("flowlock.timers")
+__all__ = ["TIMERS_CHANNEL", "TimerMethods"]
 
 T = TypeVar("T")
 
-POLL = 1.0
-"""Seconds between two wake-ups of the timer service where LISTEN cannot work (behind a
-transaction pooler): it then looks at the store about once a second."""
-KEEPALIVE = 30.0
-"""Seconds between two round trips on an idle LISTEN connection, which find a connection that
-died without a word (a half-open network path) so that it is opened again, and read the
-server's clock again."""
-_RECONNECT = (0.05, 1.0)  # the first and the longest pause before opening it again
-# Seconds a goodbye may take before the connection is dropped without one: an engine closing
-# while the server does not answer must not wait a whole round trip's bound for it.
-_GOODBYE = 1.0
-_TABLE = "flowlock_timers"  # its schema names the channel
-
-Connect = Callable[[], Awaitable[asyncpg.Connection]]
-# What ends one LISTEN connection (the store closed, or the server out of reach), not the loop.
-_LISTEN_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, FlowlockError)
+TIMERS_CHANNEL = Channel(table="flowlock_timers", name=channel, suffix="-timers", what="timers")
+"""The timers' LISTEN: the channel of the schema of `flowlock_timers` (see 010_timers.sql)."""
 
 
-class _Store(Protocol):
+class _Store(Listening, Protocol):
     """What the timer methods need of the store (PostgresStore)."""
 
-    dsn: str | None
     schema: str | None
-    application_name: str
-    round_trip: float
-    _connect_timeout: float
-    _given: asyncpg.Pool | None
-
-    @property
-    def pooling(self) -> Pooling | None: ...
 
     async def _call(
         self,
@@ -116,99 +88,19 @@ class TimerMethods:
         LISTEN runs on a connection of its own, opened next to the pool (which keeps its size)
         and opened again when it drops. Behind a transaction pooler (PgBouncer
         pool_mode=transaction) LISTEN cannot work, since each transaction may run on another
-        server connection: the event is then set every `POLL` seconds instead, and the service
-        looks at the store about once a second. So it does on an application's pool (`pool=`)
-        when flowlock cannot build a connection the way that pool does."""
-        return _armed(_opener(self), self.schema, self.round_trip)
-
-
-def _opener(store: _Store) -> Connect | None:
-    """How to open the LISTEN connection of `store`, or None where LISTEN cannot work."""
-    if store.pooling == "transaction":
-        return None
-    given = store._given
-    if given is not None:
-        # An application's pool: a new connection built as the pool builds its own (its
-        # connect arguments, its init), but never handed to the pool. Private asyncpg API,
-        # so guarded: without it, the service polls.
-        make: Any = getattr(given, "_get_new_connection", None)
-        return None if make is None else make
-    dsn = store.dsn or ""
-    timeout, bound = store._connect_timeout, store.round_trip
-    # Named apart from the pool's connections in pg_stat_activity; nothing a pooler refuses at
-    # startup (a session pooler passes LISTEN through: the client keeps its server connection).
-    name = f"{store.application_name[:56]}-timers"
-
-    async def connect() -> asyncpg.Connection:
-        return await asyncpg.connect(
-            dsn,
-            timeout=timeout,
-            command_timeout=bound,
-            statement_cache_size=0,
-            server_settings={"application_name": name},
+        server connection: the event is then set every `POLL` seconds instead (see
+        `flowlock.stores.postgres.listen`), and the service looks at the store about once a
+        second. So it does on an application's pool (`pool=`) when flowlock cannot build a
+        connection the way that pool does."""
+        signal = ArmedSignal()
+        return listening(
+            opener(self, TIMERS_CHANNEL.suffix),
+            self.schema,
+            TIMERS_CHANNEL,
+            _ServerClock(signal),
+            signal,
+            self.round_trip,
         )
-
-    return connect
-
-
-@asynccontextmanager
-async def _armed(
-    connect: Connect | None, schema: str | None, bound: float
-) -> AsyncIterator[ArmedSignal]:
-    event = ArmedSignal()
-    work = _poll(event) if connect is None else _listen(connect, schema, event, bound)
-    task = asyncio.get_running_loop().create_task(work, name="flowlock-timers-listen")
-    try:
-        yield event
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def _poll(event: ArmedSignal) -> None:
-    """Where LISTEN cannot work: the service looks at the store every POLL seconds."""
-    while True:
-        event.set()
-        await asyncio.sleep(POLL)
-
-
-async def _listen(connect: Connect, schema: str | None, event: ArmedSignal, bound: float) -> None:
-    """LISTEN until cancelled, opening the connection again whenever it drops. While it is
-    down the event is set every pause (at most `_RECONNECT[1]` seconds): the service then
-    looks at the store as it would behind a transaction pooler."""
-    pause, failing = _RECONNECT[0], False
-    while True:
-        conn: asyncpg.Connection | None = None
-        try:
-            conn = await connect()
-            found = schema or await conn.fetchval(TIMER_SCHEMA, _TABLE, timeout=bound)
-            name = channel(found)
-            lost = asyncio.Event()
-            conn.add_termination_listener(lambda _, lost=lost: lost.set())
-            clock = _ServerClock(event)
-            await clock.read(conn, bound)
-            await conn.add_listener(name, clock.heard)
-            # Anything armed before LISTEN took effect sent its notification to nobody.
-            event.set()
-            pause, failing = _RECONNECT[0], False
-            await _watch(conn, lost, clock, bound)
-            log.info("flowlock timers: the LISTEN connection was closed; opening it again")
-        except _LISTEN_ERRORS as exc:
-            if not failing:
-                log.warning(
-                    "flowlock timers: the LISTEN connection failed (%s); opening it again, "
-                    "and looking at the store every %.0f s meanwhile",
-                    exc,
-                    _RECONNECT[1],
-                )
-            failing = True
-        finally:
-            if conn is not None:
-                await _close(conn, min(bound, _GOODBYE))
-        event.set()
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, _RECONNECT[1])
 
 
 class _ServerClock:
@@ -234,24 +126,3 @@ class _ServerClock:
             self._event.set()  # not flowlock's payload: look anyway
             return
         self._event.due_in(at - self._ahead - asyncio.get_running_loop().time())
-
-
-async def _watch(
-    conn: asyncpg.Connection, lost: asyncio.Event, clock: _ServerClock, bound: float
-) -> None:
-    """Until the connection is lost: the server ended it, or a keepalive found it silent."""
-    while not lost.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(lost.wait(), KEEPALIVE)
-        if not lost.is_set():
-            await clock.read(conn, bound)
-
-
-async def _close(conn: asyncpg.Connection, bound: float) -> None:
-    if conn.is_closed():
-        return
-    try:
-        await conn.close(timeout=bound)
-    except DRIVER_ERRORS:
-        with contextlib.suppress(*DRIVER_ERRORS):
-            conn.terminate()

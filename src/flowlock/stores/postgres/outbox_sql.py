@@ -1,0 +1,255 @@
+"""The outbox's SQL: what a commit writes to `flowlock_outbox`, and the dispatcher's statements.
+
+A commit's messages are written by the same statement as its compare-and-swap: a
+data-modifying CTE joined to `moved` (the instances whose compare-and-swap won), so a lost
+compare-and-swap writes no message either. Only commits whose entries emit use it (see
+`outbox_args`): the statements of calls that emit nothing stay as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from flowlock._pg.rows import MESSAGE_COLUMNS, message_columns
+from flowlock.core.models import HistoryEntry
+from flowlock.stores.postgres.listen import channel_name
+
+__all__ = [
+    "CLAIM_MESSAGES",
+    "COUNT_MESSAGES",
+    "DROP_MESSAGE",
+    "FAIL_MESSAGE",
+    "FIND_MESSAGES",
+    "FINISH_MESSAGES",
+    "GET_MESSAGE",
+    "MESSAGES",
+    "NEXT_MESSAGE_DUE",
+    "OUTBOX_ARRAYS",
+    "PURGE_MESSAGES",
+    "RELEASE_MESSAGE",
+    "RETRY_MESSAGE",
+    "outbox_args",
+    "outbox_channel",
+    "outbox_cte",
+]
+
+OUTBOX_ARRAYS = 7
+"""How many parameters `outbox_cte` reads (one array each)."""
+
+
+def outbox_cte(k: int) -> str:
+    """The CTE that writes a committed batch's messages, after a statement's `moved` CTE (the
+    instances written, with `id` and `workflow`), reading the arrays of `outbox_args` as
+    parameters $k to $k+6. Pending, due now and unclaimed by the table's defaults, created
+    now() on the server's clock."""
+    return f"""
+, outboxed AS (
+    INSERT INTO flowlock_outbox (instance_id, version, n, workflow, kind, payload,
+                                 fencing_token, trace)
+    SELECT m.id, o.version, o.n, m.workflow, o.kind, o.payload::jsonb, o.fencing_token, o.trace
+      FROM unnest(${k}::text[], ${k + 1}::bigint[], ${k + 2}::int[], ${k + 3}::text[],
+                  ${k + 4}::text[], ${k + 5}::bigint[], ${k + 6}::text[])
+           AS o(instance_id, version, n, kind, payload, fencing_token, trace)
+      JOIN moved m ON m.id = o.instance_id
+)
+"""
+
+
+def outbox_args(
+    batches: Sequence[Sequence[HistoryEntry]], to_json: Callable[[Mapping[str, Any]], str]
+) -> tuple[list[Any], ...] | None:
+    """The parameters of `outbox_cte` for one batch per instance, or None when no entry of
+    them emits (the statement without the CTE is used then): per message, its instance,
+    version, place, kind, payload (JSON text, by `to_json`), fencing token and trace."""
+    if not any(entry.emits for batch in batches for entry in batch):
+        return None  # the hot path: nothing to build
+    columns: tuple[list[Any], ...] = tuple([] for _ in range(OUTBOX_ARRAYS))
+    for batch in batches:
+        for entry in batch:
+            for n, emit in enumerate(entry.emits):
+                row = (
+                    entry.instance_id,
+                    entry.version,
+                    n,
+                    emit.kind,
+                    to_json(emit.payload),
+                    entry.fencing_token,
+                    entry.trace,
+                )
+                for column, value in zip(columns, row, strict=True):
+                    column.append(value)
+    return columns
+
+
+# -- the dispatcher's statements (flowlock.stores.base.OutboxStore) ------------------------------
+
+# Whether a pending message is held back by an earlier pending message of its instance (lower
+# version, or the same version and a lower place): one probe of flowlock_outbox_order.
+_BLOCKED = """EXISTS (
+                 SELECT FROM flowlock_outbox e
+                  WHERE e.instance_id = t.instance_id AND e.status = 'pending'
+                    AND (e.version, e.n) < (t.version, t.n))"""
+_FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
+
+# For each kind, at most its limit of claimable messages, oldest due first, claimed for a
+# lease and their attempts counted. Per kind, a LATERAL subquery walks the (kind, due_at)
+# index of the pending messages in due order and stops after its limit of rows that fit: one
+# `kind = ANY(...)` scan would read and sort every due row of every kind instead. SKIP LOCKED:
+# a row another claimer is taking is left to it, so two claimers never get the same message
+# and never wait for each other; READ COMMITTED re-checks a row claimed and committed by
+# another since the snapshot against the WHERE before locking it. The claim is the only
+# statement of its transaction (never run it inside a longer one), so the rows it locks are let
+# go at once. The rows are updated by the row addresses (ctid) the subqueries locked: a TID
+# scan, whatever the planner guesses of how many rows the LATERAL limits let through (a join on
+# the key, guessed at thousands, read the whole table, done messages too). A row locked by this
+# statement cannot move before the update. A claim never changes the status: an earlier
+# message being delivered still holds the later ones of its instance back.
+# $1 kinds, $2 their limits, $3 lease seconds, $4 owner.
+CLAIM_MESSAGES = f"""
+WITH due AS (
+    SELECT c.ctid
+      FROM unnest($1::text[], $2::int[]) AS k(kind, lim)
+      CROSS JOIN LATERAL (
+          SELECT t.ctid FROM flowlock_outbox t
+           WHERE t.kind = k.kind AND t.status = 'pending' AND t.due_at <= now()
+             AND {_FREE}
+             AND NOT {_BLOCKED}
+           ORDER BY t.due_at
+           LIMIT greatest(k.lim, 0)
+             FOR UPDATE SKIP LOCKED) AS c
+), claimed AS (
+    UPDATE flowlock_outbox t
+       SET claimed_until = now() + $3::float8 * interval '1 second', claimed_by = $4,
+           attempts = t.attempts + 1
+     WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+ RETURNING t.*
+)
+SELECT {message_columns("greatest(0, extract(epoch FROM now() - created_at))::float8")}
+  FROM claimed ORDER BY due_at, instance_id, version, n
+"""
+# Done, whoever holds them now; those no longer pending are left as they are. $1 keys.
+FINISH_MESSAGES = """
+UPDATE flowlock_outbox
+   SET status = 'done', done_at = now(), claimed_until = NULL, claimed_by = NULL
+ WHERE key = ANY($1::text[]) AND status = 'pending'
+"""
+# Only while the owner still holds that attempt (a compare-and-swap on owner and attempts):
+# due again `retry_in` seconds from now, unclaimed, or dead when it is NULL.
+# $1 key, $2 owner, $3 attempts, $4 error, $5 retry in seconds (NULL: dead).
+FAIL_MESSAGE = """
+UPDATE flowlock_outbox
+   SET status = CASE WHEN $5::float8 IS NULL THEN 'dead' ELSE 'pending' END,
+       due_at = CASE WHEN $5::float8 IS NULL THEN due_at
+                     ELSE now() + greatest($5::float8, 0) * interval '1 second' END,
+       last_error = $4, claimed_until = NULL, claimed_by = NULL
+ WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+"""
+# Given back by an engine that is closing: claimable at once, so the dispatchers of the other
+# engines are woken (they would otherwise wait for the lease to run out). $1 key, $2 owner,
+# $3 attempts.
+RELEASE_MESSAGE = """
+WITH released AS (
+    UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL
+     WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+ RETURNING 1
+), woken AS (
+    SELECT flowlock_outbox_wake() FROM released
+)
+SELECT count(*) FROM released WHERE (SELECT count(*) FROM woken) >= 0
+"""
+# Seconds until a pending message of the kinds is due and free: the earliest due time of one
+# nobody holds, or the end of a claim (a claimer that died) when that comes first. The first
+# half walks the due index per kind, stopping at the first row nobody holds; the second (only
+# asked when nothing is free now) reads the due range only, since a message is claimed only
+# once due (and a failure or a retry clears the claim). None: none pending. $1 kinds.
+NEXT_MESSAGE_DUE = f"""
+WITH free AS (
+    SELECT min(f.due_at) AS at
+      FROM unnest($1::text[]) AS k(kind)
+      CROSS JOIN LATERAL (
+          SELECT t.due_at FROM flowlock_outbox t
+           WHERE t.kind = k.kind AND t.status = 'pending' AND {_FREE}
+           ORDER BY t.due_at LIMIT 1) AS f
+)
+SELECT extract(epoch FROM (
+    CASE WHEN free.at <= now() THEN now()
+         ELSE least(free.at,
+                    (SELECT min(claimed_until) FROM flowlock_outbox
+                      WHERE kind = ANY($1::text[]) AND status = 'pending'
+                        AND due_at <= now() AND claimed_until > now()))
+    END) - now())::float8
+  FROM free
+"""
+# $1 instance id.
+MESSAGES = f"""
+SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE instance_id = $1 ORDER BY version, n
+"""
+# Walks the key's unique index (COLLATE "C": code point order) from the cursor. A status of
+# "running" is a pending message whose claim has not run out; "pending" one that nobody holds.
+# $1 cursor ('' is below every key: the first page), $2 status or NULL, $3 kind or NULL,
+# $4 limit.
+FIND_MESSAGES = f"""
+SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox
+ WHERE key > $1
+   AND ($3::text IS NULL OR kind = $3)
+   AND CASE $2::text
+           WHEN 'running' THEN status = 'pending' AND claimed_until > now()
+           WHEN 'pending' THEN status = 'pending'
+                               AND (claimed_until IS NULL OR claimed_until <= now())
+           ELSE $2::text IS NULL OR status = $2::text
+       END
+ ORDER BY key LIMIT $4
+"""
+GET_MESSAGE = f"SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE key = $1"
+# A dead or pending message due now, unclaimed, its attempts back to 0 (the last error kept),
+# and the dispatchers of every engine woken (flowlock_outbox_wake, sent at commit); a done one
+# returned as it is. No row: no such message. $1 key.
+RETRY_MESSAGE = f"""
+WITH retried AS (
+    UPDATE flowlock_outbox
+       SET status = 'pending', due_at = now(), attempts = 0, claimed_until = NULL,
+           claimed_by = NULL
+     WHERE key = $1 AND status <> 'done'
+ RETURNING *
+), woken AS (
+    SELECT flowlock_outbox_wake() FROM retried
+)
+SELECT {MESSAGE_COLUMNS} FROM retried WHERE (SELECT count(*) FROM woken) >= 0
+UNION ALL
+SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE key = $1 AND status = 'done'
+"""
+# Deleted by an operator; a later message of its instance may go now, so the dispatchers are
+# woken. $1 key.
+DROP_MESSAGE = """
+WITH dropped AS (
+    DELETE FROM flowlock_outbox WHERE key = $1 RETURNING 1
+), woken AS (
+    SELECT flowlock_outbox_wake() FROM dropped
+)
+SELECT count(*) FROM dropped WHERE (SELECT count(*) FROM woken) >= 0
+"""
+COUNT_MESSAGES = """
+SELECT count(*) FILTER (WHERE status = 'pending'
+                          AND (claimed_until IS NULL OR claimed_until <= now())) AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND claimed_until > now()) AS running,
+       count(*) FILTER (WHERE status = 'done') AS done,
+       count(*) FILTER (WHERE status = 'dead') AS dead
+  FROM flowlock_outbox
+"""
+# One keyset batch of retention: the oldest done messages done before the cutoff, through the
+# done index, deleted by the row addresses the subquery locked (a TID scan, as the claim's);
+# SKIP LOCKED, so two engines purging at once never wait for each other. $1 seconds, $2 limit.
+PURGE_MESSAGES = """
+DELETE FROM flowlock_outbox
+ WHERE ctid = ANY(ARRAY(
+       SELECT ctid FROM flowlock_outbox
+        WHERE status = 'done' AND done_at < now() - $1::float8 * interval '1 second'
+        ORDER BY done_at LIMIT $2
+          FOR UPDATE SKIP LOCKED))
+"""
+
+
+def outbox_channel(schema: str) -> str:
+    """The NOTIFY channel of the outbox table in `schema`, as its trigger names it."""
+    return channel_name("flowlock_outbox", schema)
