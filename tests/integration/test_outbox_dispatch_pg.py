@@ -5,7 +5,8 @@ Every message is delivered (a sink table with a unique index on the key holds ea
 is delivered by two engines at once, the messages of one instance go in order, and the
 reserve -> charge -> ship chains driven by handlers' Thens apply each step exactly once. The
 checker finds every history whole; the crash matrix (tests/integration/test_outbox_crash_pg.py)
-kills processes on top of this.
+kills processes on top of this. An idle dispatcher sends nothing until another engine's commit
+wakes it (NOTIFY).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,3 +212,52 @@ async def _all_messages(engine: flowlock.Engine) -> list[flowlock.Message]:
         if len(page) < 1000:
             return found
         after = page[-1].key
+
+
+class Counting(PostgresStore):
+    """A PostgreSQL store that counts the outbox statements its dispatcher sends."""
+
+    calls = 0
+
+    async def claim_messages(
+        self, kinds: Mapping[str, int], *, lease: float, owner: str
+    ) -> list[flowlock.Message]:
+        self.calls += 1
+        return await super().claim_messages(kinds, lease=lease, owner=owner)
+
+    async def next_message_due(self, kinds: Sequence[str]) -> float | None:
+        self.calls += 1
+        return await super().next_message_due(kinds)
+
+    async def finish_messages(self, keys: Sequence[str]) -> int:
+        self.calls += 1
+        return await super().finish_messages(keys)
+
+
+async def test_an_idle_dispatcher_is_silent_until_another_engine_emits(
+    pg_url: str, pg_schema: str
+) -> None:
+    """Idle, the dispatcher sends no statement (it waits on LISTEN); another engine's commit
+    wakes it through NOTIFY, long before its idle bound."""
+    got: list[str] = []
+
+    async def handler(message: flowlock.Message) -> None:
+        got.append(message.key)
+
+    store = Counting(pg_url, schema=pg_schema, pool_size=2)
+    async with (
+        engine_on(pg_url, pg_schema, outbox=False) as caller,
+        flowlock.Engine(store, locks=MemoryLocks()) as sleeper,
+    ):
+        await sleeper.register(noter())
+        sleeper.on_emit("k", handler)
+        await caller.create("noter", instance_id="n1")
+        await caller.fire("n1", "note")
+        await wait_until(lambda: got == ["n1:2:0"], within=BOUND, what="the first delivery")
+        await asyncio.sleep(0.5)
+        before = store.calls
+        await asyncio.sleep(2.0)
+        assert store.calls == before
+        await caller.fire("n1", "note")
+        await wait_until(lambda: len(got) == 2, within=30.0, what="woken by NOTIFY")
+        assert got == ["n1:2:0", "n1:3:0"]
