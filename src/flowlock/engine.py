@@ -467,7 +467,7 @@ class Engine(OutboxMethods):
         InvalidInput, before anything is read, when the store is not PostgreSQL or the
         connection is not in an open transaction.
         """
-        rid = caller_request_id(request_id)
+        rid = caller_request_id(request_id, instance_id)
         args = (actor, rid, expected_version, payload, strategy, connection)
         return await self._fire(instance_id, event, *args, None)
 

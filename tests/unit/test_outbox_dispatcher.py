@@ -634,3 +634,20 @@ def test_the_sync_engine_delivers_on_its_own_loop_thread() -> None:
             unopened.on_emit("bad kind", charge)
     finally:
         unopened.close()
+
+
+async def test_a_then_on_an_instance_with_the_longest_id_applies() -> None:
+    """A message key is longer than the instance id; its Then's request id is still taken."""
+    iid = "s" * 200
+
+    async def charge(message: flowlock.Message) -> flowlock.Then:
+        return flowlock.Then("charged")
+
+    async with flowlock.connect("memory://", outbox_backoff=FAST) as engine:
+        await engine.register(shop())
+        engine.on_emit("charge", charge)
+        await engine.create("shop", instance_id=iid)
+        await engine.fire(iid, "reserve")
+        await status_is(engine, f"{iid}:2:0", "done")
+        [_, then] = await engine.history(iid)
+        assert (then.event, then.request_id) == ("charged", f"{iid}:2:0")
