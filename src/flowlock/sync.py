@@ -31,6 +31,7 @@ from flowlock.core.outbox import Message
 from flowlock.core.query import DEFAULT_LIMIT
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.options import ConnectOptions, EngineOptions
+from flowlock.outbox.dispatcher import HandlerFn
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor
@@ -187,6 +188,26 @@ class Engine:
         Connects nothing, so it is safe at import time, before a server forks its workers.
         """
         return self._run(self._engine.register(workflow), opens=False)
+
+    def on_emit(
+        self,
+        kind: str,
+        handler: HandlerFn,
+        *,
+        concurrency: int = 8,
+        max_attempts: int = 10,
+        timeout: float = 30.0,
+    ) -> None:
+        """Deliver the messages of `kind` to `handler`; see
+        [`flowlock.Engine.on_emit`][flowlock.Engine.on_emit]. An async handler runs on the
+        engine's loop thread, a sync one in a worker thread. Connects nothing."""
+
+        async def on_emit() -> None:  # on the loop: a dispatcher already running is woken
+            self._engine.on_emit(
+                kind, handler, concurrency=concurrency, max_attempts=max_attempts, timeout=timeout
+            )
+
+        return self._run(on_emit(), opens=False)
 
     def create(
         self,
