@@ -4,18 +4,23 @@ maps to the 404 problem message-not-found; `outbox=False` round-trips like `time
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 import flowlock
 from flowlock.core.errors import MessageNotFound
 from flowlock.http import problem
-from flowlock.service import ServiceSettings
+from flowlock.service import ServiceSettings, create_app
 from flowlock.stores.base import OutboxStore
+from lock_probes import wait_until
 from service.kit import TYPE_PREFIX, Service, assert_problem, create, served
+
+BOUND = 20.0  # the most a test waits for a delivery (a loaded machine is slow)
 
 FIELDS = {
     "key", "instance_id", "workflow", "version", "n", "kind", "status", "attempts",
@@ -168,3 +173,79 @@ def test_outbox_off_round_trips_through_the_environment() -> None:
     assert ServiceSettings.from_env({}).outbox is True
     with pytest.raises(flowlock.InvalidInput, match=r"^FLOWLOCK_OUTBOX"):
         ServiceSettings.from_env({"FLOWLOCK_OUTBOX": "sometimes"})
+
+
+async def _paid(svc: Service, iid: str) -> None:
+    await create(svc.client, "order", iid)
+    await _fire(svc, iid, "pay", amount=12)
+
+
+async def test_the_service_engine_delivers_to_a_handler_registered_on_it() -> None:
+    """By default the service's engine runs a dispatcher: a handler registered on it gets the
+    receipt, and the list shows it done after one attempt."""
+    got: list[str] = []
+
+    async def receipt(message: flowlock.Message) -> None:
+        got.append(message.key)
+
+    async with served(workflows=[_orders()]) as svc:
+        assert svc.engine.dispatcher is not None
+        svc.engine.on_emit("receipt", receipt)
+        await _paid(svc, "o-4")
+
+        async def delivered() -> bool:
+            return bool((await _by_key(svc, "o-4"))["o-4:2:0"]["status"] == "done")
+
+        await wait_until(delivered, within=BOUND, what="the receipt delivered")
+        assert got == ["o-4:2:0"]
+        assert (await _by_key(svc, "o-4"))["o-4:2:0"]["attempts"] == 1
+
+
+async def test_with_outbox_off_messages_are_written_and_nothing_delivers() -> None:
+    """ServiceSettings(outbox=False): the engine has no dispatcher; a handler registered on it
+    is kept but never called, and the messages stay pending, not attempted."""
+    called: list[str] = []
+
+    async def receipt(message: flowlock.Message) -> None:
+        called.append(message.key)
+
+    async with served(ServiceSettings(outbox=False), workflows=[_orders()]) as svc:
+        assert svc.engine.dispatcher is None
+        svc.engine.on_emit("receipt", receipt)
+        await _paid(svc, "o-5")
+        await asyncio.sleep(0.3)  # time a dispatcher would have used to deliver
+        shown = await _by_key(svc, "o-5")
+        assert [(m["status"], m["attempts"]) for m in shown.values()] == [("pending", 0)] * 2
+        assert called == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "outbox"),
+    [
+        ([], {}, True),
+        (["--no-outbox"], {}, False),
+        ([], {"FLOWLOCK_OUTBOX": "false"}, False),
+        (["--outbox"], {"FLOWLOCK_OUTBOX": "false"}, True),
+    ],
+)
+def test_serve_takes_outbox_from_its_flag_or_variable(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str], outbox: bool
+) -> None:
+    """`flowlock serve --no-outbox` (or FLOWLOCK_OUTBOX=false) hands the workers settings with
+    outbox off, which create_app turns into an engine without a dispatcher; the flag wins over
+    the variable. (The server itself is replaced: only the settings it is given are read.)"""
+    import flowlock.service.server
+    from flowlock.cli import app
+
+    given: list[ServiceSettings] = []
+    monkeypatch.setattr(
+        flowlock.service.server, "serve", lambda settings, listen, dev=False: given.append(settings)
+    )
+    for var in ("FLOWLOCK_OUTBOX", "FLOWLOCK_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    result = CliRunner().invoke(app, ["serve", "--database-url", "memory://", *args], env=env)
+    assert result.exit_code == 0, result.output
+    [settings] = given
+    assert settings.outbox is outbox
+    assert ServiceSettings.from_env(settings.to_env()).outbox is outbox
+    assert (create_app(settings).state.engine.dispatcher is None) is not outbox

@@ -27,8 +27,10 @@ from flowlock.checker import (
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.outbox import Message, MessageStatus, message_key
 from flowlock.stores import MemoryStore
+from lock_probes import wait_until
 
 ID = "a"
+BOUND = 20.0  # the most a test waits for a delivery (a loaded machine is slow)
 
 
 def _row(
@@ -229,26 +231,48 @@ def _orders() -> flowlock.Workflow:
     )
 
 
-async def _run(engine: flowlock.Engine, store: MemoryStore, iid: str) -> None:
-    """reserve (two messages), the payment delivered and its Then (confirm) fired under its
-    key, as a dispatcher does, then ship (one message)."""
+async def _pay(message: Message) -> flowlock.Then:
+    return flowlock.Then("confirm")
+
+
+async def _until(engine: flowlock.Engine, iid: str, state: str) -> None:
+    async def there() -> bool:
+        return (await engine.get(iid)).state == state
+
+    await wait_until(there, within=BOUND, what=f"{iid} in {state}")
+
+
+async def _run(engine: flowlock.Engine, iid: str) -> None:
+    """reserve (two messages), the payment delivered by the dispatcher and its Then (confirm)
+    fired under its key, then ship (one message, left pending: no handler takes it)."""
     await engine.create("order", instance_id=iid)
     await engine.fire(iid, "reserve")
-    claimed = await store.claim_messages({"payment": 1}, lease=30.0, owner="t")
-    assert [m.key for m in claimed] == [f"{iid}:2:0"]
-    await engine.fire(iid, "confirm", request_id=claimed[0].key)
-    assert await store.finish_messages([claimed[0].key]) == 1
+    await _until(engine, iid, "confirmed")
     await engine.fire(iid, "ship")
+
+
+def _engine(store: MemoryStore) -> flowlock.Engine:
+    engine = flowlock.Engine(store)
+    engine.on_emit("payment", _pay)
+    return engine
 
 
 async def test_a_run_with_messages_is_clean() -> None:
     """Emitting transitions, a delivery and its Then pass `flowlock check`'s reader, which
     counts the messages it read."""
     store = MemoryStore()
-    async with flowlock.Engine(store) as engine:
+    async with _engine(store) as engine:
         await engine.register(_orders())
         for iid in ("o-1", "o-2"):
-            await _run(engine, store, iid)
+            await _run(engine, iid)
+        history = await engine.history("o-1")
+        assert [(e.event, e.request_id) for e in history] == [
+            ("reserve", None),
+            ("confirm", "o-1:2:0"),
+            ("ship", None),
+        ]
+        statuses = [(m.key, m.status) for m in await engine.messages("o-1")]
+        assert statuses == [("o-1:2:0", "done"), ("o-1:2:1", "pending"), ("o-1:4:0", "pending")]
         report = await check_instances(engine, None)
         assert report.verdict.ok, report.verdict.describe()
         assert (report.instances, report.rows, report.messages) == (2, 6, 6)
@@ -271,26 +295,27 @@ def _plant(store: MemoryStore, message: Message) -> None:
 async def test_broken_messages_are_caught_by_flowlock_checks_reader() -> None:
     """In the store: a message done without an attempt, one whose key names another n, one
     planted at a version with no transition, one of an instance that does not exist, and a
-    Then written under the key of a later message. Each is reported once, naming its instance;
-    --instance checks only that instance's, and finds no homeless message."""
+    reserve row rewritten to carry the key of the message it emitted (a Then at its own
+    version). Each is reported once, naming its instance; --instance checks only that
+    instance's, and finds no homeless message."""
     store = MemoryStore()
-    async with flowlock.Engine(store) as engine:
+    async with _engine(store) as engine:
         await engine.register(_orders())
-        await _run(engine, store, "o-1")
+        await _run(engine, "o-1")
         await engine.create("order", instance_id="o-2")
         await engine.fire("o-2", "reserve")
+        await _until(engine, "o-2", "confirmed")
         _break(store, "o-1:2:1", status="done")  # audit: done, never attempted
         _break(store, "o-1:4:0", key="o-1:4:7")  # a key that is not its own
         _plant(store, _message(9, instance_id="o-1"))  # no transition at version 9
         _plant(store, _message(2, instance_id="gone"))  # no such instance
-        await engine.fire("o-2", "confirm", request_id="o-2:3:0")
-        await engine.fire("o-2", "ship")  # emits o-2:4:0...
-        _plant(store, _message(3, instance_id="o-2"))  # ...and o-2:3:0, fired at version 3
+        rows = store._history["o-2"]
+        rows[0] = dataclasses.replace(rows[0], request_id="o-2:2:1")  # reserve, under its audit
 
         report = await check_instances(engine, None)
         found = sorted((v.kind, v.version) for v in report.verdict.violations)
         assert found == [
-            (EARLY_THEN, 3),
+            (EARLY_THEN, 2),
             (MESSAGE_KEY, 4),
             (ORPHAN_MESSAGE, 2),
             (ORPHAN_MESSAGE, 9),
@@ -299,7 +324,8 @@ async def test_broken_messages_are_caught_by_flowlock_checks_reader() -> None:
         texts = {v.kind + str(v.version): v.message for v in report.verdict.violations}
         assert "'gone', which does not exist" in texts[ORPHAN_MESSAGE + "2"]
         assert "instance 'o-1'" in texts[UNDELIVERED_DONE + "2"]
-        assert "instance 'o-2'" in texts[EARLY_THEN + "3"]
+        assert "instance 'o-2'" in texts[EARLY_THEN + "2"]
+        assert "message 'o-2:2:1'" in texts[EARLY_THEN + "2"]
 
         only = await check_instances(engine, "o-1")
         assert sorted(v.kind for v in only.verdict.violations) == [

@@ -1,8 +1,11 @@
 """The sync API's outbox: `flowlock.sync.Engine` reads, retries and drops messages as the async
-engine does, and its errors reach the caller's thread as they are."""
+engine does, its errors reach the caller's thread as they are, and a sync handler may call the
+blocking engine from its worker thread."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,3 +82,31 @@ def test_messages_are_read_retried_and_dropped_from_a_plain_thread() -> None:
             engine.retry_message("o-1")
         with pytest.raises(flowlock.InvalidInput, match="status"):
             engine.find_messages(status="lost")
+
+
+def test_a_sync_handler_may_call_the_sync_engine_and_a_done_message_is_not_retried() -> None:
+    """A sync handler runs in a worker thread (not the caller's, not the engine's loop), so it
+    may call the blocking engine itself: it sees its own message running. Once done, the
+    message is refused by retry_message (InvalidInput, nothing changed)."""
+    seen: list[tuple[str, str, int]] = []
+    caller = threading.current_thread()
+
+    def payment(message: flowlock.Message) -> None:
+        here = threading.current_thread()
+        assert here is not caller and here.name != "flowlock-sync"
+        shown = engine.message(message.key)
+        seen.append((shown.key, shown.status, shown.attempts))
+
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.register(_orders())
+        engine.on_emit("payment", payment)
+        engine.create("order", instance_id="o-1")
+        engine.fire("o-1", "reserve", payload={"amount": 3})
+        deadline = time.monotonic() + BOUND
+        while engine.message("o-1:2:0").status != "done":
+            assert time.monotonic() < deadline, "the payment was not delivered"
+            time.sleep(0.02)
+        assert seen == [("o-1:2:0", "running", 1)]
+        with pytest.raises(flowlock.InvalidInput, match="delivered already"):
+            engine.retry_message("o-1:2:0")
+        assert engine.message("o-1:2:0").status == "done"
