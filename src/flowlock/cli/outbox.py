@@ -256,16 +256,7 @@ def retry(
 
     async def act(engine: Engine) -> Message:
         _outbox(engine)
-        found = await engine.message(checked)
-        if found.status == "running":
-            # Its claim would be cleared under the delivery in flight: delivered twice at
-            # once, and its done mark would then count no attempt.
-            raise InvalidInput(
-                f"message {checked!r} is being delivered now (its claim runs out at "
-                f"{when(found.claimed_until)}); retry it if that delivery ends dead, or once "
-                "its claim has run out"
-            )
-        return await engine.retry_message(checked)
+        return await engine.retry_message(checked)  # refuses a done or running message
 
     message = _repair(database_url, schema, act)
     stdout().print(

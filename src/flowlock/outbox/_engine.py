@@ -241,7 +241,8 @@ class OutboxMethods:
 
     async def retry_message(self, key: str) -> Message:
         """Deliver a dead (or waiting) message again now, with a fresh count of attempts.
-        Raises MessageNotFound, or InvalidInput for a message already done (nothing changed)."""
+        Raises MessageNotFound, or InvalidInput for a message already done or being delivered
+        now (running); nothing is changed then."""
         self._check_open()
         parse_key(key)
         found = await self._outbox_store().retry_message(key)
@@ -250,6 +251,13 @@ class OutboxMethods:
         if found.status == "done":
             raise InvalidInput(
                 f"message {key!r} was delivered already (done); a done message is never sent again"
+            )
+        if found.status == "running":
+            # Clearing its claim under the delivery in flight would deliver it twice at once.
+            until = found.claimed_until.isoformat() if found.claimed_until else "soon"
+            raise InvalidInput(
+                f"message {key!r} is being delivered now (its claim runs out at {until}); retry "
+                "it if that delivery ends dead, or once its claim has run out"
             )
         return found
 
