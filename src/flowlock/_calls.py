@@ -21,6 +21,10 @@ __all__ = [
 ]
 
 MAX_ID_LENGTH = 200
+# A request id flowlock makes may be longer than a caller's: a message key is the instance id
+# (up to MAX_ID_LENGTH) and ":<version>:<n>", two numbers of at most 20 digits.
+_MAX_OWN_ID = MAX_ID_LENGTH + 42
+_KEY_TAIL = re.compile(r":[0-9]+:[0-9]+")
 _EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 
 
@@ -45,7 +49,7 @@ def check_fire_args(
     if actor is not None:
         check_text(actor, "actor")
     if request_id is not None:
-        check_text(request_id, "request_id")
+        _text("request_id", request_id, most=_MAX_OWN_ID)
     if expected_version is not None and (
         isinstance(expected_version, bool)
         or not isinstance(expected_version, int)
@@ -94,12 +98,23 @@ def transactional(store: Store) -> TransactionalStore:
     return store
 
 
-def caller_request_id(request_id: str | None) -> str | None:
-    """A caller's `request_id`, refused when it takes the form of a timer's firing: that id
-    is the timer's own, and a caller using it would make the timer's firing a replay."""
-    if isinstance(request_id, str) and request_id.startswith(TIMER_PREFIX):
+def caller_request_id(request_id: str | None, instance_id: str) -> str | None:
+    """A caller's `request_id`, refused when it takes the form of a timer's firing or of a
+    message key of the instance (`<instance_id>:<version>:<n>`): those ids are flowlock's own
+    (a timer's firing, a handler's Then), and a caller using one would make theirs a replay."""
+    if not isinstance(request_id, str):
+        return request_id
+    check_text(request_id, "request_id")
+    if request_id.startswith(TIMER_PREFIX):
         raise InvalidInput(
             f"request_id {request_id!r} starts with {TIMER_PREFIX!r}, which flowlock keeps for "
             "the firings of timers; choose another request id. Nothing was read or written"
+        )
+    tail = request_id[len(instance_id) :] if isinstance(instance_id, str) else ""
+    if request_id.startswith(f"{instance_id}:") and _KEY_TAIL.fullmatch(tail):
+        raise InvalidInput(
+            f"request_id {request_id!r} has the form of an outbox message key of instance "
+            f"{instance_id!r} ('<instance_id>:<version>:<n>'), which flowlock keeps for the Then "
+            "of that message's handler; choose another request id. Nothing was read or written"
         )
     return request_id

@@ -1,11 +1,14 @@
-"""What the inspection commands (`show`, `history`, `list`, `check`, `timers`) read.
+"""What the inspection commands (`show`, `history`, `list`, `check`, `timers`, `outbox list`)
+read.
 
 They open a database without changing it. Migrations never run, a missing file or schema
-is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write.
+is refused, and PostgreSQL sessions are read-only, so even a bug here cannot write. The
+repair commands (`outbox retry`, `outbox drop`) open it the same way, but writable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
@@ -15,13 +18,15 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from flowlock.checker import FINAL_MISMATCH, Verdict, Violation, check
-from flowlock.core.errors import InvalidInput, MigrationError, StoreError
+from flowlock.checker import FINAL_MISMATCH, ORPHAN_MESSAGE, Verdict, Violation, check
+from flowlock.core.errors import InstanceNotFound, InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance, Timer
+from flowlock.core.outbox import Message
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
+from flowlock.stores.base import OutboxStore
 
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg
@@ -33,6 +38,7 @@ __all__ = [
     "check_instances",
     "entry_dict",
     "instance_dict",
+    "message_dict",
     "next_timer_dict",
     "open_readonly",
     "timer_dict",
@@ -47,6 +53,7 @@ _MIGRATE_HINT = "run `flowlock db migrate` first (these commands never write)"
 # Reads of one instance retried while transitions land between them; see _stable_read.
 _STABLE_TRIES = 5
 _PAGE = 500
+_MESSAGE_PAGE = 1000
 
 
 @asynccontextmanager
@@ -58,9 +65,27 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
     the database cannot be reached or does not exist. Raises MigrationError when flowlock's
     tables are missing or behind this version.
     """
+    async with _open(url, schema, writes=False) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def open_for_repair(url: str, schema: str | None = None) -> AsyncIterator[Engine]:
+    """An open engine over `url` that may write, for the commands that repair (an operator's
+    `outbox retry` and `outbox drop`): refused, and never migrated, as `open_readonly` is.
+
+    It runs no timer service and registers no handler, so it fires nothing and delivers
+    nothing: it only makes the engine call it is given. Raises as `open_readonly` does.
+    """
+    async with _open(url, schema, writes=True) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def _open(url: str, schema: str | None, *, writes: bool) -> AsyncIterator[Engine]:
     scheme = url.partition("://")[0].lower()
     if scheme in POSTGRES_SCHEMES:
-        async with _postgres(url, schema) as engine:
+        async with _postgres(url, schema, writes=writes) as engine:
             yield engine
     elif scheme == "sqlite":
         if schema is not None:
@@ -78,7 +103,7 @@ async def open_readonly(url: str, schema: str | None = None) -> AsyncIterator[En
 
 
 @asynccontextmanager
-async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
+async def _postgres(url: str, schema: str | None, *, writes: bool) -> AsyncIterator[Engine]:
     import asyncpg
 
     from flowlock._pg.errors import wrap_connect
@@ -91,19 +116,26 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
     # creates no schema (a CREATE SCHEMA IF NOT EXISTS needs CREATE rights a reader may lack).
     # Its sessions are made read-only with SET: behind a transaction pooler that SET would stay
     # on a server connection the pooler hands to the application next, so it is refused there.
+    # A repair's sessions are writable, but refused there too: this pool keeps asyncpg's
+    # prepared statements, which a transaction pooler cannot serve.
+    setup = _session_in(schema, read_only=not writes)
     with wrap_connect(url):
         pooling = await probe(
             url, application_name=_NAME, connect_timeout=_CONNECT_TIMEOUT, command_timeout=30
         )
         if pooling == "transaction":
-            raise session_needed("the inspection commands (read-only sessions)")
+            raise session_needed(
+                "the outbox repair commands"
+                if writes
+                else "the inspection commands (read-only sessions)"
+            )
         pool = await asyncpg.create_pool(
             url,
             min_size=1,
             max_size=2,
             # Only what a session pooler accepts at startup; the rest is SET on each acquire.
             server_settings={"application_name": _NAME},
-            setup=_read_only_in(schema),
+            setup=setup,
             timeout=_CONNECT_TIMEOUT,
             command_timeout=30,
         )
@@ -115,9 +147,9 @@ async def _postgres(url: str, schema: str | None) -> AsyncIterator[Engine]:
         await close_pool(pool)
 
 
-def _read_only_in(schema: str | None) -> SetupHook:
+def _session_in(schema: str | None, *, read_only: bool) -> SetupHook | None:
     """What makes every transaction of a connection read-only (and puts `schema` on its
-    search_path); set on each acquire.
+    search_path); set on each acquire. Writable without a schema: nothing to set (None).
 
     Not a startup setting: `target_session_attrs=read-write` would take a read-only session
     for a standby, so multi-host URLs could never connect, and a session pooler (PgBouncer)
@@ -125,12 +157,14 @@ def _read_only_in(schema: str | None) -> SetupHook:
     `RESET ALL` on release would undo it.
     """
     path = "" if schema is None else f'SET search_path = "{schema}"; '
-    sql = f"{path}SET default_transaction_read_only = on"
+    sql = f"{path}SET default_transaction_read_only = on" if read_only else path.strip()
+    if not sql:
+        return None
 
-    async def read_only(conn: asyncpg.pool.PoolConnectionProxy) -> None:
+    async def on_acquire(conn: asyncpg.pool.PoolConnectionProxy) -> None:
         await conn.execute(sql)
 
-    return read_only
+    return on_acquire
 
 
 async def _postgres_tables(pool: asyncpg.Pool, schema: str | None, where: str) -> None:
@@ -240,6 +274,28 @@ def timer_dict(timer: Timer) -> dict[str, Any]:
     }
 
 
+def message_dict(message: Message) -> dict[str, Any]:
+    """One outbox message as JSON-ready values: its key and place (the version that emitted
+    it, `n` among that transition's messages), where its delivery is, and its payload."""
+    return {
+        "key": message.key,
+        "instance_id": message.instance_id,
+        "workflow": message.workflow,
+        "version": message.version,
+        "n": message.n,
+        "kind": message.kind,
+        "status": message.status,
+        "attempts": message.attempts,
+        "last_error": message.last_error,
+        "next_attempt_at": _when(message.next_attempt_at),
+        "created_at": _when(message.created_at),
+        "done_at": _when(message.done_at),
+        "claimed_until": _when(message.claimed_until),
+        "fencing_token": message.fencing_token,
+        "payload": dict(message.payload),
+    }
+
+
 def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
     """One history row as JSON-ready values (datetimes as ISO 8601)."""
     return {
@@ -287,14 +343,15 @@ async def walk(
 class CheckReport:
     """What `flowlock check` found.
 
-    The merged verdict, how many instances and history rows were checked, and the ids whose
-    reads never settled. Those were checked on the rows older than them.
+    The merged verdict, how many instances, history rows and outbox messages were checked,
+    and the ids whose reads never settled. Those were checked on the rows older than them.
     """
 
     verdict: Verdict
     instances: int
     rows: int
     unsettled: tuple[str, ...]
+    messages: int = 0
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
@@ -306,15 +363,17 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
     Raises InstanceNotFound if the one instance does not exist.
     """
     found: list[Violation] = []
-    instances = rows = 0
+    instances = rows = messages = 0
     unsettled: list[str] = []
 
     async def one(inst_id: str) -> None:
-        nonlocal instances, rows
-        inst, history, timers, settled = await _stable_read(engine, inst_id)
+        nonlocal instances, rows, messages
+        read = await _stable_read(engine, inst_id)
+        inst, history = read.instance, read.history
         instances += 1
         rows += len(history)
-        if not settled:
+        messages += len(read.messages or ())
+        if not read.settled:
             unsettled.append(inst_id)
         # An instance made by a create under an idempotency key: the key's record says the
         # state and data it was made with, which its history must start from.
@@ -322,7 +381,10 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         lookup = getattr(engine.store, "create_request", None)
         made = None if lookup is None else await lookup(inst_id)
         initial = None if made is None else made[1].state
-        found.extend(check(inst, history, initial_state=initial, timers=timers).violations)
+        verdict = check(
+            inst, history, initial_state=initial, timers=read.timers, messages=read.messages
+        )
+        found.extend(verdict.violations)
         if made is not None and not history and not same_json(inst.data, made[1].data):
             found.append(
                 Violation(
@@ -344,26 +406,93 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
             cursor = page.next_cursor
             if cursor is None:
                 break
-    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled))
+        found.extend(await _homeless_messages(engine))
+    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled), messages)
 
 
-async def _stable_read(
-    engine: Engine, instance_id: str
-) -> tuple[Instance, list[HistoryEntry], list[Timer] | None, bool]:
-    """The instance, its history and its armed timers as of one version, on a live database.
+@dataclass(frozen=True, slots=True)
+class _Read:
+    instance: Instance
+    history: list[HistoryEntry]
+    timers: list[Timer] | None
+    messages: list[Message] | None
+    settled: bool = True
+
+
+async def _read_once(engine: Engine, inst: Instance) -> _Read:
+    instance_id = inst.id
+    history, timers = await engine.history(instance_id), await engine.timers(instance_id)
+    # A store without an outbox (a third-party store) has no messages to check.
+    messages = await engine.messages(instance_id) if _has_outbox(engine) else None
+    return _Read(inst, history, timers, messages)
+
+
+def _has_outbox(engine: Engine) -> bool:
+    return isinstance(engine.store, OutboxStore)
+
+
+async def _stable_read(engine: Engine, instance_id: str) -> _Read:
+    """The instance, its history, its armed timers and its outbox messages as of one version,
+    on a live database.
 
     They are separate reads, so a transition between them would look like a mismatch.
     Reading the instance again and finding the same version proves nothing landed between
-    (timers are armed and voided only by the commits that move the version).
-    An instance that keeps moving is checked on the rows up to the version last read, and its
-    timers are not checked (None): they may belong to a later stay.
+    (timers are armed and voided, and messages written, only by the commits that move the
+    version). An instance that keeps moving is checked on the rows up to the version last
+    read, with the messages of those versions; its timers are not checked (None): they may
+    belong to a later stay.
     """
-    before = await engine.get(instance_id)
-    read = (before, await engine.history(instance_id), await engine.timers(instance_id))
+    read = await _read_once(engine, await engine.get(instance_id))
     for _ in range(_STABLE_TRIES):
         after = await engine.get(instance_id)
-        if after.version == read[0].version:
-            return after, read[1], read[2], True
-        read = (after, await engine.history(instance_id), await engine.timers(instance_id))
-    inst, history, _ = read
-    return inst, [e for e in history if e.version <= inst.version], None, False
+        if after.version == read.instance.version:
+            return dataclasses.replace(read, instance=after)
+        read = await _read_once(engine, after)
+    version = read.instance.version
+    return _Read(
+        read.instance,
+        [e for e in read.history if e.version <= version],
+        None,
+        None if read.messages is None else [m for m in read.messages if m.version <= version],
+        settled=False,
+    )
+
+
+async def _homeless_messages(engine: Engine) -> list[Violation]:
+    """Outbox messages of instances that do not exist, found by walking every message in key
+    order (an instance's messages are read with it; these have no instance to be read with).
+
+    Keys begin with their instance's id, so one instance's messages mostly come together: each
+    id is looked up once per run of its messages.
+    """
+    if not _has_outbox(engine):
+        return []
+    found: list[Violation] = []
+    after: str | None = None
+    last: tuple[str, bool] | None = None  # the id looked up last, and whether it exists
+    while True:
+        page = await engine.find_messages(after=after, limit=_MESSAGE_PAGE)
+        for message in page:
+            if last is None or last[0] != message.instance_id:
+                last = (message.instance_id, await _exists(engine, message.instance_id))
+            if not last[1]:
+                found.append(
+                    Violation(
+                        ORPHAN_MESSAGE,
+                        f"message {message.key!r} ({message.kind!r}, {message.status}) belongs "
+                        f"to instance {message.instance_id!r}, which does not exist: no "
+                        "transition in any history emitted it",
+                        message.version,
+                    )
+                )
+        if len(page) < _MESSAGE_PAGE:
+            return found
+        after = page[-1].key
+
+
+async def _exists(engine: Engine, instance_id: str) -> bool:
+    try:
+        await engine.get(instance_id)
+    except InstanceNotFound:
+        return False
+    return True

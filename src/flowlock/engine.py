@@ -155,6 +155,7 @@ class Engine(OutboxMethods):
                 batch=options.get("timer_batch", DEFAULT_TIMER_BATCH),
                 metrics=metrics,
             )
+        self._init_outbox(options, metrics)
         self._open = False
 
     @classmethod
@@ -193,7 +194,7 @@ class Engine(OutboxMethods):
             self._open = True
             if self._sync is not None:
                 self._sync.start()
-            self._start_timers()
+            self._start_services()
         return self
 
     async def aclose(self) -> None:
@@ -202,6 +203,7 @@ class Engine(OutboxMethods):
             if self._timer_service is not None:
                 # While the engine is still open, so firings in flight end well.
                 await self._timer_service.stop()
+            await self._stop_dispatcher()  # the same: a Then in flight is fired before closing
             self._open = False
             if self._batcher is not None:
                 # Batches already taken finish (each call is bounded) before the store closes.
@@ -267,7 +269,7 @@ class Engine(OutboxMethods):
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
-        self._start_timers()
+        self._start_services()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
             for wf in self._workflows.values()
@@ -465,7 +467,7 @@ class Engine(OutboxMethods):
         InvalidInput, before anything is read, when the store is not PostgreSQL or the
         connection is not in an open transaction.
         """
-        rid = caller_request_id(request_id)
+        rid = caller_request_id(request_id, instance_id)
         args = (actor, rid, expected_version, payload, strategy, connection)
         return await self._fire(instance_id, event, *args, None)
 
@@ -498,6 +500,7 @@ class Engine(OutboxMethods):
                 expected_version=expected_version,
                 strategy="",
                 timer=timer,
+                trace=None if span is None else span.traceparent(),
             )
             if connection is not None:
                 joinable = transactional(self._store)

@@ -32,6 +32,7 @@ from flowlock.core.errors import (
     LockLost,
     LockTimeout,
     LockUnavailable,
+    MessageNotFound,
     OutcomeUnknown,
     PayloadTooLarge,
     StepFailed,
@@ -175,6 +176,14 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             404, slug, "Instance not found",
             f"there is no instance {exc.instance_id!r}; create it first",
             instance_id=exc.instance_id,
+        )  # fmt: skip
+    if isinstance(exc, MessageNotFound):
+        return _make(
+            404, slug, "Message not found",
+            f"there is no outbox message {exc.key!r}; list an instance's messages with GET "
+            "/instances/{instance_id}/messages (a done message may have been deleted by the "
+            "outbox's retention)",
+            key=exc.key,
         )  # fmt: skip
     if isinstance(exc, UnknownEvent):
         return _make(

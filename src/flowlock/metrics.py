@@ -54,6 +54,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         try:
             self._register(self.registry, prefix)
+            self._register_outbox(self.registry, prefix)
         except ValueError as exc:  # prometheus_client: a name already taken in the registry
             raise InvalidInput(
                 f"the registry already has flowlock metrics named {prefix}_*: {exc}; give each "
@@ -113,6 +114,44 @@ class Metrics:
             f"{p}_timers_armed", "Timers armed in the store, as last counted by this engine.",
             registry=r,
         )  # fmt: skip
+
+    def _register_outbox(self, r: CollectorRegistry, p: str) -> None:
+        self.outbox_pending = Gauge(
+            f"{p}_outbox_pending", "Outbox messages not delivered yet (pending or running), "
+            "as last counted by this engine.", registry=r,
+        )  # fmt: skip
+        self.outbox_dead = Gauge(
+            f"{p}_outbox_dead", "Outbox messages given up (dead), as last counted by this "
+            "engine.", registry=r,
+        )  # fmt: skip
+        self.outbox_lag = Histogram(
+            f"{p}_outbox_dispatch_lag_seconds", "Seconds from a message's commit to its claim "
+            "for delivery.", ["kind"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )  # fmt: skip
+        self.outbox_deliveries = Counter(
+            f"{p}_outbox_deliveries", "Outbox deliveries by how they ended (done, then, "
+            "retried, dead).", ["kind", "outcome"], registry=r,
+        )  # fmt: skip
+        self.outbox_attempts = Counter(
+            f"{p}_outbox_attempts", "Outbox deliveries begun (each attempt).", ["kind"],
+            registry=r,
+        )  # fmt: skip
+
+    def record_outbox_claim(self, kind: str, lag: float) -> None:
+        """A delivery of a `kind` message begun, `lag` seconds after its commit."""
+        self.outbox_attempts.labels(kind).inc()
+        self.outbox_lag.labels(kind).observe(lag)
+
+    def record_outbox_delivery(self, kind: str, outcome: str) -> None:
+        """A delivery that came to `outcome` (see `flowlock.outbox.dispatcher.OUTCOMES`)."""
+        self.outbox_deliveries.labels(kind, outcome).inc()
+
+    def record_outbox_counts(self, *, pending: int, dead: int) -> None:
+        """How many messages the store holds not delivered yet, and dead, as last counted."""
+        self.outbox_pending.set(pending)
+        self.outbox_dead.set(dead)
 
     def record_timer(self, outcome: str, lag: float | None) -> None:
         """One timer firing that came to `outcome` (see `flowlock.timers.OUTCOMES`); `lag`:

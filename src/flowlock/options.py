@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict
 
 if TYPE_CHECKING:  # types only: this module imports nothing at run time
+    from datetime import timedelta
+
     import asyncpg
 
     from flowlock.core.settings import PoolingChoice
@@ -65,6 +67,18 @@ class _Tuning(TypedDict, total=False):
     """Seconds a claimed timer is this engine's before another may fire it (30)."""
     timer_batch: int
     """The most timer firings this engine has in flight at once (64)."""
+    outbox: bool
+    """Run the outbox dispatcher once a handler is registered (`on_emit`) (True). False: this
+    engine never delivers; messages are still written, and other engines deliver them."""
+    outbox_lease: float
+    """Seconds a claimed message is this engine's before another may deliver it again (60);
+    more than any handler's timeout."""
+    outbox_retention: timedelta | None
+    """How long done messages are kept before the dispatcher deletes them (7 days); None
+    keeps them."""
+    outbox_backoff: tuple[float, float]
+    """Seconds before the first retry of a failed delivery, and the cap the doubling wait
+    stops at ((1.0, 300.0)); each wait is a random part of that (full jitter)."""
 
 
 class EngineOptions(_Tuning, total=False):

@@ -8,9 +8,7 @@ takes interrupts, closes and survives forks.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import concurrent.futures.thread  # registers its exit hook before ours: see _register_hooks
-import contextlib
+import concurrent.futures.thread  # noqa: F401 (its exit hook first: see _register_hooks)
 import logging
 import os
 import threading
@@ -19,12 +17,21 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
+from flowlock._sync_loop import (
+    GONE,
+    JOIN_TIMEOUT,
+    LoopThread,
+    refuse_in_event_loop,
+    settle,
+)
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import EngineClosed, InvalidInput, SyncCallInEventLoop
+from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
+from flowlock.core.outbox import Message
 from flowlock.core.query import DEFAULT_LIMIT
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.options import ConnectOptions, EngineOptions
+from flowlock.outbox.dispatcher import HandlerFn
 from flowlock.stores.base import Store
 from flowlock.strategies.base import Strategy
 from flowlock.strategies.monitor import ConflictMonitor
@@ -37,95 +44,12 @@ __all__ = ["Engine"]
 T = TypeVar("T")
 log = logging.getLogger("flowlock")
 
-_ALIVE_CHECK = 1.0
-"""Seconds between two checks, while a call waits, that the engine's thread is still running."""
-_JOIN_TIMEOUT = 30.0
-"""Seconds `close()` waits for the thread to end once its loop has stopped."""
-_ENDED = (
-    "the flowlock.sync.Engine's event loop thread ended while a call was running; build a new "
-    "engine, and read the instance to see what the call did"
-)
-_GONE = (
-    "the flowlock.sync.Engine's event loop thread has ended without close() (its loop was "
-    "stopped, or a step raised SystemExit on it); build a new engine to go on"
-)
-
-
-class _LoopThread:
-    """One private event loop, run forever by a daemon thread, until `stop`."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.pid = os.getpid()
-        # Set on the thread once its loop has stopped: from then on nothing submitted runs.
-        self.ended = False
-        self.thread = threading.Thread(target=self._serve, name="flowlock-sync", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt: raised by a step on the loop
-            log.error(
-                "flowlock: the sync engine's event loop thread ends: a step raised %s on it (%s); "
-                "calls in flight and after raise EngineClosed",
-                type(exc).__name__,
-                exc,
-            )
-        finally:
-            self.ended = True
-            self._finish()
-
-    def _finish(self) -> None:
-        """What `asyncio.run` does on its way out: cancel the tasks left (background ones, such
-        as a lease's renewal), let them end, then close the loop."""
-        loop = self.loop
-        try:
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            # At interpreter exit no thread may start; the pool's threads end with the process.
-            with contextlib.suppress(RuntimeError):
-                loop.run_until_complete(loop.shutdown_default_executor())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """`coro` handed to the loop; EngineClosed (`coro` closed) once the loop has stopped."""
-        try:
-            if self.ended:
-                raise EngineClosed(_GONE)
-            try:
-                return asyncio.run_coroutine_threadsafe(coro, self.loop)
-            except RuntimeError:  # "Event loop is closed": it ended since the check above
-                if not self.loop.is_closed():
-                    raise
-                raise EngineClosed(_GONE) from None
-        except BaseException:
-            coro.close()
-            raise
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(_JOIN_TIMEOUT)
-        if self.thread.is_alive():
-            log.warning(
-                "flowlock: the sync engine's thread did not end within %.0f s of its loop "
-                "stopping; it is a daemon thread and ends with the process",
-                _JOIN_TIMEOUT,
-            )
-
-
 # Engines whose thread is running: closed at exit, and told when the process forks. A strong
 # reference on purpose: an engine dropped without close() still holds a thread and connections.
 _running: set[Engine] = set()
 # The parent's loops and threads as a forked child inherited them: kept, never used or closed
 # (closing them would close the parent's connections), so that nothing tries to at exit either.
-_orphans: list[_LoopThread] = []
+_orphans: list[LoopThread] = []
 
 
 class Engine:
@@ -153,7 +77,7 @@ class Engine:
         else:
             self._engine = AsyncEngine(store, **options)
         self._lock = threading.Lock()
-        self._runner: _LoopThread | None = None
+        self._runner: LoopThread | None = None
         self._opened = False  # the async engine was opened on self._runner's loop
         self._closed = False
         self._forked: str | None = None  # why this process may not use the engine, after a fork
@@ -182,7 +106,7 @@ class Engine:
 
         Idempotent. Raises EngineClosed after `close()`.
         """
-        _refuse_in_event_loop("open")
+        refuse_in_event_loop("open")
         with self._lock:
             self._start(opens=True)
         return self
@@ -190,7 +114,7 @@ class Engine:
     def close(self) -> None:
         """Refuse new calls, wait for those in flight, close the store and the lock backends,
         stop the loop and join its thread. Idempotent."""
-        _refuse_in_event_loop("close")
+        refuse_in_event_loop("close")
         with self._lock:
             self._closed = True
             runner = self._runner
@@ -203,10 +127,10 @@ class Engine:
                 # the connections included (they end with the process). The thread is joined.
                 self._runner = None
                 _running.discard(self)
-                runner.thread.join(_JOIN_TIMEOUT)
+                runner.thread.join(JOIN_TIMEOUT)
                 return
             try:
-                _settle(future, runner)
+                settle(future, runner)
             finally:
                 # Interrupted twice: leave the loop to the exit hook rather than cut a call short.
                 if future.done():
@@ -265,6 +189,26 @@ class Engine:
         """
         return self._run(self._engine.register(workflow), opens=False)
 
+    def on_emit(
+        self,
+        kind: str,
+        handler: HandlerFn,
+        *,
+        concurrency: int = 8,
+        max_attempts: int = 10,
+        timeout: float = 30.0,
+    ) -> None:
+        """Deliver the messages of `kind` to `handler`; see
+        [`flowlock.Engine.on_emit`][flowlock.Engine.on_emit]. An async handler runs on the
+        engine's loop thread, a sync one in a worker thread. Connects nothing."""
+
+        async def on_emit() -> None:  # on the loop: a dispatcher already running is woken
+            self._engine.on_emit(
+                kind, handler, concurrency=concurrency, max_attempts=max_attempts, timeout=timeout
+            )
+
+        return self._run(on_emit(), opens=False)
+
     def create(
         self,
         workflow: str,
@@ -295,6 +239,41 @@ class Engine:
         """The instance's armed timers, earliest due first (event, due time, the stay that
         armed them); see [`flowlock.Engine.timers`][flowlock.Engine.timers]."""
         return self._run(self._engine.timers(instance_id))
+
+    # -- the outbox (before `list`, which would shadow the builtin in their annotations) ----
+
+    def messages(self, instance_id: str) -> list[Message]:
+        """The instance's outbox messages in the order they were emitted; see
+        [`flowlock.Engine.messages`][flowlock.Engine.messages]."""
+        return self._run(self._engine.messages(instance_id))
+
+    def find_messages(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[Message]:
+        """At most `limit` messages of any instance, in key order after the key `after`; see
+        [`flowlock.Engine.find_messages`][flowlock.Engine.find_messages]."""
+        return self._run(
+            self._engine.find_messages(status=status, kind=kind, after=after, limit=limit)
+        )
+
+    def message(self, key: str) -> Message:
+        """The message of `key`. Raises MessageNotFound."""
+        return self._run(self._engine.message(key))
+
+    def retry_message(self, key: str) -> Message:
+        """Deliver a dead (or waiting) message again now, with a fresh count of attempts; see
+        [`flowlock.Engine.retry_message`][flowlock.Engine.retry_message]."""
+        return self._run(self._engine.retry_message(key))
+
+    def drop_message(self, key: str) -> None:
+        """Delete a message that will not be delivered; see
+        [`flowlock.Engine.drop_message`][flowlock.Engine.drop_message]."""
+        return self._run(self._engine.drop_message(key))
 
     def list(
         self,
@@ -355,7 +334,7 @@ class Engine:
         `opens`: open the engine first if it is not open yet."""
         handed = False
         try:
-            _refuse_in_event_loop(getattr(coro, "__name__", "call"))
+            refuse_in_event_loop(getattr(coro, "__name__", "call"))
             with self._lock:
                 runner = self._start(opens=opens)
                 future = runner.submit(self._tracked(coro))
@@ -366,9 +345,9 @@ class Engine:
             if not handed:
                 coro.close()
             raise
-        return _settle(future, runner)
+        return settle(future, runner)
 
-    def _start(self, *, opens: bool) -> _LoopThread:
+    def _start(self, *, opens: bool) -> LoopThread:
         """The running loop thread (started if need be), with the engine opened on it if
         `opens`. Called with `self._lock` held."""
         if self._forked is not None:
@@ -380,12 +359,12 @@ class Engine:
             )
         runner = self._runner
         if runner is None:
-            runner = self._runner = _LoopThread()
+            runner = self._runner = LoopThread()
             _running.add(self)
         elif runner.ended:
-            raise EngineClosed(_GONE)
+            raise EngineClosed(GONE)
         if opens and not self._opened:
-            _settle(runner.submit(self._engine.open()), runner)
+            settle(runner.submit(self._engine.open()), runner)
             self._opened = True
         return runner
 
@@ -431,75 +410,6 @@ class Engine:
                 "Let each worker open its own: do not call it before the fork (register() is "
                 "fine, the first other call opens it), or build it in the worker"
             )
-
-
-# -- waiting -----------------------------------------------------------------------------------
-
-
-def _refuse_in_event_loop(method: str) -> None:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise SyncCallInEventLoop(method)
-
-
-def _wait_done(future: concurrent.futures.Future[Any], runner: _LoopThread) -> None:
-    """Until `future` is done, or the loop thread that should finish it has ended."""
-    while not future.done() and runner.thread.is_alive():
-        concurrent.futures.wait([future], timeout=_ALIVE_CHECK)
-
-
-def _settle(future: concurrent.futures.Future[T], runner: _LoopThread) -> T:
-    """The result of `future`; an interrupt in the meantime waits for it, then is raised."""
-    try:
-        _wait_done(future, runner)
-    except BaseException as interrupt:
-        _after_interrupt(future, runner, interrupt)
-        raise
-    # The thread ended with the call unanswered, or its loop stopped and cancelled the call on
-    # the way out (a sync engine cancels no call of its own: close() waits for them).
-    if not future.done() or (future.cancelled() and runner.ended):
-        raise EngineClosed(_ENDED)
-    return future.result()
-
-
-def _after_interrupt(
-    future: concurrent.futures.Future[Any], runner: _LoopThread, interrupt: BaseException
-) -> None:
-    """Let the interrupted call finish before `interrupt` is raised, and say what it did."""
-    if not future.done():
-        try:
-            log.warning(
-                "flowlock: %s while a call is running: waiting for the call to finish (it is "
-                "bounded) before raising it; interrupt again to stop waiting",
-                type(interrupt).__name__,
-            )
-            _wait_done(future, runner)
-        except BaseException as again:
-            again.add_note(
-                "flowlock: the interrupted call was still running; it runs to its end on the "
-                "engine's thread, whole or not at all. Read the instance to see what it did"
-            )
-            raise
-    interrupt.add_note(f"flowlock: the interrupted call ran to its end first: {_did(future)}")
-
-
-def _did(future: concurrent.futures.Future[Any]) -> str:
-    if not future.done():
-        return "its thread ended before it did; read the instance to see what it did"
-    error = future.exception()
-    if error is not None:
-        return f"it raised {type(error).__name__}: {error}"
-    result = future.result()
-    if isinstance(result, Outcome):
-        return (
-            f"{result.event!r} {'applied' if result.applied else 'idempotent'}, instance "
-            f"{result.instance.id!r} now in state {result.instance.state!r} at version "
-            f"{result.instance.version}"
-        )
-    text = repr(result)
-    return f"it returned {text[:200]}{'...' if len(text) > 200 else ''}"
 
 
 # -- process hooks -----------------------------------------------------------------------------

@@ -15,10 +15,14 @@ from typing import TYPE_CHECKING, Any
 from flowlock.core.errors import ConflictRetriesExhausted, InvalidInput
 from flowlock.core.install import pip_install
 from flowlock.core.models import HistoryEntry, Timer
+from flowlock.core.outbox import Message
 
 try:  # the otel extra: without it every helper here is a no-op
     from opentelemetry import context as _otel_context
     from opentelemetry import trace as _trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    _PROPAGATOR = TraceContextTextMapPropagator()
 except ImportError:
     AVAILABLE = False
 else:
@@ -33,6 +37,7 @@ __all__ = [
     "AVAILABLE",
     "BATCH",
     "COMMIT",
+    "DELIVER",
     "FIRE",
     "LOCK_WAIT",
     "NO_SPAN",
@@ -42,6 +47,7 @@ __all__ = [
     "commit_done",
     "commit_span",
     "current",
+    "deliver_span",
     "lock_failed",
     "lock_wait",
     "locked",
@@ -56,6 +62,7 @@ FIRE = "flowlock.fire"
 LOCK_WAIT = "flowlock.lock_wait"
 COMMIT = "flowlock.commit"
 BATCH = "flowlock.batch"
+DELIVER = "flowlock.outbox.deliver"
 
 # Attribute names (docs/tracing.md has the table).
 WORKFLOW = "flowlock.workflow"
@@ -145,6 +152,12 @@ class FireSpan:
         self._otel_token = _otel_context.attach(_trace.set_span_in_context(self.span))
         self._token: Token[Tracer | None] = _CURRENT.set(tracer)
 
+    def traceparent(self) -> str:
+        """This span's W3C traceparent: kept on the messages the call emits, so that each
+        delivery's span links back to it."""
+        ctx = self.span.get_span_context()
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
     def chose(self, strategy: str) -> None:
         """The strategy picked for the call (replaced by the one that ran, on success)."""
         self.span.set_attribute(STRATEGY, strategy)
@@ -203,6 +216,33 @@ def timer_span(timer: Timer) -> AbstractContextManager[Span] | None:
             "flowlock.timer.stay": timer.stay,
             "flowlock.timer.firing": timer.n,
             "flowlock.timer.lag": timer.lag,
+        },
+    )
+
+
+def deliver_span(message: Message) -> AbstractContextManager[Span] | None:
+    """A `flowlock.outbox.deliver` span around one delivery of `message`, linked to the span
+    of the call that emitted it (its `trace`); None when nothing is traced. A `Then` the
+    handler returns is fired under it."""
+    found = tracer()
+    if found is None:
+        return None
+    links = []
+    if message.trace:
+        carrier = {"traceparent": message.trace}
+        emitted = _trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+        if emitted.is_valid:
+            links.append(_trace.Link(emitted))
+    return found.start_as_current_span(
+        DELIVER,
+        context=_otel_context.Context(),  # a root of its own: the emitting call ended long ago
+        links=links,
+        attributes={
+            INSTANCE_ID: message.instance_id,
+            WORKFLOW: message.workflow,
+            "flowlock.outbox.kind": message.kind,
+            "flowlock.outbox.key": message.key,
+            "flowlock.outbox.attempt": message.attempt,
         },
     )
 

@@ -398,19 +398,22 @@ async def test_retry_makes_a_dead_message_due_now_with_fresh_attempts(
     assert await store.retry_message("a:9:9") is None
 
 
-async def test_retry_takes_a_pending_message_back_from_its_claimer(
+async def test_retry_leaves_a_message_held_by_a_live_claim_to_its_delivery(
     engine: flowlock.Engine,
 ) -> None:
-    """retry_message of a message still held: unclaimed, due now, attempts 0; its old claimer
-    can no longer fail it."""
+    """retry_message of a message a claimer holds (running) changes nothing and returns it
+    running: clearing the claim would deliver it twice at once. Its claimer still ends it; and
+    the engine refuses the retry with InvalidInput."""
     store = outbox_of(engine)
     await reserved(engine, "a")
     [m] = await claim(store, {"reserve": 1})
-    retried = await store.retry_message(m.key)
-    assert retried is not None and (retried.status, retried.attempts) == ("pending", 0)
-    assert not await store.fail_message(m, "me", "late", None)
-    [again] = await claim(store, {"reserve": 1}, owner="other")
-    assert again.attempts == 1
+    left = await store.retry_message(m.key)
+    assert left is not None and (left.status, left.attempts) == ("running", 1)
+    with pytest.raises(flowlock.InvalidInput, match="being delivered now"):
+        await engine.retry_message(m.key)
+    assert await store.fail_message(m, "me", "boom", None)
+    retried = await engine.retry_message(m.key)
+    assert (retried.status, retried.attempts) == ("pending", 0)
 
 
 async def test_drop_deletes_a_message_and_lets_the_next_one_go(engine: flowlock.Engine) -> None:

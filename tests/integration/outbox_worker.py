@@ -69,7 +69,9 @@ async def main(cfg: dict[str, Any]) -> None:  # noqa: C901 - one worker, every c
             return await super().finish_messages(keys)
 
     store = Store(cfg["url"], schema=cfg["schema"], pool_size=4)
-    sink = await asyncpg.create_pool(cfg["url"], min_size=1, max_size=3)
+    sink = await asyncpg.create_pool(
+        cfg["url"], min_size=1, max_size=3, server_settings={"search_path": cfg["schema"]}
+    )
     dispatching = crash != "after-commit" and crash != "before-commit"
     engine = flowlock.Engine(
         store,

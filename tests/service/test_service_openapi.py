@@ -43,6 +43,7 @@ def test_the_document_is_stable_text() -> None:
         "/instances/{instance_id}",
         "/instances/{instance_id}/events/{event}",
         "/instances/{instance_id}/history",
+        "/instances/{instance_id}/messages",
         "/instances/{instance_id}/timers",
         "/livez",
         "/readyz",

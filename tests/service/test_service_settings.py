@@ -29,6 +29,7 @@ def test_every_setting_round_trips_through_the_environment() -> None:
         schema="tenant_a",
         drain_timeout=2.5,
         timers=False,
+        outbox=False,
         metrics_dir="/tmp/metrics",
     )
     env = settings.to_env()
@@ -65,6 +66,7 @@ def test_tokens_name_their_principal() -> None:
         ("FLOWLOCK_DRAIN_TIMEOUT", "nan"),
         ("FLOWLOCK_REQUIRE_IF_MATCH", "maybe"),
         ("FLOWLOCK_TIMERS", "sometimes"),
+        ("FLOWLOCK_OUTBOX", "sometimes"),
         ("FLOWLOCK_API_TOKEN", "short"),
         ("FLOWLOCK_API_TOKEN", f"ops:{SECRET}, :{SECRET}"),
         ("FLOWLOCK_API_TOKEN", "ops:"),

@@ -88,7 +88,7 @@ def test_help_names_the_environment_variables(cli: CliRunner) -> None:
     result = cli.invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "FLOWLOCK_DATABASE_URL" in result.stdout
-    for command in ("bench", "db", "show", "history", "list", "check", "timers"):
+    for command in ("bench", "db", "show", "history", "list", "check", "timers", "outbox"):
         assert command in result.stdout
 
 
@@ -98,6 +98,7 @@ def test_help_names_the_environment_variables(cli: CliRunner) -> None:
         ["bench", "--help"],
         ["db", "migrate", "--help"],
         *([name, "--help"] for name in ("show", "history", "list", "check", "timers")),
+        *(["outbox", name, "--help"] for name in ("list", "retry", "drop")),
     ],
 )
 def test_subcommand_help_shows_the_env_var(cli: CliRunner, command: list[str]) -> None:
@@ -120,6 +121,16 @@ def test_subcommand_help_shows_the_env_var(cli: CliRunner, command: list[str]) -
         (["timers"], "FLOWLOCK_DATABASE_URL"),
         (["timers", "--within", "-1", "--database-url", "sqlite:///x.db"], "--within"),
         (["timers", "--limit", "0", "--database-url", "sqlite:///x.db"], "--limit"),
+        (["outbox", "list"], "FLOWLOCK_DATABASE_URL"),
+        (["outbox", "retry", "o-1:2:0"], "FLOWLOCK_DATABASE_URL"),
+        (["outbox", "drop", "o-1:2:0", "--yes"], "FLOWLOCK_DATABASE_URL"),
+        (["outbox", "list", "--status", "lost", "--database-url", "sqlite:///x.db"], "--status"),
+        (["outbox", "list", "--limit", "0", "--database-url", "sqlite:///x.db"], "--limit"),
+        (["outbox", "list", "--limit", "10001", "--database-url", "sqlite:///x.db"], "--limit"),
+        (["outbox", "retry", "o-1", "--database-url", "sqlite:///x.db"], "KEY"),
+        (["outbox", "drop", "o-1:two:0", "--database-url", "sqlite:///x.db"], "KEY"),
+        (["outbox", "drop"], "Missing argument 'KEY'"),
+        (["outbox", "purge"], "No such command"),
         (["nonsense"], "No such command"),
     ],
 )

@@ -203,3 +203,19 @@ async def test_the_memory_store_writes_messages_with_the_commit_only() -> None:
         ]
         assert all(isinstance(m, Message) and m.version == 2 for m in messages)
         assert await engine.messages("nobody") == []
+
+
+async def test_a_caller_may_not_use_a_message_key_of_the_instance_as_request_id() -> None:
+    """That id is the Then's of the message's handler: refused, nothing read or written. The
+    same form for another instance, or a longer key of a long instance id, is fine."""
+    wf = _doc()
+    async with flowlock.Engine(MemoryStore()) as engine:
+        await engine.register(wf)
+        await engine.create("doc", instance_id="d:1")
+        for rid in ("d:1:2:0", "d:1:12:345"):
+            with pytest.raises(flowlock.InvalidInput, match="outbox message key"):
+                await engine.fire("d:1", "close", request_id=rid)
+        assert (await engine.get("d:1")).version == 1
+        assert (await engine.fire("d:1", "close", request_id="d:2:0")).applied
+        with pytest.raises(flowlock.InvalidInput, match="request_id"):
+            await engine.fire("d:1", "touch", request_id="r" * 201)

@@ -16,7 +16,8 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "Adaptive", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
-    "ConnectionLost", "CreateKeyReused", "DefinitionError", "Distributed", "Emit", "Engine",
+    "ConnectionLost", "CreateKeyReused", "DefinitionError", "DeliveryFailed", "DeliveryRefused",
+    "Distributed", "Emit", "Engine",
     "EngineClosed", "Message", "MessageNotFound", "Then", "outbox",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
     "Instance", "InstanceExists", "InstanceNotFound", "InvalidInput", "LockBusy", "LockError",

@@ -545,8 +545,8 @@ async def test_find_messages_pages_in_key_order_with_filters(store: SqliteStore)
 
 async def test_get_retry_drop_and_count(store: SqliteStore) -> None:
     """get_message finds by key (None when missing); retry makes a dead message pending with
-    attempts 0 (its error kept) and leaves a done one alone; drop deletes; count_messages has
-    every status."""
+    attempts 0 (its error kept) and leaves a done or held one alone; drop deletes; count_messages
+    has every status."""
     assert await store.get_message("i:2:0") is None
     assert await store.retry_message("i:2:0") is None
     assert not await store.drop_message("i:2:0")
@@ -563,11 +563,11 @@ async def test_get_retry_drop_and_count(store: SqliteStore) -> None:
     assert (retried.status, retried.attempts, retried.last_error) == ("pending", 0, "HTTP 400")
     done = await store.retry_message("i:3:0")
     assert done is not None and done.status == "done"
-    running = await store.retry_message("i:4:0")  # a held one is freed and due now too
-    assert running is not None and (running.status, running.attempts) == ("pending", 0)
+    running = await store.retry_message("i:4:0")  # a held one is left to its delivery
+    assert running is not None and (running.status, running.attempts) == ("running", 1)
     assert await store.drop_message("i:5:0")
     assert await store.get_message("i:5:0") is None
-    assert await store.count_messages() == {"pending": 2, "running": 0, "done": 1, "dead": 0}
+    assert await store.count_messages() == {"pending": 1, "running": 1, "done": 1, "dead": 0}
 
 
 async def test_purge_deletes_old_done_messages_oldest_first(store: SqliteStore) -> None:

@@ -4,7 +4,7 @@ raises ``EngineClosed`` promptly, saying so, instead of waiting forever or raisi
 
 The loop is stopped for real, from inside it, the two ways a step can do it: by stopping the
 running loop, and by raising ``SystemExit`` (which ends ``run_forever`` and the thread). A
-second test holds the watchdog itself (``_settle``) to a thread that ends while the call it
+second test holds the watchdog itself (``settle``) to a thread that ends while the call it
 waits for is left unanswered.
 """
 
@@ -21,9 +21,9 @@ import pytest
 
 import flowlock
 import flowlock.sync
+from flowlock._sync_loop import LoopThread, settle
 from flowlock.core.models import Instance
 from flowlock.stores import MemoryStore
-from flowlock.sync import _LoopThread, _settle
 
 BOUND = 10.0
 """Seconds a call may take to answer once the loop has stopped: generous, it answers at once."""
@@ -120,11 +120,11 @@ def test_a_call_waiting_when_the_loop_thread_ends_raises_engine_closed(
 def test_the_watchdog_ends_a_wait_whose_thread_ended_with_the_call_unanswered() -> None:
     """A wait on a call the loop will never answer ends, when the loop's thread ends, in
     EngineClosed saying the thread ended while a call was running (checked every second)."""
-    runner = _LoopThread()
+    runner = LoopThread()
     unanswered: concurrent.futures.Future[None] = concurrent.futures.Future()
     ender = threading.Thread(target=runner.stop)
     started = time.monotonic()
-    waiting, answer = in_thread(lambda: _settle(unanswered, runner))
+    waiting, answer = in_thread(lambda: settle(unanswered, runner))
     ender.start()
     waiting.join(BOUND)
     assert not waiting.is_alive(), f"the wait did not end within {BOUND:.0f} s"

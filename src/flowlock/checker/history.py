@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+from flowlock.checker.outbox import check_messages
 from flowlock.checker.timers import check_timers, firing_of
 from flowlock.checker.verdicts import (
     BROKEN_CHAIN,
@@ -21,6 +22,7 @@ from flowlock.checker.verdicts import (
     Violation,
 )
 from flowlock.core.models import HistoryEntry, Instance, Timer
+from flowlock.core.outbox import Message
 
 Invariant: TypeAlias = Callable[[Mapping[str, Any]], str | None]
 """Takes an instance's data; returns None when it holds, or a message saying what is wrong."""
@@ -37,6 +39,7 @@ def check(
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
     timers: Sequence[Timer] | None = None,
+    messages: Sequence[Message] | None = None,
 ) -> Verdict:
     """Check `history` against `instance` and report every violation found.
 
@@ -47,6 +50,9 @@ def check(
     `timers`: the instance's armed timers (`engine.timers(id)`), read with it; each must
     belong to its current stay. Timer firings in the history are always checked: each applied
     in the stay that armed it, and once.
+    `messages`: the instance's outbox messages (`engine.messages(id)`), read with it; each
+    must belong to a transition in the history under its own key, none may be done without
+    an attempt, and a row fired under a message's key must come after that message's version.
     """
     found: list[Violation] = []
     name = f"instance {instance.id!r}"
@@ -73,6 +79,8 @@ def check(
     found.extend(_check_chain(name, ordered, initial_state))
     found.extend(_check_final(name, instance, ordered, initial_state))
     found.extend(check_timers(name, instance, ordered, initial_state, timers))
+    if messages is not None:
+        found.extend(check_messages(name, instance, ordered, messages))
     if invariant is not None:
         found.extend(_check_invariant(name, instance, ordered, invariant, invariant_kind))
     return Verdict.of(found)
@@ -86,12 +94,14 @@ def check_many(
     invariant: Invariant | None = None,
     invariant_kind: str = INVARIANT,
     timers: Mapping[str, Sequence[Timer]] | None = None,
+    messages: Mapping[str, Sequence[Message]] | None = None,
 ) -> Verdict:
     """Check each `(instance, history)` pair and merge the verdicts (messages name the id).
 
     `expected_applied` is one count for all, or a count per instance id.
     Instances missing from the mapping get no count check.
     `timers`: each instance's armed timers by id (an instance missing from it: not checked).
+    `messages`: each instance's outbox messages by id (missing: not checked).
     """
     found: list[Violation] = []
     for instance, history in pairs:
@@ -107,6 +117,7 @@ def check_many(
             invariant=invariant,
             invariant_kind=invariant_kind,
             timers=None if timers is None else timers.get(instance.id),
+            messages=None if messages is None else messages.get(instance.id),
         )
         found.extend(verdict.violations)
     return Verdict.of(found)

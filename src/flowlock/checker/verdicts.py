@@ -21,6 +21,16 @@ STALE_TIMER = "stale-timer"
 or the row starts from another state)."""
 STRAY_TIMER = "stray-timer"
 """A timer is armed for a stay the instance has left: the commit that ended it kept it."""
+ORPHAN_MESSAGE = "orphan-message"
+"""An outbox message has no transition in the history to belong to (none at its version, or
+one written under another fencing token), or its instance does not exist."""
+MESSAGE_KEY = "message-key"
+"""An outbox message's key is not `<instance_id>:<version>:<n>` of its own transition."""
+UNDELIVERED_DONE = "undelivered-done"
+"""An outbox message is done after 0 attempts: marked delivered without a delivery."""
+EARLY_THEN = "early-then"
+"""A row fired under a message's key (its handler's Then) comes at or before the transition
+that emitted the message."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -56,6 +66,10 @@ KINDS: tuple[str, ...] = (
     OVERSELL,
     STALE_TIMER,
     STRAY_TIMER,
+    ORPHAN_MESSAGE,
+    MESSAGE_KEY,
+    UNDELIVERED_DONE,
+    EARLY_THEN,
 )
 
 

@@ -14,7 +14,7 @@ import flowlock
 
 # The command modules register their commands on ``app`` when imported, in the order --help
 # lists them: the database and inspection commands, then bench and serve.
-from flowlock.cli import db, inspect
+from flowlock.cli import db, inspect, outbox
 
 # isort: split
 from flowlock.cli import bench, serve
@@ -28,6 +28,7 @@ __all__ = [
     "db",
     "inspect",
     "main",
+    "outbox",
     "serve",
 ]
 

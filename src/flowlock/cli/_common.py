@@ -41,7 +41,7 @@ EPILOG = (
     "**Environment variables** (the CLI is the only part of flowlock that reads them): "
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
     "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
-    "*history*, *list*, *check* and *timers* read, when --database-url is not given. "
+    "*history*, *list*, *check*, *timers* and *outbox* read, when --database-url is not given. "
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
     "is not given.\n\n"
     "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed "

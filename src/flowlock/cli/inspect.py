@@ -282,7 +282,10 @@ def check_command(
     under an idempotency key must start from the state (and, with no history, still hold the
     data) that create recorded. Timers: each firing (actor flowlock:timer, request id
     timer:STAY:EVENT:N) applied in the stay that armed it and once, and every armed timer
-    belongs to its instance's current stay.
+    belongs to its instance's current stay. Outbox: every message belongs to a transition in
+    its instance's history (same version and fencing token) under its own key
+    ID:VERSION:N, none is done after 0 attempts, and a transition fired under a message's key
+    (its handler's Then) comes after the one that emitted it.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).
@@ -300,6 +303,7 @@ def check_command(
                 **verdict.to_dict(),
                 "instances": report.instances,
                 "rows": report.rows,
+                "messages": report.messages,
                 "unsettled": list(report.unsettled),
             }
         )
@@ -307,7 +311,10 @@ def check_command(
         out = stdout()
         for violation in verdict.violations:
             out.print(Text(f"{violation.kind}: {violation.message}", style="red"))
-        summary = f"checked {report.instances} instance(s), {report.rows} history row(s): " + (
+        checked = f"checked {report.instances} instance(s), {report.rows} history row(s)"
+        if report.messages:
+            checked += f", {report.messages} outbox message(s)"
+        summary = f"{checked}: " + (
             "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
         )
         out.print(Text(summary, style="green" if verdict.ok else "bold red"))

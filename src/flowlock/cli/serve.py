@@ -88,6 +88,17 @@ def serve(
             "them.",
         ),
     ] = True,
+    outbox: Annotated[
+        bool,
+        _opt(
+            "--outbox/--no-outbox",
+            "FLOWLOCK_OUTBOX",
+            "Let this service's engines deliver outbox messages (the default), to the "
+            "handlers registered on them (--app registers none). --no-outbox delivers none "
+            "(outbox=False): messages are still written with their transitions, and engines "
+            "with handlers (your workers) deliver them.",
+        ),
+    ] = True,
     dev: Annotated[
         bool,
         typer.Option(
@@ -101,7 +112,8 @@ def serve(
     """Run flowlock as an HTTP service (FastAPI on uvicorn).
 
     It serves definitions, instances, events (with If-Match and Idempotency-Key), history,
-    armed timers, /livez, /readyz and /metrics, and fires due timers (unless --no-timers).
+    armed timers, outbox messages, /livez, /readyz and /metrics, and fires due timers
+    (unless --no-timers).
     OpenAPI is at /openapi.json, docs at /docs.
 
     **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
@@ -136,6 +148,7 @@ def serve(
             schema=schema,
             drain_timeout=drain_timeout,
             timers=timers,
+            outbox=outbox,
         )
         if app_ref is not None:
             from flowlock.core.diagram import load_workflows

@@ -15,6 +15,8 @@ as attributes: the current state, the current version, the attempts made.
     ├── InstanceNotFound
     ├── InstanceExists
     ├── MessageNotFound              no outbox message with that key
+    ├── DeliveryFailed               an outbox handler could not deliver: tried again later
+    │   └── DeliveryRefused          the receiver refused the message for good: dead at once
     ├── TransitionRefused            the instance is fine, the event does not apply
     │   ├── TransitionNotAllowed     not allowed from the current state
     │   │   └── StaleTimer           a timer fired after the stay that armed it ended
@@ -223,6 +225,29 @@ class MessageNotFound(FlowlockError):
             f"no outbox message with key {key!r}; list an instance's messages with "
             "engine.messages(instance_id) or `flowlock outbox list`"
         )
+
+
+class DeliveryFailed(FlowlockError):
+    """An outbox handler could not deliver its message; the dispatcher tries it again later.
+
+    A handler raises it (any other exception means the same) to pass `retry_after`: the
+    seconds the receiver asked to wait (an HTTP Retry-After), honoured up to the backoff's cap.
+    """
+
+    def __init__(self, message: str | None = None, *, retry_after: float | None = None) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class DeliveryRefused(DeliveryFailed):
+    """The receiver refused the outbox message for good; it is dead at once, not retried.
+
+    Raise it from a handler when trying again cannot help (an HTTP 400, a payload the
+    receiver rejects). The message stays visible; `engine.retry_message(key)` sends it again.
+    """
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message)
 
 
 class InstanceExists(FlowlockError):

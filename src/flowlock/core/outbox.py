@@ -18,6 +18,7 @@ from flowlock.core.errors import InvalidInput
 
 __all__ = [
     "MESSAGE_STATUSES",
+    "OUTBOX_ACTOR",
     "Emit",
     "Message",
     "MessageStatus",
@@ -32,6 +33,9 @@ MessageStatus: TypeAlias = Literal["pending", "running", "done", "dead"]
 dispatcher holds its claim), delivered, or given up after `max_attempts` (kept until retried or
 dropped by hand)."""
 MESSAGE_STATUSES: tuple[str, ...] = ("pending", "running", "done", "dead")
+
+OUTBOX_ACTOR = "flowlock:outbox"
+"""The `actor` of a transition a handler's `Then` fired, unless the Then names one."""
 
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_.\-:]{0,99}")
 

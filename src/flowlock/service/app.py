@@ -44,6 +44,7 @@ def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
         schema=settings.schema,
         metrics=metrics,
         timers=settings.timers,
+        outbox=settings.outbox,
     )
 
 

@@ -19,6 +19,8 @@ __all__ = [
     "InstanceOut",
     "InstancePage",
     "Live",
+    "MessageList",
+    "MessageOut",
     "NextTimerOut",
     "Ready",
     "TimerList",
@@ -129,6 +131,55 @@ class TimerOut(_Out):
 
 class TimerList(_Out):
     items: list[TimerOut] = Field(description="The instance's armed timers, earliest due first.")
+
+
+class MessageOut(_Out):
+    """One outbox message: what a transition emitted, and where its delivery is."""
+
+    key: str = Field(
+        description="<instance_id>:<version>:<n>: the idempotency key its handler passes on; "
+        "the same on every redelivery."
+    )
+    instance_id: str
+    workflow: str
+    version: int = Field(ge=2, description="The version the emitting transition made.")
+    n: int = Field(ge=0, description="Its place among that transition's messages, from 0.")
+    kind: str = Field(description="Which handler delivers it.")
+    status: Literal["pending", "running", "done", "dead"] = Field(
+        description="pending: waiting to be delivered (or tried again); running: an engine "
+        "delivers it now; done: delivered; dead: given up after its handler's max_attempts "
+        "(kept until retried or dropped)."
+    )
+    attempts: int = Field(ge=0, description="Deliveries begun so far.")
+    last_error: str | None = Field(description="Why the last delivery failed; null: none did.")
+    next_attempt_at: str | None = Field(
+        description="While pending: when it may be delivered (again), on the database's clock.",
+        json_schema_extra={"format": "date-time"},
+    )
+    created_at: str | None = Field(
+        description="When the transition that emitted it committed.",
+        json_schema_extra={"format": "date-time"},
+    )
+    done_at: str | None = Field(
+        description="When it was delivered; null until done.",
+        json_schema_extra={"format": "date-time"},
+    )
+    claimed_until: str | None = Field(
+        description="While running: when its delivery's claim runs out (another engine may "
+        "then take it over).",
+        json_schema_extra={"format": "date-time"},
+    )
+    fencing_token: int | None = Field(
+        description="The lease's fencing token when the distributed strategy wrote the "
+        "transition; null otherwise."
+    )
+    payload: dict[str, Any]
+
+
+class MessageList(_Out):
+    items: list[MessageOut] = Field(
+        description="The instance's messages in the order they were emitted (version, then n)."
+    )
 
 
 class TransitionOut(_Out):

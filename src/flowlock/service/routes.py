@@ -12,7 +12,13 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from flowlock._calls import MAX_ID_LENGTH
-from flowlock._inspect import entry_dict, instance_dict, next_timer_dict, timer_dict
+from flowlock._inspect import (
+    entry_dict,
+    instance_dict,
+    message_dict,
+    next_timer_dict,
+    timer_dict,
+)
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import Instance, Outcome
@@ -38,6 +44,7 @@ from flowlock.service.responses import (
     HistoryPage,
     InstanceOut,
     InstancePage,
+    MessageList,
     TimerList,
 )
 from flowlock.service.settings import ServiceSettings
@@ -371,3 +378,18 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
     async def timers(instance_id: str) -> dict[str, Any]:
         await engine.get(instance_id)  # an unknown id is a 404, not an empty list
         return {"items": [timer_dict(t) for t in await engine.timers(instance_id)]}
+
+    @app.get(
+        "/instances/{instance_id}/messages",
+        tags=["instances"],
+        summary="Outbox messages, in the order they were emitted",
+        response_model=None,
+        responses=ok(
+            MessageList,
+            "The instance's outbox messages: key, kind, status, attempts, last error, next "
+            "attempt (none: an empty list)",
+        ),
+    )
+    async def messages(instance_id: str) -> dict[str, Any]:
+        await engine.get(instance_id)  # an unknown id is a 404, not an empty list
+        return {"items": [message_dict(m) for m in await engine.messages(instance_id)]}

@@ -96,9 +96,9 @@ def _preflight(settings: ServiceSettings) -> None:
     """
     from flowlock.service.app import create_app
 
-    # Timers off: this engine only proves the workers can open theirs; it must not claim and
-    # fire timers in the moment it is open.
-    app = create_app(dataclasses.replace(settings, timers=False))
+    # Timers and outbox off: this engine only proves the workers can open theirs; it must not
+    # claim and fire timers, or deliver messages, in the moment it is open.
+    app = create_app(dataclasses.replace(settings, timers=False, outbox=False))
 
     async def open_and_close() -> None:
         async with app.router.lifespan_context(app):

@@ -31,6 +31,7 @@ ENV = {
     "schema": "FLOWLOCK_SCHEMA",
     "drain_timeout": "FLOWLOCK_DRAIN_TIMEOUT",
     "timers": "FLOWLOCK_TIMERS",
+    "outbox": "FLOWLOCK_OUTBOX",
     "metrics_dir": "PROMETHEUS_MULTIPROC_DIR",
 }
 """The variable behind each setting (also the `envvar` of each `flowlock serve` flag)."""
@@ -40,7 +41,7 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_DRAIN = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_FLAGS = ("require_if_match", "timers")
+_FLAGS = ("require_if_match", "timers", "outbox")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,8 @@ class ServiceSettings:
     - `drain_timeout`: seconds SIGTERM waits for calls in flight before closing.
     - `timers`: run the engine's timer service (fire due timers); False takes calls only
       (timers still arm, and another engine fires them).
+    - `outbox`: run the engine's outbox dispatcher when handlers are registered; False takes
+      calls only (messages are still written, and another engine delivers them).
     - `metrics_dir`: where workers share Prometheus metrics. `flowlock serve` sets it for
       several workers.
     """
@@ -117,6 +120,7 @@ class ServiceSettings:
     schema: str | None = None
     drain_timeout: float = DEFAULT_DRAIN
     timers: bool = True
+    outbox: bool = True
     metrics_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -399,8 +399,9 @@ class OutboxStore(Protocol):
 
     async def retry_message(self, key: str) -> Message | None:
         """Make a dead (or pending) message due now, unclaimed, its attempts back to 0 (its last
-        error kept). None when there is no such message. A done message is left as it is and
-        returned (the caller refuses it)."""
+        error kept). None when there is no such message. A done message, and one held by a live
+        claim (running: a delivery is in flight), is left as it is and returned (the caller
+        refuses it)."""
         ...
 
     async def drop_message(self, key: str) -> bool:

@@ -225,7 +225,8 @@ class MemoryOutbox:
         if held is None:
             return None
         now = time.monotonic()
-        if held.message.status != "done":
+        live = held.claimed_until is not None and held.claimed_until > now
+        if held.message.status != "done" and not live:
             held.message = dataclasses.replace(held.message, status="pending", attempts=0)
             held.due, held.claimed_until, held.owner = now, None, None
             self._wake()

@@ -211,13 +211,15 @@ WITH retried AS (
        SET status = 'pending', due_at = now(), attempts = 0, claimed_until = NULL,
            claimed_by = NULL
      WHERE key = $1 AND status <> 'done'
+       AND (claimed_until IS NULL OR claimed_until <= now())
  RETURNING *
 ), woken AS (
     SELECT flowlock_outbox_wake() FROM retried
 )
 SELECT {MESSAGE_COLUMNS} FROM retried WHERE (SELECT count(*) FROM woken) >= 0
 UNION ALL
-SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE key = $1 AND status = 'done'
+SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox
+ WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM retried)
 """
 # Deleted by an operator; a later message of its instance may go now, so the dispatchers are
 # woken. $1 key.

@@ -88,7 +88,8 @@ _FINISH: Final = (
 )
 _RETRY: Final = (
     "UPDATE flowlock_outbox SET status = 'pending', attempts = 0, due_at = ?, "
-    "claimed_until = NULL, claimed_by = NULL WHERE key = ? AND status != 'done'"
+    "claimed_until = NULL, claimed_by = NULL WHERE key = ? AND status != 'done' "
+    "AND (claimed_until IS NULL OR claimed_until <= ?)"
 )
 _GET: Final = f"SELECT {_COLUMNS} FROM flowlock_outbox WHERE key = ?"
 # Why a sub-select with its own ORDER BY ... LIMIT: it walks the purge index oldest first and
@@ -322,9 +323,11 @@ def get_txn(conn: sqlite3.Connection, key: str) -> Message | None:
 
 
 def retry_txn(conn: sqlite3.Connection, key: str) -> tuple[Message | None, bool]:
-    """The message of `key` made due now, unclaimed, attempts back to 0 (a done one is left as
-    it is); and whether it changed (so the store wakes its dispatchers)."""
-    changed = conn.execute(_RETRY, (time.time(), key)).rowcount > 0
+    """The message of `key` made due now, unclaimed, attempts back to 0 (a done one, or one
+    held by a live claim, is left as it is); and whether it changed (so the store wakes its
+    dispatchers)."""
+    now = time.time()
+    changed = conn.execute(_RETRY, (now, key, now)).rowcount > 0
     return get_txn(conn, key), changed
 
 
