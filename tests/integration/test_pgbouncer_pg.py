@@ -28,6 +28,7 @@ from flowlock.locks import MemoryLocks
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until
+from outbox_kit import shop, status_is
 from pgbouncer_harness import PgBouncer
 from timer_steps import BOUND, WF, deadline
 
@@ -353,6 +354,46 @@ async def test_timers_fire_through_a_transaction_pooler(
         ]
         assert check(await caller.get("a"), history, initial_state="pending").ok
         (await sql_history()).assert_matches({"a": history})
+
+
+async def test_the_outbox_delivers_through_a_transaction_pooler(
+    pgbouncer_transaction: PgBouncer, pg_schema: str
+) -> None:
+    """The outbox behind PgBouncer pool_mode=transaction: messages are written with their
+    transitions (batching on), the outbox statements name their tables with the schema, and
+    pending() polls instead of LISTEN. A handler on another engine gets every message once and
+    its Thens apply once."""
+    url = pgbouncer_transaction.url()
+    delivered: list[str] = []
+
+    async def charge(message: flowlock.Message) -> flowlock.Then:
+        delivered.append(message.key)
+        return flowlock.Then("charged")
+
+    async with (
+        flowlock.connect(url, schema=pg_schema, max_size=4, outbox=False) as caller,
+        flowlock.connect(url, schema=pg_schema, max_size=4) as dispatching,
+    ):
+        for engine in (caller, dispatching):
+            await engine.register(shop())
+        dispatching.on_emit("charge", charge, concurrency=4)
+        ids = [f"o{n}" for n in range(40)]
+        for iid in ids:
+            await caller.create("shop", instance_id=iid)
+        await asyncio.gather(*(caller.fire(iid, "reserve") for iid in ids))
+
+        async def charged() -> bool:
+            return await caller.count("shop", state="charged") == len(ids)
+
+        await wait_until(charged, within=BOUND, what="every order charged")
+        for iid in ids:
+            await status_is(caller, f"{iid}:2:0", "done")
+            history = await caller.history(iid)
+            assert [(h.event, h.request_id) for h in history] == [
+                ("reserve", None),
+                ("charged", f"{iid}:2:0"),
+            ]
+    assert sorted(delivered) == sorted(f"{iid}:2:0" for iid in ids)
 
 
 def _refused_openers(url: str, schema: str, redis_url: str) -> dict[str, Callable[[], Any]]:
