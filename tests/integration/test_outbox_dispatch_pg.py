@@ -220,10 +220,10 @@ class Counting(PostgresStore):
     calls = 0
 
     async def claim_messages(
-        self, kinds: Mapping[str, int], *, lease: float, owner: str
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[flowlock.Message]:
         self.calls += 1
-        return await super().claim_messages(kinds, lease=lease, owner=owner)
+        return await super().claim_messages(kinds, lease=lease, owner=owner, run=run)
 
     async def next_message_due(self, kinds: Sequence[str]) -> float | None:
         self.calls += 1

@@ -451,10 +451,10 @@ class Counting(MemoryStore):
         self.fail_next_due = 0
 
     async def claim_messages(
-        self, kinds: Mapping[str, int], *, lease: float, owner: str
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[flowlock.Message]:
         self.calls += 1
-        return await super().claim_messages(kinds, lease=lease, owner=owner)
+        return await super().claim_messages(kinds, lease=lease, owner=owner, run=run)
 
     async def finish_messages(self, keys: Sequence[str]) -> int:
         self.calls += 1

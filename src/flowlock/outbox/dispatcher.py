@@ -1,8 +1,9 @@
 """The outbox dispatcher: delivers an engine's outbox messages to their handlers.
 
 Every open engine with handlers runs one (unless `outbox=False`), as every engine runs a
-timer service. Each due message is claimed by one engine for a lease, handed to the handler
-of its kind, and marked done, retried later with backoff, or dead. Delivery is at least
+timer service. Due messages are claimed by one engine for a lease, in runs (an instance's
+next messages of one kind, taken together), handed to the handler of their kind one after
+another in order, and marked done, retried later with backoff, or dead. Delivery is at least
 once: a claimer that dies mid-handler loses its claim when the lease runs out, and another
 engine delivers the message again, under the same key. The outbox guide says more.
 """
@@ -55,6 +56,7 @@ __all__ = [
     "OUTCOMES",
     "PURGE_BATCH",
     "PURGE_EVERY",
+    "RUN",
     "Dispatcher",
     "Handler",
     "HandlerFn",
@@ -85,6 +87,10 @@ PURGE_BATCH = 1000
 CLOSE_GRACE = 10.0
 """Seconds a closing engine waits for the deliveries in flight; those still running are
 cancelled and their claims given back, so another engine delivers them at once."""
+RUN = 32
+"""The most messages of one instance one claim takes (a run): they are delivered in order, one
+after another, by one lane of their kind. A hot instance's backlog then costs a claim per run,
+not per message. A failure ends the run: its later messages are given back at once."""
 MAX_ERROR = 2000
 """The longest `last_error` kept, in characters."""
 _LOOK_AGAIN = (0.05, 2.0)
@@ -105,6 +111,28 @@ _REFUSED_THEN = (TransitionRefused, InvalidInput, StepFailed, InstanceNotFound, 
 # What may pass: a lost race, the store, or a workflow this engine has not registered (yet, or
 # in a rolling deploy another engine knows it).
 _RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One claim's messages of one instance, delivered in order by one lane."""
+
+    kind: str
+    messages: list[Message]
+    claimed_at: float  # monotonic, read before the claim was sent: its lease runs from there
+    begun: int = 0  # how many have begun; the last of them may be in flight
+
+
+def _runs(claimed: list[Message], claimed_at: float) -> list[_Run]:
+    """A claim's messages cut into runs: the store returns each instance's together, in order."""
+    runs: list[_Run] = []
+    for message in claimed:
+        last = runs[-1] if runs else None
+        if last is not None and last.messages[-1].instance_id == message.instance_id:
+            last.messages.append(message)
+        else:
+            runs.append(_Run(message.kind, [message], claimed_at))
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +202,15 @@ class Dispatcher:
         backoff: tuple[float, float] = BACKOFF,
         metrics: Metrics | None = None,
         draw: Callable[[], float] = random.random,
+        run: int = RUN,
     ) -> None:
         self._store = store
         self._fire_then = fire_then
         self._handlers = handlers
         self.lease = check_seconds("outbox_lease", lease)
+        if run < 1:
+            raise InvalidInput(f"a run takes at least 1 message, not {run}: pass run >= 1")
+        self.run = run
         self.retention = retention
         self.backoff = backoff
         self._metrics = metrics
@@ -191,7 +223,8 @@ class Dispatcher:
         """Deliveries that came to an outcome (see OUTCOMES), for tests and the bench."""
         self._task: asyncio.Task[None] | None = None
         self._purging: asyncio.Task[int] | None = None
-        self._flights: dict[asyncio.Task[None], Message] = {}
+        self._flights: dict[asyncio.Task[None], _Run] = {}
+        self._closing = False
         self._busy: Counter[str] = Counter()
         self._done: list[str] = []
         self._poke = asyncio.Event()
@@ -204,11 +237,12 @@ class Dispatcher:
 
     @property
     def in_flight(self) -> int:
-        """Deliveries running now."""
+        """Runs being delivered now (each one message at a time)."""
         return len(self._flights)
 
     def start(self) -> None:
         if self._task is None or self._task.done():
+            self._closing = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="flowlock-outbox")
 
     def wake(self) -> None:
@@ -216,7 +250,9 @@ class Dispatcher:
 
     async def stop(self) -> None:
         """Stop claiming; deliveries in flight get `close_grace` seconds to finish, the rest
-        are cancelled and their claims given back; the done marks are written."""
+        are cancelled and their claims given back; a run's messages not begun are given back
+        at once (their attempts counted back down); the done marks are written."""
+        self._closing = True  # lanes begin no further message of their runs
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -237,7 +273,10 @@ class Dispatcher:
                 flight.cancel()
             await asyncio.gather(*late, return_exceptions=True)
             for flight in late:
-                await self._give_back(flights[flight])
+                run = flights[flight]
+                await self._give_back_unbegun(run)
+                if run.begun:  # the one cancelled mid-delivery: its attempt stays counted
+                    await self._give_back(run.messages[run.begun - 1])
         try:
             await self._flush()
         except FlowlockError as exc:
@@ -246,11 +285,18 @@ class Dispatcher:
             self._done.clear()
         await self._close_handlers()
 
-    async def _give_back(self, message: Message) -> None:
+    async def _give_back(self, message: Message, *, begun: bool = True) -> None:
         try:
-            await self._store.release_message(message, self.owner)
+            await self._store.release_message(message, self.owner, begun=begun)
         except FlowlockError as exc:
             log.warning("flowlock outbox: claim of %s not given back: %s", message.key, exc)
+
+    async def _give_back_unbegun(self, run: _Run) -> None:
+        """Give back the run's messages whose delivery never began, last first: the ones
+        given back stay behind one still held until the last, so the next claim takes them
+        together again, in order."""
+        while len(run.messages) > run.begun:
+            await self._give_back(run.messages.pop(), begun=False)
 
     async def _close_handlers(self) -> None:
         """Close what handlers hold open (a webhook's HTTP client)."""
@@ -274,15 +320,19 @@ class Dispatcher:
                 try:
                     await self._flush()
                     room = self._room()
+                    claimed_at = time.monotonic()
                     claimed = (
-                        await store.claim_messages(room, lease=self.lease, owner=self.owner)
+                        await store.claim_messages(
+                            room, lease=self.lease, owner=self.owner, run=self.run
+                        )
                         if room
                         else []
                     )
-                    for message in claimed:
-                        self._launch(message)
+                    runs = _runs(claimed, claimed_at)
+                    for run in runs:
+                        self._launch(run)
                     await self._housekeep()
-                    got = Counter(m.kind for m in claimed)
+                    got = Counter(run.kind for run in runs)
                     if any(got[kind] >= n for kind, n in room.items()):
                         continue  # a kind got all it had room for: more may be due
                     free = list(self._room())
@@ -310,7 +360,7 @@ class Dispatcher:
                 await self._sleep(pending, wait)
 
     def _room(self) -> dict[str, int]:
-        """How many more deliveries each kind may start now."""
+        """How many more runs each kind may start now (its concurrency bounds its lanes)."""
         room: dict[str, int] = {}
         for kind, handler in list(self._handlers.items()):
             free = handler.concurrency - self._busy[kind]
@@ -380,24 +430,49 @@ class Dispatcher:
 
     # -- one delivery -----------------------------------------------------------------------
 
-    def _launch(self, message: Message) -> None:
-        handler = self._handlers[message.kind]
-        self._busy[message.kind] += 1
+    def _launch(self, run: _Run) -> None:
+        self._busy[run.kind] += 1
         if self._metrics is not None:
-            self._metrics.record_outbox_claim(message.kind, message.lag)
+            for message in run.messages:
+                self._metrics.record_outbox_claim(message.kind, message.lag)
+        head = run.messages[0]
         flight = asyncio.get_running_loop().create_task(
-            self._deliver(handler, message), name=f"flowlock-outbox {message.key}"
+            self._lane(run), name=f"flowlock-outbox {head.key} (+{len(run.messages) - 1})"
         )
-        self._flights[flight] = message
+        self._flights[flight] = run
         flight.add_done_callback(self._landed)
 
     def _landed(self, flight: asyncio.Task[None]) -> None:
-        message = self._flights.pop(flight)
-        self._busy[message.kind] -= 1
+        run = self._flights.pop(flight)
+        self._busy[run.kind] -= 1
         self._poke.set()
 
-    async def _deliver(self, handler: Handler, message: Message) -> None:
-        """Deliver one claimed message and record how it went."""
+    async def _lane(self, run: _Run) -> None:
+        """Deliver a run's messages in order, one at a time. One that does not end done (retried,
+        dead, or a crash) ends the run: the rest are given back at once, still behind it (or
+        free to go, when it is dead), with their attempts counted back down."""
+        handler = self._handlers[run.kind]
+        for i, message in enumerate(run.messages):
+            if i and not self._may_begin(run, handler):
+                break
+            run.begun = i + 1
+            label = await self._deliver(handler, message)
+            if label not in ("done", "then"):
+                break
+        if run.begun < len(run.messages):
+            await self._give_back_unbegun(run)
+
+    def _may_begin(self, run: _Run, handler: Handler) -> bool:
+        """Whether the next message of a run may begin: not while closing, nor when its claim
+        could run out before the handler's timeout (another engine could then deliver it at
+        the same time)."""
+        if self._closing:
+            return False
+        return time.monotonic() + handler.timeout <= run.claimed_at + self.lease
+
+    async def _deliver(self, handler: Handler, message: Message) -> str | None:
+        """Deliver one claimed message and record how it went: its outcome (see OUTCOMES), or
+        None when the delivery crashed (a bug, logged)."""
         span = tracing.deliver_span(message) if tracing.AVAILABLE else None
         try:
             with span if span is not None else contextlib.nullcontext() as current:
@@ -406,10 +481,11 @@ class Dispatcher:
                     current.set_attribute("flowlock.outbox.outcome", label)
         except Exception:  # a bug: logged, never kills the dispatcher
             log.exception("flowlock outbox: delivering %s crashed", message.key)
-            return
+            return None
         self.delivered += 1
         if self._metrics is not None:
             self._metrics.record_outbox_delivery(message.kind, label)
+        return label
 
     async def _outcome(self, handler: Handler, message: Message) -> str:
         try:

@@ -337,18 +337,26 @@ class OutboxStore(Protocol):
     An engine's dispatcher claims due messages (one claimer each, for `lease` seconds), runs
     their handlers and marks them done, or failed (due again later) or dead. Messages of one
     instance are delivered in order: one is claimable only while no earlier message of its
-    instance (lower version, or same version and lower n) is still pending; done and dead ones
-    do not hold it back. Statuses stored are pending, done and dead; a pending message whose
-    claim has not run out reads as running."""
+    instance (lower version, or same version and lower n) is still pending, or together with
+    them in one run (see `claim_messages`); done and dead ones do not hold it back. Statuses
+    stored are pending, done and dead; a pending message whose claim has not run out reads as
+    running."""
 
     async def claim_messages(
-        self, kinds: Mapping[str, int], *, lease: float, owner: str
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[Message]:
-        """For each kind, at most `kinds[kind]` claimable messages (pending, due, not held by a
-        live claim, none earlier of their instance pending), oldest first, each claimed by
+        """For each kind, at most `kinds[kind]` runs, oldest due head first. A run is one
+        instance's claimable head (pending, due, not held by a live claim, none earlier of its
+        instance pending) and the pending messages of that instance right behind it, in
+        (version, n) order, while they are of the same kind, due and not held: at most `run`
+        messages in all, contiguous (it stops at the first that is not). Each is claimed by
         `owner` for `lease` seconds and its `attempts` counted up by one. Returned as claimed
-        (status running, `lag` the seconds since its commit on the store's clock). Concurrent
-        claimers never get the same message (PostgreSQL: SKIP LOCKED)."""
+        (status running, `lag` the seconds since its commit on the store's clock), each run's
+        messages together and in order. `run=1`: the heads alone.
+
+        Concurrent claimers never get the same message (PostgreSQL: SKIP LOCKED on the heads),
+        and order holds: a later message is claimed only with, or after, every earlier pending
+        message of its instance (nobody else can claim behind a head that is pending)."""
         ...
 
     async def finish_messages(self, keys: Sequence[str]) -> int:
@@ -366,9 +374,12 @@ class OutboxStore(Protocol):
         another took it over, or it is done."""
         ...
 
-    async def release_message(self, message: Message, owner: str) -> None:
-        """Give back `owner`'s claim on `message` (the engine is closing): another may claim it
-        at once. Nothing if the claim is no longer `owner`'s."""
+    async def release_message(self, message: Message, owner: str, *, begun: bool = True) -> None:
+        """Give back `owner`'s claim on `message`: another may claim it at once. `begun=False`:
+        its delivery never began (the engine is closing, or an earlier message of its run
+        failed), so its attempt is counted back down; a message behind a failing one must not
+        run out of attempts without ever being tried. Nothing if the claim (that attempt) is no
+        longer `owner`'s."""
         ...
 
     async def next_message_due(self, kinds: Sequence[str]) -> float | None:

@@ -96,41 +96,44 @@ class MemoryOutbox:
             done_at=None if held.done is None else wall(held.done),
         )
 
-    def _blocked(self) -> set[str]:
-        """Keys of pending messages with an earlier pending message of their instance."""
-        blocked: set[str] = set()
-        seen: set[str] = set()
+    def _pending_by_instance(self) -> dict[str, list[_Held]]:
+        """Each instance's pending messages in (version, n) order: the first is its head."""
+        queues: dict[str, list[_Held]] = {}
         for held in sorted(self._outbox.values(), key=_order):
-            if held.message.status != "pending":
-                continue
-            if held.message.instance_id in seen:
-                blocked.add(held.message.key)
-            seen.add(held.message.instance_id)
-        return blocked
+            if held.message.status == "pending":
+                queues.setdefault(held.message.instance_id, []).append(held)
+        return queues
 
     async def claim_messages(
-        self, kinds: Mapping[str, int], *, lease: float, owner: str
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[Message]:
         self._check()
         now = time.monotonic()
-        blocked = self._blocked()
-        claimed: list[Message] = []
-        for kind, limit in kinds.items():
-            ready = [
-                h
-                for h in self._outbox.values()
-                if h.message.kind == kind
-                and h.message.status == "pending"
+        queues = self._pending_by_instance()
+
+        def free(h: _Held, kind: str) -> bool:
+            return (
+                h.message.kind == kind
                 and h.due <= now
                 and (h.claimed_until is None or h.claimed_until <= now)
-                and h.message.key not in blocked
-            ]
-            ready.sort(key=lambda h: (h.due, _order(h)))
-            for held in ready[: max(0, limit)]:
-                held.claimed_until, held.owner = now + lease, owner
-                held.message = dataclasses.replace(held.message, attempts=held.message.attempts + 1)
-                shown = self._shown_message(held, now)
-                claimed.append(dataclasses.replace(shown, lag=max(0.0, now - held.created)))
+            )
+
+        claimed: list[Message] = []
+        for kind, limit in kinds.items():
+            heads = [q for q in queues.values() if free(q[0], kind)]
+            heads.sort(key=lambda q: (q[0].due, _order(q[0])))
+            for queue in heads[: max(0, limit)]:
+                taken = [queue[0]]
+                for held in queue[1 : max(1, run)]:
+                    if not free(held, kind):
+                        break  # contiguous: a run stops at the first it may not take
+                    taken.append(held)
+                for held in taken:
+                    held.claimed_until, held.owner = now + lease, owner
+                    attempts = held.message.attempts + 1
+                    held.message = dataclasses.replace(held.message, attempts=attempts)
+                    shown = self._shown_message(held, now)
+                    claimed.append(dataclasses.replace(shown, lag=max(0.0, now - held.created)))
         return claimed
 
     async def finish_messages(self, keys: Sequence[str]) -> int:
@@ -170,11 +173,15 @@ class MemoryOutbox:
             self._wake()
         return True
 
-    async def release_message(self, message: Message, owner: str) -> None:
+    async def release_message(self, message: Message, owner: str, *, begun: bool = True) -> None:
         self._check()
         held = self._held_by(message, owner)
         if held is not None:
             held.claimed_until = held.owner = None
+            if not begun:
+                attempts = max(0, held.message.attempts - 1)
+                held.message = dataclasses.replace(held.message, attempts=attempts)
+            self._wake()
 
     async def next_message_due(self, kinds: Sequence[str]) -> float | None:
         self._check()

@@ -74,7 +74,7 @@ class OutboxMethods:
     """PostgresStore's part as an OutboxStore (a mixin: the store is `self`)."""
 
     async def claim_messages(
-        self: _Store, kinds: Mapping[str, int], *, lease: float, owner: str
+        self: _Store, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[Message]:
         wanted = {kind: limit for kind, limit in kinds.items() if limit > 0}
         if not wanted:
@@ -86,12 +86,19 @@ class OutboxMethods:
             s = ops.session
             async with s.conn(writes=True) as conn:
                 rows = await conn.fetch(
-                    s.sql(CLAIM_MESSAGES), names, limits, lease, owner, timeout=s.timeout
+                    s.sql(CLAIM_MESSAGES),
+                    names,
+                    limits,
+                    lease,
+                    owner,
+                    max(1, run),
+                    timeout=s.timeout,
                 )
             return [message_from_row(r) for r in rows]
 
-        # SKIP LOCKED: a claim never waits for a row lock.
-        return await self._call(claim, waits=False, writes=True)
+        # SKIP LOCKED on the heads; a follower may be held for an instant by a done mark or an
+        # operator's retry, so the claim may wait (bounded by the lock timeout).
+        return await self._call(claim, writes=True)
 
     async def finish_messages(self: _Store, keys: Sequence[str]) -> int:
         wanted = list(dict.fromkeys(keys))
@@ -117,12 +124,21 @@ class OutboxMethods:
         )
         return changed == 1
 
-    async def release_message(self: _Store, message: Message, owner: str) -> None:
+    async def release_message(
+        self: _Store, message: Message, owner: str, *, begun: bool = True
+    ) -> None:
+        back = 0 if begun else 1  # a delivery that never began gives its attempt back
+
         async def release(ops: Operations) -> None:
             s = ops.session
             async with s.conn(message.key, writes=True) as conn:
                 await conn.fetchval(
-                    s.sql(RELEASE_MESSAGE), message.key, owner, message.attempts, timeout=s.timeout
+                    s.sql(RELEASE_MESSAGE),
+                    message.key,
+                    owner,
+                    message.attempts,
+                    back,
+                    timeout=s.timeout,
                 )
 
         await self._call(release, message.key, writes=True)

@@ -92,41 +92,69 @@ _BLOCKED = """EXISTS (
                     AND (e.version, e.n) < (t.version, t.n))"""
 _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 
-# For each kind, at most its limit of claimable messages, oldest due first, claimed for a
-# lease and their attempts counted. Per kind, a LATERAL subquery walks the (kind, due_at)
-# index of the pending messages in due order and stops after its limit of rows that fit: one
-# `kind = ANY(...)` scan would read and sort every due row of every kind instead. SKIP LOCKED:
-# a row another claimer is taking is left to it, so two claimers never get the same message
-# and never wait for each other; READ COMMITTED re-checks a row claimed and committed by
-# another since the snapshot against the WHERE before locking it. The claim is the only
-# statement of its transaction (never run it inside a longer one), so the rows it locks are let
-# go at once. The rows are updated by the row addresses (ctid) the subqueries locked: a TID
-# scan, whatever the planner guesses of how many rows the LATERAL limits let through (a join on
-# the key, guessed at thousands, read the whole table, done messages too). A row locked by this
-# statement cannot move before the update. A claim never changes the status: an earlier
-# message being delivered still holds the later ones of its instance back.
-# $1 kinds, $2 their limits, $3 lease seconds, $4 owner.
+# For each kind, at most its limit of runs: a claimable head and the messages right behind it
+# that may go with it, claimed for a lease and their attempts counted.
+#
+# The heads: per kind, a LATERAL subquery walks the (kind, due_at) index of the pending
+# messages in due order and stops after its limit of rows that fit: one `kind = ANY(...)` scan
+# would read and sort every due row of every kind instead. SKIP LOCKED: a row another claimer
+# is taking is left to it, so two claimers never get the same message and never wait for each
+# other; READ COMMITTED re-checks a row claimed and committed by another since the snapshot
+# against the WHERE before locking it.
+#
+# The followers: per head, a LATERAL walks the order index from the head, at most $5 - 1 rows
+# of its instance (the run's length), and a running bool_and keeps the contiguous prefix that
+# may go (same kind, due, not held). Why FOR UPDATE without SKIP LOCKED there: nobody else
+# claims behind a pending head, so only a short write (a done mark, an operator's retry) can
+# hold such a row, and a skipped row would leave a gap in the run. The lock comes before the
+# bool_and, so the prefix is judged on the rows as they are once locked.
+#
+# The claim is the only statement of its transaction (never run it inside a longer one), so
+# the rows it locks are let go at once. The rows are updated by the row addresses (ctid) the
+# subqueries locked: a TID scan, whatever the planner guesses of how many rows the LATERAL
+# limits let through (a join on the key, guessed at thousands, read the whole table, done
+# messages too). A row locked by this statement cannot move before the update. A claim never
+# changes the status: an earlier message being delivered still holds the later ones of its
+# instance back. Returned run by run (the oldest due head first), each in order.
+# $1 kinds, $2 their limits, $3 lease seconds, $4 owner, $5 the longest run.
 CLAIM_MESSAGES = f"""
-WITH due AS (
-    SELECT c.ctid
+WITH heads AS (
+    SELECT c.ctid, c.instance_id, c.version, c.n, k.kind
       FROM unnest($1::text[], $2::int[]) AS k(kind, lim)
       CROSS JOIN LATERAL (
-          SELECT t.ctid FROM flowlock_outbox t
+          SELECT t.ctid, t.instance_id, t.version, t.n FROM flowlock_outbox t
            WHERE t.kind = k.kind AND t.status = 'pending' AND t.due_at <= now()
              AND {_FREE}
              AND NOT {_BLOCKED}
            ORDER BY t.due_at
            LIMIT greatest(k.lim, 0)
              FOR UPDATE SKIP LOCKED) AS c
+), followers AS (
+    SELECT f.ctid
+      FROM heads h
+      CROSS JOIN LATERAL (
+          SELECT w.ctid FROM (
+              SELECT l.ctid, bool_and(l.fits) OVER (ORDER BY l.version, l.n) AS prefix
+                FROM (
+                    SELECT t.ctid, t.version, t.n,
+                           t.kind = h.kind AND t.due_at <= now() AND {_FREE} AS fits
+                      FROM flowlock_outbox t
+                     WHERE t.instance_id = h.instance_id AND t.status = 'pending'
+                       AND (t.version, t.n) > (h.version, h.n)
+                     ORDER BY t.version, t.n
+                     LIMIT greatest($5::int - 1, 0)
+                       FOR UPDATE) AS l) AS w
+           WHERE w.prefix) AS f
 ), claimed AS (
     UPDATE flowlock_outbox t
        SET claimed_until = now() + $3::float8 * interval '1 second', claimed_by = $4,
            attempts = t.attempts + 1
-     WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+     WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM heads UNION ALL SELECT ctid FROM followers))
  RETURNING t.*
 )
 SELECT {message_columns("greatest(0, extract(epoch FROM now() - created_at))::float8")}
-  FROM claimed ORDER BY due_at, instance_id, version, n
+  FROM claimed
+ ORDER BY min(due_at) OVER (PARTITION BY instance_id), instance_id, version, n
 """
 # Done, whoever holds them now; those no longer pending are left as they are. $1 keys.
 FINISH_MESSAGES = """
@@ -145,12 +173,14 @@ UPDATE flowlock_outbox
        last_error = $4, claimed_until = NULL, claimed_by = NULL
  WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
 """
-# Given back by an engine that is closing: claimable at once, so the dispatchers of the other
-# engines are woken (they would otherwise wait for the lease to run out). $1 key, $2 owner,
-# $3 attempts.
+# Given back by an engine that is closing, or behind a failed message of its run: claimable at
+# once, so the dispatchers of the other engines are woken (they would otherwise wait for the
+# lease to run out). A claim whose delivery never began has its attempt counted back down.
+# $1 key, $2 owner, $3 attempts, $4 attempts to count back (0 or 1).
 RELEASE_MESSAGE = """
 WITH released AS (
-    UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL
+    UPDATE flowlock_outbox
+       SET claimed_until = NULL, claimed_by = NULL, attempts = greatest(attempts - $4::int, 0)
      WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
  RETURNING 1
 ), woken AS (

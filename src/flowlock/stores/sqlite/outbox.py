@@ -68,9 +68,10 @@ class SqliteOutbox(StorePart):
             event.set()
 
     async def claim_messages(
-        self, kinds: Mapping[str, int], *, lease: float, owner: str
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[Message]:
-        """For each kind, at most its limit of claimable messages, oldest due first, claimed by
+        """For each kind, at most its limit of runs (a claimable head, oldest due first, and the
+        messages right behind it that may go with it, `run` in all at most), claimed by
         `owner` for `lease` seconds in one write transaction (no two claimers get one
         message: SQLite runs one writer at a time)."""
         wanted = {kind: limit for kind, limit in kinds.items() if limit > 0}
@@ -82,7 +83,7 @@ class SqliteOutbox(StorePart):
             return []
         return await self._write_now(
             self.path,  # SQLite's write lock is the whole database's
-            lambda conn, _: claim_txn(conn, wanted, lease, owner),
+            lambda conn, _: claim_txn(conn, wanted, lease, owner, run),
             "claim_messages",
         )
 
@@ -109,11 +110,15 @@ class SqliteOutbox(StorePart):
 
         return await self._write_now(message.key, txn, "fail_message")
 
-    async def release_message(self, message: Message, owner: str) -> None:
-        """Give back `owner`'s claim on `message` (nothing if the claim is not `owner`'s)."""
-        await self._write_now(
-            message.key, lambda conn, _: release_txn(conn, message, owner), "release_message"
-        )
+    async def release_message(self, message: Message, owner: str, *, begun: bool = True) -> None:
+        """Give back `owner`'s claim on `message` (nothing if the claim is not `owner`'s); its
+        attempt counted back down when its delivery never began (`begun=False`)."""
+
+        def txn(conn: sqlite3.Connection, wake: Wake) -> bool:
+            wake.messages = release_txn(conn, message, owner, begun)
+            return wake.messages
+
+        await self._write_now(message.key, txn, "release_message")
 
     async def next_message_due(self, kinds: Sequence[str]) -> float | None:
         """Seconds until a pending message of `kinds` is due or its claim runs out (0: now),

@@ -69,6 +69,12 @@ _CLAIM_ONE_KIND: Final = (
 _ANY_CLAIMABLE: Final = (
     f"SELECT 1 FROM flowlock_outbox o WHERE o.kind = :kind AND {_CLAIMABLE} LIMIT 1"
 )
+# The messages right behind a run's head, in order: the instance's pending ones after it (the
+# order index), of which the claim keeps the contiguous prefix it may take.
+_FOLLOWERS: Final = (
+    f"SELECT {_COLUMNS} FROM flowlock_outbox WHERE instance_id = ? AND status = 'pending' "
+    "AND (version, n) > (?, ?) ORDER BY version, n LIMIT ?"
+)
 _CLAIM: Final = (
     "UPDATE flowlock_outbox SET claimed_until = ?, claimed_by = ?, attempts = attempts + 1 "
     "WHERE key = ?"
@@ -79,8 +85,10 @@ _FAIL: Final = (
     "UPDATE flowlock_outbox SET status = ?, last_error = ?, due_at = coalesce(?, due_at), "
     f"claimed_until = NULL, claimed_by = NULL WHERE {_HELD}"
 )
+# A claim given back; its attempt counted back down when its delivery never began.
 _RELEASE: Final = (
-    f"UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL WHERE {_HELD}"
+    "UPDATE flowlock_outbox SET claimed_until = NULL, claimed_by = NULL, "
+    f"attempts = max(0, attempts - ?) WHERE {_HELD}"
 )
 _FINISH: Final = (
     "UPDATE flowlock_outbox SET status = 'done', done_at = ?, claimed_until = NULL, "
@@ -205,18 +213,24 @@ def any_claimable_txn(conn: sqlite3.Connection, kinds: Sequence[str]) -> bool:
 
 
 def claim_txn(
-    conn: sqlite3.Connection, kinds: Mapping[str, int], lease: float, owner: str
+    conn: sqlite3.Connection, kinds: Mapping[str, int], lease: float, owner: str, run: int = 1
 ) -> list[Message]:
-    """Claim, for each kind, at most its limit of claimable messages, oldest due first, for `owner`
-    until `lease` seconds from now. Run in a write transaction: no other claimer, in this
-    process or another, runs between the reads and the updates."""
+    """Claim, for each kind, at most its limit of runs (a claimable head, oldest due first, and
+    at most `run` - 1 messages right behind it that may go with it) for `owner` until `lease`
+    seconds from now. Run in a write transaction: no other claimer, in this process or
+    another, runs between the reads and the updates."""
     now = time.time()
     until = now + lease
     claimed: list[Message] = []
     for kind, limit in kinds.items():
         if limit <= 0:
             continue
-        rows = conn.execute(_CLAIM_ONE_KIND, {"kind": kind, "now": now, "limit": limit}).fetchall()
+        heads = conn.execute(_CLAIM_ONE_KIND, {"kind": kind, "now": now, "limit": limit})
+        rows: list[Any] = []
+        for head in heads.fetchall():
+            rows.append(head)
+            if run > 1:
+                rows.extend(_followers(conn, head, kind, now, run - 1))
         if not rows:
             continue
         conn.executemany(_CLAIM, [(until, owner, row[0]) for row in rows])
@@ -228,6 +242,20 @@ def claim_txn(
     return claimed
 
 
+def _followers(
+    conn: sqlite3.Connection, head: Sequence[Any], kind: str, now: float, most: int
+) -> list[Any]:
+    """The pending messages right behind `head` of its instance that go in its run: of `kind`,
+    due and not held, up to the first that is not (a run has no gap), at most `most`."""
+    taken: list[Any] = []
+    for row in conn.execute(_FOLLOWERS, (head[1], head[3], head[4], most)).fetchall():
+        # Columns: 5 kind, 11 due_at, 14 claimed_until.
+        if row[5] != kind or row[11] > now or (row[14] is not None and row[14] > now):
+            break
+        taken.append(row)
+    return taken
+
+
 def fail_txn(
     conn: sqlite3.Connection, message: Message, owner: str, error: str, retry_in: float | None
 ) -> bool:
@@ -237,8 +265,9 @@ def fail_txn(
     return cur.rowcount > 0
 
 
-def release_txn(conn: sqlite3.Connection, message: Message, owner: str) -> bool:
-    return conn.execute(_RELEASE, (message.key, owner, message.attempts)).rowcount > 0
+def release_txn(conn: sqlite3.Connection, message: Message, owner: str, begun: bool = True) -> bool:
+    back = 0 if begun else 1
+    return conn.execute(_RELEASE, (back, message.key, owner, message.attempts)).rowcount > 0
 
 
 def finish_txn(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
