@@ -67,9 +67,23 @@ async def reserved(engine: flowlock.Engine, *ids: str) -> None:
 
 
 async def claim(
-    store: OutboxStore, kinds: dict[str, int] | None = None, *, owner: str = "me", lease: float = 30
+    store: OutboxStore,
+    kinds: dict[str, int] | None = None,
+    *,
+    owner: str = "me",
+    lease: float = 30,
+    run: int = 1,
 ) -> list[Message]:
-    return await store.claim_messages(kinds or KINDS, lease=lease, owner=owner)
+    return await store.claim_messages(kinds or KINDS, lease=lease, owner=owner, run=run)
+
+
+async def backlog(engine: flowlock.Engine, iid: str, kinds: list[str]) -> list[str]:
+    """Create `iid` and commit one entry emitting a message of each of `kinds`, in order (keys
+    <iid>:2:0, <iid>:2:1, ...); their keys."""
+    made = await engine.create(WF, instance_id=iid)
+    emits = [Emit(kind, {"i": i}) for i, kind in enumerate(kinds)]
+    await engine.store.commit([emitting(made, "x", emits)])
+    return [f"{iid}:2:{i}" for i in range(len(kinds))]
 
 
 async def free_again(store: OutboxStore, kinds: list[str]) -> None:
@@ -293,6 +307,111 @@ async def test_a_released_message_is_claimable_at_once(engine: flowlock.Engine) 
     await store.release_message(m, "one")
     [again] = await claim(store, {"reserve": 1}, owner="two")
     assert (again.key, again.attempts) == ("a:2:0", 2)
+
+
+# -- runs: an instance's next messages claimed together --------------------------------------
+
+
+async def test_a_run_takes_a_hot_instances_backlog_in_order_up_to_run(
+    engine: flowlock.Engine,
+) -> None:
+    """With run=5 one claim takes the hot instance's head and the 4 messages behind it, in
+    order, each claimed (attempts 1); kinds[kind] still bounds the instances; another claimer
+    gets none of the hot instance's while they are pending, and the next claim takes the next
+    run once they are done; run=1 takes the head alone."""
+    store = outbox_of(engine)
+    hot = await backlog(engine, "hot", ["charge"] * 12)
+    cold = await backlog(engine, "cold", ["charge"] * 2)
+    got = await claim(store, {"charge": 1}, run=5)
+    assert keys(got) == hot[:5]
+    assert all((m.status, m.attempts) == ("running", 1) for m in got)
+    assert keys(await claim(store, {"charge": 5}, owner="other", run=5)) == cold
+    assert await claim(store, {"charge": 5}, owner="other", run=5) == []
+    assert await store.finish_messages(hot[:5]) == 5
+    assert keys(await claim(store, {"charge": 5}, run=5)) == hot[5:10]
+    assert await store.finish_messages(hot[5:10]) == 5
+    assert keys(await claim(store, {"charge": 5}, run=1)) == hot[10:11]
+    assert await store.finish_messages(hot[10:11]) == 1
+    assert keys(await claim(store, {"charge": 5}, run=5)) == hot[11:]
+
+
+async def test_a_run_stops_at_another_kind_a_message_not_due_and_a_held_one(
+    engine: flowlock.Engine,
+) -> None:
+    """A run is contiguous: it ends before the first message behind its head that is of
+    another kind, not due yet, or held by a live claim (the rest wait for a later claim)."""
+    store = outbox_of(engine)
+    a = await backlog(engine, "a", ["charge", "charge", "notify", "charge"])
+    assert keys(await claim(store, {"charge": 1, "notify": 1}, run=10)) == a[:2]
+
+    b = await backlog(engine, "b", ["reserve"] * 4)
+    first = await claim(store, {"reserve": 1}, run=10)
+    assert keys(first) == b
+    assert await store.fail_message(first[2], "me", "later", 600.0)  # due in 10 minutes
+    for m in (first[3], first[1], first[0]):
+        await store.release_message(m, "me", begun=False)
+    assert keys(await claim(store, {"reserve": 5}, run=10)) == b[:2]
+
+    c = await backlog(engine, "c", ["audit"] * 3)
+    held = await claim(store, {"audit": 1}, owner="one", run=10)
+    assert keys(held) == c
+    for m in (held[1], held[0]):
+        await store.release_message(m, "one", begun=False)
+    assert keys(await claim(store, {"audit": 5}, owner="two", run=10)) == c[:2]
+
+
+async def test_a_claim_given_back_before_its_delivery_began_has_its_attempt_back(
+    engine: flowlock.Engine,
+) -> None:
+    """release_message(begun=False) counts the attempt back down (a message behind a failed
+    one must not run out of attempts untried); begun=True keeps it; another owner's release
+    changes nothing."""
+    store = outbox_of(engine)
+    a = await backlog(engine, "a", ["charge"] * 3)
+    first = await claim(store, {"charge": 1}, run=3)
+    assert [m.attempts for m in first] == [1, 1, 1]
+    await store.release_message(first[2], "someone else", begun=False)
+    shown = await store.get_message(a[2])
+    assert shown is not None and (shown.status, shown.attempts) == ("running", 1)
+    await store.release_message(first[2], "me", begun=False)
+    await store.release_message(first[1], "me", begun=False)
+    assert await store.fail_message(first[0], "me", "boom", 0.0)  # due again at once
+    await free_again(store, ["charge"])
+    again = await claim(store, {"charge": 1}, run=3)
+    assert keys(again) == a
+    assert [m.attempts for m in again] == [2, 1, 1]
+    await store.release_message(again[2], "me")  # begun: its attempt stays counted
+    shown = await store.get_message(a[2])
+    assert shown is not None and (shown.status, shown.attempts) == ("pending", 1)
+
+
+async def test_concurrent_claimers_of_runs_never_share_a_message_and_keep_the_order(
+    engine: flowlock.Engine,
+) -> None:
+    """Four claimers taking runs at once, each finishing what it got before its next claim:
+    every message is claimed exactly once, and each instance's messages are claimed in
+    (version, n) order (a later one only with, or after, every earlier one)."""
+    store = outbox_of(engine)
+    made: dict[str, list[str]] = {}
+    for i in range(6):
+        made[f"i{i}"] = await backlog(engine, f"i{i}", ["charge"] * 20)
+    total = sum(map(len, made.values()))
+    claimed: list[str] = []
+
+    async def claimer(owner: str) -> None:
+        async with asyncio.timeout(BOUND):
+            while len(claimed) < total:
+                got = await claim(store, {"charge": 2}, owner=owner, run=4)
+                claimed.extend(keys(got))  # before the finish: the order of the claims
+                if got:
+                    assert await store.finish_messages(keys(got)) == len(got)
+                else:
+                    await asyncio.sleep(0.005)
+
+    await asyncio.gather(*(claimer(f"c{n}") for n in range(4)))
+    assert sorted(claimed) == sorted(k for ks in made.values() for k in ks)  # once each
+    for iid, ks in made.items():
+        assert [k for k in claimed if k.startswith(f"{iid}:")] == ks
 
 
 async def test_next_message_due_counts_due_times_and_claims(engine: flowlock.Engine) -> None:

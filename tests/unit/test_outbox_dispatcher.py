@@ -651,3 +651,137 @@ async def test_a_then_on_an_instance_with_the_longest_id_applies() -> None:
         await status_is(engine, f"{iid}:2:0", "done")
         [_, then] = await engine.history(iid)
         assert (then.event, then.request_id) == ("charged", f"{iid}:2:0")
+
+
+# -- runs: an instance's next messages claimed together and delivered in order ------------------
+
+
+class Claims(MemoryStore):
+    """A memory store that notes how many messages each claim of the dispatcher took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    async def claim_messages(
+        self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
+    ) -> list[flowlock.Message]:
+        got = await super().claim_messages(kinds, lease=lease, owner=owner, run=run)
+        if got:
+            self.sizes.append(len(got))
+        return got
+
+
+async def test_a_hot_instances_backlog_is_claimed_in_runs_and_delivered_in_order() -> None:
+    """Ten pending messages of one instance, runs of at most 4: three claims (4, 4, 2), and the
+    handler gets them in order, one at a time, each at its first attempt."""
+    got: list[tuple[int, int]] = []
+    running: list[str] = []
+    overlaps: list[str] = []
+
+    async def handler(message: flowlock.Message) -> None:
+        if running:
+            overlaps.append(message.key)
+        running.append(message.key)
+        await asyncio.sleep(0.001)
+        got.append((message.n, message.attempt))
+        running.remove(message.key)
+
+    store = Claims()
+    async with flowlock.Engine(store) as engine:
+        await engine.register(noter())
+        _dispatcher(engine).run = 4
+        await noted(engine, "hot", count=10)
+        engine.on_emit("k", handler, concurrency=8)
+        await status_is(engine, "hot:2:9", "done")
+    assert got == [(n, 1) for n in range(10)]
+    assert overlaps == []
+    assert store.sizes == [4, 4, 2]
+
+
+@pytest.mark.parametrize("fails", ["retried", "dead"])
+async def test_a_failure_in_a_run_gives_back_the_rest_with_their_attempts(
+    url: str, fails: str
+) -> None:
+    """A message that fails ends its run: the messages behind it are given back at once, their
+    attempts counted back, and delivered later in order at their first attempt: after the
+    failed one's retry (it is still pending ahead of them), or at once when it is dead."""
+    got: list[tuple[int, int]] = []
+
+    async def handler(message: flowlock.Message) -> None:
+        got.append((message.n, message.attempt))
+        if message.n == 2 and message.attempt == 1:
+            if fails == "dead":
+                raise flowlock.DeliveryRefused("not this one")
+            raise ValueError("the receiver blinked")
+
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
+        await engine.register(noter())
+        _dispatcher(engine).run = 5
+        await noted(engine, "n1", count=5)
+        engine.on_emit("k", handler)
+        await status_is(engine, "n1:2:4", "done")
+        shown = {m.n: (m.status, m.attempts) for m in await engine.messages("n1")}
+    if fails == "dead":
+        assert got == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]
+        assert shown[2] == ("dead", 1)
+    else:
+        assert got == [(0, 1), (1, 1), (2, 1), (2, 2), (3, 1), (4, 1)]
+        assert shown[2] == ("done", 2)
+    assert [shown[n] for n in (0, 1, 3, 4)] == [("done", 1)] * 4
+
+
+async def test_closing_gives_back_the_messages_of_a_run_not_begun() -> None:
+    """A closing engine lets the delivery in flight finish, begins no further message of its
+    run and gives the rest back, their attempts counted back: another engine delivers them,
+    in order, at their first attempt."""
+    started = asyncio.Event()
+    release = asyncio.Event()
+    got: list[tuple[int, int]] = []
+
+    async def slow(message: flowlock.Message) -> None:
+        got.append((message.n, message.attempt))
+        started.set()
+        await release.wait()
+
+    async def works(message: flowlock.Message) -> None:
+        got.append((message.n, message.attempt))
+
+    store = MemoryStore()
+    first = flowlock.Engine(store)
+    async with first:
+        await first.register(noter())
+        _dispatcher(first).run = 4
+        await noted(first, "n1", count=4)
+        first.on_emit("k", slow)
+        await asyncio.wait_for(started.wait(), 5)
+        asyncio.get_running_loop().call_later(0.1, release.set)  # lands within close_grace
+    async with flowlock.Engine(store) as second:
+        await second.register(noter())
+        shown = {m.n: (m.status, m.attempts) for m in await second.messages("n1")}
+        assert shown == {0: ("done", 1), 1: ("pending", 0), 2: ("pending", 0), 3: ("pending", 0)}
+        second.on_emit("k", works)
+        await status_is(second, "n1:2:3", "done")
+    assert got == [(0, 1), (1, 1), (2, 1), (3, 1)]
+
+
+async def test_closing_cuts_a_run_short_and_gives_back_the_rest_of_it() -> None:
+    """A delivery past close_grace is cancelled and given back with its attempt counted; the
+    messages of its run behind it never began and have theirs back."""
+    started = asyncio.Event()
+
+    async def hangs(message: flowlock.Message) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    store = MemoryStore()
+    async with flowlock.Engine(store) as engine:
+        await engine.register(noter())
+        _dispatcher(engine).run = 3
+        _dispatcher(engine).close_grace = 0.1
+        await noted(engine, "n1", count=3)
+        engine.on_emit("k", hangs)
+        await asyncio.wait_for(started.wait(), 5)
+    async with flowlock.Engine(store) as after:
+        shown = [(m.status, m.attempts) for m in await after.messages("n1")]
+    assert shown == [("pending", 1), ("pending", 0), ("pending", 0)]

@@ -102,9 +102,12 @@ _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 # other; READ COMMITTED re-checks a row claimed and committed by another since the snapshot
 # against the WHERE before locking it.
 #
-# The followers: per head, a LATERAL walks the order index from the head, at most $5 - 1 rows
+# The followers: per head, a LATERAL reads the order index from the head, at most $5 - 1 rows
 # of its instance (the run's length), and a running bool_and keeps the contiguous prefix that
-# may go (same kind, due, not held). Why FOR UPDATE without SKIP LOCKED there: nobody else
+# may go (same kind, due, not held). Why the versions are bounded too: the planner, guessing a
+# few rows an instance, may read the range as a bitmap and sort it, which would read a hot
+# instance's whole backlog; a message's version is its transition's, so the $5 - 1 versions
+# after the head hold at least the run (a run may come out shorter, never with a gap). Why FOR UPDATE without SKIP LOCKED there: nobody else
 # claims behind a pending head, so only a short write (a done mark, an operator's retry) can
 # hold such a row, and a skipped row would leave a gap in the run. The lock comes before the
 # bool_and, so the prefix is judged on the rows as they are once locked.
@@ -141,6 +144,7 @@ WITH heads AS (
                       FROM flowlock_outbox t
                      WHERE t.instance_id = h.instance_id AND t.status = 'pending'
                        AND (t.version, t.n) > (h.version, h.n)
+                       AND t.version < h.version + $5::int
                      ORDER BY t.version, t.n
                      LIMIT greatest($5::int - 1, 0)
                        FOR UPDATE) AS l) AS w
