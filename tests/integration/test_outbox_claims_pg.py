@@ -195,10 +195,11 @@ async def test_two_processes_deliver_every_message_once_in_order(
 def _rows_read(node: dict[str, Any]) -> int:
     """The rows the scans of flowlock_outbox under an EXPLAIN ANALYZE plan node read: the rows
     they returned and the rows their filter removed, over all their loops (never a Seq Scan:
-    the index scans, and the TID scan that updates the rows claimed)."""
+    the index scans, a bitmap of one, and the TID scan that updates the rows claimed)."""
     own = 0
     if node.get("Relation Name") == "flowlock_outbox" and node["Node Type"] != "ModifyTable":
-        assert node["Node Type"] in ("Index Scan", "Index Only Scan", "Tid Scan"), node["Node Type"]
+        scans = ("Index Scan", "Index Only Scan", "Tid Scan", "Bitmap Heap Scan")
+        assert node["Node Type"] in scans, node["Node Type"]
         per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
         own = round(per_loop * node["Actual Loops"])
     return own + sum(_rows_read(child) for child in node.get("Plans", ()))
@@ -226,7 +227,7 @@ async def test_the_dispatchers_statements_read_their_indexes(pg_url: str, pg_sch
         async with conn.transaction():
             plans = {
                 "claim": await conn.fetch(
-                    "EXPLAIN " + CLAIM_MESSAGES, ["a", "b"], [10, 10], 30.0, "me"
+                    "EXPLAIN " + CLAIM_MESSAGES, ["a", "b"], [10, 10], 30.0, "me", 32
                 ),
                 "due": await conn.fetch("EXPLAIN " + NEXT_MESSAGE_DUE, ["a", "b"]),
                 "find": await conn.fetch("EXPLAIN " + FIND_MESSAGES, "", None, None, 100),
@@ -279,6 +280,7 @@ async def test_a_claim_over_a_backlog_reads_only_the_earliest_rows_of_each_kind(
                 [limit] * len(kinds),
                 30.0,
                 "me",
+                1,
             )
         finally:
             await tx.rollback()
@@ -289,3 +291,58 @@ async def test_a_claim_over_a_backlog_reads_only_the_earliest_rows_of_each_kind(
     # Per kind: about 2 * limit rows walked (every other one held back), one order probe each,
     # and the rows claimed found again by their key to update them.
     assert limit * len(kinds) <= read <= 6 * limit * len(kinds), read
+
+
+def _subplan(node: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The plan node of the CTE `name` under `node`, or None."""
+    if node.get("Subplan Name") == f"CTE {name}":
+        return node
+    for child in node.get("Plans", ()):
+        found = _subplan(child, name)
+        if found is not None:
+            return found
+    return None
+
+
+async def test_a_run_of_a_hot_instance_reads_about_the_run_behind_its_head(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A hot instance with 2,000 pending messages of one kind: a claim with run=32 takes its
+    first 32 in order, and finding the 31 behind the head reads about as many rows, not the
+    backlog (EXPLAIN ANALYZE of the followers' part, rolled back)."""
+    backlog, run = 2000, 32
+    store = PostgresStore(pg_url, schema=pg_schema, pool_size=2)
+    await store.open()
+    await store.aclose()
+    conn: asyncpg.Connection = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        await conn.execute(
+            "INSERT INTO flowlock_outbox (instance_id, version, n, workflow, kind, payload,"
+            " due_at)"
+            " SELECT 'hot', g, 0, 'w', 'k', '{}', now() - interval '1 hour' + g * interval '1 ms'"
+            "   FROM generate_series(2, $1 + 1) g",
+            backlog,
+        )
+        await conn.execute("ANALYZE flowlock_outbox")
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            claimed = await conn.fetch(CLAIM_MESSAGES, ["k"], [8], 30.0, "me", run)
+            await tx.rollback()
+            tx = conn.transaction()
+            await tx.start()
+            [(plan,)] = await conn.fetch(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + CLAIM_MESSAGES, ["k"], [8], 30.0, "me", run
+            )
+        finally:
+            await tx.rollback()
+    finally:
+        await conn.close()
+    assert [(r["instance_id"], r["version"]) for r in claimed] == [
+        ("hot", v) for v in range(2, run + 2)
+    ]
+    [top] = json.loads(plan) if isinstance(plan, str) else plan
+    followers = _subplan(top["Plan"], "followers")
+    assert followers is not None
+    assert run - 1 <= _rows_read(followers) <= 2 * run, _rows_read(followers)
