@@ -136,7 +136,8 @@ class OutboxMethods:
         fires it twice. Raising (or taking longer than `timeout` seconds) retries it with
         backoff; after `max_attempts` deliveries, or at once on `flowlock.DeliveryRefused`,
         it is dead. At most `concurrency` messages of `kind` are delivered at once by this
-        engine. Registering a kind again replaces its handler (deliveries in flight finish
+        engine, each lane taking an instance's next messages of `kind` together (a run) and
+        delivering them one after another. Registering a kind again replaces its handler (deliveries in flight finish
         with the old one). Works before or after `open()`; with `outbox=False` the handler
         is kept but this engine delivers nothing. InvalidInput for a bad argument, a
         `timeout` not below `outbox_lease`, or a store without an outbox.
