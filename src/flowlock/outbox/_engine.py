@@ -137,10 +137,10 @@ class OutboxMethods:
         backoff; after `max_attempts` deliveries, or at once on `flowlock.DeliveryRefused`,
         it is dead. At most `concurrency` messages of `kind` are delivered at once by this
         engine, each lane taking an instance's next messages of `kind` together (a run) and
-        delivering them one after another. Registering a kind again replaces its handler (deliveries in flight finish
-        with the old one). Works before or after `open()`; with `outbox=False` the handler
-        is kept but this engine delivers nothing. InvalidInput for a bad argument, a
-        `timeout` not below `outbox_lease`, or a store without an outbox.
+        delivering them one after another. Registering a kind again replaces its handler
+        (deliveries in flight finish with the old one). Works before or after `open()`; with
+        `outbox=False` the handler is kept but this engine delivers nothing. InvalidInput for
+        a bad argument, a `timeout` not below `outbox_lease`, or a store without an outbox.
         """
         check_kind(kind, "kind")
         if not callable(handler):

@@ -102,15 +102,15 @@ _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 # other; READ COMMITTED re-checks a row claimed and committed by another since the snapshot
 # against the WHERE before locking it.
 #
-# The followers: per head, a LATERAL reads the order index from the head, at most $5 - 1 rows
-# of its instance (the run's length), and a running bool_and keeps the contiguous prefix that
-# may go (same kind, due, not held). Why the versions are bounded too: the planner, guessing a
-# few rows an instance, may read the range as a bitmap and sort it, which would read a hot
-# instance's whole backlog; a message's version is its transition's, so the $5 - 1 versions
-# after the head hold at least the run (a run may come out shorter, never with a gap). Why FOR UPDATE without SKIP LOCKED there: nobody else
-# claims behind a pending head, so only a short write (a done mark, an operator's retry) can
-# hold such a row, and a skipped row would leave a gap in the run. The lock comes before the
-# bool_and, so the prefix is judged on the rows as they are once locked.
+# The followers: per head, a LATERAL reads the order index from the head, at most $5 - 1 rows of
+# its instance (the run's length), and a running bool_and keeps the contiguous prefix that may go
+# (same kind, due, not held). Why the versions are bounded too: the planner, guessing a few rows an
+# instance, may read the range as a bitmap and sort it, which would read a hot instance's whole
+# backlog; the bound keeps any plan to the $5 - 1 versions after the head (a run comes out shorter
+# when some of them emitted nothing, never with a gap). Why FOR UPDATE without SKIP LOCKED there:
+# nobody else claims behind a pending head, so only a short write (a done mark, an operator's
+# retry) can hold such a row, and a skipped row would leave a gap in the run. The lock comes before
+# the bool_and, so the prefix is judged on the rows as they are once locked.
 #
 # The claim is the only statement of its transaction (never run it inside a longer one), so
 # the rows it locks are let go at once. The rows are updated by the row addresses (ctid) the
