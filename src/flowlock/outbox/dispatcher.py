@@ -31,6 +31,7 @@ from flowlock.core.errors import (
     DeliveryRefused,
     EngineClosed,
     FlowlockError,
+    IdempotencyKeyReused,
     InstanceNotFound,
     InvalidInput,
     StepFailed,
@@ -383,7 +384,8 @@ class Dispatcher:
     def _launch(self, message: Message) -> None:
         handler = self._handlers[message.kind]
         self._busy[message.kind] += 1
-        if self._metrics is not None:
+        if self._metrics is not None and message.attempts == 1:
+            # The lag of a first delivery only: a retry's would add its backoff.
             self._metrics.record_outbox_claim(message.kind, message.lag)
         flight = asyncio.get_running_loop().create_task(
             self._deliver(handler, message), name=f"flowlock-outbox {message.key}"
@@ -452,6 +454,15 @@ class Dispatcher:
         what = f"its Then({then.event!r})"
         try:
             await self._fire_then(message, then)
+        except IdempotencyKeyReused as exc:
+            # A redelivery whose handler built another Then (a new id, a timestamp): the first
+            # one's Then applied under this key, so the message is done; its payload stands.
+            log.info(
+                "flowlock outbox: %s was applied by an earlier delivery of %s (%s); done",
+                what,
+                message.key,
+                exc,
+            )
         except _RETRIED_THEN as exc:
             return await self._failed(handler, message, f"{what} failed: {_text(exc)}")
         except _REFUSED_THEN as exc:
