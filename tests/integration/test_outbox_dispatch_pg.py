@@ -151,6 +151,7 @@ async def _emit(caller: flowlock.Engine, noters: list[str], orders: list[str]) -
     await asyncio.gather(*(notes(i) for i in noters), *(reserve(i) for i in orders))
 
 
+@pytest.mark.slow  # 5 s; the crash matrix and the claim tests keep the quick suite's share
 async def test_two_dispatchers_deliver_every_message_once_in_order(
     pg_url: str, pg_schema: str, sql_history: SqlHistory
 ) -> None:

@@ -219,3 +219,9 @@ async def test_a_caller_may_not_use_a_message_key_of_the_instance_as_request_id(
         assert (await engine.fire("d:1", "close", request_id="d:2:0")).applied
         with pytest.raises(flowlock.InvalidInput, match="request_id"):
             await engine.fire("d:1", "touch", request_id="r" * 201)
+
+
+@pytest.mark.parametrize(("event", "payload"), [(123, {}), ("", {}), ("ok", ["x"])])
+def test_a_bad_then_is_refused_when_made(event: object, payload: object) -> None:
+    with pytest.raises(flowlock.InvalidInput, match="Then"):
+        flowlock.Then(event, payload)  # type: ignore[arg-type]

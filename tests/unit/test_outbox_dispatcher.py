@@ -297,6 +297,34 @@ class SqliteLosesDoneMarks(SqliteStore):
         return await super().finish_messages(_first_marks_lost(keys, self.lost))
 
 
+async def test_a_redelivered_then_with_another_payload_is_done_not_dead() -> None:
+    """A handler that builds its Then anew on each delivery (a new id): the redelivery's Then
+    is answered by the first one's application under the key, so the message is done, once."""
+    store = MemoryStore()
+    runs: list[int] = []
+
+    async def charge(message: flowlock.Message) -> flowlock.Then:
+        runs.append(message.attempt)
+        return flowlock.Then("charged", payload={"charge": f"ch-{len(runs)}"})
+
+    async with flowlock.Engine(store, outbox=False) as caller:
+        await caller.register(shop())
+        await caller.create("shop", instance_id="o1")
+        await caller.fire("o1", "reserve")
+        [held] = await store.claim_messages({"charge": 1}, lease=60.0, owner="dead")
+        # The first delivery fires its Then under the key (the dispatcher's own path), then
+        # dies before its done mark.
+        await caller._fire_then(held, await charge(held))
+    async with flowlock.Engine(store, outbox_backoff=FAST, outbox_lease=1.0) as engine:
+        await engine.register(shop())
+        engine.on_emit("charge", charge, timeout=0.5)
+        await store.release_message(held, "dead")
+        await status_is(engine, "o1:2:0", "done")
+        history = await engine.history("o1")
+    assert [h.event for h in history] == ["reserve", "charged"]
+    assert len(runs) == 2
+
+
 async def test_a_then_chain_applies_exactly_once_when_each_message_is_delivered_twice(
     url: str,
 ) -> None:
@@ -350,9 +378,9 @@ async def test_a_then_the_workflow_refuses_is_dead_at_once(url: str) -> None:
 
 
 async def test_a_then_for_a_workflow_this_engine_does_not_know_is_retried() -> None:
-    """The dispatcher starts once a workflow is registered; a Then whose workflow this engine
-    has not registered (another engine's, or not yet) is retried, not dead, and applies once
-    the workflow is registered."""
+    """A delivery-only engine (a handler, no workflow) dispatches at once; a Then whose
+    workflow this engine has not registered (another engine's, or not yet) is retried, not
+    dead, and applies once the workflow is registered."""
     store = MemoryStore()
     async with flowlock.Engine(store) as first:
         await first.register(shop())
@@ -364,9 +392,6 @@ async def test_a_then_for_a_workflow_this_engine_does_not_know_is_retried() -> N
 
     async with flowlock.Engine(store, outbox_backoff=FAST) as second:
         second.on_emit("charge", handler, max_attempts=1000)
-        await asyncio.sleep(0.05)
-        assert not _dispatcher(second).running  # no workflow yet: nothing to fire a Then at
-        await second.register(noter())
         assert _dispatcher(second).running
 
         async def retried() -> bool:

@@ -190,8 +190,9 @@ def list_messages(
     """List outbox messages: key, kind, status, attempts, next attempt, last error, created.
 
     A status is pending (waiting to be delivered, or to be tried again at its next attempt),
-    running (an engine delivers it now), done (delivered) or dead (given up after its
-    handler's max_attempts: `flowlock outbox retry KEY` sends it again). The title counts
+    running (an engine delivers it now), done (delivered) or dead (given up: its handler
+    failed max_attempts times, refused it with DeliveryRefused, or its Then was refused by the
+    workflow; `flowlock outbox retry KEY` sends it again). The title counts
     every message by status. A page that is full ends with the key to pass as --after.
 
     Read-only. Exits 1 if --instance names no instance.

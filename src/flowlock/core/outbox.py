@@ -37,6 +37,7 @@ MESSAGE_STATUSES: tuple[str, ...] = ("pending", "running", "done", "dead")
 OUTBOX_ACTOR = "flowlock:outbox"
 """The `actor` of a transition a handler's `Then` fired, unless the Then names one."""
 
+_EVENT = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_.\-:]{0,99}")
 
 
@@ -71,6 +72,19 @@ class Then:
     event: str
     payload: Mapping[str, Any] = field(default_factory=dict)
     actor: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked when made, so a handler's mistake shows in its own traceback; the payload's
+        # JSON and the actor are checked as any call's when the Then is fired.
+        if not isinstance(self.event, str) or not _EVENT.fullmatch(self.event):
+            raise InvalidInput(
+                f"Then event {self.event!r} is not a valid event name (a letter, then letters, "
+                "digits, '_', '.', '-'; at most 100 characters)"
+            )
+        if not isinstance(self.payload, Mapping):
+            raise InvalidInput(
+                f"Then payload must be a JSON object (a mapping), not {type(self.payload).__name__}"
+            )
 
 
 def message_key(instance_id: str, version: int, n: int) -> str:

@@ -175,11 +175,11 @@ class OutboxMethods:
         self._start_dispatcher()
 
     def _start_dispatcher(self) -> None:
-        """Run the dispatcher once the engine is open, has a handler and a workflow (so that
-        a handler's Then finds its workflow); a handler registered later makes it look again
-        at once."""
+        """Run the dispatcher once the engine is open and has a handler (a delivery-only
+        worker needs no workflow: a Then of a workflow it does not know is retried); a handler
+        registered later makes it look again at once."""
         dispatcher = self._dispatcher
-        if dispatcher is None or not self._open or not self._handlers or not self._workflows:
+        if dispatcher is None or not self._open or not self._handlers:
             return
         if dispatcher.running:
             dispatcher.wake()

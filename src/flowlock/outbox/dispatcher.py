@@ -32,6 +32,7 @@ from flowlock.core.errors import (
     DeliveryRefused,
     EngineClosed,
     FlowlockError,
+    IdempotencyKeyReused,
     InstanceNotFound,
     InvalidInput,
     StepFailed,
@@ -434,7 +435,9 @@ class Dispatcher:
         self._busy[run.kind] += 1
         if self._metrics is not None:
             for message in run.messages:
-                self._metrics.record_outbox_claim(message.kind, message.lag)
+                if message.attempts == 1:
+                    # The lag of a first delivery only: a retry's would add its backoff.
+                    self._metrics.record_outbox_claim(message.kind, message.lag)
         head = run.messages[0]
         flight = asyncio.get_running_loop().create_task(
             self._lane(run), name=f"flowlock-outbox {head.key} (+{len(run.messages) - 1})"
@@ -528,6 +531,15 @@ class Dispatcher:
         what = f"its Then({then.event!r})"
         try:
             await self._fire_then(message, then)
+        except IdempotencyKeyReused as exc:
+            # A redelivery whose handler built another Then (a new id, a timestamp): the first
+            # one's Then applied under this key, so the message is done; its payload stands.
+            log.info(
+                "flowlock outbox: %s was applied by an earlier delivery of %s (%s); done",
+                what,
+                message.key,
+                exc,
+            )
         except _RETRIED_THEN as exc:
             return await self._failed(handler, message, f"{what} failed: {_text(exc)}")
         except _REFUSED_THEN as exc:

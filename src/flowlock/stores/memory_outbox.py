@@ -142,7 +142,8 @@ class MemoryOutbox:
         for key in keys:
             held = self._outbox.get(key)
             if held is not None and held.message.status == "pending":
-                held.message = dataclasses.replace(held.message, status="done")
+                attempts = max(held.message.attempts, 1)  # delivered at least once
+                held.message = dataclasses.replace(held.message, status="done", attempts=attempts)
                 held.done, held.claimed_until, held.owner = now, None, None
                 marked += 1
         return marked

@@ -160,10 +160,13 @@ SELECT {message_columns("greatest(0, extract(epoch FROM now() - created_at))::fl
   FROM claimed
  ORDER BY min(due_at) OVER (PARTITION BY instance_id), instance_id, version, n
 """
-# Done, whoever holds them now; those no longer pending are left as they are. $1 keys.
+# Done, whoever holds them now; those no longer pending are left as they are. A done message was
+# delivered at least once, also when an operator's retry reset its attempts under a late mark.
+# $1 keys.
 FINISH_MESSAGES = """
 UPDATE flowlock_outbox
-   SET status = 'done', done_at = now(), claimed_until = NULL, claimed_by = NULL
+   SET status = 'done', done_at = now(), claimed_until = NULL, claimed_by = NULL,
+       attempts = greatest(attempts, 1)
  WHERE key = ANY($1::text[]) AND status = 'pending'
 """
 # Only while the owner still holds that attempt (a compare-and-swap on owner and attempts):

@@ -92,7 +92,7 @@ _RELEASE: Final = (
 )
 _FINISH: Final = (
     "UPDATE flowlock_outbox SET status = 'done', done_at = ?, claimed_until = NULL, "
-    "claimed_by = NULL WHERE status = 'pending' AND key IN "
+    "claimed_by = NULL, attempts = max(attempts, 1) WHERE status = 'pending' AND key IN "
 )
 _RETRY: Final = (
     "UPDATE flowlock_outbox SET status = 'pending', attempts = 0, due_at = ?, "
