@@ -346,3 +346,65 @@ async def test_a_run_of_a_hot_instance_reads_about_the_run_behind_its_head(
     followers = _subplan(top["Plan"], "followers")
     assert followers is not None
     assert run - 1 <= _rows_read(followers) <= 2 * run, _rows_read(followers)
+
+
+@pytest.mark.parametrize("held", [False, True])
+async def test_a_hot_backlog_ahead_in_due_order_does_not_make_the_claim_read_it(
+    pg_url: str, pg_schema: str, held: bool
+) -> None:
+    """A hot instance's 20,000 pending messages come first in due order (its head free, or held
+    by a run in flight), 50 other instances' after: a claim of 8 takes the oldest heads (the
+    hot one's and 7 others, or 8 others) and reads a few hundred rows, not the backlog: past a
+    bounded walk of the due index, it finds the heads instance by instance (EXPLAIN ANALYZE,
+    rolled back)."""
+    backlog, others, limit = 20_000, 50, 8
+    store = PostgresStore(pg_url, schema=pg_schema, pool_size=2)
+    await store.open()
+    await store.aclose()
+    conn: asyncpg.Connection = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        await conn.execute(
+            "INSERT INTO flowlock_outbox (instance_id, version, n, workflow, kind, payload,"
+            " due_at)"
+            " SELECT 'hot', g, 0, 'w', 'k', '{}', now() - interval '1 hour' + g * interval '1 ms'"
+            "   FROM generate_series(2, $1 + 1) g",
+            backlog,
+        )
+        await conn.execute(
+            "INSERT INTO flowlock_outbox (instance_id, version, n, workflow, kind, payload,"
+            " due_at)"
+            " SELECT 'c' || lpad(g::text, 3, '0'), 2, 0, 'w', 'k', '{}',"
+            "        now() - interval '30 minutes' + g * interval '1 ms'"
+            "   FROM generate_series(1, $1) g",
+            others,
+        )
+        if held:
+            await conn.execute(
+                "UPDATE flowlock_outbox SET claimed_until = now() + interval '1 hour',"
+                " claimed_by = 'a run in flight', attempts = 1"
+                " WHERE instance_id = 'hot' AND version < 34"
+            )
+        await conn.execute("ANALYZE flowlock_outbox")
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            claimed = await conn.fetch(CLAIM_MESSAGES, ["k"], [limit], 30.0, "me", 1)
+        finally:
+            await tx.rollback()
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            [(plan,)] = await conn.fetch(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + CLAIM_MESSAGES, ["k"], [limit], 30.0, "me", 1
+            )
+        finally:
+            await tx.rollback()
+    finally:
+        await conn.close()
+    cold = [f"c{g:03}" for g in range(1, others + 1)]
+    wanted = cold[:limit] if held else ["hot", *cold[: limit - 1]]
+    assert sorted(r["instance_id"] for r in claimed) == sorted(wanted)
+    [top] = json.loads(plan) if isinstance(plan, str) else plan
+    read = _rows_read(top["Plan"])
+    assert read <= 1000, read

@@ -95,12 +95,18 @@ _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 # For each kind, at most its limit of runs: a claimable head and the messages right behind it
 # that may go with it, claimed for a lease and their attempts counted.
 #
-# The heads: per kind, a LATERAL subquery walks the (kind, due_at) index of the pending
-# messages in due order and stops after its limit of rows that fit: one `kind = ANY(...)` scan
-# would read and sort every due row of every kind instead. SKIP LOCKED: a row another claimer
-# is taking is left to it, so two claimers never get the same message and never wait for each
-# other; READ COMMITTED re-checks a row claimed and committed by another since the snapshot
-# against the WHERE before locking it.
+# The heads: per kind, a LATERAL subquery walks the (kind, due_at) index of the pending messages in
+# due order, probing each for an earlier pending message of its instance, and stops at its limit of
+# heads, or after 4 x limit + 64 rows (`cap`). Why the cap: a hot instance's backlog lies in the
+# walk, each of its messages held back by the one before, so an uncapped walk read the whole
+# backlog to find the heads behind it (14 ms a claim at 2,000). A walk cut short (`short`) finds
+# the rest instance by instance instead: a skip scan of the order index gives each instance with a
+# pending message once, and its first pending message is its head. So a claim reads about what it
+# claims, or, past the cap, one probe per instance with a pending message; never a backlog. The
+# heads chosen (oldest due first) are then locked by their row addresses with SKIP LOCKED, every
+# condition checked again on the row as locked: a row another claimer is taking is left to it, so
+# two claimers never get the same message and never wait for each other; READ COMMITTED re-checks a
+# row claimed and committed by another since the snapshot against the WHERE before locking it.
 #
 # The followers: per head, a LATERAL reads the order index from the head, at most $5 - 1 rows of
 # its instance (the run's length), and a running bool_and keeps the contiguous prefix that may go
@@ -121,17 +127,63 @@ _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
 # instance back. Returned run by run (the oldest due head first), each in order.
 # $1 kinds, $2 their limits, $3 lease seconds, $4 owner, $5 the longest run.
 CLAIM_MESSAGES = f"""
-WITH heads AS (
-    SELECT c.ctid, c.instance_id, c.version, c.n, k.kind
+WITH RECURSIVE wanted AS (
+    SELECT k.kind, k.lim, 4 * k.lim + 64 AS cap
       FROM unnest($1::text[], $2::int[]) AS k(kind, lim)
+     WHERE k.lim > 0
+), walked AS (
+    SELECT k.kind, w.ctid, w.due_at, w.ok, w.rn = k.cap AS capped
+      FROM wanted k
       CROSS JOIN LATERAL (
-          SELECT t.ctid, t.instance_id, t.version, t.n FROM flowlock_outbox t
-           WHERE t.kind = k.kind AND t.status = 'pending' AND t.due_at <= now()
-             AND {_FREE}
-             AND NOT {_BLOCKED}
-           ORDER BY t.due_at
-           LIMIT greatest(k.lim, 0)
-             FOR UPDATE SKIP LOCKED) AS c
+          SELECT s.ctid, s.due_at, s.ok, s.rn FROM (
+              SELECT t.ctid, t.due_at, {_FREE} AND NOT {_BLOCKED} AS ok,
+                     row_number() OVER (ORDER BY t.due_at) AS rn
+                FROM flowlock_outbox t
+               WHERE t.kind = k.kind AND t.status = 'pending' AND t.due_at <= now()
+               ORDER BY t.due_at
+               LIMIT k.cap) AS s
+           WHERE s.ok OR s.rn = k.cap
+           LIMIT k.lim) AS w
+), short AS (
+    SELECT w.kind FROM walked w JOIN wanted k ON k.kind = w.kind
+     GROUP BY w.kind, k.lim
+    HAVING bool_or(w.capped) AND count(*) FILTER (WHERE w.ok) < k.lim
+), instances AS (
+    (SELECT t.instance_id FROM flowlock_outbox t
+      WHERE t.status = 'pending' AND EXISTS (SELECT FROM short)
+      ORDER BY t.instance_id LIMIT 1)
+    UNION ALL
+    SELECT nx.instance_id
+      FROM instances i
+      CROSS JOIN LATERAL (
+          SELECT t.instance_id FROM flowlock_outbox t
+           WHERE t.status = 'pending' AND t.instance_id > i.instance_id
+           ORDER BY t.instance_id LIMIT 1) AS nx
+), found AS (
+    SELECT h.kind, h.ctid, h.due_at
+      FROM instances i
+      CROSS JOIN LATERAL (
+          SELECT t.kind, t.ctid, t.due_at, t.due_at <= now() AND {_FREE} AS ok
+            FROM flowlock_outbox t
+           WHERE t.instance_id = i.instance_id AND t.status = 'pending'
+           ORDER BY t.version, t.n LIMIT 1) AS h
+     WHERE h.ok AND h.kind IN (SELECT kind FROM short)
+), chosen AS (
+    SELECT c.ctid
+      FROM (SELECT u.kind, u.ctid,
+                   row_number() OVER (PARTITION BY u.kind ORDER BY u.due_at) AS rank
+              FROM (SELECT kind, ctid, due_at FROM walked WHERE ok
+                    UNION
+                    SELECT kind, ctid, due_at FROM found) AS u) AS c
+      JOIN wanted k ON k.kind = c.kind
+     WHERE c.rank <= k.lim
+), heads AS (
+    SELECT t.ctid, t.instance_id, t.version, t.n, t.kind
+      FROM flowlock_outbox t
+     WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM chosen))
+       AND t.status = 'pending' AND t.due_at <= now() AND {_FREE}
+       AND NOT {_BLOCKED}
+       FOR UPDATE SKIP LOCKED
 ), followers AS (
     SELECT f.ctid
       FROM heads h
