@@ -24,6 +24,7 @@ __all__ = [
     "MessageStatus",
     "Then",
     "check_kind",
+    "key_cursor",
     "message_key",
     "parse_key",
 ]
@@ -103,6 +104,18 @@ def parse_key(key: str) -> tuple[str, int, int]:
     raise InvalidInput(
         f"message key {key!r} is not '<instance_id>:<version>:<n>' (as engine.messages() lists)"
     )
+
+
+def key_cursor(after: str | None) -> tuple[str, int, int]:
+    """Where a listing in message order (instance id in code point order, version, place)
+    resumes after the key `after`: its three parts; before every message for None; after every
+    message of the instance `after` when it is not a key."""
+    if after is None:
+        return "", 0, -1
+    try:
+        return parse_key(after)
+    except InvalidInput:
+        return after, 2**63 - 1, 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
