@@ -255,7 +255,7 @@ class Engine:
         after: str | None = None,
         limit: int = 100,
     ) -> list[Message]:
-        """At most `limit` messages of any instance, in key order after the key `after`; see
+        """At most `limit` messages of any instance, in message order after the key `after`; see
         [`flowlock.Engine.find_messages`][flowlock.Engine.find_messages]."""
         return self._run(
             self._engine.find_messages(status=status, kind=kind, after=after, limit=limit)

@@ -579,9 +579,10 @@ async def test_find_messages_filters_and_pages_in_key_order(engine: flowlock.Eng
     assert await store.find_messages(kind="charge") == []
 
 
-async def test_find_messages_uses_code_point_order(engine: flowlock.Engine) -> None:
-    """Keys are compared as strings in code point order ("a:10:0" before "a:2:0", upper case
-    before lower case), whatever the database's collation."""
+async def test_find_messages_lists_in_message_order(engine: flowlock.Engine) -> None:
+    """Messages are listed by instance id in code point order (upper case before lower case),
+    whatever the database's collation, then by version as a number ("a:2:0" before "a:10:0"),
+    then by place; a key is a cursor, and so is an instance id (after all its messages)."""
     store = outbox_of(engine)
     for iid in ("b", "B", "a"):
         made = await engine.create(WF, instance_id=iid)
@@ -589,8 +590,9 @@ async def test_find_messages_uses_code_point_order(engine: flowlock.Engine) -> N
     a = await engine.get("a")
     await engine.store.commit([emitting(a, "x", [Emit("notify")], offset=i) for i in range(1, 10)])
     listed = keys(await store.find_messages(limit=100))
-    assert listed == sorted(listed)
-    assert listed[:4] == ["B:2:0", "a:10:0", "a:11:0", "a:2:0"]
+    assert listed == ["B:2:0", *(f"a:{v}:0" for v in range(2, 12)), "b:2:0"]
+    assert keys(await store.find_messages(after="a:9:0", limit=3)) == ["a:10:0", "a:11:0", "b:2:0"]
+    assert keys(await store.find_messages(after="a", limit=100)) == ["b:2:0"]
 
 
 async def test_counts_per_status(engine: flowlock.Engine) -> None:

@@ -4,8 +4,9 @@ fed back under the message keys, reads clean through `flowlock check`'s reader; 
 is broken with SQL in the database and found, naming the message. The engine's dispatcher
 delivers, so the rules also hold what it really writes.
 
-The key is a generated column on PostgreSQL, so a message under another key cannot be written
-there: `message-key` is held by the unit tests (memory) and SQLite's CLI test.
+On PostgreSQL the key is not stored (it is the primary key written out), so a message under
+another key cannot be written there: `message-key` is held by the unit tests (memory) and
+SQLite's CLI test.
 """
 
 from __future__ import annotations

@@ -113,12 +113,13 @@ def _text(result: Result) -> str:
 
 
 P_KEYS = ["p:2:0", "p:2:1", *(f"p:{v}:0" for v in range(3, 3 + NOTES))]
-ALL_KEYS = sorted(["o-1:2:0", "o-1:2:1", "o-2:2:0", "o-2:2:1", *P_KEYS])
+ALL_KEYS = ["o-1:2:0", "o-1:2:1", "o-2:2:0", "o-2:2:1", *P_KEYS]  # message order
 
 
-def test_list_shows_every_message_in_key_order_with_the_counts(cli: CliRunner, db: Db) -> None:
-    """--json: the counts by status, every message in key order (code points: p:10:0 before
-    p:2:0) with its fields, no next page; the dead one with its error and attempt."""
+def test_list_shows_every_message_in_order_with_the_counts(cli: CliRunner, db: Db) -> None:
+    """--json: the counts by status, every message in order (instance id, then version as a
+    number: p:2:0 before p:10:0) with its fields, no next page; the dead one with its error and
+    attempt."""
     listed = _listed(cli, db)
     assert listed["counts"] == {"pending": 13, "running": 0, "done": 1, "dead": 1}
     assert _keys(listed) == ALL_KEYS
@@ -264,7 +265,7 @@ def test_check_is_clean_then_finds_messages_broken_in_the_database(cli: CliRunne
         "WHERE instance_id = 'o-2' AND version = 2 AND n = 1"
     )
     columns, values = "instance_id, version, n, workflow, kind, payload", "'order', 'x', '{}'"
-    if db.kind == "sqlite":  # no generated key, no server clock
+    if db.kind == "sqlite":  # a stored key (PostgreSQL has none), no server clock
         columns += ", key, due_at, created_at"
         planted = [("o-2", 9, ", 'o-2:9:0', 0, 0"), ("gone", 2, ", 'gone:2:0', 0, 0")]
     else:

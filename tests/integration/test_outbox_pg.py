@@ -85,11 +85,12 @@ async def rows_in_outbox(url: str, schema: str) -> list[tuple[str, str, int | No
     conn = await pg_budget.connect(url)
     try:
         rows = await conn.fetch(
-            f'SELECT key, kind, fencing_token FROM "{schema}".flowlock_outbox ORDER BY key'
+            f"SELECT instance_id || ':' || version || ':' || n AS key, kind, fencing_token "
+            f'FROM "{schema}".flowlock_outbox'
         )
     finally:
         await conn.close()
-    return [(r["key"], r["kind"], r["fencing_token"]) for r in rows]
+    return sorted((r["key"], r["kind"], r["fencing_token"]) for r in rows)
 
 
 def store_of(engine: flowlock.Engine) -> PostgresStore:

@@ -225,3 +225,15 @@ async def test_a_caller_may_not_use_a_message_key_of_the_instance_as_request_id(
 def test_a_bad_then_is_refused_when_made(event: object, payload: object) -> None:
     with pytest.raises(flowlock.InvalidInput, match="Then"):
         flowlock.Then(event, payload)  # type: ignore[arg-type]
+
+
+def test_a_message_can_be_made_by_hand_to_call_a_handler() -> None:
+    """As the issue names its fields: version and n come from the key, `attempt` is
+    `attempts`; dataclasses.replace keeps working."""
+    import dataclasses
+
+    m = Message(key="o-1:2:1", instance_id="o-1", kind="notify", payload={"to": "x"}, attempt=1)
+    assert (m.version, m.n, m.attempt, m.attempts, m.status) == (2, 1, 1, 1, "pending")
+    assert (m.fencing_token, m.workflow, dict(m.payload)) == (None, "", {"to": "x"})
+    later = dataclasses.replace(m, attempts=3, status="dead")
+    assert (later.attempt, later.status, later.key) == (3, "dead", "o-1:2:1")

@@ -508,8 +508,9 @@ async def test_next_message_due(store: SqliteStore) -> None:
 
 
 async def test_find_messages_pages_in_key_order_with_filters(store: SqliteStore) -> None:
-    """find_messages: key order (code point order), a keyset after `after`, `limit`, and the
-    status filter (running = pending and held; pending = not held) and kind filter."""
+    """find_messages: message order (instance id in code points), a keyset after `after`,
+    `limit`, and the status filter (running = pending and held; pending = not held) and kind
+    filter."""
     for iid in ("b", "a", "Z", "é"):
         await emitted(store, iid, [emit(), emit("charge")])
     everything = keys(await store.find_messages())

@@ -68,7 +68,7 @@ TIMER_COLUMNS = timer_columns()
 # pending, and `lag` is 0 outside a claim. message_from_row reads these columns.
 _HELD = "status = 'pending' AND claimed_until > now()"
 _MESSAGE_FIELDS = {
-    "key": "key",
+    "key": "instance_id || ':' || version || ':' || n",
     "instance_id": "instance_id",
     "workflow": "workflow",
     "version": "version",

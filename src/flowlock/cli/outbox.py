@@ -156,7 +156,7 @@ def list_messages(
             "--instance",
             "-i",
             help="Only this instance's messages, in the order its transitions emitted them "
-            "(default: every instance's, in key order).",
+            "(default: every instance's, by instance id, then version).",
             show_default=False,
         ),
     ] = None,

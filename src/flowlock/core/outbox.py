@@ -24,6 +24,7 @@ __all__ = [
     "MessageStatus",
     "Then",
     "check_kind",
+    "key_cursor",
     "message_key",
     "parse_key",
 ]
@@ -105,7 +106,19 @@ def parse_key(key: str) -> tuple[str, int, int]:
     )
 
 
-@dataclass(frozen=True, slots=True)
+def key_cursor(after: str | None) -> tuple[str, int, int]:
+    """Where a listing in message order (instance id in code point order, version, place)
+    resumes after the key `after`: its three parts; before every message for None; after every
+    message of the instance `after` when it is not a key."""
+    if after is None:
+        return "", 0, -1
+    try:
+        return parse_key(after)
+    except InvalidInput:
+        return after, 2**63 - 1, 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Message:
     """One emitted message, as a handler receives it and `engine.messages()` lists it.
 
@@ -117,6 +130,10 @@ class Message:
     - `status`: pending, running (a dispatcher holds it), done or dead.
     - `last_error`: why the last delivery failed; `next_attempt_at`: when it may run again.
     - `lag`: seconds from the commit to this delivery's claim (a handler's view; 0 elsewhere).
+
+    Stores make messages; a test may too, to call a handler directly:
+    `Message(key="o-1:2:0", instance_id="o-1", kind="notify", payload={...}, attempt=1)`
+    (`version` and `n` are read from the key when not given; `attempt` is `attempts`).
     """
 
     key: str
@@ -126,16 +143,67 @@ class Message:
     n: int
     kind: str
     payload: Mapping[str, Any]
-    status: MessageStatus = "pending"
-    attempts: int = 0
-    fencing_token: int | None = None
-    last_error: str | None = None
-    next_attempt_at: datetime | None = None
-    created_at: datetime | None = None
-    done_at: datetime | None = None
-    claimed_until: datetime | None = None
-    trace: str | None = field(default=None, repr=False)
-    lag: float = field(default=0.0, compare=False)
+    status: MessageStatus
+    attempts: int
+    fencing_token: int | None
+    last_error: str | None
+    next_attempt_at: datetime | None
+    created_at: datetime | None
+    done_at: datetime | None
+    claimed_until: datetime | None
+    trace: str | None = field(repr=False)
+    lag: float = field(compare=False)
+
+    def __init__(
+        self,
+        key: str,
+        instance_id: str,
+        workflow: str = "",
+        version: int | None = None,
+        n: int | None = None,
+        kind: str = "",
+        payload: Mapping[str, Any] | None = None,
+        status: MessageStatus = "pending",
+        attempts: int | None = None,
+        fencing_token: int | None = None,
+        last_error: str | None = None,
+        next_attempt_at: datetime | None = None,
+        created_at: datetime | None = None,
+        done_at: datetime | None = None,
+        claimed_until: datetime | None = None,
+        trace: str | None = None,
+        lag: float = 0.0,
+        *,
+        attempt: int | None = None,
+    ) -> None:
+        if version is None or n is None:
+            try:
+                _, read_version, read_n = parse_key(key)
+            except InvalidInput:
+                read_version = read_n = 0
+            version = read_version if version is None else version
+            n = read_n if n is None else n
+        values = {
+            "key": key,
+            "instance_id": instance_id,
+            "workflow": workflow,
+            "version": version,
+            "n": n,
+            "kind": kind,
+            "payload": {} if payload is None else payload,
+            "status": status,
+            "attempts": attempts if attempts is not None else (attempt or 0),
+            "fencing_token": fencing_token,
+            "last_error": last_error,
+            "next_attempt_at": next_attempt_at,
+            "created_at": created_at,
+            "done_at": done_at,
+            "claimed_until": claimed_until,
+            "trace": trace,
+            "lag": lag,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def attempt(self) -> int:

@@ -218,7 +218,8 @@ class OutboxMethods:
         after: str | None = None,
         limit: int = 100,
     ) -> list[Message]:
-        """At most `limit` messages of any instance, in key order after the key `after`, of
+        """At most `limit` messages of any instance, by instance id (code point order), version
+        and place, after the key `after` (or after every message of the instance id `after`), of
         `status` and `kind` when given (what `flowlock outbox list` shows)."""
         self._check_open()
         if status is not None and status not in MESSAGE_STATUSES:

@@ -400,8 +400,9 @@ class OutboxStore(Protocol):
         limit: int = 100,
     ) -> list[Message]:
         """At most `limit` messages (of `status` and `kind` when given; status "running" means
-        pending and held), ordered by key in code point order, after key `after` (None: from the
-        first). For `flowlock outbox list`."""
+        pending and held), ordered by instance id in code point order, then version and place,
+        after the message of key `after` (after every message of the instance `after` when it is
+        not a key; None: from the first). For `flowlock outbox list`."""
         ...
 
     async def get_message(self, key: str) -> Message | None:

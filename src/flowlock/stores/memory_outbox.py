@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flowlock.core.models import HistoryEntry, Instance
-from flowlock.core.outbox import Message, MessageStatus, message_key
+from flowlock.core.outbox import Message, MessageStatus, key_cursor, message_key
 
 __all__ = ["MemoryOutbox", "copy_json", "wall"]
 
@@ -211,11 +211,12 @@ class MemoryOutbox:
     ) -> list[Message]:
         self._check()
         now = time.monotonic()
+        cursor = key_cursor(after)
         found: list[Message] = []
-        for key in sorted(self._outbox):
-            if after is not None and key <= after:
+        for held in sorted(self._outbox.values(), key=_order):
+            if _order(held) <= cursor:
                 continue
-            shown = self._shown_message(self._outbox[key], now)
+            shown = self._shown_message(held, now)
             if (status is None or shown.status == status) and (kind is None or shown.kind == kind):
                 found.append(shown)
                 if len(found) >= limit:

@@ -16,7 +16,8 @@ from typing import Protocol, TypeVar
 import asyncpg
 
 from flowlock._pg.rows import message_from_row
-from flowlock.core.outbox import MESSAGE_STATUSES, Message
+from flowlock.core.errors import InvalidInput
+from flowlock.core.outbox import MESSAGE_STATUSES, Message, key_cursor, parse_key
 from flowlock.stores.postgres.listen import Channel, Listening, listening, opener
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.outbox_sql import (
@@ -65,6 +66,14 @@ class _Store(Listening, Protocol):
     ) -> T: ...
 
 
+def _parts(key: str) -> tuple[str, int, int] | None:
+    """A key's primary key (instance id, version, place), or None for a key no message has."""
+    try:
+        return parse_key(key)
+    except InvalidInput:
+        return None
+
+
 def _changed(tag: str) -> int:
     """How many rows a command tag ('UPDATE 3', 'DELETE 0') says were changed."""
     return int(tag.rsplit(" ", 1)[-1])
@@ -101,22 +110,25 @@ class OutboxMethods:
         return await self._call(claim, writes=True)
 
     async def finish_messages(self: _Store, keys: Sequence[str]) -> int:
-        wanted = list(dict.fromkeys(keys))
+        wanted = [p for key in dict.fromkeys(keys) if (p := _parts(key)) is not None]
         if not wanted:
             self.pool  # noqa: B018 - EngineClosed when closed, as any other call
             return 0
+        columns = tuple(list(column) for column in zip(*wanted, strict=True))
+        first = wanted[0][0]
         # May wait for a claim that holds the row for an instant (it never outlasts one
         # statement), or for an operator's retry.
         return await self._call(
-            lambda ops: _execute(ops.session, FINISH_MESSAGES, wanted, key=wanted[0]),
-            wanted[0],
+            lambda ops: _execute(ops.session, FINISH_MESSAGES, *columns, key=first),
+            first,
             writes=True,
         )
 
     async def fail_message(
         self: _Store, message: Message, owner: str, error: str, retry_in: float | None
     ) -> bool:
-        args = (message.key, owner, message.attempts, error, retry_in)
+        one = (message.instance_id, message.version, message.n)
+        args = (*one, owner, message.attempts, error, retry_in)
         changed = await self._call(
             lambda ops: _execute(ops.session, FAIL_MESSAGE, *args, key=message.key),
             message.key,
@@ -132,9 +144,10 @@ class OutboxMethods:
         async def release(ops: Operations) -> None:
             s = ops.session
             async with s.conn(message.key, writes=True) as conn:
+                one = (message.instance_id, message.version, message.n)
                 await conn.fetchval(
                     s.sql(RELEASE_MESSAGE),
-                    message.key,
+                    *one,
                     owner,
                     message.attempts,
                     back,
@@ -174,29 +187,42 @@ class OutboxMethods:
     ) -> list[Message]:
         if status is not None and status not in MESSAGE_STATUSES:
             return []  # no message has it (the engine refuses it before asking)
-        args = (after or "", status, kind, max(0, limit))
+        args = (*key_cursor(after), status, kind, max(0, limit))
         return await self._call(lambda ops: _fetch(ops.session, FIND_MESSAGES, *args), waits=False)
 
     async def get_message(self: _Store, key: str) -> Message | None:
+        one = _parts(key)
+        if one is None:
+            self.pool  # noqa: B018 - EngineClosed when closed, as any other call
+            return None
         found = await self._call(
-            lambda ops: _fetch(ops.session, GET_MESSAGE, key, key=key), key, waits=False
+            lambda ops: _fetch(ops.session, GET_MESSAGE, *one, key=key), key, waits=False
         )
         return found[0] if found else None
 
     async def retry_message(self: _Store, key: str) -> Message | None:
+        one = _parts(key)
+        if one is None:
+            self.pool  # noqa: B018 - EngineClosed when closed, as any other call
+            return None
         # May wait for a claim that holds the row for an instant.
         found = await self._call(
-            lambda ops: _fetch(ops.session, RETRY_MESSAGE, key, key=key, writes=True),
+            lambda ops: _fetch(ops.session, RETRY_MESSAGE, *one, key=key, writes=True),
             key,
             writes=True,
         )
         return found[0] if found else None
 
     async def drop_message(self: _Store, key: str) -> bool:
+        one = _parts(key)
+        if one is None:
+            self.pool  # noqa: B018 - EngineClosed when closed, as any other call
+            return False
+
         async def drop(ops: Operations) -> bool:
             s = ops.session
             async with s.conn(key, writes=True) as conn:
-                return bool(await conn.fetchval(s.sql(DROP_MESSAGE), key, timeout=s.timeout))
+                return bool(await conn.fetchval(s.sql(DROP_MESSAGE), *one, timeout=s.timeout))
 
         return await self._call(drop, key, writes=True)
 

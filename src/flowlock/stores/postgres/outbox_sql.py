@@ -91,6 +91,8 @@ _BLOCKED = """EXISTS (
                   WHERE e.instance_id = t.instance_id AND e.status = 'pending'
                     AND (e.version, e.n) < (t.version, t.n))"""
 _FREE = "(t.claimed_until IS NULL OR t.claimed_until <= now())"
+# One message by its primary key: $1 instance id, $2 version, $3 place (its key's three parts).
+_ONE = "(instance_id, version, n) = ($1, $2, $3)"
 
 # For each kind, at most its limit of runs: a claimable head and the messages right behind it
 # that may go with it, claimed for a lease and their attempts counted.
@@ -214,33 +216,34 @@ SELECT {message_columns("greatest(0, extract(epoch FROM now() - created_at))::fl
 """
 # Done, whoever holds them now; those no longer pending are left as they are. A done message was
 # delivered at least once, also when an operator's retry reset its attempts under a late mark.
-# $1 keys.
+# $1 instance ids, $2 versions, $3 places (one element per message).
 FINISH_MESSAGES = """
 UPDATE flowlock_outbox
    SET status = 'done', done_at = now(), claimed_until = NULL, claimed_by = NULL,
        attempts = greatest(attempts, 1)
- WHERE key = ANY($1::text[]) AND status = 'pending'
+ WHERE (instance_id, version, n) IN (SELECT * FROM unnest($1::text[], $2::bigint[], $3::int[]))
+   AND status = 'pending'
 """
 # Only while the owner still holds that attempt (a compare-and-swap on owner and attempts):
 # due again `retry_in` seconds from now, unclaimed, or dead when it is NULL.
-# $1 key, $2 owner, $3 attempts, $4 error, $5 retry in seconds (NULL: dead).
-FAIL_MESSAGE = """
+# $1-$3 the message, $4 owner, $5 attempts, $6 error, $7 retry in seconds (NULL: dead).
+FAIL_MESSAGE = f"""
 UPDATE flowlock_outbox
-   SET status = CASE WHEN $5::float8 IS NULL THEN 'dead' ELSE 'pending' END,
-       due_at = CASE WHEN $5::float8 IS NULL THEN due_at
-                     ELSE now() + greatest($5::float8, 0) * interval '1 second' END,
-       last_error = $4, claimed_until = NULL, claimed_by = NULL
- WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+   SET status = CASE WHEN $7::float8 IS NULL THEN 'dead' ELSE 'pending' END,
+       due_at = CASE WHEN $7::float8 IS NULL THEN due_at
+                     ELSE now() + greatest($7::float8, 0) * interval '1 second' END,
+       last_error = $6, claimed_until = NULL, claimed_by = NULL
+ WHERE {_ONE} AND status = 'pending' AND claimed_by = $4 AND attempts = $5
 """
 # Given back by an engine that is closing, or behind a failed message of its run: claimable at
 # once, so the dispatchers of the other engines are woken (they would otherwise wait for the
 # lease to run out). A claim whose delivery never began has its attempt counted back down.
-# $1 key, $2 owner, $3 attempts, $4 attempts to count back (0 or 1).
-RELEASE_MESSAGE = """
+# $1-$3 the message, $4 owner, $5 attempts, $6 attempts to count back (0 or 1).
+RELEASE_MESSAGE = f"""
 WITH released AS (
     UPDATE flowlock_outbox
-       SET claimed_until = NULL, claimed_by = NULL, attempts = greatest(attempts - $4::int, 0)
-     WHERE key = $1 AND status = 'pending' AND claimed_by = $2 AND attempts = $3
+       SET claimed_until = NULL, claimed_by = NULL, attempts = greatest(attempts - $6::int, 0)
+     WHERE {_ONE} AND status = 'pending' AND claimed_by = $4 AND attempts = $5
  RETURNING 1
 ), woken AS (
     SELECT flowlock_outbox_wake() FROM released
@@ -274,32 +277,32 @@ SELECT extract(epoch FROM (
 MESSAGES = f"""
 SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE instance_id = $1 ORDER BY version, n
 """
-# Walks the key's unique index (COLLATE "C": code point order) from the cursor. A status of
-# "running" is a pending message whose claim has not run out; "pending" one that nobody holds.
-# $1 cursor ('' is below every key: the first page), $2 status or NULL, $3 kind or NULL,
-# $4 limit.
+# Walks the primary key (instance id in code point order, then version and place) from the
+# cursor. A status of "running" is a pending message whose claim has not run out; "pending" one
+# that nobody holds. $1-$3 the cursor's message (('', 0, -1): below every message, the first
+# page), $4 status or NULL, $5 kind or NULL, $6 limit.
 FIND_MESSAGES = f"""
 SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox
- WHERE key > $1
-   AND ($3::text IS NULL OR kind = $3)
-   AND CASE $2::text
+ WHERE (instance_id, version, n) > ($1, $2, $3)
+   AND ($5::text IS NULL OR kind = $5)
+   AND CASE $4::text
            WHEN 'running' THEN status = 'pending' AND claimed_until > now()
            WHEN 'pending' THEN status = 'pending'
                                AND (claimed_until IS NULL OR claimed_until <= now())
-           ELSE $2::text IS NULL OR status = $2::text
+           ELSE $4::text IS NULL OR status = $4::text
        END
- ORDER BY key LIMIT $4
+ ORDER BY instance_id, version, n LIMIT $6
 """
-GET_MESSAGE = f"SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE key = $1"
+GET_MESSAGE = f"SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox WHERE {_ONE}"
 # A dead or pending message due now, unclaimed, its attempts back to 0 (the last error kept),
 # and the dispatchers of every engine woken (flowlock_outbox_wake, sent at commit); a done one
-# returned as it is. No row: no such message. $1 key.
+# returned as it is. No row: no such message. $1-$3 the message.
 RETRY_MESSAGE = f"""
 WITH retried AS (
     UPDATE flowlock_outbox
        SET status = 'pending', due_at = now(), attempts = 0, claimed_until = NULL,
            claimed_by = NULL
-     WHERE key = $1 AND status <> 'done'
+     WHERE {_ONE} AND status <> 'done'
        AND (claimed_until IS NULL OR claimed_until <= now())
  RETURNING *
 ), woken AS (
@@ -308,13 +311,13 @@ WITH retried AS (
 SELECT {MESSAGE_COLUMNS} FROM retried WHERE (SELECT count(*) FROM woken) >= 0
 UNION ALL
 SELECT {MESSAGE_COLUMNS} FROM flowlock_outbox
- WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM retried)
+ WHERE {_ONE} AND NOT EXISTS (SELECT 1 FROM retried)
 """
 # Deleted by an operator; a later message of its instance may go now, so the dispatchers are
-# woken. $1 key.
-DROP_MESSAGE = """
+# woken. $1-$3 the message.
+DROP_MESSAGE = f"""
 WITH dropped AS (
-    DELETE FROM flowlock_outbox WHERE key = $1 RETURNING 1
+    DELETE FROM flowlock_outbox WHERE {_ONE} RETURNING 1
 ), woken AS (
     SELECT flowlock_outbox_wake() FROM dropped
 )

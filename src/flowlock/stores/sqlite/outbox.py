@@ -141,7 +141,7 @@ class SqliteOutbox(StorePart):
         after: str | None = None,
         limit: int = 100,
     ) -> list[Message]:
-        """At most `limit` messages in key order after `after`, of `status` and `kind`."""
+        """At most `limit` messages in message order after `after`, of `status` and `kind`."""
         return await self._read(find_txn, status, kind, after, limit, what="find_messages")
 
     async def get_message(self, key: str) -> Message | None:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, NamedTuple
 
 from flowlock.core.models import HistoryEntry, Instance
-from flowlock.core.outbox import MESSAGE_STATUSES, Message, message_key
+from flowlock.core.outbox import MESSAGE_STATUSES, Message, key_cursor, message_key
 from flowlock.stores.sqlite.sql import IDS_PER_SELECT, dump_json, load_json
 
 __all__ = [
@@ -325,13 +325,18 @@ def messages_txn(conn: sqlite3.Connection, instance_id: str) -> list[Message]:
     return [message_of(row, now) for row in rows]
 
 
+def _cursor(after: str | None) -> dict[str, object]:
+    return dict(zip(("id", "version", "n"), key_cursor(after), strict=True))
+
+
 def find_txn(
     conn: sqlite3.Connection, status: str | None, kind: str | None, after: str | None, limit: int
 ) -> list[Message]:
-    """At most `limit` messages after key `after`, in key order (TEXT compares byte by byte of
-    the UTF-8: code point order), of `status` and `kind` when given."""
+    """At most `limit` messages after key `after`, in message order (instance id, version,
+    place; TEXT compares byte by byte of the UTF-8: code point order), of `status` and `kind`
+    when given."""
     now = time.time()
-    where = ["key > :after"]
+    where = ["(instance_id, version, n) > (:id, :version, :n)"]
     if status is not None:
         if status not in MESSAGE_STATUSES:
             return []
@@ -340,8 +345,13 @@ def find_txn(
         where.append("kind = :kind")
     rows = conn.execute(
         f"SELECT {_COLUMNS} FROM flowlock_outbox WHERE {' AND '.join(where)} "
-        "ORDER BY key LIMIT :limit",
-        {"after": after or "", "kind": kind, "now": now, "limit": max(0, limit)},
+        "ORDER BY instance_id, version, n LIMIT :limit",
+        {
+            "kind": kind,
+            "now": now,
+            "limit": max(0, limit),
+            **_cursor(after),
+        },
     ).fetchall()
     return [message_of(row, now) for row in rows]
 
