@@ -86,21 +86,27 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a ta
 
 
 def _inspect(
-    database_url: str | None, schema: str | None, read: Callable[[Engine], Awaitable[_R]]
+    database_url: str | None,
+    schema: str | None,
+    read: Callable[[Engine], Awaitable[_R]],
+    *,
+    writes: bool = False,
 ) -> _R:
-    """`read(engine)` on a read-only engine over the database.
+    """`read(engine)` on a read-only engine over the database, or, with `writes`, on one that
+    may write (the repairs: it still fires and delivers nothing itself).
 
     A missing URL is a usage error (exit 2); a flowlock error is one red line (exit 1).
     """
-    from flowlock._inspect import open_readonly
+    from flowlock._inspect import open_for_repair, open_readonly
 
     if not database_url:
         raise typer.BadParameter(
             f"give --database-url or set {ENV_DATABASE_URL}", param_hint="'--database-url'"
         )
+    opener = open_for_repair if writes else open_readonly
 
     async def run() -> _R:
-        async with open_readonly(database_url, schema) as engine:
+        async with opener(database_url, schema) as engine:
             return await read(engine)
 
     with errors_as_exit():

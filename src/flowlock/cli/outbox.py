@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from enum import StrEnum
 from typing import Annotated, TypeVar
@@ -15,7 +14,6 @@ from flowlock.cli._common import (
     ENV_DATABASE_URL,
     EPILOG,
     app,
-    errors_as_exit,
     fail,
     stderr,
     stdout,
@@ -81,23 +79,8 @@ def _outbox(engine: Engine) -> OutboxStore:
 def _repair(
     database_url: str | None, schema: str | None, act: Callable[[Engine], Awaitable[_R]]
 ) -> _R:
-    """`act(engine)` on an engine that may write (and fires and delivers nothing itself).
-
-    A missing URL is a usage error (exit 2); a flowlock error is one red line (exit 1).
-    """
-    from flowlock._inspect import open_for_repair
-
-    if not database_url:
-        raise typer.BadParameter(
-            f"give --database-url or set {ENV_DATABASE_URL}", param_hint="'--database-url'"
-        )
-
-    async def run() -> _R:
-        async with open_for_repair(database_url, schema) as engine:
-            return await act(engine)
-
-    with errors_as_exit():
-        return asyncio.run(run())
+    """`act(engine)` on an engine that may write (and fires and delivers nothing itself)."""
+    return _inspect(database_url, schema, act, writes=True)
 
 
 def _key(key: str) -> str:
