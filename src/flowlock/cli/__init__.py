@@ -14,7 +14,7 @@ import flowlock
 
 # The command modules register their commands on ``app`` when imported, in the order --help
 # lists them: the database and inspection commands, then bench and serve.
-from flowlock.cli import db, inspect, outbox
+from flowlock.cli import admin, db, inspect, outbox
 
 # isort: split
 from flowlock.cli import bench, serve
@@ -23,6 +23,7 @@ from flowlock.cli._common import EXIT_INTERRUPTED, EXIT_VERDICT_FAILED, app
 __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_VERDICT_FAILED",
+    "admin",
     "app",
     "bench",
     "db",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flowlock.core.errors import InvalidInput
 from flowlock.core.settings import check_count, check_seconds, check_text
 
-__all__ = ["ENV", "ApiToken", "ServiceSettings", "parse_tokens"]
+__all__ = ["DEFAULT_SCOPE", "ENV", "SCOPES", "ApiToken", "ServiceSettings", "parse_tokens"]
 
 ENV = {
     "database_url": "FLOWLOCK_DATABASE_URL",
@@ -44,33 +44,58 @@ _FALSE = {"0", "false", "no", "off", ""}
 _FLAGS = ("require_if_match", "timers", "outbox")
 
 
+SCOPES = ("read", "write", "admin")
+"""What a token may do, each scope including the ones before it: `read` reads, `write` also
+creates and fires, `admin` also repairs (force, pause, resume, bulk, holds, purge)."""
+DEFAULT_SCOPE = "write"
+"""The scope of a token given without one (`name:secret`, `secret`): what such a token could do
+before tokens had scopes."""
+
+
 @dataclass(frozen=True, slots=True)
 class ApiToken:
-    """One accepted bearer token and the principal it authenticates.
+    """One accepted bearer token, the principal it authenticates and what it may do.
 
-    `name:secret` authenticates as `name`. A bare `secret` authenticates as `token-`
-    plus the first 8 hex digits of its SHA-256, which reveals nothing.
+    `name:secret:scope` authenticates as `name` with `scope` (read, write or admin).
+    `name:secret` has scope `write`. A bare `secret` authenticates as `token-` plus the first
+    8 hex digits of its SHA-256, which reveals nothing.
     """
 
     principal: str
     secret: bytes = dataclasses.field(repr=False)
+    scope: str = DEFAULT_SCOPE
+
+    def allows(self, needed: str) -> bool:
+        """Whether this token's scope includes `needed` (read < write < admin)."""
+        return SCOPES.index(self.scope) >= SCOPES.index(needed)
+
+
+def _scoped(item: str) -> tuple[str, str, str]:
+    """`item` as (name, secret, scope): the scope is the last ':' part when it names one."""
+    head, sep, last = item.rpartition(":")
+    if sep and last in SCOPES and ":" in head:
+        name, _, secret = head.partition(":")
+        return name, secret, last
+    name, sep, secret = item.partition(":")
+    if not sep:
+        return "token-" + hashlib.sha256(item.encode()).hexdigest()[:8], item, DEFAULT_SCOPE
+    return name, secret, DEFAULT_SCOPE
 
 
 def parse_tokens(text: str) -> tuple[ApiToken, ...]:
-    """The tokens of `FLOWLOCK_API_TOKEN`: comma-separated `name:secret` or `secret`."""
+    """The tokens of `FLOWLOCK_API_TOKEN`: comma-separated `name:secret:scope`, `name:secret`
+    (scope write) or `secret`."""
     tokens = []
     for raw in text.split(","):
         item = raw.strip()
         if not item:
             continue
-        name, sep, secret = item.partition(":")
-        if not sep:
-            secret = item
-            name = "token-" + hashlib.sha256(item.encode()).hexdigest()[:8]
+        name, secret, scope = _scoped(item)
         if not name or not secret:
             raise InvalidInput(
                 f"{ENV['api_tokens']}: an entry is empty on one side of ':'; give "
-                "'name:secret' or 'secret', several separated by commas"
+                "'name:secret:scope' (scope: read, write or admin), 'name:secret' or 'secret', "
+                "several separated by commas"
             )
         if len(secret) < 16:
             raise InvalidInput(
@@ -79,7 +104,7 @@ def parse_tokens(text: str) -> tuple[ApiToken, ...]:
                 "print(secrets.token_urlsafe(32))'`)"
             )
         check_text(f"{ENV['api_tokens']} principal", name, most=200)
-        tokens.append(ApiToken(name, secret.encode()))
+        tokens.append(ApiToken(name, secret.encode(), scope))
     return tuple(tokens)
 
 
