@@ -29,6 +29,7 @@ from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
 from flowlock.core.outbox import Message
 from flowlock.core.query import DEFAULT_LIMIT
+from flowlock.engine import Connection
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.options import ConnectOptions, EngineOptions
 from flowlock.outbox.dispatcher import HandlerFn
@@ -216,13 +217,26 @@ class Engine:
         instance_id: str,
         data: Mapping[str, Any] | None = None,
         request_id: str | None = None,
+        connection: object | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken.
 
         `request_id`: the create's idempotency key; a retry with the same key and the same
         create answers the first one, another create under it raises CreateKeyReused (see
-        [`flowlock.Engine.create`][flowlock.Engine.create])."""
+        [`flowlock.Engine.create`][flowlock.Engine.create]).
+
+        `connection`: a psycopg 3 connection or Django's (`django.db.connection`) inside a
+        transaction you opened: the instance exists once you commit, not at all if you roll
+        back (see [`fire`][flowlock.sync.Engine.fire])."""
+        if connection is not None:
+            return self._joined(
+                connection,
+                lambda conn: self._engine.create(
+                    workflow, instance_id=instance_id, data=data, request_id=request_id,
+                    connection=conn,
+                ),
+            )  # fmt: skip
         return self._run(
             self._engine.create(workflow, instance_id=instance_id, data=data, request_id=request_id)
         )
@@ -310,13 +324,23 @@ class Engine:
         expected_version: int | None = None,
         payload: Mapping[str, Any] | None = None,
         strategy: str | Strategy | None = None,
+        connection: object | None = None,
     ) -> Outcome:
         """Fire `event` at the instance; the transition applies at most once.
 
         The same Outcome and errors as [`flowlock.Engine.fire`][flowlock.Engine.fire].
+
+        `connection`: a `psycopg.Connection` (psycopg 3) or Django's connection
+        (`django.db.connection`, or `connections[alias]`) inside a transaction you opened
+        (`transaction.atomic()`, `conn.transaction()`, or autocommit off), on the database this
+        engine's PostgreSQL store writes to. The transition is written in that transaction, so
+        it commits or rolls back with your own rows, as the async engine's `connection=` (an
+        asyncpg one) does. InvalidInput, before anything is read, for a connection of another
+        kind or outside a transaction. The Django guide shows it in a view.
         """
-        return self._run(
-            self._engine.fire(
+
+        def fire(conn: Connection | None) -> Coroutine[Any, Any, Outcome]:
+            return self._engine.fire(
                 instance_id,
                 event,
                 actor=actor,
@@ -324,10 +348,29 @@ class Engine:
                 expected_version=expected_version,
                 payload=payload,
                 strategy=strategy,
+                connection=conn,
             )
-        )
+
+        if connection is not None:
+            return self._joined(connection, fire)
+        return self._run(fire(None))
 
     # -- running a coroutine on the engine's loop -----------------------------------------
+
+    def _joined(
+        self, connection: object, call: Callable[[Connection], Coroutine[Any, Any, T]]
+    ) -> T:
+        """`call` on the caller's psycopg connection (`connection`, or the one under a Django
+        connection), checked here, in the caller's thread, before anything runs. Its statements
+        run on a worker thread while this thread waits, so one thread at a time uses it."""
+        refuse_in_event_loop("connection=")
+        from flowlock._pg.borrowed import ThreadedPsycopg, psycopg_of  # needs the postgres extra
+
+        borrowed = ThreadedPsycopg(psycopg_of(connection))
+        try:
+            return self._run(call(borrowed))
+        finally:
+            borrowed.close()
 
     def _run(self, coro: Coroutine[Any, Any, T], *, opens: bool = True) -> T:
         """Run `coro` (a call of the async engine) on the engine's loop and wait for it.

@@ -14,6 +14,7 @@ from typing import Any
 
 import asyncpg
 
+from flowlock._pg.borrowed import BorrowedRow
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
 
@@ -22,6 +23,7 @@ __all__ = [
     "INSTANCE_COLUMNS",
     "MESSAGE_COLUMNS",
     "TIMER_COLUMNS",
+    "Row",
     "entry_from_row",
     "instance_from_row",
     "json_object",
@@ -95,6 +97,9 @@ def message_columns(lag: str = "0::float8") -> str:
 
 MESSAGE_COLUMNS = message_columns()
 
+# A row as a connection reads it: asyncpg's, or a caller's psycopg connection (connection=).
+Row = asyncpg.Record | BorrowedRow
+
 # Anything that runs a query: a pool, a connection, a pooled connection.
 Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
@@ -110,7 +115,7 @@ def json_object(value: Any) -> Mapping[str, Any]:
     return json.loads(value) if isinstance(value, str) else value  # type: ignore[no-any-return]
 
 
-def instance_from_row(row: asyncpg.Record) -> Instance:
+def instance_from_row(row: Row) -> Instance:
     """An Instance from a row holding the instance columns."""
     return Instance(
         id=row["id"],
@@ -125,7 +130,7 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
     )
 
 
-def timer_from_row(row: asyncpg.Record, prefix: str = "") -> Timer:
+def timer_from_row(row: Row, prefix: str = "") -> Timer:
     """A Timer from a row holding the timer columns (named `prefix` + column)."""
     return Timer(
         instance_id=row[prefix + "instance_id"],
@@ -141,7 +146,7 @@ def timer_from_row(row: asyncpg.Record, prefix: str = "") -> Timer:
     )
 
 
-def message_from_row(row: asyncpg.Record) -> Message:
+def message_from_row(row: Row) -> Message:
     """A Message from a row holding the message columns."""
     return Message(
         key=row["key"],
@@ -164,7 +169,7 @@ def message_from_row(row: asyncpg.Record) -> Message:
     )
 
 
-def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
+def entry_from_row(row: Row, prefix: str = "") -> HistoryEntry:
     """A HistoryEntry from a row holding the history columns (named `prefix` + column)."""
     return HistoryEntry(
         instance_id=row[prefix + "instance_id"],

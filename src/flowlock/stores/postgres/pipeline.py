@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import asyncpg
 
 from flowlock._pg.errors import in_doubt
-from flowlock._pg.rows import entry_from_row, instance_from_row
+from flowlock._pg.rows import Row, entry_from_row, instance_from_row
 from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, StoreError
 from flowlock.core.models import HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
@@ -65,7 +65,7 @@ def lost_under_lock(instance_id: str, batch: Batch, snap: Snapshot) -> FlowlockE
 
 
 def _locked_snapshot(
-    row: asyncpg.Record,
+    row: Row,
     request_ids: Sequence[str],
     found: Mapping[tuple[str, str], HistoryEntry],
 ) -> Snapshot:

@@ -6,6 +6,7 @@ Driver errors become flowlock errors here, at the adapter's edge (`Session.conn`
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
@@ -13,12 +14,13 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from flowlock._pg.borrowed import AsyncPsycopg, Borrowed, BorrowedRow
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_errors
 from flowlock._pg.pool import connection, terminate
 from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
 from flowlock.stores.postgres.sql import CALLERS_SETTINGS, RESTORE, SAVEPOINT
 
-Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+Conn = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy | Borrowed
 Busy = Callable[[BaseException], FlowlockError]
 
 
@@ -110,7 +112,7 @@ async def _on(conn: Conn, context: Context) -> AsyncIterator[Conn]:
 
 async def guarded_cas(
     conn: Conn, sql: str, args: tuple[Any, ...], bound: float
-) -> asyncpg.Record | None:
+) -> asyncpg.Record | BorrowedRow | None:
     """The compare-and-swap `sql` in a savepoint of its own. In a transaction flowlock does not
     end, a duplicate request id must undo this statement only, leaving the transaction usable for
     the re-read that answers the request idempotently."""
@@ -133,17 +135,23 @@ async def roll_back(conn: Conn, exc: BaseException, bound: float) -> None:
         # asyncpg gave up on it mid-protocol: a ROLLBACK would fail (or wait on a server that
         # does not answer) and hide this error; the server rolls back when the socket closes,
         # and the pool opens a fresh connection in its place.
-        terminate(conn)
+        if not isinstance(conn, Borrowed):  # a caller's: never flowlock's to close
+            terminate(conn)
     elif not conn.is_closed() and conn.is_in_transaction():
         await conn.execute("ROLLBACK", timeout=bound)
 
 
 def caller_connection(connection: object) -> Conn:
-    """`connection=` checked: an open asyncpg connection inside an open transaction."""
-    if not isinstance(connection, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy):
+    """`connection=` checked: an open asyncpg connection inside an open transaction, or a
+    psycopg 3 one (an AsyncConnection, or a blocking one the sync engine wrapped)."""
+    psycopg = sys.modules.get("psycopg")  # imported by whoever passes one of its connections
+    if psycopg is not None and isinstance(connection, psycopg.AsyncConnection):
+        connection = AsyncPsycopg(connection)
+    if not isinstance(connection, asyncpg.Connection | asyncpg.pool.PoolConnectionProxy | Borrowed):
         raise InvalidInput(
             "connection= takes an asyncpg connection (from asyncpg.connect() or pool.acquire()) "
-            f"inside an open transaction, not {type(connection).__name__}"
+            "or a psycopg.AsyncConnection inside an open transaction, not "
+            f"{type(connection).__name__}"
         )
     try:
         closed = connection.is_closed()

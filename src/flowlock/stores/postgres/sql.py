@@ -13,11 +13,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import asyncpg
-
 from flowlock._pg.rows import (
     HISTORY_COLUMNS,
     INSTANCE_COLUMNS,
+    Row,
     entry_from_row,
     instance_from_row,
     timer_columns,
@@ -405,12 +404,12 @@ def to_json(data: Mapping[str, Any]) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
-def snapshot_of(row: asyncpg.Record) -> Snapshot:
+def snapshot_of(row: Row) -> Snapshot:
     """A row of READ_WITH_REQUEST: the instance and the entry of the request id, if found."""
     return Snapshot(instance_from_row(row), priors_in([row]))
 
 
-def priors_in(rows: Sequence[asyncpg.Record]) -> dict[str, HistoryEntry]:
+def priors_in(rows: Sequence[Row]) -> dict[str, HistoryEntry]:
     """The entries the joined rows of a read found, by request id (`h_` columns)."""
     return {
         row["h_request_id"]: entry_from_row(row, "h_")
