@@ -31,6 +31,7 @@ from pgbouncer_harness import PgBouncer, PoolMode
 from pgbouncer_harness import missing as pgbouncer_missing
 
 _SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history",
+                                 "django_project",
                                  "pgbouncer_transaction", "pgbouncer_session"},
                     "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
 # Backend parameters of parametrized fixtures, and the server each one needs.
@@ -148,6 +149,19 @@ async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
             await client.delete(*keys)
     finally:
         await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def django_project(pg_url: str) -> Iterator[str]:
+    """tests/django's Django project, set up once for the run in a schema of its own (dropped
+    at the end); its schema. tests/django is on sys.path once one of its modules is imported."""
+    import dj_kit
+
+    schema = dj_kit.ready(pg_url)
+    try:
+        yield schema
+    finally:
+        dj_kit.finish()
 
 
 StoreFactory = Callable[..., Store]

@@ -1,0 +1,1 @@
+"""Integrations with frameworks, each an extra of its own (`flowlock[django]`)."""

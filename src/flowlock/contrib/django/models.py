@@ -1,0 +1,75 @@
+"""flowlock's tables as Django sees them, for the admin: read-only, never migrated by Django
+(`managed = False`; flowlock's own migrations make them). Writes go through the engine."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from flowlock.contrib.django.conf import config
+
+
+def _table(name: str) -> str:
+    """`name`, qualified with the engine's schema when OPTIONS has one (Django leaves a name
+    already in double quotes as it is)."""
+    schema = config().schema
+    return name if schema is None else f'"{schema}"."{name}"'
+
+
+class Instance(models.Model):
+    """A row of `flowlock_instances`."""
+
+    id = models.TextField(primary_key=True)
+    workflow = models.TextField()
+    state = models.TextField()
+    version = models.BigIntegerField()
+    data = models.JSONField(default=dict)
+    last_event = models.TextField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    stay_version = models.BigIntegerField()
+
+    class Meta:
+        managed = False
+        db_table = _table("flowlock_instances")
+        ordering = ("id",)
+        verbose_name = "instance"
+        verbose_name_plural = "instances"
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class History(models.Model):
+    """A row of `flowlock_history`. Its key is (instance, version); Django models have one
+    column of key, so `version` stands in for it. It is unique within one instance's history,
+    the only way the admin reads these rows (inline, by instance); never look one up by pk
+    alone."""
+
+    instance = models.ForeignKey(
+        Instance,
+        on_delete=models.DO_NOTHING,
+        db_column="instance_id",
+        db_constraint=False,
+        related_name="history",
+    )
+    version = models.BigIntegerField(primary_key=True)
+    event = models.TextField()
+    from_state = models.TextField()
+    to_state = models.TextField()
+    actor = models.TextField(null=True, blank=True)
+    request_id = models.TextField(null=True, blank=True)
+    strategy = models.TextField()
+    data = models.JSONField(default=dict)
+    payload = models.JSONField(default=dict)
+    at = models.DateTimeField()
+    fencing_token = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        managed = False
+        db_table = _table("flowlock_history")
+        ordering = ("version",)
+        verbose_name = "history entry"
+        verbose_name_plural = "history"
+
+    def __str__(self) -> str:
+        return f"{self.event} {self.from_state} -> {self.to_state} (v{self.version})"
