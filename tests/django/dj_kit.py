@@ -31,8 +31,9 @@ def ready(pg_url: str) -> str:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     _state["schema"] = schema
     _state["url"] = pg_url
-    import django
     from django.core.management import call_command
+
+    import django
 
     django.setup()
     call_command("migrate", run_syncdb=True, verbosity=0)

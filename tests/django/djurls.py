@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import path
-
 from djapp import views
 
 urlpatterns = [

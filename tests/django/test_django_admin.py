@@ -8,9 +8,8 @@ import re
 import uuid
 from typing import Any
 
-import pytest
-
 import dj_kit
+import pytest
 
 pytestmark = pytest.mark.usefixtures("django_project")
 
@@ -58,9 +57,7 @@ def test_list_filters_by_workflow_and_state_and_searches_by_id(client: Any, pref
     page = client.get(CHANGELIST, {"q": prefix})
     assert page.status_code == 200
     assert _listed(page.content.decode(), prefix) == set(ids.values())
-    pending = client.get(
-        CHANGELIST, {"q": prefix, "workflow": "approval", "state": "pending"}
-    )
+    pending = client.get(CHANGELIST, {"q": prefix, "workflow": "approval", "state": "pending"})
     assert _listed(pending.content.decode(), prefix) == {ids["a"], ids["b"]}
     tally = client.get(CHANGELIST, {"q": prefix, "workflow": "tally"})
     assert _listed(tally.content.decode(), prefix) == {ids["t"]}
@@ -146,7 +143,9 @@ def test_fire_action_refuses_a_bad_form(client: Any, prefix: str) -> None:
     rid = _form(client, "fire_event", [ids["a"]])
     page = _submit(client, "fire_event", [ids["a"]], event="approve", payload="[1]", request_id=rid)
     assert "the payload must be a json object" in page
-    forged = _submit(client, "fire_event", [ids["a"]], event="approve", payload="{}", request_id="x")
+    forged = _submit(
+        client, "fire_event", [ids["a"]], event="approve", payload="{}", request_id="x"
+    )
     assert "open the form again" in forged
     assert engine().get(ids["a"]).version == 1
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from datetime import UTC
 from typing import Any
 
+import dj_kit
 import psycopg
 import pytest
 
-import dj_kit
 import flowlock
 from flowlock.checker import check
 
@@ -45,8 +45,8 @@ def _seen(iid: str) -> tuple[str | None, int, int, int]:
 
 def test_commit_keeps_the_row_and_the_transition() -> None:
     from django.db import connection, transaction
-
     from djapp.models import Order
+
     from flowlock.contrib.django import engine
 
     iid = _iid("commit")
@@ -58,6 +58,7 @@ def test_commit_keeps_the_row_and_the_transition() -> None:
         assert _seen(iid) == (None, 0, 0, 0)
     assert made.version == 1
     assert outcome.applied and outcome.instance.state == "approved"
+    assert outcome.instance.updated_at is not None
     assert outcome.instance.updated_at.tzinfo == UTC  # whatever TIME_ZONE says
     assert _seen(iid) == ("approved", 2, 1, 1)
     [entry] = engine().history(iid)
@@ -66,17 +67,22 @@ def test_commit_keeps_the_row_and_the_transition() -> None:
 
 def test_an_exception_rolls_back_both() -> None:
     from django.db import connection, transaction
-
     from djapp.models import Order
+
     from flowlock.contrib.django import engine
 
     iid = _iid("rollback")
     engine().create("approval", instance_id=iid)
-    with pytest.raises(RuntimeError, match="after both"), transaction.atomic():
-        Order.objects.create(instance_id=iid)
-        outcome = engine().fire(iid, "approve", connection=connection, request_id="r-1")
-        assert outcome.applied
-        raise RuntimeError("the view failed after both")
+
+    def view() -> None:
+        with transaction.atomic():
+            Order.objects.create(instance_id=iid)
+            outcome = engine().fire(iid, "approve", connection=connection, request_id="r-1")
+            assert outcome.applied
+            raise RuntimeError("the view failed after both")
+
+    with pytest.raises(RuntimeError, match="after both"):
+        view()
     assert _seen(iid) == ("pending", 1, 0, 0)
     # Nothing of it is remembered: the same request applies afresh.
     again = engine().fire(iid, "approve", request_id="r-1")
@@ -86,8 +92,8 @@ def test_an_exception_rolls_back_both() -> None:
 
 def test_a_refused_transition_leaves_the_callers_transaction_usable() -> None:
     from django.db import connection, transaction
-
     from djapp.models import Order
+
     from flowlock.contrib.django import engine
 
     iid = _iid("refused")
@@ -116,10 +122,15 @@ def test_a_raw_psycopg_connection_commits_and_rolls_back_with_its_rows(
         with conn.transaction():
             conn.execute(insert, (kept,))
             assert engine().fire(kept, "approve", connection=conn).applied
-        with pytest.raises(RuntimeError), conn.transaction():
-            conn.execute(insert, (undone,))
-            assert engine().fire(undone, "approve", connection=conn).applied
-            raise RuntimeError("undo")
+
+        def undo() -> None:
+            with conn.transaction():
+                conn.execute(insert, (undone,))
+                assert engine().fire(undone, "approve", connection=conn).applied
+                raise RuntimeError("undo")
+
+        with pytest.raises(RuntimeError):
+            undo()
         # autocommit off: psycopg's own implicit transaction, ended by commit().
         conn.execute(insert, (undone,))
         assert engine().fire(undone, "reject", connection=conn).applied
@@ -155,9 +166,8 @@ def test_refuses_an_atomic_block_marked_for_rollback() -> None:
     engine().create("approval", instance_id="dup-" + uuid.uuid4().hex)
     with transaction.atomic():
         try:
-            with transaction.atomic(savepoint=False):
-                with connection.cursor() as cur:
-                    cur.execute("SELECT 1/0")
+            with transaction.atomic(savepoint=False), connection.cursor() as cur:
+                cur.execute("SELECT 1/0")
         except Exception:
             pass
         _refused(connection, "marked for rollback")
@@ -200,8 +210,8 @@ def _threads(n: int, work: Callable[[int], Any]) -> list[Any]:
 
 def test_concurrent_atomic_blocks_apply_one_transition_once() -> None:
     from django.db import connection, transaction
-
     from djapp.models import Order
+
     from flowlock.contrib.django import engine
 
     iid = _iid("race")
@@ -235,8 +245,8 @@ def test_concurrent_atomic_blocks_apply_one_transition_once() -> None:
 
 def test_concurrent_atomic_blocks_each_apply_once_with_retries() -> None:
     from django.db import connection, transaction
-
     from djapp.models import Order
+
     from flowlock.contrib.django import engine
 
     iid = _iid("tally")
@@ -250,9 +260,7 @@ def test_concurrent_atomic_blocks_each_apply_once_with_retries() -> None:
                 try:
                     with transaction.atomic():
                         Order.objects.create(instance_id=iid, note=f"{i}.{k}")
-                        engine().fire(
-                            iid, "count", request_id=f"c-{i}-{k}", connection=connection
-                        )
+                        engine().fire(iid, "count", request_id=f"c-{i}-{k}", connection=connection)
                     done += 1
                     break
                 except flowlock.ConflictRetriesExhausted:
@@ -262,8 +270,16 @@ def test_concurrent_atomic_blocks_each_apply_once_with_retries() -> None:
     results = _threads(n, count)
     assert results == [per_thread] * n, results
     state, version, history, orders = _seen(iid)
-    assert (state, version, history, orders) == ("open", 1 + n * per_thread, n * per_thread, n * per_thread)
+    assert (state, version, history, orders) == (
+        "open",
+        1 + n * per_thread,
+        n * per_thread,
+        n * per_thread,
+    )
     verdict = check(
-        engine().get(iid), engine().history(iid), initial_state="open", expected_applied=n * per_thread
+        engine().get(iid),
+        engine().history(iid),
+        initial_state="open",
+        expected_applied=n * per_thread,
     )
     assert verdict.ok, verdict.violations

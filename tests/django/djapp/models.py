@@ -6,8 +6,8 @@ from django.db import models
 
 
 class Order(models.Model):
-    instance_id = models.TextField()
-    note = models.TextField(default="")
+    instance_id: models.TextField[str, str] = models.TextField()
+    note: models.TextField[str, str] = models.TextField(default="")
 
     class Meta:
         app_label = "djapp"

@@ -34,5 +34,9 @@ def approve(request: HttpRequest, order_id: str) -> HttpResponse:
     except RuntimeError as exc:
         return JsonResponse({"error": "RuntimeError", "detail": str(exc)}, status=500)
     return JsonResponse(
-        {"applied": outcome.applied, "state": outcome.instance.state, "version": outcome.instance.version}
+        {
+            "applied": outcome.applied,
+            "state": outcome.instance.state,
+            "version": outcome.instance.version,
+        }
     )

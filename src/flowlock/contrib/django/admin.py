@@ -13,13 +13,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
+from django import forms
 from flowlock.contrib.django.conf import config
 from flowlock.contrib.django.models import History, Instance
 from flowlock.core.errors import FlowlockError
@@ -164,9 +164,7 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     # -- the actions --------------------------------------------------------------------------
 
     @admin.action(description="Fire an event at the selected instances", permissions=["operate"])
-    def fire_event(
-        self, request: HttpRequest, queryset: QuerySet[Instance]
-    ) -> HttpResponse | None:
+    def fire_event(self, request: HttpRequest, queryset: QuerySet[Instance]) -> HttpResponse | None:
         ids = self._selected(queryset)
         if "apply" in request.POST:
             form = FireForm(request.POST)
@@ -241,8 +239,10 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """`call` on each instance under the form's request id (one per instance), then one
         message saying what was applied, replayed (this form was submitted before) or
         refused, and why."""
-        actor = request.user.get_username()  # type: ignore[union-attr]
-        applied, replayed, refused = [], [], []
+        actor = request.user.get_username()
+        applied: list[str] = []
+        replayed: list[str] = []
+        refused: list[str] = []
         for iid in ids:
             try:
                 outcome = call(iid, f"{form_request_id}:{iid}", actor)

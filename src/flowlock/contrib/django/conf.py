@@ -57,9 +57,7 @@ def config() -> Config:
         )
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
-        raise ImproperlyConfigured(
-            f"FLOWLOCK has unknown keys {unknown}; it takes {sorted(_KEYS)}"
-        )
+        raise ImproperlyConfigured(f"FLOWLOCK has unknown keys {unknown}; it takes {sorted(_KEYS)}")
     alias = raw.get("DATABASE", "default")
     if not isinstance(alias, str) or alias not in settings.DATABASES:
         raise ImproperlyConfigured(

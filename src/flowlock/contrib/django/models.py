@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Any
+
 from django.db import models
 
 from flowlock.contrib.django.conf import config
@@ -18,15 +21,15 @@ def _table(name: str) -> str:
 class Instance(models.Model):
     """A row of `flowlock_instances`."""
 
-    id = models.TextField(primary_key=True)
-    workflow = models.TextField()
-    state = models.TextField()
-    version = models.BigIntegerField()
-    data = models.JSONField(default=dict)
-    last_event = models.TextField(null=True, blank=True)
-    created_at = models.DateTimeField()
-    updated_at = models.DateTimeField()
-    stay_version = models.BigIntegerField()
+    id: models.TextField[str, str] = models.TextField(primary_key=True)
+    workflow: models.TextField[str, str] = models.TextField()
+    state: models.TextField[str, str] = models.TextField()
+    version: models.BigIntegerField[int, int] = models.BigIntegerField()
+    data: models.JSONField[Any, Any] = models.JSONField(default=dict)
+    last_event: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    created_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    updated_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    stay_version: models.BigIntegerField[int, int] = models.BigIntegerField()
 
     class Meta:
         managed = False
@@ -45,24 +48,24 @@ class History(models.Model):
     the only way the admin reads these rows (inline, by instance); never look one up by pk
     alone."""
 
-    instance = models.ForeignKey(
+    instance: models.ForeignKey[Instance, Instance] = models.ForeignKey(
         Instance,
         on_delete=models.DO_NOTHING,
         db_column="instance_id",
         db_constraint=False,
         related_name="history",
     )
-    version = models.BigIntegerField(primary_key=True)
-    event = models.TextField()
-    from_state = models.TextField()
-    to_state = models.TextField()
-    actor = models.TextField(null=True, blank=True)
-    request_id = models.TextField(null=True, blank=True)
-    strategy = models.TextField()
-    data = models.JSONField(default=dict)
-    payload = models.JSONField(default=dict)
-    at = models.DateTimeField()
-    fencing_token = models.BigIntegerField(null=True, blank=True)
+    version: models.BigIntegerField[int, int] = models.BigIntegerField(primary_key=True)
+    event: models.TextField[str, str] = models.TextField()
+    from_state: models.TextField[str, str] = models.TextField()
+    to_state: models.TextField[str, str] = models.TextField()
+    actor: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    request_id: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    strategy: models.TextField[str, str] = models.TextField()
+    data: models.JSONField[Any, Any] = models.JSONField(default=dict)
+    payload: models.JSONField[Any, Any] = models.JSONField(default=dict)
+    at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+    fencing_token: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         managed = False
