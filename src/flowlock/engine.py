@@ -71,10 +71,7 @@ from flowlock.timers import DEFAULT_LEASE, DEFAULT_TIMER_BATCH, TimerService
 
 if TYPE_CHECKING:
     # the type of connection=; asyncpg and psycopg are imported by the store only
-    import asyncpg
-    import psycopg
-
-    from flowlock._pg.borrowed import Borrowed
+    from flowlock._pg.borrowed import CallerConnection
     from flowlock.metrics import Metrics
 
 __all__ = ["Connection", "Engine", "connect"]
@@ -83,12 +80,9 @@ log = logging.getLogger("flowlock")
 
 _WORKFLOW_CACHE_SIZE = 100_000
 
-Connection: TypeAlias = (
-    "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy"
-    " | psycopg.AsyncConnection[Any] | Borrowed"
-)
-"""An asyncpg connection, or a psycopg 3 AsyncConnection, inside a transaction the caller
-opened (`connection=`). The sync engine passes a blocking psycopg connection wrapped."""
+Connection: TypeAlias = "CallerConnection"
+"""An asyncpg connection, or a psycopg 3 AsyncConnection, inside a transaction the caller opened
+(`connection=`); the sync engine passes its caller's blocking psycopg connection wrapped."""
 
 
 def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) -> Engine:
@@ -350,10 +344,9 @@ class Engine(OutboxMethods, RepairMethods):
         with anything else raises [`CreateKeyReused`][flowlock.CreateKeyReused]. A key names one
         create on the whole database. The initial state's timers are armed in the same commit.
 
-        `connection`: an asyncpg connection (or a psycopg 3 `AsyncConnection`) inside a
-        transaction you opened (PostgreSQL only): the instance is inserted in that
-        transaction, so it exists once you commit and not at all if you roll back (see
-        [`fire`][flowlock.engine.Engine.fire])."""
+        `connection`: an asyncpg connection inside a transaction you opened (PostgreSQL
+        only): the instance is inserted in that transaction, so it exists once you commit and
+        not at all if you roll back (see [`fire`][flowlock.engine.Engine.fire])."""
         self._check_open()
         check_text(instance_id, "instance_id")
         if request_id is not None:
@@ -460,16 +453,16 @@ class Engine(OutboxMethods, RepairMethods):
         effect that raises is reported as StepFailed, data an effect returns that is not JSON
         or too large as InvalidInput; either way nothing is written.
 
-        `connection`: an asyncpg connection (or a psycopg 3 `AsyncConnection`) inside a
-        transaction you opened (PostgreSQL only). The transition is written in that
-        transaction (in a savepoint, with flowlock's lock_timeout set for it and your own put
-        back after), so it commits or rolls back with your own rows; flowlock never commits it.
-        Inside it, optimistic makes ONE compare-and-swap (a lost race raises
-        ConflictRetriesExhausted with `attempts=1`, unless the winner already applied this
-        request: idempotent), pessimistic holds the row lock until you commit, adaptive runs its
-        current choice, and distributed is refused (InvalidInput). A failure undoes flowlock's
-        part only; your transaction stays usable. InvalidInput, before anything is read, when
-        the store is not PostgreSQL or the connection is not in an open transaction.
+        `connection`: an asyncpg (or psycopg 3 async) connection in a transaction you opened
+        (PostgreSQL only). The transition is written in that transaction (in a savepoint, with
+        flowlock's lock_timeout set for it and your own put back after), so it commits or rolls
+        back with your own rows; flowlock never commits it. Inside it, optimistic makes ONE
+        compare-and-swap (a lost race raises ConflictRetriesExhausted with `attempts=1`, unless
+        the winner already applied this request: idempotent), pessimistic holds the row lock
+        until you commit, adaptive runs its current choice, and distributed is refused
+        (InvalidInput). A failure undoes flowlock's part only; your transaction stays usable.
+        InvalidInput, before anything is read, when the store is not PostgreSQL or the
+        connection is not in an open transaction.
         """
         rid = caller_request_id(request_id, instance_id)
         args = (actor, rid, expected_version, payload, strategy, connection)

@@ -29,7 +29,7 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import asyncpg
 import asyncpg.exceptions
@@ -39,7 +39,14 @@ from flowlock.core.errors import InvalidInput
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["AsyncPsycopg", "Borrowed", "BorrowedRow", "ThreadedPsycopg", "psycopg_of"]
+__all__ = [
+    "AsyncPsycopg",
+    "Borrowed",
+    "BorrowedRow",
+    "CallerConnection",
+    "ThreadedPsycopg",
+    "psycopg_of",
+]
 
 _CANCEL_GRACE = 5.0
 """Seconds a statement that outlived its bound is given to end once it was cancelled."""
@@ -192,6 +199,11 @@ class ThreadedPsycopg(Borrowed):
             if job.done() and not job.cancelled():
                 job.exception()  # retrieved: its QueryCanceled is this timeout's doing
             raise
+
+
+# One string: a psycopg type is named here, never imported (psycopg is the caller's).
+CallerConnection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy | psycopg.AsyncConnection[Any] | Borrowed"  # noqa: E501
+"""What the async engine's `connection=` takes."""
 
 
 class AsyncPsycopg(Borrowed):

@@ -117,8 +117,8 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     history inline; nothing editable, no add or delete. The actions need the permission to
     change instances (`flowlock.change_instance`; a superuser has it)."""
 
-    list_display = ("id", "workflow", "state", "version", "last_event", "updated_at")
-    list_filter = ("workflow", "state")
+    list_display = ("id", "workflow", "state", "version", "paused", "last_event", "updated_at")
+    list_filter = ("workflow", "state", "paused")
     search_fields = ("id",)
     search_help_text = "An instance id, or the start of one."
     readonly_fields = (
@@ -131,6 +131,7 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "created_at",
         "updated_at",
         "stay_version",
+        "paused",
     )
     inlines = (HistoryInline,)
     actions = ("fire_event", "force_state")

@@ -30,6 +30,8 @@ class Instance(models.Model):
     created_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
     updated_at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
     stay_version: models.BigIntegerField[int, int] = models.BigIntegerField()
+    # The instance's own pause (engine.pause); its workflow's is a row of flowlock_workflow_pauses.
+    paused: models.BooleanField[bool, bool] = models.BooleanField(default=False)
 
     class Meta:
         managed = False
@@ -65,7 +67,9 @@ class History(models.Model):
     data: models.JSONField[Any, Any] = models.JSONField(default=dict)
     payload: models.JSONField[Any, Any] = models.JSONField(default=dict)
     at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
-    fencing_token: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(null=True, blank=True)
+    fencing_token: models.BigIntegerField[int | None, int | None] = models.BigIntegerField(
+        null=True, blank=True
+    )
 
     class Meta:
         managed = False
