@@ -216,8 +216,8 @@ class Engine:
         *,
         instance_id: str,
         data: Mapping[str, Any] | None = None,
-        request_id: str | None = None,
         connection: object | None = None,
+        request_id: str | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken.
