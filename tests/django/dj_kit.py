@@ -8,6 +8,7 @@ rest of the process; nothing else in the suite configures it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import uuid
 from typing import Any
@@ -20,21 +21,32 @@ _state: dict[str, str] = {}
 
 
 def ready(pg_url: str) -> str:
-    """Set the project up (once); its schema."""
+    """Set the project up (once); its schema. Django is configured from djsettings's values
+    (settings.configure), and os.environ is left as it was: a DJANGO_SETTINGS_MODULE left there
+    would reach the Django projects other tests start (the README's, under gunicorn)."""
     if "schema" in _state:
         return _state["schema"]
     schema = f"dj_{uuid.uuid4().hex[:12]}"
-    os.environ["FLOWLOCK_DJANGO_SCHEMA"] = schema
-    os.environ["FLOWLOCK_TEST_DATABASE_URL"] = pg_url
-    os.environ["DJANGO_SETTINGS_MODULE"] = "djsettings"
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     _state["schema"] = schema
     _state["url"] = pg_url
+    saved = {k: os.environ.get(k) for k in ("FLOWLOCK_DJANGO_SCHEMA", "FLOWLOCK_TEST_DATABASE_URL")}
+    os.environ.update(FLOWLOCK_DJANGO_SCHEMA=schema, FLOWLOCK_TEST_DATABASE_URL=pg_url)
+    try:
+        values = vars(importlib.import_module("djsettings"))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    from django.conf import settings
     from django.core.management import call_command
 
     import django
 
+    settings.configure(**{k: v for k, v in values.items() if k.isupper()})
     django.setup()
     call_command("migrate", run_syncdb=True, verbosity=0)
     from django.contrib.auth.models import User
