@@ -104,6 +104,7 @@ def test_the_sync_api_runs_on_the_base_install(base_venv: Path, tmp_path: Path) 
         ("flowlock.connect('postgresql://app@localhost/app')", "postgres"),
         ("flowlock.connect('sqlite:///x.db', redis_url='redis://localhost:6379/0')", "redis"),
         ("flowlock.Metrics()", "metrics"),
+        ("import flowlock.contrib.django", "django"),
     ],
 )
 def test_a_missing_extra_is_one_line_naming_it(base_venv: Path, code: str, extra: str) -> None:

@@ -172,3 +172,57 @@ def test_actions_need_the_operators_permission(prefix: str) -> None:
     )  # fmt: skip
     assert engine().get(ids["a"]).version == 1
     assert Client().get(CHANGELIST).status_code == 302  # not logged in: to the login page
+
+
+def test_force_action_moves_with_a_reason_once_when_submitted_twice(
+    client: Any, prefix: str
+) -> None:
+    from flowlock.contrib.django import engine
+
+    ids = _make(prefix)
+    chosen = [ids["a"], ids["c"]]
+    rid = _form(client, "force_state", chosen)
+    page = client.post(CHANGELIST, {"action": "force_state", "_selected_action": chosen})
+    assert '<option value="archived">' in page.content.decode()  # the workflow's states
+    fields = {"state": "archived", "reason": "cleanup, ticket OPS-2", "request_id": rid}
+    first = _submit(client, "force_state", chosen, **fields)
+    assert "force 'archived': 2 applied" in first, first
+    second = _submit(client, "force_state", chosen, **fields)  # the double click
+    assert "force 'archived': 0 applied" in second and "2 already done" in second
+    for iid in chosen:
+        last = engine().history(iid)[-1]
+        assert last.forced and last.to_state == "archived"
+        assert (last.reason, last.actor) == ("cleanup, ticket OPS-2", dj_kit.USER)
+        assert last.request_id == f"{rid}:{iid}"
+        assert sum(h.forced for h in engine().history(iid)) == 1
+    # The history inline shows the forced row with its reason.
+    detail = client.get(f"{CHANGELIST}{ids['a']}/change/").content.decode()
+    assert "flowlock:force" in detail and "cleanup, ticket OPS-2" in detail
+    # A reason is required, and the state must be one the form offers; nothing moves.
+    rid = _form(client, "force_state", [ids["b"]])
+    blank = _submit(client, "force_state", [ids["b"]], state="archived", reason="", request_id=rid)
+    assert "this field is required" in blank
+    bogus = _submit(client, "force_state", [ids["b"]], state="nowhere", reason="x", request_id=rid)
+    assert "select a valid choice" in bogus
+    assert engine().get(ids["b"]).version == 1
+
+
+def test_force_works_on_a_paused_instance_and_fire_is_refused(client: Any, prefix: str) -> None:
+    from flowlock.contrib.django import engine
+
+    ids = _make(prefix)
+    engine().pause(ids["a"], reason="investigating", actor="ops")
+    fire = _submit(
+        client, "fire_event", [ids["a"]], event="approve", payload="{}",
+        request_id=_form(client, "fire_event", [ids["a"]]),
+    )  # fmt: skip
+    assert "1 refused" in fire and "paused" in fire
+    force = _submit(
+        client, "force_state", [ids["a"]], state="rejected", reason="customer asked",
+        request_id=_form(client, "force_state", [ids["a"]]),
+    )  # fmt: skip
+    assert "1 applied" in force
+    inst = engine().get(ids["a"])
+    assert (inst.state, inst.paused) == ("rejected", True)
+    listed = client.get(CHANGELIST, {"q": prefix, "paused__exact": "1"}).content.decode()
+    assert _listed(listed, prefix) == {ids["a"]}
