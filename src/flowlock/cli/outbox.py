@@ -17,7 +17,7 @@ from flowlock.cli._common import (
     stderr,
     stdout,
 )
-from flowlock.cli._table import Column, print_record, print_rows
+from flowlock.cli._table import Column, print_record, print_rows, print_wrapped
 from flowlock.cli.inspect import AsJson, InspectDatabaseUrl, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
 from flowlock.core.errors import InvalidInput
@@ -255,11 +255,12 @@ def retry(
         return await engine.retry_message(checked)  # refuses a done or running message
 
     message = _repair(database_url, schema, act)
-    stdout().print(
+    print_wrapped(
+        stdout(),
         Text(
             f"message {message.key} ({message.kind}) is pending again: due now, attempts from 0",
             style="green",
-        )
+        ),
     )
 
 
@@ -297,7 +298,7 @@ def drop(
         await engine.drop_message(checked)
 
     _repair(database_url, schema, act)
-    stdout().print(Text(f"dropped message {checked}", style="green"))
+    print_wrapped(stdout(), Text(f"dropped message {checked}", style="green"))
 
 
 def _confirmed(question: str) -> bool:
