@@ -11,13 +11,14 @@ the body is read and with nothing written.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 
 from flowlock.service import ServiceSettings
 from flowlock.service.settings import SCOPES, parse_tokens
@@ -270,3 +271,45 @@ async def test_the_document_names_the_scope_of_every_operation() -> None:
                     assert operation["security"] == [{"bearer": [needed]}], (method, path)
                     assert operation["x-flowlock-scope"] == needed
                     assert {"401", "403"} <= set(operation["responses"]), (method, path)
+
+
+async def test_a_websocket_needs_a_read_token_too() -> None:
+    """A WebSocket route (none today; one added later) is guarded as a GET: its handshake is
+    refused (closed with 1008 before it is accepted) without a valid token, and accepted with a
+    read one, whose principal the route sees. Driven as an ASGI server drives it."""
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_json({"principal": websocket.state.principal})
+        await websocket.close()
+
+    async def handshake(svc: Service, headers: dict[str, str]) -> list[dict[str, Any]]:
+        incoming = [{"type": "websocket.connect"}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return incoming.pop(0) if incoming else {"type": "websocket.disconnect", "code": 1000}
+
+        async def send(message: Any) -> None:
+            sent.append(dict(message))
+
+        scope = {
+            "type": "websocket", "asgi": {"version": "3.0"}, "scheme": "ws", "path": "/probe/ws",
+            "raw_path": b"/probe/ws", "root_path": "", "query_string": b"", "subprotocols": [],
+            "server": ("t", 80), "client": ("c", 1), "state": {},
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        }  # fmt: skip
+        await svc.app(scope, receive, send)
+        return sent
+
+    async with served(ServiceSettings(api_tokens=parse_tokens(TOKENS))) as svc:
+        svc.app.add_api_websocket_route("/probe/ws", echo)
+        for headers in ({}, {"Authorization": "Bearer not-a-token-of-this-service"}):
+            assert await handshake(svc, headers) == [{"type": "websocket.close", "code": 1008}]
+        sent = await handshake(svc, AUTH["read"])
+        assert [m["type"] for m in sent] == [
+            "websocket.accept",
+            "websocket.send",
+            "websocket.close",
+        ]
+        assert json.loads(sent[1]["text"]) == {"principal": "reader"}

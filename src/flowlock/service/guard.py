@@ -16,7 +16,14 @@ from typing import Any
 from flowlock.service.problems import PROBLEM_JSON, Problem, problem
 from flowlock.service.settings import ApiToken
 
-__all__ = ["ADMIN_PREFIX", "CONSOLE_PREFIX", "OPEN_PATHS", "RequestGuard", "needed_scope"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "CONSOLE_PREFIX",
+    "OPEN_PATHS",
+    "RequestGuard",
+    "find_token",
+    "needed_scope",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -59,6 +66,19 @@ def needed_scope(method: str, path: str, *, open_metrics: bool = False) -> str |
     if _under(path, ADMIN_PREFIX):
         return "admin"
     return "read" if method.upper() in _READS else "write"
+
+
+def find_token(tokens: tuple[ApiToken, ...], secret: bytes) -> ApiToken | None:
+    """The token whose secret is `secret`, or None; in constant time over every token.
+
+    The guard checks bearer headers with it; the console's login checks a typed token alike.
+    """
+    found: ApiToken | None = None
+    for token in tokens:
+        # Every token is compared, whatever matched before: no early exit to time.
+        if hmac.compare_digest(secret, token.secret):
+            found = token
+    return found
 
 
 class _TooLarge(Exception):
@@ -136,12 +156,7 @@ class RequestGuard:
             return _unauthorized("this request needs an Authorization: Bearer <token> header")
         if scheme.lower() != b"bearer" or not credential.strip():
             return _unauthorized("the Authorization header must be 'Bearer <token>'")
-        credential = credential.strip()
-        found: ApiToken | None = None
-        for token in self.tokens:
-            # Every token is compared, whatever matched before: no early exit to time.
-            if hmac.compare_digest(credential, token.secret):
-                found = token
+        found = find_token(self.tokens, credential.strip())
         if found is None:
             return _unauthorized("the bearer token is not valid for this service")
         return found
