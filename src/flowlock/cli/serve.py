@@ -141,10 +141,11 @@ def serve(
     (unless --no-timers).
     OpenAPI is at /openapi.json, docs at /docs.
 
-    **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated, each `name:secret:scope`
-    (scope read, write or admin; `name:secret` and a bare `secret` are write). When set, every
+    **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated, each a name, a secret and a
+    scope (read, write or admin) joined by colons, such as `ops:<secret>:admin`; one without a
+    scope (`name:<secret>`, or a bare secret) is write. When set, every
     request but /livez and /readyz needs one: GET and HEAD need read, other methods write,
-    paths under /admin/ admin; /metrics too unless --open-metrics. `name` becomes the actor of
+    paths under /admin/ admin; /metrics too unless --open-metrics. The name becomes the actor of
     its calls. It is read from the environment only, never a flag: argv is visible to every user.
 
     **Without a token** the service listens on loopback only (127.0.0.0/8, ::1, localhost):
