@@ -121,10 +121,17 @@ def redact(url: str) -> str:
     return config.redact(url)
 
 
-def stdout() -> Console:
+def stdout(*, piped: int | None = None) -> Console:
     """The console of tables: COLUMNS wide when it is set, also when piped; else the
-    terminal's width (of stdout, or of stdin or stderr when stdout is piped); else 80."""
-    return Console(width=columns())
+    terminal's width (of stdout, or of stdin or stderr when stdout is piped); else 80.
+
+    `piped` is the width when stdout is not a terminal and COLUMNS is unset: the bench's
+    reports, read in CI logs, keep the room they had (160).
+    """
+    width = columns()
+    if width is None and piped is not None and not Console().is_terminal:
+        width = piped
+    return Console(width=width)
 
 
 def columns() -> int | None:
