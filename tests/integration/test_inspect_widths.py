@@ -257,3 +257,14 @@ def test_piped_without_columns_is_80_wide(filled: Filled) -> None:
     assert "│" not in narrow and all(iid in narrow for iid in filled.ids), narrow
     wide = piped(COLUMNS="200")
     assert "│" in wide and max(len(line) for line in wide.splitlines()) > 80, wide
+
+
+def test_db_migrate_reads_the_schema_from_the_environment(pg_url: str, pg_schema: str) -> None:
+    """`flowlock db migrate` with FLOWLOCK_SCHEMA and no --schema puts the tables there, where
+    `list` (with the same variable) then reads them."""
+    env = {"FLOWLOCK_DATABASE_URL": pg_url, "FLOWLOCK_SCHEMA": pg_schema}
+    migrated = CliRunner().invoke(app, ["db", "migrate"], env=env)
+    assert migrated.exit_code == 0, migrated.output
+    assert f"(schema {pg_schema})" in migrated.output, migrated.output
+    listed = CliRunner().invoke(app, ["list", "--json"], env=env)
+    assert listed.exit_code == 0 and json.loads(listed.stdout) == [], listed.output

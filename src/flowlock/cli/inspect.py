@@ -32,6 +32,14 @@ __all__ = ["check_command", "diagram", "history", "list_instances", "show", "tim
 
 _R = TypeVar("_R")
 
+# The columns of each listing: tokens all, never broken across lines (see cli/_table.py).
+_HISTORY = [Column(name) for name in ("version", "event", "from -> to", "actor", "request id",
+                                      "strategy", "at", "fencing token")]  # fmt: skip
+_INSTANCES = [Column(name) for name in ("id", "workflow", "state", "version", "last event",
+                                        "updated")]  # fmt: skip
+_TIMERS = [Column(name) for name in ("instance", "workflow", "event", "stay", "firing", "due at",
+                                     "lag", "claimed until")]  # fmt: skip
+
 
 @app.command()
 def diagram(
@@ -192,23 +200,10 @@ def history(
     if as_json:
         _json([entry_dict(e) for e in rows])
         return
-    columns = [
-        Column(name)
-        for name in (
-            "version",
-            "event",
-            "from -> to",
-            "actor",
-            "request id",
-            "strategy",
-            "at",
-            "fencing token",
-        )
-    ]
     print_rows(
         stdout(),
         f"history of {instance_id} ({len(rows)} transition(s))",
-        columns,
+        _HISTORY,
         [
             [
                 _cell(e.version),
@@ -267,10 +262,7 @@ def list_instances(
         print_rows(
             stdout(),
             f"{len(found)} of {total} instance(s)",
-            [
-                Column(name)
-                for name in ("id", "workflow", "state", "version", "last event", "updated")
-            ],
+            _INSTANCES,
             [
                 [
                     _cell(inst.id),
@@ -404,23 +396,10 @@ def timers(
         _json({"armed": armed, "within": within, "timers": [timer_dict(t) for t in found]})
         return
     when = f"within {within:g} s" if within else "now"
-    columns = [
-        Column(name)
-        for name in (
-            "instance",
-            "workflow",
-            "event",
-            "stay",
-            "firing",
-            "due at",
-            "lag",
-            "claimed until",
-        )
-    ]
     print_rows(
         stdout(),
         f"{len(found)} timer(s) due {when}; {armed} armed in all",
-        columns,
+        _TIMERS,
         [
             [
                 _cell(t.instance_id),
