@@ -202,3 +202,31 @@ async def test_the_async_engine_takes_a_psycopg_async_connection(
                 await eng.fire("a-1", "approve", connection=conn)
         assert (await eng.get("a-1")).state == "pending"
         assert await eng.history("a-1") == []
+
+
+async def test_a_statement_past_its_bound_is_cancelled_on_the_server(pg_url: str) -> None:
+    """What the store's bounds rely on: a statement that outlives its timeout raises
+    TimeoutError, as asyncpg's would, and is cancelled on the server rather than left running
+    on the caller's connection."""
+    import asyncpg
+
+    from flowlock._pg.borrowed import ThreadedPsycopg
+
+    with psycopg.connect(pg_url) as conn:
+        borrowed = ThreadedPsycopg(conn)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await borrowed.fetchval("SELECT pg_sleep(30)", timeout=0.3)
+            assert time.monotonic() - started < 5
+            # Cancelled: the transaction failed with it, the connection is idle, not busy.
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+            conn.rollback()
+            await borrowed.execute("CREATE TEMP TABLE t (k int PRIMARY KEY)")
+            await borrowed.execute("INSERT INTO t VALUES ($1)", 1)
+            with pytest.raises(asyncpg.UniqueViolationError) as caught:
+                await borrowed.execute("INSERT INTO t VALUES ($1)", 1)
+            assert caught.value.constraint_name == "t_pkey"
+            assert caught.value.sqlstate == "23505"
+        finally:
+            borrowed.close()
