@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import httpx
 
-from service.kit import Service, assert_problem, create, snapshot
+from flowlock.service import ServiceSettings
+from flowlock.service.settings import parse_tokens
+from service.kit import Service, assert_problem, create, served, snapshot
 
 
 async def test_force_with_a_reason_and_a_replay(client: httpx.AsyncClient) -> None:
@@ -103,3 +105,27 @@ async def test_instance_paused_on_postgresql(pg_service: Service) -> None:
     assert_problem(await client.post("/instances/pg-1/events/approve"), 409, "instance-paused")
     assert (await client.post("/admin/instances/pg-1/resume", json={})).is_success
     assert (await client.post("/instances/pg-1/events/approve")).status_code == 200
+
+
+async def test_the_admin_token_is_the_actor_and_a_write_token_cannot_force() -> None:
+    tokens = parse_tokens("ops:ops-secret-0123456789:admin,app:app-secret-0123456789:write")
+    ops = {"Authorization": "Bearer ops-secret-0123456789"}
+    app = {"Authorization": "Bearer app-secret-0123456789"}
+    async with served(ServiceSettings(api_tokens=tokens)) as svc:
+        client = svc.client
+        new = {"workflow": "approval", "id": "t"}
+        created = await client.post("/instances", json=new, headers=app)
+        assert created.status_code == 201, created.text
+        body = {"state": "approved", "reason": "r", "actor": "someone else"}
+        assert_problem(
+            await client.post("/admin/instances/t/force", json=body, headers=app),
+            403,
+            "insufficient-scope",
+        )
+        forced = await client.post("/admin/instances/t/force", json=body, headers=ops)
+        assert forced.status_code == 200, forced.text
+        rows = (await client.get("/instances/t/history", headers=ops)).json()["items"]
+        assert [(r["kind"], r["actor"]) for r in rows] == [("forced", "ops")]
+        pause = "/admin/workflows/approval/pause"
+        paused = await client.post(pause, json={"reason": "r"}, headers=ops)
+        assert paused.json()["actor"] == "ops"
