@@ -31,7 +31,7 @@ from pgbouncer_harness import PgBouncer, PoolMode
 from pgbouncer_harness import missing as pgbouncer_missing
 
 _SERVER_FIXTURES = {"postgres": {"pg_url", "pg_schema", "pg_engine_factory", "sql_history",
-                                 "django_project",
+                                 "django_session", "django_project",
                                  "pgbouncer_transaction", "pgbouncer_session"},
                     "redis": {"redis_url", "redis_namespace"}}  # fmt: skip
 # Backend parameters of parametrized fixtures, and the server each one needs.
@@ -152,7 +152,7 @@ async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
 
 
 @pytest.fixture(scope="session")
-def django_project(pg_url: str) -> Iterator[str]:
+def django_session(pg_url: str) -> Iterator[str]:
     """tests/django's Django project, set up once for the run in a schema of its own (dropped
     at the end); its schema. tests/django is on sys.path once one of its modules is imported."""
     import dj_kit
@@ -162,6 +162,16 @@ def django_project(pg_url: str) -> Iterator[str]:
         yield schema
     finally:
         dj_kit.finish()
+
+
+@pytest.fixture(scope="module")
+def django_project(django_session: str) -> Iterator[str]:
+    """The project for one module of tests/django; its engine is closed after the module (the
+    next one builds it again), so no engine of it runs on behind the other tests."""
+    yield django_session
+    from flowlock.contrib.django import close
+
+    close()
 
 
 StoreFactory = Callable[..., Store]

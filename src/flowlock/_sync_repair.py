@@ -3,11 +3,12 @@ resume and the paused workflows, each run on the sync engine's loop like any of 
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from flowlock.core.admin import WorkflowPause
 from flowlock.core.models import Outcome
+from flowlock.engine import Connection
 from flowlock.engine import Engine as AsyncEngine
 
 __all__ = ["SyncRepairMethods"]
@@ -23,6 +24,11 @@ class SyncRepairMethods:
     def _run(self, coro: Coroutine[Any, Any, T], *, opens: bool = True) -> T:  # the engine's
         raise NotImplementedError
 
+    def _joined(  # the engine's
+        self, connection: object, call: Callable[[Connection], Coroutine[Any, Any, T]]
+    ) -> T:
+        raise NotImplementedError
+
     def force(
         self,
         instance_id: str,
@@ -33,11 +39,15 @@ class SyncRepairMethods:
         actor: str,
         expected_version: int | None = None,
         request_id: str | None = None,
+        connection: object | None = None,
     ) -> Outcome:
         """Move the instance to any state of its workflow, an audited repair; see
-        [`flowlock.Engine.force`][flowlock.Engine.force]."""
-        return self._run(
-            self._engine.force(
+        [`flowlock.Engine.force`][flowlock.Engine.force]. `connection`: a psycopg 3 or Django
+        connection in a transaction you opened, as for
+        [`fire`][flowlock.sync.Engine.fire]."""
+
+        def force(conn: Connection | None) -> Coroutine[Any, Any, Outcome]:
+            return self._engine.force(
                 instance_id,
                 state,
                 data=data,
@@ -45,8 +55,12 @@ class SyncRepairMethods:
                 actor=actor,
                 expected_version=expected_version,
                 request_id=request_id,
+                connection=conn,
             )
-        )
+
+        if connection is not None:
+            return self._joined(connection, force)
+        return self._run(force(None))
 
     def pause(
         self,

@@ -482,6 +482,7 @@ def test_signatures_match_the_async_engine() -> None:
             twin = getattr(SyncEngine, name, None)
             assert twin is not None, f"flowlock.sync.Engine has no {name}()"
             assert not inspect.iscoroutinefunction(twin)
+
             # connection= takes another kind of connection (a blocking psycopg or Django one, not
             # an asyncpg one, which belongs to the caller's event loop): its type differs.
             def untyped_connection(found: list[tuple[str, Any, Any, Any]]) -> list[Any]:

@@ -24,6 +24,7 @@ from flowlock.contrib.django.conf import config
 from flowlock.contrib.django.models import History, Instance
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Outcome
+from flowlock.sync import Engine
 
 __all__ = ["FireForm", "ForceForm", "HistoryInline", "InstanceAdmin"]
 
@@ -263,7 +264,7 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self.message_user(request, ", ".join(parts), level)
 
 
-def _engine() -> Any:
+def _engine() -> Engine:
     from flowlock.contrib.django import engine
 
     return engine()
