@@ -283,3 +283,31 @@ def test_concurrent_atomic_blocks_each_apply_once_with_retries() -> None:
         expected_applied=n * per_thread,
     )
     assert verdict.ok, verdict.violations
+
+
+def test_force_commits_and_rolls_back_with_the_callers_rows() -> None:
+    from django.db import connection, transaction
+    from djapp.models import Order
+
+    from flowlock.contrib.django import engine
+
+    iid = _iid("force")
+    engine().create("approval", instance_id=iid)
+
+    def repair(fail: bool) -> None:
+        with transaction.atomic():
+            Order.objects.create(instance_id=iid, note="repair ticket")
+            forced = engine().force(
+                iid, "archived", reason="ticket OPS-3", actor="ops", connection=connection
+            )
+            assert forced.applied
+            if fail:
+                raise RuntimeError("the ticket could not be closed")
+
+    with pytest.raises(RuntimeError):
+        repair(fail=True)
+    assert _seen(iid) == ("pending", 1, 0, 0)
+    repair(fail=False)
+    assert _seen(iid) == ("archived", 2, 1, 1)
+    [entry] = engine().history(iid)
+    assert entry.forced and (entry.reason, entry.actor) == ("ticket OPS-3", "ops")
