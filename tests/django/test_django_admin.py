@@ -226,3 +226,29 @@ def test_force_works_on_a_paused_instance_and_fire_is_refused(client: Any, prefi
     assert (inst.state, inst.paused) == ("rejected", True)
     listed = client.get(CHANGELIST, {"q": prefix, "paused__exact": "1"}).content.decode()
     assert _listed(listed, prefix) == {ids["a"]}
+
+
+def test_a_paused_workflow_shows_on_its_instances_and_on_a_page_of_its_own(
+    client: Any, prefix: str
+) -> None:
+    from flowlock.contrib.django import engine
+
+    iid = f"{prefix}e"
+    engine().create("errand", instance_id=iid)
+    engine().pause(workflow="errand", reason="supplier outage", actor="ops")
+    try:
+        listed = client.get(CHANGELIST, {"q": prefix}).content.decode()
+        row = listed[listed.index(f"{iid}</a>") :].split("</tr>")[0]
+        assert row.count('alt="True"') == 1  # workflow paused; the instance's own pause: no
+        pauses = client.get("/admin/flowlock/workflowpause/").content.decode()
+        assert "errand" in pauses and "supplier outage" in pauses
+        assert client.get("/admin/flowlock/workflowpause/add/").status_code == 403
+        fired = _submit(
+            client, "fire_event", [iid], event="finish", payload="{}",
+            request_id=_form(client, "fire_event", [iid]),
+        )  # fmt: skip
+        assert "1 refused" in fired and "paused" in fired
+    finally:
+        engine().resume(workflow="errand", actor="ops")
+    assert "supplier outage" not in client.get("/admin/flowlock/workflowpause/").content.decode()
+    assert engine().fire(iid, "finish").applied

@@ -74,7 +74,7 @@ def test_workflow_paths_of_every_shape() -> None:
     def names(path: str) -> list[str]:
         return [w.name for w in workflows_at(path)]
 
-    assert names("djapp.workflows") == ["approval", "tally"]
+    assert names("djapp.workflows") == ["approval", "tally", "errand"]
     assert names("djapp.more_workflows.one") == ["one"]
     assert names("djapp.more_workflows.several") == ["two", "three"]
     assert names("djapp.more_workflows.made") == ["four"]

@@ -15,18 +15,18 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from django import forms
 from flowlock.contrib.django.conf import config
-from flowlock.contrib.django.models import History, Instance
+from flowlock.contrib.django.models import History, Instance, WorkflowPause
 from flowlock.core.errors import FlowlockError
 from flowlock.core.models import Outcome
 from flowlock.sync import Engine
 
-__all__ = ["FireForm", "ForceForm", "HistoryInline", "InstanceAdmin"]
+__all__ = ["FireForm", "ForceForm", "HistoryInline", "InstanceAdmin", "WorkflowPauseAdmin"]
 
 MAX_SELECTED = 500
 """The most instances one action takes (each is one call; a larger set is a bulk operation)."""
@@ -118,7 +118,16 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     history inline; nothing editable, no add or delete. The actions need the permission to
     change instances (`flowlock.change_instance`; a superuser has it)."""
 
-    list_display = ("id", "workflow", "state", "version", "paused", "last_event", "updated_at")
+    list_display = (
+        "id",
+        "workflow",
+        "state",
+        "version",
+        "paused",
+        "workflow_paused",
+        "last_event",
+        "updated_at",
+    )
     list_filter = ("workflow", "state", "paused")
     search_fields = ("id",)
     search_help_text = "An instance id, or the start of one."
@@ -139,7 +148,16 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     show_full_result_count = False
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Instance]:
-        return super().get_queryset(request).using(_alias())
+        # Open (idempotent): flowlock's own migrations make and update the tables read here.
+        _engine().open()
+        paused = WorkflowPause.objects.using(_alias()).filter(workflow=OuterRef("workflow"))
+        found: QuerySet[Instance] = super().get_queryset(request).using(_alias())
+        return found.annotate(workflow_paused=Exists(paused))
+
+    @admin.display(boolean=True, description="workflow paused")
+    def workflow_paused(self, obj: Instance) -> bool:
+        """Whether the instance's whole workflow is paused (one row for all its instances)."""
+        return bool(getattr(obj, "workflow_paused", False))
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Instance], search_term: str
@@ -262,6 +280,28 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             parts.append(f"{len(refused)} refused ({'; '.join(refused[:10])})")
         level = messages.WARNING if refused else messages.SUCCESS
         self.message_user(request, ", ".join(parts), level)
+
+
+@admin.register(WorkflowPause)
+class WorkflowPauseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The paused workflows, read-only: pause and resume them with the engine (or
+    `flowlock admin`), so each is recorded with its reason and actor."""
+
+    list_display = ("workflow", "reason", "actor", "at")
+    readonly_fields = ("workflow", "reason", "actor", "at")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkflowPause]:
+        _engine().open()
+        return super().get_queryset(request).using(_alias())
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 def _engine() -> Engine:

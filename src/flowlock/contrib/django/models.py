@@ -44,6 +44,24 @@ class Instance(models.Model):
         return str(self.id)
 
 
+class WorkflowPause(models.Model):
+    """A row of `flowlock_workflow_pauses`: a whole workflow paused (engine.pause(workflow=))."""
+
+    workflow: models.TextField[str, str] = models.TextField(primary_key=True)
+    reason: models.TextField[str, str] = models.TextField()
+    actor: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    at: models.DateTimeField[datetime, datetime] = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = _table("flowlock_workflow_pauses")
+        verbose_name = "paused workflow"
+        verbose_name_plural = "paused workflows"
+
+    def __str__(self) -> str:
+        return str(self.workflow)
+
+
 class History(models.Model):
     """A row of `flowlock_history`. Its key is (instance, version); Django models have one
     column of key, so `version` stands in for it. It is unique within one instance's history,
