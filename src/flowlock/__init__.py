@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     )
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
+    from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -76,6 +77,9 @@ _WHERE: dict[str, str] = {
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
     **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
+    **dict.fromkeys(
+        ("ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport"), "flowlock.core.retention"
+    ),
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
@@ -92,6 +96,7 @@ _SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbo
 
 __all__ = [
     "Adaptive",
+    "ArchiveInvalid",
     "ConcurrencyError",
     "ConflictMonitor",
     "ConflictRetriesExhausted",
@@ -108,6 +113,7 @@ __all__ = [
     "FlowlockError",
     "GuardRejected",
     "HistoryEntry",
+    "Hold",
     "IdempotencyKeyReused",
     "Instance",
     "InstanceExists",
@@ -129,6 +135,8 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "Pessimistic",
+    "PurgeReport",
+    "RestoreReport",
     "RunOnce",
     "StaleTimer",
     "Step",

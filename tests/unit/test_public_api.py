@@ -27,6 +27,7 @@ PUBLIC = {
     "SyncCallInEventLoop", "Timer", "TooManyConnections", "Transition", "TransitionNotAllowed",
     "TransitionRefused", "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow",
     "__version__", "checker", "connect", "errors", "fencing_token", "http", "jobs", "sync",
+    "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
 }  # fmt: skip
 
 
