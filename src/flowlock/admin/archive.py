@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "ArchiveWriter",
+    "check_new",
     "decode_line",
     "encode_line",
     "manifest_path",
@@ -155,6 +156,21 @@ def _object(value: object) -> Mapping[str, Any]:
     return value
 
 
+def check_new(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path, once neither it nor its manifest exists (InvalidInput otherwise)."""
+    try:
+        p = Path(path)
+    except TypeError:
+        raise InvalidInput(f"archive must be a file path, not {path!r}") from None
+    for taken in (p, manifest_path(p)):
+        if taken.exists():
+            raise InvalidInput(
+                f"{str(taken)!r} exists: an archive is never overwritten; pass a new file "
+                "name. Nothing was purged"
+            )
+    return p
+
+
 @dataclass(slots=True)
 class _Mark:
     size: int
@@ -170,14 +186,9 @@ class ArchiveWriter:
     not deleted, so they do not belong in the archive)."""
 
     def __init__(self, path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
-        self.path = Path(path)
+        self.path = check_new(path)
         self._meta = dict(meta)
         self._manifest = manifest_path(self.path)
-        if self._manifest.exists():
-            raise InvalidInput(
-                f"{str(self._manifest)!r} exists: an archive is never overwritten; pass a new "
-                "file name. Nothing was purged"
-            )
         try:
             self._file: IO[bytes] = open(self.path, "xb")  # noqa: SIM115 - closed by close()
         except FileExistsError:

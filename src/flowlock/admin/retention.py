@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from flowlock._calls import check_text
-from flowlock.admin.archive import ArchiveWriter, encode_line, read_archive
+from flowlock.admin.archive import ArchiveWriter, check_new, encode_line, read_archive
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, OutcomeUnknown, UnknownWorkflow
 from flowlock.core.retention import (
@@ -166,6 +166,8 @@ class RetentionMethods:
         check_flag("dry_run", dry_run)
         check_count("batch", batch, most=MAX_PURGE_BATCH, unit="instances")
         selection = PurgeSelection(workflow, self._purge_states(workflow, final, states), seconds)
+        if archive is not None:
+            check_new(archive)
         store = self._retention()
         matched, held = await store.count_purgeable(selection)
         report = PurgeReport(
