@@ -77,7 +77,7 @@ class RetentionMethods:
         need not exist (a hold may come before a restore)."""
         check_text(instance_id, "instance_id")
         hold = Hold(instance_id, _optional_text(reason, "reason"), _optional_text(actor, "actor"))
-        placed = await self._retention().hold(hold)
+        placed = await self._retention().place_hold(hold)
         log.info("flowlock: hold on %r by %r (%s)", instance_id, placed.actor, placed.reason)
         return placed
 
@@ -85,7 +85,7 @@ class RetentionMethods:
         """Lift the hold on `instance_id`; False when there was none. `actor` is logged."""
         check_text(instance_id, "instance_id")
         _optional_text(actor, "actor")
-        lifted = await self._retention().unhold(instance_id)
+        lifted = await self._retention().lift_hold(instance_id)
         if lifted:
             log.info("flowlock: hold on %r lifted by %r", instance_id, actor)
         return lifted
@@ -96,7 +96,7 @@ class RetentionMethods:
         if after is not None:
             check_text(after, "after")
         check_count("limit", limit, most=_MAX_HOLDS_PAGE, unit="holds")
-        return await self._retention().holds(after=after, limit=limit)
+        return await self._retention().find_holds(after=after, limit=limit)
 
     # -- purge --------------------------------------------------------------------------------
 

@@ -455,16 +455,16 @@ class RetentionStore(Protocol):
     instance that moved since, or was held meanwhile, is kept. A restore inserts archived
     instances verbatim (`restore_instances`)."""
 
-    async def hold(self, hold: Hold) -> Hold:
+    async def place_hold(self, hold: Hold) -> Hold:
         """Record `hold` (its `at` is the store's now) unless the instance is held already;
         returns the hold that stands (the earlier one, unchanged, when there was one)."""
         ...
 
-    async def unhold(self, instance_id: str) -> bool:
+    async def lift_hold(self, instance_id: str) -> bool:
         """Lift the instance's hold; False when there was none."""
         ...
 
-    async def holds(self, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self, *, after: str | None, limit: int) -> list[Hold]:
         """At most `limit` holds whose instance id comes after `after` (None: from the
         first), in code point order of the id."""
         ...

@@ -42,7 +42,7 @@ class MemoryRetention:
     def _init_retention(self) -> None:
         self._holds = {}
 
-    async def hold(self, hold: Hold) -> Hold:
+    async def place_hold(self, hold: Hold) -> Hold:
         self._check()
         found = self._holds.get(hold.instance_id)
         if found is None:
@@ -50,11 +50,11 @@ class MemoryRetention:
             self._holds[hold.instance_id] = found
         return found
 
-    async def unhold(self, instance_id: str) -> bool:
+    async def lift_hold(self, instance_id: str) -> bool:
         self._check()
         return self._holds.pop(instance_id, None) is not None
 
-    async def holds(self, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self, *, after: str | None, limit: int) -> list[Hold]:
         self._check()
         start = after or ""
         return sorted((h for i, h in self._holds.items() if i > start), key=_id)[:limit]

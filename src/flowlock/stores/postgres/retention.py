@@ -268,7 +268,7 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
 class RetentionMethods:
     """PostgresStore's part as a RetentionStore (a mixin: the store is `self`)."""
 
-    async def hold(self: _Store, hold: Hold) -> Hold:
+    async def place_hold(self: _Store, hold: Hold) -> Hold:
         async def put(ops: Operations) -> Hold:
             s = ops.session
             async with s.conn(hold.instance_id, writes=True) as conn:
@@ -284,7 +284,7 @@ class RetentionMethods:
 
         return await self._call(put, hold.instance_id, writes=True)
 
-    async def unhold(self: _Store, instance_id: str) -> bool:
+    async def lift_hold(self: _Store, instance_id: str) -> bool:
         async def lift(ops: Operations) -> bool:
             s = ops.session
             async with s.conn(instance_id, writes=True) as conn:
@@ -293,7 +293,7 @@ class RetentionMethods:
 
         return await self._call(lift, instance_id, writes=True)
 
-    async def holds(self: _Store, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self: _Store, *, after: str | None, limit: int) -> list[Hold]:
         async def read(ops: Operations) -> list[Hold]:
             s = ops.session
             async with s.conn() as conn:

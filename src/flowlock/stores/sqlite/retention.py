@@ -223,15 +223,15 @@ class SqliteRetention(StorePart):
     write lock, which every writer of the file shares: a purge batch holds up all of them for
     its length (keep `batch` modest on a busy file)."""
 
-    async def hold(self, hold: Hold) -> Hold:
+    async def place_hold(self, hold: Hold) -> Hold:
         return await self._write_now(hold.instance_id, lambda conn, _: hold_txn(conn, hold), "hold")
 
-    async def unhold(self, instance_id: str) -> bool:
+    async def lift_hold(self, instance_id: str) -> bool:
         return await self._write_now(
             instance_id, lambda conn, _: unhold_txn(conn, instance_id), "unhold"
         )
 
-    async def holds(self, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self, *, after: str | None, limit: int) -> list[Hold]:
         return await self._read(holds_txn, after, limit, what="holds")
 
     async def purge_candidates(
