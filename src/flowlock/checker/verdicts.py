@@ -31,6 +31,9 @@ UNDELIVERED_DONE = "undelivered-done"
 EARLY_THEN = "early-then"
 """A row fired under a message's key (its handler's Then) comes at or before the transition
 that emitted the message."""
+MALFORMED_HOLD = "malformed-hold"
+"""A legal hold names no instance id, names one twice, or lacks the time it was placed. (A hold
+of an id that does not exist is no violation: a hold is about an id.)"""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -70,6 +73,7 @@ KINDS: tuple[str, ...] = (
     MESSAGE_KEY,
     UNDELIVERED_DONE,
     EARLY_THEN,
+    MALFORMED_HOLD,
 )
 
 
