@@ -126,8 +126,11 @@ async def test_archive_then_restore_gives_back_every_row_and_the_checker_passes(
 ) -> None:
     ids = _ids("a", 7)
     await _approvals(engine, ids, ["approve", "reject", "approve", None, "approve", "reject", None])
+    # An operator's pause is part of the instance: archived and restored with it.
+    await engine.pause(ids[2], reason="looking into it", actor="ops")
     await asyncio.sleep(AGED)
     before = {iid: (await engine.get(iid), await engine.history(iid)) for iid in ids}
+    assert before[ids[2]][0].paused
     made = {iid: await engine.store.create_request(iid) for iid in ids}
     path = tmp_path / "approval.jsonl.gz"
     report = await engine.purge("approval", older_than=BOUND, archive=path, batch=2)
@@ -172,7 +175,7 @@ async def test_a_damaged_archive_is_refused_naming_the_file(
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(ArchiveInvalid, match="x.jsonl.gz") as caught:
+    with pytest.raises(ArchiveInvalid, match=r"x\.jsonl\.gz") as caught:
         await engine.restore(path)
     assert caught.value.path == path and "sha256" in caught.value.problem
     assert isinstance(caught.value, flowlock.FlowlockError)

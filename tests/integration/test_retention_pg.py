@@ -23,8 +23,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import flowlock
 import pg_budget
 from flowlock._inspect import check_instances
@@ -71,10 +69,13 @@ async def test_a_purge_of_final_states_under_live_traffic(
 
     moved: dict[str, str] = {}  # pending instances a caller moved into a final state
     refused = 0
+    purging = False
+    during = 0  # calls that ended while the purge ran
     stop = asyncio.Event()
+    flowing = asyncio.Event()  # callers have moved some instances and been refused some
 
     async def caller(seed: int) -> None:
-        nonlocal refused
+        nonlocal refused, during
         rng = random.Random(seed)
         while not stop.is_set():
             if rng.random() < 0.5:
@@ -86,16 +87,22 @@ async def test_a_purge_of_final_states_under_live_traffic(
             except (flowlock.TransitionNotAllowed, flowlock.InstanceNotFound):
                 refused += 1
                 continue
+            finally:
+                during += purging
+                if len(moved) >= 5 and refused >= 5:
+                    flowing.set()
             if out.applied:
                 moved[iid] = event
 
     callers = [asyncio.create_task(caller(s)) for s in range(12)]
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(flowing.wait(), 20)  # traffic flows before the purge begins
+    purging = True
     report = await engine.purge("approval", older_than=BOUND, batch=50)
+    purging = False
     stop.set()
     await asyncio.gather(*callers)
 
-    assert moved and refused, "the callers ran during the purge"
+    assert moved and refused and during, "the callers ran during the purge"
     assert all(iid.startswith("p-") for iid in moved)
     assert report.matched == len(final) - len(held) and report.held == len(held)
     assert (report.purged, report.kept) == (len(final) - len(held), 0)
@@ -236,7 +243,7 @@ async def test_ten_thousand_instances_purge_in_short_batches(
     )
     elapsed = time.monotonic() - started
     assert (report.purged, report.batches) == (count, count // 500)
-    print(  # noqa: T201 - the figure the docs quote (pytest -s shows it)
+    print(  # the figure the docs quote (pytest -s shows it)
         f"\npurge of {count} x {ROWS} rows in {elapsed:.2f} s, {report.batches} batches of 500: "
         f"longest batch transaction {report.longest_batch * 1000:.1f} ms, "
         f"longest batch with its read {max(seen) * 1000:.1f} ms"

@@ -74,6 +74,7 @@ def encode_line(item: ArchivedInstance) -> bytes:
             "created_at": _when(inst.created_at),
             "updated_at": _when(inst.updated_at),
             "stay_version": inst.stay_version,
+            "paused": inst.paused,
             "fencing_token": item.fencing_token,
         },
         "created": None
@@ -115,6 +116,7 @@ def decode_line(raw: bytes) -> ArchivedInstance:
         created_at=_moment(i["created_at"]),
         updated_at=_moment(i["updated_at"]),
         stay_version=i["stay_version"],
+        paused=bool(i.get("paused", False)),
     )
     made = line["created"]
     history = tuple(

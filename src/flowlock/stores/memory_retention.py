@@ -171,6 +171,7 @@ class MemoryRetention:
                     updated_at=inst.created_at,
                     stay_version=1,
                     next_timer=None,
+                    paused=False,
                 )
                 self._create_keys[inst.id] = made.request_id
             restored.append(inst.id)

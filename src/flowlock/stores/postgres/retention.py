@@ -62,7 +62,7 @@ SELECT count(*) FILTER (WHERE NOT {_HELD}) AS free, count(*) FILTER (WHERE {_HEL
 """
 _CANDIDATES: Final = f"""
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
-       i.stay_version, i.fencing_token,
+       i.stay_version, i.paused, i.fencing_token,
        r.request_id AS made_key, r.state AS made_state, r.data AS made_data
   FROM flowlock_instances i LEFT JOIN flowlock_create_requests r ON r.instance_id = i.id
  WHERE {_SELECTED} AND NOT {_HELD} AND i.id COLLATE "C" > $4
@@ -105,8 +105,8 @@ SELECT id FROM gone ORDER BY id COLLATE "C"
 # The instance verbatim (its version, timestamps and fencing token), unless the id exists.
 _RESTORE: Final = """
 INSERT INTO flowlock_instances (id, workflow, state, version, data, last_event, created_at,
-                                updated_at, stay_version, fencing_token)
-VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8, $9, $10)
+                                updated_at, stay_version, paused, fencing_token)
+VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8, $9, $10, $11)
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 """
@@ -238,7 +238,7 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
     inserted = await conn.fetchval(
         s.sql(_RESTORE),
         inst.id, inst.workflow, inst.state, inst.version, to_json(inst.data), inst.last_event,
-        inst.created_at, inst.updated_at, inst.stay_version, item.fencing_token,
+        inst.created_at, inst.updated_at, inst.stay_version, inst.paused, item.fencing_token,
         timeout=bound,
     )  # fmt: skip
     if inserted is None:

@@ -17,12 +17,14 @@ from flowlock.stores.sqlite.sql import (
     IDS_PER_SELECT,
     INSERT_HISTORY,
     INSTANCE_COLUMNS,
+    READ_WIDTH,
     dump_json,
     entry_of,
     instance_of,
     load_json,
     now_text,
     parse_timestamp,
+    read_columns,
     timestamp_text,
 )
 
@@ -100,13 +102,12 @@ def candidates_txn(
     conn: sqlite3.Connection, selection: PurgeSelection, after: str | None, limit: int
 ) -> list[ArchivedInstance]:
     where, args = _selected(selection)
-    columns = ", ".join(f"i.{c.strip()}" for c in INSTANCE_COLUMNS.split(","))
     rows = conn.execute(
-        f"SELECT {columns}, i.fencing_token FROM flowlock_instances i "
+        f"SELECT {read_columns('i')}, i.fencing_token FROM flowlock_instances i "
         f"WHERE {where} AND {_NOT_HELD} AND i.id > ? ORDER BY i.id LIMIT ?",
         [*args, after or "", limit],
     ).fetchall()
-    found = [(instance_of(row), row[9]) for row in rows]
+    found = [(instance_of(row), row[READ_WIDTH]) for row in rows]
     ids = [inst.id for inst, _ in found]
     histories: dict[str, list[Any]] = {i: [] for i in ids}
     created: dict[str, CreateRecord] = {}
@@ -166,8 +167,8 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
     for item in archived:
         inst = item.instance
         cur = conn.execute(
-            f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, fencing_token) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, paused, fencing_token) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
             (
                 inst.id,
                 inst.workflow,
@@ -178,6 +179,7 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
                 _text(inst.created_at),
                 _text(inst.updated_at),
                 inst.stay_version,
+                int(inst.paused),
                 item.fencing_token,
             ),
         )
