@@ -14,10 +14,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from flowlock.cli._common import fail, stderr, stdout
+from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.admin import admin_app
 from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
@@ -35,6 +35,8 @@ InstanceArg = Annotated[
     str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
 ]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Go ahead without asking.")]
+_HOLDS = (Column("instance"), Column("reason", text=True), Column("actor"), Column("since"))
+
 Actor = Annotated[
     str | None, typer.Option("--actor", help="Who does it (kept with the hold, logged).")
 ]
@@ -177,12 +179,13 @@ def purge(
     if dry_run or counted.matched == 0:
         _print_purge(counted, as_json)
         return
-    stderr().print(
+    print_wrapped(
+        stderr(),
         Text(
             f"{counted.matched} instance(s) of {workflow!r} older than {older_than} would be "
             f"purged ({counted.held} more held)",
             style="bold",
-        )
+        ),
     )
     if not yes and not _confirmed(f"Purge {counted.matched} instance(s)? This deletes them"):
         fail("nothing purged: answer y to the question, or pass --yes")
@@ -196,12 +199,13 @@ def _print_purge(report: PurgeReport, as_json: bool) -> None:
         _json(_report_dict(report))
         return
     if report.dry_run:
-        stdout().print(
+        print_wrapped(
+            stdout(),
             Text(
                 f"dry run: {report.matched} instance(s) of {report.workflow!r} would be purged, "
                 f"{report.held} more are held; nothing was deleted",
                 style="green",
-            )
+            ),
         )
         return
     line = (
@@ -210,9 +214,9 @@ def _print_purge(report: PurgeReport, as_json: bool) -> None:
     )
     if report.kept:
         line += f"; {report.kept} kept (they moved or were held while the purge ran)"
-    stdout().print(Text(line, style="green"))
+    print_wrapped(stdout(), Text(line, style="green"))
     if report.archive is not None:
-        stdout().print(Text(f"archive: {report.archive} (and its .manifest.json)"))
+        print_wrapped(stdout(), Text(f"archive: {report.archive} (and its .manifest.json)"))
 
 
 @admin_app.command("restore")
@@ -264,18 +268,20 @@ def restore(
     if as_json:
         _json(_report_dict(report))
         return
-    stdout().print(
+    print_wrapped(
+        stdout(),
         Text(
             f"restored {report.restored} of {report.lines} instance(s) from {report.path}",
             style="green",
-        )
+        ),
     )
     if report.skipped:
-        stderr().print(
+        print_wrapped(
+            stderr(),
             Text(
                 f"{len(report.skipped)} skipped (the id exists): " + ", ".join(report.skipped),
                 style="yellow",
-            )
+            ),
         )
 
 
@@ -302,7 +308,9 @@ def hold(
     if as_json:
         _json(_hold_dict(placed))
     else:
-        stdout().print(Text(f"held {instance_id} since {when(placed.at)}: {placed.reason}"))
+        print_wrapped(
+            stdout(), Text(f"held {instance_id} since {when(placed.at)}: {placed.reason}")
+        )
 
 
 @admin_app.command("unhold")
@@ -321,7 +329,7 @@ def unhold(
     )
     if not lifted:
         fail(f"{instance_id!r} has no hold; nothing changed")
-    stdout().print(Text(f"hold on {instance_id} lifted"))
+    print_wrapped(stdout(), Text(f"hold on {instance_id} lifted"))
 
 
 @admin_app.command("holds")
@@ -342,12 +350,10 @@ def holds(
     if as_json:
         _json([_hold_dict(h) for h in found])
         return
-    table = Table(title=f"{len(found)} hold(s)")
-    for column in ("instance", "reason", "actor", "since"):
-        table.add_column(column, overflow="fold")
-    for h in found:
-        table.add_row(_cell(h.instance_id), _cell(h.reason), _cell(h.actor), _cell(when(h.at)))
-    stdout().print(table)
+    rows = [
+        [_cell(h.instance_id), _cell(h.reason), _cell(h.actor), _cell(when(h.at))] for h in found
+    ]
+    print_rows(stdout(), f"{len(found)} hold(s)", _HOLDS, rows)
 
 
 def _hold_dict(h: Hold) -> dict[str, Any]:
