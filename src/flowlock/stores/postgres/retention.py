@@ -48,26 +48,51 @@ _HOLDS: Final = """
 SELECT instance_id, reason, actor, at FROM flowlock_holds
  WHERE instance_id COLLATE "C" > $1 ORDER BY instance_id COLLATE "C" LIMIT $2
 """
+# An instance with a message still to deliver is kept: purging it would lose the delivery.
+_NOTHING_PENDING: Final = (
+    "NOT EXISTS (SELECT FROM flowlock_outbox o WHERE o.instance_id = i.id AND o.status = 'pending')"
+)
 # The instances a selection takes, holds aside: $1 workflow, $2 states (NULL: any), $3 the age
-# in seconds. An instance with a message still to deliver is kept (its delivery would be lost).
-_SELECTED: Final = """
+# in seconds.
+_SELECTED: Final = f"""
 i.workflow = $1 AND ($2::text[] IS NULL OR i.state = ANY($2::text[]))
-AND i.updated_at < now() - make_interval(secs => $3::float8)
-AND NOT EXISTS (SELECT FROM flowlock_outbox o WHERE o.instance_id = i.id AND o.status = 'pending')
+AND i.updated_at < now() - make_interval(secs => $3::float8) AND {_NOTHING_PENDING}
 """
 _HELD: Final = "EXISTS (SELECT FROM flowlock_holds h WHERE h.instance_id = i.id)"
 _COUNT: Final = f"""
 SELECT count(*) FILTER (WHERE NOT {_HELD}) AS free, count(*) FILTER (WHERE {_HELD}) AS held
   FROM flowlock_instances i WHERE {_SELECTED}
 """
-_CANDIDATES: Final = f"""
+# The candidates of one state, an index range of (workflow, state, id COLLATE "C") already in
+# id order: $1 workflow, $2 the age in seconds, $3 the cursor, $4 the limit, then the state.
+_BRANCH: Final = f"""
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
-       i.stay_version, i.paused, i.fencing_token,
-       r.request_id AS made_key, r.state AS made_state, r.data AS made_data
-  FROM flowlock_instances i LEFT JOIN flowlock_create_requests r ON r.instance_id = i.id
- WHERE {_SELECTED} AND NOT {_HELD} AND i.id COLLATE "C" > $4
- ORDER BY i.id COLLATE "C" LIMIT $5
+       i.stay_version, i.paused, i.fencing_token
+  FROM flowlock_instances i
+ WHERE i.workflow = $1 AND {{state}}
+   AND i.updated_at < now() - make_interval(secs => $2::float8)
+   AND {_NOTHING_PENDING} AND NOT {_HELD} AND i.id COLLATE "C" > $3
+ ORDER BY i.id COLLATE "C" LIMIT $4
 """
+
+
+def _candidates_sql(states: int | None) -> str:
+    """The candidates statement for `states` states (None: any state). Several states: one
+    branch per state, merged in id order (Merge Append), as `list_statement` does, so a batch
+    reads about as many rows as it returns however many instances match in all."""
+    if states is None:
+        picked = _BRANCH.format(state="true")
+    else:
+        picked = " UNION ALL ".join(
+            f"({_BRANCH.format(state=f'i.state = ${5 + n}')})" for n in range(states)
+        )
+    return f"""
+SELECT c.*, r.request_id AS made_key, r.state AS made_state, r.data AS made_data
+  FROM ({picked}) AS c LEFT JOIN flowlock_create_requests r ON r.instance_id = c.id
+ ORDER BY c.id COLLATE "C" LIMIT $4
+"""
+
+
 _HISTORIES: Final = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history
  WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
@@ -153,9 +178,11 @@ def _states(selection: PurgeSelection) -> list[str] | None:
 async def _candidates(
     s: Session, selection: PurgeSelection, after: str | None, limit: int
 ) -> list[ArchivedInstance]:
-    args = (selection.workflow, _states(selection), selection.older_than, after or "", limit)
+    states = selection.states
+    sql = _candidates_sql(None if states is None else len(states))
+    args = (selection.workflow, selection.older_than, after or "", limit, *(states or ()))
     async with s.conn() as conn:
-        rows = await conn.fetch(s.sql(_CANDIDATES), *args, timeout=s.timeout)
+        rows = await conn.fetch(s.sql(sql), *args, timeout=s.timeout)
         ids = [row["id"] for row in rows]
         history: dict[str, list[Any]] = {i: [] for i in ids}
         if ids:
