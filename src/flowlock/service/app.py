@@ -19,6 +19,7 @@ from flowlock.engine import Engine, connect
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.service.apidoc import PROBLEM_DOC
+from flowlock.service.console import install_console
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
 from flowlock.service.health import Probes, health_routes
@@ -85,6 +86,7 @@ def create_app(
     definition_routes(app, engine)
     instance_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
+    install_console(app, engine, settings, metrics)
     app.add_middleware(RequestGuard, tokens=settings.api_tokens, max_body=settings.max_body_bytes)
     return app
 

@@ -86,7 +86,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.tokens and scope["method"] in _MUTATING:
+        if self.tokens and scope["method"] in _MUTATING and not _console(scope):
             who = self.principal(scope)
             if isinstance(who, Problem):
                 await send_problem(send, who, scope.get("path"))
@@ -127,6 +127,13 @@ class RequestGuard:
         except _TooLarge:
             if not started:
                 await send_problem(send, _too_large(limit), scope.get("path"))
+
+
+def _console(scope: Scope) -> bool:
+    """Whether the request is the console's: /ui checks its own session cookie and CSRF token
+    (flowlock.service.console), not a bearer token."""
+    path: str = scope.get("path", "")
+    return path == "/ui" or path.startswith("/ui/")
 
 
 def _content_length(scope: Scope) -> int | None:
