@@ -169,7 +169,7 @@ async def test_next_never_leaves_the_console(svc: Service) -> None:
 async def test_instances_filter_and_keyset_pages(svc: Service) -> None:
     await log_in(svc.client, OPS)
     first = await svc.client.get("/ui/", params={"workflow": "approval"})
-    assert "<strong data-testid=\"total\">55</strong>" in first.text
+    assert '<strong data-testid="total">55</strong>' in first.text
     ids = re.findall(r'href="/ui/instances/(a-\d+)"', first.text)
     assert len(ids) == 50
     nxt = re.search(r'rel="next" href="([^"]+)"', first.text)
@@ -347,3 +347,93 @@ async def test_the_confirmation_page_comes_first_and_a_non_form_body_is_refused(
     as_json = await svc.client.post("/ui/actions/pause", json={"csrf": csrf}, headers={})
     assert as_json.status_code == 403
     assert FORM["content-type"] not in as_json.request.headers.get("content-type", "")
+
+
+async def _confirmed(svc: Service, csrf: str, action: str, **fields: str) -> httpx.Response:
+    """The action's confirmation page, then its Confirm post (the form the page carries)."""
+    confirm = await svc.client.post(f"/ui/actions/{action}", data={"csrf": csrf, **fields})
+    assert confirm.status_code == 200, confirm.text
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    return await svc.client.post(f"/ui/actions/{action}", data=hidden)
+
+
+async def test_force_confirmed_writes_one_forced_row_and_a_double_click_applies_once(
+    svc: Service,
+) -> None:
+    csrf = await log_in(svc.client, OPS)
+    fields = {"target": "instance", "id": "a-7", "state": "approved", "reason": "paid offline"}
+    confirm = await svc.client.post("/ui/actions/force", data={"csrf": csrf, **fields})
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    first = await svc.client.post("/ui/actions/force", data=hidden)
+    again = await svc.client.post("/ui/actions/force", data=hidden)  # the same form, twice
+    assert first.status_code == again.status_code == 303, again.text
+    assert first.headers["location"] == "/ui/instances/a-7?done=forced"
+    history = await svc.engine.history("a-7")
+    assert [(e.kind, e.actor, e.reason, e.to_state) for e in history] == [
+        ("forced", "ops", "paid offline", "approved")
+    ]
+    page = await svc.client.get("/ui/instances/a-7?done=forced")
+    assert 'data-kind="forced"' in page.text and "paid offline" in page.text
+    assert "the instance was forced" in page.text
+
+
+async def test_a_force_confirmed_on_a_version_since_left_is_refused(svc: Service) -> None:
+    csrf = await log_in(svc.client, OPS)
+    fields = {"target": "instance", "id": "a-8", "state": "rejected", "reason": "stuck"}
+    confirm = await svc.client.post("/ui/actions/force", data={"csrf": csrf, **fields})
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    await svc.engine.fire("a-8", "approve", actor="bob")  # moves while the operator reads
+    refused = await svc.client.post("/ui/actions/force", data=hidden)
+    assert refused.status_code == 412, refused.text  # as the HTTP API answers a stale If-Match
+    assert "re-read it and decide again" in refused.text
+    assert 'href="/ui/instances/a-8"' in refused.text
+    assert await _state(svc, "a-8") == ("approved", 2)
+
+
+async def test_pause_and_resume_an_instance_from_the_console(svc: Service) -> None:
+    csrf = await log_in(svc.client, OPS)
+    paused = await _confirmed(svc, csrf, "pause", target="instance", id="a-9", reason="fraud check")
+    assert paused.status_code == 303
+    assert (await svc.engine.get("a-9")).paused
+    page = await svc.client.get("/ui/instances/a-9")
+    assert 'data-testid="paused"' in page.text and 'action="/ui/actions/resume"' in page.text
+    resumed = await _confirmed(svc, csrf, "resume", target="instance", id="a-9", reason="")
+    assert resumed.status_code == 303
+    inst = await svc.engine.get("a-9")
+    assert not inst.paused
+    kinds = [(e.kind, e.actor, e.reason) for e in await svc.engine.history("a-9")]
+    assert kinds == [("pause", "ops", "fraud check"), ("resume", "ops", None)]
+
+
+async def test_pause_and_resume_a_workflow_from_the_console(svc: Service) -> None:
+    csrf = await log_in(svc.client, OPS)
+    done = await _confirmed(svc, csrf, "pause", target="workflow", id="approval", reason="outage")
+    assert done.headers["location"] == "/ui/workflows/approval?done=paused"
+    [pause] = await svc.engine.workflow_pauses()
+    assert (pause.workflow, pause.reason, pause.actor) == ("approval", "outage", "ops")
+    page = await svc.client.get("/ui/workflows/approval")
+    assert 'data-testid="workflow-paused"' in page.text
+    listed = await svc.client.get("/ui/")
+    assert "workflow paused" in listed.text
+    await _confirmed(svc, csrf, "resume", target="workflow", id="approval", reason="over")
+    assert await svc.engine.workflow_pauses() == []
+    refused = await svc.client.post(
+        "/ui/actions/force",
+        data={"csrf": csrf, "target": "workflow", "id": "approval", "state": "x", "reason": "r"},
+    )
+    assert refused.status_code == 422
+
+
+async def test_the_monitor_panel_shows_escalations_and_hot_instances(svc: Service) -> None:
+    await log_in(svc.client, OPS)
+    monitor = svc.engine.monitor
+    monitor.record("a-3", conflict=True)  # makes the key tracked
+    for n in range(30):
+        monitor.record("a-3", conflict=n % 2 == 0)
+    monitor.record("a-4", conflict=True)
+    for n in range(10):
+        monitor.record("a-4", conflict=n == 0)
+    panel = await svc.client.get("/ui/monitor/panel")
+    assert '<span class="n" data-testid="active">1</span>' in panel.text
+    assert 'href="/ui/instances/a-3"' in panel.text and "conflict rate" in panel.text
+    assert "10.0%" in panel.text  # a-4: 1 conflict in 10 attempts, tracked but not escalated

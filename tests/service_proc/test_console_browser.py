@@ -26,7 +26,7 @@ from serve_harness import Served, Services
 import pg_budget
 
 pytest.importorskip("playwright.sync_api", reason="the test extra's playwright is not installed")
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 CHROMIUM = os.environ.get("FLOWLOCK_CHROMIUM", "/usr/bin/chromium")
 OPS = "ops-browser-secret-0123456789"
@@ -241,8 +241,14 @@ def test_a_post_without_csrf_and_a_read_token_change_nothing(
     browser: Browser, server: Served
 ) -> None:
     page = _logged_in(browser, server, OPS)
-    body: dict[str, Any] = {"target": "instance", "id": "b-006", "state": "rejected",
-                            "reason": "no csrf", "confirmed": "yes", "expected_version": "1"}  # fmt: skip
+    body: dict[str, Any] = {
+        "target": "instance",
+        "id": "b-006",
+        "state": "rejected",
+        "reason": "no csrf",
+        "confirmed": "yes",
+        "expected_version": "1",
+    }
     refused = page.context.request.post("/ui/actions/force", form=body)
     assert refused.status == 403
     page.goto("/ui/instances/b-006")

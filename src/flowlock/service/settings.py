@@ -181,7 +181,8 @@ class ServiceSettings:
             if value is None:
                 continue
             if field == "api_tokens":
-                env[var] = ",".join(f"{t.principal}:{t.secret.decode()}" for t in value)
+                # The scope always written out: a worker must not read an admin token as write.
+                env[var] = ",".join(f"{t.principal}:{t.secret.decode()}:{t.scope}" for t in value)
             elif isinstance(value, bool):
                 env[var] = "true" if value else "false"
             else:

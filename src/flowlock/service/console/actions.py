@@ -44,8 +44,10 @@ def _reason(action: str, form: dict[str, str]) -> str | None:
 
 
 def _back(target: str, name: str, done: str | None = None) -> str:
-    where = f"/ui/instances/{quote(name, safe='')}" if target == "instance" else (
-        f"/ui/workflows/{quote(name, safe='')}"
+    where = (
+        f"/ui/instances/{quote(name, safe='')}"
+        if target == "instance"
+        else (f"/ui/workflows/{quote(name, safe='')}")
     )
     return where + (f"?done={done}" if done else "")
 
@@ -131,6 +133,8 @@ def install_actions(app: FastAPI, engine: Engine, gate: Gate) -> None:
                 return respond(request, "confirm.html", context | {"plan": plan})
             await _apply(engine, plan, who, form)
         except FlowlockError as exc:
+            if form.get("target") in ("instance", "workflow") and form.get("id"):
+                context["back"] = _back(form["target"], form["id"])
             return failure(request, context, exc)
         done = _back(plan.target, plan.name, _DONE[action])
         return RedirectResponse(done, status_code=303, headers=HEADERS)

@@ -92,7 +92,9 @@ class Gate:
             return made
         raise LoginNeeded
 
-    async def post(self, request: Request, *, scope: str | None = None) -> tuple[Session, dict[str, str]]:
+    async def post(
+        self, request: Request, *, scope: str | None = None
+    ) -> tuple[Session, dict[str, str]]:
         """The session and form of a post the console may act on; Refused otherwise."""
         session = self.session(request)
         if not _same_origin(request):
@@ -125,7 +127,9 @@ def _allows(have: str, needed: str) -> bool:
     return have in order and order.index(have) >= order.index(needed)
 
 
-def respond(request: Request, template: str, context: Mapping[str, Any], status: int = 200) -> HTMLResponse:
+def respond(
+    request: Request, template: str, context: Mapping[str, Any], status: int = 200
+) -> HTMLResponse:
     """`render`, plus the session cookie an open console made for this request."""
     response = render(request, template, context, status=status)
     made = getattr(request.state, "console_cookie", None)

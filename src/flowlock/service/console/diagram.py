@@ -24,7 +24,8 @@ _BOX_H = 36
 _ROW = 78
 _GAP = 150  # between columns: room for a label
 _PAD = 28
-_TOP = 58  # room for self-loops and their labels above the first row
+_LOOP_ROOM = 50  # above the first row, when a state has an event that keeps it
+_BACK_ROOM = 56  # below the lowest row, when an edge goes back or within a column
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +59,16 @@ def _layers(wf: Workflow) -> dict[str, int]:
 def _edges(wf: Workflow) -> dict[tuple[str, str], list[str]]:
     labels: dict[tuple[str, str], list[str]] = {}
     for t in wf.transitions.values():
-        name = f"{t.name} ⟨guarded⟩" if t.guard is not None else t.name
+        name = f"{t.name} [guarded]" if t.guard is not None else t.name
         if t.timed:
-            name += " ⏱"
+            name += " [timer]"
         for s in t.sources:
             for d in t.targets:
                 labels.setdefault((s, d), []).append(name)
     return labels
 
 
-def _place(wf: Workflow, depth: dict[str, int]) -> dict[str, _Box]:
+def _place(wf: Workflow, depth: dict[str, int], top: float) -> dict[str, _Box]:
     columns: dict[int, list[str]] = {}
     for s in wf.states:
         columns.setdefault(depth[s], []).append(s)
@@ -88,7 +89,7 @@ def _place(wf: Workflow, depth: dict[str, int]) -> dict[str, _Box]:
     for col in sorted(columns):
         width = max(len(s) * _CHAR + 28 for s in columns[col])
         for s in columns[col]:
-            boxes[s] = _Box(x, _TOP + row[s] * _ROW, width)
+            boxes[s] = _Box(x, top + row[s] * _ROW, width)
         x += width + _GAP
     return boxes
 
@@ -102,25 +103,43 @@ def _label(x: float, y: float, text: str) -> str:
     )
 
 
-def _edge(a: _Box, b: _Box, text: str, forward: bool) -> str:
-    if a is b:
+def _edge(a: _Box, b: _Box, text: str, kind: str, floor: float) -> tuple[str, str]:
+    """The edge's path and its label, apart: labels are drawn last, over everything.
+
+    `kind` is "loop", "forward", "column" (both in one column) or "back"; `floor` is the
+    bottom of the lowest box, which back edges pass under."""
+    if kind == "loop":
         x0, x1, y = a.x + a.w * 0.3, a.x + a.w * 0.7, a.y
         path = f"M{x0:.1f},{y:.1f} C{x0:.1f},{y - 34:.1f} {x1:.1f},{y - 34:.1f} {x1:.1f},{y:.1f}"
         lx, ly = (x0 + x1) / 2, y - 36
-    elif forward:
+    elif kind == "forward":
         x0, y0, x1, y1 = a.x + a.w, a.cy, b.x, b.cy
         mid = (x0 + x1) / 2
         path = f"M{x0:.1f},{y0:.1f} C{mid:.1f},{y0:.1f} {mid:.1f},{y1:.1f} {x1:.1f},{y1:.1f}"
         lx, ly = mid, (y0 + y1) / 2
+    elif kind == "column":
+        down = b.y > a.y
+        x = a.x + min(a.w, b.w) * 0.5
+        y0 = a.y + _BOX_H if down else a.y
+        y1 = b.y if down else b.y + _BOX_H
+        path = f"M{x:.1f},{y0:.1f} L{x:.1f},{y1:.1f}"
+        lx, ly = x + len(text) * 3.3 + 12, (y0 + y1) / 2
     else:
         x0, y0 = a.x + a.w / 2, a.y + _BOX_H
         x1, y1 = b.x + b.w / 2, b.y + _BOX_H
-        dip = max(y0, y1) + 46
+        # Under every box; longer arcs dip deeper, so arcs into one state keep apart.
+        dip = floor + 34 + 0.1 * abs(x1 - x0)
         path = f"M{x0:.1f},{y0:.1f} C{x0:.1f},{dip:.1f} {x1:.1f},{dip:.1f} {x1:.1f},{y1:.1f}"
-        lx, ly = (x0 + x1) / 2, dip - 8
-    return (
-        f'<path class="fl-edge" d="{path}" marker-end="url(#fl-arrow)"/>' + _label(lx, ly, text)
-    )
+        lx, ly = (x0 + x1) / 2, (y0 + y1 + 6 * dip) / 8
+    return f'<path class="fl-edge" d="{path}" marker-end="url(#fl-arrow)"/>', _label(lx, ly, text)
+
+
+def _kind(s: str, d: str, depth: dict[str, int]) -> str:
+    if s == d:
+        return "loop"
+    if depth[s] < depth[d]:
+        return "forward"
+    return "column" if depth[s] == depth[d] else "back"
 
 
 def _state(wf: Workflow, name: str, box: _Box, current: str | None) -> str:
@@ -147,11 +166,22 @@ def _state(wf: Workflow, name: str, box: _Box, current: str | None) -> str:
 def workflow_svg(wf: Workflow, current: str | None = None) -> Markup:
     """`wf` as an `<svg>` element; the state `current` (if any) carries class `fl-current`."""
     depth = _layers(wf)
-    boxes = _place(wf, depth)
-    parts: list[str] = []
-    for (s, d), names in _edges(wf).items():
-        forward = depth[s] < depth[d]
-        parts.append(_edge(boxes[s], boxes[d], ", ".join(names), forward))
+    edges = _edges(wf)
+    kinds = {pair: _kind(*pair, depth) for pair in edges}
+    loops = "loop" in kinds.values()
+    boxes = _place(wf, depth, _PAD + (_LOOP_ROOM if loops else 0))
+    floor = max(b.y for b in boxes.values()) + _BOX_H
+    paths: list[str] = []
+    labels: list[str] = []
+    back = 0.0
+    for (s, d), names in edges.items():
+        kind = kinds[(s, d)]
+        if kind == "back":
+            back = max(back, abs(boxes[s].x - boxes[d].x))
+        path, label = _edge(boxes[s], boxes[d], ", ".join(names), kind, floor)
+        paths.append(path)
+        labels.append(label)
+    parts = paths
     first = boxes[wf.initial]
     parts.append(
         f'<circle class="fl-start" cx="{first.x - 26:.1f}" cy="{first.cy:.1f}" r="7"/>'
@@ -159,14 +189,17 @@ def workflow_svg(wf: Workflow, current: str | None = None) -> Markup:
         'marker-end="url(#fl-arrow)"/>'
     )
     parts += [_state(wf, s, boxes[s], current) for s in wf.states]
+    parts += labels
     width = max(b.x + b.w for b in boxes.values()) + _PAD
-    height = max(b.y for b in boxes.values()) + _BOX_H + 64
+    height = floor + _PAD + (_BACK_ROOM + 0.1 * back if back else 0)
     defs = (
         '<defs><marker id="fl-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
         'markerHeight="7" orient="auto-start-reverse"><path class="fl-arrowhead" '
         'd="M0,0 L10,5 L0,10 z"/></marker></defs>'
     )
-    label = f"State diagram of workflow {wf.name}" + (f", current state {current}" if current else "")
+    label = f"State diagram of workflow {wf.name}" + (
+        f", current state {current}" if current else ""
+    )
     return Markup(
         f'<svg class="fl-diagram" xmlns="http://www.w3.org/2000/svg" role="img" '
         f'aria-label="{escape(label)}" viewBox="0 0 {width:.0f} {height:.0f}" '

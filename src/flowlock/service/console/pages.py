@@ -14,6 +14,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.responses import Response
 
+from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.engine import Engine
 from flowlock.http import problem as http_problem
@@ -49,17 +50,15 @@ def failure(request: Request, context: dict[str, Any], exc: FlowlockError) -> HT
     return respond(request, "error.html", body, status=found.status)
 
 
-async def _pauses(engine: Engine) -> dict[str, Any]:
-    """The paused workflows by name (an empty map on an engine without workflow pauses)."""
-    reader = getattr(engine, "workflow_pauses", None)
-    if reader is None:
-        return {}
-    return {p.workflow: p for p in await reader()}
+async def _pauses(engine: Engine) -> dict[str, WorkflowPause]:
+    """The paused workflows by name."""
+    return {p.workflow: p for p in await engine.workflow_pauses()}
 
 
 def _state_choices(engine: Engine, workflow: str | None) -> list[str]:
     """The states the filter offers: the chosen workflow's, else every served workflow's."""
-    chosen = [engine.workflows[workflow]] if workflow in engine.workflows else engine.workflows.values()
+    one = engine.workflows.get(workflow) if workflow else None
+    chosen = [one] if one is not None else list(engine.workflows.values())
     found: list[str] = []
     for wf in chosen:
         found += [s for s in wf.states if s not in found]
@@ -154,7 +153,7 @@ def install_pages(app: FastAPI, engine: Engine, gate: Gate, metrics: Metrics | N
             "history_total": len(history),
             "timers": timers,
             "messages": messages,
-            "paused": bool(getattr(inst, "paused", False)),
+            "paused": inst.paused,
             "workflow_pause": pauses.get(inst.workflow),
             "done": done,
         }

@@ -13,12 +13,10 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse
-from starlette.responses import Response
 from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.responses import Response
 
-from flowlock.core.models import HistoryEntry
-
-__all__ = ["HEADERS", "entry_kind", "render", "set_cookie"]
+__all__ = ["HEADERS", "render", "set_cookie"]
 
 HEADERS = {
     "Content-Security-Policy": (
@@ -30,13 +28,6 @@ HEADERS = {
     "Referrer-Policy": "same-origin",
     "X-Frame-Options": "DENY",
 }
-
-_FORCE, _PAUSE, _RESUME = "flowlock:force", "flowlock:pause", "flowlock:resume"
-
-
-def entry_kind(entry: HistoryEntry) -> str:
-    """"forced", "pause", "resume" or "transition", from the entry's reserved event."""
-    return {_FORCE: "forced", _PAUSE: "pause", _RESUME: "resume"}.get(entry.event, "transition")
 
 
 def _when(moment: datetime | None) -> str:
@@ -71,7 +62,6 @@ def _environment() -> Environment:
     env.filters["when"] = _when
     env.filters["ago"] = _ago
     env.filters["pretty"] = _pretty
-    env.globals["entry_kind"] = entry_kind
     return env
 
 
@@ -97,9 +87,7 @@ def render(
     return response
 
 
-def set_cookie(
-    response: Response, request: Request, name: str, value: str, max_age: int
-) -> None:
+def set_cookie(response: Response, request: Request, name: str, value: str, max_age: int) -> None:
     """Set cookie `name` as every console cookie is set (see `render`)."""
     response.set_cookie(
         name,

@@ -84,7 +84,9 @@ class Keys:
     def _sign(self, purpose: bytes, body: bytes) -> bytes:
         return hmac.new(self._key, purpose + b"\x00" + body, hashlib.sha256).digest()
 
-    def issue(self, principal: str, scope: str, seconds: int = SESSION_SECONDS) -> tuple[str, Session]:
+    def issue(
+        self, principal: str, scope: str, seconds: int = SESSION_SECONDS
+    ) -> tuple[str, Session]:
         """A new session for `principal` and the cookie value that carries it."""
         session = Session(principal, scope, int(time.time()) + seconds, secrets.token_urlsafe(16))
         body = json.dumps(
@@ -107,7 +109,9 @@ class Keys:
             return None
         try:
             fields = json.loads(body)
-            session = Session(str(fields["p"]), str(fields["s"]), int(fields["e"]), str(fields["n"]))
+            session = Session(
+                str(fields["p"]), str(fields["s"]), int(fields["e"]), str(fields["n"])
+            )
         except (ValueError, KeyError, TypeError):
             return None
         return session if session.expires > time.time() else None
