@@ -35,7 +35,7 @@ def test_every_state_is_drawn_once_and_only_the_current_one_is_highlighted() -> 
     assert sorted(g.get("data-state") or "" for g in groups) == sorted(_order().states)
     current = [g.get("data-state") for g in groups if "fl-current" in (g.get("class") or "")]
     assert current == ["review"]
-    finals = [g.get("data-state") for g in groups if "fl-final" in (g.get("class") or "")]
+    finals = [g.get("data-state", "") for g in groups if "fl-final" in g.get("class", "")]
     assert sorted(finals) == ["cancelled", "done"]
 
 

@@ -19,6 +19,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from flowlock.service.guard import find_token
 from flowlock.service.settings import ApiToken
 
 __all__ = ["OPEN_PRINCIPAL", "SESSION_SECONDS", "Keys", "Session"]
@@ -73,13 +74,7 @@ class Keys:
 
     def check_secret(self, given: str) -> ApiToken | None:
         """The token whose secret is `given`, compared in constant time with every token."""
-        candidate = given.strip().encode()
-        found: ApiToken | None = None
-        for token in self.tokens:
-            # Every token is compared, whatever matched before: no early exit to time.
-            if hmac.compare_digest(candidate, token.secret):
-                found = token
-        return found
+        return find_token(self.tokens, given.strip().encode())
 
     def _sign(self, purpose: bytes, body: bytes) -> bytes:
         return hmac.new(self._key, purpose + b"\x00" + body, hashlib.sha256).digest()
