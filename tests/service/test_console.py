@@ -178,6 +178,11 @@ async def test_instances_filter_and_keyset_pages(svc: Service) -> None:
     more = re.findall(r'href="/ui/instances/(a-\d+)"', second.text)
     assert len(more) == 5 and not set(more) & set(ids)
     assert 'rel="next"' not in second.text
+    later = await svc.client.get("/ui/", params={"updated_after": "2999-01-01T00:00"})
+    assert '<strong data-testid="total">0</strong>' in later.text
+    assert "No instance matches these filters." in later.text
+    earlier = await svc.client.get("/ui/", params={"updated_before": "2999-01-01T00:00+02:00"})
+    assert '<strong data-testid="total">56</strong>' in earlier.text
     approved = await svc.client.get("/ui/", params={"workflow": "approval", "state": "approved"})
     assert re.findall(r'href="/ui/instances/([^"]+)"', approved.text) == ["a-2"]
 

@@ -159,6 +159,13 @@ def test_list_filter_page_and_open_an_instance(browser: Browser, server: Served)
     states = page.locator("table.grid tbody td:nth-child(3)").all_inner_texts()
     assert states == ["approved"] * 12
     _shot(page, "03-instances-filtered")
+    page.fill("input[name=updated_after]", "2999-01-01T00:00:00")
+    page.click("button:has-text('Filter')")
+    expect(page.get_by_test_id("total")).to_have_text("0")
+    assert "updated_after=2999-01-01T00%3A00" in page.url
+    page.fill("input[name=updated_after]", "")
+    page.click("button:has-text('Filter')")
+    expect(page.get_by_test_id("total")).to_have_text("12")
     page.click("a:has-text('b-005')")
     expect(page.get_by_test_id("state")).to_have_text("approved")
     current = page.locator("svg.fl-diagram g.fl-current")
@@ -210,7 +217,10 @@ def test_pause_and_resume_an_instance_and_a_workflow(browser: Browser, server: S
     expect(page.get_by_test_id("paused")).to_have_count(0)
     assert _history_kinds(page) == ["resume", "pause"]
 
-    page.goto("/ui/workflows/approval")
+    page.goto("/ui/workflows")
+    expect(page.locator("table.grid")).to_contain_text("countersign")
+    _shot(page, "08-workflows")
+    page.click("a:has-text('approval')")
     counts = page.get_by_test_id("counts")
     expect(counts).to_contain_text("pending")
     page.fill("[data-testid=workflow-pause-form] input[name=reason]", "bank outage")
@@ -218,7 +228,7 @@ def test_pause_and_resume_an_instance_and_a_workflow(browser: Browser, server: S
     expect(page.get_by_test_id("confirm")).to_contain_text("refuse events")
     page.click("button:has-text('Confirm pause')")
     expect(page.get_by_test_id("workflow-paused")).to_be_visible()
-    _shot(page, "08-workflow-paused")
+    _shot(page, "09-workflow-paused")
     page.click("[data-testid=workflow-pause-form] button:has-text('Resume')")
     page.click("button:has-text('Confirm resume')")
     expect(page.get_by_test_id("workflow-paused")).to_have_count(0)
@@ -233,7 +243,7 @@ def test_the_monitor_panel_refreshes_itself(browser: Browser, server: Served) ->
         pass
     assert r.value.status == 200
     expect(page.get_by_test_id("monitor-panel")).to_contain_text("escalated now")
-    _shot(page, "09-monitor")
+    _shot(page, "10-monitor")
     page.context.close()
 
 
