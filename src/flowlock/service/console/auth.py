@@ -201,7 +201,7 @@ def install_login(app: FastAPI, gate: Gate) -> None:
         cookie, _ = keys.issue(token.principal, token.scope)
         response = RedirectResponse(_safe_next(form.get("next")), status_code=303, headers=HEADERS)
         set_cookie(response, request, SESSION_COOKIE, cookie, SESSION_SECONDS)
-        response.delete_cookie(LOGIN_COOKIE, path="/ui")
+        response.delete_cookie(LOGIN_COOKIE, path="/ui", httponly=True, samesite="strict")
         return response
 
     @app.post("/ui/logout", include_in_schema=False)
@@ -209,5 +209,5 @@ def install_login(app: FastAPI, gate: Gate) -> None:
         await gate.post(request)
         target = "/ui/" if keys.open else "/ui/login"
         response = RedirectResponse(target, status_code=303, headers=HEADERS)
-        response.delete_cookie(SESSION_COOKIE, path="/ui")
+        response.delete_cookie(SESSION_COOKIE, path="/ui", httponly=True, samesite="strict")
         return response
