@@ -24,6 +24,7 @@ from flowlock._sync_loop import (
     refuse_in_event_loop,
     settle,
 )
+from flowlock._sync_repair import SyncRepairMethods
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
@@ -52,7 +53,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine:
+class Engine(SyncRepairMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.
