@@ -57,8 +57,8 @@ def _drop(url: str, schema: str) -> None:
 
 
 def _seed(server: Served) -> None:
-    """62 instances through the HTTP API: 60 approvals (b-001 ... b-060; every fifth approved)
-    and two countersigns."""
+    """63 instances through the HTTP API: 60 approvals (b-001 ... b-060; every fifth approved),
+    two countersigns and an inventory row (the monitor test's storm)."""
     auth = {"Authorization": f"Bearer {OPS}"}
     with httpx.Client(base_url=server.url, headers=auth, timeout=10.0) as client:
         for n in range(1, 61):
@@ -73,6 +73,35 @@ def _seed(server: Served) -> None:
         for n in (1, 2):
             made = client.post("/instances", json={"workflow": "countersign", "id": f"c-{n}"})
             assert made.status_code == 201, made.text
+        made = client.post(
+            "/instances", json={"workflow": "inventory", "id": "inv-hot", "data": {"stock": 0}}
+        )
+        assert made.status_code == 201, made.text
+
+
+def _storm(url: str, seconds: float) -> int:
+    """Restocks of one inventory row from 40 concurrent callers under the adaptive strategy for
+    `seconds`: optimistic attempts collide, and the monitor escalates the row. Returns how many
+    were applied."""
+
+    async def run() -> int:
+        auth = {"Authorization": f"Bearer {OPS}"}
+        body = {"payload": {"qty": 1}, "strategy": "adaptive"}
+        deadline = asyncio.get_running_loop().time() + seconds
+        applied = 0
+        async with httpx.AsyncClient(base_url=url, headers=auth, timeout=30.0) as client:
+
+            async def caller() -> None:
+                nonlocal applied
+                while asyncio.get_running_loop().time() < deadline:
+                    got = await client.post("/instances/inv-hot/events/restock", json=body)
+                    assert got.status_code in (200, 503), got.text
+                    applied += got.status_code == 200
+
+            await asyncio.gather(*(caller() for _ in range(40)))
+        return applied
+
+    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +110,10 @@ def server(pg_url: str) -> Iterator[Served]:
     tokens = f"ops:{OPS}:admin,viewer:{VIEWER}:read"
     try:
         with Services() as services:
+            # Two workers: every page and post may land on either, so a session made by one
+            # must be good at the other (the key is derived from the tokens, not per process).
             served = services.start(
-                "--database-url", pg_url, "--schema", schema,
+                "--database-url", pg_url, "--schema", schema, workers=2,
                 env={"FLOWLOCK_API_TOKEN": tokens},
             )  # fmt: skip
             _seed(served)
@@ -146,11 +177,11 @@ def test_every_page_is_refused_without_a_session(browser: Browser, server: Serve
 
 def test_list_filter_page_and_open_an_instance(browser: Browser, server: Served) -> None:
     page = _logged_in(browser, server, OPS)
-    expect(page.get_by_test_id("total")).to_have_text("62")
+    expect(page.get_by_test_id("total")).to_have_text("63")
     assert page.locator("table.grid tbody tr").count() == 50
     _shot(page, "02-instances")
     page.click("a[rel=next]")
-    assert page.locator("table.grid tbody tr").count() == 12
+    assert page.locator("table.grid tbody tr").count() == 13
     page.goto("/ui/")
     page.select_option("select[name=workflow]", "approval")
     page.select_option("select[name=state]", "approved")
@@ -235,7 +266,9 @@ def test_pause_and_resume_an_instance_and_a_workflow(browser: Browser, server: S
     page.context.close()
 
 
-def test_the_monitor_panel_refreshes_itself(browser: Browser, server: Served) -> None:
+def test_the_monitor_panel_refreshes_itself_and_shows_a_storm(
+    browser: Browser, server: Served
+) -> None:
     page = _logged_in(browser, server, OPS)
     page.goto("/ui/monitor")
     expect(page.get_by_test_id("monitor-panel")).to_be_visible()
@@ -243,6 +276,16 @@ def test_the_monitor_panel_refreshes_itself(browser: Browser, server: Served) ->
         pass
     assert r.value.status == 200
     expect(page.get_by_test_id("monitor-panel")).to_contain_text("escalated now")
+    # Real contention on one row, while the page polls: the row shows up in the panel (hot in
+    # the worker that saw its conflicts, escalated in both once the board shares it).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        storm = pool.submit(_storm, server.url, 8.0)
+        expect(page.locator("#monitor-panel a[href='/ui/instances/inv-hot']").first).to_be_visible(
+            timeout=20_000
+        )
+        _shot(page, "11-monitor-storm")
+        applied = storm.result(timeout=60)
+    assert applied > 0
     _shot(page, "10-monitor")
     page.context.close()
 
