@@ -444,3 +444,14 @@ async def test_the_monitor_panel_shows_escalations_and_hot_instances(svc: Servic
     assert '<span class="n" data-testid="active">1</span>' in panel.text
     assert 'href="/ui/instances/a-3"' in panel.text and "conflict rate" in panel.text
     assert "10.0%" in panel.text  # a-4: 1 conflict in 10 attempts, tracked but not escalated
+
+
+async def test_ui_without_a_slash_and_an_unknown_action(svc: Service) -> None:
+    root = await svc.client.get("/ui")
+    assert root.status_code == 307 and root.headers["location"] == "/ui/"
+    csrf = await log_in(svc.client, OPS)
+    unknown = await svc.client.post(
+        "/ui/actions/delete", data={"csrf": csrf, "target": "instance", "id": "a-1"}
+    )
+    assert unknown.status_code == 404
+    assert await _state(svc, "a-1") == ("pending", 1)
