@@ -86,6 +86,15 @@ class BorrowedRow:
     def keys(self) -> Iterator[str]:
         return iter(self._index)
 
+    def values(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return ((k, self._values[i]) for k, i in self._index.items())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self._values)
 
@@ -109,21 +118,23 @@ class Borrowed(abc.ABC):
     async def execute(self, sql: str, *args: Any, timeout: float | None = None) -> str:  # noqa: ASYNC109
         return (await self._run(sql, args, timeout))[1]
 
+    # Rows are typed as asyncpg's: a BorrowedRow reads as a Record does (by name or place,
+    # get, keys, values, items, iteration), which is all the store's code does with a row.
     async def fetch(
         self,
         sql: str,
         *args: Any,
         timeout: float | None = None,  # noqa: ASYNC109
-    ) -> list[BorrowedRow]:
-        return (await self._run(sql, args, timeout))[0]
+    ) -> list[asyncpg.Record]:
+        return cast("list[asyncpg.Record]", (await self._run(sql, args, timeout))[0])
 
     async def fetchrow(
         self,
         sql: str,
         *args: Any,
         timeout: float | None = None,  # noqa: ASYNC109
-    ) -> BorrowedRow | None:
-        rows = (await self._run(sql, args, timeout))[0]
+    ) -> asyncpg.Record | None:
+        rows = await self.fetch(sql, *args, timeout=timeout)
         return rows[0] if rows else None
 
     async def fetchval(

@@ -14,7 +14,6 @@ from typing import Any
 
 import asyncpg
 
-from flowlock._pg.borrowed import BorrowedRow
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
 
@@ -24,7 +23,6 @@ __all__ = [
     "MESSAGE_COLUMNS",
     "PAUSED_FROM",
     "TIMER_COLUMNS",
-    "Row",
     "entry_from_row",
     "instance_from_row",
     "json_object",
@@ -112,9 +110,6 @@ def message_columns(lag: str = "0::float8") -> str:
 
 MESSAGE_COLUMNS = message_columns()
 
-# A row as a connection reads it: asyncpg's, or a caller's psycopg connection (connection=).
-Row = asyncpg.Record | BorrowedRow
-
 # Anything that runs a query: a pool, a connection, a pooled connection.
 Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
@@ -132,7 +127,7 @@ def json_object(value: Any) -> Mapping[str, Any]:
     return json.loads(value) if isinstance(value, str) else value  # type: ignore[no-any-return]
 
 
-def instance_from_row(row: Row) -> Instance:
+def instance_from_row(row: asyncpg.Record) -> Instance:
     """An Instance from a row holding the instance columns."""
     return Instance(
         id=row["id"],
@@ -151,7 +146,7 @@ def instance_from_row(row: Row) -> Instance:
     )
 
 
-def timer_from_row(row: Row, prefix: str = "") -> Timer:
+def timer_from_row(row: asyncpg.Record, prefix: str = "") -> Timer:
     """A Timer from a row holding the timer columns (named `prefix` + column)."""
     return Timer(
         instance_id=row[prefix + "instance_id"],
@@ -167,7 +162,7 @@ def timer_from_row(row: Row, prefix: str = "") -> Timer:
     )
 
 
-def message_from_row(row: Row) -> Message:
+def message_from_row(row: asyncpg.Record) -> Message:
     """A Message from a row holding the message columns."""
     return Message(
         key=row["key"],
@@ -190,7 +185,7 @@ def message_from_row(row: Row) -> Message:
     )
 
 
-def entry_from_row(row: Row, prefix: str = "") -> HistoryEntry:
+def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
     """A HistoryEntry from a row holding the history columns (named `prefix` + column)."""
     return HistoryEntry(
         instance_id=row[prefix + "instance_id"],

@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 
 from flowlock._pg.errors import Context, in_doubt
-from flowlock._pg.rows import Row, entry_from_row, instance_from_row, timer_from_row
+from flowlock._pg.rows import entry_from_row, instance_from_row, timer_from_row
 from flowlock.core.errors import (
     FlowlockError,
     InstanceExists,
@@ -130,7 +130,9 @@ class Operations:
             raise InstanceExists(instance.id)
         return instance_from_row(row)
 
-    async def _create_keyed(self, conn: Conn, statement: str, args: tuple[Any, ...]) -> Row | None:
+    async def _create_keyed(
+        self, conn: Conn, statement: str, args: tuple[Any, ...]
+    ) -> asyncpg.Record | None:
         """CREATE_KEYED (or its armed twin); None when it inserted nothing (the id taken, or
         the key recorded)."""
         timeout, sql = self._s.timeout, self._s.sql(statement)
@@ -164,7 +166,6 @@ class Operations:
 
     async def read(self, instance_id: str, request_ids: Sequence[str]) -> Snapshot:
         ids, timeout, sql = tuple(dict.fromkeys(request_ids)), self._s.timeout, self._s.sql
-        rows: Sequence[Row]
         async with self._s.conn(instance_id) as conn:
             # Why three statements: the one-id read is the hot path, one row at most.
             if len(ids) > 1:
@@ -457,7 +458,6 @@ async def _locked_step(
     # The request-id lookup is its own statement, so its snapshot is taken after the lock was
     # granted and sees a duplicate request committed while this call waited.
     ids = tuple(dict.fromkeys(request_ids))
-    rows: Sequence[Row]
     if len(ids) == 1:
         found = await conn.fetchrow(s.sql(PRIOR), instance_id, ids[0], timeout=bound)
         rows = [] if found is None else [found]

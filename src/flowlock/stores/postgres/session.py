@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
-from flowlock._pg.borrowed import AsyncPsycopg, Borrowed, BorrowedRow
+from flowlock._pg.borrowed import AsyncPsycopg, Borrowed
 from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_errors
 from flowlock._pg.pool import connection, terminate
 from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
@@ -112,7 +112,7 @@ async def _on(conn: Conn, context: Context) -> AsyncIterator[Conn]:
 
 async def guarded_cas(
     conn: Conn, sql: str, args: tuple[Any, ...], bound: float
-) -> asyncpg.Record | BorrowedRow | None:
+) -> asyncpg.Record | None:
     """The compare-and-swap `sql` in a savepoint of its own. In a transaction flowlock does not
     end, a duplicate request id must undo this statement only, leaving the transaction usable for
     the re-read that answers the request idempotently."""
