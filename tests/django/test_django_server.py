@@ -1,10 +1,11 @@
-"""tests/django's project served by a real Django server (`manage.py runserver`'s command, threaded,
-in a process of its own) and driven over HTTP: a view's own row and its transition commit
+"""tests/django's project served by real Django servers (`manage.py runserver`'s command, threaded,
+two processes on one database) and driven over HTTP: a view's own row and its transition commit
 together or not at all, concurrent requests on one instance apply one decision, and the admin's
 fire action, logged in through the login form, applies once when its form is sent twice."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -31,18 +32,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(django_project: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The project under `django-admin runserver` on a free port; its base URL."""
+@contextlib.contextmanager
+def _runserver(schema: str, log_dir: Path) -> Iterator[str]:
+    """The project under `django-admin runserver` (threaded) on a free port; its base URL."""
     port = _free_port()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "djsettings",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "FLOWLOCK_DJANGO_SCHEMA": django_project,
+        "FLOWLOCK_DJANGO_SCHEMA": schema,
         "FLOWLOCK_TEST_DATABASE_URL": dj_kit.url(),
     }
-    log = open(tmp_path_factory.mktemp("django") / "server.log", "w+b")  # noqa: SIM115
+    log = open(log_dir / f"server-{port}.log", "w+b")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "django", "runserver", f"127.0.0.1:{port}", "--noreload"],
         env=env,
@@ -51,7 +52,7 @@ def server(django_project: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             try:
                 if httpx.get(f"{base}/admin/login/", timeout=2).status_code == 200:
@@ -71,6 +72,19 @@ def server(django_project: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             proc.kill()
             proc.wait(5)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(django_project: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two Django server processes on the same project and database; their base URLs."""
+    log_dir = tmp_path_factory.mktemp("django")
+    with _runserver(django_project, log_dir) as one, _runserver(django_project, log_dir) as two:
+        yield [one, two]
+
+
+@pytest.fixture
+def server(servers: list[str]) -> str:
+    return servers[0]
 
 
 def _seen(iid: str) -> tuple[str | None, int, int]:
@@ -105,13 +119,17 @@ def test_a_view_commits_its_row_and_the_transition_together(server: str) -> None
     assert _seen(f"missing-{kept}") == (None, 0, 0)
 
 
-def test_concurrent_requests_apply_one_decision(server: str) -> None:
+def test_concurrent_requests_on_two_servers_apply_one_decision(servers: list[str]) -> None:
     from flowlock.contrib.django import engine
 
     iid = f"webrace-{uuid.uuid4().hex[:8]}"
     engine().create("approval", instance_id=iid)
+
+    def post(i: int) -> httpx.Response:
+        return client.post(f"{servers[i % 2]}/orders/{iid}/approve")
+
     with httpx.Client(timeout=30) as client, ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(lambda i: client.post(f"{server}/orders/{iid}/approve"), range(24)))
+        answers = list(pool.map(post, range(24)))
     codes = sorted(a.status_code for a in answers)
     applied = [a for a in answers if a.status_code == 200 and a.json()["applied"]]
     assert len(applied) == 1, [a.text for a in answers]
