@@ -230,3 +230,17 @@ async def test_a_statement_past_its_bound_is_cancelled_on_the_server(pg_url: str
             assert caught.value.sqlstate == "23505"
         finally:
             borrowed.close()
+
+
+async def test_an_async_statement_past_its_bound_is_cancelled_too(pg_url: str) -> None:
+    from flowlock._pg.borrowed import AsyncPsycopg
+
+    async with await psycopg.AsyncConnection.connect(pg_url) as conn:
+        borrowed = AsyncPsycopg(conn)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await borrowed.fetchval("SELECT pg_sleep(30)", timeout=0.3)
+        assert time.monotonic() - started < 5
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+        await conn.rollback()
+        assert await borrowed.fetchval("SELECT 41 + $1", 1, timeout=5) == 42
