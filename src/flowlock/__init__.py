@@ -15,6 +15,7 @@ from flowlock.errors import __all__ as _ERROR_NAMES
 if TYPE_CHECKING:
     from flowlock import checker, errors, http, jobs, outbox, sync
     from flowlock import examples as examples
+    from flowlock.core.bulk import BulkReport
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
         ConcurrencyError,
@@ -79,6 +80,7 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
+    "BulkReport": "flowlock.core.bulk",
     "ConflictMonitor": "flowlock.strategies.monitor",
     "Metrics": "flowlock.metrics",
     "Optimistic": "flowlock.strategies.optimistic",
@@ -92,6 +94,7 @@ _SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbo
 
 __all__ = [
     "Adaptive",
+    "BulkReport",
     "ConcurrencyError",
     "ConflictMonitor",
     "ConflictRetriesExhausted",

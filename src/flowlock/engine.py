@@ -28,6 +28,7 @@ from flowlock._calls import (
     transactional,
 )
 from flowlock._firing import Fire, Runner, failure_label
+from flowlock.admin.bulk import BulkMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
@@ -93,7 +94,7 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods):
+class Engine(BulkMethods, OutboxMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
