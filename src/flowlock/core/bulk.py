@@ -77,6 +77,20 @@ class BulkReport:
         """Nothing failed and the run was not stopped."""
         return not self.failed and self.stopped is None
 
+    def summary(self) -> dict[str, Any]:
+        """Every field but the sample, as JSON-ready values (the CLI's and HTTP's answer add
+        the sample in their own shape)."""
+        return {
+            "operation_id": self.operation_id,
+            "action": self.action,
+            "dry_run": self.dry_run,
+            "matched": self.matched,
+            "applied": self.applied,
+            "skipped": self.skipped,
+            "failed": dict(self.failed),
+            "stopped": self.stopped,
+        }
+
 
 def check_operation_id(value: object) -> str:
     """A caller's operation id: a letter or digit, then letters, digits, `_`, `.`, `-`, at most

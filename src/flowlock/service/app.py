@@ -19,6 +19,7 @@ from flowlock.engine import Engine, connect
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.service.apidoc import PROBLEM_DOC
+from flowlock.service.bulk_routes import bulk_routes
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
 from flowlock.service.health import Probes, health_routes
@@ -85,6 +86,7 @@ def create_app(
     definition_routes(app, engine)
     instance_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
+    bulk_routes(app, engine, settings)
     app.add_middleware(RequestGuard, tokens=settings.api_tokens, max_body=settings.max_body_bytes)
     return app
 
