@@ -344,19 +344,19 @@ async def _walk(
 
     async def pages() -> None:
         cursor: str | None = None
-        try:
-            while tally.stopped is None:
-                page = await engine.list(
-                    q.workflow, q.states, q.updated_before, q.updated_after, batch, cursor
-                )
-                for inst in page:
-                    await queue.put(inst)
-                cursor = page.next_cursor
-                if cursor is None:
-                    break
-        finally:
-            for _ in range(concurrency):
-                await queue.put(None)
+        while tally.stopped is None:
+            page = await engine.list(
+                q.workflow, q.states, q.updated_before, q.updated_after, batch, cursor
+            )
+            for inst in page:
+                await queue.put(inst)
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        # Not in a finally: on a failure or a cancel the task group cancels the workers, and a
+        # put into a full queue nobody takes from would never end.
+        for _ in range(concurrency):
+            await queue.put(None)
 
     async def work() -> None:
         while (inst := await queue.get()) is not None:

@@ -77,9 +77,7 @@ class BulkOut(BaseModel):
     dry_run: bool
     matched: int = Field(description="Instances matching when the run began.")
     applied: int
-    skipped: int = Field(
-        description="Done before under this id, nothing to do, or moved since."
-    )
+    skipped: int = Field(description="Done before under this id, nothing to do, or moved since.")
     failed: dict[str, str] = Field(description="Instance id -> the error that refused it.")
     sample: list[InstanceOut] = Field(description="The first instances selected, in id order.")
     stopped: str | None = Field(description="Why the run stopped early (max_failures), or null.")
