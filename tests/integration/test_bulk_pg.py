@@ -25,6 +25,7 @@ import flowlock
 import pg_budget
 from bulk_kit import METER, meter
 from flowlock.checker import check_many
+from flowlock.core.bulk import BulkAction
 
 pytestmark = pytest.mark.postgres
 
@@ -166,7 +167,7 @@ async def _check_all(
 
 
 async def _under_traffic(
-    factory: EngineFactory, pg_url: str, schema: str, tmp: Path, n: int, action: str
+    factory: EngineFactory, pg_url: str, schema: str, tmp: Path, n: int, action: BulkAction
 ) -> None:
     engine = await _engine(factory)
     callers_engine = await _engine(factory)
@@ -200,7 +201,7 @@ async def _under_traffic(
 
 @pytest.mark.parametrize("action", ["force", "fire"])
 async def test_bulk_of_1000_under_100_callers_and_a_process(
-    pg_engine_factory: EngineFactory, pg_url: str, pg_schema: str, tmp_path: Path, action: str
+    pg_engine_factory: EngineFactory, pg_url: str, pg_schema: str, tmp_path: Path, action: BulkAction
 ) -> None:
     """1,000 instances, the quick suite's size of the 10,000 run below."""
     await _under_traffic(pg_engine_factory, pg_url, pg_schema, tmp_path, 1000, action)
@@ -216,7 +217,7 @@ async def test_bulk_force_of_10000_under_100_callers_and_a_process(
 
 @pytest.mark.parametrize("action", ["force", "fire"])
 async def test_bulk_alone_throughput(
-    pg_engine_factory: EngineFactory, pg_schema: str, pg_url: str, action: str
+    pg_engine_factory: EngineFactory, pg_schema: str, pg_url: str, action: BulkAction
 ) -> None:
     """The same run with no traffic, for its throughput; every instance done once."""
     engine = await _engine(pg_engine_factory)
@@ -234,7 +235,7 @@ async def test_bulk_alone_throughput(
 
 @pytest.mark.parametrize("action", ["force", "fire"])
 async def test_a_cancelled_run_run_again_does_the_rest_once(
-    pg_engine_factory: EngineFactory, pg_url: str, pg_schema: str, action: str
+    pg_engine_factory: EngineFactory, pg_url: str, pg_schema: str, action: BulkAction
 ) -> None:
     """The run is cancelled a third of the way through (a crash of its caller); the same call
     again replays what was done (skipped) and does the rest: one bulk row per instance."""
