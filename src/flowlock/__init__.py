@@ -15,6 +15,14 @@ from flowlock.errors import __all__ as _ERROR_NAMES
 if TYPE_CHECKING:
     from flowlock import checker, errors, http, jobs, outbox, sync
     from flowlock import examples as examples
+    from flowlock.core.admin import (
+        FORCE_EVENT,
+        PAUSE_EVENT,
+        RESUME_EVENT,
+        InstancePaused,
+        UnknownState,
+        WorkflowPause,
+    )
     from flowlock.core.bulk import BulkReport
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
@@ -74,6 +82,17 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(_ERROR_NAMES, "flowlock.core.errors"),
     **dict.fromkeys(("Step", "Transition", "Workflow"), "flowlock.core.definition"),
     **dict.fromkeys(
+        (
+            "FORCE_EVENT",
+            "PAUSE_EVENT",
+            "RESUME_EVENT",
+            "InstancePaused",
+            "UnknownState",
+            "WorkflowPause",
+        ),
+        "flowlock.core.admin",
+    ),
+    **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
     **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
@@ -93,6 +112,9 @@ _WHERE: dict[str, str] = {
 _SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbox", "sync"})
 
 __all__ = [
+    "FORCE_EVENT",
+    "PAUSE_EVENT",
+    "RESUME_EVENT",
     "Adaptive",
     "BulkReport",
     "ConcurrencyError",
@@ -115,6 +137,7 @@ __all__ = [
     "Instance",
     "InstanceExists",
     "InstanceNotFound",
+    "InstancePaused",
     "InvalidInput",
     "LockBusy",
     "LockError",
@@ -148,9 +171,11 @@ __all__ = [
     "TransitionNotAllowed",
     "TransitionRefused",
     "UnknownEvent",
+    "UnknownState",
     "UnknownWorkflow",
     "VersionMismatch",
     "Workflow",
+    "WorkflowPause",
     "__version__",
     "checker",
     "connect",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from flowlock.core.errors import CreateKeyReused, InvalidInput
 from flowlock.core.jsondata import same_json
-from flowlock.core.models import TIMER_PREFIX, Instance, Timing
+from flowlock.core.models import RESERVED_EVENTS, TIMER_PREFIX, Instance, Timing
 from flowlock.core.settings import check_text as _text
 from flowlock.stores.base import Store, TransactionalStore
 
@@ -38,10 +38,15 @@ def check_fire_args(
     actor: str | None,
     request_id: str | None,
     expected_version: int | None,
+    *,
+    repair: bool = False,
 ) -> None:
-    """Every argument of `fire` but the payload, checked before anything is read."""
+    """Every argument of `fire` but the payload, checked before anything is read. `repair`:
+    the event is one of the operator's reserved ones, which no caller of `fire` may send."""
     check_text(instance_id, "instance_id")
-    if not isinstance(event, str) or not _EVENT.fullmatch(event):
+    if repair:
+        assert event in RESERVED_EVENTS
+    elif not isinstance(event, str) or not _EVENT.fullmatch(event):
         raise InvalidInput(
             f"event {event!r} is not a valid event name (a letter, then letters, digits, "
             "'_', '.', '-'; at most 100 characters)"

@@ -29,13 +29,10 @@ from flowlock._calls import (
 )
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock.admin.bulk import BulkMethods
+from flowlock.admin.repair import RepairMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import (
-    EngineClosed,
-    InvalidInput,
-    UnknownWorkflow,
-)
+from flowlock.core.errors import EngineClosed, InvalidInput, UnknownWorkflow
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
 from flowlock.core.models import (
     TIMER_ACTOR,
@@ -94,7 +91,7 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(BulkMethods, OutboxMethods):
+class Engine(OutboxMethods, RepairMethods, BulkMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
@@ -484,13 +481,16 @@ class Engine(BulkMethods, OutboxMethods):
         connection: Connection | None,
         timer: TimerFiring | None,
         /,
+        *,
+        repair: bool = False,
     ) -> Outcome:
+        # repair: an operator's reserved event (flowlock.admin.repair), run alone, unbatched.
         started = time.perf_counter()
         # Without OpenTelemetry this line is the whole cost of tracing (flowlock.tracing).
         span = tracing.start_fire(instance_id, event) if tracing.AVAILABLE else None
         try:
             self._check_open()
-            check_fire_args(instance_id, event, actor, request_id, expected_version)
+            check_fire_args(instance_id, event, actor, request_id, expected_version, repair=repair)
             body = self._check_data(payload, "payload")
             call = Call(
                 instance_id=instance_id,
@@ -522,7 +522,7 @@ class Engine(BulkMethods, OutboxMethods):
                     span.chose(chosen.name)
                 call = dataclasses.replace(call, strategy=chosen.name)
                 fire, runner, batcher = Fire(call, started, span), self._runner, self._batcher
-                if batcher is None or not batchable(chosen):
+                if batcher is None or repair or not batchable(chosen):
                     outcome = await runner.alone(chosen, self._store, fire)
                 else:
                     # Keyed by the strategy object too: calls asking for different strategies

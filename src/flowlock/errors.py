@@ -1,5 +1,7 @@
-"""Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors`."""
+"""Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors` (and
+of the repairs' two, defined beside them in `flowlock.core.admin`)."""
 
+from flowlock.core.admin import InstancePaused, UnknownState
 from flowlock.core.errors import (
     ConcurrencyError,
     ConflictRetriesExhausted,
@@ -54,6 +56,7 @@ __all__ = [
     "IdempotencyKeyReused",
     "InstanceExists",
     "InstanceNotFound",
+    "InstancePaused",
     "InvalidInput",
     "LockBusy",
     "LockError",
@@ -74,6 +77,7 @@ __all__ = [
     "TransitionNotAllowed",
     "TransitionRefused",
     "UnknownEvent",
+    "UnknownState",
     "UnknownWorkflow",
     "VersionMismatch",
 ]

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from flowlock import tracing
+from flowlock.core.admin import InstancePaused
 from flowlock.core.errors import (
     ConcurrencyError,
     DefinitionError,
@@ -66,7 +67,7 @@ RETRY_FIRING = 0.25
 store; its claim given back) and the service's next look: soon, but no tight loop while the
 reason lasts."""
 
-OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "failed")
+OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "paused", "failed")
 """The `outcome` label of `flowlock_timer_firings_total`:
 
 - applied: this engine's firing wrote the transition;
@@ -75,6 +76,8 @@ OUTCOMES = ("applied", "idempotent", "stale", "refused", "cancelled", "failed")
 - refused: the guard refused; that firing is cancelled (a reminder's next one stays armed);
 - cancelled: the event no longer fires from the state (a changed definition), or the
   instance is gone; the timer is deleted;
+- paused: an operator paused the instance or its workflow; the timer is kept, claimed until
+  its lease runs out (the back-off), then due again, as often as it takes, until a resume;
 - failed: it may succeed later. A lock, a lost race or the store: the claim is given up and
   the timer fires again soon. A step that failed, or an event this engine's definition does
   not know (an older engine in a rolling deploy): the claim runs out, then any engine may
@@ -227,7 +230,8 @@ class TimerService:
                     current.set_attribute("flowlock.timer.outcome", label)
         except Exception:  # a bug: logged, never kills the service
             log.exception("flowlock timers: firing %s crashed", _name(timer))
-        self.fired += 1
+        if label != "paused":  # a paused one was not fired: it waits for its lease, then is due
+            self.fired += 1
         if timer.every is not None or len(self._flights) <= 1:
             # A reminder moved on, or the last firing in flight landed: the next due time may
             # have changed (a commit elsewhere notifies only when it arms the earliest timer).
@@ -243,6 +247,11 @@ class TimerService:
         except StaleTimer:
             await store.drop_timer(timer)  # its stay ended: no later firing either
             return "stale"
+        except InstancePaused as exc:
+            # Kept, and left claimed: the lease is the back-off. Given back now, it would be
+            # claimed again at once, in a loop as long as the pause.
+            log.info("flowlock timers: %s waits: %s", _name(timer), exc)
+            return "paused"
         except GuardRejected as exc:
             log.info("flowlock timers: %s refused by its guard: %s", _name(timer), exc.reason)
             await store.cancel_timer(timer)  # this firing only: a reminder's next one stays

@@ -201,7 +201,11 @@ async def _under_traffic(
 
 @pytest.mark.parametrize("action", ["force", "fire"])
 async def test_bulk_of_1000_under_100_callers_and_a_process(
-    pg_engine_factory: EngineFactory, pg_url: str, pg_schema: str, tmp_path: Path, action: BulkAction
+    pg_engine_factory: EngineFactory,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    action: BulkAction,
 ) -> None:
     """1,000 instances, the quick suite's size of the 10,000 run below."""
     await _under_traffic(pg_engine_factory, pg_url, pg_schema, tmp_path, 1000, action)

@@ -27,6 +27,8 @@ PUBLIC = {
     "SyncCallInEventLoop", "Timer", "TooManyConnections", "Transition", "TransitionNotAllowed",
     "TransitionRefused", "UnknownEvent", "UnknownWorkflow", "VersionMismatch", "Workflow",
     "__version__", "checker", "connect", "errors", "fencing_token", "http", "jobs", "sync",
+    "FORCE_EVENT", "PAUSE_EVENT", "RESUME_EVENT", "InstancePaused", "UnknownState",
+    "WorkflowPause",
 }  # fmt: skip
 
 

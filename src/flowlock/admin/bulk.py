@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast
 
 from flowlock._calls import check_fire_args, check_text
+from flowlock.core.admin import UnknownState, check_reason
 from flowlock.core.bulk import (
     BULK_ACTIONS,
     BulkAction,
@@ -293,7 +294,7 @@ class BulkMethods:
         if actor is not None:
             check_text(actor, "actor")
         if reason is not None:
-            check_text(reason, "reason")
+            check_reason(reason)
         elif action in ("force", "pause"):
             raise InvalidInput(f"bulk {action} needs a reason (it is kept in each history row)")
         if action == "force":
@@ -313,10 +314,7 @@ class BulkMethods:
             if wf is None:
                 raise UnknownWorkflow(query.workflow, tuple(self._workflows))
             if action == "force" and state not in wf.states:
-                raise InvalidInput(
-                    f"workflow {wf.name!r} has no state {state!r}; its states are "
-                    f"{', '.join(wf.states)}. Nothing was read or written"
-                )
+                raise UnknownState(wf.name, str(state), tuple(wf.states))
 
 
 _TAKES: Final[Mapping[str, frozenset[str]]] = {

@@ -10,6 +10,7 @@ as attributes: the current state, the current version, the attempts made.
     │   ├── PayloadTooLarge
     │   ├── UnknownWorkflow
     │   ├── UnknownEvent
+    │   ├── UnknownState             force to a state the workflow lacks (flowlock.core.admin)
     │   └── IdempotencyKeyReused     a request_id sent again with another event or payload
     │       └── CreateKeyReused      a create's request_id sent again with another create
     ├── InstanceNotFound
@@ -21,6 +22,7 @@ as attributes: the current state, the current version, the attempts made.
     │   ├── TransitionNotAllowed     not allowed from the current state
     │   │   └── StaleTimer           a timer fired after the stay that armed it ended
     │   └── GuardRejected            a guard said no (business rule: "out of stock")
+    ├── InstancePaused               an operator paused it or its workflow (flowlock.core.admin)
     ├── VersionMismatch              expected_version / If-Match is stale
     ├── StepFailed                   a guard or effect raised an exception of its own
     ├── ConcurrencyError             lost to other callers; safe to retry later

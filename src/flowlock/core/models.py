@@ -15,6 +15,10 @@ from typing import Any, overload
 from flowlock.core.outbox import Emit
 
 __all__ = [
+    "FORCE_EVENT",
+    "PAUSE_EVENT",
+    "RESERVED_EVENTS",
+    "RESUME_EVENT",
     "TIMER_ACTOR",
     "TIMER_PREFIX",
     "Escalation",
@@ -27,6 +31,7 @@ __all__ = [
     "Timer",
     "TimerFiring",
     "Timing",
+    "paused_after",
     "timer_request_id",
 ]
 
@@ -34,6 +39,21 @@ TIMER_ACTOR = "flowlock:timer"
 """The `actor` of every history row a timer wrote."""
 TIMER_PREFIX = "timer:"
 """How the request id of every timer firing starts (callers may not use it)."""
+# The operator's repairs are history rows of their own events. A user's event name never holds
+# a ':' (see flowlock._calls), so these never clash with one. Re-exported by flowlock.core.admin.
+FORCE_EVENT = "flowlock:force"
+PAUSE_EVENT = "flowlock:pause"
+RESUME_EVENT = "flowlock:resume"
+RESERVED_EVENTS = frozenset({FORCE_EVENT, PAUSE_EVENT, RESUME_EVENT})
+_KINDS = {FORCE_EVENT: "forced", PAUSE_EVENT: "pause", RESUME_EVENT: "resume"}
+
+
+def paused_after(paused: bool, event: str) -> bool:
+    """Whether an instance is paused once a row of `event` is applied to it (it was `paused`):
+    a pause row pauses it, a resume row resumes it, any other row leaves it as it was."""
+    if event == PAUSE_EVENT:
+        return True
+    return False if event == RESUME_EVENT else paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +64,9 @@ class Instance:
     last applied event, None until the first. `stay_version` is the version at which the
     instance entered its current state (its stay; timers belong to one stay). `next_timer` is
     its earliest armed timer, filled in by `engine.get` (None elsewhere, or with none armed).
+    `paused`: an operator paused this instance (`engine.pause`); `workflow_paused`: its whole
+    workflow is paused, read with the instance (a commit's answer may leave it False). Either
+    way `fire` refuses it with InstancePaused; `force` still works.
     """
 
     id: str
@@ -56,6 +79,8 @@ class Instance:
     updated_at: datetime | None = None
     stay_version: int | None = None
     next_timer: Timer | None = dataclasses.field(default=None, compare=False)
+    paused: bool = False
+    workflow_paused: bool = dataclasses.field(default=False, compare=False)
 
     def evolve(self, **changes: Any) -> Instance:
         """A copy with `changes` applied."""
@@ -100,6 +125,24 @@ class HistoryEntry:
     def enters(self) -> bool:
         """Whether this entry begins a new stay (it changes the state)."""
         return self.from_state != self.to_state
+
+    @property
+    def forced(self) -> bool:
+        """Whether an operator forced this move (`engine.force`), outside the definition."""
+        return self.event == FORCE_EVENT
+
+    @property
+    def kind(self) -> str:
+        """ "forced", "pause", "resume" (an operator's repair) or "transition" (a fired event)."""
+        return _KINDS.get(self.event, "transition")
+
+    @property
+    def reason(self) -> str | None:
+        """The operator's reason of a repair row; None for a transition (or a bare resume)."""
+        if self.event not in _KINDS:
+            return None
+        reason = self.payload.get("reason")
+        return reason if isinstance(reason, str) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flowlock.core.admin import InstancePaused
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
     FlowlockError,
@@ -14,14 +15,15 @@ from flowlock.core.errors import (
 __all__ = ["OUTCOMES", "failure_outcome"]
 
 OUTCOMES = ("applied", "idempotent", "refused", "conflict", "lock_error", "invalid", "error")
-"""The `outcome` label: applied / idempotent (the two successes), refused (a business rule or
-a state that does not allow the event), conflict (optimistic retries exhausted), lock_error
-(timeout, busy, lost, backend down), invalid (bad input, unknown instance), error (the rest)."""
+"""The `outcome` label: applied / idempotent (the two successes), refused (a business rule,
+a state that does not allow the event, or a pause), conflict (optimistic retries exhausted),
+lock_error (timeout, busy, lost, backend down), invalid (bad input, unknown instance), error
+(the rest)."""
 
 
 def failure_outcome(exc: FlowlockError) -> str:
     """The `outcome` label of a `fire` call that raised `exc`."""
-    if isinstance(exc, TransitionRefused):
+    if isinstance(exc, TransitionRefused | InstancePaused):
         return "refused"
     if isinstance(exc, ConflictRetriesExhausted):
         return "conflict"

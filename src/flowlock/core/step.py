@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flowlock.core.admin import decide_repair, refuse_paused
 from flowlock.core.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.core.errors import (
     DefinitionError,
@@ -26,7 +27,14 @@ from flowlock.core.errors import (
     VersionMismatch,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
-from flowlock.core.models import HistoryEntry, Instance, Snapshot, TimerFiring
+from flowlock.core.models import (
+    RESERVED_EVENTS,
+    HistoryEntry,
+    Instance,
+    Snapshot,
+    TimerFiring,
+    paused_after,
+)
 from flowlock.core.outbox import Emit
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
@@ -67,6 +75,7 @@ def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
         data=entry.data,
         last_event=entry.event,
         updated_at=entry.at,
+        paused=paused_after(current.paused, entry.event),
     )
 
 
@@ -251,6 +260,13 @@ def _decide(
     wf = workflows.get(inst.workflow)
     if wf is None:
         raise UnknownWorkflow(inst.workflow, tuple(workflows))
+    if call.event in RESERVED_EVENTS:
+        # An operator's repair (flowlock.core.admin): it works on a paused instance too.
+        repair = decide_repair(wf, inst, call)
+        return Idempotent(inst) if repair is None else repair
+    if inst.paused or inst.workflow_paused:
+        # After the replay above: a repeated request still answers its first outcome.
+        raise refuse_paused(inst)
     transition = wf.transitions.get(call.event)
     if transition is None:
         raise UnknownEvent(wf.name, call.event, tuple(wf.transitions))
@@ -332,6 +348,7 @@ def _after(inst: Instance, entry: HistoryEntry) -> Instance:
         data=entry.data,
         last_event=entry.event,
         stay_version=entry.version if entry.enters else inst.stay_version,
+        paused=paused_after(inst.paused, entry.event),
     )
 
 

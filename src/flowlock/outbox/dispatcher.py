@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from flowlock import tracing
+from flowlock.core.admin import InstancePaused
 from flowlock.core.errors import (
     ConcurrencyError,
     DefinitionError,
@@ -109,9 +110,9 @@ OUTCOMES = ("done", "then", "retried", "dead")
 
 # What the workflow answers a Then that can never apply as it is: trying again cannot help.
 _REFUSED_THEN = (TransitionRefused, InvalidInput, StepFailed, InstanceNotFound, DefinitionError)
-# What may pass: a lost race, the store, or a workflow this engine has not registered (yet, or
-# in a rolling deploy another engine knows it).
-_RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow)
+# What may pass: a lost race, the store, a workflow this engine has not registered (yet, or
+# in a rolling deploy another engine knows it), or an instance an operator paused.
+_RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow, InstancePaused)
 
 
 @dataclass(slots=True)

@@ -36,8 +36,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
+    PAUSE_EVENT,
+    RESUME_EVENT,
     Escalation,
     HistoryEntry,
     Instance,
@@ -53,6 +56,7 @@ __all__ = [
     "EscalationBoard",
     "LockedResult",
     "OutboxStore",
+    "PauseStore",
     "Plan",
     "RowLock",
     "Store",
@@ -64,8 +68,10 @@ __all__ = [
 
 def entries_of(entries: Sequence[HistoryEntry]) -> tuple[HistoryEntry, ...]:
     """`entries` as a tuple, checked to be one instance's contiguous batch: at least one entry,
-    one instance id, versions that follow each other, no request id twice. A store calls it before
-    anything is written; InvalidInput says what is wrong (a strategy's bug, never a caller's)."""
+    one instance id, versions that follow each other, no request id twice, a pause or resume
+    entry only last (the store sets the instance's `paused` from the batch's last entry). A store
+    calls it before anything is written; InvalidInput says what is wrong (a strategy's bug, never
+    a caller's)."""
     batch = tuple(entries)
     if not batch:
         raise InvalidInput("a commit takes at least one history entry; nothing was written")
@@ -85,6 +91,12 @@ def entries_of(entries: Sequence[HistoryEntry]) -> tuple[HistoryEntry, ...]:
                     f"{first.instance_id!r}; nothing was written"
                 )
             seen.add(entry.request_id)
+        if entry.event in (PAUSE_EVENT, RESUME_EVENT) and i != len(batch) - 1:
+            raise InvalidInput(
+                f"entry {i} of a batch for {first.instance_id!r} is a {entry.event!r} row, which "
+                "must be its batch's last (the engine runs pauses and resumes alone); nothing "
+                "was written"
+            )
     return batch
 
 
@@ -191,6 +203,28 @@ class Store(Protocol):
 
     async def count_instances(self, query: InstanceQuery) -> int:
         """How many instances match `query`. One consistent read."""
+
+
+@runtime_checkable
+class PauseStore(Protocol):
+    """Where whole workflows are paused: one row per paused workflow (every store is one).
+
+    Every read that feeds a decision (`read`, `apply_locked`, and `get`, `list_instances`) sets
+    `Instance.workflow_paused` from it, in the same consistent read as the instance, so a
+    `fire` after `pause_workflow` returned is refused on every engine."""
+
+    async def pause_workflow(self, workflow: str, reason: str, actor: str | None) -> WorkflowPause:
+        """Pause `workflow` (the row's `at` on the store's clock) and return the pause; when it
+        is paused already, the pause in place, unchanged."""
+        ...
+
+    async def resume_workflow(self, workflow: str) -> WorkflowPause | None:
+        """Lift the pause of `workflow` and return it; None when it was not paused."""
+        ...
+
+    async def workflow_pauses(self) -> list[WorkflowPause]:
+        """Every paused workflow, by name."""
+        ...
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
+from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -29,6 +30,7 @@ from flowlock.core.models import (
     Snapshot,
     Timer,
     Timing,
+    paused_after,
 )
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
@@ -48,6 +50,10 @@ def _rows(batch: tuple[HistoryEntry, ...]) -> tuple[HistoryEntry, ...]:
     """The history rows of a checked batch, their data and payload copied through JSON: done
     before the compare-and-swap, so data that is not JSON raises before anything is written."""
     return tuple(_copy_entry(entry) for entry in batch)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 class MemoryBoard:
@@ -106,6 +112,7 @@ class MemoryStore(MemoryOutbox):
         # Armed timers by instance id, then (stay, event); the events of armed() waiters.
         self._timers: dict[str, dict[tuple[int, str], _Armed]] = {}
         self._armed_events: set[ArmedSignal] = set()
+        self._pauses: dict[str, WorkflowPause] = {}
         self._init_outbox()
         self._open = False
 
@@ -127,7 +134,11 @@ class MemoryStore(MemoryOutbox):
         inst = self._instances.get(instance_id)
         if inst is None:
             raise InstanceNotFound(instance_id)
-        return inst.evolve(data=_copy(inst.data))
+        return self._shown_instance(inst)
+
+    def _shown_instance(self, inst: Instance) -> Instance:
+        """A copy of a stored instance as a read answers it: with its workflow's pause."""
+        return inst.evolve(data=_copy(inst.data), workflow_paused=inst.workflow in self._pauses)
 
     async def create(
         self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
@@ -224,6 +235,7 @@ class MemoryStore(MemoryOutbox):
             last_event=last.event,
             updated_at=now,
             stay_version=current.stay_version if entered is None else entered.version,
+            paused=paused_after(current.paused, last.event),
         )
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)
@@ -479,12 +491,28 @@ class MemoryStore(MemoryOutbox):
             (i for i in self._instances.values() if i.id > start and query.matches(i)),
             key=lambda i: i.id,
         )
-        return [i.evolve(data=_copy(i.data)) for i in found]
+        return [self._shown_instance(i) for i in found]
 
     async def count_instances(self, query: InstanceQuery) -> int:
         self._check()
         await asyncio.sleep(0)
         return sum(1 for i in self._instances.values() if query.matches(i))
+
+    # -- workflow pauses ----------------------------------------------------------------------
+
+    async def pause_workflow(self, workflow: str, reason: str, actor: str | None) -> WorkflowPause:
+        self._check()
+        await asyncio.sleep(0)
+        return self._pauses.setdefault(workflow, WorkflowPause(workflow, reason, actor, _now()))
+
+    async def resume_workflow(self, workflow: str) -> WorkflowPause | None:
+        self._check()
+        await asyncio.sleep(0)
+        return self._pauses.pop(workflow, None)
+
+    async def workflow_pauses(self) -> list[WorkflowPause]:
+        self._check()
+        return [self._pauses[name] for name in sorted(self._pauses)]
 
     # -- the adaptive strategy's escalation board: engines sharing this store share it --------
 
