@@ -335,3 +335,55 @@ def test_an_age_selects_by_the_time_of_the_last_change(sqlite_url: str) -> None:
     since = _admin(sqlite_url, "fire", "--event", "hold", "--updated-after", hour_ago,
                    "--dry-run", "--json")  # fmt: skip
     assert json.loads(since.output)["matched"] == 25
+
+
+# -- force, pause, resume ----------------------------------------------------------------------
+
+
+async def test_bulk_force_writes_one_forced_row_per_instance(engine: flowlock.Engine) -> None:
+    ids = await _make(engine, 9)
+    await engine.fire(ids[0], "bump")
+    args: dict[str, Any] = {"state": "held", "reason": "stuck after the outage", "actor": ACTOR}
+    report = await engine.bulk("force", workflow=METER, states="open", batch=4, **args)
+    assert (report.matched, report.applied, report.skipped, report.failed) == (9, 9, 0, {})
+    for iid in ids:
+        inst, history = await engine.get(iid), await engine.history(iid)
+        assert inst.state == "held"
+        forced = [e for e in history if e.forced]
+        assert len(forced) == 1
+        assert forced[0].request_id == f"bulk:{report.operation_id}:{iid}"
+        assert (forced[0].actor, forced[0].reason) == (ACTOR, "stuck after the outage")
+    assert (await engine.get(ids[0])).data == {"n": 1}  # data=None keeps each instance's own
+    # Under the same operation id, over the whole workflow (other filters: another derived
+    # id, so it is given): every instance is replayed, none forced twice.
+    again = await engine.bulk("force", workflow=METER, operation_id=report.operation_id, **args)
+    assert (again.applied, again.skipped) == (0, 9)
+    # With data, each instance's data is replaced.
+    data = await engine.bulk("force", workflow=METER, data={"n": 100}, **args)
+    assert (data.applied, {(await engine.get(i)).data["n"] for i in ids}) == (9, {100})
+
+
+async def test_bulk_pause_and_resume(engine: flowlock.Engine) -> None:
+    ids = await _make(engine, 6)
+    await engine.pause(ids[0], reason="already", actor=ACTOR)
+    paused = await engine.bulk("pause", workflow=METER, reason="maintenance", actor=ACTOR)
+    assert (paused.applied, paused.skipped, paused.failed) == (5, 1, {})
+    assert [(await engine.get(i)).paused for i in ids] == [True] * 6
+    with pytest.raises(flowlock.InstancePaused):
+        await engine.fire(ids[1], "bump")
+    # A bulk fire at paused instances fails each, typed, and the run goes on.
+    refused = await engine.bulk("fire", workflow=METER, event="bump")
+    assert sorted(refused.failed) == ids
+    assert all(why.startswith("InstancePaused: ") for why in refused.failed.values())
+    # Force still works on a paused instance.
+    forced = await engine.bulk(
+        "force", workflow=METER, state="held", reason="repair", actor=ACTOR, sample=0
+    )
+    assert forced.applied == 6
+    resumed = await engine.bulk("resume", workflow=METER, states=["held"])
+    assert (resumed.applied, resumed.skipped) == (6, 0)
+    assert [(await engine.get(i)).paused for i in ids] == [False] * 6
+    twice = await engine.bulk("resume", workflow=METER, reason="once more")
+    assert (twice.applied, twice.skipped) == (0, 6)
+    kinds = [e.kind for e in await engine.history(ids[3])]
+    assert kinds == ["pause", "forced", "resume"]
