@@ -21,14 +21,6 @@ from flowlock.locks import MemoryLocks
 Open = Callable[..., Any]
 
 
-@pytest.fixture(autouse=True)
-def _sql_stores_pending(request: pytest.FixtureRequest) -> None:
-    # Temporary, while the SQL stores' paused column and pauses table land (next commit).
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("store_factory") in ("sqlite", "postgres"):
-        pytest.skip("repairs on the SQL stores land in the next commit")
-
-
 @pytest.fixture
 async def second(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
     """Another engine on the same database: what one engine pauses, the other sees."""

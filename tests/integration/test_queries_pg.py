@@ -57,6 +57,10 @@ async def planned(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connecti
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The plan's nodes, but for the probe of each row's workflow in the pauses table (a few
+    rows at most, scanned as the planner likes; it reads no instance)."""
+    if plan.get("Relation Name") == "flowlock_workflow_pauses":
+        return
     yield plan
     for child in plan.get("Plans", []):
         yield from nodes(child)

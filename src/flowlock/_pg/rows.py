@@ -21,6 +21,7 @@ __all__ = [
     "HISTORY_COLUMNS",
     "INSTANCE_COLUMNS",
     "MESSAGE_COLUMNS",
+    "PAUSED_FROM",
     "TIMER_COLUMNS",
     "entry_from_row",
     "instance_from_row",
@@ -31,11 +32,25 @@ __all__ = [
     "read_instances",
     "timer_columns",
     "timer_from_row",
+    "workflow_paused",
 ]
 
 INSTANCE_COLUMNS = (
-    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version"
+    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version, paused"
 )
+
+
+def workflow_paused(table: str = "flowlock_instances") -> str:
+    """Whether the workflow of the instance row `table` (its name or alias) is paused, as a
+    select-list column `workflow_paused`: one probe of the pauses table's primary key."""
+    return (
+        "EXISTS (SELECT 1 FROM flowlock_workflow_pauses wp "
+        f"WHERE wp.workflow = {table}.workflow) AS workflow_paused"
+    )
+
+
+PAUSED_FROM = workflow_paused()
+"""The `workflow_paused` column of a statement reading flowlock_instances unaliased."""
 HISTORY_COLUMNS = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
     "fencing_token, payload"
@@ -98,7 +113,9 @@ MESSAGE_COLUMNS = message_columns()
 # Anything that runs a query: a pool, a connection, a pooled connection.
 Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
-_INSTANCES = f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ANY($1::text[])"
+_INSTANCES = (
+    f"SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances WHERE id = ANY($1::text[])"
+)
 _HISTORIES = f"""
 SELECT {HISTORY_COLUMNS}
   FROM flowlock_history WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
@@ -122,6 +139,10 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
         created_at=row["created_at"],
         updated_at=row["updated_at"],
         stay_version=row["stay_version"],
+        paused=bool(row.get("paused")),
+        # Read with the instance by the reads that feed a decision; a commit's RETURNING
+        # leaves it out (False).
+        workflow_paused=bool(row.get("workflow_paused")),
     )
 
 

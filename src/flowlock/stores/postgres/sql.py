@@ -18,12 +18,14 @@ import asyncpg
 from flowlock._pg.rows import (
     HISTORY_COLUMNS,
     INSTANCE_COLUMNS,
+    PAUSED_FROM,
     entry_from_row,
     instance_from_row,
     timer_columns,
+    workflow_paused,
 )
 from flowlock.core.errors import InvalidInput
-from flowlock.core.models import HistoryEntry, InstanceQuery, Snapshot
+from flowlock.core.models import PAUSE_EVENT, RESUME_EVENT, HistoryEntry, InstanceQuery, Snapshot
 from flowlock.stores.postgres.outbox_sql import outbox_args, outbox_cte
 from flowlock.stores.postgres.timer_sql import (
     TIMER_ARRAYS,
@@ -33,13 +35,15 @@ from flowlock.stores.postgres.timer_sql import (
     timer_ctes,
 )
 
+# Every read that feeds a decision carries `workflow_paused` (PAUSED_FROM), in its snapshot.
 READ = f"""
-SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = $1
+SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances WHERE id = $1
 """
 # What `get` shows: the instance and its earliest armed timer (the `t_` columns, NULL with
 # none), through the timers' primary key. Not the hot read: only `get` pays for the timer.
 GET = f"""
-SELECT {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))}, t.*
+SELECT {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))},
+       {workflow_paused("i")}, t.*
 FROM flowlock_instances i
 LEFT JOIN LATERAL (
     SELECT {timer_columns("t_")} FROM flowlock_timers
@@ -50,7 +54,7 @@ WHERE i.id = $1
 # The unlocked read with the request-id lookup in the same snapshot: one round trip.
 _READ_JOINED = """
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
-       i.stay_version,
+       i.stay_version, i.paused, {paused},
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
@@ -59,16 +63,18 @@ FROM flowlock_instances i
 LEFT JOIN flowlock_history h ON h.instance_id = i.id AND {match}
 WHERE i.id = $1
 """
-READ_WITH_REQUEST = _READ_JOINED.format(match="h.request_id = $2")
+READ_WITH_REQUEST = _READ_JOINED.format(match="h.request_id = $2", paused=workflow_paused("i"))
 # A batch's read: the instance and the entries of any of its request ids, one row per entry found
 # (or one row with no entry), in one snapshot. The unique (instance_id, request_id) index finds
 # each of them.
-READ_WITH_REQUESTS = _READ_JOINED.format(match="h.request_id = ANY($2::text[])")
+READ_WITH_REQUESTS = _READ_JOINED.format(
+    match="h.request_id = ANY($2::text[])", paused=workflow_paused("i")
+)
 # The reads of several calls (on any instances, each with its request id or NULL) in one round
 # trip, each row tagged with the place of its call; a call with no row read a missing instance.
-READ_MANY = """
+READ_MANY = f"""
 SELECT r.n, i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at,
-       i.updated_at, i.stay_version,
+       i.updated_at, i.stay_version, i.paused, {workflow_paused("i")},
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
@@ -78,7 +84,7 @@ JOIN flowlock_instances i ON i.id = r.id
 LEFT JOIN flowlock_history h ON h.instance_id = r.id AND h.request_id = r.request_id
 """
 LOCK = f"""
-SELECT {INSTANCE_COLUMNS}, current_setting('lock_timeout') AS lock_timeout
+SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM}, current_setting('lock_timeout') AS lock_timeout
 FROM flowlock_instances WHERE id = $1 FOR UPDATE
 """
 LOCK_NOWAIT = LOCK.rstrip() + " NOWAIT\n"
@@ -94,7 +100,7 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history
 # group never waits for a lock (it can neither deadlock nor make one call wait on another's
 # contended row). A skipped row's call runs alone afterwards, with its own lock bound.
 LOCK_SKIP = f"""
-SELECT {INSTANCE_COLUMNS} FROM flowlock_instances
+SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances
  WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE SKIP LOCKED
 """
 # The entries of the group's (instance, request id) pairs, its own statement after the locks
@@ -114,12 +120,17 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history
 # $1 id, $2 version read, $3 new state, $4 new data (JSON text), $5 event, $6 from state, $7 actor,
 # $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy),
 # $11 the call's payload (JSON text). An entry that changes the state begins a stay.
+_PAUSED = (
+    f"CASE {{event}} WHEN '{PAUSE_EVENT}' THEN true WHEN '{RESUME_EVENT}' THEN false "
+    "ELSE {paused} END"
+)
 _CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
        SET state = $3, version = $2 + 1, data = $4::text::jsonb, last_event = $5,
            updated_at = now(), fencing_token = coalesce($10, fencing_token),
-           stay_version = CASE WHEN $6 <> $3 THEN $2 + 1 ELSE stay_version END
+           stay_version = CASE WHEN $6 <> $3 THEN $2 + 1 ELSE stay_version END,
+           paused = {_PAUSED.format(event="$5", paused="paused")}
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
  RETURNING {INSTANCE_COLUMNS}
@@ -159,7 +170,8 @@ WITH moved AS (
     UPDATE flowlock_instances
        SET state = $3, version = $2::bigint + cardinality($7::text[]), data = $4::text::jsonb,
            last_event = $5, updated_at = now(), fencing_token = coalesce($6, fencing_token),
-           stay_version = coalesce($16::bigint, stay_version)
+           stay_version = coalesce($16::bigint, stay_version),
+           paused = {_PAUSED.format(event="$5", paused="paused")}
      WHERE id = $1 AND version = $2::bigint
        AND ($6::bigint IS NULL OR coalesce(fencing_token, 0) <= $6)
  RETURNING {INSTANCE_COLUMNS}
@@ -210,7 +222,8 @@ WITH wanted AS (
     UPDATE flowlock_instances i
        SET state = w.state, version = w.top, data = w.data::jsonb, last_event = w.last_event,
            updated_at = now(), fencing_token = coalesce(w.fencing_token, i.fencing_token),
-           stay_version = coalesce(w.stay, i.stay_version)
+           stay_version = coalesce(w.stay, i.stay_version),
+           paused = {_PAUSED.format(event="w.last_event", paused="i.paused")}
       FROM locked l JOIN wanted w ON w.id = l.id
      WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.version = w.version
        AND (w.fencing_token IS NULL OR coalesce(i.fencing_token, 0) <= w.fencing_token)
@@ -274,7 +287,8 @@ CREATE_KEY_CONSTRAINT = "flowlock_create_requests_pkey"
 # The instance as its create made it (version 1, its first state and data), and the create's key.
 _AS_CREATED = """
 SELECT i.id, i.workflow, r.state, 1::bigint AS version, r.data, NULL::text AS last_event,
-       i.created_at, i.created_at AS updated_at, 1::bigint AS stay_version, r.request_id
+       i.created_at, i.created_at AS updated_at, 1::bigint AS stay_version, false AS paused,
+       r.request_id
 FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id
 """
 AS_CREATED_BY_KEY = _AS_CREATED + "WHERE r.request_id = $1\n"
@@ -299,7 +313,8 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 # a string literal (a workflow or state named "flowlock_history" in a list's filter).
 _TABLE = re.compile(
     r"""(?<![\w."'])"""
-    r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake))"
+    r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake|"
+    r"workflow_pauses|holds))"
     r"""\b(?![.'])"""
 )
 
@@ -362,13 +377,17 @@ def list_statement(
     states = query.states or ()
     if query.workflow is None or len(states) < 2:
         conditions = " AND ".join([*_where(query, args), ""])
-        return f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE {conditions}{_PAGE}", args
+        return (
+            f"SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances "
+            f"WHERE {conditions}{_PAGE}",
+            args,
+        )
     # Several states of one workflow: one branch per state, each an index range of
     # (workflow, state, id) already in id order, merged (Merge Append) so that a page reads
     # about as many rows as it returns. One "state = ANY(...)" would have to read every row
     # of those states, or walk the whole id index, to find the first ones in id order.
     branches = [
-        f"(SELECT {INSTANCE_COLUMNS} FROM flowlock_instances "
+        f"(SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances "
         f"WHERE {' AND '.join(_where(dataclasses.replace(query, states=(state,)), args))} "
         f"AND {_PAGE})"
         for state in states

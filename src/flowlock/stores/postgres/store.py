@@ -55,6 +55,7 @@ from flowlock.stores.base import LockedResult, Plan, RowLock, Store, entries_of
 from flowlock.stores.postgres import pipeline
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
 from flowlock.stores.postgres.outbox import OutboxMethods
+from flowlock.stores.postgres.pauses import PauseMethods
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
 from flowlock.stores.postgres.session import (
     Contended,
@@ -77,7 +78,7 @@ log = logging.getLogger("flowlock")
 T = TypeVar("T")
 
 
-class PostgresStore(TimerMethods, OutboxMethods):
+class PostgresStore(TimerMethods, OutboxMethods, PauseMethods):
     """Instances, history, timers and the outbox in PostgreSQL.
 
     `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`

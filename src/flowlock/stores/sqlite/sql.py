@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from flowlock.core.errors import InvalidInput, StoreError
-from flowlock.core.models import HistoryEntry, Instance, InstanceQuery
+from flowlock.core.models import PAUSE_EVENT, RESUME_EVENT, HistoryEntry, Instance, InstanceQuery
 
 # Request ids per ``IN (...)`` list: below the 999 bound variables of SQLite builds before 3.32.
 IDS_PER_SELECT: Final = 500
@@ -17,20 +17,36 @@ IDS_PER_SELECT: Final = 500
 INSTANCE_COLUMNS: Final = (
     "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version"
 )
+
+
+def read_columns(table: str) -> str:
+    """The columns a read selects from `table` (its name or alias): the stored ones, the
+    instance's own pause, and whether its workflow is paused (one row, found by its key)."""
+    stored = ", ".join(f"{table}.{c}" for c in INSTANCE_COLUMNS.split(", "))
+    return (
+        f"{stored}, {table}.paused, EXISTS (SELECT 1 FROM flowlock_workflow_pauses p "
+        f"WHERE p.workflow = {table}.workflow)"
+    )
+
+
+READ_COLUMNS: Final = read_columns("flowlock_instances")
+READ_WIDTH: Final = len(INSTANCE_COLUMNS.split(", ")) + 2
 HISTORY_COLUMNS: Final = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
     "fencing_token, payload"
 )
-SELECT_INSTANCE: Final = f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE id = ?"
+SELECT_INSTANCE: Final = f"SELECT {READ_COLUMNS} FROM flowlock_instances WHERE id = ?"
 SELECT_PRIORS: Final = (
     f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? AND request_id IN "
 )
 # A fencing token lower than the last one written is refused like a stale version. The stay
-# moves only when the batch changes the state (its last entering entry's version, else NULL).
+# moves only when the batch changes the state (its last entering entry's version, else NULL);
+# the pause only when its last entry is a pause or resume row (1 or 0, else NULL).
 CAS_UPDATE: Final = (
     "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
     "updated_at = ?, fencing_token = coalesce(?, fencing_token), "
-    "stay_version = coalesce(?, stay_version) WHERE id = ? AND version = ? "
+    "stay_version = coalesce(?, stay_version), paused = coalesce(?, paused) "
+    "WHERE id = ? AND version = ? "
     "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?)"
 )
 INSERT_HISTORY: Final = (
@@ -43,7 +59,7 @@ INSERT_CREATE_REQUEST: Final = (
 # The instance as its create made it (version 1 and stay 1, its first state and data), and the
 # create's key.
 SELECT_AS_CREATED: Final = (
-    "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, 1, "
+    "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, 1, 0, 0, "
     "r.request_id "
     "FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id"
 )
@@ -82,7 +98,7 @@ def list_statement(query: InstanceQuery, *, after: str | None, limit: int) -> tu
     # primary key and the (workflow, state, id) index of 003_queries are in that order.
     where, args = _where(query)
     sql = (
-        f"SELECT {INSTANCE_COLUMNS} FROM flowlock_instances WHERE {where} AND id > ? "
+        f"SELECT {READ_COLUMNS} FROM flowlock_instances WHERE {where} AND id > ? "
         "ORDER BY id LIMIT ?"
     )
     return sql, [*args, after or "", limit]
@@ -178,7 +194,17 @@ def instance_of(row: tuple[Any, ...]) -> Instance:
         created_at=parse_timestamp(row[6]),
         updated_at=parse_timestamp(row[7]),
         stay_version=row[8],
+        paused=bool(row[9]),
+        workflow_paused=bool(row[10]),
     )
+
+
+def paused_column(last: HistoryEntry) -> int | None:
+    """What a batch whose last entry is `last` writes to the `paused` column: 1 after a pause
+    row, 0 after a resume row, None (left as it is) after any other."""
+    if last.event == PAUSE_EVENT:
+        return 1
+    return 0 if last.event == RESUME_EVENT else None
 
 
 def entry_of(row: tuple[Any, ...]) -> HistoryEntry:

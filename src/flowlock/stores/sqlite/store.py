@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
+from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
@@ -56,7 +57,10 @@ from flowlock.stores.sqlite.txn import (
     list_txn,
     locked_txn,
     migrate_txn,
+    pause_workflow_txn,
+    pauses_txn,
     read_txn,
+    resume_workflow_txn,
 )
 
 __all__ = ["SqliteStore"]
@@ -448,6 +452,32 @@ class SqliteStore(SqliteTimers, SqliteOutbox, AsyncResource):
                     raise LockBusy(key) from exc
                 raise LockTimeout(key, time.monotonic() - started) from exc
             raise self._error(exc, what) from exc
+
+    # -- workflow pauses -------------------------------------------------------------------------
+
+    async def pause_workflow(self, workflow: str, reason: str, actor: str | None) -> WorkflowPause:
+        """Pause `workflow` (one row); when it is paused already, the pause in place."""
+        return await self._write(
+            workflow,
+            lambda conn, _: pause_workflow_txn(conn, workflow, reason, actor),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="pause_workflow",
+        )
+
+    async def resume_workflow(self, workflow: str) -> WorkflowPause | None:
+        """Lift the pause of `workflow`; None when it was not paused."""
+        return await self._write(
+            workflow,
+            lambda conn, _: resume_workflow_txn(conn, workflow),
+            bound=self.busy_timeout,
+            nowait=False,
+            what="resume_workflow",
+        )
+
+    async def workflow_pauses(self) -> list[WorkflowPause]:
+        """Every paused workflow, by name."""
+        return await self._read(pauses_txn, what="workflow_pauses")
 
     # -- plumbing --------------------------------------------------------------------------------
 

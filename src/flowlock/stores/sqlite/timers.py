@@ -17,7 +17,7 @@ from typing import Any, Final
 from flowlock.core.errors import InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, Timer, TimerFiring, Timing
 from flowlock.stores._batch import entering
-from flowlock.stores.sqlite.sql import INSTANCE_COLUMNS, instance_of
+from flowlock.stores.sqlite.sql import READ_WIDTH, instance_of, read_columns
 
 TIMER_COLUMNS: Final = "instance_id, workflow, event, stay, due_at, n, every, lim, claimed_until"
 _KEY: Final = "instance_id = ? AND stay = ? AND event = ?"
@@ -54,10 +54,10 @@ _INSTANCE_AND_TIMER: Final = (
     f"SELECT {TIMER_COLUMNS} FROM flowlock_timers WHERE instance_id = ? ORDER BY due_at LIMIT 1"
     ") t ON 1 WHERE i.id = ?"
 ).format(
-    instance=", ".join(f"i.{c}" for c in INSTANCE_COLUMNS.split(", ")),
+    instance=read_columns("i"),
     timer=", ".join(f"t.{c}" for c in TIMER_COLUMNS.split(", ")),
 )
-_INSTANCE_WIDTH: Final = len(INSTANCE_COLUMNS.split(", "))
+_INSTANCE_WIDTH: Final = READ_WIDTH
 
 
 def _marks(names: Sequence[str]) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from flowlock.core import migrations
+from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
 from flowlock.stores._batch import entering, planned_entries, refused_plan
@@ -33,6 +34,8 @@ from flowlock.stores.sqlite.sql import (
     list_statement,
     millis,
     now_text,
+    parse_timestamp,
+    paused_column,
     statements_of,
 )
 from flowlock.stores.sqlite.timers import after_commit, arm
@@ -238,7 +241,7 @@ def _as_created(conn: sqlite3.Connection, column: str, value: str) -> tuple[str,
     """The create key found by `column` (`r.request_id` or `r.instance_id`) and the instance as
     that create made it."""
     row = conn.execute(f"{SELECT_AS_CREATED} WHERE {column} = ?", (value,)).fetchone()
-    return None if row is None else (row[9], instance_of(row))
+    return None if row is None else (row[11], instance_of(row))
 
 
 def create_request_txn(conn: sqlite3.Connection, instance_id: str) -> tuple[str, Instance] | None:
@@ -298,6 +301,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instanc
             now,
             last.fencing_token,
             batch.stay,
+            paused_column(last),
             first.instance_id,
             first.version - 1,
             last.fencing_token,
@@ -368,6 +372,49 @@ def locked_txn(
     if committed is None:
         raise refused_plan(instance_id, planned, snapshot)
     return LockedResult(snapshot, committed)
+
+
+_PAUSE_COLUMNS = "workflow, reason, actor, at"
+
+
+def _pause_of(row: tuple[Any, ...]) -> WorkflowPause:
+    return WorkflowPause(row[0], row[1], row[2], parse_timestamp(row[3]))
+
+
+def _find_pause(conn: sqlite3.Connection, workflow: str) -> WorkflowPause | None:
+    row = conn.execute(
+        f"SELECT {_PAUSE_COLUMNS} FROM flowlock_workflow_pauses WHERE workflow = ?", (workflow,)
+    ).fetchone()
+    return None if row is None else _pause_of(row)
+
+
+def pause_workflow_txn(
+    conn: sqlite3.Connection, workflow: str, reason: str, actor: str | None
+) -> WorkflowPause:
+    """Pause `workflow` (one row), or answer the pause in place, in this write transaction."""
+    conn.execute(
+        f"INSERT INTO flowlock_workflow_pauses ({_PAUSE_COLUMNS}) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (workflow) DO NOTHING",
+        (workflow, reason, actor, now_text()),
+    )
+    found = _find_pause(conn, workflow)
+    assert found is not None  # inserted, or there already, under the write lock
+    return found
+
+
+def resume_workflow_txn(conn: sqlite3.Connection, workflow: str) -> WorkflowPause | None:
+    """Delete the pause of `workflow` and answer it (None: it was not paused)."""
+    found = _find_pause(conn, workflow)
+    if found is not None:
+        conn.execute("DELETE FROM flowlock_workflow_pauses WHERE workflow = ?", (workflow,))
+    return found
+
+
+def pauses_txn(conn: sqlite3.Connection) -> list[WorkflowPause]:
+    rows = conn.execute(
+        f"SELECT {_PAUSE_COLUMNS} FROM flowlock_workflow_pauses ORDER BY workflow"
+    ).fetchall()
+    return [_pause_of(row) for row in rows]
 
 
 def migrate_txn(conn: sqlite3.Connection, pending: list[migrations.Migration]) -> list[str]:
