@@ -35,11 +35,9 @@ PROC_CALLERS = 10
 EngineFactory = Callable[..., Awaitable[flowlock.Engine]]
 
 
-def _action(engine: flowlock.Engine, action: str) -> dict[str, Any]:
+def _action(action: str) -> dict[str, Any]:
     """What the bulk run does to each instance: force it to `held`, or fire `hold`."""
     if action == "force":
-        if not callable(getattr(engine, "force", None)):
-            pytest.skip("engine.force is not on this branch yet")
         return {"state": "held", "reason": "stuck after the outage", "actor": "ops"}
     return {"event": "hold", "actor": "ops"}
 
@@ -171,7 +169,7 @@ async def _under_traffic(
 ) -> None:
     engine = await _engine(factory)
     callers_engine = await _engine(factory)
-    does = _action(engine, action)
+    does = _action(action)
     ids = await _create(engine, n, "m")
     proc, stop = await _worker(pg_url, schema, ids, tmp)
     traffic = Traffic(callers_engine, ids)
@@ -225,7 +223,7 @@ async def test_bulk_alone_throughput(
 ) -> None:
     """The same run with no traffic, for its throughput; every instance done once."""
     engine = await _engine(pg_engine_factory)
-    does = _action(engine, action)
+    does = _action(action)
     n = 1000
     ids = await _create(engine, n, "a")
     started = time.perf_counter()
@@ -244,7 +242,7 @@ async def test_a_cancelled_run_run_again_does_the_rest_once(
     """The run is cancelled a third of the way through (a crash of its caller); the same call
     again replays what was done (skipped) and does the rest: one bulk row per instance."""
     engine = await _engine(pg_engine_factory)
-    does = _action(engine, action)
+    does = _action(action)
     n = 600
     ids = await _create(engine, n, "c")
     cut = asyncio.Event()
@@ -289,3 +287,27 @@ async def test_a_dry_run_writes_nothing(
     assert [i.id for i in report.sample] == ids[1:6]
     after = await sql_history()
     assert (after.rows, after.versions) == (before.rows, before.versions)
+
+
+async def test_bulk_pause_then_resume(pg_engine_factory: EngineFactory, pg_url: str) -> None:
+    """Paused in bulk, a fire is refused (typed) and a bulk fire fails each one; resumed in
+    bulk, it applies. Pausing again under the same arguments is a replay."""
+    engine = await _engine(pg_engine_factory)
+    ids = await _create(engine, 300, "p")
+    paused = await engine.bulk("pause", workflow=METER, reason="maintenance", actor="ops")
+    assert (paused.applied, paused.skipped, paused.failed) == (300, 0, {})
+    assert (await engine.get(ids[7])).paused
+    with pytest.raises(flowlock.InstancePaused):
+        await engine.fire(ids[7], "bump")
+    refused = await engine.bulk("fire", workflow=METER, event="bump", max_failures=None)
+    assert len(refused.failed) == 300 and refused.applied == 0
+    again = await engine.bulk("pause", workflow=METER, reason="maintenance", actor="ops")
+    assert (again.applied, again.skipped) == (0, 300)
+    resumed = await engine.bulk("resume", workflow=METER, actor="ops")
+    assert (resumed.applied, resumed.skipped) == (300, 0)
+    fired = await engine.bulk("fire", workflow=METER, event="bump")
+    assert (fired.applied, fired.failed) == (300, {})
+    pairs = [(await engine.get(i), await engine.history(i)) for i in ids]
+    verdict = check_many(pairs, initial_state="open", expected_applied=3)
+    assert verdict.ok, verdict.violations[:10]
+    assert [e.kind for e in pairs[0][1]] == ["pause", "resume", "transition"]
