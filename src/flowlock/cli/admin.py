@@ -90,9 +90,9 @@ OperationId = Annotated[
     str | None,
     typer.Option(
         "--operation-id",
-        help="The run's id (each instance's request id is bulk:ID:INSTANCE). Default: derived "
-        "from this command's options, so the same command run again finishes an interrupted "
-        "run without doing anything twice.",
+        help="The run's id (each instance's request id is bulk:OPERATION:INSTANCE). "
+        "Default: derived from this command's options, so the same command run again "
+        "finishes an interrupted run without doing anything twice.",
         show_default=False,
     ),
 ]
