@@ -59,11 +59,14 @@ async def create(client: httpx.AsyncClient, workflow: str, iid: str, **data: Any
     assert response.status_code == 201, response.text
 
 
-async def snapshot(client: httpx.AsyncClient, iid: str) -> tuple[Any, ...]:
-    """What must not change when a request is refused: the instance and its whole history."""
-    got = await client.get(f"/instances/{iid}")
+async def snapshot(
+    client: httpx.AsyncClient, iid: str, headers: dict[str, str] | None = None
+) -> tuple[Any, ...]:
+    """What must not change when a request is refused: the instance and its whole history
+    (read with ``headers``: a token, when the service has tokens)."""
+    got = await client.get(f"/instances/{iid}", headers=headers)
     assert got.status_code == 200, got.text
-    history = await client.get(f"/instances/{iid}/history")
+    history = await client.get(f"/instances/{iid}/history", headers=headers)
     assert history.status_code == 200, history.text
     inst = got.json()
     return (inst["state"], inst["version"], inst["data"], got.headers["etag"], history.json())

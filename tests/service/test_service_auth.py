@@ -1,6 +1,6 @@
-"""Bearer tokens: with tokens configured, a mutating request without a valid one is 401 (with
+"""Bearer tokens: with tokens configured, a request without a valid one is 401 (with
 WWW-Authenticate) before its body is read, and writes nothing; a valid token's principal is the
-actor in history; reads need no token."""
+actor in history. Reads need a token too (the scopes of each route: test_service_scopes.py)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ async def test_create_without_a_valid_token_is_401_and_creates_nothing(
     assert_unauthorized(refused)
     with pytest.raises(InstanceNotFound):
         await secured.engine.get("b")
-    assert [i["id"] for i in (await secured.client.get("/instances")).json()["items"]] == ["a"]
+    listed = await secured.client.get("/instances", headers=GOOD)
+    assert [i["id"] for i in listed.json()["items"]] == ["a"]
 
 
 @pytest.mark.parametrize("headers", REFUSED)
@@ -70,14 +71,14 @@ async def test_fire_without_a_valid_token_is_401_and_writes_no_history(
 ) -> None:
     """POST /instances/{id}/events/{event} without a valid bearer token: 401, the instance at
     version 1 with no history row (read from the engine, not only through HTTP)."""
-    before = await snapshot(secured.client, "a")
+    before = await snapshot(secured.client, "a", GOOD)
     refused = await secured.client.post(
         "/instances/a/events/approve",
         json={"actor": "mallory"},
         headers={**headers, "Idempotency-Key": "k1"},
     )
     assert_unauthorized(refused)
-    assert await snapshot(secured.client, "a") == before
+    assert await snapshot(secured.client, "a", GOOD) == before
     assert (await secured.engine.get("a")).version == 1
     assert await secured.engine.history("a") == []
 
@@ -105,7 +106,7 @@ async def test_a_named_token_is_the_actor(secured: Service) -> None:
         "/instances/a/events/approve", json={"actor": "mallory"}, headers=GOOD
     )
     assert fired.status_code == 200, fired.text
-    [entry] = (await secured.client.get("/instances/a/history")).json()["items"]
+    [entry] = (await secured.client.get("/instances/a/history", headers=GOOD)).json()["items"]
     assert entry["actor"] == "alice"
     assert (await secured.engine.history("a"))[0].actor == "alice"
 
@@ -120,12 +121,16 @@ async def test_a_bare_token_is_the_actor_by_its_hash(secured: Service) -> None:
     assert created.status_code == 201, created.text
     fired = await secured.client.post("/instances/i/events/restock", headers=headers)
     assert fired.status_code == 200, fired.text
-    [entry] = (await secured.client.get("/instances/i/history")).json()["items"]
+    [entry] = (await secured.client.get("/instances/i/history", headers=headers)).json()["items"]
     assert entry["actor"] == BARE_PRINCIPAL
 
 
-async def test_reads_need_no_token(secured: Service) -> None:
-    """Every GET answers without a token."""
+@pytest.mark.parametrize("headers", REFUSED)
+async def test_reads_without_a_valid_token_are_401(
+    secured: Service, headers: dict[str, str]
+) -> None:
+    """Every GET but the probes is refused without a valid token: the instance's data, its
+    history, the definitions, the metrics and the API's own document."""
     for path in [
         "/definitions",
         "/definitions/approval",
@@ -133,9 +138,25 @@ async def test_reads_need_no_token(secured: Service) -> None:
         "/instances",
         "/instances/a",
         "/instances/a/history",
-        "/livez",
-        "/readyz",
+        "/instances/a/timers",
+        "/instances/a/messages",
         "/metrics",
+        "/openapi.json",
+        "/docs",
+        "/no/such/route",
     ]:
-        response = await secured.client.get(path)
+        assert_unauthorized(await secured.client.get(path, headers=headers))
+    for path in ["/livez", "/readyz"]:
+        response = await secured.client.get(path, headers=headers)
         assert response.status_code == 200, (path, response.text)
+
+
+async def test_without_tokens_every_route_answers_anyone() -> None:
+    """No token configured: reads and writes need none (the loopback rule of `flowlock serve`
+    is what keeps such a service to its machine)."""
+    async with served() as svc:
+        created = await svc.client.post("/instances", json={"workflow": "approval", "id": "o"})
+        assert created.status_code == 201, created.text
+        for path in ["/instances/o", "/instances/o/history", "/metrics", "/openapi.json"]:
+            response = await svc.client.get(path)
+            assert response.status_code == 200, (path, response.text)

@@ -20,7 +20,10 @@ def test_every_setting_round_trips_through_the_environment() -> None:
         database_url="postgresql://u@db:5432/flowlock",
         redis_url="redis://cache:6379/1",
         app="myapp.workflows:all",
-        api_tokens=parse_tokens(f"ops:{SECRET},{SECRET}-bare"),
+        api_tokens=parse_tokens(
+            f"ops:{SECRET},{SECRET}-bare,root:{SECRET}-a:admin,eye:{SECRET}:r:read,odd:{SECRET}:x"
+        ),
+        open_metrics=True,
         require_if_match=True,
         max_body_bytes=4096,
         max_json_depth=8,
@@ -67,6 +70,7 @@ def test_tokens_name_their_principal() -> None:
         ("FLOWLOCK_REQUIRE_IF_MATCH", "maybe"),
         ("FLOWLOCK_TIMERS", "sometimes"),
         ("FLOWLOCK_OUTBOX", "sometimes"),
+        ("FLOWLOCK_OPEN_METRICS", "sometimes"),
         ("FLOWLOCK_API_TOKEN", "short"),
         ("FLOWLOCK_API_TOKEN", f"ops:{SECRET}, :{SECRET}"),
         ("FLOWLOCK_API_TOKEN", "ops:"),
@@ -111,3 +115,23 @@ def test_out_of_range_bounds_are_refused_when_built(bounds: dict[str, float]) ->
     """ServiceSettings built in code checks its bounds too."""
     with pytest.raises(InvalidInput):
         ServiceSettings(**bounds)  # type: ignore[arg-type]
+
+
+def test_tokens_reach_the_workers_with_their_scope() -> None:
+    """to_env writes each token's scope out, so a worker reads an admin token as admin and a
+    read one as read (a secret that itself ends in ':read' stays that secret)."""
+    tokens = parse_tokens(f"root:{SECRET}:admin,eye:{SECRET}-r:read,app:{SECRET}:read:write")
+    assert [(t.principal, t.scope) for t in tokens] == [
+        ("root", "admin"),
+        ("eye", "read"),
+        ("app", "write"),
+    ]
+    assert tokens[2].secret == f"{SECRET}:read".encode()
+    again = ServiceSettings.from_env(ServiceSettings(api_tokens=tokens).to_env()).api_tokens
+    assert again == tokens
+
+
+def test_a_token_of_no_known_scope_is_refused() -> None:
+    """ApiToken built in code with a scope that is not read, write or admin: InvalidInput."""
+    with pytest.raises(InvalidInput, match="read, write, admin"):
+        ApiToken("ops", SECRET.encode(), "root")

@@ -85,7 +85,7 @@ def run_soak(config: SoakConfig, json_file: Path | None) -> None:
     """
     with errors_as_exit(), RichProgress(stderr()) as progress:
         report = soak(config, progress)
-    render_soak(report, stdout())
+    render_soak(report, stdout(piped=160))
     write_file(json_file, lambda path: write_soak_json(report, path))
     if not report.ok:
         fail("soak verdict FAILED\n" + "\n".join(report.problems()), EXIT_VERDICT_FAILED)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from flowlock.checker.outbox import check_messages
+from flowlock.checker.repairs import check_repairs
 from flowlock.checker.timers import check_timers, firing_of
 from flowlock.checker.verdicts import (
     BROKEN_CHAIN,
@@ -79,6 +80,7 @@ def check(
     found.extend(_check_chain(name, ordered, initial_state))
     found.extend(_check_final(name, instance, ordered, initial_state))
     found.extend(check_timers(name, instance, ordered, initial_state, timers))
+    found.extend(check_repairs(name, instance, ordered))
     if messages is not None:
         found.extend(check_messages(name, instance, ordered, messages))
     if invariant is not None:

@@ -31,6 +31,13 @@ UNDELIVERED_DONE = "undelivered-done"
 EARLY_THEN = "early-then"
 """A row fired under a message's key (its handler's Then) comes at or before the transition
 that emitted the message."""
+FIRED_WHILE_PAUSED = "fired-while-paused"
+"""A fired event's row was applied while the instance was paused: after a pause row, before the
+next resume row (`engine.pause`)."""
+REPAIR_ROW = "repair-row"
+"""An operator's row is malformed: a pause or resume row that moved or changed the data, paused
+a paused instance (or resumed one not paused), or a forced row without a reason or that went
+elsewhere than its payload asked."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -70,6 +77,8 @@ KINDS: tuple[str, ...] = (
     MESSAGE_KEY,
     UNDELIVERED_DONE,
     EARLY_THEN,
+    FIRED_WHILE_PAUSED,
+    REPAIR_ROW,
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from flowlock.core.extras import require
 __all__ = [
     "ENV_DATABASE_URL",
     "ENV_REDIS_URL",
+    "ENV_SCHEMA",
     "EPILOG",
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
@@ -33,6 +35,7 @@ __all__ = [
 
 ENV_DATABASE_URL = "FLOWLOCK_DATABASE_URL"
 ENV_REDIS_URL = "FLOWLOCK_REDIS_URL"
+ENV_SCHEMA = "FLOWLOCK_SCHEMA"
 EXIT_ERROR = 1
 EXIT_VERDICT_FAILED = 3
 EXIT_INTERRUPTED = 130
@@ -42,8 +45,11 @@ EPILOG = (
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
     "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
     "*history*, *list*, *check*, *timers* and *outbox* read, when --database-url is not given. "
+    f"**{ENV_SCHEMA}**: the PostgreSQL schema of flowlock's tables, when --schema is not given "
+    "(*serve*, *db*, and the commands that read). "
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
-    "is not given.\n\n"
+    "is not given. **COLUMNS**: the width tables are printed to, also when piped (default: "
+    "the terminal's, else 80).\n\n"
     "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed "
     "or *check* found a violation, 130 interrupted."
 )
@@ -115,12 +121,24 @@ def redact(url: str) -> str:
     return config.redact(url)
 
 
-def stdout() -> Console:
-    out = Console()
-    if not out.is_terminal:
-        # Piped or redirected: rich would assume 80 columns and fold the table; use room.
-        out = Console(width=160)
-    return out
+def stdout(*, piped: int | None = None) -> Console:
+    """The console of tables: COLUMNS wide when it is set, also when piped; else the
+    terminal's width (of stdout, or of stdin or stderr when stdout is piped); else 80.
+
+    `piped` is the width when stdout is not a terminal and COLUMNS is unset: the bench's
+    reports, read in CI logs, keep the room they had (160).
+    """
+    width = columns()
+    if width is None and piped is not None and not Console().is_terminal:
+        width = piped
+    return Console(width=width)
+
+
+def columns() -> int | None:
+    """COLUMNS as a width, or None when it is unset or not a positive whole number."""
+    raw = os.environ.get("COLUMNS", "").strip()
+    # rich reads COLUMNS too, but not on a dumb terminal (TERM=dumb): read here, it always counts.
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
 def write_file(path: Path | None, write: Callable[[Path], None]) -> None:

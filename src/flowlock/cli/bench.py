@@ -90,7 +90,7 @@ def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -
     """Print the tables, write the JSON and chart where asked; exit 3 on a failed verdict."""
     from flowlock.bench.report import failures, plot, render, write_json
 
-    render(report, stdout())
+    render(report, stdout(piped=160))
     write_file(json_file, lambda path: write_json(report, path))
     write_file(plot_file, lambda path: plot(report, path))
     if not report.ok:

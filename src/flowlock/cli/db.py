@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from flowlock.cli._common import ENV_DATABASE_URL, db_app, errors_as_exit, redact
+from flowlock.cli._common import ENV_DATABASE_URL, ENV_SCHEMA, db_app, errors_as_exit, redact
 from flowlock.engine import connect
 
 __all__ = ["db_migrate", "db_sql"]
@@ -36,7 +36,11 @@ def db_migrate(
     database_url: DatabaseUrl = None,
     schema: Annotated[
         str | None,
-        typer.Option("--schema", help="Put flowlock's tables in this schema (created if missing)."),
+        typer.Option(
+            "--schema",
+            envvar=ENV_SCHEMA,
+            help="Put flowlock's tables in this schema (created if missing).",
+        ),
     ] = None,
 ) -> None:
     """Create or update flowlock's tables (idempotent; safe to run from several machines)."""
@@ -61,7 +65,9 @@ def db_migrate(
 def db_sql(
     schema: Annotated[
         str | None,
-        typer.Option("--schema", help="Migrate into this schema (created if missing)."),
+        typer.Option(
+            "--schema", envvar=ENV_SCHEMA, help="Migrate into this schema (created if missing)."
+        ),
     ] = None,
     after: Annotated[
         str | None,

@@ -9,11 +9,11 @@ from datetime import datetime
 from typing import Annotated, TypeVar
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from flowlock.cli._common import (
     ENV_DATABASE_URL,
+    ENV_SCHEMA,
     EXIT_VERDICT_FAILED,
     app,
     errors_as_exit,
@@ -21,6 +21,7 @@ from flowlock.cli._common import (
     stderr,
     stdout,
 )
+from flowlock.cli._table import Column, print_record, print_rows, print_wrapped
 from flowlock.core.definition import MAX_AFTER
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Timer
@@ -30,6 +31,14 @@ from flowlock.stores.base import TimerStore
 __all__ = ["check_command", "diagram", "history", "list_instances", "show", "timers"]
 
 _R = TypeVar("_R")
+
+# The columns of each listing: tokens all, never broken across lines (see cli/_table.py).
+_HISTORY = [Column(name) for name in ("version", "event", "from -> to", "actor", "request id",
+                                      "strategy", "at", "fencing token")]  # fmt: skip
+_INSTANCES = [Column(name) for name in ("id", "workflow", "state", "version", "last event",
+                                        "updated")]  # fmt: skip
+_TIMERS = [Column(name) for name in ("instance", "workflow", "event", "stay", "firing", "due at",
+                                     "lag", "claimed until")]  # fmt: skip
 
 
 @app.command()
@@ -75,6 +84,7 @@ InspectSchema = Annotated[
     str | None,
     typer.Option(
         "--schema",
+        envvar=ENV_SCHEMA,
         help="PostgreSQL only: the schema flowlock's tables are in (as given to db migrate).",
         show_default=False,
     ),
@@ -82,7 +92,9 @@ InspectSchema = Annotated[
 InstanceId = Annotated[
     str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
 ]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+AsJson = Annotated[
+    bool, typer.Option("--json", help="Print JSON for scripts instead of text for people.")
+]
 
 
 def _inspect(
@@ -149,20 +161,19 @@ def show(
         return
     nxt = inst.next_timer
     upcoming = None if nxt is None else f"{nxt.event} due {_when(nxt.due_at)} (stay {nxt.stay})"
-    table = Table(show_header=False, box=None)
-    for name, value in (
-        ("id", inst.id),
-        ("workflow", inst.workflow),
-        ("state", inst.state),
-        ("version", inst.version),
-        ("last event", inst.last_event),
-        ("created", _when(inst.created_at)),
-        ("updated", _when(inst.updated_at)),
-        ("next timer", upcoming),
-        ("data", json.dumps(dict(inst.data), ensure_ascii=False, default=str)),
-    ):
-        table.add_row(Text(name, style="bold"), _cell(value))
-    stdout().print(table)
+    data = json.dumps(dict(inst.data), ensure_ascii=False, default=str)
+    fields = [
+        (Column("id"), inst.id),
+        (Column("workflow"), inst.workflow),
+        (Column("state"), inst.state),
+        (Column("version"), inst.version),
+        (Column("last event"), inst.last_event),
+        (Column("created"), _when(inst.created_at)),
+        (Column("updated"), _when(inst.updated_at)),
+        (Column("next timer", text=True), upcoming),
+        (Column("data", text=True), data),
+    ]
+    print_record(stdout(), [(column, _cell(value)) for column, value in fields])
 
 
 @app.command()
@@ -189,22 +200,24 @@ def history(
     if as_json:
         _json([entry_dict(e) for e in rows])
         return
-    table = Table(title=f"history of {instance_id} ({len(rows)} transition(s))")
-    for column in ("version", "event", "from -> to", "actor", "request id", "strategy", "at",
-                   "fencing token"):  # fmt: skip
-        table.add_column(column, overflow="fold")
-    for e in rows:
-        table.add_row(
-            _cell(e.version),
-            _cell(e.event),
-            _cell(f"{e.from_state} -> {e.to_state}"),
-            _cell(e.actor),
-            _cell(e.request_id),
-            _cell(e.strategy),
-            _cell(_when(e.at)),
-            _cell(e.fencing_token),
-        )
-    stdout().print(table)
+    print_rows(
+        stdout(),
+        f"history of {instance_id} ({len(rows)} transition(s))",
+        _HISTORY,
+        [
+            [
+                _cell(e.version),
+                _cell(e.event),
+                _cell(f"{e.from_state} -> {e.to_state}"),
+                _cell(e.actor),
+                _cell(e.request_id),
+                _cell(e.strategy),
+                _cell(_when(e.at)),
+                _cell(e.fencing_token),
+            ]
+            for e in rows
+        ],
+    )
 
 
 @app.command("list")
@@ -246,19 +259,22 @@ def list_instances(
     if as_json:
         _json([instance_dict(inst) for inst in found])
     else:
-        table = Table(title=f"{len(found)} of {total} instance(s)")
-        for column in ("id", "workflow", "state", "version", "last event", "updated"):
-            table.add_column(column, overflow="fold")
-        for inst in found:
-            table.add_row(
-                _cell(inst.id),
-                _cell(inst.workflow),
-                _cell(inst.state),
-                _cell(inst.version),
-                _cell(inst.last_event),
-                _cell(_when(inst.updated_at)),
-            )
-        stdout().print(table)
+        print_rows(
+            stdout(),
+            f"{len(found)} of {total} instance(s)",
+            _INSTANCES,
+            [
+                [
+                    _cell(inst.id),
+                    _cell(inst.workflow),
+                    _cell(inst.state),
+                    _cell(inst.version),
+                    _cell(inst.last_event),
+                    _cell(_when(inst.updated_at)),
+                ]
+                for inst in found
+            ],
+        )
     if total > len(found):
         stderr().print(
             Text(f"{total - len(found)} more match; raise --limit to see them", style="yellow")
@@ -316,14 +332,14 @@ def check_command(
     else:
         out = stdout()
         for violation in verdict.violations:
-            out.print(Text(f"{violation.kind}: {violation.message}", style="red"))
+            print_wrapped(out, Text(f"{violation.kind}: {violation.message}", style="red"))
         checked = f"checked {report.instances} instance(s), {report.rows} history row(s)"
         if report.messages:
             checked += f", {report.messages} outbox message(s)"
         summary = f"{checked}: " + (
             "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
         )
-        out.print(Text(summary, style="green" if verdict.ok else "bold red"))
+        print_wrapped(out, Text(summary, style="green" if verdict.ok else "bold red"))
     if report.unsettled:
         stderr().print(
             Text(
@@ -380,22 +396,24 @@ def timers(
         _json({"armed": armed, "within": within, "timers": [timer_dict(t) for t in found]})
         return
     when = f"within {within:g} s" if within else "now"
-    table = Table(title=f"{len(found)} timer(s) due {when}; {armed} armed in all")
-    for column in ("instance", "workflow", "event", "stay", "firing", "due at", "lag",
-                   "claimed until"):  # fmt: skip
-        table.add_column(column, overflow="fold")
-    for t in found:
-        table.add_row(
-            _cell(t.instance_id),
-            _cell(t.workflow),
-            _cell(t.event),
-            _cell(t.stay),
-            _cell(t.n),
-            _cell(_when(t.due_at)),
-            _cell(f"{t.lag:.3f} s" if t.lag > 0 else "not due"),
-            _cell(_when(t.claimed_until)),
-        )
-    stdout().print(table)
+    print_rows(
+        stdout(),
+        f"{len(found)} timer(s) due {when}; {armed} armed in all",
+        _TIMERS,
+        [
+            [
+                _cell(t.instance_id),
+                _cell(t.workflow),
+                _cell(t.event),
+                _cell(t.stay),
+                _cell(t.n),
+                _cell(_when(t.due_at)),
+                _cell(f"{t.lag:.3f} s" if t.lag > 0 else "not due"),
+                _cell(_when(t.claimed_until)),
+            ]
+            for t in found
+        ],
+    )
     if len(found) == limit:
         more = f"showing the first {limit}; raise --limit to see more"
         stderr().print(Text(more, style="yellow"))

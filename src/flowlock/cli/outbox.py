@@ -7,7 +7,6 @@ from enum import StrEnum
 from typing import Annotated, TypeVar
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from flowlock.cli._common import (
@@ -18,6 +17,7 @@ from flowlock.cli._common import (
     stderr,
     stdout,
 )
+from flowlock.cli._table import Column, print_record, print_rows, print_wrapped
 from flowlock.cli.inspect import AsJson, InspectDatabaseUrl, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
 from flowlock.core.errors import InvalidInput
@@ -203,20 +203,32 @@ def list_messages(
             }
         )
         return
-    table = Table(title=_title(found, counts, instance_id))
-    for column in ("key", "kind", "status", "attempts", "next attempt", "last error", "created"):
-        table.add_column(column, overflow="fold")
-    for m in found:
-        table.add_row(
-            _cell(m.key),
-            _cell(m.kind),
-            Text(m.status, style=_STYLE.get(m.status, "")),
-            _cell(m.attempts),
-            _cell(when(m.next_attempt_at) if m.status == "pending" else None),
-            _cell(m.last_error),
-            _cell(when(m.created_at)),
-        )
-    stdout().print(table)
+    columns = [
+        Column("key"),
+        Column("kind"),
+        Column("status"),
+        Column("attempts"),
+        Column("next attempt"),
+        Column("last error", text=True),
+        Column("created"),
+    ]
+    print_rows(
+        stdout(),
+        _title(found, counts, instance_id),
+        columns,
+        [
+            [
+                _cell(m.key),
+                _cell(m.kind),
+                Text(m.status, style=_STYLE.get(m.status, "")),
+                _cell(m.attempts),
+                _cell(when(m.next_attempt_at) if m.status == "pending" else None),
+                _cell(m.last_error),
+                _cell(when(m.created_at)),
+            ]
+            for m in found
+        ],
+    )
     if next_after is not None:
         more = f"showing the first {limit}; for the next page pass --after {next_after!r}"
         stderr().print(Text(more, style="yellow"))
@@ -243,11 +255,12 @@ def retry(
         return await engine.retry_message(checked)  # refuses a done or running message
 
     message = _repair(database_url, schema, act)
-    stdout().print(
+    print_wrapped(
+        stdout(),
         Text(
             f"message {message.key} ({message.kind}) is pending again: due now, attempts from 0",
             style="green",
-        )
+        ),
     )
 
 
@@ -285,7 +298,7 @@ def drop(
         await engine.drop_message(checked)
 
     _repair(database_url, schema, act)
-    stdout().print(Text(f"dropped message {checked}", style="green"))
+    print_wrapped(stdout(), Text(f"dropped message {checked}", style="green"))
 
 
 def _confirmed(question: str) -> bool:
@@ -298,17 +311,15 @@ def _confirmed(question: str) -> bool:
 
 
 def _show(message: Message) -> None:
-    table = Table(show_header=False, box=None)
-    for name, value in (
-        ("key", message.key),
-        ("kind", message.kind),
-        ("status", message.status),
-        ("attempts", message.attempts),
-        ("last error", message.last_error),
-        ("created", when(message.created_at)),
-    ):
-        table.add_row(Text(name, style="bold"), _cell(value))
-    stderr().print(table)
+    fields = [
+        (Column("key"), message.key),
+        (Column("kind"), message.kind),
+        (Column("status"), message.status),
+        (Column("attempts"), message.attempts),
+        (Column("last error", text=True), message.last_error),
+        (Column("created"), when(message.created_at)),
+    ]
+    print_record(stderr(), [(column, _cell(value)) for column, value in fields])
     if message.status == "running":
         stderr().print(
             Text(

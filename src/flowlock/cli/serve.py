@@ -40,7 +40,15 @@ def serve(
             "returning them). Default: the examples approval, countersign, inventory.",
         ),
     ] = None,
-    host: Annotated[str, _opt("--host", "FLOWLOCK_HOST", "Address to listen on.")] = "127.0.0.1",
+    host: Annotated[
+        str,
+        _opt(
+            "--host",
+            "FLOWLOCK_HOST",
+            "Address to listen on. Without FLOWLOCK_API_TOKEN only a loopback address "
+            "(127.0.0.0/8, ::1, localhost) unless --insecure.",
+        ),
+    ] = "127.0.0.1",
     port: Annotated[int, _opt("--port", "FLOWLOCK_PORT", "Port to listen on.")] = 8000,
     workers: Annotated[
         int, _opt("--workers", "FLOWLOCK_WORKERS", "Worker processes (PostgreSQL only above 1).")
@@ -99,6 +107,23 @@ def serve(
             "with handlers (your workers) deliver them.",
         ),
     ] = True,
+    open_metrics: Annotated[
+        bool,
+        _opt(
+            "--open-metrics",
+            "FLOWLOCK_OPEN_METRICS",
+            "With tokens set, still answer /metrics without one (for a scraper that sends none).",
+        ),
+    ] = False,
+    insecure: Annotated[
+        bool,
+        _opt(
+            "--insecure",
+            "FLOWLOCK_INSECURE",
+            "Listen on a --host that is not loopback although no token is set: only when "
+            "something in front of the service controls who reaches it.",
+        ),
+    ] = False,
     dev: Annotated[
         bool,
         typer.Option(
@@ -116,9 +141,15 @@ def serve(
     (unless --no-timers).
     OpenAPI is at /openapi.json, docs at /docs.
 
-    **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated; when set, every POST needs one.
-    Each is `name:secret` or `secret`; `name` becomes the actor of its calls.
-    It is read from the environment only, never a flag: argv is visible to every user.
+    **FLOWLOCK_API_TOKEN** holds bearer tokens, comma-separated, each a name, a secret and a
+    scope (read, write or admin) joined by colons, such as `ops:<secret>:admin`; one without a
+    scope (`name:<secret>`, or a bare secret) is write. When set, every
+    request but /livez and /readyz needs one: GET and HEAD need read, other methods write,
+    paths under /admin/ admin; /metrics too unless --open-metrics. The name becomes the actor of
+    its calls. It is read from the environment only, never a flag: argv is visible to every user.
+
+    **Without a token** the service listens on loopback only (127.0.0.0/8, ::1, localhost):
+    another --host is refused unless --insecure.
 
     SIGTERM drains the requests in flight (--drain-timeout) and releases connections and leases.
     """
@@ -140,6 +171,7 @@ def serve(
             redis_url=redis_url,
             app=app_ref,
             api_tokens=tokens,
+            open_metrics=open_metrics,
             require_if_match=require_if_match,
             max_body_bytes=max_body_bytes,
             max_json_depth=max_json_depth,
@@ -154,4 +186,5 @@ def serve(
             from flowlock.core.diagram import load_workflows
 
             load_workflows(app_ref)  # a bad reference fails here, not in every worker
-        run(settings, Listen(host, port, workers, log_level), dev=dev and database_url is None)
+        listen = Listen(host, port, workers, log_level, insecure=insecure)
+        run(settings, listen, dev=dev and database_url is None)

@@ -96,3 +96,60 @@ def body_doc(model: type[Any], *, required: bool) -> dict[str, Any]:
             "content": {"application/json": {"schema": model.model_json_schema()}},
         }
     }
+
+
+BEARER = "bearer"
+"""The name of the bearer token's security scheme in the document."""
+_BEARER_DOC = {
+    "type": "http",
+    "scheme": "bearer",
+    "description": (
+        "A token of FLOWLOCK_API_TOKEN (name:secret:scope). When the service has tokens, "
+        "every operation but /livez and /readyz needs one whose scope covers it: read < "
+        "write < admin. Each operation names the scope it needs (its security requirement "
+        "and x-flowlock-scope). Without tokens the service answers every request, and binds "
+        "to loopback only unless started with --insecure."
+    ),
+}
+_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def _refusals() -> dict[str, dict[str, Any]]:
+    return {
+        "Unauthorized": {
+            "description": "No valid bearer token (the service has tokens)",
+            "content": PROBLEM_DOC,
+        },
+        "InsufficientScope": {
+            "description": "The token's scope does not cover this operation",
+            "content": PROBLEM_DOC,
+        },
+    }
+
+
+def document_access(schema: dict[str, Any], *, open_metrics: bool) -> dict[str, Any]:
+    """`schema` with the bearer scheme, and each operation's needed scope as the guard sees it.
+
+    The scopes come from `needed_scope`, the guard's own rule, so a route added later is
+    documented as it is guarded. An operation that needs no token gets `security: []`.
+    """
+    from flowlock.service.guard import needed_scope
+
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})[BEARER] = _BEARER_DOC
+    components.setdefault("responses", {}).update(_refusals())
+    for path, item in schema.get("paths", {}).items():
+        for method in _METHODS:
+            operation = item.get(method)
+            if operation is None:
+                continue
+            needed = needed_scope(method, path, open_metrics=open_metrics)
+            if needed is None:
+                operation["security"] = []
+                continue
+            operation["security"] = [{BEARER: [needed]}]
+            operation["x-flowlock-scope"] = needed
+            responses = operation.setdefault("responses", {})
+            responses.setdefault("401", {"$ref": "#/components/responses/Unauthorized"})
+            responses.setdefault("403", {"$ref": "#/components/responses/InsufficientScope"})
+    return schema

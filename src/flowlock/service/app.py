@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -18,7 +19,7 @@ from flowlock.core.diagram import load_workflows
 from flowlock.engine import Engine, connect
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
-from flowlock.service.apidoc import PROBLEM_DOC
+from flowlock.service.apidoc import PROBLEM_DOC, document_access
 from flowlock.service.bulk_routes import bulk_routes
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
@@ -87,8 +88,27 @@ def create_app(
     instance_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
     bulk_routes(app, engine, settings)
-    app.add_middleware(RequestGuard, tokens=settings.api_tokens, max_body=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        tokens=settings.api_tokens,
+        max_body=settings.max_body_bytes,
+        open_metrics=settings.open_metrics,
+    )
+    _document_access(app, settings)
     return app
+
+
+def _document_access(app: FastAPI, settings: ServiceSettings) -> None:
+    """The OpenAPI document names the token each operation needs (built on first use, when
+    every route, also one added after this, is there)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_access(build(), open_metrics=settings.open_metrics)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def app_from_env() -> FastAPI:

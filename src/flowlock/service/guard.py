@@ -1,8 +1,10 @@
-"""What every request meets before a route sees it: tokens and body size.
+"""What every request meets before a route sees it: tokens, scopes and body size.
 
-A plain ASGI middleware, so it runs before FastAPI reads the body. Mutating requests need
-a bearer token when tokens are set; tokens compare in constant time. Oversized bodies get
-413. Refusals are RFC 9457 problems, and never touch the database.
+A plain ASGI middleware, so it runs before FastAPI reads the body. When tokens are set,
+every request but the probes needs a bearer token whose scope covers the request
+([`needed_scope`][flowlock.service.guard.needed_scope]). Tokens compare in constant time.
+Oversized bodies get 413. Refusals are RFC 9457 problems, and never touch the database.
+The rules are in docs/operations.md ("Access: tokens and scopes").
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from typing import Any
 from flowlock.service.problems import PROBLEM_JSON, Problem, problem
 from flowlock.service.settings import ApiToken
 
-__all__ = ["RequestGuard"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "CONSOLE_PREFIX",
+    "OPEN_PATHS",
+    "RequestGuard",
+    "find_token",
+    "needed_scope",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -22,7 +31,54 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-_MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+OPEN_PATHS = frozenset({"/livez", "/readyz"})
+"""Answered without a token: an orchestrator's probes carry none."""
+ADMIN_PREFIX = "/admin"
+"""Every path under it needs the admin scope, whatever the method."""
+CONSOLE_PREFIX = "/ui"
+"""The console's: it checks its own session cookie, so the guard lets it through."""
+METRICS_PATH = "/metrics"
+_READS = frozenset({"GET", "HEAD"})
+_WHY = {
+    "admin": "every path under /admin/ needs admin",
+    "write": "a request that is not GET or HEAD needs write",
+    "read": "a GET or HEAD needs read",
+}
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def needed_scope(method: str, path: str, *, open_metrics: bool = False) -> str | None:
+    """The scope a request needs when the service has tokens, or None when it needs none.
+
+    None: the probes, `/metrics` when opened, and the console's paths (which check their
+    own session). Else `admin` under `/admin/`, `read` for GET and HEAD, `write` for the rest.
+    """
+    # A doubled slash reaches no route, but is judged as the path it looks like all the same.
+    while "//" in path:
+        path = path.replace("//", "/")
+    if path in OPEN_PATHS or _under(path, CONSOLE_PREFIX):
+        return None
+    if path == METRICS_PATH and open_metrics:
+        return None
+    if _under(path, ADMIN_PREFIX):
+        return "admin"
+    return "read" if method.upper() in _READS else "write"
+
+
+def find_token(tokens: tuple[ApiToken, ...], secret: bytes) -> ApiToken | None:
+    """The token whose secret is `secret`, or None; in constant time over every token.
+
+    The guard checks bearer headers with it; the console's login checks a typed token alike.
+    """
+    found: ApiToken | None = None
+    for token in tokens:
+        # Every token is compared, whatever matched before: no early exit to time.
+        if hmac.compare_digest(secret, token.secret):
+            found = token
+    return found
 
 
 class _TooLarge(Exception):
@@ -33,6 +89,19 @@ def _unauthorized(detail: str) -> Problem:
     return problem(
         401, "unauthorized", "Authentication required", detail,
         {"WWW-Authenticate": 'Bearer realm="flowlock"'},
+    )  # fmt: skip
+
+
+def _insufficient(token: ApiToken, needed: str) -> Problem:
+    # RFC 6750's error code, so a generic client learns the scope it lacks from the header too.
+    challenge = f'Bearer realm="flowlock", error="insufficient_scope", scope="{needed}"'
+    return problem(
+        403, "insufficient-scope", "Insufficient scope",
+        f"this request needs a token with scope {needed} ({_WHY[needed]}); the token of "
+        f"{token.principal!r} has scope {token.scope}. Scopes: read < write < admin; use a "
+        "token with the scope needed",
+        {"WWW-Authenticate": challenge},
+        needed=needed, scope=token.scope, principal=token.principal,
     )  # fmt: skip
 
 
@@ -56,12 +125,27 @@ async def send_problem(send: Send, found: Problem, path: str | None = None) -> N
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, tokens: tuple[ApiToken, ...], max_body: int) -> None:
+    """Tokens and scopes (when any token is set), then the body's size, for every request.
+
+    A request let through carries its token's principal and scope in the ASGI scope's state
+    (`request.state.principal`, `request.state.scope`): routes make the principal the actor.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tokens: tuple[ApiToken, ...],
+        max_body: int,
+        open_metrics: bool = False,
+    ) -> None:
         self.app = app
         self.tokens = tokens
         self.max_body = max_body
+        self.open_metrics = open_metrics
 
-    def principal(self, scope: Scope) -> str | Problem:
+    def token(self, scope: Scope) -> ApiToken | Problem:
+        """The token the request's Authorization header carries, or the 401 to answer."""
         header = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -72,26 +156,45 @@ class RequestGuard:
             return _unauthorized("this request needs an Authorization: Bearer <token> header")
         if scheme.lower() != b"bearer" or not credential.strip():
             return _unauthorized("the Authorization header must be 'Bearer <token>'")
-        credential = credential.strip()
-        found: str | None = None
-        for token in self.tokens:
-            # Every token is compared, whatever matched before: no early exit to time.
-            if hmac.compare_digest(credential, token.secret):
-                found = token.principal
+        found = find_token(self.tokens, credential.strip())
         if found is None:
             return _unauthorized("the bearer token is not valid for this service")
         return found
 
+    def admit(self, scope: Scope) -> Problem | None:
+        """None when the request may go on (its token recorded in its state), else the refusal."""
+        if not self.tokens:
+            return None
+        method = scope.get("method", "GET")  # a WebSocket handshake is a GET
+        needed = needed_scope(method, scope.get("path", "/"), open_metrics=self.open_metrics)
+        if needed is None:
+            return None
+        found = self.token(scope)
+        if isinstance(found, Problem):
+            return found
+        if not found.allows(needed):
+            return _insufficient(found, needed)
+        state = scope.setdefault("state", {})
+        state["principal"] = found.principal
+        state["scope"] = found.scope
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            if self.admit(scope) is not None:
+                # Refused before the handshake is accepted: the server answers it with 403.
+                await receive()
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.tokens and scope["method"] in _MUTATING:
-            who = self.principal(scope)
-            if isinstance(who, Problem):
-                await send_problem(send, who, scope.get("path"))
-                return
-            scope.setdefault("state", {})["principal"] = who
+        refused = self.admit(scope)
+        if refused is not None:
+            await send_problem(send, refused, scope.get("path"))
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body:
             await send_problem(send, _too_large(self.max_body), scope.get("path"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from flowlock.core.errors import InvalidInput
 from flowlock.service.settings import ServiceSettings
 
-__all__ = ["Listen", "serve"]
+__all__ = ["Listen", "is_loopback", "serve"]
 
 _ONE_PROCESS = ("memory://", "sqlite:")
 
@@ -32,6 +33,21 @@ class Listen:
     port: int = 8000
     workers: int = 1
     log_level: str = "info"
+    insecure: bool = False
+    """Listen on `host` even when it is not a loopback address and no token is set."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is `localhost` or an address of 127.0.0.0/8 or ::1 (brackets allowed)."""
+    name = host.strip().removeprefix("[").removesuffix("]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> None:
@@ -40,6 +56,14 @@ def check(settings: ServiceSettings, listen: Listen, *, dev: bool = False) -> No
         raise InvalidInput(f"--workers must be from 1 to 64, not {listen.workers}")
     if not 0 <= listen.port <= 65535:
         raise InvalidInput(f"--port must be from 0 to 65535, not {listen.port}")
+    if not settings.api_tokens and not listen.insecure and not is_loopback(listen.host):
+        raise InvalidInput(
+            f"--host {listen.host} is not a loopback address, and no token is set: anyone who "
+            "reaches the port could read and change every instance. Set FLOWLOCK_API_TOKEN "
+            "(name:secret:scope, scope read, write or admin), or listen on 127.0.0.1, or pass "
+            "--insecure (FLOWLOCK_INSECURE=true) when something in front of the service "
+            "controls who reaches it"
+        )
     # With dev, the database is the embedded PostgreSQL started below, not the URL given yet.
     if listen.workers > 1 and not dev and settings.database_url.startswith(_ONE_PROCESS):
         raise InvalidInput(

@@ -23,6 +23,7 @@ ENV = {
     "redis_url": "FLOWLOCK_REDIS_URL",
     "app": "FLOWLOCK_APP",
     "api_tokens": "FLOWLOCK_API_TOKEN",
+    "open_metrics": "FLOWLOCK_OPEN_METRICS",
     "require_if_match": "FLOWLOCK_REQUIRE_IF_MATCH",
     "max_body_bytes": "FLOWLOCK_MAX_BODY_BYTES",
     "max_json_depth": "FLOWLOCK_MAX_JSON_DEPTH",
@@ -41,7 +42,7 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_DRAIN = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_FLAGS = ("require_if_match", "timers", "outbox")
+_FLAGS = ("require_if_match", "timers", "outbox", "open_metrics")
 
 
 SCOPES = ("read", "write", "admin")
@@ -64,6 +65,13 @@ class ApiToken:
     principal: str
     secret: bytes = dataclasses.field(repr=False)
     scope: str = DEFAULT_SCOPE
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise InvalidInput(
+                f"the token of {self.principal!r} has scope {self.scope!r}; a scope is one of "
+                f"{', '.join(SCOPES)}"
+            )
 
     def allows(self, needed: str) -> bool:
         """Whether this token's scope includes `needed` (read < write < admin)."""
@@ -117,7 +125,12 @@ class ServiceSettings:
     - `redis_url`: Redis for the "distributed" strategy; optional.
     - `app`: `module:attr` naming the workflows: a Workflow, a list, or a function
       returning them. None serves the examples (approval, countersign, inventory).
-    - `api_tokens`: bearer tokens. When set, every mutating request needs one.
+    - `api_tokens`: bearer tokens. When any is set, every request but `/livez` and
+      `/readyz` needs one whose scope covers it: read for GET and HEAD, write for the other
+      methods, admin for every path under `/admin/`. The console (`/ui`) checks its own
+      session instead.
+    - `open_metrics`: with tokens set, still answer `/metrics` without one (for a scraper
+      that sends none).
     - `require_if_match`: refuse a fire without `If-Match` (428).
     - `max_body_bytes`: refuse a larger body (413) before reading it.
     - `max_json_depth`: refuse deeper JSON (400).
@@ -137,6 +150,7 @@ class ServiceSettings:
     redis_url: str | None = None
     app: str | None = None
     api_tokens: tuple[ApiToken, ...] = ()
+    open_metrics: bool = False
     require_if_match: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_json_depth: int = DEFAULT_MAX_DEPTH
@@ -181,7 +195,8 @@ class ServiceSettings:
             if value is None:
                 continue
             if field == "api_tokens":
-                env[var] = ",".join(f"{t.principal}:{t.secret.decode()}" for t in value)
+                # The scope always written out: a worker must not read an admin token as write.
+                env[var] = ",".join(f"{t.principal}:{t.secret.decode()}:{t.scope}" for t in value)
             elif isinstance(value, bool):
                 env[var] = "true" if value else "false"
             else:
