@@ -14,10 +14,10 @@ from typing import Annotated, Any, TypeVar
 import click
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from flowlock.cli._common import ENV_DATABASE_URL, EPILOG, EXIT_ERROR, app, fail, stderr, stdout
+from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
 from flowlock.core.bulk import BulkAction, BulkReport, derive_operation_id
@@ -38,6 +38,8 @@ admin_app = typer.Typer(
 app.add_typer(admin_app, name="admin")
 
 _SHOWN_FAILURES = 20
+# The sample's columns: tokens all, never broken across lines (see cli/_table.py).
+_SAMPLE = [Column(name) for name in ("id", "workflow", "state", "version", "updated")]
 _AGE = re.compile(r"([0-9]{1,9})([smhdw])")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
@@ -250,19 +252,22 @@ def _print_selection(report: BulkReport, as_json: bool) -> None:
     if as_json or not report.matched:
         return
     console = stdout()
-    table = Table(title=f"{report.matched} instance(s) match; the first {len(report.sample)}")
-    for column in ("id", "workflow", "state", "version", "updated"):
-        table.add_column(column, overflow="fold")
-    for inst in report.sample:
-        table.add_row(
-            _cell(inst.id),
-            _cell(inst.workflow),
-            _cell(inst.state),
-            _cell(inst.version),
-            _cell(when(inst.updated_at)),
-        )
-    console.print(table)
-    console.print(Text(f"operation id: {report.operation_id}"))
+    print_rows(
+        console,
+        f"{report.matched} instance(s) match; the first {len(report.sample)}",
+        _SAMPLE,
+        [
+            [
+                _cell(inst.id),
+                _cell(inst.workflow),
+                _cell(inst.state),
+                _cell(inst.version),
+                _cell(when(inst.updated_at)),
+            ]
+            for inst in report.sample
+        ],
+    )
+    print_wrapped(console, Text(f"operation id: {report.operation_id}"))
 
 
 def _report_json(report: BulkReport) -> dict[str, Any]:
@@ -273,20 +278,23 @@ def _report_json(report: BulkReport) -> dict[str, Any]:
 
 def _print_summary(report: BulkReport) -> None:
     console = stdout()
-    console.print(
+    print_wrapped(
+        console,
         Text(
             f"{report.action} {report.operation_id}: {report.applied} applied, "
             f"{report.skipped} skipped, {len(report.failed)} failed (of {report.matched} "
             "matched)",
             style="bold" if report.ok else "bold red",
-        )
+        ),
     )
     for iid, why in sorted(report.failed.items())[:_SHOWN_FAILURES]:
-        console.print(Text(f"  {iid}: {why}", style="red"))
+        print_wrapped(console, Text(f"{iid}: {why}", style="red"))
     if len(report.failed) > _SHOWN_FAILURES:
-        console.print(Text(f"  ... and {len(report.failed) - _SHOWN_FAILURES} more (--json)"))
+        print_wrapped(
+            console, Text(f"... and {len(report.failed) - _SHOWN_FAILURES} more (--json)")
+        )
     if report.stopped:
-        console.print(Text(report.stopped, style="yellow"))
+        print_wrapped(console, Text(report.stopped, style="yellow"))
 
 
 def _confirm(report: BulkReport) -> None:
