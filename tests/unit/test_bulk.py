@@ -387,3 +387,28 @@ async def test_bulk_pause_and_resume(engine: flowlock.Engine) -> None:
     assert (twice.applied, twice.skipped) == (0, 6)
     kinds = [e.kind for e in await engine.history(ids[3])]
     assert kinds == ["pause", "forced", "resume"]
+
+
+async def test_a_failed_read_of_a_page_raises_its_own_typed_error(
+    engine: flowlock.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database gone while the run walks: the run raises the store's error as it was
+    raised (not wrapped in a group), and running it again does the rest."""
+    ids = await _make(engine, 9)
+    listed = engine.list
+    reads = 0
+
+    async def second_page_fails(*args: Any, **kwargs: Any) -> flowlock.Page:
+        nonlocal reads
+        reads += 1
+        if reads == 3:  # the sample's read, the first page, then this
+            raise flowlock.StoreError("the database went away")
+        return await listed(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "list", second_page_fails)
+    with pytest.raises(flowlock.StoreError, match="went away"):
+        await engine.bulk("fire", workflow=METER, event="hold", batch=4, concurrency=2)
+    monkeypatch.setattr(engine, "list", listed)
+    report = await engine.bulk("fire", workflow=METER, event="hold", batch=4, concurrency=2)
+    assert report.applied + report.skipped == 9 and report.failed == {}
+    assert {(await engine.get(i)).state for i in ids} == {"held"}

@@ -377,10 +377,15 @@ async def _walk(
             if progress is not None:
                 progress(tally.done)
 
-    async with asyncio.TaskGroup() as group:
-        group.create_task(pages())
-        for _ in range(concurrency):
-            group.create_task(work())
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(pages())
+            for _ in range(concurrency):
+                group.create_task(work())
+    except BaseExceptionGroup as failed:
+        # One task failed (a page's read, a progress callback) and the others were cancelled:
+        # the caller gets that error as it was raised (a StoreError, say), not a group of one.
+        raise failed.exceptions[0] from None
 
 
 async def _one(engine: _Engine, plan: _Plan, inst: Instance) -> _Result:
