@@ -117,6 +117,9 @@ class _Plan:
     actor: str | None
 
 
+_Result = Literal["applied", "skipped"]
+
+
 @dataclass
 class _Tally:
     """What a run has done so far (touched on the run's event loop only)."""
@@ -130,8 +133,19 @@ class _Tally:
     def done(self) -> int:
         return self.applied + self.skipped + len(self.failed)
 
+    def count(self, result: _Result) -> None:
+        if result == "applied":
+            self.applied += 1
+        else:
+            self.skipped += 1
 
-_Result = Literal["applied", "skipped"]
+    def fail(self, instance_id: str, error: FlowlockError, max_failures: int | None) -> None:
+        self.failed[instance_id] = f"{type(error).__name__}: {error}"
+        if max_failures is not None and len(self.failed) >= max_failures:
+            self.stopped = (
+                f"stopped after {len(self.failed)} failures (max_failures); fix the cause and "
+                "run again under the same operation id to do the rest"
+            )
 
 
 class BulkMethods:
@@ -361,19 +375,9 @@ async def _walk(
             if tally.stopped is not None:
                 continue  # drain what the walk had queued: stopped means no new calls
             try:
-                result = await _one(engine, plan, inst)
+                tally.count(await _one(engine, plan, inst))
             except FlowlockError as exc:
-                tally.failed[inst.id] = f"{type(exc).__name__}: {exc}"
-                if max_failures is not None and len(tally.failed) >= max_failures:
-                    tally.stopped = (
-                        f"stopped after {len(tally.failed)} failures (max_failures); fix the "
-                        "cause and run again under the same operation id to do the rest"
-                    )
-            else:
-                if result == "applied":
-                    tally.applied += 1
-                else:
-                    tally.skipped += 1
+                tally.fail(inst.id, exc, max_failures)
             if progress is not None:
                 progress(tally.done)
 
