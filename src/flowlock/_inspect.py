@@ -245,6 +245,8 @@ def instance_dict(inst: Instance) -> dict[str, Any]:
         "last_event": inst.last_event,
         "created_at": _when(inst.created_at),
         "updated_at": _when(inst.updated_at),
+        "paused": inst.paused,
+        "workflow_paused": inst.workflow_paused,
     }
 
 
@@ -311,6 +313,7 @@ def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
         "fencing_token": entry.fencing_token,
         "data": dict(entry.data),
         "payload": dict(entry.payload),
+        "kind": entry.kind,
     }
 
 

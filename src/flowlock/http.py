@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from flowlock.core.admin import InstancePaused, UnknownState
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
     ConnectionLost,
@@ -213,6 +214,22 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             f"{allowed}",
             instance_id=exc.instance_id, event=exc.event, state=exc.state,
             version=exc.version, allowed=list(exc.allowed),
+        )  # fmt: skip
+    if isinstance(exc, InstancePaused):
+        what = "it" if exc.scope == "instance" else f"its workflow {exc.workflow!r}"
+        return _make(
+            409, slug, "Instance paused",
+            f"instance {exc.instance_id!r} takes no events while {what} is paused by an "
+            "operator; nothing was applied, send it again once it is resumed",
+            instance_id=exc.instance_id, workflow=exc.workflow, scope=exc.scope,
+            reason=exc.reason, version=exc.version,
+        )  # fmt: skip
+    if isinstance(exc, UnknownState):
+        return _make(
+            422, slug, "Unknown state",
+            f"workflow {exc.workflow!r} has no state {exc.state!r}; its states are "
+            f"{', '.join(exc.known)}",
+            workflow=exc.workflow, state=exc.state, known=list(exc.known),
         )  # fmt: skip
     if isinstance(exc, VersionMismatch):
         return _make(

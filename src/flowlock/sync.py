@@ -25,6 +25,7 @@ from flowlock._sync_loop import (
     refuse_in_event_loop,
     settle,
 )
+from flowlock._sync_repair import SyncRepairMethods
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
@@ -53,7 +54,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine(SyncBulkMethods):
+class Engine(SyncRepairMethods, SyncBulkMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.

@@ -49,6 +49,12 @@ def test_the_document_is_stable_text() -> None:
         "/livez",
         "/readyz",
         "/metrics",
+        "/admin/instances/{instance_id}/force",
+        "/admin/instances/{instance_id}/pause",
+        "/admin/instances/{instance_id}/resume",
+        "/admin/workflows/{workflow}/pause",
+        "/admin/workflows/{workflow}/resume",
+        "/admin/workflows/pauses",
     }
 
 

@@ -19,6 +19,7 @@ from flowlock.core.diagram import load_workflows
 from flowlock.engine import Engine, connect
 from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
+from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
 from flowlock.service.bulk_routes import bulk_routes
 from flowlock.service.guard import RequestGuard
@@ -86,6 +87,7 @@ def create_app(
     install_error_handlers(app)
     definition_routes(app, engine)
     instance_routes(app, engine, settings)
+    admin_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
     bulk_routes(app, engine, settings)
     app.add_middleware(

@@ -58,6 +58,11 @@ class InstanceOut(_Out):
     allowed: list[str] = Field(description="The events its state allows.")
     created_at: str | None = Field(json_schema_extra={"format": "date-time"})
     updated_at: str | None = Field(json_schema_extra={"format": "date-time"})
+    paused: bool = Field(description="An operator paused it (POST /admin/instances/{id}/pause).")
+    workflow_paused: bool = Field(
+        description="Its whole workflow is paused (POST /admin/workflows/{name}/pause). Either "
+        "way events are refused (409 instance-paused); a forced state is not."
+    )
     next_timer: NextTimerOut | None = Field(
         default=None,
         description="Its next due timer, null when none is armed (GET "
@@ -98,6 +103,10 @@ class HistoryEntryOut(_Out):
     payload: dict[str, Any]
     at: str | None = Field(json_schema_extra={"format": "date-time"})
     fencing_token: int | None
+    kind: str = Field(
+        description="transition (a fired event), or an operator's forced, pause or resume row "
+        "(event flowlock:force, flowlock:pause, flowlock:resume; its payload holds the reason)."
+    )
 
 
 class HistoryPage(_Out):
