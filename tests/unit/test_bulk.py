@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import flowlock
@@ -412,3 +413,22 @@ async def test_a_failed_read_of_a_page_raises_its_own_typed_error(
     report = await engine.bulk("fire", workflow=METER, event="hold", batch=4, concurrency=2)
     assert report.applied + report.skipped == 9 and report.failed == {}
     assert {(await engine.get(i)).state for i in ids} == {"held"}
+
+
+def test_the_cli_says_how_to_finish_a_run_that_did_not(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database goes away while the operator reads the prompt: the run fails with one
+    error line, and says to run the same command again."""
+    path = Path(sqlite_url.removeprefix("sqlite:///"))
+
+    def answer_yes_as_the_file_goes(text: str, **_: Any) -> bool:
+        assert "fire 24 instance(s)" in text
+        path.unlink()  # between the look and the run
+        return True
+
+    monkeypatch.setattr(typer, "confirm", answer_yes_as_the_file_goes)
+    result = _admin(sqlite_url, "fire", "--event", "hold", "-s", "open")
+    assert result.exit_code == 1, result.output
+    assert "error: " in result.output
+    assert "did not finish: run the same command again" in result.output

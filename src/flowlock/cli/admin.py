@@ -355,7 +355,18 @@ def _bulk(
         async def act(engine: Engine) -> BulkReport:
             return await run.report(engine, progress=progress, **options)
 
-        report = _open(database_url, schema, app_ref, needs_app, act)
+        try:
+            report = _open(database_url, schema, app_ref, needs_app, act)
+        except typer.Exit as stopped:
+            if stopped.exit_code:  # an error or Ctrl-C: said already; say how to finish
+                stderr().print(
+                    Text(
+                        f"operation {run.operation_id} did not finish: run the same command "
+                        "again to do the rest (what was done is skipped)",
+                        style="yellow",
+                    )
+                )
+            raise
     if as_json:
         _json(_report_json(report))
     else:
