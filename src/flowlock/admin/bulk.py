@@ -62,8 +62,6 @@ DEFAULT_MAX_FAILURES: Final = 100
 _TRIES: Final = 8
 """Calls on one instance that moved between its read and its write, before it counts as failed."""
 
-Progress = Callable[[int], None]
-
 
 class _Engine(Protocol):
     """The engine calls a run makes (the engine's own; force, pause and resume are the repairs
@@ -176,7 +174,7 @@ class BulkMethods:
         concurrency: int = 16,
         sample: int = 10,
         max_failures: int | None = DEFAULT_MAX_FAILURES,
-        progress: Progress | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> BulkReport:
         """Force, pause, resume or fire every instance the filters select; a
         [`BulkReport`][flowlock.BulkReport] says what was done.
@@ -341,7 +339,7 @@ async def _walk(
     batch: int,
     concurrency: int,
     max_failures: int | None,
-    progress: Progress | None,
+    progress: Callable[[int], None] | None,
 ) -> None:
     """Walk the selection page by page; `concurrency` workers make the calls.
 
