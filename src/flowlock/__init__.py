@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     )
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
+    from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -96,6 +97,9 @@ _WHERE: dict[str, str] = {
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
     **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
+    **dict.fromkeys(
+        ("ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport"), "flowlock.core.retention"
+    ),
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
@@ -116,6 +120,7 @@ __all__ = [
     "PAUSE_EVENT",
     "RESUME_EVENT",
     "Adaptive",
+    "ArchiveInvalid",
     "BulkReport",
     "ConcurrencyError",
     "ConflictMonitor",
@@ -133,6 +138,7 @@ __all__ = [
     "FlowlockError",
     "GuardRejected",
     "HistoryEntry",
+    "Hold",
     "IdempotencyKeyReused",
     "Instance",
     "InstanceExists",
@@ -155,6 +161,8 @@ __all__ = [
     "Page",
     "PayloadTooLarge",
     "Pessimistic",
+    "PurgeReport",
+    "RestoreReport",
     "RunOnce",
     "StaleTimer",
     "Step",

@@ -18,15 +18,23 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from flowlock.checker import FINAL_MISMATCH, ORPHAN_MESSAGE, Verdict, Violation, check
+from flowlock.checker import (
+    FINAL_MISMATCH,
+    ORPHAN_MESSAGE,
+    Verdict,
+    Violation,
+    check,
+    check_holds,
+)
 from flowlock.core.errors import InstanceNotFound, InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
+from flowlock.core.retention import Hold
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
-from flowlock.stores.base import OutboxStore
+from flowlock.stores.base import OutboxStore, RetentionStore
 
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg
@@ -355,6 +363,7 @@ class CheckReport:
     rows: int
     unsettled: tuple[str, ...]
     messages: int = 0
+    holds: int = 0
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
@@ -410,7 +419,24 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
             if cursor is None:
                 break
         found.extend(await _homeless_messages(engine))
-    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled), messages)
+    holds = await _holds(engine) if instance_id is None else []
+    found.extend(check_holds(holds))
+    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled), messages, len(holds))
+
+
+async def _holds(engine: Engine) -> list[Hold]:
+    """Every legal hold (none on a store that keeps none). A hold may name an instance that does
+    not exist: only its form is checked."""
+    if not isinstance(engine.store, RetentionStore):
+        return []
+    found: list[Hold] = []
+    after: str | None = None
+    while True:
+        page = await engine.holds(after=after, limit=_PAGE)
+        found.extend(page)
+        if len(page) < _PAGE:
+            return found
+        after = page[-1].instance_id
 
 
 @dataclass(frozen=True, slots=True)

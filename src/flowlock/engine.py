@@ -30,6 +30,7 @@ from flowlock._calls import (
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock.admin.bulk import BulkMethods
 from flowlock.admin.repair import RepairMethods
+from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput, UnknownWorkflow
@@ -91,7 +92,7 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods, RepairMethods, BulkMethods):
+class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.

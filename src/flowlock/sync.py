@@ -26,6 +26,7 @@ from flowlock._sync_loop import (
     settle,
 )
 from flowlock._sync_repair import SyncRepairMethods
+from flowlock._sync_retention import SyncRetention
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
@@ -54,7 +55,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine(SyncRepairMethods, SyncBulkMethods):
+class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.

@@ -29,6 +29,7 @@ PUBLIC = {
     "__version__", "checker", "connect", "errors", "fencing_token", "http", "jobs", "sync",
     "FORCE_EVENT", "PAUSE_EVENT", "RESUME_EVENT", "InstancePaused", "UnknownState",
     "WorkflowPause",
+    "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
 }  # fmt: skip
 
 

@@ -5,6 +5,7 @@ Pure, no I/O. `check` reads the history; `Recorder` and `check_linearizable` jud
 
 from flowlock.checker.calls import OPS, OUTCOMES, CallRecord
 from flowlock.checker.history import Invariant, check, check_many
+from flowlock.checker.holds import check_holds
 from flowlock.checker.linearizable import check_linearizable
 from flowlock.checker.recorder import CallHandle, Recorder, outcome_of
 from flowlock.checker.verdicts import (
@@ -18,6 +19,7 @@ from flowlock.checker.verdicts import (
     KINDS,
     LINEARIZABILITY_KINDS,
     LOST_UPDATE,
+    MALFORMED_HOLD,
     MESSAGE_KEY,
     NOT_LINEARIZABLE,
     ORPHAN_MESSAGE,
@@ -47,6 +49,7 @@ __all__ = [
     "KINDS",
     "LINEARIZABILITY_KINDS",
     "LOST_UPDATE",
+    "MALFORMED_HOLD",
     "MESSAGE_KEY",
     "NOT_LINEARIZABLE",
     "OPS",
@@ -70,6 +73,7 @@ __all__ = [
     "Verdict",
     "Violation",
     "check",
+    "check_holds",
     "check_linearizable",
     "check_many",
     "outcome_of",

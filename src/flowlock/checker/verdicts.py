@@ -38,6 +38,9 @@ REPAIR_ROW = "repair-row"
 """An operator's row is malformed: a pause or resume row that moved or changed the data, paused
 a paused instance (or resumed one not paused), or a forced row without a reason or that went
 elsewhere than its payload asked."""
+MALFORMED_HOLD = "malformed-hold"
+"""A legal hold names no instance id, names one twice, or lacks the time it was placed. (A hold
+of an id that does not exist is no violation: a hold is about an id.)"""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -79,6 +82,7 @@ KINDS: tuple[str, ...] = (
     EARLY_THEN,
     FIRED_WHILE_PAUSED,
     REPAIR_ROW,
+    MALFORMED_HOLD,
 )
 
 

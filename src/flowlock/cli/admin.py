@@ -466,8 +466,8 @@ def pause(
     schema: InspectSchema = None,
 ) -> None:
     """Pause every selected instance: it refuses events until resumed (one history row each;
-    one already paused is skipped). To pause a whole workflow in one row, pause the workflow
-    itself instead."""
+    one already paused is skipped). A whole workflow is paused in one row instead, by
+    engine.pause(workflow=...) or POST /admin/workflows/NAME/pause."""
     raw = {
         "workflow": workflow, "states": state, "updated_before": updated_before,
         "updated_after": updated_after, "reason": reason, "actor": actor,

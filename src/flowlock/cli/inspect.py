@@ -307,7 +307,8 @@ def check_command(
     belongs to its instance's current stay. Outbox: every message belongs to a transition in
     its instance's history (same version and fencing token) under its own key
     ID:VERSION:N, none is done after 0 attempts, and a transition fired under a message's key
-    (its handler's Then) comes after the one that emitted it.
+    (its handler's Then) comes after the one that emitted it. Legal holds: each names an
+    id once and says when it was placed (the id need not exist: a hold is about an id).
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).
@@ -326,6 +327,7 @@ def check_command(
                 "instances": report.instances,
                 "rows": report.rows,
                 "messages": report.messages,
+                "holds": report.holds,
                 "unsettled": list(report.unsettled),
             }
         )
@@ -336,6 +338,8 @@ def check_command(
         checked = f"checked {report.instances} instance(s), {report.rows} history row(s)"
         if report.messages:
             checked += f", {report.messages} outbox message(s)"
+        if report.holds:
+            checked += f", {report.holds} hold(s)"
         summary = f"{checked}: " + (
             "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
         )

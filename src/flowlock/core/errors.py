@@ -16,6 +16,7 @@ as attributes: the current state, the current version, the attempts made.
     ├── InstanceNotFound
     ├── InstanceExists
     ├── MessageNotFound              no outbox message with that key
+    ├── ArchiveInvalid               a retention archive fails its manifest (core.retention)
     ├── DeliveryFailed               an outbox handler could not deliver: tried again later
     │   └── DeliveryRefused          the receiver refused the message for good: dead at once
     ├── TransitionRefused            the instance is fine, the event does not apply

@@ -50,6 +50,7 @@ from flowlock.core.models import (
     Timing,
 )
 from flowlock.core.outbox import Message
+from flowlock.core.retention import ArchivedInstance, Hold, PurgeSelection
 
 __all__ = [
     "ArmedSignal",
@@ -58,6 +59,7 @@ __all__ = [
     "OutboxStore",
     "PauseStore",
     "Plan",
+    "RetentionStore",
     "RowLock",
     "Store",
     "TimerStore",
@@ -470,4 +472,63 @@ class OutboxStore(Protocol):
         engines; memory and SQLite: this process), and when a notification may have been missed
         (a LISTEN connection opened again), for the length of the `async with`. The dispatcher
         clears it before each look."""
+        ...
+
+
+BeforeCommit = Callable[[Sequence[str]], None]
+"""Run by `RetentionStore.purge_batch` inside its transaction, after the deletes and before the
+commit, with the ids deleted: the archive is written and flushed there. Raising rolls back."""
+
+
+@runtime_checkable
+class RetentionStore(Protocol):
+    """Legal holds, and the purge and restore of whole instances (every store is one).
+
+    A purge reads candidates (`purge_candidates`, unlocked), then deletes them in short
+    transactions (`purge_batch`), each delete a compare-and-swap on the version read: an
+    instance that moved since, or was held meanwhile, is kept. A restore inserts archived
+    instances verbatim (`restore_instances`)."""
+
+    async def place_hold(self, hold: Hold) -> Hold:
+        """Record `hold` (its `at` is the store's now) unless the instance is held already;
+        returns the hold that stands (the earlier one, unchanged, when there was one)."""
+        ...
+
+    async def lift_hold(self, instance_id: str) -> bool:
+        """Lift the instance's hold; False when there was none."""
+        ...
+
+    async def find_holds(self, *, after: str | None, limit: int) -> list[Hold]:
+        """At most `limit` holds whose instance id comes after `after` (None: from the
+        first), in code point order of the id."""
+        ...
+
+    async def purge_candidates(
+        self, selection: PurgeSelection, *, after: str | None, limit: int
+    ) -> list[ArchivedInstance]:
+        """At most `limit` instances `selection` takes now (the age on the store's clock; not
+        held; no outbox message pending), id after `after`, in code point order, each with
+        its history (up to its version), fencing token and create record."""
+        ...
+
+    async def count_purgeable(self, selection: PurgeSelection) -> tuple[int, int]:
+        """How many instances `selection` takes now, and how many more it would take but for
+        their holds. One consistent read."""
+        ...
+
+    async def purge_batch(
+        self, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
+    ) -> list[str]:
+        """In one short transaction, delete each (instance id, version) whose instance is
+        still at that version, not held and without a pending outbox message, with its history,
+        timers, outbox messages and create record; `before_commit(deleted ids)` runs before the
+        commit (an error there rolls everything back and is raised). Returns the ids deleted,
+        in code point order. A row lock held by a writer is waited for (bounded by the store's
+        lock timeout): the compare-and-swap then sees what it committed."""
+        ...
+
+    async def restore_instances(self, archived: Sequence[ArchivedInstance]) -> list[str]:
+        """Insert each archived instance, its history and its create record verbatim, in one
+        transaction; an id that exists is skipped (and so is its history). Returns the ids
+        inserted."""
         ...

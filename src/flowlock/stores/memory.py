@@ -38,6 +38,7 @@ from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entri
 from flowlock.stores.memory_outbox import MemoryOutbox
 from flowlock.stores.memory_outbox import copy_json as _copy
 from flowlock.stores.memory_outbox import wall as _wall
+from flowlock.stores.memory_retention import MemoryRetention
 
 __all__ = ["MemoryBoard", "MemoryStore"]
 
@@ -87,7 +88,7 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore(MemoryOutbox):
+class MemoryStore(MemoryRetention, MemoryOutbox):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     Timers and messages are due on the process's monotonic clock (a change of the wall clock
@@ -114,6 +115,7 @@ class MemoryStore(MemoryOutbox):
         self._armed_events: set[ArmedSignal] = set()
         self._pauses: dict[str, WorkflowPause] = {}
         self._init_outbox()
+        self._init_retention()
         self._open = False
 
     async def open(self) -> None:

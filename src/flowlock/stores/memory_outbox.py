@@ -104,6 +104,17 @@ class MemoryOutbox:
                 queues.setdefault(held.message.instance_id, []).append(held)
         return queues
 
+    def _pending_instances(self) -> set[str]:
+        """The ids of the instances with a message still to deliver (retention keeps them)."""
+        return {
+            h.message.instance_id for h in self._outbox.values() if h.message.status == "pending"
+        }
+
+    def _drop_messages(self, instance_id: str) -> None:
+        """Delete every message of the instance (it is being purged)."""
+        for key in [k for k, h in self._outbox.items() if h.message.instance_id == instance_id]:
+            del self._outbox[key]
+
     async def claim_messages(
         self, kinds: Mapping[str, int], *, lease: float, owner: str, run: int = 1
     ) -> list[Message]:
