@@ -24,6 +24,7 @@ import pytest
 import flowlock
 import pg_budget
 from bulk_kit import METER, meter
+from flowlock._inspect import check_instances
 from flowlock.checker import check_many
 from flowlock.core.bulk import BulkAction, bulk_request_id
 
@@ -176,6 +177,10 @@ async def _check_all(
     assert not lost, list(lost.items())[:10]
     assert {i.state for i, _ in pairs} == {"held"}
     (await sql_history()).assert_matches({i.id: history for i, history in pairs})
+    # And `flowlock check`'s walk over the whole database (timers and outbox included).
+    whole = await check_instances(engine, None)
+    assert whole.verdict.ok, whole.verdict.violations[:10]
+    assert (whole.instances, whole.unsettled) == (len(ids), ())
 
 
 async def _under_traffic(
