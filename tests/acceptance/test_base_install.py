@@ -245,3 +245,22 @@ def test_the_hints_and_the_readme_install_commands_work(
     assert done.returncode == 0, done.stderr[-3000:]
     done = _run(base_venv, "-c", "import flowlock; print(type(flowlock.Metrics()).__name__)")
     assert (done.returncode, done.stdout.strip()) == (0, "Metrics"), done.stderr
+
+
+CONSOLE_FILES = """
+import pathlib, flowlock
+console = pathlib.Path(flowlock.__file__).parent / "service" / "console"
+for folder in ("templates", "static"):
+    print(folder, " ".join(sorted(p.name for p in (console / folder).iterdir())))
+"""
+
+
+def test_the_console_templates_and_static_files_ship_in_the_package(base_venv: Path) -> None:
+    """The console's pages are package data: an installed (not editable) flowlock has them."""
+    done = _run(base_venv, "-c", CONSOLE_FILES)
+    assert done.returncode == 0, done.stderr
+    found = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert {"base.html", "login.html", "instance.html", "confirm.html"} <= set(
+        found["templates"].split()
+    )
+    assert set(found["static"].split()) == {"console.css", "htmx.min.js", "htmx.LICENSE"}

@@ -285,3 +285,55 @@ async def test_a_paused_instance_keeps_its_timer_until_the_resume(make: Make) ->
     assert [r.event for r in rows] == [PAUSE_EVENT, RESUME_EVENT, "expire"]
     assert rows[-1].request_id == "timer:1:expire:0"
     assert check(await engine.get("t-1"), rows, initial_state="pending").ok
+
+
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_nothing_lands_once_a_workflow_pause_returned(
+    make: Make, pg_url: str, pg_schema: str, strategy: str
+) -> None:
+    """100 callers fire at 20 instances of a workflow while another engine pauses the whole
+    workflow: from the moment the pause returned, no history row is added (the fires decided
+    before it committed have landed or lost their compare-and-swap), until the resume."""
+    import asyncpg
+
+    engine, operator = await make(strategy), await make(strategy)
+    ids = [f"s-{strategy}-{i}" for i in range(20)]
+    for iid in ids:
+        await engine.create("counter", instance_id=iid, data={"n": 0})
+    refused = 0
+    stop = asyncio.Event()
+
+    async def caller(k: int) -> None:
+        nonlocal refused
+        j = 0
+        while not stop.is_set():
+            j += 1
+            try:
+                await engine.fire(ids[(k + j) % len(ids)], "add")
+            except flowlock.InstancePaused:
+                refused += 1
+                await asyncio.sleep(0.002)
+            except flowlock.ConcurrencyError:
+                pass
+
+    conn = await asyncpg.connect(pg_url, server_settings={"search_path": pg_schema})
+    count = "SELECT count(*) FROM flowlock_history"
+    callers = [asyncio.create_task(caller(k)) for k in range(CALLERS)]
+    try:
+        await asyncio.sleep(0.5)
+        await operator.pause(workflow="counter", reason="freeze", actor="ops")
+        at_pause = await conn.fetchval(count)
+        await asyncio.sleep(0.5)
+        assert await conn.fetchval(count) == at_pause
+        assert refused > 0
+        await operator.resume(workflow="counter")
+        await asyncio.sleep(0.2)
+        assert await conn.fetchval(count) > at_pause
+    finally:
+        stop.set()
+        await asyncio.gather(*callers)
+        await conn.close()
+    for iid in ids:
+        inst, rows = await engine.get(iid), await engine.history(iid)
+        assert check(inst, rows, initial_state="open").ok
+        assert inst.data["n"] == len(rows)

@@ -22,6 +22,7 @@ from flowlock.metrics import Metrics
 from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
 from flowlock.service.bulk_routes import bulk_routes
+from flowlock.service.console import install_console
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
 from flowlock.service.health import Probes, health_routes
@@ -90,6 +91,7 @@ def create_app(
     admin_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
     bulk_routes(app, engine, settings)
+    install_console(app, engine, settings, metrics)
     app.add_middleware(
         RequestGuard,
         tokens=settings.api_tokens,

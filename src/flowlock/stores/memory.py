@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
-from flowlock.core.admin import WorkflowPause
+from flowlock.core.admin import WorkflowPause, refuse_paused
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -23,6 +23,7 @@ from flowlock.core.errors import (
     LockTimeout,
 )
 from flowlock.core.models import (
+    RESERVED_EVENTS,
     Escalation,
     HistoryEntry,
     Instance,
@@ -221,6 +222,8 @@ class MemoryStore(MemoryRetention, MemoryOutbox):
         applied = self._applied[first.instance_id]
         if any(row.request_id is not None and row.request_id in applied for row in rows):
             return None
+        if last.event not in RESERVED_EVENTS and current.workflow in self._pauses:
+            return None  # a fire decided before its workflow's pause: it reads again, refused
         now = datetime.now(UTC)
         history = self._history[first.instance_id]
         for row in rows:
@@ -467,6 +470,8 @@ class MemoryStore(MemoryRetention, MemoryOutbox):
                 rows = _rows(planned)
                 await asyncio.sleep(0)
                 committed = self._write(rows)
+                if committed is None and snap.instance.workflow in self._pauses:
+                    raise refuse_paused(snap.instance.evolve(workflow_paused=True))
                 if committed is None:
                     raise refused_plan(instance_id, planned, snap)
             return LockedResult(snap, committed, locked_at - started, time.monotonic() - locked_at)

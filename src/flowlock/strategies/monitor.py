@@ -216,6 +216,21 @@ class ConflictMonitor:
         win = self._windows.get(key)
         return (0, 0) if win is None else (win.conflicts, win.attempts)
 
+    def escalations_now(self) -> list[tuple[Escalation, float]]:
+        """Every escalation in force, with the seconds left before it steps down, longest
+        first. A read for a console: it steps nothing down (the next call on a key does)."""
+        now = self._clock()
+        found = [(e, deadline - now) for e, deadline in self._escalated.values() if deadline > now]
+        return sorted(found, key=lambda item: -item[1])
+
+    def hot_keys(self, limit: int = 50) -> list[tuple[str, int, int]]:
+        """Up to `limit` tracked keys as (key, conflicts, attempts) in their current windows,
+        highest conflict rate first (a key is tracked from its first conflict)."""
+        check_count("limit", limit, most=_MAX_KEYS, unit="keys")
+        rows = [(k, w.conflicts, w.attempts) for k, w in self._windows.items() if w.attempts]
+        rows.sort(key=lambda r: (-r[1] / r[2], -r[2], r[0]))
+        return rows[:limit]
+
     def _escalate(self, key: str, reason: str) -> Escalation:
         escalation = Escalation(key, self.escalate_to, self.board_time() + self.cooldown, reason)
         self._escalated[key] = (escalation, self._clock() + self.cooldown)

@@ -14,8 +14,9 @@ import asyncpg
 
 from flowlock._pg.errors import in_doubt
 from flowlock._pg.rows import entry_from_row, instance_from_row
+from flowlock.core.admin import refuse_paused
 from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, StoreError
-from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.models import RESERVED_EVENTS, HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan, RowLock
 from flowlock.stores.postgres.session import (
@@ -58,6 +59,10 @@ def lost_under_lock(instance_id: str, batch: Batch, snap: Snapshot) -> FlowlockE
     """The error of a compare-and-swap that matched no row although the row lock was held."""
     if batch[0].version != snap.instance.version + 1:
         return refused_plan(instance_id, batch, snap)
+    if batch[-1].event not in RESERVED_EVENTS and batch[-1].fencing_token is None:
+        # Under the lock at the version read, with no lease's token to compare, the one check
+        # left that can fail is the workflow's pause: it committed after the row was locked.
+        return refuse_paused(snap.instance.evolve(workflow_paused=True))
     return StoreError(
         f"instance {instance_id!r} changed while its row lock was held; "
         "something bypassed flowlock's locking. Nothing was written"

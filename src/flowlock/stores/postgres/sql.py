@@ -25,7 +25,14 @@ from flowlock._pg.rows import (
     workflow_paused,
 )
 from flowlock.core.errors import InvalidInput
-from flowlock.core.models import PAUSE_EVENT, RESUME_EVENT, HistoryEntry, InstanceQuery, Snapshot
+from flowlock.core.models import (
+    FORCE_EVENT,
+    PAUSE_EVENT,
+    RESUME_EVENT,
+    HistoryEntry,
+    InstanceQuery,
+    Snapshot,
+)
 from flowlock.stores.postgres.outbox_sql import outbox_args, outbox_cte
 from flowlock.stores.postgres.timer_sql import (
     TIMER_ARRAYS,
@@ -124,6 +131,14 @@ _PAUSED = (
     f"CASE {{event}} WHEN '{PAUSE_EVENT}' THEN true WHEN '{RESUME_EVENT}' THEN false "
     "ELSE {paused} END"
 )
+# A fired event is written only while its workflow is not paused, checked by the write itself
+# (its snapshot is taken once its table lock is granted): a fire that read before a workflow's
+# pause committed loses its compare-and-swap, reads again and is refused. An operator's repair
+# (a reserved event: the last of its batch, alone) goes through. See pauses.py for the rest.
+_OPEN = (
+    f"({{event}} IN ('{FORCE_EVENT}', '{PAUSE_EVENT}', '{RESUME_EVENT}') OR NOT EXISTS ("
+    "SELECT 1 FROM flowlock_workflow_pauses wp WHERE wp.workflow = {table}.workflow))"
+)
 _CAS = f"""
 WITH moved AS (
     UPDATE flowlock_instances
@@ -133,6 +148,7 @@ WITH moved AS (
            paused = {_PAUSED.format(event="$5", paused="paused")}
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
+       AND {_OPEN.format(event="$5", table="flowlock_instances")}
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
@@ -174,6 +190,7 @@ WITH moved AS (
            paused = {_PAUSED.format(event="$5", paused="paused")}
      WHERE id = $1 AND version = $2::bigint
        AND ($6::bigint IS NULL OR coalesce(fencing_token, 0) <= $6)
+       AND {_OPEN.format(event="$5", table="flowlock_instances")}
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
@@ -227,6 +244,7 @@ WITH wanted AS (
       FROM locked l JOIN wanted w ON w.id = l.id
      WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.version = w.version
        AND (w.fencing_token IS NULL OR coalesce(i.fencing_token, 0) <= w.fencing_token)
+       AND {_OPEN.format(event="w.last_event", table="i")}
  RETURNING {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))}
 ), logged AS (
     INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,

@@ -9,7 +9,14 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from flowlock.core.errors import InvalidInput, StoreError
-from flowlock.core.models import PAUSE_EVENT, RESUME_EVENT, HistoryEntry, Instance, InstanceQuery
+from flowlock.core.models import (
+    PAUSE_EVENT,
+    RESERVED_EVENTS,
+    RESUME_EVENT,
+    HistoryEntry,
+    Instance,
+    InstanceQuery,
+)
 
 # Request ids per ``IN (...)`` list: below the 999 bound variables of SQLite builds before 3.32.
 IDS_PER_SELECT: Final = 500
@@ -41,13 +48,17 @@ SELECT_PRIORS: Final = (
 )
 # A fencing token lower than the last one written is refused like a stale version. The stay
 # moves only when the batch changes the state (its last entering entry's version, else NULL);
-# the pause only when its last entry is a pause or resume row (1 or 0, else NULL).
+# the pause only when its last entry is a pause or resume row (1 or 0, else NULL). A fired
+# event is written only while its workflow is not paused (an operator's repair always is): a
+# fire that read before a workflow's pause loses its compare-and-swap and is refused on re-read.
 CAS_UPDATE: Final = (
     "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
     "updated_at = ?, fencing_token = coalesce(?, fencing_token), "
     "stay_version = coalesce(?, stay_version), paused = coalesce(?, paused) "
     "WHERE id = ? AND version = ? "
-    "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?)"
+    "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?) "
+    "AND (? OR NOT EXISTS (SELECT 1 FROM flowlock_workflow_pauses p "
+    "WHERE p.workflow = flowlock_instances.workflow))"
 )
 INSERT_HISTORY: Final = (
     f"INSERT INTO flowlock_history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -197,6 +208,12 @@ def instance_of(row: tuple[Any, ...]) -> Instance:
         paused=bool(row[9]),
         workflow_paused=bool(row[10]),
     )
+
+
+def is_repair(last: HistoryEntry) -> int:
+    """1 when a batch whose last entry is `last` is an operator's repair (it is written through
+    a workflow's pause), else 0."""
+    return int(last.event in RESERVED_EVENTS)
 
 
 def paused_column(last: HistoryEntry) -> int | None:

@@ -31,6 +31,7 @@ from flowlock.stores.sqlite.sql import (
     dump_json,
     entry_of,
     instance_of,
+    is_repair,
     list_statement,
     millis,
     now_text,
@@ -306,6 +307,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instanc
             first.version - 1,
             last.fencing_token,
             last.fencing_token,
+            is_repair(last),
         ),
     )
     if cur.rowcount == 0:
