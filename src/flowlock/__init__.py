@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         UnknownState,
         WorkflowPause,
     )
+    from flowlock.core.bulk import BulkReport
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
         ConcurrencyError,
@@ -102,6 +103,7 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(("Engine", "connect"), "flowlock.engine"),
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
+    "BulkReport": "flowlock.core.bulk",
     "ConflictMonitor": "flowlock.strategies.monitor",
     "Metrics": "flowlock.metrics",
     "Optimistic": "flowlock.strategies.optimistic",
@@ -119,6 +121,7 @@ __all__ = [
     "RESUME_EVENT",
     "Adaptive",
     "ArchiveInvalid",
+    "BulkReport",
     "ConcurrencyError",
     "ConflictMonitor",
     "ConflictRetriesExhausted",

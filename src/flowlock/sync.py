@@ -17,6 +17,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
+from flowlock._sync_bulk import SyncBulkMethods
 from flowlock._sync_loop import (
     GONE,
     JOIN_TIMEOUT,
@@ -55,7 +56,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine(SyncRepairMethods, SyncRetention):
+class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.

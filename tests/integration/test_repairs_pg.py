@@ -337,3 +337,30 @@ async def test_nothing_lands_once_a_workflow_pause_returned(
         inst, rows = await engine.get(iid), await engine.history(iid)
         assert check(inst, rows, initial_state="open").ok
         assert inst.data["n"] == len(rows)
+
+
+async def test_force_inside_your_transaction(make: Make, pg_url: str, pg_schema: str) -> None:
+    """`force(..., connection=)` joins the caller's transaction: rolled back with it, or
+    committed with it, exactly once by its request id."""
+    import asyncpg
+
+    engine = await make("pessimistic")
+    await engine.create("counter", instance_id="tx-1", data={"n": 0})
+    conn = await asyncpg.connect(pg_url)
+    try:
+        tx = conn.transaction()
+        await tx.start()
+        inside = await engine.force(
+            "tx-1", "closed", reason="r", actor="ops", request_id="tx-f", connection=conn
+        )
+        assert inside.applied and inside.instance.state == "closed"
+        await tx.rollback()
+        assert (await engine.get("tx-1")).state == "open" and await engine.history("tx-1") == []
+        async with conn.transaction():
+            await engine.force(
+                "tx-1", "closed", reason="r", actor="ops", request_id="tx-f", connection=conn
+            )
+        again = await engine.force("tx-1", "closed", reason="r", actor="ops", request_id="tx-f")
+        assert again.replayed and [r.kind for r in await engine.history("tx-1")] == ["forced"]
+    finally:
+        await conn.close()

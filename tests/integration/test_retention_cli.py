@@ -76,7 +76,8 @@ def test_purge_counts_first_asks_and_holds_exempt(cli: CliRunner, db: Db) -> Non
     purge = ("purge", "--workflow", "approval", "--final", "--older-than", "1s", "--app", APP)
     held = _run(cli, db, "hold", "a-2", "--reason", "case 7", "--actor", "legal")
     assert held.exit_code == 0 and "case 7" in held.output
-    dry = _run(cli, db, *purge, "--dry-run", "--json")
+    # The command as written: no --app, so the example approval's final states.
+    dry = _run(cli, db, *purge[:-2], "--dry-run", "--json")
     assert dry.exit_code == 0, dry.output
     counted = json.loads(dry.stdout)
     assert (counted["dry_run"], counted["matched"], counted["held"]) == (True, 3, 1)
@@ -134,5 +135,7 @@ def test_bad_arguments_are_usage_errors(cli: CliRunner, db: Db) -> None:
         result = _run(cli, db, *base, "--final", "--app", APP, "--older-than", bad)
         assert result.exit_code == 2, (bad, result.output)
     assert _run(cli, db, *base, "--older-than", "1s").exit_code == 2  # neither --final nor --state
-    assert _run(cli, db, *base, "--final", "--older-than", "1s").exit_code == 2  # no --app
+    # Without --app, --final reads flowlock's examples (as serve does); another name is refused.
+    unknown = _run(cli, db, "purge", "--workflow", "nosuch", "--final", "--older-than", "1s")
+    assert unknown.exit_code == 2 and "--app" in _text(unknown)
     assert _ids(cli, db) == sorted([*FINAL, *OPEN])

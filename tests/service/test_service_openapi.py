@@ -36,6 +36,7 @@ def test_the_document_is_stable_text() -> None:
     assert text == json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     assert schema["openapi"].startswith("3.")
     assert set(schema["paths"]) == {
+        "/admin/bulk",
         "/definitions",
         "/definitions/{workflow}",
         "/definitions/{workflow}/diagram",

@@ -15,7 +15,7 @@ from flowlock.stores import MemoryStore
 SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
-    "Adaptive", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
+    "Adaptive", "BulkReport", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
     "ConnectionLost", "CreateKeyReused", "DefinitionError", "DeliveryFailed", "DeliveryRefused",
     "Distributed", "Emit", "Engine",
     "EngineClosed", "Message", "MessageNotFound", "Then", "outbox",

@@ -55,20 +55,36 @@ def parse_age(text: str) -> timedelta:
 
 
 def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
-    """The definition of `workflow` in the workflows `app_ref` names (None without one)."""
+    """The definition of `workflow` in the workflows `app_ref` names. Without one, as for
+    `flowlock serve`, flowlock's examples (said on stderr, since --final reads its states);
+    None when the examples have no such workflow."""
     if app_ref is None:
-        return None
+        from flowlock.examples import approval, countersign, inventory
+
+        # What flowlock serve serves without --app (service.app.default_workflows).
+        examples = {wf.name: wf for wf in (approval(), countersign(3), inventory())}
+        found = examples.get(workflow)
+        if found is not None:
+            finals = ", ".join(s for s in found.states if found.is_final(s))
+            stderr().print(
+                f"--final: the final states of flowlock's example {workflow!r} ({finals}), "
+                "as flowlock serve uses without --app; give --app module:attr for your own "
+                "definition",
+                markup=False,
+                highlight=False,
+            )
+        return found
     from flowlock.core.diagram import BadReference, load_workflows
 
     try:
-        found = {wf.name: wf for wf in load_workflows(app_ref)}
+        found_all = {wf.name: wf for wf in load_workflows(app_ref)}
     except BadReference as exc:
         raise typer.BadParameter(str(exc), param_hint="'--app'") from None
-    if workflow not in found:
+    if workflow not in found_all:
         raise typer.BadParameter(
-            f"{app_ref} defines {sorted(found)}, not {workflow!r}", param_hint="'--app'"
+            f"{app_ref} defines {sorted(found_all)}, not {workflow!r}", param_hint="'--app'"
         )
-    return found[workflow]
+    return found_all[workflow]
 
 
 def _report_dict(report: PurgeReport | RestoreReport) -> dict[str, Any]:
@@ -134,7 +150,7 @@ def purge(
             "--app",
             envvar="FLOWLOCK_APP",
             help="module:attr naming the workflows (as for serve): --final reads the final "
-            "states from it.",
+            "states from it. Without it, flowlock's examples (approval, countersign, inventory).",
         ),
     ] = None,
     yes: Yes = False,
@@ -159,7 +175,7 @@ def purge(
             "--state NAME",
             param_hint="'--final' / '--state'",
         )
-    definition = _definition(app_ref, workflow)
+    definition = _definition(app_ref, workflow) if final else None
     if final and definition is None:
         raise typer.BadParameter(
             "--final reads the final states from the workflow's definition: give --app "

@@ -21,6 +21,7 @@ from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
+from flowlock.service.bulk_routes import bulk_routes
 from flowlock.service.console import install_console
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
@@ -89,6 +90,7 @@ def create_app(
     instance_routes(app, engine, settings)
     admin_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
+    bulk_routes(app, engine, settings)
     install_console(app, engine, settings, metrics)
     app.add_middleware(
         RequestGuard,
