@@ -15,7 +15,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -165,8 +165,8 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         term = search_term.strip()
         if not term:
             return queryset, False
-        # Case-sensitive, as ids are: the exact id, or ids that start with the term.
-        return queryset.filter(Q(id=term) | Q(id__startswith=term)), False
+        # Case-sensitive, as ids are: the ids that start with the term (the exact id included).
+        return queryset.filter(id__startswith=term), False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -242,7 +242,6 @@ class InstanceAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "action": action,
             "opts": self.model._meta,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "select_across": request.POST.get("select_across", "0"),
             "limit": MAX_SELECTED,
             "media": self.media + form.media,
         }
