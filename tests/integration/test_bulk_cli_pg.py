@@ -86,7 +86,8 @@ async def test_a_killed_cli_run_run_again_forces_the_rest_once(pg_url: str, pg_s
         # Every instance is selected again (no state filter): what the killed run forced is
         # replayed under the same request id, the rest forced now.
         assert (report["matched"], report["applied"]) == (N, N - done_before)
-        assert report["skipped"] == done_before
+        assert (report["skipped"], report["replayed"]) == (0, done_before)
+        assert report["note"].startswith(f"{done_before} were done earlier by operation ")
         rows = await _bulk_rows(pg_url, pg_schema)
         ids = [f"k-{i:05d}" for i in range(N)]
         assert rows == Counter(dict.fromkeys(ids, 1))

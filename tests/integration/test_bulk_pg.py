@@ -288,7 +288,7 @@ async def test_a_cancelled_run_run_again_does_the_rest_once(
     sql_history: SqlHistory,
 ) -> None:
     """The run is cancelled a third of the way through (a crash of its caller); the same call
-    again replays what was done (skipped) and does the rest: one bulk row per instance."""
+    again replays what was done (replayed) and does the rest: one bulk row per instance."""
     engine = await _engine(pg_engine_factory)
     does = _action(action)
     n = 600
@@ -315,7 +315,7 @@ async def test_a_cancelled_run_run_again_does_the_rest_once(
     assert report.operation_id == run_id
     assert report.failed == {}
     assert report.applied == n - sum(first.values())
-    assert report.skipped == sum(first.values())
+    assert (report.skipped, report.replayed) == (0, sum(first.values()))
     rows = await _bulk_rows(pg_url, pg_schema, report.operation_id)
     assert rows == Counter(dict.fromkeys(ids, 1))
     await _check_all(engine, ids, [], report.operation_id, sql_history)
@@ -350,7 +350,7 @@ async def test_bulk_pause_then_resume(pg_engine_factory: EngineFactory, pg_url: 
     refused = await engine.bulk("fire", workflow=METER, event="bump", max_failures=None)
     assert len(refused.failed) == 300 and refused.applied == 0
     again = await engine.bulk("pause", workflow=METER, reason="maintenance", actor="ops")
-    assert (again.applied, again.skipped) == (0, 300)
+    assert (again.applied, again.skipped, again.replayed) == (0, 0, 300)
     resumed = await engine.bulk("resume", workflow=METER, actor="ops")
     assert (resumed.applied, resumed.skipped) == (300, 0)
     fired = await engine.bulk("fire", workflow=METER, event="bump")

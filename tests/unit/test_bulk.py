@@ -157,7 +157,8 @@ async def test_a_run_again_replays_every_instance(engine: flowlock.Engine) -> No
         "fire", workflow=METER, event="hold", payload={"ticket": 7}, batch=7, concurrency=3
     )
     assert again.operation_id == first.operation_id
-    assert (again.applied, again.skipped, again.failed) == (0, 30, {})
+    assert (again.applied, again.skipped, again.replayed, again.failed) == (0, 0, 30, {})
+    assert again.only_replayed and not first.only_replayed
     for iid in ids:
         (entry,) = await engine.history(iid)
         assert entry.request_id == f"bulk:{first.operation_id}:{iid}"
@@ -244,8 +245,13 @@ async def test_post_admin_bulk_through_the_asgi_app() -> None:
             assert (answer["applied"], answer["skipped"], answer["failed"]) == (8, 0, {})
             assert answer["stopped"] is None and answer["dry_run"] is False
             again = (await client.post("/admin/bulk", json=body)).json()
-            assert (again["applied"], again["skipped"]) == (0, 8)
+            assert (again["applied"], again["skipped"], again["replayed"]) == (0, 0, 8)
             assert again["operation_id"] == answer["operation_id"]
+            assert answer["note"] is None
+            assert again["note"] == (
+                f"8 were done earlier by operation {answer['operation_id']} (a rerun) and not "
+                "done again; send another operation_id to run the operation again"
+            )
             for bad, status in [
                 ({**body, "surprise": 1}, 422),
                 ({**body, "action": "delete"}, 422),
@@ -307,8 +313,51 @@ def test_the_cli_shows_asks_runs_and_reports(sqlite_url: str) -> None:
 def test_the_cli_exits_1_when_an_instance_failed(sqlite_url: str) -> None:
     failed = _admin(sqlite_url, "fire", "--event", "hold", "-w", METER, "--yes")
     assert failed.exit_code == 1, failed.output
-    assert "24 applied, 0 skipped, 1 failed" in failed.output
+    assert "24 applied, 0 skipped, 0 replayed, 1 failed" in failed.output
     assert "c-00: TransitionNotAllowed" in failed.output
+
+
+def test_the_cli_exits_3_when_the_same_pause_only_replays(sqlite_url: str) -> None:
+    pause = ("pause", "-w", METER, "--reason", "incident", "--yes")
+    assert _admin(sqlite_url, *pause).exit_code == 0
+    assert _admin(sqlite_url, "resume", "-w", METER, "--yes").exit_code == 0
+    again = _admin(sqlite_url, *pause)
+    assert again.exit_code == 3, again.output
+    assert "0 applied, 0 skipped, 25 replayed, 0 failed" in again.output
+    flat = " ".join(again.output.split())
+    assert "25 were done earlier by operation " in flat
+    assert (
+        "(a rerun) and not done again; pass --operation-id NEW to run the operation again" in flat
+    )
+    with flowlock.sync.Engine.connect(sqlite_url) as eng:
+        assert {i.paused for i in eng.list(METER, limit=100)} == {False}
+    as_json = _admin(sqlite_url, *pause, "--json")
+    assert as_json.exit_code == 3
+    report = json.loads(as_json.output[as_json.output.index("{") :])
+    assert (report["replayed"], report["applied"]) == (25, 0)
+    assert "pass --operation-id NEW" in report["note"]
+    new = _admin(sqlite_url, *pause, "--operation-id", "pause-2")
+    assert new.exit_code == 0, new.output
+    assert "25 applied, 0 skipped, 0 replayed" in new.output
+    with flowlock.sync.Engine.connect(sqlite_url) as eng:
+        assert {i.paused for i in eng.list(METER, limit=100)} == {True}
+
+
+def test_the_cli_rerun_that_finishes_a_crashed_run_succeeds(sqlite_url: str) -> None:
+    """Five instances were done by operation op1 before it crashed: the rerun replays them,
+    does the other twenty, says so, and exits 0."""
+    with flowlock.sync.Engine.connect(sqlite_url) as eng:
+        eng.register(meter())
+        for i in range(5):
+            iid = f"c-{i:02d}"
+            eng.pause(iid, reason="incident", request_id=bulk_request_id("op1", iid))
+    rerun = _admin(
+        sqlite_url, "pause", "-w", METER, "--reason", "incident", "--operation-id", "op1",
+        "--actor", ACTOR, "--yes",
+    )  # fmt: skip
+    assert rerun.exit_code == 0, rerun.output
+    assert "20 applied, 0 skipped, 5 replayed, 0 failed" in rerun.output
+    assert "5 were done earlier by operation op1" in " ".join(rerun.output.split())
 
 
 @pytest.mark.parametrize(
@@ -358,10 +407,35 @@ async def test_bulk_force_writes_one_forced_row_per_instance(engine: flowlock.En
     # Under the same operation id, over the whole workflow (other filters: another derived
     # id, so it is given): every instance is replayed, none forced twice.
     again = await engine.bulk("force", workflow=METER, operation_id=report.operation_id, **args)
-    assert (again.applied, again.skipped) == (0, 9)
+    assert (again.applied, again.skipped, again.replayed) == (0, 0, 9)
     # With data, each instance's data is replaced.
     data = await engine.bulk("force", workflow=METER, data={"n": 100}, **args)
     assert (data.applied, {(await engine.get(i)).data["n"] for i in ids}) == (9, {100})
+
+
+async def test_the_same_bulk_pause_after_a_resume_is_reported_as_replayed_not_skipped(
+    engine: flowlock.Engine,
+) -> None:
+    """pause, resume, the same pause again: the derived id replays the first pause, so the
+    instances stay unpaused. The report says so (replayed, a note), never "skipped"; a new
+    operation id pauses them."""
+    ids = await _make(engine, 3)
+    first = await engine.bulk("pause", workflow=METER, reason="incident")
+    await engine.bulk("resume", workflow=METER)
+    again = await engine.bulk("pause", workflow=METER, reason="incident")
+    assert again.operation_id == first.operation_id
+    assert (again.applied, again.skipped, again.replayed, again.failed) == (0, 0, 3, {})
+    assert again.only_replayed and again.ok and again.done == 3
+    assert again.replay_note("pass --operation-id NEW") == (
+        f"3 were done earlier by operation {first.operation_id} (a rerun) and not done again; "
+        "pass --operation-id NEW to run the operation again"
+    )
+    assert again.summary()["replayed"] == 3
+    assert first.replay_note("x") is None
+    assert [(await engine.get(i)).paused for i in ids] == [False] * 3
+    new = await engine.bulk("pause", workflow=METER, reason="incident", operation_id="second")
+    assert (new.applied, new.replayed, new.only_replayed) == (3, 0, False)
+    assert [(await engine.get(i)).paused for i in ids] == [True] * 3
 
 
 async def test_bulk_pause_and_resume(engine: flowlock.Engine) -> None:
@@ -411,7 +485,8 @@ async def test_a_failed_read_of_a_page_raises_its_own_typed_error(
         await engine.bulk("fire", workflow=METER, event="hold", batch=4, concurrency=2)
     monkeypatch.setattr(engine, "list", listed)
     report = await engine.bulk("fire", workflow=METER, event="hold", batch=4, concurrency=2)
-    assert report.applied + report.skipped == 9 and report.failed == {}
+    assert report.applied + report.replayed == 9 and report.failed == {}
+    assert report.applied > 0 and not report.only_replayed  # a crash rerun that did the rest
     assert {(await engine.get(i)).state for i in ids} == {"held"}
 
 

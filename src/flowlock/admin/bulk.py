@@ -115,7 +115,7 @@ class _Plan:
     actor: str | None
 
 
-_Result = Literal["applied", "skipped"]
+_Result = Literal["applied", "skipped", "replayed"]
 
 
 @dataclass
@@ -124,16 +124,19 @@ class _Tally:
 
     applied: int = 0
     skipped: int = 0
+    replayed: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     stopped: str | None = None
 
     @property
     def done(self) -> int:
-        return self.applied + self.skipped + len(self.failed)
+        return self.applied + self.skipped + self.replayed + len(self.failed)
 
     def count(self, result: _Result) -> None:
         if result == "applied":
             self.applied += 1
+        elif result == "replayed":
+            self.replayed += 1
         else:
             self.skipped += 1
 
@@ -190,8 +193,9 @@ class BulkMethods:
         (keyset on the id, so each instance is met once however the selection moves), making
         up to `concurrency` calls at once, each under the request id
         `bulk:<operation_id>:<instance_id>`. `operation_id` defaults to one derived from the
-        arguments: the same call run again after a crash replays what was done (skipped) and
-        does the rest. Force and fire are a compare-and-swap on the version the page read: an
+        arguments: the same call run again after a crash replays what was done (counted in
+        `replayed`, not done again) and does the rest. So the same call made again later, to
+        pause again what was resumed since, does nothing: give a new `operation_id` for that. Force and fire are a compare-and-swap on the version the page read: an
         instance that moved since is read again and done if it still matches (else skipped).
         A refused instance is recorded in `failed` and the run goes on; after `max_failures`
         failures (None: never) it stops taking new ones. `progress(n)` is called with the
@@ -228,8 +232,9 @@ class BulkMethods:
         tally = _Tally()
         await _walk(engine, plan, tally, batch, concurrency, max_failures, progress)
         log.info(
-            "flowlock bulk %s %s: %d applied, %d skipped, %d failed%s",
-            plan.action, plan.operation_id, tally.applied, tally.skipped, len(tally.failed),
+            "flowlock bulk %s %s: %d applied, %d skipped, %d replayed, %d failed%s",
+            plan.action, plan.operation_id, tally.applied, tally.skipped, tally.replayed,
+            len(tally.failed),
             f" ({tally.stopped})" if tally.stopped else "",
         )  # fmt: skip
         return BulkReport(
@@ -242,6 +247,7 @@ class BulkMethods:
             dict(tally.failed),
             shown,
             tally.stopped,
+            tally.replayed,
         )
 
     def _bulk_plan(
@@ -405,7 +411,9 @@ async def _one(engine: _Engine, plan: _Plan, inst: Instance) -> _Result:
             if not plan.query.matches(current):
                 return "skipped"
             continue
-        if isinstance(outcome, Outcome) and outcome.applied and not outcome.replayed:
+        if isinstance(outcome, Outcome) and outcome.replayed:
+            return "replayed"  # done earlier under this operation id: answered, not redone
+        if isinstance(outcome, Outcome) and outcome.applied:
             return "applied"
         return "skipped"
     # Moved under every try (a hot instance): counted as failed; a rerun tries it again.

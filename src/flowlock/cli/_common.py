@@ -22,6 +22,7 @@ __all__ = [
     "EPILOG",
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
+    "EXIT_REPLAYED",
     "EXIT_VERDICT_FAILED",
     "app",
     "db_app",
@@ -38,6 +39,9 @@ ENV_REDIS_URL = "FLOWLOCK_REDIS_URL"
 ENV_SCHEMA = "FLOWLOCK_SCHEMA"
 EXIT_ERROR = 1
 EXIT_VERDICT_FAILED = 3
+EXIT_REPLAYED = 3
+"""`flowlock admin force|pause|resume|fire`: nothing applied, every instance done earlier
+under the run's operation id (the same command sent again)."""
 EXIT_INTERRUPTED = 130
 
 EPILOG = (
@@ -50,8 +54,9 @@ EPILOG = (
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
     "is not given. **COLUMNS**: the width tables are printed to, also when piped (default: "
     "the terminal's, else 80).\n\n"
-    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed "
-    "or *check* found a violation, 130 interrupted."
+    "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed, "
+    "*check* found a violation, or an *admin* bulk command applied nothing because every "
+    "instance was done earlier under its operation id, 130 interrupted."
 )
 
 app = typer.Typer(

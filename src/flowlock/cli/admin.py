@@ -16,7 +16,16 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from flowlock.cli._common import ENV_DATABASE_URL, EPILOG, EXIT_ERROR, app, fail, stderr, stdout
+from flowlock.cli._common import (
+    ENV_DATABASE_URL,
+    EPILOG,
+    EXIT_ERROR,
+    EXIT_REPLAYED,
+    app,
+    fail,
+    stderr,
+    stdout,
+)
 from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
@@ -270,10 +279,17 @@ def _print_selection(report: BulkReport, as_json: bool) -> None:
     print_wrapped(console, Text(f"operation id: {report.operation_id}"))
 
 
+_NEW_ID = "pass --operation-id NEW"
+
+
 def _report_json(report: BulkReport) -> dict[str, Any]:
     from flowlock._inspect import instance_dict
 
-    return {**report.summary(), "sample": [instance_dict(i) for i in report.sample]}
+    return {
+        **report.summary(),
+        "note": report.replay_note(_NEW_ID),
+        "sample": [instance_dict(i) for i in report.sample],
+    }
 
 
 def _print_summary(report: BulkReport) -> None:
@@ -282,11 +298,16 @@ def _print_summary(report: BulkReport) -> None:
         console,
         Text(
             f"{report.action} {report.operation_id}: {report.applied} applied, "
-            f"{report.skipped} skipped, {len(report.failed)} failed (of {report.matched} "
-            "matched)",
+            f"{report.skipped} skipped, {report.replayed} replayed, {len(report.failed)} "
+            f"failed (of {report.matched} matched)",
             style="bold" if report.ok else "bold red",
         ),
     )
+    note = report.replay_note(_NEW_ID)
+    if note is not None:
+        # Said on every rerun: a crash rerun that finished the rest is fine; the same command
+        # sent again to redo what was undone since (a resume after a pause) did nothing.
+        print_wrapped(console, Text(note, style="bold yellow" if report.only_replayed else ""))
     for iid, why in sorted(report.failed.items())[:_SHOWN_FAILURES]:
         print_wrapped(console, Text(f"{iid}: {why}", style="red"))
     if len(report.failed) > _SHOWN_FAILURES:
@@ -362,7 +383,7 @@ def _bulk(
                 stderr().print(
                     Text(
                         f"operation {run.operation_id} did not finish: run the same command "
-                        "again to do the rest (what was done is skipped)",
+                        "again to do the rest (what was done is replayed, not done twice)",
                         style="yellow",
                     )
                 )
@@ -373,6 +394,8 @@ def _bulk(
         _print_summary(report)
     if not report.ok:
         raise typer.Exit(EXIT_ERROR)
+    if report.only_replayed:
+        raise typer.Exit(EXIT_REPLAYED)
 
 
 def _options(batch: int, concurrency: int, sample: int, max_failures: int) -> dict[str, Any]:
@@ -389,8 +412,10 @@ _BULK_HELP = (
     "confirm (unless --yes; --dry-run stops after showing them). It walks them in pages, a "
     "few calls at once, with a progress bar, and prints what was applied, skipped and failed "
     "(--json for scripts). Each instance's call has the request id bulk:OPERATION:INSTANCE: "
-    "the same command run again after a crash skips what was done and does the rest. Exit 1 "
-    "when any instance failed."
+    "the same command run again after a crash replays what was done (not done twice) and "
+    "does the rest; to run it again on purpose (pause again what was resumed since), pass a "
+    "new --operation-id. Exit 1 when any instance failed; exit 3 when nothing was applied "
+    "because every instance was done earlier under this operation id."
 )
 
 

@@ -48,9 +48,11 @@ class BulkReport:
       `bulk:<operation_id>:<instance_id>`. Run again under it to finish an interrupted run.
     - `matched`: how many instances matched the filters when the run began (one count).
     - `applied`: instances this run changed.
-    - `skipped`: instances with nothing to do: done before under this operation id (a rerun),
-      already in the wanted condition (paused, say), or no longer matching the filters when
-      their turn came (moved meanwhile).
+    - `skipped`: instances with nothing to do: already in the wanted condition (paused, say),
+      or no longer matching the filters when their turn came (moved meanwhile).
+    - `replayed`: instances done earlier under this operation id (a rerun), answered from
+      their history and not done again. What was done then may have been undone since (an
+      instance resumed after a bulk pause): to do it again, run under another operation id.
     - `failed`: instance id -> the typed error that refused it (`"TransitionNotAllowed: ..."`).
     - `sample`: the first instances of the selection, in id order, as read before the run.
     - `stopped`: why the run ended before walking the whole selection (`max_failures`
@@ -66,11 +68,29 @@ class BulkReport:
     failed: Mapping[str, str] = field(default_factory=dict)
     sample: tuple[Instance, ...] = ()
     stopped: str | None = None
+    replayed: int = 0
 
     @property
     def done(self) -> int:
-        """Instances walked: applied + skipped + failed."""
-        return self.applied + self.skipped + len(self.failed)
+        """Instances walked: applied + skipped + replayed + failed."""
+        return self.applied + self.skipped + self.replayed + len(self.failed)
+
+    @property
+    def only_replayed(self) -> bool:
+        """The run applied nothing and found work of an earlier run under its operation id:
+        the same operation sent twice, most likely meant as a new one."""
+        return self.replayed > 0 and self.applied == 0
+
+    def replay_note(self, new_id: str) -> str | None:
+        """What to tell the operator about the replays, or None when there were none.
+        `new_id` says how to give another operation id where the reader is (a CLI option,
+        a JSON field)."""
+        if not self.replayed:
+            return None
+        return (
+            f"{self.replayed} were done earlier by operation {self.operation_id} (a rerun) and "
+            f"not done again; {new_id} to run the operation again"
+        )
 
     @property
     def ok(self) -> bool:
@@ -87,6 +107,7 @@ class BulkReport:
             "matched": self.matched,
             "applied": self.applied,
             "skipped": self.skipped,
+            "replayed": self.replayed,
             "failed": dict(self.failed),
             "stopped": self.stopped,
         }

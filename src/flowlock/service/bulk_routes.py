@@ -77,10 +77,18 @@ class BulkOut(BaseModel):
     dry_run: bool
     matched: int = Field(description="Instances matching when the run began.")
     applied: int
-    skipped: int = Field(description="Done before under this id, nothing to do, or moved since.")
+    skipped: int = Field(description="Nothing to do (already as wanted), or moved since.")
+    replayed: int = Field(
+        description="Done earlier under this operation id (a rerun): answered from the "
+        "history, not done again. Send another operation_id to run the operation again."
+    )
     failed: dict[str, str] = Field(description="Instance id -> the error that refused it.")
     sample: list[InstanceOut] = Field(description="The first instances selected, in id order.")
     stopped: str | None = Field(description="Why the run stopped early (max_failures), or null.")
+    note: str | None = Field(
+        description="Said when instances were replayed: how many, by which operation, and how "
+        "to run it again; null otherwise."
+    )
 
 
 def bulk_dict(report: BulkReport, engine: Engine) -> dict[str, Any]:
@@ -90,7 +98,8 @@ def bulk_dict(report: BulkReport, engine: Engine) -> dict[str, Any]:
         wf = engine.workflows.get(inst.workflow)
         allowed = list(wf.allowed(inst.state)) if wf else []
         shown.append({**instance_dict(inst), "allowed": allowed})
-    return {**report.summary(), "sample": shown}
+    note = report.replay_note("send another operation_id")
+    return {**report.summary(), "note": note, "sample": shown}
 
 
 def bulk_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> None:
@@ -103,7 +112,9 @@ def bulk_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> None
         description="Counts the selection and samples it first; with dry_run it stops there. "
         "Otherwise it answers once every selected instance is done (large runs take a while: "
         "a client that times out sends the same body again, and the run replays what was done "
-        "and does the rest).",
+        "and does the rest). The same body sent again later does nothing to what it did "
+        "before (counted in replayed, with a note): send another operation_id to run the "
+        "operation again.",
         openapi_extra=body_doc(BulkBody, required=True),
         response_model=None,
         responses=ok(BulkOut, "The run's report"),
