@@ -195,8 +195,9 @@ class BulkMethods:
         `bulk:<operation_id>:<instance_id>`. `operation_id` defaults to one derived from the
         arguments: the same call run again after a crash replays what was done (counted in
         `replayed`, not done again) and does the rest. So the same call made again later, to
-        pause again what was resumed since, does nothing: give a new `operation_id` for that. Force and fire are a compare-and-swap on the version the page read: an
-        instance that moved since is read again and done if it still matches (else skipped).
+        pause again what was resumed since, does nothing: give a new `operation_id` for that.
+        Force and fire are a compare-and-swap on the version the page read: an instance that
+        moved since is read again and done if it still matches (else skipped).
         A refused instance is recorded in `failed` and the run goes on; after `max_failures`
         failures (None: never) it stops taking new ones. `progress(n)` is called with the
         number of instances done so far after each one.
