@@ -145,6 +145,46 @@ async def test_pause_refuses_fire_and_force_still_works(
     assert check(await engine.get("p1"), await engine.history("p1")).ok
 
 
+@pytest.fixture
+async def bare(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
+    """An engine on the same database with no workflow registered (an operator's CLI
+    without --app)."""
+    async with flowlock.Engine(store_factory(), locks=MemoryLocks()) as eng:
+        yield eng
+
+
+async def test_pause_and_resume_need_no_registered_workflow(
+    engine: flowlock.Engine, bare: flowlock.Engine
+) -> None:
+    """Pause and resume keep the state and data, so an engine without the definition does
+    them; force (the definition's states) and fire (its transitions) still need it."""
+    before = await engine.create("approval", instance_id="b1", data={"n": 1})
+    with pytest.raises(flowlock.UnknownWorkflow):
+        await bare.force("b1", "approved", reason="r", actor="ops")
+    with pytest.raises(flowlock.UnknownWorkflow):
+        await bare.fire("b1", "approve")
+    await _unchanged(bare, "b1", before)
+    paused = await bare.pause("b1", reason="incident", actor="ops", request_id="bp-1")
+    assert isinstance(paused, flowlock.Outcome) and paused.applied and paused.instance.paused
+    again = await bare.pause("b1", reason="incident", actor="ops", request_id="bp-1")
+    assert isinstance(again, flowlock.Outcome) and again.replayed
+    with pytest.raises(flowlock.InstancePaused):
+        await engine.fire("b1", "approve")
+    resumed = await bare.resume("b1", reason="cleared", actor="ops")
+    assert isinstance(resumed, flowlock.Outcome) and resumed.applied
+    assert not resumed.instance.paused
+    idle = await bare.resume("b1")
+    assert isinstance(idle, flowlock.Outcome) and idle.idempotent and not idle.applied
+    assert (await engine.fire("b1", "approve")).instance.state == "approved"
+    rows = await engine.history("b1")
+    assert [(r.kind, r.from_state, r.to_state, r.data) for r in rows] == [
+        ("pause", "pending", "pending", {"n": 1}),
+        ("resume", "pending", "pending", {"n": 1}),
+        ("transition", "pending", "approved", {"n": 1}),
+    ]
+    assert check(await engine.get("b1"), rows).ok
+
+
 async def test_a_replay_answers_its_first_outcome_while_paused(engine: flowlock.Engine) -> None:
     await engine.create("approval", instance_id="p2")
     first = await engine.fire("p2", "approve", request_id="once")

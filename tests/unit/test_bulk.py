@@ -360,6 +360,27 @@ def test_the_cli_rerun_that_finishes_a_crashed_run_succeeds(sqlite_url: str) -> 
     assert "5 were done earlier by operation op1" in " ".join(rerun.output.split())
 
 
+def test_the_cli_pauses_and_resumes_without_app(sqlite_url: str) -> None:
+    """Pause and resume need no definition: without --app (nothing registered) each instance
+    is paused and resumed; force still asks for --app."""
+
+    def bare(*args: str) -> Any:
+        return CliRunner().invoke(cli, ["admin", *args, "--database-url", sqlite_url])
+
+    paused = bare("pause", "--workflow", METER, "--reason", "incident", "--yes")
+    assert paused.exit_code == 0, paused.output
+    assert "25 applied, 0 skipped, 0 replayed, 0 failed" in paused.output
+    with flowlock.sync.Engine.connect(sqlite_url) as eng:
+        assert {i.paused for i in eng.list(METER, limit=100)} == {True}
+    resumed = bare("resume", "--workflow", METER, "--yes")
+    assert resumed.exit_code == 0, resumed.output
+    assert "25 applied, 0 skipped, 0 replayed, 0 failed" in resumed.output
+    with flowlock.sync.Engine.connect(sqlite_url) as eng:
+        assert {i.paused for i in eng.list(METER, limit=100)} == {False}
+    forced = bare("force", "--workflow", METER, "--to", "held", "--reason", "r", "--yes")
+    assert forced.exit_code == 2 and "--app" in forced.output
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [

@@ -130,7 +130,7 @@ AppRef = Annotated[
         "--app",
         envvar="FLOWLOCK_APP",
         help="module:attr naming the workflows (as *flowlock serve --app*); force and fire "
-        "need their definitions.",
+        "need their definitions, pause and resume do not.",
         show_default=False,
     ),
 ]

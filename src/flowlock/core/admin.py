@@ -120,15 +120,20 @@ def refuse_paused(inst: Instance) -> InstancePaused:
     return InstancePaused(inst.id, inst.workflow, scope, None, inst.version)
 
 
-def decide_repair(wf: Workflow, inst: Instance, call: Call) -> HistoryEntry | None:
+def decide_repair(wf: Workflow | None, inst: Instance, call: Call) -> HistoryEntry | None:
     """The history entry of a repair `call` on `inst`, or None when there is nothing to write
     (pausing a paused instance, resuming one that is not). UnknownState for a force to a state
-    `wf` does not have. The call's payload was built by the engine (see `repair_payload`)."""
+    `wf` does not have. The call's payload was built by the engine (see `repair_payload`).
+
+    `wf` is None when the engine has not registered the instance's workflow: pause and resume
+    keep the state and data, so they need no definition (an operator's engine pauses any
+    instance); a force does (the caller refuses it first)."""
     assert call.event in RESERVED_EVENTS
     payload = call.payload
     data: Mapping[str, Any] = inst.data
     target = inst.state
     if call.event == FORCE_EVENT:
+        assert wf is not None  # the step refuses a force without the definition
         target = str(payload.get("state"))
         if target not in wf.states:
             raise UnknownState(wf.name, target, wf.states)
@@ -151,8 +156,8 @@ def decide_repair(wf: Workflow, inst: Instance, call: Call) -> HistoryEntry | No
         payload=payload,
         # A forced move begins a new stay as any transition does: the old stay's timers are
         # void, the new state's armed. Pending outbox messages stay: they belong to commits.
-        arm=wf.timers(target) if moves else (),
-        voids=moves and wf.has_timers,
+        arm=wf.timers(target) if moves and wf is not None else (),
+        voids=moves and wf is not None and wf.has_timers,
     )
 
 

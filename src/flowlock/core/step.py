@@ -28,6 +28,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
 from flowlock.core.models import (
+    FORCE_EVENT,
     RESERVED_EVENTS,
     HistoryEntry,
     Instance,
@@ -258,12 +259,16 @@ def _decide(
     if call.expected_version is not None and call.expected_version != inst.version:
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
     wf = workflows.get(inst.workflow)
-    if wf is None:
-        raise UnknownWorkflow(inst.workflow, tuple(workflows))
     if call.event in RESERVED_EVENTS:
-        # An operator's repair (flowlock.core.admin): it works on a paused instance too.
+        # An operator's repair (flowlock.core.admin): it works on a paused instance too. Only
+        # a force needs the definition (its states); pause and resume keep state and data, so
+        # an engine that has not registered the workflow (an operator's CLI) can do them.
+        if wf is None and call.event == FORCE_EVENT:
+            raise UnknownWorkflow(inst.workflow, tuple(workflows))
         repair = decide_repair(wf, inst, call)
         return Idempotent(inst) if repair is None else repair
+    if wf is None:
+        raise UnknownWorkflow(inst.workflow, tuple(workflows))
     if inst.paused or inst.workflow_paused:
         # After the replay above: a repeated request still answers its first outcome.
         raise refuse_paused(inst)
