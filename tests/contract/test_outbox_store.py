@@ -474,6 +474,24 @@ async def test_a_failed_delivery_is_due_again_later(engine: flowlock.Engine) -> 
     assert not await store.fail_message(m, "me", "stale attempt", None)  # attempt 1 is over
 
 
+async def test_a_wait_not_counted_gives_its_attempt_back(engine: flowlock.Engine) -> None:
+    """fail_message(counted=False), the dispatcher's answer to a Then into a paused instance:
+    pending again with its error, its attempt counted back down, so the next claim is the
+    same attempt again; only while the claimer still holds it."""
+    store = outbox_of(engine)
+    await reserved(engine, "a")
+    [m] = await claim(store, {"reserve": 1})
+    assert m.attempts == 1
+    assert await store.fail_message(m, "me", "InstancePaused", 0.0, counted=False)
+    got = await store.get_message(m.key)
+    assert got is not None
+    assert (got.status, got.attempts, got.last_error) == ("pending", 0, "InstancePaused")
+    assert not await store.fail_message(m, "me", "stale", 0.0, counted=False)
+    await free_again(store, ["reserve"])
+    [again] = await claim(store, {"reserve": 1})
+    assert (again.key, again.attempts) == (m.key, 1)
+
+
 async def test_a_delivery_given_up_is_dead_and_holds_nothing_back(
     engine: flowlock.Engine,
 ) -> None:

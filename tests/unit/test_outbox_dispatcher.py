@@ -377,6 +377,38 @@ async def test_a_then_the_workflow_refuses_is_dead_at_once(url: str) -> None:
         assert (await engine.get("o1")).state == "reserved"
 
 
+async def test_a_then_into_a_paused_instance_waits_without_dying_and_applies_on_resume(
+    url: str,
+) -> None:
+    """The handler's Then meets a paused instance: the message is due again later, its attempt
+    not counted, so it outlives max_attempts (the handler runs again each time: it is
+    idempotent by the message key), and the Then applies once the instance is resumed."""
+    calls: list[int] = []
+
+    async def handler(message: flowlock.Message) -> flowlock.Then:
+        calls.append(message.attempt)
+        return flowlock.Then("charged")
+
+    async with flowlock.connect(url, outbox_backoff=FAST) as engine:
+        await engine.register(shop())
+        await engine.create("shop", instance_id="o1")
+        await engine.fire("o1", "reserve")
+        await engine.pause("o1", reason="fraud check", actor="ops")
+        engine.on_emit("charge", handler, max_attempts=3)
+        await wait_until(lambda: len(calls) >= 10, what="ten deliveries while paused")
+        waiting = await engine.message("o1:2:0")
+        assert waiting.status == "pending", waiting
+        assert waiting.attempts <= 1 and set(calls) == {1}  # never counted up
+        assert "InstancePaused" in (waiting.last_error or "")
+        assert (await engine.get("o1")).state == "reserved"
+        await engine.resume("o1", actor="ops")
+        done = await status_is(engine, "o1:2:0", "done")
+        assert done.attempts == 1
+        assert (await engine.get("o1")).state == "charged"
+        (charged,) = [e for e in await engine.history("o1") if e.event == "charged"]
+        assert charged.request_id is not None and "o1:2:0" in charged.request_id
+
+
 async def test_a_then_for_a_workflow_this_engine_does_not_know_is_retried() -> None:
     """A delivery-only engine (a handler, no workflow) dispatches at once; a Then whose
     workflow this engine has not registered (another engine's, or not yet) is retried, not

@@ -103,7 +103,8 @@ OUTCOMES = ("done", "then", "retried", "dead")
 - done: the handler returned None; the message is done;
 - then: it returned a `Then`, which was fired (or had been: a redelivery); done;
 - retried: it raised or timed out, or its Then failed for a reason that may pass; the
-  message is due again after a backoff;
+  message is due again after a backoff (a Then into a paused instance too, without counting
+  an attempt);
 - dead: it was refused for good (DeliveryRefused, a Then the workflow refuses), or failed
   `max_attempts` times; kept until `engine.retry_message` or `drop_message`.
 """
@@ -111,8 +112,9 @@ OUTCOMES = ("done", "then", "retried", "dead")
 # What the workflow answers a Then that can never apply as it is: trying again cannot help.
 _REFUSED_THEN = (TransitionRefused, InvalidInput, StepFailed, InstanceNotFound, DefinitionError)
 # What may pass: a lost race, the store, a workflow this engine has not registered (yet, or
-# in a rolling deploy another engine knows it), or an instance an operator paused.
-_RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow, InstancePaused)
+# in a rolling deploy another engine knows it). A Then into an instance an operator paused
+# waits instead (see Dispatcher._wait): a pause may last longer than every attempt.
+_RETRIED_THEN = (ConcurrencyError, StoreError, EngineClosed, UnknownWorkflow)
 
 
 @dataclass(slots=True)
@@ -541,6 +543,8 @@ class Dispatcher:
                 message.key,
                 exc,
             )
+        except InstancePaused as exc:
+            return await self._wait(message, f"{what} waits: {_text(exc)}")
         except _RETRIED_THEN as exc:
             return await self._failed(handler, message, f"{what} failed: {_text(exc)}")
         except _REFUSED_THEN as exc:
@@ -566,14 +570,26 @@ class Dispatcher:
         await self._mark(message, error, delay)
         return "retried"
 
+    async def _wait(self, message: Message, error: str) -> str:
+        """Due again in half the backoff's cap to the cap, its attempt not counted: a paused
+        instance is no failure, so however long the pause, the message never dies of it."""
+        delay = self.backoff[1] * (0.5 + self._draw() / 2)
+        log.info("flowlock outbox: %s waits %.2fs for its paused instance", message.key, delay)
+        await self._mark(message, error, delay, counted=False)
+        return "retried"
+
     async def _dead(self, message: Message, error: str) -> str:
         log.warning("flowlock outbox: %s (%s) is dead: %s", message.key, message.kind, error)
         await self._mark(message, error, None)
         return "dead"
 
-    async def _mark(self, message: Message, error: str, retry_in: float | None) -> None:
+    async def _mark(
+        self, message: Message, error: str, retry_in: float | None, *, counted: bool = True
+    ) -> None:
         try:
-            held = await self._store.fail_message(message, self.owner, error[:MAX_ERROR], retry_in)
+            held = await self._store.fail_message(
+                message, self.owner, error[:MAX_ERROR], retry_in, counted=counted
+            )
         except FlowlockError as exc:
             # Its claim runs out and it is delivered again: at least once holds.
             log.warning("flowlock outbox: %s not marked failed: %s", message.key, exc)

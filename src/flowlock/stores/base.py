@@ -402,12 +402,19 @@ class OutboxStore(Protocol):
         ...
 
     async def fail_message(
-        self, message: Message, owner: str, error: str, retry_in: float | None
+        self,
+        message: Message,
+        owner: str,
+        error: str,
+        retry_in: float | None,
+        *,
+        counted: bool = True,
     ) -> bool:
         """A delivery of `message` by `owner` failed with `error`: due again in `retry_in`
         seconds (claim cleared), or dead when `retry_in` is None. Only while `owner` still
         holds that attempt (same `attempts`): False, nothing changed, when the claim ran out and
-        another took it over, or it is done."""
+        another took it over, or it is done. `counted=False`: the attempt is counted back
+        down (a Then into a paused instance: waiting is not failing)."""
         ...
 
     async def release_message(self, message: Message, owner: str, *, begun: bool = True) -> None:

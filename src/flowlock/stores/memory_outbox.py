@@ -171,14 +171,23 @@ class MemoryOutbox:
         return held
 
     async def fail_message(
-        self, message: Message, owner: str, error: str, retry_in: float | None
+        self,
+        message: Message,
+        owner: str,
+        error: str,
+        retry_in: float | None,
+        *,
+        counted: bool = True,
     ) -> bool:
         self._check()
         held = self._held_by(message, owner)
         if held is None:
             return False
         status: MessageStatus = "dead" if retry_in is None else "pending"
-        held.message = dataclasses.replace(held.message, status=status, last_error=error)
+        attempts = held.message.attempts if counted else max(0, held.message.attempts - 1)
+        held.message = dataclasses.replace(
+            held.message, status=status, last_error=error, attempts=attempts
+        )
         held.claimed_until = held.owner = None
         if retry_in is not None:
             held.due = time.monotonic() + max(0.0, retry_in)

@@ -125,10 +125,16 @@ class OutboxMethods:
         )
 
     async def fail_message(
-        self: _Store, message: Message, owner: str, error: str, retry_in: float | None
+        self: _Store,
+        message: Message,
+        owner: str,
+        error: str,
+        retry_in: float | None,
+        *,
+        counted: bool = True,
     ) -> bool:
         one = (message.instance_id, message.version, message.n)
-        args = (*one, owner, message.attempts, error, retry_in)
+        args = (*one, owner, message.attempts, error, retry_in, 0 if counted else 1)
         changed = await self._call(
             lambda ops: _execute(ops.session, FAIL_MESSAGE, *args, key=message.key),
             message.key,

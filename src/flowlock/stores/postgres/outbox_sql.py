@@ -226,12 +226,14 @@ UPDATE flowlock_outbox
 """
 # Only while the owner still holds that attempt (a compare-and-swap on owner and attempts):
 # due again `retry_in` seconds from now, unclaimed, or dead when it is NULL.
-# $1-$3 the message, $4 owner, $5 attempts, $6 error, $7 retry in seconds (NULL: dead).
+# $1-$3 the message, $4 owner, $5 attempts, $6 error, $7 retry in seconds (NULL: dead),
+# $8 attempts to count back (0 or 1: a wait that is not a failure).
 FAIL_MESSAGE = f"""
 UPDATE flowlock_outbox
    SET status = CASE WHEN $7::float8 IS NULL THEN 'dead' ELSE 'pending' END,
        due_at = CASE WHEN $7::float8 IS NULL THEN due_at
                      ELSE now() + greatest($7::float8, 0) * interval '1 second' END,
+       attempts = greatest(attempts - $8::int, 0),
        last_error = $6, claimed_until = NULL, claimed_by = NULL
  WHERE {_ONE} AND status = 'pending' AND claimed_by = $4 AND attempts = $5
 """

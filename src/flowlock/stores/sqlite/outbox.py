@@ -98,13 +98,20 @@ class SqliteOutbox(StorePart):
         )
 
     async def fail_message(
-        self, message: Message, owner: str, error: str, retry_in: float | None
+        self,
+        message: Message,
+        owner: str,
+        error: str,
+        retry_in: float | None,
+        *,
+        counted: bool = True,
     ) -> bool:
         """`owner`'s delivery of `message` failed: due again in `retry_in` seconds, or dead
-        (None). False, nothing changed, when `owner` no longer holds that attempt."""
+        (None); its attempt counted back down unless `counted`. False, nothing changed, when
+        `owner` no longer holds that attempt."""
 
         def txn(conn: sqlite3.Connection, wake: Wake) -> bool:
-            failed = fail_txn(conn, message, owner, error, retry_in)
+            failed = fail_txn(conn, message, owner, error, retry_in, counted)
             wake.messages = failed and retry_in is not None
             return failed
 

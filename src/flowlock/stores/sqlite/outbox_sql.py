@@ -83,7 +83,7 @@ _CLAIM: Final = (
 _HELD: Final = "key = ? AND status = 'pending' AND claimed_by = ? AND attempts = ?"
 _FAIL: Final = (
     "UPDATE flowlock_outbox SET status = ?, last_error = ?, due_at = coalesce(?, due_at), "
-    f"claimed_until = NULL, claimed_by = NULL WHERE {_HELD}"
+    f"attempts = max(0, attempts - ?), claimed_until = NULL, claimed_by = NULL WHERE {_HELD}"
 )
 # A claim given back; its attempt counted back down when its delivery never began.
 _RELEASE: Final = (
@@ -257,11 +257,17 @@ def _followers(
 
 
 def fail_txn(
-    conn: sqlite3.Connection, message: Message, owner: str, error: str, retry_in: float | None
+    conn: sqlite3.Connection,
+    message: Message,
+    owner: str,
+    error: str,
+    retry_in: float | None,
+    counted: bool = True,
 ) -> bool:
     status = "dead" if retry_in is None else "pending"
     due = None if retry_in is None else time.time() + max(0.0, retry_in)
-    cur = conn.execute(_FAIL, (status, error, due, message.key, owner, message.attempts))
+    back = 0 if counted else 1
+    cur = conn.execute(_FAIL, (status, error, due, back, message.key, owner, message.attempts))
     return cur.rowcount > 0
 
 
