@@ -412,6 +412,27 @@ async def test_pause_and_resume_an_instance_from_the_console(svc: Service) -> No
     assert kinds == [("pause", "ops", "fraud check"), ("resume", "ops", None)]
 
 
+async def test_a_reason_is_bounded_as_the_engine_bounds_it(svc: Service) -> None:
+    """The console takes any reason the engine takes (up to MAX_REASON characters, not a bound
+    of its own) and refuses a longer one before its confirmation page, writing nothing."""
+    from flowlock.core.admin import MAX_REASON
+
+    csrf = await log_in(svc.client, OPS)
+    longest = ("why " * MAX_REASON)[:MAX_REASON].strip() + "."
+    assert 1000 < len(longest) <= MAX_REASON
+    done = await _confirmed(svc, csrf, "pause", target="instance", id="a-10", reason=longest)
+    assert done.status_code == 303, done.text
+    (row,) = await svc.engine.history("a-10")
+    assert row.reason == longest
+    too_long = await svc.client.post(
+        "/ui/actions/pause",
+        data={"csrf": csrf, "target": "instance", "id": "a-11", "reason": "x" * (MAX_REASON + 1)},
+    )
+    assert too_long.status_code == 422, too_long.text
+    assert str(MAX_REASON) in too_long.text
+    assert await _state(svc, "a-11") == ("pending", 1)
+
+
 async def test_pause_and_resume_a_workflow_from_the_console(svc: Service) -> None:
     csrf = await log_in(svc.client, OPS)
     done = await _confirmed(svc, csrf, "pause", target="workflow", id="approval", reason="outage")

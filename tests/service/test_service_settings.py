@@ -135,3 +135,17 @@ def test_a_token_of_no_known_scope_is_refused() -> None:
     """ApiToken built in code with a scope that is not read, write or admin: InvalidInput."""
     with pytest.raises(InvalidInput, match="read, write, admin"):
         ApiToken("ops", SECRET.encode(), "root")
+
+
+def test_one_scope_order_for_tokens_and_console_sessions() -> None:
+    """`scope_allows` is the order every check uses (a token's `allows`, a console
+    session's scope): read < write < admin; an unknown scope allows nothing."""
+    from flowlock.service.settings import SCOPES, ApiToken, scope_allows
+
+    for have in SCOPES:
+        token = ApiToken("t", b"s" * 24, have)
+        for needed in SCOPES:
+            expected = SCOPES.index(have) >= SCOPES.index(needed)
+            assert scope_allows(have, needed) is expected
+            assert token.allows(needed) is expected
+    assert not scope_allows("root", "read")

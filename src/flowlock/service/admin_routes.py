@@ -102,13 +102,32 @@ def _who(request: Request, given: str | None) -> str:
     return actor
 
 
-async def _outcome(answer: Outcome | WorkflowPause | None, engine: Engine) -> Response:
-    assert isinstance(answer, Outcome)  # one instance's pause or resume answers an Outcome
-    return await _fired(answer, engine)
-
-
 def admin_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> None:
     depth = settings.max_json_depth
+
+    async def toggle(
+        model: type[PauseBody] | type[ResumeBody],
+        instance_id: str,
+        request: Request,
+        header: str | None,
+    ) -> Response:
+        """One instance's pause (a PauseBody, its reason required) or resume (a ResumeBody,
+        the body optional): the same steps, the call aside."""
+        key = _idempotency_key(header)
+        body = await read_json(request, model, depth, empty_ok=model is ResumeBody)
+        actor = _actor(request, body.actor)
+        answer: Outcome | WorkflowPause | None
+        if isinstance(body, PauseBody):
+            answer = await engine.pause(
+                instance_id, reason=body.reason, actor=actor, request_id=key
+            )
+        else:
+            answer = await engine.resume(
+                instance_id, reason=body.reason, actor=actor, request_id=key
+            )
+        assert isinstance(answer, Outcome)  # one instance's pause or resume answers an Outcome
+        return await _fired(answer, engine)
+
     fired = ok(Fired, "Applied, nothing to do, or a replay of its first answer", 200, FIRED_HEADERS)
 
     @app.post(
@@ -146,11 +165,7 @@ def admin_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> Non
     async def pause_instance(
         instance_id: str, request: Request, idempotency_key: KeyHeader = None
     ) -> Response:
-        key = _idempotency_key(idempotency_key)
-        body = await read_json(request, PauseBody, depth, empty_ok=False)
-        actor = _actor(request, body.actor)
-        answer = await engine.pause(instance_id, reason=body.reason, actor=actor, request_id=key)
-        return await _outcome(answer, engine)
+        return await toggle(PauseBody, instance_id, request, idempotency_key)
 
     @app.post(
         "/admin/instances/{instance_id}/resume",
@@ -163,11 +178,7 @@ def admin_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> Non
     async def resume_instance(
         instance_id: str, request: Request, idempotency_key: KeyHeader = None
     ) -> Response:
-        key = _idempotency_key(idempotency_key)
-        body = await read_json(request, ResumeBody, depth, empty_ok=True)
-        actor = _actor(request, body.actor)
-        answer = await engine.resume(instance_id, reason=body.reason, actor=actor, request_id=key)
-        return await _outcome(answer, engine)
+        return await toggle(ResumeBody, instance_id, request, idempotency_key)
 
     @app.post(
         "/admin/workflows/{workflow}/pause",

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from flowlock.core.errors import InvalidInput
 from flowlock.core.settings import check_count, check_seconds, check_text
 
-__all__ = ["DEFAULT_SCOPE", "ENV", "SCOPES", "ApiToken", "ServiceSettings", "parse_tokens"]
+__all__ = [
+    "DEFAULT_SCOPE",
+    "ENV",
+    "SCOPES",
+    "ApiToken",
+    "ServiceSettings",
+    "parse_tokens",
+    "scope_allows",
+]
 
 ENV = {
     "database_url": "FLOWLOCK_DATABASE_URL",
@@ -75,7 +83,13 @@ class ApiToken:
 
     def allows(self, needed: str) -> bool:
         """Whether this token's scope includes `needed` (read < write < admin)."""
-        return SCOPES.index(self.scope) >= SCOPES.index(needed)
+        return scope_allows(self.scope, needed)
+
+
+def scope_allows(have: str, needed: str) -> bool:
+    """Whether the scope `have` includes `needed` (read < write < admin); an unknown `have`
+    allows nothing."""
+    return have in SCOPES and SCOPES.index(have) >= SCOPES.index(needed)
 
 
 def _scoped(item: str) -> tuple[str, str, str]:

@@ -19,6 +19,7 @@ from fastapi.responses import RedirectResponse
 from starlette.responses import Response
 
 from flowlock._calls import MAX_ID_LENGTH
+from flowlock.core.admin import check_reason
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.settings import check_text
 from flowlock.engine import Engine
@@ -31,7 +32,6 @@ __all__ = ["ACTIONS", "install_actions"]
 
 ACTIONS = ("force", "pause", "resume")
 _DONE = {"force": "forced", "pause": "paused", "resume": "resumed"}
-_MAX_REASON = 1000
 
 
 def _reason(action: str, form: dict[str, str]) -> str | None:
@@ -40,7 +40,7 @@ def _reason(action: str, form: dict[str, str]) -> str | None:
         if action == "resume":
             return None
         raise InvalidInput(f"a {action} needs a reason: say why, for the history")
-    return check_text("reason", reason, most=_MAX_REASON)
+    return check_reason(reason)  # the engine's own check: the same bound as force and pause
 
 
 def _back(target: str, name: str, done: str | None = None) -> str:

@@ -25,6 +25,7 @@ from flowlock.service.console.session import (
     Keys,
     Session,
 )
+from flowlock.service.settings import scope_allows
 
 __all__ = ["SESSION_COOKIE", "Gate", "LoginNeeded", "Refused", "install_login"]
 
@@ -105,7 +106,7 @@ class Gate:
                 "the form's CSRF token is missing or not this session's; reload the page and "
                 "submit the form again"
             )
-        if scope is not None and not _allows(session.scope, scope):
+        if scope is not None and not scope_allows(session.scope, scope):
             raise Refused(
                 f"this needs a token with the {scope} scope; {session.principal!r} has "
                 f"{session.scope}"
@@ -118,13 +119,8 @@ class Gate:
             "who": session,
             "csrf": self.keys.csrf(session.nonce),
             "open": self.keys.open,
-            "can_admin": _allows(session.scope, "admin"),
+            "can_admin": scope_allows(session.scope, "admin"),
         }
-
-
-def _allows(have: str, needed: str) -> bool:
-    order = ("read", "write", "admin")
-    return have in order and order.index(have) >= order.index(needed)
 
 
 def respond(

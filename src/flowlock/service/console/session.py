@@ -90,17 +90,25 @@ class Keys:
         ).encode()
         return f"{_b64(body)}.{_b64(self._sign(b'session', body))}", session
 
-    def read(self, cookie: str | None) -> Session | None:
-        """The session `cookie` carries, or None when it is missing, forged, from another key
-        (a token changed) or expired."""
-        if not cookie or cookie.count(".") != 1 or len(cookie) > 4096:
+    def _verified(self, cookie: str | None, purpose: bytes, most: int) -> bytes | None:
+        """The body of a signed cookie (`<body>.<signature>`, both base64) signed for
+        `purpose` with this key, or None when it is missing, malformed, too long or forged."""
+        if not cookie or cookie.count(".") != 1 or len(cookie) > most:
             return None
         head, tail = cookie.split(".")
         try:
             body, signature = _unb64(head), _unb64(tail)
         except (binascii.Error, ValueError):
             return None
-        if not hmac.compare_digest(signature, self._sign(b"session", body)):
+        if not hmac.compare_digest(signature, self._sign(purpose, body)):
+            return None
+        return body
+
+    def read(self, cookie: str | None) -> Session | None:
+        """The session `cookie` carries, or None when it is missing, forged, from another key
+        (a token changed) or expired."""
+        body = self._verified(cookie, b"session", 4096)
+        if body is None:
             return None
         try:
             fields = json.loads(body)
@@ -128,14 +136,8 @@ class Keys:
 
     def read_login_nonce(self, cookie: str | None) -> str | None:
         """The nonce of a login form's cookie, or None when it is missing, forged or stale."""
-        if not cookie or cookie.count(".") != 1 or len(cookie) > 512:
-            return None
-        head, tail = cookie.split(".")
-        try:
-            body, signature = _unb64(head), _unb64(tail)
-        except (binascii.Error, ValueError):
-            return None
-        if not hmac.compare_digest(signature, self._sign(b"login", body)):
+        body = self._verified(cookie, b"login", 512)
+        if body is None:
             return None
         nonce, _, expires = body.decode(errors="replace").rpartition(":")
         if not expires.isdigit() or int(expires) <= time.time():
