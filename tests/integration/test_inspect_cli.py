@@ -152,6 +152,51 @@ def test_history_lists_every_transition(cli: CliRunner, db: Db) -> None:
     assert empty == []
 
 
+REASON = (
+    "stuck since the payment outage of Tuesday: the provider confirmed the charge by phone, "
+    "ticket OPS-4411"
+)
+
+
+def test_show_and_history_name_pauses_kinds_and_reasons(cli: CliRunner, db: Db) -> None:
+    """The text output says what --json says: show whether the instance (and its workflow) is
+    paused; history each row's kind and an operator's reason, wrapped at spaces at 80
+    columns."""
+
+    async def repair() -> None:
+        async with flowlock.Engine.connect(db.url, schema=db.schema) as engine:
+            await engine.register(examples.approval())
+            await engine.force("a2", "approved", reason=REASON, actor="ops")
+            await engine.pause("a2", reason="audit", actor="ops")
+            await engine.pause(workflow="approval", reason="freeze", actor="ops")
+
+    plain = " ".join(_run(cli, db, "show", "a1").stdout.split())
+    assert "paused no" in plain and "workflow paused no" in plain
+    asyncio.run(repair())
+    shown = _run(cli, db, "show", "a2")
+    assert shown.exit_code == 0, shown.output
+    lines = [" ".join(line.split()) for line in shown.stdout.splitlines()]
+    assert "paused yes" in lines and "workflow paused yes" in lines
+    outputs = {}
+    for columns in ("80", "200"):
+        table = cli.invoke(app, ["history", "a2", *db.args], env={"COLUMNS": columns})
+        assert table.exit_code == 0, table.output
+        outputs[columns] = out = table.stdout
+        assert max(len(line) for line in out.splitlines()) <= int(columns), out
+        assert set(REASON.split()) <= set(out.split()), out  # every word of it, whole
+    narrow, wide = outputs["80"], outputs["200"]
+    # At 80 columns one block per row: its kind and its reason on their own lines.
+    kinds = [line.split()[1] for line in narrow.splitlines() if line.startswith("kind ")]
+    assert kinds == ["forced", "pause"], narrow
+    reasons = [line.split(None, 1)[1] for line in narrow.splitlines() if line.startswith("reason ")]
+    assert reasons[1] == "audit" and REASON.startswith(reasons[0]), narrow
+    # At 200 a table with both columns.
+    header = next(line for line in wide.splitlines() if "version" in line)
+    assert "kind" in header and "reason" in header, wide
+    rows = [line for line in wide.splitlines() if "flowlock:" in line]
+    assert "forced" in rows[0] and "pause" in rows[1] and "audit" in rows[1], wide
+
+
 @pytest.mark.parametrize("command", ["show", "history"])
 def test_unknown_instance_is_one_error_line(cli: CliRunner, db: Db, command: str) -> None:
     result = _run(cli, db, command, "nobody")

@@ -32,9 +32,11 @@ __all__ = ["check_command", "diagram", "history", "list_instances", "show", "tim
 
 _R = TypeVar("_R")
 
-# The columns of each listing: tokens all, never broken across lines (see cli/_table.py).
-_HISTORY = [Column(name) for name in ("version", "event", "from -> to", "actor", "request id",
-                                      "strategy", "at", "fencing token")]  # fmt: skip
+# The columns of each listing: tokens, never broken across lines (see cli/_table.py), but for
+# history's reason, an operator's free text that wraps at spaces.
+_HISTORY = [*(Column(name) for name in ("version", "event", "kind", "from -> to", "actor",
+                                        "request id", "strategy", "at", "fencing token")),
+            Column("reason", text=True)]  # fmt: skip
 _INSTANCES = [Column(name) for name in ("id", "workflow", "state", "version", "last event",
                                         "updated")]  # fmt: skip
 _TIMERS = [Column(name) for name in ("instance", "workflow", "event", "stay", "firing", "due at",
@@ -135,6 +137,10 @@ def _cell(value: object) -> Text:
     return Text("-" if value is None else str(value))
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def _when(moment: datetime | None) -> str | None:
     return None if moment is None else moment.isoformat(sep=" ", timespec="seconds")
 
@@ -146,8 +152,9 @@ def show(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """Print one instance: workflow, state, version, data, last event, created and updated,
-    and its next timer (the earliest armed: event, due time, the stay that armed it).
+    """Print one instance: workflow, state, version, whether it is paused (on its own, or with
+    its whole workflow), data, last event, created and updated, and its next timer (the
+    earliest armed: event, due time, the stay that armed it).
 
     Read-only. Exits 1 if no instance has that id."""
     from flowlock._inspect import instance_dict, next_timer_dict
@@ -167,6 +174,8 @@ def show(
         (Column("workflow"), inst.workflow),
         (Column("state"), inst.state),
         (Column("version"), inst.version),
+        (Column("paused"), _yes(inst.paused)),
+        (Column("workflow paused"), _yes(inst.workflow_paused)),
         (Column("last event"), inst.last_event),
         (Column("created"), _when(inst.created_at)),
         (Column("updated"), _when(inst.updated_at)),
@@ -185,8 +194,9 @@ def history(
 ) -> None:
     """Print an instance's applied transitions, oldest first.
 
-    Each row: version, event, from -> to, actor, request id, strategy, when, fencing token.
-    --json adds each row's data and payload.
+    Each row: version, event, kind (transition, forced, pause or resume), from -> to, actor,
+    request id, strategy, when, fencing token, and an operator's reason (forced, pause and
+    resume rows). --json adds each row's data and payload.
 
     Read-only. Exits 1 if no instance has that id.
     """
@@ -208,12 +218,14 @@ def history(
             [
                 _cell(e.version),
                 _cell(e.event),
+                _cell(e.kind),
                 _cell(f"{e.from_state} -> {e.to_state}"),
                 _cell(e.actor),
                 _cell(e.request_id),
                 _cell(e.strategy),
                 _cell(_when(e.at)),
                 _cell(e.fencing_token),
+                _cell(e.reason),
             ]
             for e in rows
         ],
