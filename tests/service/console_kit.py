@@ -44,11 +44,11 @@ async def log_in(client: httpx.AsyncClient, secret: str) -> str:
 
 @asynccontextmanager
 async def console(
-    tokens: str | None = TOKENS, base_url: str = "http://t"
+    tokens: str | None = TOKENS, base_url: str = "http://127.0.0.1"
 ) -> AsyncIterator[Service]:
     """The app with `tokens` (None: no tokens, an open console) on the memory store."""
     settings = ServiceSettings(api_tokens=parse_tokens(tokens) if tokens else ())
     async with served(settings) as svc:
-        if base_url != "http://t":
+        if base_url != "http://127.0.0.1":
             svc.client.base_url = httpx.URL(base_url)
         yield svc

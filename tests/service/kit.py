@@ -37,7 +37,7 @@ async def served(
     app = create_app(settings, workflows=workflows)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             yield Service(app, client, app.state.engine)
 
 

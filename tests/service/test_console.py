@@ -124,7 +124,7 @@ async def test_login_sets_a_strict_http_only_cookie_on_ui_and_every_page_answers
 
 
 async def test_the_cookie_is_secure_over_https() -> None:
-    async with console(base_url="https://t") as svc:
+    async with console(base_url="https://localhost") as svc:
         form = await svc.client.get("/ui/login")
         done = await svc.client.post("/ui/login", data={"csrf": csrf_of(form.text), "secret": OPS})
         cookie = next(c for c in done.headers.get_list("set-cookie") if "flowlock_session=" in c)
@@ -310,7 +310,7 @@ async def test_an_open_console_needs_no_login_but_still_checks_csrf() -> None:
         )
         assert refused.status_code == 403
         inst = await svc.client.get("/ui/instances/o-1")
-        fresh = httpx.AsyncClient(transport=svc.client._transport, base_url="http://t")
+        fresh = httpx.AsyncClient(transport=svc.client._transport, base_url="http://127.0.0.1")
         async with fresh:
             # A CSRF token from another browser's session does not fit this one's.
             got = await fresh.post(

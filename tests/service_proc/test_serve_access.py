@@ -59,6 +59,26 @@ def test_scopes_through_a_served_process() -> None:
             assert client.get("/metrics", headers=bearer(READ)).status_code == 200
 
 
+def test_without_tokens_a_foreign_host_header_is_refused() -> None:
+    """DNS rebinding through a real server: without tokens, on loopback, a request whose Host
+    is another name gets 403 untrusted-host (the console too, and no session cookie); the
+    same request to 127.0.0.1 is answered. --insecure answers any host."""
+    with Services() as services:
+        served = services.start("--database-url", "memory://")
+        with httpx.Client(base_url=served.url, timeout=10.0) as client:
+            assert client.get("/instances").status_code == 200
+            for path in ("/instances", "/ui/", "/admin/workflows/pauses"):
+                got = client.get(path, headers={"Host": "rebound.attacker.example"})
+                assert got.status_code == 403, (path, got.text)
+                assert got.json()["type"].endswith(":untrusted-host"), got.text
+                assert "set-cookie" not in got.headers
+            assert client.get("/ui/", headers={"Host": "localhost"}).status_code == 200
+        served = services.start("--database-url", "memory://", "--insecure")
+        with httpx.Client(base_url=served.url, timeout=10.0) as client:
+            got = client.get("/instances", headers={"Host": "flowlock.internal"})
+            assert got.status_code == 200, got.text
+
+
 def test_open_metrics_from_the_environment() -> None:
     """FLOWLOCK_OPEN_METRICS=true: /metrics without a token; the instances still need one."""
     with Services() as services:

@@ -228,7 +228,7 @@ async def test_post_admin_bulk_through_the_asgi_app() -> None:
         engine: flowlock.Engine = app.state.engine
         ids = await _make(engine, 8)
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://flowlock") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             body = {"action": "fire", "workflow": METER, "event": "hold", "actor": ACTOR}
             dry = await client.post(
                 "/admin/bulk", json={**body, "dry_run": True, "sample": 2,

@@ -120,8 +120,10 @@ def serve(
         _opt(
             "--insecure",
             "FLOWLOCK_INSECURE",
-            "Listen on a --host that is not loopback although no token is set: only when "
-            "something in front of the service controls who reaches it.",
+            "Listen on a --host that is not loopback although no token is set, and answer "
+            "requests addressed to any host name (without it, a service without tokens "
+            "refuses a Host header that is not loopback: DNS rebinding): only when something "
+            "in front of the service controls who reaches it.",
         ),
     ] = False,
     dev: Annotated[
@@ -149,7 +151,8 @@ def serve(
     its calls. It is read from the environment only, never a flag: argv is visible to every user.
 
     **Without a token** the service listens on loopback only (127.0.0.0/8, ::1, localhost):
-    another --host is refused unless --insecure.
+    another --host is refused unless --insecure. It also answers only requests addressed to a
+    loopback name (their Host header), so a web page cannot reach it by DNS rebinding.
 
     SIGTERM drains the requests in flight (--drain-timeout) and releases connections and leases.
     """
@@ -172,6 +175,7 @@ def serve(
             app=app_ref,
             api_tokens=tokens,
             open_metrics=open_metrics,
+            insecure=insecure,
             require_if_match=require_if_match,
             max_body_bytes=max_body_bytes,
             max_json_depth=max_json_depth,

@@ -107,8 +107,9 @@ _BEARER_DOC = {
         "A token of FLOWLOCK_API_TOKEN (name:secret:scope). When the service has tokens, "
         "every operation but /livez and /readyz needs one whose scope covers it: read < "
         "write < admin. Each operation names the scope it needs (its security requirement "
-        "and x-flowlock-scope). Without tokens the service answers every request, and binds "
-        "to loopback only unless started with --insecure."
+        "and x-flowlock-scope). Without tokens the service needs none, binds to loopback "
+        "only, and answers only requests whose Host is a loopback name or address (403 "
+        "untrusted-host otherwise), unless started with --insecure."
     ),
 }
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")

@@ -97,6 +97,7 @@ def create_app(
         tokens=settings.api_tokens,
         max_body=settings.max_body_bytes,
         open_metrics=settings.open_metrics,
+        insecure=settings.insecure,
     )
     _document_access(app, settings)
     return app

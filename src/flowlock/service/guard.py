@@ -1,8 +1,10 @@
-"""What every request meets before a route sees it: tokens, scopes and body size.
+"""What every request meets before a route sees it: its host, tokens, scopes and body size.
 
 A plain ASGI middleware, so it runs before FastAPI reads the body. When tokens are set,
 every request but the probes needs a bearer token whose scope covers the request
 ([`needed_scope`][flowlock.service.guard.needed_scope]). Tokens compare in constant time.
+Without tokens (and without `insecure`), a request whose Host header is not a loopback name or
+address is refused: a web page could otherwise reach the service through DNS rebinding.
 Oversized bodies get 413. Refusals are RFC 9457 problems, and never touch the database.
 The rules are in docs/operations.md ("Access: tokens and scopes").
 """
@@ -14,6 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from flowlock.service.problems import PROBLEM_JSON, Problem, problem
+from flowlock.service.server import is_loopback
 from flowlock.service.settings import ApiToken
 
 __all__ = [
@@ -22,6 +25,7 @@ __all__ = [
     "OPEN_PATHS",
     "RequestGuard",
     "find_token",
+    "loopback_host",
     "needed_scope",
 ]
 
@@ -66,6 +70,41 @@ def needed_scope(method: str, path: str, *, open_metrics: bool = False) -> str |
     if _under(path, ADMIN_PREFIX):
         return "admin"
     return "read" if method.upper() in _READS else "write"
+
+
+def loopback_host(host: str) -> bool:
+    """Whether a Host header names a loopback host: `localhost`, an address of 127.0.0.0/8,
+    or `[::1]`, with or without a port (a trailing dot allowed)."""
+    text = host.strip()
+    if text.startswith("["):
+        inside, closed, rest = text[1:].partition("]")
+        port_ok = not rest or (rest.startswith(":") and rest[1:].isdigit())
+        return bool(closed) and port_ok and is_loopback(inside)
+    name, colon, port = text.rpartition(":")
+    if colon and ":" not in name:  # name:port (a bare IPv6 address has several colons)
+        if not port.isdigit():
+            return False
+        text = name
+    return bool(text) and is_loopback(text.removesuffix("."))
+
+
+def _host(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _untrusted_host(host: str | None) -> Problem:
+    said = "no Host header" if host is None else f"Host {host[:200]!r}"
+    return problem(
+        403, "untrusted-host", "Untrusted host",
+        f"this service has no token, so it answers only requests addressed to a loopback name "
+        f"or address (localhost, 127.0.0.1, [::1]); this one came with {said}, which a web "
+        "page can send through DNS rebinding. Use a loopback address, or set "
+        "FLOWLOCK_API_TOKEN (or start with --insecure when a proxy in front controls who "
+        "reaches the service)",
+    )  # fmt: skip
 
 
 def find_token(tokens: tuple[ApiToken, ...], secret: bytes) -> ApiToken | None:
@@ -138,11 +177,13 @@ class RequestGuard:
         tokens: tuple[ApiToken, ...],
         max_body: int,
         open_metrics: bool = False,
+        insecure: bool = False,
     ) -> None:
         self.app = app
         self.tokens = tokens
         self.max_body = max_body
         self.open_metrics = open_metrics
+        self.insecure = insecure
 
     def token(self, scope: Scope) -> ApiToken | Problem:
         """The token the request's Authorization header carries, or the 401 to answer."""
@@ -164,7 +205,13 @@ class RequestGuard:
     def admit(self, scope: Scope) -> Problem | None:
         """None when the request may go on (its token recorded in its state), else the refusal."""
         if not self.tokens:
-            return None
+            # No token: the only wall is that the caller is on this machine. A browser on it
+            # may be driven by a page whose name resolves to 127.0.0.1 (DNS rebinding): its
+            # requests then carry that name as their Host, which is how they are told apart.
+            host = _host(scope)
+            if self.insecure or (host is not None and loopback_host(host)):
+                return None
+            return _untrusted_host(host)
         method = scope.get("method", "GET")  # a WebSocket handshake is a GET
         needed = needed_scope(method, scope.get("path", "/"), open_metrics=self.open_metrics)
         if needed is None:

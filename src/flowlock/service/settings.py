@@ -32,6 +32,7 @@ ENV = {
     "app": "FLOWLOCK_APP",
     "api_tokens": "FLOWLOCK_API_TOKEN",
     "open_metrics": "FLOWLOCK_OPEN_METRICS",
+    "insecure": "FLOWLOCK_INSECURE",
     "require_if_match": "FLOWLOCK_REQUIRE_IF_MATCH",
     "max_body_bytes": "FLOWLOCK_MAX_BODY_BYTES",
     "max_json_depth": "FLOWLOCK_MAX_JSON_DEPTH",
@@ -50,7 +51,7 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_DRAIN = 10.0
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-_FLAGS = ("require_if_match", "timers", "outbox", "open_metrics")
+_FLAGS = ("require_if_match", "timers", "outbox", "open_metrics", "insecure")
 
 
 SCOPES = ("read", "write", "admin")
@@ -145,6 +146,10 @@ class ServiceSettings:
       session instead.
     - `open_metrics`: with tokens set, still answer `/metrics` without one (for a scraper
       that sends none).
+    - `insecure`: without tokens, answer requests whatever host they are addressed to. By
+      default a service without tokens answers only requests whose Host header is a loopback
+      name or address (localhost, 127.0.0.1, [::1]), so a web page cannot reach it through
+      DNS rebinding. With tokens set it changes nothing.
     - `require_if_match`: refuse a fire without `If-Match` (428).
     - `max_body_bytes`: refuse a larger body (413) before reading it.
     - `max_json_depth`: refuse deeper JSON (400).
@@ -165,6 +170,7 @@ class ServiceSettings:
     app: str | None = None
     api_tokens: tuple[ApiToken, ...] = ()
     open_metrics: bool = False
+    insecure: bool = False
     require_if_match: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_json_depth: int = DEFAULT_MAX_DEPTH
