@@ -56,6 +56,7 @@ async def test_holds_are_idempotent_paged_and_may_name_no_instance(
     first = await engine.hold(ids[0], reason="litigation 42", actor="legal")
     again = await engine.hold(ids[0], reason="another reason", actor="bob")
     assert again == first and first.reason == "litigation 42" and first.at is not None
+    assert first.instance_found is False  # no instance has the id: the caller is told
     for iid in ids[1:]:
         await engine.hold(iid)  # none of these ids exists: a hold is about an id
     page = await engine.holds(limit=3)
@@ -65,6 +66,9 @@ async def test_holds_are_idempotent_paged_and_may_name_no_instance(
     assert await engine.unhold(ids[1], actor="legal") is True
     assert await engine.unhold(ids[1]) is False
     assert [h.instance_id for h in await engine.holds()] == [ids[0], *ids[2:]]
+    assert all(h.instance_found is None for h in await engine.holds())  # read back: unknown
+    await engine.create("approval", instance_id=ids[1], request_id=f"mk-{ids[1]}")
+    assert (await engine.hold(ids[1])).instance_found is True
 
 
 async def test_dry_run_counts_and_deletes_nothing(engine: flowlock.Engine) -> None:

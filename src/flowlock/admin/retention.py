@@ -73,12 +73,22 @@ class RetentionMethods:
         self, instance_id: str, *, reason: str | None = None, actor: str | None = None
     ) -> Hold:
         """Place a legal hold on `instance_id`: no purge deletes it while the hold stands.
-        Idempotent: an instance held already keeps its first hold (returned as it is). The id
-        need not exist (a hold may come before a restore)."""
+        Idempotent: an instance held already keeps its first hold (returned as it is).
+
+        The id need not exist (a hold may come before a restore): the hold is placed anyway,
+        and the returned hold's `instance_found` is False. Check it: False also means a purge
+        deleted the instance before the hold (a hold placed while a purge batch runs waits for
+        that batch, then reports what it left)."""
         check_text(instance_id, "instance_id")
         hold = Hold(instance_id, _optional_text(reason, "reason"), _optional_text(actor, "actor"))
         placed = await self._retention().place_hold(hold)
         log.info("flowlock: hold on %r by %r (%s)", instance_id, placed.actor, placed.reason)
+        if not placed.instance_found:
+            log.warning(
+                "flowlock: hold on %r placed, but no instance has that id (purged already, or "
+                "not created or restored yet)",
+                instance_id,
+            )
         return placed
 
     async def unhold(self, instance_id: str, *, actor: str | None = None) -> bool:

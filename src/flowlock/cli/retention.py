@@ -313,7 +313,8 @@ def hold(
     schema: InspectSchema = None,
 ) -> None:
     """Place a legal hold on an instance: no purge deletes it until `flowlock admin unhold`.
-    Idempotent (a held instance keeps its first hold). The id need not exist.
+    Idempotent (a held instance keeps its first hold). The id need not exist: a warning says
+    so (purged already, or not created yet).
 
     Writes.
     """
@@ -326,6 +327,15 @@ def hold(
     else:
         print_wrapped(
             stdout(), Text(f"held {instance_id} since {when(placed.at)}: {placed.reason}")
+        )
+    if not placed.instance_found:
+        print_wrapped(
+            stderr(),
+            Text(
+                f"no instance has the id {instance_id} (purged already, or not created or "
+                "restored yet): the hold stands for it all the same",
+                style="yellow",
+            ),
         )
 
 
@@ -373,4 +383,8 @@ def holds(
 
 
 def _hold_dict(h: Hold) -> dict[str, Any]:
-    return {"instance_id": h.instance_id, "reason": h.reason, "actor": h.actor, "at": when(h.at)}
+    found = {} if h.instance_found is None else {"instance_found": h.instance_found}
+    return {
+        "instance_id": h.instance_id, "reason": h.reason, "actor": h.actor, "at": when(h.at),
+        **found,
+    }  # fmt: skip

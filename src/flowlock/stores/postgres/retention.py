@@ -5,6 +5,12 @@ A purge batch is one transaction: lock the batch's rows in id order (as every st
 writes several instances does, so they cannot deadlock with each other), delete those still at
 the version read with their history, create records and messages (their timers cascade), run the
 caller's `before_commit` (the archive's write and fsync), commit.
+
+A hold and a purge meet on the instance's row. `place_hold` locks it (FOR KEY SHARE, which a
+fire's update does not wait for) in the transaction that inserts the hold; the purge locks its
+rows FOR UPDATE in a statement of its own, then deletes in the next one. So a hold that took the
+lock first has committed before the delete's snapshot is taken, and the delete sees it; a hold
+that comes later waits for the purge to end, and then finds the row gone or there.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ UNION ALL
 SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = $1
 LIMIT 1
 """
+# The instance's row, locked against a purge (whose FOR UPDATE conflicts with this lock) until
+# the hold commits; no row: the instance does not exist (or a purge deleted it first).
+_HOLD_LOCK: Final = "SELECT id FROM flowlock_instances WHERE id = $1 FOR KEY SHARE"
 _HOLD_READ: Final = (
     "SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = $1"
 )
@@ -97,20 +106,22 @@ _HISTORIES: Final = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history
  WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
 """
-# $1 ids, $2 the versions read. Rows locked first, in id order (see CAS_MANY in sql.py); the
-# DELETE re-checks the version on the newest row (READ COMMITTED re-evaluates its WHERE on a
-# row updated since its snapshot), so an instance that moved is kept. Children go in the same
+# $1 ids. The rows locked first, in id order (see CAS_MANY in sql.py), in a statement of their
+# own: the delete's snapshot, taken after, sees every hold whose transaction held a row's lock.
+_PURGE_LOCK: Final = (
+    "SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
+)
+# $1 ids, $2 the versions read. The delete re-checks the version (on rows locked since the
+# statement before, so the newest), and an instance that moved is kept. Children go in the same
 # statement: the foreign keys are checked at its end, when they are gone too. Each child's
 # "= ANY($1)" lets the planner reach its rows through the index on instance_id whatever it
 # estimates of `gone` (a CTE's row count is a guess).
 _PURGE: Final = f"""
 WITH wanted AS (
     SELECT * FROM unnest($1::text[], $2::bigint[]) AS w(id, version)
-), locked AS MATERIALIZED (
-    SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
 ), gone AS (
-    DELETE FROM flowlock_instances i USING locked l, wanted w
-     WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.id = w.id AND i.version = w.version
+    DELETE FROM flowlock_instances i USING wanted w
+     WHERE i.id = ANY($1::text[]) AND i.id = w.id AND i.version = w.version
        AND NOT {_HELD}
        AND NOT EXISTS (SELECT FROM flowlock_outbox o
                         WHERE o.instance_id = i.id AND o.status = 'pending')
@@ -167,8 +178,38 @@ class _Store(Protocol):
     ) -> T: ...
 
 
-def _hold_of(row: asyncpg.Record) -> Hold:
-    return Hold(row["instance_id"], row["reason"], row["actor"], row["at"])
+def _hold_of(row: asyncpg.Record, found: bool | None = None) -> Hold:
+    return Hold(row["instance_id"], row["reason"], row["actor"], row["at"], found)
+
+
+async def _place(s: Session, hold: Hold) -> Hold:
+    key = hold.instance_id
+    async with s.conn(key, writes=True) as conn:
+        if s.joined:  # a transaction someone else commits (an application's pool)
+            return await _hold_rows(conn, s, hold)
+        await conn.execute(s.begin, timeout=s.timeout)
+        try:
+            placed = await _hold_rows(conn, s, hold)
+            with in_doubt(context_of(key)):
+                await conn.execute("COMMIT", timeout=s.timeout)
+        except asyncio.CancelledError:
+            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+            raise
+        except BaseException as exc:
+            await roll_back(conn, exc, s.timeout)
+            raise
+    return placed
+
+
+async def _hold_rows(conn: Any, s: Session, hold: Hold) -> Hold:
+    found = await conn.fetchval(s.sql(_HOLD_LOCK), hold.instance_id, timeout=s.timeout)
+    row = await conn.fetchrow(
+        s.sql(_HOLD), hold.instance_id, hold.reason, hold.actor, timeout=s.timeout
+    )
+    if row is None:  # a concurrent hold of the id committed while this one waited
+        row = await conn.fetchrow(s.sql(_HOLD_READ), hold.instance_id, timeout=s.timeout)
+    assert row is not None  # held by this statement or by the one it waited for
+    return _hold_of(row, found is not None)
 
 
 def _states(selection: PurgeSelection) -> list[str] | None:
@@ -230,6 +271,7 @@ async def _purge(
 async def _delete(
     conn: Any, s: Session, ids: list[str], versions: list[int], before: BeforeCommit | None
 ) -> list[str]:
+    await conn.execute(s.sql(_PURGE_LOCK), ids, timeout=s.timeout)
     rows = await conn.fetch(s.sql(_PURGE), ids, versions, timeout=s.timeout)
     gone = [row["id"] for row in rows]
     if before is not None:
@@ -301,20 +343,9 @@ class RetentionMethods:
     """PostgresStore's part as a RetentionStore (a mixin: the store is `self`)."""
 
     async def place_hold(self: _Store, hold: Hold) -> Hold:
-        async def put(ops: Operations) -> Hold:
-            s = ops.session
-            async with s.conn(hold.instance_id, writes=True) as conn:
-                row = await conn.fetchrow(
-                    s.sql(_HOLD), hold.instance_id, hold.reason, hold.actor, timeout=s.timeout
-                )
-                if row is None:  # a concurrent hold of the id committed while this one waited
-                    row = await conn.fetchrow(
-                        s.sql(_HOLD_READ), hold.instance_id, timeout=s.timeout
-                    )
-            assert row is not None  # held by this statement or by the one it waited for
-            return _hold_of(row)
-
-        return await self._call(put, hold.instance_id, writes=True)
+        return await self._call(
+            lambda ops: _place(ops.session, hold), hold.instance_id, writes=True, own=True
+        )
 
     async def lift_hold(self: _Store, instance_id: str) -> bool:
         async def lift(ops: Operations) -> bool:

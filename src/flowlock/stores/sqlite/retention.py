@@ -4,6 +4,7 @@ wall clock, the clock every commit stamps `updated_at` with (SQLite has no serve
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -72,7 +73,11 @@ def hold_txn(conn: sqlite3.Connection, hold: Hold) -> Hold:
         "SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = ?",
         (hold.instance_id,),
     ).fetchone()
-    return _hold_of(row)
+    # Under the write lock a purge holds too: the instance is there or gone for both.
+    found = conn.execute(
+        "SELECT 1 FROM flowlock_instances WHERE id = ?", (hold.instance_id,)
+    ).fetchone()
+    return dataclasses.replace(_hold_of(row), instance_found=found is not None)
 
 
 def unhold_txn(conn: sqlite3.Connection, instance_id: str) -> bool:
