@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
 import click
@@ -16,6 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from flowlock.cli._age import AGE_FORMS, age_or_none
 from flowlock.cli._common import ENV_DATABASE_URL, EPILOG, EXIT_ERROR, app, fail, stderr, stdout
 from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
@@ -40,8 +40,6 @@ app.add_typer(admin_app, name="admin")
 _SHOWN_FAILURES = 20
 # The sample's columns: tokens all, never broken across lines (see cli/_table.py).
 _SAMPLE = [Column(name) for name in ("id", "workflow", "state", "version", "updated")]
-_AGE = re.compile(r"([0-9]{1,9})([smhdw])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 # -- the options every bulk command shares ------------------------------------------------------
 
@@ -144,9 +142,9 @@ def _moment(raw: str | None, option: str, now: datetime) -> datetime | None:
     if raw is None:
         return None
     text = raw.strip()
-    age = _AGE.fullmatch(text)
+    age = age_or_none(text, option)
     if age is not None:
-        return now - timedelta(**{_UNITS[age.group(2)]: int(age.group(1))})
+        return now - age
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -154,7 +152,7 @@ def _moment(raw: str | None, option: str, now: datetime) -> datetime | None:
     if moment is None or moment.utcoffset() is None:
         raise typer.BadParameter(
             f"{raw!r} is neither a time with its zone (2026-01-31T12:00:00Z) nor an age "
-            "(30m, 2h, 7d, 2w)",
+            f"({AGE_FORMS})",
             param_hint=f"'{option}'",
         )
     return moment

@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,6 +14,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from flowlock.cli._age import parse_age
 from flowlock.cli._common import fail, stderr, stdout
 from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.admin import admin_app
@@ -26,10 +25,7 @@ from flowlock.core.definition import Workflow
 from flowlock.core.retention import Hold, PurgeReport, RestoreReport
 from flowlock.engine import Engine
 
-__all__ = ["hold", "holds", "parse_age", "purge", "restore", "unhold"]
-
-_AGE = re.compile(r"(\d+)([dhms])")
-_UNITS = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
+__all__ = ["hold", "holds", "purge", "restore", "unhold"]
 
 InstanceArg = Annotated[
     str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
@@ -40,18 +36,6 @@ _HOLDS = (Column("instance"), Column("reason", text=True), Column("actor"), Colu
 Actor = Annotated[
     str | None, typer.Option("--actor", help="Who does it (kept with the hold, logged).")
 ]
-
-
-def parse_age(text: str) -> timedelta:
-    """`90d`, `12h`, `30m` or `45s` as a timedelta; BadParameter (exit 2) otherwise."""
-    found = _AGE.fullmatch(text.strip())
-    if found is None or int(found.group(1)) == 0:
-        raise typer.BadParameter(
-            f"{text!r} is not an age: a whole number above 0 and a unit, d (days), h (hours), "
-            "m (minutes) or s (seconds), e.g. 90d",
-            param_hint="'--older-than'",
-        )
-    return timedelta(**{_UNITS[found.group(2)]: int(found.group(1))})
 
 
 def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
@@ -114,7 +98,7 @@ def purge(
         typer.Option(
             "--older-than",
             help="Only instances whose last transition is older than this, on the database's "
-            "clock: 90d, 12h, 30m or 45s.",
+            "clock: 2w, 90d, 12h, 30m or 45s (at most 100 years).",
             show_default=False,
         ),
     ],
@@ -122,7 +106,8 @@ def purge(
         bool,
         typer.Option(
             "--final",
-            help="Only instances in a final state of the definition (needs --app).",
+            help="Only instances in a final state of the definition: that of --app, or without "
+            "it of flowlock's examples (as flowlock serve uses).",
         ),
     ] = False,
     states: Annotated[
