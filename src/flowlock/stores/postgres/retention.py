@@ -249,23 +249,35 @@ async def _purge(
     ids, versions = list(wanted), list(wanted.values())
     key = f"a purge batch of {len(ids)} instance(s)"
     started = time.monotonic()
-    async with s.conn(
-        key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
-    ) as conn:
-        if s.joined:  # a transaction someone else commits (an application's pool)
-            return await _delete(conn, s, ids, versions, before_commit)
-        await conn.execute(s.begin, timeout=s.timeout)
-        try:
-            gone = await _delete(conn, s, ids, versions, before_commit)
-            with in_doubt(context_of(key)):
-                await conn.execute("COMMIT", timeout=s.timeout)
-        except asyncio.CancelledError:
-            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
-            raise
-        except BaseException as exc:
-            await roll_back(conn, exc, s.timeout)
-            raise
+    try:
+        async with s.conn(
+            key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
+        ) as conn:
+            if s.joined:  # a transaction someone else commits (an application's pool)
+                return await _delete(conn, s, ids, versions, before_commit)
+            await conn.execute(s.begin, timeout=s.timeout)
+            try:
+                gone = await _delete(conn, s, ids, versions, before_commit)
+                with in_doubt(context_of(key)):
+                    await conn.execute("COMMIT", timeout=s.timeout)
+            except asyncio.CancelledError:
+                conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+                raise
+            except BaseException as exc:
+                await roll_back(conn, exc, s.timeout)
+                raise
+    except _Refused as refused:
+        raise refused.error from None  # rolled back: the caller's own error, as it raised it
     return gone
+
+
+class _Refused(Exception):
+    """The caller's `before_commit` raised `error`: carried past the session's translation of
+    driver errors (an OSError of the archive's disk is not a lost connection)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 async def _delete(
@@ -276,7 +288,10 @@ async def _delete(
     gone = [row["id"] for row in rows]
     if before is not None:
         # The archive's write and fsync, off the event loop; the rows stay locked meanwhile.
-        await asyncio.to_thread(before, gone)
+        try:
+            await asyncio.to_thread(before, gone)
+        except Exception as exc:
+            raise _Refused(exc) from exc
     return gone
 
 
