@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any, Final
 
 import asyncpg
 
@@ -27,13 +27,12 @@ from flowlock._pg.rows import HISTORY_COLUMNS, entry_from_row, instance_from_row
 from flowlock.core.errors import LockTimeout
 from flowlock.core.retention import ArchivedInstance, CreateRecord, Hold, PurgeSelection
 from flowlock.stores.base import BeforeCommit
+from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.session import Session, context_of, roll_back
 from flowlock.stores.postgres.sql import to_json
 
 __all__ = ["RetentionMethods"]
-
-T = TypeVar("T")
 
 _HOLD: Final = """
 WITH put AS (
@@ -162,20 +161,6 @@ _RESTORE_MADE: Final = """
 INSERT INTO flowlock_create_requests (request_id, instance_id, state, data)
 VALUES ($1, $2, $3, $4::text::jsonb) ON CONFLICT DO NOTHING
 """
-
-
-class _Store(Protocol):
-    """What the retention methods need of the store (PostgresStore)."""
-
-    async def _call(
-        self,
-        op: Callable[[Operations], Awaitable[T]],
-        key: str = "",
-        *,
-        waits: bool = True,
-        writes: bool = False,
-        own: bool = False,
-    ) -> T: ...
 
 
 def _hold_of(row: asyncpg.Record, found: bool | None = None) -> Hold:
@@ -357,12 +342,12 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
 class RetentionMethods:
     """PostgresStore's part as a RetentionStore (a mixin: the store is `self`)."""
 
-    async def place_hold(self: _Store, hold: Hold) -> Hold:
+    async def place_hold(self: Calls, hold: Hold) -> Hold:
         return await self._call(
             lambda ops: _place(ops.session, hold), hold.instance_id, writes=True, own=True
         )
 
-    async def lift_hold(self: _Store, instance_id: str) -> bool:
+    async def lift_hold(self: Calls, instance_id: str) -> bool:
         async def lift(ops: Operations) -> bool:
             s = ops.session
             async with s.conn(instance_id, writes=True) as conn:
@@ -371,7 +356,7 @@ class RetentionMethods:
 
         return await self._call(lift, instance_id, writes=True)
 
-    async def find_holds(self: _Store, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self: Calls, *, after: str | None, limit: int) -> list[Hold]:
         async def read(ops: Operations) -> list[Hold]:
             s = ops.session
             async with s.conn() as conn:
@@ -381,13 +366,13 @@ class RetentionMethods:
         return await self._call(read, waits=False)
 
     async def purge_candidates(
-        self: _Store, selection: PurgeSelection, *, after: str | None, limit: int
+        self: Calls, selection: PurgeSelection, *, after: str | None, limit: int
     ) -> list[ArchivedInstance]:
         return await self._call(
             lambda ops: _candidates(ops.session, selection, after, limit), waits=False
         )
 
-    async def count_purgeable(self: _Store, selection: PurgeSelection) -> tuple[int, int]:
+    async def count_purgeable(self: Calls, selection: PurgeSelection) -> tuple[int, int]:
         async def count(ops: Operations) -> tuple[int, int]:
             s = ops.session
             args = (selection.workflow, _states(selection), selection.older_than)
@@ -399,7 +384,7 @@ class RetentionMethods:
         return await self._call(count, waits=False)
 
     async def purge_batch(
-        self: _Store, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
+        self: Calls, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
     ) -> list[str]:
         if not victims:
             return []
@@ -407,7 +392,7 @@ class RetentionMethods:
             lambda ops: _purge(ops.session, victims, before_commit), writes=True, own=True
         )
 
-    async def restore_instances(self: _Store, archived: Sequence[ArchivedInstance]) -> list[str]:
+    async def restore_instances(self: Calls, archived: Sequence[ArchivedInstance]) -> list[str]:
         if not archived:
             return []
         return await self._call(lambda ops: _restore(ops.session, archived), writes=True, own=True)
