@@ -21,6 +21,7 @@ from flowlock.stores.sqlite.sql import (
     READ_WIDTH,
     dump_json,
     entry_of,
+    history_params,
     instance_of,
     load_json,
     now_text,
@@ -193,19 +194,11 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
         conn.executemany(
             INSERT_HISTORY,
             [
-                (
-                    e.instance_id,
-                    e.version,
-                    e.event,
-                    e.from_state,
-                    e.to_state,
-                    e.actor,
-                    e.request_id,
-                    e.strategy,
+                history_params(
+                    e,
                     dump_json(e.data, f"data of {inst.id!r} v{e.version}"),
-                    _text(e.at),
-                    e.fencing_token,
                     dump_json(e.payload, f"payload of {inst.id!r} v{e.version}"),
+                    _text(e.at),
                 )
                 for e in item.history
             ],
