@@ -101,6 +101,11 @@ def test_purge_counts_first_asks_and_holds_exempt(cli: CliRunner, db: Db) -> Non
     assert _run(cli, db, "unhold", "a-2").exit_code == 1
     assert _run(cli, db, *purge, "--yes").exit_code == 0
     assert _ids(cli, db) == OPEN
+    # Too late: the instance is gone. The hold stands for the id, and the command says so.
+    late = _run(cli, db, "hold", "a-2", "--reason", "case 8", "--json")
+    assert late.exit_code == 0, late.output
+    assert json.loads(late.stdout)["instance_found"] is False
+    assert "no instance has the id a-2" in " ".join(late.stderr.split())
 
 
 def test_archive_restore_and_check(cli: CliRunner, db: Db, tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ class Hold:
     reason: str | None = None
     actor: str | None = None
     at: datetime | None = None
-    instance_found: bool | None = None
+    # What one call saw, not part of the hold: holds that differ only by it are equal.
+    instance_found: bool | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
