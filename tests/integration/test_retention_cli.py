@@ -144,3 +144,32 @@ def test_bad_arguments_are_usage_errors(cli: CliRunner, db: Db) -> None:
     unknown = _run(cli, db, "purge", "--workflow", "nosuch", "--final", "--older-than", "1s")
     assert unknown.exit_code == 2 and "--app" in _text(unknown)
     assert _ids(cli, db) == sorted([*FINAL, *OPEN])
+
+
+def test_without_app_a_workflow_unlike_the_example_is_refused(cli: CliRunner, db: Db) -> None:
+    # A workflow of the user's own also named "approval", with a state the example lacks: the
+    # example's final states are not its final states, so nothing is purged without --app.
+    own = flowlock.Workflow(
+        "approval",
+        states=["pending", "approved", "archived"],
+        initial="pending",
+        transitions=[
+            flowlock.Transition("approve", source="pending", target="approved"),
+            flowlock.Transition("archive", source="approved", target="archived"),
+        ],
+    )
+
+    async def fill() -> None:
+        async with flowlock.Engine.connect(db.url, schema=db.schema, timers=False) as engine:
+            await engine.register(own)
+            await engine.create("approval", instance_id="own-1", data={})
+            await engine.fire("own-1", "approve")
+            await engine.fire("own-1", "archive")
+
+    asyncio.run(fill())
+    time.sleep(1.2)
+    refused = _run(cli, db, "purge", "--workflow", "approval", "--final", "--older-than", "1s",
+                   "--yes")  # fmt: skip
+    assert refused.exit_code == 1
+    assert "your own workflow" in _text(refused) and "--app" in _text(refused)
+    assert "own-1" in _ids(cli, db) and _ids(cli, db) == sorted(["own-1", *FINAL, *OPEN])

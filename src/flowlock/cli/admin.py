@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
@@ -301,7 +300,7 @@ def _confirm(report: BulkReport) -> None:
             f"{report.action} {report.matched} instance(s) (operation {report.operation_id})?",
             err=True,
         )
-    except (click.Abort, typer.Abort):  # no answer (end of input, Ctrl-D)
+    except typer.Abort:  # no answer (end of input, Ctrl-D)
         go = False
     if not go:
         fail("not confirmed; nothing was written (pass --yes to run without asking)")

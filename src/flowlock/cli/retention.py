@@ -22,6 +22,7 @@ from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
 from flowlock.cli.outbox import RepairDatabaseUrl, _confirmed
 from flowlock.core.definition import Workflow
+from flowlock.core.errors import InvalidInput
 from flowlock.core.retention import Hold, PurgeReport, RestoreReport
 from flowlock.engine import Engine
 
@@ -69,6 +70,20 @@ def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
             f"{app_ref} defines {sorted(found_all)}, not {workflow!r}", param_hint="'--app'"
         )
     return found_all[workflow]
+
+
+async def _same_as_example(engine: Engine, example: Workflow) -> None:
+    """Refuse to read final states from flowlock's example when the database holds instances of
+    that name in states the example lacks: then it is the user's own workflow."""
+    total = await engine.count(example.name)
+    known = await engine.count(example.name, list(example.states))
+    if total != known:
+        raise InvalidInput(
+            f"{total - known} instance(s) of {example.name!r} are in states flowlock's example "
+            f"{example.name!r} does not have, so this is your own workflow: give --app "
+            "module:attr (or FLOWLOCK_APP) naming its definition, or name the states with --state. "
+            "Nothing was purged"
+        )
 
 
 def _report_dict(report: PurgeReport | RestoreReport) -> dict[str, Any]:
@@ -171,6 +186,8 @@ def purge(
     async def run(engine: Engine, dry: bool, progress: Callable[[int], None] | None) -> PurgeReport:
         if definition is not None:
             await engine.register(definition)
+            if app_ref is None:
+                await _same_as_example(engine, definition)
         return await engine.purge(
             workflow, older_than=age, final=final, states=states, archive=archive,
             batch=batch, dry_run=dry, progress=progress,
