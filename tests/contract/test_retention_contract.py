@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import threading
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,9 +22,10 @@ import pytest
 
 import flowlock
 from flowlock._inspect import check_instances
-from flowlock.admin.archive import manifest_path
+from flowlock.admin.archive import ArchiveWriter, manifest_path, read_archive
 from flowlock.core.retention import ArchiveInvalid, PurgeSelection
 from flowlock.stores.base import RetentionStore
+from flowlock.stores.memory import MemoryStore
 
 BOUND = timedelta(milliseconds=400)
 AGED = 0.6  # seconds slept so that what was written before is older than BOUND
@@ -56,6 +59,7 @@ async def test_holds_are_idempotent_paged_and_may_name_no_instance(
     first = await engine.hold(ids[0], reason="litigation 42", actor="legal")
     again = await engine.hold(ids[0], reason="another reason", actor="bob")
     assert again == first and first.reason == "litigation 42" and first.at is not None
+    assert first.instance_found is False  # no instance has the id: the caller is told
     for iid in ids[1:]:
         await engine.hold(iid)  # none of these ids exists: a hold is about an id
     page = await engine.holds(limit=3)
@@ -65,6 +69,9 @@ async def test_holds_are_idempotent_paged_and_may_name_no_instance(
     assert await engine.unhold(ids[1], actor="legal") is True
     assert await engine.unhold(ids[1]) is False
     assert [h.instance_id for h in await engine.holds()] == [ids[0], *ids[2:]]
+    assert all(h.instance_found is None for h in await engine.holds())  # read back: unknown
+    await engine.create("approval", instance_id=ids[1], request_id=f"mk-{ids[1]}")
+    assert (await engine.hold(ids[1])).instance_found is True
 
 
 async def test_dry_run_counts_and_deletes_nothing(engine: flowlock.Engine) -> None:
@@ -220,3 +227,53 @@ async def test_bad_arguments_purge_nothing(engine: flowlock.Engine, tmp_path: Pa
     assert await _exists(engine, ids[0])
     with pytest.raises(flowlock.InvalidInput):
         await engine.hold("")
+
+
+@pytest.mark.parametrize("write_fails", [False, True], ids=["write-ends", "write-fails"])
+async def test_a_purge_cancelled_mid_write_leaves_an_archive_of_exactly_what_went(
+    engine: flowlock.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_fails: bool
+) -> None:
+    """Ctrl-C (a cancel) while the second batch's archive write runs in its thread: the purge
+    waits for that batch to end, keeps its lines if it committed, cuts them back if it rolled
+    back, and only then writes the manifest. The archive verifies and restores."""
+    if isinstance(engine.store, MemoryStore):
+        pytest.skip(
+            "the memory store writes the archive on the event loop: no cancel lands mid-write"
+        )
+    ids = _ids("c", 6)
+    await _approvals(engine, ids, ["approve"] * 6)
+    await asyncio.sleep(AGED)
+    entered, gate = threading.Event(), threading.Event()
+    real = ArchiveWriter.write
+    writes = 0
+
+    def gated(self: ArchiveWriter, lines: Sequence[bytes]) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 2:
+            entered.set()
+            gate.wait(10)
+            if write_fails:  # a torn member, then the disk's error
+                self._file.write(b"\x1f\x8b torn")
+                raise OSError(28, "No space left on device")
+        real(self, lines)
+
+    monkeypatch.setattr(ArchiveWriter, "write", gated)
+    path = tmp_path / "c.jsonl.gz"
+    purge = asyncio.create_task(engine.purge("approval", older_than=BOUND, archive=path, batch=2))
+    assert await asyncio.to_thread(entered.wait, 10)
+    purge.cancel()
+    await asyncio.sleep(0.3)
+    assert not purge.done(), "a cancelled purge waits for its batch in flight"
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await purge
+    gone = [iid for iid in ids if not await _exists(engine, iid)]
+    assert len(gone) == (2 if write_fails else 4)
+    archived = [item.instance.id for item in read_archive(path)]  # the manifest matches
+    assert sorted(archived) == sorted(gone)
+    restored = await engine.restore(path)
+    assert restored.restored == len(gone) and restored.skipped == ()
+    assert all([await _exists(engine, iid) for iid in ids])
+    verdict = (await check_instances(engine, None)).verdict
+    assert verdict.ok, verdict.violations

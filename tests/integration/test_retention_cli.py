@@ -15,7 +15,7 @@ from typer.testing import CliRunner, Result
 
 import flowlock
 from flowlock.cli import app
-from flowlock.cli.retention import parse_age
+from flowlock.cli._age import parse_age
 
 APP = "flowlock.examples:approval"
 FINAL = ["a-1", "a-2", "a-3", "r-1"]  # approved or rejected
@@ -66,9 +66,9 @@ def _ids(cli: CliRunner, db: Db) -> list[str]:
     return sorted(i["id"] for i in json.loads(result.stdout))
 
 
-def test_ages_parse_in_days_hours_minutes_and_seconds() -> None:
-    assert [parse_age(a).total_seconds() for a in ("90d", "12h", "30m", "45s")] == [
-        90 * 86400, 12 * 3600, 1800, 45,
+def test_ages_parse_in_weeks_days_hours_minutes_and_seconds() -> None:
+    assert [parse_age(a).total_seconds() for a in ("2w", "90d", "12h", "30m", "45s")] == [
+        14 * 86400, 90 * 86400, 12 * 3600, 1800, 45,
     ]  # fmt: skip
 
 
@@ -101,6 +101,11 @@ def test_purge_counts_first_asks_and_holds_exempt(cli: CliRunner, db: Db) -> Non
     assert _run(cli, db, "unhold", "a-2").exit_code == 1
     assert _run(cli, db, *purge, "--yes").exit_code == 0
     assert _ids(cli, db) == OPEN
+    # Too late: the instance is gone. The hold stands for the id, and the command says so.
+    late = _run(cli, db, "hold", "a-2", "--reason", "case 8", "--json")
+    assert late.exit_code == 0, late.output
+    assert json.loads(late.stdout)["instance_found"] is False
+    assert "no instance has the id a-2" in " ".join(late.stderr.split())
 
 
 def test_archive_restore_and_check(cli: CliRunner, db: Db, tmp_path: Path) -> None:
@@ -131,7 +136,7 @@ def test_archive_restore_and_check(cli: CliRunner, db: Db, tmp_path: Path) -> No
 
 def test_bad_arguments_are_usage_errors(cli: CliRunner, db: Db) -> None:
     base = ("purge", "--workflow", "approval")
-    for bad in ("90", "0d", "1w", "d"):
+    for bad in ("90", "0d", "1y", "d", "99999999999d", "5300w", "9" * 5000 + "s"):
         result = _run(cli, db, *base, "--final", "--app", APP, "--older-than", bad)
         assert result.exit_code == 2, (bad, result.output)
     assert _run(cli, db, *base, "--older-than", "1s").exit_code == 2  # neither --final nor --state
@@ -139,3 +144,32 @@ def test_bad_arguments_are_usage_errors(cli: CliRunner, db: Db) -> None:
     unknown = _run(cli, db, "purge", "--workflow", "nosuch", "--final", "--older-than", "1s")
     assert unknown.exit_code == 2 and "--app" in _text(unknown)
     assert _ids(cli, db) == sorted([*FINAL, *OPEN])
+
+
+def test_without_app_a_workflow_unlike_the_example_is_refused(cli: CliRunner, db: Db) -> None:
+    # A workflow of the user's own also named "approval", with a state the example lacks: the
+    # example's final states are not its final states, so nothing is purged without --app.
+    own = flowlock.Workflow(
+        "approval",
+        states=["pending", "approved", "archived"],
+        initial="pending",
+        transitions=[
+            flowlock.Transition("approve", source="pending", target="approved"),
+            flowlock.Transition("archive", source="approved", target="archived"),
+        ],
+    )
+
+    async def fill() -> None:
+        async with flowlock.Engine.connect(db.url, schema=db.schema, timers=False) as engine:
+            await engine.register(own)
+            await engine.create("approval", instance_id="own-1", data={})
+            await engine.fire("own-1", "approve")
+            await engine.fire("own-1", "archive")
+
+    asyncio.run(fill())
+    time.sleep(1.2)
+    refused = _run(cli, db, "purge", "--workflow", "approval", "--final", "--older-than", "1s",
+                   "--yes")  # fmt: skip
+    assert refused.exit_code == 1
+    assert "your own workflow" in _text(refused) and "--app" in _text(refused)
+    assert "own-1" in _ids(cli, db) and _ids(cli, db) == sorted(["own-1", *FINAL, *OPEN])

@@ -385,6 +385,8 @@ def test_the_cli_pauses_and_resumes_without_app(sqlite_url: str) -> None:
     ("args", "match"),
     [
         (("fire", "--event", "hold", "--updated-before", "yesterday"), "neither a time"),
+        (("fire", "--event", "hold", "--updated-before", "9999999w"), "too long an age"),
+        (("fire", "--event", "hold", "--updated-after", "99999999999d"), "too long an age"),
         (("fire", "--event", "hold", "--updated-after", "2026-01-01T00:00:00"), "neither a time"),
         (("fire", "--event", "hold", "--payload", "[1]"), "JSON object"),
         (("force", "--to", "held", "--reason", "r", "--data", "{"), "not JSON"),

@@ -49,7 +49,7 @@ def test_hold_purge_and_restore_from_a_plain_thread(kind: str, tmp_path: Path) -
         engine.create("shipping", instance_id="s-done")
         engine.fire("s-done", "lose")
         held = engine.hold("a2", reason="audit", actor="legal")
-        assert engine.holds() == [held]
+        assert engine.holds() == [held] and held.instance_found is True
         time.sleep(0.5)
 
         dry = engine.purge("approval", older_than=BOUND, dry_run=True)

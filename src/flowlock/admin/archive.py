@@ -27,6 +27,7 @@ from flowlock.core.retention import ArchivedInstance, ArchiveInvalid, CreateReco
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "ArchiveMark",
     "ArchiveWriter",
     "check_new",
     "decode_line",
@@ -174,7 +175,9 @@ def check_new(path: str | os.PathLike[str]) -> Path:
 
 
 @dataclass(slots=True)
-class _Mark:
+class ArchiveMark:
+    """Where an archive was before a batch: `ArchiveWriter.undo` takes it back there."""
+
     size: int
     lines: int
     digest: Any  # a hashlib object's copy
@@ -207,8 +210,8 @@ class ArchiveWriter:
         self._size = 0
         self.lines = 0
 
-    def mark(self) -> _Mark:
-        return _Mark(self._size, self.lines, self._sha.copy())
+    def mark(self) -> ArchiveMark:
+        return ArchiveMark(self._size, self.lines, self._sha.copy())
 
     def write(self, lines: Sequence[bytes]) -> None:
         """Append `lines` as one gzip member, then flush and fsync the file."""
@@ -222,7 +225,7 @@ class ArchiveWriter:
         self._size += len(member)
         self.lines += len(lines)
 
-    def undo(self, mark: _Mark) -> None:
+    def undo(self, mark: ArchiveMark) -> None:
         """Cut the file back to `mark` (the batch after it never deleted anything)."""
         self._file.truncate(mark.size)
         self._file.seek(mark.size)

@@ -4,6 +4,8 @@ operator's guide."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -12,7 +14,13 @@ from datetime import timedelta
 from pathlib import Path
 
 from flowlock._calls import check_text
-from flowlock.admin.archive import ArchiveWriter, check_new, encode_line, read_archive
+from flowlock.admin.archive import (
+    ArchiveMark,
+    ArchiveWriter,
+    check_new,
+    encode_line,
+    read_archive,
+)
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, OutcomeUnknown, UnknownWorkflow
 from flowlock.core.retention import (
@@ -25,7 +33,7 @@ from flowlock.core.retention import (
 from flowlock.core.settings import check_count, check_flag
 from flowlock.stores.base import RetentionStore, Store
 
-__all__ = ["DEFAULT_PURGE_BATCH", "MAX_PURGE_BATCH", "RetentionMethods"]
+__all__ = ["DEFAULT_PURGE_BATCH", "MAX_PURGE_BATCH", "SETTLE_BOUND", "RetentionMethods"]
 
 log = logging.getLogger("flowlock")
 
@@ -33,6 +41,9 @@ DEFAULT_PURGE_BATCH = 500
 """Instances per purge (and restore) transaction, unless `batch=`."""
 MAX_PURGE_BATCH = 10_000
 """The most instances one purge transaction deletes: its row locks are held until it commits."""
+SETTLE_BOUND = 60.0
+"""The most seconds a cancelled purge waits for the batch in flight to end (it is one short
+transaction, bounded by the store's own lock and statement bounds)."""
 _MAX_HOLDS_PAGE = 10_000
 
 
@@ -73,12 +84,22 @@ class RetentionMethods:
         self, instance_id: str, *, reason: str | None = None, actor: str | None = None
     ) -> Hold:
         """Place a legal hold on `instance_id`: no purge deletes it while the hold stands.
-        Idempotent: an instance held already keeps its first hold (returned as it is). The id
-        need not exist (a hold may come before a restore)."""
+        Idempotent: an instance held already keeps its first hold (returned as it is).
+
+        The id need not exist (a hold may come before a restore): the hold is placed anyway,
+        and the returned hold's `instance_found` is False. Check it: False also means a purge
+        deleted the instance before the hold (a hold placed while a purge batch runs waits for
+        that batch, then reports what it left)."""
         check_text(instance_id, "instance_id")
         hold = Hold(instance_id, _optional_text(reason, "reason"), _optional_text(actor, "actor"))
         placed = await self._retention().place_hold(hold)
         log.info("flowlock: hold on %r by %r (%s)", instance_id, placed.actor, placed.reason)
+        if not placed.instance_found:
+            log.warning(
+                "flowlock: hold on %r placed, but no instance has that id (purged already, or "
+                "not created or restored yet)",
+                instance_id,
+            )
         return placed
 
     async def unhold(self, instance_id: str, *, actor: str | None = None) -> bool:
@@ -284,11 +305,45 @@ async def _one_batch(
 
     mark = writer.mark()
     started = time.monotonic()
+    running = asyncio.ensure_future(store.purge_batch(victims, before_commit))
     try:
-        gone = await store.purge_batch(victims, before_commit)
+        gone = await asyncio.shield(running)
+    except asyncio.CancelledError:
+        # Cut back only once the batch's outcome is known: SQLite's transaction runs on in its
+        # thread and may commit, PostgreSQL's COMMIT may be in flight. So the batch (one short,
+        # bounded transaction) ends on its own, and the writer is not closed under its write.
+        await _settle(running)
+        _after_cancel(running, writer, mark)
+        raise
     except OutcomeUnknown:
         raise  # the delete may have committed: its lines stay in the archive
     except Exception:
         writer.undo(mark)  # rolled back: nothing of this batch was deleted
         raise
     return gone, time.monotonic() - started
+
+
+async def _settle(running: asyncio.Future[list[str]]) -> None:
+    """Wait for a cancelled purge's batch to end, through further cancellations, at most
+    SETTLE_BOUND seconds."""
+    deadline = time.monotonic() + SETTLE_BOUND
+    while not running.done() and (left := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({running}, timeout=left)
+
+
+def _after_cancel(
+    running: asyncio.Future[list[str]], writer: ArchiveWriter, mark: ArchiveMark
+) -> None:
+    """The archive after a cancelled purge's last batch: its lines stay if it committed (or
+    may have), and go if it rolled back."""
+    if not running.done():
+        log.error(
+            "flowlock: purge cancelled; its last batch did not end within %s s, so its lines "
+            "stay in the archive (restore skips an id that exists)",
+            SETTLE_BOUND,
+        )
+        return
+    failed = None if running.cancelled() else running.exception()
+    if failed is not None and not isinstance(failed, OutcomeUnknown):
+        writer.undo(mark)

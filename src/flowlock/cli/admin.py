@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from flowlock.cli._age import AGE_FORMS, age_or_none
 from flowlock.cli._common import (
     ENV_DATABASE_URL,
     EPILOG,
@@ -49,8 +48,6 @@ app.add_typer(admin_app, name="admin")
 _SHOWN_FAILURES = 20
 # The sample's columns: tokens all, never broken across lines (see cli/_table.py).
 _SAMPLE = [Column(name) for name in ("id", "workflow", "state", "version", "updated")]
-_AGE = re.compile(r"([0-9]{1,9})([smhdw])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 # -- the options every bulk command shares ------------------------------------------------------
 
@@ -153,9 +150,9 @@ def _moment(raw: str | None, option: str, now: datetime) -> datetime | None:
     if raw is None:
         return None
     text = raw.strip()
-    age = _AGE.fullmatch(text)
+    age = age_or_none(text, option)
     if age is not None:
-        return now - timedelta(**{_UNITS[age.group(2)]: int(age.group(1))})
+        return now - age
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -163,7 +160,7 @@ def _moment(raw: str | None, option: str, now: datetime) -> datetime | None:
     if moment is None or moment.utcoffset() is None:
         raise typer.BadParameter(
             f"{raw!r} is neither a time with its zone (2026-01-31T12:00:00Z) nor an age "
-            "(30m, 2h, 7d, 2w)",
+            f"({AGE_FORMS})",
             param_hint=f"'{option}'",
         )
     return moment
@@ -324,7 +321,7 @@ def _confirm(report: BulkReport) -> None:
             f"{report.action} {report.matched} instance(s) (operation {report.operation_id})?",
             err=True,
         )
-    except (click.Abort, typer.Abort):  # no answer (end of input, Ctrl-D)
+    except typer.Abort:  # no answer (end of input, Ctrl-D)
         go = False
     if not go:
         fail("not confirmed; nothing was written (pass --yes to run without asking)")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,6 +14,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from flowlock.cli._age import parse_age
 from flowlock.cli._common import fail, stderr, stdout
 from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.admin import admin_app
@@ -23,13 +22,11 @@ from flowlock.cli.inspect import AsJson, InspectSchema, _cell, _inspect, _json
 from flowlock.cli.inspect import _when as when
 from flowlock.cli.outbox import RepairDatabaseUrl, _confirmed
 from flowlock.core.definition import Workflow
+from flowlock.core.errors import InvalidInput
 from flowlock.core.retention import Hold, PurgeReport, RestoreReport
 from flowlock.engine import Engine
 
-__all__ = ["hold", "holds", "parse_age", "purge", "restore", "unhold"]
-
-_AGE = re.compile(r"(\d+)([dhms])")
-_UNITS = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
+__all__ = ["hold", "holds", "purge", "restore", "unhold"]
 
 InstanceArg = Annotated[
     str, typer.Argument(metavar="ID", help="The instance's id.", show_default=False)
@@ -40,18 +37,6 @@ _HOLDS = (Column("instance"), Column("reason", text=True), Column("actor"), Colu
 Actor = Annotated[
     str | None, typer.Option("--actor", help="Who does it (kept with the hold, logged).")
 ]
-
-
-def parse_age(text: str) -> timedelta:
-    """`90d`, `12h`, `30m` or `45s` as a timedelta; BadParameter (exit 2) otherwise."""
-    found = _AGE.fullmatch(text.strip())
-    if found is None or int(found.group(1)) == 0:
-        raise typer.BadParameter(
-            f"{text!r} is not an age: a whole number above 0 and a unit, d (days), h (hours), "
-            "m (minutes) or s (seconds), e.g. 90d",
-            param_hint="'--older-than'",
-        )
-    return timedelta(**{_UNITS[found.group(2)]: int(found.group(1))})
 
 
 def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
@@ -87,6 +72,20 @@ def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
     return found_all[workflow]
 
 
+async def _same_as_example(engine: Engine, example: Workflow) -> None:
+    """Refuse to read final states from flowlock's example when the database holds instances of
+    that name in states the example lacks: then it is the user's own workflow."""
+    total = await engine.count(example.name)
+    known = await engine.count(example.name, list(example.states))
+    if total != known:
+        raise InvalidInput(
+            f"{total - known} instance(s) of {example.name!r} are in states flowlock's example "
+            f"{example.name!r} does not have, so this is your own workflow: give --app "
+            "module:attr (or FLOWLOCK_APP) naming its definition, or name the states with --state. "
+            "Nothing was purged"
+        )
+
+
 def _report_dict(report: PurgeReport | RestoreReport) -> dict[str, Any]:
     out = dataclasses.asdict(report)
     for key in ("archive", "path"):
@@ -114,7 +113,7 @@ def purge(
         typer.Option(
             "--older-than",
             help="Only instances whose last transition is older than this, on the database's "
-            "clock: 90d, 12h, 30m or 45s.",
+            "clock: 2w, 90d, 12h, 30m or 45s (at most 100 years).",
             show_default=False,
         ),
     ],
@@ -122,7 +121,8 @@ def purge(
         bool,
         typer.Option(
             "--final",
-            help="Only instances in a final state of the definition (needs --app).",
+            help="Only instances in a final state of the definition: that of --app, or without "
+            "it of flowlock's examples (as flowlock serve uses).",
         ),
     ] = False,
     states: Annotated[
@@ -186,6 +186,8 @@ def purge(
     async def run(engine: Engine, dry: bool, progress: Callable[[int], None] | None) -> PurgeReport:
         if definition is not None:
             await engine.register(definition)
+            if app_ref is None:
+                await _same_as_example(engine, definition)
         return await engine.purge(
             workflow, older_than=age, final=final, states=states, archive=archive,
             batch=batch, dry_run=dry, progress=progress,
@@ -313,7 +315,8 @@ def hold(
     schema: InspectSchema = None,
 ) -> None:
     """Place a legal hold on an instance: no purge deletes it until `flowlock admin unhold`.
-    Idempotent (a held instance keeps its first hold). The id need not exist.
+    Idempotent (a held instance keeps its first hold). The id need not exist: a warning says
+    so (purged already, or not created yet).
 
     Writes.
     """
@@ -326,6 +329,15 @@ def hold(
     else:
         print_wrapped(
             stdout(), Text(f"held {instance_id} since {when(placed.at)}: {placed.reason}")
+        )
+    if not placed.instance_found:
+        print_wrapped(
+            stderr(),
+            Text(
+                f"no instance has the id {instance_id} (purged already, or not created or "
+                "restored yet): the hold stands for it all the same",
+                style="yellow",
+            ),
         )
 
 
@@ -373,4 +385,8 @@ def holds(
 
 
 def _hold_dict(h: Hold) -> dict[str, Any]:
-    return {"instance_id": h.instance_id, "reason": h.reason, "actor": h.actor, "at": when(h.at)}
+    found = {} if h.instance_found is None else {"instance_found": h.instance_found}
+    return {
+        "instance_id": h.instance_id, "reason": h.reason, "actor": h.actor, "at": when(h.at),
+        **found,
+    }  # fmt: skip

@@ -71,7 +71,10 @@ class InstancePaused(FlowlockError):
         if scope == "instance":
             what = f"instance {instance_id!r} (version {version}) is paused{why}: it"
         else:
-            what = f"workflow {workflow!r} is paused{why}: its instance {instance_id!r} ({version})"
+            what = (
+                f"workflow {workflow!r} is paused{why}: its instance {instance_id!r} "
+                f"(version {version})"
+            )
         super().__init__(
             f"{what} takes no events; nothing was written. Fire again once it is resumed "
             f"(engine.resume({'instance_id' if scope == 'instance' else 'workflow'}=...))"

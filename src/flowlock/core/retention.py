@@ -28,12 +28,18 @@ __all__ = [
 class Hold:
     """A legal hold: `instance_id` is never purged while it stands. It may name an instance
     that does not exist (yet, or any more): a hold is a promise about an id, not a row of it.
-    `at` is when it was placed, on the store's clock."""
+    `at` is when it was placed, on the store's clock.
+
+    `instance_found`, on the hold `engine.hold` returns: whether the instance existed when the
+    hold was placed. False means it came too late for a purge that deleted the instance (or
+    before the instance was created or restored). None on holds read back with `engine.holds`."""
 
     instance_id: str
     reason: str | None = None
     actor: str | None = None
     at: datetime | None = None
+    # What one call saw, not part of the hold: holds that differ only by it are equal.
+    instance_found: bool | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ _FLAGS = ("require_if_match", "timers", "outbox", "open_metrics", "insecure")
 
 SCOPES = ("read", "write", "admin")
 """What a token may do, each scope including the ones before it: `read` reads, `write` also
-creates and fires, `admin` also repairs (force, pause, resume, bulk, holds, purge)."""
+creates and fires, `admin` also repairs (force, pause, resume, workflow pauses, bulk)."""
 DEFAULT_SCOPE = "write"
 """The scope of a token given without one (`name:secret`, `secret`): what such a token could do
 before tokens had scopes."""

@@ -498,7 +498,9 @@ class RetentionStore(Protocol):
 
     async def place_hold(self, hold: Hold) -> Hold:
         """Record `hold` (its `at` is the store's now) unless the instance is held already;
-        returns the hold that stands (the earlier one, unchanged, when there was one)."""
+        returns the hold that stands (the earlier one, when there was one), its
+        `instance_found` telling whether the instance existed once the hold was in place. A
+        purge batch running meanwhile either sees the hold or has deleted the instance first."""
         ...
 
     async def lift_hold(self, instance_id: str) -> bool:

@@ -48,7 +48,7 @@ class MemoryRetention:
         if found is None:
             found = dataclasses.replace(hold, at=datetime.now(UTC))
             self._holds[hold.instance_id] = found
-        return found
+        return dataclasses.replace(found, instance_found=hold.instance_id in self._instances)
 
     async def lift_hold(self, instance_id: str) -> bool:
         self._check()

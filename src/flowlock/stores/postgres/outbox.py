@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import asyncpg
 
 from flowlock._pg.rows import message_from_row
 from flowlock.core.errors import InvalidInput
 from flowlock.core.outbox import MESSAGE_STATUSES, Message, key_cursor, parse_key
+from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.listen import Channel, Listening, listening, opener
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.outbox_sql import (
@@ -39,31 +40,19 @@ from flowlock.stores.postgres.session import Session
 
 __all__ = ["OUTBOX_CHANNEL", "OutboxMethods"]
 
-T = TypeVar("T")
-
 OUTBOX_CHANNEL = Channel(
     table="flowlock_outbox", name=outbox_channel, suffix="-outbox", what="outbox"
 )
 """The outbox's LISTEN: the channel of the schema of `flowlock_outbox` (see 011_outbox.sql)."""
 
 
-class _Store(Listening, Protocol):
+class _Store(Listening, Calls, Protocol):
     """What the outbox methods need of the store (PostgresStore)."""
 
     schema: str | None
 
     @property
     def pool(self) -> asyncpg.Pool: ...
-
-    async def _call(
-        self,
-        op: Callable[[Operations], Awaitable[T]],
-        key: str = "",
-        *,
-        waits: bool = True,
-        writes: bool = False,
-        own: bool = False,
-    ) -> T: ...
 
 
 def _parts(key: str) -> tuple[str, int, int] | None:

@@ -15,17 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import asyncpg
 
 from flowlock.core.admin import WorkflowPause
+from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.operations import Operations
 
 __all__ = ["FENCE_BOUND", "PauseMethods"]
 
-T = TypeVar("T")
 log = logging.getLogger("flowlock")
 
 FENCE_BOUND = 30.0
@@ -108,20 +107,10 @@ async def _all(ops: Operations) -> list[WorkflowPause]:
     return [_pause_of(row) for row in rows]
 
 
-class _Store(Protocol):
+class _Store(Calls, Protocol):
     """What the pause methods need of the store (PostgresStore)."""
 
     schema: str | None
-
-    async def _call(
-        self,
-        op: Callable[[Operations], Awaitable[T]],
-        key: str = "",
-        *,
-        waits: bool = True,
-        writes: bool = False,
-        own: bool = False,
-    ) -> T: ...
 
 
 class PauseMethods:

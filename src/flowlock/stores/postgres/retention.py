@@ -5,14 +5,20 @@ A purge batch is one transaction: lock the batch's rows in id order (as every st
 writes several instances does, so they cannot deadlock with each other), delete those still at
 the version read with their history, create records and messages (their timers cascade), run the
 caller's `before_commit` (the archive's write and fsync), commit.
+
+A hold and a purge meet on the instance's row. `place_hold` locks it (FOR KEY SHARE, which a
+fire's update does not wait for) in the transaction that inserts the hold; the purge locks its
+rows FOR UPDATE in a statement of its own, then deletes in the next one. So a hold that took the
+lock first has committed before the delete's snapshot is taken, and the delete sees it; a hold
+that comes later waits for the purge to end, and then finds the row gone or there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any, Final
 
 import asyncpg
 
@@ -21,13 +27,12 @@ from flowlock._pg.rows import HISTORY_COLUMNS, entry_from_row, instance_from_row
 from flowlock.core.errors import LockTimeout
 from flowlock.core.retention import ArchivedInstance, CreateRecord, Hold, PurgeSelection
 from flowlock.stores.base import BeforeCommit
+from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.session import Session, context_of, roll_back
 from flowlock.stores.postgres.sql import to_json
 
 __all__ = ["RetentionMethods"]
-
-T = TypeVar("T")
 
 _HOLD: Final = """
 WITH put AS (
@@ -40,6 +45,9 @@ UNION ALL
 SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = $1
 LIMIT 1
 """
+# The instance's row, locked against a purge (whose FOR UPDATE conflicts with this lock) until
+# the hold commits; no row: the instance does not exist (or a purge deleted it first).
+_HOLD_LOCK: Final = "SELECT id FROM flowlock_instances WHERE id = $1 FOR KEY SHARE"
 _HOLD_READ: Final = (
     "SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = $1"
 )
@@ -97,20 +105,22 @@ _HISTORIES: Final = f"""
 SELECT {HISTORY_COLUMNS} FROM flowlock_history
  WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
 """
-# $1 ids, $2 the versions read. Rows locked first, in id order (see CAS_MANY in sql.py); the
-# DELETE re-checks the version on the newest row (READ COMMITTED re-evaluates its WHERE on a
-# row updated since its snapshot), so an instance that moved is kept. Children go in the same
+# $1 ids. The rows locked first, in id order (see CAS_MANY in sql.py), in a statement of their
+# own: the delete's snapshot, taken after, sees every hold whose transaction held a row's lock.
+_PURGE_LOCK: Final = (
+    "SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
+)
+# $1 ids, $2 the versions read. The delete re-checks the version (on rows locked since the
+# statement before, so the newest), and an instance that moved is kept. Children go in the same
 # statement: the foreign keys are checked at its end, when they are gone too. Each child's
 # "= ANY($1)" lets the planner reach its rows through the index on instance_id whatever it
 # estimates of `gone` (a CTE's row count is a guess).
 _PURGE: Final = f"""
 WITH wanted AS (
     SELECT * FROM unnest($1::text[], $2::bigint[]) AS w(id, version)
-), locked AS MATERIALIZED (
-    SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
 ), gone AS (
-    DELETE FROM flowlock_instances i USING locked l, wanted w
-     WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.id = w.id AND i.version = w.version
+    DELETE FROM flowlock_instances i USING wanted w
+     WHERE i.id = ANY($1::text[]) AND i.id = w.id AND i.version = w.version
        AND NOT {_HELD}
        AND NOT EXISTS (SELECT FROM flowlock_outbox o
                         WHERE o.instance_id = i.id AND o.status = 'pending')
@@ -153,22 +163,38 @@ VALUES ($1, $2, $3, $4::text::jsonb) ON CONFLICT DO NOTHING
 """
 
 
-class _Store(Protocol):
-    """What the retention methods need of the store (PostgresStore)."""
-
-    async def _call(
-        self,
-        op: Callable[[Operations], Awaitable[T]],
-        key: str = "",
-        *,
-        waits: bool = True,
-        writes: bool = False,
-        own: bool = False,
-    ) -> T: ...
+def _hold_of(row: asyncpg.Record, found: bool | None = None) -> Hold:
+    return Hold(row["instance_id"], row["reason"], row["actor"], row["at"], found)
 
 
-def _hold_of(row: asyncpg.Record) -> Hold:
-    return Hold(row["instance_id"], row["reason"], row["actor"], row["at"])
+async def _place(s: Session, hold: Hold) -> Hold:
+    key = hold.instance_id
+    async with s.conn(key, writes=True) as conn:
+        if s.joined:  # a transaction someone else commits (an application's pool)
+            return await _hold_rows(conn, s, hold)
+        await conn.execute(s.begin, timeout=s.timeout)
+        try:
+            placed = await _hold_rows(conn, s, hold)
+            with in_doubt(context_of(key)):
+                await conn.execute("COMMIT", timeout=s.timeout)
+        except asyncio.CancelledError:
+            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+            raise
+        except BaseException as exc:
+            await roll_back(conn, exc, s.timeout)
+            raise
+    return placed
+
+
+async def _hold_rows(conn: Any, s: Session, hold: Hold) -> Hold:
+    found = await conn.fetchval(s.sql(_HOLD_LOCK), hold.instance_id, timeout=s.timeout)
+    row = await conn.fetchrow(
+        s.sql(_HOLD), hold.instance_id, hold.reason, hold.actor, timeout=s.timeout
+    )
+    if row is None:  # a concurrent hold of the id committed while this one waited
+        row = await conn.fetchrow(s.sql(_HOLD_READ), hold.instance_id, timeout=s.timeout)
+    assert row is not None  # held by this statement or by the one it waited for
+    return _hold_of(row, found is not None)
 
 
 def _states(selection: PurgeSelection) -> list[str] | None:
@@ -208,33 +234,49 @@ async def _purge(
     ids, versions = list(wanted), list(wanted.values())
     key = f"a purge batch of {len(ids)} instance(s)"
     started = time.monotonic()
-    async with s.conn(
-        key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
-    ) as conn:
-        if s.joined:  # a transaction someone else commits (an application's pool)
-            return await _delete(conn, s, ids, versions, before_commit)
-        await conn.execute(s.begin, timeout=s.timeout)
-        try:
-            gone = await _delete(conn, s, ids, versions, before_commit)
-            with in_doubt(context_of(key)):
-                await conn.execute("COMMIT", timeout=s.timeout)
-        except asyncio.CancelledError:
-            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
-            raise
-        except BaseException as exc:
-            await roll_back(conn, exc, s.timeout)
-            raise
+    try:
+        async with s.conn(
+            key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
+        ) as conn:
+            if s.joined:  # a transaction someone else commits (an application's pool)
+                return await _delete(conn, s, ids, versions, before_commit)
+            await conn.execute(s.begin, timeout=s.timeout)
+            try:
+                gone = await _delete(conn, s, ids, versions, before_commit)
+                with in_doubt(context_of(key)):
+                    await conn.execute("COMMIT", timeout=s.timeout)
+            except asyncio.CancelledError:
+                conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+                raise
+            except BaseException as exc:
+                await roll_back(conn, exc, s.timeout)
+                raise
+    except _Refused as refused:
+        raise refused.error from None  # rolled back: the caller's own error, as it raised it
     return gone
+
+
+class _Refused(Exception):
+    """The caller's `before_commit` raised `error`: carried past the session's translation of
+    driver errors (an OSError of the archive's disk is not a lost connection)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 async def _delete(
     conn: Any, s: Session, ids: list[str], versions: list[int], before: BeforeCommit | None
 ) -> list[str]:
+    await conn.execute(s.sql(_PURGE_LOCK), ids, timeout=s.timeout)
     rows = await conn.fetch(s.sql(_PURGE), ids, versions, timeout=s.timeout)
     gone = [row["id"] for row in rows]
     if before is not None:
         # The archive's write and fsync, off the event loop; the rows stay locked meanwhile.
-        await asyncio.to_thread(before, gone)
+        try:
+            await asyncio.to_thread(before, gone)
+        except Exception as exc:
+            raise _Refused(exc) from exc
     return gone
 
 
@@ -300,23 +342,12 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
 class RetentionMethods:
     """PostgresStore's part as a RetentionStore (a mixin: the store is `self`)."""
 
-    async def place_hold(self: _Store, hold: Hold) -> Hold:
-        async def put(ops: Operations) -> Hold:
-            s = ops.session
-            async with s.conn(hold.instance_id, writes=True) as conn:
-                row = await conn.fetchrow(
-                    s.sql(_HOLD), hold.instance_id, hold.reason, hold.actor, timeout=s.timeout
-                )
-                if row is None:  # a concurrent hold of the id committed while this one waited
-                    row = await conn.fetchrow(
-                        s.sql(_HOLD_READ), hold.instance_id, timeout=s.timeout
-                    )
-            assert row is not None  # held by this statement or by the one it waited for
-            return _hold_of(row)
+    async def place_hold(self: Calls, hold: Hold) -> Hold:
+        return await self._call(
+            lambda ops: _place(ops.session, hold), hold.instance_id, writes=True, own=True
+        )
 
-        return await self._call(put, hold.instance_id, writes=True)
-
-    async def lift_hold(self: _Store, instance_id: str) -> bool:
+    async def lift_hold(self: Calls, instance_id: str) -> bool:
         async def lift(ops: Operations) -> bool:
             s = ops.session
             async with s.conn(instance_id, writes=True) as conn:
@@ -325,7 +356,7 @@ class RetentionMethods:
 
         return await self._call(lift, instance_id, writes=True)
 
-    async def find_holds(self: _Store, *, after: str | None, limit: int) -> list[Hold]:
+    async def find_holds(self: Calls, *, after: str | None, limit: int) -> list[Hold]:
         async def read(ops: Operations) -> list[Hold]:
             s = ops.session
             async with s.conn() as conn:
@@ -335,13 +366,13 @@ class RetentionMethods:
         return await self._call(read, waits=False)
 
     async def purge_candidates(
-        self: _Store, selection: PurgeSelection, *, after: str | None, limit: int
+        self: Calls, selection: PurgeSelection, *, after: str | None, limit: int
     ) -> list[ArchivedInstance]:
         return await self._call(
             lambda ops: _candidates(ops.session, selection, after, limit), waits=False
         )
 
-    async def count_purgeable(self: _Store, selection: PurgeSelection) -> tuple[int, int]:
+    async def count_purgeable(self: Calls, selection: PurgeSelection) -> tuple[int, int]:
         async def count(ops: Operations) -> tuple[int, int]:
             s = ops.session
             args = (selection.workflow, _states(selection), selection.older_than)
@@ -353,7 +384,7 @@ class RetentionMethods:
         return await self._call(count, waits=False)
 
     async def purge_batch(
-        self: _Store, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
+        self: Calls, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
     ) -> list[str]:
         if not victims:
             return []
@@ -361,7 +392,7 @@ class RetentionMethods:
             lambda ops: _purge(ops.session, victims, before_commit), writes=True, own=True
         )
 
-    async def restore_instances(self: _Store, archived: Sequence[ArchivedInstance]) -> list[str]:
+    async def restore_instances(self: Calls, archived: Sequence[ArchivedInstance]) -> list[str]:
         if not archived:
             return []
         return await self._call(lambda ops: _restore(ops.session, archived), writes=True, own=True)

@@ -9,40 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Protocol
 
 import asyncpg
 
 from flowlock.core.models import Timer
 from flowlock.stores.base import ArmedSignal
+from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.listen import Channel, Listening, listening, opener
-from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.sql import NOW
 from flowlock.stores.postgres.timer_sql import channel
 
 __all__ = ["TIMERS_CHANNEL", "TimerMethods"]
 
-T = TypeVar("T")
-
 TIMERS_CHANNEL = Channel(table="flowlock_timers", name=channel, suffix="-timers", what="timers")
 """The timers' LISTEN: the channel of the schema of `flowlock_timers` (see 010_timers.sql)."""
 
 
-class _Store(Listening, Protocol):
+class _Store(Listening, Calls, Protocol):
     """What the timer methods need of the store (PostgresStore)."""
 
     schema: str | None
-
-    async def _call(
-        self,
-        op: Callable[[Operations], Awaitable[T]],
-        key: str = "",
-        *,
-        waits: bool = True,
-        writes: bool = False,
-        own: bool = False,
-    ) -> T: ...
 
 
 class TimerMethods:

@@ -4,6 +4,7 @@ wall clock, the clock every commit stamps `updated_at` with (SQLite has no serve
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -20,6 +21,7 @@ from flowlock.stores.sqlite.sql import (
     READ_WIDTH,
     dump_json,
     entry_of,
+    history_params,
     instance_of,
     load_json,
     now_text,
@@ -72,7 +74,11 @@ def hold_txn(conn: sqlite3.Connection, hold: Hold) -> Hold:
         "SELECT instance_id, reason, actor, at FROM flowlock_holds WHERE instance_id = ?",
         (hold.instance_id,),
     ).fetchone()
-    return _hold_of(row)
+    # Under the write lock a purge holds too: the instance is there or gone for both.
+    found = conn.execute(
+        "SELECT 1 FROM flowlock_instances WHERE id = ?", (hold.instance_id,)
+    ).fetchone()
+    return dataclasses.replace(_hold_of(row), instance_found=found is not None)
 
 
 def unhold_txn(conn: sqlite3.Connection, instance_id: str) -> bool:
@@ -188,19 +194,11 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
         conn.executemany(
             INSERT_HISTORY,
             [
-                (
-                    e.instance_id,
-                    e.version,
-                    e.event,
-                    e.from_state,
-                    e.to_state,
-                    e.actor,
-                    e.request_id,
-                    e.strategy,
+                history_params(
+                    e,
                     dump_json(e.data, f"data of {inst.id!r} v{e.version}"),
-                    _text(e.at),
-                    e.fencing_token,
                     dump_json(e.payload, f"payload of {inst.id!r} v{e.version}"),
+                    _text(e.at),
                 )
                 for e in item.history
             ],

@@ -63,6 +63,17 @@ CAS_UPDATE: Final = (
 INSERT_HISTORY: Final = (
     f"INSERT INTO flowlock_history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def history_params(e: HistoryEntry, data: str, payload: str, at: str) -> tuple[Any, ...]:
+    """INSERT_HISTORY's parameters for `e`: its data and payload already JSON text, its time
+    as stored (the transaction's now for a new row, the archived time for a restored one)."""
+    return (
+        e.instance_id, e.version, e.event, e.from_state, e.to_state, e.actor, e.request_id,
+        e.strategy, data, at, e.fencing_token, payload,
+    )  # fmt: skip
+
+
 INSERT_CREATE_REQUEST: Final = (
     "INSERT INTO flowlock_create_requests (request_id, instance_id, state, data) "
     "VALUES (?, ?, ?, ?)"

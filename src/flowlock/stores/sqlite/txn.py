@@ -30,6 +30,7 @@ from flowlock.stores.sqlite.sql import (
     count_statement,
     dump_json,
     entry_of,
+    history_params,
     instance_of,
     is_repair,
     list_statement,
@@ -316,20 +317,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instanc
     conn.executemany(
         INSERT_HISTORY,
         [
-            (
-                e.instance_id,
-                e.version,
-                e.event,
-                e.from_state,
-                e.to_state,
-                e.actor,
-                e.request_id,
-                e.strategy,
-                data,
-                now,
-                e.fencing_token,
-                payload,
-            )
+            history_params(e, data, payload, now)
             for e, data, payload in zip(batch.entries, batch.data, batch.payloads, strict=True)
         ],
     )
