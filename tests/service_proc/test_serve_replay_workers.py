@@ -60,7 +60,7 @@ class Raw:
     async def send(self, path: str, body: dict[str, Any], key: str) -> None:
         data = json.dumps(body).encode()
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\nIdempotency-Key: {key}\r\nConnection: close\r\n\r\n"
         )
         self.writer.write(head.encode() + data)

@@ -108,7 +108,13 @@ class Sampler:
     async def __aenter__(self) -> Sampler:
         self._thread = threading.Thread(target=self._main, name="flowlock-bench-sampler")
         self._thread.start()
-        await asyncio.to_thread(self._ready.wait, 15)
+        try:
+            await asyncio.to_thread(self._ready.wait, 15)
+        except BaseException:
+            # Cancelled (Ctrl-C) while the thread starts: no __aexit__ will stop it, and a
+            # thread left running keeps the interpreter from exiting.
+            self._stop.set()
+            raise
         if self._error is not None:
             await self._join()
         return self
