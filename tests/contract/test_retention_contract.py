@@ -3,8 +3,9 @@ holds, purge (dry run, final states, holds, the compare-and-swap that keeps a mo
 the archive and its manifest, and restore, after which the checker passes and every restored
 instance and history row equals the one archived.
 
-Ages are real: instances are made, the test sleeps past the bound, and the purge measures it
-on the store's clock.
+Ages are set, not waited for: the test moves the `updated_at` of the instances meant to be old
+an hour back in the store's own rows (tests/age_kit.py), and the purge measures the age on the
+store's clock against a bound of ten minutes, so what is made after stays young.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from pathlib import Path
 import pytest
 
 import flowlock
+from age_kit import backdate
 from flowlock._inspect import check_instances
 from flowlock.admin.archive import ArchiveWriter, manifest_path, read_archive
 from flowlock.core.retention import ArchiveInvalid, PurgeSelection
 from flowlock.stores.base import RetentionStore
 from flowlock.stores.memory import MemoryStore
 
-BOUND = timedelta(milliseconds=400)
-AGED = 0.6  # seconds slept so that what was written before is older than BOUND
+BOUND = timedelta(minutes=10)
 
 
 def _ids(prefix: str, n: int) -> list[str]:
@@ -78,7 +79,7 @@ async def test_dry_run_counts_and_deletes_nothing(engine: flowlock.Engine) -> No
     ids = _ids("d", 5)
     await _approvals(engine, ids, ["approve", "reject", None, "approve", None])
     await engine.hold(ids[3])
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     report = await engine.purge("approval", older_than=BOUND, dry_run=True)
     assert (report.dry_run, report.matched, report.held, report.purged) == (True, 2, 1, 0)
     for iid in ids:
@@ -91,7 +92,7 @@ async def test_purge_takes_old_final_unheld_instances_with_everything_of_theirs(
     ids = _ids("p", 6)
     await _approvals(engine, ids, ["approve", "reject", None, "approve", None, None])
     await engine.hold(ids[3], reason="keep")
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     young = _ids("y", 1)
     await _approvals(engine, young, ["approve"])  # final, but newer than the bound
     seen: list[int] = []
@@ -115,7 +116,7 @@ async def test_an_instance_that_moved_after_the_read_is_kept(engine: flowlock.En
     """The delete is a compare-and-swap on the version read."""
     ids = _ids("m", 3)
     await _approvals(engine, ids, [None, None, None])
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     store = engine.store
     assert isinstance(store, RetentionStore)
     selection = PurgeSelection("approval", ("pending",), BOUND.total_seconds())
@@ -135,7 +136,7 @@ async def test_archive_then_restore_gives_back_every_row_and_the_checker_passes(
     await _approvals(engine, ids, ["approve", "reject", "approve", None, "approve", "reject", None])
     # An operator's pause is part of the instance: archived and restored with it.
     await engine.pause(ids[2], reason="looking into it", actor="ops")
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     before = {iid: (await engine.get(iid), await engine.history(iid)) for iid in ids}
     assert before[ids[2]][0].paused
     made = {iid: await engine.store.create_request(iid) for iid in ids}
@@ -176,7 +177,7 @@ async def test_a_damaged_archive_is_refused_naming_the_file(
 ) -> None:
     ids = _ids("x", 2)
     await _approvals(engine, ids, ["approve", "reject"])
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     path = tmp_path / "x.jsonl.gz"
     await engine.purge("approval", older_than=BOUND, archive=path)
     raw = bytearray(path.read_bytes())
@@ -195,7 +196,7 @@ async def test_an_archive_without_its_manifest_needs_verify_false(
 ) -> None:
     ids = _ids("n", 2)
     await _approvals(engine, ids, ["approve", "reject"])
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     path = tmp_path / "n.jsonl.gz"
     await engine.purge("approval", older_than=BOUND, archive=path)
     manifest_path(path).unlink()
@@ -210,7 +211,7 @@ async def test_an_archive_without_its_manifest_needs_verify_false(
 async def test_bad_arguments_purge_nothing(engine: flowlock.Engine, tmp_path: Path) -> None:
     ids = _ids("b", 1)
     await _approvals(engine, ids, ["approve"])
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     with pytest.raises(flowlock.UnknownWorkflow):
         await engine.purge("no-such-flow", older_than=BOUND)
     with pytest.raises(flowlock.InvalidInput, match="not final"):
@@ -242,7 +243,7 @@ async def test_a_purge_cancelled_mid_write_leaves_an_archive_of_exactly_what_wen
         )
     ids = _ids("c", 6)
     await _approvals(engine, ids, ["approve"] * 6)
-    await asyncio.sleep(AGED)
+    await backdate(engine.store, ids)
     entered, gate = threading.Event(), threading.Event()
     real = ArchiveWriter.write
     writes = 0

@@ -27,6 +27,7 @@ from bulk_kit import METER, meter
 from flowlock._inspect import check_instances
 from flowlock.checker import check_many
 from flowlock.core.bulk import BulkAction, bulk_request_id
+from lock_probes import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -201,7 +202,8 @@ async def _under_traffic(
     traffic = Traffic(callers_engine, ids)
     traffic.start()
     try:
-        await asyncio.sleep(0.2)  # the callers are firing before the run begins
+        # The callers are firing before the run begins.
+        await wait_until(lambda: len(traffic.applied) >= CALLERS // 4, what="callers' bumps")
         started = time.perf_counter()
         report = await engine.bulk(
             action, workflow=METER, states=["open"], concurrency=concurrency, **does
@@ -226,7 +228,9 @@ async def _under_traffic(
     await _check_all(engine, ids, bumps, report.operation_id, sql_history)
 
 
-@pytest.mark.parametrize("action", ["force", "fire"])
+# [fire] is slow: [force] keeps the run under traffic in the quick suite, and bulk fire's own
+# path is there in test_bulk_alone_throughput[fire] and the cancelled run's [fire].
+@pytest.mark.parametrize("action", ["force", pytest.param("fire", marks=pytest.mark.slow)])
 async def test_bulk_of_1000_under_100_callers_and_a_process(
     pg_engine_factory: EngineFactory,
     pg_url: str,
@@ -256,7 +260,9 @@ async def test_bulk_force_of_10000_under_100_callers_and_a_process(
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("action", ["force", "fire"])
+# [force] is slow: test_bulk_of_1000_under_100_callers_and_a_process[force] does the same run
+# and more in the quick suite.
+@pytest.mark.parametrize("action", [pytest.param("force", marks=pytest.mark.slow), "fire"])
 async def test_bulk_alone_throughput(
     pg_engine_factory: EngineFactory,
     pg_schema: str,

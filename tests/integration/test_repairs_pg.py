@@ -6,8 +6,6 @@ the resume. The checker and the test's own SQL read the history after each."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -122,16 +120,24 @@ async def test_force_under_100_callers_is_exactly_once(
     for iid in ids:
         await engine.create("counter", instance_id=iid, data={"n": 0})
     applied: Counter[str] = Counter()
+    adds = 0  # the callers' adds applied (`applied` counts the forces too)
+    closed = 0  # the callers' adds refused: their instance was closed
     stop = asyncio.Event()
 
     async def caller(k: int) -> None:
+        nonlocal adds, closed
         j = 0
         while not stop.is_set():
             iid = ids[(k + j) % INSTANCES]
             j += 1
-            with contextlib.suppress(flowlock.TransitionNotAllowed, flowlock.ConcurrencyError):
+            try:
                 if (await engine.fire(iid, "add", request_id=f"add-{k}-{j}")).applied:
                     applied[iid] += 1
+                    adds += 1
+            except flowlock.TransitionNotAllowed:
+                closed += 1
+            except flowlock.ConcurrencyError:
+                pass
 
     async def force_thrice(iid: str, state: str, rid: str) -> None:
         def force() -> Awaitable[flowlock.Outcome]:
@@ -144,11 +150,14 @@ async def test_force_under_100_callers_is_exactly_once(
 
     callers = [asyncio.create_task(caller(k)) for k in range(CALLERS)]
     try:
-        await asyncio.sleep(0.3)
+        # Each step waits for the callers to have done something in it, not for a fixed time.
+        await wait_until(lambda: adds >= INSTANCES, what="the callers' adds")
         await asyncio.gather(*(force_thrice(i, "closed", f"close-{i}") for i in ids))
-        await asyncio.sleep(0.2)
+        seen = closed
+        await wait_until(lambda: closed >= seen + CALLERS, what="adds refused while closed")
         await asyncio.gather(*(force_thrice(i, "open", f"open-{i}") for i in ids))
-        await asyncio.sleep(0.3)
+        seen = adds
+        await wait_until(lambda: adds >= seen + INSTANCES, what="adds after the reopen")
     finally:
         stop.set()
         await asyncio.gather(*callers)
@@ -178,11 +187,10 @@ async def test_no_fire_applies_between_pause_and_resume(
     iid = f"p-{strategy}"
     await engine.create("counter", instance_id=iid, data={"n": 0})
     applied: Counter[str] = Counter()
-    refused = 0
+    refused: Counter[int] = Counter()  # by caller
     stop = asyncio.Event()
 
     async def caller(k: int) -> None:
-        nonlocal refused
         j = 0
         while not stop.is_set():
             j += 1
@@ -190,29 +198,35 @@ async def test_no_fire_applies_between_pause_and_resume(
                 if (await engine.fire(iid, "add", request_id=f"a-{k}-{j}")).applied:
                     applied[iid] += 1
             except flowlock.InstancePaused:
-                refused += 1
+                refused[k] += 1
                 await asyncio.sleep(0.005)
             except flowlock.ConcurrencyError:
                 pass
 
+    def each_refused_twice_since(seen: Counter[int]) -> Callable[[], bool]:
+        # A caller's calls are one after another: once it was refused, every call it had in
+        # flight at the pause has ended. Twice: each also tried again after that.
+        return lambda: all(refused[k] >= seen[k] + 2 for k in range(50))
+
     callers = [asyncio.create_task(caller(k)) for k in range(50)]
     try:
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: applied[iid] >= 20, what="the callers' adds")
         paused = await _until_done(
             lambda: operator.pause(iid, reason="audit", actor="ops", request_id="pause-1")
         )
         assert isinstance(paused, flowlock.Outcome) and paused.applied
         at = paused.instance.version
-        await asyncio.sleep(0.4)
+        await wait_until(each_refused_twice_since(Counter()), what="every caller refused")
         assert (await operator.get(iid)).version == at
         forced = await operator.force(iid, "open", reason="touch", actor="ops")
         assert forced.applied and forced.instance.version == at + 1 and forced.instance.paused
-        await asyncio.sleep(0.2)
+        await wait_until(each_refused_twice_since(refused.copy()), what="refused after force")
         resumed = await _until_done(
             lambda: operator.resume(iid, reason="done", actor="ops", request_id="resume-1")
         )
         assert isinstance(resumed, flowlock.Outcome) and resumed.instance.version == at + 2
-        await asyncio.sleep(0.3)
+        seen = applied[iid]
+        await wait_until(lambda: applied[iid] >= seen + 20, what="adds after the resume")
     finally:
         stop.set()
         await asyncio.gather(*callers)
@@ -221,7 +235,7 @@ async def test_no_fire_applies_between_pause_and_resume(
     events = [r.event for r in rows]
     start = events.index(PAUSE_EVENT)
     assert events[start : start + 3] == [PAUSE_EVENT, FORCE_EVENT, RESUME_EVENT]
-    assert refused > 0 and events[start + 3 :].count("add") > 0
+    assert sum(refused.values()) > 0 and events[start + 3 :].count("add") > 0
 
 
 async def test_a_workflow_pause_is_one_row_seen_by_another_engine(
@@ -260,18 +274,28 @@ async def test_a_workflow_pause_is_one_row_seen_by_another_engine(
         await conn.close()
 
 
-async def test_a_paused_instance_keeps_its_timer_until_the_resume(make: Make) -> None:
+async def test_a_paused_instance_keeps_its_timer_until_the_resume(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A deadline falls due while its instance is paused: it is not fired, not lost; once the
     instance is resumed it fires, once."""
     engine = await make(timer_lease=0.5)
-    await engine.create("deadline", instance_id="t-1")
-    await engine.pause("t-1", reason="hold the deadline", actor="ops")
-    started = time.monotonic()
     service = engine.timer_service
     assert service is not None
-    # Due at 0.3 s; held past two leases, so it was claimed and found paused more than once.
-    await asyncio.sleep(1.5)
-    assert time.monotonic() - started >= 1.5
+    outcomes: list[str] = []
+    real = service._outcome
+
+    async def counted(timer: flowlock.Timer) -> str:
+        outcomes.append(await real(timer))
+        return outcomes[-1]
+
+    monkeypatch.setattr(service, "_outcome", counted)
+    await engine.create("deadline", instance_id="t-1")
+    await engine.pause("t-1", reason="hold the deadline", actor="ops")
+    # Due at 0.3 s; it waits until claimed and found paused twice (its lease ran out between),
+    # rather than a fixed 1.5 s.
+    await wait_until(lambda: outcomes.count("paused") >= 2, what="two claims found it paused")
+    assert outcomes == ["paused", "paused"]
     assert (await engine.get("t-1")).state == "pending"
     assert [t.event for t in await engine.timers("t-1")] == ["expire"]
     assert service.fired == 0
@@ -300,18 +324,20 @@ async def test_nothing_lands_once_a_workflow_pause_returned(
     ids = [f"s-{strategy}-{i}" for i in range(20)]
     for iid in ids:
         await engine.create("counter", instance_id=iid, data={"n": 0})
-    refused = 0
+    refused: Counter[int] = Counter()  # by caller
+    adds = 0
     stop = asyncio.Event()
 
     async def caller(k: int) -> None:
-        nonlocal refused
+        nonlocal adds
         j = 0
         while not stop.is_set():
             j += 1
             try:
                 await engine.fire(ids[(k + j) % len(ids)], "add")
+                adds += 1
             except flowlock.InstancePaused:
-                refused += 1
+                refused[k] += 1
                 await asyncio.sleep(0.002)
             except flowlock.ConcurrencyError:
                 pass
@@ -320,15 +346,21 @@ async def test_nothing_lands_once_a_workflow_pause_returned(
     count = "SELECT count(*) FROM flowlock_history"
     callers = [asyncio.create_task(caller(k)) for k in range(CALLERS)]
     try:
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: adds >= 2 * len(ids), what="the callers' adds")
         await operator.pause(workflow="counter", reason="freeze", actor="ops")
         at_pause = await conn.fetchval(count)
-        await asyncio.sleep(0.5)
+        # Each caller refused twice: every fire it had in flight at the pause has ended (its
+        # calls are one after another), and it tried again after.
+        await wait_until(
+            lambda: all(refused[k] >= 2 for k in range(CALLERS)), what="every caller refused"
+        )
         assert await conn.fetchval(count) == at_pause
-        assert refused > 0
         await operator.resume(workflow="counter")
-        await asyncio.sleep(0.2)
-        assert await conn.fetchval(count) > at_pause
+
+        async def landed() -> bool:
+            return bool(await conn.fetchval(count) > at_pause)
+
+        await wait_until(landed, what="fires after the resume")
     finally:
         stop.set()
         await asyncio.gather(*callers)

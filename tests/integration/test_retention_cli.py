@@ -1,12 +1,12 @@
 """`flowlock admin purge|restore|hold|unhold|holds` through typer's runner, on a SQLite file and on
-PostgreSQL (a schema of its own), on instances the test makes through the engine and lets age
-past `--older-than 1s`. After a restore, `flowlock check` passes."""
+PostgreSQL (a schema of its own), on instances the test makes through the engine and then ages
+past `--older-than 1s` by moving their `updated_at` an hour back (tests/age_kit.py; the command
+still measures the age on the database's clock). After a restore, `flowlock check` passes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from test_inspect_cli import Db
 from typer.testing import CliRunner, Result
 
 import flowlock
+from age_kit import backdate_pg, backdate_sqlite
 from flowlock.cli import app
 from flowlock.cli._age import parse_age
 
@@ -39,8 +40,15 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
         url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
         found = Db("postgres", url, schema)
     asyncio.run(_fill(found))
-    time.sleep(1.2)  # older than --older-than 1s
+    _age(found, [*FINAL, *OPEN])  # older than --older-than 1s
     return found
+
+
+def _age(db: Db, ids: list[str]) -> None:
+    if db.kind == "sqlite":
+        backdate_sqlite(db.url.removeprefix("sqlite:///"), ids)
+    else:
+        asyncio.run(backdate_pg(db.url, db.schema, ids))
 
 
 @pytest.fixture
@@ -167,7 +175,7 @@ def test_without_app_a_workflow_unlike_the_example_is_refused(cli: CliRunner, db
             await engine.fire("own-1", "archive")
 
     asyncio.run(fill())
-    time.sleep(1.2)
+    _age(db, ["own-1"])
     refused = _run(cli, db, "purge", "--workflow", "approval", "--final", "--older-than", "1s",
                    "--yes")  # fmt: skip
     assert refused.exit_code == 1

@@ -5,7 +5,8 @@ It logs in, lists, filters, pages, opens an instance, forces it with a reason an
 history row marked forced; pauses and resumes an instance and a workflow; watches the monitor
 panel refresh; and checks that every page is refused without a session, that a post without
 the CSRF token changes nothing, and that a read token cannot repair. Each page is
-photographed into FLOWLOCK_SCREENSHOTS (default tests/artifacts/screenshots). About 15 s.
+photographed into FLOWLOCK_SCREENSHOTS (default tests/artifacts/screenshots). About 15 s; the
+monitor's test is marked slow.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import concurrent.futures
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,21 +81,21 @@ def _seed(server: Served) -> None:
         assert made.status_code == 201, made.text
 
 
-def _storm(url: str, seconds: float) -> int:
-    """Restocks of one inventory row from 40 concurrent callers under the adaptive strategy for
-    `seconds`: optimistic attempts collide, and the monitor escalates the row. Returns how many
-    were applied."""
+def _storm(url: str, stop: threading.Event, bound: float) -> int:
+    """Restocks of one inventory row from 40 concurrent callers under the adaptive strategy
+    until `stop` is set (at most `bound` seconds): optimistic attempts collide, and the monitor
+    escalates the row. Returns how many were applied."""
 
     async def run() -> int:
         auth = {"Authorization": f"Bearer {OPS}"}
         body = {"payload": {"qty": 1}, "strategy": "adaptive"}
-        deadline = asyncio.get_running_loop().time() + seconds
+        deadline = asyncio.get_running_loop().time() + bound
         applied = 0
         async with httpx.AsyncClient(base_url=url, headers=auth, timeout=30.0) as client:
 
             async def caller() -> None:
                 nonlocal applied
-                while asyncio.get_running_loop().time() < deadline:
+                while not stop.is_set() and asyncio.get_running_loop().time() < deadline:
                     got = await client.post("/instances/inv-hot/events/restock", json=body)
                     assert got.status_code in (200, 503), got.text
                     applied += got.status_code == 200
@@ -266,6 +268,9 @@ def test_pause_and_resume_an_instance_and_a_workflow(browser: Browser, server: S
     page.context.close()
 
 
+# Two 2 s polls and a storm: slow. The quick suite keeps tests/service/test_console.py's
+# test_the_monitor_panel_is_polled_by_htmx and ..._shows_escalations_and_hot_instances.
+@pytest.mark.slow
 def test_the_monitor_panel_refreshes_itself_and_shows_a_storm(
     browser: Browser, server: Served
 ) -> None:
@@ -278,11 +283,15 @@ def test_the_monitor_panel_refreshes_itself_and_shows_a_storm(
     expect(page.get_by_test_id("monitor-panel")).to_contain_text("escalated now")
     # Real contention on one row, while the page polls: the row shows up in the panel (hot in
     # the worker that saw its conflicts, escalated in both once the board shares it).
+    # The storm lasts until the panel shows the row (it used to run a fixed 8 s).
+    stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        storm = pool.submit(_storm, server.url, 8.0)
-        expect(page.locator("#monitor-panel a[href='/ui/instances/inv-hot']").first).to_be_visible(
-            timeout=20_000
-        )
+        storm = pool.submit(_storm, server.url, stop, 30.0)
+        try:
+            hot = page.locator("#monitor-panel a[href='/ui/instances/inv-hot']").first
+            expect(hot).to_be_visible(timeout=20_000)
+        finally:
+            stop.set()
         _shot(page, "11-monitor-storm")
         applied = storm.result(timeout=60)
     assert applied > 0
