@@ -92,7 +92,16 @@ def test_open_metrics_from_the_environment() -> None:
             assert client.get("/instances").status_code == 401
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.10", "example.com"])
+# One host through a process in the quick suite; the rest are slow (a process start each):
+# test_loopback_addresses classifies every one of them in-process.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["0.0.0.0", pytest.param("::", marks=_SLOW), pytest.param("192.0.2.10", marks=_SLOW),
+     pytest.param("example.com", marks=_SLOW)],
+)  # fmt: skip
 def test_no_token_and_no_loopback_is_refused(host: str) -> None:
     """Without a token, a --host that is not loopback: exit 1, one line saying what to do, and
     no server started."""

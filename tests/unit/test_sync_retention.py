@@ -4,7 +4,6 @@ outbox message still to deliver is never purged (the delivery would be lost)."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,9 +11,11 @@ import pytest
 
 import flowlock
 import flowlock.sync
+from age_kit import backdate_memory, backdate_sqlite
 from flowlock import examples
+from flowlock.stores.memory import MemoryStore
 
-BOUND = timedelta(milliseconds=300)
+BOUND = timedelta(minutes=10)
 
 
 def _shipping() -> flowlock.Workflow:
@@ -50,7 +51,14 @@ def test_hold_purge_and_restore_from_a_plain_thread(kind: str, tmp_path: Path) -
         engine.fire("s-done", "lose")
         held = engine.hold("a2", reason="audit", actor="legal")
         assert engine.holds() == [held] and held.instance_found is True
-        time.sleep(0.5)
+        # Aged an hour by moving updated_at back (tests/age_kit.py), not by sleeping.
+        aged = [f"a{i}" for i in range(4)] + ["s-pending", "s-done"]
+        if kind == "sqlite":
+            backdate_sqlite(str(tmp_path / "f.db"), aged)
+        else:
+            store = engine._engine.store  # test-data setup; the loop's thread is idle now
+            assert isinstance(store, MemoryStore)
+            backdate_memory(store, aged)
 
         dry = engine.purge("approval", older_than=BOUND, dry_run=True)
         assert (dry.matched, dry.held, dry.purged) == (3, 1, 0)
