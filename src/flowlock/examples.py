@@ -17,7 +17,7 @@ from flowlock.core.definition import Step, StrategyName, Transition, Workflow
 from flowlock.core.errors import GuardRejected
 from flowlock.core.models import Instance
 
-__all__ = ["approval", "countersign", "inventory"]
+__all__ = ["approval", "countersign", "defaults", "inventory"]
 
 
 def approval(name: str = "approval", *, strategy: StrategyName | None = None) -> Workflow:
@@ -122,3 +122,9 @@ def inventory(
             Transition("restock", source="open", target="open", effect=add),
         ],
     )
+
+
+def defaults() -> list[Workflow]:
+    """What `flowlock serve` serves, and `flowlock admin purge --final` reads, without `--app`:
+    the seed article's three cases, approval, countersign (quorum 3) and inventory."""
+    return [approval(), countersign(3), inventory()]

@@ -44,11 +44,9 @@ def _definition(app_ref: str | None, workflow: str) -> Workflow | None:
     `flowlock serve`, flowlock's examples (said on stderr, since --final reads its states);
     None when the examples have no such workflow."""
     if app_ref is None:
-        from flowlock.examples import approval, countersign, inventory
+        from flowlock import examples
 
-        # What flowlock serve serves without --app (service.app.default_workflows).
-        examples = {wf.name: wf for wf in (approval(), countersign(3), inventory())}
-        found = examples.get(workflow)
+        found = {wf.name: wf for wf in examples.defaults()}.get(workflow)
         if found is not None:
             finals = ", ".join(s for s in found.states if found.is_final(s))
             stderr().print(

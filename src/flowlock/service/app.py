@@ -14,10 +14,10 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 import flowlock
+from flowlock import examples
 from flowlock.core.definition import Workflow
 from flowlock.core.diagram import load_workflows
 from flowlock.engine import Engine, connect
-from flowlock.examples import approval, countersign, inventory
 from flowlock.metrics import Metrics
 from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
@@ -36,7 +36,7 @@ def default_workflows() -> list[Workflow]:
     """What `flowlock serve` serves without `--app`: the seed article's three cases.
 
     They are approval, countersign (quorum 3) and inventory."""
-    return [approval(), countersign(3), inventory()]
+    return examples.defaults()
 
 
 def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
