@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
 
 import asyncpg
 
@@ -31,6 +31,8 @@ from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.operations import Operations
 from flowlock.stores.postgres.session import Session, context_of, roll_back
 from flowlock.stores.postgres.sql import to_json
+
+_T = TypeVar("_T")
 
 __all__ = ["RetentionMethods"]
 
@@ -167,23 +169,29 @@ def _hold_of(row: asyncpg.Record, found: bool | None = None) -> Hold:
     return Hold(row["instance_id"], row["reason"], row["actor"], row["at"], found)
 
 
+async def _own(conn: Any, s: Session, key: str, work: Callable[[], Awaitable[_T]]) -> _T:
+    """`work()` in a transaction of its own on `conn`, committed here; in the caller's
+    transaction (a joined session), just `work()`: the caller commits or rolls back."""
+    if s.joined:
+        return await work()
+    await conn.execute(s.begin, timeout=s.timeout)
+    try:
+        done = await work()
+        with in_doubt(context_of(key)):
+            await conn.execute("COMMIT", timeout=s.timeout)
+    except asyncio.CancelledError:
+        conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+        raise
+    except BaseException as exc:
+        await roll_back(conn, exc, s.timeout)
+        raise
+    return done
+
+
 async def _place(s: Session, hold: Hold) -> Hold:
     key = hold.instance_id
     async with s.conn(key, writes=True) as conn:
-        if s.joined:  # a transaction someone else commits (an application's pool)
-            return await _hold_rows(conn, s, hold)
-        await conn.execute(s.begin, timeout=s.timeout)
-        try:
-            placed = await _hold_rows(conn, s, hold)
-            with in_doubt(context_of(key)):
-                await conn.execute("COMMIT", timeout=s.timeout)
-        except asyncio.CancelledError:
-            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
-            raise
-        except BaseException as exc:
-            await roll_back(conn, exc, s.timeout)
-            raise
-    return placed
+        return await _own(conn, s, key, lambda: _hold_rows(conn, s, hold))
 
 
 async def _hold_rows(conn: Any, s: Session, hold: Hold) -> Hold:
@@ -238,22 +246,9 @@ async def _purge(
         async with s.conn(
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
-            if s.joined:  # a transaction someone else commits (an application's pool)
-                return await _delete(conn, s, ids, versions, before_commit)
-            await conn.execute(s.begin, timeout=s.timeout)
-            try:
-                gone = await _delete(conn, s, ids, versions, before_commit)
-                with in_doubt(context_of(key)):
-                    await conn.execute("COMMIT", timeout=s.timeout)
-            except asyncio.CancelledError:
-                conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
-                raise
-            except BaseException as exc:
-                await roll_back(conn, exc, s.timeout)
-                raise
+            return await _own(conn, s, key, lambda: _delete(conn, s, ids, versions, before_commit))
     except _Refused as refused:
         raise refused.error from None  # rolled back: the caller's own error, as it raised it
-    return gone
 
 
 class _Refused(Exception):
@@ -281,25 +276,11 @@ async def _delete(
 
 
 async def _restore(s: Session, archived: Sequence[ArchivedInstance]) -> list[str]:
-    restored: list[str] = []
+    async def work() -> list[str]:
+        return [item.instance.id for item in archived if await _restore_one(conn, s, item)]
+
     async with s.conn("a restore", writes=True) as conn:
-        if not s.joined:
-            await conn.execute(s.begin, timeout=s.timeout)
-        try:
-            for item in archived:
-                if await _restore_one(conn, s, item):
-                    restored.append(item.instance.id)
-            if not s.joined:
-                with in_doubt(context_of("a restore")):
-                    await conn.execute("COMMIT", timeout=s.timeout)
-        except asyncio.CancelledError:
-            conn.terminate()
-            raise
-        except BaseException as exc:
-            if not s.joined:
-                await roll_back(conn, exc, s.timeout)
-            raise
-    return restored
+        return await _own(conn, s, "a restore", work)
 
 
 async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
