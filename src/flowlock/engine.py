@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeAlias, Unpack
@@ -456,15 +456,10 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
         or too large as InvalidInput; either way nothing is written.
 
         `connection`: an asyncpg (or psycopg 3 async) connection in a transaction you opened
-        (PostgreSQL only). The transition is written in that transaction (in a savepoint, with
-        flowlock's lock_timeout set for it and your own put back after), so it commits or rolls
-        back with your own rows; flowlock never commits it. Inside it, optimistic makes ONE
-        compare-and-swap (a lost race raises ConflictRetriesExhausted with `attempts=1`, unless
-        the winner already applied this request: idempotent), pessimistic holds the row lock
-        until you commit, adaptive runs its current choice, and distributed is refused
-        (InvalidInput). A failure undoes flowlock's part only; your transaction stays usable.
-        InvalidInput, before anything is read, when the store is not PostgreSQL or the
-        connection is not in an open transaction.
+        (PostgreSQL only). The transition is written in a savepoint of that transaction, so it
+        commits or rolls back with your own rows; optimistic then makes ONE compare-and-swap
+        and distributed is refused. docs/postgresql.md ("Inside the application's transaction")
+        says the rest.
         """
         rid = caller_request_id(request_id, instance_id)
         args = (actor, rid, expected_version, payload, strategy, connection)
@@ -484,8 +479,10 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
         /,
         *,
         repair: bool = False,
+        where: Callable[[Instance], bool] | None = None,
     ) -> Outcome:
         # repair: an operator's reserved event (flowlock.admin.repair), run alone, unbatched.
+        # where: a bulk run's selection, checked on the read the write is decided on.
         started = time.perf_counter()
         # Without OpenTelemetry this line is the whole cost of tracing (flowlock.tracing).
         span = tracing.start_fire(instance_id, event) if tracing.AVAILABLE else None
@@ -503,6 +500,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
                 strategy="",
                 timer=timer,
                 trace=None if span is None else span.traceparent(),
+                where=where,
             )
             if connection is not None:
                 joinable = transactional(self._store)

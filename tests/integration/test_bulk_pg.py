@@ -329,8 +329,11 @@ async def test_a_cancelled_run_run_again_does_the_rest_once(
     report = await engine.bulk(action, workflow=METER, batch=50, **does)
     assert report.operation_id == run_id
     assert report.failed == {}
-    assert report.applied == n - sum(first.values())
-    assert (report.skipped, report.replayed) == (0, sum(first.values()))
+    # At least what was counted is replayed: a call cancelled mid-commit may land after the
+    # count. Together, every instance once.
+    assert report.skipped == 0
+    assert report.replayed >= sum(first.values())
+    assert report.applied + report.replayed == n
     rows = await _bulk_rows(pg_url, pg_schema, report.operation_id)
     assert rows == Counter(dict.fromkeys(ids, 1))
     await _check_all(engine, ids, [], report.operation_id, sql_history)

@@ -29,17 +29,16 @@ from flowlock.core.bulk import (
 )
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
-    ConflictRetriesExhausted,
     FlowlockError,
     InstanceNotFound,
     InvalidInput,
     UnknownWorkflow,
-    VersionMismatch,
 )
 from flowlock.core.jsondata import check_object
 from flowlock.core.models import Instance, InstanceQuery, Outcome, Page
 from flowlock.core.query import MAX_LIMIT, instance_query
 from flowlock.core.settings import check_count, check_flag
+from flowlock.core.step import NotSelected
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -59,8 +58,6 @@ MAX_SAMPLE: Final = MAX_LIMIT
 """The most instances a report's sample holds."""
 DEFAULT_MAX_FAILURES: Final = 100
 """A run stops taking new instances after this many failures, unless `max_failures=`."""
-_TRIES: Final = 8
-"""Calls on one instance that moved between its read and its write, before it counts as failed."""
 
 
 class _Engine(Protocol):
@@ -80,14 +77,16 @@ class _Engine(Protocol):
 
     async def get(self, instance_id: str) -> Instance: ...
 
-    async def fire(
-        self, instance_id: str, event: str, *, actor: str | None, request_id: str | None,
-        expected_version: int | None, payload: Mapping[str, Any] | None,
+    async def _fire(
+        self, instance_id: str, event: str, actor: str | None, request_id: str | None,
+        expected_version: int | None, payload: Mapping[str, Any] | None, strategy: None,
+        connection: None, timer: None, /, *, where: Callable[[Instance], bool] | None,
     ) -> Outcome: ...  # fmt: skip
 
-    async def force(
-        self, instance_id: str, state: str, *, data: Mapping[str, Any] | None, reason: str,
-        actor: str, expected_version: int | None, request_id: str | None,
+    async def _force(
+        self, instance_id: str, state: str, data: Mapping[str, Any] | None, reason: str,
+        actor: str, expected_version: int | None, request_id: str | None, connection: None,
+        where: Callable[[Instance], bool] | None,
     ) -> Outcome: ...  # fmt: skip
 
     async def pause(
@@ -196,8 +195,8 @@ class BulkMethods:
         arguments: the same call run again after a crash replays what was done (counted in
         `replayed`, not done again) and does the rest. So the same call made again later, to
         pause again what was resumed since, does nothing: give a new `operation_id` for that.
-        Force and fire are a compare-and-swap on the version the page read: an instance that
-        moved since is read again and done if it still matches (else skipped).
+        Force and fire check the selection on the read their write is decided on: an instance
+        that moved out of it since its page was read is skipped, one that still matches is done.
         A refused instance is recorded in `failed` and the run goes on; after `max_failures`
         failures (None: never) it stops taking new ones. `progress(n)` is called with the
         number of instances done so far after each one.
@@ -393,49 +392,36 @@ async def _walk(
 
 
 async def _one(engine: _Engine, plan: _Plan, inst: Instance) -> _Result:
-    """One instance's call; a compare-and-swap on the version read, for force and fire.
+    """One instance's call. Force and fire check the selection on the read their write is
+    decided on, so the engine's own compare-and-swap and retries serve: an instance that moved
+    out of the selection since the page was read is skipped, one that only moved is done.
 
     Raises the engine's typed error when the instance is refused."""
     rid = bulk_request_id(plan.operation_id, inst.id)
-    current = inst
-    for _ in range(_TRIES):
-        try:
-            outcome = await _call(engine, plan, current, rid)
-        except InstanceNotFound:
-            return "skipped"  # deleted since the page was read (a purge): nothing to do
-        except VersionMismatch:
-            # Moved since it was read: still selected, or not any more?
-            try:
-                current = await engine.get(inst.id)
-            except InstanceNotFound:
-                return "skipped"
-            if not plan.query.matches(current):
-                return "skipped"
-            continue
-        if isinstance(outcome, Outcome) and outcome.replayed:
-            return "replayed"  # done earlier under this operation id: answered, not redone
-        if isinstance(outcome, Outcome) and outcome.applied:
-            return "applied"
-        return "skipped"
-    # Moved under every try (a hot instance): counted as failed; a rerun tries it again.
-    raise ConflictRetriesExhausted(inst.id, plan.event or plan.action, _TRIES)
+    try:
+        outcome = await _call(engine, plan, inst, rid)
+    except (InstanceNotFound, NotSelected):
+        return "skipped"  # deleted (a purge) or moved out of the selection: nothing to do
+    if isinstance(outcome, Outcome) and outcome.replayed:
+        return "replayed"  # done earlier under this operation id: answered, not redone
+    if isinstance(outcome, Outcome) and outcome.applied:
+        return "applied"
+    return "skipped"
 
 
 def _call(engine: _Engine, plan: _Plan, inst: Instance, rid: str) -> Awaitable[object]:
+    where = plan.query.matches
     if plan.action == "force":
         assert plan.state is not None
         assert plan.reason is not None
         assert plan.actor is not None
-        return engine.force(
-            inst.id, plan.state, data=plan.data, reason=plan.reason, actor=plan.actor,
-            expected_version=inst.version, request_id=rid,
-        )  # fmt: skip
+        return engine._force(
+            inst.id, plan.state, plan.data, plan.reason, plan.actor, None, rid, None, where
+        )
     if plan.action == "fire":
         assert plan.event is not None
-        return engine.fire(
-            inst.id, plan.event, actor=plan.actor, request_id=rid,
-            expected_version=inst.version, payload=plan.payload,
-        )  # fmt: skip
+        args = (plan.actor, rid, None, plan.payload, None, None, None)
+        return engine._fire(inst.id, plan.event, *args, where=where)
     if plan.action == "pause":
         assert plan.reason is not None
         return engine.pause(inst.id, reason=plan.reason, actor=plan.actor, request_id=rid)

@@ -10,7 +10,7 @@ own (see `flowlock.stores.base.PauseStore`), read with every instance of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flowlock._calls import caller_request_id, check_text
@@ -24,7 +24,7 @@ from flowlock.core.admin import (
 )
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, UnknownWorkflow
-from flowlock.core.models import InstanceQuery, Outcome, TimerFiring
+from flowlock.core.models import Instance, InstanceQuery, Outcome, TimerFiring
 from flowlock.stores.base import PauseStore, Store
 
 __all__ = ["RepairMethods"]
@@ -54,6 +54,7 @@ class RepairMethods:
         self, instance_id: str, event: str, actor: str | None, request_id: str | None,
         expected_version: int | None, payload: Mapping[str, Any] | None, strategy: Any,
         connection: Any, timer: TimerFiring | None, /, *, repair: bool = False,
+        where: Callable[[Instance], bool] | None = None,
     ) -> Outcome:  # fmt: skip
         raise NotImplementedError
 
@@ -80,6 +81,16 @@ class RepairMethods:
         the left state's timers are void and the new state's armed; pending outbox messages are
         kept. UnknownState when the workflow has no such state; InvalidInput for a blank reason
         or a bad argument; either way nothing is written."""
+        return await self._force(
+            instance_id, state, data, reason, actor, expected_version, request_id, connection
+        )
+
+    async def _force(
+        self, instance_id: str, state: str, data: Mapping[str, Any] | None, reason: str,
+        actor: str, expected_version: int | None, request_id: str | None, connection: Any,
+        where: Callable[[Instance], bool] | None = None,
+    ) -> Outcome:  # fmt: skip
+        # where: a bulk run's selection (flowlock.admin.bulk), checked on the decided read.
         self._check_open()
         check_text(instance_id, "instance_id")
         check_text(state, "state")
@@ -89,7 +100,7 @@ class RepairMethods:
         body = None if data is None else self._check_data(data, "data")
         payload = repair_payload(FORCE_EVENT, why, state, body)
         args = (actor, rid, expected_version, payload, None, connection, None)
-        return await self._fire(instance_id, FORCE_EVENT, *args, repair=True)
+        return await self._fire(instance_id, FORCE_EVENT, *args, repair=True, where=where)
 
     async def pause(
         self,

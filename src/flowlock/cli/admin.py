@@ -452,8 +452,8 @@ def force(
     """Force every selected instance to the state --to, with a reason: a history row of its
     own (a repair through the compare-and-swap, never a bare UPDATE).
 
-    An instance that moved between its read and its write is read again, and forced only if
-    it still matches."""
+    The selection is checked again on the read each write is decided on: an instance that
+    left it meanwhile is skipped."""
     raw = {
         "workflow": workflow, "states": state, "updated_before": updated_before,
         "updated_after": updated_after, "to": to, "data": data, "reason": reason, "actor": actor,

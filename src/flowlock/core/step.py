@@ -38,7 +38,7 @@ from flowlock.core.models import (
 )
 from flowlock.core.outbox import Emit
 
-__all__ = ["Batched", "Call", "Decision", "Idempotent", "decide", "decide_batch"]
+__all__ = ["Batched", "Call", "Decision", "Idempotent", "NotSelected", "decide", "decide_batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,16 @@ class Call:
     strategy: str
     timer: TimerFiring | None = None
     trace: str | None = None
+    where: Callable[[Instance], bool] | None = None
+    """A bulk run's selection, checked on the very read the write is decided on."""
+
+
+class NotSelected(FlowlockError):
+    """A bulk run's call found the instance moved out of the run's selection; nothing written."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        super().__init__(f"instance {instance_id!r} no longer matches the bulk run's selection")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +268,8 @@ def _decide(
         return _repeated(inst, prior, call)
     if call.expected_version is not None and call.expected_version != inst.version:
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
+    if call.where is not None and not call.where(inst):
+        raise NotSelected(inst.id)
     wf = workflows.get(inst.workflow)
     if call.event in RESERVED_EVENTS:
         # An operator's repair (flowlock.core.admin): it works on a paused instance too. Only
