@@ -36,6 +36,7 @@ from flowlock.locks.redis import RedisLocks, wakeups
 
 __all__ = [
     "Attempts",
+    "BatchedAttempts",
     "Monotonic",
     "Session",
     "Sleepers",
@@ -114,6 +115,22 @@ class Attempts:
         if self.after is not None:
             self.after(self.replies[-1])
         return reply
+
+
+class BatchedAttempts:
+    """Counts the locks a Redis backend tries through its many-lock acquire script (``calls``,
+    one per lock) and the script calls themselves (``round_trips``)."""
+
+    def __init__(self, locks: RedisLocks) -> None:
+        runner = locks._runner
+        assert runner is not None
+        self.calls = 0
+        self._real = runner.acquire
+        runner.acquire = self._acquire  # type: ignore[method-assign]
+
+    async def _acquire(self, attempts: Any, **kwargs: Any) -> Any:
+        self.calls += len(attempts)
+        return await self._real(attempts, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.locks.base import Lease, LeaseContext, LockBackend
 from flowlock.locks.memory import MemoryLocks
 from flowlock.locks.redis import RedisLocks
-from lock_probes import Attempts, Sleepers, advisory_sessions, wait_until
+from lock_probes import Attempts, BatchedAttempts, Sleepers, advisory_sessions, wait_until
 
 # A lease that must stay held for the whole test: nothing the test does takes this long.
 HELD = 30.0
@@ -169,7 +169,8 @@ class MemoryHarness(Harness):
 
 
 class RedisHarness(Harness):
-    """Redis locks; the acquire script and the waiters' sleeps are counted."""
+    """Redis locks; the acquire scripts (one-lock and many-lock) and the waiters' sleeps are
+    counted."""
 
     kind = "redis"
 
@@ -178,12 +179,13 @@ class RedisHarness(Harness):
         self.redis = locks
         self.sleepers = sleepers
         self.attempts = Attempts(locks)
+        self.batched = BatchedAttempts(locks)
 
     async def queued(self, key: str) -> int:
         return self.sleepers.now
 
     async def tries(self, key: str) -> object:
-        return self.attempts.calls
+        return self.attempts.calls + self.batched.calls
 
     async def _pttl(self, key: str) -> int:
         return int(await self.redis.client.pttl(self.redis.redis_key(key)))
@@ -244,13 +246,14 @@ class AdvisoryHarness(Harness):
     params=[
         pytest.param("memory"),
         pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis-one-by-one", marks=pytest.mark.redis),
         pytest.param("advisory", marks=pytest.mark.postgres),
     ]
 )
 def backend_setup(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
     """Which backend, and the servers (and per-test isolation) it needs."""
     kind: str = request.param
-    if kind == "redis":
+    if kind.startswith("redis"):
         return kind, {
             "url": request.getfixturevalue("redis_url"),
             "namespace": request.getfixturevalue("redis_namespace"),
@@ -271,9 +274,12 @@ async def harness(
     kind, where = backend_setup
     if kind == "memory":
         yield MemoryHarness()
-    elif kind == "redis":
+    elif kind.startswith("redis"):
+        # "redis" coalesces concurrent calls onto the many-lock scripts; "redis-one-by-one"
+        # sends each call alone.
         sleepers = Sleepers(monkeypatch)
-        async with RedisLocks(where["url"], namespace=where["namespace"]) as redis_locks:
+        bulk = kind == "redis"
+        async with RedisLocks(where["url"], namespace=where["namespace"], bulk=bulk) as redis_locks:
             yield RedisHarness(redis_locks, sleepers)
     else:
         # Room for the twenty watchers of the watcher test, each queued on a connection.
