@@ -247,12 +247,16 @@ class AdvisoryHarness(Harness):
         pytest.param("memory"),
         pytest.param("redis", marks=pytest.mark.redis),
         pytest.param("redis-one-by-one", marks=pytest.mark.redis),
+        pytest.param("redis-cluster", marks=[pytest.mark.redis, pytest.mark.slow]),
         pytest.param("advisory", marks=pytest.mark.postgres),
     ]
 )
 def backend_setup(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
     """Which backend, and the servers (and per-test isolation) it needs."""
     kind: str = request.param
+    if kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+        return kind, {"url": url, "namespace": f"t_{uuid.uuid4().hex[:12]}"}
     if kind.startswith("redis"):
         return kind, {
             "url": request.getfixturevalue("redis_url"),

@@ -9,17 +9,18 @@ exactly as by its one-lock script, so every per-key property holds. docs/redis-h
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import NoScriptError
 
 from flowlock._batching import Coalescer
+from flowlock.core.errors import LockUnavailable
 from flowlock.locks.redis import scripts
-from flowlock.locks.redis.connection import Client, bounded
+from flowlock.locks.redis.connection import Client, bounded, translate
 from flowlock.locks.redis.keys import Keyspace
 
 __all__ = ["DEPTH", "MAX_BATCH", "Attempt", "Hold", "Lanes", "Runner"]
@@ -86,20 +87,19 @@ class Runner:
         self,
         what: str,
         lock_keys: Sequence[str],
-        call: Callable[[list[int]], Awaitable[Any]],
+        call: Call,
         width: int,
         bound: float,
     ) -> list[Any]:
-        """`call(group)` for each group, at once; each reply cut into `width` values per lock."""
+        """`call(group)` for each group; each reply cut into `width` values per lock."""
         groups = self._groups(lock_keys)
-        self.round_trips += len(groups)
-        replies = await asyncio.gather(
-            *(bounded(what, call(group), bound) for group in groups), return_exceptions=True
-        )
+        if len(groups) == 1:
+            self.round_trips += 1
+            replies: list[Any] = [await _caught(bounded(what, call(groups[0], None), bound))]
+        else:
+            replies = await self._pipelined(what, lock_keys, groups, call, bound)
         answers: list[Any] = [None] * len(lock_keys)
         for group, reply in zip(groups, replies, strict=True):
-            if isinstance(reply, asyncio.CancelledError):
-                raise reply
             for n, i in enumerate(group):
                 if isinstance(reply, BaseException):
                     answers[i] = reply
@@ -109,12 +109,80 @@ class Runner:
                     answers[i] = (int(reply[2 * n]), int(reply[2 * n + 1]))
         return answers
 
+    async def _pipelined(
+        self,
+        what: str,
+        lock_keys: Sequence[str],
+        groups: list[list[int]],
+        call: Call,
+        bound: float,
+    ) -> list[Any]:
+        """The groups' script calls in one cluster pipeline: one round trip per node. When a
+        node lacks the script (NOSCRIPT: it restarted, or a replica was promoted), the script
+        is loaded on every primary and those groups go again, in one more pipeline. Nothing
+        else is resent: a compare-and-delete that landed must not run twice."""
+        replies: list[Any] = [None] * len(groups)
+        todo = list(range(len(groups)))
+        for _ in range(2):
+            sent = await self._pipeline(what, lock_keys, [groups[n] for n in todo], call, bound)
+            again = []
+            for n, reply in zip(todo, sent, strict=True):
+                replies[n] = reply
+                if isinstance(reply, NoScriptError):
+                    again.append(n)
+            if not again:
+                break
+            script = self._scripts[_SCRIPT[what]]
+            loaded = await _caught(bounded(what, self._client.script_load(script.script), bound))
+            if isinstance(loaded, LockUnavailable):
+                for n in again:
+                    replies[n] = loaded
+                break
+            self.round_trips += 1
+            todo = again
+        return [
+            translate(what, r, bound)
+            if isinstance(r, BaseException) and not isinstance(r, LockUnavailable)
+            else r
+            for r in replies
+        ]
+
+    async def _pipeline(
+        self,
+        what: str,
+        lock_keys: Sequence[str],
+        groups: list[list[int]],
+        call: Call,
+        bound: float,
+    ) -> list[Any]:
+        """One pipeline over the groups: each group's reply or error."""
+        assert isinstance(self._client, RedisCluster)
+        pipe = self._client.pipeline()
+        for group in groups:
+            await call(group, pipe)  # queues only
+        try:
+            return list(await bounded(what, pipe.execute(raise_on_error=False), bound))
+        except LockUnavailable as exc:
+            return [exc] * len(groups)
+        finally:
+            self.round_trips += self._nodes(lock_keys, groups)
+
+    def _nodes(self, lock_keys: Sequence[str], groups: list[list[int]]) -> int:
+        """How many nodes the groups went to, as far as the client knows (for the count)."""
+        assert isinstance(self._client, RedisCluster)
+        try:
+            client = self._client
+            nodes = {getattr(client.get_node_from_key(lock_keys[g[0]]), "name", "") for g in groups}
+        except Exception:  # the slot map is unknown or moving: count a call per group
+            return len(groups)
+        return len(nodes)
+
     async def acquire(
         self, attempts: Sequence[Attempt], *, unknown: str, span: str, bound: float
     ) -> list[tuple[int, int] | BaseException]:
         """ACQUIRE's (status, value) for each attempt, or its call's error."""
 
-        def call(group: list[int]) -> Awaitable[Any]:
+        def call(group: list[int], client: Any) -> Awaitable[Any]:
             keys: list[str] = []
             owners: list[str | int] = []
             for i in group:
@@ -122,7 +190,7 @@ class Runner:
                 keys += (a.lock_key, a.fence_key, a.stamp_key)
                 owners += (a.token, a.ttl_ms)
             return scripts.acquire_many(
-                self._scripts, keys=keys, owners=owners, unknown=unknown, span=span
+                self._scripts, keys=keys, owners=owners, unknown=unknown, span=span, client=client
             )
 
         return await self._run("acquire", [a.lock_key for a in attempts], call, 2, bound)
@@ -130,11 +198,12 @@ class Runner:
     async def release(self, holds: Sequence[Hold], *, bound: float) -> list[int | BaseException]:
         """1 for each lock released, 0 where the token no longer held it, or its call's error."""
 
-        def call(group: list[int]) -> Awaitable[Any]:
+        def call(group: list[int], client: Any) -> Awaitable[Any]:
             return scripts.release_many(
                 self._scripts,
                 lock_keys=[holds[i].lock_key for i in group],
                 tokens=[holds[i].token for i in group],
+                client=client,
             )
 
         return await self._run("release", [h.lock_key for h in holds], call, 1, bound)
@@ -142,18 +211,32 @@ class Runner:
     async def extend(self, holds: Sequence[Hold], *, bound: float) -> list[int | BaseException]:
         """1 for each lock extended, 0 where the token no longer held it, or its call's error."""
 
-        def call(group: list[int]) -> Awaitable[Any]:
+        def call(group: list[int], client: Any) -> Awaitable[Any]:
             owners: list[str | int] = []
             for i in group:
                 owners += (holds[i].token, holds[i].ttl_ms)
             return scripts.extend_many(
-                self._scripts, lock_keys=[holds[i].lock_key for i in group], owners=owners
+                self._scripts,
+                lock_keys=[holds[i].lock_key for i in group],
+                owners=owners,
+                client=client,
             )
 
         return await self._run("extend", [h.lock_key for h in holds], call, 1, bound)
 
 
 One = Callable[[T], Awaitable[Any]]
+_SCRIPT = {"acquire": 0, "release": 1, "extend": 2}  # a call's script in BulkScripts
+Call = Callable[[list[int], Any], Awaitable[Any]]
+"""One script call over a group of positions, on the client (None) or queued on a pipeline."""
+
+
+async def _caught(call: Awaitable[T]) -> T | LockUnavailable:
+    """The call's reply, or its LockUnavailable as a value (it is the answer of its group)."""
+    try:
+        return await call
+    except LockUnavailable as exc:
+        return exc
 
 
 class Lanes:

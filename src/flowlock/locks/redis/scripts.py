@@ -242,25 +242,32 @@ def acquire_many(
     owners: Sequence[str | int],
     unknown: str,
     span: str,
+    client: Any = None,
 ) -> Awaitable[Any]:
     """Try many locks at once. `keys` holds three keys per lock (lock, counter, stamp) and
-    `owners` two values (token, ttl in ms). Replies ACQUIRE's pairs, flattened."""
-    return scripts[0](keys=list(keys), args=[unknown, span, *owners])
+    `owners` two values (token, ttl in ms). Replies ACQUIRE's pairs, flattened.
+
+    With a cluster pipeline as `client` the call is queued on it (awaiting it only queues)."""
+    return scripts[0](keys=list(keys), args=[unknown, span, *owners], client=client)
 
 
 def release_many(
-    scripts: BulkScripts, *, lock_keys: Sequence[str], tokens: Sequence[str]
+    scripts: BulkScripts, *, lock_keys: Sequence[str], tokens: Sequence[str], client: Any = None
 ) -> Awaitable[Any]:
     """Release many locks at once: for each, 1 if its token held it and it was deleted."""
-    return scripts[1](keys=list(lock_keys), args=list(tokens))
+    return scripts[1](keys=list(lock_keys), args=list(tokens), client=client)
 
 
 def extend_many(
-    scripts: BulkScripts, *, lock_keys: Sequence[str], owners: Sequence[str | int]
+    scripts: BulkScripts,
+    *,
+    lock_keys: Sequence[str],
+    owners: Sequence[str | int],
+    client: Any = None,
 ) -> Awaitable[Any]:
     """Extend many locks at once; `owners` holds a token and a ttl in ms per lock. For each,
     1 if its token held it and its expiry was reset."""
-    return scripts[2](keys=list(lock_keys), args=list(owners))
+    return scripts[2](keys=list(lock_keys), args=list(owners), client=client)
 
 
 def acquire(
