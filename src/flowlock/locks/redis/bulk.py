@@ -50,8 +50,8 @@ class Attempt:
 
     @classmethod
     def of(cls, keys: Keyspace, key: str, token: str, ttl_ms: int, bound: float) -> Attempt:
-        lock = keys.lock(key)
-        return cls(key, lock, keys.fence(key), keys.stamp(key), token, ttl_ms, bound)
+        lock, fence, stamp = keys.all_three(key)
+        return cls(key, lock, fence, stamp, token, ttl_ms, bound)
 
 
 @dataclass(frozen=True, slots=True)
