@@ -44,7 +44,7 @@ from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.locks.base import Lease, LeaseContext, LockBackend
 from flowlock.locks.memory import MemoryLocks
 from flowlock.locks.redis import RedisLocks
-from lock_probes import Attempts, BatchedAttempts, Sleepers, advisory_sessions, wait_until
+from lock_probes import Attempts, Sleepers, advisory_sessions, wait_until
 
 # A lease that must stay held for the whole test: nothing the test does takes this long.
 HELD = 30.0
@@ -179,13 +179,12 @@ class RedisHarness(Harness):
         self.redis = locks
         self.sleepers = sleepers
         self.attempts = Attempts(locks)
-        self.batched = BatchedAttempts(locks)
 
     async def queued(self, key: str) -> int:
         return self.sleepers.now
 
     async def tries(self, key: str) -> object:
-        return self.attempts.calls + self.batched.calls
+        return self.attempts.calls
 
     async def _pttl(self, key: str) -> int:
         return int(await self.redis.client.pttl(self.redis.redis_key(key)))
