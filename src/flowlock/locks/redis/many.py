@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flowlock.core.errors import InvalidInput, LockBusy, LockUnavailable
 from flowlock.locks.base import Lease, check_lock_key, check_ttl
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from flowlock.locks.redis.backend import RedisLocks
 
 __all__ = ["extend_many", "release_many", "try_acquire_many"]
+
+log = logging.getLogger("flowlock")
 
 
 def _listed(what: str, items: object) -> list[object]:
@@ -117,7 +120,11 @@ async def release_many(locks: RedisLocks, leases: Sequence[Lease]) -> list[bool]
     if not holds:
         return []
     task = locks._spawn(runner.release(holds, bound=locks._socket_timeout))
-    answers = await asyncio.shield(task)
+    try:
+        answers = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_log_late_failure)  # it finishes on its own
+        raise
     return [_answer(answer) == 1 for answer in answers]
 
 
@@ -143,3 +150,11 @@ def _answer(answer: int | BaseException) -> int:
     if isinstance(answer, BaseException):
         raise answer
     return answer
+
+
+def _log_late_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning(
+            "flowlock: a release_many finished after its caller was cancelled and failed: %s",
+            task.exception(),
+        )
