@@ -108,6 +108,7 @@ EXTRA_KEYS = {
     "floor",
     "vs_floor",
     "mean_batch",
+    "cpu_us",
 }
 WORKERS = 100  # what --quick runs
 FLOORS = {
@@ -167,6 +168,8 @@ def _check_shape(doc: dict[str, Any], scenarios: Sequence[str], strategies: Sequ
         assert r["lock_wait_ms"] >= 0
         assert r["verdict"] == {"ok": True, "violations": []}, (r["scenario"], r["strategy"])
         assert r["double_advanced_rounds"] == 0
+        # The calling processes' CPU per call (the workers' in the multi-process scenarios).
+        assert r["cpu_us"] > 0, r
         if r["strategy"] == "raw":
             assert r["floor"] == FLOORS[r["scenario"]]
             assert r["success_pct"] == 100.0, r
@@ -365,6 +368,7 @@ async def test_http_quick_run_compares_the_service_with_in_process(pg_url: str) 
     assert remote["calls_per_s"] > 0 and remote["p99_ms"] > 0
     assert remote["mean_batch"] is not None  # the service's Flowlock-Batch-Size headers
     assert remote["peak_connections"] is None  # the service's connections are not sampled
+    assert remote["cpu_us"] is None and local["cpu_us"] > 0  # the engine runs in the service
     overhead = remote["vs_in_process"]
     assert overhead["in_process_p99_ms"] == local["p99_ms"]
     assert overhead["aim_limit_ms"] == pytest.approx(1.5 * local["p99_ms"] + 5, abs=0.01)

@@ -13,7 +13,7 @@ import random
 import sys
 
 from flowlock.bench.host import loop_factory
-from flowlock.bench.measure import Armed
+from flowlock.bench.measure import Armed, cpu_seconds
 from flowlock.bench.procs import (
     Arm,
     ArmedReply,
@@ -93,8 +93,10 @@ class _Worker:
             raise RuntimeError("go before arm")
         armed, self._armed = self._armed, None
         leased = self._session.lease_wait
+        spent = cpu_seconds()
         results, wall = await armed.go()
-        return Done(tuple(results), wall, self._session.lease_wait - leased)
+        spent = cpu_seconds() - spent
+        return Done(tuple(results), wall, self._session.lease_wait - leased, spent)
 
     async def _close(self) -> Closed:
         """Close the session; its escalation counts (its engine's adaptive monitor, new per

@@ -77,13 +77,14 @@ class AimSpec:
 
 
 AIMS: tuple[AimSpec, ...] = (
-    AimSpec("storm", "p99", 0.5, 1.0),
-    AimSpec("hot", "applied_per_s", 8.0, 8.0),
+    AimSpec("storm", "p99", 0.2, 0.2),
+    AimSpec("hot", "applied_per_s", 12.0, 12.0),
     AimSpec("hot", "p99", 0.25, 0.25),
     AimSpec("countersign", "applied_per_s", 3.0, 3.0),
     AimSpec("inventory", "applied_per_s", 3.0, 3.0),
-    AimSpec("spread", "applied_per_s", 1.0, 0.5),
-    AimSpec("cluster", "applied_per_s", 1.0, 0.5),
+    AimSpec("spread", "applied_per_s", 1.0, 1.0),
+    AimSpec("cluster", "applied_per_s", 1.0, 1.0),
+    AimSpec("singleton", "applied_per_s", 1.0, 0.5),
 )
 """Every ratio aim, in the order the aims table shows them."""
 
