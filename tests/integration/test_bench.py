@@ -385,8 +385,8 @@ async def test_http_quick_run_compares_the_service_with_in_process(pg_url: str) 
     aim = next(a for a in doc["aims"] if a["what"] == "http_p99_vs_in_process")
     assert (aim["transport"], aim["status"]) == ("http", "met" if aim["ok"] else "not met")
     rate = next(a for a in doc["aims"] if a["what"] == "http_calls_per_s_vs_in_process")
-    assert rate["measured"] == remote["calls_per_s"]
-    assert rate["target"] == pytest.approx(0.5 * local["calls_per_s"], abs=0.01)
+    assert rate["measured"] == pytest.approx(remote["calls_per_s"], abs=0.1)
+    assert rate["target"] == pytest.approx(0.5 * local["calls_per_s"], abs=0.1)
     assert doc["args"]["http"] is True
     # The callers ran in a load generator process of their own, gone with the run.
     assert "load generator" in doc["args"]["http_client"]["process"]
