@@ -313,15 +313,29 @@ class _ServiceWatch(NullProgress):
 
     def __init__(self) -> None:
         self.seen: dict[Path, str] = {}
+        self.loads: set[Path] = set()
+        """The load generator processes running then (`flowlock_lab.http_load`)."""
 
     def begin(self, scenario: str, strategy: str, rounds: int) -> None:
         if not strategy.endswith("(http)"):
             return
         for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and "flowlock_lab.http_app" in _cmdline(proc):
+            if not proc.name.isdigit():
+                continue
+            line = _cmdline(proc)
+            if "flowlock_lab.http_app" in line:
                 schema = _served_schema(proc)
                 if schema is not None:
                     self.seen[proc] = schema
+            elif "flowlock_lab.http_load" in line and str(os.getpid()) == _parent(proc):
+                self.loads.add(proc)
+
+
+def _parent(proc: Path) -> str | None:
+    try:
+        return (proc / "stat").read_text().rpartition(")")[2].split()[1]
+    except (OSError, IndexError):
+        return None
 
 
 def _served_schema(proc: Path) -> str | None:
@@ -376,7 +390,14 @@ async def test_http_quick_run_compares_the_service_with_in_process(pg_url: str) 
     assert overhead["aim_limit_ms"] == pytest.approx(1.5 * local["p99_ms"] + 5, abs=0.01)
     aim = next(a for a in doc["aims"] if a["what"] == "http_p99_vs_in_process")
     assert (aim["transport"], aim["status"]) == ("http", "met" if aim["ok"] else "not met")
+    rate = next(a for a in doc["aims"] if a["what"] == "http_calls_per_s_vs_in_process")
+    assert rate["measured"] == pytest.approx(remote["calls_per_s"], abs=0.1)
+    assert rate["target"] == pytest.approx(0.5 * local["calls_per_s"], abs=0.1)
     assert doc["args"]["http"] is True
+    # The callers ran in a load generator process of their own, gone with the run.
+    assert "load generator" in doc["args"]["http_client"]["process"]
+    assert len(watch.loads) == 1, watch.loads
+    assert not [proc for proc in watch.loads if proc.exists() and _state(proc) not in "ZX"]
     assert doc["args"]["http_service"]["workers"] == 1
     assert doc["args"]["http_service"]["pool_size"] == doc["args"]["pool_size"]
 

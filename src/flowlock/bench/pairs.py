@@ -113,6 +113,9 @@ class Pair:
     params: Params
     session: BenchSession
     transport: Transport = IN_PROCESS
+    callers: WorkerPool | None = None
+    """The processes that fire instead of this one or the run's workers (`--http`: the
+    load generator)."""
     timed: Timed = field(default_factory=Timed)
     quiet: Timed = field(default_factory=Timed)
     """An emitting scenario's rounds without its messages (`Params.quiet`)."""
@@ -160,7 +163,10 @@ class Pair:
         shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
         shape = shape.evolve(quiet=quiet)
         plan = await self.scenario.setup(self.session.engine, key, shape, rng)
-        if self.run.config.in_processes(self.scenario):
+        if self.callers is not None:
+            # Over HTTP the engine's CPU is the service's: the row reports none (cpu_us null).
+            results, wall, lease, cpu = await _round_in_processes(self.callers, plan, sampler)
+        elif self.run.config.in_processes(self.scenario):
             results, wall, lease, cpu = await _round_in_processes(self.run.workers, plan, sampler)
         else:
             results, wall, lease, cpu = await _round_in_process(
