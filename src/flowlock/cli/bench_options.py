@@ -29,6 +29,7 @@ __all__ = [
     "ProcessesOption",
     "QuickOption",
     "RoundsOption",
+    "ScaleOption",
     "ScenarioOption",
     "SeedOption",
     "SoakOption",
@@ -328,6 +329,21 @@ SoakOption = Annotated[
         "and the linearizability and exactly-once verdicts. "
         "Always on an embedded PostgreSQL and Redis of its own. "
         "Takes --strategy, --workers, --processes, --seed, --batching, --json.",
+        show_default=False,
+    ),
+]
+ScaleOption = Annotated[
+    str | None,
+    typer.Option(
+        "--scale",
+        metavar="SIZES",
+        help="Measure cost against size instead: grow one schema through SIZES instances, "
+        "counts separated by commas (e.g. 1e4,1e5,1e6), or 'default' for 1e4,1e5,1e6 "
+        "(with --quick 1e3,4e3). Ten history rows each and one long "
+        "history, loaded in the server. At each size: fire p50/p99, spread applied/s, list and "
+        "count with filters, a history page deep in a long history, table and index sizes; "
+        "then each figure's slope (largest size over smallest). "
+        "Takes --quick, --seed, --database-url, --json.",
         show_default=False,
     ),
 ]
