@@ -74,6 +74,7 @@ async def run_scale(config: ScaleConfig, progress: Progress | None = None) -> Sc
             "quick": config.quick,
             "seed": seed,
             "database_url": None if config.database_url is None else redact(config.database_url),
+            "schema": schema,
             "pool_size": _POOL,
             "fires": effort.fires,
             "spread_callers": effort.workers,

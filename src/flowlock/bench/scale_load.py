@@ -81,11 +81,13 @@ def sizes_of(size: int) -> int:
 
 # $1 the first number, $2 the last. The state: 1 % held, 9 % done, 90 % open.
 _STATE: Final = "CASE WHEN g % 100 = 0 THEN 'held' WHEN g % 10 = 0 THEN 'done' ELSE 'open' END"
+# The event of each instance's last history row.
+_LAST: Final = "CASE WHEN g % 100 = 0 THEN 'hold' WHEN g % 10 = 0 THEN 'finish' ELSE 'step' END"
 _INSTANCES: Final = f"""
 INSERT INTO flowlock_instances (id, workflow, state, version, data, last_event, created_at,
                                 updated_at)
 SELECT 'sc-' || lpad(g::text, 8, '0'), '{WORKFLOW}', {_STATE}, {HISTORY_PER_INSTANCE + 1},
-       jsonb_build_object('n', {HISTORY_PER_INSTANCE}), 'step',
+       jsonb_build_object('n', {HISTORY_PER_INSTANCE}), {_LAST},
        now() - interval '31 days',
        now() - ((g * 7919) % {_MINUTES}) * interval '1 minute'
 FROM generate_series($1::bigint, $2::bigint) AS g
@@ -95,8 +97,7 @@ _HISTORY: Final = f"""
 INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
                               request_id, strategy, data, at)
 SELECT 'sc-' || lpad(g::text, 8, '0'), v,
-       CASE WHEN v = {HISTORY_PER_INSTANCE + 1} AND g % 10 = 0
-            THEN (CASE WHEN g % 100 = 0 THEN 'hold' ELSE 'finish' END) ELSE 'step' END,
+       CASE WHEN v = {HISTORY_PER_INSTANCE + 1} THEN {_LAST} ELSE 'step' END,
        'open',
        CASE WHEN v = {HISTORY_PER_INSTANCE + 1} THEN {_STATE} ELSE 'open' END,
        'loader', 'load-' || v, 'optimistic', jsonb_build_object('n', v - 1),
@@ -119,7 +120,8 @@ WITH grown AS (
     FROM flowlock_instances i, generate_series(i.version + 1, $1::bigint) AS v
     WHERE i.id = '{LONG_ID}'
 )
-UPDATE flowlock_instances SET version = $1, data = jsonb_build_object('n', $1::bigint - 1)
+UPDATE flowlock_instances
+   SET version = $1, data = jsonb_build_object('n', $1::bigint - 1), last_event = 'step'
  WHERE id = '{LONG_ID}' AND version < $1
 """
 
