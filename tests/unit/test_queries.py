@@ -80,5 +80,5 @@ async def test_a_bad_history_page_is_invalid_input(after: object, limit: object)
     """A history page's bounds are checked before anything is read, naming the bad one."""
     engine = flowlock.Engine(MemoryStore())
     async with engine:
-        with pytest.raises(flowlock.InvalidInput, match="after|limit"):
+        with pytest.raises(flowlock.InvalidInput, match=r"after|limit"):
             await engine.history("i", after=after, limit=limit)  # type: ignore[arg-type]
