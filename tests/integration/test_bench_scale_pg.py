@@ -32,14 +32,14 @@ def test_quick_scale_run_reports_every_figure_at_every_size(pg_url: str, tmp_pat
     out = tmp_path / "scale.json"
     result = CliRunner().invoke(
         app,
-        ["bench", "--scale", "300,900", "--quick", "--database-url", pg_url, "--json", str(out)],
+        ["bench", "--scale", "200,600", "--quick", "--database-url", pg_url, "--json", str(out)],
     )
     assert result.exit_code == 0, result.output
     assert "slope" in result.stdout and "history page, deep" in result.stdout
     doc = json.loads(out.read_text())
     assert doc["kind"] == "scale"
-    assert doc["sizes"] == [300, 900]
-    assert doc["history_rows"] == [sizes_of(300), sizes_of(900)]
+    assert doc["sizes"] == [200, 600]
+    assert doc["history_rows"] == [sizes_of(200), sizes_of(600)]
     for name in (
         "fire p50",
         "fire p99",
@@ -54,6 +54,10 @@ def test_quick_scale_run_reports_every_figure_at_every_size(pg_url: str, tmp_pat
         assert len(values) == 2 and all(v > 0 for v in values), (name, values)
         assert doc["metrics"][name]["slope"] > 0
     assert {a["metric"] for a in doc["aims"]} == {"fire p99", "spread applied/s"}
+    # Each size measured in 2 rounds, in turn; the value shown is their median.
+    assert doc["args"]["rounds"] == 2 and len(doc["args"]["schemas"]) == 2
+    for per_size in doc["metrics"]["fire p99"]["rounds"]:
+        assert len(per_size) == 2
     assert (
         doc["metrics"]["flowlock_history"]["values"][1]
         > doc["metrics"]["flowlock_history"]["values"][0]
@@ -64,7 +68,8 @@ def test_quick_scale_run_reports_every_figure_at_every_size(pg_url: str, tmp_pat
         try:
             return bool(
                 await conn.fetchval(
-                    "SELECT count(*) FROM pg_namespace WHERE nspname = $1", doc["args"]["schema"]
+                    "SELECT count(*) FROM pg_namespace WHERE nspname = ANY($1::text[])",
+                    doc["args"]["schemas"],
                 )
             )
         finally:

@@ -75,11 +75,8 @@ def test_slopes_say_how_much_costlier_the_largest_size_is() -> None:
     assert report.slope("missing") is None
     doc = scale_json(report)
     assert doc["sizes"] == [10_000, 1_000_000]
-    assert doc["metrics"]["fire p99"] == {
-        "unit": "ms",
-        "values": [4.0, 5.0],
-        "slope": pytest.approx(1.25),
-        "aim_slope": 1.5,
-    }
+    fire = doc["metrics"]["fire p99"]
+    assert (fire["unit"], fire["values"], fire["aim_slope"]) == ("ms", [4.0, 5.0], 1.5)
+    assert fire["slope"] == pytest.approx(1.25)
     aims = {a["metric"]: a["met"] for a in doc["aims"]}
     assert aims == {"fire p99": True, "spread applied/s": False}

@@ -33,11 +33,13 @@ class Effort:
     steps: int
     """Steps each spread caller makes."""
     repeats: int
-    """Runs of each query (the median is shown)."""
+    """Runs of each query per round (the median is kept)."""
+    rounds: int
+    """Rounds over every size, in turn (each figure is the median of its rounds)."""
 
 
-FULL: Final = Effort(fires=1000, workers=32, steps=60, repeats=15)
-QUICK: Final = Effort(fires=60, workers=8, steps=10, repeats=3)
+FULL: Final = Effort(fires=500, workers=32, steps=40, repeats=9, rounds=3)
+QUICK: Final = Effort(fires=30, workers=8, steps=5, repeats=2, rounds=2)
 _PAGE: Final = 100
 
 

@@ -71,7 +71,7 @@ class ScaleReport:
     figures: tuple[dict[str, float], ...]
     """Per size: metric name -> value (ms, applied/s, or bytes for the tables)."""
     load_s: tuple[float, ...]
-    """Per size: seconds to grow the tables to it from the size before."""
+    """Per size: seconds to load its schema."""
     flowlock_version: str
     postgres_version: str
     cores: int
@@ -82,6 +82,8 @@ class ScaleReport:
     args: dict[str, Any] = field(default_factory=dict)
     log: tuple[str, ...] = ()
     """What flowlock logged at WARNING and above, one line per kind of message."""
+    rounds: tuple[tuple[dict[str, float], ...], ...] = ()
+    """Per size, each round's figures (`figures` holds their medians, and the tables' sizes)."""
 
     def slope(self, metric: str) -> float | None:
         """How many times costlier `metric` is at the largest size than at the smallest."""

@@ -81,8 +81,10 @@ def render_scale(report: ScaleReport, console: Console) -> None:
     console.print(
         "slope: the largest size's figure over the smallest's (for applied/s the smallest's "
         "over the largest's): how many times costlier a call is there. Tables: heap and "
-        f"indexes. Each query's figure is the median of {report.args.get('query_repeats')} runs; "
-        f"fire p50/p99 of {report.args.get('fires')} sequential fires on random instances. "
+        f"indexes. Each size is a schema of its own, measured in {report.args.get('rounds')} "
+        "rounds taken in turn with the other sizes; each figure is the median of its rounds. "
+        f"A round: {report.args.get('fires')} sequential fires on random instances (p50, p99), "
+        f"each query {report.args.get('query_repeats')} times (median). "
         f"Seed {report.seed}; {report.duration_s:,.0f} s in all."
     )
 
@@ -93,6 +95,7 @@ def scale_json(report: ScaleReport) -> dict[str, Any]:
         metric: {
             "unit": "bytes" if metric.startswith("flowlock_") else _unit(metric),
             "values": [f.get(metric) for f in report.figures],
+            "rounds": [[r.get(metric) for r in per_size] for per_size in report.rounds],
             "slope": report.slope(metric),
             "aim_slope": SLOPE_AIMS.get(metric),
         }
