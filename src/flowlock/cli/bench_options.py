@@ -337,12 +337,12 @@ ScaleOption = Annotated[
     typer.Option(
         "--scale",
         metavar="SIZES",
-        help="Measure cost against size instead: grow one schema through SIZES instances, "
-        "counts separated by commas (e.g. 1e4,1e5,1e6), or 'default' for 1e4,1e5,1e6 "
-        "(with --quick 1e3,4e3). Ten history rows each and one long "
-        "history, loaded in the server. At each size: fire p50/p99, spread applied/s, list and "
-        "count with filters, a history page deep in a long history, table and index sizes; "
-        "then each figure's slope (largest size over smallest). "
+        help="Measure cost against size instead: a scratch schema per size in SIZES, counts "
+        "of instances separated by commas (e.g. 1e4,1e5,1e6), or 'default' for 1e4,1e5,1e6 "
+        "(with --quick 1e3,4e3). Ten history rows each and one long history, loaded in the "
+        "server. The sizes are measured in interleaved rounds (medians): fire p50/p99, spread "
+        "applied/s, list and count with filters, a history page deep in a long history; with "
+        "table and index sizes, and each figure's slope (largest size over smallest). "
         "Takes --quick, --seed, --database-url, --json.",
         show_default=False,
     ),
