@@ -1,8 +1,8 @@
 """The tables of `flowlock bench --scale`, filled in the server.
 
-Rows are made by `INSERT ... SELECT` over `generate_series`, one statement per table and
-size step, never one call each: ten million history rows load in minutes, not hours. The
-database grows from one size to the next (only the new rows are loaded), as a user's does.
+Rows are made by `INSERT ... SELECT` over `generate_series`, one statement per table, never
+one call each: ten million history rows load in minutes, not hours. `load_to` can also grow
+loaded tables to a larger size (only the new rows are loaded).
 """
 
 from __future__ import annotations
