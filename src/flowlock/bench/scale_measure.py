@@ -41,6 +41,10 @@ class Effort:
 FULL: Final = Effort(fires=500, workers=32, steps=40, repeats=9, rounds=3)
 QUICK: Final = Effort(fires=30, workers=8, steps=5, repeats=2, rounds=2)
 _PAGE: Final = 100
+"""A history page's entries."""
+_LIST: Final = 50
+"""A list page's instances: 10^4 instances have 100 held, 50 of them past the middle, so the
+middle page is a full page at every default size."""
 
 
 def _ms(seconds: float) -> float:
@@ -120,10 +124,10 @@ async def measure_at(
     deep = long_length(size) + 1 - _PAGE
     r = effort.repeats
     queries: dict[str, Callable[[], Awaitable[object]]] = {
-        "list held, first page": lambda: engine.list(WORKFLOW, "held", limit=_PAGE),
-        "list held, middle page": lambda: engine.list(WORKFLOW, "held", limit=_PAGE, after=middle),
-        "list done+held": lambda: engine.list(WORKFLOW, ["done", "held"], limit=_PAGE),
-        "list updated < 1 h": lambda: engine.list(updated_after=recent, limit=_PAGE),
+        "list held, first page": lambda: engine.list(WORKFLOW, "held", limit=_LIST),
+        "list held, middle page": lambda: engine.list(WORKFLOW, "held", limit=_LIST, after=middle),
+        "list done+held": lambda: engine.list(WORKFLOW, ["done", "held"], limit=_LIST),
+        "list updated < 1 h": lambda: engine.list(updated_after=recent, limit=_LIST),
         "count held": lambda: engine.count(WORKFLOW, "held"),
         "count done": lambda: engine.count(WORKFLOW, "done"),
         "count updated < 1 h": lambda: engine.count(WORKFLOW, updated_after=recent),
