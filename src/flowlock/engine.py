@@ -49,6 +49,7 @@ from flowlock.core.query import (
     check_limit,
     cursor_after,
     decode_cursor,
+    history_range,
     instance_query,
 )
 from flowlock.core.settings import check_count, check_flag, check_seconds
@@ -375,11 +376,13 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
         self._remember(inst)
         return inst
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
-        """Every applied transition of the instance, oldest first."""
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
+        """The applied transitions of versions above `after`, oldest first; at most `limit`."""
         self._check_open()
         check_text(instance_id, "instance_id")
-        return await self._store.history(instance_id)
+        return await self._store.history(instance_id, **history_range(after, limit))
 
     # -- queries ---------------------------------------------------------------------------
 

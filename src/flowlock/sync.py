@@ -248,9 +248,11 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
         """The instance as last committed. Raises InstanceNotFound."""
         return self._run(self._engine.get(instance_id))
 
-    def history(self, instance_id: str) -> list[HistoryEntry]:
-        """Every applied transition of the instance, oldest first."""
-        return self._run(self._engine.history(instance_id))
+    def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
+        """The applied transitions of versions above `after`, oldest first; at most `limit`."""
+        return self._run(self._engine.history(instance_id, after=after, limit=limit))
 
     def timers(self, instance_id: str) -> list[Timer]:
         """The instance's armed timers, earliest due first (event, due time, the stay that

@@ -177,6 +177,30 @@ async def test_a_lower_fencing_token_is_refused_by_the_fencing_clause(
         assert await on_disk(holder, "i") == (4, 5)
 
 
+# -- history pages -------------------------------------------------------------------------------
+
+
+async def test_history_is_read_a_page_at_a_time(store_factory: StoreFactory) -> None:
+    """`history(after=, limit=)` returns the entries of versions above `after`, oldest first, at
+    most `limit`; None is no limit; past the end is empty; a missing instance is
+    InstanceNotFound, also for a page."""
+    store = store_factory()
+    async with opened(store):
+        inst = await store.create(new())
+        for k in range(7):
+            written = await store.commit((entry(inst, request_id=f"r{k}"),))
+            assert written is not None
+            inst = written
+        versions = [h.version for h in await store.history("i")]
+        assert versions == list(range(2, 9))
+        assert [h.version for h in await store.history("i", after=3, limit=2)] == [4, 5]
+        assert [h.version for h in await store.history("i", after=6)] == [7, 8]
+        assert [h.request_id for h in await store.history("i", limit=1)] == ["r0"]
+        assert await store.history("i", after=8, limit=5) == []
+        with pytest.raises(InstanceNotFound):
+            await store.history("nope", after=1, limit=1)
+
+
 # -- a closed store ------------------------------------------------------------------------------
 
 

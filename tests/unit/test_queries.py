@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock.core.models import InstanceQuery
 from flowlock.core.query import cursor_after, decode_cursor
+from flowlock.stores import MemoryStore
 from flowlock.stores.sqlite import SqliteStore, count_statement, list_statement
 
 # The ids the engine accepts: 1 to 200 characters, none of them a control character.
@@ -70,3 +71,14 @@ async def test_sqlite_pages_by_state_from_the_index(tmp_path: Path) -> None:
         assert "USING INDEX sqlite_autoindex_flowlock_instances_1 (id>?)" in everything, everything
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(
+    ("after", "limit"), [(-1, None), (True, None), ("3", None), (0, 0), (0, False), (0, 2.5)]
+)
+async def test_a_bad_history_page_is_invalid_input(after: object, limit: object) -> None:
+    """A history page's bounds are checked before anything is read, naming the bad one."""
+    engine = flowlock.Engine(MemoryStore())
+    async with engine:
+        with pytest.raises(flowlock.InvalidInput, match=r"after|limit"):
+            await engine.history("i", after=after, limit=limit)  # type: ignore[arg-type]

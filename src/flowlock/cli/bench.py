@@ -39,6 +39,7 @@ from flowlock.cli.bench_options import (
     ProcessesOption,
     QuickOption,
     RoundsOption,
+    ScaleOption,
     ScenarioOption,
     SeedOption,
     SoakOption,
@@ -99,6 +100,33 @@ def _show(report: BenchReport, json_file: Path | None, plot_file: Path | None) -
             + "\n".join(failures(report)),
             EXIT_VERDICT_FAILED,
         )
+
+
+def _run_scale_mode(
+    sizes: str,
+    quick: bool,
+    seed: int | None,
+    database_url: str | None,
+    json_file: Path | None,
+    meaningless: Mapping[str, object],
+) -> None:
+    """Run `--scale`, print its table and write its JSON."""
+    from flowlock.bench.report import RichProgress
+    from flowlock.bench.report.scale_table import render_scale, write_scale_json
+    from flowlock.bench.scale import run
+    from flowlock.bench.scale_results import ScaleConfig, parse_sizes
+
+    named = [name for name, value in meaningless.items() if value]
+    if named:
+        raise typer.BadParameter(f"{', '.join(named)} mean(s) nothing to --scale; drop it")
+    try:
+        config = ScaleConfig(parse_sizes(sizes, quick=quick), quick, seed, database_url)
+    except FlowlockError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    with errors_as_exit(), RichProgress(stderr()) as progress:
+        report = run(config, progress)
+    render_scale(report, stdout(piped=160))
+    write_file(json_file, lambda path: write_scale_json(report, path))
 
 
 def _run_soak(config: Any, json_file: Path | None) -> None:
@@ -163,6 +191,7 @@ def bench(
     http: HttpOption = False,
     soak: SoakOption = None,
     faults: FaultsOption = False,
+    scale: ScaleOption = None,
 ) -> None:
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
@@ -190,6 +219,8 @@ def bench(
 
     With --soak SECONDS (and --faults) it soaks instead: see --soak, and docs/benchmarks.md.
 
+    With --scale SIZES it measures what calls cost as the tables grow: see --scale.
+
     --hosts, --http and --soak run in flowlock's lab, the lab/ directory of a flowlock checkout.
     Install it with pip install -e ./lab; the test extra installs it.
     """
@@ -198,6 +229,10 @@ def bench(
 
     if faults and soak is None:
         raise typer.BadParameter("--faults needs --soak SECONDS")
+    if scale is not None:
+        given = {"--scenario": scenario, "--strategy": strategy, "--soak": soak, "--http": http}
+        _run_scale_mode(scale, quick, seed, None if embedded else database_url, json_file, given)
+        return
     if soak is not None:
         meaningless = {
             "--scenario": scenario,

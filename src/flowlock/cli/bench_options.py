@@ -29,6 +29,7 @@ __all__ = [
     "ProcessesOption",
     "QuickOption",
     "RoundsOption",
+    "ScaleOption",
     "ScenarioOption",
     "SeedOption",
     "SoakOption",
@@ -330,6 +331,21 @@ SoakOption = Annotated[
         "and the linearizability and exactly-once verdicts. "
         "Always on an embedded PostgreSQL and Redis of its own. "
         "Takes --strategy, --workers, --processes, --seed, --batching, --json.",
+        show_default=False,
+    ),
+]
+ScaleOption = Annotated[
+    str | None,
+    typer.Option(
+        "--scale",
+        metavar="SIZES",
+        help="Measure cost against size instead: a scratch schema per size in SIZES, counts "
+        "of instances separated by commas (e.g. 1e4,1e5,1e6), or 'default' for 1e4,1e5,1e6 "
+        "(with --quick 1e3,4e3). Ten history rows each and one long history, loaded in the "
+        "server. The sizes are measured in interleaved rounds (medians): fire p50/p99, spread "
+        "applied/s, list and count with filters, a history page deep in a long history; with "
+        "table and index sizes, and each figure's slope (largest size over smallest). "
+        "Takes --quick, --seed, --database-url, --json.",
         show_default=False,
     ),
 ]

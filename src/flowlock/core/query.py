@@ -11,7 +11,7 @@ import binascii
 import re
 from collections.abc import Collection, Mapping
 from datetime import datetime
-from typing import Final
+from typing import Final, TypedDict
 
 from flowlock.core.definition import _NAME
 from flowlock.core.errors import InvalidInput
@@ -107,6 +107,23 @@ def check_limit(limit: object) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise InvalidInput(f"limit must be an integer from 1 to {MAX_LIMIT}, not {limit!r}")
     return limit
+
+
+class HistoryRange(TypedDict):
+    """A history page's bounds, as `Store.history` takes them."""
+
+    after: int
+    limit: int | None
+
+
+def history_range(after: object, limit: object) -> HistoryRange:
+    """A history page's bounds, checked: `after` a version (an int >= 0), `limit` None (every
+    entry after it) or an int >= 1."""
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise InvalidInput(f"after must be a version, an integer >= 0, not {after!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidInput(f"limit must be None (every entry) or an integer >= 1, not {limit!r}")
+    return HistoryRange(after=after, limit=limit)
 
 
 def cursor_after(instance_id: str) -> str:

@@ -409,7 +409,8 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
         after: Annotated[int, Query(ge=0, description="The version to start after.")] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     ) -> dict[str, Any]:
-        entries = [e for e in await engine.history(instance_id) if e.version > after]
+        # One entry more than the page: whether it exists says if there is a next page.
+        entries = await engine.history(instance_id, after=after, limit=limit + 1)
         shown = entries[:limit]
         more = len(entries) > limit
         return {

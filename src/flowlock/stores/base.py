@@ -189,8 +189,12 @@ class Store(Protocol):
         compare-and-swap, commit. Raises LockTimeout /
         LockBusy, InstanceNotFound, or whatever `plan` raised (after rolling back)."""
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
-        """Every applied transition of the instance, oldest first."""
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
+        """The applied transitions of versions above `after`, oldest first, at most `limit`
+        (None: all). Read as a range of the history's key, not the whole history then cut:
+        a page deep in a long history costs what the page holds."""
 
     async def fencing_floor(self, instance_id: str) -> int:
         """The highest fencing token written for the instance (0 if none): a lock backend that

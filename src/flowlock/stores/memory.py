@@ -478,11 +478,14 @@ class MemoryStore(MemoryRetention, MemoryOutbox):
         finally:
             row_lock.release()
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
         self._check()
         if instance_id not in self._instances:
             raise InstanceNotFound(instance_id)
-        return [_copy_entry(h) for h in self._history[instance_id]]
+        found = [h for h in self._history[instance_id] if h.version > after][:limit]
+        return [_copy_entry(h) for h in found]
 
     # -- queries ------------------------------------------------------------------------------
 

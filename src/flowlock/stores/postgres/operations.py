@@ -361,9 +361,13 @@ class Operations:
         async with self._s.conn() as conn:
             return int(await conn.fetchval(self._s.sql(COUNT), timeout=self._s.timeout))
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
         async with self._s.conn(instance_id) as conn:
-            rows = await conn.fetch(self._s.sql(HISTORY), instance_id, timeout=self._s.timeout)
+            rows = await conn.fetch(
+                self._s.sql(HISTORY), instance_id, after, limit, timeout=self._s.timeout
+            )
             found = rows or await conn.fetchrow(
                 self._s.sql(READ), instance_id, timeout=self._s.timeout
             )

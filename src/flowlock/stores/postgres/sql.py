@@ -311,8 +311,11 @@ FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_i
 """
 AS_CREATED_BY_KEY = _AS_CREATED + "WHERE r.request_id = $1\n"
 AS_CREATED_BY_ID = _AS_CREATED + "WHERE r.instance_id = $1\n"
+# A range of the primary key (instance_id, version): a page deep in a long history reads only
+# the page ($2 the version to start after, $3 the limit, NULL for no limit).
 HISTORY = f"""
-SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 ORDER BY version
+SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = $1 AND version > $2
+ ORDER BY version LIMIT $3
 """
 FENCING_FLOOR = "SELECT coalesce(fencing_token, 0) FROM flowlock_instances WHERE id = $1"
 # flowlock's part of a caller's transaction: the caller's settings, read before the savepoint,

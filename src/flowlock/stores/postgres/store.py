@@ -558,5 +558,9 @@ class PostgresStore(TimerMethods, OutboxMethods, PauseMethods, RetentionMethods)
     async def count_instances(self, query: InstanceQuery) -> int:
         return await self._call(lambda ops: ops.count_instances(query), waits=False)
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
-        return await self._call(lambda ops: ops.history(instance_id), instance_id, waits=False)
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
+        return await self._call(
+            lambda ops: ops.history(instance_id, after=after, limit=limit), instance_id, waits=False
+        )

@@ -314,9 +314,12 @@ class SqliteStore(SqliteTimers, SqliteOutbox, SqliteRetention, AsyncResource):
         `request_ids` (`Snapshot.priors`, by request id)."""
         return await self._read(read_txn, instance_id, request_ids, what="read")
 
-    async def history(self, instance_id: str) -> list[HistoryEntry]:
-        """Every applied transition of the instance, oldest first. Raises InstanceNotFound."""
-        return await self._read(history_txn, instance_id, what="history")
+    async def history(
+        self, instance_id: str, *, after: int = 0, limit: int | None = None
+    ) -> list[HistoryEntry]:
+        """The applied transitions above version `after`, oldest first, at most `limit`.
+        Raises InstanceNotFound."""
+        return await self._read(history_txn, instance_id, after, limit, what="history")
 
     async def fencing_floor(self, instance_id: str) -> int:
         """The highest fencing token written for the instance (0 if none)."""

@@ -176,16 +176,19 @@ def fence_txn(conn: sqlite3.Connection, instance_id: str) -> int:
     return _deferred(conn, body)
 
 
-def history_txn(conn: sqlite3.Connection, instance_id: str) -> list[HistoryEntry]:
+def history_txn(
+    conn: sqlite3.Connection, instance_id: str, after: int, limit: int | None
+) -> list[HistoryEntry]:
     def body(c: sqlite3.Connection) -> list[HistoryEntry]:
         if not c.execute(
             "SELECT 1 FROM flowlock_instances WHERE id = ?", (instance_id,)
         ).fetchone():
             raise InstanceNotFound(instance_id)
+        # A range of the primary key (instance_id, version); LIMIT -1 is no limit.
         rows = c.execute(
             f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id = ? "
-            "ORDER BY version",
-            (instance_id,),
+            "AND version > ? ORDER BY version LIMIT ?",
+            (instance_id, after, -1 if limit is None else limit),
         ).fetchall()
         return [entry_of(row) for row in rows]
 
