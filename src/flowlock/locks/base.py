@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -29,6 +29,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_TTL",
     "BorrowsFenceEpochs",
+    "BulkLockBackend",
     "FenceEpochs",
     "Held",
     "Lease",
@@ -154,6 +155,23 @@ class LockBackend(Protocol):
 
     async def aclose(self) -> None:
         """Release connections. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class BulkLockBackend(LockBackend, Protocol):
+    async def try_acquire_many(self, keys: Sequence[str], *, ttl: float) -> list[Lease | None]:
+        """Try each key once, in as few round trips as the server allows (one per Redis
+        Cluster hash slot; one statement on PostgreSQL): a Lease (fencing token included)
+        for each key taken, None for a key held by someone else. Same order as keys."""
+        ...
+
+    async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Release each lease; True where it was still ours."""
+        ...
+
+    async def extend_many(self, leases: Sequence[Lease], ttl: float) -> list[Lease | None]:
+        """Renew each; None where it was lost."""
         ...
 
 
