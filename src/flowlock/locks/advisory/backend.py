@@ -160,7 +160,7 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         self._opening = asyncio.Lock()
         # Shared holder sessions: one per batch in flight, taken from the lease pool, which
         # keeps the rest for waiting acquires (none with a pool of one).
-        self.holders = 0 if not bulk or pool_size < 2 else min(2, max(1, pool_size // 4))
+        self.holders = 0 if not bulk or pool_size < 2 else min(4, max(1, pool_size // 4))
         self._bulk: Bulk | None = None
 
     @property
