@@ -67,12 +67,16 @@ class _Holder:
     conn: asyncpg.pool.PoolConnectionProxy
     pid: int
     guard: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Single-key calls on this holder (tries, releases, renewals, the reaper's turn): one
+    # statement at a time, the next one carrying everything that queued meanwhile.
+    ops: Coalescer[_Op, _Answer] | None = None
     kept: dict[str, Kept] = field(default_factory=dict)
     # When the server's idle timer was last set to run out, less GRACE (inf: switched off).
     timer_at: float = math.inf
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     reaper: asyncio.Task[None] | None = None
-    busy: int = 0
+    busy: int = 0  # statements in flight or waiting for the guard
+    queued: int = 0  # single-key calls submitted and not yet answered
     dead: bool = False
     error: BaseException | None = None
 
@@ -87,6 +91,51 @@ class _Try:
     ttl: float
     lease: Lease | None = None
     abandoned: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Release:
+    lease: Lease
+
+
+@dataclass(slots=True, eq=False)
+class _Renew:
+    lease: Lease
+    ttl: float
+
+
+class _Touch:
+    """The reaper's turn: free what ran out, restart the server's idle timer."""
+
+    __slots__ = ()
+
+
+_Op = _Try | _Release | _Renew | _Touch
+_Answer = Lease | bool | None
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """One holder statement's work: what it frees, tries and renews, and each op's answer so
+    far. `deadlines`: the renewed leases' new deadlines, by id of their Kept."""
+
+    sent: float
+    answers: list[_Answer | BaseException]
+    freeing: list[tuple[int, Kept]] = field(default_factory=list)
+    trying: list[tuple[int, _Try]] = field(default_factory=list)
+    renewing: list[tuple[int, _Renew, Kept]] = field(default_factory=list)
+    deadlines: dict[int, float] = field(default_factory=dict)
+    touch: bool = False
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.freeing or self.trying or self.renewing or self.touch)
+
+
+def _lease(answer: object) -> Lease | None:
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer if isinstance(answer, Lease) else None
 
 
 class Bulk:
@@ -107,15 +156,6 @@ class Bulk:
         self._closed = False
         self.statements = 0
         """Holder statements sent so far (each one round trip): what the tests count."""
-        self._tries: Coalescer[_Try, Lease | None] = Coalescer(
-            self._try_batch, depth=holders, max_batch=MAX_BATCH
-        )
-        self._releases: Coalescer[Lease, bool] = Coalescer(
-            self.release_many, depth=holders, max_batch=MAX_BATCH
-        )
-        self._extends: Coalescer[tuple[Lease, float], Lease | None] = Coalescer(
-            self._extend_pairs, depth=holders, max_batch=MAX_BATCH
-        )
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -127,161 +167,183 @@ class Bulk:
     # -- single-key calls, coalesced -------------------------------------------------------
 
     async def try_one(self, key: str, lock: int, ttl: float) -> Lease | None:
-        """One try of `key`, sharing a statement with the tries ready at the same time."""
+        """One try of `key`, sharing a statement with what is ready at the same time."""
         call = _Try(key, lock, ttl)
+        holder = await self._pick()
         try:
-            return await self._tries.submit(call, self._try_alone)
+            answer = await self._submit(holder, call)
         except asyncio.CancelledError:
             call.abandoned = True
             if call.lease is not None:
                 self._give_back(call.lease)
             raise
-
-    async def _try_alone(self, call: _Try) -> Lease | None:
-        [lease] = await self._try_batch([call])
-        return lease
+        assert answer is None or isinstance(answer, Lease)
+        return answer
 
     async def release_one(self, lease: Lease) -> bool:
         """Release `lease` (True where it was still ours). Shielded: a cancelled caller still
         frees the key."""
-        return await asyncio.shield(self._releases.submit(lease, self._release_alone))
-
-    async def _release_alone(self, lease: Lease) -> bool:
-        [done] = await self.release_many([lease])
-        return done
+        kept = self._kept.get(lease.token)
+        if kept is None or kept.key != lease.key:
+            return False
+        answer = await asyncio.shield(self._submit(kept.holder, _Release(lease)))
+        return answer is True
 
     async def extend_one(self, lease: Lease, ttl: float) -> Lease | None:
         """Renew `lease` for `ttl` seconds from now; None where it was lost."""
-        return await self._extends.submit((lease, ttl), self._extend_alone)
+        kept = self._kept.get(lease.token)
+        if kept is None or kept.key != lease.key:
+            return None
+        answer = await self._submit(kept.holder, _Renew(lease, ttl))
+        assert answer is None or isinstance(answer, Lease)
+        return answer
 
-    async def _extend_alone(self, pair: tuple[Lease, float]) -> Lease | None:
-        [renewed] = await self._extend_pairs([pair])
-        return renewed
+    async def _submit(self, holder: _Holder, op: _Op) -> _Answer:
+        if holder.ops is None:
+            holder.ops = Coalescer(
+                lambda ops: self._mixed(holder, ops), depth=1, max_batch=MAX_BATCH
+            )
+        holder.queued += 1
+        try:
+            return await holder.ops.submit(op, lambda one: self._mixed_one(holder, one))
+        finally:
+            holder.queued -= 1
+
+    async def _mixed_one(self, holder: _Holder, op: _Op) -> _Answer:
+        [answer] = await self._mixed(holder, [op])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def _mixed(self, holder: _Holder, ops: Sequence[_Op]) -> list[_Answer | BaseException]:
+        # Shielded whole: the statement and the books that follow it must not be split by a
+        # caller's cancellation (a key taken on the server and nobody knowing).
+        return await asyncio.shield(self._mixed_inner(holder, ops))
+
+    async def _mixed_inner(
+        self, holder: _Holder, ops: Sequence[_Op], *, retry: bool = True
+    ) -> list[_Answer | BaseException]:
+        plan = self._plan(holder, ops)
+        if not plan.needed:
+            return plan.answers  # nothing to ask the server
+        tries = [op for _, op in plan.trying]
+        unlock = [kept for _, kept in plan.freeing]
+        tokens = await self._run(holder, unlock=unlock, tries=tries, renew=plan.deadlines)
+        if tokens is None:
+            # The session ended: released keys went with it (not ours any more) and renewals
+            # are lost; the tries go to another holder once, or get the error.
+            for op in tries:
+                self._ids.discard(op.lock)
+            if tries:
+                retried = await self._retry(holder, tries, retry)
+                for (i, _), answer in zip(plan.trying, retried, strict=True):
+                    plan.answers[i] = answer
+            return plan.answers
+        answers = plan.answers
+        for i, kept in plan.freeing:
+            answers[i] = kept.deadline > plan.sent  # past its deadline it was no longer ours
+        for i, renew, kept in plan.renewing:
+            if self._kept.get(renew.lease.token) is kept:
+                deadline = plan.deadlines[id(kept)]
+                kept.deadline = max(kept.deadline, deadline)
+                answers[i] = renew.lease.renewed(deadline, renew.ttl)
+        taken = self._leases(holder, tries, tokens, plan.sent)
+        for (i, op), lease in zip(plan.trying, taken, strict=True):
+            answers[i] = lease
+            if lease is None:
+                self._ids.discard(op.lock)
+            else:
+                self._handed(op, lease)
+        holder.changed.set()
+        return answers
+
+    def _plan(self, holder: _Holder, ops: Sequence[_Op]) -> _Plan:
+        """What one statement on `holder` does for `ops`; the books are updated for releases."""
+        plan = _Plan(self._owner._now(), [None] * len(ops))
+        for i, op in enumerate(ops):
+            if isinstance(op, _Release):
+                plan.answers[i] = False
+                kept = self._mine(holder, op.lease)
+                if kept is not None:
+                    # Off the books before the round trip: a second release is not ours.
+                    del self._kept[op.lease.token], holder.kept[op.lease.token]
+                    plan.freeing.append((i, kept))
+            elif isinstance(op, _Try):
+                if op.lock not in self._ids:  # else held or being taken here: busy
+                    self._ids.add(op.lock)
+                    plan.trying.append((i, op))
+            elif isinstance(op, _Renew):
+                kept = self._mine(holder, op.lease)
+                if kept is not None and kept.deadline > plan.sent:
+                    plan.deadlines[id(kept)] = plan.sent + op.ttl
+                    plan.renewing.append((i, op, kept))
+            else:
+                plan.touch = True
+        return plan
+
+    async def _retry(
+        self, holder: _Holder, tries: list[_Try], retry: bool
+    ) -> Sequence[_Answer | BaseException]:
+        error = holder.error
+        if isinstance(error, FlowlockError) and not isinstance(error, LockUnavailable):
+            return [error] * len(tries)  # not the session: a retry would fail the same way
+        if not retry or self._closed:
+            failed = LockUnavailable(NAME, f"the holder's session ended: {error}")
+            return [failed] * len(tries)
+        try:
+            other = await self._pick()
+        except FlowlockError as exc:
+            return [exc] * len(tries)
+        return await self._mixed_inner(other, tries, retry=False)
+
+    def _mine(self, holder: _Holder, lease: Lease) -> Kept | None:
+        kept = self._kept.get(lease.token)
+        if kept is None or kept.key != lease.key or kept.holder is not holder:
+            return None
+        return kept
 
     # -- the BulkLockBackend calls -----------------------------------------------------------
 
     async def try_acquire_many(
         self, keys: Sequence[str], ttl: float, locks: Sequence[int]
     ) -> list[Lease | None]:
-        """Try each key once; a Lease for each taken, None for each held elsewhere."""
+        """Try each key once, in one statement; a Lease for each taken, None for each held
+        elsewhere."""
         calls = [_Try(key, lock, ttl) for key, lock in zip(keys, locks, strict=True)]
-        return await self._try_batch(calls)
+        answers = await self._mixed(await self._pick(), calls)
+        return [_lease(answer) for answer in answers]
 
     async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
         """Release each lease; True where it was still ours. One statement per holder."""
-        done = [False] * len(leases)
-        groups: dict[_Holder, list[tuple[int, Kept]]] = {}
-        for i, lease in enumerate(leases):
-            kept = self._kept.get(lease.token)
-            if kept is None or kept.key != lease.key:
-                continue
-            # Taken off the books before the round trip: a second release is not ours.
-            del self._kept[lease.token]
-            del kept.holder.kept[lease.token]
-            groups.setdefault(kept.holder, []).append((i, kept))
-        if groups:
-            await asyncio.gather(*(self._free(h, group, done) for h, group in groups.items()))
-        return done
-
-    async def _free(self, holder: _Holder, group: list[tuple[int, Kept]], done: list[bool]) -> None:
-        sent = self._owner._now()
-        freed = await self._run(holder, unlock=[k for _, k in group])
-        if freed is None:
-            return  # the session ended: the keys went with it, and may be someone else's now
-        for i, kept in group:
-            # A lease past its deadline was no longer ours to release, even if the reaper had
-            # not freed it yet.
-            done[i] = kept.deadline > sent
+        answers = await self._per_holder([_Release(lease) for lease in leases])
+        return [answer is True for answer in answers]
 
     async def extend_many(self, leases: Sequence[Lease], ttl: float) -> list[Lease | None]:
         """Renew each lease for `ttl` seconds from now; None where it was lost."""
-        return await self._extend_pairs([(lease, ttl) for lease in leases])
+        answers = await self._per_holder([_Renew(lease, ttl) for lease in leases])
+        return [None if isinstance(a, BaseException) else _lease(a) for a in answers]
 
-    async def _extend_pairs(self, pairs: Sequence[tuple[Lease, float]]) -> list[Lease | None]:
-        renewed: list[Lease | None] = [None] * len(pairs)
-        groups: dict[_Holder, list[tuple[int, Kept, float]]] = {}
-        for i, (lease, ttl) in enumerate(pairs):
-            kept = self._kept.get(lease.token)
-            if kept is not None and kept.key == lease.key:
-                groups.setdefault(kept.holder, []).append((i, kept, ttl))
-        leases = [p[0] for p in pairs]
-        if groups:
-            await asyncio.gather(
-                *(self._renew(h, group, leases, renewed) for h, group in groups.items())
-            )
-        return renewed
+    async def _per_holder(self, ops: Sequence[_Release | _Renew]) -> list[_Answer | BaseException]:
+        answers: list[_Answer | BaseException] = [None] * len(ops)
+        groups: dict[_Holder, list[int]] = {}
+        for i, op in enumerate(ops):
+            kept = self._kept.get(op.lease.token)
+            if kept is not None:
+                groups.setdefault(kept.holder, []).append(i)
 
-    async def _renew(
-        self,
-        holder: _Holder,
-        group: list[tuple[int, Kept, float]],
-        leases: list[Lease],
-        renewed: list[Lease | None],
-    ) -> None:
-        sent = self._owner._now()
-        # Any statement restarts the holder's idle timer; this one also counts the new ttls in.
-        plan = {id(kept): sent + ttl for _, kept, ttl in group if kept.deadline > sent}
-        if await self._run(holder, renew=plan) is None:
-            return
-        for i, kept, ttl in group:
-            deadline = plan.get(id(kept))
-            if deadline is not None and self._kept.get(leases[i].token) is kept:
-                kept.deadline = max(kept.deadline, deadline)
-                renewed[i] = leases[i].renewed(deadline, ttl)
-        holder.changed.set()
+        async def one(holder: _Holder, where: list[int]) -> None:
+            found = await self._mixed(holder, [ops[i] for i in where])
+            for i, answer in zip(where, found, strict=True):
+                answers[i] = answer
 
-    # -- tries --------------------------------------------------------------------------------
-
-    async def _try_batch(self, calls: Sequence[_Try]) -> list[Lease | None]:
-        # Shielded whole: the statement and the books that follow it must not be split by a
-        # caller's cancellation (a key taken on the server and nobody knowing).
-        return await asyncio.shield(self._try_inner(calls))
-
-    async def _try_inner(self, calls: Sequence[_Try]) -> list[Lease | None]:
-        answers: list[Lease | None] = [None] * len(calls)
-        todo: list[int] = []
-        for i, call in enumerate(calls):
-            if call.lock in self._ids:
-                continue  # held (or being taken) by this process: busy, no round trip
-            self._ids.add(call.lock)
-            todo.append(i)
-        if not todo:
-            return answers
-        try:
-            for attempt in (1, 2):
-                holder = await self._pick()
-                try:
-                    taken = await self._take(holder, [calls[i] for i in todo])
-                except _HolderGone:
-                    # The holder's session ended under it (the server ended it, the network
-                    # failed): nothing of the batch is held there. One retry on a fresh one.
-                    if attempt == 2 or self._closed:
-                        raise LockUnavailable(
-                            NAME, f"the holder session ended twice in a row: {holder.error}"
-                        ) from holder.error
-                    continue
-                for i, lease in zip(todo, taken, strict=True):
-                    answers[i] = lease
-                break
-        finally:
-            for i in todo:
-                if answers[i] is None:
-                    self._ids.discard(calls[i].lock)
-        for call, lease in zip(calls, answers, strict=True):
-            if lease is not None:
-                call.lease = lease
-                if call.abandoned:
-                    self._give_back(lease)
+        await asyncio.gather(*(one(h, where) for h, where in groups.items()))
         return answers
 
-    async def _take(self, holder: _Holder, calls: list[_Try]) -> list[Lease | None]:
-        sent = self._owner._now()
-        tokens = await self._run(holder, tries=calls)
-        if tokens is None:
-            error = holder.error
-            if isinstance(error, FlowlockError) and not isinstance(error, LockUnavailable):
-                raise error  # not the session: a retry would fail the same way
-            raise _HolderGone
+    def _leases(
+        self, holder: _Holder, calls: Sequence[_Try], tokens: Sequence[int], sent: float
+    ) -> list[Lease | None]:
+        """The leases of the tries a statement sent at `sent` answered with `tokens`, on the
+        books (0: the key was held elsewhere)."""
         leases: list[Lease | None] = []
         for call, fence in zip(calls, tokens, strict=True):
             if not fence:
@@ -291,8 +353,13 @@ class Bulk:
             kept = Kept(holder, call.key, call.lock, sent + call.ttl)
             self._kept[token] = holder.kept[token] = kept
             leases.append(Lease(call.key, token, int(fence), call.ttl, sent + call.ttl, NAME))
-        holder.changed.set()
         return leases
+
+    def _handed(self, call: _Try, lease: Lease) -> None:
+        """`lease` is `call`'s: its caller's, or given back if the caller has left."""
+        call.lease = lease
+        if call.abandoned:
+            self._give_back(lease)
 
     # -- holders ------------------------------------------------------------------------------
 
@@ -301,7 +368,7 @@ class Bulk:
         if self._closed:
             raise EngineClosed("the advisory lock backend is closed; open it first")
         live = [h for h in self._holders if not h.dead]
-        idle = [h for h in live if h.busy == 0]
+        idle = [h for h in live if h.busy + h.queued == 0]
         if idle:
             return idle[0]
         if len(live) < self._most:
@@ -313,7 +380,7 @@ class Bulk:
                     return holder
         if not live:
             raise EngineClosed("the advisory lock backend is closed; open it first")
-        return min(live, key=lambda h: h.busy)
+        return min(live, key=lambda h: h.busy + h.queued)
 
     async def _open_holder(self) -> _Holder:
         conn = await self._owner._holder_connection()
@@ -437,10 +504,8 @@ class Bulk:
                         holder.changed.wait(), None if math.isinf(wake) else wake - now
                     )
                 continue
-            try:
-                await self._run(holder)
-            except FlowlockError:
-                return  # _fail has ended the holder; its leases are lost
+            with contextlib.suppress(FlowlockError):
+                await self._submit(holder, _Touch())
 
     def _give_back(self, lease: Lease) -> None:
         """Release, in the background, a lease nobody is waiting for any more."""
@@ -464,7 +529,3 @@ class Bulk:
             self._fail(holder)
         for task in list(self._background):
             task.cancel()
-
-
-class _HolderGone(Exception):
-    """A holder's session ended before its statement was answered."""
