@@ -75,6 +75,7 @@ class _Holder:
     timer_at: float = math.inf
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     reaper: asyncio.Task[None] | None = None
+    wake: float = math.inf  # when the reaper wakes next, unless told of an earlier deadline
     busy: int = 0  # statements in flight or waiting for the guard
     queued: int = 0  # single-key calls submitted and not yet answered
     dead: bool = False
@@ -254,7 +255,6 @@ class Bulk:
                 self._ids.discard(op.lock)
             else:
                 self._handed(op, lease)
-        holder.changed.set()
         return answers
 
     def _plan(self, holder: _Holder, ops: Sequence[_Op]) -> _Plan:
@@ -287,7 +287,10 @@ class Bulk:
         error = holder.error
         if isinstance(error, FlowlockError) and not isinstance(error, LockUnavailable):
             return [error] * len(tries)  # not the session: a retry would fail the same way
-        if not retry or self._closed:
+        if self._closed:
+            closed = EngineClosed("the advisory lock backend was closed while acquiring")
+            return [closed] * len(tries)
+        if not retry:
             failed = LockUnavailable(NAME, f"the holder's session ended: {error}")
             return [failed] * len(tries)
         try:
@@ -455,6 +458,8 @@ class Bulk:
                     self._ids.discard(kept.lock)
                 return None
             holder.timer_at = timer
+            if timer < holder.wake:
+                holder.changed.set()  # an earlier deadline than the reaper's next wake
             for kept in freeing:
                 self._ids.discard(kept.lock)
             if row is None:
@@ -497,6 +502,7 @@ class Bulk:
             now = self._owner._now()
             wake = min((k.deadline for k in holder.kept.values()), default=math.inf)
             wake = min(wake, holder.timer_at)
+            holder.wake = wake
             if wake > now:
                 holder.changed.clear()
                 with contextlib.suppress(TimeoutError):
