@@ -394,9 +394,11 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         return token
 
     async def release(self, lease: Lease) -> None:
-        if self._bulk is not None and self._bulk.kept(lease.token) is not None:
+        kept = None if self._bulk is None else self._bulk.kept(lease.token)
+        if self._bulk is not None and kept is not None:
             if not await self._bulk.release_one(lease):
-                raise LockNotOwned(lease.key, "release")
+                # From why its holder's session ended, if it did.
+                raise LockNotOwned(lease.key, "release") from kept.holder.error
             return
         slot = self._slots.pop(lease.token, None)
         if slot is None or slot.key != lease.key:
@@ -428,10 +430,11 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
-        if self._bulk is not None and self._bulk.kept(lease.token) is not None:
+        kept = None if self._bulk is None else self._bulk.kept(lease.token)
+        if self._bulk is not None and kept is not None:
             renewed = await self._bulk.extend_one(lease, ttl)
             if renewed is None:
-                raise LockNotOwned(lease.key, "extend")
+                raise LockNotOwned(lease.key, "extend") from kept.holder.error
             return renewed
         slot = self._slots.get(lease.token)
         if slot is None or slot.key != lease.key:
