@@ -206,7 +206,7 @@ async def test_many_tasks_in_several_backends_never_overlap_on_a_key(make: Facto
     """Three backends (three sets of sessions, as three processes would have), 90 tasks, 6
     keys, waits and wait=0 tries mixed: never two holders of a key at once, and each key's
     tokens rise in the order its holders got it."""
-    backends = [await make(pool_size=24) for _ in range(3)]
+    backends = [await make(pool_size=8) for _ in range(3)]  # 30 connections in all
     inside: dict[str, int] = defaultdict(int)
     order: dict[str, list[int]] = defaultdict(list)
     overlaps = 0

@@ -290,8 +290,11 @@ class Bulk:
         if self._closed:
             closed = EngineClosed("the advisory lock backend was closed while acquiring")
             return [closed] * len(tries)
-        if not retry:
-            failed = LockUnavailable(NAME, f"the holder's session ended: {error}")
+        if not retry or _timed_out(error):
+            # A server that did not answer in time would not answer a retry sooner.
+            failed = error if isinstance(error, LockUnavailable) else None
+            if failed is None:
+                failed = LockUnavailable(NAME, f"the holder's session ended: {error}")
             return [failed] * len(tries)
         try:
             other = await self._pick()
@@ -535,3 +538,12 @@ class Bulk:
             self._fail(holder)
         for task in list(self._background):
             task.cancel()
+
+
+def _timed_out(error: BaseException | None) -> bool:
+    """Whether `error` comes from a round trip that outlived its timeout."""
+    while error is not None:
+        if isinstance(error, TimeoutError):
+            return True
+        error = error.__cause__
+    return False
