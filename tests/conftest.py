@@ -135,6 +135,19 @@ def redis_url() -> Iterator[str]:
             os.environ.pop("FLOWLOCK_TEST_REDIS_URL", None)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A Redis Cluster of the session's own (three primaries, no replicas), for the lock
+    contract over the bulk path on a cluster (locks grouped by hash slot)."""
+    from flowlock.embedded import EmbeddedRedis
+    from flowlock_lab.redis_ha import EmbeddedRedisCluster, redis_cli
+
+    if EmbeddedRedis.find_executable() is None or redis_cli() is None:
+        pytest.skip("redis-server or redis-cli is not installed (apt-get install redis-server)")
+    with EmbeddedRedisCluster(primaries=3, replicas=0) as cluster:
+        yield cluster.url
+
+
 @pytest.fixture
 async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
     """A fresh lock namespace for one test; its Redis keys are deleted afterwards."""

@@ -92,10 +92,14 @@ class Attempts:
     """Wraps a backend's acquire script: counts the calls and keeps their replies (status,
     fencing token or the holder's PTTL), and lets a test act around them: ``before[n]`` runs
     just before call ``n`` (it may raise, as a failing call would), ``after`` gets each reply
-    as it comes back."""
+    as it comes back.
+
+    Attempts that go together through the many-lock script (coalesced calls, or
+    ``try_acquire_many``) count one call each and their replies are kept the same way;
+    ``before`` applies to the one-lock script's calls only."""
 
     def __init__(self, locks: RedisLocks) -> None:
-        assert locks._scripts is not None
+        assert locks._scripts is not None and locks._runner is not None
         self._script = locks._scripts[0]
         self.calls = 0
         self.replies: list[tuple[int, int]] = []
@@ -103,6 +107,18 @@ class Attempts:
         self.after: Callable[[tuple[int, int]], None] | None = None
         # The wrapper stands in for the acquire script: it is called the same way.
         locks._scripts = (cast(AsyncScript, self), *locks._scripts[1:])
+        self._many = locks._runner.acquire
+        locks._runner.acquire = self._acquire_many  # type: ignore[method-assign]
+
+    async def _acquire_many(self, attempts: Any, **kwargs: Any) -> Any:
+        self.calls += len(attempts)
+        answers = await self._many(attempts, **kwargs)
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                self.replies.append((int(answer[0]), int(answer[1])))
+                if self.after is not None:
+                    self.after(self.replies[-1])
+        return answers
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1

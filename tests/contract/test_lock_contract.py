@@ -169,7 +169,8 @@ class MemoryHarness(Harness):
 
 
 class RedisHarness(Harness):
-    """Redis locks; the acquire script and the waiters' sleeps are counted."""
+    """Redis locks; the acquire scripts (one-lock and many-lock) and the waiters' sleeps are
+    counted."""
 
     kind = "redis"
 
@@ -244,6 +245,8 @@ class AdvisoryHarness(Harness):
     params=[
         pytest.param("memory"),
         pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis-one-by-one", marks=pytest.mark.redis),
+        pytest.param("redis-cluster", marks=[pytest.mark.redis, pytest.mark.slow]),
         pytest.param("advisory", marks=pytest.mark.postgres),
         # The same backend with every lease on a session of its own (no shared holders).
         pytest.param("advisory-solo", marks=pytest.mark.postgres),
@@ -252,7 +255,10 @@ class AdvisoryHarness(Harness):
 def backend_setup(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
     """Which backend, and the servers (and per-test isolation) it needs."""
     kind: str = request.param
-    if kind == "redis":
+    if kind == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+        return kind, {"url": url, "namespace": f"t_{uuid.uuid4().hex[:12]}"}
+    if kind.startswith("redis"):
         return kind, {
             "url": request.getfixturevalue("redis_url"),
             "namespace": request.getfixturevalue("redis_namespace"),
@@ -273,9 +279,12 @@ async def harness(
     kind, where = backend_setup
     if kind == "memory":
         yield MemoryHarness()
-    elif kind == "redis":
+    elif kind.startswith("redis"):
+        # "redis" coalesces concurrent calls onto the many-lock scripts; "redis-one-by-one"
+        # sends each call alone.
         sleepers = Sleepers(monkeypatch)
-        async with RedisLocks(where["url"], namespace=where["namespace"]) as redis_locks:
+        bulk = kind == "redis"
+        async with RedisLocks(where["url"], namespace=where["namespace"], bulk=bulk) as redis_locks:
             yield RedisHarness(redis_locks, sleepers)
     else:
         # Room for the twenty watchers of the watcher test, each queued on a connection.

@@ -25,7 +25,13 @@ from flowlock.bench.extend import Lab
 from flowlock.bench.measure import RemoteFailure, timed_call
 from flowlock.bench.progress import Progress
 from flowlock.bench.report import aims, render, to_json
-from flowlock.bench.report.aims import HTTP_AIM, Overhead, overhead
+from flowlock.bench.report.aims import (
+    HTTP_AIM,
+    HTTP_RATE_AIM,
+    HTTP_RATE_FACTOR,
+    Overhead,
+    overhead,
+)
 from flowlock.bench.report.cells import ELLIPSIS
 from flowlock.bench.results import HTTP, CallSpec, ScenarioResult, failures
 from flowlock.bench.scenarios import SCENARIOS, Fired
@@ -213,10 +219,27 @@ def test_overhead_is_the_http_p99_against_its_twin() -> None:
     assert Overhead(0.0, 3.0).ratio is None
     assert Overhead(0.0, 3.0).met  # 3 ms <= 0 x 1.5 + 5 ms
     assert Overhead(10.0, 8.0).diff_ms == -2.0
-    twin = _result("optimistic", p99_ms=20.0)
-    assert overhead(_http("optimistic", p99_ms=35.0), twin) == found
+    twin = _result("optimistic", p99_ms=20.0, calls_per_s=1000.0)
+    got = overhead(_http("optimistic", p99_ms=35.0, calls_per_s=500.0), twin)
+    assert got == Overhead(20.0, 35.0, 1000.0, 500.0)
     assert overhead(twin, twin) is None  # an in-process result has no overhead
     assert overhead(_http("optimistic"), None) is None
+
+
+def test_the_rate_aim_is_half_the_in_process_calls_per_s() -> None:
+    """HTTP calls/s >= 0.5 x in-process calls/s, met at the bound itself."""
+    found = Overhead(20.0, 35.0, in_process_calls_per_s=1000.0, http_calls_per_s=500.0)
+    assert (found.rate_ratio, found.rate_floor, found.rate_met) == (0.5, 500.0, True)
+    assert not Overhead(20.0, 35.0, 1000.0, 499.9).rate_met
+    assert Overhead(20.0, 35.0, 0.0, 10.0).rate_ratio is None
+    report = _http_report()
+    rate = {(a.strategy, a.what): a for a in aims(report)}["optimistic", HTTP_RATE_AIM]
+    twin_rate = next(
+        r.calls_per_s for r in report.results if r.strategy == "optimistic" and r.transport != HTTP
+    )
+    assert (rate.measured, rate.compare, rate.transport) == (4321.0, ">=", HTTP)
+    assert rate.target == round(HTTP_RATE_FACTOR * twin_rate, 3)
+    assert rate.ok == (rate.target <= 4321.0)
 
 
 def test_http_results_have_their_own_aims() -> None:
@@ -261,6 +284,10 @@ def test_json_says_each_results_transport_and_the_overhead() -> None:
         "p99_diff_ms": 15.0,
         "aim_limit_ms": 35.0,
         "aim_met": True,
+        "in_process_calls_per_s": 1234.568,
+        "calls_per_s_ratio": 3.5,
+        "rate_aim_floor": 617.284,
+        "rate_aim_met": True,
     }
     assert remote["vs_floor"] == {"p99": None, "applied_per_s": None}
     for key in (
@@ -301,10 +328,12 @@ def test_render_shows_the_http_rows_beside_their_twins() -> None:
         for line in text.splitlines()
         if line.split()[:2] == ["storm", "optimistic"] and "4,321" in line
     )
-    assert row[2:] == ["4,321", "17.2", "35.0", "99.99", "ok", "20.0", "1.75", "+15.0", "met"]
+    assert row[2:] == [
+        *("4,321", "17.2", "35.0", "99.99", "ok", "20.0", "1.75", "+15.0", "met", "3.50", "met")
+    ]
     assert text.count("17.2") == 1  # the HTTP p50: not in the in-process results table
     slow = next(line for line in text.splitlines() if "+80.0" in line)
-    assert slow.split()[-2:] == ["not", "met"]
+    assert slow.split()[-4:] == ["not", "met", "1.00", "met"]
     assert "aim: HTTP p99 ≤ 1.5 × in-process p99 + 5 ms" in text
     assert "flowlock bench: 100 callers, in-process, PostgreSQL" in text
     assert "storm/pessimistic (http): LockTimeout × 2" in text

@@ -66,6 +66,7 @@ def test_requests_round_trip(request_: Request) -> None:
         ArmedReply(),
         Done((CallResult(CALL, "failed", 0.012, 3, "LockTimeout", "waited 5 s"),), 0.5, 0.25),
         Done((CallResult(CALL, "applied", 0.004, 1, batch_size=17),), 0.1, 0.0),
+        Done((CallResult(CALL, "applied", 0.004, 1),), 0.1, 0.0, cpu=0.0375),
         Closed(),
         Closed(3, 1, fired=64),
         Failed("RuntimeError: arm before open"),

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from flowlock.bench.results import (
+    HTTP,
     BenchReport,
     CallResult,
     CallSpec,
@@ -159,6 +160,19 @@ def test_summarise_counts_outcomes_and_rates() -> None:
     assert result.applied_per_round == (1,)
     assert result.wall_s == 0.5
     assert result.loop == "asyncio"
+
+
+def test_summarise_reports_cpu_microseconds_per_call() -> None:
+    """The calling processes' CPU seconds over the rounds, per call, in microseconds; None
+    over HTTP (the engine's CPU is then the service's) and for a pair without calls."""
+    timed = Timed([_good_round()], wall=0.5, cpu=0.002)
+    mine = summarise(STORM, "optimistic", Params(workers=4), timed, ConnectionStats(), loop="a")
+    assert mine.cpu_us == pytest.approx(500.0)  # 2 ms over 4 calls
+    http = summarise(
+        STORM, "optimistic", Params(workers=4), timed, ConnectionStats(), loop="a", transport=HTTP
+    )
+    assert http.cpu_us is None
+    assert summarise(STORM, "raw", Params(), Timed(), ConnectionStats(), loop="a").cpu_us is None
 
 
 def test_summarise_takes_connections_and_lock_wait_from_the_sampler() -> None:

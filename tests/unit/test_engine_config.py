@@ -218,3 +218,44 @@ def test_build_store_refuses_unknown_urls(url: object) -> None:
     """Only PostgreSQL, SQLite and memory URLs make a store."""
     with pytest.raises(flowlock.InvalidInput):
         build_store(url)  # type: ignore[arg-type]
+
+
+class _LosingStore(MemoryStore):
+    """A memory store whose compare-and-swaps lose, as if another process wrote first."""
+
+    async def commit(self, entries):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize(("retries", "attempts"), [(0, 1), (1, 2), (2, 3)])
+async def test_adaptive_finishes_under_the_lock_after_its_retries(
+    retries: int, attempts: int
+) -> None:
+    """A call on a calm instance that loses its compare-and-swap retries `retries_before_lock`
+    times, then finishes under the escalated strategy: applied, never ConflictRetriesExhausted,
+    its optimistic attempts counted in its attempts."""
+    monitor = ConflictMonitor()
+    adaptive = Adaptive(
+        optimistic=flowlock.Optimistic(backoff_base=0.0),
+        escalated=flowlock.Pessimistic(),
+        monitor=monitor,
+        retries_before_lock=retries,
+    )
+    async with flowlock.Engine(_LosingStore(), strategies=[adaptive], batching=False) as eng:
+        await eng.register(examples.approval())
+        await eng.create("approval", instance_id="a")
+        out = await eng.fire("a", "approve", strategy="adaptive")
+    assert out.applied and out.strategy == "pessimistic"
+    assert out.attempts == attempts + 1
+    assert out.reason is not None and f"lost its compare-and-swap {attempts} time" in out.reason
+
+
+def test_adaptive_refuses_a_bad_retries_before_lock() -> None:
+    for bad in (-1, 1.5, True, 1001):
+        with pytest.raises(flowlock.InvalidInput, match="retries_before_lock"):
+            Adaptive(
+                optimistic=flowlock.Optimistic(),
+                escalated=flowlock.Pessimistic(),
+                monitor=ConflictMonitor(),
+                retries_before_lock=bad,  # type: ignore[arg-type]
+            )

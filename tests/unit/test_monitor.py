@@ -147,6 +147,28 @@ async def test_escalations_are_shared_through_a_board() -> None:
     assert b.escalated("k") is None
 
 
+def test_a_contended_key_is_republished_only_when_the_boards_copy_runs_low() -> None:
+    """The escalation goes to the board at once. Contention extends it here at every call, but
+    the board hears of it again only once its copy has less than half a cool-down left: one
+    statement per key every few seconds, not one per key per sync tick. Nothing is lost: the
+    extension waits, and goes out with what is left of the local deadline then."""
+    clock = Clock()
+    m = monitor(clock, min_samples=2, cooldown=4.0)
+    for _ in range(3):
+        m.record("k", conflict=True)
+    [first] = m.take_pending()
+    assert first.until == clock.now + 4.0
+    clock.now += 1.0
+    m.contended("k")  # the board's copy has 3 s left, over half a cool-down
+    assert m.take_pending() == []
+    clock.now += 0.5
+    assert m.take_pending() == []  # 2.5 s left: the extension waits, kept...
+    clock.now += 0.6  # ...and goes once the board's copy has 1.9 s left
+    [again] = m.take_pending()
+    assert again.until == pytest.approx(1005.0)  # the local deadline the contention set
+    assert m.take_pending() == []
+
+
 def test_bad_settings_are_refused() -> None:
     """Nonsense thresholds and windows are InvalidInput."""
     with pytest.raises(flowlock.InvalidInput):

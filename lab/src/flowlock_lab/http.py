@@ -1,7 +1,8 @@
 """Calls through the service for `flowlock bench --http`.
 
-`running_service` runs `flowlock serve` for the run, and `HttpSession`
-makes each call an HTTP request to it. docs/benchmarks.md describes the setup.
+`running_service` runs `flowlock serve` for the run; the load generator
+(`flowlock_lab.http_load`, a process of its own) makes each call an HTTP request to it.
+docs/benchmarks.md describes the setup.
 """
 
 from __future__ import annotations
@@ -15,32 +16,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
-
-import asyncpg
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from flowlock.bench.config import Target
 from flowlock.bench.measure import RemoteFailure
 from flowlock.bench.progress import Progress
-from flowlock.bench.results import CallSpec
-from flowlock.bench.scenarios import Fired
-from flowlock.bench.session import BenchSession
 from flowlock.core import errors
 from flowlock.core.errors import InvalidInput
 from flowlock.core.install import pip_install
 from flowlock.embedded.errors import EmbeddedServerError
-from flowlock.engine import Engine
 
 if TYPE_CHECKING:
-    import httpx
+    pass
 
 __all__ = [
     "SERVICE_APP",
-    "HttpCallers",
-    "HttpSession",
     "Service",
     "check_http_support",
     "running_service",
@@ -60,7 +53,7 @@ REQUEST_TIMEOUT = 60.0
 """Seconds one request may take: far beyond the service's own bounds (5 s for a lock, 10 s for
 a pooled connection), so a timeout here means the service is stuck, not busy."""
 KEEPALIVE = 4.0
-"""Seconds the client keeps an idle connection: below uvicorn's 5, so the client never reuses a
+"""Seconds the load generator keeps an idle connection: below uvicorn's 5, so it never reuses a
 connection the server is closing."""
 _PROBLEM = "urn:flowlock:problem:"
 
@@ -70,7 +63,8 @@ def check_http_support() -> None:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        raise InvalidInput(f"--http needs httpx for its callers: {pip_install('bench')}") from None
+        advice = pip_install("bench")
+        raise InvalidInput(f"--http needs httpx to watch the service start: {advice}") from None
 
 
 def service_url(url: str, schema: str) -> str:
@@ -238,55 +232,6 @@ async def running_service(
                 raise
 
 
-def _client(base_url: str) -> httpx.AsyncClient:
-    import httpx
-
-    return httpx.AsyncClient(
-        base_url=base_url,
-        limits=httpx.Limits(max_connections=1, keepalive_expiry=KEEPALIVE),
-        timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10.0),
-        trust_env=False,
-    )
-
-
-class HttpCallers:
-    """One `httpx.AsyncClient` per concurrent caller, as independent clients would be.
-
-    Each has one keep-alive HTTP/1.1 connection and no proxy from the environment.
-    Its timeout is reached only by a stuck service.
-    One shared client would cost more CPU per request as requests queue (encode/httpx#3215).
-    On shared cores that cost would be billed to HTTP.
-    A call takes a free client and gives it back when answered.
-    """
-
-    def __init__(self, base_url: str, count: int) -> None:
-        self._base_url = base_url
-        self._all = [_client(base_url) for _ in range(count)]
-        self._free = list(self._all)
-
-    @contextlib.asynccontextmanager
-    async def one(self) -> AsyncIterator[httpx.AsyncClient]:
-        """A client no other call is using, until the block ends."""
-        if not self._free:  # more calls at once than callers: not in a bench round
-            self._all.append(_client(self._base_url))
-            self._free.append(self._all[-1])
-        client = self._free.pop()
-        try:
-            yield client
-        finally:
-            self._free.append(client)
-
-    async def aclose(self) -> None:
-        for client in self._all:
-            await client.aclose()
-
-    async def __aenter__(self) -> HttpCallers:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
 def _error_name(slug: str) -> str:
     """The flowlock error a problem type names, as the in-process rows name errors.
 
@@ -316,61 +261,3 @@ def failure(status: int, doc: object) -> RemoteFailure:
             attempts=attempts if isinstance(attempts, int) else 1,
         )
     return RemoteFailure(f"HTTP {status}", f"HTTP {status}: {str(doc)[:200]}")
-
-
-def _header_int(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
-
-
-class HttpSession:
-    """One strategy through the service: each `fire` is one HTTP request.
-
-    Setup and readback use `admin`'s engine and pool in this process, untimed.
-    """
-
-    def __init__(self, strategy: str, admin: BenchSession, callers: HttpCallers) -> None:
-        self._strategy = strategy
-        self._admin = admin
-        self._callers = callers
-
-    @property
-    def strategy(self) -> str:
-        return self._strategy
-
-    @property
-    def engine(self) -> Engine:
-        return self._admin.engine
-
-    @property
-    def pool(self) -> asyncpg.Pool:
-        return self._admin.pool
-
-    @property
-    def lease_wait(self) -> float:
-        return 0.0  # any lease is the service's
-
-    async def fire(self, call: CallSpec) -> Fired:
-        body: dict[str, Any] = {"strategy": self._strategy}
-        if call.actor is not None:
-            body["actor"] = call.actor
-        if call.payload is not None:
-            body["payload"] = dict(call.payload)
-        headers = {"Idempotency-Key": call.request_id} if call.request_id is not None else None
-        path = f"/instances/{quote(call.instance_id, safe='')}/events/{quote(call.event, safe='')}"
-        async with self._callers.one() as client:
-            response = await client.post(path, json=body, headers=headers)
-        if response.status_code != 200:
-            try:
-                doc: object = response.json()
-            except ValueError:
-                doc = response.text
-            raise failure(response.status_code, doc)
-        answer = response.json()
-        return Fired(
-            "applied" if answer["applied"] else "idempotent",
-            _header_int(response.headers.get("Flowlock-Attempts")) or 1,
-            _header_int(response.headers.get("Flowlock-Batch-Size")),
-        )
-
-    async def run_once(self, job: str, tick: int, fn: Callable[[], Awaitable[None]]) -> bool | None:
-        return None  # no scenario --http runs has jobs

@@ -6,6 +6,7 @@ flowlock's runner takes `LAB` and calls back into it; `run` passes it.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from flowlock.bench import runner
 from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target, service_pool
 from flowlock.bench.host import cores, loop_name
 from flowlock.bench.pairs import Pair, Run, seeded
-from flowlock.bench.procs import WORKER_ARGV, WorkerPool
+from flowlock.bench.procs import WORKER_ARGV, Close, Closed, Open, Opened, WorkerPool
 from flowlock.bench.progress import Progress
 from flowlock.bench.registry import STRATEGIES, StrategySpec
 from flowlock.bench.results import HTTP, BenchReport, ScenarioResult, summarise
@@ -29,7 +30,7 @@ from flowlock.bench.servers import (
 )
 from flowlock.bench.session import open_session
 from flowlock_lab.hosts import NamespacedHosts
-from flowlock_lab.http import HttpCallers, HttpSession, Service, check_http_support, running_service
+from flowlock_lab.http import Service, check_http_support, running_service
 
 __all__ = ["LAB", "LabParts", "OnHosts", "ThroughService", "run", "run_bench"]
 
@@ -106,28 +107,31 @@ class OnHosts:
 class ThroughService:
     """A run's `flowlock serve`, and how a pair runs through it."""
 
-    def __init__(self, config: BenchConfig, service: Service) -> None:
+    def __init__(self, config: BenchConfig, service: Service, load: WorkerPool) -> None:
         self.config = config
         self.service = service
+        self.load = load
+        """The load generator: one process of its own (`flowlock_lab.http_load`)."""
 
     def args(self) -> dict[str, Any]:
         return {
             "http_service": self.service.to_json(),
             "http_client": {
-                "library": "httpx",
-                "clients": "one AsyncClient per caller, one keep-alive connection each",
+                "library": "flowlock_lab.http_load (HTTP/1.1 on plain asyncio streams)",
+                "clients": "one keep-alive connection per caller",
                 "callers": self.config.workers,
                 "connections": self.config.workers,
-                "process": "the bench's own, on the same cores as the service and PostgreSQL",
+                "process": "a load generator of its own, on the same cores as the service and "
+                "PostgreSQL",
             },
         }
 
     def note(self) -> str:
         return (
-            f"--http: {self.config.workers} httpx callers in the bench's process and the "
-            f"service's {self.service.workers} worker process(es) share this machine's "
-            f"{cores()} cores with PostgreSQL, so the HTTP rows pay for the client's CPU too; "
-            "on a shared machine every figure is noisy"
+            f"--http: {self.config.workers} callers in a load generator process of their own "
+            f"and the service's {self.service.workers} worker process(es) share this machine's "
+            f"{cores()} cores with PostgreSQL; the generator costs little per request, but on a "
+            "shared machine every figure is noisy"
         )
 
     async def run_pair(self, run: Run, scenario: Scenario, spec: StrategySpec) -> ScenarioResult:
@@ -151,14 +155,16 @@ class ThroughService:
                 pool_size=ADMIN_POOL,
                 batching=config.batching,
             ) as admin,
-            HttpCallers(self.service.base_url, config.workers) as callers,
         ):
             # An empty escalation board, as for every pair: the service's adaptive engine would
             # otherwise adopt what its in-process twin escalated a moment before.
             await clear_escalation_board(admin.pool)
-            session = HttpSession(spec.name, admin, callers)
-            pair = Pair(run, scenario, spec, params, session, transport=HTTP)
+            name = f"{run.seed}/{scenario.name}/{spec.name}/http"
+            opened = Open(run.target, 1, scenario.name, spec.name, params, name)
+            await self.load.ask([opened], Opened)
+            pair = Pair(run, scenario, spec, params, admin, transport=HTTP, callers=self.load)
             stats = await pair.rounds(rounds)
+            await self.load.ask([Close()], Closed)
         run.progress.end()
         return summarise(
             scenario, spec.name, params, pair.timed, stats, loop=loop_name(), transport=HTTP
@@ -189,7 +195,17 @@ class LabParts:
             pool_size=service_pool(pool_size, config.http_workers),
             progress=progress,
         ) as service:
-            yield ThroughService(config, service)
+            load = WorkerPool(
+                1,
+                commands=[[sys.executable, "-m", "flowlock_lab.http_load", service.base_url]],
+                labels=["the HTTP load generator"],
+            )
+            progress.status("starting the HTTP load generator")
+            await load.start()
+            try:
+                yield ThroughService(config, service, load)
+            finally:
+                await load.aclose()
 
 
 LAB = LabParts()

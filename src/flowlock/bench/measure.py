@@ -24,6 +24,7 @@ __all__ = [
     "Gate",
     "RemoteFailure",
     "Sampler",
+    "cpu_seconds",
     "peak_overlap",
     "sampled",
     "timed_call",
@@ -34,6 +35,18 @@ SAMPLE_INTERVAL = 0.004
 """Seconds between two pg_stat_activity samples while calls run (peak connections, lock wait):
 a storm round lasts a few tens of milliseconds."""
 _IDLE_INTERVAL = 0.002  # between rounds: how soon a round's first sample is taken
+
+
+# -- process CPU ---------------------------------------------------------------------------------
+
+
+def cpu_seconds(sampler: Sampler | None = None) -> float:
+    """This process's CPU seconds so far (user + system, every thread), less the sampler's.
+
+    The sampler's thread is the benchmark's, not the engine's: its CPU is left out.
+    """
+    spent = time.process_time()
+    return spent - sampler.cpu() if sampler is not None else spent
 
 
 # -- the connection sampler ----------------------------------------------------------------------
@@ -100,6 +113,17 @@ class Sampler:
         self.peak_active = 0
         self.peak_open = 0
         self.lock_wait = 0.0
+
+    def cpu(self) -> float:
+        """The CPU seconds its thread has used so far (0 before it starts, or where the
+        platform has no per-thread clock)."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, ValueError):
+            return 0.0  # the thread has ended, so no round is being measured
 
     def stats(self) -> ConnectionStats:
         """What it has seen so far."""

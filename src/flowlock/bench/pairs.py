@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from flowlock.bench.config import ADMIN_POOL, BenchConfig, Target
 from flowlock.bench.host import loop_name
-from flowlock.bench.measure import Armed, Sampler, sampled
+from flowlock.bench.measure import Armed, Sampler, cpu_seconds, sampled
 from flowlock.bench.procs import Arm, ArmedReply, Close, Closed, Done, Go, Open, Opened, WorkerPool
 from flowlock.bench.progress import Progress
 from flowlock.bench.registry import STRATEGIES, StrategySpec
@@ -62,8 +62,9 @@ def seeded(seed: int, *parts: object) -> random.Random:
 
 # -- one round ---------------------------------------------------------------------------------
 
-_RoundOutcome = tuple[list[CallResult], float, float]
-"""Every call's result, the seconds from release to the last answer, the lease wait."""
+_RoundOutcome = tuple[list[CallResult], float, float, float]
+"""Every call's result, the seconds from release to the last answer, the lease wait, and the
+CPU seconds the calling processes spent meanwhile."""
 
 
 async def _round_in_process(
@@ -77,8 +78,10 @@ async def _round_in_process(
         raise
     leased = session.lease_wait
     async with sampled(sampler):
+        spent = cpu_seconds(sampler)
         results, wall = await armed.go()
-    return results, wall, session.lease_wait - leased
+        spent = cpu_seconds(sampler) - spent
+    return results, wall, session.lease_wait - leased, spent
 
 
 async def _round_in_processes(
@@ -93,7 +96,8 @@ async def _round_in_processes(
     results = [r for reply in replies for r in reply.results]
     wall = max(reply.wall for reply in replies)
     lease = sum(reply.lease_wait for reply in replies)
-    return results, wall, lease
+    # The workers' CPU: they make the calls. This process only waits for their replies.
+    return results, wall, lease, sum(reply.cpu for reply in replies)
 
 
 # -- one pair ----------------------------------------------------------------------------------
@@ -109,6 +113,9 @@ class Pair:
     params: Params
     session: BenchSession
     transport: Transport = IN_PROCESS
+    callers: WorkerPool | None = None
+    """The processes that fire instead of this one or the run's workers (`--http`: the
+    load generator)."""
     timed: Timed = field(default_factory=Timed)
     quiet: Timed = field(default_factory=Timed)
     """An emitting scenario's rounds without its messages (`Params.quiet`)."""
@@ -156,10 +163,13 @@ class Pair:
         shape = self.params if timed else self.params.evolve(ops=1, warmup=True)
         shape = shape.evolve(quiet=quiet)
         plan = await self.scenario.setup(self.session.engine, key, shape, rng)
-        if self.run.config.in_processes(self.scenario):
-            results, wall, lease = await _round_in_processes(self.run.workers, plan, sampler)
+        if self.callers is not None:
+            # Over HTTP the engine's CPU is the service's: the row reports none (cpu_us null).
+            results, wall, lease, cpu = await _round_in_processes(self.callers, plan, sampler)
+        elif self.run.config.in_processes(self.scenario):
+            results, wall, lease, cpu = await _round_in_processes(self.run.workers, plan, sampler)
         else:
-            results, wall, lease = await _round_in_process(
+            results, wall, lease, cpu = await _round_in_process(
                 self.scenario, self.session, plan, sampler
             )
         if not timed:
@@ -169,6 +179,7 @@ class Pair:
         into.records.append(RoundRecord(plan, tuple(results), finals, histories, extra))
         into.wall += wall
         into.lease_wait += lease
+        into.cpu += cpu
 
     async def rounds(self, rounds: int) -> ConnectionStats:
         """Run the warm-up round, then the timed rounds under the sampler.

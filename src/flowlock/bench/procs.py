@@ -170,7 +170,8 @@ class ArmedReply:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Every call's result, the seconds to the last answer, and the round's lease wait.
+    """Every call's result, the seconds to the last answer, the round's lease wait, and the
+    CPU seconds the worker process spent on the round.
 
     Latencies are measured in the worker, from its own release.
     """
@@ -179,6 +180,7 @@ class Done:
     results: tuple[CallResult, ...]
     wall: float
     lease_wait: float
+    cpu: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +188,7 @@ class Done:
             "results": [r.to_json() for r in self.results],
             "wall": self.wall,
             "lease_wait": self.lease_wait,
+            "cpu": self.cpu,
         }
 
     @classmethod
@@ -194,6 +197,7 @@ class Done:
             tuple(CallResult.from_json(r) for r in doc["results"]),
             float(doc["wall"]),
             float(doc["lease_wait"]),
+            float(doc.get("cpu", 0.0)),
         )
 
 

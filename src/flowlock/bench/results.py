@@ -246,11 +246,13 @@ class Judged(Protocol):
 
 @dataclass(slots=True)
 class Timed:
-    """What one pair's timed rounds recorded: each round, the summed wall time and lease wait."""
+    """What one pair's timed rounds recorded: each round, the summed wall time and lease wait,
+    and the CPU seconds the calling processes spent while the calls ran."""
 
     records: list[RoundRecord] = field(default_factory=list)
     wall: float = 0.0
     lease_wait: float = 0.0
+    cpu: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +411,10 @@ class ScenarioResult:
     without: ScenarioResult | None = None
     """The outbox pairs only: their rounds without messages (`Params.quiet`), each run just
     before a round with them, on the same session; this result holds the rounds with them."""
+    cpu_us: float | None = None
+    """Process CPU microseconds per call, on the calling side: the bench's process, or the sum
+    of the worker processes' for the multi-process scenarios (docs/benchmarks.md). None when
+    not measured: over HTTP the engine's CPU is the service's."""
 
     @property
     def label(self) -> str:
@@ -500,6 +506,7 @@ def summarise(
         escalated=None if escalations is None else escalations[0],
         adopted=None if escalations is None else escalations[1],
         transport=transport,
+        cpu_us=None if transport == HTTP or not calls else 1e6 * timed.cpu / calls,
     )
 
 

@@ -11,9 +11,11 @@ import contextlib
 import json
 import random
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 from flowlock.bench.host import loop_factory
-from flowlock.bench.measure import Armed
+from flowlock.bench.measure import Armed, cpu_seconds
 from flowlock.bench.procs import (
     Arm,
     ArmedReply,
@@ -32,7 +34,16 @@ from flowlock.bench.registry import STRATEGIES
 from flowlock.bench.scenarios import SCENARIOS, Scenario
 from flowlock.bench.session import BenchSession, open_session
 
-__all__ = ["main"]
+__all__ = ["Handler", "main", "serve"]
+
+
+class Handler(Protocol):
+    """What answers the runner's requests in a worker process (the lab's HTTP load generator
+    is one too)."""
+
+    async def handle(self, request: Request) -> Reply: ...
+
+    async def close(self) -> None: ...
 
 
 def _reply(message: Reply) -> None:
@@ -93,8 +104,10 @@ class _Worker:
             raise RuntimeError("go before arm")
         armed, self._armed = self._armed, None
         leased = self._session.lease_wait
+        spent = cpu_seconds()
         results, wall = await armed.go()
-        return Done(tuple(results), wall, self._session.lease_wait - leased)
+        spent = cpu_seconds() - spent
+        return Done(tuple(results), wall, self._session.lease_wait - leased, spent)
 
     async def _close(self) -> Closed:
         """Close the session; its escalation counts (its engine's adaptive monitor, new per
@@ -124,12 +137,12 @@ async def _lines() -> asyncio.StreamReader:
     return reader
 
 
-async def _answer(worker: _Worker, line: bytes) -> Reply:
+async def _answer(worker: Handler, line: bytes) -> Reply:
     return await worker.handle(request_from_dict(json.loads(line)))
 
 
-async def _serve() -> None:
-    worker = _Worker()
+async def _serve(make: Callable[[], Handler]) -> None:
+    worker = make()
     reader = await _lines()
     try:
         while line := await reader.readline():
@@ -162,10 +175,15 @@ async def _at_eof(reader: asyncio.StreamReader) -> None:
         raise RuntimeError("the runner sent a request while another one was running")
 
 
+def serve(make: Callable[[], Handler]) -> None:
+    """Serve the runner's requests with the handler `make` gives, until stdin closes."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_serve(make))
+
+
 def main() -> None:
     """Serve the runner's requests until stdin closes."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve())
+    serve(_Worker)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def bench(
     removes an embedded PostgreSQL and Redis, unless you give your servers.
 
     It prints one row per scenario x strategy: latency, success %, attempts, mean batch size,
-    throughput, peak connections, lock wait, and the checker's exactly-once verdict. The seed's
+    throughput, peak connections, lock wait, CPU per call (the calling processes'), and the
+    checker's exactly-once verdict. The seed's
     published figures appear beside storm. The aims against this run's floor follow, each with
     its ratio and met or not met. With deadline, the timers section follows: the race of
     approvals and expiries, the firing lag with 1 and 4 engines, and an idle engine's cost.

@@ -303,13 +303,15 @@ HttpOption = Annotated[
         "--http",
         help="Also run each pair through the HTTP service. A `flowlock serve` is started "
         "for the run on the same database and scratch schema. It has one worker process and "
-        "as many connections as the in-process pool. --workers httpx clients in this process "
-        "call it, one connection each. Runs storm, hot and spread with optimistic, "
-        "pessimistic and adaptive, unless --scenario/--strategy pick some of them. "
+        "as many connections as the in-process pool. --workers callers in a load generator "
+        "process of their own call it, one keep-alive connection each. "
+        "Runs storm, hot and spread with optimistic, pessimistic and adaptive, "
+        "unless --scenario/--strategy pick some of them. "
         "Every pair warms up first, also with --quick. "
         "An extra table shows requests/s, p50, p99, success % and verdict per pair. "
         "Beside them: the in-process p99 of the same run, the ratio, the difference and the "
-        "aim (HTTP p99 <= 1.5 x in-process p99 + 5 ms). "
+        "aim (HTTP p99 <= 1.5 x in-process p99 + 5 ms); the ratio of the requests/s and the "
+        "rate aim (HTTP requests/s >= 0.5 x in-process calls/s). "
         "The callers share the machine's cores with the service and PostgreSQL. "
         "Not with --hosts.",
     ),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flowlock.locks.base import Held, Lease, LeaseContext, LockBackend
+from flowlock.locks.base import BulkLockBackend, Held, Lease, LeaseContext, LockBackend
 from flowlock.locks.memory import MemoryLocks
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdvisoryLocks",
+    "BulkLockBackend",
     "Held",
     "Lease",
     "LeaseContext",

@@ -164,12 +164,15 @@ class BulkLockBackend(LockBackend, Protocol):
         """Try each key once, in as few round trips as the server allows (one per Redis
         Cluster hash slot; one statement on PostgreSQL): a Lease (fencing token included)
         for each key taken, None for a key held by someone else. Same order as keys."""
+        ...
 
     async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
         """Release each lease; True where it was still ours."""
+        ...
 
     async def extend_many(self, leases: Sequence[Lease], ttl: float) -> list[Lease | None]:
         """Renew each; None where it was lost."""
+        ...
 
 
 class FenceEpochs(Protocol):

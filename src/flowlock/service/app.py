@@ -23,6 +23,7 @@ from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
 from flowlock.service.bulk_routes import bulk_routes
 from flowlock.service.console import install_console
+from flowlock.service.fast import FastRoutes
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
 from flowlock.service.health import Probes, health_routes
@@ -92,6 +93,8 @@ def create_app(
     health_routes(app, engine, settings, metrics, probes)
     bulk_routes(app, engine, settings)
     install_console(app, engine, settings, metrics)
+    # Added first, so inside the guard: a hot route is refused or let through as any other.
+    app.add_middleware(FastRoutes, engine=engine, settings=settings)
     app.add_middleware(
         RequestGuard,
         tokens=settings.api_tokens,

@@ -11,6 +11,7 @@ The rules are in docs/operations.md ("Access: tokens and scopes").
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -72,9 +73,13 @@ def needed_scope(method: str, path: str, *, open_metrics: bool = False) -> str |
     return "read" if method.upper() in _READS else "write"
 
 
+@functools.lru_cache(maxsize=256)
 def loopback_host(host: str) -> bool:
     """Whether a Host header names a loopback host: `localhost`, an address of 127.0.0.0/8,
-    or `[::1]`, with or without a port (a trailing dot allowed)."""
+    or `[::1]`, with or without a port (a trailing dot allowed).
+
+    Cached: a service sees few Host values, and parsing an address costs more than the rest
+    of the guard."""
     text = host.strip()
     if text.startswith("["):
         inside, closed, rest = text[1:].partition("]")

@@ -16,15 +16,29 @@ from flowlock.service.bodies import invalid_fields
 from flowlock.service.problems import PROBLEM_JSON, Problem, problem
 
 
-def _problem_response(found: Problem, request: Request) -> Response:
+def answer_problem(found: Problem, path: str) -> tuple[int, bytes, dict[str, str]]:
+    """A Problem raised while answering the request for `path`: status, body and headers."""
     headers = {"Content-Type": PROBLEM_JSON, **found.headers}
-    return _answer(HttpProblem(found.status, found.body(request.url.path), headers))
+    return _encoded(HttpProblem(found.status, found.body(path), headers))
 
 
-def _answer(found: HttpProblem) -> Response:
+def answer_error(exc: BaseException, path: str) -> tuple[int, bytes, dict[str, str]]:
+    """Any other error (logged in full by the one mapping): status, body and headers."""
+    return _encoded(http_problem(exc, path))
+
+
+def _encoded(found: HttpProblem) -> tuple[int, bytes, dict[str, str]]:
     # ASCII escapes: a member may echo a client's lone surrogate, which UTF-8 cannot encode.
-    body = json.dumps(found.body, default=str).encode()
-    return Response(body, status_code=found.status, headers=found.headers)
+    return found.status, json.dumps(found.body, default=str).encode(), found.headers
+
+
+def _problem_response(found: Problem, request: Request) -> Response:
+    return _response(answer_problem(found, request.url.path))
+
+
+def _response(answer: tuple[int, bytes, dict[str, str]]) -> Response:
+    status, body, headers = answer
+    return Response(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -34,7 +48,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_error(request: Request, exc: Exception) -> Response:
         # A flowlock error, or a crash: the one mapping logs it in full and answers safely.
-        return _answer(http_problem(exc, request.url.path))
+        return _response(answer_error(exc, request.url.path))
 
     async def on_invalid(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

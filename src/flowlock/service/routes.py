@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 from urllib.parse import quote
 
 from fastapi import FastAPI, Header, Query, Request
@@ -107,7 +107,19 @@ def _definition(wf: Workflow) -> dict[str, Any]:
     }
 
 
-async def _fired(outcome: Outcome, engine: Engine) -> Response:
+class Answer(NamedTuple):
+    """A hot route's answer before encoding: the FastAPI route and the fast layer
+    (`flowlock.service.fast`) both send it, so they answer alike."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+    def response(self) -> Response:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+async def fired_answer(outcome: Outcome, engine: Engine) -> Answer:
     """A fire's answer.
 
     A replay repeats the first answer's body; only the headers tell the retry apart. Its
@@ -130,7 +142,11 @@ async def _fired(outcome: Outcome, engine: Engine) -> Response:
     }
     if outcome.replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(body, headers=headers)
+    return Answer(200, body, headers)
+
+
+async def _fired(outcome: Outcome, engine: Engine) -> Response:
+    return (await fired_answer(outcome, engine)).response()
 
 
 # -- headers -----------------------------------------------------------------------------------
@@ -190,6 +206,62 @@ def _aware(**moments: datetime | None) -> None:
 def _actor(request: Request, given: str | None) -> str | None:
     principal: str | None = getattr(request.state, "principal", None)
     return principal if principal is not None else given
+
+
+# -- the hot calls: one body of logic for the FastAPI route and the fast layer -----------------
+
+
+async def create_answer(engine: Engine, key: str | None, body: CreateBody) -> Answer:
+    """`POST /instances` once its Idempotency-Key header (checked) and body are read."""
+    instance_id = body.id if body.id is not None else _new_id(key)
+    inst = await engine.create(
+        body.workflow, instance_id=instance_id, data=body.data, request_id=key
+    )
+    return Answer(
+        201,
+        await _with_timer(inst, engine),
+        # Percent-encoded: an id may hold any character but NUL and controls, and a header
+        # carries only latin-1. A raw "é" would be mojibake, a raw "𓀀" a crash after the create,
+        # a raw "?" another URL.
+        {"ETag": etag(inst.version), "Location": f"/instances/{quote(inst.id, safe='')}"},
+    )
+
+
+async def get_answer(engine: Engine, instance_id: str) -> Answer:
+    """`GET /instances/{instance_id}`."""
+    inst = await engine.get(instance_id)
+    body = {**_instance(inst, engine), "next_timer": next_timer_dict(inst)}
+    return Answer(200, body, {"ETag": etag(inst.version)})
+
+
+async def fire_answer(
+    engine: Engine,
+    instance_id: str,
+    event: str,
+    body: FireBody,
+    *,
+    expected: int | None,
+    key: str | None,
+    principal: str | None,
+) -> Answer:
+    """`POST /instances/{instance_id}/events/{event}` once its headers and body are checked."""
+    if body.strategy is not None and body.strategy not in engine.strategies:
+        raise problem(
+            422, "unknown-strategy", "Unknown strategy",
+            f"this service runs the strategies {', '.join(sorted(engine.strategies))}, not "
+            f"{body.strategy!r} (distributed needs the service started with a Redis URL)",
+            strategy=body.strategy, known=sorted(engine.strategies),
+        )  # fmt: skip
+    outcome = await engine.fire(
+        instance_id,
+        event,
+        actor=principal if principal is not None else body.actor,
+        request_id=key,
+        expected_version=expected,
+        payload=body.payload,
+        strategy=body.strategy,
+    )
+    return await fired_answer(outcome, engine)
 
 
 def definition_routes(app: FastAPI, engine: Engine) -> None:
@@ -252,21 +324,7 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
     ) -> Response:
         key = _idempotency_key(idempotency_key)
         body = await read_json(request, CreateBody, depth, empty_ok=False)
-        instance_id = body.id if body.id is not None else _new_id(key)
-        inst = await engine.create(
-            body.workflow, instance_id=instance_id, data=body.data, request_id=key
-        )
-        return JSONResponse(
-            await _with_timer(inst, engine),
-            status_code=201,
-            # Percent-encoded: an id may hold any character but NUL and controls, and a header
-            # carries only latin-1. A raw "é" would be mojibake, a raw "𓀀" a crash after the create,
-            # a raw "?" another URL.
-            headers={
-                "ETag": etag(inst.version),
-                "Location": f"/instances/{quote(inst.id, safe='')}",
-            },
-        )
+        return (await create_answer(engine, key, body)).response()
 
     @app.get(
         "/instances",
@@ -304,9 +362,7 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
         responses=ok(InstanceOut, "The instance", headers={"ETag": ETAG}),
     )
     async def get_instance(instance_id: str) -> Response:
-        inst = await engine.get(instance_id)
-        body = {**_instance(inst, engine), "next_timer": next_timer_dict(inst)}
-        return JSONResponse(body, headers={"ETag": etag(inst.version)})
+        return (await get_answer(engine, instance_id)).response()
 
     @app.post(
         "/instances/{instance_id}/events/{event}",
@@ -330,23 +386,16 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
         expected = _if_match(if_match, settings.require_if_match)
         key = _idempotency_key(idempotency_key)
         body = await read_json(request, FireBody, depth, empty_ok=True)
-        if body.strategy is not None and body.strategy not in engine.strategies:
-            raise problem(
-                422, "unknown-strategy", "Unknown strategy",
-                f"this service runs the strategies {', '.join(sorted(engine.strategies))}, not "
-                f"{body.strategy!r} (distributed needs the service started with a Redis URL)",
-                strategy=body.strategy, known=sorted(engine.strategies),
-            )  # fmt: skip
-        outcome = await engine.fire(
+        answer = await fire_answer(
+            engine,
             instance_id,
             event,
-            actor=_actor(request, body.actor),
-            request_id=key,
-            expected_version=expected,
-            payload=body.payload,
-            strategy=body.strategy,
+            body,
+            expected=expected,
+            key=key,
+            principal=_actor(request, None),
         )
-        return await _fired(outcome, engine)
+        return answer.response()
 
     @app.get(
         "/instances/{instance_id}/history",

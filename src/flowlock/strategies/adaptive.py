@@ -5,8 +5,9 @@ Each call asks the
 its instance is escalated. A calm instance runs the optimistic loop, every compare-and-swap attempt
 reported to the monitor; when the monitor escalates the instance (conflict rate over the threshold),
 a call that is mid-retry finishes under the escalated strategy (pessimistic, or distributed) instead
-of exhausting its attempts, and so does a call that used up its optimistic attempts on an instance
-not (yet) escalated. Escalated instances run under that strategy until they calm down.
+of exhausting its attempts, and so does a call that lost its compare-and-swap again after
+`retries_before_lock` retries on an instance not (yet) escalated. Escalated instances run under that
+strategy until they calm down.
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ from dataclasses import dataclass
 
 from flowlock import tracing
 from flowlock.core.models import Snapshot
+from flowlock.core.settings import check_count
 from flowlock.core.step import Call, Idempotent
 from flowlock.stores.base import Store
-from flowlock.strategies.base import Decide, Planned, Strategy, StrategyResult, looked_up, stamped
+from flowlock.strategies.base import (
+    MAX_ATTEMPTS,
+    Decide,
+    Planned,
+    Strategy,
+    StrategyResult,
+    looked_up,
+    stamped,
+)
 from flowlock.strategies.monitor import ConflictMonitor
 from flowlock.strategies.optimistic import Optimistic
 
@@ -40,11 +50,21 @@ def _as(decide: Decide, name: str) -> Decide:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Adaptive:
-    """Optimistic until the monitor escalates an instance, then `escalated`."""
+    """Optimistic until the monitor escalates an instance, then `escalated`.
+
+    `retries_before_lock`: how many optimistic retries a call makes after losing a
+    compare-and-swap before it finishes under `escalated` (at most the optimistic strategy's
+    attempts allow). Few: a lost race on a calm instance means writers from other processes,
+    which the monitor of this one sees only in part; each retry costs a backoff and a read.
+    """
 
     optimistic: Optimistic
     escalated: Strategy
     monitor: ConflictMonitor
+    retries_before_lock: int = 1
+
+    def __post_init__(self) -> None:
+        check_count("retries_before_lock", self.retries_before_lock, least=0, most=MAX_ATTEMPTS)
 
     @property
     def name(self) -> str:
@@ -105,16 +125,18 @@ class Adaptive:
                 monitor.record(key, conflict=committed is None)
             if committed is not None:
                 return StrategyResult(committed, True, attempt, opt.name, calm)
-            if attempt < opt.max_attempts:
-                await opt.sleep(opt.backoff(attempt))
-                snap = await store.read(key, request_ids)
+            if self.retries_before_lock < attempt:
+                break
+            await opt.sleep(opt.backoff(attempt))
+            snap = await store.read(key, request_ids)
         escalation = monitor.escalated(key)
+        spent = min(attempt, opt.max_attempts)
         why = (
             escalation.reason
             if escalation is not None
-            else f"this call lost its compare-and-swap {opt.max_attempts} times"
+            else f"this call lost its compare-and-swap {spent} time(s)"
         )
         # Why not ConflictRetriesExhausted: a warm instance (conflicts spread over processes,
         # too few in any one window to escalate it) still must not fail a call for losing
         # races; the lock makes this one call certain.
-        return await self._escalated(store, calls, decide, opt.max_attempts, why)
+        return await self._escalated(store, calls, decide, spent, why)

@@ -259,16 +259,29 @@ class ConflictMonitor:
 
     def take_pending(self) -> list[Escalation]:
         """Escalations decided (or extended) here since the last call, to publish: each with
-        `until` on the board's clock, from what is left of its local deadline now."""
+        `until` on the board's clock, from what is left of its local deadline now.
+
+        An extension waits while the board's copy still has over half a cool-down to run.
+        Why: every contended call extends its key, and publishing each key at every sync
+        tick costs a statement per escalated key twice a second. The other engines still see
+        the key escalated, for at least half a cool-down more, until the refresh goes out.
+        """
         pending, self._pending = self._pending, []
         board, mono = self.board_time(), self._clock()
         latest: dict[str, Escalation] = {}
+        later: dict[str, Escalation] = {}
         for e in pending:
             found = self._escalated.get(e.key)
-            if found is not None and found[1] > mono:
-                until = board + (found[1] - mono)
-                latest[e.key] = Escalation(e.key, found[0].strategy, until, found[0].reason)
-                self._shared[e.key] = until
+            if found is None or found[1] <= mono:
+                continue
+            shared = self._shared.get(e.key)
+            if shared is not None and shared - board > self.cooldown / 2:
+                later[e.key] = e  # kept: published once the board's copy runs low
+                continue
+            until = board + (found[1] - mono)
+            latest[e.key] = Escalation(e.key, found[0].strategy, until, found[0].reason)
+            self._shared[e.key] = until
+        self._pending = [e for key, e in later.items() if key not in latest]
         return list(latest.values())
 
     def adopt(self, shared: Mapping[str, Escalation]) -> None:

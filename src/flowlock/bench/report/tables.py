@@ -112,6 +112,12 @@ def _batch_cell(result: ScenarioResult) -> Text:
     return Text(num(result.mean_batch, 2))
 
 
+def _cpu_cell(result: ScenarioResult) -> Text:
+    if result.cpu_us is None:
+        return Text("—", style="dim")
+    return Text(num(result.cpu_us, 0))
+
+
 @dataclass(frozen=True, slots=True)
 class _Column:
     """One figure of the results table: header, cell, and whether narrow terminals may drop it.
@@ -137,6 +143,7 @@ _COLUMNS: tuple[_Column, ...] = (
     _Column("applied/s", lambda r: Text(num(r.applied_per_s, 0))),
     _Column("peak conns", lambda r: Text(str(r.peak_connections)), essential=False),
     _Column("lock wait ms", lambda r: Text(num(r.lock_wait_ms)), essential=False),
+    _Column("cpu µs", _cpu_cell, essential=False),
 )
 """The figures in the order of the wide table; the verdict follows them."""
 

@@ -15,6 +15,8 @@ One concern per module:
 - `wakeups`: local waiter queues and the pub/sub listener.
 - `fence`: restarting a fencing counter Redis lost.
 - `connection`: bounded connections and driver errors.
+- `bulk`: many locks per round trip, and the lanes that coalesce single-key calls onto it.
+- `many`: the many-lock calls of `RedisLocks` (`try_acquire_many`, ...).
 - `backend`: [`RedisLocks`][flowlock.locks.redis.RedisLocks], which composes them.
 """
 

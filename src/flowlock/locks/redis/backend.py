@@ -12,7 +12,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from flowlock.core.errors import (
@@ -39,7 +39,8 @@ from flowlock.locks.base import (
     check_ttl,
     check_wait,
 )
-from flowlock.locks.redis import scripts, urls
+from flowlock.locks.redis import bulk, scripts, urls
+from flowlock.locks.redis import many as bulk_api
 from flowlock.locks.redis.connection import BACKEND, Client, Servers, bounded, close, servers, text
 from flowlock.locks.redis.fence import FenceFloors
 from flowlock.locks.redis.keys import Keyspace
@@ -81,6 +82,8 @@ class RedisLocks(AsyncResource):
     - `socket_timeout` bounds every call to Redis.
     - `max_connections` caps the connections; callers beyond it queue within their bound.
       In a cluster it is per node, and a burst beyond it raises LockUnavailable.
+    - `bulk` (default on): single-key calls that are ready together share one round trip
+      (the many-lock scripts, one call per hash slot on a cluster). Off: one call each.
     - `token`, `rng` and `clock` are injectable for tests.
     """
 
@@ -94,6 +97,7 @@ class RedisLocks(AsyncResource):
         fence_epochs: FenceEpochs | None = None,
         socket_timeout: float = 2.0,
         max_connections: int = 100,
+        bulk: bool = True,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +110,7 @@ class RedisLocks(AsyncResource):
         self._init(
             namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
         )
+        self._bulk = bool(bulk)
         self._servers: Servers | None = None
         self._owns_client = True
 
@@ -119,6 +124,7 @@ class RedisLocks(AsyncResource):
         fence_gap: int = 1_000_000,
         fence_epochs: FenceEpochs | None = None,
         socket_timeout: float = 2.0,
+        bulk: bool = True,
         token: Callable[[], str] = lambda: secrets.token_hex(16),
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -136,6 +142,7 @@ class RedisLocks(AsyncResource):
         self._init(
             namespace, fence_floor, fence_gap, fence_epochs, socket_timeout, token, rng, clock
         )
+        self._bulk = bool(bulk)
         self._servers = Servers(client)
         self._owns_client = False
         return self
@@ -177,6 +184,8 @@ class RedisLocks(AsyncResource):
         self._wakeups = Wakeups(self._rng)
         self._listener: Listener | None = None
         self._scripts: scripts.Scripts | None = None
+        self._runner: bulk.Runner | None = None
+        self._lanes: bulk.Lanes | None = None
 
     # --- names and state -------------------------------------------------------------------
 
@@ -243,6 +252,17 @@ class RedisLocks(AsyncResource):
                 connect_timeout=self._socket_timeout,
             )
         self._scripts = scripts.register(self._servers.client)
+        self._runner = bulk.Runner(self._servers.client)
+        self._lanes = (
+            bulk.Lanes(
+                self._runner,
+                socket_timeout=self._socket_timeout,
+                fence=lambda: (self._fence.unknown, self._fence.span),
+                forget=lambda lock_key, token: self._spawn(self._forget(lock_key, token)),
+            )
+            if self._bulk
+            else None
+        )
         self._open = True
         self._listener = Listener(
             self._servers.pubsub,
@@ -267,6 +287,8 @@ class RedisLocks(AsyncResource):
         listener, self._listener = self._listener, None
         if listener is not None:
             await listener.stop()
+        if self._lanes is not None:
+            await self._lanes.drain()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._owns_client and self._servers is not None:
@@ -340,27 +362,34 @@ class RedisLocks(AsyncResource):
 
     async def _attempt(self, key: str, token: str, ttl: float, bound: float) -> tuple[int, int]:
         """One run of the acquire script: (status, fencing token or the holder's PTTL)."""
-        assert self._scripts is not None
-        lock_key = self.redis_key(key)
-        call = scripts.acquire(
-            self._scripts,
-            lock_key=lock_key,
-            fence_key=self.fence_key(key),
-            stamp_key=self._keys.stamp(key),
-            token=token,
-            ttl_ms=_millis(ttl),
-            unknown=self._fence.unknown,
-            span=self._fence.span,
-        )
+        attempt = bulk.Attempt.of(self._keys, key, token, _millis(ttl), bound)
         try:
-            reply = await bounded("acquire", call, bound)
+            if self._lanes is None:
+                reply = await self._attempt_one(attempt)
+            else:
+                reply = await self._lanes.acquire(attempt, self._attempt_one)
         except BaseException:
             # The request may have reached Redis and taken the key for a token nobody will
             # ever release: free it (best effort; it expires at its ttl anyway).
             if self._open:
-                self._spawn(self._forget(lock_key, token))
+                self._spawn(self._forget(attempt.lock_key, token))
             raise
         return int(reply[0]), int(reply[1])
+
+    async def _attempt_one(self, a: bulk.Attempt) -> Any:
+        """The acquire script alone, for one attempt."""
+        assert self._scripts is not None
+        call = scripts.acquire(
+            self._scripts,
+            lock_key=a.lock_key,
+            fence_key=a.fence_key,
+            stamp_key=a.stamp_key,
+            token=a.token,
+            ttl_ms=a.ttl_ms,
+            unknown=self._fence.unknown,
+            span=self._fence.span,
+        )
+        return await bounded("acquire", call, a.bound)
 
     async def _start_counter(self, key: str, floor: int, bound: float) -> None:
         """Raise `key`'s fencing counter to `floor` (it was missing, or at its epoch's end)."""
@@ -400,9 +429,11 @@ class RedisLocks(AsyncResource):
             raise
 
     async def _release(self, lease: Lease) -> None:
-        assert self._scripts is not None
-        call = scripts.release(self._scripts, lock_key=self.redis_key(lease.key), token=lease.token)
-        deleted = await bounded("release", call, self._socket_timeout)
+        hold = bulk.Hold(self.redis_key(lease.key), lease.token)
+        if self._lanes is None:
+            deleted = await self._release_one(hold)
+        else:
+            deleted = await self._lanes.release(hold, self._release_one)
         if int(deleted) != 1:
             raise LockNotOwned(lease.key, "release")
 
@@ -410,18 +441,41 @@ class RedisLocks(AsyncResource):
         self._check_lease(lease)
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
         self._require_open()
-        assert self._scripts is not None
         sent = self._clock()
-        call = scripts.extend(
-            self._scripts,
-            lock_key=self.redis_key(lease.key),
-            token=lease.token,
-            ttl_ms=_millis(ttl),
-        )
-        extended = await bounded("extend", call, self._socket_timeout)
+        hold = bulk.Hold(self.redis_key(lease.key), lease.token, _millis(ttl))
+        if self._lanes is None:
+            extended = await self._extend_one(hold)
+        else:
+            extended = await self._lanes.extend(hold, self._extend_one)
         if int(extended) != 1:
             raise LockNotOwned(lease.key, "extend")
         return lease.renewed(sent + ttl, ttl)
+
+    async def _release_one(self, hold: bulk.Hold) -> Any:
+        assert self._scripts is not None
+        call = scripts.release(self._scripts, lock_key=hold.lock_key, token=hold.token)
+        return await bounded("release", call, self._socket_timeout)
+
+    async def _extend_one(self, hold: bulk.Hold) -> Any:
+        assert self._scripts is not None
+        call = scripts.extend(
+            self._scripts, lock_key=hold.lock_key, token=hold.token, ttl_ms=hold.ttl_ms
+        )
+        return await bounded("extend", call, self._socket_timeout)
+
+    # --- many locks at once (BulkLockBackend) ----------------------------------------------
+
+    async def try_acquire_many(self, keys: Sequence[str], *, ttl: float) -> list[Lease | None]:
+        """Try each key once, in one round trip per hash slot group. See BulkLockBackend."""
+        return await bulk_api.try_acquire_many(self, keys, ttl)
+
+    async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Release each lease; True where it was still ours. See BulkLockBackend."""
+        return await bulk_api.release_many(self, leases)
+
+    async def extend_many(self, leases: Sequence[Lease], ttl: float) -> list[Lease | None]:
+        """Renew each lease for `ttl`; None where it was lost. See BulkLockBackend."""
+        return await bulk_api.extend_many(self, leases, ttl)
 
     async def ping(self) -> None:
         """One PING within `socket_timeout`, as a readiness probe.

@@ -6,7 +6,7 @@ what makes "delete the key only if it is still mine" safe.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -17,11 +17,16 @@ __all__ = [
     "ACQUIRED",
     "HELD",
     "NO_COUNTER",
+    "BulkScripts",
     "Scripts",
     "acquire",
+    "acquire_many",
     "extend",
+    "extend_many",
     "register",
+    "register_bulk",
     "release",
+    "release_many",
     "start",
 ]
 
@@ -119,6 +124,84 @@ return 0
 """
 )
 
+# The same three scripts over many locks, for one round trip. Each lock is handled exactly as
+# its one-lock script would, in order; a lock named twice finds itself held the second time.
+# In a cluster every key of one call must share a hash slot: the caller groups locks by slot.
+
+# KEYS: three per lock (its key, fencing counter and stamp, as in ACQUIRE).
+# ARGV[1], ARGV[2]: ACQUIRE's ARGV[3] and ARGV[4], for every lock. Then per lock i its token
+# (ARGV[2i+1]) and ttl in milliseconds (ARGV[2i+2]).
+# Returns ACQUIRE's pair for each lock, flattened: {status1, value1, status2, value2, ...}.
+# The replication id is read once per call, and only when a counter needs it.
+ACQUIRE_MANY = (
+    REPLID
+    + """
+local out = {}
+local rid = nil
+local unknown, span = ARGV[1], ARGV[2]
+for i = 1, #KEYS / 3 do
+  local lock, fence_key, stamp_key = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local status, value = 1, 0
+  local pttl = redis.call('PTTL', lock)
+  if pttl ~= -2 then
+    status, value = 0, pttl
+  elseif unknown == '' then
+    local fence = redis.call('GET', fence_key)
+    if not fence then
+      status, value = -1, 0
+    elseif span ~= '' then
+      if (tonumber(fence) + 1) % tonumber(span) == 0 then
+        status, value = -1, tonumber(fence)
+      else
+        if rid == nil then
+          rid = replid()
+        end
+        if redis.call('GET', stamp_key) ~= rid then
+          status, value = -1, tonumber(fence)
+        end
+      end
+    end
+  end
+  if status == 1 then
+    redis.call('SET', lock, ARGV[2 * i + 1], 'NX', 'PX', ARGV[2 * i + 2])
+    value = redis.call('INCR', fence_key)
+  end
+  out[2 * i - 1] = status
+  out[2 * i] = value
+end
+return out
+"""
+)
+
+# KEYS: the lock keys. ARGV[i]: the token of KEYS[i]. Returns RELEASE's answer for each.
+RELEASE_MANY = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    redis.call('DEL', KEYS[i])
+    redis.call('PUBLISH', KEYS[i], '')
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# KEYS: the lock keys. ARGV[2i-1], ARGV[2i]: the token and new ttl in ms of KEYS[i].
+# Returns EXTEND's answer for each.
+EXTEND_MANY = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[2 * i - 1] then
+    out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
 Scripts = tuple[AsyncScript, AsyncScript, AsyncScript, AsyncScript]
 """The scripts registered on one client: acquire, release, extend, start, in that order. A plain
 tuple, so that a test can wrap one of them in something that counts or delays its calls."""
@@ -137,6 +220,54 @@ def register(client: aioredis.Redis | RedisCluster) -> Scripts:
         client.register_script(EXTEND),
         client.register_script(START),
     )
+
+
+BulkScripts = tuple[AsyncScript, AsyncScript, AsyncScript]
+"""The many-lock scripts registered on one client: acquire, release, extend."""
+
+
+def register_bulk(client: aioredis.Redis | RedisCluster) -> BulkScripts:
+    """Register the many-lock scripts on `client` (sent as EVALSHA, as `register` says)."""
+    return (
+        client.register_script(ACQUIRE_MANY),
+        client.register_script(RELEASE_MANY),
+        client.register_script(EXTEND_MANY),
+    )
+
+
+def acquire_many(
+    scripts: BulkScripts,
+    *,
+    keys: Sequence[str],
+    owners: Sequence[str | int],
+    unknown: str,
+    span: str,
+    client: Any = None,
+) -> Awaitable[Any]:
+    """Try many locks at once. `keys` holds three keys per lock (lock, counter, stamp) and
+    `owners` two values (token, ttl in ms). Replies ACQUIRE's pairs, flattened.
+
+    With a cluster pipeline as `client` the call is queued on it (awaiting it only queues)."""
+    return scripts[0](keys=list(keys), args=[unknown, span, *owners], client=client)
+
+
+def release_many(
+    scripts: BulkScripts, *, lock_keys: Sequence[str], tokens: Sequence[str], client: Any = None
+) -> Awaitable[Any]:
+    """Release many locks at once: for each, 1 if its token held it and it was deleted."""
+    return scripts[1](keys=list(lock_keys), args=list(tokens), client=client)
+
+
+def extend_many(
+    scripts: BulkScripts,
+    *,
+    lock_keys: Sequence[str],
+    owners: Sequence[str | int],
+    client: Any = None,
+) -> Awaitable[Any]:
+    """Extend many locks at once; `owners` holds a token and a ttl in ms per lock. For each,
+    1 if its token held it and its expiry was reset."""
+    return scripts[2](keys=list(lock_keys), args=list(owners), client=client)
 
 
 def acquire(
