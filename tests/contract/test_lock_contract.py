@@ -248,6 +248,8 @@ class AdvisoryHarness(Harness):
         pytest.param("redis-one-by-one", marks=pytest.mark.redis),
         pytest.param("redis-cluster", marks=[pytest.mark.redis, pytest.mark.slow]),
         pytest.param("advisory", marks=pytest.mark.postgres),
+        # The same backend with every lease on a session of its own (no shared holders).
+        pytest.param("advisory-solo", marks=pytest.mark.postgres),
     ]
 )
 def backend_setup(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
@@ -261,7 +263,7 @@ def backend_setup(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
             "url": request.getfixturevalue("redis_url"),
             "namespace": request.getfixturevalue("redis_namespace"),
         }
-    if kind == "advisory":
+    if kind.startswith("advisory"):
         return kind, {
             "dsn": request.getfixturevalue("pg_url"),
             "schema": request.getfixturevalue("pg_schema"),
@@ -291,6 +293,7 @@ async def harness(
             namespace=f"t_{uuid.uuid4().hex[:8]}",
             schema=where["schema"],
             pool_size=24,
+            bulk=kind == "advisory",
         )
         await locks.open()
         probe = await pg_budget.connect(where["dsn"])

@@ -36,14 +36,18 @@ MS = 0.01  # PostgreSQL counts its timeouts in milliseconds on its own clock
 Factory = Callable[..., Awaitable[AdvisoryLocks]]
 
 
-@pytest.fixture
-async def make(pg_url: str, pg_schema: str) -> AsyncIterator[Factory]:
-    """Opens advisory backends on this test's schema and namespace; closes them afterwards."""
+@pytest.fixture(params=[True, False], ids=["bulk", "solo"])
+async def make(
+    pg_url: str, pg_schema: str, request: pytest.FixtureRequest
+) -> AsyncIterator[Factory]:
+    """Opens advisory backends on this test's schema and namespace; closes them afterwards.
+    Each test runs with shared holder sessions (bulk) and with a session per lease (solo)."""
     namespace = f"t_{uuid.uuid4().hex[:8]}"
     opened: list[AdvisoryLocks] = []
 
     async def factory(**options: object) -> AdvisoryLocks:
         options.setdefault("namespace", namespace)
+        options.setdefault("bulk", request.param)
         locks = AdvisoryLocks(pg_url, schema=pg_schema, **options)  # type: ignore[arg-type]
         await locks.open()
         opened.append(locks)

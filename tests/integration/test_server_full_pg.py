@@ -125,8 +125,9 @@ async def test_a_store_that_cannot_grow_its_pool_says_why_and_writes_nothing(
 async def test_advisory_locks_on_a_full_server_say_why(role: Role, pg_schema: str) -> None:
     """The advisory lock backend opens one connection per pool up front; an acquire that needs
     another on a full server raises TooManyConnections (not "unreachable"), and the held lease
-    is unaffected."""
-    async with AdvisoryLocks(role.url, schema=pg_schema, pool_size=4) as locks:
+    is unaffected. With a session per lease (bulk=False) a second lease needs one; in bulk the
+    leases share a holder, and a waiting acquire needs one."""
+    async with AdvisoryLocks(role.url, schema=pg_schema, pool_size=4, bulk=False) as locks:
         await role.settled(2, "one connection per pool")
         await role.fill()
         held = await locks.acquire("a", ttl=30)  # on the lease pool's open connection
@@ -136,3 +137,17 @@ async def test_advisory_locks_on_a_full_server_say_why(role: Role, pg_schema: st
         assert await locks.owned(held)
         await locks.release(held)
         assert not await locks.locked("b")
+    for conn in role.held:
+        await conn.close()
+    role.held.clear()
+    await role.settled(0, "every session of the first backend closed")
+    async with AdvisoryLocks(role.url, schema=pg_schema, pool_size=4) as locks:
+        await role.settled(2, "one connection per pool")
+        await role.fill()
+        held = await locks.acquire("a", ttl=30)  # the holder: the lease pool's open connection
+        other = await locks.acquire("b", ttl=30)  # on the same holder: no new connection
+        with pytest.raises(flowlock.TooManyConnections) as caught:
+            await locks.acquire("a", ttl=30, wait=1)  # waits on a session of its own
+        assert "unreachable" not in str(caught.value)
+        assert await locks.owned(held) and await locks.owned(other)
+        assert await locks.release_many([held, other]) == [True, True]

@@ -44,8 +44,11 @@ from flowlock.core.settings import (
     check_text,
     check_url,
 )
+from flowlock.locks.advisory.bulk import Bulk
 from flowlock.locks.advisory.errors import ERRORS, NAME, Busy
+from flowlock.locks.advisory.many import BulkCalls
 from flowlock.locks.advisory.sql import (
+    BULK_SUPPORTED,
     FENCE_FLOOR,
     HELD_BY,
     LOCKED,
@@ -55,7 +58,13 @@ from flowlock.locks.advisory.sql import (
     ms,
     oids,
 )
-from flowlock.locks.base import Lease, LeaseContext, check_lock_key, check_ttl, check_wait
+from flowlock.locks.base import (
+    Lease,
+    LeaseContext,
+    check_lock_key,
+    check_ttl,
+    check_wait,
+)
 
 __all__ = ["DEFAULT_IO_TIMEOUT", "NEEDS_SESSION", "AdvisoryLocks"]
 
@@ -78,7 +87,7 @@ class _Slot:
     done: bool = False
 
 
-class AdvisoryLocks(AsyncResource):
+class AdvisoryLocks(BulkCalls, AsyncResource):
     """Lease locks held as PostgreSQL transaction-level advisory locks.
 
     `dsn`: a `postgresql://` URL.
@@ -96,6 +105,10 @@ class AdvisoryLocks(AsyncResource):
     holds one transaction open, and checks it by that session's process id: behind a
     transaction pooler (PgBouncer `pool_mode=transaction`) `open` refuses with
     InvalidInput, naming session pooling; behind a session pooler it works.
+    `bulk`: hold leases on a few shared sessions of the lease pool, so that concurrent acquires,
+    releases and renewals on different keys share one statement (PostgreSQL 14 and later; on an
+    older server, and with a pool of one connection, every lease has its own session as with
+    `bulk=False`). docs/deployment.md says how each lease keeps its own ttl there.
     `clock` and `token` are injectable for tests.
     """
 
@@ -114,6 +127,7 @@ class AdvisoryLocks(AsyncResource):
         connect_timeout: float = 10.0,
         application_name: str = "flowlock-advisory",
         pooling: PoolingChoice = "auto",
+        bulk: bool = True,
     ) -> None:
         # Every argument before any connection: NaN or a negative timeout would otherwise reach
         # a server setting ('1ms', silently) or asyncpg (a raw ValueError at open()).
@@ -144,6 +158,10 @@ class AdvisoryLocks(AsyncResource):
         self._slots: dict[str, _Slot] = {}
         self._pending: set[asyncpg.pool.PoolConnectionProxy] = set()
         self._opening = asyncio.Lock()
+        # Shared holder sessions: one per batch in flight, taken from the lease pool, which
+        # keeps the rest for waiting acquires (none with a pool of one).
+        self.holders = 0 if not bulk or pool_size < 2 else min(4, max(1, pool_size // 4))
+        self._bulk: Bulk | None = None
 
     @property
     def name(self) -> str:
@@ -153,7 +171,8 @@ class AdvisoryLocks(AsyncResource):
         state = "open" if self._leases is not None else "closed"
         return (
             f"<AdvisoryLocks {self.dsn.split('@')[-1]!r} namespace={self.namespace!r} "
-            f"schema={self.schema!r} {state}, {len(self._slots)} held>"
+            f"schema={self.schema!r} {state}, "
+            f"{len(self._slots) + len(self._bulk or ())} held>"
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -197,11 +216,16 @@ class AdvisoryLocks(AsyncResource):
                             "SELECT current_schema()", timeout=self._io_timeout
                         )
                         self._scope = found if isinstance(found, str) else ""
+                    bulk = self.holders > 0 and await pools[1].fetchval(
+                        BULK_SUPPORTED, timeout=self._io_timeout
+                    )
             except BaseException:
                 for pool in pools:
                     pool.terminate()
                 raise
             self._leases, self._side = pools
+            if bulk is True:
+                self._bulk = Bulk(self, holders=self.holders, io_timeout=self._io_timeout)
 
     async def _pooling(self) -> Pooling:
         """What sits between this process and PostgreSQL; InvalidInput when it is a
@@ -240,6 +264,9 @@ class AdvisoryLocks(AsyncResource):
         once); acquires still waiting fail. Idempotent."""
         leases, side = self._leases, self._side
         self._leases = self._side = None
+        bulk, self._bulk = self._bulk, None
+        if bulk is not None:
+            bulk.close()
         slots = list(self._slots.values())
         self._slots.clear()
         for slot in slots:
@@ -274,6 +301,14 @@ class AdvisoryLocks(AsyncResource):
         leases, _ = self._pools()
         lock = self.lock_id(key)
         started = self._clock()
+        if self._bulk is not None:
+            # The first try shares a statement with the others ready now; a waiting acquire
+            # then waits in PostgreSQL's lock queue on a session of its own.
+            lease = await self._bulk.try_one(key, lock, ttl)
+            if lease is not None:
+                return lease
+            if wait <= 0:
+                raise LockBusy(key)
         conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
         self._pending.add(conn)
         try:
@@ -359,6 +394,12 @@ class AdvisoryLocks(AsyncResource):
         return token
 
     async def release(self, lease: Lease) -> None:
+        kept = None if self._bulk is None else self._bulk.kept(lease.token)
+        if self._bulk is not None and kept is not None:
+            if not await self._bulk.release_one(lease):
+                # From why its holder's session ended, if it did.
+                raise LockNotOwned(lease.key, "release") from kept.holder.error
+            return
         slot = self._slots.pop(lease.token, None)
         if slot is None or slot.key != lease.key:
             raise LockNotOwned(lease.key, "release")
@@ -389,6 +430,12 @@ class AdvisoryLocks(AsyncResource):
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
+        kept = None if self._bulk is None else self._bulk.kept(lease.token)
+        if self._bulk is not None and kept is not None:
+            renewed = await self._bulk.extend_one(lease, ttl)
+            if renewed is None:
+                raise LockNotOwned(lease.key, "extend") from kept.holder.error
+            return renewed
         slot = self._slots.get(lease.token)
         if slot is None or slot.key != lease.key:
             raise LockNotOwned(lease.key, "extend")
@@ -422,6 +469,13 @@ class AdvisoryLocks(AsyncResource):
         return lease.renewed(sent + ttl, ttl)
 
     async def owned(self, lease: Lease) -> bool:
+        kept = None if self._bulk is None else self._bulk.kept(lease.token)
+        if kept is not None:
+            if kept.key != lease.key or kept.deadline <= self._clock():
+                return False
+            classid, objid = oids(kept.lock)
+            held = await self._query(HELD_BY, kept.holder.pid, classid, objid)
+            return held is True and self._bulk is not None and self._bulk.kept(lease.token) is kept
         slot = self._slots.get(lease.token)
         if slot is None or slot.done or slot.key != lease.key:
             return False
@@ -471,6 +525,18 @@ class AdvisoryLocks(AsyncResource):
         check_lock_key(key)
         found = await self._query(FENCE_FLOOR, self.namespace, key)
         return found if isinstance(found, int) else 0
+
+    # -- what the bulk path needs ------------------------------------------------------------
+
+    def _now(self) -> float:
+        return self._clock()
+
+    def _new_token(self) -> str:
+        return self._token()
+
+    async def _holder_connection(self) -> asyncpg.pool.PoolConnectionProxy:
+        leases, _ = self._pools()
+        return await self._checkout(leases, self._pool_timeout, self.pool_size)
 
     # -- connections -----------------------------------------------------------------------
 

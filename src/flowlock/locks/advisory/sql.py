@@ -11,6 +11,36 @@ INSERT INTO flowlock_fences AS f (namespace, key, token) VALUES ($1, $2, 1)
 ON CONFLICT (namespace, key) DO UPDATE SET token = f.token + 1
 RETURNING token
 """
+# A holder's one statement (docs/deployment.md, "Advisory leases in bulk"), in autocommit: the
+# keys being released are freed ($1 lock ids), the keys being taken are tried ($2 lock ids, $3
+# keys) and each one taken gets its fencing token ($4 namespace), and the session's idle timer is
+# set ($5 milliseconds, '0' off). Session-level locks: a key stays held after the statement and
+# is freed by its own unlock, or when the session ends. The tokens come back after the commit,
+# in the order of $2 (0 where the key is held elsewhere). The caller never repeats a lock id it
+# holds (the locks are re-entrant within a session), so no fencing row is touched twice.
+HOLD = """
+WITH freed AS MATERIALIZED (
+    SELECT u.ord, pg_advisory_unlock(u.k) AS ok
+      FROM unnest($1::bigint[]) WITH ORDINALITY AS u(k, ord)
+), tried AS MATERIALIZED (
+    SELECT t.ord, t.key, pg_try_advisory_lock(t.k) AS got
+      FROM unnest($2::bigint[], $3::text[]) WITH ORDINALITY AS t(k, key, ord)
+), fenced AS (
+    INSERT INTO flowlock_fences AS f (namespace, key, token)
+    SELECT $4, tried.key, 1 FROM tried WHERE tried.got
+    ON CONFLICT (namespace, key) DO UPDATE SET token = f.token + 1
+    RETURNING f.key, f.token
+)
+SELECT set_config('idle_session_timeout', $5, false) AS idle,
+       ARRAY(SELECT ok FROM freed ORDER BY ord) AS freed,
+       ARRAY(SELECT coalesce(x.token, 0) FROM tried t LEFT JOIN fenced x ON x.key = t.key
+              ORDER BY t.ord) AS tokens
+"""
+# A holder's first statement: its process id (what pg_locks shows), and a lock_timeout for the
+# one row lock it may wait for ($1 milliseconds).
+HOLDER_SETUP = "SELECT pg_backend_pid(), set_config('lock_timeout', $1, false)"
+# Whether the server can end a quiet holder (idle_session_timeout came in PostgreSQL 14).
+BULK_SUPPORTED = "SELECT current_setting('server_version_num')::int >= 140000"
 FENCE_FLOOR = "SELECT token FROM flowlock_fences WHERE namespace = $1 AND key = $2"
 # A bigint advisory lock shows in pg_locks as classid = high 32 bits, objid = low 32 bits,
 # objsubid = 1 (the two-int4 form uses objsubid = 2). $1 classid, $2 objid.
