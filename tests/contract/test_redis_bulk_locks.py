@@ -24,7 +24,7 @@ from typing import Any, cast
 import pytest
 from redis.commands.core import AsyncScript
 
-from flowlock.core.errors import EngineClosed, InvalidInput, LockNotOwned
+from flowlock.core.errors import EngineClosed, InvalidInput, LockNotOwned, LockUnavailable
 from flowlock.locks.base import BulkLockBackend, Lease
 from flowlock.locks.redis import RedisLocks, bulk
 from lock_probes import Attempts, wait_until
@@ -259,6 +259,62 @@ async def test_a_caller_cancelled_while_its_batch_is_in_flight_leaves_no_key_beh
             return not await locks.locked("k1") and not await locks.locked("k2")
 
         await wait_until(freed, what="the abandoned keys freed")
+
+
+async def test_a_queued_attempt_is_bounded_by_its_own_bound(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An acquire queued behind a slow call gives up at its own bound (LockUnavailable), not
+    when the slot frees; nothing stays held for it."""
+    monkeypatch.setattr(bulk, "DEPTH", 1)
+    async with RedisLocks(redis_url, namespace=redis_namespace, socket_timeout=5.0) as locks:
+        alone = asyncio.Event()
+        attempts = Attempts(locks)
+
+        async def hold_the_slot() -> None:  # the first call holds the only slot
+            await alone.wait()
+
+        attempts.before[1] = hold_the_slot
+        first = asyncio.create_task(locks._acquire("k0", HELD, 10.0))
+        await wait_until(lambda: attempts.calls == 1, what="the first call sent")
+        try:
+            # wait=0.1: the attempt's bound is 0.1 s; the slot stays busy until `alone` is set.
+            with pytest.raises(LockUnavailable):
+                await asyncio.wait_for(locks._acquire("q", HELD, 0.1), timeout=3.0)
+        finally:
+            alone.set()
+        await locks.release(await first)
+        assert not await locks.locked("q")
+
+
+async def test_cancelled_try_acquire_many_gives_back_what_its_first_round_took(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A caller cancelled while try_acquire_many starts a missing fencing counter gives back
+    the keys the first round took (not left held until their ttl)."""
+    asked = asyncio.Event()
+    stall = asyncio.Event()
+
+    async def floor(key: str) -> int:
+        if key == "fresh":
+            asked.set()
+            await stall.wait()
+        return 0
+
+    async with RedisLocks(redis_url, namespace=redis_namespace, fence_floor=floor) as locks:
+        await locks.release(await locks._acquire("known", HELD, 0))  # its counter exists
+        task = asyncio.create_task(locks.try_acquire_many(["known", "fresh"], ttl=HELD))
+        await asyncio.wait_for(asked.wait(), timeout=5.0)
+        assert await locks.locked("known")  # taken by the first round
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stall.set()
+
+        async def freed() -> bool:
+            return not await locks.locked("known") and not await locks.locked("fresh")
+
+        await wait_until(freed, what="the keys of the cancelled call freed")
 
 
 # --- many tasks in two processes, then the history checked --------------------------------

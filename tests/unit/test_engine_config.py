@@ -250,6 +250,27 @@ async def test_adaptive_finishes_under_the_lock_after_its_retries(
     assert out.reason is not None and f"lost its compare-and-swap {attempts} time" in out.reason
 
 
+async def test_adaptive_takes_the_lock_without_a_backoff_when_no_attempt_is_left() -> None:
+    """With one optimistic attempt, a lost compare-and-swap goes straight to the lock: no
+    backoff and no read that nothing would use."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    adaptive = Adaptive(
+        optimistic=flowlock.Optimistic(max_attempts=1, sleep=sleep),
+        escalated=flowlock.Pessimistic(),
+        monitor=ConflictMonitor(),
+    )
+    async with flowlock.Engine(_LosingStore(), strategies=[adaptive], batching=False) as eng:
+        await eng.register(examples.approval())
+        await eng.create("approval", instance_id="a")
+        out = await eng.fire("a", "approve", strategy="adaptive")
+    assert out.applied and out.strategy == "pessimistic" and out.attempts == 2
+    assert slept == []
+
+
 def test_adaptive_refuses_a_bad_retries_before_lock() -> None:
     for bad in (-1, 1.5, True, 1001):
         with pytest.raises(flowlock.InvalidInput, match="retries_before_lock"):

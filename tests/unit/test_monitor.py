@@ -158,6 +158,7 @@ def test_a_contended_key_is_republished_only_when_the_boards_copy_runs_low() -> 
         m.record("k", conflict=True)
     [first] = m.take_pending()
     assert first.until == clock.now + 4.0
+    m.published(first)
     clock.now += 1.0
     m.contended("k")  # the board's copy has 3 s left, over half a cool-down
     assert m.take_pending() == []
@@ -167,6 +168,40 @@ def test_a_contended_key_is_republished_only_when_the_boards_copy_runs_low() -> 
     [again] = m.take_pending()
     assert again.until == pytest.approx(1005.0)  # the local deadline the contention set
     assert m.take_pending() == []
+
+
+async def test_a_failed_publish_is_queued_again_and_not_taken_for_shared() -> None:
+    """A board that fails to publish leaves the escalation pending: the next tick publishes
+    it. Without that, the monitor would take the board's copy for fresh and hold back the
+    key's extensions for half a cool-down while the other engines see nothing."""
+
+    class Flaky(MemoryBoard):
+        fail = True
+
+        async def publish(self, escalation: Escalation) -> None:
+            if self.fail:
+                raise flowlock.StoreError("board down")
+            await super().publish(escalation)
+
+    clock = Clock()
+    board = Flaky()
+    m = monitor(clock, min_samples=2, cooldown=4.0)
+    sync = EscalationSync(board, m, interval=0.5)
+    for _ in range(3):
+        m.record("k", conflict=True)
+    await sync.tick()  # fails, logged
+    assert await board.active(clock.now) == []
+    clock.now += 1.0
+    m.contended("k")  # would wait for the board's copy to run low, were it thought fresh
+    board.fail = False
+    await sync.tick()
+    [shared] = await board.active(clock.now)
+    assert shared.key == "k" and shared.until == pytest.approx(clock.now + 4.0)
+    clock.now += 0.5
+    m.contended("k")
+    await sync.tick()  # published now: this extension waits for the copy to run low
+    [still] = await board.active(clock.now)
+    assert still.until == shared.until
 
 
 def test_bad_settings_are_refused() -> None:

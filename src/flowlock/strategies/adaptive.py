@@ -56,6 +56,8 @@ class Adaptive:
     compare-and-swap before it finishes under `escalated` (at most the optimistic strategy's
     attempts allow). Few: a lost race on a calm instance means writers from other processes,
     which the monitor of this one sees only in part; each retry costs a backoff and a read.
+    The engine's own "adaptive" preset keeps the default; for another value, give your own
+    `Adaptive(..., retries_before_lock=n)` in `strategies=` (with the engine's `monitor`).
     """
 
     optimistic: Optimistic
@@ -125,12 +127,12 @@ class Adaptive:
                 monitor.record(key, conflict=committed is None)
             if committed is not None:
                 return StrategyResult(committed, True, attempt, opt.name, calm)
-            if self.retries_before_lock < attempt:
-                break
+            if attempt > self.retries_before_lock or attempt == opt.max_attempts:
+                break  # no backoff nor read before the lock: it reads for itself
             await opt.sleep(opt.backoff(attempt))
             snap = await store.read(key, request_ids)
         escalation = monitor.escalated(key)
-        spent = min(attempt, opt.max_attempts)
+        spent = attempt
         why = (
             escalation.reason
             if escalation is not None

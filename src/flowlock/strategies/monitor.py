@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -265,6 +265,9 @@ class ConflictMonitor:
         Why: every contended call extends its key, and publishing each key at every sync
         tick costs a statement per escalated key twice a second. The other engines still see
         the key escalated, for at least half a cool-down more, until the refresh goes out.
+
+        Call `published(e)` for each one the board took, and `unpublished(rest)` for the
+        ones it did not: the board's copy is known fresh only once a publish succeeded.
         """
         pending, self._pending = self._pending, []
         board, mono = self.board_time(), self._clock()
@@ -280,9 +283,19 @@ class ConflictMonitor:
                 continue
             until = board + (found[1] - mono)
             latest[e.key] = Escalation(e.key, found[0].strategy, until, found[0].reason)
-            self._shared[e.key] = until
         self._pending = [e for key, e in later.items() if key not in latest]
         return list(latest.values())
+
+    def published(self, escalation: Escalation) -> None:
+        """The board now holds `escalation` (from `take_pending`): later extensions of its
+        key may wait until that copy runs low."""
+        key = escalation.key
+        self._shared[key] = max(self._shared.get(key, -math.inf), escalation.until)
+
+    def unpublished(self, escalations: Sequence[Escalation]) -> None:
+        """The board did not take `escalations` (from `take_pending`): queue them again, for
+        the next round. Each goes out then with what is left of its local deadline."""
+        self._pending = [*escalations, *self._pending]
 
     def adopt(self, shared: Mapping[str, Escalation]) -> None:
         """Take escalations decided elsewhere (from the board)."""
@@ -372,8 +385,7 @@ class EscalationSync:
             async with asyncio.timeout(max(1.0, 4 * self.interval)):
                 # The board's clock first: what is published and adopted is counted on it.
                 monitor.observe_board_time(await board.now())
-                for escalation in monitor.take_pending():
-                    await board.publish(escalation)
+                await _publish(board, monitor)
                 shared = await board.active(monitor.board_time())
             monitor.adopt({e.key: e for e in shared})
         except Exception as exc:
@@ -396,6 +408,22 @@ class EscalationSync:
                 to=monitor.escalate_to,
             )
         self._seen = (up, down)
+
+
+async def _publish(board: EscalationBoard, monitor: ConflictMonitor) -> None:
+    """Publish the monitor's pending escalations. The ones not published (the board failed,
+    or the round timed out) are queued again: else the monitor would take the board's copy
+    for fresh and hold back the key's extensions while other engines see nothing."""
+    pending = monitor.take_pending()
+    done = 0
+    try:
+        for escalation in pending:
+            await board.publish(escalation)
+            monitor.published(escalation)
+            done += 1
+    finally:
+        if done < len(pending):
+            monitor.unpublished(pending[done:])
 
 
 def _wilson_lower(conflicts: int, attempts: int, z: float) -> float:

@@ -41,7 +41,17 @@ from flowlock.locks.base import (
 )
 from flowlock.locks.redis import bulk, scripts, urls
 from flowlock.locks.redis import many as bulk_api
-from flowlock.locks.redis.connection import BACKEND, Client, Servers, bounded, close, servers, text
+from flowlock.locks.redis.connection import (
+    BACKEND,
+    Client,
+    Servers,
+    bounded,
+    close,
+    log_late_failure,
+    millis,
+    servers,
+    text,
+)
 from flowlock.locks.redis.fence import FenceFloors
 from flowlock.locks.redis.keys import Keyspace
 from flowlock.locks.redis.wakeups import Listener, Wakeups
@@ -60,11 +70,6 @@ _MIN_CALL = 0.1
 _MAX_FENCE_GAP = 2**40
 # How often one acquire starts a counter that then goes missing again before it gives up.
 _MAX_STARTS = 3
-
-
-def _millis(seconds: float) -> int:
-    # Rounded up: the server may keep the key a hair longer than the local deadline, never less.
-    return max(1, math.ceil(seconds * 1000))
 
 
 class RedisLocks(AsyncResource):
@@ -362,7 +367,7 @@ class RedisLocks(AsyncResource):
 
     async def _attempt(self, key: str, token: str, ttl: float, bound: float) -> tuple[int, int]:
         """One run of the acquire script: (status, fencing token or the holder's PTTL)."""
-        attempt = bulk.Attempt.of(self._keys, key, token, _millis(ttl), bound)
+        attempt = bulk.Attempt.of(self._keys, key, token, millis(ttl), bound)
         try:
             if self._lanes is None:
                 reply = await self._attempt_one(attempt)
@@ -425,7 +430,7 @@ class RedisLocks(AsyncResource):
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(_log_late_failure)
+            task.add_done_callback(log_late_failure)
             raise
 
     async def _release(self, lease: Lease) -> None:
@@ -442,7 +447,7 @@ class RedisLocks(AsyncResource):
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
         self._require_open()
         sent = self._clock()
-        hold = bulk.Hold(self.redis_key(lease.key), lease.token, _millis(ttl))
+        hold = bulk.Hold(self.redis_key(lease.key), lease.token, millis(ttl))
         if self._lanes is None:
             extended = await self._extend_one(hold)
         else:
@@ -554,11 +559,3 @@ class RedisLocks(AsyncResource):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
-
-
-def _log_late_failure(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning(
-            "flowlock: a release finished after its caller was cancelled and failed: %s",
-            task.exception(),
-        )

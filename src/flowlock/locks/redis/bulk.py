@@ -269,9 +269,10 @@ class Lanes:
         )
 
     async def acquire(self, attempt: Attempt, one: One[Attempt]) -> Any:
-        """The acquire script's reply for `attempt`, alone or in a batch."""
+        """The acquire script's reply for `attempt`, alone or in a batch, within its own bound
+        (time spent queued included: a batch runs with the longest bound in it)."""
         try:
-            return await self._acquires.submit(attempt, one)
+            return await bounded("acquire", self._acquires.submit(attempt, one), attempt.bound)
         except BaseException:
             attempt.abandoned = True
             raise

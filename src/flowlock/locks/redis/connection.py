@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -34,6 +35,8 @@ __all__ = [
     "bounded",
     "close",
     "connect",
+    "log_late_failure",
+    "millis",
     "servers",
     "text",
     "translate",
@@ -312,6 +315,21 @@ async def close(servers: Servers, seconds: float) -> None:
         await bounded("close", servers.aclose(), seconds)
     except LockUnavailable as exc:
         log.debug("flowlock: closing the Redis client: %s", exc)
+
+
+def millis(seconds: float) -> int:
+    """`seconds` as a Redis ttl in milliseconds, rounded up: the server may keep the key a
+    hair longer than the local deadline, never less."""
+    return max(1, math.ceil(seconds * 1000))
+
+
+def log_late_failure(task: asyncio.Future[Any]) -> None:
+    """A done callback for a release left to finish after its caller was cancelled."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning(
+            "flowlock: a release finished after its caller was cancelled and failed: %s",
+            task.exception(),
+        )
 
 
 def text(value: object) -> str | None:

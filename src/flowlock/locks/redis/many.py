@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from flowlock.core.errors import InvalidInput, LockBusy, LockUnavailable
+from flowlock.core.errors import EngineClosed, InvalidInput, LockBusy, LockUnavailable
 from flowlock.locks.base import Lease, check_lock_key, check_ttl
 from flowlock.locks.redis import bulk, scripts
+from flowlock.locks.redis.connection import log_late_failure, millis
 
 if TYPE_CHECKING:
     from flowlock.locks.redis.backend import RedisLocks
 
 __all__ = ["extend_many", "release_many", "try_acquire_many"]
-
-log = logging.getLogger("flowlock")
 
 
 def _listed(what: str, items: object) -> list[object]:
@@ -47,8 +44,9 @@ async def try_acquire_many(
     if not checked:
         return []
     timeout = locks._socket_timeout
-    ttl_ms = max(1, math.ceil(ttl * 1000))  # rounded up, as the one-key path does
-    attempts = [bulk.Attempt.of(locks._keys, k, locks._token(), ttl_ms, timeout) for k in checked]
+    attempts = [
+        bulk.Attempt.of(locks._keys, k, locks._token(), millis(ttl), timeout) for k in checked
+    ]
     sent = locks._clock()
     fence = locks._fence
     try:
@@ -59,6 +57,31 @@ async def try_acquire_many(
         _forget(locks, attempts)
         raise
     leases: list[Lease | None] = [None] * len(checked)
+    try:
+        await _answered(locks, checked, ttl, sent, attempts, answers, leases)
+    except BaseException as exc:
+        # Failed or cancelled (even during the retries below): what was taken goes back.
+        taken = [lease for lease in leases if lease is not None]
+        if taken and locks._open:
+            task = locks._spawn(_give_back(locks, taken))
+            if not isinstance(exc, asyncio.CancelledError):
+                await asyncio.shield(task)
+        raise
+    return leases
+
+
+async def _answered(
+    locks: RedisLocks,
+    keys: list[str],
+    ttl: float,
+    sent: float,
+    attempts: list[bulk.Attempt],
+    answers: Sequence[tuple[int, int] | BaseException],
+    leases: list[Lease | None],
+) -> None:
+    """Fill `leases` from the script's `answers`: each key taken, or tried again alone when its
+    counter must be started first. Raises the first failure; `leases` then holds what was
+    taken (filled as each lease comes, so a cancelled caller can give them back)."""
     failed: BaseException | None = None
     missing: list[int] = []
     for i, (a, answer) in enumerate(zip(attempts, answers, strict=True)):
@@ -72,21 +95,19 @@ async def try_acquire_many(
     if failed is None and missing:
         # A counter to start first (missing, or at its epoch's end): the one-key path starts it
         # from the fence floor and tries again, once per such key.
-        again = await asyncio.gather(
-            *(_try_one(locks, checked[i], ttl) for i in missing), return_exceptions=True
-        )
-        for i, got in zip(missing, again, strict=True):
-            if isinstance(got, BaseException):
-                failed = failed or got
-            else:
-                leases[i] = got
+
+        async def again(i: int) -> None:
+            leases[i] = await _try_one(locks, keys[i], ttl)
+
+        done = await asyncio.gather(*(again(i) for i in missing), return_exceptions=True)
+        failed = next((e for e in done if isinstance(e, BaseException)), None)
     if failed is not None:
-        taken = [lease for lease in leases if lease is not None]
-        if taken:
-            with contextlib.suppress(LockUnavailable):  # else they expire at their ttl
-                await release_many(locks, taken)
         raise failed
-    return leases
+
+
+async def _give_back(locks: RedisLocks, leases: Sequence[Lease]) -> None:
+    with contextlib.suppress(LockUnavailable, EngineClosed):  # else they expire at their ttl
+        await release_many(locks, leases)
 
 
 async def _try_one(locks: RedisLocks, key: str, ttl: float) -> Lease | None:
@@ -123,7 +144,7 @@ async def release_many(locks: RedisLocks, leases: Sequence[Lease]) -> list[bool]
     try:
         answers = await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(_log_late_failure)  # it finishes on its own
+        task.add_done_callback(log_late_failure)  # it finishes on its own
         raise
     return [_answer(answer) == 1 for answer in answers]
 
@@ -131,8 +152,7 @@ async def release_many(locks: RedisLocks, leases: Sequence[Lease]) -> list[bool]
 async def extend_many(locks: RedisLocks, leases: Sequence[Lease], ttl: float) -> list[Lease | None]:
     """Each lease pushed to `ttl` from now, or None where it was lost."""
     ttl = check_ttl(ttl)
-    ttl_ms = max(1, math.ceil(ttl * 1000))
-    holds = _holds(locks, leases, ttl_ms)
+    holds = _holds(locks, leases, millis(ttl))
     locks._require_open()
     runner = locks._runner
     assert runner is not None
@@ -150,11 +170,3 @@ def _answer(answer: int | BaseException) -> int:
     if isinstance(answer, BaseException):
         raise answer
     return answer
-
-
-def _log_late_failure(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning(
-            "flowlock: a release_many finished after its caller was cancelled and failed: %s",
-            task.exception(),
-        )
