@@ -137,6 +137,7 @@ class FastRoutes:
         )
 
     async def _answer(self, scope: Scope, send: Send, call: Awaitable[Answer]) -> None:
+        extra: list[tuple[bytes, bytes]] = []  # an error's headers carry their own type
         try:
             answer = await call
         except Problem as found:
@@ -146,13 +147,9 @@ class FastRoutes:
         else:
             content = encode_json(answer.body)
             status, headers = answer.status, answer.headers
-            raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-            raw.append((b"content-length", str(len(content)).encode()))
-            raw.append(_JSON_TYPE)
-            await send({"type": "http.response.start", "status": status, "headers": raw})
-            await send({"type": "http.response.body", "body": content})
-            return
+            extra.append(_JSON_TYPE)
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append((b"content-length", str(len(content)).encode()))
+        raw += extra
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": content})
