@@ -263,7 +263,7 @@ class RedisLocks(AsyncResource):
                 self._runner,
                 socket_timeout=self._socket_timeout,
                 fence=lambda: (self._fence.unknown, self._fence.span),
-                forget=lambda lock_key, token: self._spawn(self._forget(lock_key, token)),
+                forget=self._abandon,
             )
             if self._bulk
             else None
@@ -375,9 +375,8 @@ class RedisLocks(AsyncResource):
                 reply = await self._lanes.acquire(attempt, self._attempt_one)
         except BaseException:
             # The request may have reached Redis and taken the key for a token nobody will
-            # ever release: free it (best effort; it expires at its ttl anyway).
-            if self._open:
-                self._spawn(self._forget(attempt.lock_key, token))
+            # ever release.
+            self._abandon(attempt.lock_key, token)
             raise
         return int(reply[0]), int(reply[1])
 
@@ -544,6 +543,14 @@ class RedisLocks(AsyncResource):
     def _check_lease(self, lease: object) -> None:
         if not isinstance(lease, Lease) or lease.backend != self.name:
             raise InvalidInput(f"not a lease taken from a Redis lock backend: {lease!r}")
+
+    def _abandon(self, lock_key: str, token: str) -> None:
+        """Free, in the background, what a failed or abandoned acquire may have taken for
+        `token` (best effort: it expires at its ttl anyway). The one place that does it: the
+        one-key path, the coalesced batches and the many-lock calls all come here. Also while
+        closing, as long as the client is there (aclose waits for what was spawned)."""
+        if self._servers is not None:
+            self._spawn(self._forget(lock_key, token))
 
     async def _forget(self, lock_key: str, token: str) -> None:
         assert self._scripts is not None

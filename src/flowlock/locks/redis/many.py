@@ -119,9 +119,8 @@ async def _try_one(locks: RedisLocks, key: str, ttl: float) -> Lease | None:
 
 def _forget(locks: RedisLocks, attempts: Sequence[bulk.Attempt]) -> None:
     """Free what a failed or abandoned call may have taken (best effort)."""
-    if locks._open:
-        for a in attempts:
-            locks._spawn(locks._forget(a.lock_key, a.token))
+    for a in attempts:
+        locks._abandon(a.lock_key, a.token)
 
 
 def _holds(locks: RedisLocks, leases: Sequence[Lease], ttl_ms: int = 0) -> list[bulk.Hold]:
