@@ -316,7 +316,16 @@ class Bulk:
         """Try each key once, in one statement; a Lease for each taken, None for each held
         elsewhere."""
         calls = [_Try(key, lock, ttl) for key, lock in zip(keys, locks, strict=True)]
-        answers = await self._mixed(await self._pick(), calls)
+        holder = await self._pick()
+        try:
+            answers = await self._mixed(holder, calls)
+        except asyncio.CancelledError:
+            # The statement goes on (shielded): what it takes is given back, not kept to its ttl.
+            for call in calls:
+                call.abandoned = True
+                if call.lease is not None:
+                    self._give_back(call.lease)
+            raise
         return [_lease(answer) for answer in answers]
 
     async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
@@ -370,23 +379,39 @@ class Bulk:
     # -- holders ------------------------------------------------------------------------------
 
     async def _pick(self) -> _Holder:
-        """The least busy holder; a new one while there are fewer than allowed and all are busy."""
+        """The least busy live holder. With none, one is opened first; with all busy and fewer
+        than allowed, one more is opened in the background: a busy holder answers in its next
+        statement, while a new one may wait for a connection of a full pool."""
         if self._closed:
             raise EngineClosed("the advisory lock backend is closed; open it first")
         live = [h for h in self._holders if not h.dead]
-        idle = [h for h in live if h.busy + h.queued == 0]
-        if idle:
-            return idle[0]
-        if len(live) < self._most:
+        if not live:
             async with self._making:
                 live = [h for h in self._holders if not h.dead]
-                if len(live) < self._most and not self._closed:
-                    holder = await self._open_holder()
-                    self._holders.append(holder)
-                    return holder
-        if not live:
+                if not live:
+                    return await self._add_holder()
+        best = min(live, key=lambda h: h.busy + h.queued)
+        if best.busy + best.queued > 0 and len(live) < self._most and not self._making.locked():
+            self._spawn(self._grow())
+        return best
+
+    async def _grow(self) -> None:
+        async with self._making:
+            if sum(not h.dead for h in self._holders) < self._most and not self._closed:
+                await self._add_holder()
+
+    async def _add_holder(self) -> _Holder:
+        """Open a holder and put it in service (under `_making`)."""
+        if self._closed:
             raise EngineClosed("the advisory lock backend is closed; open it first")
-        return min(live, key=lambda h: h.busy + h.queued)
+        holder = await self._open_holder()
+        if self._closed:  # closed while it was opening: end it, as close() ended the others
+            if holder.reaper is not None:
+                holder.reaper.cancel()
+            self._fail(holder)
+            raise EngineClosed("the advisory lock backend was closed while acquiring")
+        self._holders.append(holder)
+        return holder
 
     async def _open_holder(self) -> _Holder:
         conn = await self._owner._holder_connection()
