@@ -302,15 +302,14 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         lock = self.lock_id(key)
         started = self._clock()
         if self._bulk is not None:
-            # The first try shares a statement with the others ready now; a waiting acquire
-            # then waits in PostgreSQL's lock queue on a session of its own. The try may queue
-            # behind another statement, so it is bounded as a whole: `wait + io_timeout`.
+            # The first try shares a statement with the others ready now, bounded as a whole
+            # (it may queue behind another); a waiting acquire then waits in PostgreSQL's lock
+            # queue on a session of its own.
             bound = wait + self._io_timeout
             try:
                 async with asyncio.timeout(bound):
                     lease = await self._bulk.try_one(key, lock, ttl)
-            except TimeoutError:
-                # The try was cancelled: a lease it takes later is given back.
+            except TimeoutError:  # the try was cancelled: a lease it takes later is given back
                 raise LockUnavailable(
                     NAME, f"the first try of {key!r} got no answer within {bound:.1f} s"
                 ) from None
@@ -482,8 +481,7 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
                 return False
             classid, objid = oids(kept.lock)
             held = await self._query(HELD_BY, kept.holder.pid, classid, objid)
-            # Asked again after the round trip: the lease may have been released or lost, or
-            # the backend closed, meanwhile.
+            # Asked again: released, lost or closed during the round trip.
             return held is True and self._bulk is not None and self._bulk.kept(lease.token) is kept
         slot = self._slots.get(lease.token)
         if slot is None or slot.done or slot.key != lease.key:
