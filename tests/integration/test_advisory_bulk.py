@@ -19,9 +19,10 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import asyncpg
 import pytest
 
-from flowlock.core.errors import LockBusy, LockNotOwned
+from flowlock.core.errors import InvalidInput, LockBusy, LockNotOwned, LockUnavailable
 from flowlock.locks.advisory import AdvisoryLocks
 from flowlock.locks.advisory.bulk import GRACE
 from flowlock.locks.base import BulkLockBackend, Lease
@@ -262,3 +263,143 @@ async def test_a_cancelled_acquire_leaves_no_key_behind(make: Factory) -> None:
             return not any([await locks.locked(key) for key in keys])
 
         await wait_until(all_free, within=LATE, what=f"every key free (cancelled {depth} in)")
+
+
+@pytest.fixture
+async def row_blocker(
+    pg_url: str, pg_schema: str
+) -> AsyncIterator[Callable[..., Awaitable[asyncpg.Connection]]]:
+    """Opens sessions that hold an uncommitted fencing row of a key, so that a holder statement
+    taking that key waits for it (what a stale holder's increment does), until rolled back."""
+    opened: list[asyncpg.Connection] = []
+
+    async def block(namespace: str, *keys: str) -> asyncpg.Connection:
+        conn = await asyncpg.connect(pg_url)
+        opened.append(conn)
+        await conn.execute("BEGIN")
+        for key in keys:
+            await conn.execute(
+                f'INSERT INTO "{pg_schema}".flowlock_fences (namespace, key, token) '
+                "VALUES ($1, $2, 1)",
+                namespace,
+                key,
+            )
+        return conn
+
+    yield block
+    for conn in opened:
+        await conn.close()
+
+
+Blocker = Callable[..., Awaitable[asyncpg.Connection]]
+
+
+async def grab(locks: AdvisoryLocks, key: str, wait: float = 0.0) -> Lease:
+    return await locks.acquire(key, ttl=HELD, wait=wait)
+
+
+async def test_a_busy_holder_serves_while_the_pool_is_full(
+    make: Factory, row_blocker: Blocker
+) -> None:
+    """Waiting acquires fill the lease pool and the one holder is busy (its statement waits
+    for a fencing row): an acquire of another key queues on that holder and gets its key when
+    the statement ends, instead of waiting for a second holder's connection and failing with
+    StoreBusy after pool_timeout."""
+    other = await make()
+    hot = await other.acquire("hot", ttl=HELD)
+    locks = await make(pool_size=8, pool_timeout=0.5, io_timeout=5.0)  # two holders allowed
+    first = await locks.acquire("x", ttl=HELD)
+    assert locks._bulk is not None and len(locks._bulk._holders) == 1
+    waiting: list[asyncio.Task[Lease]] = []
+    for _ in range(7):  # the rest of the pool: one connection each, waiting for "hot"
+        waiting.append(asyncio.create_task(grab(locks, "hot", wait=HELD)))
+        await wait_until(lambda: len(locks._pending) == len(waiting), within=LATE, what="a waiter")
+    try:
+        blocker = await row_blocker(locks.namespace, "f")
+        stuck = asyncio.create_task(grab(locks, "f"))
+        holder = locks._bulk._holders[0]
+        await wait_until(lambda: holder.busy > 0, within=LATE, what="a busy holder")
+        await asyncio.sleep(0.1)
+        queued = asyncio.create_task(grab(locks, "y"))
+        await asyncio.sleep(1.0)  # twice pool_timeout
+        await blocker.execute("ROLLBACK")
+        taken = [await queued, await stuck]
+        assert [lease.key for lease in taken] == ["y", "f"]
+        await locks.release_many([first, *taken])
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await other.release(hot)
+
+
+async def test_a_cancelled_try_acquire_many_leaves_no_key_behind(
+    make: Factory, row_blocker: Blocker
+) -> None:
+    """A try_acquire_many cancelled while its statement is in flight (waiting for a fencing
+    row) does not keep the keys the statement takes: they are given back long before the ttl."""
+    locks = await make()
+    keys = [f"m{i}" for i in range(10)]
+    blocker = await row_blocker(locks.namespace, "m0")
+    task = asyncio.create_task(locks.try_acquire_many(keys, ttl=HELD))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await blocker.execute("ROLLBACK")
+
+    async def all_free() -> bool:
+        return not any([await locks.locked(key) for key in keys])
+
+    await wait_until(all_free, within=LATE, what="every key of the cancelled call free")
+    leases = await locks.try_acquire_many(keys, ttl=HELD)
+    assert all(leases)
+    await locks.release_many([lease for lease in leases if lease is not None])
+
+
+async def test_the_first_try_is_bounded_by_wait_and_io_timeout(
+    make: Factory, row_blocker: Blocker
+) -> None:
+    """An acquire queued behind a slow holder statement, whose own statement is slow too, fails
+    within wait + io_timeout (not twice io_timeout), and the key is not kept."""
+    io_timeout = 1.5
+    locks = await make(pool_size=4, io_timeout=io_timeout)  # one holder
+    first = await row_blocker(locks.namespace, "a")
+    second = await row_blocker(locks.namespace, "b")
+    ahead = asyncio.create_task(grab(locks, "a"))
+    await asyncio.sleep(0.2)
+
+    async def let_a_through() -> None:
+        await asyncio.sleep(1.0)
+        await first.execute("ROLLBACK")
+
+    letting = asyncio.create_task(let_a_through())
+    started = time.monotonic()
+    with pytest.raises(LockUnavailable):
+        await locks.acquire("b", ttl=HELD)  # behind "a" for 1 s, then waits for its own row
+    took = time.monotonic() - started
+    await second.execute("ROLLBACK")  # before the holder's own timeout, which would end it
+    await letting
+    assert took < io_timeout + 0.5, took
+    lease = await ahead
+    assert locks._bulk is not None and locks._bulk.kept(lease.token) is not None
+
+    async def b_free() -> bool:
+        return not await locks.locked("b")
+
+    # "b" was taken on the server while its statement waited: the late lease is given back.
+    await wait_until(b_free, within=LATE, what="the late lease of the caller that left freed")
+    assert len(locks._bulk) == 1
+    await locks.release(lease)
+
+
+async def test_bulk_input_is_checked_before_anything_is_sent(make: Factory) -> None:
+    """A string is not a list of keys; an empty list opens no holder and sends nothing."""
+    locks = await make()
+    with pytest.raises(InvalidInput):
+        await locks.try_acquire_many("abc", ttl=HELD)
+    with pytest.raises(InvalidInput):
+        await locks.try_acquire_many([], ttl=-1)
+    assert await locks.try_acquire_many([], ttl=HELD) == []
+    assert locks._bulk is not None and not locks._bulk._holders
+    assert statements(locks) == 0

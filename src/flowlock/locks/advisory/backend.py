@@ -302,14 +302,23 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         lock = self.lock_id(key)
         started = self._clock()
         if self._bulk is not None:
-            # The first try shares a statement with the others ready now; a waiting acquire
-            # then waits in PostgreSQL's lock queue on a session of its own.
-            lease = await self._bulk.try_one(key, lock, ttl)
+            # The first try shares a statement with the others ready now, bounded as a whole
+            # (it may queue behind another); a waiting acquire then waits in PostgreSQL's lock
+            # queue on a session of its own.
+            bound = wait + self._io_timeout
+            try:
+                async with asyncio.timeout(bound):
+                    lease = await self._bulk.try_one(key, lock, ttl)
+            except TimeoutError:  # the try was cancelled: a lease it takes later is given back
+                raise LockUnavailable(
+                    NAME, f"the first try of {key!r} got no answer within {bound:.1f} s"
+                ) from None
             if lease is not None:
                 return lease
             if wait <= 0:
                 raise LockBusy(key)
-        conn = await self._checkout(leases, wait + self._pool_timeout, self.pool_size)
+        left = max(wait - (self._clock() - started), 0.0)
+        conn = await self._checkout(leases, left + self._pool_timeout, self.pool_size)
         self._pending.add(conn)
         try:
             return await self._take(conn, key, lock, ttl, wait, started)
@@ -394,8 +403,7 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         return token
 
     async def release(self, lease: Lease) -> None:
-        kept = None if self._bulk is None else self._bulk.kept(lease.token)
-        if self._bulk is not None and kept is not None:
+        if self._bulk is not None and (kept := self._bulk.kept(lease.token)) is not None:
             if not await self._bulk.release_one(lease):
                 # From why its holder's session ended, if it did.
                 raise LockNotOwned(lease.key, "release") from kept.holder.error
@@ -430,8 +438,7 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
 
     async def extend(self, lease: Lease, ttl: float | None = None) -> Lease:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
-        kept = None if self._bulk is None else self._bulk.kept(lease.token)
-        if self._bulk is not None and kept is not None:
+        if self._bulk is not None and (kept := self._bulk.kept(lease.token)) is not None:
             renewed = await self._bulk.extend_one(lease, ttl)
             if renewed is None:
                 raise LockNotOwned(lease.key, "extend") from kept.holder.error
@@ -469,12 +476,12 @@ class AdvisoryLocks(BulkCalls, AsyncResource):
         return lease.renewed(sent + ttl, ttl)
 
     async def owned(self, lease: Lease) -> bool:
-        kept = None if self._bulk is None else self._bulk.kept(lease.token)
-        if kept is not None:
+        if self._bulk is not None and (kept := self._bulk.kept(lease.token)) is not None:
             if kept.key != lease.key or kept.deadline <= self._clock():
                 return False
             classid, objid = oids(kept.lock)
             held = await self._query(HELD_BY, kept.holder.pid, classid, objid)
+            # Asked again: released, lost or closed during the round trip.
             return held is True and self._bulk is not None and self._bulk.kept(lease.token) is kept
         slot = self._slots.get(lease.token)
         if slot is None or slot.done or slot.key != lease.key:

@@ -22,6 +22,7 @@ from flowlock._batching import Coalescer
 from flowlock._pg.errors import wrap_errors
 from flowlock._pg.pool import terminate
 from flowlock.core.errors import EngineClosed, FlowlockError, LockUnavailable, StoreError
+from flowlock.locks.advisory.deadlines import Deadlines
 from flowlock.locks.advisory.errors import ERRORS, NAME
 from flowlock.locks.advisory.sql import HOLD, HOLDER_SETUP, ms
 from flowlock.locks.base import Lease
@@ -71,6 +72,7 @@ class _Holder:
     # statement at a time, the next one carrying everything that queued meanwhile.
     ops: Coalescer[_Op, _Answer] | None = None
     kept: dict[str, Kept] = field(default_factory=dict)
+    dates: Deadlines[Kept] = field(init=False)  # the deadlines of `kept`, earliest first
     # When the server's idle timer was last set to run out, less GRACE (inf: switched off).
     timer_at: float = math.inf
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,6 +82,9 @@ class _Holder:
     queued: int = 0  # single-key calls submitted and not yet answered
     dead: bool = False
     error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.dates = Deadlines(self.kept)
 
 
 @dataclass(slots=True, eq=False)
@@ -246,7 +251,9 @@ class Bulk:
         for i, renew, kept in plan.renewing:
             if self._kept.get(renew.lease.token) is kept:
                 deadline = plan.deadlines[id(kept)]
-                kept.deadline = max(kept.deadline, deadline)
+                if deadline > kept.deadline:
+                    kept.deadline = deadline
+                    holder.dates.add(renew.lease.token, kept)
                 answers[i] = renew.lease.renewed(deadline, renew.ttl)
         taken = self._leases(holder, tries, tokens, plan.sent)
         for (i, op), lease in zip(plan.trying, taken, strict=True):
@@ -316,7 +323,16 @@ class Bulk:
         """Try each key once, in one statement; a Lease for each taken, None for each held
         elsewhere."""
         calls = [_Try(key, lock, ttl) for key, lock in zip(keys, locks, strict=True)]
-        answers = await self._mixed(await self._pick(), calls)
+        holder = await self._pick()
+        try:
+            answers = await self._mixed(holder, calls)
+        except asyncio.CancelledError:
+            # The statement goes on (shielded): what it takes is given back, not kept to its ttl.
+            for call in calls:
+                call.abandoned = True
+                if call.lease is not None:
+                    self._give_back(call.lease)
+            raise
         return [_lease(answer) for answer in answers]
 
     async def release_many(self, leases: Sequence[Lease]) -> list[bool]:
@@ -358,6 +374,7 @@ class Bulk:
             token = self._owner._new_token()
             kept = Kept(holder, call.key, call.lock, sent + call.ttl)
             self._kept[token] = holder.kept[token] = kept
+            holder.dates.add(token, kept)
             leases.append(Lease(call.key, token, int(fence), call.ttl, sent + call.ttl, NAME))
         return leases
 
@@ -370,23 +387,39 @@ class Bulk:
     # -- holders ------------------------------------------------------------------------------
 
     async def _pick(self) -> _Holder:
-        """The least busy holder; a new one while there are fewer than allowed and all are busy."""
+        """The least busy live holder. With none, one is opened first; with all busy and fewer
+        than allowed, one more is opened in the background: a busy holder answers in its next
+        statement, while a new one may wait for a connection of a full pool."""
         if self._closed:
             raise EngineClosed("the advisory lock backend is closed; open it first")
         live = [h for h in self._holders if not h.dead]
-        idle = [h for h in live if h.busy + h.queued == 0]
-        if idle:
-            return idle[0]
-        if len(live) < self._most:
+        if not live:
             async with self._making:
                 live = [h for h in self._holders if not h.dead]
-                if len(live) < self._most and not self._closed:
-                    holder = await self._open_holder()
-                    self._holders.append(holder)
-                    return holder
-        if not live:
+                if not live:
+                    return await self._add_holder()
+        best = min(live, key=lambda h: h.busy + h.queued)
+        if best.busy + best.queued > 0 and len(live) < self._most and not self._making.locked():
+            self._spawn(self._grow())
+        return best
+
+    async def _grow(self) -> None:
+        async with self._making:
+            if sum(not h.dead for h in self._holders) < self._most and not self._closed:
+                await self._add_holder()
+
+    async def _add_holder(self) -> _Holder:
+        """Open a holder and put it in service (under `_making`)."""
+        if self._closed:
             raise EngineClosed("the advisory lock backend is closed; open it first")
-        return min(live, key=lambda h: h.busy + h.queued)
+        holder = await self._open_holder()
+        if self._closed:  # closed while it was opening: end it, as close() ended the others
+            if holder.reaper is not None:
+                holder.reaper.cancel()
+            self._fail(holder)
+            raise EngineClosed("the advisory lock backend was closed while acquiring")
+        self._holders.append(holder)
+        return holder
 
     async def _open_holder(self) -> _Holder:
         conn = await self._owner._holder_connection()
@@ -471,9 +504,8 @@ class Bulk:
             return tokens
 
     def _expired(self, holder: _Holder, now: float) -> list[Kept]:
-        gone = [(t, k) for t, k in holder.kept.items() if k.deadline <= now]
+        gone = holder.dates.expired(now)
         for token, _ in gone:
-            del holder.kept[token]
             self._kept.pop(token, None)
         return [k for _, k in gone]
 
@@ -482,9 +514,9 @@ class Bulk:
         holder: _Holder, sent: float, tries: Sequence[_Try], renew: dict[int, float]
     ) -> float:
         """The earliest deadline the holder will have after this statement (inf: none)."""
-        deadlines = [renew.get(id(k), k.deadline) for k in holder.kept.values()]
+        deadlines = [holder.dates.earliest(skip=renew), *renew.values()]
         deadlines.extend(sent + t.ttl for t in tries)
-        return min(deadlines, default=math.inf)
+        return min(deadlines)
 
     def _fail(self, holder: _Holder) -> None:
         """End `holder`'s session; its leases are lost (the server frees their keys)."""
@@ -494,6 +526,7 @@ class Bulk:
             self._kept.pop(token, None)
             self._ids.discard(kept.lock)
         holder.kept.clear()
+        holder.dates.clear()
         holder.changed.set()
         if holder in self._holders:
             self._holders.remove(holder)
@@ -503,8 +536,7 @@ class Bulk:
         runs out on a holder whose leases are still held."""
         while not holder.dead:
             now = self._owner._now()
-            wake = min((k.deadline for k in holder.kept.values()), default=math.inf)
-            wake = min(wake, holder.timer_at)
+            wake = min(holder.dates.earliest(), holder.timer_at)
             holder.wake = wake
             if wake > now:
                 holder.changed.clear()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from flowlock.core.errors import LockBusy, LockNotOwned
+from flowlock.core.errors import InvalidInput, LockBusy, LockNotOwned
 from flowlock.locks.advisory.bulk import Bulk
 from flowlock.locks.base import Lease, check_lock_args, check_ttl
 
@@ -38,9 +38,15 @@ class BulkCalls:
     async def try_acquire_many(self, keys: Sequence[str], *, ttl: float) -> list[Lease | None]:
         """Try each key once, in one statement per holder: a Lease for each key taken, None
         for a key held by someone else (or twice in `keys`). Same order as keys."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            # A string is a sequence too: "abc" would try the keys "a", "b" and "c".
+            raise InvalidInput(f"keys must be a list, not {type(keys).__name__}")
+        ttl = check_ttl(ttl)
         for key in keys:
             check_lock_args(key, ttl, 0)
         self._pools()
+        if not keys:
+            return []  # no holder opened, no round trip
         if self._bulk is None:
             return list(await asyncio.gather(*(self._try_alone(k, ttl) for k in keys)))
         return await self._bulk.try_acquire_many(keys, ttl, [self.lock_id(k) for k in keys])
