@@ -551,13 +551,13 @@ async def test_escalation_and_step_down_are_counted_and_logged(
         up = sample(metrics, "flowlock_escalations_total", to)
         down = sample(metrics, "flowlock_deescalations_total")
 
-        # Call 1 loses its three optimistic attempts (the first conflict opens the key's
-        # window) and finishes locked; call 2 loses three more: five conflicts in the window.
-        for _ in range(2):
-            store.rivals = 3
+        # Calls 1 and 2 each lose their two optimistic attempts (one retry before the lock,
+        # Adaptive's retries_before_lock) and finish locked; call 3's first loss is the fifth
+        # conflict in the window, and it finishes under the escalation.
+        for _ in range(3):
+            store.rivals = 2
             done = await engine.fire("hot-1", "reserve", strategy="adaptive")
             assert done.applied and done.strategy == escalate_to
-            assert store.rivals == 0
         assert done.reason == (
             f"adaptive: escalated to {escalate_to}: conflict rate 100.0% over the last 5 "
             "attempts exceeds 5%"
@@ -593,9 +593,9 @@ async def test_escalation_and_step_down_are_counted_and_logged(
     steps = [r.getMessage() for r in caplog.records if "steps back down" in r.getMessage()]
     assert steps == ["flowlock: 'hot-1' steps back down to optimistic: no contention for 5.0 s"]
     reserves = [h.strategy for h in history if h.event == "reserve"]
-    assert reserves == [escalate_to, escalate_to, "optimistic"]
+    assert reserves == [escalate_to, escalate_to, escalate_to, "optimistic"]
     assert [h.event for h in history].count("restock") == 6
-    assert final.data == {"stock": 13, "reserved": 3}
+    assert final.data == {"stock": 12, "reserved": 4}
     assert check(final, history)
 
 

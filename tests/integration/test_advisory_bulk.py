@@ -403,3 +403,37 @@ async def test_bulk_input_is_checked_before_anything_is_sent(make: Factory) -> N
     assert await locks.try_acquire_many([], ttl=HELD) == []
     assert locks._bulk is not None and not locks._bulk._holders
     assert statements(locks) == 0
+
+
+async def test_holders_ended_by_the_server_are_replaced_and_their_connections_given_back(
+    make: Factory, pg_url: str
+) -> None:
+    """The server ends the holder sessions (a restart, pg_terminate_backend) more times than the
+    lease pool has connections: each lost holder's connection goes back to the pool, so the
+    backend keeps taking keys, and once quiet only the live holders' connections are out."""
+    locks = await make(pool_size=4)
+    admin = await asyncpg.connect(pg_url)
+    try:
+        for round_ in range(6):
+            taken = await locks.try_acquire_many([f"r{round_}-{i}" for i in range(8)], ttl=HELD)
+            assert all(lease is not None for lease in taken), round_
+            assert locks._bulk is not None
+            pids = [holder.pid for holder in locks._bulk._holders]
+            assert pids
+            for pid in pids:
+                await admin.execute("SELECT pg_terminate_backend($1)", pid)
+            # The lost holders' leases are gone; the next round opens a fresh holder.
+            leases = [lease for lease in taken if lease is not None]
+            with pytest.raises(LockNotOwned):
+                await locks.release(leases[0])
+        leases_pool, _ = locks._pools()
+        bulk = locks._bulk
+        assert bulk is not None
+
+        def back() -> bool:
+            out = leases_pool.get_size() - leases_pool.get_idle_size()
+            return out == sum(not holder.dead for holder in bulk._holders)
+
+        await wait_until(back, within=LATE, what="only the live holders' connections out")
+    finally:
+        await admin.close()

@@ -19,7 +19,7 @@ from typing import Protocol
 import asyncpg
 
 from flowlock._batching import Coalescer
-from flowlock._pg.errors import wrap_errors
+from flowlock._pg.errors import DRIVER_ERRORS, wrap_errors
 from flowlock._pg.pool import terminate
 from flowlock.core.errors import EngineClosed, FlowlockError, LockUnavailable, StoreError
 from flowlock.locks.advisory.deadlines import Deadlines
@@ -49,6 +49,8 @@ class _Owner(Protocol):
     def _now(self) -> float: ...
 
     async def _holder_connection(self) -> asyncpg.pool.PoolConnectionProxy: ...
+
+    def _pools(self) -> tuple[asyncpg.Pool, asyncpg.Pool]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -431,7 +433,7 @@ class Bulk:
                     HOLDER_SETUP, f"{ms(self._io_timeout)}", timeout=self._io_timeout
                 )
         except BaseException:
-            terminate(conn)
+            self._end(conn)
             raise
         holder = _Holder(conn, int(pid))
         holder.reaper = asyncio.get_running_loop().create_task(
@@ -521,7 +523,7 @@ class Bulk:
     def _fail(self, holder: _Holder) -> None:
         """End `holder`'s session; its leases are lost (the server frees their keys)."""
         holder.dead = True
-        terminate(holder.conn)
+        self._end(holder.conn)
         for token, kept in holder.kept.items():
             self._kept.pop(token, None)
             self._ids.discard(kept.lock)
@@ -547,6 +549,18 @@ class Bulk:
                 continue
             with contextlib.suppress(FlowlockError):
                 await self._submit(holder, _Touch())
+
+    def _end(self, conn: asyncpg.pool.PoolConnectionProxy) -> None:
+        """End a holder's session and hand its connection back to the lease pool, which opens
+        a fresh one in its place: a terminated connection never given back would count as in
+        use for good, and each holder lost (a restart, a killed session) would shrink the pool."""
+        terminate(conn)
+        if not self._closed:  # closing: the pool is closed next, connections and all
+            self._spawn(self._released(conn))
+
+    async def _released(self, conn: asyncpg.pool.PoolConnectionProxy) -> None:
+        with contextlib.suppress(EngineClosed, *DRIVER_ERRORS):
+            await self._owner._pools()[0].release(conn)
 
     def _give_back(self, lease: Lease) -> None:
         """Release, in the background, a lease nobody is waiting for any more."""
