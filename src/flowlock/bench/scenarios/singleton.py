@@ -13,21 +13,14 @@ from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, Round
 from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session, results_for
 from flowlock.checker import DOUBLE_APPLY, LOST_UPDATE, Violation
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import InstanceExists
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
 
-__all__ = ["Singleton", "claim_id"]
+__all__ = ["Singleton"]
 
 
 _RUNS_TABLE = "flowlock_bench_runs"
 _CLAIMS_TABLE = "flowlock_bench_claims"
-_CLAIM_WORKFLOW = "approval"
-
-
-def claim_id(job: str, tick: int) -> str:
-    """The instance whose create claims `tick` of `job`."""
-    return f"{job}:{tick}"
 
 
 class Singleton(Scenario):
@@ -36,9 +29,8 @@ class Singleton(Scenario):
     Correct when the job ran once per tick, by the one caller told it ran it.
     Runs go to `flowlock_bench_runs`, which has no unique constraint, so a double run shows.
     The distributed strategies use [`flowlock.jobs.RunOnce`][flowlock.jobs.RunOnce].
-    The others claim the tick by creating its instance (`<job>:<tick>`): the create that
-    inserts the row runs the job, the others get InstanceExists. That is one
-    `INSERT ... ON CONFLICT DO NOTHING`, as the raw floor's claim row.
+    The others claim the tick with `approve` on a per-tick instance.
+    Raw inserts the (job, tick) claim row.
     """
 
     name = "singleton"
@@ -65,14 +57,14 @@ class Singleton(Scenario):
     async def setup(
         self, engine: Engine, key: str, params: Params, rng: random.Random
     ) -> RoundPlan:
-        # The job is unique to the round (its key); the tick is any number. Nothing is created
-        # before the round: the claim creates the tick's instance.
-        tick = rng.getrandbits(40)
+        # The tick is the round's instance: its id is the job, created pending ("due").
+        inst = await engine.create("approval", instance_id=key)
+        tick = rng.getrandbits(40)  # the job id is unique to the round; the tick is any number
         calls = tuple(
-            CallSpec(key, "approve", actor=f"runner-{i}", payload={"tick": tick})
+            CallSpec(inst.id, "approve", actor=f"runner-{i}", payload={"tick": tick})
             for i in range(params.workers)
         )
-        return RoundPlan({key: "pending"}, calls)
+        return RoundPlan({inst.id: inst.state}, calls)
 
     async def fire(self, session: Session, call: CallSpec) -> Fired:
         payload = call.payload or {}
@@ -91,15 +83,11 @@ class Singleton(Scenario):
         ran = await session.run_once(call.instance_id, tick, job)
         if ran is not None:
             return Fired("applied" if ran else "idempotent")
-        # No runner of its own: claim the tick through the engine, by creating its instance.
-        # The primary key decides, as the floor's claim row: no strategy, lock or retry.
-        try:
-            claim = claim_id(call.instance_id, tick)
-            await session.engine.create(_CLAIM_WORKFLOW, instance_id=claim)
-        except InstanceExists:
-            return Fired("idempotent")
-        await job()
-        return Fired("applied")
+        # No runner of its own: claim the tick with the strategy (applied = ours to run).
+        claimed = await session.fire(call)
+        if claimed.kind == "applied":
+            await job()
+        return claimed
 
     async def readback(
         self, session: Session, plan: RoundPlan
@@ -113,8 +101,8 @@ class Singleton(Scenario):
         return {}, {}, {"runs": runs}
 
     def checked(self) -> bool:
-        # RunOnce, the raw claim and the engine's create keep their own records, and no
-        # instance has a history here: the judge below is the whole check.
+        # RunOnce and the raw claim keep their own records; the per-tick instance only has a
+        # history under the engine strategies, so the judge below is the whole check.
         return False
 
     def judge(self, record: RoundRecord, params: Params) -> Judgement:
