@@ -90,3 +90,16 @@ def fresh_database(server_url: str, prefix: str) -> Iterator[str]:
         yield urlunsplit(urlsplit(server_url)._replace(path=f"/{name}"))
     finally:
         asyncio.run(execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def migrated(url: str, schema: str) -> asyncpg.Connection:
+    """A connection to `schema`, migrated first by flowlock's PostgreSQL store (its search_path
+    set to the schema): for tests that load rows with SQL and ask the planner about them."""
+    from flowlock.stores.postgres import PostgresStore
+
+    store = PostgresStore(url, schema=schema)
+    await store.open()
+    await store.aclose()
+    conn = await connect(url)
+    await conn.execute(f'SET search_path TO "{schema}"')
+    return conn

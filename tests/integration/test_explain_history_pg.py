@@ -30,12 +30,8 @@ PER = 10
 @pytest.fixture
 async def histories(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connection]:
     """A migrated schema: instance 'long' with LONG entries, SHORT others with PER each."""
-    store = PostgresStore(pg_url, schema=pg_schema)
-    await store.open()
-    await store.aclose()
-    conn = await pg_budget.connect(pg_url)
+    conn = await pg_budget.migrated(pg_url, pg_schema)
     try:
-        await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(
             """
             INSERT INTO flowlock_instances (id, workflow, state, version)

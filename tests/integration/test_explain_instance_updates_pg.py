@@ -50,12 +50,8 @@ def counter() -> Workflow:
 async def packed(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connection]:
     """A migrated schema holding ROWS instances inserted in one statement and vacuumed: every
     page as full as the table's fillfactor lets an insert make it."""
-    store = PostgresStore(pg_url, schema=pg_schema)
-    await store.open()
-    await store.aclose()
-    conn = await pg_budget.connect(pg_url)
+    conn = await pg_budget.migrated(pg_url, pg_schema)
     try:
-        await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(
             """
             INSERT INTO flowlock_instances (id, workflow, state, version, data)

@@ -32,12 +32,8 @@ ROWS = 20_000
 async def planned(pg_url: str, pg_schema: str) -> AsyncIterator[asyncpg.Connection]:
     """A connection to a migrated schema holding ROWS instances, analysed: one in ten a ticket,
     of the approvals 2 % pending, 2 % rejected, the rest approved."""
-    store = PostgresStore(pg_url, schema=pg_schema)
-    await store.open()
-    await store.aclose()
-    conn = await pg_budget.connect(pg_url)
+    conn = await pg_budget.migrated(pg_url, pg_schema)
     try:
-        await conn.execute(f'SET search_path TO "{pg_schema}"')
         await conn.execute(
             """
             INSERT INTO flowlock_instances (id, workflow, state, version, updated_at)
