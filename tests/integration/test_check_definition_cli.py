@@ -4,6 +4,7 @@ divergence, 2 on bad usage; --json for scripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -62,20 +63,18 @@ def _cli(cwd: Path, *args: str, url: str | None = None) -> subprocess.CompletedP
     )
 
 
-def _record(url: str, cwd: Path, **connect: str) -> None:
+def _record(url: str, cwd: Path, schema: str | None = None) -> None:
     """Three instances under the current definition, written through the sync engine."""
-    sys.path.insert(0, str(cwd))
-    try:
-        import flows_under_test as flows  # the module file written by the fixture
-    finally:
-        sys.path.remove(str(cwd))
-    with flowlock.sync.Engine.connect(url, **connect) as engine:
+    spec = importlib.util.spec_from_file_location("flows_under_test", cwd / "flows_under_test.py")
+    assert spec is not None and spec.loader is not None
+    flows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flows)
+    with flowlock.sync.Engine.connect(url, schema=schema) as engine:
         engine.register(flows.current)
         for n in range(3):
             engine.create("doc", instance_id=f"d{n}", data={"n": 0})
             engine.fire(f"d{n}", "submit")
         engine.fire("d0", "finish")
-    sys.modules.pop("flows_under_test", None)
 
 
 @pytest.fixture
@@ -145,7 +144,7 @@ def test_bad_usage_exits_2(recorded: tuple[Path, str]) -> None:
 def test_on_postgresql(tmp_path: Path, pg_url: str, pg_schema: str) -> None:
     """The same on PostgreSQL, in the schema given with --schema."""
     (tmp_path / "flows_under_test.py").write_text(FLOWS, encoding="utf-8")
-    _record(pg_url, tmp_path, schema=pg_schema)
+    _record(pg_url, tmp_path, pg_schema)
     ok = _cli(tmp_path, "flows_under_test:current", "--database-url", pg_url, "--schema", pg_schema)
     assert ok.returncode == 0, ok.stderr + ok.stdout
     bad = _cli(
