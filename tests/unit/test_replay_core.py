@@ -137,3 +137,17 @@ def test_the_report_counts_and_serialises() -> None:
     as_json = report.as_json()
     assert as_json["divergences"] == [d.as_json()]
     assert as_json["ok"] is False and as_json["counts"]["target"] == 1
+
+
+def test_the_sync_engine_checks_a_definition() -> None:
+    """flowlock.sync.Engine.check_definition is the blocking twin of the async one."""
+    import flowlock.sync
+
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.register(_timed())
+        engine.create("t", instance_id="i1")
+        engine.fire("i1", "finish")
+        assert engine.check_definition(_timed()).ok
+        narrower = Workflow("t", states=["waiting"], initial="waiting", transitions=[])
+        report = engine.check_definition(narrower, instance_ids=["i1"])
+        assert {d.kind for d in report.divergences} == {"event", "state"}
