@@ -28,6 +28,8 @@ __all__ = ["REPLAY_BATCH", "ReplayMethods"]
 
 REPLAY_BATCH: Final = 500
 """Instances per store read of a replay."""
+_YIELD_EVERY: Final = 50
+"""Instances replayed between two yields to the event loop (a few milliseconds of steps)."""
 MAX_IDS: Final = 1_000_000
 """The most instances one check takes by id or by sample."""
 
@@ -41,7 +43,14 @@ class _Tally:
         self.instances = self.transitions = self.unreplayed = self.operator_rows = 0
         self.divergences: list[Divergence] = []
 
-    def add(self, rows: Sequence[ReplayRow]) -> None:
+    async def add(self, rows: Sequence[ReplayRow]) -> None:
+        """Replay `rows`, yielding to the event loop every few instances: the steps run on the
+        loop, and an application's calls sharing it must not wait for a whole batch."""
+        for start in range(0, len(rows), _YIELD_EVERY):
+            self._replay(rows[start : start + _YIELD_EVERY])
+            await asyncio.sleep(0)
+
+    def _replay(self, rows: Sequence[ReplayRow]) -> None:
         for inst, initial, history in rows:
             done = replay(self.workflow, inst, initial, history, max_payload_bytes=self.max_payload)
             self.instances += 1
@@ -165,8 +174,7 @@ async def _walk(store: ReplayStore, workflow: str, tally: _Tally) -> None:
                 pending = asyncio.ensure_future(
                     store.replay_batch(workflow, batch[-1][0].id, REPLAY_BATCH)
                 )
-                await asyncio.sleep(0)  # let it send its query before the replay holds the loop
-            tally.add(batch)
+            await tally.add(batch)
     finally:
         if pending is not None and not pending.done():
             pending.cancel()
@@ -189,4 +197,4 @@ async def _by_id(store: ReplayStore, workflow: str, ids: list[str], tally: _Tall
                 f"instance {iid!r} runs workflow {inst.workflow!r}, not {workflow!r}: a "
                 "definition replays only its own workflow's histories; nothing was replayed"
             )
-    tally.add(rows)
+    await tally.add(rows)
