@@ -151,3 +151,33 @@ def test_the_sync_engine_checks_a_definition() -> None:
         narrower = Workflow("t", states=["waiting"], initial="waiting", transitions=[])
         report = engine.check_definition(narrower, instance_ids=["i1"])
         assert {d.kind for d in report.divergences} == {"event", "state"}
+
+
+def test_a_row_the_two_admins_rule_would_answer_is_refused() -> None:
+    """A recorded move from a state the new definition's event no longer leaves, which the
+    engine would answer as already done (same event last, state among its targets), is a
+    refusal: the new definition would not apply it."""
+    wf = Workflow(
+        "t",
+        states=["a", "b", "c"],
+        initial="a",
+        transitions=[
+            Transition("go", source="a", target="b"),
+            Transition("on", source="b", target="c"),
+        ],
+    )
+    rows = [_row(2, "go", "a", "b", {}), _row(3, "go", "b", "c", {})]
+    [found] = replay(wf, _inst("c", 3), {}, rows).divergences
+    assert (found.version, found.kind) == (3, "refused")
+    assert "already applied" in found.detail
+
+
+def test_replay_row_keeps_the_history_up_to_the_version_read() -> None:
+    """Rows of a later move are left out; a history with a gap (purged meanwhile) is no row."""
+    from flowlock.stores.base import replay_row
+
+    rows = [_row(2, "go", "a", "b", {}), _row(3, "on", "b", "c", {}), _row(4, "x", "c", "d", {})]
+    made = replay_row(_inst("c", 3), {}, list(reversed(rows)))
+    assert made is not None and [h.version for h in made[2]] == [2, 3]
+    assert replay_row(_inst("c", 3), {}, [rows[1]]) is None
+    assert replay_row(_inst("a", 1), None, []) == (_inst("a", 1), None, [])
