@@ -5,6 +5,7 @@ live instances, and none for a compatible change."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -211,6 +212,17 @@ async def test_every_create_path_stores_the_initial_data(engine: flowlock.Engine
     assert await store.replay_batch("approval", None, 10) == []
     by_id = await store.replay_instances(["b", "missing", "a"])
     assert [i.id for i, _, _ in by_id] == ["a", "b"]
+    # A create that arms the initial state's timers (its own statement on PostgreSQL).
+    timed = Workflow(
+        "timed",
+        states=["open", "late"],
+        initial="open",
+        transitions=[Transition("expire", source="open", target="late", after=timedelta(days=1))],
+    )
+    await engine.register(timed)
+    await engine.create("timed", instance_id="t", data={"due": "tomorrow"})
+    [(_, initial, _)] = await store.replay_batch("timed", None, 10)
+    assert initial == {"due": "tomorrow"}
 
 
 async def test_many_batches_are_walked_once(engine: flowlock.Engine) -> None:
