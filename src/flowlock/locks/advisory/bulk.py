@@ -524,8 +524,7 @@ class Bulk:
         return min(deadlines)
 
     def _fail(self, holder: _Holder) -> None:
-        """End `holder`'s session; its leases are lost (the server frees their keys).
-        Idempotent: the termination listener and a failed statement may both get here."""
+        """End `holder`'s session; its leases are lost (the server frees their keys). Once."""
         if holder.dead:
             return
         holder.dead = True
