@@ -94,7 +94,8 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, PayloadChecks):
+# PayloadChecks first: it defines _check_data, which the other mixins only declare.
+class Engine(PayloadChecks, OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
