@@ -109,8 +109,8 @@ def inventory(
     """
 
     def qty(payload: Any) -> int:
-        if not isinstance(payload, Mapping):
-            return int(payload.qty)  # a typed payload: the model checked it
+        if typed:
+            return int(payload.qty)  # the model checked it
         n = payload.get("qty", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise GuardRejected(f"qty must be a positive integer, not {n!r}")

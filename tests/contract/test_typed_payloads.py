@@ -51,6 +51,7 @@ async def test_a_bad_payload_is_refused_before_anything_is_read(typed: flowlock.
         await typed.fire("nobody", "ship", payload={"carrier": "pigeon"})
     assert shipped.value.paths == ("carrier",)
     assert shipped.value.workflow == "shop, desk"
+    assert "(workflows 'shop', 'desk')" in str(shipped.value)
     assert await stored(typed, "nobody") is None
 
 

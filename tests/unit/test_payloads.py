@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, assert_type
 
 import pytest
 from pydantic import BaseModel, field_validator
@@ -80,11 +80,13 @@ def test_invalid_payload_carries_errors_and_dotted_paths() -> None:
     with pytest.raises(flowlock.InvalidPayload) as caught:
         schema.parse(BAD_ORDER, workflow="shop", event="pay")
     error = caught.value
+    assert_type(error.errors, tuple[dict[str, Any], ...])
+    assert_type(error.paths, tuple[str, ...])
     assert error.paths == BAD_ORDER_PATHS
     assert all(set(e) == {"loc", "msg", "type"} for e in error.errors)
     text = str(error)
     assert text.startswith("the payload of event 'pay' (workflow 'shop') does not match")
-    assert "items.0.sku: Field required" in text and "nothing was read or written" in text
+    assert "items.0.sku: Field required" in text and "nothing was written" in text
     parsed = schema.parse(GOOD_ORDER, workflow="shop", event="pay")
     assert isinstance(parsed, Order) and parsed.items[0].qty == 2
 

@@ -24,11 +24,12 @@ __all__ = ["InvalidPayload", "PayloadSchema", "early_schemas", "payload_schema"]
 
 
 class InvalidPayload(InvalidInput):
-    """A payload does not match the schema its transition declares; nothing was read or written.
+    """A payload does not match the schema its transition declares; nothing was written.
 
     Also a create's data that its workflow's `data=` schema refuses (`event` is None then).
     `errors`: one {"loc": [...], "msg": str, "type": str} per bad field, as the validator
     reported it. `paths`: each field as a dotted path ("items.0.sku"; "" for the whole object).
+    `workflow`: where the schema is declared ("a, b" when the workflows with the event share it).
     """
 
     def __init__(
@@ -38,7 +39,7 @@ class InvalidPayload(InvalidInput):
         workflow: str,
         event: str | None,
     ) -> None:
-        self.errors = tuple(
+        self.errors: tuple[dict[str, Any], ...] = tuple(
             {
                 "loc": list(e.get("loc", ())),
                 "msg": str(e.get("msg", "")),
@@ -46,21 +47,25 @@ class InvalidPayload(InvalidInput):
             }
             for e in errors
         )
-        self.paths = tuple(".".join(str(part) for part in e["loc"]) for e in self.errors)
+        self.paths: tuple[str, ...] = tuple(
+            ".".join(str(part) for part in e["loc"]) for e in self.errors
+        )
         self.workflow = workflow
         self.event = event
+        names = ", ".join(repr(name) for name in workflow.split(", "))
+        plural = "s" if ", " in workflow else ""
         what = (
             f"the data of a new {workflow!r} instance"
             if event is None
-            else f"the payload of event {event!r} (workflow {workflow!r})"
+            else f"the payload of event {event!r} (workflow{plural} {names})"
         )
         fields = "; ".join(
             f"{path or '(the whole object)'}: {e['msg']}"
             for path, e in zip(self.paths, self.errors, strict=True)
         )
         super().__init__(
-            f"{what} does not match its schema: {fields or 'refused'}; nothing was read or "
-            "written. Correct those fields and send it again"
+            f"{what} does not match its schema: {fields or 'refused'}; nothing was written. "
+            "Correct those fields and send it again"
         )
 
 
