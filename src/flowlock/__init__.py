@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
     from flowlock.core.payloads import InvalidPayload
+    from flowlock.core.replay import Divergence, ReplayReport
     from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
@@ -106,6 +107,7 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
     "BulkReport": "flowlock.core.bulk",
+    **dict.fromkeys(("Divergence", "ReplayReport"), "flowlock.core.replay"),
     "ConflictMonitor": "flowlock.strategies.monitor",
     "Metrics": "flowlock.metrics",
     "Optimistic": "flowlock.strategies.optimistic",
@@ -133,6 +135,7 @@ __all__ = [
     "DeliveryFailed",
     "DeliveryRefused",
     "Distributed",
+    "Divergence",
     "Emit",
     "Engine",
     "EngineClosed",
@@ -165,6 +168,7 @@ __all__ = [
     "PayloadTooLarge",
     "Pessimistic",
     "PurgeReport",
+    "ReplayReport",
     "RestoreReport",
     "RunOnce",
     "StaleTimer",

@@ -17,7 +17,10 @@ __all__ = ["PayloadChecks"]
 
 
 class PayloadChecks:
-    """Checks the engine runs on what a caller sends, before anything is read."""
+    """Checks the engine runs on what a caller sends, before anything is read.
+
+    First among the engine's bases: it defines `_check_data`, which other mixins only declare.
+    """
 
     _max_payload: int
     _workflows: dict[str, Workflow]

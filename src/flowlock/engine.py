@@ -31,6 +31,7 @@ from flowlock._firing import Fire, Runner, failure_label
 from flowlock._payload_checks import PayloadChecks
 from flowlock.admin.bulk import BulkMethods
 from flowlock.admin.repair import RepairMethods
+from flowlock.admin.replay import ReplayMethods
 from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
@@ -81,7 +82,6 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "Engine", "connect"]
 
 log = logging.getLogger("flowlock")
-
 _WORKFLOW_CACHE_SIZE = 100_000
 
 Connection: TypeAlias = "CallerConnection"
@@ -94,8 +94,9 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-# PayloadChecks first: it defines _check_data, which the other mixins only declare.
-class Engine(PayloadChecks, OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
+class Engine(
+    PayloadChecks, OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, ReplayMethods
+):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.

@@ -31,6 +31,7 @@ PUBLIC = {
     "WorkflowPause",
     "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
     "InvalidPayload",
+    "Divergence", "ReplayReport",
 }  # fmt: skip
 
 

@@ -276,9 +276,10 @@ SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
 # The board's clock is the server's: every engine reads the same one, whatever its host's says.
 # clock_timestamp(), not now(): the time of the call, also inside a longer transaction.
 NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
+# initial_data: the data at creation, kept for engine.check_definition's replay (016).
 CREATE = f"""
-INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version)
-VALUES ($1, $2, $3, 1, $4::text::jsonb, 1)
+INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version, initial_data)
+VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $4::text::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """

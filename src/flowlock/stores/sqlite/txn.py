@@ -226,10 +226,10 @@ def create_txn(
             return found[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}) "
-        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, initial_data) "
+        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?) "
         "ON CONFLICT (id) DO NOTHING",
-        (instance.id, instance.workflow, instance.state, data, now, now),
+        (instance.id, instance.workflow, instance.state, data, now, now, data),
     )
     if cur.rowcount == 0:
         raise InstanceExists(instance.id)
