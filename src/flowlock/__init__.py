@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     )
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
+    from flowlock.core.payloads import InvalidPayload
     from flowlock.core.replay import Divergence, ReplayReport
     from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
     from flowlock.engine import Engine, connect
@@ -94,6 +95,7 @@ _WHERE: dict[str, str] = {
         ),
         "flowlock.core.admin",
     ),
+    "InvalidPayload": "flowlock.core.payloads",
     **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
@@ -148,6 +150,7 @@ __all__ = [
     "InstanceNotFound",
     "InstancePaused",
     "InvalidInput",
+    "InvalidPayload",
     "LockBusy",
     "LockError",
     "LockLost",

@@ -28,6 +28,7 @@ from flowlock._calls import (
     transactional,
 )
 from flowlock._firing import Fire, Runner, failure_label
+from flowlock._payload_checks import PayloadChecks
 from flowlock.admin.bulk import BulkMethods
 from flowlock.admin.repair import RepairMethods
 from flowlock.admin.replay import ReplayMethods
@@ -35,7 +36,7 @@ from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput, UnknownWorkflow
-from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD
 from flowlock.core.models import (
     TIMER_ACTOR,
     HistoryEntry,
@@ -93,7 +94,9 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, ReplayMethods):
+class Engine(
+    PayloadChecks, OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, ReplayMethods
+):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
@@ -269,6 +272,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
         for warning in workflow.safety_warnings(self._default):
             log.warning("flowlock: %s", warning)
         self._workflows[workflow.name] = workflow
+        self._index_payloads()
         self._start_services()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
@@ -324,12 +328,6 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
 
     # -- instances -------------------------------------------------------------------------
 
-    def _check_data(self, data: object, what: str) -> Mapping[str, Any]:
-        """`data` as plain JSON within `max_payload_bytes`, or InvalidInput (see
-        `flowlock.core.jsondata.check_object`, the check the step also runs on what effects
-        return)."""
-        return check_object(data, what, self._max_payload)
-
     async def create(
         self,
         workflow: str,
@@ -340,7 +338,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
         request_id: str | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
-        Raises InstanceExists when the id is taken.
+        Raises InstanceExists when the id is taken, InvalidPayload for data its `data=` refuses.
 
         `request_id` is the create's idempotency key: a retry with the same key, id, workflow
         and data answers the first create (as it was created) and writes nothing; the same key
@@ -355,7 +353,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
         if request_id is not None:
             check_text(request_id, "request_id")
         wf = self._workflow(workflow)
-        body = self._check_data(data, "data")
+        body = self._create_data(wf, data)
         new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
         arm = wf.timers(wf.initial)
         if connection is None:
@@ -447,7 +445,8 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
 
         Returns an Outcome (`applied` or `idempotent`). Raises TransitionNotAllowed,
         GuardRejected, VersionMismatch, ConflictRetriesExhausted, LockTimeout / LockBusy,
-        InstanceNotFound, or InvalidInput for bad arguments (before anything is read).
+        InstanceNotFound, or InvalidInput for bad arguments (before anything is read), such as
+        InvalidPayload for a payload the transition's `payload=` schema refuses.
 
         `payload` (a JSON object) is passed to the guard and effect and kept in the history
         row (`HistoryEntry.payload`). `request_id` is the call's idempotency key: a retry
@@ -492,7 +491,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
         try:
             self._check_open()
             check_fire_args(instance_id, event, actor, request_id, expected_version, repair=repair)
-            body = self._check_data(payload, "payload")
+            body, parsed = self._fire_payload(event, payload)
             call = Call(
                 instance_id=instance_id,
                 event=event,
@@ -504,6 +503,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Replay
                 timer=timer,
                 trace=None if span is None else span.traceparent(),
                 where=where,
+                parsed=parsed,
             )
             if connection is not None:
                 joinable = transactional(self._store)
