@@ -181,3 +181,26 @@ def test_replay_row_keeps_the_history_up_to_the_version_read() -> None:
     assert made is not None and [h.version for h in made[2]] == [2, 3]
     assert replay_row(_inst("c", 3), {}, [rows[1]]) is None
     assert replay_row(_inst("a", 1), None, []) == (_inst("a", 1), None, [])
+
+
+def test_a_payload_the_new_schema_refuses_is_a_refused_divergence() -> None:
+    """A recorded payload that the new definition's payload schema refuses is reported as
+    "refused", naming the schema, not as an effect's bad data."""
+    rows = [_row(2, "finish", "waiting", "done", {})]
+    typed = Workflow(
+        "t",
+        states=["waiting", "expired", "done"],
+        initial="waiting",
+        transitions=[
+            Transition(
+                "finish",
+                source="waiting",
+                target="done",
+                payload={"type": "object", "required": ["reason"]},
+            ),
+            Transition("lapse", source="waiting", target="expired"),
+        ],
+    )
+    found = replay(typed, _inst("done", 2), {}, rows).divergences
+    assert [(d.kind, d.version) for d in found] == [("refused", 2)]
+    assert "payload schema" in found[0].detail

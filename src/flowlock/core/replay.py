@@ -27,6 +27,7 @@ from flowlock.core.errors import (
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, same_json
 from flowlock.core.models import TIMER_PREFIX, HistoryEntry, Instance, TimerFiring
+from flowlock.core.payloads import InvalidPayload
 from flowlock.core.step import Call, Idempotent, _decide
 
 __all__ = [
@@ -250,6 +251,8 @@ def _replay_row(
         return diverged(kind, None, f"the {exc.step} raised: {exc.__cause__!r}")
     except TransitionRefused as exc:
         return diverged("refused", None, f"the new definition refuses it: {exc}")
+    except InvalidPayload as exc:
+        return diverged("refused", None, f"the new payload schema refuses it: {exc}")
     except InvalidInput as exc:
         return diverged("data", None, f"the effect's data is refused: {exc}")
     except FlowlockError as exc:
