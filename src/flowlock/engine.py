@@ -29,6 +29,7 @@ from flowlock._calls import (
 )
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock.admin.bulk import BulkMethods
+from flowlock.admin.migrate import MigrateMethods
 from flowlock.admin.repair import RepairMethods
 from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
@@ -93,7 +94,7 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods):
+class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, MigrateMethods):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.

@@ -1,5 +1,6 @@
 """Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors` (and
-of the repairs' two, defined beside them in `flowlock.core.admin`)."""
+of the repairs' two, defined beside them in `flowlock.core.admin`, and of the migration's
+refusal, in `flowlock.core.migration`)."""
 
 from flowlock.core.admin import InstancePaused, UnknownState
 from flowlock.core.errors import (
@@ -40,6 +41,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.migration import MigrationRefused
 
 __all__ = [
     "ConcurrencyError",
@@ -66,6 +68,7 @@ __all__ = [
     "LockUnavailable",
     "MessageNotFound",
     "MigrationError",
+    "MigrationRefused",
     "OutcomeUnknown",
     "PayloadTooLarge",
     "StaleTimer",

@@ -30,6 +30,7 @@ PUBLIC = {
     "FORCE_EVENT", "PAUSE_EVENT", "RESUME_EVENT", "InstancePaused", "UnknownState",
     "WorkflowPause",
     "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
+    "MIGRATE_EVENT", "MigrationRefused", "MigrationReport",
 }  # fmt: skip
 
 

@@ -26,8 +26,8 @@ from flowlock._pg.rows import (
 )
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
-    FORCE_EVENT,
     PAUSE_EVENT,
+    RESERVED_EVENTS,
     RESUME_EVENT,
     HistoryEntry,
     InstanceQuery,
@@ -135,8 +135,9 @@ _PAUSED = (
 # (its snapshot is taken once its table lock is granted): a fire that read before a workflow's
 # pause committed loses its compare-and-swap, reads again and is refused. An operator's repair
 # (a reserved event: the last of its batch, alone) goes through. See pauses.py for the rest.
+_REPAIRS = ", ".join(f"'{event}'" for event in sorted(RESERVED_EVENTS))
 _OPEN = (
-    f"({{event}} IN ('{FORCE_EVENT}', '{PAUSE_EVENT}', '{RESUME_EVENT}') OR NOT EXISTS ("
+    f"({{event}} IN ({_REPAIRS}) OR NOT EXISTS ("
     "SELECT 1 FROM flowlock_workflow_pauses wp WHERE wp.workflow = {table}.workflow))"
 )
 _CAS = f"""
