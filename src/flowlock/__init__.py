@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         ConnectionLost,
         CreateKeyReused,
         DefinitionError,
+        DefinitionMismatch,
         DeliveryFailed,
         DeliveryRefused,
         EngineClosed,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
     from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
+    from flowlock.core.versions import DefinitionVersion
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -109,6 +111,7 @@ _WHERE: dict[str, str] = {
     "Adaptive": "flowlock.strategies.adaptive",
     "BulkReport": "flowlock.core.bulk",
     "ConflictMonitor": "flowlock.strategies.monitor",
+    "DefinitionVersion": "flowlock.core.versions",
     "Metrics": "flowlock.metrics",
     "Optimistic": "flowlock.strategies.optimistic",
     "Pessimistic": "flowlock.strategies.pessimistic",
@@ -133,6 +136,8 @@ __all__ = [
     "ConnectionLost",
     "CreateKeyReused",
     "DefinitionError",
+    "DefinitionMismatch",
+    "DefinitionVersion",
     "DeliveryFailed",
     "DeliveryRefused",
     "Distributed",

@@ -21,6 +21,7 @@ from flowlock.core.errors import (
     ConnectionLost,
     CreateKeyReused,
     DefinitionError,
+    DefinitionMismatch,
     EngineClosed,
     FlowlockError,
     GuardRejected,
@@ -248,6 +249,21 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             {"ETag": etag(exc.current)},
             instance_id=exc.instance_id, expected=exc.expected, current=exc.current,
             version=exc.current, state=exc.state,
+        )  # fmt: skip
+    if isinstance(exc, DefinitionMismatch):
+        who = (
+            "the create asked for"
+            if exc.instance_id is None
+            else f"instance {exc.instance_id!r} runs"
+        )
+        return _make(
+            409, slug, "Definition version not served here",
+            f"{who} version {exc.version} of workflow {exc.workflow!r}, which this service does "
+            "not run (it runs "
+            f"{list(exc.registered) or 'none'}); nothing was applied. Send it to a service that "
+            "runs that version, or have an operator migrate the instance",
+            instance_id=exc.instance_id, workflow=exc.workflow, version=exc.version,
+            registered=list(exc.registered),
         )  # fmt: skip
     if isinstance(exc, GuardRejected):
         return _make(

@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import flowlock
-from flowlock.checker import DEFINITION_VERSION, REPAIR_ROW, check, check_many
+from flowlock.checker import DEFINITION_VERSION, check, check_many
+from flowlock.checker.verdicts import REPAIR_ROW
 from flowlock.cli import app as cli
 from flowlock.core.bulk import bulk_request_id
 from flowlock.core.migration import MigrationMove, migration_payload
@@ -155,7 +156,7 @@ async def test_a_rerun_after_a_partial_run_resumes(engine: flowlock.Engine) -> N
 
     with pytest.raises(RuntimeError):
         await engine.migrate(TICKET, 2, state_map=MAP, concurrency=1, progress=crash)
-    assert sum((await engine.get(i)).definition_version == 2 for i in ids) == 5
+    assert [(await engine.get(i)).definition_version for i in ids].count(2) == 5
     report = await engine.migrate(TICKET, 2, state_map=MAP, concurrency=4)
     assert (report.already, report.matched, report.applied) == (5, 15, 15)
     for iid, rows in (await _rows(engine, ids)).items():

@@ -16,7 +16,8 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "Adaptive", "BulkReport", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
-    "ConnectionLost", "CreateKeyReused", "DefinitionError", "DeliveryFailed", "DeliveryRefused",
+    "ConnectionLost", "CreateKeyReused", "DefinitionError",
+    "DefinitionMismatch", "DefinitionVersion", "DeliveryFailed", "DeliveryRefused",
     "Distributed", "Emit", "Engine",
     "EngineClosed", "Message", "MessageNotFound", "Then", "outbox",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",

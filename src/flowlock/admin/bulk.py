@@ -27,7 +27,6 @@ from flowlock.core.bulk import (
     check_operation_id,
     derive_operation_id,
 )
-from flowlock.core.definition import Workflow
 from flowlock.core.errors import (
     FlowlockError,
     InstanceNotFound,
@@ -39,6 +38,7 @@ from flowlock.core.models import Instance, InstanceQuery, Outcome, Page
 from flowlock.core.query import MAX_LIMIT, instance_query
 from flowlock.core.settings import check_count, check_flag
 from flowlock.core.step import NotSelected
+from flowlock.core.versions import Registry
 
 __all__ = [
     "DEFAULT_MAX_FAILURES",
@@ -157,7 +157,7 @@ class Tally:
 class BulkMethods:
     """`flowlock.Engine.bulk`; the engine is `self`."""
 
-    _workflows: dict[str, Workflow]
+    _workflows: Registry
     _max_payload: int
 
     def _check_open(self) -> None: ...  # the engine's

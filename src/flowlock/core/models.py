@@ -74,7 +74,9 @@ class Instance:
     its earliest armed timer, filled in by `engine.get` (None elsewhere, or with none armed).
     `paused`: an operator paused this instance (`engine.pause`); `workflow_paused`: its whole
     workflow is paused, read with the instance (a commit's answer may leave it False). Either
-    way `fire` refuses it with InstancePaused; `force` still works.
+    way `fire` refuses it with InstancePaused; `force` still works. `definition_version`: the
+    version of its workflow's definition it runs under (its last history row's); None when
+    created before versions or on a store without them: it runs the newest registered version.
     """
 
     id: str
@@ -89,6 +91,7 @@ class Instance:
     next_timer: Timer | None = dataclasses.field(default=None, compare=False)
     paused: bool = False
     workflow_paused: bool = dataclasses.field(default=False, compare=False)
+    definition_version: int | None = None
 
     def evolve(self, **changes: Any) -> Instance:
         """A copy with `changes` applied."""
@@ -104,6 +107,8 @@ class HistoryEntry:
     - `fencing_token`: the lease's token when the distributed strategy wrote it, else None.
     - `payload`: the call's payload, kept even if no effect copied it into `data`. A
       retry of the same `request_id` must carry the same payload.
+    - `definition_version`: the version of the workflow's definition the row was decided with
+      (None: unknown, written before versions or by an engine without them).
     """
 
     instance_id: str
@@ -118,6 +123,7 @@ class HistoryEntry:
     at: datetime | None = None
     fencing_token: int | None = None
     payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    definition_version: int | None = None
     # What the commit does to timers, in the same transaction (not stored with the row):
     # `arm`, the timers of the stay this entry begins (when it changes the state); `voids`,
     # whether it ends a stay that may hold timers; `timer`, the timer this entry fired.

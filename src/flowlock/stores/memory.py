@@ -36,6 +36,7 @@ from flowlock.core.models import (
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.memory_definitions import MemoryDefinitions
 from flowlock.stores.memory_outbox import MemoryOutbox
 from flowlock.stores.memory_outbox import copy_json as _copy
 from flowlock.stores.memory_outbox import wall as _wall
@@ -89,7 +90,7 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore(MemoryRetention, MemoryOutbox):
+class MemoryStore(MemoryRetention, MemoryOutbox, MemoryDefinitions):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     Timers and messages are due on the process's monotonic clock (a change of the wall clock
@@ -117,6 +118,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox):
         self._pauses: dict[str, WorkflowPause] = {}
         self._init_outbox()
         self._init_retention()
+        self._init_definitions()
         self._open = False
 
     async def open(self) -> None:
@@ -241,6 +243,11 @@ class MemoryStore(MemoryRetention, MemoryOutbox):
             updated_at=now,
             stay_version=current.stay_version if entered is None else entered.version,
             paused=paused_after(current.paused, last.event),
+            definition_version=(
+                current.definition_version
+                if last.definition_version is None
+                else last.definition_version
+            ),
         )
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)
