@@ -291,6 +291,10 @@ def test_the_checker_flags_a_row_under_another_version() -> None:
     drift = [_row(2, "hold", "open", "held", 1), _row(3, "bump", "held", "held", 2)]
     assert _kinds(drift, 2) == [DEFINITION_VERSION]
     assert _kinds([_row(2, "hold", "open", "held", 1)], 2) == [DEFINITION_VERSION]
+    # A row of no version is unknown: skipped, the instance held to the last versioned row.
+    unknown = [_row(2, "hold", "open", "held", 1), _row(3, "bump", "held", "held", None)]
+    assert _kinds(unknown, 1) == []
+    assert _kinds(unknown, 2) == [DEFINITION_VERSION]
     stamped = {"payload": migration_payload(3, {})}
     wrong = [_row(2, flowlock.MIGRATE_EVENT, "open", "open", 2, **stamped)]
     assert _kinds(wrong, 2) == [DEFINITION_VERSION]

@@ -2,9 +2,11 @@
 
 Each row records the definition version it was decided with. Only a migration
 (`flowlock:migrate`, a `migrated` row) changes it: every other row runs under the version the
-row before it left. A row of no version (written before versions existed) may be followed by
-one of any version: such an instance runs the newest version and keeps the first one it is
-stamped with. The instance's own version is its last row's. docs/checker.md says more.
+row before it left. A row of no version (written before versions existed, or by a store that
+keeps none) is unknown: it neither breaks the run nor sets it, and the first versioned row
+after it may have any version (such an instance runs the newest version, and keeps the first
+it is stamped with). The instance's own version is its last versioned row's. docs/checker.md
+says more.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ def check_versions(
     """The definition-version rules over `ordered` (the instance's rows in version order)."""
     found: list[Violation] = []
     current: int | None = None
+    last: HistoryEntry | None = None
     for entry in ordered:
         version = entry.definition_version
+        if version is None:
+            continue  # unknown (no versions when written): it neither breaks nor sets the run
         if entry.migrated:
             found.extend(_migrated(name, entry))
         elif current is not None and version != current:
@@ -39,15 +44,13 @@ def check_versions(
                     entry.version,
                 )
             )
-        if version is not None:
-            current = version
-    if ordered and instance.definition_version != ordered[-1].definition_version:
-        last = ordered[-1]
+        current, last = version, entry
+    if last is not None and instance.definition_version != current:
         found.append(
             Violation(
                 DEFINITION_VERSION,
                 f"{name}: runs definition version {instance.definition_version}, but its last "
-                f"row (version {last.version}) says {last.definition_version}",
+                f"versioned row (version {last.version}) says {current}",
                 instance.version,
             )
         )
