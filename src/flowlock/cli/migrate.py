@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from flowlock.cli._common import EXIT_ERROR, EXIT_REPLAYED, fail, stderr, stdout
+from flowlock.cli._common import EXIT_ERROR, fail, stderr, stdout
 from flowlock.cli._table import Column, print_rows, print_wrapped
 from flowlock.cli.admin import (
     Actor,
@@ -45,10 +45,10 @@ _HELP = (
     "that no --map names, is stranded: the run is refused and nothing is written (exit 1; "
     "--dry-run exits 1 too). Otherwise it asks to confirm (unless --yes; --dry-run stops "
     "after the counts), then walks the instances in pages, a few calls at once, with a "
-    "progress bar. Each instance's row has the request id bulk:OPERATION:INSTANCE: the same "
-    "command run again after a crash replays what was done and does the rest. Instances on "
-    "the target version already are left alone. Live traffic may go on: each row is decided "
-    "on the instance as it is when written. Exit 1 when any instance failed."
+    "progress bar. Each instance's row has the request id bulk:OPERATION:INSTANCE, so a retry "
+    "never writes it twice; instances on the target version already are left alone, so the "
+    "same command run again after a crash does the rest. Live traffic may go on: each row is "
+    "decided on the instance as it is when written. Exit 1 when any instance failed."
 )
 
 
@@ -213,8 +213,6 @@ def migrate(
         _print_summary(report)
     if not report.ok:
         raise typer.Exit(EXIT_ERROR)
-    if report.replayed and not report.applied:
-        raise typer.Exit(EXIT_REPLAYED)
 
 
 def _confirm(seen: MigrationReport) -> None:
@@ -264,7 +262,7 @@ def _run(
                 console.print(
                     Text(
                         f"operation {seen.operation_id} did not finish: run the same command "
-                        "again to do the rest (what was done is replayed, not done twice)",
+                        "again to do the rest (what was done is left alone, not done twice)",
                         style="yellow",
                     )
                 )
