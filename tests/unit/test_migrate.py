@@ -331,3 +331,12 @@ def test_flowlock_admin_migrate(tmp_path: Path) -> None:
         eng.register(ticket_v2())
         assert {eng.get(f"c-{i}").state for i in range(3)} == {"active"}
         assert all(eng.history(f"c-{i}")[-1].migrated for i in range(3))
+
+
+def test_a_refusal_is_an_http_422_with_the_stranded_states() -> None:
+    """MigrationRefused maps to a 422 problem naming each stranded state and its count."""
+    from flowlock.http import from_error
+
+    found = from_error(flowlock.MigrationRefused(TICKET, 2, {"open": 3}, ("active", "done")))
+    assert (found.status, found.slug) == (422, "migration-refused")
+    assert found.members["stranded"] == {"open": 3} and found.members["to_version"] == 2
