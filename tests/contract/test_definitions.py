@@ -76,10 +76,10 @@ async def test_register_stores_versions_and_pins_instances(
     own version's rules while new ones get the newest; definitions() counts them."""
     caplog.set_level(logging.INFO, logger="flowlock")
     v1 = await engine.register(doc())
-    assert (v1, v1.new) == (1, True)
+    assert v1 == 1 and (v1.version, v1.new) == (1, True)
     assert "workflow 'doc' version 1 (new)" in caplog.text
     same = await engine.register(doc())
-    assert (same, same.new) == (1, False)
+    assert (same.version, same.new) == (1, False)
     assert "workflow 'doc' version 1 (unchanged)" in caplog.text
     old = await engine.create("doc", instance_id="old")
     assert old.definition_version == 1
@@ -87,7 +87,7 @@ async def test_register_stores_versions_and_pins_instances(
     await engine.fire("old", "approve")
 
     v2 = await engine.register(doc(extra=True))
-    assert (v2, v2.new) == (2, True)
+    assert (v2.version, v2.new) == (2, True)
     new = await engine.create("doc", instance_id="new")
     assert new.definition_version == 2
     # The old instance runs version 1, which has no "reopen"; the new one runs version 2.
@@ -154,7 +154,7 @@ async def test_register_before_open_is_stored_when_the_engine_opens(
     create pins the stored version."""
     engine = flowlock.Engine(store_factory())
     early = await engine.register(doc())
-    assert (early, early.new) == (0, False) and early.hash == content_hash(doc())
+    assert (early.version, early.new) == (0, False) and early.hash == content_hash(doc())
     async with engine:
         made = await engine.create("doc", instance_id="x")
         assert made.definition_version == 1
