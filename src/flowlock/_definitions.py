@@ -149,6 +149,11 @@ class DefinitionMethods:
         assert pinned is not None
         return pinned, version
 
+    @property
+    def registry(self) -> Registry:
+        """Every workflow version this engine registered (`pinned` finds an instance's)."""
+        return self._workflows
+
     async def definitions(self, workflow: str | None = None) -> list[DefinitionVersion]:
         """The stored definition versions (of `workflow` when given), by workflow then version,
         each with how many instances run it (`instances`). Empty on a store that keeps none."""

@@ -108,9 +108,7 @@ async def test_the_transition_statement_is_a_primary_key_lookup(
     """The compare-and-swap finds its row by the primary key, for a generic plan too."""
     await packed.execute("DEALLOCATE ALL")
     await packed.execute(f"PREPARE q AS {CAS}")
-    args = (
-        "'c-000001', 1, 'open', '{\"n\": 1}', 'step', 'open', 't', 'r1', 'optimistic', NULL, '{}'"
-    )
+    args = "'c-000001', 1, 'open', '{\"n\": 1}', 'step', 'open', 't', 'r1', 'optimistic', NULL, '{}', 1"
     for mode in ("force_custom_plan", "force_generic_plan"):
         await packed.execute(f"SET plan_cache_mode = {mode}")
         async with packed.transaction():
