@@ -1,12 +1,13 @@
-"""Migrating instances to another definition version without a server: the `migrated` row, the
-state map and the data function, the refusal before writing, the dry run, a rerun that
-resumes, DefinitionMismatch, the checker's definition-version rules, the sync twin and
-`flowlock admin migrate` through typer's runner (SQLite)."""
+"""Migrating instances to another definition version on every store (memory, SQLite,
+PostgreSQL): the `migrated` row, the state map and the data function, the refusal before
+writing, the dry run, a rerun that resumes, DefinitionMismatch; and the checker's
+definition-version rules, the sync twin, the HTTP problem and `flowlock admin migrate` through
+typer's runner (SQLite)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,16 @@ from flowlock.cli import app as cli
 from flowlock.core.bulk import bulk_request_id
 from flowlock.core.migration import MigrationMove, migration_payload
 from flowlock.core.models import HistoryEntry, Instance
-from flowlock.stores import MemoryStore
+from flowlock.stores import MemoryStore, Store
 from migrate_kit import MAP, TICKET, ran_under_own_version, ticket_v1, ticket_v2
+
+StoreFactory = Callable[..., Store]
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[flowlock.Engine]:
-    async with flowlock.Engine(MemoryStore()) as eng:
+async def engine(store_factory: StoreFactory) -> AsyncIterator[flowlock.Engine]:
+    """An engine of both versions on each store (memory, SQLite, PostgreSQL)."""
+    async with flowlock.Engine(store_factory()) as eng:
         assert await eng.register(ticket_v1()) == 1
         assert await eng.register(ticket_v2()) == 2
         yield eng
@@ -179,7 +183,7 @@ async def test_a_retry_under_the_same_request_id_is_replayed(engine: flowlock.En
 
 
 async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
-    engine: flowlock.Engine,
+    engine: flowlock.Engine, store_factory: StoreFactory
 ) -> None:
     """Version 3 (not registered) and version 2 in an engine of version 1 only are refused."""
     ids = await _make(engine, 2)
@@ -188,7 +192,7 @@ async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
     assert (lacks.value.version, lacks.value.registered) == (3, (1, 2))
     with pytest.raises(flowlock.UnknownWorkflow):
         await engine.migrate("nope", 1)
-    async with flowlock.Engine(engine.store) as old:
+    async with flowlock.Engine(store_factory()) as old:
         await old.register(ticket_v1())
         with pytest.raises(flowlock.DefinitionMismatch):
             await old.migrate(TICKET, 2, state_map=MAP)
@@ -196,7 +200,7 @@ async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
         # An old engine refuses a migrated instance rather than apply version 1's rules.
         with pytest.raises(flowlock.DefinitionMismatch):
             await old.fire(ids[0], "bump")
-        # Read before `old` closes: it closes the store the two engines share.
+        # Read before `old` closes: on memory, it closes the store the two engines share.
         assert [r.kind for r in await engine.history(ids[0])] == ["migrated"]
 
 
