@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sys
 from collections import Counter
@@ -33,6 +34,10 @@ pytestmark = pytest.mark.postgres
 
 WORKER = Path(__file__).with_name("deploy_worker.py")
 CALLERS = 100
+# The rolling deploy's size; the soak of the issue's Performance section runs it longer:
+# FLOWLOCK_DEPLOY_SECONDS=60 FLOWLOCK_DEPLOY_INSTANCES=20000 pytest -k rolling_deploy
+DEPLOY_SECONDS = float(os.environ.get("FLOWLOCK_DEPLOY_SECONDS", "4"))
+DEPLOY_INSTANCES = int(os.environ.get("FLOWLOCK_DEPLOY_INSTANCES", "400"))
 EVENTS = ("bump", "hold", "reopen", "close")
 WEIGHTS = (80, 10, 9, 1)
 SqlHistory = Callable[..., Awaitable[Any]]
@@ -189,13 +194,13 @@ async def test_rolling_deploy_across_two_processes(
     refused (DefinitionMismatch) on migrated instances; the checker clean."""
     engine = await _engine(pg_url, pg_schema, 1, 2)
     try:
-        ids = await _create(engine, 400)
+        ids = await _create(engine, DEPLOY_INSTANCES)
         gate = Gate(tmp_path / "gate", 2)
         procs = []
         for proc, versions in enumerate(([1], [1, 2])):
             conf = {
                 "url": pg_url, "schema": pg_schema, "ids": ids, "versions": versions,
-                "callers": 10, "seconds": 4.0, "gate": str(gate), "proc": proc,
+                "callers": 10, "seconds": DEPLOY_SECONDS, "gate": str(gate), "proc": proc,
             }  # fmt: skip
             started = await asyncio.create_subprocess_exec(
                 sys.executable, str(WORKER), json.dumps(conf),
@@ -208,7 +213,7 @@ async def test_rolling_deploy_across_two_processes(
             report = await engine.migrate(TICKET, 2, state_map=MAP, actor="deploy", batch=50)
             results = []
             for p in procs:
-                out, err = await asyncio.wait_for(p.communicate(), 60)
+                out, err = await asyncio.wait_for(p.communicate(), DEPLOY_SECONDS + 60)
                 assert p.returncode == 0, err.decode()[-3000:]
                 results.append(json.loads(out.decode().splitlines()[-1]))
         finally:
@@ -219,7 +224,8 @@ async def test_rolling_deploy_across_two_processes(
         gate.assert_overlapped()
         old, new = results
         print(f"\nmigration: {report.summary()}\nold: {old}\nnew: {new}")
-        assert (report.matched, report.applied, dict(report.failed)) == (400, 400, {})
+        n = DEPLOY_INSTANCES
+        assert (report.matched, report.applied, dict(report.failed)) == (n, n, {})
         assert sum(old["applied"].values()) > 0 and sum(new["applied"].values()) > 0
         assert new["applied"].get("reopen", 0) > 0, "the new process applied no v2-only event"
         # The old process is refused on migrated instances, never applies v1 to them.

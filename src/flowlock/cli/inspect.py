@@ -215,9 +215,9 @@ def history(
 ) -> None:
     """Print an instance's applied transitions, oldest first.
 
-    Each row: version, event, kind (transition, forced, pause or resume), from -> to, actor,
-    request id, strategy, when, fencing token, and an operator's reason (forced, pause and
-    resume rows). --json adds each row's data and payload.
+    Each row: version, event, kind (transition, forced, pause, resume or migrated), from -> to,
+    actor, request id, strategy, when, fencing token, and an operator's reason (forced, pause
+    and resume rows). --json adds each row's data and payload.
 
     Read-only. Exits 1 if no instance has that id.
     """
