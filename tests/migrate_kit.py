@@ -61,6 +61,11 @@ def ticket_v2() -> Workflow:
     )
 
 
+def case_ids(n: int) -> list[str]:
+    """The ids of the PostgreSQL tests' `n` instances (the deploy worker builds the same)."""
+    return [f"c-{i:05d}" for i in range(n)]
+
+
 def both() -> list[Workflow]:
     """What `flowlock admin migrate --app migrate_kit:both` registers: both versions."""
     return [ticket_v1(), ticket_v2()]

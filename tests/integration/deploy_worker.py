@@ -2,9 +2,10 @@
 `case` versions it is told to (1 only: an old process; 1 and 2: a new one) and fires at random
 instances until its time is up, while the test migrates them to version 2.
 
-Run as ``python deploy_worker.py CONFIG_JSON`` (url, schema, ids, versions, callers, seconds,
-gate, proc). It waits at the start gate (proc_worker.Gate), records its phase, and prints one
-JSON line: {"proc", "calls", "applied": {event: n}, "errors": {type: n}, "samples": {...}}.
+Run as ``python deploy_worker.py CONFIG_JSON`` (url, schema, instances: how many of
+migrate_kit.case_ids, versions, callers, seconds, gate, proc). It waits at the start gate
+(proc_worker.Gate), records its phase, and prints one JSON line: {"proc", "calls",
+"applied": {event: n}, "errors": {type: n}, "samples": {...}}.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from proc_worker import ready_and_wait, record_phase
 
 import flowlock
 from flowlock.stores.postgres import PostgresStore
-from migrate_kit import ticket_v1, ticket_v2
+from migrate_kit import case_ids, ticket_v1, ticket_v2
 
 # What an old process fires, and what a new one fires (reopen exists in version 2 only):
 # mostly bumps, a close now and then (a closed instance takes no more events).
@@ -33,7 +34,7 @@ WEIGHTS = {1: (89, 10, 1), 2: (80, 10, 9, 1)}
 
 
 async def main(conf: dict[str, Any]) -> None:
-    ids: list[str] = conf["ids"]
+    ids = case_ids(conf["instances"])
     versions: list[int] = conf["versions"]
     events, weights = EVENTS[max(versions)], WEIGHTS[max(versions)]
     applied: Counter[str] = Counter()

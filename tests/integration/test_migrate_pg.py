@@ -28,7 +28,7 @@ from flowlock.checker import check_many
 from flowlock.core.bulk import bulk_request_id
 from flowlock.stores.postgres import PostgresStore
 from lock_probes import wait_until
-from migrate_kit import MAP, TICKET, ran_under_own_version, ticket_v1, ticket_v2
+from migrate_kit import MAP, TICKET, case_ids, ran_under_own_version, ticket_v1, ticket_v2
 
 pytestmark = pytest.mark.postgres
 
@@ -52,7 +52,7 @@ async def _engine(pg_url: str, schema: str, *versions: int, pool_size: int = 10)
 
 
 async def _create(engine: flowlock.Engine, n: int) -> list[str]:
-    ids = [f"c-{i:05d}" for i in range(n)]
+    ids = case_ids(n)
     gate = asyncio.Semaphore(16)
 
     async def one(iid: str) -> None:
@@ -199,7 +199,7 @@ async def test_rolling_deploy_across_two_processes(
         procs = []
         for proc, versions in enumerate(([1], [1, 2])):
             conf = {
-                "url": pg_url, "schema": pg_schema, "ids": ids, "versions": versions,
+                "url": pg_url, "schema": pg_schema, "instances": len(ids), "versions": versions,
                 "callers": 10, "seconds": DEPLOY_SECONDS, "gate": str(gate), "proc": proc,
             }  # fmt: skip
             started = await asyncio.create_subprocess_exec(
