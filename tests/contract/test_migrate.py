@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import flowlock
+from flowlock import Transition, Workflow
 from flowlock.checker import DEFINITION_VERSION, check, check_many
 from flowlock.checker.verdicts import REPAIR_ROW
 from flowlock.cli import app as cli
@@ -344,3 +345,30 @@ def test_a_refusal_is_an_http_422_with_the_stranded_states() -> None:
     found = from_error(flowlock.MigrationRefused(TICKET, 2, {"open": 3}, ("active", "done")))
     assert (found.status, found.slug) == (422, "migration-refused")
     assert found.members["stranded"] == {"open": 3} and found.members["to_version"] == 2
+
+
+async def test_a_move_arms_the_target_versions_timers(engine: flowlock.Engine) -> None:
+    """A migrated instance that changes state begins a stay armed with version 3's timers."""
+    from datetime import timedelta
+
+    timed = Workflow(
+        TICKET,
+        strategy="adaptive",
+        states=["waiting", "held", "done"],
+        initial="waiting",
+        transitions=[
+            Transition("expire", source="waiting", target="done", after=timedelta(hours=1)),
+            Transition("hold", source="waiting", target="held"),
+            Transition("close", source=["waiting", "held"], target="done"),
+        ],
+    )
+    assert await engine.register(timed) == 3
+    (iid, kept) = await _make(engine, 2)
+    await engine.fire(kept, "hold")
+    report = await engine.migrate(TICKET, 3, state_map={"open": "waiting", "closed": "done"})
+    assert report.applied == 2
+    (timer,) = await engine.timers(iid)
+    row = (await engine.history(iid))[-1]
+    assert (timer.event, timer.stay) == ("expire", row.version)
+    assert await engine.timers(kept) == []
+    await _clean(engine, [iid, kept])
