@@ -38,7 +38,10 @@ def _is_async(block: Block) -> bool:
 
 def _code(block: Block, database_url: str) -> Any:
     code = PLACEHOLDER.sub(database_url, block.code)
-    return compile(code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    # dont_inherit: not this module's `from __future__ import annotations`, which would turn a
+    # block's annotations into strings (a Pydantic model in a block could not resolve them).
+    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    return compile(code, block.id, "exec", flags=flags, dont_inherit=True)
 
 
 @pytest.fixture
