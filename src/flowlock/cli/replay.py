@@ -63,6 +63,16 @@ def _print(report: ReplayReport) -> None:
             f"; {report.unreplayed_first} instance(s) created before their data was stored: "
             "first transition not replayed"
         )
+    if not report.checked_instances:
+        # Why a warning: a name that differs from the stored one (a typo, a rename) would
+        # otherwise pass CI having checked nothing.
+        note = (
+            f"workflow {report.workflow!r}: no instance of it in this database, nothing to "
+            "replay (a new workflow, or a name that differs from the one the instances were "
+            "created with)"
+        )
+        print_wrapped(out, Text(note, style="yellow"))
+        return
     if report.ok:
         print_wrapped(out, Text(f"{checked}: no divergence", style="green"))
         return
@@ -104,8 +114,9 @@ def check_definition(
     as recorded. Guards and effects run, so import the module as the application does; the
     current directory is importable.
 
-    Read-only, and safe while the application runs. Exits 0 when no divergence is found, 1 on
-    any divergence (each printed) or on an error, 2 on bad arguments.
+    Read-only, and safe while the application runs. Exits 0 when no divergence is found (a
+    workflow no stored instance runs is said to have nothing to replay), 1 on any divergence
+    (each printed) or on an error, 2 on bad arguments.
     """
     from flowlock.core.diagram import BadReference, load_workflows
 
