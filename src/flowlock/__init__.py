@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         ConnectionLost,
         CreateKeyReused,
         DefinitionError,
+        DefinitionMismatch,
         DeliveryFailed,
         DeliveryRefused,
         EngineClosed,
@@ -63,11 +64,13 @@ if TYPE_CHECKING:
         UnknownWorkflow,
         VersionMismatch,
     )
+    from flowlock.core.migration import MIGRATE_EVENT, MigrationRefused, MigrationReport
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
     from flowlock.core.payloads import InvalidPayload
     from flowlock.core.replay import Divergence, ReplayReport
     from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
+    from flowlock.core.versions import DefinitionVersion
     from flowlock.engine import Engine, connect
     from flowlock.jobs import RunOnce
     from flowlock.metrics import Metrics
@@ -99,6 +102,9 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
+    **dict.fromkeys(
+        ("MIGRATE_EVENT", "MigrationRefused", "MigrationReport"), "flowlock.core.migration"
+    ),
     **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
     **dict.fromkeys(
         ("ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport"), "flowlock.core.retention"
@@ -109,6 +115,7 @@ _WHERE: dict[str, str] = {
     "BulkReport": "flowlock.core.bulk",
     **dict.fromkeys(("Divergence", "ReplayReport"), "flowlock.core.replay"),
     "ConflictMonitor": "flowlock.strategies.monitor",
+    "DefinitionVersion": "flowlock.core.versions",
     "Metrics": "flowlock.metrics",
     "Optimistic": "flowlock.strategies.optimistic",
     "Pessimistic": "flowlock.strategies.pessimistic",
@@ -121,6 +128,7 @@ _SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbo
 
 __all__ = [
     "FORCE_EVENT",
+    "MIGRATE_EVENT",
     "PAUSE_EVENT",
     "RESUME_EVENT",
     "Adaptive",
@@ -132,6 +140,8 @@ __all__ = [
     "ConnectionLost",
     "CreateKeyReused",
     "DefinitionError",
+    "DefinitionMismatch",
+    "DefinitionVersion",
     "DeliveryFailed",
     "DeliveryRefused",
     "Distributed",
@@ -161,6 +171,8 @@ __all__ = [
     "MessageNotFound",
     "Metrics",
     "MigrationError",
+    "MigrationRefused",
+    "MigrationReport",
     "Optimistic",
     "Outcome",
     "OutcomeUnknown",

@@ -255,6 +255,7 @@ def instance_dict(inst: Instance) -> dict[str, Any]:
         "updated_at": _when(inst.updated_at),
         "paused": inst.paused,
         "workflow_paused": inst.workflow_paused,
+        "definition_version": inst.definition_version,
     }
 
 
@@ -322,6 +323,7 @@ def entry_dict(entry: HistoryEntry) -> dict[str, Any]:
         "data": dict(entry.data),
         "payload": dict(entry.payload),
         "kind": entry.kind,
+        "definition_version": entry.definition_version,
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from flowlock.core.definition import Workflow
 from flowlock.core.jsondata import check_object
 from flowlock.core.payloads import PayloadSchema, early_schemas
+from flowlock.core.versions import Registry
 
 __all__ = ["PayloadChecks"]
 
@@ -23,7 +24,7 @@ class PayloadChecks:
     """
 
     _max_payload: int
-    _workflows: dict[str, Workflow]
+    _workflows: Registry
     # Events whose payload is checked before the read: every workflow that defines the event
     # declares the same schema. Empty (falsy) while no transition is typed, so an untyped
     # call pays one attribute check.
@@ -37,7 +38,8 @@ class PayloadChecks:
 
     def _index_payloads(self) -> None:
         """Which events' payloads can be checked before the read (after a register)."""
-        self._early = early_schemas(self._workflows.values())
+        # Every version: an instance pinned to an older one is checked against its own schema.
+        self._early = early_schemas(self._workflows.every())
 
     def _fire_payload(
         self, event: str, payload: object

@@ -27,15 +27,17 @@ from flowlock._calls import (
     first_create,
     transactional,
 )
+from flowlock._definitions import DefinitionMethods
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock._payload_checks import PayloadChecks
 from flowlock.admin.bulk import BulkMethods
+from flowlock.admin.migrate import MigrateMethods
 from flowlock.admin.repair import RepairMethods
 from flowlock.admin.replay import ReplayMethods
 from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import EngineClosed, InvalidInput, UnknownWorkflow
+from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD
 from flowlock.core.models import (
     TIMER_ACTOR,
@@ -56,6 +58,7 @@ from flowlock.core.query import (
 )
 from flowlock.core.settings import check_count, check_flag, check_seconds
 from flowlock.core.step import Call
+from flowlock.core.versions import Registry
 from flowlock.locks.base import LockBackend
 from flowlock.options import (
     DEFAULT_MAX_BATCH,
@@ -95,7 +98,14 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
 
 
 class Engine(
-    PayloadChecks, OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, ReplayMethods
+    PayloadChecks,
+    OutboxMethods,
+    RepairMethods,
+    RetentionMethods,
+    BulkMethods,
+    ReplayMethods,
+    DefinitionMethods,
+    MigrateMethods,
 ):
     """A workflow engine over one store.
 
@@ -139,7 +149,8 @@ class Engine(
             )
         self._metrics = metrics
         self._max_payload = max_payload
-        self._workflows: dict[str, Workflow] = {}
+        self._workflows = Registry()
+        self._unsaved: list[Workflow] = []
         # Which workflow an instance belongs to never changes; caching it lets a per-workflow or
         # per-transition default strategy be picked without an extra read per call.
         self._instance_workflow: OrderedDict[str, str] = OrderedDict()
@@ -195,6 +206,7 @@ class Engine(
                 await self._close(opened)
                 raise
             self._open = True
+            await self._save_unsaved()
             if self._sync is not None:
                 self._sync.start()
             self._start_services()
@@ -259,29 +271,11 @@ class Engine(
 
     # -- definitions -----------------------------------------------------------------------
 
-    async def register(self, workflow: Workflow) -> None:
-        """Make `workflow` available to `create` and `fire`. Re-registering the same name
-        replaces the definition (a deploy); instances keep their state and version."""
-        if not isinstance(workflow, Workflow):
-            raise InvalidInput(
-                f"register() takes a flowlock.Workflow, not {type(workflow).__name__}"
-            )
-        for name in (workflow.strategy, *(t.strategy for t in workflow.transitions.values())):
-            if name is not None and name not in self._strategies:
-                raise InvalidInput(unknown_strategy(name, self._strategies))
-        for warning in workflow.safety_warnings(self._default):
-            log.warning("flowlock: %s", warning)
-        self._workflows[workflow.name] = workflow
-        self._index_payloads()
-        self._start_services()
-        self._per_definition_strategy = any(
-            wf.strategy is not None or any(t.strategy for t in wf.transitions.values())
-            for wf in self._workflows.values()
-        )
+    # register() and definitions(): flowlock._definitions.
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
-        """The registered workflows by name."""
+        """The registered workflows by name (the newest version of each)."""
         return dict(self._workflows)
 
     # -- timers ----------------------------------------------------------------------------
@@ -336,9 +330,13 @@ class Engine(
         data: Mapping[str, Any] | None = None,
         connection: Connection | None = None,
         request_id: str | None = None,
+        version: int | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
         Raises InstanceExists when the id is taken, InvalidPayload for data its `data=` refuses.
+
+        It runs definition `version` of the workflow (None: the newest registered here);
+        DefinitionMismatch, with nothing written, for a version this engine has not registered.
 
         `request_id` is the create's idempotency key: a retry with the same key, id, workflow
         and data answers the first create (as it was created) and writes nothing; the same key
@@ -352,9 +350,16 @@ class Engine(
         check_text(instance_id, "instance_id")
         if request_id is not None:
             check_text(request_id, "request_id")
-        wf = self._workflow(workflow)
+        wf, pinned = self._creating(workflow, version)
         body = self._create_data(wf, data)
-        new = Instance(id=instance_id, workflow=wf.name, state=wf.initial, version=1, data=body)
+        new = Instance(
+            id=instance_id,
+            workflow=wf.name,
+            state=wf.initial,
+            version=1,
+            data=body,
+            definition_version=pinned,
+        )
         arm = wf.timers(wf.initial)
         if connection is None:
             made = await create_with(self._store, new, request_id, arm)
@@ -549,12 +554,6 @@ class Engine(
         return outcome
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _workflow(self, name: str) -> Workflow:
-        wf = self._workflows.get(name) if isinstance(name, str) else None
-        if wf is None:
-            raise UnknownWorkflow(str(name), tuple(self._workflows))
-        return wf
 
     def _remember(self, inst: Instance) -> None:
         if not self._per_definition_strategy:

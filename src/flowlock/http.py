@@ -21,6 +21,7 @@ from flowlock.core.errors import (
     ConnectionLost,
     CreateKeyReused,
     DefinitionError,
+    DefinitionMismatch,
     EngineClosed,
     FlowlockError,
     GuardRejected,
@@ -44,6 +45,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.migration import MigrationRefused
 from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
@@ -232,6 +234,14 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             f"{', '.join(exc.known)}",
             workflow=exc.workflow, state=exc.state, known=list(exc.known),
         )  # fmt: skip
+    if isinstance(exc, MigrationRefused):
+        return _make(
+            422, slug, "Migration refused",
+            f"migrating workflow {exc.workflow!r} to version {exc.to_version} would strand "
+            "instances in states that version lacks; map each of them",
+            workflow=exc.workflow, to_version=exc.to_version, stranded=dict(exc.stranded),
+            known=list(exc.states),
+        )  # fmt: skip
     if isinstance(exc, VersionMismatch):
         return _make(
             412, slug, "Version mismatch",
@@ -240,6 +250,21 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             {"ETag": etag(exc.current)},
             instance_id=exc.instance_id, expected=exc.expected, current=exc.current,
             version=exc.current, state=exc.state,
+        )  # fmt: skip
+    if isinstance(exc, DefinitionMismatch):
+        who = (
+            "the create asked for"
+            if exc.instance_id is None
+            else f"instance {exc.instance_id!r} runs"
+        )
+        return _make(
+            409, slug, "Definition version not served here",
+            f"{who} version {exc.version} of workflow {exc.workflow!r}, which this service does "
+            "not run (it runs "
+            f"{list(exc.registered) or 'none'}); nothing was applied. Send it to a service that "
+            "runs that version, or have an operator migrate the instance",
+            instance_id=exc.instance_id, workflow=exc.workflow, version=exc.version,
+            registered=list(exc.registered),
         )  # fmt: skip
     if isinstance(exc, GuardRejected):
         return _make(

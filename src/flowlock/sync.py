@@ -25,6 +25,7 @@ from flowlock._sync_loop import (
     refuse_in_event_loop,
     settle,
 )
+from flowlock._sync_migrate import SyncMigrateMethods
 from flowlock._sync_repair import SyncRepairMethods
 from flowlock._sync_retention import SyncRetention
 from flowlock.core.definition import Workflow
@@ -33,6 +34,7 @@ from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
 from flowlock.core.outbox import Message
 from flowlock.core.query import DEFAULT_LIMIT
 from flowlock.core.replay import ReplayReport
+from flowlock.core.versions import DefinitionVersion
 from flowlock.engine import Connection
 from flowlock.engine import Engine as AsyncEngine
 from flowlock.options import ConnectOptions, EngineOptions
@@ -57,7 +59,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
+class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods, SyncMigrateMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.
@@ -187,12 +189,19 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
 
     # -- the calls -------------------------------------------------------------------------
 
-    def register(self, workflow: Workflow) -> None:
-        """Make `workflow` available to `create` and `fire`.
+    def register(self, workflow: Workflow) -> DefinitionVersion:
+        """Make `workflow` available to `create` and `fire`, and store its definition version
+        (see [`flowlock.Engine.register`][flowlock.Engine.register]).
 
-        Connects nothing, so it is safe at import time, before a server forks its workers.
+        Before the engine is open it connects nothing, so it is safe at import time, before a
+        server forks its workers: it answers version 0 then, and the definition is stored when
+        the engine opens.
         """
         return self._run(self._engine.register(workflow), opens=False)
+
+    def definitions(self, workflow: str | None = None) -> list[DefinitionVersion]:
+        """The stored definition versions (of `workflow`), each with its instance count."""
+        return self._run(self._engine.definitions(workflow))
 
     def on_emit(
         self,
@@ -222,9 +231,10 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
         data: Mapping[str, Any] | None = None,
         connection: object | None = None,
         request_id: str | None = None,
+        version: int | None = None,
     ) -> Instance:
-        """A new instance of `workflow` in its initial state at version 1.
-        Raises InstanceExists when the id is taken.
+        """A new instance of `workflow` in its initial state at version 1, running definition
+        `version` (None: the newest registered). Raises InstanceExists when the id is taken.
 
         `request_id`: the create's idempotency key; a retry with the same key and the same
         create answers the first one, another create under it raises CreateKeyReused (see
@@ -238,11 +248,13 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
                 connection,
                 lambda conn: self._engine.create(
                     workflow, instance_id=instance_id, data=data, request_id=request_id,
-                    connection=conn,
+                    connection=conn, version=version,
                 ),
             )  # fmt: skip
         return self._run(
-            self._engine.create(workflow, instance_id=instance_id, data=data, request_id=request_id)
+            self._engine.create(
+                workflow, instance_id=instance_id, data=data, request_id=request_id, version=version
+            )
         )
 
     def get(self, instance_id: str) -> Instance:

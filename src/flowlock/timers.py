@@ -23,6 +23,7 @@ from flowlock.core.admin import InstancePaused
 from flowlock.core.errors import (
     ConcurrencyError,
     DefinitionError,
+    DefinitionMismatch,
     EngineClosed,
     FlowlockError,
     GuardRejected,
@@ -256,9 +257,10 @@ class TimerService:
             log.info("flowlock timers: %s refused by its guard: %s", _name(timer), exc.reason)
             await store.cancel_timer(timer)  # this firing only: a reminder's next one stays
             return "refused"
-        except (UnknownEvent, UnknownWorkflow) as exc:
-            # This engine's definition does not know the event (an older engine in a rolling
-            # deploy): left claimed, it goes to an engine that knows it once the lease runs out.
+        except (UnknownEvent, UnknownWorkflow, DefinitionMismatch) as exc:
+            # This engine's definition does not know the event, or the instance runs a version
+            # this engine lacks (a rolling deploy): left claimed, it goes to an engine that has
+            # it once the lease runs out.
             log.warning("flowlock timers: %s left to another engine: %s", _name(timer), exc)
             return "failed"
         except (TransitionNotAllowed, InstanceNotFound) as exc:

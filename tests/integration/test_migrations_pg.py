@@ -41,10 +41,12 @@ async def test_concurrent_first_opens_migrate_once(pg_url: str, pg_schema: str) 
 
 
 async def test_missing_tables_say_how_to_fix(pg_url: str, pg_schema: str) -> None:
-    """Without migrations a call fails with MigrationError naming `flowlock db migrate`."""
+    """Without migrations a call fails with MigrationError naming `flowlock db migrate`: a
+    register (it stores the definition) as well as a read."""
     store = PostgresStore(pg_url, schema=pg_schema, auto_migrate=False)
     async with flowlock.Engine(store) as eng:
-        await eng.register(examples.approval())
+        with pytest.raises(flowlock.MigrationError, match="flowlock db migrate"):
+            await eng.register(examples.approval())
         with pytest.raises(flowlock.MigrationError, match="flowlock db migrate"):
             await eng.get("x")
 

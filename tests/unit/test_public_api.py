@@ -16,7 +16,8 @@ SRC = Path(flowlock.__file__).parent
 
 PUBLIC = {
     "Adaptive", "BulkReport", "ConcurrencyError", "ConflictMonitor", "ConflictRetriesExhausted",
-    "ConnectionLost", "CreateKeyReused", "DefinitionError", "DeliveryFailed", "DeliveryRefused",
+    "ConnectionLost", "CreateKeyReused", "DefinitionError",
+    "DefinitionMismatch", "DefinitionVersion", "DeliveryFailed", "DeliveryRefused",
     "Distributed", "Emit", "Engine",
     "EngineClosed", "Message", "MessageNotFound", "Then", "outbox",
     "ExtraNotInstalled", "FlowlockError", "GuardRejected", "HistoryEntry", "IdempotencyKeyReused",
@@ -32,6 +33,7 @@ PUBLIC = {
     "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
     "InvalidPayload",
     "Divergence", "ReplayReport",
+    "MIGRATE_EVENT", "MigrationRefused", "MigrationReport",
 }  # fmt: skip
 
 

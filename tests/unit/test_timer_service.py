@@ -105,7 +105,9 @@ async def _until(check: Callable[[], Awaitable[bool]]) -> None:
 
 async def test_a_reminder_whose_event_no_longer_fires_from_its_state_is_deleted() -> None:
     """A deploy moved the reminder's event away from its state: its firing is cancelled and the
-    timer deleted, not moved on to fire (and be cancelled) every period forever."""
+    timer deleted, not moved on to fire (and be cancelled) every period forever. The instance
+    runs the newest definition: it was created before definitions had versions (a pinned one
+    keeps its own version's reminder)."""
     changed = flowlock.Workflow(
         "nag",
         states=["open", "shut"],
@@ -116,8 +118,10 @@ async def test_a_reminder_whose_event_no_longer_fires_from_its_state_is_deleted(
         ],
     )
     async with flowlock.connect("memory://") as engine:
-        await engine.register(_reminding(with_reminder=True))
-        await engine.create("nag", instance_id="a")
+        old = _reminding(with_reminder=True)
+        await engine.register(old)
+        unpinned = flowlock.Instance(id="a", workflow="nag", state="open", version=1, data={})
+        await engine.store.create(unpinned, arm=old.timers("open"))
         await engine.register(changed)
         await engine.register(
             flowlock.Workflow(

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 INSTANCE_COLUMNS = (
-    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version, paused"
+    "id, workflow, state, version, data, last_event, created_at, updated_at, stay_version, paused, "
+    "definition_version"
 )
 
 
@@ -54,7 +55,7 @@ PAUSED_FROM = workflow_paused()
 """The `workflow_paused` column of a statement reading flowlock_instances unaliased."""
 HISTORY_COLUMNS = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
-    "fencing_token, payload"
+    "fencing_token, payload, definition_version"
 )
 # A timer as flowlock_timers holds it, with what only the server's clock tells: `lag`, seconds
 # past due (0 before), and the claim only while it runs. timer_from_row reads these columns.
@@ -145,6 +146,7 @@ def instance_from_row(row: asyncpg.Record) -> Instance:
         # Read with the instance by the reads that feed a decision; a commit's RETURNING
         # leaves it out (False).
         workflow_paused=bool(row.get("workflow_paused")),
+        definition_version=row.get("definition_version"),
     )
 
 
@@ -202,6 +204,7 @@ def entry_from_row(row: asyncpg.Record, prefix: str = "") -> HistoryEntry:
         at=row[prefix + "at"],
         fencing_token=row[prefix + "fencing_token"],
         payload=json_object(row[prefix + "payload"]),
+        definition_version=row.get(prefix + "definition_version"),
     )
 
 

@@ -77,6 +77,7 @@ def encode_line(item: ArchivedInstance) -> bytes:
             "stay_version": inst.stay_version,
             "paused": inst.paused,
             "fencing_token": item.fencing_token,
+            "definition_version": inst.definition_version,
         },
         "created": None
         if made is None
@@ -94,6 +95,7 @@ def encode_line(item: ArchivedInstance) -> bytes:
                 "at": _when(e.at),
                 "fencing_token": e.fencing_token,
                 "payload": e.payload,
+                "definition_version": e.definition_version,
             }
             for e in item.history
         ],
@@ -118,6 +120,7 @@ def decode_line(raw: bytes) -> ArchivedInstance:
         updated_at=_moment(i["updated_at"]),
         stay_version=i["stay_version"],
         paused=bool(i.get("paused", False)),
+        definition_version=i.get("definition_version"),  # absent from older archives
     )
     made = line["created"]
     history = tuple(
@@ -134,6 +137,7 @@ def decode_line(raw: bytes) -> ArchivedInstance:
             at=_moment(h["at"]),
             fencing_token=h["fencing_token"],
             payload=_object(h["payload"]),
+            definition_version=h.get("definition_version"),
         )
         for h in line["history"]
     )

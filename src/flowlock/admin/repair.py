@@ -22,9 +22,9 @@ from flowlock.core.admin import (
     check_reason,
     repair_payload,
 )
-from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, UnknownWorkflow
 from flowlock.core.models import Instance, InstanceQuery, Outcome, TimerFiring
+from flowlock.core.versions import Registry
 from flowlock.stores.base import PauseStore, Store
 
 __all__ = ["RepairMethods"]
@@ -43,7 +43,7 @@ class RepairMethods:
     """`flowlock.Engine`'s repairs; the engine is `self`."""
 
     _store: Store
-    _workflows: dict[str, Workflow]
+    _workflows: Registry
 
     def _check_open(self) -> None: ...  # the engine's
 

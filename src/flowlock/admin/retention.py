@@ -21,7 +21,6 @@ from flowlock.admin.archive import (
     encode_line,
     read_archive,
 )
-from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, OutcomeUnknown, UnknownWorkflow
 from flowlock.core.retention import (
     ArchivedInstance,
@@ -31,6 +30,7 @@ from flowlock.core.retention import (
     RestoreReport,
 )
 from flowlock.core.settings import check_count, check_flag
+from flowlock.core.versions import Registry
 from flowlock.stores.base import RetentionStore, Store
 
 __all__ = ["DEFAULT_PURGE_BATCH", "MAX_PURGE_BATCH", "SETTLE_BOUND", "RetentionMethods"]
@@ -64,7 +64,7 @@ class RetentionMethods:
     """`flowlock.Engine`'s holds, purge and restore; the engine is `self`."""
 
     _store: Store
-    _workflows: dict[str, Workflow]
+    _workflows: Registry
 
     def _check_open(self) -> None: ...  # the engine's
 

@@ -25,6 +25,7 @@ from flowlock.cli._table import Column, print_record, print_rows, print_wrapped
 from flowlock.core.definition import MAX_AFTER
 from flowlock.core.errors import FlowlockError, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Timer
+from flowlock.core.versions import DefinitionVersion
 from flowlock.engine import Engine
 from flowlock.stores.base import TimerStore
 
@@ -152,20 +153,39 @@ def show(
     database_url: InspectDatabaseUrl = None,
     schema: InspectSchema = None,
 ) -> None:
-    """Print one instance: workflow, state, version, whether it is paused (on its own, or with
-    its whole workflow), data, last event, created and updated, and its next timer (the
-    earliest armed: event, due time, the stay that armed it).
+    """Print one instance: workflow, state, version, the definition version it runs (and
+    whether its state is missing from the newest stored definition), whether it is paused (on
+    its own, or with its whole workflow), data, last event, created and updated, and its next
+    timer (the earliest armed: event, due time, the stay that armed it).
 
     Read-only. Exits 1 if no instance has that id."""
     from flowlock._inspect import instance_dict, next_timer_dict
 
-    async def read(engine: Engine) -> Instance:
-        return await engine.get(instance_id)
+    async def read(engine: Engine) -> tuple[Instance, DefinitionVersion | None]:
+        inst = await engine.get(instance_id)
+        stored = await engine.definitions(inst.workflow)
+        return inst, stored[-1] if stored else None
 
-    inst = _inspect(database_url, schema, read)
+    inst, newest = _inspect(database_url, schema, read)
+    # A state the newest stored definition lacks is not a final state: the instance runs its
+    # own (older) version, or was left there by a deploy. Say so, and which version it runs.
+    missing = newest is not None and inst.state not in newest.definition.get("states", ())
     if as_json:
-        _json({**instance_dict(inst), "next_timer": next_timer_dict(inst)})
+        _json(
+            {
+                **instance_dict(inst),
+                "next_timer": next_timer_dict(inst),
+                "newest_definition_version": None if newest is None else newest.version,
+                "state_in_newest_definition": None if newest is None else not missing,
+            }
+        )
         return
+    runs = "-" if inst.definition_version is None else f"version {inst.definition_version}"
+    if newest is not None and missing:
+        runs += (
+            f" (state {inst.state!r} is not in the newest definition, version "
+            f"{newest.version}: keep its version registered, or migrate the instance)"
+        )
     nxt = inst.next_timer
     upcoming = None if nxt is None else f"{nxt.event} due {_when(nxt.due_at)} (stay {nxt.stay})"
     data = json.dumps(dict(inst.data), ensure_ascii=False, default=str)
@@ -174,6 +194,7 @@ def show(
         (Column("workflow"), inst.workflow),
         (Column("state"), inst.state),
         (Column("version"), inst.version),
+        (Column("definition", text=True), runs),
         (Column("paused"), _yes(inst.paused)),
         (Column("workflow paused"), _yes(inst.workflow_paused)),
         (Column("last event"), inst.last_event),
@@ -194,9 +215,9 @@ def history(
 ) -> None:
     """Print an instance's applied transitions, oldest first.
 
-    Each row: version, event, kind (transition, forced, pause or resume), from -> to, actor,
-    request id, strategy, when, fencing token, and an operator's reason (forced, pause and
-    resume rows). --json adds each row's data and payload.
+    Each row: version, event, kind (transition, forced, pause, resume or migrated), from -> to,
+    actor, request id, strategy, when, fencing token, and an operator's reason (forced, pause
+    and resume rows). --json adds each row's data and payload.
 
     Read-only. Exits 1 if no instance has that id.
     """
@@ -321,6 +342,9 @@ def check_command(
     ID:VERSION:N, none is done after 0 attempts, and a transition fired under a message's key
     (its handler's Then) comes after the one that emitted it. Legal holds: each names an
     id once and says when it was placed (the id need not exist: a hold is about an id).
+    Definition versions: each row runs under the version of the row before it, except a
+    migrated row, which sets the version its payload names; the instance runs its last
+    row's version.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).

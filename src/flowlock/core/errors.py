@@ -26,6 +26,7 @@ as attributes: the current state, the current version, the attempts made.
     │   └── GuardRejected            a guard said no (business rule: "out of stock")
     ├── InstancePaused               an operator paused it or its workflow (flowlock.core.admin)
     ├── VersionMismatch              expected_version / If-Match is stale
+    ├── DefinitionMismatch           the instance runs a definition version this engine lacks
     ├── StepFailed                   a guard or effect raised an exception of its own
     ├── ConcurrencyError             lost to other callers; safe to retry later
     │   ├── ConflictRetriesExhausted optimistic compare-and-swap lost max_attempts times
@@ -85,9 +86,7 @@ class PayloadTooLarge(InvalidInput):
     """
 
     def __init__(self, size: int, limit: int, what: str = "payload") -> None:
-        self.size = size
-        self.limit = limit
-        self.what = what
+        self.size, self.limit, self.what = size, limit, what
         super().__init__(
             f"{what} is {size} bytes encoded as JSON, over the limit of {limit} bytes; "
             "nothing was written. Send (or keep) less data, or raise "
@@ -112,9 +111,7 @@ class UnknownEvent(InvalidInput):
     """The workflow has no transition of that name."""
 
     def __init__(self, workflow: str, event: str, known: Sequence[str] = ()) -> None:
-        self.workflow = workflow
-        self.event = event
-        self.known = tuple(known)
+        self.workflow, self.event, self.known = workflow, event, tuple(known)
         super().__init__(
             f"workflow {workflow!r} has no event {event!r}; its events are: {', '.join(self.known)}"
         )
@@ -141,13 +138,9 @@ class IdempotencyKeyReused(InvalidInput):
         payload: Mapping[str, Any],
         version: int,
     ) -> None:
-        self.request_id = request_id
-        self.instance_id = instance_id
-        self.original_event = original_event
-        self.event = event
-        self.original_payload = original_payload
-        self.payload = payload
-        self.version = version
+        self.request_id, self.instance_id, self.version = request_id, instance_id, version
+        self.original_event, self.event = original_event, event
+        self.original_payload, self.payload = original_payload, payload
         self.mismatch = "event" if original_event != event else "payload"
         if self.mismatch == "event":
             differs = f"event {original_event!r}, not {event!r}"
@@ -184,17 +177,12 @@ class CreateKeyReused(IdempotencyKeyReused):
         original_data: Mapping[str, Any],
         data: Mapping[str, Any],
     ) -> None:
-        self.request_id = request_id
-        self.original_instance_id = original_instance_id
-        self.instance_id = instance_id
-        self.original_workflow = original_workflow
-        self.workflow = workflow
-        self.original_data = original_data
-        self.data = data
+        self.request_id, self.version = request_id, 1
+        self.original_instance_id, self.instance_id = original_instance_id, instance_id
+        self.original_workflow, self.workflow = original_workflow, workflow
+        self.original_data, self.data = original_data, data
         self.original_event = self.event = ""
-        self.original_payload = original_data
-        self.payload = data
-        self.version = 1
+        self.original_payload, self.payload = original_data, data
         if original_instance_id != instance_id:
             self.mismatch = "instance_id"
             differs = f"instance {original_instance_id!r}, not {instance_id!r}"
@@ -345,13 +333,28 @@ class VersionMismatch(FlowlockError):
     """The instance is not at the expected version; re-read it and decide again."""
 
     def __init__(self, instance_id: str, expected: int, current: int, state: str) -> None:
-        self.instance_id = instance_id
-        self.expected = expected
-        self.current = current
-        self.state = state
+        self.instance_id, self.expected = instance_id, expected
+        self.current, self.state = current, state
         super().__init__(
             f"instance {instance_id!r} is at version {current} (state {state!r}), "
             f"not the expected version {expected}; re-read it and decide again"
+        )
+
+
+class DefinitionMismatch(FlowlockError):
+    """The instance runs a definition version this engine has not registered; nothing written."""
+
+    def __init__(
+        self, instance_id: str | None, workflow: str, version: int, registered: Sequence[int]
+    ) -> None:
+        self.instance_id, self.workflow, self.version = instance_id, workflow, version
+        self.registered = tuple(registered)
+        what = "it" if instance_id is None else f"instance {instance_id!r}"
+        super().__init__(
+            f"{what} runs version {version} of workflow {workflow!r}, which this engine has not "
+            f"registered (it has {list(self.registered) or 'none'}); nothing was written. "
+            f"Register that version's Workflow in this process too (the newest last), or "
+            f"migrate the instances to a version it has (engine.migrate)"
         )
 
 

@@ -16,6 +16,7 @@ from flowlock.core.outbox import Emit
 
 __all__ = [
     "FORCE_EVENT",
+    "MIGRATE_EVENT",
     "PAUSE_EVENT",
     "RESERVED_EVENTS",
     "RESUME_EVENT",
@@ -44,8 +45,15 @@ TIMER_PREFIX = "timer:"
 FORCE_EVENT = "flowlock:force"
 PAUSE_EVENT = "flowlock:pause"
 RESUME_EVENT = "flowlock:resume"
-RESERVED_EVENTS = frozenset({FORCE_EVENT, PAUSE_EVENT, RESUME_EVENT})
-_KINDS = {FORCE_EVENT: "forced", PAUSE_EVENT: "pause", RESUME_EVENT: "resume"}
+# A migration's row (`engine.migrate`): moves the instance to another definition version.
+MIGRATE_EVENT = "flowlock:migrate"
+RESERVED_EVENTS = frozenset({FORCE_EVENT, PAUSE_EVENT, RESUME_EVENT, MIGRATE_EVENT})
+_KINDS = {
+    FORCE_EVENT: "forced",
+    PAUSE_EVENT: "pause",
+    RESUME_EVENT: "resume",
+    MIGRATE_EVENT: "migrated",
+}
 
 
 def paused_after(paused: bool, event: str) -> bool:
@@ -66,7 +74,9 @@ class Instance:
     its earliest armed timer, filled in by `engine.get` (None elsewhere, or with none armed).
     `paused`: an operator paused this instance (`engine.pause`); `workflow_paused`: its whole
     workflow is paused, read with the instance (a commit's answer may leave it False). Either
-    way `fire` refuses it with InstancePaused; `force` still works.
+    way `fire` refuses it with InstancePaused; `force` still works. `definition_version`: the
+    version of its workflow's definition it runs under (its last history row's); None when
+    created before versions or on a store without them: it runs the newest registered version.
     """
 
     id: str
@@ -81,6 +91,7 @@ class Instance:
     next_timer: Timer | None = dataclasses.field(default=None, compare=False)
     paused: bool = False
     workflow_paused: bool = dataclasses.field(default=False, compare=False)
+    definition_version: int | None = None
 
     def evolve(self, **changes: Any) -> Instance:
         """A copy with `changes` applied."""
@@ -96,6 +107,8 @@ class HistoryEntry:
     - `fencing_token`: the lease's token when the distributed strategy wrote it, else None.
     - `payload`: the call's payload, kept even if no effect copied it into `data`. A
       retry of the same `request_id` must carry the same payload.
+    - `definition_version`: the version of the workflow's definition the row was decided with
+      (None: unknown, written before versions or by an engine without them).
     """
 
     instance_id: str
@@ -110,6 +123,7 @@ class HistoryEntry:
     at: datetime | None = None
     fencing_token: int | None = None
     payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    definition_version: int | None = None
     # What the commit does to timers, in the same transaction (not stored with the row):
     # `arm`, the timers of the stay this entry begins (when it changes the state); `voids`,
     # whether it ends a stay that may hold timers; `timer`, the timer this entry fired.
@@ -132,8 +146,15 @@ class HistoryEntry:
         return self.event == FORCE_EVENT
 
     @property
+    def migrated(self) -> bool:
+        """Whether a migration moved the instance to another definition version here
+        (`engine.migrate`); `definition_version` is then the version it moved to."""
+        return self.event == MIGRATE_EVENT
+
+    @property
     def kind(self) -> str:
-        """ "forced", "pause", "resume" (an operator's repair) or "transition" (a fired event)."""
+        """ "forced", "pause", "resume", "migrated" (an operator's repair) or "transition" (a
+        fired event)."""
         return _KINDS.get(self.event, "transition")
 
     @property

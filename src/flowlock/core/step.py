@@ -6,6 +6,7 @@ calls in order, as if run one by one; its answers stand only once the batch comm
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from flowlock.core.admin import decide_repair, refuse_paused
 from flowlock.core.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.core.errors import (
     DefinitionError,
+    DefinitionMismatch,
     FlowlockError,
     GuardRejected,
     IdempotencyKeyReused,
@@ -27,8 +29,10 @@ from flowlock.core.errors import (
     VersionMismatch,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
+from flowlock.core.migration import decide_migration
 from flowlock.core.models import (
     FORCE_EVENT,
+    MIGRATE_EVENT,
     RESERVED_EVENTS,
     HistoryEntry,
     Instance,
@@ -38,6 +42,7 @@ from flowlock.core.models import (
 )
 from flowlock.core.outbox import Emit
 from flowlock.core.payloads import PayloadSchema
+from flowlock.core.versions import Registry
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "NotSelected", "decide", "decide_batch"]
 
@@ -90,7 +95,25 @@ def _from_entry(current: Instance, entry: HistoryEntry) -> Instance:
         last_event=entry.event,
         updated_at=entry.at,
         paused=paused_after(current.paused, entry.event),
+        definition_version=_version_after(current, entry),
     )
+
+
+def _version_after(inst: Instance, entry: HistoryEntry) -> int | None:
+    """The instance's definition version once `entry` is applied (a row without one keeps it)."""
+    return inst.definition_version if entry.definition_version is None else entry.definition_version
+
+
+def _pinned(
+    workflows: Mapping[str, Workflow], inst: Instance
+) -> tuple[Workflow | None, int | None]:
+    """The definition `inst` runs under and its version number (None: unknown). A Registry
+    answers the instance's own version, or raises DefinitionMismatch when it lacks it."""
+    if not isinstance(workflows, Registry):
+        return workflows.get(inst.workflow), inst.definition_version
+    pinned = inst.definition_version
+    wf = workflows.pinned(inst.workflow, pinned, instance_id=inst.id)
+    return wf, pinned if pinned is not None else workflows.newest_version(inst.workflow)
 
 
 def _run_step(
@@ -291,15 +314,14 @@ def _decide(
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
     if call.where is not None and not call.where(inst):
         raise NotSelected(inst.id)
-    wf = workflows.get(inst.workflow)
+    if call.event == MIGRATE_EVENT:
+        # Decided under its target version (flowlock.core.migration), whatever version the
+        # instance ran: this engine need not have that one.
+        migrated = decide_migration(workflows, inst, call, max_payload_bytes)
+        return Idempotent(inst) if migrated is None else migrated
     if call.event in RESERVED_EVENTS:
-        # An operator's repair (flowlock.core.admin): it works on a paused instance too. Only
-        # a force needs the definition (its states); pause and resume keep state and data, so
-        # an engine that has not registered the workflow (an operator's CLI) can do them.
-        if wf is None and call.event == FORCE_EVENT:
-            raise UnknownWorkflow(inst.workflow, tuple(workflows))
-        repair = decide_repair(wf, inst, call)
-        return Idempotent(inst) if repair is None else repair
+        return _repair(workflows, inst, call)
+    wf, defined = _pinned(workflows, inst)
     if wf is None:
         raise UnknownWorkflow(inst.workflow, tuple(workflows))
     if inst.paused or inst.workflow_paused:
@@ -364,7 +386,29 @@ def _decide(
         timer=timer,
         emits=emits,
         trace=call.trace if emits else None,
+        definition_version=defined,
     )
+
+
+def _repair(
+    workflows: Mapping[str, Workflow], inst: Instance, call: Call
+) -> HistoryEntry | Idempotent:
+    """An operator's repair (flowlock.core.admin): it works on a paused instance too. Only a
+    force needs the definition (its states, of the instance's own version); pause and resume
+    keep state and data, so an engine that has not registered the workflow, or the instance's
+    version (an operator's CLI), can do them."""
+    try:
+        wf, version = _pinned(workflows, inst)
+    except DefinitionMismatch:
+        if call.event == FORCE_EVENT:
+            raise
+        wf, version = None, inst.definition_version
+    if wf is None and call.event == FORCE_EVENT:
+        raise UnknownWorkflow(inst.workflow, tuple(workflows))
+    repair = decide_repair(wf, inst, call)
+    if repair is None:
+        return Idempotent(inst)
+    return dataclasses.replace(repair, definition_version=version)
 
 
 Decision = HistoryEntry | Idempotent | FlowlockError
@@ -392,6 +436,7 @@ def _after(inst: Instance, entry: HistoryEntry) -> Instance:
         last_event=entry.event,
         stay_version=entry.version if entry.enters else inst.stay_version,
         paused=paused_after(inst.paused, entry.event),
+        definition_version=_version_after(inst, entry),
     )
 
 

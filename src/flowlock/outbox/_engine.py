@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from flowlock._calls import check_text
-from flowlock.core.definition import Workflow
 from flowlock.core.errors import InvalidInput, MessageNotFound
 from flowlock.core.models import Outcome, TimerFiring
 from flowlock.core.outbox import (
@@ -20,6 +19,7 @@ from flowlock.core.outbox import (
     parse_key,
 )
 from flowlock.core.settings import MAX_SECONDS, check_count, check_flag, check_seconds
+from flowlock.core.versions import Registry
 from flowlock.options import EngineOptions
 from flowlock.outbox.dispatcher import (
     BACKOFF,
@@ -81,7 +81,7 @@ class OutboxMethods:
 
     _store: Store
     _open: bool
-    _workflows: dict[str, Workflow]
+    _workflows: Registry
     _handlers: dict[str, Handler]
     _dispatcher: Dispatcher | None
     _outbox_lease: float

@@ -23,6 +23,7 @@ __all__ = [
     "MessageOut",
     "NextTimerOut",
     "Ready",
+    "StoredVersionOut",
     "TimerList",
     "TimerOut",
     "TransitionOut",
@@ -62,6 +63,10 @@ class InstanceOut(_Out):
     workflow_paused: bool = Field(
         description="Its whole workflow is paused (POST /admin/workflows/{name}/pause). Either "
         "way events are refused (409 instance-paused); a forced state is not."
+    )
+    definition_version: int | None = Field(
+        description="The version of its workflow's definition it runs (GET /definitions); null: "
+        "created before versions, it runs the newest the service has."
     )
     next_timer: NextTimerOut | None = Field(
         default=None,
@@ -104,8 +109,13 @@ class HistoryEntryOut(_Out):
     at: str | None = Field(json_schema_extra={"format": "date-time"})
     fencing_token: int | None
     kind: str = Field(
-        description="transition (a fired event), or an operator's forced, pause or resume row "
-        "(event flowlock:force, flowlock:pause, flowlock:resume; its payload holds the reason)."
+        description="transition (a fired event), an operator's forced, pause or resume row "
+        "(event flowlock:force, flowlock:pause, flowlock:resume; its payload holds the reason), "
+        "or a migrated row (event flowlock:migrate: the instance moved to the definition "
+        "version its payload names)."
+    )
+    definition_version: int | None = Field(
+        description="The definition version the row was decided with; null: unknown (older)."
     )
 
 
@@ -199,6 +209,16 @@ class TransitionOut(_Out):
     strategy: str | None
 
 
+class StoredVersionOut(_Out):
+    """One stored version of a workflow's definition."""
+
+    version: int = Field(ge=1)
+    hash: str = Field(description="sha256 of the definition's canonical form.")
+    created_at: str | None = Field(json_schema_extra={"format": "date-time"})
+    instances: int | None = Field(description="Instances that run this version.")
+    served: bool = Field(description="This service has this version's code registered.")
+
+
 class DefinitionOut(_Out):
     name: str
     states: list[str]
@@ -206,6 +226,14 @@ class DefinitionOut(_Out):
     final: list[str]
     strategy: str | None
     transitions: list[TransitionOut]
+    version: int | None = Field(
+        default=None,
+        description="The newest version this service runs: what a create pins (null: none stored).",
+    )
+    versions: list[StoredVersionOut] = Field(
+        default_factory=list,
+        description="Every stored version of the workflow (GET /definitions only), oldest first.",
+    )
 
 
 class DefinitionList(_Out):

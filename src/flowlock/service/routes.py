@@ -20,7 +20,7 @@ from flowlock._inspect import (
     timer_dict,
 )
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import FlowlockError, InvalidInput
+from flowlock.core.errors import DefinitionMismatch, FlowlockError, InvalidInput
 from flowlock.core.models import Instance, Outcome
 from flowlock.core.query import decode_cursor
 from flowlock.core.settings import check_text
@@ -60,7 +60,10 @@ _KEYED_IDS = uuid.UUID("6f1e2b9a-3c4d-5e6f-8a9b-0c1d2e3f4a5b")
 
 
 def _instance(inst: Instance, engine: Engine) -> dict[str, Any]:
-    wf = engine.workflows.get(inst.workflow)
+    try:  # the events of the version it runs
+        wf = engine.registry.pinned(inst.workflow, inst.definition_version)
+    except DefinitionMismatch:
+        wf = None
     return {**instance_dict(inst), "allowed": list(wf.allowed(inst.state)) if wf else []}
 
 
@@ -279,12 +282,40 @@ def definition_routes(app: FastAPI, engine: Engine) -> None:
     @app.get(
         "/definitions",
         tags=["definitions"],
-        summary="The workflows this service runs",
+        summary="The workflows this service runs, with their stored versions",
         response_model=None,
-        responses=ok(DefinitionList, "Every served workflow"),
+        responses=ok(DefinitionList, "Every served workflow (or the one asked for)"),
     )
-    async def list_definitions() -> dict[str, Any]:
-        return {"items": [_definition(wf) for wf in engine.workflows.values()]}
+    async def list_definitions(
+        workflow: Annotated[
+            str | None, Query(description="Only this workflow (404 when not served).")
+        ] = None,
+    ) -> dict[str, Any]:
+        names = list(engine.workflows) if workflow is None else [definition(workflow).name]
+        stored = await engine.definitions(workflow)
+        registry = engine.registry
+        items = []
+        for name in names:
+            served = registry.versions(name)
+            versions = [
+                {
+                    "version": v.version,
+                    "hash": v.hash,
+                    "created_at": None if v.created_at is None else v.created_at.isoformat(),
+                    "instances": v.instances,
+                    "served": v.version in served,
+                }
+                for v in stored
+                if v.workflow == name
+            ]
+            items.append(
+                {
+                    **_definition(registry[name]),
+                    "version": registry.newest_version(name),
+                    "versions": versions,
+                }
+            )
+        return {"items": items}
 
     @app.get(
         "/definitions/{workflow}",

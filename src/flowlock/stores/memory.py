@@ -37,6 +37,7 @@ from flowlock.core.models import (
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.memory_definitions import MemoryDefinitions
 from flowlock.stores.memory_outbox import MemoryOutbox
 from flowlock.stores.memory_outbox import copy_json as _copy
 from flowlock.stores.memory_outbox import wall as _wall
@@ -91,7 +92,7 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay):
+class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     Timers and messages are due on the process's monotonic clock (a change of the wall clock
@@ -120,6 +121,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay):
         self._pauses: dict[str, WorkflowPause] = {}
         self._init_outbox()
         self._init_retention()
+        self._init_definitions()
         self._open = False
 
     async def open(self) -> None:
@@ -245,6 +247,11 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay):
             updated_at=now,
             stay_version=current.stay_version if entered is None else entered.version,
             paused=paused_after(current.paused, last.event),
+            definition_version=(
+                current.definition_version
+                if last.definition_version is None
+                else last.definition_version
+            ),
         )
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)

@@ -104,7 +104,13 @@ class Operations:
         self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
     ) -> Instance:
         key, started, timeout = instance.id, time.monotonic(), self._s.timeout
-        args = (instance.id, instance.workflow, instance.state, to_json(instance.data))
+        args = (
+            instance.id,
+            instance.workflow,
+            instance.state,
+            to_json(instance.data),
+            instance.definition_version,
+        )
         # The initial state's timers, armed by the same statement (stay 1).
         armed = create_arm_args(arm) if arm else ()
         # An insert of the same id (or key) by a transaction still open waits for it

@@ -77,7 +77,7 @@ SELECT count(*) FILTER (WHERE NOT {_HELD}) AS free, count(*) FILTER (WHERE {_HEL
 # id order: $1 workflow, $2 the age in seconds, $3 the cursor, $4 the limit, then the state.
 _BRANCH: Final = f"""
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
-       i.stay_version, i.paused, i.fencing_token
+       i.stay_version, i.paused, i.fencing_token, i.definition_version
   FROM flowlock_instances i
  WHERE i.workflow = $1 AND {{state}}
    AND i.updated_at < now() - make_interval(secs => $2::float8)
@@ -138,8 +138,8 @@ SELECT id FROM gone ORDER BY id COLLATE "C"
 # The instance verbatim (its version, timestamps and fencing token), unless the id exists.
 _RESTORE: Final = """
 INSERT INTO flowlock_instances (id, workflow, state, version, data, last_event, created_at,
-                                updated_at, stay_version, paused, fencing_token)
-VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8, $9, $10, $11)
+                                updated_at, stay_version, paused, fencing_token, definition_version)
+VALUES ($1, $2, $3, $4, $5::text::jsonb, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 """
@@ -147,13 +147,14 @@ RETURNING id
 # parameter is sent as it is, whatever jsonb codec the connection has).
 _RESTORE_HISTORY: Final = """
 INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
-                              request_id, strategy, data, at, fencing_token, payload)
+                              request_id, strategy, data, at, fencing_token, payload,
+                              definition_version)
 SELECT $1, version, event, from_state, to_state, actor, request_id, strategy, data::jsonb, at,
-       fencing_token, payload::jsonb
+       fencing_token, payload::jsonb, dv
   FROM unnest($2::bigint[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-              $8::text[], $9::text[], $10::timestamptz[], $11::bigint[], $12::text[])
+              $8::text[], $9::text[], $10::timestamptz[], $11::bigint[], $12::text[], $13::int[])
     AS h(version, event, from_state, to_state, actor, request_id, strategy, data, at,
-         fencing_token, payload)
+         fencing_token, payload, dv)
 """
 _RESTORE_MADE: Final = """
 INSERT INTO flowlock_create_requests (request_id, instance_id, state, data)
@@ -285,7 +286,7 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
         s.sql(_RESTORE),
         inst.id, inst.workflow, inst.state, inst.version, to_json(inst.data), inst.last_event,
         inst.created_at, inst.updated_at, inst.stay_version, inst.paused, item.fencing_token,
-        timeout=bound,
+        inst.definition_version, timeout=bound,
     )  # fmt: skip
     if inserted is None:
         return False  # the id exists: skipped, its history with it
@@ -305,6 +306,7 @@ async def _restore_one(conn: Any, s: Session, item: ArchivedInstance) -> bool:
             [e.at for e in h],
             [e.fencing_token for e in h],
             [to_json(e.payload) for e in h],
+            [e.definition_version for e in h],
             timeout=bound,
         )
     made = item.created

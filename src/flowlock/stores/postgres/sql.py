@@ -26,8 +26,8 @@ from flowlock._pg.rows import (
 )
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
-    FORCE_EVENT,
     PAUSE_EVENT,
+    RESERVED_EVENTS,
     RESUME_EVENT,
     HistoryEntry,
     InstanceQuery,
@@ -61,11 +61,12 @@ WHERE i.id = $1
 # The unlocked read with the request-id lookup in the same snapshot: one round trip.
 _READ_JOINED = """
 SELECT i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at, i.updated_at,
-       i.stay_version, i.paused, {paused},
+       i.stay_version, i.paused, i.definition_version, {paused},
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
-       h.fencing_token AS h_fencing_token, h.payload AS h_payload
+       h.fencing_token AS h_fencing_token, h.payload AS h_payload,
+       h.definition_version AS h_definition_version
 FROM flowlock_instances i
 LEFT JOIN flowlock_history h ON h.instance_id = i.id AND {match}
 WHERE i.id = $1
@@ -81,11 +82,12 @@ READ_WITH_REQUESTS = _READ_JOINED.format(
 # trip, each row tagged with the place of its call; a call with no row read a missing instance.
 READ_MANY = f"""
 SELECT r.n, i.id, i.workflow, i.state, i.version, i.data, i.last_event, i.created_at,
-       i.updated_at, i.stay_version, i.paused, {workflow_paused("i")},
+       i.updated_at, i.stay_version, i.paused, i.definition_version, {workflow_paused("i")},
        h.instance_id AS h_instance_id, h.version AS h_version, h.event AS h_event,
        h.from_state AS h_from_state, h.to_state AS h_to_state, h.actor AS h_actor,
        h.request_id AS h_request_id, h.strategy AS h_strategy, h.data AS h_data, h.at AS h_at,
-       h.fencing_token AS h_fencing_token, h.payload AS h_payload
+       h.fencing_token AS h_fencing_token, h.payload AS h_payload,
+       h.definition_version AS h_definition_version
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS r(id, request_id, n)
 JOIN flowlock_instances i ON i.id = r.id
 LEFT JOIN flowlock_history h ON h.instance_id = r.id AND h.request_id = r.request_id
@@ -126,7 +128,8 @@ SELECT {HISTORY_COLUMNS} FROM flowlock_history
 # A lease's fencing token ($10) lower than the last one written is refused like a stale version.
 # $1 id, $2 version read, $3 new state, $4 new data (JSON text), $5 event, $6 from state, $7 actor,
 # $8 request id, $9 strategy, $10 fencing token (NULL outside the distributed strategy),
-# $11 the call's payload (JSON text). An entry that changes the state begins a stay.
+# $11 the call's payload (JSON text), $12 the definition version it was decided with (NULL:
+# unknown, the instance keeps its own). An entry that changes the state begins a stay.
 _PAUSED = (
     f"CASE {{event}} WHEN '{PAUSE_EVENT}' THEN true WHEN '{RESUME_EVENT}' THEN false "
     "ELSE {paused} END"
@@ -135,8 +138,9 @@ _PAUSED = (
 # (its snapshot is taken once its table lock is granted): a fire that read before a workflow's
 # pause committed loses its compare-and-swap, reads again and is refused. An operator's repair
 # (a reserved event: the last of its batch, alone) goes through. See pauses.py for the rest.
+_REPAIRS = ", ".join(f"'{event}'" for event in sorted(RESERVED_EVENTS))
 _OPEN = (
-    f"({{event}} IN ('{FORCE_EVENT}', '{PAUSE_EVENT}', '{RESUME_EVENT}') OR NOT EXISTS ("
+    f"({{event}} IN ({_REPAIRS}) OR NOT EXISTS ("
     "SELECT 1 FROM flowlock_workflow_pauses wp WHERE wp.workflow = {table}.workflow))"
 )
 _CAS = f"""
@@ -145,15 +149,17 @@ WITH moved AS (
        SET state = $3, version = $2 + 1, data = $4::text::jsonb, last_event = $5,
            updated_at = now(), fencing_token = coalesce($10, fencing_token),
            stay_version = CASE WHEN $6 <> $3 THEN $2 + 1 ELSE stay_version END,
-           paused = {_PAUSED.format(event="$5", paused="paused")}
+           paused = {_PAUSED.format(event="$5", paused="paused")},
+           definition_version = coalesce($12::int, definition_version)
      WHERE id = $1 AND version = $2
        AND ($10::bigint IS NULL OR coalesce(fencing_token, 0) <= $10)
        AND {_OPEN.format(event="$5", table="flowlock_instances")}
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
-    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
-                                  actor, request_id, strategy, data, at, fencing_token, payload)
-    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11::text::jsonb
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
+                                  request_id, strategy, data, at, fencing_token, payload,
+                                  definition_version)
+    SELECT id, version, $5, $6, state, $7, $8, $9, data, updated_at, $10, $11::text::jsonb, $12
       FROM moved
 )"""
 _MOVED = "\nSELECT * FROM moved\n"
@@ -172,7 +178,7 @@ def _variants(base: str, k: int) -> tuple[str, str, str, str]:
     )
 
 
-CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _variants(_CAS, 12)
+CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _variants(_CAS, 13)
 # A batch of k entries for one instance: the same compare-and-swap from version v to v + k, the
 # instance left as the last entry leaves it (its fencing token checked and recorded), and the k
 # history rows from one array per column, entry n (from 1) at version v + n, all stamped with the
@@ -180,30 +186,33 @@ CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _variants(_CAS, 12)
 # $1 id, $2 version read, $3 last state, $4 last data (JSON text), $5 last event, $6 last fencing
 # token; then per entry: $7 events, $8 from states, $9 to states, $10 actors, $11 request ids,
 # $12 strategies, $13 data (JSON text), $14 fencing tokens, $15 payloads (JSON text); $16 the stay
-# the batch begins (the version of its last entry that changes the state; NULL: none does).
+# the batch begins (the version of its last entry that changes the state; NULL: none does); $17
+# the last entry's definition version, $18 each entry's.
 _CAS_BATCH = f"""
 WITH moved AS (
     UPDATE flowlock_instances
        SET state = $3, version = $2::bigint + cardinality($7::text[]), data = $4::text::jsonb,
            last_event = $5, updated_at = now(), fencing_token = coalesce($6, fencing_token),
            stay_version = coalesce($16::bigint, stay_version),
-           paused = {_PAUSED.format(event="$5", paused="paused")}
+           paused = {_PAUSED.format(event="$5", paused="paused")},
+           definition_version = coalesce($17::int, definition_version)
      WHERE id = $1 AND version = $2::bigint
        AND ($6::bigint IS NULL OR coalesce(fencing_token, 0) <= $6)
        AND {_OPEN.format(event="$5", table="flowlock_instances")}
  RETURNING {INSTANCE_COLUMNS}
 ), logged AS (
-    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
-                                  actor, request_id, strategy, data, at, fencing_token, payload)
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
+                                  request_id, strategy, data, at, fencing_token, payload,
+                                  definition_version)
     SELECT m.id, $2::bigint + e.n, e.event, e.from_state, e.to_state, e.actor, e.request_id,
-           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb
+           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb, e.dv
       FROM moved m,
            unnest($7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-                  $13::text[], $14::bigint[], $15::text[])
+                  $13::text[], $14::bigint[], $15::text[], $18::int[])
            WITH ORDINALITY AS e(event, from_state, to_state, actor, request_id, strategy, data,
-                                fencing_token, payload, n)
+                                fencing_token, payload, dv, n)
 )"""
-CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _variants(_CAS_BATCH, 17)
+CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _variants(_CAS_BATCH, 19)
 # The batches of several instances in one statement. Every instance's compare-and-swap stands
 # alone: one whose version moved (or whose fencing token is stale) matches no row of the UPDATE,
 # so none of its entries joins ``moved`` and nothing of it is written; the others go on.
@@ -227,12 +236,13 @@ CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _variants(_
 # events, $7 last fencing tokens: one element per instance. $8 instance ids, $9 versions, $10
 # events, $11 from states, $12 to states, $13 actors, $14 request ids, $15 strategies, $16 data
 # (JSON text), $17 fencing tokens, $18 payloads (JSON text): one element per entry, the batches'
-# entries one after another. $19 the stays the batches begin (NULL: none), one per instance.
+# entries one after another. $19 the stays the batches begin (NULL: none), one per instance. $20
+# the last entries' definition versions, one per instance; $21 every entry's, one per entry.
 _CAS_MANY = f"""
 WITH wanted AS (
     SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::text[],
-                         $6::text[], $7::bigint[], $19::bigint[])
-           AS w(id, version, top, state, data, last_event, fencing_token, stay)
+                         $6::text[], $7::bigint[], $19::bigint[], $20::int[])
+           AS w(id, version, top, state, data, last_event, fencing_token, stay, dv)
 ), locked AS MATERIALIZED (
     SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE
 ), moved AS (
@@ -240,24 +250,26 @@ WITH wanted AS (
        SET state = w.state, version = w.top, data = w.data::jsonb, last_event = w.last_event,
            updated_at = now(), fencing_token = coalesce(w.fencing_token, i.fencing_token),
            stay_version = coalesce(w.stay, i.stay_version),
-           paused = {_PAUSED.format(event="w.last_event", paused="i.paused")}
+           paused = {_PAUSED.format(event="w.last_event", paused="i.paused")},
+           definition_version = coalesce(w.dv, i.definition_version)
       FROM locked l JOIN wanted w ON w.id = l.id
      WHERE i.id = ANY($1::text[]) AND i.id = l.id AND i.version = w.version
        AND (w.fencing_token IS NULL OR coalesce(i.fencing_token, 0) <= w.fencing_token)
        AND {_OPEN.format(event="w.last_event", table="i")}
  RETURNING {", ".join(f"i.{column}" for column in INSTANCE_COLUMNS.split(", "))}
 ), logged AS (
-    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state,
-                                  actor, request_id, strategy, data, at, fencing_token, payload)
+    INSERT INTO flowlock_history (instance_id, version, event, from_state, to_state, actor,
+                                  request_id, strategy, data, at, fencing_token, payload,
+                                  definition_version)
     SELECT e.instance_id, e.version, e.event, e.from_state, e.to_state, e.actor, e.request_id,
-           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb
+           e.strategy, e.data::jsonb, m.updated_at, e.fencing_token, e.payload::jsonb, e.dv
       FROM unnest($8::text[], $9::bigint[], $10::text[], $11::text[], $12::text[], $13::text[],
-                  $14::text[], $15::text[], $16::text[], $17::bigint[], $18::text[])
+                  $14::text[], $15::text[], $16::text[], $17::bigint[], $18::text[], $21::int[])
            AS e(instance_id, version, event, from_state, to_state, actor, request_id, strategy,
-                data, fencing_token, payload)
+                data, fencing_token, payload, dv)
       JOIN moved m ON m.id = e.instance_id
 )"""
-CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS = _variants(_CAS_MANY, 20)
+CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS = _variants(_CAS_MANY, 22)
 # An escalation only ever grows longer; rows long past are pruned by the writers.
 PUBLISH = """
 WITH pruned AS (
@@ -276,24 +288,26 @@ SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
 # The board's clock is the server's: every engine reads the same one, whatever its host's says.
 # clock_timestamp(), not now(): the time of the call, also inside a longer transaction.
 NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
+# $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 the definition version it runs.
 # initial_data: the data at creation, kept for engine.check_definition's replay (016).
 CREATE = f"""
-INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version, initial_data)
-VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $4::text::jsonb)
+INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version,
+                                definition_version, initial_data)
+VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $5::int, $4::text::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """
-# The same, arming the initial state's timers ($5 to $8: see timer_sql.armed_create).
-CREATE_ARMED = armed_create(CREATE, 5)
+# The same, arming the initial state's timers ($6 to $9: see timer_sql.armed_create).
+CREATE_ARMED = armed_create(CREATE, 6)
 # A create under an idempotency key: the instance and its key in one statement, so both commit
 # or neither. An id already taken inserts nothing (no row back). A key already recorded makes the
 # key's INSERT fail (23505 on flowlock_create_requests_pkey), which rolls the instance's INSERT
 # back with it; an INSERT that meets a key (or an id) another transaction is inserting waits for
 # it to end first. Either way the caller then reads the key: found, it answers the first create.
-# $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 request id.
+# $1 to $5 as CREATE, $6 request id.
 _KEYED = """, keyed AS (
     INSERT INTO flowlock_create_requests (request_id, instance_id, state, data)
-    SELECT $5, id, state, data FROM made
+    SELECT $6, id, state, data FROM made
 )"""
 CREATE_KEYED = f"""
 WITH made AS (
@@ -301,13 +315,14 @@ WITH made AS (
 ){_KEYED}
 SELECT * FROM made
 """
-CREATE_KEYED_ARMED = armed_create(CREATE, 6, _KEYED)
+CREATE_KEYED_ARMED = armed_create(CREATE, 7, _KEYED)
 CREATE_KEY_CONSTRAINT = "flowlock_create_requests_pkey"
 # The instance as its create made it (version 1, its first state and data), and the create's key.
+# Its definition version is the one it runs now (only a migration moves it).
 _AS_CREATED = """
 SELECT i.id, i.workflow, r.state, 1::bigint AS version, r.data, NULL::text AS last_event,
        i.created_at, i.created_at AS updated_at, 1::bigint AS stay_version, false AS paused,
-       r.request_id
+       i.definition_version, r.request_id
 FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id
 """
 AS_CREATED_BY_KEY = _AS_CREATED + "WHERE r.request_id = $1\n"
@@ -336,7 +351,7 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 _TABLE = re.compile(
     r"""(?<![\w."'])"""
     r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake|"
-    r"workflow_pauses|holds))"
+    r"workflow_pauses|holds|definitions))"
     r"""\b(?![.'])"""
 )
 
@@ -473,6 +488,7 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
         entry.strategy,
         entry.fencing_token,
         to_json(entry.payload),
+        entry.definition_version,
     )
 
 
@@ -513,6 +529,8 @@ def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:
         last.fencing_token,
         *_entry_columns(batch),
         stay_of(batch),
+        last.definition_version,
+        [e.definition_version for e in batch],
     )
     return _with_extras(_BATCH_VARIANTS, args, (batch,))
 
@@ -555,6 +573,8 @@ def many_args(batches: Sequence[Batch]) -> tuple[list[Any], ...]:
         [e.version for e in entries],
         *_entry_columns(entries),
         [stay_of(batch) for batch in batches],
+        [last.definition_version for last in lasts],
+        [e.definition_version for e in entries],
     )
 
 

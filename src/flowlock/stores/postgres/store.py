@@ -53,6 +53,7 @@ from flowlock.core.settings import (
 )
 from flowlock.stores.base import LockedResult, Plan, RowLock, Store, entries_of
 from flowlock.stores.postgres import pipeline
+from flowlock.stores.postgres.definitions import DefinitionMethods
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
 from flowlock.stores.postgres.outbox import OutboxMethods
 from flowlock.stores.postgres.pauses import PauseMethods
@@ -80,7 +81,9 @@ log = logging.getLogger("flowlock")
 T = TypeVar("T")
 
 
-class PostgresStore(TimerMethods, OutboxMethods, PauseMethods, RetentionMethods, ReplayMethods):
+class PostgresStore(
+    TimerMethods, OutboxMethods, PauseMethods, RetentionMethods, ReplayMethods, DefinitionMethods
+):
     """Instances, history, timers and the outbox in PostgreSQL.
 
     `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`

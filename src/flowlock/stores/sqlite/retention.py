@@ -173,8 +173,9 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
     for item in archived:
         inst = item.instance
         cur = conn.execute(
-            f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, paused, fencing_token) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, paused, fencing_token, "
+            "definition_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (id) DO NOTHING",
             (
                 inst.id,
                 inst.workflow,
@@ -187,6 +188,7 @@ def restore_txn(conn: sqlite3.Connection, archived: Sequence[ArchivedInstance]) 
                 inst.stay_version,
                 int(inst.paused),
                 item.fencing_token,
+                inst.definition_version,
             ),
         )
         if cur.rowcount == 0:

@@ -32,15 +32,15 @@ def read_columns(table: str) -> str:
     stored = ", ".join(f"{table}.{c}" for c in INSTANCE_COLUMNS.split(", "))
     return (
         f"{stored}, {table}.paused, EXISTS (SELECT 1 FROM flowlock_workflow_pauses p "
-        f"WHERE p.workflow = {table}.workflow)"
+        f"WHERE p.workflow = {table}.workflow), {table}.definition_version"
     )
 
 
 READ_COLUMNS: Final = read_columns("flowlock_instances")
-READ_WIDTH: Final = len(INSTANCE_COLUMNS.split(", ")) + 2
+READ_WIDTH: Final = len(INSTANCE_COLUMNS.split(", ")) + 3
 HISTORY_COLUMNS: Final = (
     "instance_id, version, event, from_state, to_state, actor, request_id, strategy, data, at, "
-    "fencing_token, payload"
+    "fencing_token, payload, definition_version"
 )
 SELECT_INSTANCE: Final = f"SELECT {READ_COLUMNS} FROM flowlock_instances WHERE id = ?"
 SELECT_PRIORS: Final = (
@@ -54,14 +54,16 @@ SELECT_PRIORS: Final = (
 CAS_UPDATE: Final = (
     "UPDATE flowlock_instances SET state = ?, version = ?, data = ?, last_event = ?, "
     "updated_at = ?, fencing_token = coalesce(?, fencing_token), "
-    "stay_version = coalesce(?, stay_version), paused = coalesce(?, paused) "
+    "stay_version = coalesce(?, stay_version), paused = coalesce(?, paused), "
+    "definition_version = coalesce(?, definition_version) "
     "WHERE id = ? AND version = ? "
     "AND (? IS NULL OR coalesce(fencing_token, 0) <= ?) "
     "AND (? OR NOT EXISTS (SELECT 1 FROM flowlock_workflow_pauses p "
     "WHERE p.workflow = flowlock_instances.workflow))"
 )
 INSERT_HISTORY: Final = (
-    f"INSERT INTO flowlock_history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT INTO flowlock_history ({HISTORY_COLUMNS}) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -70,7 +72,7 @@ def history_params(e: HistoryEntry, data: str, payload: str, at: str) -> tuple[A
     as stored (the transaction's now for a new row, the archived time for a restored one)."""
     return (
         e.instance_id, e.version, e.event, e.from_state, e.to_state, e.actor, e.request_id,
-        e.strategy, data, at, e.fencing_token, payload,
+        e.strategy, data, at, e.fencing_token, payload, e.definition_version,
     )  # fmt: skip
 
 
@@ -79,10 +81,10 @@ INSERT_CREATE_REQUEST: Final = (
     "VALUES (?, ?, ?, ?)"
 )
 # The instance as its create made it (version 1 and stay 1, its first state and data), and the
-# create's key.
+# create's key (at 12). Its definition version is the one it runs now (a migration moves it).
 SELECT_AS_CREATED: Final = (
     "SELECT i.id, i.workflow, r.state, 1, r.data, NULL, i.created_at, i.created_at, 1, 0, 0, "
-    "r.request_id "
+    "i.definition_version, r.request_id "
     "FROM flowlock_create_requests r JOIN flowlock_instances i ON i.id = r.instance_id"
 )
 MIGRATIONS_TABLE: Final = (
@@ -218,6 +220,7 @@ def instance_of(row: tuple[Any, ...]) -> Instance:
         stay_version=row[8],
         paused=bool(row[9]),
         workflow_paused=bool(row[10]),
+        definition_version=row[11],
     )
 
 
@@ -249,6 +252,7 @@ def entry_of(row: tuple[Any, ...]) -> HistoryEntry:
         at=parse_timestamp(row[9]),
         fencing_token=row[10],
         payload=load_json(row[11], f"payload of history entry {row[0]!r} v{row[1]}"),
+        definition_version=row[12],
     )
 
 

@@ -226,10 +226,19 @@ def create_txn(
             return found[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, initial_data) "
-        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, definition_version, initial_data) "
+        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?, ?) "
         "ON CONFLICT (id) DO NOTHING",
-        (instance.id, instance.workflow, instance.state, data, now, now, data),
+        (
+            instance.id,
+            instance.workflow,
+            instance.state,
+            data,
+            now,
+            now,
+            instance.definition_version,
+            data,
+        ),
     )
     if cur.rowcount == 0:
         raise InstanceExists(instance.id)
@@ -246,7 +255,7 @@ def _as_created(conn: sqlite3.Connection, column: str, value: str) -> tuple[str,
     """The create key found by `column` (`r.request_id` or `r.instance_id`) and the instance as
     that create made it."""
     row = conn.execute(f"{SELECT_AS_CREATED} WHERE {column} = ?", (value,)).fetchone()
-    return None if row is None else (row[11], instance_of(row))
+    return None if row is None else (row[12], instance_of(row))
 
 
 def create_request_txn(conn: sqlite3.Connection, instance_id: str) -> tuple[str, Instance] | None:
@@ -307,6 +316,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instanc
             last.fencing_token,
             batch.stay,
             paused_column(last),
+            last.definition_version,
             first.instance_id,
             first.version - 1,
             last.fencing_token,
