@@ -54,17 +54,18 @@ class PayloadChecks:
         return body, (schema.key, schema.parse(body, workflow=workflows, event=event))
 
     def _bulk_payload(self, workflow: str | None, event: str, body: Mapping[str, Any]) -> None:
-        """A bulk fire's payload checked before its selection is read: against the named
-        workflow's schema for the event, else as `fire` checks it (InvalidPayload).
+        """A bulk fire's payload checked before its selection is read (InvalidPayload): against
+        the named workflow's schema for the event when each of its registered versions declares
+        that one, else as `fire` checks it (each instance's own version decides in the step).
 
         Why here: each instance's fire would refuse it alike, after the whole selection was
         read, and report one failure per instance."""
-        wf = None if workflow is None else self._workflows.get(workflow)
-        transition = None if wf is None else wf.transitions.get(event)
-        if wf is None or transition is None:
+        if workflow is None:
             self._fire_payload(event, body)
-        elif transition.payload is not None:
-            transition.payload.parse(body, workflow=wf.name, event=event)
+            return
+        own = early_schemas(wf for wf in self._workflows.every() if wf.name == workflow)
+        if event in own:
+            own[event][0].parse(body, workflow=workflow, event=event)
 
     def _create_data(self, wf: Workflow, data: object) -> Mapping[str, Any]:
         """A create's data as JSON, checked against the workflow's `data=` schema if any.
