@@ -274,3 +274,21 @@ async def test_an_instance_purged_between_reads_does_not_end_the_walk(
     assert sampled.checked_instances == 6
     with pytest.raises(flowlock.InstanceNotFound):
         await engine.check_definition(doc(), instance_ids=["m0", "m1"])
+
+
+async def test_a_migrated_instance_replays_from_its_migration(engine: flowlock.Engine) -> None:
+    """After review is renamed and every instance migrated to the new version, that version
+    replays clean: the rows before each migration were the old version's (`before_migration`);
+    a row after it is replayed, and a change to it is still found."""
+    await _record(engine)
+    renamed = doc(review="in_review")
+    assert not (await engine.check_definition(renamed)).ok
+    await engine.register(renamed)
+    await engine.migrate("doc", 2, state_map={"review": "in_review"})
+    await engine.fire("d3", "approve", payload={"amount": 5})
+    report = await engine.check_definition(renamed)
+    assert report.ok, report.divergences
+    assert (report.before_migration, report.checked_transitions) == (6, 1)
+    assert report.operator_rows == 4 and report.as_json()["before_migration"] == 6
+    stricter = await engine.check_definition(doc(review="in_review", guard=lambda i, p, a: False))
+    assert _kinds(stricter) == {("d3", 4, "approve", "guard")}

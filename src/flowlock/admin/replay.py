@@ -42,6 +42,7 @@ class _Tally:
         self.workflow = workflow
         self.max_payload = max_payload
         self.instances = self.transitions = self.unreplayed = self.operator_rows = 0
+        self.before_migration = 0
         self.divergences: list[Divergence] = []
 
     async def add(self, rows: Sequence[ReplayRow]) -> None:
@@ -58,6 +59,7 @@ class _Tally:
             self.transitions += done.transitions
             self.unreplayed += done.unreplayed_first
             self.operator_rows += done.operator_rows
+            self.before_migration += done.before_migration
             self.divergences.extend(done.divergences)
 
     def report(self, seconds: float) -> ReplayReport:
@@ -70,6 +72,7 @@ class _Tally:
             seconds=seconds,
             unreplayed_first=self.unreplayed,
             operator_rows=self.operator_rows,
+            before_migration=self.before_migration,
         )
 
 
