@@ -38,7 +38,9 @@ def _is_async(block: Block) -> bool:
 
 def _code(block: Block, database_url: str) -> Any:
     code = PLACEHOLDER.sub(database_url, block.code)
-    return compile(code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    # dont_inherit: a block runs as a reader's script would, without this module's
+    # `from __future__ import annotations` (which left a Pydantic model's field types unresolved).
+    return compile(code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
 
 
 @pytest.fixture

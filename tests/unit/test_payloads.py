@@ -201,3 +201,14 @@ def test_a_bulk_fire_leaves_to_each_version_an_event_its_versions_type_apart() -
         assert report.applied == 1 and set(report.failed) == {"new"}
         assert "InvalidPayload" in report.failed["new"]
         assert engine.get("old").state == "b" and engine.get("new").state == "a"
+
+
+def test_a_model_instance_sent_as_the_payload_is_refused_with_how_to_send_it() -> None:
+    """fire(payload=Order(...)) is InvalidInput saying to send the model's JSON (model_dump)."""
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.register(shop())
+        engine.create("shop", instance_id="s", data={"customer": "ann"})
+        order = Order.model_validate(GOOD_ORDER)
+        with pytest.raises(flowlock.InvalidInput, match=r"not Order; .*model_dump\(mode='json'\)"):
+            engine.fire("s", "pay", payload=order)  # type: ignore[arg-type]
+        assert engine.fire("s", "pay", payload=order.model_dump(mode="json")).applied
