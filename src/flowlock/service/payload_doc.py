@@ -16,6 +16,7 @@ from typing import Any
 from flowlock.core.definition import Workflow
 from flowlock.core.payloads import PayloadSchema
 from flowlock.http import PROBLEM_JSON
+from flowlock.service.apidoc import PROBLEM_DOC
 
 __all__ = ["document_payloads"]
 
@@ -37,6 +38,8 @@ _ERROR = {
 # The 422 problems a typed route answers (flowlock.http; the service guide lists them): any
 # problem, and for invalid-payload (the `if`) its `workflow`, `event` and `errors` (the `then`).
 _PAYLOAD_TYPE = "urn:flowlock:problem:invalid-payload"
+_PROBLEM: dict[str, Any] = PROBLEM_DOC[PROBLEM_JSON]["schema"]
+_STATUS = {"type": "integer", "const": 422}
 _INVALID_DOC = {
     "description": "A problem of the request's input (guard-rejected, invalid-request, "
     f"invalid-input, ...); for {_PAYLOAD_TYPE}, a payload or data its declared schema refuses, "
@@ -44,15 +47,8 @@ _INVALID_DOC = {
     "content": {
         PROBLEM_JSON: {
             "schema": {
-                "type": "object",
-                "properties": {
-                    "type": {"type": "string"},
-                    "title": {"type": "string"},
-                    "status": {"type": "integer", "const": 422},
-                    "detail": {"type": "string"},
-                    "instance": {"type": "string"},
-                },
-                "required": ["type", "title", "status", "detail"],
+                **_PROBLEM,
+                "properties": {**_PROBLEM["properties"], "status": _STATUS},
                 "if": {"properties": {"type": {"const": _PAYLOAD_TYPE}}},
                 "then": {
                     "properties": {
