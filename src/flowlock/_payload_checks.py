@@ -53,6 +53,20 @@ class PayloadChecks:
         schema, workflows = early[event]
         return body, (schema.key, schema.parse(body, workflow=workflows, event=event))
 
+    def _bulk_payload(self, workflow: str | None, event: str, body: Mapping[str, Any]) -> None:
+        """A bulk fire's payload checked before its selection is read (InvalidPayload): against
+        the named workflow's schema for the event when each of its registered versions declares
+        that one, else as `fire` checks it (each instance's own version decides in the step).
+
+        Why here: each instance's fire would refuse it alike, after the whole selection was
+        read, and report one failure per instance."""
+        if workflow is None:
+            self._fire_payload(event, body)
+            return
+        own = early_schemas(wf for wf in self._workflows.every() if wf.name == workflow)
+        if event in own:
+            own[event][0].parse(body, workflow=workflow, event=event)
+
     def _create_data(self, wf: Workflow, data: object) -> Mapping[str, Any]:
         """A create's data as JSON, checked against the workflow's `data=` schema if any.
         Stored as sent: the schema checks it, and never rewrites it."""

@@ -38,10 +38,9 @@ def _is_async(block: Block) -> bool:
 
 def _code(block: Block, database_url: str) -> Any:
     code = PLACEHOLDER.sub(database_url, block.code)
-    # dont_inherit: not this module's `from __future__ import annotations`, which would turn a
-    # block's annotations into strings (a Pydantic model in a block could not resolve them).
-    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    return compile(code, block.id, "exec", flags=flags, dont_inherit=True)
+    # dont_inherit: a block runs as a reader's script would, without this module's
+    # `from __future__ import annotations` (which left a Pydantic model's field types unresolved).
+    return compile(code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
 
 
 @pytest.fixture

@@ -241,3 +241,54 @@ async def test_many_batches_are_walked_once(engine: flowlock.Engine) -> None:
         replay_module.REPLAY_BATCH = before  # type: ignore[misc]
     assert (report.checked_instances, report.checked_transitions) == (7, 7)
     assert [d.instance_id for d in report.divergences] == [f"m{n}" for n in range(7)]
+
+
+async def test_an_instance_purged_between_reads_does_not_end_the_walk(
+    engine: flowlock.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch short of one instance (purged between the store's two reads) is not the last:
+    the walk goes on, and a sampled instance purged since the draw is left out, not an error."""
+    from flowlock.admin import replay as replay_module
+
+    await engine.register(doc())
+    for n in range(7):
+        await engine.create("doc", instance_id=f"m{n}")
+        await engine.fire(f"m{n}", "submit")
+    store = engine.store
+    assert isinstance(store, ReplayStore)
+    read_batch, read_ids = store.replay_batch, store.replay_instances
+
+    async def batch_without_m1(workflow: str, after: str | None, limit: int) -> Any:
+        return [row for row in await read_batch(workflow, after, limit) if row[0].id != "m1"]
+
+    async def ids_without_m1(ids: Sequence[str]) -> Any:
+        return [row for row in await read_ids(ids) if row[0].id != "m1"]
+
+    monkeypatch.setattr(replay_module, "REPLAY_BATCH", 3)
+    monkeypatch.setattr(store, "replay_batch", batch_without_m1)
+    monkeypatch.setattr(store, "replay_instances", ids_without_m1)
+    report = await engine.check_definition(doc(effect=_count_twice))
+    assert report.checked_instances == 6
+    assert [d.instance_id for d in report.divergences] == [f"m{n}" for n in (0, 2, 3, 4, 5, 6)]
+    sampled = await engine.check_definition(doc(), sample=7)
+    assert sampled.checked_instances == 6
+    with pytest.raises(flowlock.InstanceNotFound):
+        await engine.check_definition(doc(), instance_ids=["m0", "m1"])
+
+
+async def test_a_migrated_instance_replays_from_its_migration(engine: flowlock.Engine) -> None:
+    """After review is renamed and every instance migrated to the new version, that version
+    replays clean: the rows before each migration were the old version's (`before_migration`);
+    a row after it is replayed, and a change to it is still found."""
+    await _record(engine)
+    renamed = doc(review="in_review")
+    assert not (await engine.check_definition(renamed)).ok
+    await engine.register(renamed)
+    await engine.migrate("doc", 2, state_map={"review": "in_review"})
+    await engine.fire("d3", "approve", payload={"amount": 5})
+    report = await engine.check_definition(renamed)
+    assert report.ok, report.divergences
+    assert (report.before_migration, report.checked_transitions) == (6, 1)
+    assert report.operator_rows == 4 and report.as_json()["before_migration"] == 6
+    stricter = await engine.check_definition(doc(review="in_review", guard=lambda i, p, a: False))
+    assert _kinds(stricter) == {("d3", 4, "approve", "guard")}

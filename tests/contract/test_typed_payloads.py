@@ -153,3 +153,27 @@ async def test_create_checks_data_against_the_workflow_schema(typed: flowlock.En
     made = await typed.create("shop", instance_id="s2", data={"customer": "cy"})
     assert made.data == {"customer": "cy"}
     assert (await typed.get("s2")).data == {"customer": "cy"}
+
+
+async def test_a_bulk_fire_checks_its_payload_before_reading_the_selection(
+    typed: flowlock.Engine,
+) -> None:
+    """A bulk fire's bad payload is one InvalidPayload before the selection is read (also on a
+    dry run), not a failure per instance; with the workflow named, its own schema decides."""
+    before = await stored(typed, "s")
+    with pytest.raises(flowlock.InvalidPayload) as caught:
+        await typed.bulk("fire", workflow="shop", event="pay", payload=BAD_ORDER)
+    assert caught.value.paths == BAD_ORDER_PATHS and caught.value.workflow == "shop"
+    with pytest.raises(flowlock.InvalidPayload):
+        await typed.bulk("fire", workflow="shop", event="pay", payload=BAD_ORDER, dry_run=True)
+    with pytest.raises(flowlock.InvalidPayload) as shared:
+        await typed.bulk("fire", event="ship", payload={"carrier": "pigeon"})
+    assert shared.value.workflow == "shop, desk"
+    with pytest.raises(flowlock.InvalidPayload) as no_payload:
+        await typed.bulk("fire", workflow="shop", event="note")
+    assert no_payload.value.paths == ("text",)
+    assert await stored(typed, "s") == before and SEEN == []
+    # The desk's own "note" schema takes a text the shop's refuses.
+    long_text = {"text": "far too long"}
+    report = await typed.bulk("fire", workflow="desk", event="note", payload=long_text)
+    assert (report.applied, report.failed) == (1, {})

@@ -45,6 +45,10 @@ current = _doc()
 compatible = _doc(extra=["archived"])
 renamed = _doc(review="checking")
 recount = _doc(effect=_bump_twice)
+elsewhere = Workflow(
+    "docs", states=["draft", "done"], initial="draft",
+    transitions=[Transition("finish", source="draft", target="done")],
+)
 """
 
 
@@ -151,3 +155,13 @@ def test_on_postgresql(tmp_path: Path, pg_url: str, pg_schema: str) -> None:
         tmp_path, "flows_under_test:recount", "--database-url", pg_url, "--schema", pg_schema
     )
     assert bad.returncode == 1, bad.stderr + bad.stdout
+
+
+def test_a_workflow_with_no_stored_instance_says_so(recorded: tuple[Path, str]) -> None:
+    """A definition whose name no stored instance has (a new workflow, or a typo) exits 0 but
+    says it checked nothing, rather than "no divergence"."""
+    cwd, url = recorded
+    done = _cli(cwd, "flows_under_test:elsewhere", "--database-url", url)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "workflow 'docs': no instance of it in this database" in done.stdout
+    assert "no divergence" not in done.stdout

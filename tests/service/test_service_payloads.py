@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
+import flowlock
 from flowlock.service import ServiceSettings
 from flowlock.service.fast import FastRoutes
 from payload_kit import BAD_ORDER, GOOD_ORDER, desk, shop
@@ -95,3 +97,38 @@ async def test_the_openapi_document_describes_each_declared_schema(service: Serv
         "#/components/schemas/shop._data",
         "#/components/schemas/desk._data",
     ]
+
+
+async def test_the_openapi_document_describes_the_422_each_typed_route_answers() -> None:
+    """Fire, create and bulk list a 422 response whose schema the problems they answer match
+    (invalid-payload needs errors: loc, msg, type); an app serving no typed workflow lists none."""
+    from flowlock.core.payloads import payload_schema
+
+    async with served(workflows=[shop(), desk()]) as svc:
+        document = svc.app.openapi()
+        await create(svc.client, "shop", "s", customer="ann")
+        fired = await svc.client.post("/instances/s/events/pay", json={"payload": BAD_ORDER})
+        made = await svc.client.post("/instances", json={"workflow": "shop", "id": "x", "data": {}})
+        bulk = await svc.client.post(
+            "/admin/bulk", json={"action": "fire", "event": "pay", "payload": BAD_ORDER}
+        )
+        not_json = await svc.client.post("/instances/s/events/pay", json={"payload": [1]})
+    ref = {"$ref": "#/components/responses/InvalidPayload"}
+    paths = document["paths"]
+    assert paths["/instances/{instance_id}/events/{event}"]["post"]["responses"]["422"] == ref
+    assert paths["/instances"]["post"]["responses"]["422"] == ref
+    assert paths["/admin/bulk"]["post"]["responses"]["422"] == ref
+    described = document["components"]["responses"]["InvalidPayload"]
+    problem = payload_schema(described["content"]["application/problem+json"]["schema"], "422")
+    assert problem is not None
+    for answer in (fired, made, bulk, not_json):
+        assert answer.status_code == 422, answer.text
+        problem.parse(answer.json(), workflow="the document", event=None)  # InvalidPayload if not
+    assert not_json.json()["type"] == "urn:flowlock:problem:invalid-request"
+    without_errors = {k: v for k, v in fired.json().items() if k != "errors"}
+    with pytest.raises(flowlock.InvalidPayload):
+        problem.parse(without_errors, workflow="the document", event=None)
+    async with served(workflows=[]) as plain:
+        untyped = plain.app.openapi()
+    assert "InvalidPayload" not in untyped["components"].get("responses", {})
+    assert "422" not in untyped["paths"]["/instances"]["post"]["responses"]

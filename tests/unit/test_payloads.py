@@ -14,7 +14,17 @@ from pydantic import BaseModel, field_validator
 import flowlock
 import flowlock.sync
 from flowlock.core.payloads import early_schemas, payload_schema
-from payload_kit import BAD_ORDER, BAD_ORDER_PATHS, GOOD_ORDER, SEEN, SHIP, Order, desk, shop
+from payload_kit import (
+    BAD_ORDER,
+    BAD_ORDER_PATHS,
+    GOOD_ORDER,
+    SEEN,
+    SHIP,
+    Customer,
+    Order,
+    desk,
+    shop,
+)
 
 
 def wf(*transitions: flowlock.Transition, **extra: Any) -> flowlock.Workflow:
@@ -151,3 +161,54 @@ def test_the_sync_engine_checks_payloads_and_data() -> None:
         assert engine.fire("s", "pay", payload=GOOD_ORDER).applied
         assert isinstance(SEEN[0], Order)
         assert engine.history("s")[0].payload == GOOD_ORDER
+
+
+def test_an_event_shared_by_versions_of_one_workflow_names_it_once() -> None:
+    """Two registered versions of the shop declare the same "pay": checked before the read,
+    and the error names the shop once (not "'shop', 'shop'"); a bulk fire names it too."""
+    newer = flowlock.Workflow(
+        "shop", data=Customer, states=[*shop().states, "lost"], initial="cart",
+        transitions=[*shop().transitions.values(),
+                     flowlock.Transition("lose", source="shipped", target="lost")],
+    )  # fmt: skip
+    early = early_schemas([shop(), newer, desk()])
+    assert early["pay"][1] == "shop" and early["ship"][1] == "shop, desk"
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        assert engine.register(shop()) == 1 and engine.register(newer) == 2
+        with pytest.raises(flowlock.InvalidPayload) as caught:
+            engine.fire("nobody", "pay", payload=BAD_ORDER)
+        assert caught.value.workflow == "shop" and "(workflow 'shop')" in str(caught.value)
+        with pytest.raises(flowlock.InvalidPayload) as bulk:
+            engine.bulk("fire", workflow="shop", event="pay", payload=BAD_ORDER)
+        assert bulk.value.workflow == "shop"
+
+
+def test_a_bulk_fire_leaves_to_each_version_an_event_its_versions_type_apart() -> None:
+    """Version 1 of "w" types "go" as {n}, version 2 as {m}: a bulk fire of {n} is not refused
+    up front (version 1's instances take it); each instance's own version decides."""
+
+    def typed(field: str) -> flowlock.Workflow:
+        schema = {"type": "object", "properties": {field: {"type": "integer"}}, "required": [field]}
+        go = flowlock.Transition("go", source="a", target="b", payload=schema)
+        return flowlock.Workflow("w", states=["a", "b"], initial="a", transitions=[go])
+
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.register(typed("n"))
+        engine.register(typed("m"))
+        engine.create("w", instance_id="old", version=1)
+        engine.create("w", instance_id="new")
+        report = engine.bulk("fire", workflow="w", event="go", payload={"n": 1})
+        assert report.applied == 1 and set(report.failed) == {"new"}
+        assert "InvalidPayload" in report.failed["new"]
+        assert engine.get("old").state == "b" and engine.get("new").state == "a"
+
+
+def test_a_model_instance_sent_as_the_payload_is_refused_with_how_to_send_it() -> None:
+    """fire(payload=Order(...)) is InvalidInput saying to send the model's JSON (model_dump)."""
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        engine.register(shop())
+        engine.create("shop", instance_id="s", data={"customer": "ann"})
+        order = Order.model_validate(GOOD_ORDER)
+        with pytest.raises(flowlock.InvalidInput, match=r"not Order; .*model_dump\(mode='json'\)"):
+            engine.fire("s", "pay", payload=order)  # type: ignore[arg-type]
+        assert engine.fire("s", "pay", payload=order.model_dump(mode="json")).applied

@@ -128,6 +128,25 @@ def test_operator_rows_and_the_migrate_row_are_not_replayed() -> None:
     assert (done.operator_rows, done.transitions, done.unreplayed_first) == (2, 1, False)
 
 
+def test_the_rows_before_the_last_migration_are_taken_as_recorded() -> None:
+    """A migration moved the instance from "old" (a state of the version it left) to
+    "waiting": the rows before it are not replayed (`before_migration`), those after it are."""
+    rows = [
+        _row(2, "legacy", "waiting", "old", {"k": 1}),
+        _row(3, "flowlock:migrate", "old", "waiting", {"k": 2}),
+        _row(4, "finish", "waiting", "done", {"k": 2}),
+    ]
+    done = replay(_timed(), _inst("done", 4), {}, rows)
+    assert done.divergences == ()
+    assert (done.before_migration, done.operator_rows, done.transitions) == (1, 1, 1)
+    dropped = Workflow(
+        "t", states=["waiting", "done"], initial="waiting",
+        transitions=[Transition("end", source="waiting", target="done")],
+    )  # fmt: skip
+    [found] = replay(dropped, _inst("done", 4), {}, rows).divergences
+    assert (found.version, found.kind) == (4, "event")  # a row after the migration still counts
+
+
 def test_the_report_counts_and_serialises() -> None:
     """A report is ok only without divergences; its JSON holds the counts of every kind."""
     d = Divergence("i1", 2, "go", "target", "b", "c", "it now goes to 'c', not 'b'")

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flowlock
+import flowlock.sync
 from flowlock.core.errors import DefinitionMismatch
 from flowlock.core.versions import (
     DefinitionVersion,
@@ -60,6 +61,41 @@ def test_the_same_definition_built_twice_has_the_same_hash() -> None:
     assert content_hash(_wf()) != content_hash(_wf(extra=True))
     assert content_hash(_wf()) != content_hash(_wf(after=5))
     assert content_hash(_wf()) != content_hash(_wf(guard=approve_guard))
+
+
+def _typed(payload: Any = None, data: Any = None) -> flowlock.Workflow:
+    go = flowlock.Transition("go", source="a", target="b", payload=payload)
+    return flowlock.Workflow("t", states=["a", "b"], initial="a", transitions=[go], data=data)
+
+
+def _needs(field: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {field: {"type": "integer"}}, "required": [field]}
+
+
+def test_a_changed_payload_or_data_schema_is_a_new_definition() -> None:
+    """The payload and data schemas are in the form: changing one changes the hash (and the
+    version register gives); an untyped form has neither member, so its hash is as before."""
+    plain = canonical(_typed())
+    assert "data" not in plain and "payload" not in plain["transitions"][0]
+    form = canonical(_typed(payload=_needs("n"), data=_needs("d")))
+    assert form["transitions"][0]["payload"] == _needs("n") and form["data"] == _needs("d")
+    assert json.loads(json.dumps(form)) == form
+    hashes = {
+        content_hash(wf)
+        for wf in (
+            _typed(),
+            _typed(payload=_needs("n")),
+            _typed(payload=_needs("m")),
+            _typed(data=_needs("n")),
+            _typed(data=_needs("m")),
+        )
+    }
+    assert len(hashes) == 5
+    assert content_hash(_typed(payload=_needs("n"))) == content_hash(_typed(payload=_needs("n")))
+    with flowlock.sync.Engine.connect("memory://") as engine:
+        assert engine.register(_typed(payload=_needs("n"))) == 1
+        assert engine.register(_typed(payload=_needs("m"))) == 2
+        assert engine.register(_typed(payload=_needs("m"), data=_needs("d"))) == 3
 
 
 def test_two_different_lambdas_differ_and_the_same_one_does_not() -> None:

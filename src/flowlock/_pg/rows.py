@@ -18,6 +18,7 @@ from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
 
 __all__ = [
+    "HISTORIES_BY_IDS",
     "HISTORY_COLUMNS",
     "INSTANCE_COLUMNS",
     "MESSAGE_COLUMNS",
@@ -117,10 +118,11 @@ Queryable = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 _INSTANCES = (
     f"SELECT {INSTANCE_COLUMNS}, {PAUSED_FROM} FROM flowlock_instances WHERE id = ANY($1::text[])"
 )
-_HISTORIES = f"""
+HISTORIES_BY_IDS = f"""
 SELECT {HISTORY_COLUMNS}
   FROM flowlock_history WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
 """
+"""The histories of the ids in $1 (a text array), by instance then version: one statement."""
 
 
 def json_object(value: Any) -> Mapping[str, Any]:
@@ -215,6 +217,6 @@ async def read_history(db: Queryable, ids: Sequence[str]) -> dict[str, list[Hist
     """The history of every id in `ids`, oldest first (an empty list for an id with none): one
     statement however many ids."""
     histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
-    for row in await db.fetch(_HISTORIES, list(ids)):
+    for row in await db.fetch(HISTORIES_BY_IDS, list(ids)):
         histories.setdefault(row["instance_id"], []).append(entry_from_row(row))
     return histories

@@ -162,6 +162,10 @@ class BulkMethods:
 
     def _check_open(self) -> None: ...  # the engine's
 
+    def _bulk_payload(
+        self, workflow: str | None, event: str, body: Mapping[str, Any]
+    ) -> None: ...  # PayloadChecks'
+
     async def bulk(
         self,
         action: BulkAction,
@@ -207,7 +211,8 @@ class BulkMethods:
         failures (None: never) it stops taking new ones. `progress(n)` is called with the
         number of instances done so far after each one.
 
-        InvalidInput (or UnknownWorkflow), before anything is read, for a bad argument.
+        InvalidInput (or UnknownWorkflow), before anything is read, for a bad argument; such
+        as InvalidPayload for a payload the event's `payload=` schema refuses.
         """
         self._check_open()
         plan = self._bulk_plan(
@@ -292,6 +297,8 @@ class BulkMethods:
             )
         self._bulk_arguments(act, query, state, event, reason, actor)
         body = None if payload is None else check_object(payload, "payload", self._max_payload)
+        if act == "fire":
+            self._bulk_payload(query.workflow, str(event), {} if body is None else body)
         new = None if data is None else check_object(data, "data", self._max_payload)
         if operation_id is None:
             operation_id = derive_operation_id(

@@ -42,6 +42,7 @@ class _Tally:
         self.workflow = workflow
         self.max_payload = max_payload
         self.instances = self.transitions = self.unreplayed = self.operator_rows = 0
+        self.before_migration = 0
         self.divergences: list[Divergence] = []
 
     async def add(self, rows: Sequence[ReplayRow]) -> None:
@@ -58,6 +59,7 @@ class _Tally:
             self.transitions += done.transitions
             self.unreplayed += done.unreplayed_first
             self.operator_rows += done.operator_rows
+            self.before_migration += done.before_migration
             self.divergences.extend(done.divergences)
 
     def report(self, seconds: float) -> ReplayReport:
@@ -70,6 +72,7 @@ class _Tally:
             seconds=seconds,
             unreplayed_first=self.unreplayed,
             operator_rows=self.operator_rows,
+            before_migration=self.before_migration,
         )
 
 
@@ -137,7 +140,8 @@ class ReplayMethods:
         if ids is None:
             await _walk(store, workflow.name, tally)
         else:
-            await _by_id(store, workflow.name, ids, tally)
+            # A sampled instance purged since it was drawn is left out, as the walk leaves it.
+            await _by_id(store, workflow.name, ids, tally, named=sample is None)
         return tally.report(time.perf_counter() - started)
 
     async def _sample(self, store: Store, workflow: str, size: int) -> list[str]:
@@ -163,7 +167,10 @@ class ReplayMethods:
 
 async def _walk(store: ReplayStore, workflow: str, tally: _Tally) -> None:
     """Every instance of `workflow`, a batch at a time; the next batch is read (its query
-    already on the server) while this one is replayed."""
+    already on the server) while this one is replayed.
+
+    Only an empty batch ends the walk: a store leaves out an instance purged between a
+    batch's reads, so a short batch may have more after it."""
     pending: asyncio.Task[list[ReplayRow]] | None = asyncio.ensure_future(
         store.replay_batch(workflow, None, REPLAY_BATCH)
     )
@@ -171,7 +178,7 @@ async def _walk(store: ReplayStore, workflow: str, tally: _Tally) -> None:
         while pending is not None:
             batch = await pending
             pending = None
-            if len(batch) == REPLAY_BATCH:
+            if batch:
                 pending = asyncio.ensure_future(
                     store.replay_batch(workflow, batch[-1][0].id, REPLAY_BATCH)
                 )
@@ -183,8 +190,11 @@ async def _walk(store: ReplayStore, workflow: str, tally: _Tally) -> None:
                 await pending
 
 
-async def _by_id(store: ReplayStore, workflow: str, ids: list[str], tally: _Tally) -> None:
-    """The instances of `ids`, each checked to exist and to run `workflow` before any replay."""
+async def _by_id(
+    store: ReplayStore, workflow: str, ids: list[str], tally: _Tally, *, named: bool
+) -> None:
+    """The instances of `ids`, each checked to exist (when the caller `named` them) and to run
+    `workflow` before any replay."""
     rows: list[ReplayRow] = []
     for start in range(0, len(ids), REPLAY_BATCH):
         rows += await store.replay_instances(ids[start : start + REPLAY_BATCH])
@@ -192,6 +202,8 @@ async def _by_id(store: ReplayStore, workflow: str, ids: list[str], tally: _Tall
     for iid in ids:
         inst = found.get(iid)
         if inst is None:
+            if not named:
+                continue
             raise InstanceNotFound(iid)
         if inst.workflow != workflow:
             raise InvalidInput(

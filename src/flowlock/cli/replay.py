@@ -63,6 +63,21 @@ def _print(report: ReplayReport) -> None:
             f"; {report.unreplayed_first} instance(s) created before their data was stored: "
             "first transition not replayed"
         )
+    if report.before_migration:
+        checked += (
+            f"; {report.before_migration} transition(s) before a migration, decided by the "
+            "version the instance left: not replayed"
+        )
+    if not report.checked_instances:
+        # Why a warning: a name that differs from the stored one (a typo, a rename) would
+        # otherwise pass CI having checked nothing.
+        note = (
+            f"workflow {report.workflow!r}: no instance of it in this database, nothing to "
+            "replay (a new workflow, or a name that differs from the one the instances were "
+            "created with)"
+        )
+        print_wrapped(out, Text(note, style="yellow"))
+        return
     if report.ok:
         print_wrapped(out, Text(f"{checked}: no divergence", style="green"))
         return
@@ -101,11 +116,12 @@ def check_definition(
     recorded before it; every difference is a divergence: refused (it would no longer apply),
     guard (its guard now rejects), target (another state), data (other data), state (a state it
     lacks), event (an event it lacks). Operator rows (force, pause, resume, migrate) are taken
-    as recorded. Guards and effects run, so import the module as the application does; the
-    current directory is importable.
+    as recorded, and so are the rows before an instance's last migration. Guards and effects
+    run, so import the module as the application does; the current directory is importable.
 
-    Read-only, and safe while the application runs. Exits 0 when no divergence is found, 1 on
-    any divergence (each printed) or on an error, 2 on bad arguments.
+    Read-only, and safe while the application runs. Exits 0 when no divergence is found (a
+    workflow no stored instance runs is said to have nothing to replay), 1 on any divergence
+    (each printed) or on an error, 2 on bad arguments.
     """
     from flowlock.core.diagram import BadReference, load_workflows
 

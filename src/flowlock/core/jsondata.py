@@ -56,7 +56,14 @@ def check_object(value: object, what: str, limit: int) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise InvalidInput(f"{what} must be a JSON object (a mapping), not {type(value).__name__}")
+        name = type(value).__name__
+        # A typed payload's model instance is the likely mistake: say how to send its JSON.
+        hint = (
+            f"; send the model's JSON: {what}=value.model_dump(mode='json')"
+            if callable(getattr(value, "model_dump", None))
+            else ""
+        )
+        raise InvalidInput(f"{what} must be a JSON object (a mapping), not {name}{hint}")
     if not value:
         return {}
     plain = _plain(value, what)

@@ -193,7 +193,8 @@ def early_schemas(workflows: Iterable[Workflow]) -> dict[str, tuple[PayloadSchem
     the workflows that define them ("a" or "a, b").
 
     An event qualifies when every workflow defining it declares the same schema: then the
-    instance's workflow does not matter. Other typed events are checked in the step.
+    instance's workflow does not matter. Other typed events are checked in the step. Each
+    name is listed once, however many of its versions are given.
     """
     found: dict[str, list[tuple[PayloadSchema | None, str]]] = {}
     for wf in workflows:
@@ -203,5 +204,5 @@ def early_schemas(workflows: Iterable[Workflow]) -> dict[str, tuple[PayloadSchem
     for event, declared in found.items():
         first = declared[0][0]
         if first is not None and all(s is not None and s.key == first.key for s, _ in declared):
-            early[event] = (first, ", ".join(name for _, name in declared))
+            early[event] = (first, ", ".join(dict.fromkeys(name for _, name in declared)))
     return early

@@ -7,7 +7,8 @@ what was recorded, a deploy of that definition would change behaviour for live i
 Each row is replayed from the instance as RECORDED before it, not as the replay left it: one
 changed transition is reported once, at its row, instead of making every later row diverge.
 Operator rows (events starting with "flowlock:": force, pause, resume, migrate) are taken as
-recorded, never replayed: they follow no definition.
+recorded, never replayed: they follow no definition. So are the rows before an instance's last
+migration: a definition the instance has left decided them, and it will not run them again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from flowlock.core.errors import (
     UnknownEvent,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, same_json
-from flowlock.core.models import TIMER_PREFIX, HistoryEntry, Instance, TimerFiring
+from flowlock.core.models import MIGRATE_EVENT, TIMER_PREFIX, HistoryEntry, Instance, TimerFiring
 from flowlock.core.payloads import InvalidPayload
 from flowlock.core.step import Call, Idempotent, _decide
 
@@ -96,6 +97,8 @@ class ReplayReport:
       transition could not be replayed (later ones were).
     - `operator_rows`: rows of operator repairs (force, pause, resume, migrate), taken as
       recorded.
+    - `before_migration`: rows before an instance's last migration (`engine.migrate`), taken
+      as recorded: the version the instance has left decided them.
     """
 
     workflow: str
@@ -105,6 +108,7 @@ class ReplayReport:
     seconds: float
     unreplayed_first: int = 0
     operator_rows: int = 0
+    before_migration: int = 0
 
     @property
     def ok(self) -> bool:
@@ -127,6 +131,7 @@ class ReplayReport:
             "checked_transitions": self.checked_transitions,
             "unreplayed_first": self.unreplayed_first,
             "operator_rows": self.operator_rows,
+            "before_migration": self.before_migration,
             "seconds": self.seconds,
             "counts": self.counts(),
             "divergences": [d.as_json() for d in self.divergences],
@@ -141,6 +146,7 @@ class Replayed:
     transitions: int
     unreplayed_first: bool
     operator_rows: int
+    before_migration: int = 0
 
 
 def replay(
@@ -154,8 +160,9 @@ def replay(
     """Replay `history` (the instance's rows, oldest first) through `workflow`.
 
     `initial_data`: the instance's data at creation; None for an instance created before it
-    was stored, whose first row is then taken as recorded (`unreplayed_first`). Never raises
-    for what a step does: a guard or effect that raises is a divergence with its error's text.
+    was stored, whose first row is then taken as recorded (`unreplayed_first`). Rows before the
+    last migration row are taken as recorded too (`before_migration`). Never raises for what a
+    step does: a guard or effect that raises is a divergence with its error's text.
     """
     workflows = {workflow.name: workflow}
     found: list[Divergence] = []
@@ -174,11 +181,16 @@ def replay(
     before: Mapping[str, Any] | None = initial_data
     last_event: str | None = None
     stay = 1
-    transitions = operator_rows = 0
+    transitions = operator_rows = earlier = 0
     unreplayed = False
-    for row in sorted(history, key=lambda r: r.version):
+    rows = sorted(history, key=lambda r: r.version)
+    # Where the last migration is: the rows before it are the version the instance left's.
+    left = max((n for n, r in enumerate(rows) if r.event == MIGRATE_EVENT), default=0)
+    for n, row in enumerate(rows):
         if row.event.startswith(OPERATOR_PREFIX):
             operator_rows += 1
+        elif n < left:
+            earlier += 1
         elif before is None:
             unreplayed = True  # only the first row: every later one has its row before it
         else:
@@ -196,7 +208,7 @@ def replay(
         before, last_event = row.data, row.event
         if row.from_state != row.to_state:
             stay = row.version  # a new stay begins, as the stores count it
-    return Replayed(tuple(found), transitions, unreplayed, operator_rows)
+    return Replayed(tuple(found), transitions, unreplayed, operator_rows, earlier)
 
 
 def _timer_of(row: HistoryEntry) -> TimerFiring | None:

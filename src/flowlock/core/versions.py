@@ -1,7 +1,8 @@
 """Versioned workflow definitions: a canonical form, its content hash, and the engine's registry.
 
-A definition's canonical form is plain JSON: states, transitions, strategies, timers, and the
-guards, effects and emit functions by name ("module:qualname"). Two processes that register the
+A definition's canonical form is plain JSON: states, transitions, strategies, timers, the
+payload and data schemas (their JSON Schema, when typed), and the guards, effects and emit
+functions by name ("module:qualname"). Two processes that register the
 same code get the same hash, so the store gives them the same version. Code is not data: a
 lambda is named by a short hash of its source too, so two different lambdas differ.
 """
@@ -58,7 +59,7 @@ def _seconds(value: Any) -> float | None:
 
 
 def _transition(t: Transition) -> dict[str, Any]:
-    return {
+    form: dict[str, Any] = {
         "name": t.name,
         "sources": list(t.sources),
         "targets": list(t.targets),
@@ -71,13 +72,17 @@ def _transition(t: Transition) -> dict[str, Any]:
         "every": _seconds(t.every),
         "limit": t.limit,
     }
+    # Only when typed: an untyped definition keeps the hash it had before payloads were typed.
+    if t.payload is not None:
+        form["payload"] = dict(t.payload.json)
+    return form
 
 
 def canonical(workflow: Workflow) -> dict[str, Any]:
     """`workflow` as plain JSON: what a stored definition version holds and its hash covers.
     Transitions are sorted by name, so the order they were listed in does not matter."""
     finals = [s for s in workflow.states if not workflow.allowed(s)]
-    return {
+    form: dict[str, Any] = {
         "name": workflow.name,
         "states": list(workflow.states),
         "initial": workflow.initial,
@@ -86,6 +91,9 @@ def canonical(workflow: Workflow) -> dict[str, Any]:
         "policy": workflow.policy,
         "transitions": [_transition(workflow.transitions[n]) for n in sorted(workflow.transitions)],
     }
+    if workflow.data is not None:  # as for a payload: only when typed
+        form["data"] = dict(workflow.data.json)
+    return form
 
 
 def content_hash(workflow: Workflow | Mapping[str, Any]) -> str:

@@ -15,13 +15,53 @@ from typing import Any
 
 from flowlock.core.definition import Workflow
 from flowlock.core.payloads import PayloadSchema
+from flowlock.http import PROBLEM_JSON
+from flowlock.service.apidoc import PROBLEM_DOC
 
 __all__ = ["document_payloads"]
 
 _FIRE = "/instances/{instance_id}/events/{event}"
 _CREATE = "/instances"
+_BULK = "/admin/bulk"
 _REF = "#/components/schemas/"
 _ANY_OTHER = {"type": "object", "title": "Any JSON object", "additionalProperties": True}
+_INVALID = "InvalidPayload"
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+        "msg": {"type": "string"},
+        "type": {"type": "string"},
+    },
+    "required": ["loc", "msg", "type"],
+}
+# The 422 problems a typed route answers (flowlock.http; the service guide lists them): any
+# problem, and for invalid-payload (the `if`) its `workflow`, `event` and `errors` (the `then`).
+_PAYLOAD_TYPE = "urn:flowlock:problem:invalid-payload"
+_PROBLEM: dict[str, Any] = PROBLEM_DOC[PROBLEM_JSON]["schema"]
+_STATUS = {"type": "integer", "const": 422}
+_INVALID_DOC = {
+    "description": "A problem of the request's input (guard-rejected, invalid-request, "
+    f"invalid-input, ...); for {_PAYLOAD_TYPE}, a payload or data its declared schema refuses, "
+    "`errors` lists each bad field (`event` is null for a create's data). Nothing was written.",
+    "content": {
+        PROBLEM_JSON: {
+            "schema": {
+                **_PROBLEM,
+                "properties": {**_PROBLEM["properties"], "status": _STATUS},
+                "if": {"properties": {"type": {"const": _PAYLOAD_TYPE}}},
+                "then": {
+                    "properties": {
+                        "workflow": {"type": "string"},
+                        "event": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                        "errors": {"type": "array", "items": _ERROR},
+                    },
+                    "required": ["workflow", "event", "errors"],
+                },
+            }
+        }
+    },
+}
 
 
 def document_payloads(schema: dict[str, Any], workflows: Sequence[Workflow]) -> dict[str, Any]:
@@ -48,12 +88,26 @@ def document_payloads(schema: dict[str, Any], workflows: Sequence[Workflow]) -> 
         body.setdefault("x-flowlock-payloads", {}).update(
             {f"{wf}.{event}": _REF + name for wf, event, name in events}
         )
+        _answers_invalid(schema, _FIRE, _BULK)
     if data:
         lines = [f"- workflow `{wf}`: `{name}`" for wf, name in data]
         body = _body(schema, _CREATE)
         _list(body, "data", [name for _, name in data], lines, untyped_data)
         body.setdefault("x-flowlock-data", {}).update({wf: _REF + name for wf, name in data})
+        _answers_invalid(schema, _CREATE)
     return schema
+
+
+def _answers_invalid(schema: dict[str, Any], *paths: str) -> None:
+    """The POSTs at `paths` (those served) list the 422 invalid-payload problem, `errors` and
+    all, as a response of its own (the default problem does not describe its members)."""
+    schema["components"].setdefault("responses", {})[_INVALID] = _INVALID_DOC
+    for path in paths:
+        operation = schema["paths"].get(path, {}).get("post")
+        if operation is not None:
+            operation.setdefault("responses", {})["422"] = {
+                "$ref": f"#/components/responses/{_INVALID}"
+            }
 
 
 def _body(schema: dict[str, Any], path: str) -> dict[str, Any]:

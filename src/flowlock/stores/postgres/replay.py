@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
+from flowlock._pg.rows import HISTORIES_BY_IDS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
 from flowlock._pg.rows import json_object as _json
 from flowlock.core.models import HistoryEntry
 from flowlock.stores.postgres.calls import Calls
@@ -27,10 +27,6 @@ _BY_ID: Final = f"""
 SELECT {INSTANCE_COLUMNS}, initial_data FROM flowlock_instances
  WHERE id = ANY($1::text[]) ORDER BY id COLLATE "C"
 """
-_HISTORIES: Final = f"""
-SELECT {HISTORY_COLUMNS} FROM flowlock_history
- WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
-"""
 
 
 async def _read(ops: Operations, sql: str, *args: Any) -> list[ReplayRow]:
@@ -42,7 +38,7 @@ async def _read(ops: Operations, sql: str, *args: Any) -> list[ReplayRow]:
         ids = [row["id"] for row in found]
         histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
         if ids:
-            for h in await conn.fetch(s.sql(_HISTORIES), ids, timeout=s.timeout):
+            for h in await conn.fetch(s.sql(HISTORIES_BY_IDS), ids, timeout=s.timeout):
                 histories[h["instance_id"]].append(entry_from_row(h))
     out: list[ReplayRow] = []
     for row in found:

@@ -23,7 +23,7 @@ from typing import Any, Final, TypeVar
 import asyncpg
 
 from flowlock._pg.errors import in_doubt
-from flowlock._pg.rows import HISTORY_COLUMNS, entry_from_row, instance_from_row, json_object
+from flowlock._pg.rows import HISTORIES_BY_IDS, entry_from_row, instance_from_row, json_object
 from flowlock.core.errors import LockTimeout
 from flowlock.core.retention import ArchivedInstance, CreateRecord, Hold, PurgeSelection
 from flowlock.stores.base import BeforeCommit
@@ -103,10 +103,6 @@ SELECT c.*, r.request_id AS made_key, r.state AS made_state, r.data AS made_data
 """
 
 
-_HISTORIES: Final = f"""
-SELECT {HISTORY_COLUMNS} FROM flowlock_history
- WHERE instance_id = ANY($1::text[]) ORDER BY instance_id, version
-"""
 # $1 ids. The rows locked first, in id order (see CAS_MANY in sql.py), in a statement of their
 # own: the delete's snapshot, taken after, sees every hold whose transaction held a row's lock.
 _PURGE_LOCK: Final = (
@@ -221,7 +217,7 @@ async def _candidates(
         ids = [row["id"] for row in rows]
         history: dict[str, list[Any]] = {i: [] for i in ids}
         if ids:
-            for h in await conn.fetch(s.sql(_HISTORIES), ids, timeout=s.timeout):
+            for h in await conn.fetch(s.sql(HISTORIES_BY_IDS), ids, timeout=s.timeout):
                 history[h["instance_id"]].append(entry_from_row(h))
     found: list[ArchivedInstance] = []
     for row in rows:

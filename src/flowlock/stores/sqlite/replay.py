@@ -8,14 +8,12 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from flowlock.core.models import HistoryEntry
 from flowlock.stores.replaying import ReplayRow, replay_row
 from flowlock.stores.sqlite.part import StorePart
 from flowlock.stores.sqlite.sql import (
-    HISTORY_COLUMNS,
     IDS_PER_SELECT,
     READ_WIDTH,
-    entry_of,
+    histories_of,
     instance_of,
     load_json,
     read_columns,
@@ -29,17 +27,7 @@ _SELECT = f"SELECT {read_columns('i')}, i.initial_data FROM flowlock_instances i
 
 def _rows(conn: sqlite3.Connection, found: list[Any]) -> list[ReplayRow]:
     """Each instance row of `found` with its creation data and history."""
-    ids = [row[0] for row in found]
-    histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
-    for at in range(0, len(ids), IDS_PER_SELECT):
-        chunk = ids[at : at + IDS_PER_SELECT]
-        marks = ", ".join("?" * len(chunk))
-        for row in conn.execute(
-            f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id IN ({marks}) "
-            "ORDER BY instance_id, version",
-            chunk,
-        ):
-            histories[row[0]].append(entry_of(row))
+    histories = histories_of(conn, [row[0] for row in found])
     out: list[ReplayRow] = []
     for row in found:
         raw = row[READ_WIDTH]

@@ -14,13 +14,12 @@ from flowlock.core.retention import ArchivedInstance, CreateRecord, Hold, PurgeS
 from flowlock.stores.base import BeforeCommit
 from flowlock.stores.sqlite.part import StorePart
 from flowlock.stores.sqlite.sql import (
-    HISTORY_COLUMNS,
     IDS_PER_SELECT,
     INSERT_HISTORY,
     INSTANCE_COLUMNS,
     READ_WIDTH,
     dump_json,
-    entry_of,
+    histories_of,
     history_params,
     instance_of,
     load_json,
@@ -115,17 +114,11 @@ def candidates_txn(
     ).fetchall()
     found = [(instance_of(row), row[READ_WIDTH]) for row in rows]
     ids = [inst.id for inst, _ in found]
-    histories: dict[str, list[Any]] = {i: [] for i in ids}
+    histories = histories_of(conn, ids)
     created: dict[str, CreateRecord] = {}
     for at in range(0, len(ids), IDS_PER_SELECT):
         chunk = ids[at : at + IDS_PER_SELECT]
         marks = ", ".join("?" * len(chunk))
-        for row in conn.execute(
-            f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id IN ({marks}) "
-            "ORDER BY instance_id, version",
-            chunk,
-        ):
-            histories[row[0]].append(entry_of(row))
         for row in conn.execute(
             "SELECT request_id, instance_id, state, data FROM flowlock_create_requests "
             f"WHERE instance_id IN ({marks})",

@@ -256,6 +256,22 @@ def entry_of(row: tuple[Any, ...]) -> HistoryEntry:
     )
 
 
+def histories_of(conn: sqlite3.Connection, ids: list[str]) -> dict[str, list[HistoryEntry]]:
+    """The history of each id in `ids`, oldest first (an empty list for one with none), read
+    `IDS_PER_SELECT` ids a statement."""
+    histories: dict[str, list[HistoryEntry]] = {i: [] for i in ids}
+    for at in range(0, len(ids), IDS_PER_SELECT):
+        chunk = ids[at : at + IDS_PER_SELECT]
+        marks = ", ".join("?" * len(chunk))
+        for row in conn.execute(
+            f"SELECT {HISTORY_COLUMNS} FROM flowlock_history WHERE instance_id IN ({marks}) "
+            "ORDER BY instance_id, version",
+            chunk,
+        ):
+            histories[row[0]].append(entry_of(row))
+    return histories
+
+
 def is_busy(exc: sqlite3.Error) -> bool:
     # The primary result code is the low byte; BUSY_SNAPSHOT, BUSY_RECOVERY etc. share it.
     code = getattr(exc, "sqlite_errorcode", None)  # absent on errors raised by the module itself
