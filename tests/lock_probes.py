@@ -50,16 +50,21 @@ async def wait_until(
     check: Callable[[], bool | Awaitable[bool]], *, within: float = 10.0, what: str = "it"
 ) -> None:
     """Return as soon as ``check()`` is true; fail the test if it is still false after
-    ``within`` seconds (a generous bound: the condition is a cause, not a speed)."""
+    ``within`` seconds (a generous bound: the condition is a cause, not a speed). A check may
+    also raise AssertionError: it counts as false, and the last one is in the failure."""
     deadline = time.monotonic() + within
+    last = ""
     while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+        except AssertionError as error:
+            result, last = False, f": {error}"
         if result:
             return
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {within:.0f} s")
+            raise AssertionError(f"{what} did not happen within {within:.0f} s{last}")
         await asyncio.sleep(0.01)
 
 

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     )
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
+    from flowlock.core.payloads import InvalidPayload
+    from flowlock.core.replay import Divergence, ReplayReport
     from flowlock.core.retention import ArchiveInvalid, Hold, PurgeReport, RestoreReport
     from flowlock.core.versions import DefinitionVersion
     from flowlock.engine import Engine, connect
@@ -95,6 +97,7 @@ _WHERE: dict[str, str] = {
         ),
         "flowlock.core.admin",
     ),
+    "InvalidPayload": "flowlock.core.payloads",
     **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
@@ -106,6 +109,7 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(("Distributed", "fencing_token"), "flowlock.strategies.distributed"),
     "Adaptive": "flowlock.strategies.adaptive",
     "BulkReport": "flowlock.core.bulk",
+    **dict.fromkeys(("Divergence", "ReplayReport"), "flowlock.core.replay"),
     "ConflictMonitor": "flowlock.strategies.monitor",
     "DefinitionVersion": "flowlock.core.versions",
     "Metrics": "flowlock.metrics",
@@ -136,6 +140,7 @@ __all__ = [
     "DeliveryFailed",
     "DeliveryRefused",
     "Distributed",
+    "Divergence",
     "Emit",
     "Engine",
     "EngineClosed",
@@ -150,6 +155,7 @@ __all__ = [
     "InstanceNotFound",
     "InstancePaused",
     "InvalidInput",
+    "InvalidPayload",
     "LockBusy",
     "LockError",
     "LockLost",
@@ -167,6 +173,7 @@ __all__ = [
     "PayloadTooLarge",
     "Pessimistic",
     "PurgeReport",
+    "ReplayReport",
     "RestoreReport",
     "RunOnce",
     "StaleTimer",

@@ -38,6 +38,8 @@ class DefinitionMethods:
 
     def _start_services(self) -> None: ...  # the engine's
 
+    def _index_payloads(self) -> None: ...  # PayloadChecks'
+
     def _check_open(self) -> None: ...  # the engine's
 
     async def count(self, workflow: str | None = None, state: Any = None) -> int:  # the engine's
@@ -72,6 +74,7 @@ class DefinitionMethods:
             self._workflows.add(workflow, None)
         else:
             stored = await self._save(workflow, stored)
+        self._index_payloads()
         self._start_services()
         self._per_definition_strategy = any(
             wf.strategy is not None or any(t.strategy for t in wf.transitions.values())

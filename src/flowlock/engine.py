@@ -29,13 +29,15 @@ from flowlock._calls import (
 )
 from flowlock._definitions import DefinitionMethods
 from flowlock._firing import Fire, Runner, failure_label
+from flowlock._payload_checks import PayloadChecks
 from flowlock.admin.bulk import BulkMethods
 from flowlock.admin.repair import RepairMethods
+from flowlock.admin.replay import ReplayMethods
 from flowlock.admin.retention import RetentionMethods
 from flowlock.backends import compose
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput
-from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD, check_object
+from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD
 from flowlock.core.models import (
     TIMER_ACTOR,
     HistoryEntry,
@@ -82,7 +84,6 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "Engine", "connect"]
 
 log = logging.getLogger("flowlock")
-
 _WORKFLOW_CACHE_SIZE = 100_000
 
 Connection: TypeAlias = "CallerConnection"
@@ -95,7 +96,15 @@ def connect(database_url: str | None = None, **options: Unpack[ConnectOptions]) 
     return Engine.connect(database_url, **options)
 
 
-class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, DefinitionMethods):
+class Engine(
+    PayloadChecks,
+    OutboxMethods,
+    RepairMethods,
+    RetentionMethods,
+    BulkMethods,
+    ReplayMethods,
+    DefinitionMethods,
+):
     """A workflow engine over one store.
 
     Build it with `Engine.connect(database_url, ...)` or `Engine(store, ...)`.
@@ -311,12 +320,6 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
 
     # -- instances -------------------------------------------------------------------------
 
-    def _check_data(self, data: object, what: str) -> Mapping[str, Any]:
-        """`data` as plain JSON within `max_payload_bytes`, or InvalidInput (see
-        `flowlock.core.jsondata.check_object`, the check the step also runs on what effects
-        return)."""
-        return check_object(data, what, self._max_payload)
-
     async def create(
         self,
         workflow: str,
@@ -328,7 +331,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
         version: int | None = None,
     ) -> Instance:
         """A new instance of `workflow` in its initial state at version 1.
-        Raises InstanceExists when the id is taken.
+        Raises InstanceExists when the id is taken, InvalidPayload for data its `data=` refuses.
 
         It runs definition `version` of the workflow (None: the newest registered here);
         DefinitionMismatch, with nothing written, for a version this engine has not registered.
@@ -346,7 +349,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
         if request_id is not None:
             check_text(request_id, "request_id")
         wf, pinned = self._creating(workflow, version)
-        body = self._check_data(data, "data")
+        body = self._create_data(wf, data)
         new = Instance(
             id=instance_id,
             workflow=wf.name,
@@ -445,7 +448,8 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
 
         Returns an Outcome (`applied` or `idempotent`). Raises TransitionNotAllowed,
         GuardRejected, VersionMismatch, ConflictRetriesExhausted, LockTimeout / LockBusy,
-        InstanceNotFound, or InvalidInput for bad arguments (before anything is read).
+        InstanceNotFound, or InvalidInput for bad arguments (before anything is read), such as
+        InvalidPayload for a payload the transition's `payload=` schema refuses.
 
         `payload` (a JSON object) is passed to the guard and effect and kept in the history
         row (`HistoryEntry.payload`). `request_id` is the call's idempotency key: a retry
@@ -490,7 +494,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
         try:
             self._check_open()
             check_fire_args(instance_id, event, actor, request_id, expected_version, repair=repair)
-            body = self._check_data(payload, "payload")
+            body, parsed = self._fire_payload(event, payload)
             call = Call(
                 instance_id=instance_id,
                 event=event,
@@ -502,6 +506,7 @@ class Engine(OutboxMethods, RepairMethods, RetentionMethods, BulkMethods, Defini
                 timer=timer,
                 trace=None if span is None else span.traceparent(),
                 where=where,
+                parsed=parsed,
             )
             if connection is not None:
                 joinable = transactional(self._store)

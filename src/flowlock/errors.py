@@ -1,5 +1,6 @@
 """Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors` (and
-of the repairs' two, defined beside them in `flowlock.core.admin`)."""
+of the repairs' two, defined beside them in `flowlock.core.admin`, and of InvalidPayload, beside
+the schemas in `flowlock.core.payloads`)."""
 
 from flowlock.core.admin import InstancePaused, UnknownState
 from flowlock.core.errors import (
@@ -41,6 +42,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
     "ConcurrencyError",
@@ -60,6 +62,7 @@ __all__ = [
     "InstanceNotFound",
     "InstancePaused",
     "InvalidInput",
+    "InvalidPayload",
     "LockBusy",
     "LockError",
     "LockLost",

@@ -45,6 +45,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
     "PROBLEM_JSON",
@@ -289,6 +290,11 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             f"the {exc.what} is {exc.size} bytes as JSON; this service accepts at most "
             f"{exc.limit}",
             size=exc.size, limit=exc.limit,
+        )  # fmt: skip
+    if isinstance(exc, InvalidPayload):
+        return _make(
+            422, slug, "Invalid payload", str(exc),
+            workflow=exc.workflow, event=exc.event, errors=[dict(e) for e in exc.errors],
         )  # fmt: skip
     if isinstance(exc, InvalidInput):
         return _make(422, slug, "Invalid input", str(exc))

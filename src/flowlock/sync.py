@@ -12,7 +12,7 @@ import concurrent.futures.thread  # noqa: F401 (its exit hook first: see _regist
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
@@ -32,6 +32,7 @@ from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
 from flowlock.core.outbox import Message
 from flowlock.core.query import DEFAULT_LIMIT
+from flowlock.core.replay import ReplayReport
 from flowlock.core.versions import DefinitionVersion
 from flowlock.engine import Connection
 from flowlock.engine import Engine as AsyncEngine
@@ -264,6 +265,19 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
     ) -> list[HistoryEntry]:
         """The applied transitions of versions above `after`, oldest first; at most `limit`."""
         return self._run(self._engine.history(instance_id, after=after, limit=limit))
+
+    def check_definition(
+        self,
+        workflow: Workflow,
+        *,
+        sample: int | None = None,
+        instance_ids: Sequence[str] | None = None,
+    ) -> ReplayReport:
+        """Replay the recorded histories through a new definition and report every divergence;
+        see [`flowlock.Engine.check_definition`][flowlock.Engine.check_definition]."""
+        return self._run(
+            self._engine.check_definition(workflow, sample=sample, instance_ids=instance_ids)
+        )
 
     def timers(self, instance_id: str) -> list[Timer]:
         """The instance's armed timers, earliest due first (event, due time, the stay that

@@ -109,7 +109,8 @@ async def test_the_transition_statement_is_a_primary_key_lookup(
     await packed.execute("DEALLOCATE ALL")
     await packed.execute(f"PREPARE q AS {CAS}")
     args = (
-        "'c-000001', 1, 'open', '{\"n\": 1}', 'step', 'open', 't', 'r1', 'optimistic', NULL, '{}', 1"
+        "'c-000001', 1, 'open', '{\"n\": 1}', 'step', 'open', 't', 'r1', 'optimistic', NULL, "
+        "'{}', 1"
     )
     for mode in ("force_custom_plan", "force_generic_plan"):
         await packed.execute(f"SET plan_cache_mode = {mode}")

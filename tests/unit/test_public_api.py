@@ -31,6 +31,8 @@ PUBLIC = {
     "FORCE_EVENT", "PAUSE_EVENT", "RESUME_EVENT", "InstancePaused", "UnknownState",
     "WorkflowPause",
     "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
+    "InvalidPayload",
+    "Divergence", "ReplayReport",
 }  # fmt: skip
 
 

@@ -29,8 +29,9 @@ NOW = "SELECT extract(epoch FROM now())::float8"
 # $1 id prefix, $2 how many, $3 seconds from now() to the first due time, $4 timers due per
 # second, $5 workflow, $6 its expiry's `after` in seconds. Instance i falls due at
 # now() + $3 + i / $4. What the store's create writes (flowlock_instances: version 1, stay 1,
-# empty data, created_at = updated_at; flowlock_timers: stay 1, firing 0, unclaimed, due at
-# created_at + after), with created_at set back by `after` from the due time.
+# empty data and initial data, the newest stored definition version, created_at = updated_at;
+# flowlock_timers: stay 1, firing 0, unclaimed, due at created_at + after), with created_at set
+# back by `after` from the due time.
 ARM = """
 WITH due AS (
     SELECT $1::text || i AS id,
@@ -38,9 +39,12 @@ WITH due AS (
       FROM generate_series(0, $2::int - 1) AS i
 ), made AS (
     INSERT INTO flowlock_instances
-           (id, workflow, state, version, data, created_at, updated_at, stay_version)
+           (id, workflow, state, version, data, created_at, updated_at, stay_version,
+            initial_data, definition_version)
     SELECT id, $5::text, 'pending', 1, '{}'::jsonb,
-           due_at - $6::float8 * interval '1 second', due_at - $6::float8 * interval '1 second', 1
+           due_at - $6::float8 * interval '1 second', due_at - $6::float8 * interval '1 second', 1,
+           '{}'::jsonb,
+           (SELECT max(version) FROM flowlock_definitions WHERE workflow = $5::text)
       FROM due
     RETURNING id, workflow, created_at
 )

@@ -48,7 +48,8 @@ EPILOG = (
     "**Environment variables** (the CLI is the only part of flowlock that reads them): "
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
     "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
-    "*history*, *list*, *check*, *timers* and *outbox* read, when --database-url is not given. "
+    "*history*, *list*, *check*, *check-definition*, *timers* and *outbox* read, when "
+    "--database-url is not given. "
     f"**{ENV_SCHEMA}**: the PostgreSQL schema of flowlock's tables, when --schema is not given "
     "(*serve*, *db*, and the commands that read). "
     f"**{ENV_REDIS_URL}**: Redis URL (redis://host:6379/0) used by *bench* when --redis-url "
@@ -56,7 +57,8 @@ EPILOG = (
     "the terminal's, else 80).\n\n"
     "**Exit codes**: 0 ok, 1 flowlock error, 2 bad arguments, 3 bench or soak verdict failed, "
     "*check* found a violation, or an *admin* bulk command applied nothing because every "
-    "instance was done earlier under its operation id, 130 interrupted."
+    "instance was done earlier under its operation id, 130 interrupted; *check-definition* "
+    "exits 1 when it finds a divergence."
 )
 
 app = typer.Typer(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from flowlock.core.errors import DefinitionError
 from flowlock.core.models import Timing
 from flowlock.core.outbox import Emit
+from flowlock.core.payloads import InvalidPayload, PayloadSchema, payload_schema
 
 if TYPE_CHECKING:
     from flowlock.core.models import Instance
@@ -91,23 +92,22 @@ class Step:
     emit: Sequence[Emit] = ()
 
 
-Guard: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], bool]
-"""`guard(instance, payload, actor)`: True lets the transition run; False, or raising
-[`flowlock.GuardRejected`][flowlock.GuardRejected] with a reason, refuses it. Pure and synchronous:
-it may run more than once, under a row lock (an `async def` guard is refused with DefinitionError).
-Any other exception it raises reaches the caller as [`flowlock.StepFailed`][flowlock.StepFailed],
-nothing written."""
+Guard: TypeAlias = Callable[["Instance", Any, "str | None"], bool]
+"""`guard(instance, payload, actor)`: `payload` is the call's JSON object, or the parsed model
+when the transition declares `payload=` (see the payloads guide). True lets the transition
+run; False, or raising [`flowlock.GuardRejected`][flowlock.GuardRejected] with a reason,
+refuses it. Pure and synchronous: it may run more than once, under a row lock (an `async def`
+guard is refused with DefinitionError). Any other exception it raises reaches the caller as
+[`flowlock.StepFailed`][flowlock.StepFailed], nothing written."""
 
-Effect: TypeAlias = Callable[
-    ["Instance", Mapping[str, Any], "str | None"], "Mapping[str, Any] | Step"
-]
+Effect: TypeAlias = Callable[["Instance", Any, "str | None"], "Mapping[str, Any] | Step"]
 """`effect(instance, payload, actor)`: returns the instance's new data (or a
 [`Step`][flowlock.core.definition.Step]), JSON within the engine's `max_payload_bytes` (else
 InvalidInput / PayloadTooLarge). Must be pure, synchronous and must not mutate its arguments: the
 optimistic strategy may run it again. An exception it raises (other than GuardRejected or
 InvalidInput) becomes StepFailed."""
 
-EmitFn: TypeAlias = Callable[["Instance", Mapping[str, Any], "str | None"], "Sequence[Emit]"]
+EmitFn: TypeAlias = Callable[["Instance", Any, "str | None"], "Sequence[Emit]"]
 """`emit(instance, payload, actor)`: the messages a transition emits, a list of
 [`Emit`][flowlock.Emit]. `instance` is as the transition leaves it (its new state, data and
 version). Pure and synchronous like an effect: it may run again on a retry, and what it returns
@@ -206,6 +206,10 @@ class Transition:
     `emit`: a pure function of (instance after the transition, payload, actor) returning the
     [`Emit`][flowlock.Emit] messages to write to the outbox in the same commit. See the outbox
     guide.
+
+    `payload`: a Pydantic model class or a JSON Schema dict the call's payload must match.
+    It is checked before anything is read (InvalidPayload otherwise); the guard, effect and
+    emit receive the parsed model (for a dict: the checked dict). See the payloads guide.
     """
 
     name: str
@@ -219,6 +223,7 @@ class Transition:
     every: timedelta | None
     limit: int | None
     emit: EmitFn | None
+    payload: PayloadSchema | None
 
     def __init__(
         self,
@@ -234,6 +239,7 @@ class Transition:
         every: timedelta | None = None,
         limit: int | None = None,
         emit: EmitFn | None = None,
+        payload: type[Any] | Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
@@ -256,6 +262,7 @@ class Transition:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "emit", emit)
         _check_timing(self, after, every, limit)
+        object.__setattr__(self, "payload", _timed_payload(self, payload))
 
     @property
     def target(self) -> str:
@@ -273,6 +280,21 @@ class Transition:
             return None
         every = None if self.every is None else self.every.total_seconds()
         return Timing(self.name, self.after.total_seconds(), every, self.limit)
+
+
+def _timed_payload(t: Transition, declared: object) -> PayloadSchema | None:
+    """The transition's payload schema; a timed one must accept `{}`, what a timer sends."""
+    schema = payload_schema(declared, f"transition {t.name!r}")
+    if schema is not None and t.after is not None:
+        try:
+            schema.parse({}, workflow="", event=t.name)
+        except InvalidPayload as exc:
+            raise DefinitionError(
+                f"transition {t.name!r} is timed, and a timer fires it with the payload {{}}, "
+                f"which its payload schema refuses ({'; '.join(exc.paths) or 'the object'}); "
+                "give every field a default"
+            ) from None
+    return schema
 
 
 def _check_timing(t: Transition, after: object, every: object, limit: object) -> None:
@@ -310,6 +332,9 @@ class Workflow:
 
     Validated at construction; raises [`DefinitionError`][flowlock.core.definition.DefinitionError]
     listing every problem found.
+
+    `data`: a Pydantic model class or a JSON Schema dict a new instance's data must match
+    (checked by `create`, InvalidPayload otherwise; the data is stored as sent).
     """
 
     name: str
@@ -318,6 +343,7 @@ class Workflow:
     transitions: Mapping[str, Transition]
     strategy: StrategyName | None
     policy: str | None
+    data: PayloadSchema | None
     _allowed: Mapping[str, tuple[str, ...]] = field(repr=False, compare=False)
     _timed: Mapping[str, tuple[Timing, ...]] = field(repr=False, compare=False)
 
@@ -330,6 +356,7 @@ class Workflow:
         transitions: Iterable[Transition],
         strategy: StrategyName | None = None,
         policy: str | None = None,
+        data: type[Any] | Mapping[str, Any] | None = None,
     ) -> None:
         problems: list[str] = []
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -356,6 +383,7 @@ class Workflow:
         object.__setattr__(self, "transitions", dict(by_name))
         object.__setattr__(self, "strategy", resolved)
         object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "data", payload_schema(data, f"workflow {name!r}: data"))
         object.__setattr__(self, "_allowed", allowed)
         timed = {
             s: tuple(

@@ -8,6 +8,7 @@ as attributes: the current state, the current version, the attempts made.
     ├── DefinitionError              a Workflow / Transition is malformed (raised at construction)
     ├── InvalidInput                 bad argument; nothing was read or written
     │   ├── PayloadTooLarge
+    │   ├── InvalidPayload           a payload or data its schema refuses (flowlock.core.payloads)
     │   ├── UnknownWorkflow
     │   ├── UnknownEvent
     │   ├── UnknownState             force to a state the workflow lacks (flowlock.core.admin)

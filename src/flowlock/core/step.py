@@ -39,6 +39,7 @@ from flowlock.core.models import (
     paused_after,
 )
 from flowlock.core.outbox import Emit
+from flowlock.core.payloads import PayloadSchema
 from flowlock.core.versions import Registry
 
 __all__ = ["Batched", "Call", "Decision", "Idempotent", "NotSelected", "decide", "decide_batch"]
@@ -59,6 +60,8 @@ class Call:
     trace: str | None = None
     where: Callable[[Instance], bool] | None = None
     """A bulk run's selection, checked on the very read the write is decided on."""
+    parsed: tuple[object, Any] | None = None
+    """The payload as the engine parsed it before any read, with its schema's key."""
 
 
 class NotSelected(FlowlockError):
@@ -117,6 +120,7 @@ def _run_step(
     workflow: str,
     inst: Instance,
     call: Call,
+    payload: Any,
 ) -> Any:
     """Run the guard or effect `step` and return its result, or the typed error.
 
@@ -125,7 +129,7 @@ def _run_step(
     and refused: an async step slipped past the definition's check.
     """
     try:
-        result = fn(inst, call.payload, call.actor)
+        result = fn(inst, payload, call.actor)
     except GuardRejected as exc:
         raise exc.bind(inst.id, call.event, inst.state, inst.version) from None
     except InvalidInput:
@@ -152,11 +156,13 @@ def _run_step(
     return result
 
 
-def _check_guard(transition: Transition, workflow: str, inst: Instance, call: Call) -> None:
+def _check_guard(
+    transition: Transition, workflow: str, inst: Instance, call: Call, payload: Any
+) -> None:
     """Raise GuardRejected (bound to the instance) unless the transition's guard lets it run."""
     if transition.guard is None:
         return
-    ok = _run_step(transition.guard, "guard", workflow, inst, call)
+    ok = _run_step(transition.guard, "guard", workflow, inst, call, payload)
     if not ok:
         raise GuardRejected(
             f"guard of {call.event!r} returned {ok!r}",
@@ -168,7 +174,7 @@ def _check_guard(transition: Transition, workflow: str, inst: Instance, call: Ca
 
 
 def _apply_effect(
-    transition: Transition, workflow: str, inst: Instance, call: Call, limit: int
+    transition: Transition, workflow: str, inst: Instance, call: Call, payload: Any, limit: int
 ) -> tuple[str, Mapping[str, Any], Any]:
     """The target state, the new data and the messages a Step emitted (unchecked).
 
@@ -177,7 +183,7 @@ def _apply_effect(
     """
     if transition.effect is None:
         return transition.target, inst.data, ()
-    result = _run_step(transition.effect, "effect", workflow, inst, call)
+    result = _run_step(transition.effect, "effect", workflow, inst, call, payload)
     target = transition.target
     emitted: Any = ()
     if isinstance(result, Step):
@@ -202,14 +208,20 @@ def _apply_effect(
 
 
 def _emits(
-    transition: Transition, workflow: str, after: Instance, call: Call, stepped: Any, limit: int
+    transition: Transition,
+    workflow: str,
+    after: Instance,
+    call: Call,
+    payload: Any,
+    stepped: Any,
+    limit: int,
 ) -> tuple[Emit, ...]:
     """The messages the transition emits: those of the effect's Step, then those of the
     transition's `emit` function (run on the instance as the transition leaves it), each
     checked (an Emit, its payload JSON within `limit` bytes)."""
     found: list[Any] = list(_listed(stepped, "the Step of the effect", call))
     if transition.emit is not None:
-        listed = _run_step(transition.emit, "emit", workflow, after, call)
+        listed = _run_step(transition.emit, "emit", workflow, after, call, payload)
         found.extend(_listed(listed, "the emit function", call))
     checked: list[Emit] = []
     for n, item in enumerate(found):
@@ -233,6 +245,15 @@ def _listed(value: Any, where: str, call: Call) -> tuple[Any, ...]:
             f"{where} of {call.event!r} gave {type(value).__name__}; give a list of flowlock.Emit"
         )
     return tuple(value)
+
+
+def _parsed(schema: PayloadSchema, workflow: str, call: Call) -> Any:
+    """The call's payload parsed by `schema`: the engine's parse when it used the same schema
+    (it checked before reading), else parsed here (InvalidPayload, nothing written)."""
+    early = call.parsed
+    if early is not None and early[0] == schema.key:
+        return early[1]
+    return schema.parse(call.payload, workflow=workflow, event=call.event)
 
 
 def _repeated(inst: Instance, prior: HistoryEntry, call: Call) -> Idempotent:
@@ -302,6 +323,9 @@ def _decide(
     transition = wf.transitions.get(call.event)
     if transition is None:
         raise UnknownEvent(wf.name, call.event, tuple(wf.transitions))
+    # Before the state is looked at, as the engine's own check before any read would be.
+    schema = transition.payload
+    payload = call.payload if schema is None else _parsed(schema, wf.name, call)
     timer = call.timer
     if timer is not None and (inst.stay_version or 1) != timer.stay:
         # Checked before the two-admins rule: a timer of an ended stay never answers for it.
@@ -324,8 +348,10 @@ def _decide(
             inst.id, call.event, inst.state, wf.allowed(inst.state), inst.version
         )
 
-    _check_guard(transition, wf.name, inst, call)
-    target, data, stepped = _apply_effect(transition, wf.name, inst, call, max_payload_bytes)
+    _check_guard(transition, wf.name, inst, call, payload)
+    target, data, stepped = _apply_effect(
+        transition, wf.name, inst, call, payload, max_payload_bytes
+    )
     moves = target != inst.state
     emits: tuple[Emit, ...] = ()
     if stepped or transition.emit is not None:
@@ -334,7 +360,7 @@ def _decide(
         after = inst.evolve(
             state=target, version=version, data=data, last_event=call.event, stay_version=stay
         )
-        emits = _emits(transition, wf.name, after, call, stepped, max_payload_bytes)
+        emits = _emits(transition, wf.name, after, call, payload, stepped, max_payload_bytes)
     return HistoryEntry(
         instance_id=inst.id,
         version=inst.version + 1,

@@ -18,6 +18,7 @@ from typing import Any
 
 from flowlock.core.definition import Transition, Workflow
 from flowlock.core.errors import DefinitionMismatch
+from flowlock.core.payloads import PayloadSchema
 
 __all__ = ["DefinitionVersion", "Registry", "callable_name", "canonical", "content_hash"]
 
@@ -57,6 +58,11 @@ def _seconds(value: Any) -> float | None:
     return None if value is None else float(value.total_seconds())
 
 
+def _schema(schema: PayloadSchema | None) -> Mapping[str, Any] | None:
+    """A declared payload or data schema as its JSON Schema (None: untyped)."""
+    return None if schema is None else schema.json
+
+
 def _transition(t: Transition) -> dict[str, Any]:
     return {
         "name": t.name,
@@ -70,6 +76,7 @@ def _transition(t: Transition) -> dict[str, Any]:
         "after": _seconds(t.after),
         "every": _seconds(t.every),
         "limit": t.limit,
+        "payload": _schema(t.payload),
     }
 
 
@@ -84,6 +91,7 @@ def canonical(workflow: Workflow) -> dict[str, Any]:
         "finals": finals,
         "strategy": workflow.strategy,
         "policy": workflow.policy,
+        "data": _schema(workflow.data),
         "transitions": [_transition(workflow.transitions[n]) for n in sorted(workflow.transitions)],
     }
 
@@ -170,6 +178,14 @@ class Registry(Mapping[str, Workflow]):
         if found is None:
             raise DefinitionMismatch(instance_id, name, version, self.versions(name))
         return found
+
+    def every(self) -> Iterator[Workflow]:
+        """Every workflow registered here: each stored version, and each unversioned newest."""
+        for name, newest in self._newest.items():
+            own = self._versions.get(name, {})
+            yield from own.values()
+            if self._newest_version.get(name) is None:
+                yield newest
 
     def versions(self, name: str) -> tuple[int, ...]:
         """The version numbers of `name` registered here, lowest first."""

@@ -27,6 +27,7 @@ from flowlock.service.fast import FastRoutes
 from flowlock.service.guard import RequestGuard
 from flowlock.service.handlers import install_error_handlers
 from flowlock.service.health import Probes, health_routes
+from flowlock.service.payload_doc import document_payloads
 from flowlock.service.routes import definition_routes, instance_routes
 from flowlock.service.settings import ServiceSettings
 
@@ -36,8 +37,9 @@ __all__ = ["app_from_env", "create_app", "default_workflows"]
 def default_workflows() -> list[Workflow]:
     """What `flowlock serve` serves without `--app`: the seed article's three cases.
 
-    They are approval, countersign (quorum 3) and inventory."""
-    return examples.defaults()
+    They are approval, countersign (quorum 3) and inventory, whose payload `{"qty": n}` is
+    typed (a Pydantic model), so the OpenAPI document shows a declared payload."""
+    return [examples.approval(), examples.countersign(3), examples.inventory(typed=True)]
 
 
 def _engine(settings: ServiceSettings, metrics: Metrics) -> Engine:
@@ -102,18 +104,20 @@ def create_app(
         open_metrics=settings.open_metrics,
         insecure=settings.insecure,
     )
-    _document_access(app, settings)
+    _document_access(app, settings, served)
     return app
 
 
-def _document_access(app: FastAPI, settings: ServiceSettings) -> None:
-    """The OpenAPI document names the token each operation needs (built on first use, when
-    every route, also one added after this, is there)."""
+def _document_access(app: FastAPI, settings: ServiceSettings, served: list[Workflow]) -> None:
+    """The OpenAPI document names the token each operation needs and the served workflows'
+    payload schemas (built on first use, when every route, also one added after this, is
+    there)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document_access(build(), open_metrics=settings.open_metrics)
+            schema = document_access(build(), open_metrics=settings.open_metrics)
+            app.openapi_schema = document_payloads(schema, served)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

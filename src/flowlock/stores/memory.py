@@ -10,9 +10,10 @@ import asyncio
 import dataclasses
 import heapq
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from typing import Any
 
 from flowlock.core.admin import WorkflowPause, refuse_paused
 from flowlock.core.errors import (
@@ -40,6 +41,7 @@ from flowlock.stores.memory_definitions import MemoryDefinitions
 from flowlock.stores.memory_outbox import MemoryOutbox
 from flowlock.stores.memory_outbox import copy_json as _copy
 from flowlock.stores.memory_outbox import wall as _wall
+from flowlock.stores.memory_replay import MemoryReplay
 from flowlock.stores.memory_retention import MemoryRetention
 
 __all__ = ["MemoryBoard", "MemoryStore"]
@@ -90,7 +92,7 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore(MemoryRetention, MemoryOutbox, MemoryDefinitions):
+class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     Timers and messages are due on the process's monotonic clock (a change of the wall clock
@@ -111,6 +113,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryDefinitions):
         # Each create key's instance as that create made it, and each instance's create key.
         self._created: dict[str, Instance] = {}
         self._create_keys: dict[str, str] = {}
+        self._initial_data: dict[str, Mapping[str, Any]] = {}  # what replay starts from
         self._board = MemoryBoard()
         # Armed timers by instance id, then (stay, event); the events of armed() waiters.
         self._timers: dict[str, dict[tuple[int, str], _Armed]] = {}
@@ -163,6 +166,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryDefinitions):
             stay_version=1,
         )
         self._instances[instance.id] = stored
+        self._initial_data[instance.id] = stored.data
         self._arm(stored, 1, arm)
         self._history[instance.id] = []
         self._applied[instance.id] = {}

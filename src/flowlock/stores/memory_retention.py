@@ -30,6 +30,7 @@ class MemoryRetention:
     _create_keys: dict[str, str]
     _timers: dict[str, Any]  # the store's armed timers, by instance id
     _holds: dict[str, Hold]
+    _initial_data: dict[str, Any]  # replay's creation data (MemoryReplay)
 
     def _check(self) -> None: ...  # the store's
 
@@ -132,6 +133,7 @@ class MemoryRetention:
             del self._instances[iid]
             del self._history[iid]
             del self._applied[iid]
+            self._initial_data.pop(iid, None)
             self._timers.pop(iid, None)
             self._locks.pop(iid, None)
             key = self._create_keys.pop(iid, None)

@@ -436,6 +436,9 @@ class Bulk:
             self._end(conn)
             raise
         holder = _Holder(conn, int(pid))
+        # A session ended while idle (killed, a restart) is seen at once, not at its next
+        # statement: no caller is handed a dead holder, and its connection goes back now.
+        conn.add_termination_listener(lambda _: self._fail(holder))
         holder.reaper = asyncio.get_running_loop().create_task(
             self._reap(holder), name="flowlock-advisory-reaper"
         )
@@ -521,7 +524,9 @@ class Bulk:
         return min(deadlines)
 
     def _fail(self, holder: _Holder) -> None:
-        """End `holder`'s session; its leases are lost (the server frees their keys)."""
+        """End `holder`'s session; its leases are lost (the server frees their keys). Once."""
+        if holder.dead:
+            return
         holder.dead = True
         self._end(holder.conn)
         for token, kept in holder.kept.items():

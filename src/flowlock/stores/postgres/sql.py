@@ -288,10 +288,11 @@ SELECT key, strategy, extract(epoch FROM until)::float8 AS until, reason
 # clock_timestamp(), not now(): the time of the call, also inside a longer transaction.
 NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 the definition version it runs.
+# initial_data: the data at creation, kept for engine.check_definition's replay (016).
 CREATE = f"""
-INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version,
+INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version, initial_data,
                                 definition_version)
-VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $5::int)
+VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $4::text::jsonb, $5::int)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """

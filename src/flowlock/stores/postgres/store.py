@@ -58,6 +58,7 @@ from flowlock.stores.postgres.operations import CallerTransaction, Operations, b
 from flowlock.stores.postgres.outbox import OutboxMethods
 from flowlock.stores.postgres.pauses import PauseMethods
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
+from flowlock.stores.postgres.replay import ReplayMethods
 from flowlock.stores.postgres.retention import RetentionMethods
 from flowlock.stores.postgres.session import (
     Contended,
@@ -80,7 +81,9 @@ log = logging.getLogger("flowlock")
 T = TypeVar("T")
 
 
-class PostgresStore(TimerMethods, OutboxMethods, PauseMethods, RetentionMethods, DefinitionMethods):
+class PostgresStore(
+    TimerMethods, OutboxMethods, PauseMethods, RetentionMethods, ReplayMethods, DefinitionMethods
+):
     """Instances, history, timers and the outbox in PostgreSQL.
 
     `dsn`: a `postgresql://` URL; flowlock builds its pool, of at most `pool_size`

@@ -36,6 +36,7 @@ from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.sqlite.definitions import SqliteDefinitions
 from flowlock.stores.sqlite.outbox import SqliteOutbox
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
+from flowlock.stores.sqlite.replay import SqliteReplay
 from flowlock.stores.sqlite.retention import SqliteRetention
 from flowlock.stores.sqlite.sql import (
     dump_json,
@@ -75,7 +76,9 @@ _URL_PREFIX: Final = "sqlite:///"
 _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or sqlite:///:memory:"
 
 
-class SqliteStore(SqliteTimers, SqliteOutbox, SqliteRetention, SqliteDefinitions, AsyncResource):
+class SqliteStore(
+    SqliteTimers, SqliteOutbox, SqliteRetention, SqliteReplay, SqliteDefinitions, AsyncResource
+):
     """Instances and history in one SQLite database file.
 
     Connections: a small pool (`pool_size`, default 4) of connections, each on its own thread,

@@ -226,8 +226,8 @@ def create_txn(
             return found[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, definition_version) "
-        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, initial_data, definition_version) "
+        "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?, ?) "
         "ON CONFLICT (id) DO NOTHING",
         (
             instance.id,
@@ -236,6 +236,7 @@ def create_txn(
             data,
             now,
             now,
+            data,
             instance.definition_version,
         ),
     )
