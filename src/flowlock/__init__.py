@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         UnknownWorkflow,
         VersionMismatch,
     )
+    from flowlock.core.migration import MIGRATE_EVENT, MigrationRefused, MigrationReport
     from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
     from flowlock.core.outbox import Emit, Message, Then
     from flowlock.core.payloads import InvalidPayload
@@ -101,6 +102,9 @@ _WHERE: dict[str, str] = {
     **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
+    **dict.fromkeys(
+        ("MIGRATE_EVENT", "MigrationRefused", "MigrationReport"), "flowlock.core.migration"
+    ),
     **dict.fromkeys(("Emit", "Message", "Then"), "flowlock.core.outbox"),
     **dict.fromkeys(
         ("ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport"), "flowlock.core.retention"
@@ -124,6 +128,7 @@ _SUBMODULES = frozenset({"checker", "errors", "examples", "http", "jobs", "outbo
 
 __all__ = [
     "FORCE_EVENT",
+    "MIGRATE_EVENT",
     "PAUSE_EVENT",
     "RESUME_EVENT",
     "Adaptive",
@@ -166,6 +171,8 @@ __all__ = [
     "MessageNotFound",
     "Metrics",
     "MigrationError",
+    "MigrationRefused",
+    "MigrationReport",
     "Optimistic",
     "Outcome",
     "OutcomeUnknown",

@@ -38,7 +38,7 @@ class DefinitionMethods:
 
     def _start_services(self) -> None: ...  # the engine's
 
-    def _index_payloads(self) -> None: ...  # PayloadChecks'
+    def _index_payloads(self) -> None: ...  # flowlock._payload_checks
 
     def _check_open(self) -> None: ...  # the engine's
 

@@ -37,8 +37,8 @@ class PayloadChecks:
         return check_object(data, what, self._max_payload)
 
     def _index_payloads(self) -> None:
-        """Which events' payloads can be checked before the read (after a register). Every
-        version registered counts: an instance may run an older one."""
+        """Which events' payloads can be checked before the read (after a register)."""
+        # Every version: an instance pinned to an older one is checked against its own schema.
         self._early = early_schemas(self._workflows.every())
 
     def _fire_payload(

@@ -31,6 +31,7 @@ from flowlock._definitions import DefinitionMethods
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock._payload_checks import PayloadChecks
 from flowlock.admin.bulk import BulkMethods
+from flowlock.admin.migrate import MigrateMethods
 from flowlock.admin.repair import RepairMethods
 from flowlock.admin.replay import ReplayMethods
 from flowlock.admin.retention import RetentionMethods
@@ -104,6 +105,7 @@ class Engine(
     BulkMethods,
     ReplayMethods,
     DefinitionMethods,
+    MigrateMethods,
 ):
     """A workflow engine over one store.
 

@@ -1,6 +1,7 @@
 """Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors` (and
-of the repairs' two, defined beside them in `flowlock.core.admin`, and of InvalidPayload, beside
-the schemas in `flowlock.core.payloads`)."""
+of the repairs' two, defined beside them in `flowlock.core.admin`, of InvalidPayload, beside
+the schemas in `flowlock.core.payloads`, and of the migration's refusal, in
+`flowlock.core.migration`)."""
 
 from flowlock.core.admin import InstancePaused, UnknownState
 from flowlock.core.errors import (
@@ -42,6 +43,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.migration import MigrationRefused
 from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "LockUnavailable",
     "MessageNotFound",
     "MigrationError",
+    "MigrationRefused",
     "OutcomeUnknown",
     "PayloadTooLarge",
     "StaleTimer",

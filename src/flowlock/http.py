@@ -45,6 +45,7 @@ from flowlock.core.errors import (
     UnknownWorkflow,
     VersionMismatch,
 )
+from flowlock.core.migration import MigrationRefused
 from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
@@ -232,6 +233,14 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             f"workflow {exc.workflow!r} has no state {exc.state!r}; its states are "
             f"{', '.join(exc.known)}",
             workflow=exc.workflow, state=exc.state, known=list(exc.known),
+        )  # fmt: skip
+    if isinstance(exc, MigrationRefused):
+        return _make(
+            422, slug, "Migration refused",
+            f"migrating workflow {exc.workflow!r} to version {exc.to_version} would strand "
+            "instances in states that version lacks; map each of them",
+            workflow=exc.workflow, to_version=exc.to_version, stranded=dict(exc.stranded),
+            known=list(exc.states),
         )  # fmt: skip
     if isinstance(exc, VersionMismatch):
         return _make(

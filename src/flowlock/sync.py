@@ -25,6 +25,7 @@ from flowlock._sync_loop import (
     refuse_in_event_loop,
     settle,
 )
+from flowlock._sync_migrate import SyncMigrateMethods
 from flowlock._sync_repair import SyncRepairMethods
 from flowlock._sync_retention import SyncRetention
 from flowlock.core.definition import Workflow
@@ -58,7 +59,7 @@ _running: set[Engine] = set()
 _orphans: list[LoopThread] = []
 
 
-class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods):
+class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods, SyncMigrateMethods):
     """A blocking [`flowlock.Engine`][flowlock.Engine], safe to share between threads.
 
     `Engine.connect(database_url, ...)` takes the async `Engine.connect`'s keywords.

@@ -12,7 +12,7 @@ import pytest
 
 import flowlock
 from flowlock import Transition, Workflow
-from flowlock.stores.base import ReplayStore
+from flowlock.stores.replaying import ReplayStore
 
 Payload = Mapping[str, Any]
 

@@ -33,6 +33,7 @@ PUBLIC = {
     "ArchiveInvalid", "Hold", "PurgeReport", "RestoreReport",
     "InvalidPayload",
     "Divergence", "ReplayReport",
+    "MIGRATE_EVENT", "MigrationRefused", "MigrationReport",
 }  # fmt: skip
 
 

@@ -174,7 +174,7 @@ def test_a_row_the_two_admins_rule_would_answer_is_refused() -> None:
 
 def test_replay_row_keeps_the_history_up_to_the_version_read() -> None:
     """Rows of a later move are left out; a history with a gap (purged meanwhile) is no row."""
-    from flowlock.stores.base import replay_row
+    from flowlock.stores.replaying import replay_row
 
     rows = [_row(2, "go", "a", "b", {}), _row(3, "on", "b", "c", {}), _row(4, "x", "c", "d", {})]
     made = replay_row(_inst("c", 3), {}, list(reversed(rows)))

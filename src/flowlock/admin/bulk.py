@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol, cast
 
 from flowlock._calls import check_fire_args, check_text
 from flowlock.core.admin import UnknownState, check_reason
@@ -40,14 +40,16 @@ from flowlock.core.settings import check_count, check_flag
 from flowlock.core.step import NotSelected
 from flowlock.core.versions import Registry
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
 __all__ = [
     "DEFAULT_MAX_FAILURES",
     "MAX_CONCURRENCY",
     "MAX_SAMPLE",
     "BulkMethods",
+    "Lister",
+    "Result",
+    "Tally",
+    "classify",
+    "walk",
 ]
 
 log = logging.getLogger("flowlock")
@@ -60,15 +62,19 @@ DEFAULT_MAX_FAILURES: Final = 100
 """A run stops taking new instances after this many failures, unless `max_failures=`."""
 
 
-class _Engine(Protocol):
-    """The engine calls a run makes (the engine's own; force, pause and resume are the repairs
-    of flowlock.admin.repair)."""
+class Lister(Protocol):
+    """What a walk reads: the engine's `list`."""
 
     async def list(
         self, workflow: str | None, state: str | Collection[str] | None,
         updated_before: datetime | None, updated_after: datetime | None,
         limit: int, after: str | None,
     ) -> Page: ...  # fmt: skip
+
+
+class _Engine(Lister, Protocol):
+    """The engine calls a run makes (the engine's own; force, pause and resume are the repairs
+    of flowlock.admin.repair)."""
 
     async def count(
         self, workflow: str | None, state: str | Collection[str] | None,
@@ -114,11 +120,11 @@ class _Plan:
     actor: str | None
 
 
-_Result = Literal["applied", "skipped", "replayed"]
+Result = Literal["applied", "skipped", "replayed"]
 
 
 @dataclass
-class _Tally:
+class Tally:
     """What a run has done so far (touched on the run's event loop only)."""
 
     applied: int = 0
@@ -131,7 +137,7 @@ class _Tally:
     def done(self) -> int:
         return self.applied + self.skipped + self.replayed + len(self.failed)
 
-    def count(self, result: _Result) -> None:
+    def count(self, result: Result) -> None:
         if result == "applied":
             self.applied += 1
         elif result == "replayed":
@@ -229,8 +235,12 @@ class BulkMethods:
         log.info(
             "flowlock bulk %s %s: %d instance(s) match", plan.action, plan.operation_id, matched
         )
-        tally = _Tally()
-        await _walk(engine, plan, tally, batch, concurrency, max_failures, progress)
+        tally = Tally()
+
+        def one(inst: Instance) -> Awaitable[Result]:
+            return _one(engine, plan, inst)
+
+        await walk(engine, q, one, tally, batch, concurrency, max_failures, progress)
         log.info(
             "flowlock bulk %s %s: %d applied, %d skipped, %d replayed, %d failed%s",
             plan.action, plan.operation_id, tally.applied, tally.skipped, tally.replayed,
@@ -338,20 +348,22 @@ _TAKES: Final[Mapping[str, frozenset[str]]] = {
 }
 
 
-async def _walk(
-    engine: _Engine,
-    plan: _Plan,
-    tally: _Tally,
+async def walk(
+    engine: Lister,
+    q: InstanceQuery,
+    one: Callable[[Instance], Awaitable[Result | None]],
+    tally: Tally,
     batch: int,
     concurrency: int,
     max_failures: int | None,
     progress: Callable[[int], None] | None,
 ) -> None:
-    """Walk the selection page by page; `concurrency` workers make the calls.
+    """Walk the instances `q` selects page by page; `concurrency` workers call `one` on each
+    (None: not part of the run, neither counted nor reported to `progress`).
 
-    The queue holds at most a page, so the walk reads ahead by one page and no more."""
+    The queue holds at most a page, so the walk reads ahead by one page and no more. Also
+    the walk of a migration (flowlock.admin.migrate)."""
     queue: asyncio.Queue[Instance | None] = asyncio.Queue(maxsize=batch)
-    q = plan.query
 
     async def pages() -> None:
         cursor: str | None = None
@@ -374,7 +386,10 @@ async def _walk(
             if tally.stopped is not None:
                 continue  # drain what the walk had queued: stopped means no new calls
             try:
-                tally.count(await _one(engine, plan, inst))
+                result = await one(inst)
+                if result is None:
+                    continue
+                tally.count(result)
             except FlowlockError as exc:
                 tally.fail(inst.id, exc, max_failures)
             if progress is not None:
@@ -391,15 +406,21 @@ async def _walk(
         raise failed.exceptions[0] from None
 
 
-async def _one(engine: _Engine, plan: _Plan, inst: Instance) -> _Result:
+async def _one(engine: _Engine, plan: _Plan, inst: Instance) -> Result:
     """One instance's call. Force and fire check the selection on the read their write is
     decided on, so the engine's own compare-and-swap and retries serve: an instance that moved
     out of the selection since the page was read is skipped, one that only moved is done.
 
     Raises the engine's typed error when the instance is refused."""
     rid = bulk_request_id(plan.operation_id, inst.id)
+    return await classify(_call(engine, plan, inst, rid))
+
+
+async def classify(call: Awaitable[object]) -> Result:
+    """What one instance's engine call came to: applied, replayed (done before under the run's
+    request id) or skipped (deleted, moved out of the selection, or nothing to do)."""
     try:
-        outcome = await _call(engine, plan, inst, rid)
+        outcome = await call
     except (InstanceNotFound, NotSelected):
         return "skipped"  # deleted (a purge) or moved out of the selection: nothing to do
     if isinstance(outcome, Outcome) and outcome.replayed:

@@ -1,9 +1,9 @@
 """`engine.check_definition`: replay recorded histories through a new definition before it is
 deployed (a mixin of `flowlock.Engine`).
 
-The store reads whole histories in keyset batches (`flowlock.stores.base.ReplayStore`); the pure
-replay (`flowlock.core.replay`) decides each row again. The next batch is read while this one is
-replayed. Nothing is written, and the definition checked need not be registered.
+The store reads whole histories in keyset batches (`flowlock.stores.replaying.ReplayStore`); the
+pure replay (`flowlock.core.replay`) decides each row again. The next batch is read while this
+one is replayed. Nothing is written, and the definition checked need not be registered.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from flowlock.core.models import InstanceQuery
 from flowlock.core.query import MAX_LIMIT
 from flowlock.core.replay import Divergence, ReplayReport, replay
 from flowlock.core.settings import check_count
-from flowlock.stores.base import ReplayRow, ReplayStore, Store
+from flowlock.stores.base import Store
+from flowlock.stores.replaying import ReplayRow, ReplayStore
 
 __all__ = ["REPLAY_BATCH", "ReplayMethods"]
 

@@ -10,6 +10,7 @@ from flowlock.checker.linearizable import check_linearizable
 from flowlock.checker.recorder import CallHandle, Recorder, outcome_of
 from flowlock.checker.verdicts import (
     BROKEN_CHAIN,
+    DEFINITION_VERSION,
     DOUBLE_APPLY,
     EARLY_THEN,
     FINAL_MISMATCH,
@@ -40,6 +41,7 @@ from flowlock.checker.verdicts import (
 
 __all__ = [
     "BROKEN_CHAIN",
+    "DEFINITION_VERSION",
     "DOUBLE_APPLY",
     "EARLY_THEN",
     "FINAL_MISMATCH",

@@ -22,6 +22,7 @@ from flowlock.checker.verdicts import (
     Verdict,
     Violation,
 )
+from flowlock.checker.versions import check_versions
 from flowlock.core.models import HistoryEntry, Instance, Timer
 from flowlock.core.outbox import Message
 
@@ -81,6 +82,7 @@ def check(
     found.extend(_check_final(name, instance, ordered, initial_state))
     found.extend(check_timers(name, instance, ordered, initial_state, timers))
     found.extend(check_repairs(name, instance, ordered))
+    found.extend(check_versions(name, instance, ordered))
     if messages is not None:
         found.extend(check_messages(name, instance, ordered, messages))
     if invariant is not None:

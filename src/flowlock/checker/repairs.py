@@ -1,9 +1,12 @@
-"""The repair rules of the exactly-once check: an operator's forced, pause and resume rows.
+"""The repair rules of the exactly-once check: an operator's forced, pause, resume and
+migrated rows.
 
 Pure, no I/O. A forced row (`flowlock:force`) is a transition of its own kind: any state to any
 state, no definition edge needed, with a reason. A pause or resume row keeps the state and the
 data, and switches the instance's own pause; while it is paused (from a pause row to the next
-resume row) no fired event may be applied. docs/checker.md says more.
+resume row) no fired event may be applied. A migrated row (`flowlock:migrate`) goes where its
+payload's state map takes its state (its version is checked by checker/versions.py).
+docs/checker.md says more.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flowlock.checker.verdicts import FINAL_MISMATCH, FIRED_WHILE_PAUSED, REPAIR_ROW, Violation
+from flowlock.core.migration import mapped_state
 from flowlock.core.models import HistoryEntry, Instance
 
 __all__ = ["check_repairs"]
@@ -39,6 +43,8 @@ def check_repairs(
                 )
         elif kind == "forced":
             found.extend(_forced(name, entry))
+        elif kind == "migrated":
+            found.extend(_migrated(name, entry))
         else:
             found.extend(_toggle(name, entry, previous, paused))
             paused = kind == "pause"
@@ -68,6 +74,22 @@ def _forced(name: str, entry: HistoryEntry) -> list[Violation]:
     return [
         Violation(REPAIR_ROW, f"{name}: forced row {entry.version} {p}", entry.version)
         for p in problems
+    ]
+
+
+def _migrated(name: str, entry: HistoryEntry) -> list[Violation]:
+    """A migrated row goes where its payload's state map takes its state; it may run on a
+    paused instance (a repair), and leaves the pause as it was."""
+    wanted = mapped_state(entry.payload, entry.from_state)
+    if entry.to_state == wanted:
+        return []
+    return [
+        Violation(
+            REPAIR_ROW,
+            f"{name}: migrated row {entry.version} went to {entry.to_state!r}, but its payload "
+            f"maps {entry.from_state!r} to {wanted!r}",
+            entry.version,
+        )
     ]
 
 

@@ -38,6 +38,11 @@ REPAIR_ROW = "repair-row"
 """An operator's row is malformed: a pause or resume row that moved or changed the data, paused
 a paused instance (or resumed one not paused), or a forced row without a reason or that went
 elsewhere than its payload asked."""
+DEFINITION_VERSION = "definition-version"
+"""A row ran under another definition version than its instance's: its `definition_version`
+differs from the row before it and it is no `migrated` row (only a migration changes the
+version), a `migrated` row's version is not the one its payload names, or the instance's own
+version is not its last row's."""
 MALFORMED_HOLD = "malformed-hold"
 """A legal hold names no instance id, names one twice, or lacks the time it was placed. (A hold
 of an id that does not exist is no violation: a hold is about an id.)"""
@@ -83,6 +88,7 @@ KINDS: tuple[str, ...] = (
     FIRED_WHILE_PAUSED,
     REPAIR_ROW,
     MALFORMED_HOLD,
+    DEFINITION_VERSION,
 )
 
 

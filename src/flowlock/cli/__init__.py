@@ -14,7 +14,7 @@ import flowlock
 
 # The command modules register their commands on ``app`` when imported, in the order --help
 # lists them: the database and inspection commands, then bench and serve.
-from flowlock.cli import admin, db, definitions, inspect, outbox, replay, retention
+from flowlock.cli import admin, db, definitions, inspect, migrate, outbox, replay, retention
 
 # isort: split
 from flowlock.cli import bench, serve
@@ -30,6 +30,7 @@ __all__ = [
     "definitions",
     "inspect",
     "main",
+    "migrate",
     "outbox",
     "replay",
     "retention",

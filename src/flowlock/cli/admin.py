@@ -38,7 +38,7 @@ _R = TypeVar("_R")
 
 admin_app = typer.Typer(
     help="Operator repairs and retention: *force*, *pause*, *resume* and *fire* in bulk (with "
-    "*--dry-run*), *purge* and *restore*.",
+    "*--dry-run*), *migrate* to another definition version, *purge* and *restore*.",
     no_args_is_help=True,
     epilog=EPILOG,
     rich_markup_mode="markdown",
@@ -126,8 +126,8 @@ AppRef = Annotated[
     typer.Option(
         "--app",
         envvar="FLOWLOCK_APP",
-        help="module:attr naming the workflows (as *flowlock serve --app*); force and fire "
-        "need their definitions, pause and resume do not.",
+        help="module:attr naming the workflows (as *flowlock serve --app*); force, fire and "
+        "migrate need their definitions, pause and resume do not.",
         show_default=False,
     ),
 ]

@@ -215,9 +215,9 @@ def history(
 ) -> None:
     """Print an instance's applied transitions, oldest first.
 
-    Each row: version, event, kind (transition, forced, pause or resume), from -> to, actor,
-    request id, strategy, when, fencing token, and an operator's reason (forced, pause and
-    resume rows). --json adds each row's data and payload.
+    Each row: version, event, kind (transition, forced, pause, resume or migrated), from -> to,
+    actor, request id, strategy, when, fencing token, and an operator's reason (forced, pause
+    and resume rows). --json adds each row's data and payload.
 
     Read-only. Exits 1 if no instance has that id.
     """
@@ -342,6 +342,9 @@ def check_command(
     ID:VERSION:N, none is done after 0 attempts, and a transition fired under a message's key
     (its handler's Then) comes after the one that emitted it. Legal holds: each names an
     id once and says when it was placed (the id need not exist: a hold is about an id).
+    Definition versions: each row runs under the version of the row before it, except a
+    migrated row, which sets the version its payload names; the instance runs its last
+    row's version.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).

@@ -16,6 +16,7 @@ from flowlock.core.outbox import Emit
 
 __all__ = [
     "FORCE_EVENT",
+    "MIGRATE_EVENT",
     "PAUSE_EVENT",
     "RESERVED_EVENTS",
     "RESUME_EVENT",
@@ -44,8 +45,15 @@ TIMER_PREFIX = "timer:"
 FORCE_EVENT = "flowlock:force"
 PAUSE_EVENT = "flowlock:pause"
 RESUME_EVENT = "flowlock:resume"
-RESERVED_EVENTS = frozenset({FORCE_EVENT, PAUSE_EVENT, RESUME_EVENT})
-_KINDS = {FORCE_EVENT: "forced", PAUSE_EVENT: "pause", RESUME_EVENT: "resume"}
+# A migration's row (`engine.migrate`): moves the instance to another definition version.
+MIGRATE_EVENT = "flowlock:migrate"
+RESERVED_EVENTS = frozenset({FORCE_EVENT, PAUSE_EVENT, RESUME_EVENT, MIGRATE_EVENT})
+_KINDS = {
+    FORCE_EVENT: "forced",
+    PAUSE_EVENT: "pause",
+    RESUME_EVENT: "resume",
+    MIGRATE_EVENT: "migrated",
+}
 
 
 def paused_after(paused: bool, event: str) -> bool:
@@ -138,8 +146,15 @@ class HistoryEntry:
         return self.event == FORCE_EVENT
 
     @property
+    def migrated(self) -> bool:
+        """Whether a migration moved the instance to another definition version here
+        (`engine.migrate`); `definition_version` is then the version it moved to."""
+        return self.event == MIGRATE_EVENT
+
+    @property
     def kind(self) -> str:
-        """ "forced", "pause", "resume" (an operator's repair) or "transition" (a fired event)."""
+        """ "forced", "pause", "resume", "migrated" (an operator's repair) or "transition" (a
+        fired event)."""
         return _KINDS.get(self.event, "transition")
 
     @property

@@ -29,8 +29,10 @@ from flowlock.core.errors import (
     VersionMismatch,
 )
 from flowlock.core.jsondata import DEFAULT_MAX_PAYLOAD, check_object, same_json
+from flowlock.core.migration import decide_migration
 from flowlock.core.models import (
     FORCE_EVENT,
+    MIGRATE_EVENT,
     RESERVED_EVENTS,
     HistoryEntry,
     Instance,
@@ -312,6 +314,11 @@ def _decide(
         raise VersionMismatch(inst.id, call.expected_version, inst.version, inst.state)
     if call.where is not None and not call.where(inst):
         raise NotSelected(inst.id)
+    if call.event == MIGRATE_EVENT:
+        # Decided under its target version (flowlock.core.migration), whatever version the
+        # instance ran: this engine need not have that one.
+        migrated = decide_migration(workflows, inst, call, max_payload_bytes)
+        return Idempotent(inst) if migrated is None else migrated
     if call.event in RESERVED_EVENTS:
         return _repair(workflows, inst, call)
     wf, defined = _pinned(workflows, inst)

@@ -180,12 +180,15 @@ class Registry(Mapping[str, Workflow]):
         return found
 
     def every(self) -> Iterator[Workflow]:
-        """Every workflow registered here: each stored version, and each unversioned newest."""
-        for name, newest in self._newest.items():
-            own = self._versions.get(name, {})
-            yield from own.values()
-            if self._newest_version.get(name) is None:
-                yield newest
+        """Every workflow registered here, each version of each (the unversioned newest too)."""
+        seen: set[int] = set()
+        for wf in (
+            *self._newest.values(),
+            *(w for v in self._versions.values() for w in v.values()),
+        ):
+            if id(wf) not in seen:
+                seen.add(id(wf))
+                yield wf
 
     def versions(self, name: str) -> tuple[int, ...]:
         """The version numbers of `name` registered here, lowest first."""

@@ -109,8 +109,10 @@ class HistoryEntryOut(_Out):
     at: str | None = Field(json_schema_extra={"format": "date-time"})
     fencing_token: int | None
     kind: str = Field(
-        description="transition (a fired event), or an operator's forced, pause or resume row "
-        "(event flowlock:force, flowlock:pause, flowlock:resume; its payload holds the reason)."
+        description="transition (a fired event), an operator's forced, pause or resume row "
+        "(event flowlock:force, flowlock:pause, flowlock:resume; its payload holds the reason), "
+        "or a migrated row (event flowlock:migrate: the instance moved to the definition "
+        "version its payload names)."
     )
     definition_version: int | None = Field(
         description="The definition version the row was decided with; null: unknown (older)."

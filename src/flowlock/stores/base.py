@@ -34,7 +34,7 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from flowlock.core.admin import WorkflowPause
 from flowlock.core.errors import InvalidInput
@@ -51,7 +51,7 @@ from flowlock.core.models import (
 )
 from flowlock.core.outbox import Message
 from flowlock.core.retention import ArchivedInstance, Hold, PurgeSelection
-from flowlock.stores.definition_store import DefinitionStore
+from flowlock.core.versions import DefinitionVersion
 
 __all__ = [
     "ArmedSignal",
@@ -61,15 +61,12 @@ __all__ = [
     "OutboxStore",
     "PauseStore",
     "Plan",
-    "ReplayRow",
-    "ReplayStore",
     "RetentionStore",
     "RowLock",
     "Store",
     "TimerStore",
     "TransactionalStore",
     "entries_of",
-    "replay_row",
 ]
 
 
@@ -235,6 +232,31 @@ class PauseStore(Protocol):
 
     async def workflow_pauses(self) -> list[WorkflowPause]:
         """Every paused workflow, by name."""
+        ...
+
+
+@runtime_checkable
+class DefinitionStore(Protocol):
+    """Where workflow definitions are kept, one row per (workflow, version) (every store is one).
+
+    A version is the content hash of a canonical form (flowlock.core.versions); the same hash
+    is always the same version, a new hash gets the next number."""
+
+    async def save_definition(
+        self, workflow: str, hash: str, definition: Mapping[str, Any]
+    ) -> DefinitionVersion:
+        """The version of `workflow` whose hash is `hash`: the stored one (`new` False), or a
+        new one numbered max + 1 (`new` True). Safe when many processes save at once: a unique
+        (workflow, hash) and a primary key (workflow, version), the loser reading or retrying."""
+        ...
+
+    async def definitions(self, workflow: str | None = None) -> list[DefinitionVersion]:
+        """Every stored version (of `workflow` when given), by workflow then version, each with
+        `instances`: how many instances are pinned to it."""
+        ...
+
+    async def definition(self, workflow: str, version: int) -> DefinitionVersion | None:
+        """The stored version `version` of `workflow`, or None."""
         ...
 
 
@@ -550,37 +572,3 @@ class RetentionStore(Protocol):
         transaction; an id that exists is skipped (and so is its history). Returns the ids
         inserted."""
         ...
-
-
-ReplayRow: TypeAlias = tuple[Instance, Mapping[str, Any] | None, list[HistoryEntry]]
-"""One instance as replay reads it: the instance, its data at creation (None when it was created
-before flowlock stored it, or restored from an archive), and its whole history, oldest first."""
-
-
-@runtime_checkable
-class ReplayStore(Protocol):
-    """The reads of `engine.check_definition`: whole histories, many instances at a time (every
-    store is one). A batch is one consistent read on the SQL stores."""
-
-    async def replay_batch(self, workflow: str, after: str | None, limit: int) -> list[ReplayRow]:
-        """At most `limit` instances of `workflow` whose id comes after `after` (None: from the
-        first), in code point order of the id, each with its creation data and its history up
-        to the version read (see [`replay_row`][flowlock.stores.base.replay_row])."""
-        ...
-
-    async def replay_instances(self, instance_ids: Sequence[str]) -> list[ReplayRow]:
-        """The instances of `instance_ids` that exist (of any workflow), in code point order of
-        the id, each with its creation data and history."""
-        ...
-
-
-def replay_row(
-    instance: Instance, initial: Mapping[str, Any] | None, history: Sequence[HistoryEntry]
-) -> ReplayRow | None:
-    """`instance` with its creation data and its history up to its version, oldest first, when
-    the history holds every version from 2 to it; else None (a purge deleted it between the reads
-    of a batch). Rows above the version belong to a move committed after the instance was read."""
-    rows = sorted((h for h in history if h.version <= instance.version), key=lambda h: h.version)
-    if [h.version for h in rows] != list(range(2, instance.version + 1)):
-        return None
-    return instance, initial, rows

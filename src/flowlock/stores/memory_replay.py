@@ -1,4 +1,4 @@
-"""The memory store's replay reads: the [`ReplayStore`][flowlock.stores.base.ReplayStore]
+"""The memory store's replay reads: the [`ReplayStore`][flowlock.stores.replaying.ReplayStore]
 methods on its dicts (a mixin of MemoryStore)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flowlock.core.models import HistoryEntry, Instance
-from flowlock.stores.base import ReplayRow
 from flowlock.stores.memory_outbox import copy_json
+from flowlock.stores.replaying import ReplayRow
 
 __all__ = ["MemoryReplay"]
 

@@ -1,5 +1,6 @@
 """The PostgreSQL store's replay reads (a mixin of PostgresStore): the
-[`ReplayStore`][flowlock.stores.base.ReplayStore] port. A batch is two statements: a keyset page
+[`ReplayStore`][flowlock.stores.replaying.ReplayStore] port.
+A batch is two statements: a keyset page
 of the workflow's instances (the id index, in code point order), then their histories by the
 history's primary key."""
 
@@ -11,9 +12,9 @@ from typing import Any, Final
 from flowlock._pg.rows import HISTORY_COLUMNS, INSTANCE_COLUMNS, entry_from_row, instance_from_row
 from flowlock._pg.rows import json_object as _json
 from flowlock.core.models import HistoryEntry
-from flowlock.stores.base import ReplayRow, replay_row
 from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.operations import Operations
+from flowlock.stores.replaying import ReplayRow, replay_row
 
 __all__ = ["ReplayMethods"]
 

@@ -26,8 +26,8 @@ from flowlock._pg.rows import (
 )
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
-    FORCE_EVENT,
     PAUSE_EVENT,
+    RESERVED_EVENTS,
     RESUME_EVENT,
     HistoryEntry,
     InstanceQuery,
@@ -138,8 +138,9 @@ _PAUSED = (
 # (its snapshot is taken once its table lock is granted): a fire that read before a workflow's
 # pause committed loses its compare-and-swap, reads again and is refused. An operator's repair
 # (a reserved event: the last of its batch, alone) goes through. See pauses.py for the rest.
+_REPAIRS = ", ".join(f"'{event}'" for event in sorted(RESERVED_EVENTS))
 _OPEN = (
-    f"({{event}} IN ('{FORCE_EVENT}', '{PAUSE_EVENT}', '{RESUME_EVENT}') OR NOT EXISTS ("
+    f"({{event}} IN ({_REPAIRS}) OR NOT EXISTS ("
     "SELECT 1 FROM flowlock_workflow_pauses wp WHERE wp.workflow = {table}.workflow))"
 )
 _CAS = f"""
@@ -290,9 +291,9 @@ NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # $1 id, $2 workflow, $3 state, $4 data (JSON text), $5 the definition version it runs.
 # initial_data: the data at creation, kept for engine.check_definition's replay (016).
 CREATE = f"""
-INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version, initial_data,
-                                definition_version)
-VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $4::text::jsonb, $5::int)
+INSERT INTO flowlock_instances (id, workflow, state, version, data, stay_version,
+                                definition_version, initial_data)
+VALUES ($1, $2, $3, 1, $4::text::jsonb, 1, $5::int, $4::text::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING {INSTANCE_COLUMNS}
 """

@@ -1,5 +1,5 @@
 """The SQLite store's replay reads (a mixin of [`SqliteStore`][flowlock.stores.sqlite.SqliteStore]):
-the [`ReplayStore`][flowlock.stores.base.ReplayStore] port, a batch of instances and their
+the [`ReplayStore`][flowlock.stores.replaying.ReplayStore] port, a batch of instances and their
 histories in one read transaction."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowlock.core.models import HistoryEntry
-from flowlock.stores.base import ReplayRow, replay_row
+from flowlock.stores.replaying import ReplayRow, replay_row
 from flowlock.stores.sqlite.part import StorePart
 from flowlock.stores.sqlite.sql import (
     HISTORY_COLUMNS,

@@ -226,7 +226,7 @@ def create_txn(
             return found[1]
     now = now_text()
     cur = conn.execute(
-        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, initial_data, definition_version) "
+        f"INSERT INTO flowlock_instances ({INSTANCE_COLUMNS}, definition_version, initial_data) "
         "VALUES (?, ?, ?, 1, ?, NULL, ?, ?, 1, ?, ?) "
         "ON CONFLICT (id) DO NOTHING",
         (
@@ -236,8 +236,8 @@ def create_txn(
             data,
             now,
             now,
-            data,
             instance.definition_version,
+            data,
         ),
     )
     if cur.rowcount == 0:
