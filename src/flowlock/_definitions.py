@@ -42,6 +42,8 @@ class DefinitionMethods:
 
     def _check_open(self) -> None: ...  # the engine's
 
+    async def aclose(self) -> None: ...  # the engine's
+
     async def count(self, workflow: str | None = None, state: Any = None) -> int:  # the engine's
         raise NotImplementedError
 
@@ -99,14 +101,22 @@ class DefinitionMethods:
         return stored
 
     async def _save_unsaved(self) -> None:
-        """Store the workflows registered before the engine opened, in the order registered."""
-        unsaved, self._unsaved = self._unsaved, []
+        """Store the workflows registered before the engine opened, in the order registered
+        (`open` calls it). When that fails the engine is closed again and the error raised;
+        the workflows stay to be stored by the next `open`."""
         if not isinstance(self._store, DefinitionStore):
+            self._unsaved.clear()
             return
-        for workflow in unsaved:
-            form = canonical(workflow)
-            made = DefinitionVersion(workflow.name, 0, content_hash(form), None, form)
-            await self._save(workflow, made)
+        try:
+            while self._unsaved:
+                workflow = self._unsaved[0]
+                form = canonical(workflow)
+                made = DefinitionVersion(workflow.name, 0, content_hash(form), None, form)
+                await self._save(workflow, made)
+                self._unsaved.pop(0)
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def _warn_stranded(
         self, store: DefinitionStore, workflow: Workflow, version: int

@@ -196,3 +196,28 @@ async def test_concurrent_registers_of_one_new_definition_give_one_version(
         assert [v.version for v in await engines[0].definitions("doc")] == [1, 2, 3]
     finally:
         await asyncio.gather(*(e.aclose() for e in engines))
+
+
+async def test_repairs_run_the_instances_version(store_factory: StoreFactory) -> None:
+    """A force is decided with the instance's own version (its states) and stamped with it; an
+    engine without that version refuses a force with DefinitionMismatch but may still pause and
+    resume the instance (they keep state and data), each row stamped with the instance's
+    version."""
+    async with flowlock.Engine(store_factory()) as first:
+        await first.register(doc())
+        await first.create("doc", instance_id="a")
+        forced = await first.force("a", "review", reason="stuck", actor="ops")
+        assert forced.applied and forced.instance.definition_version == 1
+    async with flowlock.Engine(store_factory()) as second:
+        await second.register(doc(drop_review=True))  # version 2 only
+        with pytest.raises(flowlock.DefinitionMismatch):
+            await second.force("a", "draft", reason="x", actor="ops")
+        await second.pause("a", reason="deploy", actor="ops")
+        await second.resume("a", actor="ops")
+        rows = await second.history("a")
+        assert [(e.kind, e.definition_version) for e in rows] == [
+            ("forced", 1),
+            ("pause", 1),
+            ("resume", 1),
+        ]
+        assert (await second.get("a")).definition_version == 1

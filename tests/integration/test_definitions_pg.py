@@ -70,3 +70,21 @@ async def test_batches_and_the_pipeline_stamp_every_row(pg_url: str, pg_schema: 
             inst = await engine.get(iid)
             assert (inst.definition_version, inst.data["n"]) == (1, 6)
             assert check(inst, rows, initial_state="open", expected_applied=6)
+
+
+async def test_an_open_that_cannot_store_the_early_registers_closes_again(
+    pg_url: str, pg_schema: str
+) -> None:
+    """A workflow registered before open() is stored by open(); when that fails (no tables),
+    open raises MigrationError and leaves the engine closed, and a later open stores it."""
+    from flowlock.stores.postgres import PostgresStore
+
+    engine = flowlock.Engine(PostgresStore(pg_url, schema=pg_schema, auto_migrate=False))
+    assert await engine.register(counter()) == 0
+    with pytest.raises(flowlock.MigrationError, match="flowlock db migrate"):
+        await engine.open()
+    assert engine.closed
+    async with flowlock.connect(pg_url, schema=pg_schema):  # migrates the schema
+        pass
+    async with engine:
+        assert [v.version for v in await engine.definitions()] == [1]

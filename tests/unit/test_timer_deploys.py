@@ -27,13 +27,20 @@ def _approval(*, timed: bool) -> flowlock.Workflow:
 
 async def test_leaving_a_state_voids_timers_a_former_definition_armed_there() -> None:
     """Deploy a definition whose `pending` has no timer any more: an instance that armed one
-    under the old definition still loses it when it leaves `pending`."""
+    under the old definition, and runs the new one, still loses it when it leaves `pending`.
+    (It runs the newest definition because it was created before definitions had versions; a
+    pinned instance keeps its own version and its timers.)"""
     async with flowlock.connect("memory://") as engine:
-        await engine.register(_approval(timed=True))
-        await engine.create("approval", instance_id="a")
+        old = _approval(timed=True)
+        await engine.register(old)
+        unpinned = flowlock.Instance(
+            id="a", workflow="approval", state="pending", version=1, data={}
+        )
+        await engine.store.create(unpinned, arm=old.timers("pending"))
         assert [t.event for t in await engine.timers("a")] == ["escalate"]
-        await engine.register(_approval(timed=False))
-        await engine.fire("a", "escalate")
+        assert await engine.register(_approval(timed=False)) == 2
+        outcome = await engine.fire("a", "escalate")
+        assert outcome.instance.definition_version == 2  # decided with the new definition
         assert [t.event for t in await engine.timers("a")] == ["nudge"]
         await engine.fire("a", "finish")
         assert await engine.timers("a") == []

@@ -142,9 +142,9 @@ async def test_a_reminder_whose_event_no_longer_fires_from_its_state_is_deleted(
 
 
 async def test_an_event_this_engine_does_not_know_is_left_for_another_engine() -> None:
-    """An older engine (its definition lacks the event) claims a timer a newer one armed: it
-    neither fires nor deletes it, and an engine that knows the event fires it once the claim
-    runs out."""
+    """An older engine (its definition lacks the event, and so it lacks the instance's
+    definition version: DefinitionMismatch) claims a timer a newer one armed: it neither fires
+    nor deletes it, and an engine that has the version fires it once the claim runs out."""
     store = MemoryStore()
     old = flowlock.Workflow(
         "nag",

@@ -29,9 +29,9 @@ NOW = "SELECT extract(epoch FROM now())::float8"
 # $1 id prefix, $2 how many, $3 seconds from now() to the first due time, $4 timers due per
 # second, $5 workflow, $6 its expiry's `after` in seconds. Instance i falls due at
 # now() + $3 + i / $4. What the store's create writes (flowlock_instances: version 1, stay 1,
-# empty data and initial data, the workflow's newest stored definition version, created_at =
-# updated_at; flowlock_timers: stay 1, firing 0, unclaimed, due at created_at + after), with
-# created_at set back by `after` from the due time.
+# empty data and initial data, the newest stored definition version, created_at = updated_at;
+# flowlock_timers: stay 1, firing 0, unclaimed, due at created_at + after), with created_at set
+# back by `after` from the due time.
 ARM = """
 WITH due AS (
     SELECT $1::text || i AS id,

@@ -408,6 +408,8 @@ def _repair(
     repair = decide_repair(wf, inst, call)
     if repair is None:
         return Idempotent(inst)
+    if repair.definition_version is not None:
+        return repair  # a row that names its own version (a migration's: its target)
     return dataclasses.replace(repair, definition_version=version)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from flowlock.core.definition import Transition, Workflow
 from flowlock.core.errors import DefinitionMismatch
+from flowlock.core.payloads import PayloadSchema
 
 __all__ = ["DefinitionVersion", "Registry", "callable_name", "canonical", "content_hash"]
 
@@ -58,6 +59,11 @@ def _seconds(value: Any) -> float | None:
     return None if value is None else float(value.total_seconds())
 
 
+def _schema(schema: PayloadSchema | None) -> Mapping[str, Any] | None:
+    """A declared payload or data schema as its JSON Schema (None: untyped)."""
+    return None if schema is None else schema.json
+
+
 def _transition(t: Transition) -> dict[str, Any]:
     form: dict[str, Any] = {
         "name": t.name,
@@ -71,6 +77,7 @@ def _transition(t: Transition) -> dict[str, Any]:
         "after": _seconds(t.after),
         "every": _seconds(t.every),
         "limit": t.limit,
+        "payload": _schema(t.payload),
     }
     # Only when typed: an untyped definition keeps the hash it had before payloads were typed.
     if t.payload is not None:
@@ -89,6 +96,7 @@ def canonical(workflow: Workflow) -> dict[str, Any]:
         "finals": finals,
         "strategy": workflow.strategy,
         "policy": workflow.policy,
+        "data": _schema(workflow.data),
         "transitions": [_transition(workflow.transitions[n]) for n in sorted(workflow.transitions)],
     }
     if workflow.data is not None:  # as for a payload: only when typed
