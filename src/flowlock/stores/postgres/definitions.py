@@ -51,6 +51,9 @@ SELECT {", ".join(f"d.{c}" for c in _COLUMNS.split(", "))}, coalesce(n.count, 0)
  ORDER BY d.workflow COLLATE "C", d.version
 """
 _ONE = f"SELECT {_COLUMNS} FROM flowlock_definitions WHERE workflow = $1 AND version = $2"
+# $1 workflow, $2 hash: a plain read first, so registering a stored definition writes nothing
+# (a read-only session, as the inspection commands open, can register what is stored).
+_FIND = f"SELECT {_COLUMNS} FROM flowlock_definitions WHERE workflow = $1 AND hash = $2"
 # Enough for every process of a fleet registering a new definition at the same moment.
 _ATTEMPTS = 50
 
@@ -70,6 +73,9 @@ def _version_of(row: asyncpg.Record) -> DefinitionVersion:
 async def _save(ops: Operations, workflow: str, hash: str, text: str) -> DefinitionVersion:
     s = ops.session
     async with s.conn(workflow, writes=True) as conn:
+        found = await conn.fetchrow(s.sql(_FIND), workflow, hash, timeout=s.timeout)
+        if found is not None:
+            return _version_of(found)
         for _ in range(_ATTEMPTS):
             row = await conn.fetchrow(s.sql(_SAVE), workflow, hash, text, timeout=s.timeout)
             if row is not None:
