@@ -72,3 +72,18 @@ async def test_a_version_the_service_does_not_run_is_a_409_that_writes_nothing(
     shown = (await client.get("/instances/n1")).json()
     assert (shown["state"], shown["version"], shown["definition_version"]) == ("pending", 1, 2)
     assert (await client.get("/instances/n1/history")).json()["items"] == []
+
+
+async def test_a_create_may_name_the_version_it_runs(client: httpx.AsyncClient) -> None:
+    """POST /instances takes `version`: a version the service registered pins the instance, one
+    it has not is a 409 definition-mismatch that creates nothing, and a bad one is a 422."""
+    made = await client.post("/instances", json={"workflow": "approval", "id": "v1", "version": 1})
+    assert made.status_code == 201 and made.json()["definition_version"] == 1
+    missing = await client.post(
+        "/instances", json={"workflow": "approval", "id": "v9", "version": 9}
+    )
+    body = assert_problem(missing, 409, "definition-mismatch")
+    assert (body["workflow"], body["version"], body["registered"]) == ("approval", 9, [1])
+    assert (await client.get("/instances/v9")).status_code == 404
+    bad = await client.post("/instances", json={"workflow": "approval", "id": "v0", "version": 0})
+    assert bad.status_code == 422

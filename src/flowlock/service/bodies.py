@@ -35,6 +35,13 @@ class CreateBody(_Body):
         description="The new instance's id (also accepted as instance_id); omitted: a random UUID.",
     )
     data: dict[str, Any] = Field(default_factory=dict, description="The instance's data.")
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        description="The definition version the instance runs (GET /definitions); omitted: the "
+        "newest the service registered. A version it has not registered is 409 "
+        "definition-mismatch.",
+    )
 
 
 class FireBody(_Body):

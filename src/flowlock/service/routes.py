@@ -218,7 +218,11 @@ async def create_answer(engine: Engine, key: str | None, body: CreateBody) -> An
     """`POST /instances` once its Idempotency-Key header (checked) and body are read."""
     instance_id = body.id if body.id is not None else _new_id(key)
     inst = await engine.create(
-        body.workflow, instance_id=instance_id, data=body.data, request_id=key
+        body.workflow,
+        instance_id=instance_id,
+        data=body.data,
+        request_id=key,
+        version=body.version,
     )
     return Answer(
         201,
