@@ -153,7 +153,7 @@ class Engine(
         self._unsaved: list[Workflow] = []
         # Which workflow an instance belongs to never changes; caching it lets a per-workflow or
         # per-transition default strategy be picked without an extra read per call.
-        self._instance_workflow: OrderedDict[str, str] = OrderedDict()
+        self._instance_workflow: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self._per_definition_strategy = False
         self._runner = Runner(self._workflows, max_payload, metrics)
         self._batcher: Batcher[Fire, Outcome] | None = Batcher(max_batch) if batching else None
@@ -228,8 +228,7 @@ class Engine(
             await self._close(self._backends)
 
     async def _close(self, backends: Sequence[LockBackend]) -> None:
-        """Close `backends` (last opened first), then the store. A failure does not stop the
-        others from closing; it is raised once they all have run."""
+        """Close `backends` (last opened first), then the store; a failure is raised at the end."""
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self._store.aclose)
             for backend in backends:
@@ -559,7 +558,7 @@ class Engine(
         if not self._per_definition_strategy:
             return
         cache = self._instance_workflow
-        cache[inst.id] = inst.workflow
+        cache[inst.id] = (inst.workflow, inst.definition_version)
         cache.move_to_end(inst.id)
         if len(cache) > _WORKFLOW_CACHE_SIZE:
             cache.popitem(last=False)
@@ -571,13 +570,14 @@ class Engine(
             return self._requested(requested)
         if not self._per_definition_strategy:
             return self._strategies[self._default]
-        name = self._instance_workflow.get(instance_id)
-        if name is None:
+        pin = self._instance_workflow.get(instance_id)
+        if pin is None:
             inst = await store.get(instance_id)
             if store is self._store:  # what a caller's transaction reads may yet roll back
                 self._remember(inst)
-            name = inst.workflow
-        wf = self._workflows.get(name)
+            pin = (inst.workflow, inst.definition_version)
+        # The instance's own version as last read (after a migration a stale pick costs speed).
+        wf = self._workflows.runs(*pin)
         if wf is None:
             return self._strategies[self._default]
         t = wf.transitions.get(event)

@@ -221,3 +221,30 @@ async def test_repairs_run_the_instances_version(store_factory: StoreFactory) ->
             ("resume", 1),
         ]
         assert (await second.get("a")).definition_version == 1
+
+
+async def test_a_per_transition_strategy_is_the_instances_versions(
+    store_factory: StoreFactory,
+) -> None:
+    """Version 1 fires `submit` pessimistically, version 2 optimistically: an instance pinned to
+    version 1 is fired under version 1's strategy, a new one under version 2's."""
+
+    def doc_with(strategy: str) -> flowlock.Workflow:
+        return flowlock.Workflow(
+            "doc",
+            states=["draft", "review"],
+            initial="draft",
+            transitions=[
+                flowlock.Transition("submit", source="draft", target="review", strategy=strategy)
+            ],
+        )
+
+    async with flowlock.Engine(store_factory()) as engine:
+        assert await engine.register(doc_with("pessimistic")) == 1
+        await engine.create("doc", instance_id="old")
+        assert await engine.register(doc_with("optimistic")) == 2
+        await engine.create("doc", instance_id="new")
+        old = await engine.fire("old", "submit")
+        new = await engine.fire("new", "submit")
+        assert (old.strategy, old.instance.definition_version) == ("pessimistic", 1)
+        assert (new.strategy, new.instance.definition_version) == ("optimistic", 2)

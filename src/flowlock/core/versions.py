@@ -187,6 +187,13 @@ class Registry(Mapping[str, Workflow]):
             raise DefinitionMismatch(instance_id, name, version, self.versions(name))
         return found
 
+    def runs(self, name: str, version: int | None) -> Workflow | None:
+        """`pinned` without the error: None for an unknown name or a version not registered."""
+        try:
+            return self.pinned(name, version)
+        except DefinitionMismatch:
+            return None
+
     def every(self) -> Iterator[Workflow]:
         """Every workflow registered here, each version of each (the unversioned newest too)."""
         seen: set[int] = set()
