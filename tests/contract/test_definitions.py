@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Literal
 
 import pytest
 
@@ -229,7 +230,7 @@ async def test_a_per_transition_strategy_is_the_instances_versions(
     """Version 1 fires `submit` pessimistically, version 2 optimistically: an instance pinned to
     version 1 is fired under version 1's strategy, a new one under version 2's."""
 
-    def doc_with(strategy: str) -> flowlock.Workflow:
+    def doc_with(strategy: Literal["optimistic", "pessimistic"]) -> flowlock.Workflow:
         return flowlock.Workflow(
             "doc",
             states=["draft", "review"],
