@@ -7,6 +7,7 @@ typer's runner (SQLite)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from flowlock.cli import app as cli
 from flowlock.core.bulk import bulk_request_id
 from flowlock.core.migration import MigrationMove, migration_payload
 from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.versions import canonical
 from flowlock.stores import MemoryStore, Store
 from migrate_kit import MAP, TICKET, ran_under_own_version, ticket_v1, ticket_v2
 
@@ -306,6 +308,55 @@ def test_the_checker_flags_a_row_under_another_version() -> None:
     moved = {"payload": migration_payload(2, MAP)}
     astray = [_row(2, flowlock.MIGRATE_EVENT, "open", "held", 2, **moved)]
     assert _kinds(astray, 2) == [REPAIR_ROW]
+
+
+def test_the_checker_holds_each_row_to_its_versions_rules() -> None:
+    """Given the stored definitions, a row applied under another version's rules is flagged."""
+    forms = {1: canonical(ticket_v1()), 2: canonical(ticket_v2())}
+
+    def kinds(rows: list[HistoryEntry], dv: int) -> list[str]:
+        last = rows[-1]
+        inst = Instance(
+            "i", TICKET, last.to_state, last.version, {}, last.event, definition_version=dv
+        )
+        return [v.kind for v in check(inst, rows, definitions=forms).violations]
+
+    moved = {"payload": migration_payload(2, MAP)}
+    ruled = [
+        _row(2, "hold", "open", "held", 1),
+        _row(3, flowlock.MIGRATE_EVENT, "held", "held", 2, **moved),
+        _row(4, "reopen", "held", "active", 2),
+    ]
+    assert kinds(ruled, 2) == []
+    # Stamped version 1 throughout, but decided by version 2's rules: only the rules tell.
+    newest = [_row(2, "hold", "open", "held", 1), _row(3, "reopen", "held", "active", 1)]
+    assert _kinds(newest, 1) == []
+    assert kinds(newest, 1) == [DEFINITION_VERSION]
+    assert kinds([_row(2, "hold", "held", "held", 1)], 1) == [DEFINITION_VERSION]
+    astray = [_row(2, flowlock.MIGRATE_EVENT, "open", "open", 2, **moved)]
+    assert DEFINITION_VERSION in kinds(astray, 2)
+
+
+def test_flowlock_check_flags_a_row_under_another_versions_rules(tmp_path: Path) -> None:
+    """`flowlock check` reads the stored definitions: rules of another version fail it."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    with flowlock.sync.Engine.connect(url) as eng:
+        eng.register(ticket_v1())
+        eng.register(ticket_v2())
+        eng.create(TICKET, instance_id="c", version=2)
+        eng.fire("c", "hold")
+        eng.fire("c", "reopen")
+    runner = CliRunner()
+    clean = runner.invoke(cli, ["check", "--database-url", url])
+    assert clean.exit_code == 0, clean.output
+    # As if fire had applied version 2's rules to an instance of version 1.
+    with sqlite3.connect(tmp_path / "db.sqlite") as db:
+        db.execute("UPDATE flowlock_history SET definition_version = 1")
+        db.execute("UPDATE flowlock_instances SET definition_version = 1")
+    found = runner.invoke(cli, ["check", "--database-url", url])
+    assert found.exit_code == 3, found.output
+    said = " ".join(found.output.split())
+    assert "'reopen', a transition definition version 1 lacks" in said, said
 
 
 # -- the command line --------------------------------------------------------------------------
