@@ -383,6 +383,10 @@ def test_flowlock_admin_migrate(tmp_path: Path) -> None:
     done = runner.invoke(cli, [*base, "--map", "open=active", "--yes"])
     assert done.exit_code == 0, done.output
     assert "3 migrated" in done.output
+    again = runner.invoke(cli, [*base, "--map", "open=active", "--yes", "--json"])
+    assert again.exit_code == 0, again.output
+    body = json.loads(again.output)  # not a dry run: nothing was left to do
+    assert (body["dry_run"], body["matched"], body["already"]) == (False, 0, 3)
     with flowlock.sync.Engine.connect(url) as eng:
         eng.register(ticket_v2())
         assert {eng.get(f"c-{i}").state for i in range(3)} == {"active"}
