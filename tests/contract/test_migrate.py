@@ -379,6 +379,9 @@ def test_flowlock_admin_migrate(tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     body = json.loads(shown.output)
     assert (body["matched"], body["stranded"], body["dry_run"]) == (3, {}, True)
+    typo = runner.invoke(cli, [*base, "--map", "open=active", "--map", "opne=done", "--dry-run"])
+    assert typo.exit_code == 0, typo.output
+    assert "--map names no state a selected instance is in: opne" in typo.output
     assert runner.invoke(cli, [*base, "--map", "open"]).exit_code == 2
     done = runner.invoke(cli, [*base, "--map", "open=active", "--yes"])
     assert done.exit_code == 0, done.output

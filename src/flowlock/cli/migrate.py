@@ -196,6 +196,11 @@ def migrate(
             _json(_report_json(seen))
     else:
         _print_survey(seen)
+    idle = sorted(set(renames) - {m.from_state for m in seen.moves})
+    if idle and seen.matched:  # a typo in --map would otherwise pass unseen
+        stderr().print(
+            Text(f"--map names no state a selected instance is in: {', '.join(idle)}", "yellow")
+        )
     if seen.stranded:
         if not as_json:
             print_wrapped(stdout(), Text(_stranded(seen), style="bold red"))
