@@ -17,13 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, cast
+from typing import cast
 
 from flowlock._calls import check_text
 from flowlock.admin.bulk import (
     DEFAULT_MAX_FAILURES,
     MAX_CONCURRENCY,
     MAX_SAMPLE,
+    Firer,
     Lister,
     Result,
     Tally,
@@ -42,7 +43,7 @@ from flowlock.core.migration import (
     MigrationSelection,
     migration_payload,
 )
-from flowlock.core.models import Instance, InstanceQuery, Outcome
+from flowlock.core.models import Instance, InstanceQuery
 from flowlock.core.query import MAX_LIMIT, instance_query
 from flowlock.core.settings import check_count, check_flag
 from flowlock.core.versions import Registry
@@ -50,17 +51,6 @@ from flowlock.core.versions import Registry
 __all__ = ["MigrateMethods"]
 
 log = logging.getLogger("flowlock")
-
-
-class _Engine(Lister, Protocol):
-    """The engine calls a migration makes (the engine's own)."""
-
-    async def _fire(
-        self, instance_id: str, event: str, actor: str | None, request_id: str | None,
-        expected_version: int | None, payload: Mapping[str, Any] | None, strategy: None,
-        connection: None, timer: None, /, *, repair: bool,
-        where: Callable[[Instance], bool] | None,
-    ) -> Outcome: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -193,7 +183,7 @@ class MigrateMethods:
             raise InvalidInput(
                 f"progress must be a callable progress(done) or None, not {progress!r}"
             )
-        engine = cast(_Engine, self)  # the engine's list and _fire (see _Engine)
+        engine = cast(Firer, self)  # the engine's list and _fire
         survey = await _survey(engine, plan, batch, sample)
         stranded = survey.stranded(plan)
         matched = sum(survey.counts.values())
