@@ -185,6 +185,20 @@ async def test_a_retry_under_the_same_request_id_is_replayed(engine: flowlock.En
     assert [r.kind for r in await engine.history(iid)] == ["migrated"]
 
 
+async def test_a_migration_back_and_forth_is_not_taken_as_done(engine: flowlock.Engine) -> None:
+    """Migrated to v2, back to v1, then the first call again: a failure, not a silent replay."""
+    (iid,) = await _make(engine, 1)
+    assert (await engine.migrate(TICKET, 2, state_map=MAP)).applied == 1
+    back = {new: old for old, new in MAP.items()}
+    assert (await engine.migrate(TICKET, 1, state_map=back)).applied == 1
+    again = await engine.migrate(TICKET, 2, state_map=MAP)
+    assert not again.ok and again.replayed == 0 and set(again.failed) == {iid}
+    assert "under another operation id" in again.failed[iid]
+    assert (await engine.get(iid)).definition_version == 1
+    fresh = await engine.migrate(TICKET, 2, state_map=MAP, operation_id="forth-again")
+    assert fresh.applied == 1 and (await engine.get(iid)).definition_version == 2
+
+
 async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
     engine: flowlock.Engine, store_factory: StoreFactory
 ) -> None:

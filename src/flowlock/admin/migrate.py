@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Protocol, cast
 
 from flowlock._calls import check_text
 from flowlock.admin.bulk import (
@@ -43,7 +43,7 @@ from flowlock.core.migration import (
     MigrationSelection,
     migration_payload,
 )
-from flowlock.core.models import Instance, InstanceQuery
+from flowlock.core.models import Instance, InstanceQuery, Outcome
 from flowlock.core.query import MAX_LIMIT, instance_query
 from flowlock.core.settings import check_count, check_flag
 from flowlock.core.versions import Registry
@@ -183,7 +183,7 @@ class MigrateMethods:
             raise InvalidInput(
                 f"progress must be a callable progress(done) or None, not {progress!r}"
             )
-        engine = cast(Firer, self)  # the engine's list and _fire
+        engine = cast(_Engine, self)  # the engine's list, get and _fire
         survey = await _survey(engine, plan, batch, sample)
         stranded = survey.stranded(plan)
         matched = sum(survey.counts.values())
@@ -206,14 +206,18 @@ class MigrateMethods:
         payload = migration_payload(plan.to_version, plan.renames)
         selection = MigrationSelection(plan.selects, plan.data)
 
+        async def fire(inst: Instance) -> Outcome:
+            rid = bulk_request_id(plan.operation_id, inst.id)
+            args = (plan.actor, rid, None, payload, None, None, None)
+            done = await engine._fire(inst.id, MIGRATE_EVENT, *args, repair=True, where=selection)
+            if done.replayed and (await engine.get(inst.id)).definition_version != to_version:
+                raise _left(inst.id, plan)
+            return done
+
         def one(inst: Instance) -> Awaitable[Result | None]:
             if not plan.selects(inst):
                 return _nothing()  # on the target already, or not wanted: not in the run
-            rid = bulk_request_id(plan.operation_id, inst.id)
-            args = (plan.actor, rid, None, payload, None, None, None)
-            return classify(
-                engine._fire(inst.id, MIGRATE_EVENT, *args, repair=True, where=selection)
-            )
+            return classify(fire(inst))
 
         await walk(engine, plan.query, one, tally, batch, concurrency, max_failures, progress)
         done = MigrationReport(
@@ -316,6 +320,23 @@ async def _survey(engine: Lister, plan: _Plan, batch: int, sample: int) -> _Surv
         cursor = page.next_cursor
         if cursor is None:
             return survey
+
+
+class _Engine(Firer, Protocol):
+    """The engine calls a migration makes (the engine's own)."""
+
+    async def get(self, instance_id: str) -> Instance: ...
+
+
+def _left(instance_id: str, plan: _Plan) -> InvalidInput:
+    """A replayed migration of an instance that has left the target version since (migrated
+    back): its request id answers the first migration, so this run cannot move it again."""
+    return InvalidInput(
+        f"instance {instance_id!r} was migrated to version {plan.to_version} under operation "
+        f"{plan.operation_id!r} before and has left that version since, so its request id "
+        "replays that first migration; nothing was written for it. Run again under another "
+        "operation id (operation_id=, or --operation-id)"
+    )
 
 
 async def _nothing() -> None:
