@@ -207,6 +207,7 @@ async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
     with pytest.raises(flowlock.DefinitionMismatch) as lacks:
         await engine.migrate(TICKET, 3)
     assert (lacks.value.version, lacks.value.registered) == (3, (1, 2))
+    assert str(lacks.value).startswith("cannot migrate workflow 'case' to version 3: this engine")
     with pytest.raises(flowlock.UnknownWorkflow):
         await engine.migrate("nope", 1)
     async with flowlock.Engine(store_factory()) as old:

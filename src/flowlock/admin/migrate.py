@@ -33,7 +33,7 @@ from flowlock.admin.bulk import (
 )
 from flowlock.core.bulk import bulk_request_id, check_operation_id, derive_operation_id
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import InvalidInput, UnknownWorkflow
+from flowlock.core.errors import DefinitionMismatch, InvalidInput, UnknownWorkflow
 from flowlock.core.migration import (
     MIGRATE_EVENT,
     DataFn,
@@ -250,7 +250,10 @@ class MigrateMethods:
         """The run's arguments checked, before anything is read."""
         check_text(workflow, "workflow")
         check_count("to_version", to_version, most=2**31 - 1)
-        target = self._workflows.pinned(workflow, to_version)  # DefinitionMismatch
+        try:
+            target = self._workflows.pinned(workflow, to_version)
+        except DefinitionMismatch as exc:
+            raise _unregistered(exc) from None
         if target is None:
             raise UnknownWorkflow(workflow, tuple(self._workflows))
         renames = _renames(state_map, target, to_version)
@@ -320,6 +323,19 @@ async def _survey(engine: Lister, plan: _Plan, batch: int, sample: int) -> _Surv
         cursor = page.next_cursor
         if cursor is None:
             return survey
+
+
+def _unregistered(exc: DefinitionMismatch) -> DefinitionMismatch:
+    """The target version is not registered here: said as a migration's refusal (no instance
+    runs it yet, as the default message would say)."""
+    has = list(exc.registered) or "none"
+    return DefinitionMismatch(
+        None, exc.workflow, exc.version, exc.registered,
+        message=f"cannot migrate workflow {exc.workflow!r} to version {exc.version}: this "
+        f"engine has not registered that version (it has {has}); nothing was read or written. "
+        "Register the target version's Workflow in this engine (flowlock admin migrate: the "
+        "--app module must name it), or migrate to a version it has",
+    )  # fmt: skip
 
 
 class _Engine(Firer, Protocol):
