@@ -6,6 +6,7 @@ typer's runner (SQLite)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,7 @@ from flowlock.core.migration import MigrationMove, migration_payload
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.core.versions import canonical
 from flowlock.stores import MemoryStore, Store
+from lock_probes import wait_until
 from migrate_kit import MAP, TICKET, ran_under_own_version, ticket_v1, ticket_v2
 
 StoreFactory = Callable[..., Store]
@@ -52,7 +54,9 @@ async def _rows(engine: flowlock.Engine, ids: list[str]) -> dict[str, list[Histo
 
 async def _clean(engine: flowlock.Engine, ids: list[str]) -> None:
     pairs = [(await engine.get(i), await engine.history(i)) for i in ids]
-    verdict = check_many(pairs)
+    # Each row held to the stored rules of the version it records, too.
+    forms = {d.version: d.definition for d in await engine.definitions(TICKET)}
+    verdict = check_many(pairs, definitions={TICKET: forms} if forms else None)
     assert verdict.ok, verdict.violations
     for _, rows in pairs:
         assert ran_under_own_version(rows) == []
@@ -92,6 +96,41 @@ async def test_each_instance_gets_one_migrated_row_and_runs_the_target_version(
     assert outcome.instance.data == {"n": 2, "ran": 2}
     assert (await engine.history(ids[0]))[-1].definition_version == 2
     await engine.fire(ids[3], "reopen")  # an event only version 2 has
+    await _clean(engine, ids)
+
+
+async def test_a_migration_under_concurrent_fires_is_exactly_once(
+    engine: flowlock.Engine,
+) -> None:
+    """Callers bump while every instance is migrated: one migrated row each, checker clean."""
+    ids = await _make(engine, 30)
+    stop = asyncio.Event()
+    applied: list[str] = []
+
+    async def caller(k: int) -> None:
+        n = 0
+        while not stop.is_set():
+            iid = ids[(k * 7 + n) % len(ids)]
+            n += 1
+            outcome = await engine.fire(iid, "bump", request_id=f"c{k}-{n}")
+            applied.append(outcome.instance.id)
+            await asyncio.sleep(0)
+
+    callers = [asyncio.create_task(caller(k)) for k in range(8)]
+    try:
+        await wait_until(lambda: len(applied) >= 20, what="the callers' first fires")
+        before = len(applied)
+        report = await engine.migrate(TICKET, 2, state_map=MAP, batch=7, concurrency=4)
+        during = len(applied) - before
+        await wait_until(lambda: len(applied) >= before + during + 20, what="fires after")
+    finally:
+        stop.set()
+        await asyncio.gather(*callers)
+    assert (report.matched, report.applied, dict(report.failed)) == (30, 30, {})
+    assert during > 0, "no fire was applied while the migration ran"
+    rows = await _rows(engine, ids)
+    assert all([r.migrated for r in h].count(True) == 1 for h in rows.values())
+    assert sum(len(h) for h in rows.values()) == len(applied) + 30
     await _clean(engine, ids)
 
 
