@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -379,6 +379,11 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
     found: list[Violation] = []
     instances = rows = messages = 0
     unsettled: list[str] = []
+    # Each row is held to the rules of the version it records (a row applied under another
+    # version's rules shows), from the stored definitions: one read for the whole check.
+    forms: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for stored in await engine.definitions():
+        forms.setdefault(stored.workflow, {})[stored.version] = stored.definition
 
     async def one(inst_id: str) -> None:
         nonlocal instances, rows, messages
@@ -396,7 +401,12 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         made = None if lookup is None else await lookup(inst_id)
         initial = None if made is None else made[1].state
         verdict = check(
-            inst, history, initial_state=initial, timers=read.timers, messages=read.messages
+            inst,
+            history,
+            initial_state=initial,
+            timers=read.timers,
+            messages=read.messages,
+            definitions=forms.get(inst.workflow),
         )
         found.extend(verdict.violations)
         if made is not None and not history and not same_json(inst.data, made[1].data):

@@ -6,7 +6,9 @@ typer's runner (SQLite)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,9 @@ from flowlock.cli import app as cli
 from flowlock.core.bulk import bulk_request_id
 from flowlock.core.migration import MigrationMove, migration_payload
 from flowlock.core.models import HistoryEntry, Instance
+from flowlock.core.versions import canonical
 from flowlock.stores import MemoryStore, Store
+from lock_probes import wait_until
 from migrate_kit import MAP, TICKET, ran_under_own_version, ticket_v1, ticket_v2
 
 StoreFactory = Callable[..., Store]
@@ -50,7 +54,9 @@ async def _rows(engine: flowlock.Engine, ids: list[str]) -> dict[str, list[Histo
 
 async def _clean(engine: flowlock.Engine, ids: list[str]) -> None:
     pairs = [(await engine.get(i), await engine.history(i)) for i in ids]
-    verdict = check_many(pairs)
+    # Each row held to the stored rules of the version it records, too.
+    forms = {d.version: d.definition for d in await engine.definitions(TICKET)}
+    verdict = check_many(pairs, definitions={TICKET: forms} if forms else None)
     assert verdict.ok, verdict.violations
     for _, rows in pairs:
         assert ran_under_own_version(rows) == []
@@ -90,6 +96,41 @@ async def test_each_instance_gets_one_migrated_row_and_runs_the_target_version(
     assert outcome.instance.data == {"n": 2, "ran": 2}
     assert (await engine.history(ids[0]))[-1].definition_version == 2
     await engine.fire(ids[3], "reopen")  # an event only version 2 has
+    await _clean(engine, ids)
+
+
+async def test_a_migration_under_concurrent_fires_is_exactly_once(
+    engine: flowlock.Engine,
+) -> None:
+    """Callers bump while every instance is migrated: one migrated row each, checker clean."""
+    ids = await _make(engine, 30)
+    stop = asyncio.Event()
+    applied: list[str] = []
+
+    async def caller(k: int) -> None:
+        n = 0
+        while not stop.is_set():
+            iid = ids[(k * 7 + n) % len(ids)]
+            n += 1
+            outcome = await engine.fire(iid, "bump", request_id=f"c{k}-{n}")
+            applied.append(outcome.instance.id)
+            await asyncio.sleep(0)
+
+    callers = [asyncio.create_task(caller(k)) for k in range(8)]
+    try:
+        await wait_until(lambda: len(applied) >= 20, what="the callers' first fires")
+        before = len(applied)
+        report = await engine.migrate(TICKET, 2, state_map=MAP, batch=7, concurrency=4)
+        during = len(applied) - before
+        await wait_until(lambda: len(applied) >= before + during + 20, what="fires after")
+    finally:
+        stop.set()
+        await asyncio.gather(*callers)
+    assert (report.matched, report.applied, dict(report.failed)) == (30, 30, {})
+    assert during > 0, "no fire was applied while the migration ran"
+    rows = await _rows(engine, ids)
+    assert all([r.migrated for r in h].count(True) == 1 for h in rows.values())
+    assert sum(len(h) for h in rows.values()) == len(applied) + 30
     await _clean(engine, ids)
 
 
@@ -183,6 +224,20 @@ async def test_a_retry_under_the_same_request_id_is_replayed(engine: flowlock.En
     assert [r.kind for r in await engine.history(iid)] == ["migrated"]
 
 
+async def test_a_migration_back_and_forth_is_not_taken_as_done(engine: flowlock.Engine) -> None:
+    """Migrated to v2, back to v1, then the first call again: a failure, not a silent replay."""
+    (iid,) = await _make(engine, 1)
+    assert (await engine.migrate(TICKET, 2, state_map=MAP)).applied == 1
+    back = {new: old for old, new in MAP.items()}
+    assert (await engine.migrate(TICKET, 1, state_map=back)).applied == 1
+    again = await engine.migrate(TICKET, 2, state_map=MAP)
+    assert not again.ok and again.replayed == 0 and set(again.failed) == {iid}
+    assert "under another operation id" in again.failed[iid]
+    assert (await engine.get(iid)).definition_version == 1
+    fresh = await engine.migrate(TICKET, 2, state_map=MAP, operation_id="forth-again")
+    assert fresh.applied == 1 and (await engine.get(iid)).definition_version == 2
+
+
 async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
     engine: flowlock.Engine, store_factory: StoreFactory
 ) -> None:
@@ -191,6 +246,7 @@ async def test_a_target_version_the_engine_lacks_is_a_definition_mismatch(
     with pytest.raises(flowlock.DefinitionMismatch) as lacks:
         await engine.migrate(TICKET, 3)
     assert (lacks.value.version, lacks.value.registered) == (3, (1, 2))
+    assert str(lacks.value).startswith("cannot migrate workflow 'case' to version 3: this engine")
     with pytest.raises(flowlock.UnknownWorkflow):
         await engine.migrate("nope", 1)
     async with flowlock.Engine(store_factory()) as old:
@@ -308,6 +364,55 @@ def test_the_checker_flags_a_row_under_another_version() -> None:
     assert _kinds(astray, 2) == [REPAIR_ROW]
 
 
+def test_the_checker_holds_each_row_to_its_versions_rules() -> None:
+    """Given the stored definitions, a row applied under another version's rules is flagged."""
+    forms = {1: canonical(ticket_v1()), 2: canonical(ticket_v2())}
+
+    def kinds(rows: list[HistoryEntry], dv: int) -> list[str]:
+        last = rows[-1]
+        inst = Instance(
+            "i", TICKET, last.to_state, last.version, {}, last.event, definition_version=dv
+        )
+        return [v.kind for v in check(inst, rows, definitions=forms).violations]
+
+    moved = {"payload": migration_payload(2, MAP)}
+    ruled = [
+        _row(2, "hold", "open", "held", 1),
+        _row(3, flowlock.MIGRATE_EVENT, "held", "held", 2, **moved),
+        _row(4, "reopen", "held", "active", 2),
+    ]
+    assert kinds(ruled, 2) == []
+    # Stamped version 1 throughout, but decided by version 2's rules: only the rules tell.
+    newest = [_row(2, "hold", "open", "held", 1), _row(3, "reopen", "held", "active", 1)]
+    assert _kinds(newest, 1) == []
+    assert kinds(newest, 1) == [DEFINITION_VERSION]
+    assert kinds([_row(2, "hold", "held", "held", 1)], 1) == [DEFINITION_VERSION]
+    astray = [_row(2, flowlock.MIGRATE_EVENT, "open", "open", 2, **moved)]
+    assert DEFINITION_VERSION in kinds(astray, 2)
+
+
+def test_flowlock_check_flags_a_row_under_another_versions_rules(tmp_path: Path) -> None:
+    """`flowlock check` reads the stored definitions: rules of another version fail it."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    with flowlock.sync.Engine.connect(url) as eng:
+        eng.register(ticket_v1())
+        eng.register(ticket_v2())
+        eng.create(TICKET, instance_id="c", version=2)
+        eng.fire("c", "hold")
+        eng.fire("c", "reopen")
+    runner = CliRunner()
+    clean = runner.invoke(cli, ["check", "--database-url", url])
+    assert clean.exit_code == 0, clean.output
+    # As if fire had applied version 2's rules to an instance of version 1.
+    with sqlite3.connect(tmp_path / "db.sqlite") as db:
+        db.execute("UPDATE flowlock_history SET definition_version = 1")
+        db.execute("UPDATE flowlock_instances SET definition_version = 1")
+    found = runner.invoke(cli, ["check", "--database-url", url])
+    assert found.exit_code == 3, found.output
+    said = " ".join(found.output.split())
+    assert "'reopen', a transition definition version 1 lacks" in said, said
+
+
 # -- the command line --------------------------------------------------------------------------
 
 
@@ -328,10 +433,17 @@ def test_flowlock_admin_migrate(tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     body = json.loads(shown.output)
     assert (body["matched"], body["stranded"], body["dry_run"]) == (3, {}, True)
+    typo = runner.invoke(cli, [*base, "--map", "open=active", "--map", "opne=done", "--dry-run"])
+    assert typo.exit_code == 0, typo.output
+    assert "--map names no state a selected instance is in: opne" in typo.output
     assert runner.invoke(cli, [*base, "--map", "open"]).exit_code == 2
     done = runner.invoke(cli, [*base, "--map", "open=active", "--yes"])
     assert done.exit_code == 0, done.output
     assert "3 migrated" in done.output
+    again = runner.invoke(cli, [*base, "--map", "open=active", "--yes", "--json"])
+    assert again.exit_code == 0, again.output
+    body = json.loads(again.output)  # not a dry run: nothing was left to do
+    assert (body["dry_run"], body["matched"], body["already"]) == (False, 0, 3)
     with flowlock.sync.Engine.connect(url) as eng:
         eng.register(ticket_v2())
         assert {eng.get(f"c-{i}").state for i in range(3)} == {"active"}

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.postgres
 WORKER = Path(__file__).with_name("deploy_worker.py")
 CALLERS = 100
 # The rolling deploy's size; the soak of the issue's Performance section runs it longer:
-# FLOWLOCK_DEPLOY_SECONDS=60 FLOWLOCK_DEPLOY_INSTANCES=20000 pytest -k rolling_deploy
+# FLOWLOCK_DEPLOY_SECONDS=60 FLOWLOCK_DEPLOY_INSTANCES=20000 pytest -k test_rolling_deploy
 DEPLOY_SECONDS = float(os.environ.get("FLOWLOCK_DEPLOY_SECONDS", "4"))
 DEPLOY_INSTANCES = int(os.environ.get("FLOWLOCK_DEPLOY_INSTANCES", "400"))
 EVENTS = ("bump", "hold", "reopen", "close")
@@ -192,15 +192,38 @@ async def test_rolling_deploy_across_two_processes(
     """An old process (v1 only) and a new one (v1, v2) fire at the same instances while they
     are migrated to v2: no row under another version than its instance's; the old process is
     refused (DefinitionMismatch) on migrated instances; the checker clean."""
+    await _rolling_deploy(pg_url, pg_schema, tmp_path, sql_history, DEPLOY_SECONDS,
+                          DEPLOY_INSTANCES, head_start=1.0)  # fmt: skip
+
+
+async def test_a_short_rolling_deploy_across_two_processes(
+    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: SqlHistory
+) -> None:
+    """The rolling deploy, short (2 s, 150 instances): kept in the quick suite."""
+    await _rolling_deploy(pg_url, pg_schema, tmp_path, sql_history, 2.0, 150, head_start=0.5)
+
+
+async def _rolling_deploy(
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: SqlHistory,
+    seconds: float,
+    instances: int,
+    *,
+    head_start: float,
+) -> None:
+    """The two processes fire for `seconds` at `instances`; the migration begins after
+    `head_start` seconds of both firing under version 1."""
     engine = await _engine(pg_url, pg_schema, 1, 2)
     try:
-        ids = await _create(engine, DEPLOY_INSTANCES)
+        ids = await _create(engine, instances)
         gate = Gate(tmp_path / "gate", 2)
         procs = []
         for proc, versions in enumerate(([1], [1, 2])):
             conf = {
                 "url": pg_url, "schema": pg_schema, "instances": len(ids), "versions": versions,
-                "callers": 10, "seconds": DEPLOY_SECONDS, "gate": str(gate), "proc": proc,
+                "callers": 10, "seconds": seconds, "gate": str(gate), "proc": proc,
             }  # fmt: skip
             started = await asyncio.create_subprocess_exec(
                 sys.executable, str(WORKER), json.dumps(conf),
@@ -209,11 +232,11 @@ async def test_rolling_deploy_across_two_processes(
             procs.append(started)
         try:
             await gate.open_when_ready(procs)
-            await asyncio.sleep(1.0)  # both processes fire under version 1 first
+            await asyncio.sleep(head_start)  # both processes fire under version 1 first
             report = await engine.migrate(TICKET, 2, state_map=MAP, actor="deploy", batch=50)
             results = []
             for p in procs:
-                out, err = await asyncio.wait_for(p.communicate(), DEPLOY_SECONDS + 60)
+                out, err = await asyncio.wait_for(p.communicate(), seconds + 60)
                 assert p.returncode == 0, err.decode()[-3000:]
                 results.append(json.loads(out.decode().splitlines()[-1]))
         finally:
@@ -224,7 +247,7 @@ async def test_rolling_deploy_across_two_processes(
         gate.assert_overlapped()
         old, new = results
         print(f"\nmigration: {report.summary()}\nold: {old}\nnew: {new}")
-        n = DEPLOY_INSTANCES
+        n = instances
         assert (report.matched, report.applied, dict(report.failed)) == (n, n, {})
         assert sum(old["applied"].values()) > 0 and sum(new["applied"].values()) > 0
         assert new["applied"].get("reopen", 0) > 0, "the new process applied no v2-only event"

@@ -158,7 +158,9 @@ async def run(
 
         sample = random.Random(0).sample(ids, min(check_sample, len(ids)))
         pairs = [(await app.get(i), await app.history(i)) for i in sample]
-        verdict = check_many(pairs)
+        # Each row held to the stored rules of the version it records, too.
+        forms = {d.version: d.definition for d in await app.definitions(WORKFLOW)}
+        verdict = check_many(pairs, definitions={WORKFLOW: forms})
         migrated = sum(1 for _, rows in pairs if sum(r.migrated for r in rows) == 1)
         if not keep:
             await _drop(app, schema)

@@ -45,6 +45,7 @@ __all__ = [
     "MAX_CONCURRENCY",
     "MAX_SAMPLE",
     "BulkMethods",
+    "Firer",
     "Lister",
     "Result",
     "Tally",
@@ -72,7 +73,18 @@ class Lister(Protocol):
     ) -> Page: ...  # fmt: skip
 
 
-class _Engine(Lister, Protocol):
+class Firer(Lister, Protocol):
+    """What a walk reads and fires through: the engine's `list` and `_fire`."""
+
+    async def _fire(
+        self, instance_id: str, event: str, actor: str | None, request_id: str | None,
+        expected_version: int | None, payload: Mapping[str, Any] | None, strategy: None,
+        connection: None, timer: None, /, *, repair: bool = ...,
+        where: Callable[[Instance], bool] | None,
+    ) -> Outcome: ...  # fmt: skip
+
+
+class _Engine(Firer, Protocol):
     """The engine calls a run makes (the engine's own; force, pause and resume are the repairs
     of flowlock.admin.repair)."""
 
@@ -82,12 +94,6 @@ class _Engine(Lister, Protocol):
     ) -> int: ...  # fmt: skip
 
     async def get(self, instance_id: str) -> Instance: ...
-
-    async def _fire(
-        self, instance_id: str, event: str, actor: str | None, request_id: str | None,
-        expected_version: int | None, payload: Mapping[str, Any] | None, strategy: None,
-        connection: None, timer: None, /, *, where: Callable[[Instance], bool] | None,
-    ) -> Outcome: ...  # fmt: skip
 
     async def _force(
         self, instance_id: str, state: str, data: Mapping[str, Any] | None, reason: str,

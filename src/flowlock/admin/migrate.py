@@ -17,13 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from flowlock._calls import check_text
 from flowlock.admin.bulk import (
     DEFAULT_MAX_FAILURES,
     MAX_CONCURRENCY,
     MAX_SAMPLE,
+    Firer,
     Lister,
     Result,
     Tally,
@@ -32,7 +33,7 @@ from flowlock.admin.bulk import (
 )
 from flowlock.core.bulk import bulk_request_id, check_operation_id, derive_operation_id
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import InvalidInput, UnknownWorkflow
+from flowlock.core.errors import DefinitionMismatch, InvalidInput, UnknownWorkflow
 from flowlock.core.migration import (
     MIGRATE_EVENT,
     DataFn,
@@ -50,17 +51,6 @@ from flowlock.core.versions import Registry
 __all__ = ["MigrateMethods"]
 
 log = logging.getLogger("flowlock")
-
-
-class _Engine(Lister, Protocol):
-    """The engine calls a migration makes (the engine's own)."""
-
-    async def _fire(
-        self, instance_id: str, event: str, actor: str | None, request_id: str | None,
-        expected_version: int | None, payload: Mapping[str, Any] | None, strategy: None,
-        connection: None, timer: None, /, *, repair: bool,
-        where: Callable[[Instance], bool] | None,
-    ) -> Outcome: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -193,7 +183,7 @@ class MigrateMethods:
             raise InvalidInput(
                 f"progress must be a callable progress(done) or None, not {progress!r}"
             )
-        engine = cast(_Engine, self)  # the engine's list and _fire (see _Engine)
+        engine = cast(_Engine, self)  # the engine's list, get and _fire
         survey = await _survey(engine, plan, batch, sample)
         stranded = survey.stranded(plan)
         matched = sum(survey.counts.values())
@@ -216,14 +206,18 @@ class MigrateMethods:
         payload = migration_payload(plan.to_version, plan.renames)
         selection = MigrationSelection(plan.selects, plan.data)
 
+        async def fire(inst: Instance) -> Outcome:
+            rid = bulk_request_id(plan.operation_id, inst.id)
+            args = (plan.actor, rid, None, payload, None, None, None)
+            done = await engine._fire(inst.id, MIGRATE_EVENT, *args, repair=True, where=selection)
+            if done.replayed and (await engine.get(inst.id)).definition_version != to_version:
+                raise _left(inst.id, plan)
+            return done
+
         def one(inst: Instance) -> Awaitable[Result | None]:
             if not plan.selects(inst):
                 return _nothing()  # on the target already, or not wanted: not in the run
-            rid = bulk_request_id(plan.operation_id, inst.id)
-            args = (plan.actor, rid, None, payload, None, None, None)
-            return classify(
-                engine._fire(inst.id, MIGRATE_EVENT, *args, repair=True, where=selection)
-            )
+            return classify(fire(inst))
 
         await walk(engine, plan.query, one, tally, batch, concurrency, max_failures, progress)
         done = MigrationReport(
@@ -256,7 +250,10 @@ class MigrateMethods:
         """The run's arguments checked, before anything is read."""
         check_text(workflow, "workflow")
         check_count("to_version", to_version, most=2**31 - 1)
-        target = self._workflows.pinned(workflow, to_version)  # DefinitionMismatch
+        try:
+            target = self._workflows.pinned(workflow, to_version)
+        except DefinitionMismatch as exc:
+            raise _unregistered(exc) from None
         if target is None:
             raise UnknownWorkflow(workflow, tuple(self._workflows))
         renames = _renames(state_map, target, to_version)
@@ -326,6 +323,36 @@ async def _survey(engine: Lister, plan: _Plan, batch: int, sample: int) -> _Surv
         cursor = page.next_cursor
         if cursor is None:
             return survey
+
+
+def _unregistered(exc: DefinitionMismatch) -> DefinitionMismatch:
+    """The target version is not registered here: said as a migration's refusal (no instance
+    runs it yet, as the default message would say)."""
+    has = list(exc.registered) or "none"
+    return DefinitionMismatch(
+        None, exc.workflow, exc.version, exc.registered,
+        message=f"cannot migrate workflow {exc.workflow!r} to version {exc.version}: this "
+        f"engine has not registered that version (it has {has}); nothing was read or written. "
+        "Register the target version's Workflow in this engine (flowlock admin migrate: the "
+        "--app module must name it), or migrate to a version it has",
+    )  # fmt: skip
+
+
+class _Engine(Firer, Protocol):
+    """The engine calls a migration makes (the engine's own)."""
+
+    async def get(self, instance_id: str) -> Instance: ...
+
+
+def _left(instance_id: str, plan: _Plan) -> InvalidInput:
+    """A replayed migration of an instance that has left the target version since (migrated
+    back): its request id answers the first migration, so this run cannot move it again."""
+    return InvalidInput(
+        f"instance {instance_id!r} was migrated to version {plan.to_version} under operation "
+        f"{plan.operation_id!r} before and has left that version since, so its request id "
+        "replays that first migration; nothing was written for it. Run again under another "
+        "operation id (operation_id=, or --operation-id)"
+    )
 
 
 async def _nothing() -> None:

@@ -42,6 +42,7 @@ def check(
     invariant_kind: str = INVARIANT,
     timers: Sequence[Timer] | None = None,
     messages: Sequence[Message] | None = None,
+    definitions: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> Verdict:
     """Check `history` against `instance` and report every violation found.
 
@@ -55,6 +56,8 @@ def check(
     `messages`: the instance's outbox messages (`engine.messages(id)`), read with it; each
     must belong to a transition in the history under its own key, none may be done without
     an attempt, and a row fired under a message's key must come after that message's version.
+    `definitions`: the canonical form of each stored version of the instance's workflow by
+    number (`DefinitionVersion.definition`); each versioned row must follow its version's rules.
     """
     found: list[Violation] = []
     name = f"instance {instance.id!r}"
@@ -82,7 +85,7 @@ def check(
     found.extend(_check_final(name, instance, ordered, initial_state))
     found.extend(check_timers(name, instance, ordered, initial_state, timers))
     found.extend(check_repairs(name, instance, ordered))
-    found.extend(check_versions(name, instance, ordered))
+    found.extend(check_versions(name, instance, ordered, definitions))
     if messages is not None:
         found.extend(check_messages(name, instance, ordered, messages))
     if invariant is not None:
@@ -99,6 +102,7 @@ def check_many(
     invariant_kind: str = INVARIANT,
     timers: Mapping[str, Sequence[Timer]] | None = None,
     messages: Mapping[str, Sequence[Message]] | None = None,
+    definitions: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None,
 ) -> Verdict:
     """Check each `(instance, history)` pair and merge the verdicts (messages name the id).
 
@@ -106,6 +110,7 @@ def check_many(
     Instances missing from the mapping get no count check.
     `timers`: each instance's armed timers by id (an instance missing from it: not checked).
     `messages`: each instance's outbox messages by id (missing: not checked).
+    `definitions`: by workflow name, each stored version's canonical form by number.
     """
     found: list[Violation] = []
     for instance, history in pairs:
@@ -122,6 +127,7 @@ def check_many(
             invariant_kind=invariant_kind,
             timers=None if timers is None else timers.get(instance.id),
             messages=None if messages is None else messages.get(instance.id),
+            definitions=None if definitions is None else definitions.get(instance.workflow),
         )
         found.extend(verdict.violations)
     return Verdict.of(found)

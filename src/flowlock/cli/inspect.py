@@ -344,7 +344,8 @@ def check_command(
     id once and says when it was placed (the id need not exist: a hold is about an id).
     Definition versions: each row runs under the version of the row before it, except a
     migrated row, which sets the version its payload names; the instance runs its last
-    row's version.
+    row's version; and each row follows the stored rules of the version it records (its
+    event, source, target and state are that version's).
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any
 
 import typer
@@ -188,12 +189,18 @@ def migrate(
     async def look(engine: Engine) -> MigrationReport:
         return await engine.migrate(workflow, to, dry_run=True, **args)
 
-    seen = _open(database_url, schema, app_ref, True, look)
+    # The survey is read as a dry run; it reports the run asked for (nothing to do, or refused).
+    seen = replace(_open(database_url, schema, app_ref, True, look), dry_run=dry_run)
     if as_json:
         if dry_run or seen.stranded or not seen.matched:
             _json(_report_json(seen))
     else:
         _print_survey(seen)
+    idle = sorted(set(renames) - {m.from_state for m in seen.moves})
+    if idle and seen.matched:  # a typo in --map would otherwise pass unseen
+        stderr().print(
+            Text(f"--map names no state a selected instance is in: {', '.join(idle)}", "yellow")
+        )
     if seen.stranded:
         if not as_json:
             print_wrapped(stdout(), Text(_stranded(seen), style="bold red"))
