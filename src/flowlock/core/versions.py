@@ -59,9 +59,9 @@ def _seconds(value: Any) -> float | None:
     return None if value is None else float(value.total_seconds())
 
 
-def _schema(schema: PayloadSchema | None) -> Mapping[str, Any] | None:
+def _schema(schema: PayloadSchema | None) -> dict[str, Any] | None:
     """A declared payload or data schema as its JSON Schema (None: untyped)."""
-    return None if schema is None else schema.json
+    return None if schema is None else dict(schema.json)
 
 
 def _transition(t: Transition) -> dict[str, Any]:
@@ -79,9 +79,6 @@ def _transition(t: Transition) -> dict[str, Any]:
         "limit": t.limit,
         "payload": _schema(t.payload),
     }
-    # Only when typed: an untyped definition keeps the hash it had before payloads were typed.
-    if t.payload is not None:
-        form["payload"] = dict(t.payload.json)
     return form
 
 
@@ -99,8 +96,6 @@ def canonical(workflow: Workflow) -> dict[str, Any]:
         "data": _schema(workflow.data),
         "transitions": [_transition(workflow.transitions[n]) for n in sorted(workflow.transitions)],
     }
-    if workflow.data is not None:  # as for a payload: only when typed
-        form["data"] = dict(workflow.data.json)
     return form
 
 
