@@ -345,14 +345,9 @@ class DefinitionMismatch(FlowlockError):
     """The instance runs a definition version this engine has not registered; nothing written."""
 
     def __init__(
-        self,
-        instance_id: str | None,
-        workflow: str,
-        version: int,
-        registered: Sequence[int],
-        *,
-        message: str | None = None,
-    ) -> None:
+        self, instance_id: str | None, workflow: str, version: int, registered: Sequence[int],
+        *, message: str | None = None,
+    ) -> None:  # fmt: skip
         self.instance_id, self.workflow, self.version = instance_id, workflow, version
         self.registered = tuple(registered)
         what = "it" if instance_id is None else f"instance {instance_id!r}"
@@ -360,8 +355,8 @@ class DefinitionMismatch(FlowlockError):
             message
             or f"{what} runs version {version} of workflow {workflow!r}, which this engine has "
             f"not registered (it has {list(self.registered) or 'none'}); nothing was written. "
-            f"Register that version's Workflow in this process too (the newest last), or "
-            f"migrate the instances to a version it has (engine.migrate)"
+            "Register that version's Workflow here too (the newest last), or migrate the "
+            "instances to a version it has (engine.migrate)"
         )
 
 
