@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,14 @@ class Db:
     kind: str
     url: str
     schema: str | None
+
+    @classmethod
+    def of(cls, request: pytest.FixtureRequest, tmp_path: Path) -> Db:
+        """The database of a fixture parametrized "sqlite" / "postgres" (not yet migrated)."""
+        if request.param == "sqlite":
+            return cls("sqlite", f"sqlite:///{tmp_path / 'flowlock.db'}", None)
+        url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
+        return cls("postgres", url, schema)
 
     @property
     def args(self) -> list[str]:
@@ -60,13 +67,9 @@ class Db:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def empty_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Db]:
+def empty_db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
     """A database (not yet migrated) on each backend the inspection commands read."""
-    if request.param == "sqlite":
-        yield Db("sqlite", f"sqlite:///{tmp_path / 'flowlock.db'}", None)
-    else:
-        url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
-        yield Db("postgres", url, schema)
+    return Db.of(request, tmp_path)
 
 
 async def _fill(db: Db) -> None:

@@ -71,11 +71,7 @@ async def _fill(db: Db) -> None:
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Db:
     """A filled database on each backend the inspection commands read."""
-    if request.param == "sqlite":
-        found = Db("sqlite", f"sqlite:///{tmp_path / 'flowlock.db'}", None)
-    else:
-        url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
-        found = Db("postgres", url, schema)
+    found = Db.of(request, tmp_path)
     asyncio.run(_fill(found))
     return found
 
