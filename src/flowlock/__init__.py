@@ -24,6 +24,17 @@ if TYPE_CHECKING:
         WorkflowPause,
     )
     from flowlock.core.bulk import BulkReport
+    from flowlock.core.constraints import (
+        Capacity,
+        CapacityReached,
+        CapacityUsage,
+        ConstraintRefused,
+        Rate,
+        RateLimited,
+        State,
+        Unique,
+        UniqueViolation,
+    )
     from flowlock.core.definition import Step, Transition, Workflow
     from flowlock.core.errors import (
         ConcurrencyError,
@@ -100,6 +111,20 @@ _WHERE: dict[str, str] = {
     ),
     "InvalidPayload": "flowlock.core.payloads",
     **dict.fromkeys(
+        (
+            "Capacity",
+            "CapacityReached",
+            "CapacityUsage",
+            "ConstraintRefused",
+            "Rate",
+            "RateLimited",
+            "State",
+            "Unique",
+            "UniqueViolation",
+        ),
+        "flowlock.core.constraints",
+    ),
+    **dict.fromkeys(
         ("HistoryEntry", "Instance", "Outcome", "Page", "Timer"), "flowlock.core.models"
     ),
     **dict.fromkeys(
@@ -134,10 +159,14 @@ __all__ = [
     "Adaptive",
     "ArchiveInvalid",
     "BulkReport",
+    "Capacity",
+    "CapacityReached",
+    "CapacityUsage",
     "ConcurrencyError",
     "ConflictMonitor",
     "ConflictRetriesExhausted",
     "ConnectionLost",
+    "ConstraintRefused",
     "CreateKeyReused",
     "DefinitionError",
     "DefinitionMismatch",
@@ -180,10 +209,13 @@ __all__ = [
     "PayloadTooLarge",
     "Pessimistic",
     "PurgeReport",
+    "Rate",
+    "RateLimited",
     "ReplayReport",
     "RestoreReport",
     "RunOnce",
     "StaleTimer",
+    "State",
     "Step",
     "StepFailed",
     "Store",
@@ -197,6 +229,8 @@ __all__ = [
     "Transition",
     "TransitionNotAllowed",
     "TransitionRefused",
+    "Unique",
+    "UniqueViolation",
     "UnknownEvent",
     "UnknownState",
     "UnknownWorkflow",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import CreateKeyReused, InvalidInput
 from flowlock.core.jsondata import same_json
 from flowlock.core.models import RESERVED_EVENTS, TIMER_PREFIX, Instance, Timing
@@ -64,9 +65,15 @@ def check_fire_args(
 
 
 async def create_with(
-    store: Store, new: Instance, request_id: str | None, arm: Sequence[Timing]
+    store: Store,
+    new: Instance,
+    request_id: str | None,
+    arm: Sequence[Timing],
+    claims: Sequence[Claim] = (),
 ) -> Instance:
-    # Without a key or timers, a store written before them (create(instance)) still works.
+    # Without a key, timers or claims, a store written before them (create(instance)) works.
+    if claims:
+        return await store.create(new, request_id, arm, claims)
     if arm:
         return await store.create(new, request_id, arm)
     return await (store.create(new) if request_id is None else store.create(new, request_id))

@@ -1,9 +1,15 @@
 """Every error flowlock raises, in one hierarchy: the public name of `flowlock.core.errors` (and
 of the repairs' two, defined beside them in `flowlock.core.admin`, of InvalidPayload, beside
-the schemas in `flowlock.core.payloads`, and of the migration's refusal, in
-`flowlock.core.migration`)."""
+the schemas in `flowlock.core.payloads`, of the migration's refusal, in
+`flowlock.core.migration`, and of the constraints' refusals, in `flowlock.core.constraints`)."""
 
 from flowlock.core.admin import InstancePaused, UnknownState
+from flowlock.core.constraints import (
+    CapacityReached,
+    ConstraintRefused,
+    RateLimited,
+    UniqueViolation,
+)
 from flowlock.core.errors import (
     ConcurrencyError,
     ConflictRetriesExhausted,
@@ -47,9 +53,11 @@ from flowlock.core.migration import MigrationRefused
 from flowlock.core.payloads import InvalidPayload
 
 __all__ = [
+    "CapacityReached",
     "ConcurrencyError",
     "ConflictRetriesExhausted",
     "ConnectionLost",
+    "ConstraintRefused",
     "CreateKeyReused",
     "DefinitionError",
     "DefinitionMismatch",
@@ -76,6 +84,7 @@ __all__ = [
     "MigrationRefused",
     "OutcomeUnknown",
     "PayloadTooLarge",
+    "RateLimited",
     "StaleTimer",
     "StepFailed",
     "StoreBusy",
@@ -84,6 +93,7 @@ __all__ = [
     "TooManyConnections",
     "TransitionNotAllowed",
     "TransitionRefused",
+    "UniqueViolation",
     "UnknownEvent",
     "UnknownState",
     "UnknownWorkflow",

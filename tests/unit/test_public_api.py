@@ -34,6 +34,8 @@ PUBLIC = {
     "InvalidPayload",
     "Divergence", "ReplayReport",
     "MIGRATE_EVENT", "MigrationRefused", "MigrationReport",
+    "Capacity", "CapacityReached", "CapacityUsage", "ConstraintRefused", "Rate", "RateLimited",
+    "State", "Unique", "UniqueViolation",
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+from flowlock.core.constraints import Constraints, Rate, State, Unique, gather
 from flowlock.core.errors import DefinitionError
 from flowlock.core.models import Timing
 from flowlock.core.outbox import Emit
@@ -190,6 +191,15 @@ def _names(value: str | Sequence[str], what: str, transition: str) -> tuple[str,
     return items
 
 
+def _given_states(*values: str | Sequence[str]) -> tuple[State, ...]:
+    """The `State(capacity=)` names among a transition's sources and targets."""
+    found: list[State] = []
+    for value in values:
+        items = (value,) if isinstance(value, str) else tuple(value)
+        found += [s for s in items if isinstance(s, State) and s.capacity is not None]
+    return tuple(found)
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Transition:
     """An event that moves an instance from one of `source` to `target`.
@@ -210,6 +220,10 @@ class Transition:
     `payload`: a Pydantic model class or a JSON Schema dict the call's payload must match.
     It is checked before anything is read (InvalidPayload otherwise); the guard, effect and
     emit receive the parsed model (for a dict: the checked dict). See the payloads guide.
+
+    `rate`: a [`Rate`][flowlock.Rate] limit on how often it applies per key. A source or
+    target given as a [`State`][flowlock.State] with a capacity gives that state the capacity.
+    See the constraints guide.
     """
 
     name: str
@@ -224,6 +238,8 @@ class Transition:
     limit: int | None
     emit: EmitFn | None
     payload: PayloadSchema | None
+    rate: Rate | None
+    capacities: tuple[State, ...]
 
     def __init__(
         self,
@@ -240,6 +256,7 @@ class Transition:
         limit: int | None = None,
         emit: EmitFn | None = None,
         payload: type[Any] | Mapping[str, Any] | None = None,
+        rate: Rate | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
@@ -254,8 +271,12 @@ class Transition:
         _check_step(effect, "effect", name)
         _check_step(emit, "emit", name)
         object.__setattr__(self, "name", name)
-        object.__setattr__(self, "sources", _names(source, "source", name))
-        object.__setattr__(self, "targets", _names(target, "target", name))
+        if rate is not None and not isinstance(rate, Rate):
+            raise DefinitionError(f"transition {name!r}: rate must be a flowlock.Rate")
+        object.__setattr__(self, "rate", rate)
+        object.__setattr__(self, "capacities", _given_states(source, target))
+        object.__setattr__(self, "sources", tuple(map(str, _names(source, "source", name))))
+        object.__setattr__(self, "targets", tuple(map(str, _names(target, "target", name))))
         object.__setattr__(self, "guard", guard)
         object.__setattr__(self, "effect", effect)
         object.__setattr__(self, "strategy", resolved)
@@ -335,6 +356,9 @@ class Workflow:
 
     `data`: a Pydantic model class or a JSON Schema dict a new instance's data must match
     (checked by `create`, InvalidPayload otherwise; the data is stored as sent).
+
+    `unique`: a [`Unique`][flowlock.Unique] rule, at most one instance per key in its states.
+    States named as [`State`][flowlock.State] may carry a capacity. See the constraints guide.
     """
 
     name: str
@@ -344,6 +368,7 @@ class Workflow:
     strategy: StrategyName | None
     policy: str | None
     data: PayloadSchema | None
+    constraints: Constraints = field(repr=False, compare=False)
     _allowed: Mapping[str, tuple[str, ...]] = field(repr=False, compare=False)
     _timed: Mapping[str, tuple[Timing, ...]] = field(repr=False, compare=False)
 
@@ -357,6 +382,7 @@ class Workflow:
         strategy: StrategyName | None = None,
         policy: str | None = None,
         data: type[Any] | Mapping[str, Any] | None = None,
+        unique: Unique | None = None,
     ) -> None:
         problems: list[str] = []
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -365,7 +391,7 @@ class Workflow:
                 "'_', '.', '-' (at most 100 characters)"
             )
         state_list = list(states)
-        state_set = set(state_list)
+        state_set = set(map(str, state_list))
         problems += _state_problems(state_list, initial)
         resolved = _resolve(strategy, policy, f"workflow {name!r}", problems)
         by_name = _index_transitions(transitions, state_set, problems)
@@ -373,13 +399,23 @@ class Workflow:
             unreachable = _unreachable(initial, state_list, by_name.values())
             if unreachable:
                 problems.append(f"states unreachable from {initial!r}: {', '.join(unreachable)}")
+        allowed = {s: tuple(t.name for t in by_name.values() if s in t.sources) for s in state_list}
+        constraints = gather(
+            name,
+            state_list,
+            [s for t in by_name.values() for s in t.capacities],
+            [s for s in state_list if not allowed.get(s)],
+            unique,
+            {t.name: t.rate for t in by_name.values() if t.rate is not None},
+            problems,
+        )
         if problems:
             raise DefinitionError(problems=problems)
 
-        allowed = {s: tuple(t.name for t in by_name.values() if s in t.sources) for s in state_list}
         object.__setattr__(self, "name", name)
-        object.__setattr__(self, "states", tuple(state_list))
-        object.__setattr__(self, "initial", initial)
+        object.__setattr__(self, "states", tuple(map(str, state_list)))
+        object.__setattr__(self, "constraints", constraints)
+        object.__setattr__(self, "initial", str(initial))
         object.__setattr__(self, "transitions", dict(by_name))
         object.__setattr__(self, "strategy", resolved)
         object.__setattr__(self, "policy", policy)

@@ -23,7 +23,11 @@ as attributes: the current state, the current version, the attempts made.
     ├── TransitionRefused            the instance is fine, the event does not apply
     │   ├── TransitionNotAllowed     not allowed from the current state
     │   │   └── StaleTimer           a timer fired after the stay that armed it ended
-    │   └── GuardRejected            a guard said no (business rule: "out of stock")
+    │   ├── GuardRejected            a guard said no (business rule: "out of stock")
+    │   └── ConstraintRefused        a rule across instances (flowlock.core.constraints)
+    │       ├── CapacityReached      every slot of the key is held
+    │       ├── UniqueViolation      another instance holds the key
+    │       └── RateLimited          the key's rate limit is reached: retry_after
     ├── InstancePaused               an operator paused it or its workflow (flowlock.core.admin)
     ├── VersionMismatch              expected_version / If-Match is stale
     ├── DefinitionMismatch           the instance runs a definition version this engine lacks
@@ -46,9 +50,8 @@ as attributes: the current state, the current version, the attempts made.
     ├── SyncCallInEventLoop          flowlock.sync.Engine called where an event loop runs
     └── ExtraNotInstalled            an optional dependency is missing: install the extra named
 
-Driver errors never escape. They are translated where each driver is called, one place per
-driver (`flowlock._pg.errors`, `flowlock.locks.redis.connection`), with `raise ... from
-exc`: `__cause__` keeps the original. A connection that failed is dropped from its pool.
+Driver errors never escape: each driver's are translated in one place (`flowlock._pg.errors`,
+`flowlock.locks.redis.connection`), `raise ... from exc`; a failed connection leaves its pool.
 """
 
 from __future__ import annotations
@@ -88,9 +91,8 @@ class PayloadTooLarge(InvalidInput):
     def __init__(self, size: int, limit: int, what: str = "payload") -> None:
         self.size, self.limit, self.what = size, limit, what
         super().__init__(
-            f"{what} is {size} bytes encoded as JSON, over the limit of {limit} bytes; "
-            "nothing was written. Send (or keep) less data, or raise "
-            "Engine(max_payload_bytes=...)"
+            f"{what} is {size} bytes encoded as JSON, over the limit of {limit} bytes; nothing "
+            "was written. Send (or keep) less data, or raise Engine(max_payload_bytes=...)"
         )
 
 
@@ -98,11 +100,10 @@ class UnknownWorkflow(InvalidInput):
     """No workflow of that name is registered; call engine.register(workflow) first."""
 
     def __init__(self, name: str, known: Sequence[str] = ()) -> None:
-        self.name = name
-        self.known = tuple(known)
+        self.name, self.known = name, tuple(known)
+        listed = ", ".join(self.known) or "none"
         super().__init__(
-            f"no workflow named {name!r} is registered "
-            f"(registered: {', '.join(self.known) or 'none'}); "
+            f"no workflow named {name!r} is registered (registered: {listed}); "
             "call engine.register(workflow) first"
         )
 
@@ -403,9 +404,7 @@ class ConflictRetriesExhausted(ConcurrencyError):
     """Every optimistic attempt lost its compare-and-swap to another writer."""
 
     def __init__(self, instance_id: str, event: str, attempts: int) -> None:
-        self.instance_id = instance_id
-        self.event = event
-        self.attempts = attempts
+        self.instance_id, self.event, self.attempts = instance_id, event, attempts
         super().__init__(
             f"event {event!r} on instance {instance_id!r} lost the version compare-and-swap "
             f"{attempts} times in a row; nothing was written. Retry later, or use the "

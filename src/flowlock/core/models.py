@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, overload
 
+from flowlock.core.constraints import Claim
 from flowlock.core.outbox import Emit
 
 __all__ = [
@@ -134,6 +135,8 @@ class HistoryEntry:
     # the W3C traceparent of the call's span, which each delivery's span links to.
     emits: tuple[Emit, ...] = dataclasses.field(default=(), compare=False, repr=False)
     trace: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    # What the commit does to capacities, uniqueness and rate limits (flowlock.core.constraints).
+    claims: tuple[Claim, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def enters(self) -> bool:

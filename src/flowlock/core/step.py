@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlock.core.admin import decide_repair, refuse_paused
+from flowlock.core.constraints import constraint_claims
 from flowlock.core.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.core.errors import (
     DefinitionError,
@@ -305,7 +306,40 @@ def _decide(
     call: Call,
     max_payload_bytes: int,
 ) -> HistoryEntry | Idempotent:
-    """`decide` on `inst`, `prior` being the entry of the call's request id, if any."""
+    """`decide` on `inst`, `prior` being the entry of the call's request id, if any; an
+    entry carries what it does to the constraints of the definition it leaves the instance
+    under."""
+    decided = _decide_entry(workflows, inst, prior, call, max_payload_bytes)
+    if prior is not None or not isinstance(decided, HistoryEntry):
+        return decided
+    if isinstance(workflows, Registry):
+        wf = workflows.runs(inst.workflow, _version_after(inst, decided))
+    else:
+        wf = workflows.get(inst.workflow)
+    if wf is None or not wf.constraints:
+        return decided  # the common case: nothing to count
+    try:
+        claims = constraint_claims(wf.constraints, inst, _after(inst, decided), decided.event)
+    except Exception as exc:
+        raise StepFailed(
+            workflow=wf.name,
+            event=call.event,
+            instance_id=inst.id,
+            step="constraint key",
+            state=inst.state,
+            version=inst.version,
+            error=exc,
+        ) from exc
+    return dataclasses.replace(decided, claims=claims) if claims else decided
+
+
+def _decide_entry(
+    workflows: Mapping[str, Workflow],
+    inst: Instance,
+    prior: HistoryEntry | None,
+    call: Call,
+    max_payload_bytes: int,
+) -> HistoryEntry | Idempotent:
     if prior is not None:
         # Why first: a repeated request answers what the first one did, even if the
         # workflow has moved (or cycled) since; request_id is the caller's idempotency key.

@@ -96,6 +96,9 @@ def canonical(workflow: Workflow) -> dict[str, Any]:
         "data": _schema(workflow.data),
         "transitions": [_transition(workflow.transitions[n]) for n in sorted(workflow.transitions)],
     }
+    if workflow.constraints:
+        # Only when there are some: a definition without any keeps the hash it had before.
+        form["constraints"] = workflow.constraints.canonical()
     return form
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from flowlock.core.admin import WorkflowPause
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
     PAUSE_EVENT,
@@ -52,9 +53,11 @@ from flowlock.core.models import (
 from flowlock.core.outbox import Message
 from flowlock.core.retention import ArchivedInstance, Hold, PurgeSelection
 from flowlock.core.versions import DefinitionVersion
+from flowlock.stores.constraint_store import ConstraintStore
 
 __all__ = [
     "ArmedSignal",
+    "ConstraintStore",
     "DefinitionStore",
     "EscalationBoard",
     "LockedResult",
@@ -144,7 +147,11 @@ class Store(Protocol):
         """Apply pending schema migrations; returns the names applied now."""
 
     async def create(
-        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+        self,
+        instance: Instance,
+        request_id: str | None = None,
+        arm: Sequence[Timing] = (),
+        claims: Sequence[Claim] = (),
     ) -> Instance:
         """Insert a new instance at version 1 (stay 1), arming `arm`'s timers in the same
         transaction. Raises InstanceExists.
@@ -156,7 +163,12 @@ class Store(Protocol):
         instance as that first create made it is returned: version 1, its first state and data,
         `last_event` None, `updated_at` equal to `created_at`, however far it has moved since.
         The caller compares it with what it asked for; InstanceExists only when the id is taken
-        and the key was never recorded."""
+        and the key was never recorded.
+
+        `claims`: what the new instance takes of its workflow's constraints, applied in the same
+        transaction (see [`flowlock.stores.constraint_store`][flowlock.stores.constraint_store]);
+        a refused one raises its error (version 1) and nothing is written. A create answered
+        from its key applies none."""
 
     async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
         """The request id of the create that made the instance and the instance as it made it

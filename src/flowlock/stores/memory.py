@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flowlock.core.admin import WorkflowPause, refuse_paused
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -149,7 +150,11 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         return inst.evolve(data=_copy(inst.data), workflow_paused=inst.workflow in self._pauses)
 
     async def create(
-        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+        self,
+        instance: Instance,
+        request_id: str | None = None,
+        arm: Sequence[Timing] = (),
+        claims: Sequence[Claim] = (),
     ) -> Instance:
         self._check()
         if request_id is not None and request_id in self._created:

@@ -15,6 +15,7 @@ import asyncpg
 
 from flowlock._pg.errors import Context, in_doubt
 from flowlock._pg.rows import entry_from_row, instance_from_row, timer_from_row
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import (
     FlowlockError,
     InstanceExists,
@@ -101,7 +102,11 @@ class Operations:
         return self._s
 
     async def create(
-        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+        self,
+        instance: Instance,
+        request_id: str | None = None,
+        arm: Sequence[Timing] = (),
+        claims: Sequence[Claim] = (),
     ) -> Instance:
         key, started, timeout = instance.id, time.monotonic(), self._s.timeout
         args = (

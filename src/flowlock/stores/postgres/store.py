@@ -25,6 +25,7 @@ from flowlock._pg.errors import (
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, create_pool
 from flowlock._pg.pooling import Pooling, resolve, session_needed
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import EngineClosed, FlowlockError, InvalidInput
 from flowlock.core.models import (
     Escalation,
@@ -437,7 +438,11 @@ class PostgresStore(
     # -- operations ------------------------------------------------------------------------
 
     async def create(
-        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+        self,
+        instance: Instance,
+        request_id: str | None = None,
+        arm: Sequence[Timing] = (),
+        claims: Sequence[Claim] = (),
     ) -> Instance:
         return await self._call(
             lambda ops: ops.create(instance, request_id, arm), instance.id, writes=True

@@ -20,6 +20,7 @@ from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
 from flowlock.core.admin import WorkflowPause
+from flowlock.core.constraints import Claim
 from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
@@ -353,7 +354,11 @@ class SqliteStore(
     # -- writes ----------------------------------------------------------------------------------
 
     async def create(
-        self, instance: Instance, request_id: str | None = None, arm: Sequence[Timing] = ()
+        self,
+        instance: Instance,
+        request_id: str | None = None,
+        arm: Sequence[Timing] = (),
+        claims: Sequence[Claim] = (),
     ) -> Instance:
         """Insert `instance` at version 1 and stay 1, created and updated now (and its create
         key, and `arm`'s timers, in the same transaction). Raises InstanceExists. A key recorded
