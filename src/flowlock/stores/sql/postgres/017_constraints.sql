@@ -113,7 +113,16 @@ BEGIN
     IF moved IS NULL OR cardinality(moved) = 0 OR ids IS NULL THEN
         RETURN 0;
     END IF;
+    -- Several claims: every counter row they touch is made (a new key's row, holding none)
+    -- and locked first, in (kind, key) order. One claim locks one row (a take that gives back
+    -- a slot of another key: two, locked in order below).
     IF cardinality(ids) > 1 THEN
+        INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
+        SELECT DISTINCT ON (u.kind, u.key) u.kind, u.key, 0, u.lim, 0
+          FROM unnest(ids, ops, kinds, keys, limits) AS u(id, op, kind, key, lim)
+         WHERE u.op <> 'release' AND u.id = ANY(moved)
+         ORDER BY u.kind, u.key
+        ON CONFLICT (kind, key) DO NOTHING;
         PERFORM 1 FROM flowlock_capacity c
          WHERE (c.kind, c.key) IN (
                 SELECT u.kind, u.key FROM unnest(ids, ops, kinds, keys) AS u(id, op, kind, key)
@@ -136,6 +145,11 @@ BEGIN
              WHERE s.kind = kinds[i] AND s.instance_id = ids[i];
             IF FOUND THEN
                 CONTINUE WHEN held = keys[i];
+                INSERT INTO flowlock_capacity (kind, key, holders, lim, seq)
+                VALUES (kinds[i], keys[i], 0, limits[i], 0) ON CONFLICT (kind, key) DO NOTHING;
+                PERFORM 1 FROM flowlock_capacity c
+                 WHERE c.kind = kinds[i] AND c.key IN (held, keys[i])
+                 ORDER BY c.key FOR UPDATE OF c;
                 PERFORM flowlock_release_slot(kinds[i], ids[i], versions[i]);
             END IF;
             INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
