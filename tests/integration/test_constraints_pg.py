@@ -137,10 +137,17 @@ async def make(pg_url: str, pg_schema: str) -> AsyncIterator[Make]:
     workflows."""
     opened: list[flowlock.Engine] = []
 
-    async def build(pool_size: int = 4, limit: int = 2, **options: Any) -> flowlock.Engine:
+    async def build(
+        pool_size: int = 4,
+        limit: int = 2,
+        locks: Callable[[PostgresStore], Any] | None = None,
+        **options: Any,
+    ) -> flowlock.Engine:
         store = PostgresStore(
             pg_url, schema=pg_schema, pool_size=pool_size, pipeline=options.get("batching", True)
         )
+        if locks is not None:
+            options["locks"] = locks(store)
         eng = await flowlock.Engine(store, **options).open()
         opened.append(eng)
         await eng.register(review(limit))
@@ -285,21 +292,24 @@ def _entry(iid: str, version: int, event: str, to: str, claims: tuple[Claim, ...
 
 
 async def test_commit_many_answers_a_refused_batch_at_its_place(make: Make, sql: Sql) -> None:
-    """Of three batches in one commit_many, the one whose take does not fit answers its
-    CapacityReached at its place, and the other two commit (one takes the last slot)."""
+    """Of four batches in one commit_many, the one whose take does not fit answers its
+    CapacityReached at its place, one decided on a stale version answers None and takes
+    nothing, and the other two commit (one takes the last slot)."""
     eng = await make()
     store = store_of(eng)
-    await reviews(eng, "bob", "a", "b", "c")
+    await reviews(eng, "bob", "a", "b", "c", "d")
     await eng.fire("a", "start")
     take = (Claim("take", KIND, "bob", 2),)
     answers = await store.commit_many(
         [
+            [_entry("d", 5, "start", "in_review", take)],  # d is at version 1: lost
             [_entry("b", 2, "start", "in_review", take)],
             [_entry("c", 2, "start", "in_review", take)],
             [_entry("a", 3, "note", "in_review", ())],
         ]
     )
-    b, c, a = answers
+    d, b, c, a = answers
+    assert d is None and await sql.version("d") == 1
     assert isinstance(b, Instance) and b.version == 2
     assert isinstance(c, flowlock.CapacityReached) and c.holders == ("a", "b")
     assert (c.instance_id, c.version, c.event) == ("c", 2, "start")
@@ -424,10 +434,29 @@ async def test_many_callers_never_hold_more_than_the_limit(
     engines, batching on): after every step the slot rows never show more than 3 holders of a
     key, the counters agree with the rows, and every key's log, replayed, never goes above
     its limit."""
+    await storm([await make(pool_size=6, limit=3, strategy=strategy) for _ in range(2)], sql)
+
+
+@pytest.mark.slow
+async def test_many_callers_under_the_distributed_strategy(
+    make: Make, sql: Sql, redis_url: str, redis_namespace: str
+) -> None:
+    """The same storm under the distributed strategy (Redis leases, fencing tokens checked by
+    the same statement that applies the claims)."""
+    from flowlock.locks.redis import RedisLocks
+
+    def locks(store: PostgresStore) -> RedisLocks:
+        return RedisLocks(redis_url, namespace=redis_namespace, fence_floor=store.fencing_floor)
+
     engines = [
-        await make(pool_size=6, limit=3, strategy=strategy),
-        await make(pool_size=6, limit=3, strategy=strategy),
+        await make(pool_size=6, limit=3, strategy="distributed", locks=locks) for _ in range(2)
     ]
+    await storm(engines, sql)
+
+
+async def storm(engines: list[flowlock.Engine], sql: Sql) -> None:
+    """200 reviews over 20 keys, each entering (retrying while full) and leaving once, the
+    most held of any key counted after every step."""
     ids = [f"t{n}" for n in range(200)]
     for n, iid in enumerate(ids):
         await engines[0].create("review", instance_id=iid, data={"r": f"k{n % 20}"})
@@ -521,3 +550,32 @@ async def test_claims_through_a_transaction_pooler(
         assert await store.purge_batch([("b", 2)]) == ["b"]
         assert (await store.capacity_usage(KIND, "bob")).holders == ()
     assert await sql.holders("bob") == [] and await sql.counter("bob") == 0
+
+
+async def test_every_claimed_statement_is_valid_sql(
+    make: Make, pg_url: str, pg_schema: str
+) -> None:
+    """Every variant of the compare-and-swaps and creates (with timers, messages and claims in
+    any combination) and every constraint read is accepted by PostgreSQL (prepared on a
+    migrated schema)."""
+    from flowlock.stores.postgres import constraints
+    from flowlock.stores.postgres import sql as statements
+
+    await make()
+    texts = [
+        *statements._CAS_VARIANTS,
+        *statements._BATCH_VARIANTS,
+        *statements._MANY_VARIANTS,
+        *(v for k, v in vars(statements).items() if k.startswith("CREATE") and "CLAIMED" in k),
+        constraints.USAGE,
+        constraints.RATE_USAGE,
+        constraints.ROWS,
+    ]
+    conn = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        for text in texts:
+            await conn.prepare(text)
+    finally:
+        await conn.close()
+    assert len(texts) == 3 * 8 + 4 + 3

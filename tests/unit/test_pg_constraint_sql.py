@@ -4,6 +4,7 @@ the refusal's SQLSTATE becomes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from flowlock._pg.errors import broken, translate
 from flowlock.core.constraints import Claim
 from flowlock.core.errors import StoreError
 from flowlock.core.models import HistoryEntry
+from flowlock.core.outbox import Emit
 from flowlock.stores.postgres import constraints, retention
 from flowlock.stores.postgres import sql as statements
 from flowlock.stores.postgres.constraint_sql import CLAIM_ARRAYS, claim_args
@@ -54,6 +56,13 @@ def test_a_commit_without_claims_sends_the_statement_it_always_did() -> None:
     assert claim_args([one]) is None
 
 
+def extras(e: HistoryEntry, timed: bool, emits: bool) -> HistoryEntry:
+    """`e` ending its stay's timers and emitting a message, as asked."""
+    return dataclasses.replace(e, voids=timed, emits=(Emit("note"),) if emits else ())
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["", "timed"])
+@pytest.mark.parametrize("emits", [False, True], ids=["", "emits"])
 @pytest.mark.parametrize(
     "batches",
     [
@@ -64,12 +73,15 @@ def test_a_commit_without_claims_sends_the_statement_it_always_did() -> None:
     ids=["one", "batch", "many"],
 )
 def test_a_commit_with_claims_calls_the_function_with_aligned_arrays(
-    batches: list[tuple[HistoryEntry, ...]],
+    batches: list[tuple[HistoryEntry, ...]], timed: bool, emits: bool
 ) -> None:
     """With a claim anywhere, the variant that calls flowlock_claims is sent, reading every
-    argument it is given (the claims' arrays last, one element per claim)."""
+    argument it is given (the claims' arrays last, one element per claim), with timers and
+    messages in the same statement or not."""
+    batches = [tuple(extras(e, timed, emits) for e in batch) for batch in batches]
     text, args = cas_of(batches[0]) if len(batches) == 1 else many_of(batches)
     assert "flowlock_claims(" in text and "CROSS JOIN claimed" in text
+    assert ("timers_dropped" in text) == timed and ("outboxed" in text) == emits
     assert highest_parameter(text) == len(args)
     claims = args[-CLAIM_ARRAYS:]
     assert claims[0] == ["i"] and claims[3] == ["take"] and claims[5] == ["bob"]
