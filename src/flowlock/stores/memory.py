@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flowlock.core.admin import WorkflowPause, refuse_paused
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -434,7 +434,9 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         finally:
             row_lock.release()
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """Each batch's compare-and-swap, all in one pass on the event loop once the row locks
         of every instance written are held (taken in id order, so two such calls never wait on
         each other in a circle; a free lock is taken without yielding). A lost compare-and-swap

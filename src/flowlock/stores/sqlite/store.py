@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
 from flowlock.core.admin import WorkflowPause
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
@@ -387,7 +387,9 @@ class SqliteStore(
             what="commit",
         )
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """Every batch's compare-and-swap in one write transaction (SQLite's one round trip):
         one that loses is None at its place and leaves no row, the others commit. Raises
         InstanceNotFound (nothing written) when one of the instances does not exist."""
@@ -395,12 +397,14 @@ class SqliteStore(
         if not encoded:
             self._live()  # closed is closed, even for nothing to write
             return []
-        return await self._write(
-            encoded[0].instance_id,
-            lambda conn, wake: commit_many_txn(conn, encoded, wake),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="commit_many",
+        return list(
+            await self._write(
+                encoded[0].instance_id,
+                lambda conn, wake: commit_many_txn(conn, encoded, wake),
+                bound=self.busy_timeout,
+                nowait=False,
+                what="commit_many",
+            )
         )
 
     async def apply_locked(
