@@ -195,7 +195,10 @@ class Store(Protocol):
     ) -> list[Instance | ConstraintRefused | None]:
         """`commit` for each batch, one instance each (no instance twice), in one round trip
         where the store can. Each compare-and-swap stands alone: one that loses (None at its
-        place in the answer) writes nothing and leaves the others to commit."""
+        place in the answer) writes nothing and leaves the others to commit. So does a batch
+        whose claims a constraint refuses: its ConstraintRefused (CapacityReached,
+        UniqueViolation, RateLimited; `version` and `event` of the entry refused) is its
+        answer, not raised."""
 
     async def apply_locked(
         self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock

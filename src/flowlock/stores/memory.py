@@ -105,7 +105,8 @@ class MemoryStore(
 
     As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
     holder, at most `lock_timeout` seconds (then LockTimeout), and then compares against what
-    the holder committed."""
+    the holder committed. A commit's constraint claims are applied in the same step as its
+    compare-and-swap (see `memory_constraints`); every engine on the store hears its releases."""
 
     def __init__(self, *, lock_timeout: float = 5.0) -> None:
         self._lock_timeout = check_seconds("lock_timeout", lock_timeout)

@@ -4,7 +4,8 @@ commit in the same step on the event loop as its compare-and-swap (a mixin of Me
 A commit's claims are applied one by one, each change noted in a journal; a refused claim
 undoes the journal and raises, so nothing of that commit stays (see
 [`flowlock.stores.constraint_store`][flowlock.stores.constraint_store]). Times are epoch
-seconds on the store's wall clock (`_constraint_clock`, `time.time` unless a test sets it).
+seconds on the process's monotonic clock, moved to the epoch once when the store is made
+(`_constraint_clock`): a change of the wall clock moves no rate window.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 
 from flowlock.core.constraints import CapacityUsage
 from flowlock.stores._claims import Claimed, rate_refusal, take_refusal
@@ -72,7 +74,8 @@ class MemoryConstraints:
         self._slot_log = []
         self._rate_log = {}
         self._release_listeners = set()
-        self._constraint_clock = time.time
+        epoch = datetime.now(UTC).timestamp() - time.monotonic()
+        self._constraint_clock = lambda: epoch + time.monotonic()
 
     # -- writes: called by the store's commits, never across an await -------------------------
 
@@ -81,9 +84,10 @@ class MemoryConstraints:
         with every change of this call undone. Answers the keys released, for `_heard` once
         the commit's other writes are done."""
         journal = _Journal(log_length=len(self._slot_log))
-        now = self._constraint_clock()
+        now = 0.0
         try:
             for c in claims:
+                now = now or self._constraint_clock()
                 op = c.claim.op
                 if op == "release":
                     self._release(c.claim.kind, c.instance_id, c.version, now, journal)

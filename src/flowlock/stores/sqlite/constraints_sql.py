@@ -68,8 +68,9 @@ VALUES (?, ?, ?, ?, ?, ?, ?)
 def apply_claims(conn: sqlite3.Connection, claims: Iterable[Claimed], released: Released) -> None:
     """Apply one commit's `claims` in order, in the open write transaction; the keys released
     are added to `released`. A refused claim raises: the caller rolls back."""
-    now = time.time()
+    now = 0.0
     for c in claims:
+        now = now or time.time()
         op = c.claim.op
         if op == "release":
             _release(conn, c.claim.kind, c.instance_id, c.version, now, released)
