@@ -16,6 +16,7 @@ of issue 28 is merged) is skipped, saying so; so are the tests that need the eng
 from __future__ import annotations
 
 import asyncio
+import importlib
 import dataclasses
 import random
 from collections import Counter, defaultdict
@@ -26,10 +27,11 @@ from typing import Any
 import pytest
 
 import flowlock
+import flowlock.checker
 from age_kit import backdate
 from flowlock import Capacity, Rate, State, Step, Transition, Unique, Workflow
 from flowlock.core.constraints import Claim, ConstraintRefused
-from flowlock.core.models import HistoryEntry, Instance, Snapshot
+from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.locks import MemoryLocks
 from flowlock.stores import Store
 from flowlock.stores.base import RowLock
@@ -186,6 +188,24 @@ def prove(rows: ConstraintRows, instances: Mapping[str, Instance] | None = None)
             assert len(within) <= limits[0].limit, (kind_key, within)
 
 
+async def proven(engine: flowlock.Engine) -> ConstraintRows:
+    """`prove` on the engine's store, and, where `flowlock.checker` has it (the checker's side of
+    issue 28), the checker's constraint rules over every instance and its history: clean."""
+    rows = await cs(engine).constraint_rows()
+    prove(rows)
+    check_constraints = getattr(flowlock.checker, "check_constraints", None)
+    if check_constraints is None:
+        return rows
+    checking = importlib.import_module("flowlock.checker.constraints")
+    store = engine.store
+    instances = await store.list_instances(InstanceQuery(), after=None, limit=10_000)
+    history = [e for inst in instances for e in await store.history(inst.id)]
+    rules = {name: checking.slot_rules(wf) for name, wf in engine.workflows.items()}
+    violations = check_constraints(rows, instances, history, rules)
+    assert violations == [], violations
+    return rows
+
+
 # -- capacity ------------------------------------------------------------------------------------
 
 
@@ -210,7 +230,7 @@ async def test_a_full_key_refuses_entry_and_writes_nothing(engine: flowlock.Engi
     # The refused request id was not recorded: the same id applies once a slot is free.
     await engine.fire(a, "finish")
     assert (await engine.fire(c, "submit", request_id="try-c")).applied
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 async def test_leaving_the_state_frees_the_slot(engine: flowlock.Engine) -> None:
@@ -234,7 +254,7 @@ async def test_leaving_the_state_frees_the_slot(engine: flowlock.Engine) -> None
     await engine.fire(a, "reopen")
     with pytest.raises(flowlock.CapacityReached):
         await engine.fire(a, "submit")
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 async def test_limit_one_is_a_mutex_per_key(store_factory: StoreFactory) -> None:
@@ -252,7 +272,7 @@ async def test_limit_one_is_a_mutex_per_key(store_factory: StoreFactory) -> None
         await eng.fire("x2", "submit")
         assert await holders(eng, REVIEW, "ann") == ("x2",)
         assert await holders(eng, REVIEW, "bob") == ("y1",)
-        prove(await cs(eng).constraint_rows())
+        await proven(eng)
     finally:
         await eng.aclose()
 
@@ -275,7 +295,7 @@ async def test_a_key_that_changes_moves_the_slot(engine: flowlock.Engine) -> Non
         await engine.fire(b, "reassign", payload={"to": "bob"})
     assert await holders(engine, REVIEW, "ann") == (b,)
     assert (await engine.get(b)).data == {"r": "ann"}
-    rows = await cs(engine).constraint_rows()
+    rows = await proven(engine)
     prove(rows, {i.id: i for i in [await engine.get(x) for x in (a, b, c)]})
 
 
@@ -303,7 +323,7 @@ async def test_a_store_create_with_a_unique_claim_refuses_a_second(
         await store.get("s2")
     assert await store.create_request("s2") is None
     assert await holders(engine, SUB, "c-1") == ("s1",)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 @NEEDS_ENGINE
@@ -326,7 +346,7 @@ async def test_unique_in_the_initial_state_refuses_a_second_create(
     await engine.fire("s1", "cancel")
     await engine.create("sub", instance_id="s2", data={"customer": "c-1"})
     assert await holders(engine, SUB, "c-1") == ("s2",)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 # -- rate limits ---------------------------------------------------------------------------------
@@ -359,9 +379,8 @@ async def test_a_rate_limit_refuses_past_the_limit_and_allows_after_the_window(
     assert (await engine.fire("p", "ping")).applied
     usage = await cs(engine).capacity_usage(PING, "acme", window=60.0)
     assert usage.holders == ("p",) * (applied + 1) and usage.limit == 2
-    rows = await cs(engine).constraint_rows()
+    rows = await proven(engine)
     assert sum(1 for r in rows.rates if r.key == "acme") == applied + 1
-    prove(rows)
 
 
 # -- repairs ---------------------------------------------------------------------------------
@@ -382,7 +401,7 @@ async def test_force_into_a_full_state_is_refused_and_out_of_it_frees(
     assert await holders(engine, REVIEW, "ann") == (b,)
     await engine.force(c, "in_review", reason="rush", actor="ops")
     assert await holders(engine, REVIEW, "ann") == (b, c)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 async def test_pause_and_resume_keep_the_slot(engine: flowlock.Engine) -> None:
@@ -400,7 +419,7 @@ async def test_pause_and_resume_keep_the_slot(engine: flowlock.Engine) -> None:
     await engine.pause(b, reason="audit", actor="ops")
     await engine.force(b, "done", reason="closed by hand", actor="ops")
     assert await holders(engine, REVIEW, "ann") == (a,)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 # -- retention and other engines -------------------------------------------------------------
@@ -428,10 +447,9 @@ async def test_a_purge_frees_the_slots_of_what_it_deletes(store_factory: StoreFa
         report = await eng.purge("ledger", older_than=timedelta(minutes=10))
         assert report.purged == 2
         assert await holders(eng, "ledger.closed", "ann") == ("l3",)
-        rows = await cs(eng).constraint_rows()
+        rows = await proven(eng)
         freed = sorted((e.instance_id, e.delta) for e in rows.log if e.delta < 0)
         assert freed == [("l1", -1), ("l2", -1)]
-        prove(rows)
     finally:
         await eng.aclose()
 
@@ -498,7 +516,7 @@ async def test_commit_many_answers_a_refused_batch_at_its_place(engine: flowlock
     assert isinstance(third, Instance) and third.version == 2
     assert (await store.get(b)).version == 1 and await store.history(b) == []
     assert await holders(engine, REVIEW, "ann") == (a,)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 async def test_a_refused_claim_under_the_row_lock_writes_nothing(engine: flowlock.Engine) -> None:
@@ -520,7 +538,7 @@ async def test_a_refused_claim_under_the_row_lock_writes_nothing(engine: flowloc
     assert (await store.get(a)).version == 2
     assert await holders(engine, REVIEW, "ann") == (a, b)
     assert await holders(engine, REVIEW, "bob") == (c,)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 # -- concurrency ---------------------------------------------------------------------------------
@@ -544,7 +562,7 @@ async def test_concurrent_calls_on_one_instance_batched(engine: flowlock.Engine)
     applied = [p for p in pings if isinstance(p, flowlock.Outcome) and p.applied]
     assert len(applied) == 5, pings
     assert all(isinstance(p, flowlock.RateLimited) for p in pings if p not in applied)
-    prove(await cs(engine).constraint_rows())
+    await proven(engine)
 
 
 @pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
@@ -588,5 +606,6 @@ async def test_concurrent_tasks_never_exceed_the_limit(
         assert len(takes) == sum(entered.values())
         assert max(e.holders for e in rows.log) <= 2
         prove(rows, {iid: await eng.get(iid) for iid in ids})
+        await proven(eng)
     finally:
         await eng.aclose()
