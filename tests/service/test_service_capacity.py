@@ -78,7 +78,8 @@ async def test_a_full_key_is_409_capacity_reached_and_writes_nothing(svc: Servic
     refused = await client.post("/instances/b/events/start")
     body = assert_problem(refused, 409, "capacity-reached")
     assert (body["kind"], body["key"], body["limit"], body["holders"]) == (CAP, "r", 1, ["a"])
-    assert (body["instance_id"], body["version"], body["event"]) == ("b", 1, "start")
+    # version: the one the refused commit would have made.
+    assert (body["instance_id"], body["version"], body["event"]) == ("b", 2, "start")
     assert await snapshot(client, "b") == before
 
 

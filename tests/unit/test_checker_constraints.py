@@ -160,6 +160,16 @@ def test_events_without_a_counter_row_are_a_slot_counter_violation() -> None:
     assert "no counter row" in found[0].message
 
 
+def test_a_rate_limits_counter_row_holds_no_slot() -> None:
+    """A store may count a rate key's applications on a counter row of its own: any sequence
+    number, never a holder."""
+    counter = CounterRow(RATE, "r", 0, 2, 3)
+    assert _check(dataclasses.replace(CLEAN, counters=(*CLEAN.counters, counter))) == []
+    held = dataclasses.replace(counter, holders=1)
+    found = _check(dataclasses.replace(CLEAN, counters=(*CLEAN.counters, held)))
+    assert _kinds(found) == [SLOT_COUNTER]
+
+
 def test_a_slot_row_the_events_do_not_leave_is_a_slot_counter_violation() -> None:
     """Slot rows are the replayed holders: a missing one shows (and so does the instance in the
     state without its slot)."""
