@@ -174,7 +174,7 @@ def test_a_key_function_that_raises_is_step_failed() -> None:
     ("make", "message"),
     [
         (lambda: flowlock.Capacity(key=reviewer, limit=0), "limit"),
-        (lambda: flowlock.Capacity(key="reviewer", limit=2), "key must be a function"),
+        (lambda: flowlock.Capacity(key="reviewer", limit=2), "key must be a function"),  # type: ignore[arg-type]
         (lambda: flowlock.Capacity(key=reviewer, limit=2, wait=-1), "wait"),
         (lambda: flowlock.Capacity(key=reviewer, limit=2, wait=10_000), "wait"),
         (lambda: flowlock.Rate(key=reviewer, per=timedelta(0), limit=2), "per"),
