@@ -148,3 +148,31 @@ def test_the_sync_engine_shows_capacity_too(tmp_path: Any) -> None:
         engine.create("desks", instance_id="s1", data={"desk": "x"})
         engine.fire("s1", "enter")
         assert engine.capacity("desks.held", "x").holders == ("s1",)
+
+
+async def test_refusals_and_waits_are_counted_per_constraint() -> None:
+    """The engine counts a refusal, a wait that got its slot and one that timed out, by kind."""
+    from prometheus_client import CollectorRegistry
+
+    from flowlock.stores.memory import MemoryStore
+
+    registry = CollectorRegistry()
+    metrics = flowlock.Metrics(registry=registry)
+    async with flowlock.Engine(MemoryStore(), metrics=metrics) as engine:
+        await engine.register(_desks(1, wait=0.5))
+        a, b = await _made(engine, 2)
+        await engine.fire(a, "enter")
+        with pytest.raises(flowlock.CapacityReached):
+            await engine.fire(b, "enter")
+        entering = asyncio.create_task(engine.fire(b, "enter"))
+        await asyncio.sleep(0.1)  # b is refused and waits
+        await engine.fire(a, "leave")
+        assert (await entering).applied
+
+    def sample(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"kind": "desks.held", **labels}) or 0.0
+
+    assert sample("flowlock_constraint_refusals_total", rule="capacity") == 1
+    assert sample("flowlock_constraint_waits_total", outcome="timeout") == 1
+    assert sample("flowlock_constraint_waits_total", outcome="slot") == 1
+    assert sample("flowlock_constraint_wait_seconds_count") == 2
