@@ -229,8 +229,9 @@ async def test_unique_create_is_refused_and_a_keyed_retry_applies_nothing(
     make: Make, sql: Sql
 ) -> None:
     """A second active subscription of one customer is refused at create with UniqueViolation
-    naming the holder, and nothing of it is written; a create answered from its request key
-    takes no slot; once the first ends, the customer may subscribe again."""
+    naming the holder, and nothing of it is written (through the store and the engine); a
+    create answered from its request key takes no slot; once the first ends, the customer may
+    subscribe again."""
     eng = await make()
     store = store_of(eng)
     rules = subscription().constraints
@@ -254,6 +255,10 @@ async def test_unique_create_is_refused_and_a_keyed_retry_applies_nothing(
     await eng.fire("s1", "end")
     await store.create(second, "key-2", claims=claims2)
     assert await sql.holders("cust", "sub.unique") == ["s2"]
+    with pytest.raises(flowlock.UniqueViolation) as through_engine:
+        await eng.create("sub", instance_id="s3", data={"c": "cust"})
+    assert through_engine.value.holder == "s2"
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_instances WHERE id = 's3'") == 0
 
 
 async def test_rate_limit_refuses_with_retry_after(make: Make, sql: Sql) -> None:
@@ -579,3 +584,19 @@ async def test_every_claimed_statement_is_valid_sql(
     finally:
         await conn.close()
     assert len(texts) == 3 * 8 + 4 + 3
+
+
+async def test_fire_in_a_psycopg_transaction(make: Make, sql: Sql, pg_url: str) -> None:
+    """With a psycopg AsyncConnection as connection=, the claims' arrays go through and a
+    refusal is the same CapacityReached, leaving the caller's transaction usable."""
+    psycopg = pytest.importorskip("psycopg")
+    eng = await make()
+    await reviews(eng, "bob", "a", "b", "c")
+    async with await psycopg.AsyncConnection.connect(pg_url) as conn, conn.transaction():
+        await eng.fire("a", "start", connection=conn)
+        await eng.fire("b", "start", connection=conn)
+        with pytest.raises(flowlock.CapacityReached) as refused:
+            await eng.fire("c", "start", connection=conn)
+        assert refused.value.holders == ("a", "b")
+        await conn.execute("SELECT 1")  # still usable
+    assert await sql.holders("bob") == ["a", "b"] and await sql.version("c") == 1
