@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import pytest
 
@@ -373,3 +374,32 @@ async def test_fire_in_a_psycopg_transaction(make: Make, sql: Sql, pg_url: str) 
         assert refused.value.holders == ("a", "b")
         await conn.execute("SELECT 1")  # still usable
     assert await sql.holders("bob") == ["a", "b"] and await sql.version("c") == 1
+
+
+async def test_a_timed_unique_create_arms_its_timer_and_takes_its_slot(
+    make: Make, sql: Sql
+) -> None:
+    """A create that arms its first state's timer and takes a unique slot does both in its one
+    statement, keyed or not; a second is refused with neither written."""
+    eng = await make()
+    timed = flowlock.Workflow(
+        "trial",
+        states=["on", "off"],
+        initial="on",
+        transitions=[
+            flowlock.Transition("lapse", source="on", target="off", after=timedelta(hours=1))
+        ],
+        unique=flowlock.Unique(key=lambda i: i.data["c"], states=["on"]),
+    )
+    await eng.register(timed)
+    store = store_of(eng)
+    await eng.create("trial", instance_id="t1", data={"c": "x"})
+    await eng.create("trial", instance_id="t2", data={"c": "y"}, request_id="key-y")
+    for iid, key in (("t3", "x"), ("t4", "y")):
+        with pytest.raises(flowlock.UniqueViolation):
+            await eng.create("trial", instance_id=iid, data={"c": key}, request_id=f"k-{iid}")
+    assert [len(await store.timers(iid)) for iid in ("t1", "t2")] == [1, 1]
+    assert await sql.holders("x", "trial.unique") == ["t1"]
+    assert await sql.holders("y", "trial.unique") == ["t2"]
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_timers") == 2
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_create_requests") == 1
