@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
+import asyncpg
 import pytest
 
 import flowlock
@@ -348,7 +349,10 @@ async def test_every_claimed_statement_is_valid_sql(
         *(v for k, v in vars(statements).items() if k.startswith("CREATE") and "CLAIMED" in k),
         constraints.USAGE,
         constraints.RATE_USAGE,
-        constraints.ROWS,
+        constraints.LOG,
+        constraints.SLOTS,
+        constraints.COUNTERS,
+        constraints.RATES,
     ]
     conn = await pg_budget.connect(pg_url)
     try:
@@ -357,7 +361,7 @@ async def test_every_claimed_statement_is_valid_sql(
             await conn.prepare(text)
     finally:
         await conn.close()
-    assert len(texts) == 3 * 8 + 4 + 3
+    assert len(texts) == 3 * 8 + 4 + 6
 
 
 async def test_fire_in_a_psycopg_transaction(make: Make, sql: Sql, pg_url: str) -> None:
@@ -403,3 +407,22 @@ async def test_a_timed_unique_create_arms_its_timer_and_takes_its_slot(
     assert await sql.holders("y", "trial.unique") == ["t2"]
     assert await sql.val("SELECT count(*) FROM {s}.flowlock_timers") == 2
     assert await sql.val("SELECT count(*) FROM {s}.flowlock_create_requests") == 1
+
+
+async def test_the_reads_on_an_applications_pool(make: Make, pg_url: str, pg_schema: str) -> None:
+    """On an application's pool (flowlock's statements in a transaction of their own there,
+    for the schema), capacity_usage and constraint_rows read what the commits wrote."""
+    eng = await make()
+    await reviews(eng, "bob", "a")
+    await eng.fire("a", "start")
+    pool = await asyncpg.create_pool(pg_url, min_size=1, max_size=2)
+    try:
+        store = PostgresStore(pool=pool, schema=pg_schema)
+        await store.open()
+        assert (await store.capacity_usage(KIND, "bob")).holders == ("a",)
+        rows = await store.constraint_rows()
+        assert [(s.instance_id, s.version) for s in rows.slots] == [("a", 2)]
+        assert [e.delta for e in rows.log] == [1]
+        await store.aclose()
+    finally:
+        await pool.close()
