@@ -16,14 +16,16 @@ of issue 28 is merged) is skipped, saying so; so are the tests that need the eng
 from __future__ import annotations
 
 import asyncio
-import importlib
 import dataclasses
+import importlib
 import random
+import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 
 import flowlock
@@ -36,6 +38,8 @@ from flowlock.locks import MemoryLocks
 from flowlock.stores import Store
 from flowlock.stores.base import RowLock
 from flowlock.stores.constraint_store import ConstraintRows, ConstraintStore
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
 from lock_probes import wait_until
 
 StoreFactory = Callable[..., Store]
@@ -565,47 +569,84 @@ async def test_concurrent_calls_on_one_instance_batched(engine: flowlock.Engine)
     await proven(engine)
 
 
+async def raw_slots(store: Store) -> Counter[str]:
+    """The review slots held per key, counted with the test's own SQL where there is SQL."""
+    if isinstance(store, SqliteStore):
+        conn = sqlite3.connect(store.path)
+        try:
+            found = conn.execute(
+                "SELECT key, count(*) FROM flowlock_slots WHERE kind = ? GROUP BY key", (REVIEW,)
+            ).fetchall()
+        finally:
+            conn.close()
+    elif isinstance(store, PostgresStore):
+        assert store.dsn is not None
+        conn_pg = await asyncpg.connect(store.dsn)
+        try:
+            await conn_pg.execute(f'SET search_path TO "{store.schema}"')
+            found = await conn_pg.fetch(
+                "SELECT key, count(*) FROM flowlock_slots WHERE kind = $1 GROUP BY key", REVIEW
+            )
+        finally:
+            await conn_pg.close()
+    else:
+        rows = await constraint_store(store).constraint_rows()
+        return Counter(s.key for s in rows.slots if s.kind == REVIEW)
+    return Counter({key: int(n) for key, n in found})
+
+
 @pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
 async def test_concurrent_tasks_never_exceed_the_limit(
     store_factory: StoreFactory, strategy: str
 ) -> None:
-    """Tasks moving 24 instances in and out of a state of capacity 2 over 3 keys, all at once:
-    the slot rows counted per key never exceed 2, and the store's events prove no key ever
-    held more."""
-    eng = await _open(store_factory, review(limit=2, strategy=strategy))
+    """Tasks on two engines (two store objects of one database, like two processes) move 24
+    instances in and out of a state of capacity 2 over 3 keys, all at once, and stay inside
+    in the end: the slot rows counted per key are 2, the instances inside, and the store's
+    events prove no key ever held more."""
+    engines = [await _open(store_factory, review(limit=2, strategy=strategy)) for _ in range(2)]
+    eng = engines[0]
     try:
         keys = ["ann", "bob", "cat"]
         ids = [f"i{n:02d}" for n in range(24)]
         for n, iid in enumerate(ids):
             await eng.create("review", instance_id=iid, data={"r": keys[n % 3]})
         entered = Counter[str]()
+        refusals: list[str] = []
+        everyone = asyncio.Barrier(len(ids))
 
-        async def run(iid: str) -> None:
-            rng = random.Random(iid)
-            for _ in range(3):
-                for _ in range(400):  # bounded: each try is one commit
-                    try:
-                        await eng.fire(iid, "submit")
-                        break
-                    except flowlock.CapacityReached:
-                        await asyncio.sleep(rng.uniform(0.001, 0.01))
-                else:
-                    return  # starved: allowed, the limit is what is checked
+        async def enter(mine: flowlock.Engine, iid: str, tries: int, rng: random.Random) -> bool:
+            for _ in range(tries):  # bounded: each try is one commit
+                try:
+                    await mine.fire(iid, "submit")
+                except flowlock.CapacityReached:
+                    refusals.append(iid)
+                    await asyncio.sleep(rng.uniform(0.001, 0.01))
+                    continue
                 entered[iid] += 1
-                await eng.fire(iid, "note")
-                await eng.fire(iid, "finish")
-                await eng.fire(iid, "reopen")
+                await mine.fire(iid, "note")
+                return True
+            return False  # starved: allowed, the limit is what is checked
+
+        async def run(n: int, iid: str) -> None:
+            rng = random.Random(iid)
+            mine = engines[n % 2]
+            for _ in range(2):
+                if await enter(mine, iid, 400, rng):
+                    await mine.fire(iid, "finish")
+                    await mine.fire(iid, "reopen")
+            await everyone.wait()  # then all at once again, and those who get in stay
+            await enter(mine, iid, 10, rng)
 
         async with asyncio.timeout(120):
-            await asyncio.gather(*(run(iid) for iid in ids))
-        assert sum(entered.values()) > 0
+            await asyncio.gather(*(run(n, iid) for n, iid in enumerate(ids)))
+        assert sum(entered.values()) > 0 and refusals  # they did contend
+        assert await raw_slots(eng.store) == Counter(dict.fromkeys(keys, 2))
         rows = await cs(eng).constraint_rows()
-        per_key = Counter(s.key for s in rows.slots if s.kind == REVIEW)
-        assert all(n <= 2 for n in per_key.values()), per_key
         takes = [e for e in rows.log if e.delta == 1]
         assert len(takes) == sum(entered.values())
         assert max(e.holders for e in rows.log) <= 2
         prove(rows, {iid: await eng.get(iid) for iid in ids})
         await proven(eng)
     finally:
-        await eng.aclose()
+        for each in engines:
+            await each.aclose()
