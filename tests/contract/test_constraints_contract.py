@@ -387,6 +387,27 @@ async def test_a_rate_limit_refuses_past_the_limit_and_allows_after_the_window(
     assert sum(1 for r in rows.rates if r.key == "acme") == applied + 1
 
 
+async def test_a_lowered_rate_limit_counts_what_the_window_holds(engine: flowlock.Engine) -> None:
+    """Applications counted under a higher limit still count after the limit is lowered: the
+    count is refused until enough of them leave the window (retry_after: until the oldest of
+    the newest `limit` leaves, most of the window here)."""
+    store = engine.store
+    await engine.create("pinger", instance_id="p", data={"account": "acme"})
+    for limit in (5, 5, 5):
+        inst = await store.get("p")
+        made = await store.commit(
+            [_entry(inst, "ping", "on", Claim("count", PING, "acme", limit, 60.0))]
+        )
+        assert made is not None
+    inst = await store.get("p")
+    with pytest.raises(flowlock.RateLimited) as refused:
+        await store.commit([_entry(inst, "ping", "on", Claim("count", PING, "acme", 2, 60.0))])
+    assert 50.0 < refused.value.retry_after <= 60.0
+    assert (refused.value.limit, refused.value.version) == (2, inst.version + 1)
+    assert (await store.get("p")).version == inst.version
+    await proven(engine)
+
+
 # -- repairs ---------------------------------------------------------------------------------
 
 

@@ -186,7 +186,9 @@ class MemoryConstraints:
         if events and events[-1].at > now:
             now = events[-1].at  # the wall clock stepped back: keep the log in time order
         start = bisect.bisect_right(events, now - claim.per, key=_at)
-        refused = rate_refusal(c, [e.at for e in events[start:]], now)
+        counted = len(events) - start
+        oldest = events[-claim.limit].at if counted >= claim.limit else None
+        refused = rate_refusal(c, counted, oldest, now)
         if refused is not None:
             raise refused
         events.append(
