@@ -410,12 +410,14 @@ class SqliteStore(
         if not encoded:
             self._live()  # closed is closed, even for nothing to write
             return []
-        return await self._write(
-            encoded[0].instance_id,
-            lambda conn, wake: commit_many_txn(conn, encoded, wake),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="commit_many",
+        return list(
+            await self._write(
+                encoded[0].instance_id,
+                lambda conn, wake: commit_many_txn(conn, encoded, wake),
+                bound=self.busy_timeout,
+                nowait=False,
+                what="commit_many",
+            )
         )
 
     async def apply_locked(
