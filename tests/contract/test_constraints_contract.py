@@ -8,16 +8,14 @@ without a gap, the holder count after each event the running sum of the takes an
 never above the limit, the counter equal to the slots held, each slot held by an instance in
 the state under that key.
 
-A store that does not apply constraints yet (not a ConstraintStore: PostgreSQL before its side
-of issue 28 is merged) is skipped, saying so; so are the tests that need the engine's side
-(create's claims, a refused call split out of its batch) before it is merged.
+The checker's constraint rules (`flowlock.checker.check_constraints`) run after each test too,
+over every instance and its history: clean.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import random
 import sqlite3
 from collections import Counter, defaultdict
@@ -29,9 +27,10 @@ import asyncpg
 import pytest
 
 import flowlock
-import flowlock.checker
 from age_kit import backdate
 from flowlock import Capacity, Rate, State, Step, Transition, Unique, Workflow
+from flowlock.checker import check_constraints
+from flowlock.checker.constraints import slot_rules
 from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.locks import MemoryLocks
@@ -48,12 +47,6 @@ REVIEW = "review.in_review"
 SUB = "sub.unique"
 PING = "pinger.ping.rate"
 PER = 0.3  # a rate limit's window, seconds
-ENGINE_SIDE = hasattr(flowlock.Engine, "capacity")
-NEEDS_ENGINE = pytest.mark.skipif(
-    not ENGINE_SIDE,
-    reason="needs the engine side of issue 28 (create's claims, a refused call split out of "
-    "its batch): flowlock.Engine.capacity is not there yet",
-)
 
 
 def reviewer(inst: Instance) -> object:
@@ -115,12 +108,8 @@ def pinger(limit: int = 2, per: float = PER) -> Workflow:
 
 
 def constraint_store(store: Store) -> ConstraintStore:
-    """`store` as a ConstraintStore, or the test skipped (PostgreSQL before the pg branch)."""
-    if not isinstance(store, ConstraintStore):
-        pytest.skip(
-            f"{type(store).__name__} does not apply constraints yet (no capacity_usage, "
-            "constraint_rows, slot_releases): the PostgreSQL side of issue 28 is not merged"
-        )
+    """`store` as the ConstraintStore every store is."""
+    assert isinstance(store, ConstraintStore), type(store).__name__
     return store
 
 
@@ -193,18 +182,14 @@ def prove(rows: ConstraintRows, instances: Mapping[str, Instance] | None = None)
 
 
 async def proven(engine: flowlock.Engine) -> ConstraintRows:
-    """`prove` on the engine's store, and, where `flowlock.checker` has it (the checker's side of
-    issue 28), the checker's constraint rules over every instance and its history: clean."""
+    """`prove` on the engine's store, and the checker's constraint rules over every instance and
+    its history: clean."""
     rows = await cs(engine).constraint_rows()
     prove(rows)
-    check_constraints = getattr(flowlock.checker, "check_constraints", None)
-    if check_constraints is None:
-        return rows
-    checking = importlib.import_module("flowlock.checker.constraints")
     store = engine.store
     instances = await store.list_instances(InstanceQuery(), after=None, limit=10_000)
     history = [e for inst in instances for e in await store.history(inst.id)]
-    rules = {name: checking.slot_rules(wf) for name, wf in engine.workflows.items()}
+    rules = {name: slot_rules(wf) for name, wf in engine.workflows.items()}
     violations = check_constraints(rows, instances, history, rules)
     assert violations == [], violations
     return rows
@@ -229,8 +214,8 @@ async def test_a_full_key_refuses_entry_and_writes_nothing(engine: flowlock.Engi
     assert (inst.state, inst.version) == ("draft", 1)
     assert await engine.history(c) == []
     assert await holders(engine, REVIEW, "ann") == (a, b)
-    usage = await cs(engine).capacity_usage(REVIEW, "ann")
-    assert (usage.limit, usage.used, usage.free) == (2, 2, 0)
+    usage = await engine.capacity(REVIEW, "ann")
+    assert (usage.limit, usage.used, usage.free, usage.rule) == (2, 2, 0, "capacity")
     # The refused request id was not recorded: the same id applies once a slot is free.
     await engine.fire(a, "finish")
     assert (await engine.fire(c, "submit", request_id="try-c")).applied
@@ -259,6 +244,39 @@ async def test_leaving_the_state_frees_the_slot(engine: flowlock.Engine) -> None
     with pytest.raises(flowlock.CapacityReached):
         await engine.fire(a, "submit")
     await proven(engine)
+
+
+async def test_a_waiting_entry_is_woken_when_a_slot_is_released(
+    store_factory: StoreFactory,
+) -> None:
+    """With Capacity(wait=), an entry into a full key waits, and enters once the holder leaves
+    through another engine on the same database (woken by the release as that store hears it:
+    NOTIFY on PostgreSQL, SQLite's look every second, the shared memory store at once)."""
+    waiting = Workflow(
+        "review",
+        states=["draft", State("in_review", capacity=Capacity(reviewer, 1, wait=20.0)), "done"],
+        initial="draft",
+        transitions=[
+            Transition("submit", source="draft", target="in_review"),
+            Transition("finish", source="in_review", target="done"),
+        ],
+    )
+    here = await _open(store_factory, waiting)
+    there = await _open(store_factory, waiting)
+    try:
+        a, b = await drafts(here, 2)
+        await here.fire(a, "submit")
+        entering = asyncio.create_task(here.fire(b, "submit"))
+        await asyncio.sleep(0.2)  # b is waiting (were it refused, the task says so below)
+        assert not entering.done()
+        await there.fire(a, "finish")
+        async with asyncio.timeout(15):  # a bound, well under b's own wait
+            outcome = await entering
+        assert outcome.applied and await holders(here, REVIEW, "ann") == (b,)
+        await proven(here)
+    finally:
+        await there.aclose()
+        await here.aclose()
 
 
 async def test_limit_one_is_a_mutex_per_key(store_factory: StoreFactory) -> None:
@@ -330,7 +348,6 @@ async def test_a_store_create_with_a_unique_claim_refuses_a_second(
     await proven(engine)
 
 
-@NEEDS_ENGINE
 async def test_unique_in_the_initial_state_refuses_a_second_create(
     engine: flowlock.Engine,
 ) -> None:
@@ -569,7 +586,6 @@ async def test_a_refused_claim_under_the_row_lock_writes_nothing(engine: flowloc
 # -- concurrency ---------------------------------------------------------------------------------
 
 
-@NEEDS_ENGINE
 async def test_concurrent_calls_on_one_instance_batched(engine: flowlock.Engine) -> None:
     """Many concurrent calls on one instance (batched together): the slot is taken once, every
     `note` applies, and of concurrent rate-limited pings no more than the limit apply, the
