@@ -51,12 +51,12 @@ async def _has_table(db: Db) -> bool:
             return conn.execute(query, ("flowlock_capacity",)).fetchone() is not None
         finally:
             conn.close()
-    conn = await pg_budget.connect(db.url)
+    pg = await pg_budget.connect(db.url)
     try:
-        found = await conn.fetchval(f"SELECT to_regclass('\"{db.schema}\".flowlock_capacity')")
+        found = await pg.fetchval(f"SELECT to_regclass('\"{db.schema}\".flowlock_capacity')")
         return found is not None
     finally:
-        await conn.close()
+        await pg.close()
 
 
 async def _fill(db: Db) -> None:
