@@ -537,6 +537,56 @@ def _entry(inst: Instance, event: str, to: str, *claims: Claim) -> HistoryEntry:
     )
 
 
+def _chain(inst: Instance, *steps: tuple[str, str, tuple[Claim, ...]]) -> list[HistoryEntry]:
+    """One batch of entries from `inst`: each (event, target, claims) one version on."""
+    batch: list[HistoryEntry] = []
+    for event, to, claims in steps:
+        entry = _entry(inst, event, to, *claims)
+        batch.append(entry)
+        inst = dataclasses.replace(inst, version=entry.version, state=to)
+    return batch
+
+
+async def test_the_entries_of_one_batch_claim_in_order_all_or_nothing(
+    engine: flowlock.Engine,
+) -> None:
+    """A batch's entries apply their claims in order, each seeing the ones before (in, out
+    and in again under another key); when a later entry's claim is refused, nothing of the
+    batch stays: not the slot an earlier entry took, not one event."""
+    store = engine.store
+    a, b = await drafts(engine, 2)
+    (c,) = await drafts(engine, 1, r="bob", prefix="b")
+    await engine.fire(c, "submit")  # bob's only slot (limit 1 below) is c's
+    take_ann, take_bob = Claim("take", REVIEW, "ann", 1), Claim("take", REVIEW, "bob", 1)
+    leave = (Claim("release", REVIEW),)
+    before = await cs(engine).constraint_rows()
+    refused_batch = _chain(
+        await store.get(a),
+        ("submit", "in_review", (take_ann,)),
+        ("finish", "done", leave),
+        ("reopen", "draft", ()),
+        ("submit", "in_review", (take_bob,)),
+    )
+    with pytest.raises(flowlock.CapacityReached) as refused:
+        await store.commit(refused_batch)
+    assert (refused.value.key, refused.value.version, refused.value.holders) == ("bob", 5, (c,))
+    assert (await store.get(a)).version == 1
+    assert await cs(engine).constraint_rows() == before
+    fitting = _chain(
+        await store.get(b),
+        ("submit", "in_review", (take_ann,)),
+        ("finish", "done", leave),
+        ("reopen", "draft", ()),
+        ("submit", "in_review", (take_ann,)),
+    )
+    assert await store.commit(fitting) is not None
+    assert await holders(engine, REVIEW, "ann") == (b,)
+    log = [(e.seq, e.delta, e.holders, e.version) for e in (await cs(engine).constraint_rows()).log
+           if e.key == "ann"]  # fmt: skip
+    assert log == [(1, 1, 1, 2), (2, -1, 0, 3), (3, 1, 1, 5)]
+    await proven(engine)
+
+
 async def test_commit_many_answers_a_refused_batch_at_its_place(engine: flowlock.Engine) -> None:
     """In commit_many a batch whose claim is refused answers its ConstraintRefused, writes
     nothing, and the other batches commit."""
