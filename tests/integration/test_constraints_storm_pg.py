@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import flowlock
+from flowlock._inspect import check_instances
 from flowlock.stores.constraint_store import ConstraintRows
 from flowlock.stores.postgres import PostgresStore
 from pg_constraints_kit import Make, Sql, engines, reading, store_of
@@ -63,7 +64,8 @@ async def test_many_callers_under_the_distributed_strategy(
 
 async def storm(engines: list[flowlock.Engine], sql: Sql) -> None:
     """200 reviews over 20 keys, each entering (retrying while full) and leaving once, the
-    most held of any key counted after every step."""
+    most held of any key counted after every step; then `flowlock check` (the checker over
+    every history and the constraint rows) finds nothing wrong."""
     ids = [f"t{n}" for n in range(200)]
     for n, iid in enumerate(ids):
         await engines[0].create("review", instance_id=iid, data={"r": f"k{n % 20}"})
@@ -97,6 +99,9 @@ async def storm(engines: list[flowlock.Engine], sql: Sql) -> None:
     assert await sql.val("SELECT coalesce(sum(holders), 0) FROM {s}.flowlock_capacity") == 0
     assert await sql.val("SELECT count(*) FROM {s}.flowlock_slot_log") == 400
     replay(await store_of(engines[0]).constraint_rows())
+    report = await check_instances(engines[0], None)
+    assert report.verdict.ok, report.verdict.violations
+    assert report.slot_events == 400
 
 
 def replay(rows: ConstraintRows) -> None:
