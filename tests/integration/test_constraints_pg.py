@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -18,7 +19,11 @@ import flowlock
 import pg_budget
 from flowlock.core.constraints import Claim, constraint_claims
 from flowlock.core.models import HistoryEntry, Instance
+from flowlock.stores.base import LockedResult, Plan, RowLock
 from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.postgres.operations import Operations
+from flowlock.stores.postgres.pipeline import LockedCall, apply_locked_together
+from flowlock.stores.postgres.session import Session
 from pg_constraints_kit import (
     BOUND,
     KIND,
@@ -200,6 +205,68 @@ async def test_commit_many_answers_a_refused_batch_at_its_place(make: Make, sql:
     assert (c.instance_id, c.version, c.event) == ("c", 2, "start")
     assert isinstance(a, Instance) and a.version == 3
     assert await sql.version("c") == 1 and await sql.holders("bob") == ["a", "b"]
+
+
+async def test_many_refusals_of_one_key_in_commit_many_cost_one_round(
+    make: Make, sql: Sql, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty batches taking a full key and five without claims in one commit_many: the first
+    refused sets the other takes of that key aside (each then refused alone), so the
+    statement of them all runs twice, not twenty times; the five commit."""
+    eng = await make()
+    store = store_of(eng)
+    takers = [f"t{n}" for n in range(20)]
+    others = [f"o{n}" for n in range(5)]
+    await reviews(eng, "bob", "a", "b", *takers, *others)
+    await eng.fire("a", "start")
+    await eng.fire("b", "start")
+    rounds: list[int] = []
+    original = Operations.commit_together
+
+    async def counted(self: Operations, batches: Any) -> Any:
+        rounds.append(len(batches))
+        return await original(self, batches)
+
+    monkeypatch.setattr(Operations, "commit_together", counted)
+    take = (Claim("take", KIND, "bob", 2),)
+    batches = [[_entry(iid, 2, "start", "in_review", take)] for iid in takers]
+    batches += [[_entry(iid, 2, "note", "open", ())] for iid in others]
+    answers = await store.commit_many(batches)
+    assert all(isinstance(a, flowlock.CapacityReached) for a in answers[:20])
+    assert all(isinstance(a, Instance) and a.version == 2 for a in answers[20:])
+    assert rounds == [25, 5]
+    assert await sql.holders("bob") == ["a", "b"]
+
+
+async def test_a_pessimistic_group_answers_a_refusal_and_writes_the_rest(
+    make: Make, sql: Sql
+) -> None:
+    """A pessimistic group (one transaction, rows locked together) whose write meets a full
+    key: the refused call answers CapacityReached, the take of that key after it is left to run
+    alone (None), and the rest (the take before it included) are written in the same
+    transaction."""
+    eng = await make()
+    store = store_of(eng)
+    await reviews(eng, "bob", "a", "b", "c", "d", "o")
+    await eng.fire("a", "start")
+    take = (Claim("take", KIND, "bob", 2),)
+
+    def plan(iid: str, event: str, to: str, claims: tuple[Claim, ...]) -> Plan:
+        return lambda snap: [_entry(iid, snap.instance.version + 1, event, to, claims)]
+
+    calls = [
+        LockedCall("b", (), plan("b", "start", "in_review", take), RowLock()),
+        LockedCall("c", (), plan("c", "start", "in_review", take), RowLock()),
+        LockedCall("d", (), plan("d", "start", "in_review", take), RowLock()),
+        LockedCall("o", (), plan("o", "note", "open", ()), RowLock()),
+    ]
+    b, c, d, o = await apply_locked_together(Session(store), calls)
+    assert isinstance(c, flowlock.CapacityReached) and c.holders == ("a", "b")
+    assert d is None  # the same key: left to run alone
+    for done, iid in ((b, "b"), (o, "o")):
+        assert isinstance(done, LockedResult) and done.committed is not None, (iid, done)
+    assert await sql.holders("bob") == ["a", "b"]
+    assert [await sql.version(iid) for iid in "bcdo"] == [2, 1, 1, 2]
 
 
 async def test_pessimistic_path_applies_and_refuses_claims(make: Make, sql: Sql) -> None:
