@@ -1,0 +1,550 @@
+"""Capacities, uniqueness and rate limits across OS processes sharing one database.
+
+The workers (constraint_worker.py) start together through a gate and every test shows that
+their contended phases overlapped. Then the database is read with the tests' own SQL
+(constraint_kit): each key's slot log replayed +1 / -1 in seq order never holds more than the
+limit, the slot rows per key equal the counter and the instances in the state, the rate log
+never holds more than the limit in any window; and the exactly-once checker (what `flowlock
+check` runs) reads the whole database clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from proc_worker import Gate, Phase
+
+import flowlock
+import pg_budget
+from constraint_kit import (
+    LIMIT,
+    RATE,
+    RATE_PER,
+    REVIEW_KIND,
+    THROTTLE_KIND,
+    UNIQUE_KIND,
+    rate_proof,
+    read_pg,
+    read_sqlite,
+    review,
+    slot_proof,
+    subscription,
+    throttle,
+)
+from flowlock._inspect import check_instances
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
+
+WORKER = Path(__file__).with_name("constraint_worker.py")
+PROCESSES = 4
+BOUND = 90.0  # the most a test waits for its workers
+STRATEGIES = ["optimistic", "pessimistic", "distributed", "adaptive"]
+# What a storm's callers may be told besides "applied": the key is full, the instance moved
+# under them (another process's call got there first), or the instance's own contention.
+EXPECTED = {
+    "CapacityReached",
+    "TransitionNotAllowed",
+    "ConflictRetriesExhausted",
+    "LockTimeout",
+    "LockBusy",
+}
+
+SqlHistory = Callable[..., Awaitable[Any]]
+
+
+async def _spawn(confs: Sequence[dict[str, Any]]) -> list[asyncio.subprocess.Process]:
+    return [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(WORKER),
+            json.dumps(conf),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for conf in confs
+    ]
+
+
+async def _reports(procs: Sequence[asyncio.subprocess.Process]) -> list[dict[str, Any]]:
+    reports = []
+    for proc in procs:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=BOUND)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        reports.append(json.loads(out.decode().splitlines()[-1]))
+    return reports
+
+
+async def _stop(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _run(gate: Gate, confs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs the workers through one gate; their reports, once their phases overlapped."""
+    procs = await _spawn(confs)
+    try:
+        await gate.open_when_ready(procs)
+        reports = await _reports(procs)
+    finally:
+        await _stop(procs)
+    gate.assert_overlapped()
+    return reports
+
+
+def _total(reports: Sequence[dict[str, Any]], field: str) -> Counter[str]:
+    total: Counter[str] = Counter()
+    for report in reports:
+        total.update(report[field])
+    return total
+
+
+async def _checked(engine: flowlock.Engine) -> None:
+    """The exactly-once checker over the whole database, as `flowlock check` runs it."""
+    report = await check_instances(engine, None)
+    assert report.verdict.ok, report.verdict.describe()
+
+
+def _reviewer(data: dict[str, Any]) -> object:
+    return data["reviewer"]
+
+
+async def _pg_engine(pg_url: str, pg_schema: str) -> flowlock.Engine:
+    engine = await flowlock.Engine(PostgresStore(pg_url, schema=pg_schema, pool_size=2)).open()
+    for wf in (review(), subscription(), throttle()):
+        await engine.register(wf)
+    return engine
+
+
+async def _reviews(engine: flowlock.Engine, count: int, keys: Sequence[str]) -> list[str]:
+    ids = [f"r{n:03}" for n in range(count)]
+    for n, iid in enumerate(ids):
+        await engine.create("review", instance_id=iid, data={"reviewer": keys[n % len(keys)]})
+    return ids
+
+
+def _locks(request: pytest.FixtureRequest, strategy: str) -> dict[str, Any]:
+    if strategy != "distributed":
+        return {}
+    return {
+        "redis_url": request.getfixturevalue("redis_url"),
+        "namespace": request.getfixturevalue("redis_namespace"),
+    }
+
+
+async def _capacity_storm(
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: SqlHistory,
+    *,
+    strategy: str,
+    keys: Sequence[str],
+    instances: int,
+    callers: int,
+    seconds: float,
+) -> None:
+    engine = await _pg_engine(pg_url, pg_schema)
+    try:
+        ids = await _reviews(engine, instances, keys)
+        gate = Gate(tmp_path / "gate", PROCESSES)
+        confs = [
+            {
+                "mode": "storm",
+                "url": pg_url,
+                "schema": pg_schema,
+                "strategy": strategy,
+                "proc": p,
+                "gate": str(gate),
+                "ids": ids,
+                "keys": list(keys),
+                "callers": callers,
+                "seconds": seconds,
+                "warm": ids,
+                **_locks(request, strategy),
+            }
+            for p in range(PROCESSES)
+        ]
+        reports = await _run(gate, confs)
+        applied, errors = _total(reports, "applied"), _total(reports, "errors")
+        print(
+            f"{strategy} over {len(keys)} key(s): applied {dict(applied)}, refused {dict(errors)}"
+        )
+        assert set(errors) <= EXPECTED, [r["samples"] for r in reports]
+        # The storm pressed on the limit: slots were taken and given back, and keys were full.
+        assert applied["start"] > 0 and applied["finish"] > 0, applied
+        assert errors["CapacityReached"] > 0, errors
+        assert [odd for r in reports for odd in r["odd"]] == []
+
+        rows = await read_pg(pg_url, pg_schema)
+        proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer)
+        proof.assert_ok()
+        assert max(proof.peak.values()) == LIMIT, proof.peak
+        assert proof.takes >= applied["start"], (proof.takes, applied)
+        await _checked(engine)
+        (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
+    finally:
+        await engine.aclose()
+
+
+async def test_capacity_storm_across_processes_quick(
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: SqlHistory,
+) -> None:
+    """4 processes x 3 callers move 16 reviews over 2 reviewers of capacity 5 in and out of
+    review for a second, optimistic: no key ever above 5 holders (the slot log replayed), the
+    slot rows equal the counters and the instances in review, the checker is clean."""
+    await _capacity_storm(
+        request, pg_url, pg_schema, tmp_path, sql_history,
+        strategy="optimistic", keys=["ann", "bob"], instances=16, callers=3, seconds=1.0,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("keys", [["ann", "bob", "cid"], ["ann"]], ids=["3-keys", "1-key"])
+async def test_capacity_storm_across_processes(
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: SqlHistory,
+    strategy: str,
+    keys: list[str],
+) -> None:
+    """4 processes x 8 callers move 48 reviews in and out of review (and between reviewers)
+    for 4 seconds, over 3 reviewers or all on one, under each strategy: every key reached 5
+    holders and never more (the slot log replayed), the slot rows equal the counters and the
+    instances in review, every take and release is a history row, the checker is clean."""
+    await _capacity_storm(
+        request, pg_url, pg_schema, tmp_path, sql_history,
+        strategy=strategy, keys=keys, instances=48, callers=8, seconds=4.0,
+    )  # fmt: skip
+
+
+# -- kill -9 in the middle of a take ---------------------------------------------------------
+
+VICTIM = "procs-victim"
+STALL = 3.0  # seconds the victim's takes sleep inside their transaction
+
+_STALL_SQL = f"""
+CREATE FUNCTION procs_stall() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('application_name') = '{VICTIM}' THEN
+        PERFORM pg_sleep({STALL});
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER procs_stall AFTER INSERT ON flowlock_slot_log
+    FOR EACH ROW EXECUTE FUNCTION procs_stall();
+"""
+
+
+async def _sql(pg_url: str, pg_schema: str, sql: str, *args: Any) -> Any:
+    conn = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        return (
+            await conn.fetch(sql, *args)
+            if sql.lstrip().upper().startswith("SELECT")
+            else (await conn.execute(sql, *args))
+        )
+    finally:
+        await conn.close()
+
+
+def _phase(gate: Gate, proc: int) -> Phase:
+    raw = json.loads((gate.path / f"phase-{proc}.json").read_text())
+    return Phase(raw["proc"], raw["start"], raw["end"])
+
+
+async def _until(probe: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not await probe():
+        assert time.monotonic() < deadline, f"{what}: not within {within} s"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_kill_9_in_the_middle_of_a_take_leaks_no_slot(
+    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: SqlHistory, strategy: str
+) -> None:
+    """A process is killed with SIGKILL while several of its transitions have taken a slot but
+    not committed (a trigger holds them inside their transaction) and 3 others storm the same
+    keys: afterwards the slot rows equal the instances in review and the counters, the log
+    replays clean, and every reviewer's 5 slots can be taken again."""
+    keys = ["ann", "bob", "cid"]
+    engine = await _pg_engine(pg_url, pg_schema)
+    try:
+        ids = await _reviews(engine, 48, keys)
+        await _sql(pg_url, pg_schema, _STALL_SQL)
+        gate = Gate(tmp_path / "gate", PROCESSES)
+        base = {
+            "mode": "storm", "url": pg_url, "schema": pg_schema, "strategy": strategy,
+            "gate": str(gate), "ids": ids, "keys": keys, "callers": 6, "warm": ids,
+        }  # fmt: skip
+        confs = [{**base, "proc": p, "seconds": 5.0} for p in range(PROCESSES - 1)]
+        confs.append({**base, "proc": PROCESSES - 1, "seconds": BOUND, "application_name": VICTIM})
+        procs = await _spawn(confs)
+        victim = procs[-1]
+        try:
+            await gate.open_when_ready(procs)
+
+            async def stalled() -> bool:
+                rows = await _sql(
+                    pg_url, pg_schema,
+                    "SELECT count(*) AS n FROM pg_stat_activity"
+                    " WHERE application_name = $1 AND wait_event = 'PgSleep'", VICTIM,
+                )  # fmt: skip
+                return int(rows[0]["n"]) >= 2
+
+            await _until(stalled, 30.0, "two of the victim's takes inside their transaction")
+            killed_at = time.monotonic()
+            victim.send_signal(signal.SIGKILL)
+            assert await asyncio.wait_for(victim.wait(), timeout=BOUND) == -signal.SIGKILL
+            reports = await _reports(procs[:-1])
+        finally:
+            await _stop(procs)
+
+        async def gone() -> bool:
+            rows = await _sql(
+                pg_url, pg_schema,
+                "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = $1", VICTIM,
+            )  # fmt: skip
+            return int(rows[0]["n"]) == 0
+
+        await _until(gone, STALL + 30.0, "the killed process's sessions ended")
+        # The kill fell inside every other process's storm.
+        phases = [_phase(gate, p) for p in range(PROCESSES - 1)]
+        assert max(p.start for p in phases) < killed_at < min(p.end for p in phases), phases
+        errors = _total(reports, "errors")
+        assert set(errors) <= EXPECTED, [r["samples"] for r in reports]
+
+        rows = await read_pg(pg_url, pg_schema)
+        slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer).assert_ok()
+        await _checked(engine)
+        (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
+
+        # No slot leaked: each reviewer's queued reviews fill its free slots exactly.
+        for key in keys:
+            mine = [i for i in ids if (await engine.get(i)).data["reviewer"] == key]
+            for iid in mine:
+                if (await engine.get(iid)).state == "queued":
+                    with contextlib.suppress(flowlock.CapacityReached):
+                        await engine.fire(iid, "start")
+            in_review = [i for i in mine if (await engine.get(i)).state == "in_review"]
+            assert len(in_review) == min(LIMIT, len(mine)), (key, in_review)
+        refilled = await read_pg(pg_url, pg_schema)
+        slot_proof(refilled, REVIEW_KIND, LIMIT, key_of=_reviewer).assert_ok()
+        held = Counter(s[1] for s in refilled.slots if s[0] == REVIEW_KIND)
+        assert held == {
+            k: min(LIMIT, n)
+            for k, n in Counter(
+                r[4]["reviewer"] for r in refilled.instances if r[1] == "review"
+            ).items()
+        }, held
+    finally:
+        await engine.aclose()
+
+
+# -- uniqueness ------------------------------------------------------------------------------
+
+
+def _unique_proof(rows: Any) -> Any:
+    return slot_proof(
+        rows,
+        UNIQUE_KIND,
+        1,
+        workflow="subscription",
+        key_of=lambda data: data["customer_id"],
+        states=("active", "suspended"),
+        takes=("create", "resume"),
+        releases=("cancel",),
+        must_take=(),
+        must_release=("cancel",),
+    )
+
+
+async def test_one_of_100_concurrent_creates_for_one_customer_wins(
+    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: SqlHistory
+) -> None:
+    """100 subscriptions of one customer created at once by 4 processes x 25 tasks: exactly
+    one is created, the 99 others raise UniqueViolation naming it; one slot row, one log event;
+    once it is cancelled, the next create for the customer succeeds."""
+    engine = await _pg_engine(pg_url, pg_schema)
+    try:
+        gate = Gate(tmp_path / "gate", PROCESSES)
+        confs = [
+            {
+                "mode": "unique",
+                "url": pg_url,
+                "schema": pg_schema,
+                "proc": p,
+                "gate": str(gate),
+                "customer": "c-42",
+                "tasks": 25,
+                "ids": [f"s{p}-{n:02}" for n in range(25)],
+            }
+            for p in range(PROCESSES)
+        ]
+        reports = await _run(gate, confs)
+        answers = {iid: a for r in reports for iid, a in r["answers"].items()}
+        assert len(answers) == 100
+        created = [iid for iid, a in answers.items() if "created" in a]
+        assert len(created) == 1, created
+        [holder] = created
+        refused = [a for a in answers.values() if "created" not in a]
+        assert {a["error"] for a in refused} == {"UniqueViolation"}, refused[:3]
+        assert {(a["holder"], a["kind"], a["key"]) for a in refused} == {
+            (holder, UNIQUE_KIND, "c-42")
+        }
+        assert all(holder in a["message"] for a in refused)
+
+        rows = await read_pg(pg_url, pg_schema)
+        assert [(i[0], i[2]) for i in rows.instances] == [(holder, "active")]
+        assert [(s[1], s[2]) for s in rows.slots if s[0] == UNIQUE_KIND] == [("c-42", holder)]
+        proof = slot_proof(
+            rows, UNIQUE_KIND, 1, key_of=lambda d: d["customer_id"],
+            states=("active", "suspended"), takes=(), releases=(), must_take=(),
+            must_release=(),
+        )  # fmt: skip
+        # A create's take has no history row (version 1 is the instance itself): the replay
+        # allows none, so its one event is the only "problem", and it is the holder's.
+        assert proof.problems == [f"c-42 seq 1: {holder} v1 delta 1 is history event None"], (
+            proof.problems
+        )
+        await _checked(engine)
+
+        await engine.fire(holder, "cancel")
+        again = await engine.create(
+            "subscription", instance_id="s-next", data={"customer_id": "c-42"}
+        )
+        assert again.state == "active"
+        with pytest.raises(flowlock.UniqueViolation) as refused_again:
+            await engine.create("subscription", instance_id="s-late", data={"customer_id": "c-42"})
+        assert refused_again.value.holder == "s-next"
+        _unique_proof(await read_pg(pg_url, pg_schema)).assert_ok()
+        await _checked(engine)
+        (await sql_history()).assert_matches(
+            {iid: await engine.history(iid) for iid in (holder, "s-next")}
+        )
+    finally:
+        await engine.aclose()
+
+
+# -- a rate limit ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_rate_limit_holds_across_two_processes(
+    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: SqlHistory
+) -> None:
+    """2 processes x 6 callers ping 10 instances of one sku (20 per second) for 3 seconds: in
+    the rate log no window of one second holds more than 20 and some hold exactly 20; every
+    applied ping is logged once; the refused calls got RateLimited with a retry_after in
+    (0, 1] s."""
+    engine = await _pg_engine(pg_url, pg_schema)
+    try:
+        ids = [f"t{n:02}" for n in range(10)]
+        for iid in ids:
+            await engine.create("throttle", instance_id=iid, data={"sku": "sku-1"})
+        gate = Gate(tmp_path / "gate", 2)
+        confs = [
+            {
+                "mode": "rate",
+                "url": pg_url,
+                "schema": pg_schema,
+                "proc": p,
+                "gate": str(gate),
+                "ids": ids,
+                "callers": 6,
+                "seconds": 3.0,
+                "warm": ids,
+                "strategy": "optimistic",
+            }
+            for p in range(2)
+        ]
+        reports = await _run(gate, confs)
+        applied, errors = _total(reports, "applied"), _total(reports, "errors")
+        print(f"rate: applied {dict(applied)}, refused {dict(errors)}")
+        assert set(errors) <= {"RateLimited", "ConflictRetriesExhausted"}, [
+            r["samples"] for r in reports
+        ]
+        assert errors["RateLimited"] > 0 and all(r["applied"] for r in reports), reports
+        lows = [r["retry_after"][0] for r in reports if r["errors"].get("RateLimited")]
+        highs = [r["retry_after"][1] for r in reports if r["errors"].get("RateLimited")]
+        assert min(lows) > 0 and max(highs) <= RATE_PER, (lows, highs)
+
+        rows = await read_pg(pg_url, pg_schema)
+        proof = rate_proof(rows, THROTTLE_KIND, RATE, RATE_PER)
+        proof.assert_ok()
+        assert proof.events == applied["ping"] == len(rows.history), (proof, applied)
+        assert proof.busiest == {"sku-1": RATE}, proof.busiest
+        await _checked(engine)
+        (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
+    finally:
+        await engine.aclose()
+
+
+# -- SQLite: one file, several processes -----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_capacity_storm_on_a_sqlite_file_across_processes(
+    tmp_path: Path, strategy: str
+) -> None:
+    """3 processes x 4 callers move 24 reviews over 2 reviewers in and out of review on one
+    SQLite file for 3 seconds: no key ever above 5 holders (the slot log replayed), the slot
+    rows equal the counters and the instances in review, the checker is clean."""
+    path = tmp_path / "flowlock.db"
+    keys = ["ann", "bob"]
+    async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
+        for wf in (review(), subscription(), throttle()):
+            await engine.register(wf)
+        ids = await _reviews(engine, 24, keys)
+        gate = Gate(tmp_path / "gate", 3)
+        confs = [
+            {
+                "mode": "storm",
+                "backend": "sqlite",
+                "path": str(path),
+                "strategy": strategy,
+                "proc": p,
+                "gate": str(gate),
+                "ids": ids,
+                "keys": keys,
+                "callers": 4,
+                "seconds": 3.0,
+                "warm": ids,
+            }
+            for p in range(3)
+        ]
+        reports = await _run(gate, confs)
+        applied, errors = _total(reports, "applied"), _total(reports, "errors")
+        print(f"sqlite {strategy}: applied {dict(applied)}, refused {dict(errors)}")
+        assert set(errors) <= EXPECTED, [r["samples"] for r in reports]
+        assert applied["start"] > 0 and errors["CapacityReached"] > 0, (applied, errors)
+        assert [odd for r in reports for odd in r["odd"]] == []
+        rows = read_sqlite(str(path))
+        proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer)
+        proof.assert_ok()
+        assert max(proof.peak.values()) == LIMIT, proof.peak
+        await _checked(engine)
