@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -111,10 +112,21 @@ def _total(reports: Sequence[dict[str, Any]], field: str) -> Counter[str]:
     return total
 
 
-async def _checked(engine: flowlock.Engine) -> None:
-    """The exactly-once checker over the whole database, as `flowlock check` runs it."""
+async def _checked(engine: flowlock.Engine, url: str, schema: str | None) -> dict[str, Any]:
+    """The exactly-once checker over the whole database: through the engine, then as the
+    command `flowlock check --json` in a process of its own; its report."""
     report = await check_instances(engine, None)
     assert report.verdict.ok, report.verdict.describe()
+    where = ["--database-url", url, *(["--schema", schema] if schema else [])]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "flowlock", "check", "--json", *where,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=BOUND)
+    assert proc.returncode == 0, (out.decode()[-3000:], err.decode()[-3000:])
+    found: dict[str, Any] = json.loads(out)
+    assert found["instances"] == report.instances, found
+    return found
 
 
 def _reviewer(data: dict[str, Any]) -> object:
@@ -136,12 +148,29 @@ async def _reviews(engine: flowlock.Engine, count: int, keys: Sequence[str]) -> 
 
 
 def _locks(request: pytest.FixtureRequest, strategy: str) -> dict[str, Any]:
+    """The Redis a distributed run's workers lease on, under a namespace of the test's own."""
     if strategy != "distributed":
         return {}
     return {
         "redis_url": request.getfixturevalue("redis_url"),
-        "namespace": request.getfixturevalue("redis_namespace"),
+        "namespace": f"t_{uuid.uuid4().hex[:12]}",
     }
+
+
+async def _forget(locks: dict[str, Any]) -> None:
+    """Deletes the Redis keys of a distributed run's namespace."""
+    if not locks:
+        return
+    import redis.asyncio
+
+    client = redis.asyncio.from_url(locks["redis_url"])
+    try:
+        pattern = f"flowlock:{locks['namespace']}:*"
+        keys = [key async for key in client.scan_iter(match=pattern, count=500)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
 
 
 async def _capacity_storm(
@@ -158,6 +187,7 @@ async def _capacity_storm(
     seconds: float,
 ) -> None:
     engine = await _pg_engine(pg_url, pg_schema)
+    locks = _locks(request, strategy)
     try:
         ids = await _reviews(engine, instances, keys)
         gate = Gate(tmp_path / "gate", PROCESSES)
@@ -174,7 +204,7 @@ async def _capacity_storm(
                 "callers": callers,
                 "seconds": seconds,
                 "warm": ids,
-                **_locks(request, strategy),
+                **locks,
             }
             for p in range(PROCESSES)
         ]
@@ -194,10 +224,11 @@ async def _capacity_storm(
         proof.assert_ok()
         assert max(proof.peak.values()) == LIMIT, proof.peak
         assert proof.takes >= applied["start"], (proof.takes, applied)
-        await _checked(engine)
+        await _checked(engine, pg_url, pg_schema)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:
         await engine.aclose()
+        await _forget(locks)
 
 
 async def test_capacity_storm_across_processes_quick(
@@ -339,7 +370,7 @@ async def test_kill_9_in_the_middle_of_a_take_leaks_no_slot(
 
         rows = await read_pg(pg_url, pg_schema)
         slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer).assert_ok()
-        await _checked(engine)
+        await _checked(engine, pg_url, pg_schema)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
 
         # No slot leaked: each reviewer's queued reviews fill its free slots exactly.
@@ -430,7 +461,7 @@ async def test_one_of_100_concurrent_creates_for_one_customer_wins(
         assert proof.problems == [f"c-42 seq 1: {holder} v1 delta 1 is history event None"], (
             proof.problems
         )
-        await _checked(engine)
+        await _checked(engine, pg_url, pg_schema)
 
         await engine.fire(holder, "cancel")
         again = await engine.create(
@@ -441,7 +472,7 @@ async def test_one_of_100_concurrent_creates_for_one_customer_wins(
             await engine.create("subscription", instance_id="s-late", data={"customer_id": "c-42"})
         assert refused_again.value.holder == "s-next"
         _unique_proof(await read_pg(pg_url, pg_schema)).assert_ok()
-        await _checked(engine)
+        await _checked(engine, pg_url, pg_schema)
         (await sql_history()).assert_matches(
             {iid: await engine.history(iid) for iid in (holder, "s-next")}
         )
@@ -497,7 +528,7 @@ async def test_a_rate_limit_holds_across_two_processes(
         proof.assert_ok()
         assert proof.events == applied["ping"] == len(rows.history), (proof, applied)
         assert proof.busiest == {"sku-1": RATE}, proof.busiest
-        await _checked(engine)
+        await _checked(engine, pg_url, pg_schema)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:
         await engine.aclose()
@@ -547,4 +578,4 @@ async def test_capacity_storm_on_a_sqlite_file_across_processes(
         proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer)
         proof.assert_ok()
         assert max(proof.peak.values()) == LIMIT, proof.peak
-        await _checked(engine)
+        await _checked(engine, f"sqlite:///{path}", None)
