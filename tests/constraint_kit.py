@@ -120,7 +120,7 @@ class Rows:
 
     log: (kind, key, seq, instance_id, version, delta, holders, lim); slots: (kind, key,
     instance_id, version); counters: (kind, key, holders, lim, seq); instances: (id, workflow,
-    state, version, data); history: (instance_id, version, event); rates: (kind, key, at
+    state, version, data); history: (instance_id, version, event, actor); rates: (kind, key, at
     (epoch seconds), instance_id, version, lim, per).
     """
 
@@ -128,7 +128,7 @@ class Rows:
     slots: list[tuple[str, str, str, int]]
     counters: list[tuple[str, str, int, int, int]]
     instances: list[tuple[str, str, str, int, dict[str, Any]]]
-    history: list[tuple[str, int, str]]
+    history: list[tuple[str, int, str, str | None]]
     rates: list[tuple[str, str, float, str, int, int, float]]
 
 
@@ -138,7 +138,7 @@ _LOG = (
 )
 _SLOTS = "SELECT kind, key, instance_id, version FROM flowlock_slots"
 _COUNTERS = "SELECT kind, key, holders, lim, seq FROM flowlock_capacity"
-_HISTORY = "SELECT instance_id, version, event FROM flowlock_history"
+_HISTORY = "SELECT instance_id, version, event, actor FROM flowlock_history"
 
 
 async def read_pg(url: str, schema: str) -> Rows:
@@ -217,6 +217,9 @@ class SlotProof:
     peak: dict[str, int] = field(default_factory=dict)  # the most holders each key ever had
     holders: dict[str, int] = field(default_factory=dict)  # slot rows per key now
     replayed: dict[str, tuple[int, int]] = field(default_factory=dict)  # (holders, seq) at end
+    # Events after which a key was full with holders put there by more than one actor (the
+    # workers' actors name their process): the limit was shared across processes.
+    mixed_full: int = 0
 
     def assert_ok(self) -> None:
         assert not self.problems, "\n".join(self.problems[:30])
@@ -255,7 +258,7 @@ def slot_proof(
     for event in rows.log:
         if event[0] == kind:
             by_key[event[1]].append(event)
-    history = {(h[0], h[1]): h[2] for h in rows.history}
+    history = {(h[0], h[1]): (h[2], h[3]) for h in rows.history}
     for key, events in by_key.items():
         _replay(proof, key, events, limit, history, takes, releases)
     _now(proof, rows, by_key, limit)
@@ -270,12 +273,13 @@ def _replay(
     key: str,
     events: list[Event],
     limit: int,
-    history: Mapping[tuple[str, int], str],
+    history: Mapping[tuple[str, int], tuple[str, str | None]],
     takes: Sequence[str],
     releases: Sequence[str],
 ) -> None:
     bad = proof.problems
     held = peak = 0
+    by: dict[str, str | None] = {}  # holder -> the actor of its take
     for n, (_, _, seq, iid, version, delta, holders, lim) in enumerate(events, start=1):
         proof.events += 1
         proof.takes += delta == 1
@@ -289,9 +293,17 @@ def _replay(
             bad.append(f"{key} seq {seq}: recorded {holders} holders, the replay {held}")
         if held < 0 or held > limit or held > lim:
             bad.append(f"{key} seq {seq}: {held} holders, limit {limit} (recorded {lim})")
-        event = "create" if version == 1 else history.get((iid, version))
+        event, actor = (
+            ("create", None) if version == 1 else history.get((iid, version), (None, None))
+        )
         if event not in (takes if delta == 1 else releases):
             bad.append(f"{key} seq {seq}: {iid} v{version} delta {delta} is event {event!r}")
+        if delta == 1:
+            by[iid] = actor
+        else:
+            by.pop(iid, None)
+        if held == limit and len(set(by.values())) > 1:
+            proof.mixed_full += 1
     proof.peak[key] = peak
     proof.replayed[key] = (held, len(events))
 
@@ -319,7 +331,7 @@ def _every_row_logged(
     proof: SlotProof, rows: Rows, must_take: Sequence[str], must_release: Sequence[str]
 ) -> None:
     logged = {(e[3], e[4], e[5]) for e in rows.log if e[0] == proof.kind}
-    for iid, version, event in rows.history:
+    for iid, version, event, _ in rows.history:
         if event in must_take and (iid, version, 1) not in logged:
             proof.problems.append(f"{iid} v{version} ({event}) took no slot in the log")
         if event in must_release and (iid, version, -1) not in logged:

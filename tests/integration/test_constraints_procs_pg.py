@@ -224,6 +224,11 @@ async def _capacity_storm(
         proof.assert_ok()
         assert max(proof.peak.values()) == LIMIT, proof.peak
         assert proof.takes >= applied["start"], (proof.takes, applied)
+        # Every process took slots and was refused some: the keys' slots were shared among
+        # the processes, a key full with holders that more than one of them put there.
+        assert all(r["applied"].get("start") for r in reports), reports
+        assert all(r["errors"].get("CapacityReached") for r in reports), reports
+        assert proof.mixed_full > 0, proof
         await _checked(engine, pg_url, pg_schema)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:

@@ -29,10 +29,10 @@ def _rows(**given: Any) -> Rows:
             ("r3", "review", "queued", 3, {"reviewer": "ann"}),
         ],
         "history": [
-            ("r1", 2, "start"),
-            ("r2", 2, "start"),
-            ("r3", 2, "start"),
-            ("r3", 3, "finish"),
+            ("r1", 2, "start", "p0"),
+            ("r2", 2, "start", "p1"),
+            ("r3", 2, "start", "p0"),
+            ("r3", 3, "finish", "p1"),
         ],
         "rates": [],
     }
@@ -53,6 +53,11 @@ def test_a_clean_log_passes() -> None:
 def test_a_key_over_its_limit_fails() -> None:
     """With a limit of 2 the third take is over it."""
     assert any("3 holders, limit 2" in p for p in _problems(_rows(), limit=2))
+
+
+def test_a_full_key_held_by_two_processes_is_counted() -> None:
+    """With a limit of 3, the key is full once (after seq 3) with holders of p0 and p1."""
+    assert slot_proof(_rows(), K, 3).mixed_full == 1
 
 
 def test_a_gap_in_the_seqs_fails() -> None:
@@ -80,8 +85,8 @@ def test_an_instance_in_the_state_without_a_slot_fails() -> None:
 def test_a_take_without_its_transition_fails() -> None:
     """A take whose version is no applied start, and a start with no take in the log."""
     rows = _rows()
-    rows.history.append(("r1", 3, "start"))
-    rows.history[0] = ("r1", 2, "finish")
+    rows.history.append(("r1", 3, "start", "p0"))
+    rows.history[0] = ("r1", 2, "finish", "p0")
     problems = _problems(rows)
     assert any("r1 v2 delta 1 is event 'finish'" in p for p in problems)
     assert any("r1 v3 (start) took no slot" in p for p in problems)
@@ -90,7 +95,7 @@ def test_a_take_without_its_transition_fails() -> None:
 def test_a_rate_window_over_its_limit_fails() -> None:
     """Three pings within a second under a limit of 2 fail; spaced a second apart they pass
     (the window is half-open: a ping exactly `per` later is in the next one)."""
-    history = [("t", v, "ping") for v in range(2, 6)]
+    history = [("t", v, "ping", "p0") for v in range(2, 6)]
     crowded = [("r", "sku", at, "t", v, 2, 1.0) for v, at in ((2, 0.0), (3, 0.5), (4, 0.9))]
     spaced = [("r", "sku", at, "t", v, 2, 1.0) for v, at in ((2, 0.0), (3, 0.5), (4, 1.0))]
     bad = rate_proof(_rows(rates=crowded, history=history), "r", 2, 1.0)
