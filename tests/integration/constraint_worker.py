@@ -8,7 +8,8 @@ JSON line (its report).
 - ``storm``: ``callers`` tasks, until ``seconds`` are up, each picks one of ``ids`` at random and
   moves it: ``start`` when it is queued, ``finish`` (or now and then ``reassign`` to another of
   ``keys``) when it is in review. Capacity refusals are expected: the report counts them and
-  keeps those that did not name ``LIMIT`` holders.
+  keeps those that did not name ``LIMIT`` holders. With ``hold`` (instance ids), it also
+  starts each of them inside a transaction of its own and never commits (it is to be killed).
 - ``unique``: creates each of ``ids`` (a subscription of ``customer``) at once, in ``tasks``
   concurrent tasks; reports each create's answer (the holder a UniqueViolation names).
 - ``rate``: ``callers`` tasks ping the instances of ``ids`` until ``seconds`` are up; a
@@ -126,6 +127,26 @@ async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, unt
     await asyncio.gather(*(caller(n) for n in range(cfg["callers"])))
 
 
+async def _hold(engine: flowlock.Engine, cfg: dict[str, Any], iid: str, n: int) -> None:
+    """Starts `iid` inside a transaction of a connection of its own, says so (a file `held-n`
+    in the gate), and never commits: the process is to be killed in the middle of it."""
+    import asyncpg
+
+    server = {"application_name": cfg.get("application_name", "flowlock")}
+    conn = await asyncpg.connect(cfg["url"], server_settings=server)
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            async with conn.transaction():
+                await engine.fire(iid, "start", actor=f"held-{n}", connection=conn)
+                (Path(cfg["gate"]) / f"held-{n}").touch()
+                await asyncio.sleep(600)  # killed long before
+        except flowlock.CapacityReached:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.01)  # the key is full now: try again
+
+
 async def _unique(engine: flowlock.Engine, cfg: dict[str, Any]) -> dict[str, Any]:
     gate = asyncio.Semaphore(cfg.get("tasks", len(cfg["ids"])))
     answers: dict[str, Any] = {}
@@ -189,7 +210,8 @@ async def main(cfg: dict[str, Any]) -> None:
         await all_started(cfg["gate"], cfg["proc"])
         until = time.monotonic() + cfg.get("seconds", 0.0)
         if cfg["mode"] == "storm":
-            await _storm(engine, cfg, tally, until)
+            held = [_hold(engine, cfg, iid, n) for n, iid in enumerate(cfg.get("hold", []))]
+            await asyncio.gather(_storm(engine, cfg, tally, until), *held)
         elif cfg["mode"] == "unique":
             more["answers"] = await _unique(engine, cfg)
         else:
