@@ -35,6 +35,7 @@ from constraint_kit import (
     REVIEW_KIND,
     THROTTLE_KIND,
     UNIQUE_KIND,
+    Rows,
     rate_proof,
     read_pg,
     read_sqlite,
@@ -112,9 +113,12 @@ def _total(reports: Sequence[dict[str, Any]], field: str) -> Counter[str]:
     return total
 
 
-async def _checked(engine: flowlock.Engine, url: str, schema: str | None) -> dict[str, Any]:
+async def _checked(
+    engine: flowlock.Engine, url: str, schema: str | None, rows: Rows | None = None
+) -> dict[str, Any]:
     """The exactly-once checker over the whole database: through the engine, then as the
-    command `flowlock check --json` in a process of its own; its report."""
+    command `flowlock check --json` in a process of its own; its report. With `rows` (read
+    after the run), both read every slot and rate event the tests' SQL read."""
     report = await check_instances(engine, None)
     assert report.verdict.ok, report.verdict.describe()
     where = ["--database-url", url, *(["--schema", schema] if schema else [])]
@@ -126,6 +130,10 @@ async def _checked(engine: flowlock.Engine, url: str, schema: str | None) -> dic
     assert proc.returncode == 0, (out.decode()[-3000:], err.decode()[-3000:])
     found: dict[str, Any] = json.loads(out)
     assert found["instances"] == report.instances, found
+    if rows is not None:
+        events = (len(rows.log), len(rows.rates))
+        assert (report.slot_events, report.rate_events) == events, (report, events)
+        assert (found["slot_events"], found["rate_events"]) == events, (found, events)
     return found
 
 
@@ -229,8 +237,20 @@ async def _capacity_storm(
         assert all(r["applied"].get("start") for r in reports), reports
         assert all(r["errors"].get("CapacityReached") for r in reports), reports
         assert proof.mixed_full > 0, proof
-        await _checked(engine, pg_url, pg_schema)
+        await _checked(engine, pg_url, pg_schema, rows)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
+
+        # The checks read these very rows: one slot row deleted behind flowlock's back (a
+        # holder in review without its slot) fails both the checker and the replay.
+        [holder] = await _sql(
+            pg_url, pg_schema,
+            "DELETE FROM flowlock_slots WHERE (kind, instance_id) IN (SELECT kind, instance_id"
+            " FROM flowlock_slots LIMIT 1) RETURNING instance_id",
+        )  # fmt: skip
+        broken = await check_instances(engine, None)
+        assert not broken.verdict.ok
+        assert holder["instance_id"] in broken.verdict.describe()
+        assert slot_proof(await read_pg(pg_url, pg_schema), REVIEW_KIND, LIMIT).problems
     finally:
         await engine.aclose()
         await _forget(locks)
@@ -244,11 +264,11 @@ async def test_capacity_storm_across_processes_quick(
     sql_history: SqlHistory,
 ) -> None:
     """4 processes x 3 callers move 16 reviews over 2 reviewers of capacity 5 in and out of
-    review for a second, optimistic: no key ever above 5 holders (the slot log replayed), the
+    review for 0.7 s, optimistic: no key ever above 5 holders (the slot log replayed), the
     slot rows equal the counters and the instances in review, the checker is clean."""
     await _capacity_storm(
         request, pg_url, pg_schema, tmp_path, sql_history,
-        strategy="optimistic", keys=["ann", "bob"], instances=16, callers=3, seconds=1.0,
+        strategy="optimistic", keys=["ann", "bob"], instances=16, callers=3, seconds=0.7,
     )  # fmt: skip
 
 
@@ -296,11 +316,9 @@ async def _sql(pg_url: str, pg_schema: str, sql: str, *args: Any) -> Any:
     conn = await pg_budget.connect(pg_url)
     try:
         await conn.execute(f'SET search_path TO "{pg_schema}"')
-        return (
-            await conn.fetch(sql, *args)
-            if sql.lstrip().upper().startswith("SELECT")
-            else (await conn.execute(sql, *args))
-        )
+        if sql.lstrip().upper().startswith("SELECT") or "RETURNING" in sql:
+            return await conn.fetch(sql, *args)
+        return await conn.execute(sql, *args)
     finally:
         await conn.close()
 
@@ -396,7 +414,7 @@ async def test_kill_9_in_the_middle_of_a_take_leaks_no_slot(
             assert [h for h in rows.history if h[0] == iid] == []
             assert [s for s in rows.slots if s[2] == iid] == []
         slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer).assert_ok()
-        await _checked(engine, pg_url, pg_schema)
+        await _checked(engine, pg_url, pg_schema, rows)
         everyone = [*ids, *(i for names in spare.values() for i in names)]
         (await sql_history()).assert_matches({i: await engine.history(i) for i in everyone})
 
@@ -476,7 +494,7 @@ async def test_one_of_100_concurrent_creates_for_one_customer_wins(
         assert [(s[1], s[2]) for s in rows.slots if s[0] == UNIQUE_KIND] == [("c-42", holder)]
         _unique_proof(rows).assert_ok()
         assert [(e[3], e[4], e[5]) for e in rows.log] == [(holder, 1, 1)]
-        await _checked(engine, pg_url, pg_schema)
+        await _checked(engine, pg_url, pg_schema, rows)
 
         await engine.fire(holder, "cancel")
         customer = {"customer_id": "c-42"}
@@ -542,7 +560,7 @@ async def test_a_rate_limit_holds_across_two_processes(
         proof.assert_ok()
         assert proof.events == applied["ping"] == len(rows.history), (proof, applied)
         assert proof.busiest == {"sku-1": RATE}, proof.busiest
-        await _checked(engine, pg_url, pg_schema)
+        await _checked(engine, pg_url, pg_schema, rows)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:
         await engine.aclose()
@@ -592,4 +610,4 @@ async def test_capacity_storm_on_a_sqlite_file_across_processes(
         proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=_reviewer)
         proof.assert_ok()
         assert max(proof.peak.values()) == LIMIT, proof.peak
-        await _checked(engine, f"sqlite:///{path}", None)
+        await _checked(engine, f"sqlite:///{path}", None, rows)
