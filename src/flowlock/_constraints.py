@@ -91,8 +91,10 @@ class ConstraintMethods:
         """Who holds the slots of `key` under the constraint `kind`, and its limit.
 
         `kind` is a rule's name: `<workflow>.<state>` for a capacity, `<workflow>.unique`,
-        `<workflow>.<transition>.rate`, or the `kind=` it was given. For a rate limit, the
-        holders are the instances whose transitions count in the current window."""
+        `<workflow>.<transition>.rate`, or the `kind=` it was given; a state's, transition's or
+        workflow's own name also finds its one rule (the answer names the rule's kind). For a
+        rate limit, the holders are the instances whose transitions count in the current
+        window."""
         self._check_open()
         for name, value in (("kind", kind), ("key", key)):
             if not isinstance(value, str) or not value:
@@ -101,6 +103,7 @@ class ConstraintMethods:
         if not isinstance(store, ConstraintStore):
             raise InvalidInput(f"{type(store).__name__} keeps no constraints")
         rule = self._rule(kind)
+        kind = kind if rule is None else rule.kind
         window = rule.per if isinstance(rule, RateRule) else None
         usage = await store.capacity_usage(kind, key, window)
         if rule is None:
@@ -112,12 +115,21 @@ class ConstraintMethods:
         return CapacityUsage(kind, key, limit, usage.holders, named, window)
 
     def _rule(self, kind: str) -> Slots | RateRule | None:
-        """The newest registered rule counted under `kind` (None: no workflow here has one)."""
-        for wf in self._workflows.values():
+        """The newest registered rule counted under `kind` (None: no workflow here has one).
+        A name that is no rule's kind may name one by where it is declared: a state with a
+        capacity, a rate-limited transition, or a workflow with a unique rule."""
+        workflows = list(self._workflows.values())
+        for wf in workflows:
             found = wf.constraints.kind(kind)
             if found is not None:
                 return found
-        return None
+        aliases: list[Slots | RateRule] = []
+        for wf in workflows:
+            rules = wf.constraints
+            aliases += [r for r in rules.slots if not r.unique and r.states == {kind}]
+            aliases += [r for r in rules.rates if r.transition == kind]
+            aliases += [r for r in rules.slots if r.unique and wf.name == kind]
+        return aliases[0] if len({r.kind for r in aliases}) == 1 else None
 
     def _create_claims(self, wf: Workflow, new: Instance) -> tuple[Claim, ...]:
         """What creating `new` takes of its workflow's constraints (usually nothing)."""

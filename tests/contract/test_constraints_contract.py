@@ -16,8 +16,8 @@ of issue 28 is merged) is skipped, saying so; so are the tests that need the eng
 from __future__ import annotations
 
 import asyncio
-import importlib
 import dataclasses
+import importlib
 import random
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping

@@ -148,3 +148,65 @@ def test_the_sync_engine_shows_capacity_too(tmp_path: Any) -> None:
         engine.create("desks", instance_id="s1", data={"desk": "x"})
         engine.fire("s1", "enter")
         assert engine.capacity("desks.held", "x").holders == ("s1",)
+
+
+async def test_refusals_and_waits_are_counted_per_constraint() -> None:
+    """The engine counts a refusal, a wait that got its slot and one that timed out, by kind."""
+    from prometheus_client import CollectorRegistry
+
+    from flowlock.stores.memory import MemoryStore
+
+    registry = CollectorRegistry()
+    metrics = flowlock.Metrics(registry=registry)
+    async with flowlock.Engine(MemoryStore(), metrics=metrics) as engine:
+        await engine.register(_desks(1, wait=0.5))
+        a, b = await _made(engine, 2)
+        await engine.fire(a, "enter")
+        with pytest.raises(flowlock.CapacityReached):
+            await engine.fire(b, "enter")
+        entering = asyncio.create_task(engine.fire(b, "enter"))
+        await asyncio.sleep(0.1)  # b is refused and waits
+        await engine.fire(a, "leave")
+        assert (await entering).applied
+
+    def sample(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"kind": "desks.held", **labels}) or 0.0
+
+    assert sample("flowlock_constraint_refusals_total", rule="capacity") == 1
+    assert sample("flowlock_constraint_waits_total", outcome="timeout") == 1
+    assert sample("flowlock_constraint_waits_total", outcome="slot") == 1
+    assert sample("flowlock_constraint_wait_seconds_count") == 2
+
+
+async def test_capacity_finds_a_rule_by_the_state_it_is_declared_on(
+    engine: flowlock.Engine,
+) -> None:
+    """engine.capacity("held", key) answers the capacity of state "held" under its kind."""
+    await engine.register(_desks(2))
+    (only,) = await _made(engine, 1)
+    await engine.fire(only, "enter")
+    usage = await engine.capacity("held", "d1")
+    assert (usage.kind, usage.holders, usage.limit) == ("desks.held", (only,), 2)
+
+
+async def test_a_capacity_given_on_a_transition_counts_its_target(
+    engine: flowlock.Engine,
+) -> None:
+    """Transition(capacity=) is the capacity of its target state, whoever enters it."""
+    cap = flowlock.Capacity(key=desk, limit=1)
+    wf = flowlock.Workflow(
+        "booth",
+        states=["out", "in"],
+        initial="out",
+        transitions=[
+            flowlock.Transition("walk_in", source="out", target="in", capacity=cap),
+            flowlock.Transition("walk_out", source="in", target="out"),
+        ],
+    )
+    await engine.register(wf)
+    for iid in ("p1", "p2"):
+        await engine.create("booth", instance_id=iid, data={"desk": "b"})
+    await engine.fire("p1", "walk_in")
+    with pytest.raises(flowlock.CapacityReached) as caught:
+        await engine.fire("p2", "walk_in")
+    assert caught.value.kind == "booth.in" and caught.value.holders == ("p1",)

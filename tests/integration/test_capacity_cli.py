@@ -45,18 +45,18 @@ def _review() -> flowlock.Workflow:
 
 async def _has_table(db: Db) -> bool:
     if db.kind == "sqlite":
-        conn = sqlite3.connect(db.url.removeprefix("sqlite:///"))
+        lite = sqlite3.connect(db.url.removeprefix("sqlite:///"))
         try:
             query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
-            return conn.execute(query, ("flowlock_capacity",)).fetchone() is not None
+            return lite.execute(query, ("flowlock_capacity",)).fetchone() is not None
         finally:
-            conn.close()
-    conn = await pg_budget.connect(db.url)
+            lite.close()
+    pg = await pg_budget.connect(db.url)
     try:
-        found = await conn.fetchval(f"SELECT to_regclass('\"{db.schema}\".flowlock_capacity')")
+        found = await pg.fetchval(f"SELECT to_regclass('\"{db.schema}\".flowlock_capacity')")
         return found is not None
     finally:
-        await conn.close()
+        await pg.close()
 
 
 async def _fill(db: Db) -> None:
