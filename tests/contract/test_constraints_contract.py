@@ -8,9 +8,8 @@ without a gap, the holder count after each event the running sum of the takes an
 never above the limit, the counter equal to the slots held, each slot held by an instance in
 the state under that key.
 
-A store that does not apply constraints yet (not a ConstraintStore: PostgreSQL before its side
-of issue 28 is merged) is skipped, saying so; so are the tests that need the engine's side
-(create's claims, a refused call split out of its batch) before it is merged.
+The checker's constraint rules (`flowlock.checker.check_constraints`) run after each test too,
+over every instance and its history: clean.
 """
 
 from __future__ import annotations
@@ -19,23 +18,28 @@ import asyncio
 import dataclasses
 import importlib
 import random
+import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 
 import flowlock
-import flowlock.checker
 from age_kit import backdate
 from flowlock import Capacity, Rate, State, Step, Transition, Unique, Workflow
+from flowlock.checker import check_constraints
+from flowlock.checker.constraints import slot_rules
 from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.locks import MemoryLocks
 from flowlock.stores import Store
 from flowlock.stores.base import RowLock
 from flowlock.stores.constraint_store import ConstraintRows, ConstraintStore
+from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.sqlite import SqliteStore
 from lock_probes import wait_until
 
 StoreFactory = Callable[..., Store]
@@ -44,12 +48,6 @@ REVIEW = "review.in_review"
 SUB = "sub.unique"
 PING = "pinger.ping.rate"
 PER = 0.3  # a rate limit's window, seconds
-ENGINE_SIDE = hasattr(flowlock.Engine, "capacity")
-NEEDS_ENGINE = pytest.mark.skipif(
-    not ENGINE_SIDE,
-    reason="needs the engine side of issue 28 (create's claims, a refused call split out of "
-    "its batch): flowlock.Engine.capacity is not there yet",
-)
 
 
 def reviewer(inst: Instance) -> object:
@@ -111,12 +109,8 @@ def pinger(limit: int = 2, per: float = PER) -> Workflow:
 
 
 def constraint_store(store: Store) -> ConstraintStore:
-    """`store` as a ConstraintStore, or the test skipped (PostgreSQL before the pg branch)."""
-    if not isinstance(store, ConstraintStore):
-        pytest.skip(
-            f"{type(store).__name__} does not apply constraints yet (no capacity_usage, "
-            "constraint_rows, slot_releases): the PostgreSQL side of issue 28 is not merged"
-        )
+    """`store` as the ConstraintStore every store is."""
+    assert isinstance(store, ConstraintStore), type(store).__name__
     return store
 
 
@@ -189,18 +183,14 @@ def prove(rows: ConstraintRows, instances: Mapping[str, Instance] | None = None)
 
 
 async def proven(engine: flowlock.Engine) -> ConstraintRows:
-    """`prove` on the engine's store, and, where `flowlock.checker` has it (the checker's side of
-    issue 28), the checker's constraint rules over every instance and its history: clean."""
+    """`prove` on the engine's store, and the checker's constraint rules over every instance and
+    its history: clean."""
     rows = await cs(engine).constraint_rows()
     prove(rows)
-    check_constraints = getattr(flowlock.checker, "check_constraints", None)
-    if check_constraints is None:
-        return rows
-    checking = importlib.import_module("flowlock.checker.constraints")
     store = engine.store
     instances = await store.list_instances(InstanceQuery(), after=None, limit=10_000)
     history = [e for inst in instances for e in await store.history(inst.id)]
-    rules = {name: checking.slot_rules(wf) for name, wf in engine.workflows.items()}
+    rules = {name: slot_rules(wf) for name, wf in engine.workflows.items()}
     violations = check_constraints(rows, instances, history, rules)
     assert violations == [], violations
     return rows
@@ -225,8 +215,8 @@ async def test_a_full_key_refuses_entry_and_writes_nothing(engine: flowlock.Engi
     assert (inst.state, inst.version) == ("draft", 1)
     assert await engine.history(c) == []
     assert await holders(engine, REVIEW, "ann") == (a, b)
-    usage = await cs(engine).capacity_usage(REVIEW, "ann")
-    assert (usage.limit, usage.used, usage.free) == (2, 2, 0)
+    usage = await engine.capacity(REVIEW, "ann")
+    assert (usage.limit, usage.used, usage.free, usage.rule) == (2, 2, 0, "capacity")
     # The refused request id was not recorded: the same id applies once a slot is free.
     await engine.fire(a, "finish")
     assert (await engine.fire(c, "submit", request_id="try-c")).applied
@@ -255,6 +245,39 @@ async def test_leaving_the_state_frees_the_slot(engine: flowlock.Engine) -> None
     with pytest.raises(flowlock.CapacityReached):
         await engine.fire(a, "submit")
     await proven(engine)
+
+
+async def test_a_waiting_entry_is_woken_when_a_slot_is_released(
+    store_factory: StoreFactory,
+) -> None:
+    """With Capacity(wait=), an entry into a full key waits, and enters once the holder leaves
+    through another engine on the same database (woken by the release as that store hears it:
+    NOTIFY on PostgreSQL, SQLite's look every second, the shared memory store at once)."""
+    waiting = Workflow(
+        "review",
+        states=["draft", State("in_review", capacity=Capacity(reviewer, 1, wait=20.0)), "done"],
+        initial="draft",
+        transitions=[
+            Transition("submit", source="draft", target="in_review"),
+            Transition("finish", source="in_review", target="done"),
+        ],
+    )
+    here = await _open(store_factory, waiting)
+    there = await _open(store_factory, waiting)
+    try:
+        a, b = await drafts(here, 2)
+        await here.fire(a, "submit")
+        entering = asyncio.create_task(here.fire(b, "submit"))
+        await asyncio.sleep(0.2)  # b is waiting (were it refused, the task says so below)
+        assert not entering.done()
+        await there.fire(a, "finish")
+        async with asyncio.timeout(15):  # a bound, well under b's own wait
+            outcome = await entering
+        assert outcome.applied and await holders(here, REVIEW, "ann") == (b,)
+        await proven(here)
+    finally:
+        await there.aclose()
+        await here.aclose()
 
 
 async def test_limit_one_is_a_mutex_per_key(store_factory: StoreFactory) -> None:
@@ -326,7 +349,6 @@ async def test_a_store_create_with_a_unique_claim_refuses_a_second(
     await proven(engine)
 
 
-@NEEDS_ENGINE
 async def test_unique_in_the_initial_state_refuses_a_second_create(
     engine: flowlock.Engine,
 ) -> None:
@@ -381,6 +403,27 @@ async def test_a_rate_limit_refuses_past_the_limit_and_allows_after_the_window(
     assert usage.holders == ("p",) * (applied + 1) and usage.limit == 2
     rows = await proven(engine)
     assert sum(1 for r in rows.rates if r.key == "acme") == applied + 1
+
+
+async def test_a_lowered_rate_limit_counts_what_the_window_holds(engine: flowlock.Engine) -> None:
+    """Applications counted under a higher limit still count after the limit is lowered: the
+    count is refused until enough of them leave the window (retry_after: until the oldest of
+    the newest `limit` leaves, most of the window here)."""
+    store = engine.store
+    await engine.create("pinger", instance_id="p", data={"account": "acme"})
+    for limit in (5, 5, 5):
+        inst = await store.get("p")
+        made = await store.commit(
+            [_entry(inst, "ping", "on", Claim("count", PING, "acme", limit, 60.0))]
+        )
+        assert made is not None
+    inst = await store.get("p")
+    with pytest.raises(flowlock.RateLimited) as refused:
+        await store.commit([_entry(inst, "ping", "on", Claim("count", PING, "acme", 2, 60.0))])
+    assert 50.0 < refused.value.retry_after <= 60.0
+    assert (refused.value.limit, refused.value.version) == (2, inst.version + 1)
+    assert (await store.get("p")).version == inst.version
+    await proven(engine)
 
 
 # -- repairs ---------------------------------------------------------------------------------
@@ -495,6 +538,56 @@ def _entry(inst: Instance, event: str, to: str, *claims: Claim) -> HistoryEntry:
     )
 
 
+def _chain(inst: Instance, *steps: tuple[str, str, tuple[Claim, ...]]) -> list[HistoryEntry]:
+    """One batch of entries from `inst`: each (event, target, claims) one version on."""
+    batch: list[HistoryEntry] = []
+    for event, to, claims in steps:
+        entry = _entry(inst, event, to, *claims)
+        batch.append(entry)
+        inst = dataclasses.replace(inst, version=entry.version, state=to)
+    return batch
+
+
+async def test_the_entries_of_one_batch_claim_in_order_all_or_nothing(
+    engine: flowlock.Engine,
+) -> None:
+    """A batch's entries apply their claims in order, each seeing the ones before (in, out
+    and in again under another key); when a later entry's claim is refused, nothing of the
+    batch stays: not the slot an earlier entry took, not one event."""
+    store = engine.store
+    a, b = await drafts(engine, 2)
+    (c,) = await drafts(engine, 1, r="bob", prefix="b")
+    await engine.fire(c, "submit")  # bob's only slot (limit 1 below) is c's
+    take_ann, take_bob = Claim("take", REVIEW, "ann", 1), Claim("take", REVIEW, "bob", 1)
+    leave = (Claim("release", REVIEW),)
+    before = await cs(engine).constraint_rows()
+    refused_batch = _chain(
+        await store.get(a),
+        ("submit", "in_review", (take_ann,)),
+        ("finish", "done", leave),
+        ("reopen", "draft", ()),
+        ("submit", "in_review", (take_bob,)),
+    )
+    with pytest.raises(flowlock.CapacityReached) as refused:
+        await store.commit(refused_batch)
+    assert (refused.value.key, refused.value.version, refused.value.holders) == ("bob", 5, (c,))
+    assert (await store.get(a)).version == 1
+    assert await cs(engine).constraint_rows() == before
+    fitting = _chain(
+        await store.get(b),
+        ("submit", "in_review", (take_ann,)),
+        ("finish", "done", leave),
+        ("reopen", "draft", ()),
+        ("submit", "in_review", (take_ann,)),
+    )
+    assert await store.commit(fitting) is not None
+    assert await holders(engine, REVIEW, "ann") == (b,)
+    log = [(e.seq, e.delta, e.holders, e.version) for e in (await cs(engine).constraint_rows()).log
+           if e.key == "ann"]  # fmt: skip
+    assert log == [(1, 1, 1, 2), (2, -1, 0, 3), (3, 1, 1, 5)]
+    await proven(engine)
+
+
 async def test_commit_many_answers_a_refused_batch_at_its_place(engine: flowlock.Engine) -> None:
     """In commit_many a batch whose claim is refused answers its ConstraintRefused, writes
     nothing, and the other batches commit."""
@@ -544,7 +637,6 @@ async def test_a_refused_claim_under_the_row_lock_writes_nothing(engine: flowloc
 # -- concurrency ---------------------------------------------------------------------------------
 
 
-@NEEDS_ENGINE
 async def test_concurrent_calls_on_one_instance_batched(engine: flowlock.Engine) -> None:
     """Many concurrent calls on one instance (batched together): the slot is taken once, every
     `note` applies, and of concurrent rate-limited pings no more than the limit apply, the
@@ -565,47 +657,84 @@ async def test_concurrent_calls_on_one_instance_batched(engine: flowlock.Engine)
     await proven(engine)
 
 
+async def raw_slots(store: Store) -> Counter[str]:
+    """The review slots held per key, counted with the test's own SQL where there is SQL."""
+    if isinstance(store, SqliteStore):
+        conn = sqlite3.connect(store.path)
+        try:
+            found = conn.execute(
+                "SELECT key, count(*) FROM flowlock_slots WHERE kind = ? GROUP BY key", (REVIEW,)
+            ).fetchall()
+        finally:
+            conn.close()
+    elif isinstance(store, PostgresStore):
+        assert store.dsn is not None
+        conn_pg = await asyncpg.connect(store.dsn)
+        try:
+            await conn_pg.execute(f'SET search_path TO "{store.schema}"')
+            found = await conn_pg.fetch(
+                "SELECT key, count(*) FROM flowlock_slots WHERE kind = $1 GROUP BY key", REVIEW
+            )
+        finally:
+            await conn_pg.close()
+    else:
+        rows = await constraint_store(store).constraint_rows()
+        return Counter(s.key for s in rows.slots if s.kind == REVIEW)
+    return Counter({key: int(n) for key, n in found})
+
+
 @pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
 async def test_concurrent_tasks_never_exceed_the_limit(
     store_factory: StoreFactory, strategy: str
 ) -> None:
-    """Tasks moving 24 instances in and out of a state of capacity 2 over 3 keys, all at once:
-    the slot rows counted per key never exceed 2, and the store's events prove no key ever
-    held more."""
-    eng = await _open(store_factory, review(limit=2, strategy=strategy))
+    """Tasks on two engines (two store objects of one database, like two processes) move 24
+    instances in and out of a state of capacity 2 over 3 keys, all at once, and stay inside
+    in the end: the slot rows counted per key are 2, the instances inside, and the store's
+    events prove no key ever held more."""
+    engines = [await _open(store_factory, review(limit=2, strategy=strategy)) for _ in range(2)]
+    eng = engines[0]
     try:
         keys = ["ann", "bob", "cat"]
         ids = [f"i{n:02d}" for n in range(24)]
         for n, iid in enumerate(ids):
             await eng.create("review", instance_id=iid, data={"r": keys[n % 3]})
         entered = Counter[str]()
+        refusals: list[str] = []
+        everyone = asyncio.Barrier(len(ids))
 
-        async def run(iid: str) -> None:
-            rng = random.Random(iid)
-            for _ in range(3):
-                for _ in range(400):  # bounded: each try is one commit
-                    try:
-                        await eng.fire(iid, "submit")
-                        break
-                    except flowlock.CapacityReached:
-                        await asyncio.sleep(rng.uniform(0.001, 0.01))
-                else:
-                    return  # starved: allowed, the limit is what is checked
+        async def enter(mine: flowlock.Engine, iid: str, tries: int, rng: random.Random) -> bool:
+            for _ in range(tries):  # bounded: each try is one commit
+                try:
+                    await mine.fire(iid, "submit")
+                except flowlock.CapacityReached:
+                    refusals.append(iid)
+                    await asyncio.sleep(rng.uniform(0.001, 0.01))
+                    continue
                 entered[iid] += 1
-                await eng.fire(iid, "note")
-                await eng.fire(iid, "finish")
-                await eng.fire(iid, "reopen")
+                await mine.fire(iid, "note")
+                return True
+            return False  # starved: allowed, the limit is what is checked
+
+        async def run(n: int, iid: str) -> None:
+            rng = random.Random(iid)
+            mine = engines[n % 2]
+            for _ in range(2):
+                if await enter(mine, iid, 400, rng):
+                    await mine.fire(iid, "finish")
+                    await mine.fire(iid, "reopen")
+            await everyone.wait()  # then all at once again, and those who get in stay
+            await enter(mine, iid, 10, rng)
 
         async with asyncio.timeout(120):
-            await asyncio.gather(*(run(iid) for iid in ids))
-        assert sum(entered.values()) > 0
+            await asyncio.gather(*(run(n, iid) for n, iid in enumerate(ids)))
+        assert sum(entered.values()) > 0 and refusals  # they did contend
+        assert await raw_slots(eng.store) == Counter(dict.fromkeys(keys, 2))
         rows = await cs(eng).constraint_rows()
-        per_key = Counter(s.key for s in rows.slots if s.kind == REVIEW)
-        assert all(n <= 2 for n in per_key.values()), per_key
         takes = [e for e in rows.log if e.delta == 1]
         assert len(takes) == sum(entered.values())
         assert max(e.holders for e in rows.log) <= 2
         prove(rows, {iid: await eng.get(iid) for iid in ids})
         await proven(eng)
     finally:
-        await eng.aclose()
+        for each in engines:
+            await each.aclose()

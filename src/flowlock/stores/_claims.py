@@ -60,14 +60,13 @@ def take_refusal(c: Claimed, holders: Sequence[str]) -> ConstraintRefused:
     )
 
 
-def rate_refusal(c: Claimed, window: Sequence[float], now: float) -> RateLimited | None:
-    """The error of a count when the times of `window` (the key's applications within the
-    last `per` seconds, oldest first) reach the limit, else None. `retry_after`: until the
-    count drops below the limit, when the oldest of the last `limit` leaves the window."""
+def rate_refusal(c: Claimed, counted: int, oldest: float | None, now: float) -> RateLimited | None:
+    """The error of a count when `counted` applications of the key fall within the last `per`
+    seconds and that reaches the limit, else None. `oldest`: the time of the oldest of the
+    last `limit` of them; once it leaves the window, one more fits (`retry_after`)."""
     claim = c.claim
-    if len(window) < claim.limit:
+    if counted < claim.limit or oldest is None:
         return None
-    oldest = window[len(window) - claim.limit]
     return RateLimited(
         instance_id=c.instance_id,
         kind=claim.kind,

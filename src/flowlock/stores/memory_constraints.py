@@ -34,24 +34,26 @@ Heard = Callable[[str, str], None]
 
 @dataclasses.dataclass(slots=True)
 class _Counter:
-    """A key's counter: its holders (instance id to the version that took the slot, oldest
-    first), the last limit used and the last event's sequence number."""
+    """A key's counter: its holders (instance id to the version that took the slot and the
+    take's sequence number, which orders them oldest first), the last limit used and the last
+    event's sequence number."""
 
-    holders: dict[str, int]
+    holders: dict[str, tuple[int, int]]
     limit: int
     seq: int = 0
 
-    def copy(self) -> _Counter:
-        return _Counter(dict(self.holders), self.limit, self.seq)
+    def oldest_first(self) -> list[tuple[str, int]]:
+        """The holders' ids with the versions that took their slots, oldest first."""
+        ordered = sorted(self.holders.items(), key=lambda held: held[1][1])
+        return [(iid, version) for iid, (version, _) in ordered]
 
 
 @dataclasses.dataclass(slots=True)
 class _Journal:
-    """What one commit changed, to undo it when a later claim of the commit is refused."""
+    """What one commit changed, as the steps that undo it (run last first) when a later claim
+    of the commit is refused; each step is O(1), whatever a key's limit."""
 
-    counters: dict[tuple[str, str], _Counter | None] = dataclasses.field(default_factory=dict)
-    held: dict[tuple[str, str], str | None] = dataclasses.field(default_factory=dict)
-    rates: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    undo: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     log_length: int = 0
     released: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
@@ -61,6 +63,7 @@ class MemoryConstraints:
 
     _counters: dict[tuple[str, str], _Counter]
     _held: dict[tuple[str, str], str]  # (kind, instance id) -> the key it holds a slot of
+    _kinds: set[str]  # every kind a slot was ever taken of (an undone take may leave one)
     _slot_log: list[SlotEvent]
     _rate_log: dict[tuple[str, str], list[RateEvent]]
     _release_listeners: set[Heard]
@@ -71,6 +74,7 @@ class MemoryConstraints:
     def _init_constraints(self) -> None:
         self._counters = {}
         self._held = {}
+        self._kinds = set()
         self._slot_log = []
         self._rate_log = {}
         self._release_listeners = set()
@@ -111,26 +115,9 @@ class MemoryConstraints:
         keys released."""
         journal = _Journal(log_length=len(self._slot_log))
         now = self._constraint_clock()
-        for kind, iid in list(self._held):
-            if iid == instance_id:
-                self._release(kind, iid, version, now, journal)
+        for kind in sorted(self._kinds):
+            self._release(kind, instance_id, version, now, journal)
         return journal.released
-
-    def _touch(self, kind: str, key: str, journal: _Journal) -> _Counter | None:
-        """The key's counter, its state before this commit noted once in the journal."""
-        counter = self._counters.get((kind, key))
-        if (kind, key) not in journal.counters:
-            journal.counters[(kind, key)] = None if counter is None else counter.copy()
-        return counter
-
-    def _hold(self, kind: str, instance_id: str, key: str | None, journal: _Journal) -> None:
-        slot = (kind, instance_id)
-        if slot not in journal.held:
-            journal.held[slot] = self._held.get(slot)
-        if key is None:
-            self._held.pop(slot, None)
-        else:
-            self._held[slot] = key
 
     def _event(
         self, kind: str, key: str, counter: _Counter, iid: str, version: int, delta: int, now: float
@@ -153,32 +140,51 @@ class MemoryConstraints:
     def _release(
         self, kind: str, instance_id: str, version: int, now: float, journal: _Journal
     ) -> None:
-        key = self._held.get((kind, instance_id))
+        key = self._held.pop((kind, instance_id), None)
         if key is None:
             return  # holds none: nothing to give back
-        counter = self._touch(kind, key, journal)
-        assert counter is not None  # a held slot has its counter
-        del counter.holders[instance_id]
-        self._hold(kind, instance_id, None, journal)
+        counter = self._counters[(kind, key)]  # a held slot has its counter
+        held = counter.holders.pop(instance_id)
         self._event(kind, key, counter, instance_id, version, -1, now)
         journal.released.append((kind, key))
 
+        def undo() -> None:
+            counter.seq -= 1
+            counter.holders[instance_id] = held
+            self._held[(kind, instance_id)] = key
+
+        journal.undo.append(undo)
+
     def _take(self, c: Claimed, now: float, journal: _Journal) -> None:
         claim = c.claim
-        held = self._held.get((claim.kind, c.instance_id))
-        if held == claim.key:
+        kind, key, iid = claim.kind, claim.key, c.instance_id
+        held = self._held.get((kind, iid))
+        if held == key:
             return  # holds a slot of this key already
         if held is not None:
-            self._release(claim.kind, c.instance_id, c.version, now, journal)
-        counter = self._touch(claim.kind, claim.key, journal)
+            self._release(kind, iid, c.version, now, journal)
+        counter = self._counters.get((kind, key))
         if counter is not None and len(counter.holders) >= claim.limit:
-            raise take_refusal(c, list(counter.holders))
+            raise take_refusal(c, [holder for holder, _ in counter.oldest_first()])
+        made = counter is None
         if counter is None:
-            counter = self._counters[(claim.kind, claim.key)] = _Counter({}, claim.limit)
-        counter.holders[c.instance_id] = c.version
-        counter.limit = claim.limit
-        self._hold(claim.kind, c.instance_id, claim.key, journal)
-        self._event(claim.kind, claim.key, counter, c.instance_id, c.version, 1, now)
+            counter = self._counters[(kind, key)] = _Counter({}, claim.limit)
+        limit, counter.limit = counter.limit, claim.limit
+        counter.holders[iid] = (c.version, counter.seq + 1)
+        self._held[(kind, iid)] = key
+        self._kinds.add(kind)
+        self._event(kind, key, counter, iid, c.version, 1, now)
+        taken = counter
+
+        def undo() -> None:
+            taken.seq -= 1
+            taken.limit = limit
+            del taken.holders[iid]
+            del self._held[(kind, iid)]
+            if made:
+                del self._counters[(kind, key)]
+
+        journal.undo.append(undo)
 
     def _count(self, c: Claimed, now: float, journal: _Journal) -> None:
         claim = c.claim
@@ -186,27 +192,19 @@ class MemoryConstraints:
         if events and events[-1].at > now:
             now = events[-1].at  # the wall clock stepped back: keep the log in time order
         start = bisect.bisect_right(events, now - claim.per, key=_at)
-        refused = rate_refusal(c, [e.at for e in events[start:]], now)
+        counted = len(events) - start
+        oldest = events[-claim.limit].at if counted >= claim.limit else None
+        refused = rate_refusal(c, counted, oldest, now)
         if refused is not None:
             raise refused
         events.append(
             RateEvent(claim.kind, claim.key, c.instance_id, c.version, now, claim.limit, claim.per)
         )
-        journal.rates.append((claim.kind, claim.key))
+        journal.undo.append(lambda: _drop_last(events))
 
     def _undo(self, journal: _Journal) -> None:
-        for slot, counter in journal.counters.items():
-            if counter is None:
-                self._counters.pop(slot, None)
-            else:
-                self._counters[slot] = counter
-        for slot, key in journal.held.items():
-            if key is None:
-                self._held.pop(slot, None)
-            else:
-                self._held[slot] = key
-        for slot in reversed(journal.rates):
-            self._rate_log[slot].pop()
+        for step in reversed(journal.undo):
+            step()
         del self._slot_log[journal.log_length :]
         journal.released.clear()
 
@@ -227,7 +225,9 @@ class MemoryConstraints:
         counter = self._counters.get((kind, key))
         if counter is None:
             return CapacityUsage(kind, key, None, ())
-        return CapacityUsage(kind, key, counter.limit, tuple(counter.holders))
+        return CapacityUsage(
+            kind, key, counter.limit, tuple(iid for iid, _ in counter.oldest_first())
+        )
 
     async def constraint_rows(self) -> ConstraintRows:
         self._check()
@@ -235,7 +235,7 @@ class MemoryConstraints:
         slots = [
             SlotRow(kind, key, iid, version)
             for (kind, key), counter in sorted(self._counters.items())
-            for iid, version in counter.holders.items()
+            for iid, version in counter.oldest_first()
         ]
         counters = [
             CounterRow(kind, key, len(c.holders), c.limit, c.seq)
@@ -253,6 +253,10 @@ class MemoryConstraints:
             yield
         finally:
             self._release_listeners.discard(heard)
+
+
+def _drop_last(events: list[RateEvent]) -> None:
+    events.pop()
 
 
 def _at(event: RateEvent) -> float:

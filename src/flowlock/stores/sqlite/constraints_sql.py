@@ -139,14 +139,14 @@ def _count(conn: sqlite3.Connection, c: Claimed, now: float) -> None:
     if last is not None and last > now:
         now = last  # this host's clock is behind the last writer's: keep the log in time order
     start = now - claim.per
-    [(n,)] = conn.execute(_WINDOW_COUNT, (claim.kind, claim.key, start)).fetchall()
-    if n >= claim.limit:
+    [(counted,)] = conn.execute(_WINDOW_COUNT, (claim.kind, claim.key, start)).fetchall()
+    if counted >= claim.limit:
         [(oldest,)] = conn.execute(
             _WINDOW_NTH, (claim.kind, claim.key, start, claim.limit - 1)
         ).fetchall()
-        refused = rate_refusal(c, [oldest] * claim.limit, now)
-        assert refused is not None
-        raise refused
+        refused = rate_refusal(c, counted, oldest, now)
+        if refused is not None:
+            raise refused
     conn.execute(
         _INSERT_RATE,
         (claim.kind, claim.key, now, c.instance_id, c.version, claim.limit, claim.per),
