@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import random
 import sqlite3
 from collections import Counter, defaultdict
