@@ -8,6 +8,8 @@ The workflows (module-level key functions: every process registers the same defi
   the reviewer the payload names (the slot moves from one key to the other in one commit).
 - ``subscription``: one instance per customer while ``active`` or ``suspended``.
 - ``throttle``: ``ping`` keeps the instance ``open``, at most ``RATE`` per sku per second.
+- ``desk``: ``idle`` -> ``busy`` (``take``) -> ``idle`` (``leave``), ``LIMIT`` busy per desk; a
+  ``take`` waits for a free slot (``Capacity(wait=WAIT)``).
 
 The proofs: :func:`slot_proof` replays a key's slot log (+1 / -1 in ``seq`` order) and holds the
 slot rows, counters and instances to it; :func:`rate_proof` slides a window over the rate log.
@@ -27,14 +29,17 @@ import pg_budget
 from flowlock.core.definition import Step
 
 __all__ = [
+    "DESK_KIND",
     "LIMIT",
     "RATE",
     "RATE_PER",
     "REVIEW_KIND",
     "THROTTLE_KIND",
     "UNIQUE_KIND",
+    "WAIT",
     "RateProof",
     "SlotProof",
+    "desk",
     "rate_proof",
     "read_pg",
     "read_sqlite",
@@ -42,12 +47,15 @@ __all__ = [
     "slot_proof",
     "subscription",
     "throttle",
+    "workflows",
 ]
 
 LIMIT = 5  # slots per reviewer
 RATE = 20  # pings per sku ...
 RATE_PER = 1.0  # ... per this many seconds
+WAIT = 30.0  # seconds a desk's take may wait for a slot (a generous bound)
 REVIEW_KIND = "review.in_review"
+DESK_KIND = "desk.busy"
 UNIQUE_KIND = "subscription.unique"
 THROTTLE_KIND = "throttle.ping.rate"
 
@@ -62,6 +70,10 @@ def customer(inst: flowlock.Instance) -> object:
 
 def sku(inst: flowlock.Instance) -> object:
     return inst.data["sku"]
+
+
+def desk_of(inst: flowlock.Instance) -> object:
+    return inst.data["desk"]
 
 
 def _reassign(inst: flowlock.Instance, payload: Mapping[str, Any], actor: str | None) -> Step:
@@ -109,6 +121,25 @@ def throttle(limit: int = RATE, per: float = RATE_PER) -> flowlock.Workflow:
         initial="open",
         transitions=[flowlock.Transition("ping", source="open", target="open", rate=rate)],
     )
+
+
+def desk(limit: int = LIMIT, wait: float = WAIT) -> flowlock.Workflow:
+    """Desks of `limit` seats; a take waits up to `wait` seconds for a seat to free."""
+    busy = flowlock.State("busy", capacity=flowlock.Capacity(key=desk_of, limit=limit, wait=wait))
+    return flowlock.Workflow(
+        "desk",
+        states=["idle", busy],
+        initial="idle",
+        transitions=[
+            flowlock.Transition("take", source="idle", target=busy),
+            flowlock.Transition("leave", source="busy", target="idle"),
+        ],
+    )
+
+
+def workflows() -> list[flowlock.Workflow]:
+    """Every workflow of the tests, as each process registers them."""
+    return [review(), subscription(), throttle(), desk()]
 
 
 # -- the rows, read with the tests' own SQL ----------------------------------------------------

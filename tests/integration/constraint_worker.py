@@ -10,6 +10,8 @@ JSON line (its report).
   ``keys``) when it is in review. Capacity refusals are expected: the report counts them and
   keeps those that did not name ``LIMIT`` holders. With ``hold`` (instance ids), it also
   starts each of them inside a transaction of its own and never commits (it is to be killed).
+- ``desks``: a caller per instance of ``ids`` takes a desk's seat (waiting for one to free),
+  keeps it ``hold`` seconds and leaves, ``rounds`` times.
 - ``unique``: creates each of ``ids`` (a subscription of ``customer``) at once, in ``tasks``
   concurrent tasks; reports each create's answer (the holder a UniqueViolation names).
 - ``rate``: ``callers`` tasks ping the instances of ``ids`` until ``seconds`` are up; a
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: constrai
 from proc_worker import all_started, ready_and_wait, record_phase
 
 import flowlock
-from constraint_kit import LIMIT, review, subscription, throttle
+from constraint_kit import LIMIT, workflows
 
 
 def _engine(cfg: dict[str, Any]) -> flowlock.Engine:
@@ -75,6 +77,7 @@ class Tally:
         self.samples: dict[str, str] = {}
         self.odd: list[str] = []
         self.retry_after: list[float] = []
+        self.waited: list[float] = []
 
     def error(self, exc: BaseException) -> None:
         name = type(exc).__name__
@@ -90,6 +93,7 @@ class Tally:
             "samples": self.samples,
             "odd": self.odd[:20],
             "retry_after": [min(self.retry_after, default=0), max(self.retry_after, default=0)],
+            "waited": max(self.waited, default=0.0),
             **more,
         }
 
@@ -147,6 +151,29 @@ async def _hold(engine: flowlock.Engine, cfg: dict[str, Any], iid: str, n: int) 
             await asyncio.sleep(0.01)  # the key is full now: try again
 
 
+async def _desks(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally) -> None:
+    """Each caller, on an instance of its own, takes a seat (waiting for one), keeps it a
+    moment and leaves, `rounds` times; the longest wait is reported."""
+
+    async def caller(iid: str) -> None:
+        for _ in range(cfg["rounds"]):
+            tally.calls += 1
+            began = time.monotonic()
+            try:
+                out = await engine.fire(iid, "take", actor=f"p{cfg['proc']}")
+            except flowlock.FlowlockError as exc:
+                tally.error(exc)
+                return
+            tally.waited.append(time.monotonic() - began)
+            tally.applied["take"] += out.applied
+            await asyncio.sleep(cfg.get("hold", 0.02))
+            tally.calls += 1
+            out = await engine.fire(iid, "leave", actor=f"p{cfg['proc']}")
+            tally.applied["leave"] += out.applied
+
+    await asyncio.gather(*(caller(iid) for iid in cfg["ids"]))
+
+
 async def _unique(engine: flowlock.Engine, cfg: dict[str, Any]) -> dict[str, Any]:
     gate = asyncio.Semaphore(cfg.get("tasks", len(cfg["ids"])))
     answers: dict[str, Any] = {}
@@ -201,7 +228,7 @@ async def main(cfg: dict[str, Any]) -> None:
     tally = Tally()
     more: dict[str, Any] = {}
     async with _engine(cfg) as engine:
-        for wf in (review(), subscription(), throttle()):
+        for wf in workflows():
             await engine.register(wf)
         for iid in cfg.get("warm", [])[:4]:  # connections opened before the phase
             await engine.get(iid)
@@ -212,6 +239,8 @@ async def main(cfg: dict[str, Any]) -> None:
         if cfg["mode"] == "storm":
             held = [_hold(engine, cfg, iid, n) for n, iid in enumerate(cfg.get("hold", []))]
             await asyncio.gather(_storm(engine, cfg, tally, until), *held)
+        elif cfg["mode"] == "desks":
+            await _desks(engine, cfg, tally)
         elif cfg["mode"] == "unique":
             more["answers"] = await _unique(engine, cfg)
         else:

@@ -29,6 +29,7 @@ from proc_worker import Gate, Phase
 import flowlock
 import pg_budget
 from constraint_kit import (
+    DESK_KIND,
     LIMIT,
     RATE,
     RATE_PER,
@@ -39,10 +40,8 @@ from constraint_kit import (
     rate_proof,
     read_pg,
     read_sqlite,
-    review,
     slot_proof,
-    subscription,
-    throttle,
+    workflows,
 )
 from flowlock._inspect import check_instances
 from flowlock.stores.postgres import PostgresStore
@@ -143,7 +142,7 @@ def _reviewer(data: dict[str, Any]) -> object:
 
 async def _pg_engine(pg_url: str, pg_schema: str) -> flowlock.Engine:
     engine = await flowlock.Engine(PostgresStore(pg_url, schema=pg_schema, pool_size=2)).open()
-    for wf in (review(), subscription(), throttle()):
+    for wf in workflows():
         await engine.register(wf)
     return engine
 
@@ -435,6 +434,102 @@ async def test_kill_9_in_the_middle_of_a_take_leaks_no_slot(
         await engine.aclose()
 
 
+# -- waiting for a slot, woken by another process's release ---------------------------------
+
+
+async def _desks(
+    engine: flowlock.Engine, gate: Gate, processes: int, where: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """`engine` takes all 5 seats of desk d1; `processes` workers x 4 callers ask for seats
+    (waiting), and once every worker is in its phase (and a second more), `engine` gives its
+    seats back. The workers' reports, once their phases overlapped."""
+    holders = [f"hold-{n}" for n in range(LIMIT)]
+    for iid in holders:
+        await engine.create("desk", instance_id=iid, data={"desk": "d1"})
+        await engine.fire(iid, "take")
+    confs = []
+    for p in range(processes):
+        ids = [f"w{p}-{n}" for n in range(4)]
+        for iid in ids:
+            await engine.create("desk", instance_id=iid, data={"desk": "d1"})
+        confs.append({**where, "mode": "desks", "proc": p, "gate": str(gate), "ids": ids,
+                      "rounds": 5, "warm": ids})  # fmt: skip
+    procs = await _spawn(confs)
+    try:
+        await gate.open_when_ready(procs)
+
+        async def all_started() -> bool:
+            return all((gate.path / f"started-{p}").exists() for p in range(processes))
+
+        await _until(all_started, BOUND, "every worker in its phase")
+        await asyncio.sleep(1.0)  # their first takes are refused and wait
+        assert (await engine.capacity(DESK_KIND, "d1")).holders == tuple(holders)
+        for iid in holders:
+            await engine.fire(iid, "leave")
+        reports = await _reports(procs)
+    finally:
+        await _stop(procs)
+    gate.assert_overlapped()
+    applied, errors = _total(reports, "applied"), _total(reports, "errors")
+    waited = max(r["waited"] for r in reports)
+    run = f"{where.get('backend', 'postgres')} {where['strategy']}"
+    print(f"desks {run}: applied {dict(applied)}, errors {dict(errors)}, {waited=:.2f}")
+    assert errors == {}, [r["samples"] for r in reports]
+    assert applied == {"take": processes * 4 * 5, "leave": processes * 4 * 5}, applied
+    return reports
+
+
+def _desk_proof(rows: Rows) -> None:
+    """Never more than 5 seated, all free at the end, shared by processes, and no worker
+    seated before the first seat the test's engine gave back."""
+    proof = slot_proof(
+        rows, DESK_KIND, LIMIT, workflow="desk", key_of=lambda d: d["desk"],
+        states=("busy",), takes=("take",), releases=("leave",), must_take=("take",),
+        must_release=("leave",),
+    )  # fmt: skip
+    proof.assert_ok()
+    assert proof.peak == {"d1": LIMIT} and proof.holders == {}, proof
+    assert proof.mixed_full > 0, proof
+    log = [e for e in rows.log if e[0] == DESK_KIND]
+    first_release = next(e[2] for e in log if e[3].startswith("hold-") and e[5] == -1)
+    assert all(e[2] > first_release for e in log if e[3].startswith("w")), log[:12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_waiters_in_four_processes_are_woken_by_another_process(
+    pg_url: str, pg_schema: str, tmp_path: Path, strategy: str
+) -> None:
+    """The test's own engine holds all 5 seats of a desk while 4 processes x 4 callers ask for
+    one with Capacity(wait=30): they wait, and once it gives its seats back (a release they can
+    only hear from the database) every take gets in, none before the first release, 5 rounds
+    each, never more than 5 seated."""
+    engine = await _pg_engine(pg_url, pg_schema)
+    try:
+        where = {"url": pg_url, "schema": pg_schema, "strategy": strategy}
+        await _desks(engine, Gate(tmp_path / "gate", PROCESSES), PROCESSES, where)
+        rows = await read_pg(pg_url, pg_schema)
+        _desk_proof(rows)
+        await _checked(engine, pg_url, pg_schema, rows)
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.slow
+async def test_waiters_on_a_sqlite_file_are_woken_by_another_process(tmp_path: Path) -> None:
+    """The same on one SQLite file with 3 processes (a release made by another process is
+    seen by the store's periodic look, there is no notice to hear): every take gets in."""
+    path = tmp_path / "flowlock.db"
+    async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
+        for wf in workflows():
+            await engine.register(wf)
+        where = {"backend": "sqlite", "path": str(path), "strategy": "optimistic"}
+        await _desks(engine, Gate(tmp_path / "gate", 3), 3, where)
+        rows = read_sqlite(str(path))
+        _desk_proof(rows)
+        await _checked(engine, f"sqlite:///{path}", None, rows)
+
+
 # -- uniqueness ------------------------------------------------------------------------------
 
 
@@ -580,7 +675,7 @@ async def test_capacity_storm_on_a_sqlite_file_across_processes(
     path = tmp_path / "flowlock.db"
     keys = ["ann", "bob"]
     async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
-        for wf in (review(), subscription(), throttle()):
+        for wf in workflows():
             await engine.register(wf)
         ids = await _reviews(engine, 24, keys)
         gate = Gate(tmp_path / "gate", 3)
