@@ -7,9 +7,11 @@ JSON line (its report).
 
 - ``storm``: ``callers`` tasks, until ``seconds`` are up, each picks one of ``ids`` at random and
   moves it: ``start`` when it is queued, ``finish`` (or now and then ``reassign`` to another of
-  ``keys``) when it is in review. Capacity refusals are expected: the report counts them and
-  keeps those that did not name ``LIMIT`` holders. With ``hold`` (instance ids), it also
-  starts each of them inside a transaction of its own and never commits (it is to be killed).
+  ``keys``) when it is in review; with ``blind``, a start or a finish at random without a read
+  first, so that concurrent calls on one instance batch. Capacity refusals are expected: the
+  report counts them and keeps those that did not name ``LIMIT`` holders. With ``hold``
+  (instance ids), it also starts each of them inside a transaction of its own and never
+  commits (it is to be killed).
 - ``desks``: a caller per instance of ``ids`` takes a desk's seat (waiting for one to free),
   keeps it ``hold`` seconds and leaves, ``rounds`` times.
 - ``unique``: creates each of ``ids`` (a subscription of ``customer``) at once, in ``tasks``
@@ -108,6 +110,11 @@ async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, unt
             iid = rng.choice(ids)
             tally.calls += 1
             try:
+                if cfg.get("blind"):  # no read first: concurrent calls batch on the instance
+                    event, payload = rng.choice(["start", "finish"]), None
+                    out = await engine.fire(iid, event, actor=f"p{cfg['proc']}")
+                    tally.applied[event] += out.applied
+                    continue
                 inst = await engine.get(iid)
                 if inst.state == "queued":
                     event, payload = "start", None
