@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
@@ -243,3 +244,70 @@ async def test_waiters_on_a_sqlite_file_are_woken_by_another_process(tmp_path: P
         rows = read_sqlite(str(path))
         _desk_proof(rows)
         await cp.checked(engine, f"sqlite:///{path}", None, rows)
+
+
+@pytest.mark.slow
+async def test_kill_9_during_a_storm_on_a_sqlite_file_leaks_no_slot(tmp_path: Path) -> None:
+    """One of 3 processes storming a SQLite file is killed with SIGKILL once it has committed
+    20 transitions (its calls in flight die with it): the file is sound, the slot rows equal
+    the instances in review and the counters, the log replays clean, and every reviewer's 5
+    slots can be taken again, no more."""
+    path = tmp_path / "flowlock.db"
+    keys = ["ann", "bob"]
+    async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
+        for wf in workflows():
+            await engine.register(wf)
+        ids = await cp.make_reviews(engine, 24, keys)
+        gate = Gate(tmp_path / "gate", 3)
+        base = {
+            "mode": "storm", "backend": "sqlite", "path": str(path), "strategy": "optimistic",
+            "gate": str(gate), "ids": ids, "keys": keys, "callers": 4, "warm": ids,
+        }  # fmt: skip
+        confs = [{**base, "proc": p, "seconds": 5.0} for p in range(2)]
+        confs.append({**base, "proc": 2, "seconds": cp.BOUND})
+        procs = await cp.spawn(confs)
+        victim = procs[-1]
+
+        def committed_by_victim() -> int:
+            conn = sqlite3.connect(path, timeout=30)
+            try:
+                query = "SELECT count(*) FROM flowlock_history WHERE actor = 'p2'"
+                return int(conn.execute(query).fetchone()[0])
+            finally:
+                conn.close()
+
+        async def busy() -> bool:
+            assert victim.returncode is None, "the victim exited before it was killed"
+            return await asyncio.to_thread(committed_by_victim) >= 20
+
+        try:
+            await gate.open_when_ready(procs)
+            await cp.until(busy, 30.0, "the victim's first 20 transitions")
+            killed_at = time.monotonic()
+            victim.send_signal(signal.SIGKILL)
+            assert await asyncio.wait_for(victim.wait(), timeout=cp.BOUND) == -signal.SIGKILL
+            reports = await cp.read_reports(procs[:-1])
+        finally:
+            await cp.stop(procs)
+        phases = [cp.phase_of(gate, p) for p in range(2)]
+        assert max(p.start for p in phases) < killed_at < min(p.end for p in phases), phases
+        errors = cp.total(reports, "errors")
+        assert set(errors) <= cp.EXPECTED, [r["samples"] for r in reports]
+
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        finally:
+            conn.close()
+        rows = read_sqlite(str(path))
+        slot_proof(rows, REVIEW_KIND, LIMIT, key_of=cp.reviewer).assert_ok()
+        await cp.checked(engine, f"sqlite:///{path}", None, rows)
+        for key in keys:  # the free slots fill exactly: none leaked
+            mine = [i for i in ids if (await engine.get(i)).data["reviewer"] == key]
+            for iid in mine:
+                if (await engine.get(iid)).state == "queued":
+                    with contextlib.suppress(flowlock.CapacityReached):
+                        await engine.fire(iid, "start")
+            assert (await engine.capacity(REVIEW_KIND, key)).used == min(LIMIT, len(mine))
+        refilled = read_sqlite(str(path))
+        slot_proof(refilled, REVIEW_KIND, LIMIT, key_of=cp.reviewer).assert_ok()
