@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,27 @@ from proc_worker import Gate, Phase
 
 import flowlock
 import pg_budget
-from constraint_kit import Rows, workflows
+from constraint_kit import Rows, read_pg, read_sqlite, workflows
 from flowlock._inspect import check_instances
 from flowlock.stores.postgres import PostgresStore
+
+
+@dataclass(frozen=True)
+class Db:
+    """Where a test's rows are: the URL `flowlock check` takes, the schema, how to read them."""
+
+    url: str
+    schema: str | None
+    rows: Callable[[], Awaitable[Rows]]
+
+    @classmethod
+    def pg(cls, url: str, schema: str) -> Db:
+        return cls(url, schema, lambda: read_pg(url, schema))
+
+    @classmethod
+    def lite(cls, path: Path) -> Db:
+        return cls(f"sqlite:///{path}", None, lambda: asyncio.to_thread(read_sqlite, str(path)))
+
 
 WORKER = Path(__file__).with_name("constraint_worker.py")
 PROCESSES = 4

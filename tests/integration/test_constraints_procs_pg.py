@@ -17,6 +17,7 @@ from typing import Any
 
 import constraint_procs as cp
 import pytest
+from constraint_procs import Db
 from proc_worker import Gate
 
 import flowlock
@@ -198,6 +199,45 @@ def _unique_proof(rows: Any) -> Any:
     )
 
 
+async def _unique_wave(engine: flowlock.Engine, gate: Gate, where: dict[str, Any], at: Db) -> str:
+    """Each worker of `gate` creates 25 subscriptions of customer c-42 at once: exactly one is
+    created, the others raise UniqueViolation naming it; one slot row, one log event. Once it
+    is cancelled, the next create for the customer succeeds and the one after is refused."""
+    confs = [
+        {**where, "mode": "unique", "proc": p, "gate": str(gate), "customer": "c-42",
+         "tasks": 25, "ids": [f"s{p}-{n:02}" for n in range(25)]}
+        for p in range(gate.processes)
+    ]  # fmt: skip
+    reports = await cp.run_through_gate(gate, confs)
+    answers = {iid: a for r in reports for iid, a in r["answers"].items()}
+    assert len(answers) == 25 * gate.processes
+    created = [iid for iid, a in answers.items() if "created" in a]
+    assert len(created) == 1, created
+    [holder] = created
+    refused = [a for a in answers.values() if "created" not in a]
+    assert {a["error"] for a in refused} == {"UniqueViolation"}, refused[:3]
+    assert {(a["holder"], a["kind"], a["key"]) for a in refused} == {(holder, UNIQUE_KIND, "c-42")}
+    assert all(holder in a["message"] for a in refused)
+
+    rows = await at.rows()
+    assert [(i[0], i[2]) for i in rows.instances] == [(holder, "active")]
+    assert [(s[1], s[2]) for s in rows.slots if s[0] == UNIQUE_KIND] == [("c-42", holder)]
+    _unique_proof(rows).assert_ok()
+    assert [(e[3], e[4], e[5]) for e in rows.log] == [(holder, 1, 1)]
+    await cp.checked(engine, at.url, at.schema, rows)
+
+    await engine.fire(holder, "cancel")
+    customer = {"customer_id": "c-42"}
+    again = await engine.create("subscription", instance_id="s-next", data=customer)
+    assert again.state == "active"
+    with pytest.raises(flowlock.UniqueViolation) as refused_again:
+        await engine.create("subscription", instance_id="s-late", data=customer)
+    assert refused_again.value.holder == "s-next"
+    _unique_proof(await at.rows()).assert_ok()
+    await cp.checked(engine, at.url, at.schema)
+    return str(holder)
+
+
 @pytest.mark.slow
 async def test_one_of_100_concurrent_creates_for_one_customer_wins(
     pg_url: str, pg_schema: str, tmp_path: Path, sql_history: cp.SqlHistory
@@ -207,49 +247,9 @@ async def test_one_of_100_concurrent_creates_for_one_customer_wins(
     once it is cancelled, the next create for the customer succeeds."""
     engine = await cp.pg_engine(pg_url, pg_schema)
     try:
-        gate = Gate(tmp_path / "gate", cp.PROCESSES)
-        confs = [
-            {
-                "mode": "unique",
-                "url": pg_url,
-                "schema": pg_schema,
-                "proc": p,
-                "gate": str(gate),
-                "customer": "c-42",
-                "tasks": 25,
-                "ids": [f"s{p}-{n:02}" for n in range(25)],
-            }
-            for p in range(cp.PROCESSES)
-        ]
-        reports = await cp.run_through_gate(gate, confs)
-        answers = {iid: a for r in reports for iid, a in r["answers"].items()}
-        assert len(answers) == 100
-        created = [iid for iid, a in answers.items() if "created" in a]
-        assert len(created) == 1, created
-        [holder] = created
-        refused = [a for a in answers.values() if "created" not in a]
-        assert {a["error"] for a in refused} == {"UniqueViolation"}, refused[:3]
-        assert {(a["holder"], a["kind"], a["key"]) for a in refused} == {
-            (holder, UNIQUE_KIND, "c-42")
-        }
-        assert all(holder in a["message"] for a in refused)
-
-        rows = await read_pg(pg_url, pg_schema)
-        assert [(i[0], i[2]) for i in rows.instances] == [(holder, "active")]
-        assert [(s[1], s[2]) for s in rows.slots if s[0] == UNIQUE_KIND] == [("c-42", holder)]
-        _unique_proof(rows).assert_ok()
-        assert [(e[3], e[4], e[5]) for e in rows.log] == [(holder, 1, 1)]
-        await cp.checked(engine, pg_url, pg_schema, rows)
-
-        await engine.fire(holder, "cancel")
-        customer = {"customer_id": "c-42"}
-        again = await engine.create("subscription", instance_id="s-next", data=customer)
-        assert again.state == "active"
-        with pytest.raises(flowlock.UniqueViolation) as refused_again:
-            await engine.create("subscription", instance_id="s-late", data=customer)
-        assert refused_again.value.holder == "s-next"
-        _unique_proof(await read_pg(pg_url, pg_schema)).assert_ok()
-        await cp.checked(engine, pg_url, pg_schema)
+        where = {"url": pg_url, "schema": pg_schema}
+        at = Db.pg(pg_url, pg_schema)
+        holder = await _unique_wave(engine, Gate(tmp_path / "gate", cp.PROCESSES), where, at)
         (await sql_history()).assert_matches(
             {iid: await engine.history(iid) for iid in (holder, "s-next")}
         )
@@ -257,7 +257,53 @@ async def test_one_of_100_concurrent_creates_for_one_customer_wins(
         await engine.aclose()
 
 
+@pytest.mark.slow
+async def test_one_of_75_concurrent_creates_on_a_sqlite_file_wins(tmp_path: Path) -> None:
+    """The same on one SQLite file, 3 processes x 25 tasks: exactly one created, the others
+    refused naming it."""
+    path = tmp_path / "flowlock.db"
+    async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
+        for wf in workflows():
+            await engine.register(wf)
+        where = {"backend": "sqlite", "path": str(path)}
+        await _unique_wave(engine, Gate(tmp_path / "gate", 3), where, Db.lite(path))
+
+
 # -- a rate limit ----------------------------------------------------------------------------
+
+
+async def _rate_run(
+    engine: flowlock.Engine, gate: Gate, where: dict[str, Any], at: Db
+) -> list[str]:
+    """The workers of `gate`, 6 callers each, ping 10 instances of sku-1 (20 per second) for 3
+    seconds: no window of a second in the rate log holds more than 20 and some hold 20; every
+    applied ping is logged once; refusals are RateLimited with a retry_after in (0, 1] s."""
+    ids = [f"t{n:02}" for n in range(10)]
+    for iid in ids:
+        await engine.create("throttle", instance_id=iid, data={"sku": "sku-1"})
+    confs = [
+        {**where, "mode": "rate", "proc": p, "gate": str(gate), "ids": ids, "callers": 6,
+         "seconds": 3.0, "warm": ids, "strategy": "optimistic"}
+        for p in range(gate.processes)
+    ]  # fmt: skip
+    reports = await cp.run_through_gate(gate, confs)
+    applied, errors = cp.total(reports, "applied"), cp.total(reports, "errors")
+    print(f"rate: applied {dict(applied)}, refused {dict(errors)}")
+    assert set(errors) <= {"RateLimited", "ConflictRetriesExhausted"}, [
+        r["samples"] for r in reports
+    ]
+    assert errors["RateLimited"] > 0 and all(r["applied"] for r in reports), reports
+    lows = [r["retry_after"][0] for r in reports if r["errors"].get("RateLimited")]
+    highs = [r["retry_after"][1] for r in reports if r["errors"].get("RateLimited")]
+    assert min(lows) > 0 and max(highs) <= RATE_PER, (lows, highs)
+
+    rows = await at.rows()
+    proof = rate_proof(rows, THROTTLE_KIND, RATE, RATE_PER)
+    proof.assert_ok()
+    assert proof.events == applied["ping"] == len(rows.history), (proof, applied)
+    assert proof.busiest == {"sku-1": RATE}, proof.busiest
+    await cp.checked(engine, at.url, at.schema, rows)
+    return ids
 
 
 @pytest.mark.slow
@@ -270,45 +316,24 @@ async def test_a_rate_limit_holds_across_two_processes(
     (0, 1] s."""
     engine = await cp.pg_engine(pg_url, pg_schema)
     try:
-        ids = [f"t{n:02}" for n in range(10)]
-        for iid in ids:
-            await engine.create("throttle", instance_id=iid, data={"sku": "sku-1"})
-        gate = Gate(tmp_path / "gate", 2)
-        confs = [
-            {
-                "mode": "rate",
-                "url": pg_url,
-                "schema": pg_schema,
-                "proc": p,
-                "gate": str(gate),
-                "ids": ids,
-                "callers": 6,
-                "seconds": 3.0,
-                "warm": ids,
-                "strategy": "optimistic",
-            }
-            for p in range(2)
-        ]
-        reports = await cp.run_through_gate(gate, confs)
-        applied, errors = cp.total(reports, "applied"), cp.total(reports, "errors")
-        print(f"rate: applied {dict(applied)}, refused {dict(errors)}")
-        assert set(errors) <= {"RateLimited", "ConflictRetriesExhausted"}, [
-            r["samples"] for r in reports
-        ]
-        assert errors["RateLimited"] > 0 and all(r["applied"] for r in reports), reports
-        lows = [r["retry_after"][0] for r in reports if r["errors"].get("RateLimited")]
-        highs = [r["retry_after"][1] for r in reports if r["errors"].get("RateLimited")]
-        assert min(lows) > 0 and max(highs) <= RATE_PER, (lows, highs)
-
-        rows = await read_pg(pg_url, pg_schema)
-        proof = rate_proof(rows, THROTTLE_KIND, RATE, RATE_PER)
-        proof.assert_ok()
-        assert proof.events == applied["ping"] == len(rows.history), (proof, applied)
-        assert proof.busiest == {"sku-1": RATE}, proof.busiest
-        await cp.checked(engine, pg_url, pg_schema, rows)
+        where = {"url": pg_url, "schema": pg_schema}
+        at = Db.pg(pg_url, pg_schema)
+        ids = await _rate_run(engine, Gate(tmp_path / "gate", 2), where, at)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:
         await engine.aclose()
+
+
+@pytest.mark.slow
+async def test_a_rate_limit_holds_across_two_processes_on_a_sqlite_file(tmp_path: Path) -> None:
+    """The same on one SQLite file (its store's clock times the pings): never more than 20 in
+    a window of one second."""
+    path = tmp_path / "flowlock.db"
+    async with flowlock.Engine(SqliteStore(path, pool_size=2)) as engine:
+        for wf in workflows():
+            await engine.register(wf)
+        where = {"backend": "sqlite", "path": str(path)}
+        await _rate_run(engine, Gate(tmp_path / "gate", 2), where, Db.lite(path))
 
 
 # -- SQLite: one file, several processes -----------------------------------------------------
