@@ -282,8 +282,8 @@ async def _rate_run(
     for iid in ids:
         await engine.create("throttle", instance_id=iid, data={"sku": "sku-1"})
     confs = [
-        {**where, "mode": "rate", "proc": p, "gate": str(gate), "ids": ids, "callers": 6,
-         "seconds": 3.0, "warm": ids, "strategy": "optimistic"}
+        {"strategy": "optimistic", **where, "mode": "rate", "proc": p, "gate": str(gate),
+         "ids": ids, "callers": 6, "seconds": 3.0, "warm": ids}
         for p in range(gate.processes)
     ]  # fmt: skip
     reports = await cp.run_through_gate(gate, confs)
@@ -307,21 +307,29 @@ async def _rate_run(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
 async def test_a_rate_limit_holds_across_two_processes(
-    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: cp.SqlHistory
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: cp.SqlHistory,
+    strategy: str,
 ) -> None:
-    """2 processes x 6 callers ping 10 instances of one sku (20 per second) for 3 seconds: in
-    the rate log no window of one second holds more than 20 and some hold exactly 20; every
-    applied ping is logged once; the refused calls got RateLimited with a retry_after in
-    (0, 1] s."""
+    """2 processes x 6 callers ping 10 instances of one sku (20 per second) for 3 seconds,
+    under each strategy: in the rate log no window of one second holds more than 20 and some
+    hold exactly 20; every applied ping is logged once; the refused calls got RateLimited with
+    a retry_after in (0, 1] s."""
     engine = await cp.pg_engine(pg_url, pg_schema)
+    locks = cp.redis_locks(request, strategy)
     try:
-        where = {"url": pg_url, "schema": pg_schema}
+        where = {"url": pg_url, "schema": pg_schema, "strategy": strategy, **locks}
         at = Db.pg(pg_url, pg_schema)
         ids = await _rate_run(engine, Gate(tmp_path / "gate", 2), where, at)
         (await sql_history()).assert_matches({iid: await engine.history(iid) for iid in ids})
     finally:
         await engine.aclose()
+        await cp.forget_locks(locks)
 
 
 @pytest.mark.slow
