@@ -8,7 +8,8 @@ JSON line (its report).
 - ``storm``: ``callers`` tasks, until ``seconds`` are up, each picks one of ``ids`` at random and
   moves it: ``start`` when it is queued, ``finish`` (or now and then ``reassign`` to another of
   ``keys``) when it is in review; with ``blind``, a start or a finish at random without a read
-  first, so that concurrent calls on one instance batch. Capacity refusals are expected: the
+  first, so that concurrent calls on one instance batch; with ``swap``, never a finish: a review
+  in review is always moved to another reviewer. Capacity refusals are expected: the
   report counts them and keeps those that did not name ``LIMIT`` holders. With ``hold``
   (instance ids), it also starts each of them inside a transaction of its own and never
   commits (it is to be killed).
@@ -118,6 +119,9 @@ async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, unt
                 inst = await engine.get(iid)
                 if inst.state == "queued":
                     event, payload = "start", None
+                elif cfg.get("swap"):  # always to another reviewer: a release and a take
+                    others = [k for k in keys if k != inst.data["reviewer"]]
+                    event, payload = "reassign", {"reviewer": rng.choice(others)}
                 elif len(keys) > 1 and rng.random() < 0.2:
                     event, payload = "reassign", {"reviewer": rng.choice(keys)}
                 else:
