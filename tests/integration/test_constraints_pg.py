@@ -356,6 +356,36 @@ async def test_releases_are_heard_through_notify(make: Make, pg_url: str) -> Non
     assert (KIND, "bob") in heard and (KIND, "ann") not in heard
 
 
+async def test_two_slots_freed_by_one_transaction_are_two_notices(make: Make) -> None:
+    """Two slots of one key released by one statement (commit_many) are heard twice: one
+    notice per slot freed, so a waiter per slot can be woken."""
+    eng = await make()
+    store = store_of(eng)
+    await reviews(eng, "bob", "a", "b")
+    for iid in ("a", "b"):
+        await eng.fire(iid, "start")
+    bob: list[str] = []
+    twice, listening = asyncio.Event(), asyncio.Event()
+
+    def hear(kind: str, key: str) -> None:
+        if not kind:
+            listening.set()
+            return
+        bob.append(key)
+        if len(bob) == 2:
+            twice.set()
+
+    release = (Claim("release", KIND),)
+    async with store.slot_releases(hear):
+        await asyncio.wait_for(listening.wait(), BOUND)
+        done = await store.commit_many(
+            [[_entry(iid, 3, "finish", "done", release)] for iid in ("a", "b")]
+        )
+        assert all(isinstance(d, Instance) for d in done)
+        await asyncio.wait_for(twice.wait(), BOUND)
+    assert bob == ["bob", "bob"]
+
+
 async def test_purge_frees_a_slot_its_instance_held(make: Make, sql: Sql) -> None:
     """Purging an instance that still holds a slot frees it (and its counter) in the purge's
     own transaction."""
