@@ -17,6 +17,8 @@ JSON line (its report).
   keeps it ``hold`` seconds and leaves, ``rounds`` times.
 - ``unique``: creates each of ``ids`` (a subscription of ``customer``) at once, in ``tasks``
   concurrent tasks; reports each create's answer (the holder a UniqueViolation names).
+- ``churn``: ``callers`` tasks keep creating subscriptions of ``customer`` until ``seconds``
+  are up, each one created cancelled a moment later.
 - ``rate``: ``callers`` tasks ping the instances of ``ids`` until ``seconds`` are up; a
   RateLimited caller sleeps a little (not its whole retry_after: the callers keep pressing).
 """
@@ -212,6 +214,38 @@ async def _unique(engine: flowlock.Engine, cfg: dict[str, Any]) -> dict[str, Any
     return answers
 
 
+async def _churn(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, until: float) -> None:
+    """Callers keep creating subscriptions of one customer; the one created is cancelled a
+    moment later, making room for the next."""
+
+    async def caller(n: int) -> None:
+        rng = random.Random(f"{cfg['proc']}-{n}")
+        k = 0
+        while time.monotonic() < until:
+            k += 1
+            iid = f"c{cfg['proc']}-{n}-{k}"
+            tally.calls += 1
+            try:
+                await engine.create(
+                    "subscription", instance_id=iid, data={"customer_id": cfg["customer"]}
+                )
+            except flowlock.UniqueViolation as exc:
+                tally.error(exc)
+                if exc.holder is None or exc.holder == iid:
+                    tally.odd.append(f"{iid}: holder {exc.holder!r}")
+                await asyncio.sleep(rng.uniform(0, 0.005))
+                continue
+            except flowlock.FlowlockError as exc:
+                tally.error(exc)
+                continue
+            tally.applied["create"] += 1
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            out = await engine.fire(iid, "cancel", actor=f"p{cfg['proc']}")
+            tally.applied["cancel"] += out.applied
+
+    await asyncio.gather(*(caller(n) for n in range(cfg["callers"])))
+
+
 async def _rate(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, until: float) -> None:
     ids: list[str] = cfg["ids"]
 
@@ -252,6 +286,8 @@ async def main(cfg: dict[str, Any]) -> None:
             await asyncio.gather(_storm(engine, cfg, tally, until), *held)
         elif cfg["mode"] == "desks":
             await _desks(engine, cfg, tally)
+        elif cfg["mode"] == "churn":
+            await _churn(engine, cfg, tally, until)
         elif cfg["mode"] == "unique":
             more["answers"] = await _unique(engine, cfg)
         else:

@@ -293,6 +293,45 @@ async def test_one_of_75_concurrent_creates_on_a_sqlite_file_wins(tmp_path: Path
         await _unique_wave(engine, Gate(tmp_path / "gate", 3), where, Db.lite(path))
 
 
+@pytest.mark.slow
+async def test_creates_and_cancels_of_one_customer_across_processes_never_overlap(
+    pg_url: str, pg_schema: str, tmp_path: Path, sql_history: cp.SqlHistory
+) -> None:
+    """4 processes x 4 callers keep creating subscriptions of one customer for 3 seconds, each
+    one created cancelled a moment later: the unique slot log never shows two holders, every
+    create that succeeded took the slot and its cancel gave it back, every refusal named
+    another subscription, and none is left active."""
+    engine = await cp.pg_engine(pg_url, pg_schema)
+    try:
+        gate = Gate(tmp_path / "gate", cp.PROCESSES)
+        confs = [
+            {"mode": "churn", "url": pg_url, "schema": pg_schema, "proc": p,
+             "gate": str(gate), "customer": "c-7", "callers": 4, "seconds": 3.0}
+            for p in range(cp.PROCESSES)
+        ]  # fmt: skip
+        reports = await cp.run_through_gate(gate, confs)
+        applied, errors = cp.total(reports, "applied"), cp.total(reports, "errors")
+        print(f"churn: applied {dict(applied)}, refused {dict(errors)}")
+        assert set(errors) == {"UniqueViolation"}, [r["samples"] for r in reports]
+        assert [odd for r in reports for odd in r["odd"]] == []
+        assert applied["create"] == applied["cancel"] > 1, applied
+        assert sum(1 for r in reports if r["applied"].get("create")) > 1, reports
+
+        rows = await read_pg(pg_url, pg_schema)
+        proof = _unique_proof(rows)
+        proof.assert_ok()
+        assert proof.peak == {"c-7": 1} and proof.holders == {}, proof
+        assert proof.takes == applied["create"], (proof.takes, applied)
+        assert {i[2] for i in rows.instances} == {"cancelled"}
+        assert len(rows.instances) == applied["create"]
+        await cp.checked(engine, pg_url, pg_schema, rows)
+        (await sql_history()).assert_matches(
+            {i[0]: await engine.history(i[0]) for i in rows.instances}
+        )
+    finally:
+        await engine.aclose()
+
+
 # -- a rate limit ----------------------------------------------------------------------------
 
 
