@@ -9,7 +9,9 @@ JSON line (its report).
   moves it: ``start`` when it is queued, ``finish`` (or now and then ``reassign`` to another of
   ``keys``) when it is in review; with ``blind``, a start or a finish at random without a read
   first, so that concurrent calls on one instance batch; with ``swap``, never a finish: a review
-  in review is always moved to another reviewer. Capacity refusals are expected: the
+  in review is always moved to another reviewer; with ``in_transaction``, each call is fired
+  inside a transaction of the application's own that also writes an audit row when it
+  applied. Capacity refusals are expected: the
   report counts them and keeps those that did not name ``LIMIT`` holders. With ``hold``
   (instance ids), it also starts each of them inside a transaction of its own and never
   commits (it is to be killed).
@@ -103,9 +105,39 @@ class Tally:
         }
 
 
+async def _in_transaction(
+    engine: flowlock.Engine,
+    pool: Any,
+    cfg: dict[str, Any],
+    iid: str,
+    event: str,
+    payload: dict[str, Any] | None,
+) -> flowlock.Outcome:
+    """`event` fired inside a transaction of the application's own, which also writes a row
+    of its own (the audit table) when the transition applied: both commit, or neither."""
+    async with pool.acquire() as conn, conn.transaction():
+        out = await engine.fire(
+            iid, event, actor=f"p{cfg['proc']}", payload=payload, connection=conn
+        )
+        if out.applied:
+            await conn.execute(
+                f'INSERT INTO "{cfg["schema"]}".audit (instance_id, version, event)'
+                " VALUES ($1, $2, $3)",
+                iid,
+                out.instance.version,
+                event,
+            )
+    return out
+
+
 async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, until: float) -> None:
     ids: list[str] = cfg["ids"]
     keys: list[str] = cfg["keys"]
+    pool = None
+    if cfg.get("in_transaction"):  # the application's own connections, few (a shared server)
+        import asyncpg
+
+        pool = await asyncpg.create_pool(cfg["url"], min_size=1, max_size=3)
 
     async def caller(n: int) -> None:
         rng = random.Random(f"{cfg['proc']}-{n}")
@@ -128,7 +160,10 @@ async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, unt
                     event, payload = "reassign", {"reviewer": rng.choice(keys)}
                 else:
                     event, payload = "finish", None
-                out = await engine.fire(iid, event, actor=f"p{cfg['proc']}", payload=payload)
+                if pool is None:
+                    out = await engine.fire(iid, event, actor=f"p{cfg['proc']}", payload=payload)
+                else:
+                    out = await _in_transaction(engine, pool, cfg, iid, event, payload)
             except flowlock.CapacityReached as exc:
                 tally.error(exc)
                 if len(exc.holders) != LIMIT or exc.limit != LIMIT or iid in exc.holders:
@@ -141,7 +176,11 @@ async def _storm(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally, unt
             if out.applied:
                 tally.applied[event] += 1
 
-    await asyncio.gather(*(caller(n) for n in range(cfg["callers"])))
+    try:
+        await asyncio.gather(*(caller(n) for n in range(cfg["callers"])))
+    finally:
+        if pool is not None:
+            await pool.close()
 
 
 async def _hold(engine: flowlock.Engine, cfg: dict[str, Any], iid: str, n: int) -> None:

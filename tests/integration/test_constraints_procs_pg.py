@@ -37,6 +37,8 @@ from constraint_kit import (
 from flowlock._inspect import check_instances
 from flowlock.stores.sqlite import SqliteStore
 
+_AUDIT = "CREATE TABLE audit (instance_id text, version bigint, event text)"
+
 
 async def _capacity_storm(
     request: pytest.FixtureRequest,
@@ -52,11 +54,14 @@ async def _capacity_storm(
     seconds: float,
     blind: bool = False,
     swap: bool = False,
+    in_transaction: bool = False,
 ) -> None:
     engine = await cp.pg_engine(pg_url, pg_schema)
     locks = cp.redis_locks(request, strategy)
     try:
         ids = await cp.make_reviews(engine, instances, keys)
+        if in_transaction:  # the application's own table, written in the same transactions
+            await cp.sql(pg_url, pg_schema, _AUDIT)
         gate = Gate(tmp_path / "gate", cp.PROCESSES)
         confs = [
             {
@@ -73,6 +78,8 @@ async def _capacity_storm(
                 "warm": ids,
                 "blind": blind,
                 "swap": swap,
+                "in_transaction": in_transaction,
+                "pool_size": 2 if in_transaction else 4,
                 **locks,
             }
             for p in range(cp.PROCESSES)
@@ -88,6 +95,9 @@ async def _capacity_storm(
         proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=cp.reviewer)
         proof.assert_ok()
         assert proof.takes >= applied["start"], (proof.takes, applied)
+        if in_transaction:  # an audit row exactly where a transition committed
+            audit = await cp.sql(pg_url, pg_schema, "SELECT instance_id, version, event FROM audit")
+            assert sorted(tuple(a) for a in audit) == sorted(h[:3] for h in rows.history)
         if swap:  # every process moved reviews between reviewers
             assert all(r["applied"].get("reassign") for r in reports), reports
         else:
@@ -202,6 +212,27 @@ async def test_slots_swapped_between_keys_across_processes(
         request, pg_url, pg_schema, tmp_path, sql_history,
         strategy=strategy, keys=["ann", "bob", "cid"], instances=12, callers=8, seconds=3.0,
         swap=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic", "adaptive"])
+async def test_capacity_storm_inside_the_applications_transactions_across_processes(
+    request: pytest.FixtureRequest,
+    pg_url: str,
+    pg_schema: str,
+    tmp_path: Path,
+    sql_history: cp.SqlHistory,
+    strategy: str,
+) -> None:
+    """4 processes x 6 callers fire every move inside a transaction of the application's own
+    (fire(connection=)) that writes an audit row when it applied, for 3 seconds over 2
+    reviewers: never more than 5 holders, the slot rows equal the counters and the instances
+    in review, an audit row for exactly each committed transition, the checker is clean."""
+    await _capacity_storm(
+        request, pg_url, pg_schema, tmp_path, sql_history,
+        strategy=strategy, keys=["ann", "bob"], instances=24, callers=6, seconds=3.0,
+        in_transaction=True,
     )  # fmt: skip
 
 
