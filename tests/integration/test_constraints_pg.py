@@ -424,7 +424,8 @@ async def test_claims_through_a_transaction_pooler(
     pgbouncer_transaction: PgBouncer, pg_schema: str, sql: Sql
 ) -> None:
     """Behind PgBouncer in transaction mode (no search_path kept) the claims' function and
-    tables are named with the schema: a take, a refusal, a release and a purge work there."""
+    tables are named with the schema: a take, a refusal, a release and a purge work there,
+    and slot_releases says ("", "") every so often instead of LISTEN."""
     store = PostgresStore(
         pgbouncer_transaction.url(), schema=pg_schema, pool_size=3, pooling="transaction"
     )
@@ -438,6 +439,14 @@ async def test_claims_through_a_transaction_pooler(
         await eng.fire("b", "start")
         assert await store.purge_batch([("b", 2)]) == ["b"]
         assert (await store.capacity_usage(KIND, "bob")).holders == ()
+        anything = asyncio.Event()  # no LISTEN behind the pooler: ("", "") about every second
+
+        def hear(kind: str, key: str) -> None:
+            if not kind:
+                anything.set()
+
+        async with store.slot_releases(hear):
+            await asyncio.wait_for(anything.wait(), BOUND)
     assert await sql.holders("bob") == [] and await sql.counter("bob") == 0
 
 
