@@ -194,7 +194,9 @@ async def _hold(engine: flowlock.Engine, cfg: dict[str, Any], iid: str, n: int) 
     while True:
         try:
             async with conn.transaction():
-                await engine.fire(iid, "start", actor=f"held-{n}", connection=conn)
+                # A lease cannot be held inside a transaction of the caller's: optimistic.
+                own = "optimistic" if cfg.get("strategy") == "distributed" else None
+                await engine.fire(iid, "start", actor=f"held-{n}", strategy=own, connection=conn)
                 (Path(cfg["gate"]) / f"held-{n}").touch()
                 await asyncio.sleep(600)  # killed long before
         except flowlock.CapacityReached:
