@@ -7,16 +7,15 @@ JSON line (its report).
 
 - ``storm``: ``callers`` tasks, until ``seconds`` are up, each picks one of ``ids`` at random and
   moves it: ``start`` when it is queued, ``finish`` (or now and then ``reassign`` to another of
-  ``keys``) when it is in review; with ``blind``, a start or a finish at random without a read
-  first, so that concurrent calls on one instance batch; with ``swap``, never a finish: a review
-  in review is always moved to another reviewer; with ``in_transaction``, each call is fired
-  inside a transaction of the application's own that also writes an audit row when it
-  applied. Capacity refusals are expected: the
-  report counts them and keeps those that did not name ``LIMIT`` holders. With ``hold``
-  (instance ids), it also starts each of them inside a transaction of its own and never
-  commits (it is to be killed).
+  ``keys``) when it is in review. Capacity refusals are expected: the report counts them and
+  keeps those that did not name ``LIMIT`` holders. Options: ``blind``, a start or a finish at
+  random without a read first (concurrent calls on one instance batch); ``swap``, never a
+  finish (a review in review always moves to another reviewer); ``in_transaction``, each call
+  fired inside a transaction of the application's own that also writes an audit row when it
+  applied; ``hold`` (instance ids), each of them also started inside a transaction of its own
+  that never commits (the process is to be killed).
 - ``desks``: a caller per instance of ``ids`` takes a desk's seat (waiting for one to free),
-  keeps it ``hold`` seconds and leaves, ``rounds`` times.
+  keeps it ``seated`` seconds (0.02) and leaves, ``rounds`` times.
 - ``unique``: creates each of ``ids`` (a subscription of ``customer``) at once, in ``tasks``
   concurrent tasks; reports each create's answer (the holder a UniqueViolation names).
 - ``churn``: ``callers`` tasks keep creating subscriptions of ``customer`` until ``seconds``
@@ -45,6 +44,7 @@ from constraint_kit import LIMIT, workflows
 
 
 def _engine(cfg: dict[str, Any]) -> flowlock.Engine:
+    """The engine of `cfg`: its backend, strategy (distributed: leases in Redis) and pool."""
     strategy = cfg.get("strategy", "optimistic")
     optimistic = flowlock.Optimistic(max_attempts=cfg.get("max_attempts", 50), backoff_cap=0.05)
     if cfg.get("backend", "postgres") == "sqlite":
@@ -220,7 +220,7 @@ async def _desks(engine: flowlock.Engine, cfg: dict[str, Any], tally: Tally) -> 
                 return
             tally.waited.append(time.monotonic() - began)
             tally.applied["take"] += out.applied
-            await asyncio.sleep(cfg.get("hold", 0.02))
+            await asyncio.sleep(cfg.get("seated", 0.02))
             tally.calls += 1
             out = await engine.fire(iid, "leave", actor=f"p{cfg['proc']}")
             tally.applied["leave"] += out.applied
