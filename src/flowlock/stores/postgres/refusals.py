@@ -45,12 +45,14 @@ SELECT u.n, i.version,
        WITH ORDINALITY AS u(id, version, kind, key, n)
   LEFT JOIN flowlock_instances i ON i.id = u.id
 """
-# The counter rows of the keys set aside, locked in order (a pessimistic group's transaction:
-# no release can commit between its read and its COMMIT). $1 kinds, $2 keys.
+# The counter rows of the keys set aside, locked (a pessimistic group's transaction: no
+# release can commit between its read and its COMMIT) without waiting: its write may hold
+# other counter rows already, so a wait here could close a circle with another group. A row
+# another transaction holds is skipped, and its calls run alone. $1 kinds, $2 keys.
 LOCK_KEYS = """
-SELECT 1 FROM flowlock_capacity
+SELECT kind, key FROM flowlock_capacity
  WHERE (kind, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
- ORDER BY kind, key FOR UPDATE
+ ORDER BY kind, key FOR UPDATE SKIP LOCKED
 """
 
 
@@ -230,12 +232,18 @@ async def settle_locked(
     answers: list[LockedResult | BaseException | None],
     bound: float,
 ) -> None:
-    """The calls a pessimistic group set aside, settled in its transaction: their keys'
-    counter rows locked (no release commits before this transaction does), then `settle`;
-    a call settled answers its refusal and leaves `aside`, the others run alone after it."""
+    """The calls a pessimistic group set aside, settled in its transaction: the counter rows of
+    their keys locked where free (no release commits before this transaction does), then
+    `_settle` for the calls of those keys; a call settled answers its refusal and leaves
+    `aside`, the others run alone after the group."""
     keys = sorted({(a.kind, a.key) for a in aside.values()})
-    await conn.execute(s.sql(LOCK_KEYS), [k for k, _ in keys], [k for _, k in keys], timeout=bound)
-    places = list(aside)
+    rows = await conn.fetch(
+        s.sql(LOCK_KEYS), [k for k, _ in keys], [k for _, k in keys], timeout=bound
+    )
+    locked = {(r["kind"], r["key"]) for r in rows}
+    places = [i for i, a in aside.items() if (a.kind, a.key) in locked]
+    if not places:
+        return
     for n, answer in (await _settle(conn, s, [aside[i] for i in places])).items():
         if isinstance(answer, ConstraintRefused):  # a locked row cannot have moved
             answers[places[n]] = answer
