@@ -95,6 +95,11 @@ async def _capacity_storm(
         proof = slot_proof(rows, REVIEW_KIND, LIMIT, key_of=cp.reviewer)
         proof.assert_ok()
         assert proof.takes >= applied["start"], (proof.takes, applied)
+        for key in keys:  # engine.capacity names the holders the rows hold, oldest first
+            usage = await engine.capacity(REVIEW_KIND, key)
+            took = {e[3]: e[2] for e in rows.log if e[:2] == (REVIEW_KIND, key) and e[5] == 1}
+            held = sorted((took[s[2]], s[2]) for s in rows.slots if s[:2] == (REVIEW_KIND, key))
+            assert (usage.limit, list(usage.holders)) == (LIMIT, [i for _, i in held]), usage
         if in_transaction:  # an audit row exactly where a transition committed
             audit = await cp.sql(pg_url, pg_schema, "SELECT instance_id, version, event FROM audit")
             assert sorted(tuple(a) for a in audit) == sorted(h[:3] for h in rows.history)
