@@ -26,10 +26,10 @@ from flowlock.core.constraints import (
     RateRule,
     Slots,
     UniqueViolation,
-    constraint_claims,
+    checked_claims,
 )
 from flowlock.core.definition import Workflow
-from flowlock.core.errors import InvalidInput, StepFailed
+from flowlock.core.errors import InvalidInput
 from flowlock.core.models import Instance, Outcome, Timing
 from flowlock.core.versions import Registry
 from flowlock.stores.base import Store
@@ -183,18 +183,7 @@ class ConstraintMethods:
         """What creating `new` takes of its workflow's constraints (usually nothing)."""
         if not wf.constraints:
             return ()
-        try:
-            return constraint_claims(wf.constraints, None, new, None)
-        except Exception as exc:
-            raise StepFailed(
-                workflow=wf.name,
-                event="create",
-                instance_id=new.id,
-                step="constraint key",
-                state=new.state,
-                version=1,
-                error=exc,
-            ) from exc
+        return checked_claims(wf.name, wf.constraints, None, new, "create")
 
     async def _created(
         self,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-from flowlock.core.errors import DefinitionError, TransitionRefused
+from flowlock.core.errors import DefinitionError, StepFailed, TransitionRefused
 
 if TYPE_CHECKING:
     from flowlock.core.models import Instance
@@ -34,6 +34,7 @@ __all__ = [
     "State",
     "Unique",
     "UniqueViolation",
+    "checked_claims",
     "constraint_claims",
     "key_of",
 ]
@@ -353,6 +354,26 @@ def constraint_claims(
         if r.transition == event and (key := key_of(r.key, after, r.kind)) is not None
     ]
     return (*releases, *takes, *counts)
+
+
+def checked_claims(
+    workflow: str, rules: Constraints, before: Instance | None, after: Instance, event: str
+) -> tuple[Claim, ...]:
+    """`constraint_claims` of `event` (a create's: "create"), a key function's own error
+    raised as StepFailed (where it ran: `before`, or the new instance)."""
+    try:
+        return constraint_claims(rules, before, after, None if before is None else event)
+    except Exception as exc:
+        at = after if before is None else before
+        raise StepFailed(
+            workflow=workflow,
+            event=event,
+            instance_id=after.id,
+            step="constraint key",
+            state=at.state,
+            version=at.version,
+            error=exc,
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlock.core.admin import decide_repair, refuse_paused
-from flowlock.core.constraints import constraint_claims
+from flowlock.core.constraints import checked_claims
 from flowlock.core.definition import SYNC_STEPS, Step, Transition, Workflow
 from flowlock.core.errors import (
     DefinitionError,
@@ -318,18 +318,7 @@ def _decide(
         wf = workflows.get(inst.workflow)
     if wf is None or not wf.constraints:
         return decided  # the common case: nothing to count
-    try:
-        claims = constraint_claims(wf.constraints, inst, _after(inst, decided), decided.event)
-    except Exception as exc:
-        raise StepFailed(
-            workflow=wf.name,
-            event=call.event,
-            instance_id=inst.id,
-            step="constraint key",
-            state=inst.state,
-            version=inst.version,
-            error=exc,
-        ) from exc
+    claims = checked_claims(wf.name, wf.constraints, inst, _after(inst, decided), call.event)
     return dataclasses.replace(decided, claims=claims) if claims else decided
 
 
