@@ -71,8 +71,8 @@ CALLERS_PER_KEY = 20
 """Spread: one key per 20 callers (50 keys for 1,000 callers, 5 for 100)."""
 ENTER_BOUND = 10.0
 """Seconds a caller retries a refused enter before it gives up: every wait has a bound."""
-_BACKOFF_FIRST = 0.002
-_BACKOFF_CAP = 0.05
+_BACKOFF_FIRST = 0.005
+_BACKOFF_CAP = 1.0
 _WARMUP_CALLERS = 100
 _CREATE_CONCURRENCY = 64
 _ENGINE_LOG = """
@@ -136,6 +136,9 @@ class _Capacity(Scenario):
     tallied = True
     hold = 0.0
     """Seconds a caller holds its slot before it leaves (counted in the leave's latency)."""
+    floor_limit = LIMIT
+    """The limit the raw floor's counter UPDATE enforces. The verdict holds every pair to
+    `LIMIT`: a floor with a looser guard fails it (the tests' deliberately broken floor)."""
 
     def __init__(self) -> None:
         self._round: _Round | None = None
@@ -210,7 +213,7 @@ class _Capacity(Scenario):
             instance_id=iid,
             key=tally.keys[iid],
             kind=KIND,
-            limit=LIMIT,
+            limit=self.floor_limit,
             take=take,
             version=tally.versions[iid],
             states=(IDLE, HELD) if take else (HELD, IDLE),
