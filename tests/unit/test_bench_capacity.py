@@ -3,10 +3,12 @@ Jain's index, the scenarios' place in a run, their rounds' shape, and their JSON
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Sequence
 
 import pytest
+from rich.console import Console
 from test_bench_report import _report, _result
 
 from flowlock.bench import SCENARIO_ALIASES, SCENARIOS, BenchConfig
@@ -19,7 +21,7 @@ from flowlock.bench.capacity_results import (
     match_history,
     prove_holders,
 )
-from flowlock.bench.report import to_json
+from flowlock.bench.report import render, to_json
 from flowlock.bench.report.aims import FLOOR_METHOD
 from flowlock.bench.results import CallResult, CallSpec, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios import CapacitySpread, CapacityStorm
@@ -251,3 +253,18 @@ def test_the_json_row_carries_the_capacity_fields() -> None:
     }
     assert row["jain_fairness"] == 0.9877 and row["gave_up"] == 3
     assert "max_holders" not in other
+
+
+def test_the_terminal_report_has_a_capacity_table() -> None:
+    """The capacity pairs get a table of their own, with the holders proved, the refusals and
+    Jain's index, which fits 80 columns in one of its forms."""
+    figures = CapacityFigures(5, 50, 5, 1234, 3, 900, 0.98765, 20000)
+    report = _report(
+        _result("raw", scenario="capacity-storm", capacity=figures, floor="counter"),
+        _result("optimistic", scenario="capacity-storm", capacity=figures),
+    )
+    out = io.StringIO()
+    render(report, Console(file=out, width=80, force_terminal=False))
+    text = out.getvalue()
+    assert "capacity: never more holders than the limit" in text
+    assert "5 / 5" in text and "1,234" in text and "0.988" in text
