@@ -19,7 +19,8 @@ from flowlock.core.errors import InvalidInput
 
 pytestmark = pytest.mark.postgres
 
-CALLERS = 30  # --quick runs one caller a worker, one instance (or cycle) each
+WORKERS = 40
+CALLERS = 20  # --quick runs one caller per two workers, one instance (or cycle) each
 STRATEGIES = ("raw", "optimistic", "pessimistic")
 FIELDS = {"limit", "keys", "max_holders", "refusals", "gave_up", "waiters", "jain_fairness"}
 
@@ -29,7 +30,7 @@ async def _run(pg_url: str, scenarios: tuple[str, ...], strategies: tuple[str, .
         database_url=pg_url,
         scenarios=scenarios,
         strategies=strategies,
-        workers=CALLERS,
+        workers=WORKERS,
         quick=True,
         seed=28,
         pool_size=8,
@@ -62,7 +63,7 @@ async def test_small_capacity_bench_never_exceeds_the_limit(pg_url: str) -> None
         storm = rows["capacity-storm", strategy]
         assert storm["keys"] == 1 and storm["refusals"] > 0 and storm["waiters"] > 0
         assert 0 < storm["jain_fairness"] <= 1
-        assert rows["capacity-spread", strategy]["keys"] == 1  # 30 callers: one key per 20
+        assert rows["capacity-spread", strategy]["keys"] == 1  # 20 callers: one key per 20
     raw = rows["capacity-storm", "raw"]
     assert raw["floor"] == "counter" and raw["mean_batch"] is None
     assert rows["capacity-storm", "optimistic"]["vs_floor"]["applied_per_s"] > 0

@@ -132,11 +132,11 @@ def test_capacity_names_both_scenarios_with_the_counter_floor() -> None:
 
 
 def test_capacity_runs_ten_callers_a_worker_and_quick_runs_one() -> None:
-    """1,000 callers for the default 100 workers (the issue's figure); --quick runs 100, one
+    """1,000 callers for the default 100 workers (the issue's figure); --quick runs 50, one
     instance each; the other scenarios keep one caller a worker."""
     spread = SCENARIOS["capacity-spread"]
     assert BenchConfig().params_for(spread) == Params(workers=1000, ops=10)
-    assert BenchConfig(quick=True).params_for(spread) == Params(workers=100, ops=1)
+    assert BenchConfig(quick=True).params_for(spread) == Params(workers=50, ops=1)
     assert BenchConfig().params_for(SCENARIOS["capacity-storm"]).ops == 3
     assert BenchConfig().params_for(SCENARIOS["storm"]).workers == 100
 
