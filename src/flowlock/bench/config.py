@@ -289,7 +289,9 @@ class BenchConfig:
             return self._named_scenarios()
         if self.hosts is not None:
             return HOSTS_SCENARIOS
-        return HTTP_SCENARIOS if self.http else tuple(SCENARIOS)
+        if self.http:
+            return HTTP_SCENARIOS
+        return tuple(n for n, s in SCENARIOS.items() if s.full_by_default or self.quick)
 
     def strategy_names(self) -> tuple[str, ...]:
         if self.strategies:

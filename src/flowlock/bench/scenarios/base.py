@@ -117,6 +117,9 @@ class Scenario:
     handler the scenario registers (`attach`)."""
     baseline: str | None = None
     """The scenario it is compared with, the same without messages (`hot` for `hot-outbox`)."""
+    full_by_default: bool = True
+    """Whether a full run that names no scenario runs it (`--quick` runs every scenario). The
+    capacity scenarios' 1,000 callers take minutes a strategy: they run when named."""
     tallied: bool = False
     """Its `fire` tallies what its callers saw in the bench's own process (the capacity
     scenarios' refusals), so its callers cannot run in worker processes or through HTTP."""

@@ -145,6 +145,7 @@ class _Capacity(Scenario):
     uses_ops = True
     floor: Floor = "counter"
     tallied = True
+    full_by_default = False
     hold = 0.0
     """Seconds a caller holds its slot before it leaves (counted in the leave's latency)."""
     floor_limit = LIMIT
