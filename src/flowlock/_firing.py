@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from flowlock import tracing
+from flowlock.core.constraints import ConstraintRefused
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import ConflictRetriesExhausted, FlowlockError
 from flowlock.core.models import HistoryEntry, Outcome, Snapshot
@@ -119,6 +120,17 @@ class Runner:
         try:
             with scope:
                 result = await chosen.run(store, calls, bound)
+        except ConstraintRefused as exc:
+            refused = _refused_at(exc, last[0]) if last and len(fires) > 1 else None
+            if refused is None:
+                workflow = last[0].read.workflow if last else ""
+                return [self._failure(exc, fire, chosen, workflow, len(calls)) for fire in fires]
+            # One call's claim did not fit, and the batch wrote nothing: that call is refused,
+            # the others run again without it (each round drops one, so this ends).
+            rest = await self.together(chosen, store, fires[:refused] + fires[refused + 1 :])
+            failed = self._failure(exc, fires[refused], chosen, last[0].read.workflow, len(calls))
+            rest.insert(refused, failed)
+            return rest
         except FlowlockError as exc:
             workflow = last[0].read.workflow if last else ""
             return [self._failure(exc, fire, chosen, workflow, len(calls)) for fire in fires]
@@ -216,6 +228,14 @@ class Runner:
         if not result.applied and last and isinstance(last[0], Idempotent) and last[0].replayed:
             result = dataclasses.replace(result, replayed=True)
         return result
+
+
+def _refused_at(exc: ConstraintRefused, decided: Batched) -> int | None:
+    """The place in the batch of the call whose entry the constraint refused, if known."""
+    for i, decision in enumerate(decided.decisions):
+        if isinstance(decision, HistoryEntry) and decision.version == exc.version:
+            return i
+    return None
 
 
 def failure_label(exc: BaseException) -> str:

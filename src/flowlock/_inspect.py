@@ -26,6 +26,7 @@ from flowlock.checker import (
     check,
     check_holds,
 )
+from flowlock.checker.constraints import Trail, check_trails, rules_of
 from flowlock.core.errors import InstanceNotFound, InvalidInput, MigrationError, StoreError
 from flowlock.core.jsondata import same_json
 from flowlock.core.migrations import load
@@ -35,6 +36,7 @@ from flowlock.core.retention import Hold
 from flowlock.core.settings import POSTGRES_SCHEMES
 from flowlock.engine import Engine, connect
 from flowlock.stores.base import OutboxStore, RetentionStore
+from flowlock.stores.constraint_store import ConstraintRows, ConstraintStore
 
 if TYPE_CHECKING:  # PostgreSQL is the postgres extra: imported where a URL needs it
     import asyncpg
@@ -366,6 +368,8 @@ class CheckReport:
     unsettled: tuple[str, ...]
     messages: int = 0
     holds: int = 0
+    slot_events: int = 0
+    rate_events: int = 0
 
 
 async def check_instances(engine: Engine, instance_id: str | None) -> CheckReport:
@@ -384,6 +388,12 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
     forms: dict[str, dict[int, Mapping[str, Any]]] = {}
     for stored in await engine.definitions():
         forms.setdefault(stored.workflow, {})[stored.version] = stored.definition
+    # The constraints are read before the instances, so every event names a commit the
+    # histories read next hold (see _constraints).
+    store, claims = engine.store, None
+    if isinstance(store, ConstraintStore) and instance_id is None:
+        claims = await store.constraint_rows()
+    trails: dict[str, Trail] = {}
 
     async def one(inst_id: str) -> None:
         nonlocal instances, rows, messages
@@ -409,6 +419,8 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
             definitions=forms.get(inst.workflow),
         )
         found.extend(verdict.violations)
+        if claims is not None:
+            trails[inst_id] = Trail.of(inst, history)
         if made is not None and not history and not same_json(inst.data, made[1].data):
             found.append(
                 Violation(
@@ -433,7 +445,34 @@ async def check_instances(engine: Engine, instance_id: str | None) -> CheckRepor
         found.extend(await _homeless_messages(engine))
     holds = await _holds(engine) if instance_id is None else []
     found.extend(check_holds(holds))
-    return CheckReport(Verdict.of(found), instances, rows, tuple(unsettled), messages, len(holds))
+    if claims is not None:
+        found.extend(await _constraints(engine, claims, trails, forms))
+    return CheckReport(
+        Verdict.of(found),
+        instances,
+        rows,
+        tuple(unsettled),
+        messages,
+        len(holds),
+        0 if claims is None else len(claims.log),
+        0 if claims is None else len(claims.rates),
+    )
+
+
+async def _constraints(
+    engine: Engine,
+    rows: ConstraintRows,
+    trails: Mapping[str, Trail],
+    forms: Mapping[str, Mapping[int, Mapping[str, Any]]],
+) -> list[Violation]:
+    """The constraint rules on the rows read before the instances. Read again after: the same
+    rows say no claim committed in between, so the instances read are of the rows' moment
+    and each slot's holder is judged by its state; else only the trail itself is judged."""
+    store = engine.store
+    assert isinstance(store, ConstraintStore)
+    current = await store.constraint_rows() == rows
+    rules = rules_of(forms, engine.registry.runs)
+    return check_trails(rows, trails, rules, current=current)
 
 
 async def _holds(engine: Engine) -> list[Hold]:

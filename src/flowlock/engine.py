@@ -23,10 +23,10 @@ from flowlock._calls import (
     caller_request_id,
     check_fire_args,
     check_text,
-    create_with,
     first_create,
     transactional,
 )
+from flowlock._constraints import ConstraintMethods
 from flowlock._definitions import DefinitionMethods
 from flowlock._firing import Fire, Runner, failure_label
 from flowlock._payload_checks import PayloadChecks
@@ -106,6 +106,7 @@ class Engine(
     ReplayMethods,
     DefinitionMethods,
     MigrateMethods,
+    ConstraintMethods,
 ):
     """A workflow engine over one store.
 
@@ -219,6 +220,7 @@ class Engine(
                 # While the engine is still open, so firings in flight end well.
                 await self._timer_service.stop()
             await self._stop_dispatcher()  # the same: a Then in flight is fired before closing
+            await self._stop_slot_listener()
             self._open = False
             if self._batcher is not None:
                 # Batches already taken finish (each call is bounded) before the store closes.
@@ -359,15 +361,15 @@ class Engine(
             data=body,
             definition_version=pinned,
         )
-        arm = wf.timers(wf.initial)
+        arm, claims = wf.timers(wf.initial), self._create_claims(wf, new)
         if connection is None:
-            made = await create_with(self._store, new, request_id, arm)
+            made = await self._created(self._store, new, request_id, arm, claims)
             inst = first_create(new, made, request_id)
             self._remember(inst)
             return inst
         # Not remembered: the caller may roll back, and the id be created again elsewhere.
         async with transactional(self._store).in_transaction(connection) as store:
-            made = await create_with(store, new, request_id, arm)
+            made = await self._created(store, new, request_id, arm, claims)
         return first_create(new, made, request_id)
 
     async def get(self, instance_id: str) -> Instance:
@@ -448,9 +450,10 @@ class Engine(
         """Fire `event` at the instance; the transition is applied at most once.
 
         Returns an Outcome (`applied` or `idempotent`). Raises TransitionNotAllowed,
-        GuardRejected, VersionMismatch, ConflictRetriesExhausted, LockTimeout / LockBusy,
-        InstanceNotFound, or InvalidInput for bad arguments (before anything is read), such as
-        InvalidPayload for a payload the transition's `payload=` schema refuses.
+        GuardRejected, CapacityReached / UniqueViolation / RateLimited (a constraint; a capacity
+        with `wait=` waits for a slot first), VersionMismatch, ConflictRetriesExhausted,
+        LockTimeout / LockBusy, InstanceNotFound, or InvalidInput for bad arguments (before
+        anything is read), such as InvalidPayload for a payload its schema refuses.
 
         `payload` (a JSON object) is passed to the guard and effect and kept in the history
         row (`HistoryEntry.payload`). `request_id` is the call's idempotency key: a retry
@@ -462,14 +465,12 @@ class Engine(
         or too large as InvalidInput; either way nothing is written.
 
         `connection`: an asyncpg (or psycopg 3 async) connection in a transaction you opened
-        (PostgreSQL only). The transition is written in a savepoint of that transaction, so it
-        commits or rolls back with your own rows; optimistic then makes ONE compare-and-swap
-        and distributed is refused. docs/postgresql.md ("Inside the application's transaction")
-        says the rest.
+        (PostgreSQL only), written in a savepoint of it: it commits or rolls back with your
+        rows. docs/postgresql.md ("Inside the application's transaction") says the rest.
         """
         rid = caller_request_id(request_id, instance_id)
         args = (actor, rid, expected_version, payload, strategy, connection)
-        return await self._fire(instance_id, event, *args, None)
+        return await self._waiting(lambda: self._fire(instance_id, event, *args, None))
 
     async def _fire(
         self,

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from flowlock.core.admin import InstancePaused, UnknownState
+from flowlock.core.constraints import (
+    CapacityReached,
+    ConstraintRefused,
+    RateLimited,
+    UniqueViolation,
+)
 from flowlock.core.errors import (
     ConflictRetriesExhausted,
     ConnectionLost,
@@ -227,6 +234,8 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
             instance_id=exc.instance_id, workflow=exc.workflow, scope=exc.scope,
             reason=exc.reason, version=exc.version,
         )  # fmt: skip
+    if isinstance(exc, ConstraintRefused):
+        return _constraint(exc, slug)
     if isinstance(exc, UnknownState):
         return _make(
             422, slug, "Unknown state",
@@ -362,6 +371,36 @@ def from_error(exc: FlowlockError) -> Problem:  # noqa: C901 - one flat table, k
     if isinstance(exc, DefinitionError):
         return _make(500, slug, "Workflow definition error", "a workflow definition is invalid")
     return _internal()
+
+
+def _constraint(exc: ConstraintRefused, slug: str) -> Problem:
+    """A rule across instances refused the call (409; a rate limit 429 with Retry-After)."""
+    facts: dict[str, Any] = {
+        "instance_id": exc.instance_id, "kind": exc.kind, "key": exc.key, "limit": exc.limit,
+        "version": exc.version, "event": exc.event,
+    }  # fmt: skip
+    if isinstance(exc, RateLimited):
+        wait = math.ceil(exc.retry_after)
+        return _make(
+            429, slug, "Rate limited",
+            f"key {exc.key!r} of {exc.kind!r} reached its limit of {exc.limit} per "
+            f"{exc.per:g} s; nothing was applied, send it again in {wait} s",
+            {"Retry-After": str(wait)}, **facts, per=exc.per, retry_after=exc.retry_after,
+        )  # fmt: skip
+    if isinstance(exc, UniqueViolation):
+        return _make(
+            409, slug, "Key already held",
+            f"instance {exc.holder!r} holds key {exc.key!r} of {exc.kind!r}; nothing was "
+            "applied. Move or end that instance first",
+            **facts, holder=exc.holder, holders=list(exc.holders),
+        )  # fmt: skip
+    holders = list(exc.holders) if isinstance(exc, CapacityReached) else []
+    return _make(
+        409, slug, "Capacity reached",
+        f"all {exc.limit} slots of key {exc.key!r} of {exc.kind!r} are held; nothing was "
+        "applied. Send it again once a holder leaves the state",
+        **facts, holders=holders,
+    )  # fmt: skip
 
 
 def etag(version: int) -> str:

@@ -24,10 +24,15 @@ from flowlock.core.errors import (
 from flowlock.core.models import Outcome
 from flowlock.core.outcomes import OUTCOMES, failure_outcome
 
-__all__ = ["OUTCOMES", "Metrics", "failure_outcome"]
+__all__ = ["CONSTRAINT_OUTCOMES", "OUTCOMES", "Metrics", "failure_outcome"]
 
 _PREFIX = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]{0,99}")
 
+CONSTRAINT_OUTCOMES = ("refused", "waited")
+"""What `Metrics.record_constraint` takes: a refusal, or a wait that ended in a slot."""
+
+# Waits for a slot last up to MAX_WAIT (300 s).
+_WAITS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -55,6 +60,7 @@ class Metrics:
         try:
             self._register(self.registry, prefix)
             self._register_outbox(self.registry, prefix)
+            self._register_constraints(self.registry, prefix)
         except ValueError as exc:  # prometheus_client: a name already taken in the registry
             raise InvalidInput(
                 f"the registry already has flowlock metrics named {prefix}_*: {exc}; give each "
@@ -138,6 +144,35 @@ class Metrics:
             f"{p}_outbox_attempts", "Outbox deliveries begun (each attempt).", ["kind"],
             registry=r,
         )  # fmt: skip
+
+    def _register_constraints(self, r: CollectorRegistry, p: str) -> None:
+        self.constraint_refusals = Counter(
+            f"{p}_constraint_refusals", "Transitions and creates a constraint refused (capacity, "
+            "unique, rate), a wait that timed out included.", ["kind", "rule"], registry=r,
+        )  # fmt: skip
+        self.constraint_waits = Counter(
+            f"{p}_constraint_waits", "Waits for a slot (Capacity(wait=)) by how they ended: "
+            "slot (it fit) or timeout (refused).", ["kind", "outcome"], registry=r,
+        )  # fmt: skip
+        self.constraint_wait = Histogram(
+            f"{p}_constraint_wait_seconds", "Seconds a call waited for a slot, however it ended.",
+            ["kind"], buckets=_WAITS, registry=r,
+        )  # fmt: skip
+
+    def record_constraint(self, kind: str, rule: str, outcome: str, waited: float | None) -> None:
+        """A constraint's answer to one call: `outcome` "refused" (after a wait of `waited`
+        seconds that timed out, or at once when None) or "waited" (a wait of `waited` seconds
+        ended in a slot). `rule`: capacity, unique or rate; `kind`: the rule's name."""
+        if outcome not in CONSTRAINT_OUTCOMES:
+            raise InvalidInput(
+                f"constraint outcome {outcome!r} is not one of {', '.join(CONSTRAINT_OUTCOMES)}"
+            )
+        if outcome == "refused":
+            self.constraint_refusals.labels(kind, rule).inc()
+        if waited is not None:
+            ended = "slot" if outcome == "waited" else "timeout"
+            self.constraint_waits.labels(kind, ended).inc()
+            self.constraint_wait.labels(kind).observe(max(0.0, waited))
 
     def record_outbox_claim(self, kind: str, lag: float) -> None:
         """A delivery of a `kind` message begun, `lag` seconds after its commit."""

@@ -28,6 +28,7 @@ from flowlock._sync_loop import (
 from flowlock._sync_migrate import SyncMigrateMethods
 from flowlock._sync_repair import SyncRepairMethods
 from flowlock._sync_retention import SyncRetention
+from flowlock.core.constraints import CapacityUsage
 from flowlock.core.definition import Workflow
 from flowlock.core.errors import EngineClosed, InvalidInput
 from flowlock.core.models import HistoryEntry, Instance, Outcome, Page, Timer
@@ -202,6 +203,10 @@ class Engine(SyncRepairMethods, SyncRetention, SyncBulkMethods, SyncMigrateMetho
     def definitions(self, workflow: str | None = None) -> list[DefinitionVersion]:
         """The stored definition versions (of `workflow`), each with its instance count."""
         return self._run(self._engine.definitions(workflow))
+
+    def capacity(self, kind: str, key: str) -> CapacityUsage:
+        """Who holds the slots of `key` under constraint `kind`, and its limit."""
+        return self._run(self._engine.capacity(kind, key))
 
     def on_emit(
         self,

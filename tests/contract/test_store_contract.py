@@ -727,8 +727,8 @@ async def test_commit_many_commits_the_winners_and_writes_nothing_of_the_losers(
         )
         w1, lost_stale, w2, lost_replay = answers
         assert lost_stale is None and lost_replay is None
-        assert w1 is not None and (w1.id, w1.version, w1.data) == ("w1", 3, {"n": 2})
-        assert w2 is not None and (w2.id, w2.version) == ("w2", 2)
+        assert isinstance(w1, Instance) and (w1.id, w1.version, w1.data) == ("w1", 3, {"n": 2})
+        assert isinstance(w2, Instance) and (w2.id, w2.version) == ("w2", 2)
         assert await store.get("w1") == w1 and await store.get("w2") == w2
         assert [h.request_id for h in await store.history("w1")] == ["a", "b"]
         assert await on_disk(store, "w1") == (2, 3)

@@ -206,7 +206,11 @@ async def test_the_stays_of_batches(quiet: flowlock.Engine) -> None:
             [entry(c, "remind", "pending", timer=TimerFiring(1, "remind", 0))],
         ]
     )
-    assert [(m.version, m.stay_version) for m in moved if m is not None] == [(3, 3), (3, 1), (2, 1)]
+    assert [(m.version, m.stay_version) for m in moved if isinstance(m, Instance)] == [
+        (3, 3),
+        (3, 1),
+        (2, 1),
+    ]
     assert shape(await timers.timers("a")) == [("remind", 3, 0), ("expire", 3, 0)]
     assert shape(await timers.timers("b")) == [("remind", 1, 0), ("expire", 1, 0)]
     now_c = await timers.timers("c")

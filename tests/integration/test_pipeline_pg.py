@@ -30,6 +30,7 @@ import flowlock
 import pg_budget
 from flowlock import examples
 from flowlock.checker import check
+from flowlock.core.constraints import ConstraintRefused
 from flowlock.core.errors import (
     EngineClosed,
     FlowlockError,
@@ -80,13 +81,15 @@ class CountingStore(PostgresStore):
         self.group_sent.set()
         return await super()._commit_together(batches)
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         self.rounds.append([batch[0].instance_id for batch in batches])
         return await super().commit_many(batches)
 
     async def _commit_each(
         self, batches: Sequence[tuple[HistoryEntry, ...]]
-    ) -> list[Instance | None]:
+    ) -> list[Instance | ConstraintRefused | None]:
         self.fallbacks.append(len(batches))
         return await super()._commit_each(batches)
 

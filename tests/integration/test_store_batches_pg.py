@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 
 import pg_budget
+from flowlock.core.constraints import ConstraintRefused
 from flowlock.core.errors import InstanceNotFound, InvalidInput, LockTimeout, OutcomeUnknown
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.stores.base import RowLock
@@ -219,7 +220,7 @@ async def test_commit_many_lets_each_compare_and_swap_stand_alone(
             steps("w3", 2, 4),
         ]
     )
-    assert [None if r is None else (r.id, r.version) for r in results] == [
+    assert [(r.id, r.version) if isinstance(r, Instance) else r for r in results] == [
         ("w1", 3),
         None,
         ("w2", 2),
@@ -262,7 +263,9 @@ def _count_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     original = PostgresStore._commit_each
 
-    async def spy(self: PostgresStore, batches: Sequence[Any]) -> list[Instance | None]:
+    async def spy(
+        self: PostgresStore, batches: Sequence[Any]
+    ) -> list[Instance | ConstraintRefused | None]:
         calls.append(len(batches))
         return await original(self, batches)
 
@@ -310,7 +313,7 @@ async def test_concurrent_commit_many_in_opposite_orders_never_deadlocks(
                 if got is None:
                     lost += 1
                 else:
-                    assert got.version == batch[-1].version
+                    assert isinstance(got, Instance) and got.version == batch[-1].version
                     applied[got.id] += len(batch)
 
     await asyncio.wait_for(asyncio.gather(*(worker(t) for t in range(tasks_n))), BOUND)

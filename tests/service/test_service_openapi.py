@@ -55,6 +55,7 @@ def test_the_document_is_stable_text() -> None:
         "/admin/workflows/{workflow}/pause",
         "/admin/workflows/{workflow}/resume",
         "/admin/workflows/pauses",
+        "/capacity/{kind}/{key}",
     }
 
 

@@ -6,11 +6,18 @@ A table of rules, most specific first; the PostgreSQL guide says how they are ch
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import asyncpg
 
+from flowlock.core.constraints import (
+    CapacityReached,
+    ConstraintRefused,
+    RateLimited,
+    UniqueViolation,
+)
 from flowlock.core.errors import (
     ConnectionLost,
     FlowlockError,
@@ -23,6 +30,7 @@ from flowlock.core.errors import (
 
 __all__ = [
     "DRIVER_ERRORS",
+    "REFUSED",
     "REQUEST_CONSTRAINT",
     "RULES",
     "Context",
@@ -33,6 +41,8 @@ __all__ = [
     "check_order",
     "in_doubt",
     "read_only",
+    "refusal",
+    "refused",
     "server_gone",
     "too_many_clients",
     "translate",
@@ -54,6 +64,9 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
 
 # The unique constraint on (instance_id, request_id) of flowlock_history.
 REQUEST_CONSTRAINT = "flowlock_history_request_uniq"
+# What flowlock_claims (017_constraints.sql) raises when a claim does not fit: its facts are
+# JSON in the error's DETAIL.
+REFUSED = "FL028"
 
 
 class SessionGone(LockUnavailable):
@@ -270,6 +283,51 @@ def _maybe_sent(exc: BaseException) -> bool:
     )
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether `exc` is a claim's refusal (SQLSTATE FL028): one statement failed, the session
+    goes on."""
+    return getattr(exc, "sqlstate", None) == REFUSED
+
+
+def _refused(exc: BaseException, ctx: Context) -> FlowlockError | None:
+    return refusal(exc)
+
+
+def refusal(exc: BaseException) -> ConstraintRefused | StoreError:
+    """The ConstraintRefused that flowlock_claims' error `exc` (SQLSTATE FL028) stands for
+    (a StoreError if its facts cannot be read)."""
+    try:
+        facts = json.loads(getattr(exc, "detail", None) or "")
+        rule, common = (
+            facts["rule"],
+            {
+                "instance_id": str(facts["instance_id"]),
+                "kind": str(facts["kind"]),
+                "key": str(facts["key"]),
+                "version": int(facts["version"]),
+                "event": facts["event"],
+            },
+        )
+        if rule == "unique":
+            holders = facts["holders"] or []
+            return UniqueViolation(**common, holder=holders[0] if holders else None)
+        if rule == "rate":
+            return RateLimited(
+                **common,
+                limit=int(facts["limit"]),
+                per=float(facts["per"]),
+                retry_after=float(facts["retry_after"]),
+            )
+        return CapacityReached(
+            **common, limit=int(facts["limit"]), holders=[str(h) for h in facts["holders"] or []]
+        )
+    except (ValueError, KeyError, TypeError) as error:
+        return StoreError(
+            f"a constraint refused the commit, but its facts could not be read ({exc}; "
+            f"{error}); nothing was written"
+        )
+
+
 def _catch_all(exc: BaseException, ctx: Context) -> FlowlockError:
     return StoreError(f"{ctx.what}: {type(exc).__name__}: {exc}")
 
@@ -277,6 +335,7 @@ def _catch_all(exc: BaseException, ctx: Context) -> FlowlockError:
 # Most specific first (check_order holds it to that). The SQLSTATE rows are the server ending or
 # refusing a session, named as in PostgreSQL's error code table.
 RULES: tuple[Rule, ...] = (
+    Rule(REFUSED, _refused),  # a claim that does not fit (017_constraints.sql)
     Rule(asyncpg.UniqueViolationError, _duplicate_request, constraint=REQUEST_CONSTRAINT),
     Rule(asyncpg.UniqueViolationError, _unique_violation),
     Rule(asyncpg.LockNotAvailableError, _lock_not_available),

@@ -46,6 +46,25 @@ version is not its last row's."""
 MALFORMED_HOLD = "malformed-hold"
 """A legal hold names no instance id, names one twice, or lacks the time it was placed. (A hold
 of an id that does not exist is no violation: a hold is about an id.)"""
+SLOT_LOG = "slot-log"
+"""A key's slot events do not add up: their sequence numbers are not 1, 2, 3..., the holder
+count after one is not the running sum of takes and releases, or an instance took a slot it
+held already (released one it did not hold)."""
+OVER_CAPACITY = "over-capacity"
+"""A take left more holders of a key than the limit it was taken under."""
+SLOT_COUNTER = "slot-counter"
+"""A key's counter or its slot rows disagree with its replayed events: other holders, another
+count, another last sequence number."""
+LEAKED_SLOT = "leaked-slot"
+"""A slot is held by an instance that does not exist, is in no state of the slot's rule, or
+holds two slots of one kind; or a slot was taken at a version whose state has no such rule."""
+MISSING_SLOT = "missing-slot"
+"""An instance in a state of a rule, with a key, holds no slot of the rule (or one of another
+key)."""
+ORPHAN_CONSTRAINT_EVENT = "orphan-constraint-event"
+"""A slot or rate event names a commit (instance, version) that its instance's history lacks."""
+OVER_RATE = "over-rate"
+"""More applications of a rate-limited key were timed within one window than its limit."""
 
 DOUBLE_APPLY = "double-apply"
 """Two applied fires reported the same version (or the instance was created twice)."""
@@ -89,6 +108,13 @@ KINDS: tuple[str, ...] = (
     REPAIR_ROW,
     MALFORMED_HOLD,
     DEFINITION_VERSION,
+    SLOT_LOG,
+    OVER_CAPACITY,
+    SLOT_COUNTER,
+    LEAKED_SLOT,
+    MISSING_SLOT,
+    ORPHAN_CONSTRAINT_EVENT,
+    OVER_RATE,
 )
 
 

@@ -14,7 +14,17 @@ import flowlock
 
 # The command modules register their commands on ``app`` when imported, in the order --help
 # lists them: the database and inspection commands, then bench and serve.
-from flowlock.cli import admin, db, definitions, inspect, migrate, outbox, replay, retention
+from flowlock.cli import (
+    admin,
+    capacity,
+    db,
+    definitions,
+    inspect,
+    migrate,
+    outbox,
+    replay,
+    retention,
+)
 
 # isort: split
 from flowlock.cli import bench, serve
@@ -26,6 +36,7 @@ __all__ = [
     "admin",
     "app",
     "bench",
+    "capacity",
     "db",
     "definitions",
     "inspect",

@@ -48,7 +48,7 @@ EPILOG = (
     "**Environment variables** (the CLI is the only part of flowlock that reads them): "
     f"**{ENV_DATABASE_URL}**: PostgreSQL URL (postgresql://user@host/db) used by "
     "*db migrate* and *bench*, and the PostgreSQL or SQLite (sqlite:///path) URL *show*, "
-    "*history*, *list*, *check*, *check-definition*, *timers* and *outbox* read, when "
+    "*history*, *list*, *check*, *check-definition*, *timers*, *capacity* and *outbox* read, when "
     "--database-url is not given. "
     f"**{ENV_SCHEMA}**: the PostgreSQL schema of flowlock's tables, when --schema is not given "
     "(*serve*, *db*, and the commands that read). "

@@ -345,7 +345,11 @@ def check_command(
     Definition versions: each row runs under the version of the row before it, except a
     migrated row, which sets the version its payload names; the instance runs its last
     row's version; and each row follows the stored rules of the version it records (its
-    event, source, target and state are that version's).
+    event, source, target and state are that version's). Constraints (every instance
+    checked): no key ever held more slots than its limit (replayed from the slot events), the
+    counters and slots are what the events leave, no slot is held outside its rule's states
+    or by an instance that is gone, every event belongs to a commit of its instance, and no
+    rate window holds more applications than its limit.
 
     Read-only, and safe while the application runs. Exits 0 when clean, 3 when any violation
     is found (each printed), 1 on an error (an unknown --instance).
@@ -365,6 +369,8 @@ def check_command(
                 "rows": report.rows,
                 "messages": report.messages,
                 "holds": report.holds,
+                "slot_events": report.slot_events,
+                "rate_events": report.rate_events,
                 "unsettled": list(report.unsettled),
             }
         )
@@ -377,6 +383,10 @@ def check_command(
             checked += f", {report.messages} outbox message(s)"
         if report.holds:
             checked += f", {report.holds} hold(s)"
+        if report.slot_events:
+            checked += f", {report.slot_events} slot event(s)"
+        if report.rate_events:
+            checked += f", {report.rate_events} rate event(s)"
         summary = f"{checked}: " + (
             "clean, exactly-once" if verdict.ok else f"{len(verdict.violations)} violation(s)"
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from flowlock.core.constraints import Constraints, Rate, State, Unique, gather
+from flowlock.core.constraints import Capacity, Constraints, Rate, State, Unique, gather
 from flowlock.core.errors import DefinitionError
 from flowlock.core.models import Timing
 from flowlock.core.outbox import Emit
@@ -221,9 +221,9 @@ class Transition:
     It is checked before anything is read (InvalidPayload otherwise); the guard, effect and
     emit receive the parsed model (for a dict: the checked dict). See the payloads guide.
 
-    `rate`: a [`Rate`][flowlock.Rate] limit on how often it applies per key. A source or
-    target given as a [`State`][flowlock.State] with a capacity gives that state the capacity.
-    See the constraints guide.
+    `rate`: a [`Rate`][flowlock.Rate] limit on how often it applies per key. `capacity`: a
+    [`Capacity`][flowlock.Capacity] of its target state(s), the same as naming the target as a
+    [`State`][flowlock.State] with that capacity. See the constraints guide.
     """
 
     name: str
@@ -257,6 +257,7 @@ class Transition:
         emit: EmitFn | None = None,
         payload: type[Any] | Mapping[str, Any] | None = None,
         rate: Rate | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise DefinitionError(
@@ -274,7 +275,12 @@ class Transition:
         if rate is not None and not isinstance(rate, Rate):
             raise DefinitionError(f"transition {name!r}: rate must be a flowlock.Rate")
         object.__setattr__(self, "rate", rate)
-        object.__setattr__(self, "capacities", _given_states(source, target))
+        given = _given_states(source, target)
+        if capacity is not None:
+            # The same as State(target, capacity=...) for each of its targets.
+            targets = _names(target, "target", name)
+            given += tuple(State(str(t), capacity=capacity) for t in targets)
+        object.__setattr__(self, "capacities", given)
         object.__setattr__(self, "sources", tuple(map(str, _names(source, "source", name))))
         object.__setattr__(self, "targets", tuple(map(str, _names(target, "target", name))))
         object.__setattr__(self, "guard", guard)

@@ -47,6 +47,20 @@ FIRED_HEADERS = {
     "Flowlock-Batch-Size": header("Calls committed together with this one.", pattern="^[0-9]+$"),
 }
 
+RATE_LIMITED: dict[int | str, dict[str, Any]] = {
+    429: {
+        "description": "rate-limited: the transition's rate limit is reached for its key; nothing "
+        "was applied. The body names kind, key, limit, per and retry_after (seconds)",
+        "content": PROBLEM_DOC,
+        "headers": {
+            "Retry-After": header(
+                "Whole seconds until the key's window has room (retry_after, rounded up).",
+                pattern="^[0-9]+$",
+            )
+        },
+    }
+}
+
 
 # What _if_match and _idempotency_key accept, for the document only (each checks it itself and
 # answers 400 with its own problem): so that generated clients and tests send valid ones.

@@ -22,6 +22,7 @@ from flowlock.metrics import Metrics
 from flowlock.service.admin_routes import admin_routes
 from flowlock.service.apidoc import PROBLEM_DOC, document_access
 from flowlock.service.bulk_routes import bulk_routes
+from flowlock.service.capacity_routes import capacity_routes
 from flowlock.service.console import install_console
 from flowlock.service.fast import FastRoutes
 from flowlock.service.guard import RequestGuard
@@ -94,6 +95,7 @@ def create_app(
     admin_routes(app, engine, settings)
     health_routes(app, engine, settings, metrics, probes)
     bulk_routes(app, engine, settings)
+    capacity_routes(app, engine)
     install_console(app, engine, settings, metrics)
     # Added first, so inside the guard: a hot route is refused or let through as any other.
     app.add_middleware(FastRoutes, engine=engine, settings=settings)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "CapacityOut",
     "DefinitionList",
     "DefinitionOut",
     "Fired",
@@ -247,3 +248,26 @@ class Live(_Out):
 class Ready(_Out):
     status: Literal["ok", "degraded"]
     checks: dict[str, str] = Field(description='Each backend: "ok" or what went wrong.')
+
+
+class CapacityOut(_Out):
+    """Who holds the slots of one key of a constraint, and its limit."""
+
+    kind: str = Field(
+        description="The constraint's name: <workflow>.<state> (a capacity), <workflow>.unique, "
+        "<workflow>.<transition>.rate, or the kind= it was given."
+    )
+    key: str
+    limit: int | None = Field(
+        description="The rule's limit (null: no rule served here or stored row knows the kind)."
+    )
+    holders: list[str] = Field(
+        description="The instances holding a slot, oldest first; for a rate limit, the "
+        "instances of the applications counted in the current window."
+    )
+    used: int = Field(ge=0, description="How many hold one (len(holders)).")
+    free: int | None = Field(description="Slots left (null when the limit is unknown).")
+    rule: Literal["capacity", "unique", "rate"] | None
+    window: float | None = Field(
+        default=None, description="A rate limit's window in seconds; null for slots."
+    )

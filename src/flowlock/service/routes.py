@@ -32,6 +32,7 @@ from flowlock.service.apidoc import (
     FIRED_HEADERS,
     IF_MATCH_DOC,
     KEY_DOC,
+    RATE_LIMITED,
     body_doc,
     ok,
 )
@@ -405,11 +406,14 @@ def instance_routes(app: FastAPI, engine: Engine, settings: ServiceSettings) -> 
         summary="Fire an event at an instance; applied at most once",
         openapi_extra=body_doc(FireBody, required=False),
         response_model=None,
-        responses=ok(
-            Fired,
-            "Applied, or nothing to do (idempotent), or a replay of the first answer",
-            headers=FIRED_HEADERS,
-        ),
+        responses={
+            **ok(
+                Fired,
+                "Applied, or nothing to do (idempotent), or a replay of the first answer",
+                headers=FIRED_HEADERS,
+            ),
+            **RATE_LIMITED,
+        },
     )
     async def fire(
         instance_id: str,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from flowlock.core.admin import WorkflowPause
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import InvalidInput
 from flowlock.core.models import (
     PAUSE_EVENT,
@@ -190,10 +190,15 @@ class Store(Protocol):
         there first (version moved, a newer fencing token was written, or one of the request ids was
         applied meanwhile); then nothing is written."""
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """`commit` for each batch, one instance each (no instance twice), in one round trip
         where the store can. Each compare-and-swap stands alone: one that loses (None at its
-        place in the answer) writes nothing and leaves the others to commit."""
+        place in the answer) writes nothing and leaves the others to commit. So does a batch
+        whose claims a constraint refuses: its ConstraintRefused (CapacityReached,
+        UniqueViolation, RateLimited; `version` and `event` of the entry refused) is its
+        answer, not raised."""
 
     async def apply_locked(
         self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock

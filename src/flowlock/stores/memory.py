@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from flowlock.core.admin import WorkflowPause, refuse_paused
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import (
     EngineClosed,
     InstanceExists,
@@ -37,7 +37,9 @@ from flowlock.core.models import (
 )
 from flowlock.core.settings import check_seconds
 from flowlock.stores._batch import distinct_batches, entering, planned_entries, refused_plan
+from flowlock.stores._claims import Claimed, claims_of
 from flowlock.stores.base import ArmedSignal, LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.memory_constraints import MemoryConstraints
 from flowlock.stores.memory_definitions import MemoryDefinitions
 from flowlock.stores.memory_outbox import MemoryOutbox
 from flowlock.stores.memory_outbox import copy_json as _copy
@@ -93,7 +95,9 @@ class _Armed:
     owner: str | None = None
 
 
-class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions):
+class MemoryStore(
+    MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions, MemoryConstraints
+):
     """Instances and history in dicts; row locks are one asyncio.Lock per instance.
 
     Timers and messages are due on the process's monotonic clock (a change of the wall clock
@@ -101,7 +105,8 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
 
     As on PostgreSQL, a compare-and-swap that finds the instance's row lock held waits for the
     holder, at most `lock_timeout` seconds (then LockTimeout), and then compares against what
-    the holder committed."""
+    the holder committed. A commit's constraint claims are applied in the same step as its
+    compare-and-swap (see `memory_constraints`); every engine on the store hears its releases."""
 
     def __init__(self, *, lock_timeout: float = 5.0) -> None:
         self._lock_timeout = check_seconds("lock_timeout", lock_timeout)
@@ -123,6 +128,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         self._init_outbox()
         self._init_retention()
         self._init_definitions()
+        self._init_constraints()
         self._open = False
 
     async def open(self) -> None:
@@ -161,10 +167,12 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
             return self._as_created(request_id)
         if instance.id in self._instances:
             raise InstanceExists(instance.id)
+        data = _copy(instance.data)  # not JSON: raises before a claim is applied
+        released = self._apply_claims(Claimed(c, instance.id, 1, None) for c in claims)
         now = datetime.now(UTC)
         stored = instance.evolve(
             version=1,
-            data=_copy(instance.data),
+            data=data,
             last_event=None,
             created_at=now,
             updated_at=now,
@@ -178,6 +186,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         if request_id is not None:
             self._created[request_id] = stored
             self._create_keys[instance.id] = request_id
+        self._heard(released)
         return stored.evolve(data=_copy(stored.data))
 
     def _as_created(self, request_id: str) -> Instance:
@@ -235,6 +244,8 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
             return None
         if last.event not in RESERVED_EVENTS and current.workflow in self._pauses:
             return None  # a fire decided before its workflow's pause: it reads again, refused
+        # Raises ConstraintRefused, with nothing written, when a claim does not fit.
+        released = self._apply_claims(claims_of(rows))
         now = datetime.now(UTC)
         history = self._history[first.instance_id]
         for row in rows:
@@ -261,6 +272,7 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         self._instances[first.instance_id] = new
         self._timers_after(new, rows)
         self._write_messages(new, rows)
+        self._heard(released)
         return new.evolve(data=_copy(new.data))
 
     # -- timers -------------------------------------------------------------------------------
@@ -434,12 +446,14 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
         finally:
             row_lock.release()
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """Each batch's compare-and-swap, all in one pass on the event loop once the row locks
         of every instance written are held (taken in id order, so two such calls never wait on
         each other in a circle; a free lock is taken without yielding). A lost compare-and-swap
-        is None at its place and writes nothing. InstanceNotFound or LockTimeout: nothing was
-        written."""
+        is None at its place and writes nothing; a batch whose claim is refused, its
+        ConstraintRefused. InstanceNotFound or LockTimeout: nothing was written."""
         prepared = [_rows(batch) for batch in distinct_batches(batches)]
         self._check()
         await asyncio.sleep(0)
@@ -456,12 +470,20 @@ class MemoryStore(MemoryRetention, MemoryOutbox, MemoryReplay, MemoryDefinitions
                     row_lock = self._locks.setdefault(instance_id, asyncio.Lock())
                     await row_lock.acquire()
                     held.append(row_lock)
-            return [self._write(rows) for rows in prepared]  # no await: one pass
+            return [self._write_or_refused(rows) for rows in prepared]  # no await: one pass
         except TimeoutError:
             raise LockTimeout(waiting_for, time.monotonic() - started) from None
         finally:
             for row_lock in held:
                 row_lock.release()
+
+    def _write_or_refused(
+        self, rows: tuple[HistoryEntry, ...]
+    ) -> Instance | ConstraintRefused | None:
+        try:
+            return self._write(rows)
+        except ConstraintRefused as refused:
+            return refused
 
     async def apply_locked(
         self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock

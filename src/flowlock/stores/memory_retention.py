@@ -40,6 +40,11 @@ class MemoryRetention:
 
         def _drop_messages(self, instance_id: str) -> None: ...
 
+        # the constraints' (MemoryConstraints)
+        def _free_slots(self, instance_id: str, version: int) -> list[tuple[str, str]]: ...
+
+        def _heard(self, released: Sequence[tuple[str, str]]) -> None: ...
+
     def _init_retention(self) -> None:
         self._holds = {}
 
@@ -129,7 +134,10 @@ class MemoryRetention:
         )
         if before_commit is not None:
             before_commit(doomed)  # raises: nothing is deleted
+        released: list[tuple[str, str]] = []
         for iid in doomed:
+            # A purge takes final instances, which hold no slot; one that does frees it.
+            released += self._free_slots(iid, self._instances[iid].version)
             del self._instances[iid]
             del self._history[iid]
             del self._applied[iid]
@@ -141,6 +149,7 @@ class MemoryRetention:
                 del self._created[key]
             self._drop_messages(iid)
             # The fencing floor stays: a restored instance must still refuse older tokens.
+        self._heard(released)
         return doomed
 
     async def restore_instances(self, archived: Sequence[ArchivedInstance]) -> list[str]:

@@ -15,7 +15,7 @@ import asyncpg
 
 from flowlock._pg.errors import Context, in_doubt
 from flowlock._pg.rows import entry_from_row, instance_from_row, timer_from_row
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import (
     FlowlockError,
     InstanceExists,
@@ -37,6 +37,7 @@ from flowlock.core.models import (
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
 from flowlock.stores.postgres import pipeline
+from flowlock.stores.postgres.constraint_sql import create_claim_args
 from flowlock.stores.postgres.pipeline import LockedCall, lost_under_lock
 from flowlock.stores.postgres.session import (
     Conn,
@@ -52,9 +53,13 @@ from flowlock.stores.postgres.sql import (
     AS_CREATED_BY_KEY,
     CREATE,
     CREATE_ARMED,
+    CREATE_ARMED_CLAIMED,
+    CREATE_CLAIMED,
     CREATE_KEY_CONSTRAINT,
     CREATE_KEYED,
     CREATE_KEYED_ARMED,
+    CREATE_KEYED_ARMED_CLAIMED,
+    CREATE_KEYED_CLAIMED,
     FENCING_FLOOR,
     GET,
     HISTORY,
@@ -89,6 +94,15 @@ from flowlock.stores.postgres.timer_sql import (
     create_arm_args,
 )
 
+# The creates by (armed, keyed): plain, arming timers, under a key, both; then applying claims.
+_CREATES = (CREATE, CREATE_ARMED, CREATE_KEYED, CREATE_KEYED_ARMED)
+_CLAIMED_CREATES = (
+    CREATE_CLAIMED,
+    CREATE_ARMED_CLAIMED,
+    CREATE_KEYED_CLAIMED,
+    CREATE_KEYED_ARMED_CLAIMED,
+)
+
 
 class Operations:
     """The store's statements, run where `session` says."""
@@ -116,18 +130,25 @@ class Operations:
             to_json(instance.data),
             instance.definition_version,
         )
-        # The initial state's timers, armed by the same statement (stay 1).
+        # The initial state's timers, armed by the same statement (stay 1), and its claims.
         armed = create_arm_args(arm) if arm else ()
+        if claims:
+            armed = (*armed, *create_claim_args(instance, claims))
         # An insert of the same id (or key) by a transaction still open waits for it
         # (lock_timeout).
         async with self._s.conn(
             key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
         ) as conn:
+            statements = _CLAIMED_CREATES if claims else _CREATES
             if request_id is None:
-                sql = self._s.sql(CREATE_ARMED if arm else CREATE)
-                row = await conn.fetchrow(sql, *args, *armed, timeout=timeout)
+                sql = self._s.sql(statements[bool(arm)])
+                if claims and self._s.callers:
+                    # A refused claim must undo this statement only, in a caller's transaction.
+                    row = await guarded_cas(conn, sql, (*args, *armed), timeout)
+                else:
+                    row = await conn.fetchrow(sql, *args, *armed, timeout=timeout)
             else:
-                keyed = CREATE_KEYED_ARMED if arm else CREATE_KEYED
+                keyed = statements[2 + bool(arm)]
                 row = await self._create_keyed(conn, keyed, (*args, request_id, *armed))
                 if row is None:
                     # The id is taken or the key recorded: by this key's first create (a retry,
@@ -207,7 +228,8 @@ class Operations:
         # In the caller's transaction a duplicate request id must undo this statement only. In
         # a transaction of flowlock's own around this one call, the failed statement aborts it
         # and its COMMIT rolls back: nothing else was in it, so no savepoint is needed.
-        guarded = self._s.callers and any(e.request_id is not None for e in batch)
+        # A refused claim too.
+        guarded = self._s.callers and any(e.request_id is not None or e.claims for e in batch)
         try:
             async with self._s.conn(
                 key, busy=lambda _: LockTimeout(key, time.monotonic() - started), writes=True
@@ -401,11 +423,19 @@ class CallerTransaction(Operations):
     async def migrate(self) -> list[str]:
         raise InvalidInput("migrate through the engine's store, not inside a caller's transaction")
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
-        # One by one, each in its savepoint when it carries request ids: in a transaction
-        # flowlock does not end, a failed statement must undo that batch only, and the caller
-        # already holds whatever rows it locked in whatever order.
-        return [await self.commit_batch(batch) for batch in batches_of(batches)]
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
+        # One by one, each in its savepoint when it carries request ids or claims: in a
+        # transaction flowlock does not end, a failed statement must undo that batch only, and
+        # the caller already holds whatever rows it locked in whatever order.
+        done: list[Instance | ConstraintRefused | None] = []
+        for batch in batches_of(batches):
+            try:
+                done.append(await self.commit_batch(batch))
+            except ConstraintRefused as exc:
+                done.append(exc)
+        return done
 
 
 async def _own_transaction(

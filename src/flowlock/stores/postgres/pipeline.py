@@ -12,9 +12,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import asyncpg
 
-from flowlock._pg.errors import in_doubt
+from flowlock._pg.errors import in_doubt, refused
 from flowlock._pg.rows import entry_from_row, instance_from_row
 from flowlock.core.admin import refuse_paused
+from flowlock.core.constraints import ConstraintRefused
 from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, StoreError
 from flowlock.core.models import RESERVED_EVENTS, HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
@@ -225,6 +226,12 @@ async def apply_locked_together(
                         written = await conn.fetch(s.sql(text), *args, timeout=bound)
                     except asyncpg.TransactionRollbackError as exc:
                         raise Contended(key, exc) from exc
+                    except asyncpg.PostgresError as exc:
+                        # A claim of one call refused: the group's write rolled back whole,
+                        # and each call runs alone (the refused one raises its refusal).
+                        if refused(exc):
+                            raise Contended(key, exc) from exc
+                        raise
                     moved = {row["id"]: instance_from_row(row) for row in written}
                 with in_doubt(context):
                     await conn.execute("COMMIT", timeout=bound)
@@ -259,11 +266,12 @@ async def apply_locked_together(
 
 async def commit_in_rounds(
     batches: Sequence[Batch],
-    commit_many: Callable[[Sequence[Batch]], Awaitable[list[Instance | None]]],
+    commit_many: Callable[[Sequence[Batch]], Awaitable[list[Instance | ConstraintRefused | None]]],
 ) -> list[Instance | BaseException | None]:
     """The compare-and-swaps of calls that queued together: one statement per round of
     distinct instances (two batches for one instance, from two strategies or two engines,
-    cannot share a statement). A round that fails whole fails each of its calls."""
+    cannot share a statement). A round that fails whole fails each of its calls; a batch
+    whose claim was refused gets its ConstraintRefused, raised to its call alone."""
     answers: list[Instance | BaseException | None] = [None] * len(batches)
     pending = list(range(len(batches)))
     while pending:
@@ -284,6 +292,43 @@ async def commit_in_rounds(
             answers[i] = answer
         pending = later
     return answers
+
+
+async def commit_refusing(
+    batches: Sequence[Batch],
+    together: Callable[[Sequence[Batch]], Awaitable[list[Instance | None]]],
+    each: Callable[[Sequence[Batch]], Awaitable[list[Instance | ConstraintRefused | None]]],
+) -> list[Instance | ConstraintRefused | None]:
+    """`commit_many`'s rounds: the batches in one statement (`together`); when a claim of one
+    is refused, the statement rolled back whole, so that batch answers its ConstraintRefused
+    and the others go again without it. One batch left, or a statement that failed whole on a
+    request id applied before or a deadlock: each alone (`each`)."""
+    answers: dict[int, Instance | ConstraintRefused | None] = {}
+    left = list(range(len(batches)))
+    while len(left) > 1:
+        now = [batches[i] for i in left]
+        try:
+            done = await together(now)
+        except (DuplicateRequest, Contended):
+            break
+        except ConstraintRefused as exc:
+            place = refused_place(exc, now)
+            if place is None:
+                raise
+            answers[left.pop(place)] = exc
+            continue
+        answers.update(zip(left, done, strict=True))
+        left = []
+    if left:
+        answers.update(zip(left, await each([batches[i] for i in left]), strict=True))
+    return [answers[i] for i in range(len(batches))]
+
+
+def refused_place(exc: ConstraintRefused, batches: Sequence[Batch]) -> int | None:
+    """The place in `batches` (one per instance) of the batch whose claim `exc` refused."""
+    return next(
+        (i for i, batch in enumerate(batches) if batch[0].instance_id == exc.instance_id), None
+    )
 
 
 async def locked_in_groups(

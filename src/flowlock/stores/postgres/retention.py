@@ -109,10 +109,11 @@ _PURGE_LOCK: Final = (
     "SELECT id FROM flowlock_instances WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE"
 )
 # $1 ids, $2 the versions read. The delete re-checks the version (on rows locked since the
-# statement before, so the newest), and an instance that moved is kept. Children go in the same
-# statement: the foreign keys are checked at its end, when they are gone too. Each child's
-# "= ANY($1)" lets the planner reach its rows through the index on instance_id whatever it
-# estimates of `gone` (a CTE's row count is a guess).
+# statement before, so the newest), and an instance that moved is kept. A slot an instance
+# gone still held (a capacity on a final state) is released with it (017_constraints.sql).
+# Children go in the same statement: the foreign keys are checked at its end, when they are
+# gone too. Each child's "= ANY($1)" lets the planner reach its rows through the index on
+# instance_id whatever it estimates of `gone` (a CTE's row count is a guess).
 _PURGE: Final = f"""
 WITH wanted AS (
     SELECT * FROM unnest($1::text[], $2::bigint[]) AS w(id, version)
@@ -132,8 +133,10 @@ WITH wanted AS (
 ), messages AS (
     DELETE FROM flowlock_outbox
      WHERE instance_id = ANY($1::text[]) AND instance_id IN (SELECT id FROM gone)
+), freed AS (
+    SELECT flowlock_free_slots(ARRAY(SELECT id FROM gone), $1::text[], $2::bigint[]) AS n
 )
-SELECT id FROM gone ORDER BY id COLLATE "C"
+SELECT id FROM gone CROSS JOIN freed ORDER BY id COLLATE "C"
 """
 # The instance verbatim (its version, timestamps and fencing token), unless the id exists.
 _RESTORE: Final = """

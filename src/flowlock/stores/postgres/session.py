@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from flowlock._pg.borrowed import AsyncPsycopg, Borrowed
-from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, wrap_errors
+from flowlock._pg.errors import DRIVER_ERRORS, Context, broken, refused, wrap_errors
 from flowlock._pg.pool import connection, terminate
 from flowlock.core.errors import FlowlockError, InvalidInput, StoreError
 from flowlock.stores.postgres.sql import CALLERS_SETTINGS, RESTORE, SAVEPOINT
@@ -115,11 +115,14 @@ async def guarded_cas(
 ) -> asyncpg.Record | None:
     """The compare-and-swap `sql` in a savepoint of its own. In a transaction flowlock does not
     end, a duplicate request id must undo this statement only, leaving the transaction usable for
-    the re-read that answers the request idempotently."""
+    the re-read that answers the request idempotently; so must a refused claim (the caller's
+    transaction goes on)."""
     await conn.execute("SAVEPOINT flowlock_cas", timeout=bound)
     try:
         row = await conn.fetchrow(sql, *args, timeout=bound)
-    except asyncpg.UniqueViolationError:
+    except asyncpg.PostgresError as exc:
+        if not isinstance(exc, asyncpg.UniqueViolationError) and not refused(exc):
+            raise
         await conn.execute(
             "ROLLBACK TO SAVEPOINT flowlock_cas; RELEASE SAVEPOINT flowlock_cas", timeout=bound
         )

@@ -33,6 +33,7 @@ from flowlock.core.models import (
     InstanceQuery,
     Snapshot,
 )
+from flowlock.stores.postgres.constraint_sql import claim_args, claimed_creates, claimed_variants
 from flowlock.stores.postgres.outbox_sql import outbox_args, outbox_cte
 from flowlock.stores.postgres.timer_sql import (
     TIMER_ARRAYS,
@@ -165,20 +166,23 @@ WITH moved AS (
 _MOVED = "\nSELECT * FROM moved\n"
 
 
-def _variants(base: str, k: int) -> tuple[str, str, str, str]:
+def _variants(base: str, k: int) -> tuple[str, ...]:
     """`base` as it is; with its timers' CTEs (timer_sql.timer_ctes, from $k); with its
     messages' CTE (outbox_sql.outbox_cte, from $k); with both (the messages' after the
-    timers'). Each used only when the batches touch a timer or emit a message: fixed texts,
-    so asyncpg prepares each once per connection."""
+    timers'); then the same four applying claims (constraint_sql.claimed_variants). Each used
+    only when the batches touch a timer, emit a message or carry a claim: fixed texts, so
+    asyncpg prepares each once per connection."""
     return (
         base + _MOVED,
         base + timer_ctes(k) + _MOVED,
         base + outbox_cte(k) + _MOVED,
         base + timer_ctes(k) + outbox_cte(k + TIMER_ARRAYS) + _MOVED,
+        *claimed_variants(base, k),
     )
 
 
-CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _variants(_CAS, 13)
+_CAS_VARIANTS = _variants(_CAS, 13)
+CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS = _CAS_VARIANTS[:4]
 # A batch of k entries for one instance: the same compare-and-swap from version v to v + k, the
 # instance left as the last entry leaves it (its fencing token checked and recorded), and the k
 # history rows from one array per column, entry n (from 1) at version v + n, all stamped with the
@@ -212,7 +216,8 @@ WITH moved AS (
            WITH ORDINALITY AS e(event, from_state, to_state, actor, request_id, strategy, data,
                                 fencing_token, payload, dv, n)
 )"""
-CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _variants(_CAS_BATCH, 19)
+_BATCH_VARIANTS = _variants(_CAS_BATCH, 19)
+CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS = _BATCH_VARIANTS[:4]
 # The batches of several instances in one statement. Every instance's compare-and-swap stands
 # alone: one whose version moved (or whose fencing token is stale) matches no row of the UPDATE,
 # so none of its entries joins ``moved`` and nothing of it is written; the others go on.
@@ -269,7 +274,8 @@ WITH wanted AS (
                 data, fencing_token, payload, dv)
       JOIN moved m ON m.id = e.instance_id
 )"""
-CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS = _variants(_CAS_MANY, 22)
+_MANY_VARIANTS = _variants(_CAS_MANY, 22)
+CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS = _MANY_VARIANTS[:4]
 # An escalation only ever grows longer; rows long past are pruned by the writers.
 PUBLISH = """
 WITH pruned AS (
@@ -316,6 +322,10 @@ WITH made AS (
 SELECT * FROM made
 """
 CREATE_KEYED_ARMED = armed_create(CREATE, 7, _KEYED)
+# The four creates again, applying the create's claims (constraint_sql.claimed_creates).
+CREATE_CLAIMED, CREATE_ARMED_CLAIMED, CREATE_KEYED_CLAIMED, CREATE_KEYED_ARMED_CLAIMED = (
+    claimed_creates(CREATE, _KEYED)
+)
 CREATE_KEY_CONSTRAINT = "flowlock_create_requests_pkey"
 # The instance as its create made it (version 1, its first state and data), and the create's key.
 # Its definition version is the one it runs now (only a migration moves it).
@@ -351,7 +361,7 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 _TABLE = re.compile(
     r"""(?<![\w."'])"""
     r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake|"
-    r"workflow_pauses|holds|definitions))"
+    r"workflow_pauses|holds|definitions|capacity|slots|slot_log|rate_log|claims))"
     r"""\b(?![.'])"""
 )
 
@@ -495,22 +505,18 @@ def _cas_args(entry: HistoryEntry) -> tuple[Any, ...]:
 Batch = tuple[HistoryEntry, ...]  # one instance's entries, checked by entries_of
 
 
-_CAS_VARIANTS = (CAS, CAS_TIMED, CAS_EMITS, CAS_TIMED_EMITS)
-_BATCH_VARIANTS = (CAS_BATCH, CAS_BATCH_TIMED, CAS_BATCH_EMITS, CAS_BATCH_TIMED_EMITS)
-_MANY_VARIANTS = (CAS_MANY, CAS_MANY_TIMED, CAS_MANY_EMITS, CAS_MANY_TIMED_EMITS)
-
-
 def _with_extras(
-    variants: tuple[str, str, str, str], args: tuple[Any, ...], batches: Sequence[Batch]
+    variants: tuple[str, ...], args: tuple[Any, ...], batches: Sequence[Batch]
 ) -> tuple[str, tuple[Any, ...]]:
-    """The variant of a compare-and-swap that writes what `batches` do to timers and the
-    outbox (nothing: the statement as it was), and its arguments."""
+    """The variant of a compare-and-swap that writes what `batches` do to timers, the outbox
+    and the constraints (nothing: the statement as it was), and its arguments."""
     timed = timer_args(batches)
     emits = outbox_args(batches, to_json)
-    if timed is None and emits is None:
+    claims = claim_args(batches)
+    if timed is None and emits is None and claims is None:
         return variants[0], args
-    text = variants[(timed is not None) + 2 * (emits is not None)]
-    return text, (*args, *(timed or ()), *(emits or ()))
+    text = variants[(timed is not None) + 2 * (emits is not None) + 4 * (claims is not None)]
+    return text, (*args, *(timed or ()), *(emits or ()), *(claims or ()))
 
 
 def cas_of(batch: Batch) -> tuple[str, tuple[Any, ...]]:

@@ -25,7 +25,7 @@ from flowlock._pg.errors import (
 from flowlock._pg.fence import PostgresFenceEpochs
 from flowlock._pg.pool import check_schema, close_pool, create_pool
 from flowlock._pg.pooling import Pooling, resolve, session_needed
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import EngineClosed, FlowlockError, InvalidInput
 from flowlock.core.models import (
     Escalation,
@@ -54,6 +54,7 @@ from flowlock.core.settings import (
 )
 from flowlock.stores.base import LockedResult, Plan, RowLock, Store, entries_of
 from flowlock.stores.postgres import pipeline
+from flowlock.stores.postgres.constraints import ConstraintMethods
 from flowlock.stores.postgres.definitions import DefinitionMethods
 from flowlock.stores.postgres.operations import CallerTransaction, Operations, batches_of
 from flowlock.stores.postgres.outbox import OutboxMethods
@@ -62,8 +63,6 @@ from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
 from flowlock.stores.postgres.replay import ReplayMethods
 from flowlock.stores.postgres.retention import RetentionMethods
 from flowlock.stores.postgres.session import (
-    Contended,
-    DuplicateRequest,
     Session,
     caller_connection,
     context_of,
@@ -83,7 +82,13 @@ T = TypeVar("T")
 
 
 class PostgresStore(
-    TimerMethods, OutboxMethods, PauseMethods, RetentionMethods, ReplayMethods, DefinitionMethods
+    TimerMethods,
+    OutboxMethods,
+    PauseMethods,
+    RetentionMethods,
+    ReplayMethods,
+    DefinitionMethods,
+    ConstraintMethods,
 ):
     """Instances, history, timers and the outbox in PostgreSQL.
 
@@ -445,7 +450,7 @@ class PostgresStore(
         claims: Sequence[Claim] = (),
     ) -> Instance:
         return await self._call(
-            lambda ops: ops.create(instance, request_id, arm), instance.id, writes=True
+            lambda ops: ops.create(instance, request_id, arm, claims), instance.id, writes=True
         )
 
     async def create_request(self, instance_id: str) -> tuple[str, Instance] | None:
@@ -489,28 +494,39 @@ class PostgresStore(
         key = batch[0].instance_id
         return await self._call(lambda ops: ops.commit_batch(batch), key, writes=True)
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """Every batch checked first (InvalidInput, nothing written), then one statement for
         all of them (see CAS_MANY). When that statement fails whole, on a request id applied
         before or a deadlock or serialization failure, each batch is committed alone, so only
-        the batch at fault answers None. A lock wait past lock_timeout is LockTimeout for all
-        of them; a connection lost while the statement was in flight, OutcomeUnknown."""
+        the batch at fault answers None. A batch whose claim is refused answers its
+        ConstraintRefused (nothing of it written) and the statement runs again without it.
+        A lock wait past lock_timeout is LockTimeout for all of them; a connection lost while
+        the statement was in flight, OutcomeUnknown."""
         checked = batches_of(batches)
         if not checked:
             self.pool  # noqa: B018 - a closed store refuses even an empty commit (EngineClosed)
             return []
-        if len(checked) < 2:
-            return [await self._commit(batch) for batch in checked]
-        try:
-            return await self._call(
-                lambda ops: ops.commit_together(checked), keys_text(checked), writes=True
-            )
-        except (DuplicateRequest, Contended):
-            return await self._commit_each(checked)
 
-    async def _commit_each(self, batches: Sequence[Batch]) -> list[Instance | None]:
+        async def together(now: Sequence[Batch]) -> list[Instance | None]:
+            return await self._call(
+                lambda ops: ops.commit_together(now), keys_text(now), writes=True
+            )
+
+        return await pipeline.commit_refusing(checked, together, self._commit_each)
+
+    async def _commit_each(
+        self, batches: Sequence[Batch]
+    ) -> list[Instance | ConstraintRefused | None]:
         # One after another: each locks one row, so they cannot deadlock with anything.
-        return [await self._commit(batch) for batch in batches]
+        done: list[Instance | ConstraintRefused | None] = []
+        for batch in batches:
+            try:
+                done.append(await self._commit(batch))
+            except ConstraintRefused as exc:
+                done.append(exc)
+        return done
 
     async def apply_locked(
         self, instance_id: str, request_ids: Sequence[str], plan: Plan, lock: RowLock

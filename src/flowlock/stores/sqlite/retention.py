@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from flowlock.core.retention import ArchivedInstance, CreateRecord, Hold, PurgeSelection
 from flowlock.stores.base import BeforeCommit
+from flowlock.stores.sqlite.constraints_sql import free_slots
 from flowlock.stores.sqlite.part import StorePart
 from flowlock.stores.sqlite.sql import (
     IDS_PER_SELECT,
@@ -28,6 +29,7 @@ from flowlock.stores.sqlite.sql import (
     read_columns,
     timestamp_text,
 )
+from flowlock.stores.sqlite.txn import Wake
 
 __all__ = ["SqliteRetention"]
 
@@ -142,6 +144,7 @@ def purge_txn(
     conn: sqlite3.Connection,
     victims: Sequence[tuple[str, int]],
     before_commit: BeforeCommit | None,
+    wake: Wake,
 ) -> list[str]:
     """Inside the store's write transaction (SQLite's write lock: nothing moves meanwhile)."""
     doomed = sorted(
@@ -153,6 +156,9 @@ def purge_txn(
             (iid, version),
         ).fetchone()
     )
+    for iid in doomed:
+        # A purge takes final instances, which hold no slot; one that does frees it.
+        free_slots(conn, iid, dict(victims)[iid], wake.released)
     keys = [(iid,) for iid in doomed]
     for statement in (*_CHILDREN, "DELETE FROM flowlock_instances WHERE id = ?"):
         conn.executemany(statement, keys)
@@ -241,7 +247,7 @@ class SqliteRetention(StorePart):
         self, victims: Sequence[tuple[str, int]], before_commit: BeforeCommit | None = None
     ) -> list[str]:
         return await self._write_now(
-            self.path, lambda conn, _: purge_txn(conn, victims, before_commit), "purge"
+            self.path, lambda conn, wake: purge_txn(conn, victims, before_commit, wake), "purge"
         )
 
     async def restore_instances(self, archived: Sequence[ArchivedInstance]) -> list[str]:

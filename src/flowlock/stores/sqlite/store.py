@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar
 
 from flowlock.core import migrations
 from flowlock.core.admin import WorkflowPause
-from flowlock.core.constraints import Claim
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import (
     EngineClosed,
     InvalidInput,
@@ -34,6 +34,7 @@ from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot
 from flowlock.core.settings import check_count, check_seconds
 from flowlock.stores._batch import distinct_batches
 from flowlock.stores.base import LockedResult, Plan, RowLock, entries_of
+from flowlock.stores.sqlite.constraints import SqliteConstraints
 from flowlock.stores.sqlite.definitions import SqliteDefinitions
 from flowlock.stores.sqlite.outbox import SqliteOutbox
 from flowlock.stores.sqlite.pool import Pool, Worker, stop_workers
@@ -78,7 +79,13 @@ _URL_FORMS: Final = "sqlite:///relative/path.db, sqlite:////absolute/path.db or 
 
 
 class SqliteStore(
-    SqliteTimers, SqliteOutbox, SqliteRetention, SqliteReplay, SqliteDefinitions, AsyncResource
+    SqliteTimers,
+    SqliteOutbox,
+    SqliteRetention,
+    SqliteReplay,
+    SqliteDefinitions,
+    SqliteConstraints,
+    AsyncResource,
 ):
     """Instances and history in one SQLite database file.
 
@@ -109,6 +116,10 @@ class SqliteStore(
     Outbox: messages are written in the commit's transaction, times on the same wall clock.
     `pending()` is set by this store object's commits, and every `outbox_poll` seconds (default
     2) so that a dispatcher here finds another process's messages within that bound.
+
+    Constraints: claims are applied in the commit's write transaction (the write lock
+    serializes every key). `slot_releases` hears this store object's releases, and is called
+    with ("", "") every second for those of other processes on the file.
     """
 
     def __init__(
@@ -143,6 +154,7 @@ class SqliteStore(
         self._lifecycle = asyncio.Lock()
         self._init_timers()
         self._init_outbox()
+        self._init_constraints()
 
     @classmethod
     def from_url(
@@ -365,10 +377,10 @@ class SqliteStore(
         before answers the instance as its first create made it (see
         [`Store.create`][flowlock.stores.base.Store.create])."""
         data = dump_json(instance.data, f"data of instance {instance.id!r}")
-        timings = tuple(arm)
+        timings, claimed = tuple(arm), tuple(claims)
         return await self._write(
             instance.id,
-            lambda conn, wake: create_txn(conn, instance, data, request_id, timings, wake),
+            lambda conn, wake: create_txn(conn, instance, data, request_id, timings, claimed, wake),
             bound=self.busy_timeout,
             nowait=False,
             what="create",
@@ -387,20 +399,25 @@ class SqliteStore(
             what="commit",
         )
 
-    async def commit_many(self, batches: Sequence[Sequence[HistoryEntry]]) -> list[Instance | None]:
+    async def commit_many(
+        self, batches: Sequence[Sequence[HistoryEntry]]
+    ) -> list[Instance | ConstraintRefused | None]:
         """Every batch's compare-and-swap in one write transaction (SQLite's one round trip):
-        one that loses is None at its place and leaves no row, the others commit. Raises
+        one that loses is None at its place and leaves no row, one whose claim is refused its
+        ConstraintRefused (its writes rolled back to a savepoint), the others commit. Raises
         InstanceNotFound (nothing written) when one of the instances does not exist."""
         encoded = [encode(batch) for batch in distinct_batches(batches)]
         if not encoded:
             self._live()  # closed is closed, even for nothing to write
             return []
-        return await self._write(
-            encoded[0].instance_id,
-            lambda conn, wake: commit_many_txn(conn, encoded, wake),
-            bound=self.busy_timeout,
-            nowait=False,
-            what="commit_many",
+        return list(
+            await self._write(
+                encoded[0].instance_id,
+                lambda conn, wake: commit_many_txn(conn, encoded, wake),
+                bound=self.busy_timeout,
+                nowait=False,
+                what="commit_many",
+            )
         )
 
     async def apply_locked(
@@ -428,13 +445,16 @@ class SqliteStore(
         what: str,
     ) -> T:
         """Run `txn` in a write transaction; once it committed, wake this store's timer
-        services if it armed timers, and its outbox dispatchers if it wrote messages."""
+        services if it armed timers, its outbox dispatchers if it wrote messages, and its
+        `slot_releases` listeners if it released slots."""
         wake = Wake()
         result = await self._write_txn(key, lambda conn: txn(conn, wake), bound, nowait, what)
         if wake.timers:
             self._wake_timers(min(wake.timers))
         if wake.messages:
             self._wake_outbox()
+        if wake.released:
+            self._heard(wake.released)
         return result
 
     async def _write_txn(

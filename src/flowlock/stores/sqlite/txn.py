@@ -11,10 +11,13 @@ from typing import Any, TypeVar
 
 from flowlock.core import migrations
 from flowlock.core.admin import WorkflowPause
+from flowlock.core.constraints import Claim, ConstraintRefused
 from flowlock.core.errors import InstanceExists, InstanceNotFound
 from flowlock.core.models import HistoryEntry, Instance, InstanceQuery, Snapshot, Timing
 from flowlock.stores._batch import entering, planned_entries, refused_plan
+from flowlock.stores._claims import Claimed, claims_of
 from flowlock.stores.base import LockedResult, Plan
+from flowlock.stores.sqlite.constraints_sql import apply_claims
 from flowlock.stores.sqlite.outbox_sql import MessageRow, message_rows, write_messages
 from flowlock.stores.sqlite.sql import (
     CAS_UPDATE,
@@ -48,10 +51,12 @@ class Wake:
     """What a write transaction asks the store to wake once it committed (never before: a
     rolled back write wakes nobody). `timers`: the soonest `after` of each arm, for this
     process's timer services (`armed()`); `messages`: it wrote a claimable message, for this
-    process's outbox dispatchers (`pending()`)."""
+    process's outbox dispatchers (`pending()`); `released`: the (kind, key) of each slot it
+    released, for this store's `slot_releases` listeners."""
 
     timers: list[float] = field(default_factory=list)
     messages: bool = False
+    released: list[tuple[str, str]] = field(default_factory=list)
 
 
 T = TypeVar("T")
@@ -214,6 +219,7 @@ def create_txn(
     data: str,
     request_id: str | None,
     timings: Sequence[Timing],
+    claims: Sequence[Claim],
     wake: Wake,
 ) -> Instance:
     """Insert `instance` (and its create key, when given) at version 1 and stay 1, arming
@@ -244,6 +250,8 @@ def create_txn(
         raise InstanceExists(instance.id)
     if request_id is not None:
         conn.execute(INSERT_CREATE_REQUEST, (request_id, instance.id, instance.state, data))
+    # A refused claim raises: the store rolls the transaction back, the insert with it.
+    apply_claims(conn, (Claimed(c, instance.id, 1, None) for c in claims), wake.released)
     made = get_txn(conn, instance.id)
     soonest = arm(conn, made, 1, timings, time.time())
     if soonest is not None:
@@ -276,6 +284,8 @@ class _Batch:
     timed: bool
     # The outbox rows of the entries' emits (none: no outbox statement runs).
     messages: tuple[MessageRow, ...]
+    # The entries' constraint claims, in order (none: no constraint statement runs).
+    claims: tuple[Claimed, ...]
 
     @property
     def instance_id(self) -> str:
@@ -292,14 +302,16 @@ def encode(batch: tuple[HistoryEntry, ...]) -> _Batch:
         None if entered is None else entered.version,
         any(e.arm or e.voids or e.timer is not None for e in batch),
         message_rows(batch),
+        tuple(claims_of(batch)),
     )
 
 
 def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instance | None:
-    """The compare-and-swap of one instance's batch, its history rows, what it does to the
-    instance's timers and the messages it emits; None when it lost, and then it wrote nothing
-    (every check comes before the first write: this transaction holds the database's write
-    lock, so nothing changes between them)."""
+    """The compare-and-swap of one instance's batch, its constraint claims, its history rows,
+    what it does to the instance's timers and the messages it emits; None when it lost, and
+    then it wrote nothing (every check comes before the first write: this transaction holds the
+    database's write lock, so nothing changes between them). A refused claim raises its
+    ConstraintRefused after the update: the caller rolls back (see `_write_or_refused`)."""
     first, last = batch.entries[0], batch.entries[-1]
     request_ids = [e.request_id for e in batch.entries if e.request_id is not None]
     if request_ids and _rows_of_requests(conn, first.instance_id, request_ids):
@@ -327,6 +339,8 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instanc
     if cur.rowcount == 0:
         get_txn(conn, first.instance_id)  # InstanceNotFound rather than a silent conflict
         return None
+    if batch.claims:
+        apply_claims(conn, batch.claims, wake.released)  # refused: raises, the caller undoes
     conn.executemany(
         INSERT_HISTORY,
         [
@@ -354,10 +368,33 @@ def commit_txn(conn: sqlite3.Connection, batch: _Batch, wake: Wake) -> Instance 
 
 def commit_many_txn(
     conn: sqlite3.Connection, batches: list[_Batch], wake: Wake
-) -> list[Instance | None]:
+) -> list[Instance | ConstraintRefused | None]:
     # A lost compare-and-swap writes nothing before it returns None (see _write_batch), so the
-    # winners commit with it; an error rolls the whole transaction back.
-    return [_write_batch(conn, batch, wake) for batch in batches]
+    # winners commit with it; a refused claim undoes its batch only; an error rolls the whole
+    # transaction back.
+    return [
+        _write_or_refused(conn, batch, wake) if batch.claims else _write_batch(conn, batch, wake)
+        for batch in batches
+    ]
+
+
+def _write_or_refused(
+    conn: sqlite3.Connection, batch: _Batch, wake: Wake
+) -> Instance | ConstraintRefused | None:
+    """`_write_batch` in a savepoint: a refused claim rolls back this batch's writes and is the
+    answer at its place. The claims come before the timers and messages, so `wake` only holds
+    releases of this batch to forget."""
+    heard = len(wake.released)
+    conn.execute("SAVEPOINT flowlock_claims")
+    try:
+        committed = _write_batch(conn, batch, wake)
+    except ConstraintRefused as refused:
+        conn.execute("ROLLBACK TO flowlock_claims")
+        conn.execute("RELEASE flowlock_claims")
+        del wake.released[heard:]
+        return refused
+    conn.execute("RELEASE flowlock_claims")
+    return committed
 
 
 def locked_txn(
