@@ -1,15 +1,14 @@
 """Capacities, uniqueness and rate limits on real PostgreSQL: every write path applies a
 commit's claims in its own transaction (the one-statement compare-and-swap, commit_many, the
-pessimistic path, a caller's transaction, create), a refusal writes nothing, releases are
-heard through NOTIFY, and many concurrent callers never hold more slots than the limit (counted
-with the test's own SQL).
+pessimistic path, a caller's transaction, create, behind a transaction pooler), a refusal
+writes nothing, releases are heard through NOTIFY, a purge frees its slots. The storms are in
+test_constraints_storm_pg.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,145 +19,40 @@ import flowlock
 import pg_budget
 from flowlock.core.constraints import Claim, constraint_claims
 from flowlock.core.models import HistoryEntry, Instance
+from flowlock.stores.base import LockedResult, Plan, RowLock
 from flowlock.stores.postgres import PostgresStore
+from flowlock.stores.postgres.operations import Operations
+from flowlock.stores.postgres.pipeline import LockedCall, apply_locked_together
+from flowlock.stores.postgres.session import Session
+from pg_constraints_kit import (
+    BOUND,
+    KIND,
+    Make,
+    Sql,
+    engines,
+    reading,
+    review,
+    reviews,
+    store_of,
+    subscription,
+)
+from pgbouncer_harness import PgBouncer
 
 pytestmark = pytest.mark.postgres
-
-KIND = "review.in_review"
-BOUND = 10.0  # seconds any single wait of these tests may take on a loaded machine
-
-
-def review(limit: int = 2) -> flowlock.Workflow:
-    """Reviews: at most `limit` in review per reviewer (data["r"]); `reassign` moves one to
-    another reviewer (payload["to"]) without leaving the state; `ping` is rate limited to 2
-    per minute per reviewer."""
-
-    def to(inst: Instance, payload: Any, actor: str | None) -> dict[str, Any]:
-        return {**inst.data, "r": payload["to"]}
-
-    in_review = flowlock.State(
-        "in_review", capacity=flowlock.Capacity(key=lambda i: i.data["r"], limit=limit)
-    )
-    return flowlock.Workflow(
-        "review",
-        states=["open", in_review, "done"],
-        initial="open",
-        transitions=[
-            flowlock.Transition("start", source="open", target="in_review"),
-            flowlock.Transition("finish", source="in_review", target="done"),
-            flowlock.Transition("reassign", source="in_review", target="in_review", effect=to),
-            flowlock.Transition(
-                "ping",
-                source="open",
-                target="open",
-                rate=flowlock.Rate(key=lambda i: i.data["r"], per=timedelta(minutes=1), limit=2),
-            ),
-        ],
-    )
-
-
-def subscription() -> flowlock.Workflow:
-    """One active subscription per customer (data["c"])."""
-    return flowlock.Workflow(
-        "sub",
-        states=["active", "ended"],
-        initial="active",
-        transitions=[flowlock.Transition("end", source="active", target="ended")],
-        unique=flowlock.Unique(key=lambda i: i.data["c"], states=["active"]),
-    )
-
-
-class Sql:
-    """The test's own reads of the constraint tables (plain SQL, one connection)."""
-
-    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
-        self.conn, self.schema = conn, schema
-
-    async def val(self, sql: str, *args: Any) -> Any:
-        return await self.conn.fetchval(sql.replace("{s}", f'"{self.schema}"'), *args)
-
-    async def holders(self, key: str, kind: str = KIND) -> list[str]:
-        rows = await self.conn.fetch(
-            f'SELECT instance_id FROM "{self.schema}".flowlock_slots '
-            "WHERE kind = $1 AND key = $2 ORDER BY instance_id",
-            kind,
-            key,
-        )
-        return [r["instance_id"] for r in rows]
-
-    async def counter(self, key: str, kind: str = KIND) -> int | None:
-        found = await self.val(
-            "SELECT holders FROM {s}.flowlock_capacity WHERE kind = $1 AND key = $2", kind, key
-        )
-        return None if found is None else int(found)
-
-    async def version(self, iid: str) -> int:
-        return int(await self.val("SELECT version FROM {s}.flowlock_instances WHERE id = $1", iid))
-
-    async def history(self, iid: str) -> int:
-        return int(
-            await self.val("SELECT count(*) FROM {s}.flowlock_history WHERE instance_id = $1", iid)
-        )
-
-    async def log(self) -> list[tuple[str, int, str, int, int]]:
-        rows = await self.conn.fetch(
-            f'SELECT key, seq, instance_id, delta, holders FROM "{self.schema}".flowlock_slot_log '
-            "ORDER BY kind, key, seq"
-        )
-        return [(r["key"], r["seq"], r["instance_id"], r["delta"], r["holders"]) for r in rows]
-
-    async def most_held(self) -> int:
-        """The most slots any key holds now, counted from the slot rows themselves."""
-        found = await self.val(
-            "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM {s}.flowlock_slots "
-            "GROUP BY kind, key) AS per_key"
-        )
-        return int(found)
 
 
 @pytest.fixture
 async def sql(pg_url: str, pg_schema: str) -> AsyncIterator[Sql]:
     """The test's own connection, reading the test's schema."""
-    conn = await pg_budget.connect(pg_url)
-    try:
-        yield Sql(conn, pg_schema)
-    finally:
-        await conn.close()
-
-
-Make = Callable[..., Awaitable[flowlock.Engine]]
+    async with reading(pg_url, pg_schema) as found:
+        yield found
 
 
 @pytest.fixture
 async def make(pg_url: str, pg_schema: str) -> AsyncIterator[Make]:
-    """Opens engines on the test's schema with the review (capacity `limit`) and subscription
-    workflows."""
-    opened: list[flowlock.Engine] = []
-
-    async def build(pool_size: int = 4, limit: int = 2, **options: Any) -> flowlock.Engine:
-        store = PostgresStore(
-            pg_url, schema=pg_schema, pool_size=pool_size, pipeline=options.get("batching", True)
-        )
-        eng = await flowlock.Engine(store, **options).open()
-        opened.append(eng)
-        await eng.register(review(limit))
-        await eng.register(subscription())
-        return eng
-
-    yield build
-    for eng in opened:
-        await eng.aclose()
-
-
-async def reviews(eng: flowlock.Engine, reviewer: str, *ids: str) -> None:
-    for iid in ids:
-        await eng.create("review", instance_id=iid, data={"r": reviewer})
-
-
-def store_of(eng: flowlock.Engine) -> PostgresStore:
-    store = eng.store
-    assert isinstance(store, PostgresStore)
-    return store
+    """Opens engines on the test's schema (closed at the end)."""
+    async with engines(pg_url, pg_schema) as build:
+        yield build
 
 
 async def test_full_key_refuses_entry_and_writes_nothing(make: Make, sql: Sql) -> None:
@@ -220,8 +114,9 @@ async def test_unique_create_is_refused_and_a_keyed_retry_applies_nothing(
     make: Make, sql: Sql
 ) -> None:
     """A second active subscription of one customer is refused at create with UniqueViolation
-    naming the holder, and nothing of it is written; a create answered from its request key
-    takes no slot; once the first ends, the customer may subscribe again."""
+    naming the holder, and nothing of it is written (through the store and the engine); a
+    create answered from its request key takes no slot; once the first ends, the customer may
+    subscribe again."""
     eng = await make()
     store = store_of(eng)
     rules = subscription().constraints
@@ -245,6 +140,10 @@ async def test_unique_create_is_refused_and_a_keyed_retry_applies_nothing(
     await eng.fire("s1", "end")
     await store.create(second, "key-2", claims=claims2)
     assert await sql.holders("cust", "sub.unique") == ["s2"]
+    with pytest.raises(flowlock.UniqueViolation) as through_engine:
+        await eng.create("sub", instance_id="s3", data={"c": "cust"})
+    assert through_engine.value.holder == "s2"
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_instances WHERE id = 's3'") == 0
 
 
 async def test_rate_limit_refuses_with_retry_after(make: Make, sql: Sql) -> None:
@@ -283,26 +182,91 @@ def _entry(iid: str, version: int, event: str, to: str, claims: tuple[Claim, ...
 
 
 async def test_commit_many_answers_a_refused_batch_at_its_place(make: Make, sql: Sql) -> None:
-    """Of three batches in one commit_many, the one whose take does not fit answers its
-    CapacityReached at its place, and the other two commit (one takes the last slot)."""
+    """Of four batches in one commit_many, the one whose take does not fit answers its
+    CapacityReached at its place, one decided on a stale version answers None and takes
+    nothing, and the other two commit (one takes the last slot)."""
     eng = await make()
     store = store_of(eng)
-    await reviews(eng, "bob", "a", "b", "c")
+    await reviews(eng, "bob", "a", "b", "c", "d")
     await eng.fire("a", "start")
     take = (Claim("take", KIND, "bob", 2),)
     answers = await store.commit_many(
         [
+            [_entry("d", 5, "start", "in_review", take)],  # d is at version 1: lost
             [_entry("b", 2, "start", "in_review", take)],
             [_entry("c", 2, "start", "in_review", take)],
             [_entry("a", 3, "note", "in_review", ())],
         ]
     )
-    b, c, a = answers
+    d, b, c, a = answers
+    assert d is None and await sql.version("d") == 1
     assert isinstance(b, Instance) and b.version == 2
     assert isinstance(c, flowlock.CapacityReached) and c.holders == ("a", "b")
     assert (c.instance_id, c.version, c.event) == ("c", 2, "start")
     assert isinstance(a, Instance) and a.version == 3
     assert await sql.version("c") == 1 and await sql.holders("bob") == ["a", "b"]
+
+
+async def test_many_refusals_of_one_key_in_commit_many_cost_one_round(
+    make: Make, sql: Sql, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty batches taking a full key and five without claims in one commit_many: the first
+    refused sets the other takes of that key aside (each then refused alone), so the
+    statement of them all runs twice, not twenty times; the five commit."""
+    eng = await make()
+    store = store_of(eng)
+    takers = [f"t{n}" for n in range(20)]
+    others = [f"o{n}" for n in range(5)]
+    await reviews(eng, "bob", "a", "b", *takers, *others)
+    await eng.fire("a", "start")
+    await eng.fire("b", "start")
+    rounds: list[int] = []
+    original = Operations.commit_together
+
+    async def counted(self: Operations, batches: Any) -> Any:
+        rounds.append(len(batches))
+        return await original(self, batches)
+
+    monkeypatch.setattr(Operations, "commit_together", counted)
+    take = (Claim("take", KIND, "bob", 2),)
+    batches = [[_entry(iid, 2, "start", "in_review", take)] for iid in takers]
+    batches += [[_entry(iid, 2, "note", "open", ())] for iid in others]
+    answers = await store.commit_many(batches)
+    assert all(isinstance(a, flowlock.CapacityReached) for a in answers[:20])
+    assert all(isinstance(a, Instance) and a.version == 2 for a in answers[20:])
+    assert rounds == [25, 5]
+    assert await sql.holders("bob") == ["a", "b"]
+
+
+async def test_a_pessimistic_group_answers_a_refusal_and_writes_the_rest(
+    make: Make, sql: Sql
+) -> None:
+    """A pessimistic group (one transaction, rows locked together) whose write meets a full
+    key: the refused call answers CapacityReached, the take of that key after it is left to run
+    alone (None), and the rest (the take before it included) are written in the same
+    transaction."""
+    eng = await make()
+    store = store_of(eng)
+    await reviews(eng, "bob", "a", "b", "c", "d", "o")
+    await eng.fire("a", "start")
+    take = (Claim("take", KIND, "bob", 2),)
+
+    def plan(iid: str, event: str, to: str, claims: tuple[Claim, ...]) -> Plan:
+        return lambda snap: [_entry(iid, snap.instance.version + 1, event, to, claims)]
+
+    calls = [
+        LockedCall("b", (), plan("b", "start", "in_review", take), RowLock()),
+        LockedCall("c", (), plan("c", "start", "in_review", take), RowLock()),
+        LockedCall("d", (), plan("d", "start", "in_review", take), RowLock()),
+        LockedCall("o", (), plan("o", "note", "open", ()), RowLock()),
+    ]
+    b, c, d, o = await apply_locked_together(Session(store), calls)
+    assert isinstance(c, flowlock.CapacityReached) and c.holders == ("a", "b")
+    assert d is None  # the same key: left to run alone
+    for done, iid in ((b, "b"), (o, "o")):
+        assert isinstance(done, LockedResult) and done.committed is not None, (iid, done)
+    assert await sql.holders("bob") == ["a", "b"]
+    assert [await sql.version(iid) for iid in "bcdo"] == [2, 1, 1, 2]
 
 
 async def test_pessimistic_path_applies_and_refuses_claims(make: Make, sql: Sql) -> None:
@@ -323,10 +287,13 @@ async def test_pessimistic_path_applies_and_refuses_claims(make: Make, sql: Sql)
     assert await sql.counter("bob") == 2
 
 
-async def test_fire_in_a_callers_transaction(make: Make, sql: Sql, pg_url: str) -> None:
+@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic"])
+async def test_fire_in_a_callers_transaction(
+    make: Make, sql: Sql, pg_url: str, strategy: str
+) -> None:
     """fire(connection=) takes the slot in the caller's transaction: rolled back, nothing is
     held; committed, the slot is held. A refusal there leaves the caller's transaction usable."""
-    eng = await make()
+    eng = await make(strategy=strategy)
     await reviews(eng, "bob", "a", "b", "c")
     conn = await pg_budget.connect(pg_url)
     try:
@@ -411,40 +378,118 @@ async def test_constraint_rows_read_everything_at_once(make: Make) -> None:
     assert all(e.at > 0 for e in rows.log) and rows.log[0].at <= rows.log[-1].at
 
 
-async def test_many_callers_never_hold_more_than_the_limit(make: Make, sql: Sql) -> None:
-    """200 tasks over 20 keys of capacity 3 move in and out of review concurrently (two
-    engines, batching on): after every step the slot rows never show more than 3 holders of a
-    key, the counters agree with the rows, and every key's log never goes above its limit."""
-    engines = [await make(pool_size=6, limit=3), await make(pool_size=6, limit=3)]
-    ids = [f"t{n}" for n in range(200)]
-    for n, iid in enumerate(ids):
-        await engines[0].create("review", instance_id=iid, data={"r": f"k{n % 20}"})
-    seen: list[int] = []
-    check = asyncio.Lock()
+async def test_claims_through_a_transaction_pooler(
+    pgbouncer_transaction: PgBouncer, pg_schema: str, sql: Sql
+) -> None:
+    """Behind PgBouncer in transaction mode (no search_path kept) the claims' function and
+    tables are named with the schema: a take, a refusal, a release and a purge work there."""
+    store = PostgresStore(
+        pgbouncer_transaction.url(), schema=pg_schema, pool_size=3, pooling="transaction"
+    )
+    async with flowlock.Engine(store) as eng:
+        await eng.register(review(1))
+        await reviews(eng, "bob", "a", "b")
+        await eng.fire("a", "start")
+        with pytest.raises(flowlock.CapacityReached):
+            await eng.fire("b", "start")
+        await eng.fire("a", "finish")
+        await eng.fire("b", "start")
+        assert await store.purge_batch([("b", 2)]) == ["b"]
+        assert (await store.capacity_usage(KIND, "bob")).holders == ()
+    assert await sql.holders("bob") == [] and await sql.counter("bob") == 0
 
-    async def observe() -> None:
-        async with check:
-            seen.append(await sql.most_held())
 
-    async def task(n: int) -> None:
-        eng = engines[n % 2]
-        rng = random.Random(n)
-        for _ in range(200):
-            try:
-                await eng.fire(ids[n], "start")
-                break
-            except flowlock.CapacityReached:
-                await asyncio.sleep(rng.uniform(0.001, 0.01))
-        else:
-            raise AssertionError(f"{ids[n]} never got a slot")
-        await observe()
-        await asyncio.sleep(rng.uniform(0, 0.005))
-        await eng.fire(ids[n], "finish")
-        await observe()
+async def test_every_claimed_statement_is_valid_sql(
+    make: Make, pg_url: str, pg_schema: str
+) -> None:
+    """Every variant of the compare-and-swaps and creates (with timers, messages and claims in
+    any combination) and every constraint read is accepted by PostgreSQL (prepared on a
+    migrated schema)."""
+    from flowlock.stores.postgres import constraints
+    from flowlock.stores.postgres import sql as statements
 
-    await asyncio.wait_for(asyncio.gather(*(task(n) for n in range(200))), 120)
-    assert max(seen) <= 3, max(seen)
-    assert await sql.most_held() == 0
-    assert await sql.val("SELECT coalesce(max(holders), 0) FROM {s}.flowlock_slot_log") <= 3
-    assert await sql.val("SELECT coalesce(sum(holders), 0) FROM {s}.flowlock_capacity") == 0
-    assert await sql.val("SELECT count(*) FROM {s}.flowlock_slot_log") == 400
+    await make()
+    texts = [
+        *statements._CAS_VARIANTS,
+        *statements._BATCH_VARIANTS,
+        *statements._MANY_VARIANTS,
+        *(v for k, v in vars(statements).items() if k.startswith("CREATE") and "CLAIMED" in k),
+        constraints.USAGE,
+        constraints.RATE_USAGE,
+        constraints.LOG,
+        constraints.SLOTS,
+        constraints.COUNTERS,
+        constraints.RATES,
+    ]
+    conn = await pg_budget.connect(pg_url)
+    try:
+        await conn.execute(f'SET search_path TO "{pg_schema}"')
+        for text in texts:
+            await conn.prepare(text)
+    finally:
+        await conn.close()
+    assert len(texts) == 3 * 8 + 4 + 6
+
+
+async def test_fire_in_a_psycopg_transaction(make: Make, sql: Sql, pg_url: str) -> None:
+    """With a psycopg AsyncConnection as connection=, the claims' arrays go through and a
+    refusal is the same CapacityReached, leaving the caller's transaction usable."""
+    psycopg = pytest.importorskip("psycopg")
+    eng = await make()
+    await reviews(eng, "bob", "a", "b", "c")
+    async with await psycopg.AsyncConnection.connect(pg_url) as conn, conn.transaction():
+        await eng.fire("a", "start", connection=conn)
+        await eng.fire("b", "start", connection=conn)
+        with pytest.raises(flowlock.CapacityReached) as refused:
+            await eng.fire("c", "start", connection=conn)
+        assert refused.value.holders == ("a", "b")
+        await conn.execute("SELECT 1")  # still usable
+    assert await sql.holders("bob") == ["a", "b"] and await sql.version("c") == 1
+
+
+async def test_a_timed_unique_create_arms_its_timer_and_takes_its_slot(
+    make: Make, sql: Sql
+) -> None:
+    """A create that arms its first state's timer and takes a unique slot does both in its one
+    statement, keyed or not; a second is refused with neither written."""
+    eng = await make()
+    timed = flowlock.Workflow(
+        "trial",
+        states=["on", "off"],
+        initial="on",
+        transitions=[
+            flowlock.Transition("lapse", source="on", target="off", after=timedelta(hours=1))
+        ],
+        unique=flowlock.Unique(key=lambda i: i.data["c"], states=["on"]),
+    )
+    await eng.register(timed)
+    store = store_of(eng)
+    await eng.create("trial", instance_id="t1", data={"c": "x"})
+    await eng.create("trial", instance_id="t2", data={"c": "y"}, request_id="key-y")
+    for iid, key in (("t3", "x"), ("t4", "y")):
+        with pytest.raises(flowlock.UniqueViolation):
+            await eng.create("trial", instance_id=iid, data={"c": key}, request_id=f"k-{iid}")
+    assert [len(await store.timers(iid)) for iid in ("t1", "t2")] == [1, 1]
+    assert await sql.holders("x", "trial.unique") == ["t1"]
+    assert await sql.holders("y", "trial.unique") == ["t2"]
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_timers") == 2
+    assert await sql.val("SELECT count(*) FROM {s}.flowlock_create_requests") == 1
+
+
+async def test_the_reads_on_an_applications_pool(make: Make, pg_url: str, pg_schema: str) -> None:
+    """On an application's pool (flowlock's statements in a transaction of their own there,
+    for the schema), capacity_usage and constraint_rows read what the commits wrote."""
+    eng = await make()
+    await reviews(eng, "bob", "a")
+    await eng.fire("a", "start")
+    pool = await asyncpg.create_pool(pg_url, min_size=1, max_size=2)
+    try:
+        store = PostgresStore(pool=pool, schema=pg_schema)
+        await store.open()
+        assert (await store.capacity_usage(KIND, "bob")).holders == ("a",)
+        rows = await store.constraint_rows()
+        assert [(s.instance_id, s.version) for s in rows.slots] == [("a", 2)]
+        assert [e.delta for e in rows.log] == [1]
+        await store.aclose()
+    finally:
+        await pool.close()

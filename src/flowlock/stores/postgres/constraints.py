@@ -10,10 +10,9 @@ commits.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import asyncpg
 
@@ -28,6 +27,7 @@ from flowlock.stores.constraint_store import (
 from flowlock.stores.postgres.calls import Calls
 from flowlock.stores.postgres.listen import Channel, Listening, channel_name, listening, opener
 from flowlock.stores.postgres.operations import Operations
+from flowlock.stores.postgres.session import Conn, Session, roll_back
 
 __all__ = ["SLOTS_CHANNEL", "ConstraintMethods"]
 
@@ -53,38 +53,27 @@ SELECT (SELECT lim FROM flowlock_capacity WHERE kind = $1 AND key = $2) AS lim,
                 AND at > clock_timestamp() - $3::float8 * interval '1 second'
               ORDER BY at) AS holders
 """
-# Everything the checker reads, as JSON, in ONE statement: one snapshot, so the log, the slots
-# and the counters agree with each other wherever the statement runs (flowlock's pool, an
-# application's transaction, behind a transaction pooler).
-ROWS = """
-SELECT
-  (SELECT coalesce(json_agg(json_build_array(kind, key, seq, instance_id, version, delta,
-                                             holders, lim, extract(epoch FROM at))
-                            ORDER BY kind, key, seq), '[]')
-     FROM flowlock_slot_log) AS log,
-  (SELECT coalesce(json_agg(json_build_array(kind, key, instance_id, version)
-                            ORDER BY kind, key, seq), '[]')
-     FROM flowlock_slots) AS slots,
-  (SELECT coalesce(json_agg(json_build_array(kind, key, holders, lim, seq)
-                            ORDER BY kind, key), '[]')
-     FROM flowlock_capacity) AS counters,
-  (SELECT coalesce(json_agg(json_build_array(kind, key, instance_id, version,
-                                             extract(epoch FROM at), lim, per)
-                            ORDER BY kind, key, at), '[]')
-     FROM flowlock_rate_log) AS rates
+# What the checker reads, four statements in one REPEATABLE READ transaction (one snapshot,
+# so the log, the slots and the counters agree), each streamed as rows: no single value to
+# build however long the log.
+LOG = """
+SELECT kind, key, seq, instance_id, version, delta, holders, lim,
+       extract(epoch FROM at)::float8 AS at
+  FROM flowlock_slot_log ORDER BY kind, key, seq
 """
+SLOTS = "SELECT kind, key, instance_id, version FROM flowlock_slots ORDER BY kind, key, seq"
+COUNTERS = "SELECT kind, key, holders, lim, seq FROM flowlock_capacity ORDER BY kind, key"
+RATES = """
+SELECT kind, key, instance_id, version, extract(epoch FROM at)::float8 AS at, lim, per
+  FROM flowlock_rate_log ORDER BY kind, key, at
+"""
+_SNAPSHOT = "ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
 
 class _Store(Listening, Calls, Protocol):
     """What the constraint methods need of the store (PostgresStore)."""
 
     schema: str | None
-
-
-def _loaded(value: Any) -> list[list[Any]]:
-    """A JSON column as asyncpg gives it (text, unless the connection has a json codec)."""
-    found: list[list[Any]] = json.loads(value) if isinstance(value, str) else value
-    return found
 
 
 class ConstraintMethods:
@@ -115,30 +104,9 @@ class ConstraintMethods:
         return await self._call(read, key, waits=False)
 
     async def constraint_rows(self: _Store) -> ConstraintRows:
-        async def read(ops: Operations) -> ConstraintRows:
-            s = ops.session
-            async with s.conn() as conn:
-                row = await conn.fetchrow(s.sql(ROWS), timeout=s.timeout)
-            assert row is not None
-            return ConstraintRows(
-                log=tuple(
-                    SlotEvent(k, key, int(seq), iid, int(v), int(d), int(h), int(lim), float(at))
-                    for k, key, seq, iid, v, d, h, lim, at in _loaded(row["log"])
-                ),
-                slots=tuple(
-                    SlotRow(k, key, iid, int(v)) for k, key, iid, v in _loaded(row["slots"])
-                ),
-                counters=tuple(
-                    CounterRow(k, key, int(h), int(lim), int(seq))
-                    for k, key, h, lim, seq in _loaded(row["counters"])
-                ),
-                rates=tuple(
-                    RateEvent(k, key, iid, int(v), float(at), int(lim), float(per))
-                    for k, key, iid, v, at, lim, per in _loaded(row["rates"])
-                ),
-            )
-
-        return await self._call(read, waits=False)
+        """Every slot event, slot, counter and rate event, read in one REPEATABLE READ,
+        read-only transaction (one snapshot)."""
+        return await self._call(lambda ops: _rows(ops.session), waits=False)
 
     def slot_releases(
         self: _Store, heard: Callable[[str, str], None]
@@ -190,3 +158,51 @@ class _Hearer:
     def heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
         kind, _, key = str(payload).partition("\x1f")
         self._heard(kind, key)
+
+
+async def _rows(s: Session) -> ConstraintRows:
+    """The checker's rows in one snapshot: a transaction of their own on a connection of the
+    pool, or, in the transaction flowlock opened around the call on an application's pool
+    (nothing read in it yet), that one set to REPEATABLE READ."""
+    async with s.conn() as conn:
+        if s.joined:
+            await conn.execute(f"SET TRANSACTION {_SNAPSHOT}", timeout=s.timeout)
+            return await _read_rows(conn, s)
+        await conn.execute(f"BEGIN {_SNAPSHOT}", timeout=s.timeout)
+        try:
+            rows = await _read_rows(conn, s)
+            await conn.execute("COMMIT", timeout=s.timeout)
+        except asyncio.CancelledError:
+            conn.terminate()  # it may be mid-statement: it cannot take a ROLLBACK
+            raise
+        except BaseException as exc:
+            await roll_back(conn, exc, s.timeout)
+            raise
+        return rows
+
+
+async def _read_rows(conn: Conn, s: Session) -> ConstraintRows:
+    bound = s.timeout
+    log = await conn.fetch(s.sql(LOG), timeout=bound)
+    slots = await conn.fetch(s.sql(SLOTS), timeout=bound)
+    counters = await conn.fetch(s.sql(COUNTERS), timeout=bound)
+    rates = await conn.fetch(s.sql(RATES), timeout=bound)
+    return ConstraintRows(
+        log=tuple(
+            SlotEvent(
+                r["kind"], r["key"], r["seq"], r["instance_id"], r["version"], r["delta"],
+                r["holders"], r["lim"], r["at"],
+            )
+            for r in log
+        ),
+        slots=tuple(SlotRow(r["kind"], r["key"], r["instance_id"], r["version"]) for r in slots),
+        counters=tuple(
+            CounterRow(r["kind"], r["key"], r["holders"], r["lim"], r["seq"]) for r in counters
+        ),
+        rates=tuple(
+            RateEvent(
+                r["kind"], r["key"], r["instance_id"], r["version"], r["at"], r["lim"], r["per"]
+            )
+            for r in rates
+        ),
+    )  # fmt: skip

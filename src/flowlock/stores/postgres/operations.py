@@ -515,7 +515,11 @@ async def _locked_step(
         return snap, None, locked_at
     sql, args = cas_of(batch)
     try:
-        moved = await conn.fetchrow(s.sql(sql), *args, timeout=bound)
+        if s.callers and any(e.claims for e in batch):
+            # A refused claim must undo this statement only, in a caller's transaction.
+            moved = await guarded_cas(conn, s.sql(sql), args, bound)
+        else:
+            moved = await conn.fetchrow(s.sql(sql), *args, timeout=bound)
     except asyncpg.UniqueViolationError:
         # A request id the plan should have found applied: the plan's bug, as on every store.
         raise refused_plan(instance_id, batch, snap) from None

@@ -361,7 +361,7 @@ RESTORE = "SELECT set_config('search_path', $1, true), set_config('lock_timeout'
 _TABLE = re.compile(
     r"""(?<![\w."'])"""
     r"(flowlock_(?:instances|history|escalations|create_requests|timers|outbox|outbox_wake|"
-    r"workflow_pauses|holds|definitions|capacity|slots|slot_log|rate_log|claims))"
+    r"workflow_pauses|holds|definitions|capacity|slots|slot_log|rate_log|claims|free_slots))"
     r"""\b(?![.'])"""
 )
 

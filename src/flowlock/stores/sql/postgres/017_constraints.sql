@@ -68,40 +68,45 @@ $$;
 CREATE TRIGGER flowlock_slots_freed AFTER DELETE ON flowlock_slots
     FOR EACH ROW EXECUTE FUNCTION flowlock_slots_notify();
 
--- Give back the slot `instance` holds of `kind`, if any, by the commit of `version`.
-CREATE FUNCTION flowlock_release_slot(k text, instance text, v bigint) RETURNS void
+-- Give back the slot `instance` holds of kind `k`, if any, by the commit of `version` `v`:
+-- the slot row, the counter and the log in one statement. The key released, or NULL.
+CREATE FUNCTION flowlock_release_slot(k text, instance text, v bigint) RETURNS text
     LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     held text;
-    counter record;
 BEGIN
-    DELETE FROM flowlock_slots WHERE kind = k AND instance_id = instance RETURNING key INTO held;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    UPDATE flowlock_capacity c SET holders = c.holders - 1, seq = c.seq + 1
-     WHERE c.kind = k AND c.key = held
-    RETURNING c.holders, c.lim, c.seq INTO counter;
-    IF FOUND THEN
-        INSERT INTO flowlock_slot_log (kind, key, seq, instance_id, version, delta, holders, lim, at)
-        VALUES (k, held, counter.seq, instance, v, -1, counter.holders, counter.lim,
-                clock_timestamp());
-    END IF;
+    WITH gone AS (
+        DELETE FROM flowlock_slots s WHERE s.kind = k AND s.instance_id = instance
+        RETURNING s.key
+    ), counted AS (
+        UPDATE flowlock_capacity c SET holders = c.holders - 1, seq = c.seq + 1
+          FROM gone g
+         WHERE c.kind = k AND c.key = g.key
+        RETURNING c.key, c.holders, c.lim, c.seq
+    ), logged AS (
+        INSERT INTO flowlock_slot_log (kind, key, seq, instance_id, version, delta, holders,
+                                       lim, at)
+        SELECT k, c.key, c.seq, instance, v, -1, c.holders, c.lim, clock_timestamp()
+          FROM counted c
+    )
+    SELECT g.key INTO held FROM gone g;
+    RETURN held;
 END
 $$;
 
 -- A commit's claims (one element of each array per claim, in the order they apply), applied
 -- for the instances of `moved` (those whose compare-and-swap won) only. A claim that does not
 -- fit raises SQLSTATE FL028 with its facts as JSON in DETAIL: the whole statement, and so the
--- whole commit, rolls back. Every counter row the claims touch is locked first, in (kind, key)
--- order, so two commits that count the same keys cannot deadlock on them. Returns how many
--- claims were applied.
+-- whole commit, rolls back. Several claims: every counter row they touch is locked first, in
+-- (kind, key) order, so two commits that count the same keys cannot deadlock on them. Each
+-- take or release is one statement (the counter, the slot and the log together). Returns how
+-- many claims were applied.
 CREATE FUNCTION flowlock_claims(
     moved text[], ids text[], versions bigint[], events text[], ops text[], kinds text[],
     keys text[], limits int[], pers double precision[], uniques boolean[]
 ) RETURNS int LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
-    i int;
+    claim record;
     applied int := 0;
     held text;
     counter record;
@@ -109,11 +114,21 @@ DECLARE
     counted int;
     oldest timestamptz;
     names text[];
+    rule text;
 BEGIN
     IF moved IS NULL OR cardinality(moved) = 0 OR ids IS NULL THEN
         RETURN 0;
     END IF;
+    -- Several claims: every counter row they touch is made (a new key's row, holding none)
+    -- and locked first, in (kind, key) order. One claim locks one row (a take that gives back
+    -- a slot of another key: two, locked in order below).
     IF cardinality(ids) > 1 THEN
+        INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
+        SELECT DISTINCT ON (u.kind, u.key) u.kind, u.key, 0, u.lim, 0
+          FROM unnest(ids, ops, kinds, keys, limits) AS u(id, op, kind, key, lim)
+         WHERE u.op <> 'release' AND u.id = ANY(moved)
+         ORDER BY u.kind, u.key
+        ON CONFLICT (kind, key) DO NOTHING;
         PERFORM 1 FROM flowlock_capacity c
          WHERE (c.kind, c.key) IN (
                 SELECT u.kind, u.key FROM unnest(ids, ops, kinds, keys) AS u(id, op, kind, key)
@@ -126,73 +141,91 @@ BEGIN
          ORDER BY c.kind, c.key
            FOR UPDATE OF c;
     END IF;
-    FOR i IN 1 .. cardinality(ids) LOOP
-        CONTINUE WHEN NOT (ids[i] = ANY(moved));
+    -- A cursor over the claims (not subscripts: an element of an array of text is found by
+    -- walking the array), those of instances not written left out.
+    FOR claim IN
+        SELECT u.* FROM unnest(ids, versions, events, ops, kinds, keys, limits, pers, uniques)
+               WITH ORDINALITY AS u(id, version, event, op, kind, key, lim, per, uniq, n)
+         WHERE u.id = ANY(moved)
+         ORDER BY u.n
+    LOOP
         applied := applied + 1;
-        IF ops[i] = 'release' THEN
-            PERFORM flowlock_release_slot(kinds[i], ids[i], versions[i]);
-        ELSIF ops[i] = 'take' THEN
+        IF claim.op = 'release' THEN
+            PERFORM flowlock_release_slot(claim.kind, claim.id, claim.version);
+        ELSIF claim.op = 'take' THEN
             SELECT s.key INTO held FROM flowlock_slots s
-             WHERE s.kind = kinds[i] AND s.instance_id = ids[i];
+             WHERE s.kind = claim.kind AND s.instance_id = claim.id;
             IF FOUND THEN
-                CONTINUE WHEN held = keys[i];
-                PERFORM flowlock_release_slot(kinds[i], ids[i], versions[i]);
+                CONTINUE WHEN held = claim.key;
+                INSERT INTO flowlock_capacity (kind, key, holders, lim, seq)
+                VALUES (claim.kind, claim.key, 0, claim.lim, 0)
+                ON CONFLICT (kind, key) DO NOTHING;
+                PERFORM 1 FROM flowlock_capacity c
+                 WHERE c.kind = claim.kind AND c.key IN (held, claim.key)
+                 ORDER BY c.key FOR UPDATE OF c;
+                PERFORM flowlock_release_slot(claim.kind, claim.id, claim.version);
             END IF;
-            INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
-            VALUES (kinds[i], keys[i], 1, limits[i], 1)
-            ON CONFLICT (kind, key) DO UPDATE
-               SET holders = c.holders + 1, lim = excluded.lim, seq = c.seq + 1
-             WHERE c.holders < excluded.lim
-            RETURNING c.holders, c.seq INTO counter;
+            -- The counter goes up only below the limit: ON CONFLICT locks the key's row and
+            -- reads its newest version (a commit waiting here counts the one before it).
+            WITH taken AS (
+                INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
+                VALUES (claim.kind, claim.key, 1, claim.lim, 1)
+                ON CONFLICT (kind, key) DO UPDATE
+                   SET holders = c.holders + 1, lim = excluded.lim, seq = c.seq + 1
+                 WHERE c.holders < excluded.lim
+                RETURNING c.holders, c.seq
+            ), slot AS (
+                INSERT INTO flowlock_slots (kind, instance_id, key, version, seq)
+                SELECT claim.kind, claim.id, claim.key, claim.version, taken.seq FROM taken
+            ), logged AS (
+                INSERT INTO flowlock_slot_log (kind, key, seq, instance_id, version, delta,
+                                               holders, lim, at)
+                SELECT claim.kind, claim.key, taken.seq, claim.id, claim.version, 1,
+                       taken.holders, claim.lim, clock_timestamp()
+                  FROM taken
+            )
+            SELECT taken.holders, taken.seq INTO counter FROM taken;
             IF NOT FOUND THEN
                 SELECT coalesce(array_agg(s.instance_id ORDER BY s.seq), '{}') INTO names
-                  FROM flowlock_slots s WHERE s.kind = kinds[i] AND s.key = keys[i];
+                  FROM flowlock_slots s WHERE s.kind = claim.kind AND s.key = claim.key;
+                rule := CASE WHEN claim.uniq THEN 'unique' ELSE 'capacity' END;
                 RAISE EXCEPTION USING
                     ERRCODE = 'FL028',
                     MESSAGE = format('flowlock: %s %s of %s refused for instance %s',
-                                     CASE WHEN uniques[i] THEN 'unique' ELSE 'capacity' END,
-                                     keys[i], kinds[i], ids[i]),
+                                     rule, claim.key, claim.kind, claim.id),
                     DETAIL = json_build_object(
-                        'rule', CASE WHEN uniques[i] THEN 'unique' ELSE 'capacity' END,
-                        'instance_id', ids[i], 'version', versions[i], 'event', events[i],
-                        'kind', kinds[i], 'key', keys[i], 'limit', limits[i],
-                        'holders', names)::text;
+                        'rule', rule, 'instance_id', claim.id, 'version', claim.version,
+                        'event', claim.event, 'kind', claim.kind, 'key', claim.key,
+                        'limit', claim.lim, 'holders', names)::text;
             END IF;
-            INSERT INTO flowlock_slots (kind, instance_id, key, version, seq)
-            VALUES (kinds[i], ids[i], keys[i], versions[i], counter.seq);
-            INSERT INTO flowlock_slot_log (kind, key, seq, instance_id, version, delta, holders,
-                                           lim, at)
-            VALUES (kinds[i], keys[i], counter.seq, ids[i], versions[i], 1, counter.holders,
-                    limits[i], clock_timestamp());
         ELSE
             -- A rate count: the key's counter row locked first, then the window read on the
             -- clock as it is once the lock is granted.
             INSERT INTO flowlock_capacity AS c (kind, key, holders, lim, seq)
-            VALUES (kinds[i], keys[i], 0, limits[i], 1)
-            ON CONFLICT (kind, key) DO UPDATE SET lim = excluded.lim, seq = c.seq + 1
-            RETURNING c.seq INTO counter;
+            VALUES (claim.kind, claim.key, 0, claim.lim, 1)
+            ON CONFLICT (kind, key) DO UPDATE SET lim = excluded.lim, seq = c.seq + 1;
             t := clock_timestamp();
             SELECT count(*) INTO counted FROM flowlock_rate_log r
-             WHERE r.kind = kinds[i] AND r.key = keys[i]
-               AND r.at > t - pers[i] * interval '1 second';
-            IF counted >= limits[i] THEN
+             WHERE r.kind = claim.kind AND r.key = claim.key
+               AND r.at > t - claim.per * interval '1 second';
+            IF counted >= claim.lim THEN
                 SELECT r.at INTO oldest FROM flowlock_rate_log r
-                 WHERE r.kind = kinds[i] AND r.key = keys[i]
-                   AND r.at > t - pers[i] * interval '1 second'
-                 ORDER BY r.at OFFSET counted - limits[i] LIMIT 1;
+                 WHERE r.kind = claim.kind AND r.key = claim.key
+                   AND r.at > t - claim.per * interval '1 second'
+                 ORDER BY r.at OFFSET counted - claim.lim LIMIT 1;
                 RAISE EXCEPTION USING
                     ERRCODE = 'FL028',
                     MESSAGE = format('flowlock: rate %s of %s refused for instance %s',
-                                     keys[i], kinds[i], ids[i]),
+                                     claim.key, claim.kind, claim.id),
                     DETAIL = json_build_object(
-                        'rule', 'rate',
-                        'instance_id', ids[i], 'version', versions[i], 'event', events[i],
-                        'kind', kinds[i], 'key', keys[i], 'limit', limits[i], 'per', pers[i],
+                        'rule', 'rate', 'instance_id', claim.id, 'version', claim.version,
+                        'event', claim.event, 'kind', claim.kind, 'key', claim.key,
+                        'limit', claim.lim, 'per', claim.per,
                         'retry_after', greatest(0, extract(epoch FROM
-                            oldest + pers[i] * interval '1 second' - t)))::text;
+                            oldest + claim.per * interval '1 second' - t)))::text;
             END IF;
             INSERT INTO flowlock_rate_log (kind, key, at, instance_id, version, lim, per)
-            VALUES (kinds[i], keys[i], t, ids[i], versions[i], limits[i], pers[i]);
+            VALUES (claim.kind, claim.key, t, claim.id, claim.version, claim.lim, claim.per);
         END IF;
     END LOOP;
     RETURN applied;
