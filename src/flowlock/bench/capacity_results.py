@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowlock.checker import Violation
+from flowlock.checker.verdicts import OVER_CAPACITY, SLOT_LOG, Violation
 from flowlock.core.models import HistoryEntry
 
 __all__ = [
@@ -33,11 +33,9 @@ __all__ = [
     "prove_holders",
 ]
 
-OVER_CAPACITY = "over-capacity"
-"""A violation: a key had more holders than its limit at some point of its slot log."""
-SLOT_LOG = "slot-log"
-"""A violation: the slot log contradicts itself or the history (a gap in a key's sequence,
-a holder count that does not add up, a move without its slot event or the reverse)."""
+# The violations (the checker's kinds): OVER_CAPACITY, a key had more holders than its limit
+# at some point of its slot log; SLOT_LOG, the log contradicts itself or the history (a gap in
+# a key's sequence, a count that does not add up, a move without its slot event or the reverse).
 
 
 @dataclass(frozen=True, slots=True)

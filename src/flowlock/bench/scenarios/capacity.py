@@ -27,6 +27,7 @@ from typing import Any
 import asyncpg
 
 from flowlock.bench.capacity_raw import TABLES, add_counters, move, read_log
+from flowlock.bench.capacity_read import log_rows, read_rows
 from flowlock.bench.capacity_results import (
     SLOT_LOG,
     CapacityFigures,
@@ -39,11 +40,13 @@ from flowlock.bench.raw import NAME as RAW
 from flowlock.bench.results import CallSpec, Judgement, Params, RoundPlan, RoundRecord
 from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session
 from flowlock.checker import Violation
+from flowlock.checker.constraints import check_constraints, slot_rules
 from flowlock.core.constraints import Capacity, CapacityReached, State
 from flowlock.core.definition import Transition, Workflow
 from flowlock.core.errors import TransitionRefused
 from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
+from flowlock.stores.constraint_store import ConstraintRows
 
 __all__ = [
     "BACKOFF_FIRST",
@@ -84,10 +87,6 @@ pool's connections from the holders' leaves, and the raw floor's storm fell from
 20 applied/s."""
 _WARMUP_CALLERS = 100
 _CREATE_CONCURRENCY = 64
-_ENGINE_LOG = """
-SELECT key, seq, instance_id, delta, holders FROM flowlock_slot_log
- WHERE kind = $1 AND key = ANY($2::text[]) ORDER BY key, seq
-"""
 
 
 def slot_key(inst: Instance) -> object:
@@ -272,24 +271,24 @@ class _Capacity(Scenario):
     ) -> tuple[dict[str, Instance], dict[str, list[HistoryEntry]], dict[str, Any]]:
         finals, histories, extra = await super().readback(session, plan)
         keys = list(plan.extra["keys"])
+        rows: ConstraintRows | None = None
         log: list[LogRow] | None
         if session.strategy == RAW:
             log = await read_log(session.pool, keys)
         else:
-            try:
-                rows = await session.pool.fetch(_ENGINE_LOG, KIND, keys)
-            except asyncpg.UndefinedTableError:
-                log = None  # a store without constraints: judged below
-            else:
-                log = [
-                    LogRow(r["key"], int(r["seq"]), r["instance_id"], int(r["delta"]), r["holders"])
-                    for r in rows
-                ]
+            rows = await read_rows(session.pool, KIND, keys)
+            log = None if rows is None else log_rows(rows)
         tally = self._tally()
         return (
             finals,
             histories,
-            {**extra, "log": log, "refusals": dict(tally.refusals), "gave_up": tally.gave_up},
+            {
+                **extra,
+                "log": log,
+                "rows": rows,
+                "refusals": dict(tally.refusals),
+                "gave_up": tally.gave_up,
+            },
         )
 
     def judge(self, record: RoundRecord, params: Params) -> Judgement:
@@ -305,8 +304,21 @@ class _Capacity(Scenario):
                     ),
                 ),
             )
-        proof = prove_holders(log, LIMIT)
-        return Judgement(False, (*proof.problems, *match_history(log, record.histories, HELD)))
+        found = list(match_history(log, record.histories, HELD))
+        rows: ConstraintRows | None = record.extra.get("rows")
+        if rows is None:
+            found.extend(prove_holders(log, LIMIT).problems)  # the raw floor's own log
+        else:
+            # The engine's rows: flowlock's own constraint check, as `flowlock check` runs it.
+            found.extend(
+                check_constraints(
+                    rows,
+                    record.finals.values(),
+                    (e for entries in record.histories.values() for e in entries),
+                    {WORKFLOW: slot_rules(capacity_workflow())},
+                )
+            )
+        return Judgement(False, tuple(found))
 
     def capacity(self, records: Sequence[RoundRecord]) -> CapacityFigures | None:
         log = [row for record in records for row in record.extra.get("log") or ()]
