@@ -75,6 +75,7 @@ ALL_SCENARIOS = [
     "deadline",
     "capacity-spread",
     "capacity-storm",
+    "capacity-wait",
 ]
 # deadline's expiries need the engines' timer services, the outbox pairs' messages their
 # dispatchers: raw does not run them.
@@ -123,6 +124,7 @@ FLOORS = {
     "singleton": "claim",
     "capacity-spread": "counter",
     "capacity-storm": "counter",
+    "capacity-wait": "counter",
 }
 
 

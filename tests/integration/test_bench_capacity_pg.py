@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from flowlock.bench import BenchConfig, register_scenario, run_bench
+from flowlock.bench import SCENARIO_ALIASES, BenchConfig, register_scenario, run_bench
 from flowlock.bench.capacity_results import OVER_CAPACITY
 from flowlock.bench.report import to_json
 from flowlock.bench.scenarios import SCENARIOS, CapacityStorm
@@ -49,7 +49,7 @@ async def test_small_capacity_bench_never_exceeds_the_limit(pg_url: str) -> None
     report = await _run(pg_url, ("capacity",), STRATEGIES)
     doc = to_json(report)
     rows = {(r["scenario"], r["strategy"]): r for r in doc["results"]}
-    assert set(rows) == {(s, t) for s in ("capacity-spread", "capacity-storm") for t in STRATEGIES}
+    assert set(rows) == {(s, t) for s in SCENARIO_ALIASES["capacity"] for t in STRATEGIES}
     for (scenario, strategy), r in rows.items():
         assert r["verdict"] == {"ok": True, "violations": []}, (scenario, strategy)
         assert r.keys() >= FIELDS | {"calls", "p50_ms", "p99_ms", "applied_per_s", "success_pct"}
@@ -63,6 +63,13 @@ async def test_small_capacity_bench_never_exceeds_the_limit(pg_url: str) -> None
         storm = rows["capacity-storm", strategy]
         assert storm["keys"] == 1 and storm["refusals"] > 0 and storm["waiters"] > 0
         assert 0 < storm["jain_fairness"] <= 1
+        # With Capacity(wait=) the engine holds the enters until a release wakes them: no
+        # caller polls, none is refused (the raw floor, without such a wait, still polls).
+        waited = rows["capacity-wait", strategy]
+        assert waited["keys"] == 1 and waited["waiters"] == CALLERS
+        assert waited["jain_fairness"] == 1.0
+        if strategy != "raw":
+            assert waited["refusals"] == 0, waited
         assert rows["capacity-spread", strategy]["keys"] == 1  # 20 callers: one key per 20
     raw = rows["capacity-storm", "raw"]
     assert raw["floor"] == "counter" and raw["mean_batch"] is None

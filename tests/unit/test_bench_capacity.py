@@ -118,11 +118,11 @@ def test_jains_index() -> None:
 # -- the scenarios in a run ------------------------------------------------------------------------
 
 
-def test_capacity_names_both_scenarios_with_the_counter_floor() -> None:
-    """-s capacity runs capacity-spread and capacity-storm, both registered (the quick bench
-    runs them; a full run only when named), floored by the hand-written counter row, with
-    --ops."""
-    assert SCENARIO_ALIASES["capacity"] == ("capacity-spread", "capacity-storm")
+def test_capacity_names_its_three_scenarios_with_the_counter_floor() -> None:
+    """-s capacity runs capacity-spread, capacity-storm and capacity-wait, all registered
+    (the quick bench runs them; a full run only when named), floored by the hand-written
+    counter row, with --ops."""
+    assert SCENARIO_ALIASES["capacity"] == ("capacity-spread", "capacity-storm", "capacity-wait")
     assert BenchConfig(scenarios=("capacity",)).scenario_names() == SCENARIO_ALIASES["capacity"]
     assert set(SCENARIO_ALIASES["capacity"]) <= set(BenchConfig(quick=True).scenario_names())
     assert not set(SCENARIO_ALIASES["capacity"]) & set(BenchConfig().scenario_names())

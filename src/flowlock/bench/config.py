@@ -75,6 +75,7 @@ _NOT_THROUGH_HTTP = {
     "hot-outbox": "its messages' handler runs in the bench's own engine, not the service's",
     "capacity-spread": "its callers' retries and refusals are tallied in the bench's process",
     "capacity-storm": "its callers' retries and refusals are tallied in the bench's process",
+    "capacity-wait": "its callers' refusals are tallied in the bench's process",
     "spread-outbox": "its messages' handler runs in the bench's own engine, not the service's",
 }
 _NO_HTTP_STRATEGY = {

@@ -60,6 +60,7 @@ __all__ = [
     "WORKFLOW",
     "CapacitySpread",
     "CapacityStorm",
+    "CapacityWait",
     "SlotNotTaken",
     "capacity_workflow",
     "slot_key",
@@ -94,11 +95,12 @@ def slot_key(inst: Instance) -> object:
     return inst.data["key"]
 
 
-def capacity_workflow() -> Workflow:
-    """idle -> held (capacity `LIMIT` per `data["key"]`) -> idle, by `enter` and `leave`."""
-    held = State(HELD, capacity=Capacity(key=slot_key, limit=LIMIT))
+def capacity_workflow(name: str = WORKFLOW, wait: float | None = None) -> Workflow:
+    """idle -> held (capacity `LIMIT` per `data["key"]`) -> idle, by `enter` and `leave`;
+    `wait`: seconds an enter waits for a slot inside the engine (`Capacity(wait=)`)."""
+    held = State(HELD, capacity=Capacity(key=slot_key, limit=LIMIT, wait=wait))
     return Workflow(
-        WORKFLOW,
+        name,
         states=[IDLE, held],
         initial=IDLE,
         transitions=[
@@ -148,6 +150,11 @@ class _Capacity(Scenario):
     hold = 0.0
     """Seconds a caller holds its slot before it leaves (counted in the leave's latency)."""
     floor_limit = LIMIT
+    workflow = WORKFLOW
+    """The workflow's name: its slots' kind is `<workflow>.held`."""
+    wait: float | None = None
+    """`Capacity(wait=)`: the engine waits for a slot, woken by releases, and the caller
+    does not poll (the raw floor, which has no such wait, still does)."""
     """The limit the raw floor's counter UPDATE enforces. The verdict holds every pair to
     `LIMIT`: a floor with a looser guard fails it (the tests' deliberately broken floor)."""
 
@@ -155,7 +162,11 @@ class _Capacity(Scenario):
         self._round: _Round | None = None
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
-        return [capacity_workflow()]
+        return [capacity_workflow(self.workflow, self.wait)]
+
+    @property
+    def kind(self) -> str:
+        return f"{self.workflow}.{HELD}"
 
     def callers(self, workers: int, quick: bool) -> int:
         return max(1, workers // 2) if quick else CALLERS_PER_WORKER * workers
@@ -190,7 +201,7 @@ class _Capacity(Scenario):
 
         async def create(iid: str) -> None:
             async with sem:
-                await engine.create(WORKFLOW, instance_id=iid, data={"key": key_of[iid]})
+                await engine.create(self.workflow, instance_id=iid, data={"key": key_of[iid]})
 
         await asyncio.gather(*(create(i) for i in key_of))
         pool = getattr(engine.store, "pool", None)
@@ -228,7 +239,7 @@ class _Capacity(Scenario):
             session.pool,
             instance_id=iid,
             key=tally.keys[iid],
-            kind=KIND,
+            kind=self.kind,
             limit=self.floor_limit,
             take=take,
             version=tally.versions[iid],
@@ -249,6 +260,8 @@ class _Capacity(Scenario):
             fired = await self._once(session, call, take=False)
             tally.held.discard(iid)
             return fired
+        if self.wait is not None and session.strategy != RAW:
+            return await self._waited(session, call)
         until = time.monotonic() + ENTER_BOUND
         backoff = BACKOFF_FIRST
         while True:
@@ -266,6 +279,18 @@ class _Capacity(Scenario):
             tally.held.add(iid)
             return fired
 
+    async def _waited(self, session: Session, call: CallSpec) -> Fired:
+        """One enter that the engine holds until a slot frees (at most `wait` seconds)."""
+        tally = self._tally()
+        try:
+            fired = await self._once(session, call, take=True)
+        except CapacityReached:
+            tally.refusals[call.actor or ""] += 1
+            tally.gave_up += 1
+            raise
+        tally.held.add(call.instance_id)
+        return fired
+
     async def readback(
         self, session: Session, plan: RoundPlan
     ) -> tuple[dict[str, Instance], dict[str, list[HistoryEntry]], dict[str, Any]]:
@@ -276,7 +301,7 @@ class _Capacity(Scenario):
         if session.strategy == RAW:
             log = await read_log(session.pool, keys)
         else:
-            rows = await read_rows(session.pool, KIND, keys)
+            rows = await read_rows(session.pool, self.kind, keys)
             log = None if rows is None else log_rows(rows)
         tally = self._tally()
         return (
@@ -315,7 +340,7 @@ class _Capacity(Scenario):
                     rows,
                     record.finals.values(),
                     (e for entries in record.histories.values() for e in entries),
-                    {WORKFLOW: slot_rules(capacity_workflow())},
+                    {self.workflow: slot_rules(capacity_workflow(self.workflow, self.wait))},
                 )
             )
         return Judgement(False, tuple(found))
@@ -333,7 +358,12 @@ class _Capacity(Scenario):
                 for r in record.results
                 if r.kind == "applied" and r.call.event == "enter"
             )
-            shares.extend(float(entered[actor]) for actor, n in refused.items() if n > 0)
+            if self.wait is None:
+                waited = [actor for actor, n in refused.items() if n > 0]
+            else:
+                # The engine's waits are not seen from here: every caller is a waiter.
+                waited = sorted({c.actor or "" for lane in record.plan.lanes for c in lane})
+            shares.extend(float(entered[actor]) for actor in waited)
         keys = len(records[0].plan.extra["keys"]) if records else 0
         return CapacityFigures(
             limit=LIMIT,
@@ -380,3 +410,13 @@ class CapacityStorm(_Capacity):
 
     def cycles(self, ops: int) -> int:
         return ops
+
+
+class CapacityWait(CapacityStorm):
+    """The storm with `Capacity(wait=10)`: the engine holds a refused enter until a release
+    wakes it, and the caller tries once (the raw floor still polls)."""
+
+    name = "capacity-wait"
+    summary = "capacity-storm with Capacity(wait=10 s): the engine waits for a slot, no polling"
+    workflow = "capacity-wait"
+    wait = ENTER_BOUND
