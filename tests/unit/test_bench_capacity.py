@@ -24,11 +24,12 @@ from flowlock.bench.capacity_results import (
 from flowlock.bench.report import render, to_json
 from flowlock.bench.report.aims import FLOOR_METHOD
 from flowlock.bench.results import CallResult, CallSpec, Params, RoundPlan, RoundRecord
-from flowlock.bench.scenarios import CapacitySpread, CapacityStorm
+from flowlock.bench.scenarios import CapacitySpread, CapacityStorm, CapacityWait
 from flowlock.bench.scenarios.capacity import HELD, LIMIT, WORKFLOW, capacity_workflow
 from flowlock.core.errors import InvalidInput
-from flowlock.core.models import HistoryEntry
+from flowlock.core.models import HistoryEntry, Instance
 from flowlock.engine import Engine
+from flowlock.stores.constraint_store import ConstraintRows, CounterRow, SlotEvent, SlotRow
 from flowlock.stores.memory import MemoryStore
 
 
@@ -270,3 +271,58 @@ def test_the_terminal_report_has_a_capacity_table() -> None:
     text = out.getvalue()
     assert "capacity: never more holders than the limit" in text
     assert "5 / 5" in text and "1,234" in text and "0.988" in text
+
+
+def _record(
+    log: list[LogRow], histories: dict[str, list[HistoryEntry]], **extra: object
+) -> RoundRecord:
+    """A round whose instances are held now, one move each (idle -> held)."""
+    plan = RoundPlan(dict.fromkeys(histories, "idle"), extra={"keys": ["k"]})
+    finals = {
+        iid: Instance(id=iid, workflow=WORKFLOW, state=HELD, version=2, data={"key": "k"})
+        for iid in histories
+    }
+    return RoundRecord(plan, (), finals, histories, {"log": log, **extra})
+
+
+def test_the_engines_rows_are_held_to_flowlocks_constraint_check() -> None:
+    """An engine pair's rows go through check_constraints: six takes of a key of capacity 5,
+    each with its move in history, fail the round with over-capacity; the same five pass."""
+    kind = f"{WORKFLOW}.{HELD}"
+    ids = [f"i{n}" for n in range(1, 7)]
+    histories = {iid: [_entry(iid, 2, "idle", HELD)] for iid in ids}
+    events = tuple(
+        SlotEvent(kind, "k", n, iid, 2, 1, n, LIMIT, 1.0) for n, iid in enumerate(ids, start=1)
+    )
+    slots = tuple(SlotRow(kind, "k", iid, 2) for iid in ids)
+    six = ConstraintRows(events, slots, (CounterRow(kind, "k", 6, LIMIT, 6),), ())
+    log = [LogRow("k", e.seq, e.instance_id, 1, e.holders) for e in events]
+    scenario = CapacitySpread()
+    found = scenario.judge(_record(log, histories, rows=six), Params()).violations
+    assert OVER_CAPACITY in {v.kind for v in found}
+    five = ConstraintRows(events[:5], slots[:5], (CounterRow(kind, "k", 5, LIMIT, 5),), ())
+    fewer = {iid: histories[iid] for iid in ids[:5]}
+    assert scenario.judge(_record(log[:5], fewer, rows=five), Params()).violations == ()
+
+
+def test_a_store_without_a_slot_log_fails_the_round() -> None:
+    """No slot log read back (no constraint tables): the round is a slot-log violation."""
+    record = _record([], {})
+    record = RoundRecord(record.plan, (), {}, {}, {"log": None})
+    (found,) = CapacityStorm().judge(record, Params()).violations
+    assert found.kind == SLOT_LOG and "no slot log" in found.message
+
+
+def test_with_an_engine_wait_every_caller_counts_for_fairness() -> None:
+    """capacity-wait: the engine's waits are not seen from outside, so Jain's index is over
+    every caller of the round (here c0 entered twice, c1 never: 0.5)."""
+    lanes = (
+        (CallSpec("a", "enter", actor="c0"), CallSpec("a", "leave", actor="c0")),
+        (CallSpec("b", "enter", actor="c1"), CallSpec("b", "leave", actor="c1")),
+    )
+    plan = RoundPlan({"a": "idle", "b": "idle"}, lanes=lanes, extra={"keys": ["k"]})
+    results = (_call("c0", "enter", "applied"), _call("c0", "enter", "applied"))
+    record = RoundRecord(plan, results, {}, {}, {"log": [], "refusals": {"c1": 1}, "gave_up": 1})
+    figures = CapacityWait().capacity([record])
+    assert figures is not None
+    assert figures.waiters == 2 and figures.jain_fairness == pytest.approx(0.5)
