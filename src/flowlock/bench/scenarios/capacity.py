@@ -111,12 +111,13 @@ def capacity_workflow(name: str = WORKFLOW, wait: float | None = None) -> Workfl
 
 
 class SlotNotTaken(TransitionRefused):
-    """The caller's enter never got a slot (it gave up after the bound): nothing to leave."""
+    """The caller's enter never got a slot (it gave up after the bound): nothing to leave.
+    Answered without a call to the engine, as a refusal."""
 
     def __init__(self, instance_id: str) -> None:
         super().__init__(
             f"instance {instance_id!r} never entered {HELD!r} (its caller gave up after "
-            f"{ENTER_BOUND:g} s of refusals); its leave is not made"
+            f"{ENTER_BOUND:g} s without a slot); its leave is not made"
         )
 
 
