@@ -42,6 +42,7 @@ async def _run(pg_url: str, scenarios: tuple[str, ...], strategies: tuple[str, .
     return await run_bench(config)
 
 
+@pytest.mark.slow
 async def test_small_capacity_bench_never_exceeds_the_limit(pg_url: str) -> None:
     """`-s capacity` with the raw floor, optimistic and pessimistic: every verdict ok, every
     row's holders proved from its slot log at most the limit, every move applied (none gave
