@@ -90,7 +90,8 @@ def _scenario_help() -> str:
     return (
         f"Scenario to run (repeatable): {_names(SCENARIOS)}; 'outbox' means "
         f"{', '.join(SCENARIO_ALIASES['outbox'])} (the outbox section), 'capacity' "
-        f"{', '.join(SCENARIO_ALIASES['capacity'])}. Default: all."
+        f"{', '.join(SCENARIO_ALIASES['capacity'])}. Default: all, but the capacity ones "
+        "only with --quick (at full size they take minutes a strategy)."
     )
 
 
