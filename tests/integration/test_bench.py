@@ -707,7 +707,7 @@ def test_cli_quick_on_the_embedded_default(tmp_path: Path, server_tmp: Path) -> 
         text=True,
         env=_embedded_env(server_tmp),
         cwd=tmp_path,
-        timeout=110,
+        timeout=180,  # generous: the quick run is about 80 s on a loaded 2-core machine
         check=False,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
