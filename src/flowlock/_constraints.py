@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
@@ -45,34 +46,81 @@ log = logging.getLogger("flowlock")
 RuleName: TypeAlias = Literal["capacity", "unique", "rate"]
 
 
-class SlotWaits:
-    """The keys callers wait on, each with the events to set when one of its slots frees."""
+class _Waiter:
+    """One caller in a key's line: `freed` is set when a release notice is handed to it;
+    `holding` while an attempt uses one (it passes it on if it leaves before the answer)."""
+
+    __slots__ = ("freed", "holding")
 
     def __init__(self) -> None:
-        self._events: dict[tuple[str, str], set[asyncio.Event]] = {}
+        self.freed = asyncio.Event()
+        self.holding = False
+
+    def use(self) -> None:
+        """The next attempt uses the notice handed over, if any."""
+        if self.freed.is_set():
+            self.freed.clear()
+            self.holding = True
+
+
+class _Line:
+    """The callers waiting on one key, first come first; wake-ups no waiter could take yet."""
+
+    __slots__ = ("spare", "waiters")
+
+    def __init__(self) -> None:
+        self.waiters: deque[_Waiter] = deque()
+        self.spare = 0
+
+
+class SlotWaits:
+    """The keys callers wait on. Each release notice wakes ONE waiter of its key, the first in
+    line not woken yet: a freed slot fits one caller, and waking all of them would send every
+    waiter to the database for one slot. A notice that finds every waiter already awake is kept
+    for the next one to wait (`spare`); "anything may have been freed" wakes everyone."""
+
+    def __init__(self) -> None:
+        self._lines: dict[tuple[str, str], _Line] = {}
 
     def heard(self, kind: str, key: str) -> None:
         """A release of `key` committed (kind "": anything may have been released)."""
         if not kind:
-            for events in self._events.values():
-                for event in events:
-                    event.set()
+            for every in self._lines.values():
+                for waiter in every.waiters:
+                    waiter.freed.set()
             return
-        for event in self._events.get((kind, key), ()):
-            event.set()
+        line = self._lines.get((kind, key))
+        if line is None:
+            return
+        for waiter in line.waiters:
+            if not waiter.freed.is_set():
+                waiter.freed.set()
+                return
+        line.spare += 1
+
+    def spare(self, kind: str, key: str) -> bool:
+        """Take a wake-up that came while every waiter of `key` was awake, if there is one."""
+        line = self._lines.get((kind, key))
+        if line is None or not line.spare:
+            return False
+        line.spare -= 1
+        return True
 
     @contextlib.contextmanager
-    def watch(self, kind: str, key: str) -> Iterator[asyncio.Event]:
-        event = asyncio.Event()
-        self._events.setdefault((kind, key), set()).add(event)
+    def watch(self, kind: str, key: str) -> Iterator[_Waiter]:
+        """A place in `key`'s line for the whole wait, kept across refusals."""
+        waiter = _Waiter()
+        line = self._lines.setdefault((kind, key), _Line())
+        line.waiters.append(waiter)
         try:
-            yield event
+            yield waiter
         finally:
-            events = self._events.get((kind, key))
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._events[(kind, key)]
+            line.waiters.remove(waiter)
+            if not line.waiters:
+                del self._lines[(kind, key)]
+            # Notices it got and did not spend on an attempt's answer go to the next in line.
+            for _ in range(waiter.freed.is_set() + waiter.holding):
+                self.heard(kind, key)
 
 
 class ConstraintMethods:
@@ -196,23 +244,36 @@ class ConstraintMethods:
         deadline = loop.time() + wait
         waits = self._listen_for_slots()
         while True:
-            with waits.watch(refused.kind, refused.key) as freed:
-                try:
-                    outcome = await attempt()
-                except CapacityReached as exc:
-                    refused = exc
-                    left = deadline - loop.time()
-                    if left > 0:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(freed.wait(), left)
-                    if loop.time() < deadline:
-                        continue
-                    self._refused(refused, time.perf_counter() - started)
-                    raise
-            if self._metrics is not None:
-                waited = time.perf_counter() - started
-                self._metrics.record_constraint(refused.kind, "capacity", "waited", waited)
-            return outcome
+            with waits.watch(refused.kind, refused.key) as waiter:
+                freed = waiter.freed
+                while True:
+                    waiter.use()
+                    try:
+                        outcome = await attempt()
+                    except CapacityReached as exc:
+                        waiter.holding = False  # spent: the slot went to someone else
+                        if (exc.kind, exc.key) != (refused.kind, refused.key):
+                            refused = exc  # another key now (a changed key): line up there
+                            break
+                        refused = exc
+                        if freed.is_set() or waits.spare(exc.kind, exc.key):
+                            continue
+                        left = deadline - loop.time()
+                        if left > 0:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(freed.wait(), left)
+                        if loop.time() < deadline:
+                            continue
+                        self._refused(refused, time.perf_counter() - started)
+                        raise
+                    waiter.holding = False
+                    if self._metrics is not None:
+                        waited = time.perf_counter() - started
+                        self._metrics.record_constraint(refused.kind, "capacity", "waited", waited)
+                    return outcome
+            if loop.time() >= deadline:
+                self._refused(refused, time.perf_counter() - started)
+                raise refused
 
     def _listen_for_slots(self) -> SlotWaits:
         """The engine's waiters, with the store's release notices heard from now on."""

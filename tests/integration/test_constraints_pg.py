@@ -211,8 +211,9 @@ async def test_many_refusals_of_one_key_in_commit_many_cost_one_round(
     make: Make, sql: Sql, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty batches taking a full key and five without claims in one commit_many: the first
-    refused sets the other takes of that key aside (each then refused alone), so the
-    statement of them all runs twice, not twenty times; the five commit."""
+    refused sets the other takes of that key aside, refused by one read that finds the key
+    still full, so the statement of them all runs twice, not twenty times, and none runs
+    alone; the five commit."""
     eng = await make()
     store = store_of(eng)
     takers = [f"t{n}" for n in range(20)]
@@ -228,11 +229,21 @@ async def test_many_refusals_of_one_key_in_commit_many_cost_one_round(
         return await original(self, batches)
 
     monkeypatch.setattr(Operations, "commit_together", counted)
+    alone: list[int] = []
+    original_each = PostgresStore._commit_each
+
+    async def each(self: PostgresStore, batches: Any) -> Any:
+        alone.append(len(batches))
+        return await original_each(self, batches)
+
+    monkeypatch.setattr(PostgresStore, "_commit_each", each)
     take = (Claim("take", KIND, "bob", 2),)
     batches = [[_entry(iid, 2, "start", "in_review", take)] for iid in takers]
     batches += [[_entry(iid, 2, "note", "open", ())] for iid in others]
     answers = await store.commit_many(batches)
     assert all(isinstance(a, flowlock.CapacityReached) for a in answers[:20])
+    assert all(a.holders == ("a", "b") and a.version == 2 for a in answers[:20])  # type: ignore[union-attr]
+    assert alone == []
     assert all(isinstance(a, Instance) and a.version == 2 for a in answers[20:])
     assert rounds == [25, 5]
     assert await sql.holders("bob") == ["a", "b"]
@@ -242,9 +253,9 @@ async def test_a_pessimistic_group_answers_a_refusal_and_writes_the_rest(
     make: Make, sql: Sql
 ) -> None:
     """A pessimistic group (one transaction, rows locked together) whose write meets a full
-    key: the refused call answers CapacityReached, the take of that key after it is left to run
-    alone (None), and the rest (the take before it included) are written in the same
-    transaction."""
+    key: the refused call answers CapacityReached, the rest (the take before it included) are
+    written in the same transaction, and the take of that key after it, set aside, is refused
+    there too once the key's counter is locked and read full."""
     eng = await make()
     store = store_of(eng)
     await reviews(eng, "bob", "a", "b", "c", "d", "o")
@@ -262,7 +273,8 @@ async def test_a_pessimistic_group_answers_a_refusal_and_writes_the_rest(
     ]
     b, c, d, o = await apply_locked_together(Session(store), calls)
     assert isinstance(c, flowlock.CapacityReached) and c.holders == ("a", "b")
-    assert d is None  # the same key: left to run alone
+    assert isinstance(d, flowlock.CapacityReached) and d.holders == ("a", "b")
+    assert (d.version, d.event) == (2, "start")
     for done, iid in ((b, "b"), (o, "o")):
         assert isinstance(done, LockedResult) and done.committed is not None, (iid, done)
     assert await sql.holders("bob") == ["a", "b"]
@@ -344,6 +356,36 @@ async def test_releases_are_heard_through_notify(make: Make, pg_url: str) -> Non
     assert (KIND, "bob") in heard and (KIND, "ann") not in heard
 
 
+async def test_two_slots_freed_by_one_transaction_are_two_notices(make: Make) -> None:
+    """Two slots of one key released by one statement (commit_many) are heard twice: one
+    notice per slot freed, so a waiter per slot can be woken."""
+    eng = await make()
+    store = store_of(eng)
+    await reviews(eng, "bob", "a", "b")
+    for iid in ("a", "b"):
+        await eng.fire(iid, "start")
+    bob: list[str] = []
+    twice, listening = asyncio.Event(), asyncio.Event()
+
+    def hear(kind: str, key: str) -> None:
+        if not kind:
+            listening.set()
+            return
+        bob.append(key)
+        if len(bob) == 2:
+            twice.set()
+
+    release = (Claim("release", KIND),)
+    async with store.slot_releases(hear):
+        await asyncio.wait_for(listening.wait(), BOUND)
+        done = await store.commit_many(
+            [[_entry(iid, 3, "finish", "done", release)] for iid in ("a", "b")]
+        )
+        assert all(isinstance(d, Instance) for d in done)
+        await asyncio.wait_for(twice.wait(), BOUND)
+    assert bob == ["bob", "bob"]
+
+
 async def test_purge_frees_a_slot_its_instance_held(make: Make, sql: Sql) -> None:
     """Purging an instance that still holds a slot frees it (and its counter) in the purge's
     own transaction."""
@@ -382,7 +424,8 @@ async def test_claims_through_a_transaction_pooler(
     pgbouncer_transaction: PgBouncer, pg_schema: str, sql: Sql
 ) -> None:
     """Behind PgBouncer in transaction mode (no search_path kept) the claims' function and
-    tables are named with the schema: a take, a refusal, a release and a purge work there."""
+    tables are named with the schema: a take, a refusal, a release and a purge work there,
+    and slot_releases says ("", "") every so often instead of LISTEN."""
     store = PostgresStore(
         pgbouncer_transaction.url(), schema=pg_schema, pool_size=3, pooling="transaction"
     )
@@ -396,6 +439,14 @@ async def test_claims_through_a_transaction_pooler(
         await eng.fire("b", "start")
         assert await store.purge_batch([("b", 2)]) == ["b"]
         assert (await store.capacity_usage(KIND, "bob")).holders == ()
+        anything = asyncio.Event()  # no LISTEN behind the pooler: ("", "") about every second
+
+        def hear(kind: str, key: str) -> None:
+            if not kind:
+                anything.set()
+
+        async with store.slot_releases(hear):
+            await asyncio.wait_for(anything.wait(), BOUND)
     assert await sql.holders("bob") == [] and await sql.counter("bob") == 0
 
 

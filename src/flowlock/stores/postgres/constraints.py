@@ -111,8 +111,8 @@ class ConstraintMethods:
     def slot_releases(
         self: _Store, heard: Callable[[str, str], None]
     ) -> AbstractAsyncContextManager[None]:
-        """While inside, `heard(kind, key)` for each slot released on this database (NOTIFY
-        from any engine, sent when the release commits), and `heard("", "")` whenever one
+        """While inside, `heard(kind, key)` once for each slot released on this database
+        (NOTIFY from any engine, sent when the release commits), and `heard("", "")` whenever one
         may have been missed: the LISTEN connection opened (again), or every `POLL` seconds
         where LISTEN cannot work (behind a transaction pooler, or on an application's pool
         flowlock cannot copy). LISTEN runs on a connection of its own, named
@@ -146,7 +146,8 @@ class _Anything(asyncio.Event):
 
 
 class _Hearer:
-    """The releases' hearer: a payload "kind<US>key" is `heard(kind, key)`."""
+    """The releases' hearer: a payload "kind<US>key<US>seq" (one per slot freed) is
+    `heard(kind, key)`."""
 
     def __init__(self, heard: Callable[[str, str], None]) -> None:
         self._heard = heard
@@ -156,7 +157,8 @@ class _Hearer:
         await conn.fetchval("SELECT 1", timeout=bound)
 
     def heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
-        kind, _, key = str(payload).partition("\x1f")
+        named, _, _seq = str(payload).rpartition("\x1f")
+        kind, _, key = named.partition("\x1f")
         self._heard(kind, key)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import asyncpg
 
-from flowlock._pg.errors import in_doubt, refusal, refused
+from flowlock._pg.errors import in_doubt
 from flowlock._pg.rows import entry_from_row, instance_from_row
 from flowlock.core.admin import refuse_paused
 from flowlock.core.constraints import ConstraintRefused
@@ -20,6 +20,7 @@ from flowlock.core.errors import FlowlockError, InstanceNotFound, LockTimeout, S
 from flowlock.core.models import RESERVED_EVENTS, HistoryEntry, Instance, Snapshot
 from flowlock.stores._batch import planned_entries, refused_plan
 from flowlock.stores.base import LockedResult, Plan, RowLock
+from flowlock.stores.postgres.refusals import Aside, settle_locked, write_group
 from flowlock.stores.postgres.session import (
     Conn,
     Contended,
@@ -201,6 +202,7 @@ async def apply_locked_together(
     context = context_of(key, contended)
     answers: list[LockedResult | BaseException | None] = [None] * len(calls)
     served: list[int] | None = None  # the calls whose rows the group locked, once known
+    aside: dict[int, Aside] = {}  # calls its write set aside, to run alone after it
     try:
         async with s.conn(key, busy=contended) as conn:
             # The store's lock_timeout bounds the INSERT's wait behind a concurrent one of the
@@ -219,8 +221,9 @@ async def apply_locked_together(
                     for i in served
                 }
                 planned = _plan_each(calls, snaps, answers)
-                aside: set[int] = set()  # left to run alone, after the group
-                moved = await _write_group(conn, s, key, planned, answers, aside, bound)
+                moved = await write_group(conn, s, key, planned, answers, aside, bound)
+                if aside:
+                    await settle_locked(conn, s, aside, answers, bound)
                 with in_doubt(context):
                     await conn.execute("COMMIT", timeout=bound)
             except asyncio.CancelledError:
@@ -247,51 +250,6 @@ async def apply_locked_together(
         else:
             answers[i] = LockedResult(snap, committed, locked_at - started, released_at - locked_at)
     return answers
-
-
-async def _write_group(
-    conn: Conn,
-    s: Session,
-    key: str,
-    planned: dict[int, Batch],
-    answers: list[LockedResult | BaseException | None],
-    aside: set[int],
-    bound: float,
-) -> dict[str, Instance]:
-    """The group's planned batches in one CAS_MANY: the instances written. When their claims
-    are refused, the write is undone to a savepoint (the rows stay locked): the refused call
-    answers its refusal, the calls after it that take or count the same key are set `aside`
-    (removed from `planned`, to run alone after the group: see `commit_refusing`) and the
-    others are written again."""
-    claims = any(e.claims for batch in planned.values() for e in batch)
-    if claims:
-        await conn.execute("SAVEPOINT flowlock_group", timeout=bound)
-    while planned:
-        text, args = many_of(list(planned.values()))
-        try:
-            written = await conn.fetch(s.sql(text), *args, timeout=bound)
-        except asyncpg.TransactionRollbackError as exc:
-            raise Contended(key, exc) from exc
-        except asyncpg.PostgresError as exc:
-            found = refusal(exc) if refused(exc) else None
-            if not isinstance(found, ConstraintRefused):
-                raise
-            await conn.execute("ROLLBACK TO SAVEPOINT flowlock_group", timeout=bound)
-            place = next(
-                (i for i, b in planned.items() if b[0].instance_id == found.instance_id), None
-            )
-            if place is None:
-                raise Contended(key, exc) from exc
-            order = list(planned)
-            later = order[order.index(place) + 1 :]
-            answers[place] = found
-            del planned[place]
-            for i in [i for i in later if _counts_key(planned[i], found.kind, found.key)]:
-                aside.add(i)
-                del planned[i]
-            continue
-        return {row["id"]: instance_from_row(row) for row in written}
-    return {}
 
 
 # -- the adaptive strategy's escalation board (flowlock.stores.base.EscalationBoard) -----
@@ -325,58 +283,6 @@ async def commit_in_rounds(
             answers[i] = answer
         pending = later
     return answers
-
-
-async def commit_refusing(
-    batches: Sequence[Batch],
-    together: Callable[[Sequence[Batch]], Awaitable[list[Instance | None]]],
-    each: Callable[[Sequence[Batch]], Awaitable[list[Instance | ConstraintRefused | None]]],
-) -> list[Instance | ConstraintRefused | None]:
-    """`commit_many`'s rounds: the batches in one statement (`together`). When a claim of one
-    is refused, the statement rolled back whole: that batch answers its ConstraintRefused, the
-    batches after it that take or count the same key (most likely refused too: it was full
-    when their turn came) are set aside, and the others go again together (those before it
-    fitted, and fit again); so a storm on one key costs a round per key refused, not one per
-    batch. Those set aside, one batch left, or the batches of a statement
-    that failed whole (a request id applied before, a deadlock): each alone (`each`)."""
-    answers: dict[int, Instance | ConstraintRefused | None] = {}
-    left = list(range(len(batches)))
-    aside: list[int] = []
-    while len(left) > 1:
-        now = [batches[i] for i in left]
-        try:
-            done = await together(now)
-        except (DuplicateRequest, Contended):
-            break
-        except ConstraintRefused as exc:
-            place = refused_place(exc, now)
-            if place is None:
-                raise
-            answers[left.pop(place)] = exc
-            same = {i for i in left[place:] if _counts_key(batches[i], exc.kind, exc.key)}
-            aside += same
-            left = [i for i in left if i not in same]
-            continue
-        answers.update(zip(left, done, strict=True))
-        left = []
-    rest = sorted([*left, *aside])
-    if rest:
-        answers.update(zip(rest, await each([batches[i] for i in rest]), strict=True))
-    return [answers[i] for i in range(len(batches))]
-
-
-def _counts_key(batch: Batch, kind: str, key: str) -> bool:
-    """Whether `batch` takes a slot of, or counts against, `key` of `kind`."""
-    return any(
-        c.op != "release" and c.kind == kind and c.key == key for e in batch for c in e.claims
-    )
-
-
-def refused_place(exc: ConstraintRefused, batches: Sequence[Batch]) -> int | None:
-    """The place in `batches` (one per instance) of the batch whose claim `exc` refused."""
-    return next(
-        (i for i, batch in enumerate(batches) if batch[0].instance_id == exc.instance_id), None
-    )
 
 
 async def locked_in_groups(

@@ -60,6 +60,7 @@ from flowlock.stores.postgres.operations import CallerTransaction, Operations, b
 from flowlock.stores.postgres.outbox import OutboxMethods
 from flowlock.stores.postgres.pauses import PauseMethods
 from flowlock.stores.postgres.pipeline import DEPTH, MAX_BATCH, LockedCall
+from flowlock.stores.postgres.refusals import Answer, Aside, commit_refusing, settle
 from flowlock.stores.postgres.replay import ReplayMethods
 from flowlock.stores.postgres.retention import RetentionMethods
 from flowlock.stores.postgres.session import (
@@ -514,7 +515,10 @@ class PostgresStore(
                 lambda ops: ops.commit_together(now), keys_text(now), writes=True
             )
 
-        return await pipeline.commit_refusing(checked, together, self._commit_each)
+        async def recheck(aside: Sequence[Aside]) -> dict[int, Answer]:
+            return await self._call(lambda ops: settle(ops.session, aside), waits=False)
+
+        return await commit_refusing(checked, together, self._commit_each, recheck)
 
     async def _commit_each(
         self, batches: Sequence[Batch]

@@ -53,15 +53,16 @@ CREATE TABLE flowlock_rate_log (
 CREATE INDEX flowlock_rate_log_key ON flowlock_rate_log (kind, key, at);
 
 -- A slot deleted (a release, a key that changed, a purge) wakes the engines waiting for one:
--- NOTIFY on the schema's channel, payload "kind<US>key" (US: chr(31)). Sent at commit, so a
--- rollback frees nothing and tells nobody; identical payloads of one transaction go once.
+-- NOTIFY on the schema's channel, payload "kind<US>key<US>seq" (US: chr(31); seq: the event
+-- that took the slot, so two slots of one key freed by one transaction are two notices, not
+-- one folded by PostgreSQL's duplicate removal). Sent at commit: a rollback tells nobody.
 CREATE FUNCTION flowlock_slots_notify() RETURNS trigger LANGUAGE plpgsql
     SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM pg_notify(
         'flowlock_slots.' || CASE WHEN octet_length(TG_TABLE_SCHEMA) <= 47
                                   THEN TG_TABLE_SCHEMA ELSE md5(TG_TABLE_SCHEMA) END,
-        OLD.kind || chr(31) || OLD.key);
+        OLD.kind || chr(31) || OLD.key || chr(31) || OLD.seq);
     RETURN NULL;
 END
 $$;
