@@ -55,9 +55,12 @@ def test_validate_accepts_the_defaults_and_real_urls() -> None:
 
 
 def test_names_default_to_every_scenario_and_strategy() -> None:
-    """No names given: every registered scenario, every registered strategy, in order."""
+    """No names given: every registered scenario, every registered strategy, in order; a full
+    run leaves out the scenarios that run when named (capacity), --quick runs them too."""
     config = BenchConfig()
-    assert config.scenario_names() == tuple(SCENARIOS)
+    assert config.scenario_names() == tuple(n for n, s in SCENARIOS.items() if s.full_by_default)
+    assert "capacity-spread" not in config.scenario_names()
+    assert BenchConfig(quick=True).scenario_names() == tuple(SCENARIOS)
     assert config.strategy_names() == DEFAULT_STRATEGIES
     assert DEFAULT_STRATEGIES[0] == "raw"
 

@@ -73,6 +73,9 @@ _NOT_THROUGH_HTTP = {
     "singleton": "it runs a scheduled job, not an HTTP call",
     "deadline": "its expiries are fired by the timer services of its worker processes",
     "hot-outbox": "its messages' handler runs in the bench's own engine, not the service's",
+    "capacity-spread": "its callers' retries and refusals are tallied in the bench's process",
+    "capacity-storm": "its callers' retries and refusals are tallied in the bench's process",
+    "capacity-wait": "its callers' refusals are tallied in the bench's process",
     "spread-outbox": "its messages' handler runs in the bench's own engine, not the service's",
 }
 _NO_HTTP_STRATEGY = {
@@ -226,6 +229,13 @@ class BenchConfig:
                 "bench's own process (its handler notes each message in that process's memory); "
                 f"drop --scenario {emitting[0]}, or run it without --hosts"
             )
+        tallied = [n for n in self.scenario_names() if SCENARIOS[n].tallied]
+        if tallied:
+            raise InvalidInput(
+                f"--hosts runs every caller in worker processes, but {tallied[0]!r} tallies its "
+                "callers' refusals in the bench's own process; drop --scenario "
+                f"{tallied[0]}, or run it without --hosts"
+            )
         if self.process_count() < self.hosts:
             raise InvalidInput(
                 f"each host runs at least one worker process: {self.process_count()} "
@@ -280,7 +290,9 @@ class BenchConfig:
             return self._named_scenarios()
         if self.hosts is not None:
             return HOSTS_SCENARIOS
-        return HTTP_SCENARIOS if self.http else tuple(SCENARIOS)
+        if self.http:
+            return HTTP_SCENARIOS
+        return tuple(n for n, s in SCENARIOS.items() if s.full_by_default or self.quick)
 
     def strategy_names(self) -> tuple[str, ...]:
         if self.strategies:
@@ -315,7 +327,7 @@ class BenchConfig:
 
     def params_for(self, scenario: Scenario) -> Params:
         return Params(
-            workers=self.workers,
+            workers=scenario.callers(self.workers, self.quick),
             ops=self.ops_for(scenario),
             processes=self.process_count() if self.in_processes(scenario) else 1,
         )

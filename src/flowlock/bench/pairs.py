@@ -260,7 +260,12 @@ async def run_pair(run: Run, scenario: Scenario, spec: StrategySpec) -> Scenario
         escalations=None if spec.floor else counts,
     )
     race = scenario.race(pair.timed.records, params, fired)
-    result = replace(result, race=race, delivery=scenario.delivery(pair.timed.records))
+    result = replace(
+        result,
+        race=race,
+        delivery=scenario.delivery(pair.timed.records),
+        capacity=scenario.capacity(pair.timed.records),
+    )
     if not pair.quiet.records:
         return result
     without = summarise(

@@ -27,6 +27,7 @@ from flowlock.checker import (
 from flowlock.core.models import HistoryEntry, Instance
 
 if TYPE_CHECKING:
+    from flowlock.bench.capacity_results import CapacityFigures
     from flowlock.bench.outbox_results import DeliveryFigures, OutboxSection
     from flowlock.bench.timer_results import RaceFigures, TimersSection
 
@@ -411,6 +412,8 @@ class ScenarioResult:
     without: ScenarioResult | None = None
     """The outbox pairs only: their rounds without messages (`Params.quiet`), each run just
     before a round with them, on the same session; this result holds the rounds with them."""
+    capacity: CapacityFigures | None = None
+    """The capacity scenarios only: holders proved from the slot log, refusals, fairness."""
     cpu_us: float | None = None
     """Process CPU microseconds per call, on the calling side: the bench's process, or the sum
     of the worker processes' for the multi-process scenarios (docs/benchmarks.md). None when

@@ -196,7 +196,8 @@ def bench(
     """Reproduce the seed article's experiment and every scenario, against a floor.
 
     Runs each scenario (storm, countersign, inventory, hot, hot-outbox, spread,
-    spread-outbox, cluster, singleton, deadline) with each strategy. It adds 'raw', the floor:
+    spread-outbox, cluster, singleton, deadline, capacity-spread, capacity-storm) with each
+    strategy. It adds 'raw', the floor:
     bare asyncpg, measured in the same run (not in deadline, whose expiries the engines' timers
     fire, nor in the outbox pairs, whose messages their dispatchers deliver). It starts and
     removes an embedded PostgreSQL and Redis, unless you give your servers.
@@ -209,7 +210,9 @@ def bench(
     approvals and expiries, the firing lag with 1 and 4 engines, and an idle engine's cost.
     With hot-outbox and spread-outbox (-s outbox names both), the outbox section follows:
     applied/s with one message per transition against the same calls without, every message
-    delivered, the lag from commit to handler, and an idle dispatcher's cost.
+    delivered, the lag from commit to handler, and an idle dispatcher's cost. With
+    capacity-spread and capacity-storm (-s capacity names both), the capacity table follows:
+    the most holders of a key proved from the slot log, refusals, and Jain's fairness index.
     Exits 3 if any verdict fails.
 
     With --hosts N the worker processes run on N namespaced hosts of this machine: see --hosts.

@@ -89,7 +89,9 @@ def _scenario_help() -> str:
         return f"Scenario to run (repeatable). {_WITHOUT_BENCH}"
     return (
         f"Scenario to run (repeatable): {_names(SCENARIOS)}; 'outbox' means "
-        f"{', '.join(SCENARIO_ALIASES['outbox'])} (the outbox section). Default: all."
+        f"{', '.join(SCENARIO_ALIASES['outbox'])} (the outbox section), 'capacity' "
+        f"{', '.join(SCENARIO_ALIASES['capacity'])}. Default: all, but the capacity ones "
+        "only with --quick (at full size they take minutes a strategy)."
     )
 
 
@@ -143,7 +145,8 @@ RoundsOption = Annotated[
         min=1,
         help="Timed rounds per scenario. Default: each scenario's own. That is storm 10, "
         "countersign 3, inventory 5, hot/spread/cluster/deadline 1, singleton 10 ticks, "
-        "hot-outbox 3 and spread-outbox 2 (each after a round without messages). "
+        "hot-outbox 3 and spread-outbox 2 (each after a round without messages), "
+        "capacity-spread and capacity-storm 1. "
         "--quick runs fewer.",
         show_default=False,
     ),
@@ -156,7 +159,9 @@ OpsOption = Annotated[
         help="Calls each caller makes in turn per round, in hot, spread, cluster and the "
         "outbox pairs. Default: hot 20, spread 60, cluster 40, hot-outbox and spread-outbox "
         "as hot and spread (3 with --quick). In deadline, approvals per "
-        "caller, each due at once with a caller of its own: default 20 (2 with --quick).",
+        "caller, each due at once with a caller of its own: default 20 (2 with --quick). "
+        "In capacity-spread, instances each caller moves in and out (10); in capacity-storm, "
+        "times each caller enters and leaves (3); 1 with --quick.",
         show_default=False,
     ),
 ]

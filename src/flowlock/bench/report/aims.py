@@ -95,6 +95,8 @@ FLOOR_METHOD: Mapping[str, str] = {
     "locked": "row-locked read-modify-write transaction",
     "cas": "read + compare-and-swap, retried until it lands",
     "claim": "INSERT ... ON CONFLICT DO NOTHING claim",
+    "counter": "counter row UPDATE ... WHERE holders < limit, then the instance's versioned "
+    "UPDATE, in one transaction",
 }
 """How the raw floor does a scenario's calls, in words (flowlock.bench.raw)."""
 

@@ -97,6 +97,7 @@ def result_to_json(
         "transport": result.transport,
         "vs_in_process": None if found is None else found.to_json(),
         "cpu_us": None if result.cpu_us is None else round(result.cpu_us, 1),
+        **({} if result.capacity is None else result.capacity.to_json()),
     }
 
 

@@ -23,6 +23,7 @@ from flowlock.bench.report.aims import (
     floors,
     is_distributed,
 )
+from flowlock.bench.report.capacity_table import capacity_layouts
 from flowlock.bench.report.cells import (
     figures_table,
     fitting,
@@ -473,7 +474,7 @@ def render(report: BenchReport, console: Console) -> None:
     for layouts in (seed_layouts(local), http_layouts(report), aims_layouts(local)):
         if layouts:
             parts.extend(fitting(console, layouts))
-    for layouts in (*timers_layouts(report), *outbox_layouts(report)):
+    for layouts in (*timers_layouts(report), *outbox_layouts(report), *capacity_layouts(report)):
         parts.extend(fitting(console, layouts))
     for extra in (_floors_text(report), _errors(report), _escalations_text(report)):
         if extra is not None:

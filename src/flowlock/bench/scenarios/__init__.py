@@ -17,6 +17,7 @@ from flowlock.bench.results import (
     RoundRecord,
 )
 from flowlock.bench.scenarios.base import Fired, Floor, Scenario, Session
+from flowlock.bench.scenarios.capacity import CapacitySpread, CapacityStorm, CapacityWait
 from flowlock.bench.scenarios.countersign import Countersign
 from flowlock.bench.scenarios.deadline import Deadline
 from flowlock.bench.scenarios.inventory import Inventory
@@ -30,6 +31,9 @@ __all__ = [
     "SCENARIO_ALIASES",
     "CallResult",
     "CallSpec",
+    "CapacitySpread",
+    "CapacityStorm",
+    "CapacityWait",
     "Cluster",
     "Countersign",
     "Deadline",
@@ -58,8 +62,10 @@ SCENARIOS: dict[str, Scenario] = {}
 
 SCENARIO_ALIASES: dict[str, tuple[str, ...]] = {
     "outbox": ("hot-outbox", "spread-outbox"),
+    "capacity": ("capacity-spread", "capacity-storm", "capacity-wait"),
 }
-"""Names `--scenario` takes for several scenarios: `outbox` is the outbox section's two."""
+"""Names `--scenario` takes for several scenarios: `outbox` is the outbox section's two,
+`capacity` the capacity scenarios' three."""
 
 
 def register_scenario(scenario: Scenario) -> Scenario:
@@ -79,5 +85,8 @@ for _scenario in (
     Cluster(),
     Singleton(),
     Deadline(),
+    CapacitySpread(),
+    CapacityStorm(),
+    CapacityWait(),
 ):
     register_scenario(_scenario)

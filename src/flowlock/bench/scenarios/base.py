@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import asyncpg
 
 from flowlock._pg.rows import read_history, read_instances
+from flowlock.bench.capacity_results import CapacityFigures
 from flowlock.bench.outbox_results import DeliveryFigures
 from flowlock.bench.results import (
     CallResult,
@@ -34,7 +35,7 @@ from flowlock.engine import Engine
 
 __all__ = ["Fired", "Floor", "Scenario", "Session", "actors_match", "results_for"]
 
-Floor = Literal["statement", "locked", "cas", "claim"]
+Floor = Literal["statement", "locked", "cas", "claim", "counter"]
 """How the raw floor does a scenario's calls (see the module docstring)."""
 
 
@@ -116,6 +117,16 @@ class Scenario:
     handler the scenario registers (`attach`)."""
     baseline: str | None = None
     """The scenario it is compared with, the same without messages (`hot` for `hot-outbox`)."""
+    full_by_default: bool = True
+    """Whether a full run that names no scenario runs it (`--quick` runs every scenario). The
+    capacity scenarios' 1,000 callers take minutes a strategy: they run when named."""
+    tallied: bool = False
+    """Its `fire` tallies what its callers saw in the bench's own process (the capacity
+    scenarios' refusals), so its callers cannot run in worker processes or through HTTP."""
+
+    def callers(self, workers: int, quick: bool) -> int:
+        """Its concurrent callers for `--workers` (the capacity scenarios run 10 times more)."""
+        return workers
 
     def workflows(self, params: Params) -> Sequence[Workflow]:
         """The workflow definitions the scenario's instances use."""
@@ -183,6 +194,11 @@ class Scenario:
 
     def delivery(self, records: Sequence[RoundRecord]) -> DeliveryFigures | None:
         """The outbox section's figures of this pair (the emitting scenarios); None otherwise."""
+        return None
+
+    def capacity(self, records: Sequence[RoundRecord]) -> CapacityFigures | None:
+        """The capacity scenarios' figures of this pair (holders, refusals, fairness); None
+        for the others."""
         return None
 
     def rounds(self, quick: bool) -> int:
