@@ -201,7 +201,7 @@ class ConstraintMethods:
             raise
 
     def _refused(self, exc: ConstraintRefused, waited: float | None = None) -> None:
-        """Count a refusal in the metrics; a refused key is a hot key for the monitor too."""
+        """Count a refusal in the metrics and with the monitor's hot keys."""
         rule = (
             "unique"
             if isinstance(exc, UniqueViolation)
@@ -209,7 +209,8 @@ class ConstraintMethods:
             if isinstance(exc, RateLimited)
             else "capacity"
         )
-        self._monitor.record(f"{exc.kind}:{exc.key}", conflict=True)
+        # Shown with the monitor's hot keys, never escalated: a lock cannot free a full key.
+        self._monitor.record(f"{exc.kind}:{exc.key}", conflict=True, escalate=False)
         if self._metrics is not None:
             self._metrics.record_constraint(exc.kind, rule, "refused", waited)
 

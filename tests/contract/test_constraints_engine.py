@@ -210,3 +210,16 @@ async def test_a_capacity_given_on_a_transition_counts_its_target(
     with pytest.raises(flowlock.CapacityReached) as caught:
         await engine.fire("p2", "walk_in")
     assert caught.value.kind == "booth.in" and caught.value.holders == ("p1",)
+
+
+async def test_a_refused_key_is_a_hot_key_never_escalated(engine: flowlock.Engine) -> None:
+    """Refusals of one key show in the monitor's hot keys; the key is not escalated."""
+    await engine.register(_desks(1))
+    ids = await _made(engine, 30)
+    await engine.fire(ids[0], "enter")
+    for iid in ids[1:]:
+        with pytest.raises(flowlock.CapacityReached):
+            await engine.fire(iid, "enter")
+    hot = {key: (conflicts, attempts) for key, conflicts, attempts in engine.monitor.hot_keys()}
+    assert hot["desks.held:d1"] == (28, 28)  # counted from the second refusal on
+    assert engine.monitor.escalated("desks.held:d1") is None

@@ -174,8 +174,9 @@ class ConflictMonitor:
         else:
             self._in_flight.pop(key, None)
 
-    def record(self, key: str, *, conflict: bool) -> Escalation | None:
-        """One optimistic attempt on `key`; returns the escalation it triggered, if any."""
+    def record(self, key: str, *, conflict: bool, escalate: bool = True) -> Escalation | None:
+        """One optimistic attempt on `key`; returns the escalation it triggered, if any.
+        `escalate=False` only counts it (a constraint's key: no strategy frees a full key)."""
         win = self._windows.get(key)
         if win is None:
             if conflict:
@@ -189,6 +190,8 @@ class ConflictMonitor:
         self._windows.move_to_end(key)
         now = self._clock()
         win.add(now, conflict, self.window, self.window_seconds)
+        if not escalate:
+            return None
         if conflict and key in self._escalated:
             self.contended(key)
         if key in self._escalated or win.attempts < self.min_samples:
