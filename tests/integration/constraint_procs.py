@@ -48,6 +48,9 @@ WORKER = Path(__file__).with_name("constraint_worker.py")
 PROCESSES = 4
 BOUND = 90.0  # the most a test waits for its workers
 STRATEGIES = ["optimistic", "pessimistic", "distributed", "adaptive"]
+# The storms run under every strategy; their variants (batched, swapped, in the application's
+# transactions, rate limits) under one of each way to write: a compare-and-swap, a row lock.
+TWO = ["optimistic", "pessimistic"]
 # What a storm's callers may be told besides "applied": the key is full, the instance moved
 # under them (another process's call got there first), or the instance's own contention.
 EXPECTED = {

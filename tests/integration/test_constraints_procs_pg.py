@@ -180,7 +180,7 @@ async def test_capacity_storm_across_processes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+@pytest.mark.parametrize("strategy", cp.TWO)
 async def test_capacity_storm_of_batched_calls_across_processes(
     request: pytest.FixtureRequest,
     pg_url: str,
@@ -200,7 +200,7 @@ async def test_capacity_storm_of_batched_calls_across_processes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+@pytest.mark.parametrize("strategy", cp.TWO)
 async def test_slots_swapped_between_keys_across_processes(
     request: pytest.FixtureRequest,
     pg_url: str,
@@ -221,7 +221,7 @@ async def test_slots_swapped_between_keys_across_processes(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["optimistic", "pessimistic", "adaptive"])
+@pytest.mark.parametrize("strategy", cp.TWO)
 async def test_capacity_storm_inside_the_applications_transactions_across_processes(
     request: pytest.FixtureRequest,
     pg_url: str,
@@ -406,7 +406,7 @@ async def _rate_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+@pytest.mark.parametrize("strategy", cp.TWO)
 async def test_a_rate_limit_holds_across_two_processes(
     request: pytest.FixtureRequest,
     pg_url: str,
