@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from flowlock.checker.rows import RateEventLike, Rows, SlotEventLike, SlotLike
 from flowlock.checker.verdicts import (
     LEAKED_SLOT,
     MISSING_SLOT,
@@ -27,6 +26,7 @@ from flowlock.checker.verdicts import (
     SLOT_LOG,
     Violation,
 )
+from flowlock.core.constraint_rows import ConstraintRows, RateEvent, SlotEvent, SlotRow
 from flowlock.core.constraints import Key, key_of
 from flowlock.core.definition import Workflow
 from flowlock.core.models import HistoryEntry, Instance
@@ -122,7 +122,7 @@ def rules_of(
 
 
 def check_constraints(
-    rows: Rows,
+    rows: ConstraintRows,
     instances: Iterable[Instance],
     history: Iterable[HistoryEntry],
     rules: Rules | Mapping[str, Sequence[SlotRule]] | None = None,
@@ -143,7 +143,7 @@ def check_constraints(
 
 
 def check_trails(
-    rows: Rows,
+    rows: ConstraintRows,
     trails: Mapping[str, Trail],
     rules: Rules | None = None,
     *,
@@ -191,9 +191,9 @@ class _Replay:
     seq: int
 
 
-def _replay(log: Sequence[SlotEventLike], found: list[Violation]) -> dict[tuple[str, str], _Replay]:
+def _replay(log: Sequence[SlotEvent], found: list[Violation]) -> dict[tuple[str, str], _Replay]:
     """Each key's events in sequence order, added up; every flaw on the way goes to `found`."""
-    keys: dict[tuple[str, str], list[SlotEventLike]] = defaultdict(list)
+    keys: dict[tuple[str, str], list[SlotEvent]] = defaultdict(list)
     for event in log:
         keys[(event.kind, event.key)].append(event)
     replayed: dict[tuple[str, str], _Replay] = {}
@@ -203,7 +203,7 @@ def _replay(log: Sequence[SlotEventLike], found: list[Violation]) -> dict[tuple[
     return replayed
 
 
-def _one_key(kind: str, key: str, events: list[SlotEventLike], found: list[Violation]) -> _Replay:
+def _one_key(kind: str, key: str, events: list[SlotEvent], found: list[Violation]) -> _Replay:
     held: dict[str, int] = {}
     # Three lists of (message, version): the numbering, the moves and the counts; the takes
     # over the limit. The first of each is reported, with how many more.
@@ -243,7 +243,7 @@ def _one_key(kind: str, key: str, events: list[SlotEventLike], found: list[Viola
     return _Replay(held, events[-1].seq if events else 0)
 
 
-def _counters(rows: Rows, replayed: Mapping[tuple[str, str], _Replay]) -> list[Violation]:
+def _counters(rows: ConstraintRows, replayed: Mapping[tuple[str, str], _Replay]) -> list[Violation]:
     """Each key's counter holds its replayed count and last sequence number, and its slot rows
     are its replayed holders, each since the version of its take."""
     found: list[Violation] = []
@@ -296,7 +296,7 @@ def _diff(held: Mapping[str, int], replayed: Mapping[str, int]) -> str:
     return "; ".join(parts)
 
 
-def _twice(slots: Sequence[SlotLike]) -> list[Violation]:
+def _twice(slots: Sequence[SlotRow]) -> list[Violation]:
     """An instance holds at most one slot of a kind."""
     keys: dict[tuple[str, str], list[str]] = defaultdict(list)
     for slot in slots:
@@ -313,7 +313,7 @@ def _twice(slots: Sequence[SlotLike]) -> list[Violation]:
     ]
 
 
-def _orphans(rows: Rows, trails: Mapping[str, Trail]) -> list[Violation]:
+def _orphans(rows: ConstraintRows, trails: Mapping[str, Trail]) -> list[Violation]:
     """Every slot or rate event of an instance given names one of its commits: a history row,
     or its create (version 1; a rate is counted by a transition, never by a create)."""
     found: list[Violation] = []
@@ -342,7 +342,7 @@ def _orphans(rows: Rows, trails: Mapping[str, Trail]) -> list[Violation]:
 
 
 def _takes_in_state(
-    log: Sequence[SlotEventLike], trails: Mapping[str, Trail], rules: Rules | None
+    log: Sequence[SlotEvent], trails: Mapping[str, Trail], rules: Rules | None
 ) -> list[Violation]:
     """A slot is taken by a commit that leaves its instance in a state of the slot's rule."""
     if rules is None:
@@ -368,7 +368,7 @@ def _takes_in_state(
 
 
 def _leaks(
-    slots: Sequence[SlotLike], trails: Mapping[str, Trail], rules: Rules | None
+    slots: Sequence[SlotRow], trails: Mapping[str, Trail], rules: Rules | None
 ) -> list[Violation]:
     """A slot is held by an instance that exists and, where its rules are known, is in a state
     of a rule of the slot's kind: the commit that left the state releases it."""
@@ -402,7 +402,7 @@ def _leaks(
 
 
 def _missing(
-    slots: Sequence[SlotLike], trails: Mapping[str, Trail], rules: Rules
+    slots: Sequence[SlotRow], trails: Mapping[str, Trail], rules: Rules
 ) -> list[Violation]:
     """An instance in a state of a rule whose key is known, with a key (not None), holds a
     slot of that key."""
@@ -433,17 +433,17 @@ def _missing(
     return found
 
 
-def _rates(rates: Sequence[RateEventLike]) -> list[Violation]:
+def _rates(rates: Sequence[RateEvent]) -> list[Violation]:
     """In no window of `per` seconds ending at an application were more than `limit` of a
     key's applications timed (each against the limit and window it was counted under)."""
-    keys: dict[tuple[str, str], list[RateEventLike]] = defaultdict(list)
+    keys: dict[tuple[str, str], list[RateEvent]] = defaultdict(list)
     for event in rates:
         keys[(event.kind, event.key)].append(event)
     found: list[Violation] = []
     for (kind, key), events in sorted(keys.items()):
         events.sort(key=lambda e: e.at)
         times = [e.at for e in events]
-        over: list[tuple[RateEventLike, int]] = []
+        over: list[tuple[RateEvent, int]] = []
         for i, e in enumerate(events):
             # Those timed less than `per` before it, up to itself.
             first = bisect.bisect_right(times, e.at - e.per + _CLOCK_GRAIN, 0, i)
